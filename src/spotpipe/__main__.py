@@ -1,0 +1,3 @@
+from spotpipe.cli.main import main
+
+raise SystemExit(main())

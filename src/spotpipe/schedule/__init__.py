@@ -1,0 +1,9 @@
+"""Pipeline schedules as data (no torch): instruction streams, checks, and a timing model."""
+
+from spotpipe.schedule.builders import SCHEDULE_KINDS, build_schedule
+from spotpipe.schedule.ir import Instr, Op, Schedule
+from spotpipe.schedule.timing import StageCosts, Timing, closed_form_bubble, simulate
+from spotpipe.schedule.validate import ScheduleError, check
+
+__all__ = ["SCHEDULE_KINDS", "Instr", "Op", "Schedule", "ScheduleError", "StageCosts", "Timing",
+           "build_schedule", "check", "closed_form_bubble", "simulate"]

@@ -1,0 +1,90 @@
+"""Static checks of a schedule: deadlock freedom, ordering, and memory bound.
+
+The runtime's point-to-point semantics are modelled exactly: sends are asynchronous (buffered),
+receives block, and messages between two stages are matched in the order they were posted.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+from spotpipe.schedule.ir import RECV_OPS, SEND_OPS, Instr, Op, Schedule
+
+
+class ScheduleError(ValueError):
+    """A schedule that would deadlock, reorder messages or break forward-before-backward."""
+
+
+@dataclass(frozen=True)
+class Report:
+    steps: int  # instructions executed in the simulated run
+    max_in_flight: dict[int, int]  # stage -> peak micro-batches forwarded but not backwarded
+
+
+def _channel(instr: Instr) -> tuple[int, int, str]:
+    kind = "act" if instr.op in (Op.SEND_ACT, Op.RECV_ACT) else "grad"
+    if instr.op in SEND_OPS:
+        return (instr.stage, instr.peer, kind)
+    return (instr.peer, instr.stage, kind)
+
+
+def check(schedule: Schedule) -> Report:
+    """Run the streams against each other; raise ScheduleError on any violation."""
+    p, m = schedule.num_stages, schedule.num_microbatches
+    local = {s: a for a, stages in enumerate(schedule.owners) for s in stages}
+    queues: dict[tuple[int, int, str], deque[int]] = defaultdict(deque)
+    pcs = [0] * schedule.num_actors
+    forwarded: dict[int, set[int]] = defaultdict(set)
+    backwarded: dict[int, set[int]] = defaultdict(set)
+    peak: dict[int, int] = defaultdict(int)
+    steps = 0
+    while True:
+        progressed = False
+        for actor, stream in enumerate(schedule.streams):
+            while pcs[actor] < len(stream):
+                instr = stream[pcs[actor]]
+                if instr.op in RECV_OPS:
+                    queue = queues[_channel(instr)]
+                    if not queue:
+                        break  # blocked: try the other actors
+                    got = queue.popleft()
+                    if got != instr.mb:
+                        raise ScheduleError(f"actor {actor}: {instr} matched a message for "
+                                            f"micro-batch {got}")
+                elif instr.op in SEND_OPS:
+                    if local.get(instr.peer) == actor:
+                        raise ScheduleError(f"actor {actor}: {instr} sends to itself")
+                    queues[_channel(instr)].append(instr.mb)
+                elif instr.op == Op.FORWARD:
+                    if instr.mb in forwarded[instr.stage]:
+                        raise ScheduleError(f"{instr}: micro-batch forwarded twice")
+                    forwarded[instr.stage].add(instr.mb)
+                    inflight = len(forwarded[instr.stage]) - len(backwarded[instr.stage])
+                    peak[instr.stage] = max(peak[instr.stage], inflight)
+                elif instr.op == Op.BACKWARD:
+                    if instr.mb not in forwarded[instr.stage]:
+                        raise ScheduleError(f"{instr}: backward before its forward")
+                    if instr.mb in backwarded[instr.stage]:
+                        raise ScheduleError(f"{instr}: micro-batch backwarded twice")
+                    backwarded[instr.stage].add(instr.mb)
+                pcs[actor] += 1
+                steps += 1
+                progressed = True
+        if all(pc == len(s) for pc, s in zip(pcs, schedule.streams)):
+            break
+        if not progressed:
+            stuck = {a: str(s[pcs[a]]) for a, s in enumerate(schedule.streams) if pcs[a] < len(s)}
+            raise ScheduleError(f"deadlock: actors blocked at {stuck}")
+    leftovers = {k: list(v) for k, v in queues.items() if v}
+    if leftovers:
+        raise ScheduleError(f"messages sent but never received: {leftovers}")
+    for stage in range(p):
+        if forwarded[stage] != set(range(m)) or backwarded[stage] != set(range(m)):
+            raise ScheduleError(f"stage {stage}: forwards {sorted(forwarded[stage])}, "
+                                f"backwards {sorted(backwarded[stage])}, expected 0..{m - 1}")
+    for actor, stream in enumerate(schedule.streams):
+        ops = [i.op for i in stream]
+        if ops.count(Op.OPTIMIZER_STEP) != len(schedule.owners[actor]):
+            raise ScheduleError(f"actor {actor}: expected one optimizer step per owned stage")
+    return Report(steps=steps, max_in_flight=dict(peak))
