@@ -1,0 +1,178 @@
+"""Where each pipeline stage runs: the P x D layout over live nodes, and the replica ring.
+
+A layout is plain, immutable data so that `plan.decide` can be a pure function and the
+simulator can replay it against a clock exactly as the runtime replays it against a cluster.
+
+Ownership is a mapping (pipeline d, stage s) -> node id rather than a fixed grid, because after
+a takeover one node runs two stages of its pipeline (its own and its successor's). The replica
+ring follows Bamboo: the node of stage s holds a replica of stage (s + 1) mod P, so the replica
+of stage s lives on the owner of stage (s - 1) mod P.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+Slot = tuple[int, int]  # (pipeline d, stage s)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """P stages x D pipelines, who owns what, and who waits on standby.
+
+    `owners` is stored as a sorted tuple of ((d, s), node) pairs so the layout stays hashable
+    (the simulator caches timings per layout shape). `target_stages` is the configured depth P
+    the job returns to after a re-partition; `max_pipelines` caps growth by ADD_PIPELINE
+    (None: as many as nodes allow).
+    """
+
+    num_stages: int
+    num_pipelines: int
+    owners: tuple[tuple[Slot, str], ...]
+    standby: tuple[str, ...] = ()
+    target_stages: int = 0
+    max_pipelines: int | None = None
+    _map: dict[Slot, str] = field(init=False, repr=False, compare=False, hash=False)
+    _load: dict[str, int] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        mapping = dict(self.owners)
+        expected = {(d, s) for d in range(self.num_pipelines) for s in range(self.num_stages)}
+        if set(mapping) != expected or len(mapping) != len(self.owners):
+            raise ValueError(f"layout must own every (pipeline, stage) of {self.num_pipelines} x "
+                             f"{self.num_stages} exactly once, got {sorted(mapping)}")
+        busy = set(mapping.values())
+        if busy & set(self.standby) or len(set(self.standby)) != len(self.standby):
+            raise ValueError("a standby node is listed twice or also owns a stage")
+        pipe_of: dict[str, int] = {}
+        for (d, _), node in mapping.items():
+            if pipe_of.setdefault(node, d) != d:
+                raise ValueError(f"node {node} owns stages of more than one pipeline")
+        object.__setattr__(self, "owners", tuple(sorted(mapping.items())))
+        object.__setattr__(self, "_map", mapping)
+        load: dict[str, int] = {}
+        for node in mapping.values():
+            load[node] = load.get(node, 0) + 1
+        object.__setattr__(self, "_load", load)
+        if self.target_stages <= 0:
+            object.__setattr__(self, "target_stages", self.num_stages)
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def from_mapping(cls, num_stages: int, num_pipelines: int, mapping: Mapping[Slot, str],
+                     standby: Iterable[str] = (), *, target_stages: int = 0,
+                     max_pipelines: int | None = None) -> "Layout":
+        return cls(num_stages, num_pipelines, tuple(mapping.items()), tuple(standby),
+                   target_stages, max_pipelines)
+
+    @classmethod
+    def build(cls, num_stages: int, num_pipelines: int, nodes: Iterable[str], *,
+              target_stages: int = 0, max_pipelines: int | None = None) -> "Layout":
+        """Fill pipeline by pipeline, stage by stage; nodes left over wait on standby."""
+        nodes = list(nodes)
+        need = num_stages * num_pipelines
+        if len(nodes) < need:
+            raise ValueError(f"{num_pipelines} pipelines of {num_stages} stages need {need} "
+                             f"nodes, got {len(nodes)}")
+        mapping = {(d, s): nodes[d * num_stages + s]
+                   for d in range(num_pipelines) for s in range(num_stages)}
+        return cls.from_mapping(num_stages, num_pipelines, mapping, nodes[need:],
+                                target_stages=target_stages, max_pipelines=max_pipelines)
+
+    # -- queries --------------------------------------------------------------------------
+    @property
+    def mapping(self) -> dict[Slot, str]:
+        return dict(self._map)
+
+    @property
+    def grid(self) -> tuple[tuple[str, ...], ...]:
+        """grid[d][s] = node owning stage s of pipeline d."""
+        return tuple(tuple(self._map[(d, s)] for s in range(self.num_stages))
+                     for d in range(self.num_pipelines))
+
+    def owner(self, d: int, s: int) -> str:
+        return self._map[(d, s % self.num_stages)]
+
+    def replica_holder(self, d: int, s: int) -> str:
+        """The node holding stage s's replica: the owner of stage (s - 1) mod P."""
+        return self._map[(d, (s - 1) % self.num_stages)]
+
+    def stages_of(self, node: str) -> list[Slot]:
+        return [slot for slot, n in self.owners if n == node]
+
+    @property
+    def active_nodes(self) -> frozenset[str]:
+        return frozenset(self._map.values())
+
+    @property
+    def all_nodes(self) -> frozenset[str]:
+        return self.active_nodes | frozenset(self.standby)
+
+    def carriers(self) -> dict[str, list[Slot]]:
+        """Nodes running more than one stage (after a takeover), with their stages."""
+        return {n: self.stages_of(n) for n, k in self._load.items() if k > 1}
+
+    def has_replica(self, d: int, s: int) -> bool:
+        """Whether stage s of pipeline d can be taken over from memory.
+
+        A node's memory fits its own stage plus one replica. A node already running two
+        stages has used the replica's room, so the stage after its pair has no replica, and a
+        node's own second stage is not a replica of anything. Both cases return False.
+        """
+        holder = self.replica_holder(d, s)
+        return holder != self.owner(d, s) and self._load[holder] == 1
+
+    def shape_key(self) -> tuple[int, int, tuple[tuple[int, ...], ...]]:
+        """(P, D, per pipeline the stages merged onto their predecessor's node).
+
+        Iteration time depends only on this, so the simulator caches timings by it.
+        """
+        p = self.num_stages
+        merged = tuple(tuple(s for s in range(p) if p > 1 and self.owner(d, s) == self.owner(d, s - 1))
+                       for d in range(self.num_pipelines))
+        return (self.num_stages, self.num_pipelines, merged)
+
+
+def uniform_partition(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Split layers 0..L-1 into P contiguous [start, end) ranges, sizes differing by <= 1."""
+    if num_stages < 1 or num_layers < num_stages:
+        raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages")
+    base, extra = divmod(num_layers, num_stages)
+    out, start = [], 0
+    for s in range(num_stages):
+        end = start + base + (1 if s < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def layer_moves(old_partition: list[tuple[int, int]],
+                new_partition: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Layers whose stage changes in a re-partition, as (layer, from_stage, to_stage).
+
+    Ranges are [start, end). Only layers that change stage need their weights and optimizer
+    state moved, which is what makes a re-partition cheaper than a reload.
+    """
+    old_of = _stage_of_layer(old_partition, "old")
+    new_of = _stage_of_layer(new_partition, "new")
+    if set(old_of) != set(new_of):
+        raise ValueError(f"partitions cover different layers: old {min(old_of)}..{max(old_of)}, "
+                         f"new {min(new_of)}..{max(new_of)}")
+    return [(layer, old_of[layer], new_of[layer]) for layer in sorted(old_of)
+            if old_of[layer] != new_of[layer]]
+
+
+def _stage_of_layer(partition: list[tuple[int, int]], name: str) -> dict[int, int]:
+    out: dict[int, int] = {}
+    expect = partition[0][0] if partition else 0
+    for stage, (start, end) in enumerate(partition):
+        if start != expect or end <= start:
+            raise ValueError(f"{name} partition is not contiguous and non-empty at stage "
+                             f"{stage}: {partition}")
+        for layer in range(start, end):
+            out[layer] = stage
+        expect = end
+    if not out:
+        raise ValueError(f"{name} partition is empty")
+    return out

@@ -1,0 +1,255 @@
+"""What to do when nodes leave or join: a pure function from (layout, events) to a decision.
+
+The runtime and the simulator both call `decide`, so what the simulator predicts is what the
+runtime does. One call makes one decision; callers call again (with no new events) until the
+answer is KEEP, which lets a failover happen at once and a rebalance follow as a separate,
+cheaper-to-reason-about step.
+
+Order of preference, and why:
+1. Lost nodes that own stages come first, because the job cannot take a step until every
+   stage has an owner. Taking over from an in-memory replica (FAILOVER) is the cheapest fix.
+2. A pipeline whose lost stage has no live replica (two adjacent losses) cannot be repaired
+   from memory. If another pipeline survives, drop the broken one (DROP_PIPELINE): data
+   parallelism shrinks, the global batch stays, nothing is reloaded.
+3. If every pipeline is broken, state must come from the shadows/checkpoint
+   (RESTORE_FROM_CHECKPOINT), at depth P if enough nodes remain, else at a smaller depth
+   (REPARTITION), else STOP.
+4. With nothing lost: give a node that carries two stages a standby partner (REBALANCE, which
+   restores redundancy), return to the configured depth (REPARTITION), or add a pipeline
+   (ADD_PIPELINE), in that order: redundancy protects the work already running, extra
+   pipelines only add throughput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Iterable
+
+from spotpipe.plan.layout import Layout, Slot
+
+
+class Action(str, Enum):
+    KEEP = "keep"
+    FAILOVER = "failover"
+    REBALANCE = "rebalance"
+    ADD_PIPELINE = "add_pipeline"
+    DROP_PIPELINE = "drop_pipeline"
+    REPARTITION = "repartition"
+    RESTORE_FROM_CHECKPOINT = "restore_from_checkpoint"
+    STOP = "stop"
+
+
+class MoveKind(str, Enum):
+    PROMOTE = "promote"  # the replica in dst's memory becomes an owned stage: no transfer
+    COPY = "copy"  # stage state (weights + optimizer) sent peer to peer from src to dst
+    REPLICA = "replica"  # a replica for dst to hold, sent from the stage's owner src
+    RESTORE = "restore"  # state loaded from the shadows / durable checkpoint (src "shadow")
+
+
+SHADOW = "shadow"  # src of RESTORE moves
+
+
+@dataclass(frozen=True)
+class Move:
+    kind: MoveKind
+    pipeline: int  # pipeline index in the NEW layout
+    stage: int  # stage index in the NEW layout
+    src: str
+    dst: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    layout: Layout
+    moves: tuple[Move, ...] = ()
+    reason: str = ""
+    lost_pipelines: tuple[int, ...] = field(default=())  # old indices dropped or broken
+
+    @property
+    def needs_restore(self) -> bool:
+        """True when progress since the last shadow/checkpoint copy is rolled back."""
+        return any(m.kind == MoveKind.RESTORE for m in self.moves)
+
+
+def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str], *,
+           min_stages: int = 1) -> Decision:
+    """Decide the next layout given nodes `lost` and nodes `joined` since `layout`.
+
+    `min_stages` is the smallest depth at which the model still fits in the nodes' memory;
+    below it the job stops.
+    """
+    lost = frozenset(lost)
+    standby = tuple(n for n in layout.standby if n not in lost)
+    standby += tuple(n for n in joined if n not in lost and n not in standby
+                     and n not in layout.active_nodes)
+    hit = lost & layout.active_nodes
+    if not hit:
+        base = _replace(layout, layout.mapping, standby)
+        return _grow(base, min_stages)
+    broken = [d for d in range(layout.num_pipelines) if not _repairable(layout, d, lost)]
+    if not broken:
+        return _failover(layout, lost, standby)
+    alive_pipes = [d for d in range(layout.num_pipelines) if d not in broken]
+    if alive_pipes:
+        return _drop(layout, lost, standby, broken, alive_pipes)
+    survivors = sorted(layout.active_nodes - lost) + list(standby)
+    return _restart(layout, survivors, min_stages, broken)
+
+
+# -- losses -------------------------------------------------------------------------------
+
+def _repairable(layout: Layout, d: int, lost: frozenset[str]) -> bool:
+    """Every lost stage of pipeline d has a live replica holder with room to take it over."""
+    for s in range(layout.num_stages):
+        if layout.owner(d, s) in lost:
+            if layout.replica_holder(d, s) in lost or not layout.has_replica(d, s):
+                return False
+    return True
+
+
+def _takeovers(layout: Layout, d: int, lost: frozenset[str], new_d: int,
+               mapping: dict[Slot, str]) -> list[Move]:
+    moves = []
+    for s in range(layout.num_stages):
+        if layout.owner(d, s) in lost:
+            holder = layout.replica_holder(d, s)
+            mapping[(new_d, s)] = holder
+            moves.append(Move(MoveKind.PROMOTE, new_d, s, holder, holder))
+    return moves
+
+
+def _failover(layout: Layout, lost: frozenset[str], standby: tuple[str, ...]) -> Decision:
+    mapping = layout.mapping
+    moves: list[Move] = []
+    for d in range(layout.num_pipelines):
+        moves += _takeovers(layout, d, lost, d, mapping)
+    new = _replace(layout, mapping, standby)
+    return Decision(Action.FAILOVER, new, tuple(moves),
+                    f"{len(moves)} stage(s) taken over by their replica holders")
+
+
+def _drop(layout: Layout, lost: frozenset[str], standby: tuple[str, ...], broken: list[int],
+          alive_pipes: list[int]) -> Decision:
+    mapping: dict[Slot, str] = {}
+    moves: list[Move] = []
+    for new_d, d in enumerate(alive_pipes):
+        for s in range(layout.num_stages):
+            mapping[(new_d, s)] = layout.owner(d, s)
+        moves += _takeovers(layout, d, lost, new_d, mapping)
+    freed = sorted({layout.owner(d, s) for d in broken for s in range(layout.num_stages)} - lost)
+    new = Layout.from_mapping(layout.num_stages, len(alive_pipes), mapping, standby + tuple(freed),
+                              target_stages=layout.target_stages,
+                              max_pipelines=layout.max_pipelines)
+    return Decision(Action.DROP_PIPELINE, new, tuple(moves),
+                    f"pipeline(s) {broken} lost adjacent stages; dropped, global batch kept",
+                    tuple(broken))
+
+
+def _restart(layout: Layout, nodes: list[str], min_stages: int,
+             broken: list[int]) -> Decision:
+    """Every pipeline is broken: rebuild from the shadows at the deepest depth that fits."""
+    depth = min(layout.target_stages, len(nodes))
+    if depth < max(1, min_stages):
+        empty = _empty(layout, nodes)
+        return Decision(Action.STOP, empty, (), f"{len(nodes)} node(s) left, the model needs "
+                        f"at least {max(1, min_stages)}", tuple(broken))
+    new = _fresh(layout, depth, nodes)
+    moves = tuple(Move(MoveKind.RESTORE, d, s, SHADOW, n) for (d, s), n in new.owners)
+    action = Action.RESTORE_FROM_CHECKPOINT if depth == layout.num_stages else Action.REPARTITION
+    return Decision(action, new, moves, f"no pipeline can be repaired from memory; restored "
+                    f"at P={depth} x D={new.num_pipelines} from the shadows", tuple(broken))
+
+
+# -- growth -------------------------------------------------------------------------------
+
+def _grow(layout: Layout, min_stages: int) -> Decision:
+    if layout.num_pipelines == 0:
+        if not layout.standby:
+            return Decision(Action.STOP, layout, (), "no nodes")
+        return _restart(layout, list(layout.standby), min_stages, [])
+    if layout.carriers() and layout.standby:
+        return _rebalance(layout)
+    total = len(layout.all_nodes)
+    if layout.num_stages < layout.target_stages and total >= layout.target_stages:
+        return _repartition_up(layout)
+    cap = layout.max_pipelines
+    if (len(layout.standby) >= layout.num_stages and not layout.carriers()
+            and (cap is None or layout.num_pipelines < cap)):
+        return _add_pipeline(layout)
+    return Decision(Action.KEEP, layout, (), "nothing to change")
+
+
+def _rebalance(layout: Layout) -> Decision:
+    mapping = layout.mapping
+    standby = list(layout.standby)
+    moves: list[Move] = []
+    for node, slots in sorted(layout.carriers().items()):
+        for d, s in _extra_stages(layout, node, slots):
+            if not standby:
+                break
+            fresh = standby.pop(0)
+            mapping[(d, s)] = fresh
+            moves.append(Move(MoveKind.COPY, d, s, node, fresh))
+            nxt = (s + 1) % layout.num_stages
+            moves.append(Move(MoveKind.REPLICA, d, nxt, mapping[(d, nxt)], fresh))
+    new = _replace(layout, mapping, tuple(standby))
+    return Decision(Action.REBALANCE, new, tuple(moves),
+                    f"{len(moves) // 2} extra stage(s) handed to standby nodes")
+
+
+def _extra_stages(layout: Layout, node: str, slots: list[Slot]) -> list[Slot]:
+    """The stages a carrier took over: those whose predecessor it also owns, first kept."""
+    own = set(slots)
+    extra = [(d, s) for d, s in slots if (d, (s - 1) % layout.num_stages) in own]
+    if len(extra) == len(slots):  # the carrier owns the whole ring: keep the first stage
+        extra = extra[1:]
+    return extra
+
+
+def _repartition_up(layout: Layout) -> Decision:
+    nodes = sorted(layout.active_nodes) + list(layout.standby)
+    new = _fresh(layout, layout.target_stages, nodes)
+    moves = tuple(Move(MoveKind.COPY, d, s, "peers", n) for (d, s), n in new.owners)
+    return Decision(Action.REPARTITION, new, moves,
+                    f"back to the configured depth P={layout.target_stages}; layers move peer to "
+                    f"peer (see layer_moves)")
+
+
+def _add_pipeline(layout: Layout) -> Decision:
+    mapping = layout.mapping
+    p, d_new = layout.num_stages, layout.num_pipelines
+    standby = list(layout.standby)
+    moves: list[Move] = []
+    for s in range(p):
+        fresh = standby.pop(0)
+        mapping[(d_new, s)] = fresh
+        moves.append(Move(MoveKind.COPY, d_new, s, layout.owner(0, s), fresh))
+        moves.append(Move(MoveKind.REPLICA, d_new, (s + 1) % p, layout.owner(0, s + 1), fresh))
+    new = Layout.from_mapping(p, d_new + 1, mapping, standby, target_stages=layout.target_stages,
+                              max_pipelines=layout.max_pipelines)
+    return Decision(Action.ADD_PIPELINE, new, tuple(moves), f"standby nodes form pipeline {d_new}")
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+def _replace(layout: Layout, mapping: dict[Slot, str], standby: tuple[str, ...]) -> Layout:
+    return Layout.from_mapping(layout.num_stages, layout.num_pipelines, mapping, standby,
+                               target_stages=layout.target_stages,
+                               max_pipelines=layout.max_pipelines)
+
+
+def _fresh(layout: Layout, depth: int, nodes: list[str]) -> Layout:
+    width = len(nodes) // depth
+    if layout.max_pipelines is not None:
+        width = min(width, layout.max_pipelines)
+    return Layout.build(depth, width, nodes, target_stages=layout.target_stages,
+                        max_pipelines=layout.max_pipelines)
+
+
+def _empty(layout: Layout, waiting: list[str]) -> Layout:
+    """No pipeline runs; survivors wait on standby so that later joins can restart the job."""
+    return Layout.from_mapping(layout.num_stages, 0, {}, waiting,
+                               target_stages=layout.target_stages,
+                               max_pipelines=layout.max_pipelines)

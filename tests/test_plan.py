@@ -1,0 +1,173 @@
+"""Plan decisions: failover, rebalance, pipelines added and dropped, re-partition, restore."""
+
+import pytest
+
+from spotpipe.plan import Action, Layout, MoveKind, decide, layer_moves, uniform_partition
+
+
+def nodes(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}{i}" for i in range(n)]
+
+
+def four_by_one() -> Layout:
+    return Layout.build(4, 1, ["a", "b", "c", "d"])
+
+
+def test_replica_ring_is_predecessor_and_wraps():
+    lay = four_by_one()
+    assert lay.replica_holder(0, 1) == "a"
+    assert lay.replica_holder(0, 0) == "d"  # stage 0's replica lives on the last stage's node
+    assert lay.grid == (("a", "b", "c", "d"),)
+
+
+def test_layout_rejects_missing_or_shared_slots():
+    with pytest.raises(ValueError):
+        Layout.from_mapping(2, 1, {(0, 0): "a"})
+    with pytest.raises(ValueError):
+        Layout.from_mapping(1, 2, {(0, 0): "a", (1, 0): "a"})
+    with pytest.raises(ValueError):
+        Layout.build(2, 2, ["a", "b", "c"])
+
+
+def test_single_loss_fails_over_to_predecessor():
+    d = decide(four_by_one(), {"b"}, [])
+    assert d.action == Action.FAILOVER
+    assert d.layout.grid == (("a", "a", "c", "d"),)
+    assert d.layout.carriers() == {"a": [(0, 0), (0, 1)]}
+    assert [(m.kind, m.stage, m.dst) for m in d.moves] == [(MoveKind.PROMOTE, 1, "a")]
+    assert not d.needs_restore
+
+
+def test_last_stage_loss_wraps_to_stage_zero_holder():
+    d = decide(four_by_one(), {"a"}, [])
+    assert d.action == Action.FAILOVER
+    assert d.layout.owner(0, 0) == "d"  # d held the replica of stage 0
+
+
+def test_two_non_adjacent_losses_both_fail_over():
+    d = decide(four_by_one(), {"a", "c"}, [])
+    assert d.action == Action.FAILOVER
+    assert d.layout.grid == (("d", "b", "b", "d"),)
+
+
+def test_adjacent_loss_in_only_pipeline_restores_from_shadows():
+    lay = Layout.build(4, 1, ["a", "b", "c", "d", "e", "f"])  # two standby: 4 nodes remain
+    d = decide(lay, {"b", "c"}, [])
+    assert d.action == Action.RESTORE_FROM_CHECKPOINT
+    assert d.needs_restore
+    assert d.layout.num_stages == 4 and d.layout.num_pipelines == 1
+    assert d.layout.active_nodes == {"a", "d", "e", "f"}
+
+
+def test_loss_next_to_a_carrier_is_fatal():
+    after = decide(four_by_one(), {"b"}, []).layout  # a carries stages 0 and 1
+    # stage 2's replica was on b (gone); a has no room for it, so losing c is fatal.
+    assert not after.has_replica(0, 2)
+    d = decide(after, {"c"}, [])
+    assert d.action == Action.REPARTITION and d.needs_restore
+    assert d.layout.num_stages == 2  # a and d remain
+
+
+def test_join_rebalances_carrier_before_adding_pipeline():
+    after = decide(four_by_one(), {"b"}, []).layout
+    d = decide(after, set(), ["e", "f", "g", "h", "i"])
+    assert d.action == Action.REBALANCE
+    assert d.layout.grid == (("a", "e", "c", "d"),)
+    assert any(m.kind == MoveKind.COPY and m.src == "a" and m.dst == "e" for m in d.moves)
+    assert any(m.kind == MoveKind.REPLICA and m.stage == 2 and m.dst == "e" for m in d.moves)
+    d2 = decide(d.layout, set(), [])
+    assert d2.action == Action.ADD_PIPELINE
+    assert d2.layout.num_pipelines == 2
+    assert d2.layout.grid[1] == ("f", "g", "h", "i")
+    assert decide(d2.layout, set(), []).action == Action.KEEP
+
+
+def test_too_few_standby_for_pipeline_keeps():
+    lay = Layout.build(4, 1, nodes("n", 4))
+    d = decide(lay, set(), ["x", "y", "z"])
+    assert d.action == Action.KEEP
+    assert d.layout.standby == ("x", "y", "z")
+
+
+def test_max_pipelines_caps_growth():
+    lay = Layout.build(2, 1, nodes("n", 2), max_pipelines=1)
+    assert decide(lay, set(), ["x", "y"]).action == Action.KEEP
+
+
+def test_pipelines_two_to_one_to_two():
+    lay = Layout.build(4, 2, nodes("n", 8))
+    d = decide(lay, {"n5", "n6"}, [])  # adjacent stages 1, 2 of pipeline 1
+    assert d.action == Action.DROP_PIPELINE
+    assert d.lost_pipelines == (1,)
+    assert d.layout.num_pipelines == 1
+    assert d.layout.grid == (("n0", "n1", "n2", "n3"),)
+    assert set(d.layout.standby) == {"n4", "n7"}
+    assert not d.needs_restore
+    d2 = decide(d.layout, set(), ["m0", "m1"])
+    assert d2.action == Action.ADD_PIPELINE
+    assert d2.layout.num_pipelines == 2
+    assert d2.layout.grid[1] == ("n4", "n7", "m0", "m1")
+
+
+def test_drop_also_fails_over_surviving_pipeline():
+    lay = Layout.build(4, 2, nodes("n", 8))
+    d = decide(lay, {"n5", "n6", "n0"}, [])
+    assert d.action == Action.DROP_PIPELINE
+    assert d.layout.grid == (("n3", "n1", "n2", "n3"),)
+
+
+def test_repartition_four_to_two_to_four():
+    lay = four_by_one()
+    d = decide(lay, {"b", "c"}, [])
+    assert d.action == Action.REPARTITION
+    assert (d.layout.num_stages, d.layout.num_pipelines) == (2, 1)
+    assert d.layout.target_stages == 4
+    d2 = decide(d.layout, set(), ["x"])
+    assert d2.action == Action.KEEP  # 3 nodes: not enough for P = 4, not enough for D = 2
+    d3 = decide(d2.layout, set(), ["y"])
+    assert d3.action == Action.REPARTITION
+    assert (d3.layout.num_stages, d3.layout.num_pipelines) == (4, 1)
+    assert not d3.needs_restore
+
+
+def test_min_stages_stops_and_joins_restart():
+    lay = four_by_one()
+    d = decide(lay, {"a", "b", "c"}, [], min_stages=2)
+    assert d.action == Action.STOP
+    assert d.layout.num_pipelines == 0
+    assert d.layout.standby == ("d",)
+    d2 = decide(d.layout, set(), ["e"], min_stages=2)
+    assert d2.action == Action.REPARTITION and d2.needs_restore
+    assert d2.layout.num_stages == 2
+
+
+def test_everything_lost_stops():
+    d = decide(four_by_one(), {"a", "b", "c", "d"}, [])
+    assert d.action == Action.STOP
+    assert decide(d.layout, set(), []).action == Action.STOP
+
+
+def test_lost_standby_only_is_keep():
+    lay = Layout.build(2, 1, ["a", "b", "c"])
+    d = decide(lay, {"c"}, [])
+    assert d.action == Action.KEEP and d.layout.standby == ()
+
+
+def test_single_stage_pipeline_has_no_redundancy():
+    lay = Layout.build(1, 2, ["a", "b"])
+    d = decide(lay, {"a"}, [])
+    assert d.action == Action.DROP_PIPELINE and d.layout.grid == (("b",),)
+
+
+def test_layer_moves():
+    old = uniform_partition(8, 4)
+    assert old == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    new = uniform_partition(8, 2)
+    assert layer_moves(old, new) == [(2, 1, 0), (3, 1, 0), (4, 2, 1), (5, 2, 1), (6, 3, 1),
+                                     (7, 3, 1)]
+    assert layer_moves(new, old) == [(l, b, a) for l, a, b in layer_moves(old, new)]
+    assert layer_moves(old, old) == []
+    with pytest.raises(ValueError):
+        layer_moves(old, [(0, 3), (4, 8)])
+    with pytest.raises(ValueError):
+        layer_moves(old, [(0, 9)])
