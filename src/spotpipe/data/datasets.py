@@ -1,0 +1,136 @@
+"""Datasets: anything with ``__len__`` and ``__getitem__(i) -> (x, y)`` tensors.
+
+The built-ins read token streams (a nanoGPT-style ``.bin`` of token ids, or a text file's
+bytes) and cut them into non-overlapping samples: sample i is ``tokens[i*T : i*T + T + 1]``,
+x its first T tokens and y the same shifted by one. Sample i depends only on i, which the
+index-based sampler relies on.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from spotpipe.model.factory import call_factory
+
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+class DataError(ValueError):
+    """A dataset that cannot be read or used, with the path or spec that caused it."""
+
+
+class Dataset(Protocol):
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]: ...
+
+
+class _TokenChunks:
+    """Non-overlapping (x, y) samples of ``block_size`` tokens over a 1-D token array."""
+
+    def __init__(self, tokens: np.ndarray, block_size: int, source: str) -> None:
+        if block_size < 1:
+            raise DataError(f"block_size must be >= 1, got {block_size}")
+        if len(tokens) < block_size + 1:
+            raise DataError(
+                f"{source} holds {len(tokens)} tokens, too few for one sample of "
+                f"block_size {block_size} (needs {block_size + 1})"
+            )
+        self.tokens = tokens
+        self.block_size = block_size
+        self._len = (len(tokens) - 1) // block_size
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        if not 0 <= i < self._len:
+            raise IndexError(f"sample {i} is out of range for {self._len} samples")
+        start = i * self.block_size
+        chunk = torch.from_numpy(np.array(self.tokens[start : start + self.block_size + 1], dtype=np.int64))
+        return chunk[:-1], chunk[1:]
+
+
+def _existing_file(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"data file {str(p)!r} does not exist or is not a file")
+    if p.stat().st_size == 0:
+        raise DataError(f"data file {str(p)!r} is empty")
+    return p
+
+
+class TokenFileDataset(_TokenChunks):
+    """A nanoGPT-style ``.bin``: raw little-endian token ids, memory-mapped (not loaded)."""
+
+    def __init__(self, path: str | os.PathLike, block_size: int, dtype: str = "uint16") -> None:
+        if dtype not in DTYPES:
+            raise DataError(f"token dtype {dtype!r} is not one of {sorted(DTYPES)}")
+        p = _existing_file(path)
+        itemsize = np.dtype(DTYPES[dtype]).itemsize
+        size = p.stat().st_size
+        if size % itemsize:
+            raise DataError(
+                f"data file {str(p)!r} has {size} bytes, not a multiple of {itemsize} "
+                f"({dtype}): wrong dtype or a truncated file"
+            )
+        self.path = p
+        super().__init__(np.memmap(p, dtype=DTYPES[dtype], mode="r"), block_size, repr(str(p)))
+
+
+class TextDataset(_TokenChunks):
+    """A text file's bytes as tokens 0..255 (byte-level; any bytes work, UTF-8 or not)."""
+
+    vocab_size = 256
+
+    def __init__(self, path: str | os.PathLike, block_size: int) -> None:
+        p = _existing_file(path)
+        self.path = p
+        tokens = np.frombuffer(p.read_bytes(), dtype=np.uint8)
+        super().__init__(tokens, block_size, repr(str(p)))
+
+
+def write_token_file(
+    path: str | os.PathLike, tokens: Sequence[int] | np.ndarray | Tensor, dtype: str = "uint16"
+) -> Path:
+    """Write token ids as a ``.bin`` readable by TokenFileDataset (temp file, then rename)."""
+    if dtype not in DTYPES:
+        raise DataError(f"token dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    arr = np.asarray(tokens.cpu().numpy() if isinstance(tokens, Tensor) else tokens).reshape(-1)
+    info = np.iinfo(DTYPES[dtype])
+    if arr.size and (arr.min() < info.min or arr.max() > info.max):
+        raise DataError(f"token ids range over [{arr.min()}, {arr.max()}], beyond {dtype}")
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + f".tmp{os.getpid()}")
+    arr.astype(DTYPES[dtype]).tofile(tmp)
+    os.replace(tmp, p)
+    return p
+
+
+def load_user_dataset(spec: str, kwargs: dict[str, Any]) -> Dataset:
+    """Call a ``package.module:function`` that returns a dataset. Loading errors are
+    :class:`~spotpipe.model.factory.FactoryError`; an unusable result is a DataError."""
+    ds = call_factory(spec, kwargs)
+    if not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
+        raise DataError(
+            f"dataset spec {spec!r} returned a {type(ds).__name__}, which lacks "
+            "__len__ and __getitem__"
+        )
+    if len(ds) == 0:
+        raise DataError(f"dataset spec {spec!r} returned an empty dataset")
+    return ds
+
+
+def collate(dataset: Dataset, indices: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """Stack samples ``indices`` (in order) into a batch ``(x, y)``."""
+    if len(indices) == 0:
+        raise DataError("cannot collate an empty list of indices")
+    xs, ys = zip(*(dataset[i] for i in indices))
+    return torch.stack(xs), torch.stack(ys)

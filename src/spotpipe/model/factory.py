@@ -1,0 +1,114 @@
+"""Load user code named by a ``package.module:function`` spec, and turn it into a LayeredModel.
+
+Configs name models and datasets by import spec rather than by pickled objects, so every
+worker builds the same model from code (nothing is unpickled) and a typo is reported before
+any process starts, naming the spec.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spotpipe.model.layered import LayeredModel, find_tied
+
+
+class FactoryError(ValueError):
+    """A factory spec that cannot be loaded or called, or that returned something unusable."""
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """Resolve ``"package.module:function"`` (the attribute may be dotted: ``mod:Cls.make``)."""
+    module_name, sep, attr_path = spec.partition(":")
+    if not sep or not module_name or not attr_path or ":" in attr_path:
+        raise FactoryError(
+            f"factory spec {spec!r} is not of the form 'package.module:function'"
+        )
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise FactoryError(
+            f"factory spec {spec!r}: cannot import module {module_name!r}: {exc}"
+        ) from exc
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise FactoryError(
+                f"factory spec {spec!r}: {module_name!r} has no attribute {attr_path!r}"
+            ) from None
+    if not callable(obj):
+        raise FactoryError(
+            f"factory spec {spec!r}: {attr_path!r} is a {type(obj).__name__}, not callable"
+        )
+    return obj
+
+
+def call_factory(spec: str, kwargs: dict[str, Any]) -> Any:
+    """Load the spec and call it with ``**kwargs``, reporting bad keyword names up front."""
+    fn = load_factory(spec)
+    try:
+        inspect.signature(fn).bind(**kwargs)
+    except TypeError as exc:
+        raise FactoryError(f"factory spec {spec!r}: bad arguments {sorted(kwargs)}: {exc}") from exc
+    except ValueError:  # builtins without a signature: let the call itself complain
+        pass
+    return fn(**kwargs)
+
+
+def _as_layers(obj: Any, spec: str) -> list[nn.Module]:
+    if isinstance(obj, nn.Sequential):
+        layers = list(obj)
+    elif isinstance(obj, (list, tuple)):
+        layers = list(obj)
+    else:
+        raise FactoryError(
+            f"factory spec {spec!r} returned a {type(obj).__name__}; expected an nn.Sequential, "
+            "a list of layers, a tuple (layers, loss_fn) or a LayeredModel"
+        )
+    if not layers:
+        raise FactoryError(f"factory spec {spec!r} returned no layers")
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise FactoryError(
+                f"factory spec {spec!r}: layer {i} is a {type(layer).__name__}, not an nn.Module"
+            )
+    return layers
+
+
+def _is_loss(obj: Any) -> bool:
+    """A plain callable or a torch loss module; any other module is a layer, not a loss."""
+    return callable(obj) and (
+        not isinstance(obj, nn.Module) or isinstance(obj, nn.modules.loss._Loss)
+    )
+
+
+def build_user_model(spec: str, kwargs: dict[str, Any], seed: int) -> LayeredModel:
+    """Build a user model: ``torch.manual_seed(seed)``, then ``function(**kwargs)``.
+
+    The function may return a LayeredModel (used as is), an ``nn.Sequential`` or a list of
+    layers, or a tuple ``(layers_or_sequential, loss_fn)``. Without a loss, ``F.cross_entropy
+    (output, target)`` is used, which suits a classifier whose last layer gives (b, classes)
+    logits; any other output shape needs an explicit loss. An ``nn.Sequential``'s own child
+    names are dropped: global names are always ``"{layer_index}.{param}"``. Parameters shared
+    between layers (one Parameter assigned to two layers) are recorded as tied pairs.
+    """
+    torch.manual_seed(seed)
+    out = call_factory(spec, kwargs)
+    if isinstance(out, LayeredModel):
+        return out
+    loss_fn: Callable = F.cross_entropy
+    if (
+        isinstance(out, tuple)
+        and len(out) == 2
+        and isinstance(out[0], (nn.Sequential, list, tuple))
+        and _is_loss(out[1])
+    ):
+        out, loss_fn = out
+    layers = _as_layers(out, spec)
+    return LayeredModel(layers=layers, loss_fn=loss_fn, tied=find_tied(layers))

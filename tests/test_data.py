@@ -1,0 +1,168 @@
+"""spotpipe.data: index-based sampler, token/text datasets, user datasets, demo corpus."""
+
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from spotpipe.data import (
+    DataError,
+    GlobalSampler,
+    TextDataset,
+    TokenFileDataset,
+    collate,
+    demo_corpus_text,
+    ensure_demo_corpus,
+    load_user_dataset,
+    write_token_file,
+)
+from spotpipe.model import FactoryError
+
+
+def test_every_sample_once_per_epoch() -> None:
+    s = GlobalSampler(num_samples=96, global_batch=8, seed=3)
+    assert s.iterations_per_epoch == 12
+    for epoch in range(3):
+        seen = [i for t in range(epoch * 12, (epoch + 1) * 12) for i in s.indices(t)]
+        assert sorted(seen) == list(range(96))
+    assert s.indices(0) != s.indices(12), "each epoch must be a new permutation"
+
+
+def test_remainder_dropped_each_epoch() -> None:
+    s = GlobalSampler(num_samples=50, global_batch=8, seed=0)
+    assert s.iterations_per_epoch == 6
+    for epoch in range(2):
+        seen = [i for t in range(epoch * 6, epoch * 6 + 6) for i in s.indices(t)]
+        assert len(seen) == len(set(seen)) == 48
+        assert set(seen) <= set(range(50))
+
+
+def test_sampler_deterministic_resumable_and_seeded() -> None:
+    a = GlobalSampler(64, 4, seed=11)
+    sequential = [a.indices(t) for t in range(40)]
+    fresh = GlobalSampler(64, 4, seed=11)
+    assert [fresh.indices(t) for t in (37, 5, 16, 0)] == [sequential[t] for t in (37, 5, 16, 0)]
+    other = GlobalSampler(64, 4, seed=12)
+    assert [other.indices(t) for t in range(16)] != sequential[:16]
+    assert sequential[:16] != [list(range(t * 4, t * 4 + 4)) for t in range(16)]  # shuffled
+
+
+def test_microbatch_and_pipeline_slicing_cover_the_batch_once() -> None:
+    s = GlobalSampler(1000, 24, seed=1)
+    for t in (0, 7, 41):
+        batch = s.indices(t)
+        mbs = [s.microbatch_indices(t, j, 4) for j in range(6)]
+        assert [i for mb in mbs for i in mb] == batch
+        for d_count, m_count in [(1, 6), (2, 3), (3, 2), (6, 1), (2, 6)]:
+            parts = [s.pipeline_microbatches(t, d, d_count, m_count) for d in range(d_count)]
+            flat = [i for pipe in parts for mb in pipe for i in mb]
+            assert flat == batch  # pipeline d owns global micro-batches d*M .. d*M + M-1
+            assert all(len(pipe) == m_count for pipe in parts)
+        b = 24 // 6
+        assert s.pipeline_microbatches(t, 1, 2, 3)[2] == s.microbatch_indices(t, 1 * 3 + 2, b)
+
+
+def test_sampler_errors() -> None:
+    with pytest.raises(ValueError, match="global batch 10 .* 9 samples"):
+        GlobalSampler(9, 10, seed=0)
+    s = GlobalSampler(100, 12, seed=0)
+    with pytest.raises(ValueError, match="not divisible"):
+        s.pipeline_microbatches(0, 0, 5, 1)
+    with pytest.raises(ValueError, match="does not divide"):
+        s.microbatch_indices(0, 0, 5)
+    with pytest.raises(ValueError, match="out of range"):
+        s.microbatch_indices(0, 3, 4)
+    with pytest.raises(ValueError, match="out of range"):
+        s.pipeline_microbatches(0, 2, 2, 2)
+    with pytest.raises(ValueError, match=">= 0"):
+        s.indices(-1)
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_token_file_round_trip(tmp_path, dtype: str) -> None:
+    tokens = np.arange(0, 41) * (1000 if dtype == "uint32" else 7)
+    path = write_token_file(tmp_path / "train.bin", tokens, dtype)
+    ds = TokenFileDataset(path, block_size=8, dtype=dtype)
+    assert len(ds) == 5  # 41 tokens: 5 samples of 8 + 1 shifted target
+    x, y = ds[2]
+    assert x.dtype == y.dtype == torch.int64
+    assert x.tolist() == tokens[16:24].tolist()
+    assert y.tolist() == tokens[17:25].tolist()
+    assert ds[4][1].tolist() == tokens[33:41].tolist()  # the last sample uses the last token
+    with pytest.raises(IndexError):
+        ds[5]
+    xb, yb = collate(ds, [3, 0])
+    assert xb.shape == (2, 8) and torch.equal(xb[0], ds[3][0]) and torch.equal(yb[1], ds[0][1])
+
+
+def test_token_file_errors(tmp_path) -> None:
+    missing = tmp_path / "nope" / "train.bin"
+    with pytest.raises(DataError, match=str(missing)):
+        TokenFileDataset(missing, 8)
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    with pytest.raises(DataError, match="empty"):
+        TokenFileDataset(empty, 8)
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x01\x00\x02")
+    with pytest.raises(DataError, match="not a multiple of 2"):
+        TokenFileDataset(odd, 1)
+    short = write_token_file(tmp_path / "short.bin", [1, 2, 3], "uint16")
+    with pytest.raises(DataError, match="too few"):
+        TokenFileDataset(short, 8)
+    with pytest.raises(DataError, match="beyond uint16"):
+        write_token_file(tmp_path / "big.bin", [70000], "uint16")
+    with pytest.raises(DataError, match="dtype"):
+        TokenFileDataset(short, 1, dtype="int8")
+
+
+def test_text_dataset_is_bytes(tmp_path) -> None:
+    text = "héllo wörld, " * 5
+    path = tmp_path / "t.txt"
+    path.write_text(text, encoding="utf-8")
+    raw = list(text.encode("utf-8"))
+    ds = TextDataset(path, block_size=10)
+    assert len(ds) == (len(raw) - 1) // 10
+    x, y = ds[1]
+    assert x.tolist() == raw[10:20] and y.tolist() == raw[11:21]
+    with pytest.raises(DataError, match="missing.txt"):
+        TextDataset(tmp_path / "missing.txt", 10)
+
+
+def test_load_user_dataset(tmp_path, monkeypatch) -> None:
+    (tmp_path / "sp_user_data.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            def pairs(n=3):
+                return [(torch.tensor([i]), torch.tensor([i + 1])) for i in range(n)]
+
+            def nothing():
+                return 42
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ds = load_user_dataset("sp_user_data:pairs", {"n": 4})
+    assert len(ds) == 4 and collate(ds, [2])[1].tolist() == [[3]]
+    with pytest.raises(DataError, match="sp_user_data:nothing.*int"):
+        load_user_dataset("sp_user_data:nothing", {})
+    with pytest.raises(DataError, match="empty"):
+        load_user_dataset("sp_user_data:pairs", {"n": 0})
+    with pytest.raises(FactoryError, match="no attribute"):
+        load_user_dataset("sp_user_data:missing", {})
+
+
+def test_demo_corpus(tmp_path) -> None:
+    path = ensure_demo_corpus(tmp_path / "corpus" / "demo.txt")
+    data = path.read_bytes()
+    assert 200_000 <= len(data) <= 500_000
+    assert data == demo_corpus_text().encode("utf-8")  # deterministic
+    assert list(path.parent.iterdir()) == [path]  # no temp file left behind
+    path.write_text("kept")
+    assert ensure_demo_corpus(path).read_text() == "kept"  # an existing corpus is not rewritten
+    assert len(TextDataset(ensure_demo_corpus(tmp_path / "d2.txt"), 64)) > 3000
