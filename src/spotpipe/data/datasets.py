@@ -53,7 +53,8 @@ class _TokenChunks:
         if not 0 <= i < self._len:
             raise IndexError(f"sample {i} is out of range for {self._len} samples")
         start = i * self.block_size
-        chunk = torch.from_numpy(np.array(self.tokens[start : start + self.block_size + 1], dtype=np.int64))
+        window = self.tokens[start : start + self.block_size + 1]
+        chunk = torch.from_numpy(np.array(window, dtype=np.int64))
         return chunk[:-1], chunk[1:]
 
 

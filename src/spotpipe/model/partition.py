@@ -134,7 +134,9 @@ def profile_layer_times(
     return times
 
 
-def explicit_partition(stage_of_layer: Sequence[int], num_stages: int, num_layers: int) -> list[tuple[int, int]]:
+def explicit_partition(
+    stage_of_layer: Sequence[int], num_stages: int, num_layers: int
+) -> list[tuple[int, int]]:
     """From a map giving the stage index of every layer, e.g. ``[0, 0, 1, 1, 1, 2]``.
 
     The map must have one entry per layer, start at 0, end at ``num_stages - 1`` and step by 0
