@@ -1,0 +1,349 @@
+"""The local multi-node launcher: `spotpipe train` on one machine.
+
+It plays the part torchrun's agent plays: hosts the store (so the store outlives any worker),
+starts one worker process per node with torchrun's environment variables, watches them, and is
+the single writer of the run's output files. Everything that can be wrong with the input is
+checked here before the output folder exists or a process starts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch.distributed as dist
+import yaml
+from safetensors.torch import load_file, save_file
+
+from spotpipe.config import Config
+from spotpipe.cluster.channel import WorkerChannel, read_mailbox
+from spotpipe.runtime import job
+from spotpipe.runtime.worker import cross_stage_tied
+
+
+class LaunchError(RuntimeError):
+    """Input that cannot run; raised before anything is written or started."""
+
+
+@dataclass
+class Prepared:
+    cfg: Config
+    spec: job.RunSpec
+
+
+def prepare(cfg: Config) -> Prepared:
+    """Build model and dataset once and decide the partition; turn every failure into a
+    LaunchError that says what to fix."""
+    try:
+        model = job.build_model(cfg)
+    except Exception as exc:
+        raise LaunchError(f"model: {exc}") from None
+    try:
+        dataset = job.build_dataset(cfg)
+    except Exception as exc:
+        raise LaunchError(f"data: {exc}") from None
+    if len(dataset) < cfg.global_batch:
+        raise LaunchError(
+            f"data: {len(dataset)} samples are fewer than one global batch of {cfg.global_batch} "
+            f"(micro_batch_size {cfg.micro_batch_size} x num_microbatches "
+            f"{cfg.num_microbatches} x pipelines {cfg.pipelines})")
+    try:
+        partition = job.compute_partition(cfg, model, dataset)
+    except Exception as exc:
+        raise LaunchError(f"model.partition: {exc}") from None
+    last = len(partition) - 1
+    for name in sorted(cross_stage_tied(model, partition)):
+        layer = int(name.split(".", 1)[0])
+        if not (partition[0][0] <= layer < partition[0][1]
+                or partition[last][0] <= layer < partition[last][1]):
+            raise LaunchError(f"model: tied parameter {name} is split across stages but is on "
+                              "neither the first nor the last stage; only ties between the first "
+                              "and last stage (like GPT's embedding and head) are kept in sync")
+    return Prepared(cfg, job.RunSpec(partition, len(dataset)))
+
+
+def bind_store(cfg: Config) -> dist.TCPStore:
+    try:
+        return dist.TCPStore(cfg.cluster.host, cfg.cluster.port, is_master=True,
+                             wait_for_workers=False,
+                             timeout=timedelta(seconds=cfg.cluster.timeout_s))
+    except Exception as exc:
+        raise LaunchError(f"cluster.port: cannot start the store on {cfg.cluster.host}:"
+                          f"{cfg.cluster.port} ({exc}); the port may be taken: choose another "
+                          "or 0 for a free one") from None
+
+
+def _die_with_parent() -> None:
+    """Workers get SIGKILL if the launcher dies, so no worker outlives its job."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class RunFiles:
+    """The run's output files, written by the launcher only."""
+
+    out: Path
+    metrics: TextIO = field(init=False)
+    events: TextIO = field(init=False)
+    tensorboard: Any = None
+
+    def __post_init__(self) -> None:
+        self.metrics = open(self.out / "metrics.jsonl", "w")
+        self.events = open(self.out / "events.jsonl", "w")
+
+    def event(self, record: dict[str, Any]) -> None:
+        self.events.write(json.dumps(record) + "\n")
+        self.events.flush()
+
+    def metric(self, record: dict[str, Any]) -> None:
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        if self.tensorboard is not None:
+            step = record["iter"]
+            for key in ("loss", "samples_per_s", "lr", "grad_norm", "live_nodes"):
+                if key in record:
+                    self.tensorboard.add_scalar(key, record[key], step)
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.events.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+class Launcher:
+    def __init__(self, prepared: Prepared, out: Path, *, progress: bool = True,
+                 stream: TextIO = sys.stderr) -> None:
+        self.cfg = prepared.cfg
+        self.spec = prepared.spec
+        self.out = out
+        self.progress = progress and self.cfg.logging.progress
+        self.stream = stream
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.t0 = time.time()
+
+    # ------------------------------------------------------------------ set-up
+
+    def _write_inputs(self) -> None:
+        (self.out / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        (self.out / "run.json").write_text(json.dumps(self.spec.to_json(), indent=1))
+
+    def _spawn(self, rank: int, world: int, port: int,
+               inbox: "queue.Queue[tuple[str, Any]]") -> None:
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=self.cfg.cluster.host,
+                   MASTER_PORT=str(port), SPOTPIPE_RUN_DIR=str(self.out),
+                   SPOTPIPE_T0=repr(self.t0), OMP_NUM_THREADS=str(self.cfg.cluster.threads_per_worker))
+        log = open(self.out / "logs" / f"node{rank}.log", "wb")
+        node = f"node{rank}"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "spotpipe.runtime.worker"], env=env, stdout=log,
+            stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        log.close()
+        self.procs[node] = proc
+        threading.Thread(target=lambda: inbox.put(("exit", (node, proc.wait()))),
+                         name=f"wait-{node}", daemon=True).start()
+
+    # ------------------------------------------------------------------ run
+
+    def run(self, store: dist.TCPStore) -> int:
+        cfg = self.cfg
+        world = cfg.stages * cfg.pipelines
+        (self.out / "logs").mkdir(parents=True, exist_ok=True)
+        self._write_inputs()
+        files = RunFiles(self.out)
+        if cfg.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            files.tensorboard = SummaryWriter(str(self.out / "tensorboard"))
+        files.event({"time_s": 0.0, "kind": "launch", "node": "launcher", "stages": cfg.stages,
+                     "pipelines": cfg.pipelines, "partition": self.spec.partition,
+                     "store": f"{cfg.cluster.host}:{store.port}"})
+        inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._watch_mailbox(store.port, inbox)
+        bar = self._progress_bar()
+        status, message, last = "failed", "", None
+        errors: dict[str, str] = {}
+        done_iters = 0
+        try:
+            for rank in range(world):
+                self._spawn(rank, world, store.port, inbox)
+            exited: dict[str, int] = {}
+            while True:
+                what, item = inbox.get()
+                if what == "record" and item.pop("type") == "metrics":
+                    files.metric(item)
+                    last = item
+                    done_iters += 1
+                    self._update_bar(bar, item)
+                elif what == "record":
+                    files.event(item)
+                    if item["kind"] == "worker_error":
+                        errors[item["node"]] = item["message"]
+                elif what == "exit":
+                    node, code = item
+                    exited[node] = code
+                    if code != 0:
+                        self._drain(inbox, files, errors)
+                        detail = errors.get(node) or f"exited with code {code}"
+                        message = f"{node} failed: {detail} (log: {self.out}/logs/{node}.log)"
+                        files.event({"time_s": self._now(), "kind": "worker_failed",
+                                     "node": node, "returncode": code, "message": detail})
+                        break
+                    if len(exited) == world:
+                        self._drain(inbox, files, errors)
+                        if last is None or last["iter"] + 1 < cfg.iterations:
+                            message = (f"workers exited after {done_iters} of {cfg.iterations} "
+                                       "iterations")
+                            break
+                        self._merge_final()
+                        status = "completed"
+                        break
+                elif what == "mailbox_closed":
+                    message = f"lost the store: {item}"
+                    break
+        except KeyboardInterrupt:
+            message = "interrupted"
+        finally:
+            self._stop_workers()
+            self._close_mailbox(store)
+            if bar is not None:
+                bar.close()
+            wall = time.time() - self.t0
+            files.event({"time_s": round(wall, 6), "kind": "job_" + status, "node": "launcher",
+                         **({"message": message} if message else {})})
+            files.close()
+            self._write_summary(status, message, last, wall)
+        if status != "completed":
+            print(f"spotpipe: training failed: {message}", file=self.stream)
+            return 1
+        return 0
+
+    def _now(self) -> float:
+        return round(time.time() - self.t0, 6)
+
+    def _drain(self, inbox: "queue.Queue[tuple[str, Any]]", files: RunFiles,
+               errors: dict[str, str]) -> None:
+        """Write the records already posted (a failing worker posts its error, then exits)."""
+        deadline = time.time() + 2.0
+        while time.time() < deadline:
+            try:
+                what, item = inbox.get(timeout=max(0.0, deadline - time.time()))
+            except queue.Empty:
+                return
+            if what == "record" and item.pop("type") == "metrics":
+                files.metric(item)
+            elif what == "record":
+                files.event(item)
+                if item["kind"] == "worker_error":
+                    errors[item["node"]] = item["message"]
+                    return
+
+    def _watch_mailbox(self, port: int, inbox: "queue.Queue[tuple[str, Any]]") -> None:
+        client = dist.TCPStore(self.cfg.cluster.host, port, is_master=False,
+                               timeout=timedelta(seconds=self.cfg.cluster.timeout_s))
+
+        def pump() -> None:
+            try:
+                for record in read_mailbox(client):
+                    if record.get("type") == "close":
+                        return
+                    inbox.put(("record", record))
+            except Exception as exc:  # the store went away: only at shutdown, or a real fault
+                inbox.put(("mailbox_closed", str(exc)))
+
+        self._pump = threading.Thread(target=pump, name="mailbox", daemon=True)
+        self._pump.start()
+
+    def _close_mailbox(self, store: dist.TCPStore) -> None:
+        """Post the closing record, so the reader thread leaves its blocking wait and ends
+        before the interpreter does (a thread inside a store call at exit aborts the process)."""
+        WorkerChannel(store, "launcher", self.t0)._post({"type": "close"})
+        self._pump.join(timeout=10)
+
+    def _stop_workers(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.time() + 10
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def _merge_final(self) -> None:
+        final = self.out / "final"
+        merged: dict[str, Any] = {}
+        parts = [final / f"stage{s}.safetensors" for s in range(self.cfg.stages)]
+        for part in parts:
+            merged.update(load_file(str(part)))
+        tmp = final / ".model.safetensors.tmp"
+        save_file(merged, str(tmp), metadata={"spotpipe_config": self.cfg.digest()})
+        os.replace(tmp, final / "model.safetensors")
+        for part in parts:
+            part.unlink()
+
+    def _write_summary(self, status: str, message: str, last: dict[str, Any] | None,
+                       wall: float) -> None:
+        cfg = self.cfg
+        iters = 0 if last is None else last["iter"] + 1
+        summary = {
+            "status": status, "message": message, "iterations": iters,
+            "samples": 0 if last is None else last["samples"],
+            "final_loss": None if last is None else last["loss"],
+            "wall_s": round(wall, 3),
+            "train_s": None if last is None else last["time_s"],
+            "samples_per_s": None if not last else round(last["samples"] / last["time_s"], 3),
+            "stages": cfg.stages, "pipelines": cfg.pipelines, "schedule": cfg.schedule,
+            "partition": self.spec.partition, "config_digest": cfg.digest(),
+        }
+        tmp = self.out / ".summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=1))
+        os.replace(tmp, self.out / "summary.json")
+
+    # ------------------------------------------------------------------ progress
+
+    def _progress_bar(self) -> Any:
+        if not self.progress:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.cfg.iterations, desc="train", unit="it", file=self.stream,
+                    dynamic_ncols=True)
+
+    def _update_bar(self, bar: Any, record: dict[str, Any]) -> None:
+        if bar is None:
+            return
+        bar.update(1)
+        bar.set_postfix_str(f"loss {record['loss']:.4f} | {record['samples_per_s']:.1f} samples/s"
+                            f" | nodes {record['live_nodes']}/{self.cfg.stages * self.cfg.pipelines}"
+                            f" gen {record['generation']}")
+
+
+def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = True) -> int:
+    """Validate, bind the store, then run; raises LaunchError before writing anything."""
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise LaunchError(f"--out {out}: the folder exists and is not empty; pass --overwrite "
+                              "to replace it")
+    prepared = prepare(cfg)
+    store = bind_store(cfg)
+    if out.exists() and overwrite:
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return Launcher(prepared, out, progress=progress).run(store)

@@ -1,0 +1,298 @@
+"""Run configuration: YAML mapped onto typed dataclasses, validated before any process starts.
+
+The mapping is generic (driven by the dataclass type hints) so that adding a key means adding
+a field; every error names the dotted key, what was expected and what was given, because a
+typo found after P x D processes have started costs minutes and leaves debris.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key and what was expected."""
+
+
+@dataclass
+class GPTSection:
+    vocab_size: int = 256
+    block_size: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+    bias: bool = True
+    tie_embeddings: bool = False
+
+
+@dataclass
+class ModelSection:
+    kind: Literal["gpt", "factory"] = "gpt"
+    gpt: GPTSection = field(default_factory=GPTSection)
+    factory: str = ""  # "package.module:function" returning layers (+ loss)
+    factory_kwargs: dict[str, Any] = field(default_factory=dict)
+    partition: Literal["uniform", "parameters", "time", "explicit"] = "uniform"
+    stage_of_layer: list[int] = field(default_factory=list)  # for partition: explicit
+
+
+@dataclass
+class DataSection:
+    kind: Literal["text", "tokens", "factory"] = "text"
+    path: str = ""
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    block_size: int = 0  # tokens per sample; 0 takes model.gpt.block_size
+    factory: str = ""
+    factory_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OptimizerSection:
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    momentum: float = 0.0
+    grad_clip: float = 1.0  # max global L2 norm; 0 disables clipping
+
+
+@dataclass
+class LRScheduleSection:
+    kind: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_iters: int = 0
+    min_lr: float = 0.0
+
+
+@dataclass
+class LoggingSection:
+    progress: bool = True  # progress bar on the launcher's terminal
+    tensorboard: bool = False  # write DIR/tensorboard/
+    sample_log: bool = False  # DIR/logs/samples.*.jsonl: which samples each iteration used
+
+
+@dataclass
+class ClusterSection:
+    host: str = "127.0.0.1"  # the embedded store binds here; loopback unless told otherwise
+    port: int = 0  # 0 picks a free port
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    timeout_s: float = 120.0  # store and collective timeout
+    threads_per_worker: int = 1  # torch intra-op threads in each worker
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    lr_schedule: LRScheduleSection = field(default_factory=LRScheduleSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    stages: int = 2
+    pipelines: int = 1
+    micro_batch_size: int = 4
+    num_microbatches: int = 4
+    iterations: int = 100
+    seed: int = 0
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch_size * self.num_microbatches * self.pipelines
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """A hash of what determines the training result, for manifests and join checks."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- generic mapping
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if origin in (typing.Union, types.UnionType):
+        raise TypeError("unions are not used in Config")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if tp is Any:
+        return value
+    raise TypeError(f"unsupported config type {tp!r} at {key}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    where = prefix or "the top level"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"unknown key {dotted!r}{hint}; {where} accepts: {', '.join(names)}")
+        kwargs[key] = _convert(value, hints[key], dotted)
+    return cls(**kwargs)
+
+
+def _check(cfg: Config) -> None:
+    """Semantic checks the type mapping cannot express."""
+    positive = {"stages": cfg.stages, "pipelines": cfg.pipelines,
+                "micro_batch_size": cfg.micro_batch_size,
+                "num_microbatches": cfg.num_microbatches, "iterations": cfg.iterations,
+                "cluster.threads_per_worker": cfg.cluster.threads_per_worker,
+                "model.gpt.vocab_size": cfg.model.gpt.vocab_size,
+                "model.gpt.block_size": cfg.model.gpt.block_size,
+                "model.gpt.n_layer": cfg.model.gpt.n_layer,
+                "model.gpt.n_head": cfg.model.gpt.n_head, "model.gpt.n_embd": cfg.model.gpt.n_embd}
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key}: expected a positive integer, got {value}")
+    g = cfg.model.gpt
+    if g.n_embd % g.n_head:
+        raise ConfigError(f"model.gpt.n_embd: {g.n_embd} is not divisible by model.gpt.n_head "
+                          f"= {g.n_head}")
+    if not 0.0 <= g.dropout < 1.0:
+        raise ConfigError(f"model.gpt.dropout: expected a number in [0, 1), got {g.dropout}")
+    o = cfg.optimizer
+    if o.lr <= 0:
+        raise ConfigError(f"optimizer.lr: expected a positive number, got {o.lr}")
+    if o.grad_clip < 0:
+        raise ConfigError(f"optimizer.grad_clip: expected >= 0 (0 disables), got {o.grad_clip}")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        raise ConfigError(f"optimizer.betas: expected two numbers in [0, 1), got {o.betas}")
+    if cfg.lr_schedule.warmup_iters < 0:
+        raise ConfigError("lr_schedule.warmup_iters: expected >= 0, got "
+                          f"{cfg.lr_schedule.warmup_iters}")
+    if cfg.model.kind == "factory" and ":" not in cfg.model.factory:
+        raise ConfigError("model.factory: expected 'package.module:function' when model.kind is "
+                          f"'factory', got {cfg.model.factory!r}")
+    if cfg.data.kind == "factory" and ":" not in cfg.data.factory:
+        raise ConfigError("data.factory: expected 'package.module:function' when data.kind is "
+                          f"'factory', got {cfg.data.factory!r}")
+    if cfg.data.block_size < 0:
+        raise ConfigError(f"data.block_size: expected >= 0, got {cfg.data.block_size}")
+    if cfg.data.kind in ("text", "tokens") and not cfg.data.path:
+        raise ConfigError(f"data.path: required when data.kind is {cfg.data.kind!r}")
+    if cfg.model.partition == "explicit" and not cfg.model.stage_of_layer:
+        raise ConfigError("model.stage_of_layer: required when model.partition is 'explicit' "
+                          "(one stage index per layer)")
+    if not 0 <= cfg.cluster.port < 65536:
+        raise ConfigError(f"cluster.port: expected 0..65535, got {cfg.cluster.port}")
+    if cfg.cluster.timeout_s <= 0:
+        raise ConfigError(f"cluster.timeout_s: expected a positive number, got "
+                          f"{cfg.cluster.timeout_s}")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=value` -> (['a', 'b'], value); the value is read as YAML (numbers, lists, bools)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected key=value")
+    key, raw = text.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"--set {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {text!r}: cannot read the value: {exc}") from None
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {text!r}: {part!r} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> Config:
+    data = apply_overrides(json.loads(json.dumps(data or {})), overrides or [])
+    cfg = _build(Config, data, "")
+    _check(cfg)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read a YAML file; relative data paths are taken relative to the file's folder."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such configuration file")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    try:
+        cfg = from_dict(data, overrides)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    if cfg.data.path and not Path(cfg.data.path).is_absolute():
+        candidate = path.parent / cfg.data.path
+        if candidate.exists() or not Path(cfg.data.path).exists():
+            cfg.data.path = str(candidate.resolve())
+    return cfg

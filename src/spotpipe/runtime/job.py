@@ -1,0 +1,82 @@
+"""What every process of a job builds from the configuration: model, dataset, partition.
+
+The launcher calls these once before any worker starts, so that bad input (a factory that does
+not import, a missing data file, more stages than layers) is reported cleanly, and so that the
+partition (which may come from noisy profiling) is decided once and handed to every worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from spotpipe.config import Config
+from spotpipe.data import GlobalSampler, TextDataset, TokenFileDataset, collate, load_user_dataset
+from spotpipe.model import GPTConfig, LayeredModel, build_gpt, build_user_model, partition
+
+
+def build_model(cfg: Config) -> LayeredModel:
+    if cfg.model.kind == "gpt":
+        g = cfg.model.gpt
+        return build_gpt(GPTConfig(vocab_size=g.vocab_size, block_size=g.block_size,
+                                   n_layer=g.n_layer, n_head=g.n_head, n_embd=g.n_embd,
+                                   dropout=g.dropout, bias=g.bias,
+                                   tie_embeddings=g.tie_embeddings), seed=cfg.seed)
+    return build_user_model(cfg.model.factory, dict(cfg.model.factory_kwargs), seed=cfg.seed)
+
+
+def block_size(cfg: Config) -> int:
+    return cfg.data.block_size or cfg.model.gpt.block_size
+
+
+def build_dataset(cfg: Config) -> Any:
+    d = cfg.data
+    if d.kind == "tokens":
+        return TokenFileDataset(d.path, block_size(cfg), dtype=d.dtype)
+    if d.kind == "text":
+        return TextDataset(d.path, block_size(cfg))
+    return load_user_dataset(d.factory, dict(d.factory_kwargs))
+
+
+def build_sampler(cfg: Config, dataset: Any) -> GlobalSampler:
+    return GlobalSampler(len(dataset), cfg.global_batch, cfg.seed)
+
+
+def compute_partition(cfg: Config, model: LayeredModel, dataset: Any,
+                      num_stages: int | None = None) -> list[tuple[int, int]]:
+    p = num_stages or cfg.stages
+    sample = None
+    if cfg.model.partition == "time":
+        sample, _ = collate(dataset, list(range(cfg.micro_batch_size)))
+    ranges = partition(model, p, cfg.model.partition,
+                       explicit=list(cfg.model.stage_of_layer) or None, sample_input=sample)
+    return [(int(a), int(b)) for a, b in ranges]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a worker needs beyond the config: decided once by the launcher."""
+
+    partition: list[tuple[int, int]]
+    num_samples: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"partition": [list(r) for r in self.partition], "num_samples": self.num_samples}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "RunSpec":
+        return cls([tuple(r) for r in data["partition"]], int(data["num_samples"]))
+
+
+def device_for(backend: str, local_rank: int) -> torch.device:
+    if backend == "nccl":
+        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
+def resolve_backend(cfg: Config) -> str:
+    if cfg.cluster.backend != "auto":
+        return cfg.cluster.backend
+    return "nccl" if torch.cuda.is_available() else "gloo"

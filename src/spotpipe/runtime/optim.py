@@ -1,0 +1,50 @@
+"""Optimizer and LR schedule from the config.
+
+One builder serves the workers, the single-process reference loop and (later) replicas and
+shadows: an exact replica needs the identical optimizer class, hyperparameters and schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from spotpipe.config import Config
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: Config) -> torch.optim.Optimizer:
+    o = cfg.optimizer
+    params = list(params)
+    if o.name == "adamw":
+        # foreach=False: the per-tensor kernels are the same on every process whatever the
+        # grouping of tensors into stages, so partitioned and unpartitioned steps match bitwise.
+        return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                 weight_decay=o.weight_decay, foreach=False)
+    return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
+                           foreach=False)
+
+
+def lr_factor(cfg: Config, step: int) -> float:
+    """Multiplier of optimizer.lr at `step` (0-based): warmup, then constant/cosine/linear."""
+    s = cfg.lr_schedule
+    total = cfg.iterations
+    if s.warmup_iters and step < s.warmup_iters:
+        return (step + 1) / s.warmup_iters
+    if s.kind == "constant":
+        return 1.0
+    floor = s.min_lr / cfg.optimizer.lr
+    span = max(1, total - s.warmup_iters)
+    progress = min(1.0, (step - s.warmup_iters) / span)
+    if s.kind == "cosine":
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return floor + (1.0 - floor) * (1.0 - progress)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, cfg: Config, step: int) -> float:
+    """Set the LR for iteration `step` explicitly, so any process can resume at any step."""
+    lr = cfg.optimizer.lr * lr_factor(cfg, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr

@@ -1,0 +1,44 @@
+"""The plain single-process PyTorch loop that a pipeline run must reproduce.
+
+This is the definition of "the same result": the unpartitioned model, the same samples in the
+same micro-batches (global micro-batch j = pipeline * M + m), each loss divided by M * D and
+accumulated, torch's own clip_grad_norm_, then one optimizer step. Tests and benchmarks compare
+pipeline runs against it; nothing here knows about stages.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from spotpipe.config import Config
+from spotpipe.data import collate
+from spotpipe.runtime import job
+from spotpipe.runtime.optim import build_optimizer, set_lr
+
+
+def train_reference(cfg: Config, iterations: int | None = None) -> tuple[nn.Module, list[float]]:
+    """Train the unpartitioned model; return it and the loss of every iteration."""
+    torch.set_num_threads(cfg.cluster.threads_per_worker)
+    layered = job.build_model(cfg)
+    model = layered.to_sequential()
+    dataset = job.build_dataset(cfg)
+    sampler = job.build_sampler(cfg, dataset)
+    optimizer = build_optimizer(model.parameters(), cfg)
+    m, d = cfg.num_microbatches, cfg.pipelines
+    losses = []
+    for t in range(cfg.iterations if iterations is None else iterations):
+        set_lr(optimizer, cfg, t)
+        total = 0.0
+        for pipeline in range(d):
+            for idx in sampler.pipeline_microbatches(t, pipeline, d, m):
+                x, y = collate(dataset, idx)
+                loss = layered.loss_fn(model(x), y) / (m * d)
+                loss.backward()
+                total += float(loss)
+        if cfg.optimizer.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    return model, losses
