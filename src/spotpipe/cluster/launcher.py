@@ -29,8 +29,8 @@ from safetensors.torch import load_file, save_file
 
 from spotpipe.config import Config
 from spotpipe.cluster.channel import WorkerChannel, read_mailbox
-from spotpipe.runtime import job
-from spotpipe.runtime.worker import cross_stage_tied
+from spotpipe import job
+from spotpipe.model.ties import cross_stage_tied
 
 
 class LaunchError(RuntimeError):

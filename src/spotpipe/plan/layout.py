@@ -17,12 +17,12 @@ from typing import Iterable, Mapping
 Slot = tuple[int, int]  # (pipeline d, stage s)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Layout:
     """P stages x D pipelines, who owns what, and who waits on standby.
 
-    `owners` is stored as a sorted tuple of ((d, s), node) pairs so the layout stays hashable
-    (the simulator caches timings per layout shape). `target_stages` is the configured depth P
+    `owners` is stored as a tuple of ((d, s), node) pairs so the layout stays immutable and
+    hashable; equality ignores their order. `target_stages` is the configured depth P
     the job returns to after a re-partition; `max_pipelines` caps growth by ADD_PIPELINE
     (None: as many as nodes allow).
     """
@@ -34,29 +34,63 @@ class Layout:
     target_stages: int = 0
     max_pipelines: int | None = None
     _map: dict[Slot, str] = field(init=False, repr=False, compare=False, hash=False)
-    _load: dict[str, int] = field(init=False, repr=False, compare=False, hash=False)
+    _slots: dict[str, list[Slot]] = field(init=False, repr=False, compare=False, hash=False)
+    _carriers: int = field(init=False, repr=False, compare=False, hash=False)
+    _active: frozenset[str] = field(init=False, repr=False, compare=False, hash=False)
+
+    def _key(self) -> tuple:
+        return (self.num_stages, self.num_pipelines, frozenset(self._map.items()), self.standby,
+                self.target_stages, self.max_pipelines)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal when the same nodes own the same stages, whatever the insertion order."""
+        return isinstance(other, Layout) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     def __post_init__(self) -> None:
         mapping = dict(self.owners)
-        expected = {(d, s) for d in range(self.num_pipelines) for s in range(self.num_stages)}
-        if set(mapping) != expected or len(mapping) != len(self.owners):
-            raise ValueError(f"layout must own every (pipeline, stage) of {self.num_pipelines} x "
-                             f"{self.num_stages} exactly once, got {sorted(mapping)}")
-        busy = set(mapping.values())
-        if busy & set(self.standby) or len(set(self.standby)) != len(self.standby):
+        p, width = self.num_stages, self.num_pipelines
+        if len(mapping) != len(self.owners) or len(mapping) != p * width or any(
+                not (0 <= d < width and 0 <= s < p) for d, s in mapping):
+            raise ValueError(f"layout must own every (pipeline, stage) of {width} x {p} "
+                             f"exactly once, got {sorted(mapping)}")
+        if set(mapping.values()) & set(self.standby) or len(set(self.standby)) != len(self.standby):
             raise ValueError("a standby node is listed twice or also owns a stage")
-        pipe_of: dict[str, int] = {}
-        for (d, _), node in mapping.items():
-            if pipe_of.setdefault(node, d) != d:
+        self._index(mapping)
+        for node, slots in self._slots.items():
+            if len({d for d, _ in slots}) > 1:
                 raise ValueError(f"node {node} owns stages of more than one pipeline")
-        object.__setattr__(self, "owners", tuple(sorted(mapping.items())))
+
+    def _index(self, mapping: dict[Slot, str]) -> None:
+        slots: dict[str, list[Slot]] = {}
+        for slot, node in mapping.items():
+            slots.setdefault(node, []).append(slot)
+        object.__setattr__(self, "owners", tuple(mapping.items()))
         object.__setattr__(self, "_map", mapping)
-        load: dict[str, int] = {}
-        for node in mapping.values():
-            load[node] = load.get(node, 0) + 1
-        object.__setattr__(self, "_load", load)
+        object.__setattr__(self, "_slots", slots)
+        object.__setattr__(self, "_carriers", sum(1 for v in slots.values() if len(v) > 1))
+        object.__setattr__(self, "_active", frozenset(slots))
         if self.target_stages <= 0:
             object.__setattr__(self, "target_stages", self.num_stages)
+
+    @classmethod
+    def _trusted(cls, num_stages: int, num_pipelines: int, mapping: dict[Slot, str],
+                 standby: tuple[str, ...], target_stages: int,
+                 max_pipelines: int | None) -> "Layout":
+        """Build without validation, for layouts derived by `plan.decide` from a valid one.
+
+        Decisions run once per cluster event in the simulator's inner loop; validating every
+        derived layout would dominate a 10,000-seed table. Public constructors validate.
+        """
+        self = object.__new__(cls)
+        for name, value in (("num_stages", num_stages), ("num_pipelines", num_pipelines),
+                            ("standby", tuple(standby)), ("target_stages", target_stages),
+                            ("max_pipelines", max_pipelines)):
+            object.__setattr__(self, name, value)
+        self._index(mapping)
+        return self
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -99,11 +133,11 @@ class Layout:
         return self._map[(d, (s - 1) % self.num_stages)]
 
     def stages_of(self, node: str) -> list[Slot]:
-        return [slot for slot, n in self.owners if n == node]
+        return sorted(self._slots.get(node, ()))
 
     @property
     def active_nodes(self) -> frozenset[str]:
-        return frozenset(self._map.values())
+        return self._active
 
     @property
     def all_nodes(self) -> frozenset[str]:
@@ -111,7 +145,21 @@ class Layout:
 
     def carriers(self) -> dict[str, list[Slot]]:
         """Nodes running more than one stage (after a takeover), with their stages."""
-        return {n: self.stages_of(n) for n, k in self._load.items() if k > 1}
+        return {n: sorted(slots) for n, slots in self._slots.items() if len(slots) > 1}
+
+    @property
+    def has_carriers(self) -> bool:
+        return self._carriers > 0
+
+    def with_standby(self, standby: tuple[str, ...]) -> "Layout":
+        """The same owners with another standby list; shares the owner index (cheap: joins
+        and standby losses are the commonest events and change no stage)."""
+        if standby == self.standby:
+            return self
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        object.__setattr__(new, "standby", tuple(standby))
+        return new
 
     def has_replica(self, d: int, s: int) -> bool:
         """Whether stage s of pipeline d can be taken over from memory.
@@ -121,7 +169,7 @@ class Layout:
         node's own second stage is not a replica of anything. Both cases return False.
         """
         holder = self.replica_holder(d, s)
-        return holder != self.owner(d, s) and self._load[holder] == 1
+        return holder != self.owner(d, s) and len(self._slots[holder]) == 1
 
     def shape_key(self) -> tuple[int, int, tuple[tuple[int, ...], ...]]:
         """(P, D, per pipeline the stages merged onto their predecessor's node).
@@ -129,9 +177,14 @@ class Layout:
         Iteration time depends only on this, so the simulator caches timings by it.
         """
         p = self.num_stages
-        merged = tuple(tuple(s for s in range(p) if p > 1 and self.owner(d, s) == self.owner(d, s - 1))
-                       for d in range(self.num_pipelines))
-        return (self.num_stages, self.num_pipelines, merged)
+        merged: list[list[int]] = [[] for _ in range(self.num_pipelines)]
+        for slots in self._slots.values():
+            if len(slots) > 1:
+                own = set(slots)
+                for d, s in slots:
+                    if (d, (s - 1) % p) in own:
+                        merged[d].append(s)
+        return (p, self.num_pipelines, tuple(tuple(sorted(m)) for m in merged))
 
 
 def uniform_partition(num_layers: int, num_stages: int) -> list[tuple[int, int]]:

@@ -86,9 +86,9 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
                      and n not in layout.active_nodes)
     hit = lost & layout.active_nodes
     if not hit:
-        base = _replace(layout, layout.mapping, standby)
-        return _grow(base, min_stages)
-    broken = [d for d in range(layout.num_pipelines) if not _repairable(layout, d, lost)]
+        return _grow(layout.with_standby(standby), min_stages)
+    hit_pipes = sorted({d for d, _ in _lost_slots(layout, hit)})
+    broken = [d for d in hit_pipes if not _repairable(layout, d, lost)]
     if not broken:
         return _failover(layout, lost, standby)
     alive_pipes = [d for d in range(layout.num_pipelines) if d not in broken]
@@ -102,18 +102,19 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
 
 def _repairable(layout: Layout, d: int, lost: frozenset[str]) -> bool:
     """Every lost stage of pipeline d has a live replica holder with room to take it over."""
-    for s in range(layout.num_stages):
-        if layout.owner(d, s) in lost:
-            if layout.replica_holder(d, s) in lost or not layout.has_replica(d, s):
-                return False
-    return True
+    return all(layout.replica_holder(d, s) not in lost and layout.has_replica(d, s)
+               for d_, s in _lost_slots(layout, lost) if d_ == d)
+
+
+def _lost_slots(layout: Layout, lost: frozenset[str]) -> list[Slot]:
+    return sorted(slot for node in lost for slot in layout.stages_of(node))
 
 
 def _takeovers(layout: Layout, d: int, lost: frozenset[str], new_d: int,
                mapping: dict[Slot, str]) -> list[Move]:
     moves = []
-    for s in range(layout.num_stages):
-        if layout.owner(d, s) in lost:
+    for d_, s in _lost_slots(layout, lost):
+        if d_ == d:
             holder = layout.replica_holder(d, s)
             mapping[(new_d, s)] = holder
             moves.append(Move(MoveKind.PROMOTE, new_d, s, holder, holder))
@@ -123,7 +124,7 @@ def _takeovers(layout: Layout, d: int, lost: frozenset[str], new_d: int,
 def _failover(layout: Layout, lost: frozenset[str], standby: tuple[str, ...]) -> Decision:
     mapping = layout.mapping
     moves: list[Move] = []
-    for d in range(layout.num_pipelines):
+    for d in sorted({d for d, _ in _lost_slots(layout, lost)}):
         moves += _takeovers(layout, d, lost, d, mapping)
     new = _replace(layout, mapping, standby)
     return Decision(Action.FAILOVER, new, tuple(moves),
@@ -139,9 +140,7 @@ def _drop(layout: Layout, lost: frozenset[str], standby: tuple[str, ...], broken
             mapping[(new_d, s)] = layout.owner(d, s)
         moves += _takeovers(layout, d, lost, new_d, mapping)
     freed = sorted({layout.owner(d, s) for d in broken for s in range(layout.num_stages)} - lost)
-    new = Layout.from_mapping(layout.num_stages, len(alive_pipes), mapping, standby + tuple(freed),
-                              target_stages=layout.target_stages,
-                              max_pipelines=layout.max_pipelines)
+    new = _replace(layout, mapping, standby + tuple(freed), len(alive_pipes))
     return Decision(Action.DROP_PIPELINE, new, tuple(moves),
                     f"pipeline(s) {broken} lost adjacent stages; dropped, global batch kept",
                     tuple(broken))
@@ -169,13 +168,13 @@ def _grow(layout: Layout, min_stages: int) -> Decision:
         if not layout.standby:
             return Decision(Action.STOP, layout, (), "no nodes")
         return _restart(layout, list(layout.standby), min_stages, [])
-    if layout.carriers() and layout.standby:
+    if layout.has_carriers and layout.standby:
         return _rebalance(layout)
     total = len(layout.all_nodes)
     if layout.num_stages < layout.target_stages and total >= layout.target_stages:
         return _repartition_up(layout)
     cap = layout.max_pipelines
-    if (len(layout.standby) >= layout.num_stages and not layout.carriers()
+    if (len(layout.standby) >= layout.num_stages and not layout.has_carriers
             and (cap is None or layout.num_pipelines < cap)):
         return _add_pipeline(layout)
     return Decision(Action.KEEP, layout, (), "nothing to change")
@@ -227,17 +226,19 @@ def _add_pipeline(layout: Layout) -> Decision:
         mapping[(d_new, s)] = fresh
         moves.append(Move(MoveKind.COPY, d_new, s, layout.owner(0, s), fresh))
         moves.append(Move(MoveKind.REPLICA, d_new, (s + 1) % p, layout.owner(0, s + 1), fresh))
-    new = Layout.from_mapping(p, d_new + 1, mapping, standby, target_stages=layout.target_stages,
-                              max_pipelines=layout.max_pipelines)
+    new = _replace(layout, mapping, tuple(standby), d_new + 1)
     return Decision(Action.ADD_PIPELINE, new, tuple(moves), f"standby nodes form pipeline {d_new}")
 
 
 # -- helpers ------------------------------------------------------------------------------
 
-def _replace(layout: Layout, mapping: dict[Slot, str], standby: tuple[str, ...]) -> Layout:
-    return Layout.from_mapping(layout.num_stages, layout.num_pipelines, mapping, standby,
-                               target_stages=layout.target_stages,
-                               max_pipelines=layout.max_pipelines)
+def _replace(layout: Layout, mapping: dict[Slot, str], standby: tuple[str, ...],
+             num_pipelines: int | None = None) -> Layout:
+    """The same depth with new owners: built unchecked, since every caller derives it from a
+    valid layout by moving whole stages (tests validate the results via Layout(...))."""
+    width = layout.num_pipelines if num_pipelines is None else num_pipelines
+    return Layout._trusted(layout.num_stages, width, mapping, standby, layout.target_stages,
+                           layout.max_pipelines)
 
 
 def _fresh(layout: Layout, depth: int, nodes: list[str]) -> Layout:

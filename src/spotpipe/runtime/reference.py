@@ -13,7 +13,7 @@ from torch import nn
 
 from spotpipe.config import Config
 from spotpipe.data import collate
-from spotpipe.runtime import job
+from spotpipe import job
 from spotpipe.runtime.optim import build_optimizer, set_lr
 
 
@@ -35,7 +35,7 @@ def train_reference(cfg: Config, iterations: int | None = None) -> tuple[nn.Modu
                 x, y = collate(dataset, idx)
                 loss = layered.loss_fn(model(x), y) / (m * d)
                 loss.backward()
-                total += float(loss)
+                total += float(loss.detach())
         if cfg.optimizer.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
         optimizer.step()

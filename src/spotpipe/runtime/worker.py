@@ -23,7 +23,8 @@ from spotpipe.config import Config, load_config
 from spotpipe.cluster.channel import WorkerChannel
 from spotpipe.data import collate
 from spotpipe.model import LayeredModel, build_stage
-from spotpipe.runtime import job
+from spotpipe.model.ties import cross_stage_tied, norm_param_names
+from spotpipe import job
 from spotpipe.runtime.comm import Groups, PeerLink, Topology
 from spotpipe.runtime.executor import Executor, Microbatches, StageState
 from spotpipe.runtime.optim import build_optimizer, set_lr
@@ -41,34 +42,6 @@ def stage_state(model: LayeredModel, partition: list[tuple[int, int]], stage: in
     norm_params = [named[n] for n in named if n in counted]
     tied = [named[n] for n in cross_stage_tied(model, partition) if n in named]
     return StageState(stage, module, build_optimizer(params, cfg), norm_params, tied)
-
-
-def cross_stage_tied(model: LayeredModel, partition: list[tuple[int, int]]) -> set[str]:
-    """Names of tied parameters whose partner lives on another stage: their gradients must be
-    summed across stages (ties within one stage are one Parameter already)."""
-    def stage_of(name: str) -> int:
-        layer = int(name.split(".", 1)[0])
-        return next(s for s, (a, b) in enumerate(partition) if a <= layer < b)
-
-    return {n for a, b in model.tied if stage_of(a) != stage_of(b) for n in (a, b)}
-
-
-def norm_param_names(model: LayeredModel, partition: list[tuple[int, int]]) -> list[list[str]]:
-    """Per stage, the parameter names that count towards the global norm, in model order.
-
-    A tied parameter counts once, where the unpartitioned model first meets it; this is what
-    `nn.Module.parameters()` does on the unpartitioned model, so the norms agree.
-    """
-    seen: set[int] = set()
-    out: list[list[str]] = [[] for _ in partition]
-    for stage, (start, end) in enumerate(partition):
-        for index in range(start, end):
-            for name, p in model.layers[index].named_parameters():
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                out[stage].append(f"{index}.{name}")
-    return out
 
 
 class Worker:

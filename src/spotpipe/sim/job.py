@@ -1,0 +1,122 @@
+"""The job's clock and ledger: progress, pauses, rollbacks and where the time went.
+
+Policies decide *what* happens at an event (a pause, a rollback, a new iteration time); this
+class does the arithmetic of *how much* each costs, identically for every policy, so policies
+differ only in their decisions. Time between events is split into five buckets:
+- useful: running iterations that are kept, at the speed of the plain (non-redundant) schedule;
+- redundant: the extra iteration time forward redundant computation adds;
+- recovering: failover and reconfiguration pauses, and in-flight work replayed after them;
+- restarting: restarts (from shadows or checkpoints) and the work they roll back;
+- idle: nothing can run (booting, too few nodes).
+"""
+
+from __future__ import annotations
+
+import math
+
+BUCKETS = ("useful", "redundant", "recovering", "restarting", "idle")
+
+
+class Job:
+    """Progress in iterations (a float: the fraction is the in-flight iteration)."""
+
+    def __init__(self, samples_per_iteration: int, checkpoint_interval_s: float) -> None:
+        self.samples_per_iteration = samples_per_iteration
+        self.interval = checkpoint_interval_s
+        self.t = 0.0
+        self.iters = 0.0
+        self.kept_iters = 0.0  # progress saved in the last durable checkpoint
+        self.iter_s: float | None = None
+        self.plain_s = 0.0
+        self.paused_until = 0.0
+        self.pause_bucket = "recovering"
+        self.run_since_ckpt = 0.0
+        self.pending = [0.0, 0.0]  # useful, redundant run time since the last checkpoint
+        self.buckets = dict.fromkeys(BUCKETS, 0.0)
+
+    # -- time passes ----------------------------------------------------------------------
+    def advance(self, t: float) -> None:
+        dt = t - self.t
+        if dt <= 0:
+            return
+        paused = min(dt, max(0.0, self.paused_until - self.t))
+        if paused:
+            self.buckets[self.pause_bucket] += paused
+        run = dt - paused
+        self.t = t
+        if run <= 0:
+            return
+        if self.iter_s is None:
+            self.buckets["idle"] += run
+            return
+        self.iters += run / self.iter_s
+        share = self.plain_s / self.iter_s
+        self.pending[0] += run * share
+        self.pending[1] += run * (1.0 - share)
+        self.run_since_ckpt += run
+        if self.run_since_ckpt >= self.interval:
+            left = self.run_since_ckpt % self.interval  # run time since the newest checkpoint
+            self.kept_iters = self.iters - left / self.iter_s
+            self._commit(left * share, left * (1.0 - share))
+            self.run_since_ckpt = left
+
+    def _commit(self, keep_useful: float, keep_redundant: float) -> None:
+        """Move pending run time into the buckets, leaving what is not yet checkpointed."""
+        self.buckets["useful"] += self.pending[0] - keep_useful
+        self.buckets["redundant"] += self.pending[1] - keep_redundant
+        self.pending = [keep_useful, keep_redundant]
+
+    # -- what policies do -----------------------------------------------------------------
+    def set_iteration(self, iter_s: float | None, plain_s: float | None = None) -> None:
+        """The layout changed: new iteration time (None: nothing runs)."""
+        self.iter_s = iter_s
+        self.plain_s = iter_s if plain_s is None else plain_s
+
+    def pause(self, seconds: float, bucket: str) -> None:
+        """Stop computing for `seconds` from now (or from the end of a pause under way)."""
+        start = max(self.t, self.paused_until)
+        # one label per pause: an extended pause is counted under the newest reason
+        self.paused_until = start + seconds
+        self.pause_bucket = bucket
+
+    def lose_in_flight(self, bucket: str) -> None:
+        """Drop the unfinished iteration (failover replays it); its time goes to `bucket`."""
+        whole = math.floor(self.iters + 1e-9)
+        lost = self.iters - whole
+        if lost <= 0 or not self.iter_s:
+            return
+        seconds = lost * self.iter_s
+        share = self.plain_s / self.iter_s
+        self.pending[0] -= seconds * share
+        self.pending[1] -= seconds * (1.0 - share)
+        self.buckets[bucket] += seconds
+        self.iters = whole
+        self.kept_iters = min(self.kept_iters, whole)
+
+    def roll_back_to_checkpoint(self, bucket: str) -> None:
+        """Everything since the last durable checkpoint is lost and redone later."""
+        self.buckets[bucket] += self.pending[0] + self.pending[1]
+        self.pending = [0.0, 0.0]
+        self.iters = self.kept_iters
+        self.run_since_ckpt = 0.0
+
+    def checkpoint_now(self) -> None:
+        """A checkpoint of the current (whole-iteration) progress, e.g. a graceful restart."""
+        self.kept_iters = self.iters
+        self._commit(0.0, 0.0)
+        self.run_since_ckpt = 0.0
+
+    # -- results --------------------------------------------------------------------------
+    def finish(self, t: float) -> dict[str, float]:
+        self.advance(t)
+        self._commit(0.0, 0.0)
+        return dict(self.buckets)
+
+    @property
+    def samples(self) -> float:
+        return self.iters * self.samples_per_iteration
+
+    def throughput_now(self) -> float:
+        if self.iter_s is None or self.paused_until > self.t:
+            return 0.0
+        return self.samples_per_iteration / self.iter_s

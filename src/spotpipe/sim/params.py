@@ -1,0 +1,96 @@
+"""Times the simulator charges for cluster operations, with defaults and bench calibration.
+
+Defaults are order-of-magnitude figures for V100 instances (stated per field); a JSON of
+figures measured by `spotpipe bench` replaces any of them, because the simulator's prediction
+is only as good as these pauses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from spotpipe.sim.models import ModelCosts
+    from spotpipe.sim.prices import Price
+
+
+@dataclass(frozen=True)
+class SimParams:
+    boot_s: float = 120.0  # a granted spot instance until its worker joins (AMI boot + start)
+    rendezvous_s: float = 10.0  # first membership round of a job (or after a stop)
+    pause_s: float = 5.0  # failover: detect the loss, re-form groups, promote the replica
+    reconfig_pause_s: float = 30.0  # rebalance / add / drop pipeline / re-partition: P2P moves
+    shadow_restore_pause_s: float = 60.0  # spotpipe fatal failure: reload from CPU shadows
+    restart_pause_s: float = 300.0  # full restart: relaunch every process, load checkpoint
+    checkpoint_interval_s: float = 1800.0  # durable checkpoints of bamboo / checkpoint-restart
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) \
+                    or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{f.name} must be a finite non-negative number, got {value!r}")
+        if self.checkpoint_interval_s <= 0:
+            raise ValueError("checkpoint_interval_s must be positive")
+
+
+def calibrate(path: str | Path, base: SimParams | None = None) -> SimParams:
+    """Override defaults from a bench JSON (a flat object, or one under a "figures" key).
+
+    Keys named like the fields (pause_s, restart_pause_s, any *_pause_s, boot_s, ...) are
+    used; other keys are ignored, since bench output carries unrelated figures too. A file
+    with none of them is an error: calibrating from it would silently change nothing.
+    """
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read calibration: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+    if isinstance(raw, dict) and isinstance(raw.get("figures"), dict):
+        raw = raw["figures"]
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: calibration must be a JSON object")
+    names = {f.name for f in fields(SimParams)}
+    found = {k: v for k, v in raw.items() if k in names}
+    unknown = sorted(k for k in raw if k.endswith("_pause_s") and k not in names)
+    if unknown:
+        raise ValueError(f"{path}: unknown pause figure(s) {unknown}; known: {sorted(names)}")
+    if not found:
+        raise ValueError(f"{path}: no calibration figures; expected some of {sorted(names)}")
+    try:
+        return replace(base or SimParams(), **found)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One job: the model, its configured P x D and schedule, the instance price, the pauses."""
+
+    model: "ModelCosts"
+    price: "Price"
+    num_stages: int = 8
+    num_pipelines: int = 4
+    schedule: str = "1f1b"
+    params: SimParams = SimParams()
+    min_stages: int = 1  # below this depth the model does not fit: the job stops
+
+    def __post_init__(self) -> None:
+        if self.num_stages < 1 or self.num_pipelines < 1:
+            raise ValueError(f"need at least one stage and one pipeline, got P={self.num_stages}, "
+                             f"D={self.num_pipelines}")
+        if self.num_stages > self.model.num_layers:
+            raise ValueError(f"{self.model.name} has {self.model.num_layers} layers, cannot run "
+                             f"{self.num_stages} stages")
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise ValueError(f"unknown schedule {self.schedule!r}; expected gpipe or 1f1b")
+
+    @property
+    def nodes(self) -> int:
+        return self.num_stages * self.num_pipelines

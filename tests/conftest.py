@@ -1,0 +1,39 @@
+"""Shared fixtures: a tiny corpus and config, and a runner for local-cluster jobs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from spotpipe.config import Config, from_dict
+from spotpipe.data import ensure_demo_corpus
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    return ensure_demo_corpus(tmp_path_factory.mktemp("data") / "corpus.txt")
+
+
+def tiny_config(corpus: Path, **overrides) -> Config:
+    """A GPT small enough that P x D worker processes start and train in seconds on 2 cores."""
+    data = {
+        "model": {"kind": "gpt", "gpt": {"vocab_size": 256, "block_size": 16, "n_layer": 2,
+                                         "n_head": 2, "n_embd": 32}},
+        "data": {"kind": "text", "path": str(corpus)},
+        "optimizer": {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "grad_clip": 0.5},
+        "lr_schedule": {"kind": "cosine", "warmup_iters": 1},
+        "micro_batch_size": 2, "num_microbatches": 4, "iterations": 3, "seed": 1,
+        "logging": {"progress": False},
+        "cluster": {"timeout_s": 60},
+    }
+    flat = [f"{k}={v}" for k, v in overrides.items()]
+    return from_dict(data, flat)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_env(monkeypatch):
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"))
