@@ -62,7 +62,8 @@ def prepare(cfg: Config) -> Prepared:
     try:
         partition = job.compute_partition(cfg, model, dataset)
     except Exception as exc:
-        raise LaunchError(f"model.partition: {exc}") from None
+        key = "model.stage_of_layer" if cfg.model.partition == "explicit" else "model.partition"
+        raise LaunchError(f"{key}: {exc}") from None
     last = len(partition) - 1
     for name in sorted(cross_stage_tied(model, partition)):
         layer = int(name.split(".", 1)[0])

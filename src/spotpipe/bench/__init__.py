@@ -1,0 +1,36 @@
+"""`spotpipe bench NAME`: named benchmarks, each a module with `run(quick) -> dict`.
+
+Every benchmark prints a human-readable table while it runs and, with --json, one JSON object
+of named figures as the last line of stdout, which is what scripts and issue notes rely on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+BENCHES = {
+    "pipeline": "spotpipe.bench.pipeline",
+    "redundancy": "spotpipe.bench.redundancy",
+    "simulator": "spotpipe.bench.simulator",
+}
+
+
+def run_bench(name: str, *, as_json: bool = False, quick: bool = False) -> int:
+    if name not in BENCHES:
+        print(f"spotpipe: error: unknown benchmark {name!r}; choose one of "
+              f"{', '.join(sorted(BENCHES))}", file=sys.stderr)
+        return 2
+    try:
+        module = importlib.import_module(BENCHES[name])
+    except ImportError as exc:
+        print(f"spotpipe: error: benchmark {name!r} is not available: {exc}", file=sys.stderr)
+        return 2
+    figures = module.run(quick=quick)
+    if as_json:
+        print(json.dumps(figures))
+    else:
+        for key, value in figures.items():
+            print(f"{key:40s} {value}")
+    return 0

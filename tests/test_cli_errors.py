@@ -1,0 +1,121 @@
+"""Bad input: a clear message naming the problem, exit code 2, no output folder, no processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+BASE = """
+model: {kind: gpt, gpt: {block_size: 16, n_layer: 2, n_head: 2, n_embd: 32}}
+data: {kind: text, path: CORPUS}
+micro_batch_size: 2
+num_microbatches: 2
+iterations: 2
+logging: {progress: false}
+"""
+
+
+def spotpipe(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=f"{REPO / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.run([sys.executable, "-m", "spotpipe", *args], capture_output=True,
+                          text=True, timeout=240, env=env, cwd=cwd)
+
+
+def workers_running(out: Path) -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if "spotpipe.runtime.worker" in line
+            and str(out) in open(f"/proc/{line.split()[0]}/environ", "rb").read().decode(
+                errors="replace")] if ps else []
+
+
+@pytest.fixture
+def config(tmp_path, corpus):
+    path = tmp_path / "job.yaml"
+    path.write_text(BASE.replace("CORPUS", str(corpus)))
+    return path
+
+
+CASES = [
+    (["--set", "optimizer.lrr=1"], "unknown key 'optimizer.lrr' (did you mean 'lr'?)"),
+    (["--set", "optimizer.lr=fast"], "optimizer.lr: expected a number, got 'fast'"),
+    (["--set", "schedule=zigzag"], "schedule: expected one of 'gpipe', '1f1b', got 'zigzag'"),
+    (["--set", "micro_batch_size=0"], "micro_batch_size: expected a positive integer"),
+    (["--set", "model.gpt.n_embd=30", "--set", "model.gpt.n_head=4"], "not divisible"),
+    (["--set", "optimizer.betas=[0.9]"], "optimizer.betas"),
+    (["--set", "logging.progress=maybe"], "logging.progress: expected true or false"),
+    (["--set", "data.path=/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
+    (["--stages", "5"], "5 stages"),
+    (["--set", "model.kind=factory", "--set", "model.factory=no_such_pkg.models:make"],
+     "no_such_pkg"),
+    (["--set", "model.kind=factory", "--set", "model.factory=fixtures.user_models:nope"],
+     "nope"),
+    (["--set", "model.partition=explicit", "--set", "model.stage_of_layer=[0,1,0,1]"],
+     "stage_of_layer"),
+    (["--set", "micro_batch_size=100000"], "fewer than one global batch"),
+]
+
+
+@pytest.mark.parametrize("args,expected", CASES, ids=[c[1][:30] for c in CASES])
+def test_bad_input_is_refused_before_anything_starts(tmp_path, config, args, expected):
+    out = tmp_path / "out"
+    result = spotpipe("train", str(config), "--out", str(out), *args)
+    assert result.returncode == 2, result.stderr
+    assert expected in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not out.exists(), "a refused run must not leave an output folder"
+
+
+def test_missing_config_file(tmp_path):
+    result = spotpipe("train", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "out"))
+    assert result.returncode == 2 and "no such configuration file" in result.stderr
+
+
+def test_invalid_yaml_names_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {kind: gpt\n")
+    result = spotpipe("train", str(bad), "--out", str(tmp_path / "out"))
+    assert result.returncode == 2 and str(bad) in result.stderr and "not valid YAML" in result.stderr
+
+
+def test_port_already_taken(tmp_path, config):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = tmp_path / "out"
+        result = spotpipe("train", str(config), "--out", str(out), "--set", f"cluster.port={port}")
+    assert result.returncode == 2
+    assert f"cluster.port: cannot start the store on 127.0.0.1:{port}" in result.stderr
+    assert not out.exists()
+
+
+def test_existing_output_is_not_overwritten(tmp_path, config):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    result = spotpipe("train", str(config), "--out", str(out))
+    assert result.returncode == 2 and "--overwrite" in result.stderr
+    assert (out / "precious.txt").read_text() == "keep me"
+
+
+def test_worker_failure_stops_the_job_and_names_the_node(tmp_path, config):
+    out = tmp_path / "out"
+    result = spotpipe("train", str(config), "--out", str(out), "--stages", "2",
+                      "--set", "model.kind=factory",
+                      "--set", "model.factory=fixtures.user_models:failing",
+                      "--set", "data.kind=factory",
+                      "--set", "data.factory=fixtures.user_models:regression",
+                      "--set", "iterations=20")
+    assert result.returncode == 1, result.stderr
+    assert "node1 failed: RuntimeError: boom: this layer fails on purpose" in result.stderr
+    assert workers_running(out) == [], "no worker may outlive a failed job"
+    events = (out / "events.jsonl").read_text()
+    assert '"kind": "worker_failed"' in events and '"kind": "job_failed"' in events
+    assert '"status": "failed"' in (out / "summary.json").read_text()
