@@ -157,7 +157,7 @@ class Layout:
         if standby == self.standby:
             return self
         new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
+        new.__dict__.update(self.__dict__)  # same owners: the shape key stays valid
         object.__setattr__(new, "standby", tuple(standby))
         return new
 
@@ -174,8 +174,12 @@ class Layout:
     def shape_key(self) -> tuple[int, int, tuple[tuple[int, ...], ...]]:
         """(P, D, per pipeline the stages merged onto their predecessor's node).
 
-        Iteration time depends only on this, so the simulator caches timings by it.
+        Iteration time depends only on this, so the simulator caches timings by it; the key
+        is computed once per layout.
         """
+        cached = self.__dict__.get("_shape")
+        if cached is not None:
+            return cached
         p = self.num_stages
         merged: list[list[int]] = [[] for _ in range(self.num_pipelines)]
         for slots in self._slots.values():
@@ -184,7 +188,9 @@ class Layout:
                 for d, s in slots:
                     if (d, (s - 1) % p) in own:
                         merged[d].append(s)
-        return (p, self.num_pipelines, tuple(tuple(sorted(m)) for m in merged))
+        key = (p, self.num_pipelines, tuple(tuple(sorted(m)) for m in merged))
+        object.__setattr__(self, "_shape", key)
+        return key
 
 
 def uniform_partition(num_layers: int, num_stages: int) -> list[tuple[int, int]]:

@@ -155,7 +155,7 @@ def _restart(layout: Layout, nodes: list[str], min_stages: int,
         return Decision(Action.STOP, empty, (), f"{len(nodes)} node(s) left, the model needs "
                         f"at least {max(1, min_stages)}", tuple(broken))
     new = _fresh(layout, depth, nodes)
-    moves = tuple(Move(MoveKind.RESTORE, d, s, SHADOW, n) for (d, s), n in new.owners)
+    moves = tuple(Move(MoveKind.RESTORE, d, s, SHADOW, n) for (d, s), n in sorted(new.owners))
     action = Action.RESTORE_FROM_CHECKPOINT if depth == layout.num_stages else Action.REPARTITION
     return Decision(action, new, moves, f"no pipeline can be repaired from memory; restored "
                     f"at P={depth} x D={new.num_pipelines} from the shadows", tuple(broken))
@@ -210,7 +210,7 @@ def _extra_stages(layout: Layout, node: str, slots: list[Slot]) -> list[Slot]:
 def _repartition_up(layout: Layout) -> Decision:
     nodes = sorted(layout.active_nodes) + list(layout.standby)
     new = _fresh(layout, layout.target_stages, nodes)
-    moves = tuple(Move(MoveKind.COPY, d, s, "peers", n) for (d, s), n in new.owners)
+    moves = tuple(Move(MoveKind.COPY, d, s, "peers", n) for (d, s), n in sorted(new.owners))
     return Decision(Action.REPARTITION, new, moves,
                     f"back to the configured depth P={layout.target_stages}; layers move peer to "
                     f"peer (see layer_moves)")

@@ -37,11 +37,67 @@ class Policy:
         self.job = job
         self.fatal_failures = 0
 
-    def on_events(self, t: float, lost: frozenset[str], ready: list[str]) -> None:
+    def on_events(self, t: float, lost: frozenset[str], ready: list[str],
+                  index: int = -1) -> None:
+        """React to the nodes lost and the nodes ready at instant number `index`, time t."""
         raise NotImplementedError
 
     def used_nodes(self) -> int:
         raise NotImplementedError
+
+
+_SPEEDS: dict[int, tuple[SimConfig, dict[tuple, tuple[float, float]]]] = {}
+
+
+def _speed_memo(cfg: SimConfig) -> dict[tuple, tuple[float, float]]:
+    """(iteration s, plain iteration s) per layout shape, per config object.
+
+    Keyed by the config's identity (kept alive in the entry, so the id cannot be reused):
+    hashing the model's per-layer tuples on every lookup would cost more than the lookup.
+    """
+    entry = _SPEEDS.get(id(cfg))
+    if entry is None or entry[0] is not cfg:
+        entry = _SPEEDS[id(cfg)] = (cfg, {})
+    return entry[1]
+
+
+class Planner:
+    """Runs `plan.decide` until it answers KEEP or STOP, memoised per trace instant.
+
+    Layouts evolve from the events alone (decide never looks at the job's clock), so spotpipe
+    and bamboo, which differ only in what a fatal failure costs, take the same decisions on
+    the same trace. Sharing one Planner between them computes each decision once; the memo is
+    used only when the caller's layout is the very object the memo started from.
+    """
+
+    def __init__(self) -> None:
+        self._memo: dict[int, tuple[Layout, list[tuple[Layout, Decision]]]] = {}
+        self._start: Layout | None = None
+
+    def start(self, num_stages: int, num_pipelines: int) -> Layout:
+        """The empty layout before the first nodes boot (shared, so the memo can match)."""
+        s = self._start
+        if s is None or (s.num_stages, s.max_pipelines) != (num_stages, num_pipelines):
+            s = self._start = Layout.from_mapping(num_stages, 0, {}, (),
+                                                  max_pipelines=num_pipelines)
+        return s
+
+    def plan(self, index: int, layout: Layout, lost: frozenset[str], ready: list[str],
+             min_stages: int) -> list[tuple[Layout, Decision]]:
+        hit = self._memo.get(index)
+        if hit is not None and hit[0] is layout:
+            return hit[1]
+        steps = []
+        current = layout
+        for _ in range(8):  # a decision sequence converges in a few steps (KEEP ends it)
+            d = decide(current, lost, ready, min_stages=min_stages)
+            steps.append((current, d))
+            lost, ready, current = frozenset(), [], d.layout
+            if d.action in (Action.KEEP, Action.STOP):
+                break
+        if index >= 0:
+            self._memo[index] = (layout, steps)
+        return steps
 
 
 class SpotpipePolicy(Policy):
@@ -50,31 +106,25 @@ class SpotpipePolicy(Policy):
     name = "spotpipe"
     restore_bucket = "restarting"
 
-    def __init__(self, cfg: SimConfig, job: Job) -> None:
+    def __init__(self, cfg: SimConfig, job: Job, planner: "Planner | None" = None) -> None:
         super().__init__(cfg, job)
-        self.layout = Layout.from_mapping(cfg.num_stages, 0, {}, (),
-                                          max_pipelines=cfg.num_pipelines)
+        self.planner = planner or Planner()
+        self.layout = self.planner.start(cfg.num_stages, cfg.num_pipelines)
         self.decisions: list[tuple[float, Action]] = []
-        self._speeds: dict[tuple, tuple[float, float]] = {}
 
     def used_nodes(self) -> int:
         return len(self.layout.active_nodes)
 
-    def on_events(self, t: float, lost: frozenset[str], ready: list[str]) -> None:
+    def on_events(self, t: float, lost: frozenset[str], ready: list[str],
+                  index: int = -1) -> None:
         lost = lost & self.layout.all_nodes
         if not lost and not ready:
             return
-        for _ in range(8):  # a decision sequence converges in a few steps (KEEP ends it)
-            before = self.layout
-            d = decide(before, lost, ready, min_stages=self.cfg.min_stages)
-            lost, ready = frozenset(), []
+        for before, d in self.planner.plan(index, self.layout, lost, ready, self.cfg.min_stages):
             self.layout = d.layout
-            if d.action == Action.KEEP:
-                return
-            self.decisions.append((t, d.action))
-            self._apply(d, before)
-            if d.action == Action.STOP:
-                return
+            if d.action != Action.KEEP:
+                self.decisions.append((t, d.action))
+                self._apply(d, before)
 
     def _apply(self, d: Decision, before: Layout) -> None:
         job, p = self.job, self.cfg.params
@@ -104,13 +154,14 @@ class SpotpipePolicy(Policy):
 
     def _set_speed(self) -> None:
         key = self.layout.shape_key()
-        speed = self._speeds.get(key)
-        if speed is None:  # a per-run memo: hashing the model per lookup would cost more
+        speeds = _speed_memo(self.cfg)
+        speed = speeds.get(key)
+        if speed is None:
             cfg = self.cfg
             p, width, merged = key
             full = iteration_time(cfg.model, cfg.schedule, p, width, merged, True)
             plain = iteration_time(cfg.model, cfg.schedule, p, width, merged, False)
-            speed = self._speeds[key] = (full, min(plain, full))
+            speed = speeds[key] = (full, min(plain, full))
         self.job.set_iteration(*speed)
 
     def _roll_back(self) -> None:
@@ -146,7 +197,8 @@ class CheckpointRestartPolicy(Policy):
     def used_nodes(self) -> int:
         return len(self.used)
 
-    def on_events(self, t: float, lost: frozenset[str], ready: list[str]) -> None:
+    def on_events(self, t: float, lost: frozenset[str], ready: list[str],
+                  index: int = -1) -> None:
         cfg, job = self.cfg, self.job
         for node in lost:
             self.pool.pop(node, None)
@@ -180,6 +232,13 @@ POLICIES: dict[str, type[Policy]] = {
     "checkpoint_restart": CheckpointRestartPolicy,
 }
 ALL_POLICIES = tuple(POLICIES) + ("on_demand",)
+
+
+def make_policy(name: str, cfg: SimConfig, job: Job, planner: Planner | None = None) -> Policy:
+    cls = policy_class(name)
+    if issubclass(cls, SpotpipePolicy):
+        return cls(cfg, job, planner)
+    return cls(cfg, job)
 
 
 def policy_class(name: str) -> type[Policy]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from spotpipe.sim.itertime import iteration_time
 from spotpipe.sim.job import Job
 from spotpipe.sim.params import SimConfig
-from spotpipe.sim.policies import checkpoint_interval, policy_class
+from spotpipe.sim.policies import Planner, checkpoint_interval, make_policy
 from spotpipe.sim.traces import ADD, Trace
 
 HOUR = 3600.0
@@ -67,14 +67,22 @@ class Result:
                 "fatal_failures": self.fatal_failures, "breakdown": dict(self.breakdown)}
 
 
+def run_policies(trace: Trace, policies: list[str], cfg: SimConfig, *,
+                 duration_s: float | None = None, record: bool = True) -> dict[str, Result]:
+    """Several policies on one trace; spotpipe and bamboo share their (identical) decisions."""
+    planner = Planner()
+    return {name: run(trace, name, cfg, duration_s=duration_s, record=record, planner=planner)
+            for name in policies}
+
+
 def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None = None,
-        record: bool = True) -> Result:
+        record: bool = True, planner: Planner | None = None) -> Result:
     """Simulate `policy` on `trace` for `duration_s` (default: the trace's span)."""
     end = trace.duration_s if duration_s is None else float(duration_s)
     if policy == "on_demand":
         return on_demand(cfg, end, record=record)
     job = Job(cfg.model.samples_per_iteration, checkpoint_interval(policy, cfg))
-    pol = policy_class(policy)(cfg, job)
+    pol = make_policy(policy, cfg, job, planner)
     price = cfg.price.spot
     timeline: list[TimelinePoint] = []
     held: set[str] = set()
@@ -82,7 +90,7 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
     dollars = 0.0
     preemptions = 0
     last_t = 0.0
-    for t, removes, adds, readies in _instants(trace, cfg.params.boot_s, end):
+    for index, (t, removes, adds, readies) in enumerate(_instants(trace, cfg.params.boot_s, end)):
         dollars += len(held) * price * (t - last_t) / HOUR
         last_t = t
         job.advance(t)
@@ -94,7 +102,7 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
         booting.update(adds)
         ready = [n for n in readies if n in booting]
         booting.difference_update(ready)
-        pol.on_events(t, lost, ready)
+        pol.on_events(t, lost, ready, index)
         if record:
             timeline.append(TimelinePoint(t, len(held), len(held), pol.used_nodes(),
                                           job.throughput_now(), job.samples, dollars))
