@@ -105,13 +105,17 @@ class Config:
     num_microbatches: int = 4
     iterations: int = 100
     seed: int = 0
+    # not a key: the folder of the YAML file, searched for user factories like the working dir
+    source_dir: str = field(default="", repr=False, metadata={"internal": True})
 
     @property
     def global_batch(self) -> int:
         return self.micro_batch_size * self.num_microbatches * self.pipelines
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        data.pop("source_dir")
+        return data
 
     def digest(self) -> str:
         """A hash of what determines the training result, for manifests and join checks."""
@@ -162,6 +166,11 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)
@@ -181,7 +190,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of keys, got {data!r}")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
     kwargs = {}
     for key, value in data.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)
@@ -291,6 +300,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         cfg = from_dict(data, overrides)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    cfg.source_dir = str(path.parent.resolve())  # where user factories are also looked up
     if cfg.data.path and not Path(cfg.data.path).is_absolute():
         candidate = path.parent / cfg.data.path
         if candidate.exists() or not Path(cfg.data.path).exists():

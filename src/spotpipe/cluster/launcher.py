@@ -43,9 +43,17 @@ class Prepared:
     spec: job.RunSpec
 
 
+def search_path(cfg: Config) -> list[str]:
+    """Where user factories are imported from: the working folder and the config's folder."""
+    return [p for p in dict.fromkeys([os.getcwd(), cfg.source_dir]) if p]
+
+
 def prepare(cfg: Config) -> Prepared:
     """Build model and dataset once and decide the partition; turn every failure into a
     LaunchError that says what to fix."""
+    for path in reversed(search_path(cfg)):
+        if path not in sys.path:
+            sys.path.insert(0, path)
     try:
         model = job.build_model(cfg)
     except Exception as exc:
@@ -147,7 +155,9 @@ class Launcher:
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=self.cfg.cluster.host,
                    MASTER_PORT=str(port), SPOTPIPE_RUN_DIR=str(self.out),
-                   SPOTPIPE_T0=repr(self.t0), OMP_NUM_THREADS=str(self.cfg.cluster.threads_per_worker))
+                   SPOTPIPE_T0=repr(self.t0), OMP_NUM_THREADS=str(self.cfg.cluster.threads_per_worker),
+                   PYTHONPATH=os.pathsep.join(search_path(self.cfg)
+                                              + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         log = open(self.out / "logs" / f"node{rank}.log", "wb")
         node = f"node{rank}"
         proc = subprocess.Popen(
