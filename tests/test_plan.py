@@ -171,3 +171,29 @@ def test_layer_moves():
         layer_moves(old, [(0, 3), (4, 8)])
     with pytest.raises(ValueError):
         layer_moves(old, [(0, 9)])
+
+
+def test_random_event_sequences_keep_layouts_valid():
+    """Decisions build layouts unchecked for speed; re-validate them through Layout(...)."""
+    import random
+
+    rng = random.Random(0)
+    for trial in range(40):
+        lay = Layout.build(4, 2, nodes("n", 9), max_pipelines=3)
+        fresh = 0
+        for _ in range(30):
+            live = sorted(lay.all_nodes)
+            lost = set(rng.sample(live, k=min(len(live), rng.randint(0, 2))))
+            joined = [f"j{trial}_{fresh + i}" for i in range(rng.randint(0, 3))]
+            fresh += len(joined)
+            for _ in range(8):
+                d = decide(lay, lost, joined)
+                lost, joined = set(), []
+                checked = Layout(d.layout.num_stages, d.layout.num_pipelines, d.layout.owners,
+                                 d.layout.standby, d.layout.target_stages,
+                                 d.layout.max_pipelines)
+                assert checked == d.layout
+                assert max((len(v) for v in d.layout.carriers().values()), default=1) <= 2
+                lay = d.layout
+                if d.action in (Action.KEEP, Action.STOP):
+                    break

@@ -71,12 +71,15 @@ def run_policies(trace: Trace, policies: list[str], cfg: SimConfig, *,
                  duration_s: float | None = None, record: bool = True) -> dict[str, Result]:
     """Several policies on one trace; spotpipe and bamboo share their (identical) decisions."""
     planner = Planner()
-    return {name: run(trace, name, cfg, duration_s=duration_s, record=record, planner=planner)
-            for name in policies}
+    end = trace.duration_s if duration_s is None else float(duration_s)
+    instants = list(_instants(trace, cfg.params.boot_s, end))  # policy-independent: once
+    return {name: run(trace, name, cfg, duration_s=duration_s, record=record, planner=planner,
+                      instants=instants) for name in policies}
 
 
 def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None = None,
-        record: bool = True, planner: Planner | None = None) -> Result:
+        record: bool = True, planner: Planner | None = None,
+        instants: list | None = None) -> Result:
     """Simulate `policy` on `trace` for `duration_s` (default: the trace's span)."""
     end = trace.duration_s if duration_s is None else float(duration_s)
     if policy == "on_demand":
@@ -90,7 +93,9 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
     dollars = 0.0
     preemptions = 0
     last_t = 0.0
-    for index, (t, removes, adds, readies) in enumerate(_instants(trace, cfg.params.boot_s, end)):
+    if instants is None:
+        instants = list(_instants(trace, cfg.params.boot_s, end))
+    for index, (t, removes, adds, readies) in enumerate(instants):
         dollars += len(held) * price * (t - last_t) / HOUR
         last_t = t
         job.advance(t)
@@ -125,7 +130,7 @@ def _instants(trace: Trace, boot_s: float, end: float):
     adds: list[str] = []
     readies: list[str] = []
     for t, _, kind, node in heapq.merge(trace_events, ready_events):
-        if t >= end:
+        if t > end:  # events at the end instant are applied, so the last state is exact
             break
         if t != cur_t:
             if cur_t is not None:

@@ -1,0 +1,158 @@
+"""`spotpipe simulate`: predict throughput, cost and value of a job under a trace.
+
+All input is read and checked before anything is computed or written, so a bad argument
+exits with code 2 and a message naming it, leaving no half-written plot or output behind.
+With --json the last line of stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from spotpipe.sim.models import model_from_arg
+from spotpipe.sim.params import SimConfig, SimParams, calibrate
+from spotpipe.sim.policies import ALL_POLICIES
+from spotpipe.sim.prices import price_of
+from spotpipe.sim.sweep import DEFAULT_RATES, SweepSpec
+from spotpipe.sim.synthetic import bamboo_trace, fixed_interval_trace, poisson_trace
+from spotpipe.sim.traces import Trace, TraceError, load_trace
+
+SYNTHETIC = ("bamboo", "poisson", "fixed")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("simulate", help="simulate a pipeline-parallel job on spot nodes",
+                              description=__doc__)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--trace", metavar="FILE", help="preemption trace (event CSV, tick JSON, "
+                     "or dated count series)")
+    src.add_argument("--synthetic", choices=SYNTHETIC, help="generate a trace instead")
+    p.add_argument("--rate", type=float, default=0.1,
+                   help="hourly preemption probability (bamboo), rate per hour (poisson)")
+    p.add_argument("--interval", type=float, default=1800.0, help="seconds between "
+                   "preemptions (--synthetic fixed)")
+    p.add_argument("--hours", type=float, default=None, help="simulated hours (default: the "
+                   "trace's span; 10 for a synthetic trace; 3 per run for --table)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nodes", type=int, default=0, help="synthetic cluster size (default P x D)")
+    p.add_argument("--policy", default="all", choices=ALL_POLICIES + ("all",))
+    p.add_argument("--model", default="gpt2-1.5b", help="preset (gpt2-1.5b, bert-large) or a "
+                   "profile .json")
+    p.add_argument("--stages", type=int, default=8, help="pipeline depth P")
+    p.add_argument("--pipelines", type=int, default=4, help="data-parallel width D")
+    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    p.add_argument("--instance", default="p3.2xlarge")
+    p.add_argument("--prices", metavar="FILE", help="prices JSON (default: packaged)")
+    p.add_argument("--calibrate", metavar="FILE", help="bench JSON with *_pause_s figures")
+    p.add_argument("--table", action="store_true", help="rates x seeds table of synthetic runs")
+    p.add_argument("--seeds", type=int, default=10000, help="seeds per rate for --table")
+    p.add_argument("--rates", default=",".join(str(r) for r in DEFAULT_RATES))
+    p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.set_defaults(func=run)
+    return p
+
+
+class UsageError(ValueError):
+    """A bad argument: reported in one line, exit code 2."""
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg, job = _prepare(args)
+    except (UsageError, TraceError, ValueError) as exc:
+        print(f"spotpipe simulate: error: {exc}", file=sys.stderr)
+        return 2
+    from spotpipe.sim import report
+
+    if args.table:
+        from spotpipe.sim.sweep import run_sweep
+
+        sweep = run_sweep(job)
+        print(report.sweep_table(sweep))
+        if args.plot:
+            from spotpipe.sim.plots import plot_sweep
+
+            print(f"wrote {plot_sweep(sweep, args.plot)}")
+        if args.json:
+            print(report.to_json(sweep))
+        return 0
+    from spotpipe.sim.simulator import run as simulate_run
+
+    trace, hours, policies = job
+    duration = hours * 3600.0 if hours is not None else trace.duration_s
+    results = [simulate_run(trace, name, cfg, duration_s=duration) for name in policies]
+    print(f"{trace!r}: peak {trace.peak_nodes} nodes, {trace.removals} removals; model "
+          f"{cfg.model.name}, P={cfg.num_stages} x D={cfg.num_pipelines}, {cfg.price.instance}")
+    print(report.run_table(results))
+    if args.plot:
+        from spotpipe.sim.plots import plot_run
+
+        print(f"wrote {plot_run(results, args.plot, trace.name)}")
+    if args.json:
+        print(report.to_json({"trace": trace.name, "duration_s": duration,
+                              "results": [report.result_dict(r) for r in results]}))
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> tuple[SimConfig, Any]:
+    """Check every input; return the config and either a sweep spec or (trace, hours, policies)."""
+    if args.stages < 1 or args.pipelines < 1:
+        raise UsageError(f"--stages and --pipelines must be >= 1, got {args.stages}, "
+                         f"{args.pipelines}")
+    if args.hours is not None and not args.hours > 0:
+        raise UsageError(f"--hours must be positive, got {args.hours}")
+    if args.nodes < 0:
+        raise UsageError(f"--nodes must be >= 0, got {args.nodes}")
+    params = calibrate(args.calibrate) if args.calibrate else SimParams()
+    cfg = SimConfig(model_from_arg(args.model), price_of(args.instance, args.prices),
+                    args.stages, args.pipelines, args.schedule, params)
+    if args.plot:
+        _check_dir(args.plot)
+    if args.table:
+        if args.trace:
+            raise UsageError("--table runs synthetic traces; it cannot take --trace")
+        if args.seeds < 1 or args.processes < 1:
+            raise UsageError("--seeds and --processes must be >= 1")
+        rates = _rates(args.rates)
+        policies = ALL_POLICIES if args.policy == "all" else ("on_demand", args.policy) \
+            if args.policy != "on_demand" else ("on_demand",)
+        return cfg, SweepSpec(cfg, rates, args.seeds, args.hours or 3.0, args.nodes,
+                              policies=tuple(dict.fromkeys(policies)),
+                              processes=args.processes)
+    trace = _trace(args, cfg)
+    policies = list(ALL_POLICIES) if args.policy == "all" else [args.policy]
+    return cfg, (trace, args.hours, policies)
+
+
+def _trace(args: argparse.Namespace, cfg: SimConfig) -> Trace:
+    if args.trace:
+        return load_trace(args.trace)
+    kind = args.synthetic or "bamboo"
+    hours = args.hours or 10.0
+    nodes = args.nodes or cfg.nodes
+    if kind == "bamboo":
+        return bamboo_trace(args.rate, hours, nodes, args.seed)
+    if kind == "poisson":
+        return poisson_trace(args.rate, hours, nodes, args.seed)
+    return fixed_interval_trace(args.interval, hours, nodes)
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"--rates must be comma-separated numbers, got {text!r}") from None
+    if not rates or any(not 0 <= r <= 1 for r in rates):
+        raise UsageError(f"--rates must be probabilities in [0, 1], got {text!r}")
+    return rates
+
+
+def _check_dir(path: str) -> None:
+    import os
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--plot {path}: exists and is not a directory")

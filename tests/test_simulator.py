@@ -1,0 +1,242 @@
+"""Simulator invariants: nodes used <= nodes offered, billing, closed forms, determinism."""
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from spotpipe.cli import simulate as cli
+from spotpipe.sim.bench import prediction_error_from
+from spotpipe.sim.itertime import iteration_time
+from spotpipe.sim.models import bert_large, gpt2_1_5b, load_profile
+from spotpipe.sim.params import SimConfig, SimParams, calibrate
+from spotpipe.sim.prices import load_prices, price_of
+from spotpipe.sim.simulator import on_demand_closed_form, run, run_policies
+from spotpipe.sim.sweep import SweepSpec, run_sweep
+from spotpipe.sim.synthetic import bamboo_trace
+from spotpipe.sim.traces import load_trace, parse_event_csv
+
+TRACES = Path(__file__).parents[2] / "shared" / "traces"
+SPOT = ["spotpipe", "bamboo", "checkpoint_restart"]
+
+
+def gpt_cfg(**kw) -> SimConfig:
+    return SimConfig(gpt2_1_5b(), price_of("p3.2xlarge"), **kw)
+
+
+def billed(trace, price: float, end: float) -> float:
+    """Dollars of the trace's availability step function, integrated independently."""
+    times, counts = trace.step_series()
+    total = 0.0
+    for i, (t, n) in enumerate(zip(times, counts)):
+        if t >= end:
+            break
+        nxt = min(times[i + 1], end) if i + 1 < len(times) else end
+        total += n * (nxt - t)
+    return total * price / 3600.0
+
+
+@pytest.mark.parametrize("trace_name", ["bamboo-p3.csv", "bamboo-g4dn.csv", "synthetic"])
+def test_never_uses_more_nodes_than_offered_and_bills_only_held(trace_name):
+    trace = bamboo_trace(0.5, 4, 32, seed=7) if trace_name == "synthetic" \
+        else load_trace(TRACES / trace_name)
+    cfg = gpt_cfg()
+    for name, r in run_policies(trace, SPOT, cfg).items():
+        assert r.timeline, name
+        for p in r.timeline:
+            offered = trace.nodes_available_at(p.time_s)
+            assert p.used <= p.held <= offered, (name, p)
+            assert p.held == offered
+        assert r.dollars == pytest.approx(billed(trace, cfg.price.spot, trace.duration_s))
+        assert sum(r.breakdown.values()) == pytest.approx(r.duration_s)
+        assert min(r.breakdown.values()) >= -1e-6
+        assert r.preemptions == trace.removals
+
+
+def test_on_demand_equals_closed_form():
+    cfg = gpt_cfg(num_stages=8, num_pipelines=2)
+    hours = 7.5
+    r = run(bamboo_trace(0.5, hours, 16, 0), "on_demand", cfg, duration_s=hours * 3600)
+    it = iteration_time(cfg.model, cfg.schedule, 8, 2, ((),), False)
+    start = cfg.params.boot_s + cfg.params.rendezvous_s
+    assert r.samples == pytest.approx((hours * 3600 - start) / it * 512)
+    assert r.dollars == pytest.approx(16 * 3.06 * hours)
+    assert r.cost_per_hour == pytest.approx(16 * 3.06)
+    assert r.preemptions == 0 and r.fatal_failures == 0
+    assert on_demand_closed_form(cfg, hours * 3600)["samples"] == pytest.approx(r.samples)
+
+
+def test_spot_without_preemptions_runs_at_redundant_speed():
+    trace = bamboo_trace(0.0, 2, 32, 0)
+    cfg = gpt_cfg()
+    results = run_policies(trace, SPOT, cfg)
+    red = iteration_time(cfg.model, "1f1b", 8, 4, ((),), True)
+    plain = iteration_time(cfg.model, "1f1b", 8, 4, ((),), False)
+    running = 2 * 3600 - cfg.params.boot_s - cfg.params.rendezvous_s
+    assert results["spotpipe"].samples == pytest.approx(running / red * 512)
+    assert results["checkpoint_restart"].samples == pytest.approx(running / plain * 512)
+    assert results["spotpipe"].breakdown["redundant"] == pytest.approx(running * (1 - plain / red))
+    assert red > plain  # FRC does not fit entirely in the bubbles
+
+
+def test_deterministic_per_seed():
+    cfg = gpt_cfg()
+    a = run_policies(bamboo_trace(0.25, 3, 32, 11), SPOT, cfg)
+    b = run_policies(bamboo_trace(0.25, 3, 32, 11), SPOT, cfg)
+    c = run_policies(bamboo_trace(0.25, 3, 32, 12), SPOT, cfg)
+    for name in SPOT:
+        assert a[name].summary() == b[name].summary()
+        assert a[name].samples != c[name].samples
+    # sharing decisions between spotpipe and bamboo changes nothing
+    alone = run(bamboo_trace(0.25, 3, 32, 11), "bamboo", cfg)
+    assert alone.summary() == a["bamboo"].summary()
+
+
+def adjacent_loss_trace(t_loss: float) -> str:
+    lines = [f"0,add,n{i}" for i in range(6)]  # P = 4, D = 1, two standby
+    lines += [f"{int(t_loss * 1000)},remove,n1", f"{int(t_loss * 1000)},remove,n2"]
+    return "\n".join(lines)
+
+
+def test_fatal_failure_spotpipe_loses_at_most_one_iteration_bamboo_rolls_back():
+    trace = parse_event_csv(adjacent_loss_trace(1500.0))
+    trace.duration_s = 3000.0
+    cfg = gpt_cfg(num_stages=4, num_pipelines=1,
+                  params=SimParams(checkpoint_interval_s=1000.0))
+    res = run_policies(trace, ["spotpipe", "bamboo"], cfg)
+    sp, bb = res["spotpipe"], res["bamboo"]
+    assert sp.fatal_failures == 1 and bb.fatal_failures == 1
+    it = iteration_time(cfg.model, "1f1b", 4, 1, ((),), True)
+    lost_sp = sp.breakdown["restarting"] - cfg.params.shadow_restore_pause_s
+    assert 0 <= lost_sp <= it + 1e-6
+    lost_bb = bb.breakdown["restarting"] - cfg.params.restart_pause_s
+    # bamboo restarts from the checkpoint taken after 1000 s of running: ~370 s of work lost
+    running_at_loss = 1500.0 - cfg.params.boot_s - cfg.params.rendezvous_s
+    assert lost_bb == pytest.approx(running_at_loss - 1000.0, rel=1e-6)
+    assert sp.samples > bb.samples
+
+
+def test_checkpoint_restart_restarts_on_each_hit():
+    lines = [f"0,add,n{i}" for i in range(8)] + ["2000000,remove,n0", "2500000,remove,n7", "3000000,remove,n2"]
+    trace = parse_event_csv("\n".join(lines))
+    trace.duration_s = 4000.0
+    cfg = gpt_cfg(num_stages=4, num_pipelines=2)
+    r = run(trace, "checkpoint_restart", cfg)
+    assert r.fatal_failures == 2  # n7 was a spare (not in use): no restart for it
+    assert r.timeline[-1].used == 4  # 5 nodes left: one pipeline of 4
+
+
+def test_calibrate(tmp_path):
+    p = tmp_path / "bench.json"
+    p.write_text(json.dumps({"pause_s": 1.5, "restart_pause_s": 90, "other_figure": 3}))
+    params = calibrate(p)
+    assert params.pause_s == 1.5 and params.restart_pause_s == 90
+    assert params.boot_s == SimParams().boot_s
+    p.write_text(json.dumps({"warp_pause_s": 1}))
+    with pytest.raises(ValueError, match="warp_pause_s"):
+        calibrate(p)
+    p.write_text(json.dumps({"pause_s": -1}))
+    with pytest.raises(ValueError, match="pause_s"):
+        calibrate(p)
+
+
+def test_prices_and_models():
+    prices = load_prices()
+    assert prices["p3.2xlarge"].spot == 0.918 and prices["p3.2xlarge"].on_demand == 3.06
+    assert all(p.spot < p.on_demand for p in prices.values())
+    g, b = gpt2_1_5b(), bert_large()
+    assert g.num_layers == 50 and b.num_layers == 26
+    assert g.forward_s[1] > b.forward_s[1] / 16 * 4  # GPT-2 blocks are bigger per sample
+    with pytest.raises(ValueError):
+        price_of("x1.nope")
+
+
+def test_profile_and_prediction_error(tmp_path):
+    prof = tmp_path / "prof.json"
+    prof.write_text(json.dumps({"forward_s": [0.01] * 4, "backward_s": [0.02] * 4,
+                                "micro_batch_size": 2, "global_microbatches": 8}))
+    model = load_profile(prof)
+    assert model.samples_per_iteration == 16
+    # a fake measured run going exactly at the predicted speed: error ~ 0
+    it = iteration_time(model, "1f1b", 4, 1, ((),), True)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("\n".join(
+        json.dumps({"iter": i, "loss": 1.0, "samples": 16 * (i + 1), "time_s": it * (i + 1)})
+        for i in range(100)))
+    (run_dir / "events.jsonl").write_text("")
+    (run_dir / "summary.json").write_text(json.dumps({"stages": 4, "pipelines": 1}))
+    pe = prediction_error_from(run_dir, None, model)
+    assert abs(pe["relative_error"]) < 1e-6
+    # the same run measured at half speed: the prediction is 100 % too high
+    (run_dir / "metrics.jsonl").write_text("\n".join(
+        json.dumps({"iter": i, "loss": 1.0, "samples": 16 * (i + 1), "time_s": 2 * it * (i + 1)})
+        for i in range(100)))
+    assert prediction_error_from(run_dir, None, model)["relative_error"] == pytest.approx(1.0)
+
+
+def test_small_sweep_orders_policies():
+    sweep = run_sweep(SweepSpec(gpt_cfg(), rates=(0.01, 0.5), seeds=20, hours=3, processes=1))
+    rows = {(r["rate"], r["policy"]): r for r in sweep["rows"]}
+    # more churn hurts checkpoint-restart far more than spotpipe
+    assert rows[(0.5, "spotpipe")]["value"] > rows[(0.5, "checkpoint_restart")]["value"]
+    assert rows[(0.01, "spotpipe")]["value"] > rows[(0.5, "spotpipe")]["value"]
+    assert rows[(0.5, "on_demand")]["value"] == rows[(0.01, "on_demand")]["value"]
+
+
+# -- CLI ------------------------------------------------------------------------------------
+
+def cli_run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="spotpipe")
+    cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["simulate"] + argv)
+    return args.func(args)
+
+
+def test_cli_json_last_line_and_plot(tmp_path, capsys):
+    out = tmp_path / "plots"
+    assert cli_run(["--trace", str(TRACES / "bamboo-g4dn.csv"), "--stages", "4",
+                    "--pipelines", "4", "--instance", "g4dn.xlarge", "--json",
+                    "--plot", str(out)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    data = json.loads(last)
+    assert {r["policy"] for r in data["results"]} == {"spotpipe", "bamboo",
+                                                     "checkpoint_restart", "on_demand"}
+    assert (out / "run.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_synthetic_and_table(tmp_path, capsys):
+    assert cli_run(["--synthetic", "bamboo", "--rate", "0.1", "--hours", "2", "--seed", "0",
+                    "--policy", "spotpipe", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert data["results"][0]["policy"] == "spotpipe"
+    assert cli_run(["--table", "--seeds", "4", "--processes", "1", "--rates", "0.1,0.5",
+                    "--json", "--plot", str(tmp_path)]) == 0
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert data["seeds"] == 4 and len(data["rows"]) == 8
+    assert (tmp_path / "value_vs_rate.png").exists()
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--trace", "/nonexistent/trace.csv"], "cannot read"),
+    (["--stages", "0"], "--stages"),
+    (["--model", "gpt5"], "unknown model"),
+    (["--instance", "z9.huge"], "unknown instance"),
+    (["--table", "--rates", "0.1,2"], "--rates"),
+    (["--stages", "60"], "layers"),
+])
+def test_cli_bad_input_exit_2(tmp_path, capsys, argv, words):
+    plots = tmp_path / "never"
+    assert cli_run(argv + ["--plot", str(plots)]) == 2
+    err = capsys.readouterr().err
+    assert words in err
+    assert not plots.exists()
+
+
+def test_cli_bad_trace_names_line(tmp_path, capsys):
+    bad = tmp_path / "t.csv"
+    bad.write_text("0,add,a\n5,remove,zz\n")
+    assert cli_run(["--trace", str(bad), "--json"]) == 2
+    captured = capsys.readouterr()
+    assert f"{bad}:2:" in captured.err and captured.out == ""

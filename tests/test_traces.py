@@ -1,0 +1,117 @@
+"""Trace loaders: the shared real traces load; malformed ones are rejected naming file+line."""
+
+from pathlib import Path
+
+import pytest
+
+from spotpipe.sim.synthetic import bamboo_trace, fixed_interval_trace, poisson_trace
+from spotpipe.sim.traces import ADD, REMOVE, TraceError, load_trace
+
+TRACES = Path(__file__).parents[2] / "shared" / "traces"
+
+
+@pytest.mark.parametrize("name,events,adds,removes,peak", [
+    ("bamboo-p3.csv", 344, 177, 167, 32),
+    ("bamboo-g4dn.csv", 153, 79, 74, 24),
+])
+def test_shared_traces_load(name, events, adds, removes, peak):
+    tr = load_trace(TRACES / name)
+    assert len(tr) == events
+    assert sum(e.kind == ADD for e in tr.events) == adds
+    assert tr.removals == removes
+    assert tr.peak_nodes == peak
+    times = [e.time_s for e in tr.events]
+    assert times == sorted(times)
+    # the step function agrees with replaying the events
+    for t in (0.0, 3600.0, 5 * 3600.0 + 17, tr.duration_s):
+        assert tr.nodes_available_at(t) == len(tr.nodes_at(t))
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize("text,line,words", [
+    ("0,add,a\n1000,remove,b\n", 2, "not present"),
+    ("0,add,a\nabc,add,b\n", 2, "bad number"),
+    ("0,add,a\n10,launch,b\n", 2, "bad kind"),
+    ("0,add,a\n2000,add,b\n1000,remove,a\n", 3, "backwards"),
+    ("0,add,a\n0,add,a\n", 2, "already present"),
+    ("0,add\n", 1, "3 fields"),
+    ("0,add,a\n-5,add,b\n", 2, "non-negative"),
+])
+def test_event_csv_errors_name_file_and_line(tmp_path, text, line, words):
+    assert_rejected(write(tmp_path, "bad.csv", text), line, words)
+
+
+def assert_rejected(path: Path, line: int, words: str) -> None:
+    with pytest.raises(TraceError) as err:
+        load_trace(path)
+    msg = str(err.value)
+    assert str(path) in msg and f":{line}:" in msg and words in msg
+    assert err.value.line == line
+
+
+def test_tick_json(tmp_path):
+    p = write(tmp_path, "ticks.json", '{"metadata": {"gap_seconds": 60},\n "data": [2, 3, 1, 1, 4]}')
+    tr = load_trace(p)
+    assert [tr.nodes_available_at(60 * i) for i in range(5)] == [2, 3, 1, 1, 4]
+    assert tr.duration_s == 300
+    assert tr.removals == 2
+
+
+@pytest.mark.parametrize("text,line,words", [
+    ('{"metadata": {"gap_seconds": 60},\n "data": [2,\n 3,\n -1]}', 4, "data[2]"),
+    ('{"metadata": {"gap_seconds": 0}, "data": [1]}', 1, "gap_seconds"),
+    ('{"metadata": {"gap_seconds": 5},\n "data": [1, }', 2, "invalid JSON"),
+])
+def test_tick_json_errors(tmp_path, text, line, words):
+    assert_rejected(write(tmp_path, "bad.json", text), line, words)
+
+
+def test_dated_series(tmp_path):
+    p = write(tmp_path, "gcp.txt", "2021-03-01, 10:00:00, 4\n2021-03-01, 10:05:00, 2\n"
+                                   "2021-03-01, 11:00:00, 5\n")
+    tr = load_trace(p)
+    assert tr.nodes_available_at(0) == 4
+    assert tr.nodes_available_at(300) == 2
+    assert tr.nodes_available_at(3600) == 5
+    assert tr.nodes_at(300) == {"n2", "n3"}  # oldest leave first
+
+
+@pytest.mark.parametrize("text,line,words", [
+    ("2021-03-01, 10:00:00, 4\n2021-03-01, 09:00:00, 2\n", 2, "backwards"),
+    ("2021-03-01, 10:00:00, 4\n2021-13-01, 10:00:00, 2\n", 2, "bad date"),
+    ("2021-03-01, 10:00:00, x\n", 1, "bad number"),
+    ("2021-03-01, 10:00:00, 2.5\n", 1, "whole"),
+])
+def test_dated_series_errors(tmp_path, text, line, words):
+    assert_rejected(write(tmp_path, "bad.txt", text), line, words)
+
+
+def test_missing_file_is_trace_error(tmp_path):
+    with pytest.raises(TraceError, match="cannot read"):
+        load_trace(tmp_path / "nope.csv")
+
+
+def test_synthetic_traces_are_deterministic_and_consistent():
+    a = bamboo_trace(0.25, 5, 16, seed=3)
+    b = bamboo_trace(0.25, 5, 16, seed=3)
+    c = bamboo_trace(0.25, 5, 16, seed=4)
+    assert a.events == b.events and a.events != c.events
+    for tr in (a, poisson_trace(0.5, 5, 16, 1), fixed_interval_trace(600, 5, 16)):
+        live: set[str] = set()
+        for ev in tr.events:  # a valid trace never removes an absent node
+            if ev.kind == ADD:
+                assert ev.node not in live
+                live.add(ev.node)
+            else:
+                assert ev.kind == REMOVE and ev.node in live
+                live.remove(ev.node)
+            assert len(live) <= 16
+    assert bamboo_trace(0.0, 5, 16, 0).removals == 0
+    assert bamboo_trace(1.0, 1, 16, 0).removals == 16
+    with pytest.raises(ValueError):
+        bamboo_trace(1.5, 1, 4, 0)
