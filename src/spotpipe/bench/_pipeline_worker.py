@@ -10,6 +10,7 @@ everything measured, as JSON, to the store key ``bench/result``; any rank that f
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import statistics
@@ -43,7 +44,8 @@ def _config(spec: dict[str, Any]):
     })
 
 
-def _median_time(fn: Callable[[], Any], reps: int, before: Callable[[], Any] | None = None) -> float:
+def _times(fn: Callable[[], Any], reps: int,
+           before: Callable[[], Any] | None = None) -> list[float]:
     times = []
     for _ in range(reps):
         if before is not None:
@@ -51,12 +53,16 @@ def _median_time(fn: Callable[[], Any], reps: int, before: Callable[[], Any] | N
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return times
 
 
 class Bench:
     def __init__(self, spec: dict[str, Any], rank: int, world: int) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+        )
 
         from spotpipe import job
         from spotpipe.model import partition
@@ -105,6 +111,8 @@ class Bench:
         self.mbs = Microbatches(inputs=xs if rank == 0 else [None] * m,
                                 targets=ys if self.last else [None] * m)
         self._peerlink = PeerLink
+        self._link = None
+        self.activation_bytes = 0
 
     # ------------------------------------------------------------------ one iteration each
 
@@ -152,6 +160,7 @@ class Bench:
                     self.iterate(system, kind)
         times: dict[str, list[float]] = {f"{s}_{k}": [] for s in (SPOTPIPE, TORCH) for k in kinds}
         n = spec["iters_per_round"]
+        samples: dict[str, list[float]] = {}
         for r in range(spec["rounds"]):
             order = (SPOTPIPE, TORCH) if r % 2 == 0 else (TORCH, SPOTPIPE)
             for kind in kinds:
@@ -161,22 +170,22 @@ class Bench:
                     for _ in range(n):
                         self.iterate(system, kind)
                         stamps.append(time.perf_counter())
-                    durations = torch.tensor([b - a for a, b in zip(stamps, stamps[1:])],
+                    durations = torch.tensor([b - a for a, b in itertools.pairwise(stamps)],
                                              dtype=torch.float64)
                     dist.all_reduce(durations, op=dist.ReduceOp.MAX)  # the slower rank's clock
                     times[f"{system}_{kind}"] += durations.tolist()
+            self.profile(spec["profile_reps"], samples)
         out["iter_times"] = times
-        dist.barrier()
-        out["profile"] = self.profile()
+        out["profile"] = self.profile_summary(samples)
         return out
 
     # ------------------------------------------------------------------ the analytic model's inputs
 
-    def profile(self) -> dict[str, Any]:
-        """Per-stage forward/backward of one micro-batch, optimizer step, gradient reduction,
-        and one activation message, each the median of several runs (both ranks at once, as in
-        the pipeline: one busy core each)."""
-        reps = self.spec["profile_reps"]
+    def profile(self, reps: int, samples: dict[str, list[float]]) -> None:
+        """Append `reps` samples each of per-stage forward and backward of one micro-batch,
+        optimizer step, gradient reduction and one activation message's round trip, with both
+        ranks at once as in the pipeline (one busy core each). Called once per round, so that
+        the profile sees the same drift of the machine's speed as the timed iterations."""
         cfg = self.cfg
         b, t, c = cfg.micro_batch_size, cfg.model.gpt.block_size, cfg.model.gpt.n_embd
         module, loss_fn = self.state.module, self.model.loss_fn
@@ -209,52 +218,59 @@ class Bench:
             else:
                 torch.autograd.backward(y, out_grad)
 
-        dist.barrier()
-        f = _median_time(forward, reps)
-        dist.barrier()
-        bwd = _median_time(backward, reps, before=prepare_backward)
-
         def grads() -> None:
             prepare_backward()
             backward()
-
-        dist.barrier()
-        reduce_s = _median_time(lambda: self.executor.reduce_gradients(), reps,
-                                before=lambda: (grads(), dist.barrier()))
 
         def step() -> None:
             self.state.optimizer.step()
             self.state.optimizer.zero_grad(set_to_none=True)
 
-        dist.barrier()
-        opt = _median_time(step, reps, before=grads)
+        def add(key: str, fn: Callable[[], Any], before: Callable[[], Any] | None = None) -> None:
+            dist.barrier()
+            samples.setdefault(key, []).extend(_times(fn, reps, before))
+
+        add("forward", forward)
+        add("backward", backward, before=prepare_backward)
+        add("reduce", self.executor.reduce_gradients, before=lambda: (grads(), dist.barrier()))
+        add("optimizer", step, before=grads)
+        # the spotpipe state's weights moved (optimizer steps on profiling gradients): harmless
+        # for timing, and the two systems' weights have diverged since iteration 0 anyway
 
         # one activation message through spotpipe's own link: half a ping-pong's round trip
         act = torch.randn(b, t, c)
-        link = self._peerlink(self.device)
-        rtts = []
-        for _ in range(reps + 2):
-            dist.barrier()
-            start = time.perf_counter()
-            if self.rank == 0:
-                link.send(act, 1, _PING_TAG)
-                link.recv(1, _PING_TAG)
-            elif self.rank == 1:
-                got = link.recv(0, _PING_TAG)
-                link.send(got, 0, _PING_TAG)
-            rtts.append(time.perf_counter() - start)
-            link.wait_sends()
-        comm = statistics.median(rtts[2:]) / 2  # the first carries the shape header
-        mine = torch.tensor([f, bwd, opt, reduce_s, comm], dtype=torch.float64)
+        if self._link is None:
+            self._link = self._peerlink(self.device)
+            self._ping(act)  # the first message carries the shape header
+        for _ in range(reps):
+            samples.setdefault("comm", []).append(self._ping(act) / 2)
+        self.activation_bytes = act.numel() * act.element_size()
+
+    def _ping(self, act: torch.Tensor) -> float:
+        link = self._link
+        dist.barrier()
+        start = time.perf_counter()
+        if self.rank == 0:
+            link.send(act, 1, _PING_TAG)
+            link.recv(1, _PING_TAG)
+        elif self.rank == 1:
+            link.send(link.recv(0, _PING_TAG), 0, _PING_TAG)
+        rtt = time.perf_counter() - start
+        link.wait_sends()
+        return rtt
+
+    def profile_summary(self, samples: dict[str, list[float]]) -> dict[str, Any]:
+        keys = ("forward", "backward", "optimizer", "reduce", "comm")
+        mine = torch.tensor([statistics.median(samples[k]) for k in keys], dtype=torch.float64)
         parts = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(parts, mine)
         rows = [p.tolist() for p in parts]
-        return {
-            "forward_s": [r[0] for r in rows], "backward_s": [r[1] for r in rows],
-            "optimizer_s": [r[2] for r in rows], "reduce_s": [r[3] for r in rows],
-            "comm_s": rows[0][4], "activation_bytes": act.numel() * act.element_size(),
-            "partition": self.partition,
-        }
+        out: dict[str, Any] = {f"{k}_s": [r[i] for r in rows] for i, k in enumerate(keys)}
+        out["comm_s"] = rows[0][4]  # rank 0 timed the whole round trip
+        out["activation_bytes"] = self.activation_bytes
+        out["partition"] = self.partition
+        out["samples_per_rank"] = len(samples["forward"])
+        return out
 
 
 def main() -> int:
@@ -274,7 +290,7 @@ def main() -> int:
         if rank == world - 1:  # the last stage holds the losses; times and profile are global
             store.set("bench/result", json.dumps(result))
         dist.barrier()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure is reported to the parent
         traceback.print_exc()
         store.set(f"bench/error/{rank}", f"{type(exc).__name__}: {exc}")
         return 1
