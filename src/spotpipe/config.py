@@ -75,10 +75,20 @@ class LRScheduleSection:
 
 
 @dataclass
+class ReplicaSection:
+    sync: Literal["gradient", "state"] = "gradient"  # state: the baseline, full copy every k
+    sync_every: int = 1  # k, for sync: state
+    device: Literal["cpu", "device"] = "cpu"  # where replica state lives
+    max_lag: int = 2  # iterations the background update may fall behind before the worker waits
+    offload_frc: bool = False  # keep FRC outputs on the CPU instead of the device
+
+
+@dataclass
 class LoggingSection:
     progress: bool = True  # progress bar on the launcher's terminal
     tensorboard: bool = False  # write DIR/tensorboard/
     sample_log: bool = False  # DIR/logs/samples.*.jsonl: which samples each iteration used
+    state_digests: bool = False  # DIR/logs/digests.*.jsonl: hashes of stage/replica state (tests)
 
 
 @dataclass
@@ -99,6 +109,8 @@ class Config:
     logging: LoggingSection = field(default_factory=LoggingSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    redundancy: Literal["none", "lazy", "eager"] = "none"
+    replica: ReplicaSection = field(default_factory=ReplicaSection)
     stages: int = 2
     pipelines: int = 1
     micro_batch_size: int = 4
@@ -244,6 +256,11 @@ def _check(cfg: Config) -> None:
     if cfg.model.partition == "explicit" and not cfg.model.stage_of_layer:
         raise ConfigError("model.stage_of_layer: required when model.partition is 'explicit' "
                           "(one stage index per layer)")
+    if cfg.redundancy != "none" and cfg.stages < 2:
+        raise ConfigError(f"redundancy: {cfg.redundancy!r} needs stages >= 2 (a replica lives on "
+                          f"the neighbouring stage's node), got stages = {cfg.stages}")
+    if cfg.replica.sync_every < 1 or cfg.replica.max_lag < 1:
+        raise ConfigError("replica.sync_every and replica.max_lag: expected positive integers")
     if not 0 <= cfg.cluster.port < 65536:
         raise ConfigError(f"cluster.port: expected 0..65535, got {cfg.cluster.port}")
     if cfg.cluster.timeout_s <= 0:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-_MAIL = "spotpipe/mail"
+MAILBOX = "spotpipe/mail"
 
 
 class WorkerChannel:
@@ -31,8 +31,8 @@ class WorkerChannel:
         return round(time.time() - self.t0, 6)
 
     def _post(self, record: dict[str, Any]) -> None:
-        index = self.store.add(f"{_MAIL}/count", 1)
-        self.store.set(f"{_MAIL}/{index}", json.dumps(record))
+        index = self.store.add(f"{MAILBOX}/count", 1)
+        self.store.set(f"{MAILBOX}/{index}", json.dumps(record))
 
     def event(self, kind: str, **details: Any) -> None:
         self._post({"type": "event", "time_s": self.now(), "kind": kind, "node": self.node,
@@ -50,7 +50,7 @@ def read_mailbox(store: dist.Store, timeout_s: float = 86400.0) -> Iterator[dict
     index = 0
     while True:
         index += 1
-        key = f"{_MAIL}/{index}"
+        key = f"{MAILBOX}/{index}"
         store.wait([key], timedelta(seconds=timeout_s))
         record = json.loads(store.get(key))
         store.delete_key(key)

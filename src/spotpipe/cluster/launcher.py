@@ -28,7 +28,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from spotpipe.config import Config
-from spotpipe.cluster.channel import WorkerChannel, read_mailbox
+from spotpipe.cluster.channel import MAILBOX, WorkerChannel, read_mailbox
 from spotpipe import job
 from spotpipe.model.ties import cross_stage_tied
 
@@ -185,40 +185,35 @@ class Launcher:
                      "store": f"{cfg.cluster.host}:{store.port}"})
         inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._watch_mailbox(store.port, inbox)
-        bar = self._progress_bar()
-        status, message, last = "failed", "", None
+        bar = self._bar = self._progress_bar()
+        status, message = "failed", ""
+        self._last: dict[str, Any] | None = None
+        self._received = 0
         errors: dict[str, str] = {}
-        done_iters = 0
         try:
             for rank in range(world):
                 self._spawn(rank, world, store.port, inbox)
             exited: dict[str, int] = {}
             while True:
                 what, item = inbox.get()
-                if what == "record" and item.pop("type") == "metrics":
-                    files.metric(item)
-                    last = item
-                    done_iters += 1
-                    self._update_bar(bar, item)
-                elif what == "record":
-                    files.event(item)
-                    if item["kind"] == "worker_error":
-                        errors[item["node"]] = item["message"]
+                if what == "record":
+                    self._handle_record(what, item, files, errors)
                 elif what == "exit":
                     node, code = item
                     exited[node] = code
                     if code != 0:
-                        self._drain(inbox, files, errors)
+                        self._drain(inbox, files, errors, store)
                         detail = errors.get(node) or f"exited with code {code}"
                         message = f"{node} failed: {detail} (log: {self.out}/logs/{node}.log)"
                         files.event({"time_s": self._now(), "kind": "worker_failed",
                                      "node": node, "returncode": code, "message": detail})
                         break
                     if len(exited) == world:
-                        self._drain(inbox, files, errors)
+                        self._drain(inbox, files, errors, store)
+                        last = self._last
                         if last is None or last["iter"] + 1 < cfg.iterations:
-                            message = (f"workers exited after {done_iters} of {cfg.iterations} "
-                                       "iterations")
+                            done = 0 if last is None else last["iter"] + 1
+                            message = f"workers exited after {done} of {cfg.iterations} iterations"
                             break
                         self._merge_final()
                         status = "completed"
@@ -237,7 +232,7 @@ class Launcher:
             files.event({"time_s": round(wall, 6), "kind": "job_" + status, "node": "launcher",
                          **({"message": message} if message else {})})
             files.close()
-            self._write_summary(status, message, last, wall)
+            self._write_summary(status, message, self._last, wall)
         if status != "completed":
             print(f"spotpipe: training failed: {message}", file=self.stream)
             return 1
@@ -247,21 +242,27 @@ class Launcher:
         return round(time.time() - self.t0, 6)
 
     def _drain(self, inbox: "queue.Queue[tuple[str, Any]]", files: RunFiles,
-               errors: dict[str, str]) -> None:
-        """Write the records already posted (a failing worker posts its error, then exits)."""
-        deadline = time.time() + 2.0
-        while time.time() < deadline:
-            try:
-                what, item = inbox.get(timeout=max(0.0, deadline - time.time()))
-            except queue.Empty:
-                return
-            if what == "record" and item.pop("type") == "metrics":
-                files.metric(item)
-            elif what == "record":
-                files.event(item)
-                if item["kind"] == "worker_error":
-                    errors[item["node"]] = item["message"]
-                    return
+               errors: dict[str, str], store: dist.TCPStore) -> None:
+        """Write every record posted so far: a worker posts its last record before it exits,
+        so once it has exited, the store's mailbox count says how many records to wait for."""
+        posted = store.add(f"{MAILBOX}/count", 0)
+        while self._received < posted:
+            what, item = inbox.get(timeout=self.cfg.cluster.timeout_s)
+            self._handle_record(what, item, files, errors)
+
+    def _handle_record(self, what: str, item: Any, files: RunFiles,
+                       errors: dict[str, str]) -> None:
+        if what != "record":
+            return
+        self._received += 1
+        if item.pop("type") == "metrics":
+            files.metric(item)
+            self._last = item
+            self._update_bar(self._bar, item)
+        else:
+            files.event(item)
+            if item["kind"] == "worker_error":
+                errors[item["node"]] = item["message"]
 
     def _watch_mailbox(self, port: int, inbox: "queue.Queue[tuple[str, Any]]") -> None:
         client = dist.TCPStore(self.cfg.cluster.host, port, is_master=False,

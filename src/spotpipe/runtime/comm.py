@@ -40,7 +40,7 @@ class Groups:
     """The collectives a stage takes part in: its data-parallel peers, its pipeline, and the
     tied-embedding pair (first and last stage of a pipeline)."""
 
-    def __init__(self, topo: Topology, rank: int) -> None:
+    def __init__(self, topo: Topology, rank: int, replication: bool = False) -> None:
         pipeline, stage = topo.coords(rank)
         p, d = topo.num_stages, topo.num_pipelines
         # torch.distributed requires every rank to create every group, in the same order.
@@ -58,6 +58,20 @@ class Groups:
                 group = dist.new_group([topo.rank_of(x, 0), topo.rank_of(x, p - 1)])
                 if x == pipeline and stage in (0, p - 1):
                     self.tied = group
+        # replica ring: stage s ships gradients to the node of stage s - 1 (its replica holder)
+        # on a group of the pair, so these transfers never interleave with activation traffic
+        self.replica_send = self.replica_recv = None
+        if replication and p > 1:
+            for x in range(d):
+                pairs = dict.fromkeys(tuple(sorted((s, (s - 1) % p))) for s in range(p))
+                for a, b in pairs:
+                    group = dist.new_group([topo.rank_of(x, a), topo.rank_of(x, b)])
+                    if x != pipeline:
+                        continue
+                    if {a, b} == {stage, (stage - 1) % p}:
+                        self.replica_send = group
+                    if {a, b} == {stage, (stage + 1) % p}:
+                        self.replica_recv = group
 
 
 class PeerLink:

@@ -17,6 +17,8 @@ from torch import nn
 
 from spotpipe.runtime import grads as gradlib
 from spotpipe.runtime.comm import Groups, PeerLink
+from spotpipe.runtime.digest import DigestLog, stage_digest, tensors_digest
+from spotpipe.runtime.replica import GradientReplication, ReplicaStage
 from spotpipe.schedule import Instr, Op
 
 TAG_ACT, TAG_GRAD = 0, 1
@@ -48,6 +50,16 @@ class Microbatches:
 
 
 @dataclass
+class Redundancy:
+    """This node's replica of its successor stage and how it is kept and used."""
+
+    mode: str  # "lazy" or "eager"
+    replica: ReplicaStage
+    replication: GradientReplication
+    offload_frc: bool = False
+
+
+@dataclass
 class IterationResult:
     loss_sum: torch.Tensor | None  # sum of this pipeline's scaled micro-batch losses (last stage)
     grad_norm: float
@@ -57,7 +69,8 @@ class Executor:
     def __init__(self, *, state: StageState, num_stages: int, rank_of_stage: Callable[[int], int],
                  link: PeerLink, groups: Groups, num_pipelines: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 loss_scale_div: int, grad_clip: float, norm_counts: list[int]) -> None:
+                 loss_scale_div: int, grad_clip: float, norm_counts: list[int],
+                 redundancy: Redundancy | None = None, digests: DigestLog | None = None) -> None:
         self.state = state
         self.num_stages = num_stages
         self.rank_of_stage = rank_of_stage
@@ -68,12 +81,22 @@ class Executor:
         self.loss_scale_div = loss_scale_div  # M * D: each micro-batch loss is a share of the mean
         self.grad_clip = grad_clip
         self.norm_counts = norm_counts
+        self.redundancy = redundancy
+        self.digests = digests
+        # what a takeover of the successor needs, kept until the next iteration starts:
+        # this node's outputs (the successor's inputs) and, in eager mode, the FRC outputs
+        self.kept_outputs: dict[int, torch.Tensor] = {}
+        self.frc_outputs: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ one iteration
 
-    def run(self, stream: Sequence[Instr], batches: Microbatches) -> IterationResult:
+    def run(self, stream: Sequence[Instr], batches: Microbatches,
+            iteration: int = 0) -> IterationResult:
         s = self.state.index
         last = s == self.num_stages - 1
+        red = self.redundancy
+        self.kept_outputs, self.frc_outputs = {}, {}
+        replica_current = False
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         out_grads: dict[int, torch.Tensor] = {}
@@ -86,6 +109,11 @@ class Executor:
             elif op == Op.FORWARD:
                 x = inputs[mb] if s > 0 else batches.inputs[mb]
                 y = self.state.module(x)
+                if self.digests is not None:
+                    self.digests.write(iter=iteration, stage=s, mb=mb, role="output",
+                                       digest=tensors_digest([y]))
+                if red is not None and not last:
+                    self.kept_outputs[mb] = y.detach()
                 if last:
                     y = self.loss_fn(y, batches.targets[mb]) / self.loss_scale_div
                     detached = y.detach()
@@ -104,12 +132,31 @@ class Executor:
             elif op == Op.SEND_GRAD:
                 x = inputs.pop(mb)
                 self.link.send(x.grad, self.rank_of_stage(ins.peer), TAG_GRAD)
+            elif op == Op.FRC_FORWARD:
+                assert red is not None and ins.stage == red.replica.index
+                if not replica_current:  # FRC must see the replica as of the last iteration
+                    red.replication.wait_applied(iteration - 1)
+                    replica_current = True
+                x = batches.inputs[mb] if ins.stage == 0 else self.kept_outputs[mb]
+                with torch.no_grad():
+                    out = red.replica.module(x.to(red.replica.device))
+                if self.digests is not None:
+                    self.digests.write(iter=iteration, stage=ins.stage, mb=mb, role="frc",
+                                       digest=tensors_digest([out]))
+                self.frc_outputs[mb] = out.to("cpu") if red.offload_frc else out
             elif op == Op.ALL_REDUCE:
                 self.link.wait_sends()
                 grad_norm = self.reduce_gradients()
+                if red is not None:
+                    red.replication.post(iteration)
             elif op == Op.OPTIMIZER_STEP:
                 self.state.optimizer.step()
                 self.state.optimizer.zero_grad(set_to_none=True)
+                if red is not None:
+                    red.replication.post_state(iteration)
+                if self.digests is not None:
+                    self.digests.write(iter=iteration, stage=s, role="owner",
+                                       **stage_digest(self.state.module, self.state.optimizer))
             else:
                 raise NotImplementedError(f"instruction {ins} is not executed by this runtime")
         return IterationResult(loss_sum=loss_sum, grad_norm=grad_norm)

@@ -26,9 +26,12 @@ from spotpipe.model import LayeredModel, build_stage
 from spotpipe.model.ties import cross_stage_tied, norm_param_names
 from spotpipe import job
 from spotpipe.runtime.comm import Groups, PeerLink, Topology
-from spotpipe.runtime.executor import Executor, Microbatches, StageState
+from spotpipe.runtime.digest import DigestLog
+from spotpipe.runtime.executor import Executor, Microbatches, Redundancy, StageState
+from spotpipe.runtime.replica import GradientReplication, ReplicaStage
 from spotpipe.runtime.optim import build_optimizer, set_lr
-from spotpipe.schedule import build_schedule
+from spotpipe.schedule import (Schedule, StageCosts, build_schedule, holder_of, replica_of,
+                               with_frc)
 
 
 def stage_state(model: LayeredModel, partition: list[tuple[int, int]], stage: int, cfg: Config,
@@ -59,25 +62,61 @@ class Worker:
             torch.cuda.set_device(self.device)
         dist.init_process_group(backend, store=dist.PrefixStore("gen0", store), rank=rank,
                                 world_size=world, timeout=timedelta(seconds=cfg.cluster.timeout_s))
-        self.groups = Groups(self.topo, rank)
+        self.groups = Groups(self.topo, rank, replication=cfg.redundancy != "none")
         self.model = job.build_model(cfg)
         self.dataset = job.build_dataset(cfg)
         self.sampler = job.build_sampler(cfg, self.dataset)
         self.state = stage_state(self.model, spec.partition, self.stage, cfg, self.device)
         counts = [len(n) for n in norm_param_names(self.model, spec.partition)]
         p = self.topo.num_stages
+        self.digests = (DigestLog(run_dir / "logs" / f"digests.{self.node}.jsonl")
+                        if cfg.logging.state_digests else None)
+        self.redundancy = self._build_redundancy() if cfg.redundancy != "none" else None
         self.executor = Executor(
             state=self.state, num_stages=p,
             rank_of_stage=lambda s: self.topo.rank_of(self.pipeline, s),
             link=PeerLink(self.device), groups=self.groups, num_pipelines=self.topo.num_pipelines,
             loss_fn=self.model.loss_fn,
             loss_scale_div=cfg.num_microbatches * self.topo.num_pipelines,
-            grad_clip=cfg.optimizer.grad_clip, norm_counts=counts)
-        self.stream = build_schedule(cfg.schedule, p, cfg.num_microbatches).streams[self.stage]
+            grad_clip=cfg.optimizer.grad_clip, norm_counts=counts, redundancy=self.redundancy,
+            digests=self.digests)
+        self.stream = self._schedule().streams[self.stage]
         self.sample_log = None
         if cfg.logging.sample_log and self.stage == p - 1:
             (run_dir / "logs").mkdir(exist_ok=True)
             self.sample_log = open(run_dir / "logs" / f"samples.{self.node}.jsonl", "a")
+
+    def _build_redundancy(self) -> Redundancy:
+        cfg, p = self.cfg, self.topo.num_stages
+        index = replica_of(self.stage, p)
+        start, end = self.spec.partition[index]
+        device = self.device if cfg.replica.device == "device" else torch.device("cpu")
+        replica = ReplicaStage.build(index, build_stage(self.model, start, end), cfg, device)
+        replication = GradientReplication(
+            cfg=cfg, own_params=self.state.params, own_optimizer=self.state.optimizer,
+            replica=replica,
+            send_to=self.topo.rank_of(self.pipeline, holder_of(self.stage, p)),
+            send_group=self.groups.replica_send,
+            recv_from=self.topo.rank_of(self.pipeline, index),
+            recv_group=self.groups.replica_recv, digests=self.digests)
+        return Redundancy(cfg.redundancy, replica, replication, cfg.replica.offload_frc)
+
+    def _schedule(self) -> Schedule:
+        """The plain schedule, or with FRC placed in its bubbles by the timing model.
+
+        Placement needs per-stage costs: the stages' parameter counts stand in for their
+        forward cost (backward taken as twice that), which is what decides how many FRCs fit
+        in a bubble when stages are unequal.
+        """
+        cfg, p = self.cfg, self.topo.num_stages
+        schedule = build_schedule(cfg.schedule, p, cfg.num_microbatches)
+        if cfg.redundancy != "eager":
+            return schedule
+        sizes = [max(1, sum(x.numel() for i in range(a, b)
+                            for x in self.model.layers[i].parameters()))
+                 for a, b in self.spec.partition]
+        costs = StageCosts(tuple(float(n) for n in sizes), tuple(2.0 * n for n in sizes))
+        return with_frc(schedule, costs)
 
     def batches(self, iteration: int) -> tuple[Microbatches, list[list[int]]]:
         p, m = self.topo.num_stages, self.cfg.num_microbatches
@@ -85,10 +124,12 @@ class Worker:
                                                      self.topo.num_pipelines, m)
         inputs: list[torch.Tensor | None] = [None] * m
         targets: list[torch.Tensor | None] = [None] * m
+        # the last stage also needs inputs for FRC of its replica of stage 0
+        wants_inputs = self.stage == 0 or (self.stage == p - 1 and self.cfg.redundancy == "eager")
         if self.stage == 0 or self.stage == p - 1:
             for k, idx in enumerate(indices):
                 x, y = collate(self.dataset, idx)
-                if self.stage == 0:
+                if wants_inputs:
                     inputs[k] = x.to(self.device)
                 if self.stage == p - 1:
                     targets[k] = y.to(self.device)
@@ -106,7 +147,7 @@ class Worker:
             t_start = time.perf_counter()
             lr = set_lr(self.state.optimizer, cfg, t)
             batches, indices = self.batches(t)
-            result = self.executor.run(self.stream, batches)
+            result = self.executor.run(self.stream, batches, iteration=t)
             samples += cfg.global_batch
             if last:
                 loss = result.loss_sum
@@ -122,9 +163,18 @@ class Worker:
                         "time_s": self.channel.now(), "iter_time_s": round(dt, 6),
                         "samples_per_s": round(cfg.global_batch / dt, 3), "lr": lr,
                         "grad_norm": result.grad_norm, "live_nodes": self.topo.world_size,
-                        "generation": 0})
+                        "generation": 0,
+                        **({"replica_lag": self.redundancy.replication.lag(t)}
+                           if self.redundancy is not None else {})})
         if self.sample_log is not None:
             self.sample_log.close()
+        if self.redundancy is not None:
+            self.redundancy.replication.close()
+            self.channel.event("replica_done", stage=self.redundancy.replica.index,
+                               max_lag=self.redundancy.replication.max_lag_seen,
+                               waited_s=round(self.redundancy.replication.waited_s, 6))
+        if self.digests is not None:
+            self.digests.close()
         self.save_final()
         self.channel.event("worker_done", pipeline=self.pipeline, stage=self.stage)
 
@@ -166,4 +216,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Every file is closed and every record posted by now. Interpreter teardown of torch and
+    # gloo takes seconds on a small machine and decides nothing, so skip it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

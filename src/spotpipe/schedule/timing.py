@@ -40,11 +40,14 @@ class Timing:
         return samples_per_iteration / self.iteration_s
 
 
-def simulate(schedule: Schedule, costs: StageCosts) -> Timing:
-    """Time one iteration of `schedule`; every actor starts at 0."""
+def _run(schedule: Schedule, costs: StageCosts
+         ) -> tuple[list[float], list[float], list[dict[int, float]]]:
+    """Replay the streams; return per-actor finish time, busy time, and idle time per position
+    (the wait before a receive or at the barrier, keyed by the instruction's index)."""
     n = schedule.num_actors
     clock = [0.0] * n
     busy = [0.0] * n
+    waits: list[dict[int, float]] = [{} for _ in range(n)]
     pcs = [0] * n
     arrivals: dict[tuple[int, int, str], list[float]] = {}
     taken: dict[tuple[int, int, str], int] = {}
@@ -61,6 +64,7 @@ def simulate(schedule: Schedule, costs: StageCosts) -> Timing:
                     if k >= len(arrivals.get(ch, ())):
                         break
                     taken[ch] = k + 1
+                    waits[a][pcs[a]] = max(0.0, arrivals[ch][k] - clock[a])
                     clock[a] = max(clock[a], arrivals[ch][k])
                 elif ins.op in SEND_OPS:
                     arrivals.setdefault(_channel(ins), []).append(clock[a] + costs.comm)
@@ -76,7 +80,10 @@ def simulate(schedule: Schedule, costs: StageCosts) -> Timing:
                         if len(at_barrier) < n:
                             break
                         start = max(at_barrier.values())
-                        for b in range(n):
+                        for b, arrived in at_barrier.items():
+                            barrier_pc = next(i for i, x in enumerate(schedule.streams[b])
+                                              if x.op == Op.ALL_REDUCE)
+                            waits[b][barrier_pc] = start - arrived
                             clock[b] = start
                         released = True
                     clock[a] += costs.all_reduce
@@ -88,9 +95,21 @@ def simulate(schedule: Schedule, costs: StageCosts) -> Timing:
             break
         if not progressed and not (len(at_barrier) == n and not released):
             raise RuntimeError("timing model stalled: the schedule deadlocks (run validate.check)")
+    return clock, busy, waits
+
+
+def simulate(schedule: Schedule, costs: StageCosts) -> Timing:
+    """Time one iteration of `schedule`; every actor starts at 0."""
+    clock, busy, _ = _run(schedule, costs)
     total = max(clock)
+    n = schedule.num_actors
     idle = 1.0 - sum(busy) / (n * total) if total > 0 else 0.0
     return Timing(iteration_s=total, busy_s=tuple(busy), bubble_fraction=idle)
+
+
+def simulate_waits(schedule: Schedule, costs: StageCosts) -> list[dict[int, float]]:
+    """Per actor, the idle seconds spent before each receive and at the barrier."""
+    return _run(schedule, costs)[2]
 
 
 def closed_form_bubble(num_stages: int, num_microbatches: int) -> float:

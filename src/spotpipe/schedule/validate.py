@@ -38,6 +38,7 @@ def check(schedule: Schedule) -> Report:
     forwarded: dict[int, set[int]] = defaultdict(set)
     backwarded: dict[int, set[int]] = defaultdict(set)
     peak: dict[int, int] = defaultdict(int)
+    frc: dict[int, list[int]] = defaultdict(list)
     steps = 0
     while True:
         progressed = False
@@ -62,6 +63,16 @@ def check(schedule: Schedule) -> Report:
                     forwarded[instr.stage].add(instr.mb)
                     inflight = len(forwarded[instr.stage]) - len(backwarded[instr.stage])
                     peak[instr.stage] = max(peak[instr.stage], inflight)
+                elif instr.op == Op.FRC_FORWARD:
+                    owner = schedule.owners[actor]
+                    if instr.stage not in (schedule.replicas[actor] if schedule.replicas else ()):
+                        raise ScheduleError(f"actor {actor}: {instr} on a stage it holds no "
+                                            "replica of")
+                    prev = (instr.stage - 1) % p
+                    if instr.stage != 0 and prev in owner and instr.mb not in forwarded[prev]:
+                        raise ScheduleError(f"actor {actor}: {instr} before its input, the "
+                                            f"forward of stage {prev}")
+                    frc[instr.stage].append(instr.mb)
                 elif instr.op == Op.BACKWARD:
                     if instr.mb not in forwarded[instr.stage]:
                         raise ScheduleError(f"{instr}: backward before its forward")
@@ -83,6 +94,10 @@ def check(schedule: Schedule) -> Report:
         if forwarded[stage] != set(range(m)) or backwarded[stage] != set(range(m)):
             raise ScheduleError(f"stage {stage}: forwards {sorted(forwarded[stage])}, "
                                 f"backwards {sorted(backwarded[stage])}, expected 0..{m - 1}")
+    for stage, mbs in frc.items():
+        if sorted(mbs) != list(range(m)) or mbs != sorted(mbs):
+            raise ScheduleError(f"FRC of stage {stage} runs micro-batches {mbs}; expected each "
+                                f"of 0..{m - 1} once, in order")
     for actor, stream in enumerate(schedule.streams):
         ops = [i.op for i in stream]
         if ops.count(Op.OPTIMIZER_STEP) != len(schedule.owners[actor]):

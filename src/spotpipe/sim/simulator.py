@@ -95,7 +95,11 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
     last_t = 0.0
     if instants is None:
         instants = list(_instants(trace, cfg.params.boot_s, end))
+    resume: TimelinePoint | None = None  # where a pause ends before the next event
     for index, (t, removes, adds, readies) in enumerate(instants):
+        if resume is not None and resume.time_s < t:
+            timeline.append(resume)
+        resume = None
         dollars += len(held) * price * (t - last_t) / HOUR
         last_t = t
         job.advance(t)
@@ -111,6 +115,13 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
         if record:
             timeline.append(TimelinePoint(t, len(held), len(held), pol.used_nodes(),
                                           job.throughput_now(), job.samples, dollars))
+            if job.paused_until > t and job.iter_s:
+                until = job.paused_until
+                resume = TimelinePoint(until, len(held), len(held), pol.used_nodes(),
+                                       cfg.model.samples_per_iteration / job.iter_s,
+                                       job.samples, dollars + len(held) * price * (until - t) / HOUR)
+    if resume is not None and resume.time_s < end:
+        timeline.append(resume)
     dollars += len(held) * price * (end - last_t) / HOUR
     breakdown = job.finish(end)
     if record:

@@ -1,0 +1,94 @@
+"""Replicas stay exact every iteration; redundancy changes nothing in the training result."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from spotpipe.cluster.launcher import train
+from spotpipe.config import ConfigError
+
+from conftest import tiny_config
+from test_equivalence import reference
+
+
+def digests(run_dir):
+    """(role, stage, iter[, mb]) -> set of digests seen across all nodes and pipelines."""
+    out = defaultdict(set)
+    for path in (run_dir / "logs").glob("digests.*.jsonl"):
+        for line in open(path):
+            r = json.loads(line)
+            key = (r["role"], r["stage"], r["iter"], r.get("mb"))
+            out[key].add((r.get("params"), r.get("optim")) if "params" in r else r["digest"])
+    return out
+
+
+CASES = [
+    # P, D, optimizer, redundancy
+    (2, 1, "adamw", "eager"), (3, 1, "adamw", "lazy"), (4, 1, "adamw", "eager"),
+    (2, 2, "adamw", "lazy"), (3, 2, "sgd", "eager"), (4, 2, "adamw", "lazy"),
+    (2, 1, "sgd", "lazy"),
+]
+
+
+@pytest.mark.parametrize("stages,pipelines,optimizer,mode", CASES)
+def test_replicas_are_bit_identical_to_owners_every_iteration(tmp_path, corpus, stages, pipelines,
+                                                               optimizer, mode):
+    extra = {"optimizer.momentum": 0.9} if optimizer == "sgd" else {}
+    cfg = tiny_config(corpus, stages=stages, pipelines=pipelines, redundancy=mode,
+                      iterations=4, **{"optimizer.name": optimizer,
+                                       "logging.state_digests": True}, **extra)
+    assert train(cfg, tmp_path / "run", progress=False) == 0
+    seen = digests(tmp_path / "run")
+    for t in range(cfg.iterations):
+        for s in range(stages):
+            owner, replica = seen[("owner", s, t, None)], seen[("replica", s, t, None)]
+            assert len(owner) == 1, f"data-parallel owners of stage {s} disagree at iteration {t}"
+            assert replica == owner, f"replica of stage {s} differs from its owner after {t}"
+            if mode == "eager":
+                for mb in range(cfg.num_microbatches):
+                    frc, own = seen[("frc", s, t, mb)], seen[("output", s, t, mb)]
+                    assert frc and frc == own, f"FRC of stage {s} mb {mb} at {t} != own forward"
+    # the iteration count moved the state: replicas were not trivially equal at init
+    assert seen[("owner", 0, 0, None)] != seen[("owner", 0, cfg.iterations - 1, None)]
+    # training with redundancy is the training without it
+    got = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
+    want, _ = reference(tiny_config(corpus, pipelines=pipelines, iterations=4,
+                                    **{"optimizer.name": optimizer}, **extra))
+    for key in want:
+        if pipelines == 1:
+            assert torch.equal(got[key], want[key]), key
+        else:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_state_sync_baseline_copies_every_k(tmp_path, corpus):
+    cfg = tiny_config(corpus, stages=2, redundancy="lazy", iterations=4,
+                      **{"replica.sync": "state", "replica.sync_every": 2,
+                         "logging.state_digests": True})
+    assert train(cfg, tmp_path / "run", progress=False) == 0
+    seen = digests(tmp_path / "run")
+    for s in range(2):
+        assert seen[("replica", s, 1, None)] == seen[("owner", s, 1, None)]
+        assert seen[("replica", s, 3, None)] == seen[("owner", s, 3, None)]
+        # in between the replica is stale: it still holds iteration 1's state
+        assert seen[("replica", s, 2, None)] == seen[("owner", s, 1, None)]
+        assert seen[("replica", s, 2, None)] != seen[("owner", s, 2, None)]
+
+
+def test_tied_embeddings_with_redundancy(tmp_path, corpus):
+    cfg = tiny_config(corpus, stages=2, redundancy="eager", iterations=3,
+                      **{"model.gpt.tie_embeddings": True, "logging.state_digests": True})
+    assert train(cfg, tmp_path / "run", progress=False) == 0
+    seen = digests(tmp_path / "run")
+    for s in range(2):
+        assert seen[("replica", s, 2, None)] == seen[("owner", s, 2, None)]
+
+
+def test_redundancy_needs_two_stages(corpus):
+    with pytest.raises(ConfigError, match="needs stages >= 2"):
+        tiny_config(corpus, stages=1, redundancy="eager")
