@@ -74,3 +74,43 @@ def test_timing_accounts_for_communication_and_slow_stages():
 def test_unknown_kind_is_rejected():
     with pytest.raises(ValueError, match="unknown schedule kind"):
         build_schedule("zigzag", 2, 2)
+
+
+# ---------------------------------------------------------------- FRC placement (redundancy)
+
+from spotpipe.schedule import predict, replica_of, with_frc  # noqa: E402
+from spotpipe.schedule.ir import RECV_OPS  # noqa: E402
+
+
+@pytest.mark.parametrize("kind,p,m", [(k, p, m) for k, p, m in CASES if p > 1 and m <= 8])
+def test_frc_schedules_are_deadlock_free_and_complete(kind, p, m):
+    sched = with_frc(build_schedule(kind, p, m), StageCosts.uniform(p, 1.0, 2.0, comm=0.1))
+    check(sched)  # also checks: each FRC after its input, each micro-batch once, in order
+    for actor, stream in enumerate(sched.streams):
+        frc = [i for i in stream if i.op == Op.FRC_FORWARD]
+        assert [i.mb for i in frc] == list(range(m))
+        assert {i.stage for i in frc} == {replica_of(actor, p)}
+        for i, ins in enumerate(stream):
+            if ins.op == Op.FRC_FORWARD:  # always placed where the node would otherwise wait
+                nxt = next(x for x in stream[i:] if x.op != Op.FRC_FORWARD)
+                assert nxt.op in RECV_OPS or nxt.op == Op.ALL_REDUCE
+            if ins.op == Op.BRC_BACKWARD:
+                pytest.fail("backward redundant computation is never scheduled eagerly")
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 6)])
+def test_frc_fills_bubbles_first(kind, p, m):
+    """FRC small enough to fit in the bubbles costs nothing; bigger FRC costs only the excess."""
+    base = StageCosts.uniform(p, 1.0, 2.0)
+    plain = simulate(build_schedule(kind, p, m), base).iteration_s
+    # a replica forward of 0.1 of a stage's: all M of them fit in the bubbles, for free
+    cheap = StageCosts(base.forward, base.backward, frc=tuple(0.1 for _ in range(p)))
+    assert simulate(with_frc(build_schedule(kind, p, m), cheap), cheap).iteration_s == \
+        pytest.approx(plain)
+    pred = predict(build_schedule(kind, p, m), base, "eager")
+    assert 0 < pred.bubble_filled_s <= pred.frc_s
+    assert pred.excess_s == pytest.approx(pred.iteration_s - plain)
+    # filling: the excess is less than running all FRC after the iteration would cost
+    assert pred.excess_s < pred.frc_s
+    assert predict(build_schedule(kind, p, m), base, "lazy").throughput_ratio == 1.0

@@ -62,7 +62,7 @@ def with_frc(schedule: Schedule, costs: StageCosts) -> Schedule:
     streams = [list(s) for s in schedule.streams]
     for actor in range(p):
         replica = replica_of(actor, p)
-        cost = costs.forward[replica]
+        cost = costs.frc_cost(replica)
         for mb in range(m):
             current = replace(schedule, streams=tuple(tuple(s) for s in streams))
             waits = simulate_waits(current, costs)[actor]  # position -> idle seconds there
@@ -113,7 +113,7 @@ def predict(schedule: Schedule, costs: StageCosts, mode: str) -> RedundancyPredi
         return RedundancyPrediction(mode, base.iteration_s, base.iteration_s,
                                     base.bubble_fraction, 0.0, 0.0, 0.0)
     eager = simulate(with_frc(schedule, costs), costs)
-    frc = max(schedule.num_microbatches * costs.forward[replica_of(a, schedule.num_stages)]
+    frc = max(schedule.num_microbatches * costs.frc_cost(replica_of(a, schedule.num_stages))
               for a in range(schedule.num_stages))
     excess = eager.iteration_s - base.iteration_s
     return RedundancyPrediction(mode, eager.iteration_s, base.iteration_s, base.bubble_fraction,

@@ -24,6 +24,10 @@ class StageCosts:
     comm: float = 0.0  # one activation or gradient message, send to receive
     all_reduce: float = 0.0  # gradient reduction after the barrier
     optimizer: float = 0.0  # optimizer step per stage
+    frc: tuple[float, ...] | None = None  # forward of a replica stage, if not `forward`
+
+    def frc_cost(self, stage: int) -> float:
+        return self.forward[stage] if self.frc is None else self.frc[stage]
 
     @classmethod
     def uniform(cls, num_stages: int, forward: float, backward: float, **kw: float) -> "StageCosts":
@@ -68,9 +72,12 @@ def _run(schedule: Schedule, costs: StageCosts
                     clock[a] = max(clock[a], arrivals[ch][k])
                 elif ins.op in SEND_OPS:
                     arrivals.setdefault(_channel(ins), []).append(clock[a] + costs.comm)
-                elif ins.op in (Op.FORWARD, Op.FRC_FORWARD):
+                elif ins.op == Op.FORWARD:
                     clock[a] += costs.forward[ins.stage]
                     busy[a] += costs.forward[ins.stage]
+                elif ins.op == Op.FRC_FORWARD:
+                    clock[a] += costs.frc_cost(ins.stage)
+                    busy[a] += costs.frc_cost(ins.stage)
                 elif ins.op in (Op.BACKWARD, Op.BRC_BACKWARD):
                     clock[a] += costs.backward[ins.stage]
                     busy[a] += costs.backward[ins.stage]
