@@ -114,3 +114,41 @@ def test_frc_fills_bubbles_first(kind, p, m):
     # filling: the excess is less than running all FRC after the iteration would cost
     assert pred.excess_s < pred.frc_s
     assert predict(build_schedule(kind, p, m), base, "lazy").throughput_ratio == 1.0
+
+
+# ---------------------------------------------------------------- merged streams (takeover)
+
+from spotpipe.schedule import merged_schedule  # noqa: E402
+
+MERGES = [
+    (2, [(0, 1)]),  # P=2: stage 1 taken over by node 0
+    (2, [(1, 0)]),  # P=2: stage 0 taken over by node 1 (the last stage holds stage 0's replica)
+    (3, [(0, 1), (2,)]),
+    (3, [(0,), (1, 2)]),
+    (3, [(2, 0), (1,)]),  # wrapped: last node runs stages 2 and 0
+    (4, [(0, 1), (2, 3)]),
+    (4, [(3, 0), (1, 2)]),
+    (4, [(0,), (1, 2), (3,)]),
+]
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("m", [1, 3, 4, 8])
+@pytest.mark.parametrize("p,owners", MERGES)
+def test_merged_streams_are_deadlock_free(kind, m, p, owners):
+    sched = merged_schedule(kind, m, owners)
+    check(sched)  # each send meets its receive, F before B, one step per node
+    for actor, own in enumerate(sched.owners):
+        stream = sched.streams[actor]
+        assert stream[-2].op == Op.ALL_REDUCE and stream[-1].op == Op.OPTIMIZER_STEP
+        for s in own:  # each merged stage still runs every micro-batch, backwards in order
+            assert [i.mb for i in stream if i.op == Op.BACKWARD and i.stage == s] == list(range(m))
+    # the merged node carries two stages' work: the iteration cannot be faster than before
+    costs = StageCosts.uniform(p, 1.0, 2.0)
+    assert simulate(sched, costs).iteration_s >= simulate(build_schedule(kind, p, m),
+                                                          costs).iteration_s
+
+
+def test_merge_rejects_incomplete_ownership():
+    with pytest.raises(ValueError, match="cover stages"):
+        merged_schedule("1f1b", 4, [(0, 1), (3,)])

@@ -84,6 +84,16 @@ class ReplicaSection:
 
 
 @dataclass
+class FailoverSection:
+    heartbeat_s: float = 0.5  # how often each worker publishes liveness and progress
+    heartbeat_timeout_s: float = 5.0  # no heartbeat for this long: the node is dead
+    hang_timeout_s: float = 10.0  # computing without progress for this long: hung
+    aws_notice_url: str = ""  # AWS spot instance-action endpoint to poll ("" = off)
+    gcp_notice_url: str = ""  # GCP preempted endpoint to poll ("" = off)
+    notice_poll_s: float = 5.0
+
+
+@dataclass
 class LoggingSection:
     progress: bool = True  # progress bar on the launcher's terminal
     tensorboard: bool = False  # write DIR/tensorboard/
@@ -111,6 +121,7 @@ class Config:
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
     redundancy: Literal["none", "lazy", "eager"] = "none"
     replica: ReplicaSection = field(default_factory=ReplicaSection)
+    failover: FailoverSection = field(default_factory=FailoverSection)
     stages: int = 2
     pipelines: int = 1
     micro_batch_size: int = 4
@@ -261,6 +272,13 @@ def _check(cfg: Config) -> None:
                           f"the neighbouring stage's node), got stages = {cfg.stages}")
     if cfg.replica.sync_every < 1 or cfg.replica.max_lag < 1:
         raise ConfigError("replica.sync_every and replica.max_lag: expected positive integers")
+    f = cfg.failover
+    for key in ("heartbeat_s", "heartbeat_timeout_s", "hang_timeout_s", "notice_poll_s"):
+        if getattr(f, key) <= 0:
+            raise ConfigError(f"failover.{key}: expected a positive number, got {getattr(f, key)}")
+    if f.heartbeat_timeout_s <= f.heartbeat_s:
+        raise ConfigError(f"failover.heartbeat_timeout_s ({f.heartbeat_timeout_s}) must exceed "
+                          f"failover.heartbeat_s ({f.heartbeat_s})")
     if not 0 <= cfg.cluster.port < 65536:
         raise ConfigError(f"cluster.port: expected 0..65535, got {cfg.cluster.port}")
     if cfg.cluster.timeout_s <= 0:

@@ -15,16 +15,11 @@ is |predicted - measured| / measured for 1F1B (`model_error_gpipe` for GPipe).
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from datetime import timedelta
 from typing import Any
+
+from spotpipe.bench.harness import (describe_setup, launch_and_summarize, pinned_cores,
+                                    quantile, stage_costs)
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -35,88 +30,22 @@ MODEL = {"vocab_size": 256, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd
 
 
 def _spec(quick: bool) -> dict[str, Any]:
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     spec: dict[str, Any] = dict(QUICK if quick else FULL)
     spec.update(gpt=dict(MODEL), micro_batch_size=4, num_microbatches=8, seed=0,
                 schedules=list(SCHEDULES), timeout_s=120.0,
                 # one core per stage when there are enough; otherwise let the OS place them
-                cores=cores[:2] if len(cores) >= 2 else [])
+                cores=pinned_cores(2))
     return spec
-
-
-def _launch(spec: dict[str, Any], world: int, deadline_s: float) -> dict[str, Any]:
-    """Run the worker processes against a store hosted here; return the last rank's JSON.
-
-    Every child is killed (and reaped) on the way out, whatever happened.
-    """
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
-                          timeout=timedelta(seconds=spec["timeout_s"]), wait_for_workers=False)
-    procs: list[subprocess.Popen] = []
-    with contextlib.ExitStack() as files:
-        logs = [files.enter_context(tempfile.TemporaryFile()) for _ in range(world)]
-        try:
-            for rank in range(world):
-                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
-                           SPOTPIPE_BENCH_SPEC=json.dumps(spec), OMP_NUM_THREADS="1",
-                           TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"))
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "spotpipe.bench._pipeline_worker"], env=env,
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=logs[rank]))
-            _wait(procs, deadline_s)
-            codes = [p.returncode for p in procs]
-            if any(c != 0 for c in codes) or not store.check(["bench/result"]):
-                errors = [store.get(f"bench/error/{r}").decode() for r in range(world)
-                          if store.check([f"bench/error/{r}"])]
-                raise RuntimeError(f"bench pipeline: workers failed (exit codes {codes}): "
-                                   f"{'; '.join(errors) or 'no result'}\n" + _tails(logs))
-            return json.loads(store.get("bench/result"))
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            for p in procs:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.wait(timeout=10)
-
-
-def _wait(procs: list[subprocess.Popen], deadline_s: float) -> None:
-    end = time.monotonic() + deadline_s
-    while any(p.poll() is None for p in procs):
-        if any(p.returncode not in (None, 0) for p in procs):
-            return  # one failed: the others would only wait for it
-        if time.monotonic() > end:
-            raise RuntimeError(f"bench pipeline: workers still running after {deadline_s:.0f} s")
-        time.sleep(0.05)
-
-
-def _tails(logs: list[Any]) -> str:
-    tails = []
-    for rank, log in enumerate(logs):
-        log.seek(0)
-        text = log.read().decode(errors="replace").strip()
-        if text:
-            tails.append(f"--- rank {rank} stderr ---\n{text[-3000:]}")
-    return "\n".join(tails)
 
 
 def predict(profile: dict[str, Any], kind: str, num_microbatches: int) -> float:
     """spotpipe's iteration time from the profile, by the analytic model."""
     from spotpipe.schedule import build_schedule
-    from spotpipe.schedule.timing import StageCosts, simulate
+    from spotpipe.schedule.timing import simulate
 
-    costs = StageCosts(forward=tuple(profile["forward_s"]), backward=tuple(profile["backward_s"]),
-                       comm=profile["comm_s"], all_reduce=max(profile["reduce_s"]),
-                       optimizer=max(profile["optimizer_s"]))
     stages = len(profile["forward_s"])
-    return simulate(build_schedule(kind, stages, num_microbatches), costs).iteration_s
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return simulate(build_schedule(kind, stages, num_microbatches),
+                    stage_costs(profile)).iteration_s
 
 
 def _round_ratios(raw: dict[str, Any], kind: str, spec: dict[str, Any]) -> list[float]:
@@ -143,8 +72,8 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
         out[f"ratio_{kind}_rounds_min_median_max"] = _round_ratios(raw, kind, spec)
         # the fastest tenth of each system's iterations: less sensitive to other processes
         # taking the cores, which only ever adds time
-        out[f"ratio_{kind}_q10"] = round(_quantile(raw["iter_times"][f"torch_{kind}"], 0.1)
-                                         / _quantile(raw["iter_times"][f"spotpipe_{kind}"], 0.1), 4)
+        out[f"ratio_{kind}_q10"] = round(quantile(raw["iter_times"][f"torch_{kind}"], 0.1)
+                                         / quantile(raw["iter_times"][f"spotpipe_{kind}"], 0.1), 4)
         out[f"spotpipe_{kind}_samples_per_s"] = round(batch / sp, 2)
         out[f"torch_{kind}_samples_per_s"] = round(batch / th, 2)
         out[f"measured_iter_s_{kind}"] = round(sp, 6)
@@ -165,21 +94,17 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     out["rounds"] = spec["rounds"]
     out["iters_per_round"] = spec["iters_per_round"]
     out["warmup"] = spec["warmup"]
-    g = spec["gpt"]
-    out["config"] = (f"P=2 D=1 gloo, 1 thread/stage pinned to cores {spec['cores'] or 'unpinned'}; "
-                     f"GPT n_layer={g['n_layer']} n_embd={g['n_embd']} n_head={g['n_head']} "
-                     f"block={g['block_size']} vocab={g['vocab_size']}, partition "
-                     f"{prof['partition']}; micro-batch {b} x M={m} (global batch {batch}); "
-                     f"AdamW, no clipping; median over rounds x iters, interleaved")
+    out["config"] = (f"{describe_setup(spec, prof['partition'])}; micro-batch {b} x M={m} "
+                     f"(global batch {batch}); AdamW, no clipping; median over rounds x iters, "
+                     f"interleaved")
     return out
 
 
 def run(quick: bool = False) -> dict[str, Any]:
     spec = _spec(quick)
-    t0 = time.perf_counter()
-    raw = _launch(spec, world=2, deadline_s=120 if quick else 600)
-    out = summarize(raw, spec)
-    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    out = launch_and_summarize(spec, 120 if quick else 600, name="pipeline",
+                               worker_module="spotpipe.bench._pipeline_worker",
+                               summarize=summarize)
     print(f"{'schedule':8s} {'spotpipe/s':>11s} {'torch/s':>9s} {'ratio':>6s} "
           f"{'measured':>9s} {'predicted':>9s} {'error':>6s}")
     for kind in spec["schedules"]:

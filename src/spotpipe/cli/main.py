@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from spotpipe.config import ConfigError, load_config
+from spotpipe.runtime.faults import FaultSpecError
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -24,6 +25,20 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="runs/latest", help="output folder (default runs/latest)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    faults = p.add_argument_group("fault injection (the same paths as real failures)")
+    faults.add_argument("--fail", action="append", default=[], metavar="NODE@ITER[:PHASE]",
+                        help="kill NODE (SIGKILL) at iteration ITER, at the start or in PHASE "
+                             "(forward, backward, all-reduce, optimizer)")
+    faults.add_argument("--notice", action="append", default=[], metavar="NODE@ITER",
+                        help="send NODE a preemption notice (SIGTERM) at iteration ITER")
+    faults.add_argument("--hang", action="append", default=[], metavar="NODE@ITER[:PHASE]",
+                        help="make NODE stop making progress at iteration ITER")
+    faults.add_argument("--trace", metavar="FILE",
+                        help="replay a preemption trace (event CSV, tick JSON, dated counts)")
+    faults.add_argument("--time-scale", type=float, default=60.0,
+                        help="trace seconds per real second (default 60)")
+    faults.add_argument("--trace-action", choices=["kill", "notice"], default="kill",
+                        help="what a trace removal does to its worker (default kill)")
     p.set_defaults(func=_train)
 
 
@@ -37,15 +52,40 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"pipelines={args.pipelines}")
     try:
         cfg = load_config(args.config, overrides)
+        faults, actions = _faults(args, cfg)
         code = train(cfg, Path(args.out), overwrite=args.overwrite,
-                     progress=not args.no_progress)
-    except (ConfigError, LaunchError) as exc:
+                     progress=not args.no_progress, faults=faults, trace_actions=actions)
+    except (ConfigError, LaunchError, FaultSpecError) as exc:
         print(f"spotpipe: error: {exc}", file=sys.stderr)
         return 2
     if code == 0:
         print(f"spotpipe: done; results in {args.out} (metrics.jsonl, events.jsonl, summary.json, "
               "final/model.safetensors)")
     return code
+
+
+def _faults(args: argparse.Namespace, cfg):
+    """Fault specs and trace actions, checked against the job's nodes before anything runs."""
+    from spotpipe.cluster.trace_replay import replay_actions
+    from spotpipe.runtime.faults import Fault, FaultSpecError
+
+    nodes = [f"node{r}" for r in range(cfg.stages * cfg.pipelines)]
+    faults = [Fault.parse(kind, text, nodes)
+              for kind in ("fail", "notice", "hang") for text in getattr(args, kind)]
+    for f in faults:
+        if f.iteration >= cfg.iterations:
+            raise FaultSpecError(f"--{f.kind} {f.node}@{f.iteration}: the job runs iterations "
+                                 f"0..{cfg.iterations - 1}")
+    actions = None
+    if args.trace:
+        from spotpipe.sim.traces import TraceError, load_trace
+
+        try:
+            actions = replay_actions(load_trace(args.trace), nodes, args.time_scale,
+                                     on_remove=args.trace_action)
+        except (TraceError, ValueError, OSError) as exc:
+            raise FaultSpecError(f"--trace {args.trace}: {exc}") from None
+    return faults, actions
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:

@@ -29,6 +29,10 @@ from safetensors.torch import load_file, save_file
 
 from spotpipe.config import Config
 from spotpipe.cluster.channel import MAILBOX, WorkerChannel, read_mailbox
+from spotpipe.cluster.coordinator import Coordinator
+from spotpipe.cluster.trace_replay import Action as TraceAction
+from spotpipe.plan import Layout
+from spotpipe.runtime.faults import Fault
 from spotpipe import job
 from spotpipe.model.ties import cross_stage_tied
 
@@ -135,7 +139,8 @@ class RunFiles:
 
 class Launcher:
     def __init__(self, prepared: Prepared, out: Path, *, progress: bool = True,
-                 stream: TextIO = sys.stderr) -> None:
+                 stream: TextIO = sys.stderr, faults: list[Fault] | None = None,
+                 trace_actions: list[TraceAction] | None = None) -> None:
         self.cfg = prepared.cfg
         self.spec = prepared.spec
         self.out = out
@@ -143,6 +148,9 @@ class Launcher:
         self.stream = stream
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.t0 = time.time()
+        self._train_start = self.t0
+        self.faults = list(faults or [])
+        self.trace_actions = sorted(trace_actions or [], key=lambda a: a.at_s)
 
     # ------------------------------------------------------------------ set-up
 
@@ -156,6 +164,7 @@ class Launcher:
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=self.cfg.cluster.host,
                    MASTER_PORT=str(port), SPOTPIPE_RUN_DIR=str(self.out),
                    SPOTPIPE_T0=repr(self.t0), OMP_NUM_THREADS=str(self.cfg.cluster.threads_per_worker),
+                   SPOTPIPE_FAULTS=json.dumps([f.to_json() for f in self.faults]),
                    PYTHONPATH=os.pathsep.join(search_path(self.cfg)
                                               + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         log = open(self.out / "logs" / f"node{rank}.log", "wb")
@@ -175,14 +184,19 @@ class Launcher:
         world = cfg.stages * cfg.pipelines
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
         self._write_inputs()
-        files = RunFiles(self.out)
+        files = self.files = RunFiles(self.out)
         if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             files.tensorboard = SummaryWriter(str(self.out / "tensorboard"))
         files.event({"time_s": 0.0, "kind": "launch", "node": "launcher", "stages": cfg.stages,
                      "pipelines": cfg.pipelines, "partition": self.spec.partition,
-                     "store": f"{cfg.cluster.host}:{store.port}"})
+                     "redundancy": cfg.redundancy, "store": f"{cfg.cluster.host}:{store.port}",
+                     "faults": [f.to_json() for f in self.faults]})
+        nodes = [f"node{r}" for r in range(world)]
+        self.coordinator = Coordinator(
+            cfg=cfg, store=store, layout=Layout.build(cfg.stages, cfg.pipelines, nodes),
+            kill=self._kill, emit=files.event, now=self._now)
         inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._watch_mailbox(store.port, inbox)
         bar = self._bar = self._progress_bar()
@@ -194,29 +208,39 @@ class Launcher:
             for rank in range(world):
                 self._spawn(rank, world, store.port, inbox)
             exited: dict[str, int] = {}
+            last_tick = time.time()
             while True:
-                what, item = inbox.get()
+                wait = cfg.failover.heartbeat_s
+                if self.trace_actions:
+                    wait = min(wait, max(0.0, self._trace_due() - time.time()))
+                try:
+                    what, item = inbox.get(timeout=wait)
+                except queue.Empty:
+                    what, item = "tick", None
+                self._fire_trace(files)
+                if time.time() - last_tick >= cfg.failover.heartbeat_s:
+                    last_tick = time.time()
+                    self.coordinator.tick()
                 if what == "record":
                     self._handle_record(what, item, files, errors)
                 elif what == "exit":
                     node, code = item
                     exited[node] = code
-                    if code != 0:
+                    if code == 1:  # a software error: failing over would repeat it elsewhere
                         self._drain(inbox, files, errors, store)
                         detail = errors.get(node) or f"exited with code {code}"
                         message = f"{node} failed: {detail} (log: {self.out}/logs/{node}.log)"
                         files.event({"time_s": self._now(), "kind": "worker_failed",
                                      "node": node, "returncode": code, "message": detail})
                         break
+                    if code != 3:  # 3: stopped by the plan, already accounted for
+                        self.coordinator.node_exited(node, code)
                     if len(exited) == world:
                         self._drain(inbox, files, errors, store)
-                        last = self._last
-                        if last is None or last["iter"] + 1 < cfg.iterations:
-                            done = 0 if last is None else last["iter"] + 1
-                            message = f"workers exited after {done} of {cfg.iterations} iterations"
-                            break
-                        self._merge_final()
-                        status = "completed"
+                        message = self._completion_problem()
+                        if not message:
+                            self._merge_final()
+                            status = "completed"
                         break
                 elif what == "mailbox_closed":
                     message = f"lost the store: {item}"
@@ -238,6 +262,40 @@ class Launcher:
             return 1
         return 0
 
+    def _completion_problem(self) -> str:
+        """Why a run whose workers all exited did not complete ("" when it did)."""
+        if self.coordinator.stop_message:
+            return self.coordinator.stop_message
+        final = self.out / "final"
+        missing = [s for s in range(self.cfg.stages)
+                   if not (final / f"stage{s}.safetensors").exists()]
+        if missing or self._last is None:
+            done = 0 if self._last is None else self._last["iter"] + 1
+            return f"workers exited after {done} of {self.cfg.iterations} iterations"
+        return ""
+
+    def _kill(self, node: str) -> None:
+        proc = self.procs.get(node)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
+    def _trace_due(self) -> float:
+        return self._train_start + self.trace_actions[0].at_s
+
+    def _fire_trace(self, files: RunFiles) -> None:
+        """Carry out the trace's actions that are due (the clock starts at the first metrics)."""
+        while self.trace_actions and self._last is not None and time.time() >= self._trace_due():
+            action = self.trace_actions.pop(0)
+            files.event({"time_s": self._now(), "kind": "trace_" + action.kind,
+                         "node": action.node or "launcher", "trace_node": action.trace_node})
+            proc = self.procs.get(action.node)
+            if proc is None or proc.poll() is not None or action.kind == "available":
+                continue
+            if action.kind == "kill":
+                proc.kill()
+            else:
+                proc.send_signal(signal.SIGTERM)
+
     def _now(self) -> float:
         return round(time.time() - self.t0, 6)
 
@@ -255,10 +313,17 @@ class Launcher:
         if what != "record":
             return
         self._received += 1
-        if item.pop("type") == "metrics":
+        kind = item.pop("type")
+        if kind == "metrics":
+            if self._last is None:
+                self._train_start = time.time()
             files.metric(item)
             self._last = item
             self._update_bar(self._bar, item)
+        elif kind == "report":
+            files.event({"time_s": item.pop("time_s"), "kind": "report", **item})
+            item["time_s"] = 0.0
+            self.coordinator.report(item)
         else:
             files.event(item)
             if item["kind"] == "worker_error":
@@ -344,10 +409,12 @@ class Launcher:
         bar.update(1)
         bar.set_postfix_str(f"loss {record['loss']:.4f} | {record['samples_per_s']:.1f} samples/s"
                             f" | nodes {record['live_nodes']}/{self.cfg.stages * self.cfg.pipelines}"
-                            f" gen {record['generation']}")
+                            f" double {record.get('carriers', 0)} gen {record['generation']}")
 
 
-def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = True) -> int:
+def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = True,
+          faults: list[Fault] | None = None,
+          trace_actions: list[TraceAction] | None = None) -> int:
     """Validate, bind the store, then run; raises LaunchError before writing anything."""
     if out.exists() and any(out.iterdir()):
         if not overwrite:
@@ -358,4 +425,5 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
     if out.exists() and overwrite:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    return Launcher(prepared, out, progress=progress).run(store)
+    return Launcher(prepared, out, progress=progress, faults=faults,
+                    trace_actions=trace_actions).run(store)

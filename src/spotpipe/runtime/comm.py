@@ -1,14 +1,28 @@
-"""Process groups and point-to-point tensor transfer for one layout of the job.
+"""Communication for one generation of the job: process groups, point-to-point, and aborts.
 
-torch.distributed does the transport (gloo on CPU, NCCL on GPU). What it does not do is tell a
-receiver the shape of a tensor, so the first message on each channel carries a small header;
-later messages on the channel reuse the shape, because in a pipeline the boundary shape is the
-same for every micro-batch of a run.
+torch.distributed does the transport (gloo on CPU, NCCL on GPU), but two things it does not do
+are needed here, so this module owns them:
+
+- Re-forming groups in place. Each generation creates fresh process-group objects under its
+  own store prefix (`spotpipe/gen<g>/...`) among the nodes still alive, without the global
+  default group, so survivors keep their processes and memory. Old groups are never destroyed:
+  a gloo group with an operation pending on a dead peer can block in its destructor, so they
+  are parked for the life of the process instead.
+- Leaving a blocked wait. A gloo receive from a peer that is alive but stuck does not return,
+  and a timed-out gloo wait closes the connection, so waits run on a helper thread while the
+  main thread waits on an event that either the operation's completion or an abort sets.
+
+A receiver also learns a tensor's shape from a small header sent on first use of a channel;
+later messages reuse it, since in a pipeline each boundary's shape is fixed for a run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import queue
+import threading
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,100 +30,202 @@ import torch.distributed as dist
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 _HEADER = 10  # ndim, dtype code, up to 8 dims
 
+# message kinds; the tag is kind * 1024 + source stage, so every channel has its own tag
+ACT, GRAD, REPLICA, TIED = 0, 1, 2, 3
 
-@dataclass(frozen=True)
-class Topology:
-    """Ranks on a P x D grid: rank = pipeline * P + stage."""
+_GRAVEYARD: list[Any] = []  # groups of past generations, kept alive on purpose (see above)
 
-    num_stages: int
-    num_pipelines: int
+
+def tag(kind: int, stage: int) -> int:
+    return kind * 1024 + stage
+
+
+class PeerFailure(RuntimeError):
+    """A peer failed, or the job is re-forming: leave the iteration and recover."""
+
+
+class AbortSignal:
+    """Set once per generation; wakes every wait of that generation."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: set[threading.Event] = set()
+        self.reason: str | None = None
+
+    def trigger(self, reason: str) -> None:
+        with self._lock:
+            if self.reason is None:
+                self.reason = reason
+            waiting = list(self._waiting)
+        for event in waiting:
+            event.set()
 
     @property
-    def world_size(self) -> int:
-        return self.num_stages * self.num_pipelines
+    def is_set(self) -> bool:
+        return self.reason is not None
 
-    def rank_of(self, pipeline: int, stage: int) -> int:
-        return pipeline * self.num_stages + stage
+    def check(self) -> None:
+        if self.reason is not None:
+            raise PeerFailure(self.reason)
 
-    def coords(self, rank: int) -> tuple[int, int]:
-        """(pipeline, stage) of a rank."""
-        return divmod(rank, self.num_stages)
-
-
-class Groups:
-    """The collectives a stage takes part in: its data-parallel peers, its pipeline, and the
-    tied-embedding pair (first and last stage of a pipeline)."""
-
-    def __init__(self, topo: Topology, rank: int, replication: bool = False) -> None:
-        pipeline, stage = topo.coords(rank)
-        p, d = topo.num_stages, topo.num_pipelines
-        # torch.distributed requires every rank to create every group, in the same order.
-        self.data_parallel = self.pipeline = self.tied = None
-        for s in range(p):
-            group = dist.new_group([topo.rank_of(x, s) for x in range(d)])
-            if s == stage:
-                self.data_parallel = group
-        for x in range(d):
-            group = dist.new_group([topo.rank_of(x, s) for s in range(p)])
-            if x == pipeline:
-                self.pipeline = group
-        for x in range(d):
-            if p > 1:
-                group = dist.new_group([topo.rank_of(x, 0), topo.rank_of(x, p - 1)])
-                if x == pipeline and stage in (0, p - 1):
-                    self.tied = group
-        # replica ring: stage s ships gradients to the node of stage s - 1 (its replica holder)
-        # on a group of the pair, so these transfers never interleave with activation traffic
-        self.replica_send = self.replica_recv = None
-        if replication and p > 1:
-            for x in range(d):
-                pairs = dict.fromkeys(tuple(sorted((s, (s - 1) % p))) for s in range(p))
-                for a, b in pairs:
-                    group = dist.new_group([topo.rank_of(x, a), topo.rank_of(x, b)])
-                    if x != pipeline:
-                        continue
-                    if {a, b} == {stage, (stage - 1) % p}:
-                        self.replica_send = group
-                    if {a, b} == {stage, (stage + 1) % p}:
-                        self.replica_recv = group
+    def wait(self, done: threading.Event) -> None:
+        """Block until `done` is set or the abort is; raise PeerFailure on abort."""
+        with self._lock:
+            self._waiting.add(done)
+        try:
+            if self.reason is None:
+                done.wait()
+        finally:
+            with self._lock:
+                self._waiting.discard(done)
+        if not done.is_set() or self.reason is not None:
+            raise PeerFailure(self.reason or "aborted")
 
 
-class PeerLink:
-    """Asynchronous sends, blocking receives, matched in posting order per peer and tag."""
+class Waiter:
+    """Completes Work objects on a helper thread, in submission order."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, abort: AbortSignal) -> None:
+        self.abort = abort
+        self.waiting = False  # the main thread is blocked on a peer (read by the heartbeat)
+        self._queue: queue.Queue[tuple[Any, threading.Event, list[BaseException]]] = queue.Queue()
+        threading.Thread(target=self._loop, name="comm-waiter", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            work, done, errors = self._queue.get()
+            try:
+                work.wait()
+            except BaseException as exc:  # a dead peer: connection closed, or a timeout
+                errors.append(exc)
+                self.abort.trigger(f"communication failed: {exc}".splitlines()[0][:300])
+            done.set()
+
+    def wait(self, work: Any) -> None:
+        self.abort.check()
+        done, errors = threading.Event(), []
+        self._queue.put((work, done, errors))
+        self.waiting = True
+        try:
+            self.abort.wait(done)
+        finally:
+            self.waiting = False
+        if errors:
+            raise PeerFailure(str(errors[0]).splitlines()[0][:300])
+
+
+def _make_group(backend: str, store: dist.Store, rank: int, size: int,
+                timeout: timedelta) -> Any:
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+class Comm:
+    """The process groups of one generation and the operations the runtime needs on them.
+
+    `nodes` is the generation's membership in rank order; `stage_members[s]` lists the nodes
+    owning stage s across pipelines (its data-parallel group), in pipeline order.
+    """
+
+    def __init__(self, *, store: dist.Store, generation: int, nodes: Sequence[str], me: str,
+                 stage_members: dict[int, list[str]], backend: str, device: torch.device,
+                 timeout_s: float, abort: AbortSignal) -> None:
+        self.generation = generation
+        self.nodes = list(nodes)
+        self.me = me
+        self.rank = self.nodes.index(me)
         self.device = device
+        self.abort = abort
+        self.waiter = Waiter(abort)
+        timeout = timedelta(seconds=timeout_s)
+        prefix = f"spotpipe/gen{generation}"
+        self.world = _make_group(backend, dist.PrefixStore(f"{prefix}/world", store),
+                                 self.rank, len(self.nodes), timeout)
+        _GRAVEYARD.append(self.world)
+        # data-parallel groups of this node's stages, created in stage order on every member
+        # so that two nodes sharing two groups never wait for each other in opposite orders
+        self.data_parallel: dict[int, tuple[Any, int]] = {}
+        for stage in sorted(stage_members):
+            members = stage_members[stage]
+            if me in members and len(members) > 1:
+                group = _make_group(backend, dist.PrefixStore(f"{prefix}/dp{stage}", store),
+                                    members.index(me), len(members), timeout)
+                _GRAVEYARD.append(group)
+                self.data_parallel[stage] = (group, len(members))
         self._shapes: dict[tuple[str, int, int], tuple[torch.Size, torch.dtype]] = {}
-        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._pending: list[tuple[Any, torch.Tensor]] = []
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+    # ------------------------------------------------------------------ point to point
+
+    def send(self, tensor: torch.Tensor, node: str, tag_: int) -> None:
+        """Asynchronous; completed by `wait_sends` (at the latest before the reduction)."""
+        self.abort.check()
+        dst = self.nodes.index(node)
         tensor = tensor.detach().contiguous()
-        key = ("send", dst, tag)
+        key = ("send", dst, tag_)
         if key not in self._shapes:
             if tensor.dim() > _HEADER - 2:
                 raise ValueError(f"cannot send a {tensor.dim()}-d tensor between stages "
                                  f"(at most {_HEADER - 2} dimensions)")
-            header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+            header = torch.zeros(_HEADER, dtype=torch.int64)
             header[0] = tensor.dim()
             header[1] = _DTYPES.index(tensor.dtype)
             header[2: 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-            self._pending.append((dist.isend(header, dst, tag=tag), header))
+            header = header.to(self.device)
+            self._pending.append((self.world.send([header], dst, tag_), header))
             self._shapes[key] = (tensor.shape, tensor.dtype)
-        self._pending.append((dist.isend(tensor, dst, tag=tag), tensor))
+        self._pending.append((self.world.send([tensor], dst, tag_), tensor))
 
-    def recv(self, src: int, tag: int = 0) -> torch.Tensor:
-        key = ("recv", src, tag)
+    def recv(self, node: str, tag_: int) -> torch.Tensor:
+        src = self.nodes.index(node)
+        key = ("recv", src, tag_)
         if key not in self._shapes:
             header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            dist.recv(header, src, tag=tag)
+            self.waiter.wait(self.world.recv([header], src, tag_))
             h = header.tolist()
             self._shapes[key] = (torch.Size(h[2: 2 + h[0]]), _DTYPES[h[1]])
         shape, dtype = self._shapes[key]
         out = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(out, src, tag=tag)
+        self.waiter.wait(self.world.recv([out], src, tag_))
         return out
+
+    def post_send(self, tensor: torch.Tensor, node: str, tag_: int) -> Any:
+        """A raw asynchronous send of a tensor whose shape the receiver knows."""
+        self.abort.check()
+        return self.world.send([tensor], self.nodes.index(node), tag_)
+
+    def post_recv(self, tensor: torch.Tensor, node: str, tag_: int) -> Any:
+        self.abort.check()
+        return self.world.recv([tensor], self.nodes.index(node), tag_)
+
+    def wait(self, work: Any) -> None:
+        self.waiter.wait(work)
 
     def wait_sends(self) -> None:
         for work, _ in self._pending:
-            work.wait()
+            self.waiter.wait(work)
         self._pending.clear()
+
+    # ------------------------------------------------------------------ collectives
+
+    def all_reduce_dp(self, stage: int, tensor: torch.Tensor) -> None:
+        """Sum over the pipelines' owners of `stage` (no-op with one pipeline)."""
+        if stage not in self.data_parallel:
+            return
+        group, _ = self.data_parallel[stage]
+        self.waiter.wait(group.allreduce([tensor]))
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every node's tensor (same shape everywhere), in rank order."""
+        if len(self.nodes) == 1:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in self.nodes]
+        self.waiter.wait(self.world.allgather([out], [tensor]))
+        return out
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        if len(self.nodes) > 1:
+            self.waiter.wait(self.world.allreduce([tensor]))

@@ -1,32 +1,40 @@
-"""Executes one stage's instruction stream for one iteration.
+"""Executes one node's instruction stream for one iteration.
 
-The executor is deliberately dumb: it does what the stream from `spotpipe.schedule` says, in
-order, and owns only the per-iteration buffers. Which stream to run, on which layout, and what
-to do when a peer disappears are decided elsewhere (plan, worker), so that a takeover can run a
-merged stream through this same code.
+The executor does what the stream from `spotpipe.schedule` says, in order, for every stage the
+node owns (one normally, two after a takeover), and owns only the per-iteration buffers. Which
+stream to run, on which layout, and what to do when a peer disappears are decided elsewhere
+(plan, worker): a failure surfaces here as a `PeerFailure` from any wait, and the iteration is
+simply abandoned.
+
+Each iteration ends with a commit: the node confirms it holds the gradients its replica needs,
+then one tiny all-reduce over all nodes (which also carries preemption notices) marks the
+iteration committed everywhere. Optimizer steps happen only after it, so after any failure the
+survivors either all complete the iteration or all replay it.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TextIO
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from spotpipe.config import Config
 from spotpipe.runtime import grads as gradlib
-from spotpipe.runtime.comm import Groups, PeerLink
+from spotpipe.runtime.comm import ACT, GRAD, REPLICA, TIED, Comm, tag
 from spotpipe.runtime.digest import DigestLog, stage_digest, tensors_digest
-from spotpipe.runtime.replica import GradientReplication, ReplicaStage
+from spotpipe.runtime.optim import set_lr
+from spotpipe.runtime.replica import (ReplicaApplier, ReplicaStage, flatten_grads,
+                                      flatten_state)
 from spotpipe.schedule import Instr, Op
-
-TAG_ACT, TAG_GRAD = 0, 1
 
 
 @dataclass
 class StageState:
-    """A stage's module and optimizer, plus what the global-norm clip needs to know."""
+    """An owned stage's module and optimizer, plus what the global-norm clip needs."""
 
     index: int
     module: nn.Module
@@ -34,7 +42,7 @@ class StageState:
     # parameters counted in the global norm, in the unpartitioned model's order (a tied
     # parameter is counted only on the stage of its first occurrence)
     norm_params: list[nn.Parameter]
-    tied_params: list[nn.Parameter] = field(default_factory=list)  # gradients summed across stages
+    tied_params: list[nn.Parameter] = field(default_factory=list)  # summed across stages
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -42,159 +50,320 @@ class StageState:
 
 
 @dataclass
-class Microbatches:
-    """Inputs of the first stage and targets of the last, per local micro-batch."""
+class Holding:
+    """The replica this node holds, and the node that owns (and feeds) that stage."""
 
-    inputs: Sequence[torch.Tensor | None]
-    targets: Sequence[torch.Tensor | None]
+    replica: ReplicaStage
+    applier: ReplicaApplier
+    owner: str
 
 
 @dataclass
-class Redundancy:
-    """This node's replica of its successor stage and how it is kept and used."""
+class Microbatches:
+    """First-stage inputs and last-stage targets of this pipeline, per micro-batch."""
 
-    mode: str  # "lazy" or "eager"
-    replica: ReplicaStage
-    replication: GradientReplication
-    offload_frc: bool = False
+    inputs: Sequence[torch.Tensor | None]
+    targets: Sequence[torch.Tensor | None]
+    indices: Sequence[Sequence[int]] = ()
+
+
+@dataclass
+class Wiring:
+    """Who is where in this generation, from this node's point of view."""
+
+    pipeline: int
+    num_stages: int
+    node_of_stage: dict[int, str]  # stages of this node's pipeline -> owner
+    replica_holder: dict[int, str]  # owned stage -> node holding its replica (if any)
+    norm_segments: list[tuple[int, int, int]]  # per stage in order: (rank, offset, count)
+    norm_width: int
+    tied_partner: dict[int, str]  # owned first/last stage -> owner of the other one
 
 
 @dataclass
 class IterationResult:
-    loss_sum: torch.Tensor | None  # sum of this pipeline's scaled micro-batch losses (last stage)
+    loss_sum: torch.Tensor | None  # this pipeline's scaled micro-batch losses (last stage)
     grad_norm: float
+    leave_requested: bool
+
+
+Hook = Callable[[str, int], None]
 
 
 class Executor:
-    def __init__(self, *, state: StageState, num_stages: int, rank_of_stage: Callable[[int], int],
-                 link: PeerLink, groups: Groups, num_pipelines: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 loss_scale_div: int, grad_clip: float, norm_counts: list[int],
-                 redundancy: Redundancy | None = None, digests: DigestLog | None = None) -> None:
-        self.state = state
-        self.num_stages = num_stages
-        self.rank_of_stage = rank_of_stage
-        self.link = link
-        self.groups = groups
-        self.num_pipelines = num_pipelines
+    def __init__(self, *, cfg: Config, me: str, stages: dict[int, StageState], wiring: Wiring,
+                 comm: Comm, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 loss_scale_div: int, holding: Holding | None = None,
+                 digests: DigestLog | None = None, sample_log: TextIO | None = None,
+                 hook: Hook | None = None) -> None:
+        self.cfg = cfg
+        self.me = me
+        self.stages = stages
+        self.w = wiring
+        self.comm = comm
         self.loss_fn = loss_fn
-        self.loss_scale_div = loss_scale_div  # M * D: each micro-batch loss is a share of the mean
-        self.grad_clip = grad_clip
-        self.norm_counts = norm_counts
-        self.redundancy = redundancy
+        self.loss_scale_div = loss_scale_div  # M * D: each micro-batch loss is a share
+        self.holding = holding
         self.digests = digests
-        # what a takeover of the successor needs, kept until the next iteration starts:
-        # this node's outputs (the successor's inputs) and, in eager mode, the FRC outputs
+        self.sample_log = sample_log
+        self.hook = hook or (lambda phase, it: None)
+        self.generation = comm.generation
+        # what a takeover of the successor would use, kept until the next iteration starts
         self.kept_outputs: dict[int, torch.Tensor] = {}
         self.frc_outputs: dict[int, torch.Tensor] = {}
+        # progress, read by the heartbeat thread and reported at recovery
+        self.iteration = -1
+        self.position = 0
+        self.committed_through = -1
+        self.stepped_through = -1
+        self._replica_recv: tuple[Any, torch.Tensor] | None = None
+        self._replica_sends: list[tuple[Any, torch.Tensor]] = []
+
+    def _local(self, stage: int) -> bool:
+        return self.w.node_of_stage[stage] == self.me
 
     # ------------------------------------------------------------------ one iteration
 
-    def run(self, stream: Sequence[Instr], batches: Microbatches,
-            iteration: int = 0) -> IterationResult:
-        s = self.state.index
-        last = s == self.num_stages - 1
-        red = self.redundancy
+    def run(self, stream: Sequence[Instr], batches: Microbatches, iteration: int,
+            leaving: Callable[[], bool] = lambda: False) -> IterationResult:
+        p = self.w.num_stages
+        last = p - 1
+        self.iteration = iteration
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        out_grads: dict[tuple[int, int], torch.Tensor] = {}
+        local: dict[tuple[str, int, int], torch.Tensor] = {}  # hand-offs between own stages
         self.kept_outputs, self.frc_outputs = {}, {}
-        replica_current = False
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        out_grads: dict[int, torch.Tensor] = {}
         loss_sum: torch.Tensor | None = None
-        grad_norm = 0.0
-        for ins in stream:
-            op, mb = ins.op, ins.mb
+        grad_norm, leave = 0.0, False
+        seen: set[str] = set()
+        replica_current = False
+        keep = self.holding is not None and self.cfg.redundancy != "none"
+        for pos, ins in enumerate(stream):
+            self.position = pos
+            op, s, mb = ins.op, ins.stage, ins.mb
+            phase = {Op.FORWARD: "forward", Op.BACKWARD: "backward",
+                     Op.ALL_REDUCE: "all-reduce"}.get(op)
+            if phase and phase not in seen:
+                seen.add(phase)
+                self.hook(phase, iteration)
             if op == Op.RECV_ACT:
-                inputs[mb] = self.link.recv(self.rank_of_stage(ins.peer), TAG_ACT).requires_grad_()
+                x = (local.pop(("act", s, mb)) if self._local(ins.peer)
+                     else self.comm.recv(self.w.node_of_stage[ins.peer], tag(ACT, ins.peer)))
+                inputs[(s, mb)] = x.requires_grad_()
             elif op == Op.FORWARD:
-                x = inputs[mb] if s > 0 else batches.inputs[mb]
-                y = self.state.module(x)
+                x = inputs[(s, mb)] if s > 0 else batches.inputs[mb]
+                y = self.stages[s].module(x)
                 if self.digests is not None:
                     self.digests.write(iter=iteration, stage=s, mb=mb, role="output",
                                        digest=tensors_digest([y]))
-                if red is not None and not last:
+                if keep and s != last:
                     self.kept_outputs[mb] = y.detach()
-                if last:
+                if s == last:
                     y = self.loss_fn(y, batches.targets[mb]) / self.loss_scale_div
-                    detached = y.detach()
-                    loss_sum = detached if loss_sum is None else loss_sum + detached
-                outputs[mb] = y
+                    loss_sum = y.detach() if loss_sum is None else loss_sum + y.detach()
+                outputs[(s, mb)] = y
             elif op == Op.SEND_ACT:
-                self.link.send(outputs[mb], self.rank_of_stage(ins.peer), TAG_ACT)
+                if self._local(ins.peer):
+                    local[("act", ins.peer, mb)] = outputs[(s, mb)].detach()
+                else:
+                    self.comm.send(outputs[(s, mb)], self.w.node_of_stage[ins.peer], tag(ACT, s))
             elif op == Op.RECV_GRAD:
-                out_grads[mb] = self.link.recv(self.rank_of_stage(ins.peer), TAG_GRAD)
+                out_grads[(s, mb)] = (local.pop(("grad", s, mb)) if self._local(ins.peer)
+                                      else self.comm.recv(self.w.node_of_stage[ins.peer],
+                                                          tag(GRAD, ins.peer)))
             elif op == Op.BACKWARD:
-                y = outputs.pop(mb)
-                if last:
+                y = outputs.pop((s, mb))
+                if s == last:
                     y.backward()
                 else:
-                    torch.autograd.backward(y, out_grads.pop(mb))
+                    torch.autograd.backward(y, out_grads.pop((s, mb)))
             elif op == Op.SEND_GRAD:
-                x = inputs.pop(mb)
-                self.link.send(x.grad, self.rank_of_stage(ins.peer), TAG_GRAD)
+                g = inputs.pop((s, mb)).grad
+                if self._local(ins.peer):
+                    local[("grad", ins.peer, mb)] = g
+                else:
+                    self.comm.send(g, self.w.node_of_stage[ins.peer], tag(GRAD, s))
             elif op == Op.FRC_FORWARD:
-                assert red is not None and ins.stage == red.replica.index
+                red = self.holding
+                assert red is not None and s == red.replica.index
                 if not replica_current:  # FRC must see the replica as of the last iteration
-                    red.replication.wait_applied(iteration - 1)
+                    red.applier.wait_applied(iteration - 1)
                     replica_current = True
-                x = batches.inputs[mb] if ins.stage == 0 else self.kept_outputs[mb]
+                x = batches.inputs[mb] if s == 0 else self.kept_outputs[mb]
                 with torch.no_grad():
                     out = red.replica.module(x.to(red.replica.device))
                 if self.digests is not None:
-                    self.digests.write(iter=iteration, stage=ins.stage, mb=mb, role="frc",
+                    self.digests.write(iter=iteration, stage=s, mb=mb, role="frc",
                                        digest=tensors_digest([out]))
-                self.frc_outputs[mb] = out.to("cpu") if red.offload_frc else out
+                self.frc_outputs[mb] = out.to("cpu") if self.cfg.replica.offload_frc else out
             elif op == Op.ALL_REDUCE:
-                self.link.wait_sends()
+                self.comm.wait_sends()
                 grad_norm = self.reduce_gradients()
-                if red is not None:
-                    red.replication.post(iteration)
+                self._post_replication(iteration)
             elif op == Op.OPTIMIZER_STEP:
-                self.state.optimizer.step()
-                self.state.optimizer.zero_grad(set_to_none=True)
-                if red is not None:
-                    red.replication.post_state(iteration)
-                if self.digests is not None:
-                    self.digests.write(iter=iteration, stage=s, role="owner",
-                                       **stage_digest(self.state.module, self.state.optimizer))
+                self._confirm_replication()
+                if self.sample_log is not None and last in self.stages:
+                    self.sample_log.write(json.dumps({
+                        "iter": iteration, "pipeline": self.w.pipeline,
+                        "generation": self.generation,
+                        "samples": [list(i) for i in batches.indices]}) + "\n")
+                    self.sample_log.flush()
+                leave = self._commit(iteration, leaving())
+                self.hook("optimizer", iteration)
+                self.step(iteration)
             else:
                 raise NotImplementedError(f"instruction {ins} is not executed by this runtime")
-        return IterationResult(loss_sum=loss_sum, grad_norm=grad_norm)
+        return IterationResult(loss_sum=loss_sum, grad_norm=grad_norm, leave_requested=leave)
+
+    # ------------------------------------------------------------------ commit and step
+
+    def _commit(self, iteration: int, leaving: bool) -> bool:
+        """Every node holds final gradients (and its replica's) for `iteration`: commit."""
+        flag = torch.tensor([1.0 if leaving else 0.0], device=self.comm.device)
+        self.comm.all_reduce(flag)
+        self.committed_through = iteration
+        return bool(flag.item() > 0)
+
+    def step(self, iteration: int) -> None:
+        """Apply the committed iteration to owned stages and hand the replica its update.
+
+        Also called during recovery, when the iteration was committed elsewhere before this
+        node could step it."""
+        if self.stepped_through >= iteration:
+            return
+        for s in sorted(self.stages):
+            state = self.stages[s]
+            state.optimizer.step()
+            state.optimizer.zero_grad(set_to_none=True)
+            if self.digests is not None:
+                self.digests.write(iter=iteration, stage=s, role="owner",
+                                   **stage_digest(state.module, state.optimizer))
+        self.stepped_through = iteration
+        if self.cfg.replica.sync == "state":
+            self._exchange_state(iteration)
+        elif self.holding is not None:
+            flat = self._replica_recv[1] if self._replica_recv is not None else None
+            self.holding.applier.submit(iteration, "grad", flat)
+        self._replica_recv = None
+
+    def discard(self) -> None:
+        """Drop an uncommitted iteration: gradients and replica messages."""
+        for state in self.stages.values():
+            state.optimizer.zero_grad(set_to_none=True)
+        self._replica_recv = None
+        self._replica_sends = []
+
+    def set_lr(self, iteration: int) -> float:
+        lr = 0.0
+        for state in self.stages.values():
+            lr = set_lr(state.optimizer, self.cfg, iteration)
+        return lr
+
+    # ------------------------------------------------------------------ gradient replication
+
+    def _post_replication(self, iteration: int) -> None:
+        if self.cfg.replica.sync != "gradient":
+            return
+        self._replica_sends = []
+        for s, holder in sorted(self.w.replica_holder.items()):
+            flat = flatten_grads(self.stages[s].params)
+            self._replica_sends.append((self.comm.post_send(flat, holder, tag(REPLICA, s)), flat))
+        if self.holding is not None:
+            buffer = torch.empty(self.holding.replica.grad_message_size(),
+                                 device=self.comm.device)
+            work = self.comm.post_recv(buffer, self.holding.owner,
+                                       tag(REPLICA, self.holding.replica.index))
+            self._replica_recv = (work, buffer)
+
+    def _confirm_replication(self) -> None:
+        if self._replica_recv is not None:
+            self.comm.wait(self._replica_recv[0])
+        for work, _ in self._replica_sends:
+            self.comm.wait(work)
+        self._replica_sends = []
+
+    def _exchange_state(self, iteration: int) -> None:
+        """Baseline `replica.sync: state`: a full copy every k iterations, on the critical path."""
+        holding = self.holding
+        if (iteration + 1) % self.cfg.replica.sync_every:
+            if holding is not None:
+                holding.applier.submit(iteration, "none", None)
+            return
+        sends = []
+        for s, holder in sorted(self.w.replica_holder.items()):
+            flat = flatten_state(self.stages[s].params, self.stages[s].optimizer)
+            sends.append((self.comm.post_send(flat, holder, tag(REPLICA, s)), flat))
+        if holding is not None:
+            buffer = torch.empty(holding.replica.state_message_size(self.cfg),
+                                 device=self.comm.device)
+            self.comm.wait(self.comm.post_recv(buffer, holding.owner,
+                                               tag(REPLICA, holding.replica.index)))
+            holding.applier.submit(iteration, "state", buffer)
+        for work, _ in sends:
+            self.comm.wait(work)
 
     # ------------------------------------------------------------------ gradient reduction
 
     def reduce_gradients(self) -> float:
         """Data-parallel sum, tied-weight sum, then clipping by the global norm.
 
-        The loss was already divided by M * D, so a plain sum over pipelines gives the mean.
-        With one pipeline no reduction runs at all, which keeps D = 1 bit-identical to the
-        unpartitioned model.
+        The loss was divided by M * D, so a plain sum over pipelines gives the mean. With one
+        pipeline no reduction runs at all, which keeps D = 1 bit-identical to one process.
         """
-        st = self.state
-        params = st.params
-        # a parameter the loss does not reach keeps grad None, as in a plain loop (the optimizer
-        # then skips it); which ones is the same on every pipeline, so the buffers line up
-        grads = [p.grad for p in params if p.grad is not None]
-        if self.num_pipelines > 1 and grads:
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.groups.data_parallel)
-            for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                g.copy_(reduced)
-        if st.tied_params and self.groups.tied is not None:
-            for p in st.tied_params:
+        for s in sorted(self.stages):
+            # a parameter the loss does not reach keeps grad None, as in a plain loop; which
+            # ones is the same on every pipeline, so the flat buffers line up
+            grads = [p.grad for p in self.stages[s].params if p.grad is not None]
+            if grads and s in self.comm.data_parallel:
+                flat = torch._utils._flatten_dense_tensors(grads)
+                self.comm.all_reduce_dp(s, flat)
+                for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                    g.copy_(r)
+        self._sum_tied()
+        mine = []
+        for s in sorted(self.stages):
+            like = self.stages[s].params[0] if self.stages[s].params else torch.zeros(1)
+            mine.append(gradlib.local_norms([p.grad for p in self.stages[s].norm_params], like))
+        vector = torch.cat(mine) if mine else torch.zeros(0)
+        padded = torch.zeros(self.w.norm_width, dtype=torch.float32, device=self.comm.device)
+        padded[: vector.numel()] = vector
+        gathered = self.comm.all_gather(padded)
+        everything = torch.cat([gathered[rank][offset: offset + count]
+                                for rank, offset, count in self.w.norm_segments])
+        total = gradlib.total_norm(everything)
+        if self.cfg.optimizer.grad_clip > 0:
+            grads = [p.grad for st in self.stages.values() for p in st.params
+                     if p.grad is not None]
+            gradlib.clip_(grads, total, self.cfg.optimizer.grad_clip)
+        return float(total)
+
+    def _sum_tied(self) -> None:
+        """Keep tied copies on the first and last stage equal: each gets a + b (addition is
+        commutative, so both sides compute the same bits)."""
+        first, last = 0, self.w.num_stages - 1
+        if first in self.stages and last in self.stages and first != last:
+            for a, b in zip(self.stages[first].tied_params, self.stages[last].tied_params):
+                for p in (a, b):
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                total = a.grad + b.grad
+                a.grad.copy_(total)
+                b.grad.copy_(total)
+            return
+        for s, partner in self.w.tied_partner.items():
+            params = self.stages[s].tied_params
+            for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=self.groups.tied)
-        norm_grads = [p.grad for p in st.norm_params]
-        like = params[0] if params else torch.zeros(1)
-        mine = gradlib.local_norms(norm_grads, like)
-        if self.num_stages > 1:
-            everything = gradlib.gather_norms(
-                mine, self.norm_counts, st.index,
-                lambda out, t: dist.all_gather(out, t, group=self.groups.pipeline))
-        else:
-            everything = mine
-        total = gradlib.total_norm(everything)
-        if self.grad_clip > 0:
-            gradlib.clip_(grads, total, self.grad_clip)
-        return float(total)
+            mine = torch.cat([p.grad.reshape(-1) for p in params])
+            theirs = torch.empty_like(mine)
+            other = last if s == first else first
+            send = self.comm.post_send(mine, partner, tag(TIED, s))
+            self.comm.wait(self.comm.post_recv(theirs, partner, tag(TIED, other)))
+            self.comm.wait(send)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad.add_(theirs[offset: offset + n].view_as(p))
+                offset += n

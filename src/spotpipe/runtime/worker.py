@@ -1,8 +1,14 @@
-"""The worker process: one per node, started by the launcher (or agent) like torchrun starts one.
+"""The worker process: one per node, started by the launcher (or agent) as torchrun starts one.
 
 Environment, as torchrun sets it: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK; plus
 SPOTPIPE_RUN_DIR (the run's output folder, holding config.yaml and run.json written by the
-launcher) and SPOTPIPE_T0 (the launcher's start time, so all records share one clock).
+launcher), SPOTPIPE_T0 (the launcher's start time, so all records share one clock) and
+SPOTPIPE_FAULTS (injected faults, JSON).
+
+The worker trains generation by generation. Within a generation the layout is fixed; a failure
+or a notice ends it: the worker reports where it stands, waits for the plan that the launcher's
+coordinator computes with `spotpipe.plan`, carries it out in memory (finish or drop the
+in-flight iteration, promote a replica) and starts the next generation under a new store prefix.
 """
 
 from __future__ import annotations
@@ -14,204 +20,315 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from spotpipe.config import Config, load_config
-from spotpipe.cluster.channel import WorkerChannel
-from spotpipe.data import collate
-from spotpipe.model import LayeredModel, build_stage
-from spotpipe.model.ties import cross_stage_tied, norm_param_names
 from spotpipe import job
-from spotpipe.runtime.comm import Groups, PeerLink, Topology
+from spotpipe.cluster.channel import WorkerChannel
+from spotpipe.cluster.membership import (AbortWatcher, Heartbeat, NoticeWatcher, abort_key,
+                                         client, plan_key)
+from spotpipe.config import Config, load_config
+from spotpipe.data import collate
+from spotpipe.model import build_stage
+from spotpipe.plan import Layout
+from spotpipe.runtime import node as nodelib
+from spotpipe.runtime.comm import AbortSignal, Comm, PeerFailure
 from spotpipe.runtime.digest import DigestLog
-from spotpipe.runtime.executor import Executor, Microbatches, Redundancy, StageState
-from spotpipe.runtime.replica import GradientReplication, ReplicaStage
-from spotpipe.runtime.optim import build_optimizer, set_lr
-from spotpipe.schedule import (Schedule, StageCosts, build_schedule, holder_of, replica_of,
-                               with_frc)
+from spotpipe.runtime.executor import Executor, Holding, Microbatches, StageState
+from spotpipe.runtime.faults import Fault, Injector
+from spotpipe.runtime.replica import ReplicaApplier, ReplicaStage
 
 
-def stage_state(model: LayeredModel, partition: list[tuple[int, int]], stage: int, cfg: Config,
-                device: torch.device) -> StageState:
-    """Build stage `stage` of `model` with its optimizer and its share of the global norm."""
-    start, end = partition[stage]
-    module = build_stage(model, start, end).to(device)
-    params = list(module.parameters())
-    counted = set(norm_param_names(model, partition)[stage])
-    named = dict(module.named_parameters())
-    norm_params = [named[n] for n in named if n in counted]
-    tied = [named[n] for n in cross_stage_tied(model, partition) if n in named]
-    return StageState(stage, module, build_optimizer(params, cfg), norm_params, tied)
+class Leave(Exception):
+    """A node got a preemption notice; the job reshapes at this iteration boundary."""
+
+
+class JobStopped(Exception):
+    """The coordinator decided the job cannot go on (e.g. adjacent stages lost)."""
+
+
+def layout_from_json(data: dict[str, Any]) -> Layout:
+    return Layout.from_mapping(data["stages"], data["pipelines"],
+                               {(d, s): n for d, s, n in data["owners"]},
+                               data.get("standby", []))
+
+
+def layout_to_json(layout: Layout) -> dict[str, Any]:
+    return {"stages": layout.num_stages, "pipelines": layout.num_pipelines,
+            "owners": [[d, s, n] for (d, s), n in sorted(layout.mapping.items())],
+            "standby": list(layout.standby)}
 
 
 class Worker:
-    def __init__(self, cfg: Config, spec: job.RunSpec, run_dir: Path, rank: int, world: int,
-                 store: dist.Store, t0: float) -> None:
-        self.cfg, self.spec, self.run_dir = cfg, spec, run_dir
-        self.rank = rank
-        self.topo = Topology(len(spec.partition), world // len(spec.partition))
-        self.pipeline, self.stage = self.topo.coords(rank)
-        self.node = f"node{rank}"
-        self.channel = WorkerChannel(store, self.node, t0)
-        backend = job.resolve_backend(cfg)
-        self.device = job.device_for(backend, int(os.environ.get("LOCAL_RANK", rank)))
+    def __init__(self, cfg: Config, spec: job.RunSpec, run_dir: Path, node: str,
+                 store: dist.TCPStore, t0: float, faults: list[Fault]) -> None:
+        self.cfg, self.spec, self.run_dir, self.node = cfg, spec, run_dir, node
+        self.store = store
+        self.t0 = t0
+        self.channel = WorkerChannel(store, node, t0)
+        self.backend = job.resolve_backend(cfg)
+        self.device = job.device_for(self.backend, int(os.environ.get("LOCAL_RANK", 0)))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend, store=dist.PrefixStore("gen0", store), rank=rank,
-                                world_size=world, timeout=timedelta(seconds=cfg.cluster.timeout_s))
-        self.groups = Groups(self.topo, rank, replication=cfg.redundancy != "none")
         self.model = job.build_model(cfg)
         self.dataset = job.build_dataset(cfg)
         self.sampler = job.build_sampler(cfg, self.dataset)
-        self.state = stage_state(self.model, spec.partition, self.stage, cfg, self.device)
-        counts = [len(n) for n in norm_param_names(self.model, spec.partition)]
-        p = self.topo.num_stages
-        self.digests = (DigestLog(run_dir / "logs" / f"digests.{self.node}.jsonl")
+        self.layout = Layout.build(cfg.stages, cfg.pipelines,
+                                   [f"node{r}" for r in range(cfg.stages * cfg.pipelines)])
+        self.generation = 0
+        self.digests = (DigestLog(run_dir / "logs" / f"digests.{node}.jsonl")
                         if cfg.logging.state_digests else None)
-        self.redundancy = self._build_redundancy() if cfg.redundancy != "none" else None
-        self.executor = Executor(
-            state=self.state, num_stages=p,
-            rank_of_stage=lambda s: self.topo.rank_of(self.pipeline, s),
-            link=PeerLink(self.device), groups=self.groups, num_pipelines=self.topo.num_pipelines,
-            loss_fn=self.model.loss_fn,
-            loss_scale_div=cfg.num_microbatches * self.topo.num_pipelines,
-            grad_clip=cfg.optimizer.grad_clip, norm_counts=counts, redundancy=self.redundancy,
-            digests=self.digests)
-        self.stream = self._schedule().streams[self.stage]
-        self.sample_log = None
-        if cfg.logging.sample_log and self.stage == p - 1:
-            (run_dir / "logs").mkdir(exist_ok=True)
-            self.sample_log = open(run_dir / "logs" / f"samples.{self.node}.jsonl", "a")
+        self.stages: dict[int, StageState] = {
+            s: nodelib.build_stage_state(self.model, spec.partition, s, cfg, self.device)
+            for s in nodelib.owned_stages(self.layout, node)}
+        self.holding = self._build_holding()
+        self.sample_log: TextIO | None = None
+        self.inject = Injector(faults, node, lambda f: self.channel.event(
+            "fault_injected", fault=f.kind, iteration=f.iteration, phase=f.phase))
+        self.notices = NoticeWatcher(aws_url=cfg.failover.aws_notice_url,
+                                     gcp_url=cfg.failover.gcp_notice_url,
+                                     poll_s=cfg.failover.notice_poll_s,
+                                     on_notice=lambda src: self.channel.event("notice",
+                                                                              source=src))
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        timeout = cfg.cluster.timeout_s
+        self._watch_store = client(host, port, timeout)
+        self.executor: Executor | None = None
+        self.heartbeat = Heartbeat(client(host, port, timeout), node, cfg.failover.heartbeat_s,
+                                   self._progress)
 
-    def _build_redundancy(self) -> Redundancy:
-        cfg, p = self.cfg, self.topo.num_stages
-        index = replica_of(self.stage, p)
+    # ------------------------------------------------------------------ state
+
+    def _build_holding(self) -> Holding | None:
+        if self.cfg.redundancy == "none":
+            return None
+        index = nodelib.held_replica(self.layout, self.node)
+        if index is None:
+            return None
         start, end = self.spec.partition[index]
-        device = self.device if cfg.replica.device == "device" else torch.device("cpu")
-        replica = ReplicaStage.build(index, build_stage(self.model, start, end), cfg, device)
-        replication = GradientReplication(
-            cfg=cfg, own_params=self.state.params, own_optimizer=self.state.optimizer,
-            replica=replica,
-            send_to=self.topo.rank_of(self.pipeline, holder_of(self.stage, p)),
-            send_group=self.groups.replica_send,
-            recv_from=self.topo.rank_of(self.pipeline, index),
-            recv_group=self.groups.replica_recv, digests=self.digests)
-        return Redundancy(cfg.redundancy, replica, replication, cfg.replica.offload_frc)
+        device = self.device if self.cfg.replica.device == "device" else torch.device("cpu")
+        replica = ReplicaStage.build(index, build_stage(self.model, start, end), self.cfg, device)
+        d = nodelib.pipeline_of(self.layout, self.node)
+        return Holding(replica, ReplicaApplier(replica, self.cfg, self.digests),
+                       self.layout.owner(d, index))
 
-    def _schedule(self) -> Schedule:
-        """The plain schedule, or with FRC placed in its bubbles by the timing model.
+    def _progress(self) -> dict[str, Any]:
+        ex = self.executor
+        if ex is None:
+            return {"state": "starting", "generation": self.generation}
+        busy = not ex.comm.waiter.waiting and not self._recovering
+        return {"state": "busy" if busy else "waiting", "generation": self.generation,
+                "iteration": ex.iteration, "position": ex.position}
 
-        Placement needs per-stage costs: the stages' parameter counts stand in for their
-        forward cost (backward taken as twice that), which is what decides how many FRCs fit
-        in a bubble when stages are unequal.
-        """
-        cfg, p = self.cfg, self.topo.num_stages
-        schedule = build_schedule(cfg.schedule, p, cfg.num_microbatches)
-        if cfg.redundancy != "eager":
-            return schedule
-        sizes = [max(1, sum(x.numel() for i in range(a, b)
-                            for x in self.model.layers[i].parameters()))
-                 for a, b in self.spec.partition]
-        costs = StageCosts(tuple(float(n) for n in sizes), tuple(2.0 * n for n in sizes))
-        return with_frc(schedule, costs)
+    _recovering = False
 
-    def batches(self, iteration: int) -> tuple[Microbatches, list[list[int]]]:
-        p, m = self.topo.num_stages, self.cfg.num_microbatches
-        indices = self.sampler.pipeline_microbatches(iteration, self.pipeline,
-                                                     self.topo.num_pipelines, m)
+    def _form(self) -> None:
+        """Start a generation: groups among the live nodes, the wiring, the stream."""
+        nodes = sorted(self.layout.active_nodes, key=lambda n: int(n[4:]) if n[4:].isdigit()
+                       else n)
+        abort = AbortSignal()
+        AbortWatcher(self._watch_store, self.generation, abort)
+        comm = Comm(store=self.store, generation=self.generation, nodes=nodes, me=self.node,
+                    stage_members=nodelib.stage_members(self.layout), backend=self.backend,
+                    device=self.device, timeout_s=self.cfg.cluster.timeout_s, abort=abort)
+        wiring = nodelib.wiring(self.layout, self.node, nodes, self.model, self.spec.partition,
+                                redundancy=self.cfg.redundancy != "none")
+        if self.cfg.logging.sample_log and self.layout.num_stages - 1 in self.stages \
+                and self.sample_log is None:
+            (self.run_dir / "logs").mkdir(exist_ok=True)
+            self.sample_log = open(self.run_dir / "logs" / f"samples.{self.node}.jsonl", "a")
+        previous = self.executor
+        self.executor = Executor(
+            cfg=self.cfg, me=self.node, stages=self.stages, wiring=wiring, comm=comm,
+            loss_fn=self.model.loss_fn,
+            loss_scale_div=self.cfg.num_microbatches * self.layout.num_pipelines,
+            holding=self.holding, digests=self.digests, sample_log=self.sample_log,
+            hook=self.inject)
+        if previous is not None:
+            self.executor.committed_through = previous.committed_through
+            self.executor.stepped_through = previous.stepped_through
+        self.stream = nodelib.node_schedule(self.cfg, self.layout, self.node, self.model,
+                                            self.spec.partition)
+
+    def batches(self, iteration: int) -> Microbatches:
+        p, m = self.layout.num_stages, self.cfg.num_microbatches
+        d = nodelib.pipeline_of(self.layout, self.node)
+        indices = self.sampler.pipeline_microbatches(iteration, d, self.layout.num_pipelines, m)
+        frc_zero = (self.cfg.redundancy == "eager" and self.holding is not None
+                    and self.holding.replica.index == 0)
+        want_x = 0 in self.stages or frc_zero
+        want_y = p - 1 in self.stages
         inputs: list[torch.Tensor | None] = [None] * m
         targets: list[torch.Tensor | None] = [None] * m
-        # the last stage also needs inputs for FRC of its replica of stage 0
-        wants_inputs = self.stage == 0 or (self.stage == p - 1 and self.cfg.redundancy == "eager")
-        if self.stage == 0 or self.stage == p - 1:
+        if want_x or want_y:
             for k, idx in enumerate(indices):
                 x, y = collate(self.dataset, idx)
-                if wants_inputs:
-                    inputs[k] = x.to(self.device)
-                if self.stage == p - 1:
-                    targets[k] = y.to(self.device)
-        return Microbatches(inputs, targets), indices
+                inputs[k] = x.to(self.device) if want_x else None
+                targets[k] = y.to(self.device) if want_y else None
+        return Microbatches(inputs, targets, indices)
+
+    # ------------------------------------------------------------------ training
 
     def train(self) -> None:
         cfg = self.cfg
-        p = self.topo.num_stages
-        reporter = self.stage == p - 1 and self.pipeline == 0
-        last = self.stage == p - 1
-        self.channel.event("worker_ready", pipeline=self.pipeline, stage=self.stage,
-                           layers=list(self.spec.partition[self.stage]))
-        samples = 0
-        for t in range(cfg.iterations):
-            t_start = time.perf_counter()
-            lr = set_lr(self.state.optimizer, cfg, t)
-            batches, indices = self.batches(t)
-            result = self.executor.run(self.stream, batches, iteration=t)
-            samples += cfg.global_batch
-            if last:
-                loss = result.loss_sum
-                if self.topo.num_pipelines > 1:
-                    dist.all_reduce(loss, group=self.groups.data_parallel)
-                if self.sample_log is not None:
-                    self.sample_log.write(json.dumps({"iter": t, "pipeline": self.pipeline,
-                                                      "samples": indices}) + "\n")
-                if reporter:
-                    dt = time.perf_counter() - t_start
-                    self.channel.metrics({
-                        "iter": t, "loss": float(loss), "samples": samples,
-                        "time_s": self.channel.now(), "iter_time_s": round(dt, 6),
-                        "samples_per_s": round(cfg.global_batch / dt, 3), "lr": lr,
-                        "grad_norm": result.grad_norm, "live_nodes": self.topo.world_size,
-                        "generation": 0,
-                        **({"replica_lag": self.redundancy.replication.lag(t)}
-                           if self.redundancy is not None else {})})
+        self._form()
+        d = nodelib.pipeline_of(self.layout, self.node)
+        self.channel.event("worker_ready", pipeline=d, stages=sorted(self.stages),
+                           layers=[list(self.spec.partition[s]) for s in sorted(self.stages)])
+        t = 0
+        resumed_at: float | None = None
+        while t < cfg.iterations:
+            ex = self.executor
+            try:
+                self.inject("start", t)
+                t_start = time.perf_counter()
+                lr = ex.set_lr(t)
+                result = ex.run(self.stream, self.batches(t), t, leaving=self.notices.is_set)
+                self._report(t, result, lr, time.perf_counter() - t_start)
+                if resumed_at is not None:
+                    self.channel.event("resumed", generation=self.generation, iteration=t,
+                                       pause_end_s=self.channel.now())
+                    resumed_at = None
+                t += 1
+                if result.leave_requested:
+                    raise Leave("a node received a preemption notice")
+            except (PeerFailure, Leave) as why:
+                t = self.recover(why)
+                if t < 0:
+                    return  # this node left the job
+                resumed_at = time.time()
+        self._finish()
+
+    def _report(self, t: int, result: Any, lr: float, dt: float) -> None:
+        p = self.layout.num_stages
+        if p - 1 not in self.stages:
+            return
+        loss = result.loss_sum
+        self.executor.comm.all_reduce_dp(p - 1, loss)
+        if self.layout.owner(0, p - 1) != self.node:
+            return
+        cfg = self.cfg
+        self.channel.metrics({
+            "iter": t, "loss": float(loss), "samples": (t + 1) * cfg.global_batch,
+            "time_s": self.channel.now(), "iter_time_s": round(dt, 6),
+            "samples_per_s": round(cfg.global_batch / dt, 3), "lr": lr,
+            "grad_norm": result.grad_norm, "live_nodes": len(self.layout.active_nodes),
+            "carriers": len(self.layout.carriers()), "generation": self.generation,
+            **({"replica_lag": self.holding.applier.lag(t)} if self.holding else {})})
+
+    # ------------------------------------------------------------------ recovery
+
+    def recover(self, why: Exception) -> int:
+        """Report, wait for the plan, carry it out; return the iteration to resume at (or -1
+        when this node leaves the job)."""
+        self._recovering = True
+        ex = self.executor
+        g = self.generation
+        leaving = isinstance(why, Leave) and self.notices.is_set()
+        self.store.set(abort_key(g), f"{self.node}: {why}")
+        self.channel._post({
+            "type": "report", "generation": g, "node": self.node,
+            "iteration": ex.iteration, "position": ex.position,
+            "instruction": str(self.stream[ex.position]) if ex.position < len(self.stream) else "",
+            "committed_through": ex.committed_through, "stepped_through": ex.stepped_through,
+            "leaving": leaving, "reason": str(why)[:300], "time_s": self.channel.now()})
+        self.store.wait([plan_key(g)], timedelta(seconds=self.cfg.cluster.timeout_s * 4))
+        plan = json.loads(self.store.get(plan_key(g)))
+        if plan["action"] == "stop":
+            raise JobStopped(plan["message"])
+        new_layout = layout_from_json(plan["layout"])
+        resume = int(plan["resume"])
+        # finish the committed iteration, drop the one in flight
+        if ex.stepped_through < resume - 1:
+            ex.step(resume - 1)
+        ex.discard()
+        if self.node not in new_layout.active_nodes:
+            self._finish(left=True)
+            return -1
+        started = time.perf_counter()
+        promoted = []
+        for move in plan["moves"]:
+            if move["kind"] == "promote" and move["dst"] == self.node:
+                self._promote(move["stage"], resume)
+                promoted.append(move["stage"])
+        self.layout = new_layout
+        self.generation = plan["generation"]
+        self._form()
+        self._recovering = False
+        self.channel.event("takeover" if promoted else "regrouped", generation=self.generation,
+                           stages=sorted(self.stages), promoted=promoted, resume=resume,
+                           regroup_s=round(time.perf_counter() - started, 6))
+        return resume
+
+    def _promote(self, stage: int, resume: int) -> None:
+        """The replica becomes an owned stage: it is already exact, nothing is transferred."""
+        holding = self.holding
+        if holding is None or holding.replica.index != stage:
+            raise RuntimeError(f"{self.node} was asked to take over stage {stage} but holds no "
+                               "replica of it")
+        holding.applier.drain()
+        if holding.applier.applied != resume - 1:
+            raise RuntimeError(f"replica of stage {stage} is at iteration "
+                               f"{holding.applier.applied}, expected {resume - 1}")
+        holding.applier.close()
+        module = holding.replica.module.to(self.device)
+        self.stages[stage] = nodelib.stage_state_from(self.model, self.spec.partition, stage,
+                                                      module, holding.replica.optimizer)
+        self.holding = None
+
+    def _finish(self, left: bool = False) -> None:
+        self.heartbeat.stop()
         if self.sample_log is not None:
             self.sample_log.close()
-        if self.redundancy is not None:
-            self.redundancy.replication.close()
-            self.channel.event("replica_done", stage=self.redundancy.replica.index,
-                               max_lag=self.redundancy.replication.max_lag_seen,
-                               waited_s=round(self.redundancy.replication.waited_s, 6))
+        if self.holding is not None:
+            self.holding.applier.close()
+            self.channel.event("replica_done", stage=self.holding.replica.index,
+                               max_lag=self.holding.applier.max_lag_seen,
+                               waited_s=round(self.holding.applier.waited_s, 6))
         if self.digests is not None:
             self.digests.close()
-        self.save_final()
-        self.channel.event("worker_done", pipeline=self.pipeline, stage=self.stage)
+        if not left:
+            self.save_final()
+        self.channel.event("worker_left" if left else "worker_done", stages=sorted(self.stages))
 
     def save_final(self) -> None:
-        """Pipeline 0 writes its stage; the launcher merges the stages into model.safetensors."""
-        if self.pipeline != 0:
-            return
+        """Pipeline 0's owners write their stages; the launcher merges them."""
         out = self.run_dir / "final"
         out.mkdir(exist_ok=True)
-        # clone: tied tensors share storage, which safetensors refuses to write twice
-        tensors = {k: v.detach().to("cpu").contiguous().clone()
-                   for k, v in self.state.module.state_dict().items()}
-        save_file(tensors, str(out / f".stage{self.stage}.safetensors.tmp"))
-        os.replace(out / f".stage{self.stage}.safetensors.tmp",
-                   out / f"stage{self.stage}.safetensors")
+        for s, state in self.stages.items():
+            if self.layout.owner(0, s) != self.node:
+                continue
+            # clone: tied tensors share storage, which safetensors refuses to write twice
+            tensors = {k: v.detach().to("cpu").contiguous().clone()
+                       for k, v in state.module.state_dict().items()}
+            save_file(tensors, str(out / f".stage{s}.safetensors.tmp"))
+            os.replace(out / f".stage{s}.safetensors.tmp", out / f"stage{s}.safetensors")
 
 
 def main() -> int:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
     run_dir = Path(os.environ["SPOTPIPE_RUN_DIR"])
     t0 = float(os.environ.get("SPOTPIPE_T0", time.time()))
     cfg = load_config(run_dir / "config.yaml")
     torch.set_num_threads(cfg.cluster.threads_per_worker)
     spec = job.RunSpec.from_json(json.loads((run_dir / "run.json").read_text()))
+    faults = [Fault(**f) for f in json.loads(os.environ.get("SPOTPIPE_FAULTS", "[]"))]
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timedelta(seconds=cfg.cluster.timeout_s))
-    channel = WorkerChannel(store, f"node{rank}", t0)
+    node = f"node{rank}"
+    channel = WorkerChannel(store, node, t0)
     try:
-        worker = Worker(cfg, spec, run_dir, rank, world, store, t0)
-        worker.train()
+        Worker(cfg, spec, run_dir, node, store, t0, faults).train()
+    except JobStopped as exc:
+        channel.event("worker_stopped", message=str(exc))
+        return 3
     except Exception as exc:  # reported to the launcher, which stops the job with the message
         traceback.print_exc()
         channel.event("worker_error", message=f"{type(exc).__name__}: {exc}")
         return 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return 0
 
 

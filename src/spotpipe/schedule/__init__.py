@@ -2,11 +2,12 @@
 
 from spotpipe.schedule.builders import SCHEDULE_KINDS, build_schedule
 from spotpipe.schedule.ir import Instr, Op, Schedule
+from spotpipe.schedule.merge import global_order, merged_schedule
 from spotpipe.schedule.redundancy import (REDUNDANCY_MODES, RedundancyPrediction, holder_of,
                                           predict, replica_of, with_frc)
 from spotpipe.schedule.timing import StageCosts, Timing, closed_form_bubble, simulate
 from spotpipe.schedule.validate import ScheduleError, check
 
 __all__ = ["REDUNDANCY_MODES", "RedundancyPrediction", "holder_of", "predict", "replica_of",
-           "with_frc", "SCHEDULE_KINDS", "Instr", "Op", "Schedule", "ScheduleError", "StageCosts", "Timing",
+           "with_frc", "global_order", "merged_schedule", "SCHEDULE_KINDS", "Instr", "Op", "Schedule", "ScheduleError", "StageCosts", "Timing",
            "build_schedule", "check", "closed_form_bubble", "simulate"]

@@ -53,9 +53,10 @@ def check(schedule: Schedule) -> Report:
                     if got != instr.mb:
                         raise ScheduleError(f"actor {actor}: {instr} matched a message for "
                                             f"micro-batch {got}")
-                elif instr.op in SEND_OPS:
-                    if local.get(instr.peer) == actor:
-                        raise ScheduleError(f"actor {actor}: {instr} sends to itself")
+                elif instr.op in SEND_OPS:  # to a stage of the same actor: a local hand-off
+                    if instr.peer not in local:
+                        raise ScheduleError(f"actor {actor}: {instr} sends to a stage no actor "
+                                            "owns")
                     queues[_channel(instr)].append(instr.mb)
                 elif instr.op == Op.FORWARD:
                     if instr.mb in forwarded[instr.stage]:
@@ -100,6 +101,7 @@ def check(schedule: Schedule) -> Report:
                                 f"of 0..{m - 1} once, in order")
     for actor, stream in enumerate(schedule.streams):
         ops = [i.op for i in stream]
-        if ops.count(Op.OPTIMIZER_STEP) != len(schedule.owners[actor]):
-            raise ScheduleError(f"actor {actor}: expected one optimizer step per owned stage")
+        if ops.count(Op.OPTIMIZER_STEP) != 1 or ops.count(Op.ALL_REDUCE) != 1:
+            raise ScheduleError(f"actor {actor}: expected one reduction and one optimizer step "
+                                "(covering all the stages it owns)")
     return Report(steps=steps, max_in_flight=dict(peak))

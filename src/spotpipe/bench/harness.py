@@ -1,0 +1,333 @@
+"""What the multi-process benchmarks share: spawning pinned workers, timing interleaved blocks of
+iterations, and profiling a stage for the analytic model.
+
+Parent side (`pinned_cores`, `launch`): the parent hosts a TCPStore and starts one process per
+rank with SPOTPIPE_BENCH_SPEC (JSON) in its environment; the last rank posts its result as JSON
+under ``bench/result``, a failing rank posts ``bench/error/RANK``. Worker side (`worker_main`):
+each process pins itself to one core with one torch thread, joins a gloo group and runs the
+benchmark. `timed_block` times iterations with both ranks in step (the slower rank's clock
+counts) and `StageProfiler` measures per-stage forward, backward, optimizer step, gradient
+reduction and one activation message, with both ranks busy at once as in the pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+_PING_TAG = 7
+
+
+# ---------------------------------------------------------------------- parent side
+
+def pinned_cores(count: int = 2) -> list[int]:
+    """`count` cores to pin one worker each to, when there are enough; else [] (the OS places
+    them)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return cores[:count] if len(cores) >= count else []
+
+
+def launch(spec: dict[str, Any], world: int, deadline_s: float, *, worker_module: str,
+           name: str) -> dict[str, Any]:
+    """Run `python -m worker_module` once per rank against a store hosted here; return the last
+    rank's JSON.
+
+    Every child is killed (and reaped) on the way out, whatever happened.
+    """
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
+                          timeout=timedelta(seconds=spec["timeout_s"]), wait_for_workers=False)
+    procs: list[subprocess.Popen] = []
+    with contextlib.ExitStack() as files:
+        logs = [files.enter_context(tempfile.TemporaryFile()) for _ in range(world)]
+        try:
+            for rank in range(world):
+                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+                           SPOTPIPE_BENCH_SPEC=json.dumps(spec), OMP_NUM_THREADS="1",
+                           TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"))
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", worker_module], env=env,
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=logs[rank]))
+            _wait(procs, deadline_s, name)
+            codes = [p.returncode for p in procs]
+            if any(c != 0 for c in codes) or not store.check(["bench/result"]):
+                errors = [store.get(f"bench/error/{r}").decode() for r in range(world)
+                          if store.check([f"bench/error/{r}"])]
+                raise RuntimeError(f"bench {name}: workers failed (exit codes {codes}): "
+                                   f"{'; '.join(errors) or 'no result'}\n" + _tails(logs))
+            return json.loads(store.get("bench/result"))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=10)
+
+
+def launch_and_summarize(spec: dict[str, Any], deadline_s: float, *, worker_module: str,
+                         name: str, summarize: Callable[[dict[str, Any], dict[str, Any]],
+                                                        dict[str, Any]]) -> dict[str, Any]:
+    """Two pinned workers (P = 2), their result summarized, plus the wall time it all took."""
+    t0 = time.perf_counter()
+    raw = launch(spec, 2, deadline_s, worker_module=worker_module, name=name)
+    out = summarize(raw, spec)
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def _wait(procs: list[subprocess.Popen], deadline_s: float, name: str) -> None:
+    end = time.monotonic() + deadline_s
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode not in (None, 0) for p in procs):
+            return  # one failed: the others would only wait for it
+        if time.monotonic() > end:
+            raise RuntimeError(f"bench {name}: workers still running after {deadline_s:.0f} s")
+        time.sleep(0.05)
+
+
+def _tails(logs: list[Any]) -> str:
+    tails = []
+    for rank, log in enumerate(logs):
+        log.seek(0)
+        text = log.read().decode(errors="replace").strip()
+        if text:
+            tails.append(f"--- rank {rank} stderr ---\n{text[-3000:]}")
+    return "\n".join(tails)
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def describe_setup(spec: dict[str, Any], partition: Any) -> str:
+    """The processes and the model, for a benchmark's `config` figure."""
+    g = spec["gpt"]
+    return (f"P=2 D=1 gloo, 1 thread/stage pinned to cores {spec['cores'] or 'unpinned'}; "
+            f"GPT n_layer={g['n_layer']} n_embd={g['n_embd']} n_head={g['n_head']} "
+            f"block={g['block_size']} vocab={g['vocab_size']}, partition {partition}")
+
+
+def stage_costs(profile: dict[str, Any], **extra: Any):
+    """The analytic model's StageCosts from a `StageProfiler.summary` (plus e.g. frc=...)."""
+    from spotpipe.schedule.timing import StageCosts
+
+    return StageCosts(forward=tuple(profile["forward_s"]), backward=tuple(profile["backward_s"]),
+                      comm=profile["comm_s"], all_reduce=max(profile["reduce_s"]),
+                      optimizer=max(profile["optimizer_s"]), **extra)
+
+
+# ---------------------------------------------------------------------- worker side
+
+def bench_config(spec: dict[str, Any], **overrides: Any):
+    """The Config a benchmark's stages are built from: GPT from the spec, AdamW, no clipping,
+    P = 2, D = 1, gloo with one thread; `overrides` are further top-level keys."""
+    from spotpipe.config import from_dict
+
+    return from_dict({
+        "model": {"kind": "gpt", "gpt": dict(spec["gpt"]), "partition": "uniform"},
+        # the bench makes its own tokens; the path is never read
+        "data": {"kind": "text", "path": "unused-by-bench"},
+        "optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1, "grad_clip": 0.0},
+        "schedule": "1f1b", "stages": 2, "pipelines": 1,
+        "micro_batch_size": spec["micro_batch_size"],
+        "num_microbatches": spec["num_microbatches"],
+        "iterations": 1, "seed": spec["seed"],
+        "cluster": {"backend": "gloo", "threads_per_worker": 1},
+        **overrides,
+    })
+
+
+def times(fn: Callable[[], Any], reps: int,
+          before: Callable[[], Any] | None = None) -> list[float]:
+    out = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def timed_block(iterate: Callable[[], Any], n: int) -> list[float]:
+    """Run `iterate` n times after a barrier; each iteration's duration on the slower rank."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    stamps = [time.perf_counter()]
+    for _ in range(n):
+        iterate()
+        stamps.append(time.perf_counter())
+    durations = torch.tensor([b - a for a, b in itertools.pairwise(stamps)], dtype=torch.float64)
+    dist.all_reduce(durations, op=dist.ReduceOp.MAX)  # the slower rank's clock
+    return durations.tolist()
+
+
+class StageProfiler:
+    """Samples of what the analytic model needs, for one stage: forward and backward of one
+    micro-batch, optimizer step, gradient reduction, and one activation message.
+
+    It steps the stage's optimizer on profiling gradients: profile a stage whose weights the
+    benchmark does not compare afterwards.
+    """
+
+    def __init__(self, *, cfg: Any, rank: int, world: int, state: Any,
+                 loss_fn: Callable[[Any, Any], Any], first_input: Any, target: Any,
+                 reduce: Callable[[], Any], device: Any) -> None:
+        import torch
+
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.last = rank == world - 1
+        self.state, self.loss_fn = state, loss_fn
+        b, t, c = cfg.micro_batch_size, cfg.model.gpt.block_size, cfg.model.gpt.n_embd
+        # stage 0 takes tokens; a later stage a hidden state of the boundary's shape
+        self.x_in = (first_input if rank == 0
+                     else torch.randn(b, t, c, generator=torch.Generator().manual_seed(3)))
+        self.target = target
+        self.reduce = reduce
+        self.device = device
+        self._link = None
+        self.activation_bytes = 0
+
+    def profile(self, reps: int, samples: dict[str, list[float]]) -> None:
+        """Append `reps` samples of each figure to `samples`, with both ranks at once as in the
+        pipeline (one busy core each). Call it once per round, so that the profile sees the same
+        drift of the machine's speed as the timed iterations."""
+        import torch
+        import torch.distributed as dist
+
+        from spotpipe.runtime.comm import PeerLink
+
+        cfg = self.cfg
+        b, t, c = cfg.micro_batch_size, cfg.model.gpt.block_size, cfg.model.gpt.n_embd
+        module, loss_fn, x_in, target = self.state.module, self.loss_fn, self.x_in, self.target
+        m = cfg.num_microbatches
+
+        def forward() -> torch.Tensor:
+            x = x_in if self.rank == 0 else x_in.detach().requires_grad_()
+            y = module(x)
+            if self.last:
+                y = loss_fn(y, target) / m
+            return y
+
+        holder: dict[str, torch.Tensor] = {}
+        out_grad = None
+        if not self.last:
+            out_grad = torch.randn_like(forward().detach())
+
+        def prepare_backward() -> None:
+            holder["y"] = forward()
+
+        def backward() -> None:
+            y = holder.pop("y")
+            if self.last:
+                y.backward()
+            else:
+                torch.autograd.backward(y, out_grad)
+
+        def grads() -> None:
+            prepare_backward()
+            backward()
+
+        def step() -> None:
+            self.state.optimizer.step()
+            self.state.optimizer.zero_grad(set_to_none=True)
+
+        def add(key: str, fn: Callable[[], Any], before: Callable[[], Any] | None = None) -> None:
+            dist.barrier()
+            samples.setdefault(key, []).extend(times(fn, reps, before))
+
+        add("forward", forward)
+        add("backward", backward, before=prepare_backward)
+        add("reduce", self.reduce, before=lambda: (grads(), dist.barrier()))
+        add("optimizer", step, before=grads)
+
+        # one activation message through spotpipe's own link: half a ping-pong's round trip
+        act = torch.randn(b, t, c)
+        if self._link is None:
+            self._link = PeerLink(self.device)
+            self._ping(act)  # the first message carries the shape header
+        for _ in range(reps):
+            samples.setdefault("comm", []).append(self._ping(act) / 2)
+        self.activation_bytes = act.numel() * act.element_size()
+
+    def _ping(self, act: Any) -> float:
+        import torch.distributed as dist
+
+        link = self._link
+        dist.barrier()
+        start = time.perf_counter()
+        if self.rank == 0:
+            link.send(act, 1, _PING_TAG)
+            link.recv(1, _PING_TAG)
+        elif self.rank == 1:
+            link.send(link.recv(0, _PING_TAG), 0, _PING_TAG)
+        rtt = time.perf_counter() - start
+        link.wait_sends()
+        return rtt
+
+    def summary(self, samples: dict[str, list[float]], partition: list[tuple[int, int]],
+                extra: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Per rank medians, gathered on every rank: `KEY_s` lists indexed by rank, for the
+        standard figures and for any `extra` keys the caller sampled itself."""
+        import torch
+        import torch.distributed as dist
+
+        keys = ("forward", "backward", "optimizer", "reduce", "comm") + tuple(extra)
+        mine = torch.tensor([statistics.median(samples[k]) for k in keys], dtype=torch.float64)
+        parts = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(parts, mine)
+        rows = [p.tolist() for p in parts]
+        out: dict[str, Any] = {f"{k}_s": [r[i] for r in rows] for i, k in enumerate(keys)}
+        out["comm_s"] = rows[0][4]  # rank 0 timed the whole round trip
+        out["activation_bytes"] = self.activation_bytes
+        out["partition"] = partition
+        out["samples_per_rank"] = len(samples["forward"])
+        return out
+
+
+def worker_main(measure: Callable[[dict[str, Any], int, int], dict[str, Any]]) -> int:
+    """A benchmark worker's process: pin, join the group, run `measure(spec, rank, world)`; the
+    last rank posts the result. Nothing is printed on stdout."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    spec = json.loads(os.environ["SPOTPIPE_BENCH_SPEC"])
+    cores = spec.get("cores")
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    torch.set_num_threads(1)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timedelta(seconds=spec["timeout_s"]))
+    try:
+        dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank,
+                                world_size=world, timeout=timedelta(seconds=spec["timeout_s"]))
+        result = measure(spec, rank, world)
+        if rank == world - 1:  # the last stage holds the losses; times and profile are global
+            store.set("bench/result", json.dumps(result))
+        dist.barrier()
+    except Exception as exc:  # noqa: BLE001 - any failure is reported to the parent
+        traceback.print_exc()
+        store.set(f"bench/error/{rank}", f"{type(exc).__name__}: {exc}")
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

@@ -1,0 +1,207 @@
+"""`spotpipe bench redundancy`: what Bamboo-style redundancy costs, measured against the model.
+
+Two processes (P = 2, D = 1), each pinned to its own core with one torch thread, gloo (so the
+pipeline's bubbles are real idle time on the core), train the same GPT stages three times side
+by side: redundancy none, lazy (a replica of the successor stage kept exact by gradient
+replication, whose update runs on a background thread of the same process, on the same core)
+and eager (lazy plus forward redundant computation of the replica, placed in the bubbles by
+`spotpipe.schedule.with_frc` from measured costs). The modes alternate in blocks of iterations,
+each leading in turn, and the replica catches up between blocks (untimed) so that no mode's
+background work lands in another's block. Per mode the figure is the median iteration time (the
+slower rank's); the ratios are throughput over `none`'s.
+
+The analytic model's prediction comes from a profile taken between the rounds (per-stage
+forward, backward, optimizer step, gradient reduction, one message, and FRC: the replica's
+forward of one micro-batch without grad): `spotpipe.schedule.predict(..., "eager")`.
+`eager_gap_pp` is the measured eager ratio minus the predicted one, in percentage points.
+
+Memory: the replica's parameters and optimizer state over the node's own stage's, per node; the
+activations kept per iteration for a takeover (the node's outputs, and FRC outputs in eager
+mode); the gradient bytes shipped per iteration against a full state copy.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from typing import Any
+
+from spotpipe.bench.harness import (describe_setup, launch_and_summarize, pinned_cores,
+                                    quantile, stage_costs)
+from spotpipe.bench.pipeline import MODEL
+
+MODES = ("none", "lazy", "eager")
+FULL = {"warmup": 3, "rounds": 12, "iters_per_round": 5, "profile_reps": 3}
+QUICK = {"warmup": 1, "rounds": 2, "iters_per_round": 2, "profile_reps": 2}
+
+
+def _spec(quick: bool) -> dict[str, Any]:
+    spec: dict[str, Any] = dict(QUICK if quick else FULL)
+    spec.update(gpt=dict(MODEL), micro_batch_size=4, num_microbatches=8, seed=0,
+                schedule="1f1b", max_lag=2, timeout_s=120.0, cores=pinned_cores(2),
+                prototypes=[x for x in os.environ.get("SPOTPIPE_BENCH_PROTOTYPES", "").split(",")
+                            if x])
+    return spec
+
+
+def frc_by_stage(frc_per_rank: list[float]) -> tuple[float, ...]:
+    """FRC cost indexed by the replica's stage: rank r measured its replica, of stage r + 1."""
+    from spotpipe.schedule import replica_of
+
+    p = len(frc_per_rank)
+    out = [0.0] * p
+    for r, cost in enumerate(frc_per_rank):
+        out[replica_of(r, p)] = cost
+    return tuple(out)
+
+
+def update_slot(stream: Any) -> int:
+    """Where in a stream the replica's update of the previous iteration fits best: before the
+    first point where the node may wait (a receive) or needs the replica current (an FRC)."""
+    from spotpipe.schedule import Op
+    from spotpipe.schedule.ir import RECV_OPS
+
+    return next(i for i, ins in enumerate(stream)
+                if ins.op in RECV_OPS or ins.op == Op.FRC_FORWARD)
+
+
+def with_update(schedule: Any, costs: Any, update_s: float) -> tuple[Any, Any]:
+    """The schedule and costs with the replica's update as a timed step at `update_slot` of
+    every stream: an FRC of a pseudo-stage P whose cost is `update_s` (the timing model has
+    no instruction for it)."""
+    from dataclasses import replace
+
+    from spotpipe.schedule import Instr, Op
+
+    p = schedule.num_stages
+    streams = tuple(s[:update_slot(s)] + (Instr(Op.FRC_FORWARD, p),) + s[update_slot(s):]
+                    for s in schedule.streams)
+    frc = tuple(costs.frc_cost(x) for x in range(p)) + (update_s,)
+    return replace(schedule, streams=streams), replace(costs, frc=frc)
+
+
+def _costs(profile: dict[str, Any]):
+    return stage_costs(profile, frc=frc_by_stage(profile["frc_s"]))
+
+
+def _round_ratios(times: dict[str, list[float]], mode: str, n: int) -> list[float]:
+    """none's over `mode`'s median iteration time within each round (back to back there)."""
+    base, other = times["none"], times[mode]
+    ratios = sorted(statistics.median(base[i:i + n]) / statistics.median(other[i:i + n])
+                    for i in range(0, len(base), n))
+    return [round(ratios[0], 4), round(statistics.median(ratios), 4), round(ratios[-1], 4)]
+
+
+def _r(values: list[float], digits: int = 6) -> list[float]:
+    return [round(v, digits) for v in values]
+
+
+def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    from spotpipe.schedule import build_schedule, closed_form_bubble, predict, simulate, with_frc
+
+    m, b = spec["num_microbatches"], spec["micro_batch_size"]
+    times = raw["iter_times"]
+    med = {mode: statistics.median(times[mode]) for mode in MODES}
+    prof = raw["profile"]
+    costs = _costs(prof)
+    plain = build_schedule(spec["schedule"], 2, m)
+    eager_pred = predict(plain, costs, "eager")
+    lazy_pred = predict(plain, costs, "lazy")
+    # the stream that ran was placed from the first profile; time it with the final one too
+    executed = with_frc(plain, _costs(raw["initial_profile"]))
+    executed_ratio = simulate(plain, costs).iteration_s / simulate(executed, costs).iteration_s
+
+    # the model with the replica's update as a step in the first bubble (what the runtime would
+    # do if the update were an instruction placed by the schedule rather than a thread)
+    update_s = max(prof["replica_update_s"])
+    base_s = simulate(plain, costs).iteration_s
+    lazy_u = simulate(*with_update(plain, costs, update_s)).iteration_s
+    eager_u = simulate(*with_update(with_frc(plain, costs), costs, update_s)).iteration_s
+
+    out: dict[str, Any] = {}
+    out["lazy_ratio"] = round(med["none"] / med["lazy"], 4)
+    out["eager_ratio"] = round(med["none"] / med["eager"], 4)
+    out["lazy_predicted_ratio"] = round(lazy_pred.throughput_ratio, 4)
+    out["eager_predicted_ratio"] = round(eager_pred.throughput_ratio, 4)
+    out["eager_gap_pp"] = round(100 * (out["eager_ratio"] - out["eager_predicted_ratio"]), 2)
+    out["lazy_gap_pp"] = round(100 * (out["lazy_ratio"] - out["lazy_predicted_ratio"]), 2)
+    out["eager_predicted_ratio_executed_stream"] = round(executed_ratio, 4)
+    out["lazy_predicted_ratio_with_update"] = round(base_s / lazy_u, 4)
+    out["eager_predicted_ratio_with_update"] = round(base_s / eager_u, 4)
+    out["prototypes"] = spec["prototypes"]
+    n = spec["iters_per_round"]
+    for mode in ("lazy", "eager"):
+        out[f"{mode}_ratio_rounds_min_median_max"] = _round_ratios(times, mode, n)
+        # the fastest tenth: less sensitive to other processes taking the cores
+        out[f"{mode}_ratio_q10"] = round(quantile(times["none"], 0.1)
+                                         / quantile(times[mode], 0.1), 4)
+    for mode in MODES:
+        out[f"{mode}_iter_s"] = round(med[mode], 6)
+        out[f"{mode}_samples_per_s"] = round(m * b / med[mode], 2)
+    out["predicted_iter_s_none"] = round(eager_pred.baseline_iteration_s, 6)
+    out["predicted_iter_s_eager"] = round(eager_pred.iteration_s, 6)
+    out["model_error_none"] = round(abs(eager_pred.baseline_iteration_s - med["none"])
+                                    / med["none"], 4)
+    out["bubble_fraction_predicted"] = round(eager_pred.bubble_fraction, 4)
+    out["bubble_fraction_closed_form"] = round(closed_form_bubble(2, m), 4)
+    out["frc_s_per_iteration_predicted"] = round(eager_pred.frc_s, 6)
+    out["frc_in_bubbles_s_predicted"] = round(eager_pred.bubble_filled_s, 6)
+    out["frc_excess_s_predicted"] = round(eager_pred.excess_s, 6)
+
+    # memory and bytes, per node (index = rank = stage)
+    own, rep = raw["own_state_bytes"], raw["replica_state_bytes"]
+    multiples = [r / o for r, o in zip(rep, own)]
+    out["replica_memory_multiple"] = round(max(multiples), 4)
+    out["replica_memory_multiple_per_node"] = _r(multiples, 4)
+    out["own_state_bytes_per_node"] = [int(v) for v in own]
+    out["replica_state_bytes_per_node"] = [int(v) for v in rep]
+    out["replica_activation_bytes_eager"] = [int(v) for v in raw["eager_activation_bytes"]]
+    out["replica_activation_bytes_lazy"] = [int(v) for v in raw["lazy_activation_bytes"]]
+    out["gradient_bytes_per_iteration"] = [int(v) for v in raw["gradient_bytes_per_iteration"]]
+    out["state_bytes"] = [int(v) for v in raw["state_bytes"]]
+    out["gradient_over_state_bytes"] = round(max(g / s for g, s in zip(
+        raw["gradient_bytes_per_iteration"], raw["state_bytes"])), 4)
+    for mode in ("lazy", "eager"):
+        out[f"{mode}_max_lag_seen"] = [int(v) for v in raw[f"{mode}_max_lag_seen"]]
+        out[f"{mode}_waited_s"] = _r(raw[f"{mode}_waited_in_timed_s"])
+        out[f"{mode}_replicas_exact"] = raw[f"{mode}_replicas_exact"]
+    out["lazy_eager_states_identical"] = raw["lazy_eager_states_identical"]
+    # per-instruction trace: seconds per iteration by op kind, per node; a receive's time is
+    # mostly its wait, FRC's includes waiting for the replica to be current
+    for mode in MODES:
+        out[f"{mode}_op_s_per_iteration"] = {k: _r(v) for k, v in raw[f"{mode}_op_s"].items()}
+    first = raw["first_loss"]
+    out["first_loss_max_abs_diff"] = max(abs(first[a] - first["none"]) for a in MODES)
+
+    out["profile_forward_s"] = _r(prof["forward_s"])
+    out["profile_backward_s"] = _r(prof["backward_s"])
+    out["profile_optimizer_s"] = _r(prof["optimizer_s"])
+    out["profile_reduce_s"] = _r(prof["reduce_s"])
+    out["profile_comm_s"] = round(prof["comm_s"], 6)
+    out["profile_frc_s_by_stage"] = _r(list(frc_by_stage(prof["frc_s"])))
+    out["profile_replica_update_s"] = _r(prof["replica_update_s"])
+    out["profile_samples"] = prof["samples_per_rank"]
+    out["rounds"] = spec["rounds"]
+    out["iters_per_round"] = n
+    out["iterations_per_mode"] = raw["iterations"]
+    out["config"] = (f"{describe_setup(spec, prof['partition'])}; replica thread on the same "
+                     f"core; {spec['schedule']}, micro-batch {b} x M={m}; AdamW, no clipping; "
+                     f"replica on cpu, sync gradient, max_lag {spec['max_lag']}; median over "
+                     f"{spec['rounds']} rounds x {n} iterations, modes interleaved")
+    return out
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    spec = _spec(quick)
+    out = launch_and_summarize(spec, 120 if quick else 900, name="redundancy",
+                               worker_module="spotpipe.bench._redundancy_worker",
+                               summarize=summarize)
+    print(f"{'mode':6s} {'iter_s':>8s} {'samples/s':>10s} {'ratio':>6s} {'predicted':>9s}")
+    print(f"{'none':6s} {out['none_iter_s']:8.4f} {out['none_samples_per_s']:10.1f} "
+          f"{1.0:6.3f} {1.0:9.3f}")
+    for mode in ("lazy", "eager"):
+        print(f"{mode:6s} {out[f'{mode}_iter_s']:8.4f} {out[f'{mode}_samples_per_s']:10.1f} "
+              f"{out[f'{mode}_ratio']:6.3f} {out[f'{mode}_predicted_ratio']:9.3f}")
+    print(f"replica memory: {out['replica_memory_multiple_per_node']} x own stage; gradient "
+          f"bytes {out['gradient_bytes_per_iteration']} vs state {out['state_bytes']}")
+    return out

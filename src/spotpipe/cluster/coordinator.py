@@ -1,0 +1,178 @@
+"""Failure handling on the launcher's (or agent's) side: detect, agree, decide, publish.
+
+The coordinator lives next to the store, in the process that is never preempted. It learns of
+failures three ways: a worker process exits (the launcher sees it at once), a worker reports a
+broken connection or a notice (through the store), or heartbeats say a node is dead or hung
+(then it fences the node: a hung process must not come back into a job that moved on).
+
+Agreement runs per generation: the abort key wakes every survivor, each reports where it
+stands (iteration, last committed iteration, whether it leaves), and once every node has
+reported or is known dead, `spotpipe.plan.decide` picks the recovery. The plan, with the
+iteration to resume at (one past the newest iteration any survivor committed), is published
+under the generation's key, which is what every survivor is waiting on.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from spotpipe.cluster.membership import HEARTBEATS, abort_key, plan_key
+from spotpipe.config import Config
+from spotpipe.plan import Action, Layout, decide
+
+
+def layout_json(layout: Layout) -> dict[str, Any]:
+    return {"stages": layout.num_stages, "pipelines": layout.num_pipelines,
+            "owners": [[d, s, n] for (d, s), n in sorted(layout.mapping.items())],
+            "standby": list(layout.standby)}
+
+
+@dataclass
+class Recovery:
+    """Agreement in progress for one generation."""
+
+    generation: int
+    started_s: float
+    reasons: list[str] = field(default_factory=list)
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+class Coordinator:
+    def __init__(self, *, cfg: Config, store: dist.TCPStore, layout: Layout,
+                 kill: Callable[[str], None], emit: Callable[[dict[str, Any]], None],
+                 now: Callable[[], float]) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.layout = layout
+        self.kill = kill
+        self.emit = emit
+        self.now = now
+        self.generation = 0
+        self.dead: set[str] = set()
+        self.left: set[str] = set()  # left after a notice, by plan
+        self.recovery: Recovery | None = None
+        self.stop_message: str | None = None
+        self._progress: dict[str, tuple[Any, float]] = {}  # node -> (progress, since)
+        self.pauses: list[dict[str, Any]] = []
+
+    @property
+    def live(self) -> set[str]:
+        return set(self.layout.active_nodes) - self.dead
+
+    def expected_exits(self) -> set[str]:
+        """Nodes whose exit with code 0 is part of the plan."""
+        return set(self.layout.active_nodes) | self.left
+
+    # ------------------------------------------------------------------ inputs
+
+    def node_exited(self, node: str, code: int) -> None:
+        if code == 0 and (node in self.left or self.recovery is None):
+            return
+        if node in self.dead:
+            return
+        self.dead.add(node)
+        self.emit({"time_s": self.now(), "kind": "node_lost", "node": node, "returncode": code,
+                   "generation": self.generation})
+        self._begin(f"{node} exited with code {code}")
+        self._maybe_decide()
+
+    def report(self, record: dict[str, Any]) -> None:
+        if record["generation"] != self.generation:
+            return
+        if self.recovery is None:
+            self._begin(f"{record['node']}: {record['reason']}")
+        assert self.recovery is not None
+        self.recovery.reports[record["node"]] = record
+        self._maybe_decide()
+
+    def tick(self) -> None:
+        """Heartbeat check: fence nodes that stopped beating or stopped making progress."""
+        now = time.time()
+        for node in sorted(self.live):
+            key = f"{HEARTBEATS}/{node}"
+            if not self.store.check([key]):
+                continue
+            beat = json.loads(self.store.get(key))
+            age = now - beat.pop("t")
+            if age > self.cfg.failover.heartbeat_timeout_s:
+                self._fence(node, f"no heartbeat for {age:.1f} s")
+                continue
+            progress = (beat.get("generation"), beat.get("iteration"), beat.get("position"))
+            seen, since = self._progress.get(node, (None, now))
+            if progress != seen or beat.get("state") != "busy":
+                self._progress[node] = (progress, now)
+            elif now - since > self.cfg.failover.hang_timeout_s:
+                self._fence(node, f"hung: no progress for {now - since:.1f} s at iteration "
+                                  f"{beat.get('iteration')}, instruction {beat.get('position')}")
+
+    # ------------------------------------------------------------------ agreement
+
+    def _fence(self, node: str, why: str) -> None:
+        self.emit({"time_s": self.now(), "kind": "node_fenced", "node": node, "reason": why,
+                   "generation": self.generation})
+        self._progress.pop(node, None)
+        self.kill(node)  # its exit then arrives through node_exited
+
+    def _begin(self, reason: str) -> None:
+        if self.recovery is None:
+            self.recovery = Recovery(self.generation, self.now())
+            self.store.set(abort_key(self.generation), reason)
+            self.emit({"time_s": self.now(), "kind": "failure_detected", "node": "launcher",
+                       "generation": self.generation, "reason": reason})
+        self.recovery.reasons.append(reason)
+
+    def _maybe_decide(self) -> None:
+        rec = self.recovery
+        if rec is None or set(rec.reports) < self.live:
+            return
+        leaving = {n for n, r in rec.reports.items() if r["leaving"]}
+        lost = self.dead | leaving
+        committed = max((r["committed_through"] for r in rec.reports.values()), default=-1)
+        resume = committed + 1
+        where = {n: f"{n} (pipeline {d}, stage {s})" for (d, s), n in self.layout.mapping.items()}
+        named = ", ".join(where.get(n, n) for n in sorted(lost & set(self.layout.active_nodes)))
+        decision = decide(self.layout, lost & set(self.layout.active_nodes), [])
+        agreed = self.now()
+        self.emit({"time_s": agreed, "kind": "agreement", "node": "launcher",
+                   "generation": rec.generation, "lost": sorted(lost), "leaving": sorted(leaving),
+                   "resume": resume, "reports": len(rec.reports),
+                   "agreement_s": round(agreed - rec.started_s, 6),
+                   "action": decision.action.value})
+        plan: dict[str, Any]
+        if self.cfg.redundancy == "none" and lost & set(self.layout.active_nodes):
+            self.stop_message = (
+                f"lost {named} at iteration {resume}; redundancy is off, so no other node holds "
+                "their stages (set redundancy: lazy or eager), and no checkpoint is available")
+            plan = {"action": "stop", "message": self.stop_message}
+        elif decision.action != Action.FAILOVER:
+            self.stop_message = (
+                f"lost {named} at iteration {resume}: "
+                + ("adjacent stages of one pipeline, so no replica survives; "
+                   if decision.action in (Action.DROP_PIPELINE, Action.RESTORE_FROM_CHECKPOINT,
+                                          Action.STOP) else "")
+                + f"the plan is {decision.action.value} ({decision.reason}), which this runtime "
+                  "cannot carry out yet (no shadow checkpoints, no pipeline drop); stopping")
+            plan = {"action": "stop", "message": self.stop_message}
+        else:
+            plan = {"action": decision.action.value, "generation": rec.generation + 1,
+                    "layout": layout_json(decision.layout), "resume": resume,
+                    "moves": [{"kind": m.kind.value, "pipeline": m.pipeline, "stage": m.stage,
+                               "src": m.src, "dst": m.dst} for m in decision.moves]}
+        self.store.set(plan_key(rec.generation), json.dumps(plan))
+        self.emit({"time_s": self.now(), "kind": "plan", "node": "launcher",
+                   "generation": rec.generation, **{k: v for k, v in plan.items()
+                                                    if k != "layout"},
+                   **({"carriers": {n: [s for _, s in slots] for n, slots in
+                                    decision.layout.carriers().items()}}
+                      if plan["action"] != "stop" else {})})
+        self.left |= leaving
+        if plan["action"] != "stop":
+            self.layout = decision.layout
+            self.generation = rec.generation + 1
+        self.recovery = None

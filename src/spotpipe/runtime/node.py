@@ -1,0 +1,126 @@
+"""What one node holds and how it is wired, for a given layout.
+
+Everything here is derived from (model, partition, layout, node): every node computes the same
+wiring without talking, which is what lets a new generation start right after the plan is
+published. The worker owns the long-lived state (stages, the replica); this module builds it
+and rebuilds the per-generation wiring around it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spotpipe.config import Config
+from spotpipe.model import LayeredModel, build_stage
+from spotpipe.model.ties import cross_stage_tied, norm_param_names
+from spotpipe.plan import Layout
+from spotpipe.runtime.executor import StageState, Wiring
+from spotpipe.runtime.optim import build_optimizer
+from spotpipe.schedule import Schedule, StageCosts, build_schedule, merged_schedule, with_frc
+
+
+def build_stage_state(model: LayeredModel, partition: list[tuple[int, int]], stage: int,
+                      cfg: Config, device: torch.device) -> StageState:
+    """Stage `stage` of `model` with a fresh optimizer and its share of the global norm."""
+    start, end = partition[stage]
+    module = build_stage(model, start, end).to(device)
+    return stage_state_from(model, partition, stage, module, build_optimizer(
+        module.parameters(), cfg))
+
+
+def stage_state_from(model: LayeredModel, partition: list[tuple[int, int]], stage: int,
+                     module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> StageState:
+    """Wrap an existing module and optimizer (e.g. a promoted replica) as an owned stage."""
+    counted = set(norm_param_names(model, partition)[stage])
+    named = dict(module.named_parameters())
+    norm_params = [named[n] for n in named if n in counted]
+    tied_names = cross_stage_tied(model, partition)
+    # in the order of the model's tie pairs, so both ends list their halves alike
+    tied = [named[n] for a, b in model.tied for n in (a, b) if n in tied_names and n in named]
+    return StageState(stage, module, optimizer, norm_params, tied)
+
+
+def stage_members(layout: Layout) -> dict[int, list[str]]:
+    """Per stage, its owners across pipelines, in pipeline order (its data-parallel group)."""
+    return {s: [layout.owner(d, s) for d in range(layout.num_pipelines)]
+            for s in range(layout.num_stages)}
+
+
+def pipeline_of(layout: Layout, node: str) -> int:
+    return layout.stages_of(node)[0][0]
+
+
+def owned_stages(layout: Layout, node: str) -> list[int]:
+    return sorted(s for _, s in layout.stages_of(node))
+
+
+def held_replica(layout: Layout, node: str) -> int | None:
+    """The stage whose replica `node` holds in this layout (None when it carries two)."""
+    d = pipeline_of(layout, node)
+    stages = owned_stages(layout, node)
+    if len(stages) != 1 or layout.num_stages < 2:
+        return None
+    successor = (stages[0] + 1) % layout.num_stages
+    return successor if layout.has_replica(d, successor) else None
+
+
+def wiring(layout: Layout, node: str, nodes: list[str], model: LayeredModel,
+           partition: list[tuple[int, int]], redundancy: bool) -> Wiring:
+    d = pipeline_of(layout, node)
+    p = layout.num_stages
+    mine = owned_stages(layout, node)
+    counts = [len(n) for n in norm_param_names(model, partition)]
+    # the global-norm vector: each node contributes its stages' norms, in stage order
+    offsets: dict[int, tuple[int, int]] = {}
+    width = 0
+    for other in nodes:
+        offset = 0
+        for s in owned_stages(layout, other):
+            if pipeline_of(layout, other) == d:
+                offsets[s] = (nodes.index(other), offset)
+            offset += counts[s]
+        width = max(width, offset)
+    segments = [(offsets[s][0], offsets[s][1], counts[s]) for s in range(p)]
+    holder = {}
+    if redundancy:
+        holder = {s: layout.replica_holder(d, s) for s in mine if layout.has_replica(d, s)}
+    tied: dict[int, str] = {}
+    if cross_stage_tied(model, partition) and p > 1:
+        first, last = layout.owner(d, 0), layout.owner(d, p - 1)
+        if first != last:
+            if node == first:
+                tied[0] = last
+            if node == last:
+                tied[p - 1] = first
+    return Wiring(pipeline=d, num_stages=p,
+                  node_of_stage={s: layout.owner(d, s) for s in range(p)},
+                  replica_holder=holder, norm_segments=segments, norm_width=max(width, 1),
+                  tied_partner=tied)
+
+
+def node_schedule(cfg: Config, layout: Layout, node: str, model: LayeredModel,
+                  partition: list[tuple[int, int]]) -> list:
+    """This node's stream: the plain schedule, merged after takeovers, FRC when eager.
+
+    FRC placement needs per-stage costs: parameter counts stand in for forward cost (backward
+    taken as twice that), which is what decides how many FRCs fit a bubble when stages are
+    unequal. After a takeover FRC stops until the layout is rebalanced: the node that holds
+    the replica of a merged pair's successor no longer exists.
+    """
+    d = pipeline_of(layout, node)
+    p = layout.num_stages
+    owners: dict[str, list[int]] = {}
+    for s in range(p):
+        owners.setdefault(layout.owner(d, s), []).append(s)
+    actors = sorted(owners.values(), key=lambda stages: stages[0])
+    actor = next(i for i, stages in enumerate(actors) if node == layout.owner(d, stages[0]))
+    if all(len(stages) == 1 for stages in actors):
+        schedule: Schedule = build_schedule(cfg.schedule, p, cfg.num_microbatches)
+        if cfg.redundancy == "eager":
+            sizes = [max(1, sum(x.numel() for i in range(a, b)
+                                for x in model.layers[i].parameters())) for a, b in partition]
+            costs = StageCosts(tuple(float(n) for n in sizes), tuple(2.0 * n for n in sizes))
+            schedule = with_frc(schedule, costs)
+    else:
+        schedule = merged_schedule(cfg.schedule, cfg.num_microbatches, actors)
+    return list(schedule.streams[actor])
