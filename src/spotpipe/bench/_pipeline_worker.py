@@ -2,9 +2,11 @@
 torch.distributed.pipelining, side by side, plus the profile the analytic model needs.
 
 Started by :mod:`spotpipe.bench.pipeline` with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
-SPOTPIPE_BENCH_SPEC (JSON) in the environment; the parent hosts the TCPStore. The last rank writes
-everything measured, as JSON, to the store key ``bench/result``; any rank that fails writes
-``bench/error``. Nothing is printed on stdout.
+SPOTPIPE_BENCH_SPEC (JSON) in the environment; the parent hosts the TCPStore. The spotpipe side is
+the runtime's own `Worker` (`harness.bench_worker`, redundancy none, its process groups under the
+store namespace ``bench-pipeline``); the torch side runs on the default group the harness joins.
+The last rank writes everything measured, as JSON, to the store key ``bench/result``; any rank
+that fails writes ``bench/error``. Nothing is printed on stdout.
 """
 
 from __future__ import annotations
@@ -12,51 +14,44 @@ from __future__ import annotations
 import copy
 import functools
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from spotpipe.bench.harness import StageProfiler, bench_config, timed_block, worker_main
+from spotpipe.bench.harness import (StageProfiler, bench_config, bench_worker, timed_block,
+                                    worker_main)
 
 SPOTPIPE, TORCH = "spotpipe", "torch"
 
 
 class Bench:
-    def __init__(self, spec: dict[str, Any], rank: int, world: int) -> None:
+    def __init__(self, spec: dict[str, Any], rank: int, world: int, run_dir: Path) -> None:
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,
             ScheduleGPipe,
         )
 
-        from spotpipe import job
-        from spotpipe.model import partition
-        from spotpipe.model.ties import norm_param_names
-        from spotpipe.runtime.comm import Groups, PeerLink, Topology
-        from spotpipe.runtime.executor import Executor, Microbatches
         from spotpipe.runtime.optim import build_optimizer
-        from spotpipe.runtime.worker import stage_state
         from spotpipe.schedule import build_schedule
 
         self.spec, self.rank, self.world = spec, rank, world
         self.last = rank == world - 1
         cfg = self.cfg = bench_config(spec)
-        m, b = cfg.num_microbatches, cfg.micro_batch_size
-        device = self.device = torch.device("cpu")
-        self.model = job.build_model(cfg)
-        self.partition = [(int(a), int(e)) for a, e in partition(self.model, world, "uniform")]
+        m = cfg.num_microbatches
+        device = torch.device("cpu")
 
-        # spotpipe: the worker's own construction of a stage and its executor
-        self.state = stage_state(self.model, self.partition, rank, cfg, device)
-        topo = Topology(world, 1)
-        self.groups = Groups(topo, rank)
-        self.executor = Executor(
-            state=self.state, num_stages=world, rank_of_stage=lambda s: topo.rank_of(0, s),
-            link=PeerLink(device), groups=self.groups, num_pipelines=1,
-            loss_fn=self.model.loss_fn, loss_scale_div=m, grad_clip=cfg.optimizer.grad_clip,
-            norm_counts=[len(n) for n in norm_param_names(self.model, self.partition)])
+        # spotpipe: the runtime's own worker (stage, process groups, executor), driven here one
+        # iteration at a time; one executor runs both schedules' streams
+        self.worker = bench_worker(cfg, rank, run_dir, namespace="bench-pipeline")
+        self.executor = self.worker.executor
+        self.state = self.worker.stages[rank]
+        self.partition = [tuple(r) for r in self.worker.spec.partition]
         self.streams = {k: build_schedule(k, world, m).streams[rank] for k in spec["schedules"]}
+        self.iteration = 0
 
         # torch.distributed.pipelining: its own copy of the same initial weights
         self.torch_module = copy.deepcopy(self.state.module)
@@ -65,26 +60,26 @@ class Bench:
         self.torch_schedules = {}
         for k in spec["schedules"]:
             stage = PipelineStage(self.torch_module, rank, world, device)
-            self.torch_schedules[k] = kinds[k](stage, m, loss_fn=self.model.loss_fn)
+            self.torch_schedules[k] = kinds[k](stage, m, loss_fn=self.worker.model.loss_fn)
 
-        # the same data for both: one global batch of random tokens, fixed by the seed
-        gen = torch.Generator().manual_seed(spec["seed"] + 1)
-        tokens = torch.randint(0, cfg.model.gpt.vocab_size, (m * b, cfg.model.gpt.block_size + 1),
-                               generator=gen)
-        self.x = tokens[:, :-1].contiguous()
-        self.y = tokens[:, 1:].contiguous()
-        xs, ys = list(self.x.split(b)), list(self.y.split(b))
-        self.mbs = Microbatches(inputs=xs if rank == 0 else [None] * m,
-                                targets=ys if self.last else [None] * m)
+        # the same data for both: the bench's one global batch (fixed by the seed), in the
+        # micro-batches the worker's sampler cuts for iteration 0, every iteration
+        self.mbs = self.worker.batches(0)
+        self.x = torch.cat(self.mbs.inputs) if rank == 0 else None
+        self.y = torch.cat(self.mbs.targets) if self.last else None
         self.profiler = StageProfiler(cfg=cfg, rank=rank, world=world, state=self.state,
-                                      loss_fn=self.model.loss_fn, first_input=self.mbs.inputs[0],
-                                      target=self.y[:b], reduce=self.executor.reduce_gradients,
-                                      device=device)
+                                      loss_fn=self.worker.model.loss_fn,
+                                      first_input=self.mbs.inputs[0], target=self.mbs.targets[0],
+                                      reduce=self.executor.reduce_gradients,
+                                      comm=self.executor.comm)
 
     # ------------------------------------------------------------------ one iteration each
 
     def spotpipe_iter(self, kind: str) -> float:
-        result = self.executor.run(self.streams[kind], self.mbs)
+        t = self.iteration
+        self.executor.set_lr(t)
+        result = self.executor.run(self.streams[kind], self.mbs, t)
+        self.iteration = t + 1
         return float(result.loss_sum) if result.loss_sum is not None else float("nan")
 
     def torch_iter(self, kind: str) -> float:
@@ -143,7 +138,8 @@ class Bench:
 
 
 def _measure(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
-    return Bench(spec, rank, world).measure()
+    with tempfile.TemporaryDirectory(prefix="spotpipe-bench-") as run_dir:
+        return Bench(spec, rank, world, Path(run_dir)).measure()
 
 
 if __name__ == "__main__":

@@ -2,27 +2,29 @@
 with redundancy none, lazy and eager, plus the profile the analytic model needs.
 
 Started by :mod:`spotpipe.bench.redundancy` through :func:`spotpipe.bench.harness.launch`. Each
-mode has its own stage (same initial weights), process groups, executor and, for lazy and eager,
-its own replica of the successor stage kept by gradient replication, all built the way
-`spotpipe.runtime.worker` builds them; the three train on the same micro-batches, so lazy and
-eager must end bit-identical, and each replica bit-identical to its owner.
+mode is its own `spotpipe.runtime.worker.Worker` (`harness.bench_worker`, store namespace
+``bench-MODE``): its own stage (same initial weights), process groups, executor and, for lazy and
+eager, its own replica of the successor stage with its `ReplicaApplier`; the three train on the
+same micro-batches, so lazy and eager must end bit-identical, and each replica bit-identical to
+its owner.
 """
 
 from __future__ import annotations
 
 import functools
-import os
+import queue
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from types import SimpleNamespace
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from spotpipe.bench.harness import (StageProfiler, bench_config, stage_costs, times, timed_block,
-                                    worker_main)
+from spotpipe.bench.harness import (StageProfiler, bench_config, bench_worker, stage_costs, times,
+                                    timed_block, worker_main)
 from spotpipe.bench.redundancy import MODES, frc_by_stage, update_slot
 
 
@@ -47,34 +49,47 @@ class TracedStream:
             last = now
 
 
-def _inline(replication: Any) -> None:
+def _inline(applier: Any) -> None:
     """Prototype of a runtime change: the replica's update runs on the worker's main thread,
-    at a point of the stream chosen by the schedule (see `_UpdateFirst`), instead of on a
-    background thread that competes for the core. The thread is stopped; posted transfers
-    queue up and `_loop` drains them synchronously."""
-    replication.close()
+    at a point of the stream chosen by the schedule (see `_UpdateFirst`), instead of on the
+    background thread (which runs at SCHED_IDLE on the same core). The thread is stopped;
+    submitted updates queue up and `apply_due` applies them synchronously, as the applier's
+    own loop would."""
+    applier.close()
 
     def apply_due() -> None:
-        replication._queue.put(None)
-        replication._loop()
-        replication._raise_if_failed()
+        while True:
+            try:
+                item = applier._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                continue
+            iteration, kind, flat = item
+            if kind == "grad":
+                applier._apply_gradient(iteration, flat)
+            elif kind == "state":
+                applier._load_state(flat)
+            with applier._cond:
+                applier._applied = iteration
+                applier._cond.notify_all()
 
     def wait_applied(iteration: int) -> None:
-        if replication._applied < iteration:
+        if applier.applied < iteration:
             start = time.perf_counter()
             apply_due()
-            replication.waited_s += time.perf_counter() - start
+            applier.waited_s += time.perf_counter() - start
 
-    replication.apply_due = apply_due
-    replication.wait_applied = wait_applied
+    applier.apply_due = apply_due
+    applier.wait_applied = wait_applied
 
 
 class _UpdateFirst:
     """A stream that applies the replica's pending update just before its first possible wait
     (`update_slot`): in the bubble, where eager FRC needs it anyway."""
 
-    def __init__(self, stream: Sequence[Any], replication: Any) -> None:
-        self.stream, self.replication = stream, replication
+    def __init__(self, stream: Sequence[Any], applier: Any) -> None:
+        self.stream, self.applier = stream, applier
         self.slot = update_slot(stream)
 
     def __len__(self) -> int:
@@ -83,7 +98,7 @@ class _UpdateFirst:
     def __iter__(self) -> Iterator[Any]:
         for i, ins in enumerate(self.stream):
             if i == self.slot:
-                self.replication.apply_due()
+                self.applier.apply_due()
             yield ins
 
 
@@ -115,13 +130,7 @@ def _gather_digests(digest: str, world: int) -> list[str]:
 
 
 class RedundancyBench:
-    def __init__(self, spec: dict[str, Any], rank: int, world: int) -> None:
-        from spotpipe import job
-        from spotpipe.model import partition
-        from spotpipe.model.ties import norm_param_names
-        from spotpipe.runtime.comm import Groups, PeerLink, Topology
-        from spotpipe.runtime.executor import Executor, Microbatches
-        from spotpipe.runtime.worker import Worker, stage_state
+    def __init__(self, spec: dict[str, Any], rank: int, world: int, run_dir: Path) -> None:
         from spotpipe.schedule import build_schedule
 
         self.spec, self.rank, self.world = spec, rank, world
@@ -130,59 +139,36 @@ class RedundancyBench:
                                    replica={"max_lag": spec["max_lag"]})
                 for mode in MODES}
         cfg = self.cfg = cfgs["none"]
-        m, b = cfg.num_microbatches, cfg.micro_batch_size
-        device = self.device = torch.device("cpu")
-        self.model = job.build_model(cfg)
-        self.partition = [(int(a), int(e)) for a, e in partition(self.model, world, "uniform")]
-        topo = Topology(world, 1)
-        counts = [len(n) for n in norm_param_names(self.model, self.partition)]
-        self.states, self.executors, self.redundancy = {}, {}, {}
-        for mode in MODES:
-            # the worker's own construction: stage, groups, replica and its replication; a
-            # stage shares its layers with the model, so each mode builds its own (same seed,
-            # same initial weights)
-            model = job.build_model(cfgs[mode])
-            state = stage_state(model, self.partition, rank, cfgs[mode], device)
-            groups = Groups(topo, rank, replication=mode != "none")
-            red = None
-            if mode != "none":
-                host = SimpleNamespace(cfg=cfgs[mode], topo=topo, stage=rank, pipeline=0,
-                                       spec=SimpleNamespace(partition=self.partition),
-                                       model=model, device=device, state=state,
-                                       groups=groups, digests=None)
-                red = Worker._build_redundancy(host)  # type: ignore[arg-type]
-                if "idle-replica-thread" in spec.get("prototypes", ()):
-                    # prototype of a runtime change: the replica's update runs only when the
-                    # worker's main thread leaves the core idle (Linux SCHED_IDLE, per thread)
-                    os.sched_setscheduler(red.replication._thread.native_id, os.SCHED_IDLE,
-                                          os.sched_param(0))
-                if "inline-replica-update" in spec.get("prototypes", ()):
-                    _inline(red.replication)
-            self.states[mode], self.redundancy[mode] = state, red
-            self.executors[mode] = Executor(
-                state=state, num_stages=world, rank_of_stage=lambda s: topo.rank_of(0, s),
-                link=PeerLink(device), groups=groups, num_pipelines=1,
-                loss_fn=self.model.loss_fn, loss_scale_div=m, grad_clip=cfg.optimizer.grad_clip,
-                norm_counts=counts, redundancy=red)
-        self.plain = build_schedule(spec["schedule"], world, m)
-        # eager's stream is placed by measured costs once the first profile is in
-        self.streams = {"none": self.plain.streams[rank], "lazy": self.plain.streams[rank]}
+        # one runtime worker per mode, each under its own store namespace; a stage shares its
+        # layers with its worker's model, so each builds its own (same seed, same weights)
+        self.workers = {mode: bench_worker(cfgs[mode], rank, run_dir, namespace=f"bench-{mode}")
+                        for mode in MODES}
+        self.states = {mode: w.stages[rank] for mode, w in self.workers.items()}
+        self.holdings = {mode: w.holding for mode, w in self.workers.items()}
+        self.executors = {mode: w.executor for mode, w in self.workers.items()}
+        for mode in ("lazy", "eager"):
+            if self.holdings[mode] is None:
+                raise RuntimeError(f"redundancy {mode}: node{rank} holds no replica")
+            if "inline-replica-update" in spec.get("prototypes", ()):
+                _inline(self.holdings[mode].applier)
+        self.partition = [tuple(r) for r in self.workers["none"].spec.partition]
+        self.plain = build_schedule(spec["schedule"], world, cfg.num_microbatches)
+        # eager's stream is placed by measured costs once the first profile is in (the worker's
+        # own placement, by parameter counts, is `workers["eager"].stream`)
+        self.streams = {"none": self.workers["none"].stream,
+                        "lazy": self.workers["lazy"].stream}
         self.iteration = dict.fromkeys(MODES, 0)
-
-        gen = torch.Generator().manual_seed(spec["seed"] + 1)
-        tokens = torch.randint(0, cfg.model.gpt.vocab_size, (m * b, cfg.model.gpt.block_size + 1),
-                               generator=gen)
-        xs = list(tokens[:, :-1].contiguous().split(b))
-        ys = list(tokens[:, 1:].contiguous().split(b))
-        # the last stage also needs the inputs: FRC of its replica of stage 0 starts from them
-        self.mbs = Microbatches(inputs=xs if rank in (0, world - 1) else [None] * m,
-                                targets=ys if self.last else [None] * m)
+        # the bench's one global batch, in iteration 0's micro-batches, every iteration; the
+        # eager worker's also carry the inputs to the last stage (FRC of its replica of stage 0)
+        self.mbs = {mode: w.batches(0) for mode, w in self.workers.items()}
         # the profile steps the optimizer on profiling gradients: the `none` stage, whose
         # weights nothing compares
         self.profiler = StageProfiler(cfg=cfg, rank=rank, world=world, state=self.states["none"],
-                                      loss_fn=self.model.loss_fn, first_input=xs[0],
-                                      target=ys[0], reduce=self.executors["none"].reduce_gradients,
-                                      device=device)
+                                      loss_fn=self.workers["none"].model.loss_fn,
+                                      first_input=self.mbs["none"].inputs[0],
+                                      target=self.mbs["none"].targets[0],
+                                      reduce=self.executors["none"].reduce_gradients,
+                                      comm=self.executors["none"].comm)
         self.waited_in_blocks = dict.fromkeys(MODES, 0.0)
         self.op_s: dict[str, dict[str, float]] = {mode: {} for mode in MODES}
         self.timed = dict.fromkeys(MODES, 0)
@@ -193,30 +179,32 @@ class RedundancyBench:
     def iterate(self, mode: str, traced: bool = False) -> float:
         t = self.iteration[mode]
         stream = self.streams[mode]
-        red = self.redundancy[mode]
-        if red is not None and "inline-replica-update" in self.spec.get("prototypes", ()):
-            stream = _UpdateFirst(stream, red.replication)
+        held = self.holdings[mode]
+        if held is not None and "inline-replica-update" in self.spec.get("prototypes", ()):
+            stream = _UpdateFirst(stream, held.applier)
         if traced:
             stream = TracedStream(stream, self.op_s[mode])
-        result = self.executors[mode].run(stream, self.mbs, iteration=t)
+        ex = self.executors[mode]
+        ex.set_lr(t)
+        result = ex.run(stream, self.mbs[mode], t)
         self.iteration[mode] = t + 1
         return float(result.loss_sum) if result.loss_sum is not None else float("nan")
 
     def drain(self, mode: str) -> None:
         """Let the replica catch up (untimed), so that one mode's background work never runs
         into the next mode's block."""
-        red = self.redundancy[mode]
-        if red is not None:
-            red.replication.wait_applied(self.iteration[mode] - 1)
+        held = self.holdings[mode]
+        if held is not None:
+            held.applier.drain()
         dist.barrier()
 
     def block(self, mode: str, n: int) -> list[float]:
-        red = self.redundancy[mode]
-        before = red.replication.waited_s if red is not None else 0.0
+        held = self.holdings[mode]
+        before = held.applier.waited_s if held is not None else 0.0
         durations = timed_block(functools.partial(self.iterate, mode, traced=True), n)
         self.timed[mode] += n
-        if red is not None:
-            self.waited_in_blocks[mode] += red.replication.waited_s - before
+        if held is not None:
+            self.waited_in_blocks[mode] += held.applier.waited_s - before
             ex = self.executors[mode]
             self.activation_bytes[mode] = _nbytes(list(ex.frc_outputs.values())
                                                   + list(ex.kept_outputs.values()))
@@ -229,13 +217,13 @@ class RedundancyBench:
         """The harness's stage profile plus FRC (the eager replica's forward of one micro-batch,
         no grad) and the replica's update (apply one shipped gradient: what the background
         thread does per iteration), on a scratch copy of the replica so it stays exact."""
-        from spotpipe.runtime.replica import GradientReplication, ReplicaStage
+        from spotpipe.runtime.replica import ReplicaApplier, ReplicaStage
 
         self.profiler.profile(reps, samples)
-        replica = self.redundancy["eager"].replica
+        replica = self.holdings["eager"].replica
         cfg, b = self.cfg, self.cfg.micro_batch_size
         if replica.index == 0:
-            x = self.mbs.inputs[0]
+            x = self.mbs["eager"].inputs[0]
         else:
             x = torch.randn(b, cfg.model.gpt.block_size, cfg.model.gpt.n_embd,
                             generator=torch.Generator().manual_seed(5))
@@ -246,13 +234,16 @@ class RedundancyBench:
 
         if not hasattr(self, "_scratch"):
             scratch = ReplicaStage.build(replica.index, replica.module, cfg, replica.device)
-            self._scratch = SimpleNamespace(replica=scratch, cfg=cfg)
-            n = sum(p.numel() for p in scratch.params) + len(scratch.params)
+            # the applier's own update step, called here on the main thread: its background
+            # thread is stopped at once
+            self._scratch = ReplicaApplier(scratch, cfg, None)
+            self._scratch.close()
+            n = scratch.grad_message_size()
             self._flat = torch.cat([torch.randn(n - len(scratch.params)) * 1e-3,
                                     torch.ones(len(scratch.params))])
 
         def update() -> None:
-            GradientReplication._apply_gradient(self._scratch, 0, self._flat)  # type: ignore
+            self._scratch._apply_gradient(0, self._flat)
 
         dist.barrier()
         samples.setdefault("frc", []).extend(times(frc, reps))
@@ -299,25 +290,22 @@ class RedundancyBench:
 
     def figures(self) -> dict[str, Any]:
         """Memory, bytes shipped, lag, and exactness, per node (gathered on every rank)."""
-        from spotpipe.runtime.replica import _flatten_grads
+        from spotpipe.runtime.replica import flatten_grads
 
         own = self.states["eager"]
-        red = self.redundancy["eager"]
+        held = self.holdings["eager"]
         own_bytes = _state_bytes(own.module, own.optimizer)
-        replica_bytes = _state_bytes(red.replica.module, red.replica.optimizer)
-        # what this node ships per iteration: its flat gradient (with presence flags), against
-        # a full state copy (parameters and optimizer state), as `sync: state` would
-        for p in own.params:
-            p.grad = torch.zeros_like(p)
-        grad_bytes = _nbytes([_flatten_grads(own.params)])
-        for p in own.params:
-            p.grad = None
+        replica_bytes = _state_bytes(held.replica.module, held.replica.optimizer)
+        # what this node ships per iteration: its flat gradient (with presence flags; between
+        # iterations there is none, and flatten_grads ships zeros of the same size), against a
+        # full state copy (parameters and optimizer state), as `sync: state` would
+        grad_bytes = _nbytes([flatten_grads(own.params)])
         mine = [float(own_bytes), float(replica_bytes), float(grad_bytes), float(own_bytes),
                 float(self.activation_bytes.get("lazy", 0)),
                 float(self.activation_bytes.get("eager", 0))]
         for mode in ("lazy", "eager"):
-            rep = self.redundancy[mode].replication
-            mine += [float(rep.max_lag_seen), rep.waited_s, self.waited_in_blocks[mode]]
+            applier = self.holdings[mode].applier
+            mine += [float(applier.max_lag_seen), applier.waited_s, self.waited_in_blocks[mode]]
         row = torch.tensor(mine, dtype=torch.float64)
         rows = [torch.empty_like(row) for _ in range(self.world)]
         dist.all_gather(rows, row)
@@ -329,8 +317,10 @@ class RedundancyBench:
                                for i, name in enumerate(names)}
         # exactness: each replica against its owner, per mode, and lazy against eager
         for mode in ("lazy", "eager"):
-            self.redundancy[mode].replication.close()
-            state, replica = self.states[mode], self.redundancy[mode].replica
+            applier = self.holdings[mode].applier
+            applier.drain()
+            applier.close()
+            state, replica = self.states[mode], self.holdings[mode].replica
             owners = _gather_digests(_fingerprint(state.module, state.optimizer), self.world)
             replicas = _gather_digests(_fingerprint(replica.module, replica.optimizer),
                                        self.world)
@@ -359,7 +349,8 @@ class RedundancyBench:
 
 
 def _measure(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
-    return RedundancyBench(spec, rank, world).measure()
+    with tempfile.TemporaryDirectory(prefix="spotpipe-bench-") as run_dir:
+        return RedundancyBench(spec, rank, world, Path(run_dir)).measure()
 
 
 if __name__ == "__main__":

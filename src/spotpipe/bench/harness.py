@@ -5,9 +5,13 @@ Parent side (`pinned_cores`, `launch`): the parent hosts a TCPStore and starts o
 rank with SPOTPIPE_BENCH_SPEC (JSON) in its environment; the last rank posts its result as JSON
 under ``bench/result``, a failing rank posts ``bench/error/RANK``. Worker side (`worker_main`):
 each process pins itself to one core with one torch thread, joins a gloo group and runs the
-benchmark. `timed_block` times iterations with both ranks in step (the slower rank's clock
-counts) and `StageProfiler` measures per-stage forward, backward, optimizer step, gradient
-reduction and one activation message, with both ranks busy at once as in the pipeline.
+benchmark. `bench_worker` builds a `spotpipe.runtime.worker.Worker` (model, stage, replica,
+process groups, executor, stream) for one variant under its own store namespace, so that several
+variants live side by side in one process; the default group the harness joins serves only the
+benchmark's own barriers and gathers (and torch.distributed.pipelining). `timed_block` times
+iterations with both ranks in step (the slower rank's clock counts) and `StageProfiler` measures
+per-stage forward, backward, optimizer step, gradient reduction and one activation message, with
+both ranks busy at once as in the pipeline.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-_PING_TAG = 7
+# the profiler's ping, on a tag no runtime message kind uses (kinds are tag // 1024)
+_PING_TAG = 15 * 1024
 
 
 # ---------------------------------------------------------------------- parent side
@@ -135,21 +140,71 @@ def stage_costs(profile: dict[str, Any], **extra: Any):
 
 def bench_config(spec: dict[str, Any], **overrides: Any):
     """The Config a benchmark's stages are built from: GPT from the spec, AdamW, no clipping,
-    P = 2, D = 1, gloo with one thread; `overrides` are further top-level keys."""
+    P = 2, D = 1, gloo with one thread, data from `bench_dataset`; `overrides` are further
+    top-level keys."""
     from spotpipe.config import from_dict
 
+    m, b = spec["num_microbatches"], spec["micro_batch_size"]
     return from_dict({
         "model": {"kind": "gpt", "gpt": dict(spec["gpt"]), "partition": "uniform"},
-        # the bench makes its own tokens; the path is never read
-        "data": {"kind": "text", "path": "unused-by-bench"},
+        "data": {"kind": "factory", "factory": "spotpipe.bench.harness:bench_dataset",
+                 "factory_kwargs": {"vocab_size": spec["gpt"]["vocab_size"],
+                                    "block_size": spec["gpt"]["block_size"],
+                                    "count": m * b, "seed": spec["seed"] + 1}},
         "optimizer": {"name": "adamw", "lr": 1e-3, "weight_decay": 0.1, "grad_clip": 0.0},
         "schedule": "1f1b", "stages": 2, "pipelines": 1,
-        "micro_batch_size": spec["micro_batch_size"],
-        "num_microbatches": spec["num_microbatches"],
+        "micro_batch_size": b, "num_microbatches": m,
         "iterations": 1, "seed": spec["seed"],
-        "cluster": {"backend": "gloo", "threads_per_worker": 1},
+        "cluster": {"backend": "gloo", "threads_per_worker": 1,
+                    "timeout_s": spec["timeout_s"]},
         **overrides,
     })
+
+
+class _Tokens:
+    """Samples (x, y) of one fixed tensor of random tokens."""
+
+    def __init__(self, tokens: Any) -> None:
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> tuple[Any, Any]:
+        return self.tokens[i, :-1], self.tokens[i, 1:]
+
+
+def bench_dataset(vocab_size: int, block_size: int, count: int, seed: int) -> _Tokens:
+    """The benchmarks' data (a `data.factory`): exactly one global batch of random tokens,
+    fixed by the seed."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return _Tokens(torch.randint(0, vocab_size, (count, block_size + 1), generator=gen))
+
+
+def bench_worker(cfg: Any, rank: int, run_dir: Any, *, namespace: str) -> Any:
+    """A formed `Worker` for node `rank` of this benchmark, the runtime's own construction:
+    its stages, replica (per `cfg.redundancy`), process groups under `namespace`, executor and
+    stream. The benchmark drives `worker.executor.run` itself; no coordinator runs, so the
+    heartbeat is stopped at once (it would only add store traffic to the timings)."""
+    import torch.distributed as dist
+
+    from spotpipe import job
+    from spotpipe.model import partition
+    from spotpipe.runtime.worker import Worker
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, is_master=False,
+                          timeout=timedelta(seconds=cfg.cluster.timeout_s))
+    model = job.build_model(cfg)
+    ranges = [(int(a), int(e)) for a, e in partition(model, cfg.stages, cfg.model.partition)]
+    spec = job.RunSpec(ranges, cfg.global_batch)
+    worker = Worker(cfg, spec, run_dir, f"node{rank}", store, time.time(), [], host=host,
+                    port=port, namespace=namespace)
+    worker.heartbeat.stop()
+    worker._form()
+    return worker
 
 
 def times(fn: Callable[[], Any], reps: int,
@@ -189,7 +244,7 @@ class StageProfiler:
 
     def __init__(self, *, cfg: Any, rank: int, world: int, state: Any,
                  loss_fn: Callable[[Any, Any], Any], first_input: Any, target: Any,
-                 reduce: Callable[[], Any], device: Any) -> None:
+                 reduce: Callable[[], Any], comm: Any) -> None:
         import torch
 
         self.cfg, self.rank, self.world = cfg, rank, world
@@ -201,8 +256,8 @@ class StageProfiler:
                      else torch.randn(b, t, c, generator=torch.Generator().manual_seed(3)))
         self.target = target
         self.reduce = reduce
-        self.device = device
-        self._link = None
+        self.comm = comm  # the runtime's Comm: the activation message goes the executor's way
+        self._pinged = False
         self.activation_bytes = 0
 
     def profile(self, reps: int, samples: dict[str, list[float]]) -> None:
@@ -211,8 +266,6 @@ class StageProfiler:
         drift of the machine's speed as the timed iterations."""
         import torch
         import torch.distributed as dist
-
-        from spotpipe.runtime.comm import PeerLink
 
         cfg = self.cfg
         b, t, c = cfg.micro_batch_size, cfg.model.gpt.block_size, cfg.model.gpt.n_embd
@@ -258,10 +311,10 @@ class StageProfiler:
         add("reduce", self.reduce, before=lambda: (grads(), dist.barrier()))
         add("optimizer", step, before=grads)
 
-        # one activation message through spotpipe's own link: half a ping-pong's round trip
+        # one activation message through spotpipe's own comm: half a ping-pong's round trip
         act = torch.randn(b, t, c)
-        if self._link is None:
-            self._link = PeerLink(self.device)
+        if not self._pinged:
+            self._pinged = True
             self._ping(act)  # the first message carries the shape header
         for _ in range(reps):
             samples.setdefault("comm", []).append(self._ping(act) / 2)
@@ -270,16 +323,16 @@ class StageProfiler:
     def _ping(self, act: Any) -> float:
         import torch.distributed as dist
 
-        link = self._link
+        comm = self.comm
         dist.barrier()
         start = time.perf_counter()
         if self.rank == 0:
-            link.send(act, 1, _PING_TAG)
-            link.recv(1, _PING_TAG)
+            comm.send(act, comm.nodes[1], _PING_TAG)
+            comm.recv(comm.nodes[1], _PING_TAG)
         elif self.rank == 1:
-            link.send(link.recv(0, _PING_TAG), 0, _PING_TAG)
+            comm.send(comm.recv(comm.nodes[0], _PING_TAG), comm.nodes[0], _PING_TAG)
         rtt = time.perf_counter() - start
-        link.wait_sends()
+        comm.wait_sends()
         return rtt
 
     def summary(self, samples: dict[str, list[float]], partition: list[tuple[int, int]],

@@ -35,12 +35,27 @@ FULL = {"warmup": 3, "rounds": 12, "iters_per_round": 5, "profile_reps": 3}
 QUICK = {"warmup": 1, "rounds": 2, "iters_per_round": 2, "profile_reps": 2}
 
 
+# runtime changes the bench can try out (SPOTPIPE_BENCH_PROTOTYPES, comma-separated):
+# "inline-replica-update" runs the replica's update on the main thread at `update_slot`. The
+# former "idle-replica-thread" is what the runtime itself does now (ReplicaApplier's thread runs
+# at SCHED_IDLE), so it is refused rather than silently ignored.
+PROTOTYPES = ("inline-replica-update",)
+
+
+def _prototypes() -> list[str]:
+    names = [x for x in os.environ.get("SPOTPIPE_BENCH_PROTOTYPES", "").split(",") if x]
+    unknown = sorted(set(names) - set(PROTOTYPES))
+    if unknown:
+        raise ValueError(f"SPOTPIPE_BENCH_PROTOTYPES: unknown {unknown}; known: "
+                         f"{list(PROTOTYPES)}")
+    return names
+
+
 def _spec(quick: bool) -> dict[str, Any]:
     spec: dict[str, Any] = dict(QUICK if quick else FULL)
     spec.update(gpt=dict(MODEL), micro_batch_size=4, num_microbatches=8, seed=0,
                 schedule="1f1b", max_lag=2, timeout_s=120.0, cores=pinned_cores(2),
-                prototypes=[x for x in os.environ.get("SPOTPIPE_BENCH_PROTOTYPES", "").split(",")
-                            if x])
+                prototypes=_prototypes())
     return spec
 
 
