@@ -94,6 +94,13 @@ class FailoverSection:
 
 
 @dataclass
+class CheckpointSection:
+    every: int = 0  # write a durable checkpoint every k iterations (0: never)
+    dir: str = ""  # default: OUT/checkpoints
+    keep: int = 2  # newest checkpoints kept
+
+
+@dataclass
 class LoggingSection:
     progress: bool = True  # progress bar on the launcher's terminal
     tensorboard: bool = False  # write DIR/tensorboard/
@@ -122,6 +129,7 @@ class Config:
     redundancy: Literal["none", "lazy", "eager"] = "none"
     replica: ReplicaSection = field(default_factory=ReplicaSection)
     failover: FailoverSection = field(default_factory=FailoverSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     stages: int = 2
     pipelines: int = 1
     micro_batch_size: int = 4
@@ -139,6 +147,13 @@ class Config:
         data = dataclasses.asdict(self)
         data.pop("source_dir")
         return data
+
+    def model_digest(self) -> str:
+        """A hash of what a checkpoint's tensors depend on: the model and the optimizer kind.
+        P, D, the schedule and the data layout may differ between save and load."""
+        blob = json.dumps({"model": dataclasses.asdict(self.model),
+                           "optimizer": self.optimizer.name}, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
 
     def digest(self) -> str:
         """A hash of what determines the training result, for manifests and join checks."""
@@ -272,6 +287,9 @@ def _check(cfg: Config) -> None:
                           f"the neighbouring stage's node), got stages = {cfg.stages}")
     if cfg.replica.sync_every < 1 or cfg.replica.max_lag < 1:
         raise ConfigError("replica.sync_every and replica.max_lag: expected positive integers")
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
+        raise ConfigError("checkpoint.every: expected >= 0 and checkpoint.keep >= 1, got "
+                          f"{cfg.checkpoint.every} and {cfg.checkpoint.keep}")
     f = cfg.failover
     for key in ("heartbeat_s", "heartbeat_timeout_s", "hang_timeout_s", "notice_poll_s"):
         if getattr(f, key) <= 0:

@@ -11,6 +11,7 @@ import json
 import sys
 
 BENCHES = {
+    "failover": "spotpipe.bench.failover",
     "pipeline": "spotpipe.bench.pipeline",
     "redundancy": "spotpipe.bench.redundancy",
     "simulator": "spotpipe.bench.simulator",

@@ -8,4 +8,4 @@ from typing import Any
 def run(quick: bool = False) -> dict[str, Any]:
     from spotpipe.sim.bench import bench_simulator
 
-    return bench_simulator(seeds=500 if quick else 10_000)
+    return bench_simulator(seeds=500 if quick else 10_000, replay=not quick)

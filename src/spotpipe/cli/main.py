@@ -25,6 +25,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="runs/latest", help="output folder (default runs/latest)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--resume", metavar="PATH",
+                   help="resume from a durable checkpoint: a checkpoint folder, a checkpoints "
+                        "folder or a run folder (its newest valid checkpoint); any P x D")
     faults = p.add_argument_group("fault injection (the same paths as real failures)")
     faults.add_argument("--fail", action="append", default=[], metavar="NODE@ITER[:PHASE]",
                         help="kill NODE (SIGKILL) at iteration ITER, at the start or in PHASE "
@@ -54,14 +57,29 @@ def _train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides)
         faults, actions = _faults(args, cfg)
         code = train(cfg, Path(args.out), overwrite=args.overwrite,
-                     progress=not args.no_progress, faults=faults, trace_actions=actions)
+                     progress=not args.no_progress, faults=faults, trace_actions=actions,
+                     resume=Path(args.resume) if args.resume else None)
     except (ConfigError, LaunchError, FaultSpecError) as exc:
         print(f"spotpipe: error: {exc}", file=sys.stderr)
         return 2
+    _tell_story(Path(args.out))
     if code == 0:
-        print(f"spotpipe: done; results in {args.out} (metrics.jsonl, events.jsonl, summary.json, "
-              "final/model.safetensors)")
+        print(f"spotpipe: results in {args.out} (metrics.jsonl, events.jsonl, summary.json, "
+              f"final/model.safetensors); draw them with: spotpipe plot {args.out}")
     return code
+
+
+def _tell_story(out: Path) -> None:
+    import json
+
+    from spotpipe.cluster.story import describe
+
+    try:
+        events = [json.loads(line) for line in open(out / "events.jsonl")]
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return
+    print("\n".join(describe(events, summary)))
 
 
 def _faults(args: argparse.Namespace, cfg):

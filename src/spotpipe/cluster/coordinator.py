@@ -111,6 +111,12 @@ class Coordinator:
                 self._fence(node, f"hung: no progress for {now - since:.1f} s at iteration "
                                   f"{beat.get('iteration')}, instruction {beat.get('position')}")
 
+    def _adjacent(self, lost: set[str]) -> bool:
+        """Whether some lost stage's replica holder (its predecessor) is lost too."""
+        lay = self.layout
+        return any(lay.replica_holder(d, s) in lost
+                   for (d, s), n in lay.mapping.items() if n in lost)
+
     # ------------------------------------------------------------------ agreement
 
     def _fence(self, node: str, why: str) -> None:
@@ -135,6 +141,8 @@ class Coordinator:
         lost = self.dead | leaving
         committed = max((r["committed_through"] for r in rec.reports.values()), default=-1)
         resume = committed + 1
+        in_flight = max((r["iteration"] for r in rec.reports.values()), default=resume)
+        when = f"in iteration {in_flight} (the last committed iteration is {committed})"
         where = {n: f"{n} (pipeline {d}, stage {s})" for (d, s), n in self.layout.mapping.items()}
         named = ", ".join(where.get(n, n) for n in sorted(lost & set(self.layout.active_nodes)))
         decision = decide(self.layout, lost & set(self.layout.active_nodes), [])
@@ -147,17 +155,18 @@ class Coordinator:
         plan: dict[str, Any]
         if self.cfg.redundancy == "none" and lost & set(self.layout.active_nodes):
             self.stop_message = (
-                f"lost {named} at iteration {resume}; redundancy is off, so no other node holds "
+                f"lost {named} {when}; redundancy is off, so no other node holds "
                 "their stages (set redundancy: lazy or eager), and no checkpoint is available")
             plan = {"action": "stop", "message": self.stop_message}
         elif decision.action != Action.FAILOVER:
             self.stop_message = (
-                f"lost {named} at iteration {resume}: "
-                + ("adjacent stages of one pipeline, so no replica survives; "
-                   if decision.action in (Action.DROP_PIPELINE, Action.RESTORE_FROM_CHECKPOINT,
-                                          Action.STOP) else "")
+                f"lost {named} {when}: "
+                + ("adjacent stages of one pipeline, so no replica of one of them survives; "
+                   if self._adjacent(lost) else "")
                 + f"the plan is {decision.action.value} ({decision.reason}), which this runtime "
-                  "cannot carry out yet (no shadow checkpoints, no pipeline drop); stopping")
+                  "cannot carry out yet (no shadow checkpoints, no pipeline drop or "
+                  "re-partition in place); stopping. Resume with --resume from the newest "
+                  "durable checkpoint if checkpoint.every was set")
             plan = {"action": "stop", "message": self.stop_message}
         else:
             plan = {"action": decision.action.value, "generation": rec.generation + 1,

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import yaml
 from safetensors.torch import load_file, save_file
 
+from spotpipe.checkpoint import durable
 from spotpipe.config import Config
 from spotpipe.cluster.channel import MAILBOX, WorkerChannel, read_mailbox
 from spotpipe.cluster.coordinator import Coordinator
@@ -139,17 +140,21 @@ class RunFiles:
 
 class Launcher:
     def __init__(self, prepared: Prepared, out: Path, *, progress: bool = True,
-                 stream: TextIO = sys.stderr, faults: list[Fault] | None = None,
-                 trace_actions: list[TraceAction] | None = None) -> None:
+                 stream: TextIO | None = None, faults: list[Fault] | None = None,
+                 trace_actions: list[TraceAction] | None = None,
+                 resume: durable.Checkpoint | None = None) -> None:
         self.cfg = prepared.cfg
         self.spec = prepared.spec
         self.out = out
         self.progress = progress and self.cfg.logging.progress
-        self.stream = stream
+        self.stream = stream if stream is not None else sys.stderr
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.t0 = time.time()
         self._train_start = self.t0
         self.faults = list(faults or [])
+        self.resume = resume
+        self._ckpt_parts: dict[int, dict[int, dict[str, str]]] = {}
+        self.checkpoint_root = Path(self.cfg.checkpoint.dir or out / "checkpoints")
         self.trace_actions = sorted(trace_actions or [], key=lambda a: a.at_s)
 
     # ------------------------------------------------------------------ set-up
@@ -165,6 +170,7 @@ class Launcher:
                    MASTER_PORT=str(port), SPOTPIPE_RUN_DIR=str(self.out),
                    SPOTPIPE_T0=repr(self.t0), OMP_NUM_THREADS=str(self.cfg.cluster.threads_per_worker),
                    SPOTPIPE_FAULTS=json.dumps([f.to_json() for f in self.faults]),
+                   SPOTPIPE_RESUME=str(self.resume.path) if self.resume else "",
                    PYTHONPATH=os.pathsep.join(search_path(self.cfg)
                                               + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         log = open(self.out / "logs" / f"node{rank}.log", "wb")
@@ -192,7 +198,9 @@ class Launcher:
         files.event({"time_s": 0.0, "kind": "launch", "node": "launcher", "stages": cfg.stages,
                      "pipelines": cfg.pipelines, "partition": self.spec.partition,
                      "redundancy": cfg.redundancy, "store": f"{cfg.cluster.host}:{store.port}",
-                     "faults": [f.to_json() for f in self.faults]})
+                     "faults": [f.to_json() for f in self.faults], "t0": self.t0,
+                     **({"resumed_from": str(self.resume.path),
+                         "start_iteration": self.resume.next_iteration} if self.resume else {})})
         nodes = [f"node{r}" for r in range(world)]
         self.coordinator = Coordinator(
             cfg=cfg, store=store, layout=Layout.build(cfg.stages, cfg.pipelines, nodes),
@@ -274,6 +282,23 @@ class Launcher:
             return f"workers exited after {done} of {self.cfg.iterations} iterations"
         return ""
 
+    def _checkpoint_saved(self, item: dict[str, Any], files: RunFiles) -> None:
+        """Commit a checkpoint once every stage of its iteration is on disk (single writer)."""
+        t = item["iteration"]
+        parts = self._ckpt_parts.setdefault(t, {})
+        parts[item["stage"]] = item["checksums"]
+        if len(parts) < self.cfg.stages:
+            return
+        checksums = {k: v for stage in parts.values() for k, v in stage.items()}
+        info = {"partition": [list(r) for r in self.spec.partition], "stages": self.cfg.stages,
+                "pipelines": self.cfg.pipelines, "config_digest": self.cfg.digest(),
+                "model_digest": self.cfg.model_digest(), "num_samples": self.spec.num_samples,
+                "global_batch": self.cfg.global_batch, "seed": self.cfg.seed}
+        path = durable.commit(self.checkpoint_root, t, info, checksums, self.cfg.checkpoint.keep)
+        del self._ckpt_parts[t]
+        files.event({"time_s": self._now(), "kind": "checkpoint_committed", "node": "launcher",
+                     "iteration": t, "path": str(path)})
+
     def _kill(self, node: str) -> None:
         proc = self.procs.get(node)
         if proc is not None and proc.poll() is None:
@@ -320,6 +345,9 @@ class Launcher:
             files.metric(item)
             self._last = item
             self._update_bar(self._bar, item)
+        elif kind == "event" and item["kind"] == "checkpoint_saved":
+            files.event({k: v for k, v in item.items() if k != "checksums"})
+            self._checkpoint_saved(item, files)
         elif kind == "report":
             files.event({"time_s": item.pop("time_s"), "kind": "report", **item})
             item["time_s"] = 0.0
@@ -412,18 +440,49 @@ class Launcher:
                             f" double {record.get('carriers', 0)} gen {record['generation']}")
 
 
+def check_resume(cfg: Config, path: Path) -> durable.Checkpoint:
+    """The checkpoint to resume from, refused clearly if it belongs to another model."""
+    try:
+        ckpt, skipped = durable.resolve(path)
+    except durable.CheckpointError as exc:
+        raise LaunchError(f"--resume: {exc}") from None
+    for problem in skipped:
+        print(f"spotpipe: warning: skipped a bad checkpoint: {problem}", file=sys.stderr)
+    m = ckpt.manifest
+    if m.get("model_digest") != cfg.model_digest():
+        raise LaunchError(f"--resume {ckpt.path}: the checkpoint is of another model or "
+                          "optimizer (model/optimizer configuration differs)")
+    if m.get("global_batch") != cfg.global_batch or m.get("seed") != cfg.seed:
+        raise LaunchError(
+            f"--resume {ckpt.path}: written with global batch {m.get('global_batch')} and seed "
+            f"{m.get('seed')}, this job has {cfg.global_batch} and {cfg.seed}; the data order "
+            "depends on both (keep micro_batch_size x num_microbatches x pipelines the same)")
+    if ckpt.next_iteration >= cfg.iterations:
+        raise LaunchError(f"--resume {ckpt.path}: it is at iteration {ckpt.next_iteration}, the "
+                          f"job has only {cfg.iterations} iterations")
+    return ckpt
+
+
 def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = True,
           faults: list[Fault] | None = None,
-          trace_actions: list[TraceAction] | None = None) -> int:
+          trace_actions: list[TraceAction] | None = None, resume: Path | None = None) -> int:
     """Validate, bind the store, then run; raises LaunchError before writing anything."""
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise LaunchError(f"--out {out}: the folder exists and is not empty; pass --overwrite "
                               "to replace it")
     prepared = prepare(cfg)
+    checkpoint = check_resume(cfg, resume) if resume is not None else None
     store = bind_store(cfg)
     if out.exists() and overwrite:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    return Launcher(prepared, out, progress=progress, faults=faults,
-                    trace_actions=trace_actions).run(store)
+    launcher = Launcher(prepared, out, progress=progress, faults=faults,
+                        trace_actions=trace_actions, resume=checkpoint)
+    try:
+        return launcher.run(store)
+    finally:
+        # the store's listening port must be free when train() returns: drop every reference
+        # (the coordinator and the launcher refer to each other) so the server shuts down now
+        launcher.coordinator = None
+        del launcher, store

@@ -132,7 +132,7 @@ class Comm:
 
     def __init__(self, *, store: dist.Store, generation: int, nodes: Sequence[str], me: str,
                  stage_members: dict[int, list[str]], backend: str, device: torch.device,
-                 timeout_s: float, abort: AbortSignal) -> None:
+                 timeout_s: float, abort: AbortSignal, namespace: str = "spotpipe") -> None:
         self.generation = generation
         self.nodes = list(nodes)
         self.me = me
@@ -141,7 +141,7 @@ class Comm:
         self.abort = abort
         self.waiter = Waiter(abort)
         timeout = timedelta(seconds=timeout_s)
-        prefix = f"spotpipe/gen{generation}"
+        prefix = f"{namespace}/gen{generation}"
         self.world = _make_group(backend, dist.PrefixStore(f"{prefix}/world", store),
                                  self.rank, len(self.nodes), timeout)
         _GRAVEYARD.append(self.world)
@@ -157,6 +157,16 @@ class Comm:
                 self.data_parallel[stage] = (group, len(members))
         self._shapes: dict[tuple[str, int, int], tuple[torch.Size, torch.dtype]] = {}
         self._pending: list[tuple[Any, torch.Tensor]] = []
+
+    def _post(self, op: Any, *args: Any) -> Any:
+        """Start an operation; a peer already gone makes gloo raise right here, not at wait."""
+        self.abort.check()
+        try:
+            return op(*args)
+        except RuntimeError as exc:
+            reason = f"communication failed: {exc}".splitlines()[0][:300]
+            self.abort.trigger(reason)
+            raise PeerFailure(reason) from None
 
     # ------------------------------------------------------------------ point to point
 
@@ -175,31 +185,29 @@ class Comm:
             header[1] = _DTYPES.index(tensor.dtype)
             header[2: 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
             header = header.to(self.device)
-            self._pending.append((self.world.send([header], dst, tag_), header))
+            self._pending.append((self._post(self.world.send, [header], dst, tag_), header))
             self._shapes[key] = (tensor.shape, tensor.dtype)
-        self._pending.append((self.world.send([tensor], dst, tag_), tensor))
+        self._pending.append((self._post(self.world.send, [tensor], dst, tag_), tensor))
 
     def recv(self, node: str, tag_: int) -> torch.Tensor:
         src = self.nodes.index(node)
         key = ("recv", src, tag_)
         if key not in self._shapes:
             header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            self.waiter.wait(self.world.recv([header], src, tag_))
+            self.waiter.wait(self._post(self.world.recv, [header], src, tag_))
             h = header.tolist()
             self._shapes[key] = (torch.Size(h[2: 2 + h[0]]), _DTYPES[h[1]])
         shape, dtype = self._shapes[key]
         out = torch.empty(shape, dtype=dtype, device=self.device)
-        self.waiter.wait(self.world.recv([out], src, tag_))
+        self.waiter.wait(self._post(self.world.recv, [out], src, tag_))
         return out
 
     def post_send(self, tensor: torch.Tensor, node: str, tag_: int) -> Any:
         """A raw asynchronous send of a tensor whose shape the receiver knows."""
-        self.abort.check()
-        return self.world.send([tensor], self.nodes.index(node), tag_)
+        return self._post(self.world.send, [tensor], self.nodes.index(node), tag_)
 
     def post_recv(self, tensor: torch.Tensor, node: str, tag_: int) -> Any:
-        self.abort.check()
-        return self.world.recv([tensor], self.nodes.index(node), tag_)
+        return self._post(self.world.recv, [tensor], self.nodes.index(node), tag_)
 
     def wait(self, work: Any) -> None:
         self.waiter.wait(work)
@@ -216,16 +224,16 @@ class Comm:
         if stage not in self.data_parallel:
             return
         group, _ = self.data_parallel[stage]
-        self.waiter.wait(group.allreduce([tensor]))
+        self.waiter.wait(self._post(group.allreduce, [tensor]))
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every node's tensor (same shape everywhere), in rank order."""
         if len(self.nodes) == 1:
             return [tensor]
         out = [torch.empty_like(tensor) for _ in self.nodes]
-        self.waiter.wait(self.world.allgather([out], [tensor]))
+        self.waiter.wait(self._post(self.world.allgather, [out], [tensor]))
         return out
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         if len(self.nodes) > 1:
-            self.waiter.wait(self.world.allreduce([tensor]))
+            self.waiter.wait(self._post(self.world.allreduce, [tensor]))

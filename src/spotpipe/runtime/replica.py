@@ -15,6 +15,7 @@ whoever dies next), and the optimizer step on the replica runs on a background t
 from __future__ import annotations
 
 import copy
+import os
 import queue
 import threading
 import time
@@ -142,6 +143,12 @@ class ReplicaApplier:
     # ------------------------------------------------------------------ background thread
 
     def _loop(self) -> None:
+        # Lowest CPU priority: the replica's step should only use time the node would idle,
+        # never delay the node's own work (measured by `spotpipe bench redundancy`).
+        try:
+            os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError):  # not Linux, or not permitted: normal priority
+            pass
         try:
             while (item := self._queue.get()) is not None:
                 iteration, kind, flat = item

@@ -30,6 +30,7 @@ from spotpipe import job
 from spotpipe.cluster.channel import WorkerChannel
 from spotpipe.cluster.membership import (AbortWatcher, Heartbeat, NoticeWatcher, abort_key,
                                          client, plan_key)
+from spotpipe.checkpoint import durable
 from spotpipe.config import Config, load_config
 from spotpipe.data import collate
 from spotpipe.model import build_stage
@@ -64,8 +65,12 @@ def layout_to_json(layout: Layout) -> dict[str, Any]:
 
 class Worker:
     def __init__(self, cfg: Config, spec: job.RunSpec, run_dir: Path, node: str,
-                 store: dist.TCPStore, t0: float, faults: list[Fault]) -> None:
+                 store: dist.TCPStore, t0: float, faults: list[Fault], *, host: str, port: int,
+                 namespace: str = "spotpipe") -> None:
+        """`namespace` prefixes this job's keys in the store, so that several jobs (e.g. the
+        variants a benchmark compares) can share one store."""
         self.cfg, self.spec, self.run_dir, self.node = cfg, spec, run_dir, node
+        self.namespace = namespace
         self.store = store
         self.t0 = t0
         self.channel = WorkerChannel(store, node, t0)
@@ -85,15 +90,20 @@ class Worker:
             s: nodelib.build_stage_state(self.model, spec.partition, s, cfg, self.device)
             for s in nodelib.owned_stages(self.layout, node)}
         self.holding = self._build_holding()
+        self.start_iteration = 0
+        resume = os.environ.get("SPOTPIPE_RESUME")
+        if resume:
+            self._restore(Path(resume))
         self.sample_log: TextIO | None = None
         self.inject = Injector(faults, node, lambda f: self.channel.event(
             "fault_injected", fault=f.kind, iteration=f.iteration, phase=f.phase))
-        self.notices = NoticeWatcher(aws_url=cfg.failover.aws_notice_url,
-                                     gcp_url=cfg.failover.gcp_notice_url,
+        # "{node}" in a URL is replaced by the node's name (one metadata service per host in
+        # the cloud; one loopback server for all nodes in tests)
+        self.notices = NoticeWatcher(aws_url=cfg.failover.aws_notice_url.replace("{node}", node),
+                                     gcp_url=cfg.failover.gcp_notice_url.replace("{node}", node),
                                      poll_s=cfg.failover.notice_poll_s,
                                      on_notice=lambda src: self.channel.event("notice",
                                                                               source=src))
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         timeout = cfg.cluster.timeout_s
         self._watch_store = client(host, port, timeout)
         self.executor: Executor | None = None
@@ -115,6 +125,32 @@ class Worker:
         return Holding(replica, ReplicaApplier(replica, self.cfg, self.digests),
                        self.layout.owner(d, index))
 
+    def _restore(self, path: Path) -> None:
+        """Load owned stages and the held replica from a durable checkpoint (any P x D)."""
+        ckpt = durable.verify(path)
+        for state in self.stages.values():
+            durable.load_stage(ckpt, state.module, state.optimizer)
+        if self.holding is not None:
+            durable.load_stage(ckpt, self.holding.replica.module, self.holding.replica.optimizer)
+            self.holding.applier.start_at(ckpt.next_iteration)
+        self.start_iteration = ckpt.next_iteration
+        self.channel.event("restored", checkpoint=str(path), iteration=ckpt.next_iteration,
+                           stages=sorted(self.stages))
+
+    def _checkpoint(self, iteration: int) -> None:
+        """Synchronous durable checkpoint of the stages this node writes (pipeline 0's)."""
+        every = self.cfg.checkpoint.every
+        if not every or (iteration + 1) % every:
+            return
+        root = Path(self.cfg.checkpoint.dir or self.run_dir / "checkpoints")
+        for s, state in sorted(self.stages.items()):
+            if self.layout.owner(0, s) != self.node:
+                continue
+            started = time.perf_counter()
+            sums = durable.save_stage(root, iteration, s, state.module, state.optimizer)
+            self.channel.event("checkpoint_saved", iteration=iteration, stage=s, checksums=sums,
+                               save_s=round(time.perf_counter() - started, 6))
+
     def _progress(self) -> dict[str, Any]:
         ex = self.executor
         if ex is None:
@@ -132,6 +168,7 @@ class Worker:
         abort = AbortSignal()
         AbortWatcher(self._watch_store, self.generation, abort)
         comm = Comm(store=self.store, generation=self.generation, nodes=nodes, me=self.node,
+                    namespace=self.namespace,
                     stage_members=nodelib.stage_members(self.layout), backend=self.backend,
                     device=self.device, timeout_s=self.cfg.cluster.timeout_s, abort=abort)
         wiring = nodelib.wiring(self.layout, self.node, nodes, self.model, self.spec.partition,
@@ -150,6 +187,9 @@ class Worker:
         if previous is not None:
             self.executor.committed_through = previous.committed_through
             self.executor.stepped_through = previous.stepped_through
+        else:
+            self.executor.committed_through = self.start_iteration - 1
+            self.executor.stepped_through = self.start_iteration - 1
         self.stream = nodelib.node_schedule(self.cfg, self.layout, self.node, self.model,
                                             self.spec.partition)
 
@@ -178,7 +218,7 @@ class Worker:
         d = nodelib.pipeline_of(self.layout, self.node)
         self.channel.event("worker_ready", pipeline=d, stages=sorted(self.stages),
                            layers=[list(self.spec.partition[s]) for s in sorted(self.stages)])
-        t = 0
+        t = self.start_iteration
         resumed_at: float | None = None
         while t < cfg.iterations:
             ex = self.executor
@@ -188,6 +228,7 @@ class Worker:
                 lr = ex.set_lr(t)
                 result = ex.run(self.stream, self.batches(t), t, leaving=self.notices.is_set)
                 self._report(t, result, lr, time.perf_counter() - t_start)
+                self._checkpoint(t)
                 if resumed_at is not None:
                     self.channel.event("resumed", generation=self.generation, iteration=t,
                                        pause_end_s=self.channel.now())
@@ -321,7 +362,8 @@ def main() -> int:
     node = f"node{rank}"
     channel = WorkerChannel(store, node, t0)
     try:
-        Worker(cfg, spec, run_dir, node, store, t0, faults).train()
+        Worker(cfg, spec, run_dir, node, store, t0, faults, host=os.environ["MASTER_ADDR"],
+               port=int(os.environ["MASTER_PORT"])).train()
     except JobStopped as exc:
         channel.event("worker_stopped", message=str(exc))
         return 3

@@ -33,8 +33,14 @@ def bench_config() -> SimConfig:
 
 
 def bench_simulator(seeds: int = 10000, measured_run_dir: str | Path | None = None,
-                    processes: int = 2) -> dict[str, Any]:
+                    processes: int = 2, replay: bool = False,
+                    work_dir: str | Path | None = None) -> dict[str, Any]:
+    """The table's speed and ratios; with `replay`, also the prediction error of a local
+    replay of a real trace segment (see `spotpipe.sim.validate`, about 1.5 minutes)."""
+    from spotpipe.sim import itertime
+
     cfg = bench_config()
+    hits0, misses0 = itertime.CACHE_STATS["hits"], itertime.CACHE_STATS["misses"]
     sweep = run_sweep(SweepSpec(cfg, seeds=seeds, processes=processes))
     rows = {(r["rate"], r["policy"]): r for r in sweep["rows"]}
     rates = sweep["rates"]
@@ -61,11 +67,26 @@ def bench_simulator(seeds: int = 10000, measured_run_dir: str | Path | None = No
                                    ("spotpipe", "bamboo", "checkpoint_restart", "on_demand")}
                           for r in rates},
     }
-    if measured_run_dir is None:
+    out["shape_cache"] = {"dir": str(itertime.cache_dir()),
+                          "parent_hits": itertime.CACHE_STATS["hits"] - hits0,
+                          "parent_misses": itertime.CACHE_STATS["misses"] - misses0}
+    if replay:
+        import tempfile
+
+        from spotpipe.sim.validate import validate
+
+        with tempfile.TemporaryDirectory(prefix="spotpipe-validate-") as tmp:
+            v = validate(work_dir or tmp)
+        out["prediction_error"] = v["prediction_error"]
+        out["prediction"] = {k: v[k] for k in (
+            "measured_samples_per_s", "predicted_samples_per_s", "signed_error", "window_s",
+            "calibrated_iteration_s", "calibrated_pause_s", "kills", "predicted_failovers",
+            "status", "stages", "pipelines", "time_scale", "segment", "replay_wall_s")}
+    elif measured_run_dir is None:
         out["prediction_error"] = None
         out["prediction_error_note"] = (
-            "needs a measured local replay (a run dir with metrics.jsonl and events.jsonl from "
-            "`spotpipe train`); pass measured_run_dir, or call prediction_error_from()")
+            "quick mode: the local replay of a real trace segment was skipped; run without "
+            "--quick (or spotpipe.sim.validate.validate) to measure prediction_error")
     else:
         pe = prediction_error_from(measured_run_dir, None, cfg.model)
         out["prediction_error"] = pe["relative_error"]

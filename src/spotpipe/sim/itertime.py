@@ -1,30 +1,42 @@
-"""Iteration time of a layout, from the same schedule code the runtime executes.
+"""Iteration time of a layout, from the very streams the runtime executes.
 
 A layout's shape (depth P, width D, which stages run merged on their predecessor's node, and
-whether replicas run forward redundant computation) fixes its iteration time, so times are
-computed once per shape with `spotpipe.schedule` (build_schedule + simulate) and cached: the
-simulator then pays a dictionary lookup per reconfiguration, not a schedule replay.
+whether replicas run eager forward redundant computation) fixes its iteration time. Per
+pipeline the streams are built exactly as `spotpipe.runtime.node.node_schedule` builds them:
 
-Modelling choices, and why:
-- a node that took over its successor runs both stages' layers as one fused stage: the
-  message between them becomes local, compute adds up (when the last stage's node takes over
-  stage 0, the fused stage sits at position 0: an approximation, its two halves really run
-  at the two ends of the pipeline);
-- forward redundant computation (FRC) of the successor's stage is placed just before each
-  receive of a gradient (the bubble where the node would wait), and on the last stage before
-  the gradient reduction; a node carrying two stages has no replica, so runs no FRC;
-- the global batch is fixed: D pipelines each run ceil(G / D) micro-batches;
-- data-parallel all-reduce is a ring over D pipelines of the largest stage's gradient bytes.
+- every node runs one stage: `build_schedule(kind, P, M)`, and with eager redundancy
+  `with_frc(schedule, placement_costs)`, where the placement costs are what the runtime uses
+  (parameter counts of each stage as its forward cost, twice that as backward, no comm);
+- some node carries two stages after a takeover: `merged_schedule(kind, M, actors)` with the
+  actors' stages sorted and the actors ordered by their first stage, and no FRC anywhere in
+  that pipeline (the runtime stops FRC until the layout is rebalanced);
+
+then `spotpipe.schedule.simulate` times those streams with the model's time costs (an FRC
+costs its replica stage's forward). Placing FRC re-times the schedule after every insertion,
+which is seconds for M = 128, so placed schedules are cached by (kind, P, M, placement costs)
+and iteration times by shape: the simulator pays a dictionary lookup per reconfiguration.
+`warm` lets a sweep time the common shapes once, in parallel, before forking.
+
+Other modelling choices: the global batch is fixed (D pipelines each run ceil(G / D)
+micro-batches); the data-parallel all-reduce is a ring over D pipelines of the largest
+actor's gradient bytes; a synchronous step waits for the slowest pipeline.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 from math import ceil
+from pathlib import Path
 
 from spotpipe.plan.layout import uniform_partition
-from spotpipe.schedule import Instr, Op, Schedule, StageCosts, build_schedule, simulate
+from spotpipe.schedule import (Schedule, StageCosts, build_schedule, merged_schedule, simulate,
+                               with_frc)
 from spotpipe.sim.models import ModelCosts
+
+# (kind, P, M, placement sizes) -> schedule with FRC placed; filled lazily or by warm-up
+_PLACED: dict[tuple, Schedule] = {}
+# (model, kind, P, D, merged, redundant) -> seconds of one pipeline's iteration
+_TIMES: dict[tuple, float] = {}
 
 
 @lru_cache(maxsize=None)
@@ -42,25 +54,92 @@ def microbatches_per_pipeline(model: ModelCosts, num_pipelines: int) -> int:
     return max(1, ceil(model.global_microbatches / max(1, num_pipelines)))
 
 
-@lru_cache(maxsize=None)
+def placement_sizes(model: ModelCosts, num_stages: int) -> tuple[float, ...]:
+    """The runtime's FRC placement costs: parameters per stage (at least 1), as floats.
+
+    `param_bytes` are fp16 gradient bytes (2 per parameter); placement is invariant to scale,
+    so bytes / 2 reproduces the runtime's parameter counts.
+    """
+    return tuple(float(max(1.0, b / 2.0)) for b in stage_costs(model, num_stages)[2])
+
+
+def placement_key(model: ModelCosts, kind: str, num_stages: int, num_pipelines: int) -> tuple:
+    return (kind, num_stages, microbatches_per_pipeline(model, num_pipelines),
+            placement_sizes(model, num_stages))
+
+
+def placed_schedule(key: tuple) -> Schedule:
+    """`with_frc` of the plain schedule with the runtime's placement costs (cached)."""
+    sched = _PLACED.get(key)
+    if sched is None:
+        kind, p, m, sizes = key
+        costs = StageCosts(sizes, tuple(2.0 * s for s in sizes))
+        sched = _PLACED[key] = with_frc(build_schedule(kind, p, m), costs)
+    return sched
+
+
+def warm(model: ModelCosts, kind: str, num_stages: int, widths: range,
+         processes: int = 1) -> None:
+    """Time the plain redundant shapes of these widths before a sweep forks, in parallel.
+
+    These are the shapes every run meets, and the slow ones (FRC placement); what is not
+    on disk yet is computed by `processes` workers, largest first, and kept in memory so
+    that forked sweep workers inherit it.
+    """
+    keys = [(model, kind, num_stages, d, (), num_stages > 1) for d in widths]
+    todo = [k for k in keys if k not in _TIMES and _disk_get(k) is None]
+    if processes > 1 and len(todo) > 1:
+        import multiprocessing as mp
+
+        todo.sort(key=lambda k: k[3])  # narrow = more micro-batches = slower placement
+        with mp.get_context("fork").Pool(min(processes, len(todo))) as pool:
+            for key, value in zip(todo, pool.starmap(_compute_and_store, todo, chunksize=1)):
+                _TIMES[key] = value
+    for key in keys:
+        _pipeline_time(*key)
+
+
+def _compute_and_store(*key) -> float:
+    value = _compute_pipeline_time(*key)
+    _disk_put(key, value)
+    return value
+
+
 def pipeline_time(model: ModelCosts, kind: str, num_stages: int, num_pipelines: int,
                   merged: tuple[int, ...], redundant: bool) -> float:
-    """Seconds of one iteration of one pipeline of this shape (merged: stages run by the
+    """Seconds of one iteration of one pipeline of this shape (merged: stages run by their
     predecessor's node)."""
+    if merged or num_stages < 2:
+        redundant = False  # a pipeline with a carrier runs no FRC (see the module doc)
+    return _pipeline_time(model, kind, num_stages, num_pipelines, merged, redundant)
+
+
+def _pipeline_time(model: ModelCosts, kind: str, num_stages: int, num_pipelines: int,
+                   merged: tuple[int, ...], redundant: bool) -> float:
+    key = (model, kind, num_stages, num_pipelines, merged, redundant)
+    value = _TIMES.get(key)
+    if value is None:
+        value = _disk_get(key)
+        if value is None:
+            value = _compute_and_store(*key)
+        _TIMES[key] = value
+    return value
+
+
+def _compute_pipeline_time(model: ModelCosts, kind: str, num_stages: int, num_pipelines: int,
+                           merged: tuple[int, ...], redundant: bool) -> float:
     fwd, bwd, byt = stage_costs(model, num_stages)
-    groups = _fuse(num_stages, merged)
-    f = [sum(fwd[s] for s in g) for g in groups]
-    b = [sum(bwd[s] for s in g) for g in groups]
-    n = len(groups)
+    actors = _actors(num_stages, merged)
     m = microbatches_per_pipeline(model, num_pipelines)
-    sched = build_schedule(kind, n, m)
-    if redundant and num_stages > 1:
-        sched, frc_costs = _with_frc(sched, groups, fwd, num_stages)
-        f = f + frc_costs
-        b = b + [0.0] * len(frc_costs)
-    biggest = max(sum(byt[s] for s in g) for g in groups)
+    if len(actors) < num_stages:
+        sched = merged_schedule(kind, m, actors)
+    elif redundant and num_stages > 1:
+        sched = placed_schedule(placement_key(model, kind, num_stages, num_pipelines))
+    else:
+        sched = build_schedule(kind, num_stages, m)
+    biggest = max(sum(byt[s] for s in a) for a in actors)
     ring = 2.0 * (num_pipelines - 1) / num_pipelines if num_pipelines > 1 else 0.0
-    costs = StageCosts(tuple(f), tuple(b), comm=model.activation_bytes / model.network_bytes_s,
+    costs = StageCosts(fwd, bwd, comm=model.activation_bytes / model.network_bytes_s,
                        all_reduce=ring * biggest / model.network_bytes_s,
                        optimizer=biggest * model.optimizer_s_per_byte)
     return simulate(sched, costs).iteration_s
@@ -75,8 +154,10 @@ def iteration_time(model: ModelCosts, kind: str, num_stages: int, num_pipelines:
                for m in set(merged))
 
 
-def _fuse(num_stages: int, merged: tuple[int, ...]) -> list[list[int]]:
-    """Group stages by the node that runs them; a merged stage joins its predecessor."""
+def _actors(num_stages: int, merged: tuple[int, ...]) -> list[list[int]]:
+    """Stages grouped by the node that runs them, as the runtime orders them: each node's
+    stages ascending, nodes by their first stage. A merged stage runs on its predecessor's
+    node (stage 0 merged: on the last stage's node)."""
     merged_set = set(merged)
     if len(merged_set) >= num_stages:
         return [list(range(num_stages))]
@@ -89,38 +170,89 @@ def _fuse(num_stages: int, merged: tuple[int, ...]) -> list[list[int]]:
     if 0 in merged_set:  # stage 0 runs on the last stage's node: fold the last group into it
         last = groups.pop()
         groups[0] = last + groups[0]
-    return groups
+    return sorted((sorted(g) for g in groups), key=lambda g: g[0])
 
 
-def _with_frc(sched: Schedule, groups: list[list[int]], fwd: tuple[float, ...],
-              num_stages: int) -> tuple[Schedule, list[float]]:
-    """Insert each actor's FRC of its successor's stage into its bubbles.
+# -- a cache of pipeline times on disk ----------------------------------------------------
+# A shape's time is a pure function of (costs, kind, P, D, merged, redundant) and of the
+# schedule code. Placing FRC for M = 128 takes seconds and a sweep meets hundreds of merged
+# shapes, so times are kept on disk, one small JSON per shape, named by a hash of the inputs
+# *and of the source of spotpipe.schedule* (any change to the schedule code invalidates
+# them). SPOTPIPE_SIM_CACHE=off disables it; SPOTPIPE_SIM_CACHE=DIR moves it (default
+# $XDG_CACHE_HOME/spotpipe/sim-shapes). Workers of a sweep share it, so a shape is timed once.
 
-    FRC cost of actor a sits at virtual stage index n + a of the cost vector, so an actor
-    that replicates one original stage is charged that stage's forward, not a fused group's.
-    """
-    n = len(groups)
-    streams = []
-    frc_costs = []
-    for a, stream in enumerate(sched.streams):
-        if len(groups[a]) > 1:  # a carrier has used its replica memory: no FRC
-            streams.append(stream)
-            frc_costs.append(0.0)
-            continue
-        succ = (groups[a][-1] + 1) % num_stages
-        frc_costs.append(fwd[succ])
-        virtual = n + a
-        out: list[Instr] = []
-        done = 0
-        for ins in stream:
-            if ins.op == Op.RECV_GRAD:
-                out.append(Instr(Op.FRC_FORWARD, virtual, ins.mb))
-                done += 1
-            elif ins.op == Op.ALL_REDUCE:
-                out += [Instr(Op.FRC_FORWARD, virtual, mb)
-                        for mb in range(done, sched.num_microbatches)]
-                done = sched.num_microbatches
-            out.append(ins)
-        streams.append(tuple(out))
-    return Schedule(sched.kind, sched.num_stages, sched.num_microbatches, tuple(streams),
-                    sched.owners), frc_costs
+CACHE_STATS = {"hits": 0, "misses": 0}
+_CODE_HASH: str | None = None
+
+
+def cache_dir() -> Path | None:
+    import os
+    from pathlib import Path
+
+    env = os.environ.get("SPOTPIPE_SIM_CACHE", "")
+    if env.lower() in ("off", "0", "no", "false"):
+        return None
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "spotpipe" / "sim-shapes"
+
+
+def _code_hash() -> str:
+    global _CODE_HASH
+    if _CODE_HASH is None:
+        import hashlib
+        from pathlib import Path
+
+        import spotpipe.schedule as sched_pkg
+
+        h = hashlib.sha256()
+        for f in sorted(Path(sched_pkg.__file__).parent.glob("*.py")):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+        h.update(Path(__file__).read_bytes())
+        _CODE_HASH = h.hexdigest()
+    return _CODE_HASH
+
+
+def _disk_path(key: tuple) -> Path | None:
+    import hashlib
+
+    d = cache_dir()
+    if d is None:
+        return None
+    digest = hashlib.sha256((_code_hash() + repr(key)).encode()).hexdigest()[:40]
+    return d / f"{digest}.json"
+
+
+def _disk_get(key: tuple) -> float | None:
+    import json
+
+    path = _disk_path(key)
+    if path is not None:
+        try:
+            raw = json.loads(path.read_text())
+            if raw.get("key") == repr(key[1:]) and isinstance(raw.get("iteration_s"), float):
+                CACHE_STATS["hits"] += 1
+                return raw["iteration_s"]
+        except (OSError, ValueError, AttributeError):
+            pass
+    CACHE_STATS["misses"] += 1
+    return None
+
+
+def _disk_put(key: tuple, value: float) -> None:
+    import json
+    import os
+    import tempfile
+
+    path = _disk_path(key)
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"key": repr(key[1:]), "model": key[0].name, "iteration_s": value}, fh)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # an unwritable cache only costs time

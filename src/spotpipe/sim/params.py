@@ -80,6 +80,7 @@ class SimConfig:
     schedule: str = "1f1b"
     params: SimParams = SimParams()
     min_stages: int = 1  # below this depth the model does not fit: the job stops
+    redundancy: str = "eager"  # spotpipe/bamboo: eager runs FRC in bubbles; lazy/none do not
 
     def __post_init__(self) -> None:
         if self.num_stages < 1 or self.num_pipelines < 1:
@@ -90,6 +91,9 @@ class SimConfig:
                              f"{self.num_stages} stages")
         if self.schedule not in ("gpipe", "1f1b"):
             raise ValueError(f"unknown schedule {self.schedule!r}; expected gpipe or 1f1b")
+        if self.redundancy not in ("none", "lazy", "eager"):
+            raise ValueError(f"unknown redundancy {self.redundancy!r}; expected none, lazy or "
+                             f"eager")
 
     @property
     def nodes(self) -> int:

@@ -117,7 +117,10 @@ class SpotpipePolicy(Policy):
 
     def on_events(self, t: float, lost: frozenset[str], ready: list[str],
                   index: int = -1) -> None:
-        lost = lost & self.layout.all_nodes
+        if lost:
+            layout = self.layout
+            lost = frozenset(n for n in lost if n in layout.active_nodes
+                             or n in layout.standby)
         if not lost and not ready:
             return
         for before, d in self.planner.plan(index, self.layout, lost, ready, self.cfg.min_stages):
@@ -153,15 +156,23 @@ class SpotpipePolicy(Policy):
         self._set_speed()
 
     def _set_speed(self) -> None:
-        key = self.layout.shape_key()
-        speeds = _speed_memo(self.cfg)
+        # the speed rides on the layout object (shared by spotpipe and bamboo via the
+        # Planner, and copied by with_standby, which keeps the shape); else by shape
+        layout, cfg = self.layout, self.cfg
+        hit = layout.__dict__.get("_sim_speed")
+        if hit is not None and hit[0] is cfg:
+            self.job.set_iteration(*hit[1])
+            return
+        key = layout.shape_key()
+        speeds = _speed_memo(cfg)
         speed = speeds.get(key)
         if speed is None:
-            cfg = self.cfg
             p, width, merged = key
-            full = iteration_time(cfg.model, cfg.schedule, p, width, merged, True)
+            full = iteration_time(cfg.model, cfg.schedule, p, width, merged,
+                                  cfg.redundancy == "eager")
             plain = iteration_time(cfg.model, cfg.schedule, p, width, merged, False)
             speed = speeds[key] = (full, min(plain, full))
+        object.__setattr__(layout, "_sim_speed", (cfg, speed))
         self.job.set_iteration(*speed)
 
     def _roll_back(self) -> None:

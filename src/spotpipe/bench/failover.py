@@ -1,0 +1,150 @@
+"""`spotpipe bench failover`: how long a failover pauses training, against checkpoint-restart.
+
+Runs real local clusters (`spotpipe train` as a subprocess, faults injected through the same
+paths as real failures) and reads the pauses from their events:
+
+- crash: SIGKILL of a node; the pause runs from the kill to the first iteration completed
+  after it, split into detection (kill -> first report or launcher detection), agreement
+  (-> plan published), takeover (-> new generation formed, replica promoted) and replay
+  (-> the in-flight iteration completed again);
+- notice: SIGTERM; the node leaves at the next iteration boundary, nothing is replayed;
+- restart baseline, as torchrun does it: the same crash without redundancy stops the job,
+  every worker is started again and loads the newest torch.distributed.checkpoint checkpoint
+  (written every k iterations), and the pause runs from the kill until the restarted job has
+  again completed the iteration that was in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "gpt_tiny.yaml"
+BASE = ["--set", "model.gpt.n_layer=4", "--set", "model.gpt.n_embd=64",
+        "--set", "micro_batch_size=4", "--set", "num_microbatches=4",
+        "--set", "failover.heartbeat_s=0.2", "--set", "failover.heartbeat_timeout_s=2",
+        "--set", "failover.hang_timeout_s=2", "--no-progress"]
+
+
+def _train(out: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "spotpipe", "train", str(REPO_EXAMPLE),
+                             "--out", str(out), "--overwrite", *BASE, *args],
+                            capture_output=True, text=True, timeout=900)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"bench job failed ({result.returncode}): {result.stderr[-2000:]}")
+    return result
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def failover_pauses(run: Path) -> list[dict[str, float]]:
+    """One entry per incident: the pause and its parts, in seconds, from the run's files."""
+    events = _jsonl(run / "events.jsonl")
+    metrics = _jsonl(run / "metrics.jsonl")
+    out = []
+    starts = [e for e in events if e["kind"] in ("fault_injected", "trace_kill")]
+    for start in starts:
+        t0 = start["time_s"]
+        after = [e for e in events if e["time_s"] >= t0]
+        detect = min((e["time_s"] for e in after if e["kind"] in ("report", "failure_detected")),
+                     default=None)
+        plan = next((e for e in after if e["kind"] == "plan"), None)
+        takeover = next((e for e in after if e["kind"] in ("takeover", "regrouped")), None)
+        if detect is None or plan is None or takeover is None:
+            continue
+        resume = plan.get("resume")
+        done = next((m for m in metrics if m["time_s"] >= takeover["time_s"]
+                     and m["iter"] >= resume), None)
+        if done is None:
+            continue
+        out.append({"kind": start.get("fault", "kill"), "pause_s": done["time_s"] - t0,
+                    "detection_s": detect - t0, "agreement_s": plan["time_s"] - detect,
+                    "takeover_s": takeover["time_s"] - plan["time_s"],
+                    "replay_s": done["time_s"] - takeover["time_s"],
+                    "replayed_iterations": max(0, resume - start.get("iteration", resume))})
+    return out
+
+
+def iteration_time(run: Path, before_s: float | None = None) -> float:
+    times = [m["iter_time_s"] for m in _jsonl(run / "metrics.jsonl")[3:]
+             if before_s is None or m["time_s"] < before_s]
+    return statistics.median(times)
+
+
+def restart_pause(first: Path, second: Path) -> dict[str, float]:
+    """Kill in `first` (no redundancy, so it stops) -> `second` (restarted from the newest
+    checkpoint) completes the iteration that was in flight."""
+    ev1 = _jsonl(first / "events.jsonl")
+    kill = next(e for e in ev1 if e["kind"] == "fault_injected")
+    kill_abs = ev1[0]["t0"] + kill["time_s"]
+    ev2 = _jsonl(second / "events.jsonl")
+    t0_2 = ev2[0]["t0"]
+    metrics = _jsonl(second / "metrics.jsonl")
+    back = next(m for m in metrics if m["iter"] >= kill["iteration"])
+    first_iter = metrics[0]
+    return {"restart_pause_s": t0_2 + back["time_s"] - kill_abs,
+            "restart_first_iteration_s": t0_2 + first_iter["time_s"] - kill_abs,
+            "restart_lost_iterations": kill["iteration"] - ev2[0]["start_iteration"]}
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    iters = 24 if quick else 60
+    k = 10
+    crash_at, notice_at = (8, 14) if quick else (20, 40)
+    tmp = Path(tempfile.mkdtemp(prefix="spotpipe-bench-failover-"))
+    started = time.time()
+    common = ["--stages", "4", "--set", f"iterations={iters}", "--set", "redundancy=lazy"]
+    crash = tmp / "crash"
+    _train(crash, *common, "--fail", f"node1@{crash_at}:backward",
+           "--fail", f"node3@{notice_at}:forward")
+    notice = tmp / "notice"
+    _train(notice, *common, "--notice", f"node1@{crash_at}", "--notice", f"node3@{notice_at}")
+    crashes = failover_pauses(crash)
+    notices = failover_pauses(notice)
+    # the baseline: no redundancy, a checkpoint every k iterations, restart everything
+    first, second = tmp / "restart-1", tmp / "restart-2"
+    kill_at = crash_at + k // 2 + 1  # mid-interval: the expected loss of periodic checkpoints
+    _train(first, "--stages", "4", "--set", f"iterations={iters}", "--set", "redundancy=none",
+           "--set", f"checkpoint.every={k}", "--fail", f"node1@{kill_at}:backward", check=False)
+    _train(second, "--stages", "4", "--set", f"iterations={iters}", "--set", "redundancy=none",
+           "--resume", str(first))
+    restart = restart_pause(first, second)
+    it = iteration_time(crash, before_s=None)
+    pause = statistics.median(p["pause_s"] for p in crashes)
+    figures: dict[str, Any] = {
+        "pause_s": round(pause, 4),
+        "pause_iterations": round(pause / it, 2),
+        "detection_s": round(statistics.median(p["detection_s"] for p in crashes), 4),
+        "agreement_s": round(statistics.median(p["agreement_s"] for p in crashes), 4),
+        "takeover_s": round(statistics.median(p["takeover_s"] for p in crashes), 4),
+        "replay_s": round(statistics.median(p["replay_s"] for p in crashes), 4),
+        "notice_pause_s": round(statistics.median(p["pause_s"] for p in notices), 4),
+        "notice_pause_iterations": round(statistics.median(p["pause_s"] for p in notices) / it, 2),
+        "notice_replayed_iterations": max(p["replayed_iterations"] for p in notices),
+        "iteration_s": round(it, 4),
+        "restart_pause_s": round(restart["restart_pause_s"], 3),
+        "restart_first_iteration_s": round(restart["restart_first_iteration_s"], 3),
+        "restart_lost_iterations": restart["restart_lost_iterations"],
+        "restart_over_failover_ratio": round(restart["restart_pause_s"] / pause, 1),
+        "crash_failovers": len(crashes), "notice_failovers": len(notices),
+        "checkpoint_every": k,
+        "config": "P=4 D=1 gloo, GPT n_layer=4 n_embd=64, micro-batch 4 x M=4, redundancy lazy; "
+                  f"{iters} iterations; crashes at {crash_at} (backward) and {notice_at} (forward)",
+        "wall_s": round(time.time() - started, 1),
+        "runs": str(tmp),
+    }
+    if os.environ.get("SPOTPIPE_BENCH_KEEP") != "1":
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        figures["runs"] = "(removed; SPOTPIPE_BENCH_KEEP=1 keeps them)"
+    return figures

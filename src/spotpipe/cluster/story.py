@@ -1,0 +1,53 @@
+"""What happened in a run, in a few lines a person reads after `spotpipe train` returns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_START = ("fault_injected", "node_lost", "node_fenced", "notice", "trace_kill", "trace_notice")
+
+
+def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]:
+    lines = []
+    incident: float | None = None
+    resumed_gens: set[int] = set()
+    for ev in events:
+        kind, t, node = ev["kind"], ev["time_s"], ev.get("node", "")
+        at = f"  {t:8.2f}s"
+        if kind in _START and incident is None:
+            incident = t
+        if kind == "fault_injected":
+            what = {"fail": "crash (SIGKILL)", "notice": "preemption notice (SIGTERM)",
+                    "hang": "hang"}[ev["fault"]]
+            lines.append(f"{at}  {node}: injected {what} at iteration {ev['iteration']}"
+                         + (f", {ev['phase']}" if ev.get("phase", "start") != "start" else ""))
+        elif kind in ("trace_kill", "trace_notice"):
+            lines.append(f"{at}  {node}: preempted by the trace ({ev['trace_node']})")
+        elif kind == "node_lost":
+            lines.append(f"{at}  {node}: lost (exit code {ev['returncode']})")
+        elif kind == "node_fenced":
+            lines.append(f"{at}  {node}: fenced, {ev['reason']}")
+        elif kind == "notice":
+            lines.append(f"{at}  {node}: preemption notice from {ev['source']}")
+        elif kind == "plan":
+            if ev["action"] == "stop":
+                lines.append(f"{at}  plan: stop. {ev['message']}")
+                continue
+            moves = [f"{m['dst']} takes over stage {m['stage']} of pipeline {m['pipeline']} "
+                     "from its replica" for m in ev.get("moves", []) if m["kind"] == "promote"]
+            lines.append(f"{at}  plan for generation {ev['generation']}: {ev['action']}; "
+                         + ("; ".join(moves) or "no stage moves")
+                         + f"; resume at iteration {ev['resume']}")
+        elif kind == "resumed" and ev["generation"] not in resumed_gens:
+            resumed_gens.add(ev["generation"])
+            pause = f" after a {t - incident:.2f} s pause" if incident is not None else ""
+            lines.append(f"{at}  training resumed at iteration {ev['iteration']}{pause}")
+            incident = None
+    status = summary.get("status")
+    head = (f"spotpipe: {status}: {summary.get('iterations')} iterations, "
+            f"{summary.get('samples')} samples in {summary.get('wall_s')} s"
+            + (f", final loss {summary['final_loss']:.4f}" if summary.get("final_loss") is not None
+               else ""))
+    if not lines:
+        return [head, "  no preemptions or failures"]
+    return [head, "  what happened:"] + lines

@@ -1,0 +1,209 @@
+"""Failover: preempted, crashed and hung nodes are taken over from memory.
+
+Each run injects faults through the same paths as real failures (SIGKILL, SIGTERM, a stuck
+main thread), then checks the invariants: the final parameters equal the failure-free run's bit
+for bit, every sample is consumed exactly once (from the sample log, discounting iterations
+the plan rolled back), and no process or port is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from spotpipe.cluster.launcher import train
+from spotpipe.runtime.faults import Fault
+
+from conftest import tiny_config
+from test_cli_errors import workers_running
+from test_equivalence import reference
+
+ITERS = 6
+FAST = {"failover.heartbeat_s": 0.2, "failover.heartbeat_timeout_s": 3.0,
+        "failover.hang_timeout_s": 2.0, "logging.sample_log": True, "iterations": ITERS}
+_BASELINES: dict = {}
+
+
+def config(corpus, stages, pipelines, mode="lazy", **extra):
+    return tiny_config(corpus, stages=stages, pipelines=pipelines, redundancy=mode,
+                       **FAST, **extra)
+
+
+def failure_free(tmp_path_factory, cfg):
+    """Final parameters of the same job without failures (D = 1: the single-process loop)."""
+    if cfg.pipelines == 1:
+        want, _ = reference(cfg)
+        return want
+    key = cfg.digest()
+    if key not in _BASELINES:
+        out = tmp_path_factory.mktemp("baseline")
+        assert train(cfg, out / "run", progress=False) == 0
+        _BASELINES[key] = load_file(str(out / "run" / "final" / "model.safetensors"))
+    return _BASELINES[key]
+
+
+def events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in open(run / "events.jsonl")]
+
+
+def assert_samples_exactly_once(run: Path, cfg) -> None:
+    """Each (iteration, pipeline) consumed once, not counting iterations a plan rolled back."""
+    rolled_back = {ev["generation"]: ev["resume"] for ev in events(run)
+                   if ev["kind"] == "agreement"}
+    valid = Counter()
+    seen_samples: list[int] = []
+    for path in (run / "logs").glob("samples.*.jsonl"):
+        for line in open(path):
+            r = json.loads(line)
+            g = r["generation"]
+            if g in rolled_back and r["iter"] >= rolled_back[g]:
+                continue  # consumed by an iteration that was replayed
+            valid[(r["iter"], r["pipeline"])] += 1
+            seen_samples += [i for mb in r["samples"] for i in mb]
+    want = {(t, d) for t in range(cfg.iterations) for d in range(cfg.pipelines)}
+    assert set(valid) == want, f"missing {sorted(want - set(valid))}"
+    assert all(n == 1 for n in valid.values()), f"consumed twice: {valid.most_common(3)}"
+    assert len(seen_samples) == len(set(seen_samples)) == cfg.iterations * cfg.global_batch
+
+
+def assert_nothing_left(run: Path, port: int | None) -> None:
+    assert workers_running(run) == []
+    if port:
+        with socket.socket() as s:  # the store's port is free to listen on again
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+
+
+def store_port(run: Path) -> int:
+    return int(events(run)[0]["store"].rsplit(":", 1)[1])
+
+
+CASES = [
+    # id, P, D, mode, faults
+    ("crash-forward-P2", 2, 1, "lazy", [("fail", "node1@2:forward")]),
+    ("crash-stage0-wraps-P2", 2, 1, "eager", [("fail", "node0@3:backward")]),
+    ("crash-allreduce-P3", 3, 1, "lazy", [("fail", "node1@2:all-reduce")]),
+    ("crash-committed-P3D2", 3, 2, "eager", [("fail", "node4@3:optimizer")]),
+    ("notice-P4", 4, 1, "lazy", [("notice", "node2@3")]),
+    ("hang-P4D2", 4, 2, "lazy", [("hang", "node5@2:backward")]),
+    ("two-pipelines-P2D2", 2, 2, "lazy", [("fail", "node1@2"), ("fail", "node2@4:backward")]),
+    ("two-apart-P4", 4, 1, "eager", [("fail", "node1@2:forward"), ("fail", "node3@4")]),
+]
+
+
+@pytest.mark.parametrize("stages,pipelines,mode,faults", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_failover_is_exact(tmp_path, tmp_path_factory, corpus, stages, pipelines, mode, faults):
+    cfg = config(corpus, stages, pipelines, mode)
+    nodes = [f"node{r}" for r in range(stages * pipelines)]
+    parsed = [Fault.parse(kind, spec, nodes) for kind, spec in faults]
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, faults=parsed) == 0
+    got = load_file(str(run / "final" / "model.safetensors"))
+    want = failure_free(tmp_path_factory, tiny_config(
+        corpus, stages=stages, pipelines=pipelines, **FAST))
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs from the failure-free run"
+    assert_samples_exactly_once(run, cfg)
+    kinds = [ev["kind"] for ev in events(run)]
+    assert kinds.count("plan") == len(faults)
+    assert "takeover" in kinds and "resumed" in kinds
+    if any(kind == "hang" for kind, _ in faults):
+        assert "node_fenced" in kinds
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert metrics[-1]["generation"] == len(faults)
+    assert metrics[-1]["live_nodes"] == stages * pipelines - len(faults)
+    assert_nothing_left(run, store_port(run))
+
+
+def test_adjacent_losses_stop_clearly(tmp_path, corpus, capsys):
+    cfg = config(corpus, 3, 1)
+    nodes = [f"node{r}" for r in range(3)]
+    faults = [Fault.parse("fail", "node1@2", nodes), Fault.parse("fail", "node2@2", nodes)]
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, faults=faults) == 1
+    message = capsys.readouterr().err
+    assert "node1 (pipeline 0, stage 1)" in message and "node2 (pipeline 0, stage 2)" in message
+    assert "in iteration 2" in message and "adjacent" in message
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and "adjacent" in summary["message"]
+    assert_nothing_left(run, store_port(run))
+
+
+def test_without_redundancy_a_loss_stops_clearly(tmp_path, corpus, capsys):
+    cfg = config(corpus, 2, 1, mode="none")
+    faults = [Fault.parse("fail", "node1@2", ["node0", "node1"])]
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, faults=faults) == 1
+    message = capsys.readouterr().err
+    assert "node1 (pipeline 0, stage 1)" in message and "redundancy is off" in message
+    assert_nothing_left(run, store_port(run))
+
+
+class _Metadata:
+    """Loopback AWS and GCP metadata services: node1's instance is reclaimed after a while."""
+
+    def __init__(self, notice_after: int):
+        import http.server
+        import threading
+
+        calls = Counter()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's naming)
+                node, service = self.path.strip("/").split("/", 1)
+                calls[(node, service)] += 1
+                noticed = node == "node1" and calls[(node, service)] > notice_after
+                if service == "aws":
+                    body = json.dumps({"action": "terminate", "time": "soon"}).encode()
+                    self.send_response(200 if noticed else 404)
+                else:
+                    assert self.headers["Metadata-Flavor"] == "Google"
+                    body = b"TRUE" if noticed else b"FALSE"
+                    self.send_response(200)
+                self.end_headers()
+                self.wfile.write(body if (noticed or service == "gcp") else b"")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+@pytest.mark.parametrize("service", ["aws", "gcp"])
+def test_cloud_metadata_notice_is_handled_at_an_iteration_boundary(tmp_path, tmp_path_factory,
+                                                                   corpus, service):
+    meta = _Metadata(notice_after=3)
+    url = f"http://127.0.0.1:{meta.port}/{{node}}/{service}"
+    try:
+        cfg = config(corpus, 2, 1, **{f"failover.{service}_notice_url": url,
+                                      "failover.notice_poll_s": 0.2, "iterations": 30})
+        run = tmp_path / "run"
+        assert train(cfg, run, progress=False) == 0
+    finally:
+        meta.close()
+    evs = events(run)
+    notice = [e for e in evs if e["kind"] == "notice"]
+    assert notice and notice[0]["node"] == "node1" and service.upper() in notice[0]["source"]
+    agreement = next(e for e in evs if e["kind"] == "agreement")
+    assert agreement["leaving"] == ["node1"]
+    # nothing replayed: the plan resumes right after the iteration that carried the notice
+    reports = [e for e in evs if e["kind"] == "report"]
+    assert all(r["committed_through"] == agreement["resume"] - 1 for r in reports)
+    assert any(e["kind"] == "worker_left" and e["node"] == "node1" for e in evs)
+    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=2, pipelines=1,
+                                                      **{**FAST, "iterations": 30}))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert_samples_exactly_once(run, cfg)
