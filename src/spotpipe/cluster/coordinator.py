@@ -158,7 +158,7 @@ class Coordinator:
                 f"lost {named} {when}; redundancy is off, so no other node holds "
                 "their stages (set redundancy: lazy or eager), and no checkpoint is available")
             plan = {"action": "stop", "message": self.stop_message}
-        elif decision.action != Action.FAILOVER:
+        elif decision.action not in (Action.FAILOVER, Action.KEEP):
             self.stop_message = (
                 f"lost {named} {when}: "
                 + ("adjacent stages of one pipeline, so no replica of one of them survives; "

@@ -268,7 +268,9 @@ class Worker:
         self._recovering = True
         ex = self.executor
         g = self.generation
-        leaving = isinstance(why, Leave) and self.notices.is_set()
+        # a node with a notice leaves, whether it saw the commit's flag or was woken by the
+        # abort of a faster node first
+        leaving = self.notices.is_set()
         self.store.set(abort_key(g), f"{self.node}: {why}")
         self.channel._post({
             "type": "report", "generation": g, "node": self.node,

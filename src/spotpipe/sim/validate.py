@@ -150,14 +150,14 @@ def compare(run_dir: str | Path, segment: str | Path, time_scale: float, *,
 
 def validate(work_dir: str | Path, *, trace_path: str | Path = SHARED_TRACE,
              window: tuple[float, float] = DEFAULT_WINDOW, time_scale: float = 4.0,
-             stages: int = 4, pipelines: int = 1, iterations: int = 1200,
+             stages: int = 4, pipelines: int = 1, iterations: int = 1200, losses: int = 2,
              config: str | Path | None = None, timeout_s: float = 240.0) -> dict[str, Any]:
     """Segment, replay, compare; the whole validation in one call."""
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     seg = work / "segment.csv"
     info = write_segment(trace_path, seg, start_s=window[0], span_s=window[1], stages=stages,
-                         pipelines=pipelines)
+                         pipelines=pipelines, losses=losses)
     cfg = Path(config) if config else _example_config()
     rep = replay(cfg, work / "run", seg, time_scale=time_scale, stages=stages,
                  pipelines=pipelines, iterations=iterations,
