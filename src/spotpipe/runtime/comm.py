@@ -157,6 +157,7 @@ class Comm:
                 self.data_parallel[stage] = (group, len(members))
         self._shapes: dict[tuple[str, int, int], tuple[torch.Size, torch.dtype]] = {}
         self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._early: dict[tuple[str, int, int], tuple[Any, torch.Tensor]] = {}
 
     def _post(self, op: Any, *args: Any) -> Any:
         """Start an operation; a peer already gone makes gloo raise right here, not at wait."""
@@ -190,6 +191,14 @@ class Comm:
         self._pending.append((self._post(self.world.send, [tensor], dst, tag_), tensor))
 
     def recv(self, node: str, tag_: int) -> torch.Tensor:
+        """The next tensor on this channel.
+
+        After the first message, the receive for the next one is posted as soon as this one
+        is taken, so the transfer overlaps the computation in between instead of starting
+        when the schedule reaches its receive (1F1B puts every such latency on the critical
+        path). Messages on a channel match in order, so the early receive cannot take another
+        channel's tensor.
+        """
         src = self.nodes.index(node)
         key = ("recv", src, tag_)
         if key not in self._shapes:
@@ -197,10 +206,19 @@ class Comm:
             self.waiter.wait(self._post(self.world.recv, [header], src, tag_))
             h = header.tolist()
             self._shapes[key] = (torch.Size(h[2: 2 + h[0]]), _DTYPES[h[1]])
+        posted = self._early.pop(key, None)
+        if posted is None:
+            posted = self._post_data_recv(key, src, tag_)
+        work, out = posted
+        self.waiter.wait(work)
+        self._early[key] = self._post_data_recv(key, src, tag_)
+        return out
+
+    def _post_data_recv(self, key: tuple[str, int, int], src: int,
+                        tag_: int) -> tuple[Any, torch.Tensor]:
         shape, dtype = self._shapes[key]
         out = torch.empty(shape, dtype=dtype, device=self.device)
-        self.waiter.wait(self._post(self.world.recv, [out], src, tag_))
-        return out
+        return self._post(self.world.recv, [out], src, tag_), out
 
     def post_send(self, tensor: torch.Tensor, node: str, tag_: int) -> Any:
         """A raw asynchronous send of a tensor whose shape the receiver knows."""
