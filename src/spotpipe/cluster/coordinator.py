@@ -27,12 +27,6 @@ from spotpipe.config import Config
 from spotpipe.plan import Action, Layout, decide
 
 
-def layout_json(layout: Layout) -> dict[str, Any]:
-    return {"stages": layout.num_stages, "pipelines": layout.num_pipelines,
-            "owners": [[d, s, n] for (d, s), n in sorted(layout.mapping.items())],
-            "standby": list(layout.standby)}
-
-
 @dataclass
 class Recovery:
     """Agreement in progress for one generation."""
@@ -158,19 +152,27 @@ class Coordinator:
                 f"lost {named} {when}; redundancy is off, so no other node holds "
                 "their stages (set redundancy: lazy or eager), and no checkpoint is available")
             plan = {"action": "stop", "message": self.stop_message}
-        elif decision.action not in (Action.FAILOVER, Action.KEEP):
+        elif decision.action == Action.DROP_PIPELINE and (
+                self.cfg.num_microbatches * self.cfg.pipelines) % decision.layout.num_pipelines:
+            self.stop_message = (
+                f"lost {named} {when}: adjacent stages of one pipeline; dropping that pipeline "
+                f"would leave {decision.layout.num_pipelines} pipelines, over which the "
+                f"{self.cfg.num_microbatches * self.cfg.pipelines} micro-batches of an "
+                "iteration do not split evenly; stopping")
+            plan = {"action": "stop", "message": self.stop_message}
+        elif decision.action not in (Action.FAILOVER, Action.KEEP, Action.DROP_PIPELINE):
             self.stop_message = (
                 f"lost {named} {when}: "
                 + ("adjacent stages of one pipeline, so no replica of one of them survives; "
                    if self._adjacent(lost) else "")
                 + f"the plan is {decision.action.value} ({decision.reason}), which this runtime "
-                  "cannot carry out yet (no shadow checkpoints, no pipeline drop or "
-                  "re-partition in place); stopping. Resume with --resume from the newest "
-                  "durable checkpoint if checkpoint.every was set")
+                  "cannot carry out yet (no shadow checkpoints, no re-partition in place); "
+                  "stopping. Resume with --resume from the newest durable checkpoint if "
+                  "checkpoint.every was set")
             plan = {"action": "stop", "message": self.stop_message}
         else:
             plan = {"action": decision.action.value, "generation": rec.generation + 1,
-                    "layout": layout_json(decision.layout), "resume": resume,
+                    "layout": decision.layout.to_json(), "resume": resume,
                     "moves": [{"kind": m.kind.value, "pipeline": m.pipeline, "stage": m.stage,
                                "src": m.src, "dst": m.dst} for m in decision.moves]}
         self.store.set(plan_key(rec.generation), json.dumps(plan))
@@ -182,6 +184,8 @@ class Coordinator:
                       if plan["action"] != "stop" else {})})
         self.left |= leaving
         if plan["action"] != "stop":
+            # nodes of a dropped pipeline leave the job (there is no standby pool to wait in yet)
+            self.left |= set(self.layout.active_nodes) - set(decision.layout.active_nodes)
             self.layout = decision.layout
             self.generation = rec.generation + 1
         self.recovery = None

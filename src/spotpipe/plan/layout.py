@@ -114,6 +114,20 @@ class Layout:
         return cls.from_mapping(num_stages, num_pipelines, mapping, nodes[need:],
                                 target_stages=target_stages, max_pipelines=max_pipelines)
 
+    # -- plain data, for plans published through the store ---------------------------------
+    def to_json(self) -> dict:
+        return {"stages": self.num_stages, "pipelines": self.num_pipelines,
+                "owners": [[d, s, n] for (d, s), n in sorted(self._map.items())],
+                "standby": list(self.standby), "target_stages": self.target_stages,
+                "max_pipelines": self.max_pipelines}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Layout":
+        return cls.from_mapping(data["stages"], data["pipelines"],
+                                {(d, s): n for d, s, n in data["owners"]}, data.get("standby", ()),
+                                target_stages=data.get("target_stages", 0),
+                                max_pipelines=data.get("max_pipelines"))
+
     # -- queries --------------------------------------------------------------------------
     @property
     def mapping(self) -> dict[Slot, str]:

@@ -19,6 +19,16 @@ from spotpipe.runtime.optim import build_optimizer
 from spotpipe.schedule import Schedule, StageCosts, build_schedule, merged_schedule, with_frc
 
 
+def microbatches(cfg: Config, layout: Layout) -> int:
+    """Micro-batches per pipeline in `layout`: the global batch stays the configured one when
+    pipelines are dropped, so each remaining pipeline accumulates over more micro-batches."""
+    total = cfg.num_microbatches * cfg.pipelines
+    if total % layout.num_pipelines:
+        raise ValueError(f"{total} micro-batches per iteration do not split over "
+                         f"{layout.num_pipelines} pipelines")
+    return total // layout.num_pipelines
+
+
 def build_stage_state(model: LayeredModel, partition: list[tuple[int, int]], stage: int,
                       cfg: Config, device: torch.device) -> StageState:
     """Stage `stage` of `model` with a fresh optimizer and its share of the global norm."""
@@ -115,12 +125,12 @@ def node_schedule(cfg: Config, layout: Layout, node: str, model: LayeredModel,
     actors = sorted(owners.values(), key=lambda stages: stages[0])
     actor = next(i for i, stages in enumerate(actors) if node == layout.owner(d, stages[0]))
     if all(len(stages) == 1 for stages in actors):
-        schedule: Schedule = build_schedule(cfg.schedule, p, cfg.num_microbatches)
+        schedule: Schedule = build_schedule(cfg.schedule, p, microbatches(cfg, layout))
         if cfg.redundancy == "eager":
             sizes = [max(1, sum(x.numel() for i in range(a, b)
                                 for x in model.layers[i].parameters())) for a, b in partition]
             costs = StageCosts(tuple(float(n) for n in sizes), tuple(2.0 * n for n in sizes))
             schedule = with_frc(schedule, costs)
     else:
-        schedule = merged_schedule(cfg.schedule, cfg.num_microbatches, actors)
+        schedule = merged_schedule(cfg.schedule, microbatches(cfg, layout), actors)
     return list(schedule.streams[actor])

@@ -51,18 +51,6 @@ class JobStopped(Exception):
     """The coordinator decided the job cannot go on (e.g. adjacent stages lost)."""
 
 
-def layout_from_json(data: dict[str, Any]) -> Layout:
-    return Layout.from_mapping(data["stages"], data["pipelines"],
-                               {(d, s): n for d, s, n in data["owners"]},
-                               data.get("standby", []))
-
-
-def layout_to_json(layout: Layout) -> dict[str, Any]:
-    return {"stages": layout.num_stages, "pipelines": layout.num_pipelines,
-            "owners": [[d, s, n] for (d, s), n in sorted(layout.mapping.items())],
-            "standby": list(layout.standby)}
-
-
 class Worker:
     def __init__(self, cfg: Config, spec: job.RunSpec, run_dir: Path, node: str,
                  store: dist.TCPStore, t0: float, faults: list[Fault], *, host: str, port: int,
@@ -181,7 +169,7 @@ class Worker:
         self.executor = Executor(
             cfg=self.cfg, me=self.node, stages=self.stages, wiring=wiring, comm=comm,
             loss_fn=self.model.loss_fn,
-            loss_scale_div=self.cfg.num_microbatches * self.layout.num_pipelines,
+            loss_scale_div=nodelib.microbatches(self.cfg, self.layout) * self.layout.num_pipelines,
             holding=self.holding, digests=self.digests, sample_log=self.sample_log,
             hook=self.inject)
         if previous is not None:
@@ -194,7 +182,7 @@ class Worker:
                                             self.spec.partition)
 
     def batches(self, iteration: int) -> Microbatches:
-        p, m = self.layout.num_stages, self.cfg.num_microbatches
+        p, m = self.layout.num_stages, nodelib.microbatches(self.cfg, self.layout)
         d = nodelib.pipeline_of(self.layout, self.node)
         indices = self.sampler.pipeline_microbatches(iteration, d, self.layout.num_pipelines, m)
         frc_zero = (self.cfg.redundancy == "eager" and self.holding is not None
@@ -282,7 +270,7 @@ class Worker:
         plan = json.loads(self.store.get(plan_key(g)))
         if plan["action"] == "stop":
             raise JobStopped(plan["message"])
-        new_layout = layout_from_json(plan["layout"])
+        new_layout = Layout.from_json(plan["layout"])
         resume = int(plan["resume"])
         # finish the committed iteration, drop the one in flight
         if ex.stepped_through < resume - 1:
