@@ -36,6 +36,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         help="send NODE a preemption notice (SIGTERM) at iteration ITER")
     faults.add_argument("--hang", action="append", default=[], metavar="NODE@ITER[:PHASE]",
                         help="make NODE stop making progress at iteration ITER")
+    faults.add_argument("--join", action="append", type=int, default=[], metavar="ITER",
+                        help="start one more node when iteration ITER completes; it joins the "
+                             "running job (rebalance, or a new pipeline)")
     faults.add_argument("--trace", metavar="FILE",
                         help="replay a preemption trace (event CSV, tick JSON, dated counts)")
     faults.add_argument("--time-scale", type=float, default=60.0,
@@ -58,7 +61,7 @@ def _train(args: argparse.Namespace) -> int:
         faults, actions = _faults(args, cfg)
         code = train(cfg, Path(args.out), overwrite=args.overwrite,
                      progress=not args.no_progress, faults=faults, trace_actions=actions,
-                     resume=Path(args.resume) if args.resume else None)
+                     resume=Path(args.resume) if args.resume else None, joins=args.join)
     except (ConfigError, LaunchError, FaultSpecError) as exc:
         print(f"spotpipe: error: {exc}", file=sys.stderr)
         return 2

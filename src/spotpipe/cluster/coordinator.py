@@ -22,9 +22,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from spotpipe.cluster.membership import HEARTBEATS, abort_key, plan_key
+from spotpipe.cluster.membership import HEARTBEATS, abort_key, join_key, plan_key, regroup_key
 from spotpipe.config import Config
-from spotpipe.plan import Action, Layout, decide
+from spotpipe.plan import Action, Decision, Layout, decide
 
 
 @dataclass
@@ -40,8 +40,10 @@ class Recovery:
 class Coordinator:
     def __init__(self, *, cfg: Config, store: dist.TCPStore, layout: Layout,
                  kill: Callable[[str], None], emit: Callable[[dict[str, Any]], None],
-                 now: Callable[[], float]) -> None:
+                 now: Callable[[], float], token: str = "") -> None:
         self.cfg = cfg
+        self.token = token
+        self.joining: list[str] = []  # accepted, not yet placed
         self.store = store
         self.layout = layout
         self.kill = kill
@@ -49,6 +51,8 @@ class Coordinator:
         self.now = now
         self.generation = 0
         self.dead: set[str] = set()
+        self.finished: set[str] = set()  # exited 0 at the end of training
+        self.over = False  # training is over: late joiners are sent home
         self.left: set[str] = set()  # left after a notice, by plan
         self.recovery: Recovery | None = None
         self.stop_message: str | None = None
@@ -57,7 +61,8 @@ class Coordinator:
 
     @property
     def live(self) -> set[str]:
-        return set(self.layout.active_nodes) - self.dead
+        """Nodes running a stage now (not lost, not finished)."""
+        return set(self.layout.active_nodes) - self.dead - self.finished
 
     def expected_exits(self) -> set[str]:
         """Nodes whose exit with code 0 is part of the plan."""
@@ -67,6 +72,8 @@ class Coordinator:
 
     def node_exited(self, node: str, code: int) -> None:
         if code == 0 and (node in self.left or self.recovery is None):
+            if node in self.layout.active_nodes:
+                self.finished.add(node)
             return
         if node in self.dead:
             return
@@ -84,6 +91,45 @@ class Coordinator:
         assert self.recovery is not None
         self.recovery.reports[record["node"]] = record
         self._maybe_decide()
+
+    def join(self, record: dict[str, Any]) -> None:
+        """A node asks to join: check it, then reshape at the next iteration boundary."""
+        node = record["node"]
+        problem = None
+        if not self.token or record.get("token") != self.token:
+            problem = "it did not present this job's join token"
+        elif record.get("model_digest") != self.cfg.model_digest():
+            problem = "it runs another model or optimizer"
+        elif record.get("config_digest") != self.cfg.digest():
+            problem = "it runs another configuration"
+        if problem:
+            self.store.set(join_key(node), json.dumps(
+                {"refused": f"{node} refused by the job: {problem}"}))
+            self.emit({"time_s": self.now(), "kind": "join_refused", "node": node,
+                       "reason": problem})
+            return
+        if self.over or not self.live:
+            self.store.set(join_key(node), json.dumps({"finished": True}))
+            self.left.add(node)
+            self.emit({"time_s": self.now(), "kind": "join_too_late", "node": node})
+            return
+        self.joining.append(node)
+        self.emit({"time_s": self.now(), "kind": "join_accepted", "node": node,
+                   "generation": self.generation})
+        if self.recovery is None:
+            self._request_regroup(f"{node} joined")
+
+    def release_standby(self) -> None:
+        """The job is over: nodes still waiting to be placed may go."""
+        self.over = True
+        for node in list(self.joining) + list(self.layout.standby):
+            self.store.set(join_key(node), json.dumps({"finished": True}))
+            self.left.add(node)
+
+    def _request_regroup(self, why: str) -> None:
+        self.store.set(regroup_key(self.generation), why)
+        self.emit({"time_s": self.now(), "kind": "regroup_requested", "node": "launcher",
+                   "generation": self.generation, "reason": why})
 
     def tick(self) -> None:
         """Heartbeat check: fence nodes that stopped beating or stopped making progress."""
@@ -139,7 +185,14 @@ class Coordinator:
         when = f"in iteration {in_flight} (the last committed iteration is {committed})"
         where = {n: f"{n} (pipeline {d}, stage {s})" for (d, s), n in self.layout.mapping.items()}
         named = ", ".join(where.get(n, n) for n in sorted(lost & set(self.layout.active_nodes)))
-        decision = decide(self.layout, lost & set(self.layout.active_nodes), [])
+        decision = decide(self.layout, lost & set(self.layout.active_nodes), self.joining)
+        total = self.cfg.num_microbatches * self.cfg.pipelines
+        if decision.action == Action.ADD_PIPELINE and total % decision.layout.num_pipelines:
+            # the iteration's micro-batches must split evenly: the new nodes wait on standby
+            decision = Decision(Action.KEEP, self.layout.with_standby(
+                tuple(self.layout.standby) + tuple(self.joining)), (),
+                f"{total} micro-batches do not split over {decision.layout.num_pipelines} "
+                "pipelines; the new nodes wait on standby")
         agreed = self.now()
         self.emit({"time_s": agreed, "kind": "agreement", "node": "launcher",
                    "generation": rec.generation, "lost": sorted(lost), "leaving": sorted(leaving),
@@ -160,7 +213,8 @@ class Coordinator:
                 f"{self.cfg.num_microbatches * self.cfg.pipelines} micro-batches of an "
                 "iteration do not split evenly; stopping")
             plan = {"action": "stop", "message": self.stop_message}
-        elif decision.action not in (Action.FAILOVER, Action.KEEP, Action.DROP_PIPELINE):
+        elif decision.action not in (Action.FAILOVER, Action.KEEP, Action.DROP_PIPELINE,
+                                     Action.REBALANCE, Action.ADD_PIPELINE):
             self.stop_message = (
                 f"lost {named} {when}: "
                 + ("adjacent stages of one pipeline, so no replica of one of them survives; "
@@ -172,7 +226,8 @@ class Coordinator:
             plan = {"action": "stop", "message": self.stop_message}
         else:
             plan = {"action": decision.action.value, "generation": rec.generation + 1,
-                    "layout": decision.layout.to_json(), "resume": resume,
+                    "layout": decision.layout.to_json(),
+                    "previous_layout": self.layout.to_json(), "resume": resume,
                     "moves": [{"kind": m.kind.value, "pipeline": m.pipeline, "stage": m.stage,
                                "src": m.src, "dst": m.dst} for m in decision.moves]}
         self.store.set(plan_key(rec.generation), json.dumps(plan))
@@ -184,8 +239,17 @@ class Coordinator:
                       if plan["action"] != "stop" else {})})
         self.left |= leaving
         if plan["action"] != "stop":
-            # nodes of a dropped pipeline leave the job (there is no standby pool to wait in yet)
-            self.left |= set(self.layout.active_nodes) - set(decision.layout.active_nodes)
+            # nodes of a dropped pipeline leave the job (a standby pool is for joiners)
+            self.left |= (set(self.layout.active_nodes) - set(decision.layout.active_nodes)
+                          - set(decision.layout.standby))
             self.layout = decision.layout
             self.generation = rec.generation + 1
+            for node in list(self.joining):
+                if node in decision.layout.active_nodes:
+                    self.store.set(join_key(node), json.dumps({"generation": rec.generation}))
+                if node in decision.layout.all_nodes:
+                    self.joining.remove(node)
         self.recovery = None
+        if plan["action"] != "stop" and decide(self.layout, set(), []).action not in (
+                Action.KEEP, Action.ADD_PIPELINE):
+            self._request_regroup("the layout can improve further")

@@ -12,6 +12,7 @@ import ctypes
 import json
 import os
 import queue
+import secrets
 import shutil
 import signal
 import subprocess
@@ -142,7 +143,8 @@ class Launcher:
     def __init__(self, prepared: Prepared, out: Path, *, progress: bool = True,
                  stream: TextIO | None = None, faults: list[Fault] | None = None,
                  trace_actions: list[TraceAction] | None = None,
-                 resume: durable.Checkpoint | None = None) -> None:
+                 resume: durable.Checkpoint | None = None,
+                 joins: list[int] | None = None) -> None:
         self.cfg = prepared.cfg
         self.spec = prepared.spec
         self.out = out
@@ -152,6 +154,10 @@ class Launcher:
         self.t0 = time.time()
         self._train_start = self.t0
         self.faults = list(faults or [])
+        self.joins = sorted(joins or [])
+        # every node must present it to join (a node from another job or a stray process
+        # cannot disturb this one); real clusters pass it to their agents
+        self.token = os.environ.get("SPOTPIPE_JOIN_TOKEN") or secrets.token_hex(16)
         self.resume = resume
         self._ckpt_parts: dict[int, dict[int, dict[str, str]]] = {}
         self.checkpoint_root = Path(self.cfg.checkpoint.dir or out / "checkpoints")
@@ -164,12 +170,13 @@ class Launcher:
         (self.out / "run.json").write_text(json.dumps(self.spec.to_json(), indent=1))
 
     def _spawn(self, rank: int, world: int, port: int,
-               inbox: "queue.Queue[tuple[str, Any]]") -> None:
+               inbox: "queue.Queue[tuple[str, Any]]", joining: bool = False) -> None:
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=self.cfg.cluster.host,
                    MASTER_PORT=str(port), SPOTPIPE_RUN_DIR=str(self.out),
                    SPOTPIPE_T0=repr(self.t0), OMP_NUM_THREADS=str(self.cfg.cluster.threads_per_worker),
                    SPOTPIPE_FAULTS=json.dumps([f.to_json() for f in self.faults]),
+                   SPOTPIPE_JOIN="1" if joining else "", SPOTPIPE_JOIN_TOKEN=self.token,
                    SPOTPIPE_RESUME=str(self.resume.path) if self.resume else "",
                    PYTHONPATH=os.pathsep.join(search_path(self.cfg)
                                               + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
@@ -204,8 +211,9 @@ class Launcher:
         nodes = [f"node{r}" for r in range(world)]
         self.coordinator = Coordinator(
             cfg=cfg, store=store, layout=Layout.build(cfg.stages, cfg.pipelines, nodes),
-            kill=self._kill, emit=files.event, now=self._now)
+            kill=self._kill, emit=files.event, now=self._now, token=self.token)
         inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._inbox, self._port = inbox, store.port
         self._watch_mailbox(store.port, inbox)
         bar = self._bar = self._progress_bar()
         status, message = "failed", ""
@@ -243,7 +251,10 @@ class Launcher:
                         break
                     if code != 3:  # 3: stopped by the plan, already accounted for
                         self.coordinator.node_exited(node, code)
-                    if len(exited) == world:
+                    running = [n for n, p in self.procs.items() if n not in exited]
+                    if running and not (set(running) & self.coordinator.live):
+                        self.coordinator.release_standby()  # only standby joiners are left
+                    if len(exited) == len(self.procs):
                         self._drain(inbox, files, errors, store)
                         message = self._completion_problem()
                         if not message:
@@ -345,9 +356,20 @@ class Launcher:
             files.metric(item)
             self._last = item
             self._update_bar(self._bar, item)
+            while self.joins and item["iter"] >= self.joins[0]:
+                self.joins.pop(0)
+                rank = len(self.procs)
+                files.event({"time_s": self._now(), "kind": "node_started",
+                             "node": f"node{rank}", "joining": True})
+                self._spawn(rank, self.cfg.stages * self.cfg.pipelines, self._port, self._inbox,
+                            joining=True)
         elif kind == "event" and item["kind"] == "checkpoint_saved":
             files.event({k: v for k, v in item.items() if k != "checksums"})
             self._checkpoint_saved(item, files)
+        elif kind == "join":
+            files.event({"time_s": item.pop("time_s"), "kind": "join_requested",
+                         "node": item["node"]})
+            self.coordinator.join(item)
         elif kind == "report":
             files.event({"time_s": item.pop("time_s"), "kind": "report", **item})
             item["time_s"] = 0.0
@@ -465,7 +487,8 @@ def check_resume(cfg: Config, path: Path) -> durable.Checkpoint:
 
 def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = True,
           faults: list[Fault] | None = None,
-          trace_actions: list[TraceAction] | None = None, resume: Path | None = None) -> int:
+          trace_actions: list[TraceAction] | None = None, resume: Path | None = None,
+          joins: list[int] | None = None) -> int:
     """Validate, bind the store, then run; raises LaunchError before writing anything."""
     if out.exists() and any(out.iterdir()):
         if not overwrite:
@@ -478,7 +501,7 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     launcher = Launcher(prepared, out, progress=progress, faults=faults,
-                        trace_actions=trace_actions, resume=checkpoint)
+                        trace_actions=trace_actions, resume=checkpoint, joins=joins)
     try:
         return launcher.run(store)
     finally:

@@ -40,6 +40,16 @@ def plan_key(generation: int) -> str:
     return f"spotpipe/gen{generation}/plan"
 
 
+def regroup_key(generation: int) -> str:
+    """Set when the layout should change at the next iteration boundary (a node joined)."""
+    return f"spotpipe/gen{generation}/regroup"
+
+
+def join_key(node: str) -> str:
+    """The coordinator's answer to a joining node: the generation that takes it, or a refusal."""
+    return f"spotpipe/join/{node}"
+
+
 def client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
@@ -62,6 +72,20 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+class KeyWatcher:
+    """Calls `then()` once when `key` appears in the store."""
+
+    def __init__(self, store: dist.TCPStore, key: str, then: Callable[[], None]) -> None:
+        def watch() -> None:
+            try:
+                store.wait([key], timedelta(days=7))
+            except Exception:  # store gone (job over)
+                return
+            then()
+
+        threading.Thread(target=watch, name=f"watch-{key}", daemon=True).start()
 
 
 class AbortWatcher:

@@ -65,7 +65,10 @@ def owned_stages(layout: Layout, node: str) -> list[int]:
 
 
 def held_replica(layout: Layout, node: str) -> int | None:
-    """The stage whose replica `node` holds in this layout (None when it carries two)."""
+    """The stage whose replica `node` holds in this layout (None when it carries two, or is
+    not running a stage)."""
+    if node not in layout.active_nodes:
+        return None
     d = pipeline_of(layout, node)
     stages = owned_stages(layout, node)
     if len(stages) != 1 or layout.num_stages < 2:

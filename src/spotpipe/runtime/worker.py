@@ -13,9 +13,11 @@ in-flight iteration, promote a replica) and starts the next generation under a n
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -28,18 +30,20 @@ from safetensors.torch import save_file
 
 from spotpipe import job
 from spotpipe.cluster.channel import WorkerChannel
-from spotpipe.cluster.membership import (AbortWatcher, Heartbeat, NoticeWatcher, abort_key,
-                                         client, plan_key)
+from spotpipe.cluster.membership import (AbortWatcher, Heartbeat, KeyWatcher, NoticeWatcher,
+                                         abort_key, client, join_key, plan_key, regroup_key)
 from spotpipe.checkpoint import durable
 from spotpipe.config import Config, load_config
 from spotpipe.data import collate
 from spotpipe.model import build_stage
 from spotpipe.plan import Layout
+from spotpipe.runtime import migrate
 from spotpipe.runtime import node as nodelib
 from spotpipe.runtime.comm import AbortSignal, Comm, PeerFailure
 from spotpipe.runtime.digest import DigestLog
 from spotpipe.runtime.executor import Executor, Holding, Microbatches, StageState
 from spotpipe.runtime.faults import Fault, Injector
+from spotpipe.runtime.optim import build_optimizer
 from spotpipe.runtime.replica import ReplicaApplier, ReplicaStage
 
 
@@ -51,6 +55,10 @@ class JobStopped(Exception):
     """The coordinator decided the job cannot go on (e.g. adjacent stages lost)."""
 
 
+class JoinRefused(Exception):
+    """The job refused this node (token, model or configuration differ)."""
+
+
 class Worker:
     def __init__(self, cfg: Config, spec: job.RunSpec, run_dir: Path, node: str,
                  store: dist.TCPStore, t0: float, faults: list[Fault], *, host: str, port: int,
@@ -59,6 +67,7 @@ class Worker:
         variants a benchmark compares) can share one store."""
         self.cfg, self.spec, self.run_dir, self.node = cfg, spec, run_dir, node
         self.namespace = namespace
+        self.host, self.port = host, port
         self.store = store
         self.t0 = t0
         self.channel = WorkerChannel(store, node, t0)
@@ -149,16 +158,26 @@ class Worker:
 
     _recovering = False
 
-    def _form(self) -> None:
-        """Start a generation: groups among the live nodes, the wiring, the stream."""
+    def _open_comm(self) -> Comm:
+        """The generation's process groups among the nodes of the current layout."""
         nodes = sorted(self.layout.active_nodes, key=lambda n: int(n[4:]) if n[4:].isdigit()
                        else n)
+        # each watcher blocks in its own store connection (a waiting client serves no one else);
+        # the previous generation's abort watcher has returned, its regroup watcher may not
         abort = AbortSignal()
         AbortWatcher(self._watch_store, self.generation, abort)
-        comm = Comm(store=self.store, generation=self.generation, nodes=nodes, me=self.node,
+        self.regroup = threading.Event()
+        KeyWatcher(client(self.host, self.port, self.cfg.cluster.timeout_s),
+                   regroup_key(self.generation), self.regroup.set)
+        return Comm(store=self.store, generation=self.generation, nodes=nodes, me=self.node,
                     namespace=self.namespace,
                     stage_members=nodelib.stage_members(self.layout), backend=self.backend,
                     device=self.device, timeout_s=self.cfg.cluster.timeout_s, abort=abort)
+
+    def _form(self, comm: Comm | None = None) -> None:
+        """Start a generation: groups among the live nodes, the wiring, the stream."""
+        comm = comm or self._open_comm()
+        nodes = comm.nodes
         wiring = nodelib.wiring(self.layout, self.node, nodes, self.model, self.spec.partition,
                                 redundancy=self.cfg.redundancy != "none")
         if self.cfg.logging.sample_log and self.layout.num_stages - 1 in self.stages \
@@ -200,12 +219,39 @@ class Worker:
 
     # ------------------------------------------------------------------ training
 
-    def train(self) -> None:
+    def join(self) -> int:
+        """A node arriving in a running job: present the token and the configuration, wait to
+        be placed, receive its state from peers; return the iteration to start at."""
+        self.channel._post({
+            "type": "join", "node": self.node, "time_s": self.channel.now(),
+            "token": os.environ.get("SPOTPIPE_JOIN_TOKEN", ""),
+            "config_digest": self.cfg.digest(), "model_digest": self.cfg.model_digest()})
+        self._recovering = True
+        self.store.wait([join_key(self.node)], timedelta(days=7))
+        answer = json.loads(self.store.get(join_key(self.node)))
+        if "refused" in answer:
+            raise JoinRefused(answer["refused"])
+        if "finished" in answer:
+            return -1
+        g = int(answer["generation"])
+        plan = json.loads(self.store.get(plan_key(g)))
+        self.layout = Layout.from_json(plan["previous_layout"])
+        resume = int(plan["resume"])
+        self.start_iteration = resume
+        return self._apply_plan(plan, resume)
+
+    def train(self, joining: bool = False) -> None:
         cfg = self.cfg
-        self._form()
+        if joining:
+            if self.join() < 0:
+                self.heartbeat.stop()
+                return
+        else:
+            self._form()
         d = nodelib.pipeline_of(self.layout, self.node)
         self.channel.event("worker_ready", pipeline=d, stages=sorted(self.stages),
-                           layers=[list(self.spec.partition[s]) for s in sorted(self.stages)])
+                           layers=[list(self.spec.partition[s]) for s in sorted(self.stages)],
+                           joined=joining)
         t = self.start_iteration
         resumed_at: float | None = None
         while t < cfg.iterations:
@@ -214,7 +260,8 @@ class Worker:
                 self.inject("start", t)
                 t_start = time.perf_counter()
                 lr = ex.set_lr(t)
-                result = ex.run(self.stream, self.batches(t), t, leaving=self.notices.is_set)
+                result = ex.run(self.stream, self.batches(t), t,
+                                leaving=lambda: self.notices.is_set() or self.regroup.is_set())
                 self._report(t, result, lr, time.perf_counter() - t_start)
                 self._checkpoint(t)
                 if resumed_at is not None:
@@ -223,7 +270,8 @@ class Worker:
                     resumed_at = None
                 t += 1
                 if result.leave_requested:
-                    raise Leave("a node received a preemption notice")
+                    raise Leave("the layout changes at this iteration boundary (a notice or a "
+                                "joining node)")
             except (PeerFailure, Leave) as why:
                 t = self.recover(why)
                 if t < 0:
@@ -279,20 +327,72 @@ class Worker:
         if self.node not in new_layout.active_nodes:
             self._finish(left=True)
             return -1
+        return self._apply_plan(plan, resume)
+
+    def _apply_plan(self, plan: dict[str, Any], resume: int) -> int:
+        """Carry out a plan in memory: promote replicas, move stage and replica states peer to
+        peer, then start the new generation."""
         started = time.perf_counter()
+        old, new_layout = self.layout, Layout.from_json(plan["layout"])
+        promoted_nodes = {m["dst"] for m in plan["moves"] if m["kind"] == "promote"}
         promoted = []
         for move in plan["moves"]:
             if move["kind"] == "promote" and move["dst"] == self.node:
                 self._promote(move["stage"], resume)
                 promoted.append(move["stage"])
+        copies = [m for m in plan["moves"] if m["kind"] == "copy"]
+        moves = migrate.transfers(old, new_layout, copies, promoted_nodes)
         self.layout = new_layout
         self.generation = plan["generation"]
-        self._form()
+        comm = self._open_comm()
+        moved = self._migrate(moves, comm, resume)
+        self._form(comm)
         self._recovering = False
-        self.channel.event("takeover" if promoted else "regrouped", generation=self.generation,
-                           stages=sorted(self.stages), promoted=promoted, resume=resume,
+        self.channel.event("takeover" if promoted else ("migrated" if moved else "regrouped"),
+                           generation=self.generation, stages=sorted(self.stages),
+                           promoted=promoted, received=moved, resume=resume,
                            regroup_s=round(time.perf_counter() - started, 6))
         return resume
+
+    def _migrate(self, moves: list[migrate.Transfer], comm: Comm, resume: int) -> list[str]:
+        """This node's part of the state moves; returns what it received."""
+        if not any(self.node in (t.src, t.dst) for t in moves):
+            return []
+        have: dict[tuple[str, int], Any] = {("stage", s): (st.module, st.optimizer)
+                                             for s, st in self.stages.items()}
+        if self.holding is not None:
+            self.holding.applier.drain()
+            have[("replica", self.holding.replica.index)] = (self.holding.replica.module,
+                                                             self.holding.replica.optimizer)
+
+        def build(stage: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+            start, end = self.spec.partition[stage]
+            module = copy.deepcopy(build_stage(self.model, start, end)).to(self.device)
+            return module, build_optimizer(module.parameters(), self.cfg)
+
+        got = migrate.run(moves, self.node, comm, have, build)
+        mine = set(nodelib.owned_stages(self.layout, self.node))
+        for s in [s for s in self.stages if s not in mine]:  # handed over to another node
+            del self.stages[s]
+        for (kind, s), (module, optimizer) in got.items():
+            if kind == "stage":
+                self.stages[s] = nodelib.stage_state_from(self.model, self.spec.partition, s,
+                                                          module, optimizer)
+        want = nodelib.held_replica(self.layout, self.node)
+        if ("replica", want) in got:
+            if self.holding is not None:
+                self.holding.applier.close()
+            module, optimizer = got[("replica", want)]
+            device = self.device if self.cfg.replica.device == "device" else torch.device("cpu")
+            replica = ReplicaStage(want, module.to(device), optimizer, device)
+            applier = ReplicaApplier(replica, self.cfg, self.digests)
+            applier.start_at(resume)
+            d = nodelib.pipeline_of(self.layout, self.node)
+            self.holding = Holding(replica, applier, self.layout.owner(d, want))
+        elif self.holding is not None and want is None:
+            self.holding.applier.close()
+            self.holding = None
+        return [f"{kind} {s}" for kind, s in sorted(got)]
 
     def _promote(self, stage: int, resume: int) -> None:
         """The replica becomes an owned stage: it is already exact, nothing is transferred."""
@@ -343,7 +443,7 @@ def main() -> int:
     rank = int(os.environ["RANK"])
     run_dir = Path(os.environ["SPOTPIPE_RUN_DIR"])
     t0 = float(os.environ.get("SPOTPIPE_T0", time.time()))
-    cfg = load_config(run_dir / "config.yaml")
+    cfg = load_config(os.environ.get("SPOTPIPE_CONFIG") or run_dir / "config.yaml")
     torch.set_num_threads(cfg.cluster.threads_per_worker)
     spec = job.RunSpec.from_json(json.loads((run_dir / "run.json").read_text()))
     faults = [Fault(**f) for f in json.loads(os.environ.get("SPOTPIPE_FAULTS", "[]"))]
@@ -353,7 +453,11 @@ def main() -> int:
     channel = WorkerChannel(store, node, t0)
     try:
         Worker(cfg, spec, run_dir, node, store, t0, faults, host=os.environ["MASTER_ADDR"],
-               port=int(os.environ["MASTER_PORT"])).train()
+               port=int(os.environ["MASTER_PORT"])).train(
+                   joining=os.environ.get("SPOTPIPE_JOIN") == "1")
+    except JoinRefused as exc:
+        print(f"spotpipe: {exc}", file=sys.stderr)
+        return 2
     except JobStopped as exc:
         channel.event("worker_stopped", message=str(exc))
         return 3
