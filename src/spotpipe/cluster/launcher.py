@@ -176,7 +176,8 @@ class Launcher:
                    MASTER_PORT=str(port), SPOTPIPE_RUN_DIR=str(self.out),
                    SPOTPIPE_T0=repr(self.t0), OMP_NUM_THREADS=str(self.cfg.cluster.threads_per_worker),
                    SPOTPIPE_FAULTS=json.dumps([f.to_json() for f in self.faults]),
-                   SPOTPIPE_JOIN="1" if joining else "", SPOTPIPE_JOIN_TOKEN=self.token,
+                   SPOTPIPE_JOIN="1" if joining else "", SPOTPIPE_JOIN_GATED="1" if joining else "",
+                   SPOTPIPE_JOIN_TOKEN=self.token,
                    SPOTPIPE_RESUME=str(self.resume.path) if self.resume else "",
                    PYTHONPATH=os.pathsep.join(search_path(self.cfg)
                                               + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
@@ -213,7 +214,7 @@ class Launcher:
             cfg=cfg, store=store, layout=Layout.build(cfg.stages, cfg.pipelines, nodes),
             kill=self._kill, emit=files.event, now=self._now, token=self.token)
         inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._inbox, self._port = inbox, store.port
+        self._inbox, self._port, self._store = inbox, store.port, store
         self._watch_mailbox(store.port, inbox)
         bar = self._bar = self._progress_bar()
         status, message = "failed", ""
@@ -223,6 +224,11 @@ class Launcher:
         try:
             for rank in range(world):
                 self._spawn(rank, world, store.port, inbox)
+            # joining nodes start now, ready, and ask to join when their iteration comes (a
+            # spot instance that becomes available has booted before it asks)
+            for k, at in enumerate(sorted(self.joins)):
+                self._spawn(world + k, world, store.port, inbox, joining=True)
+            self.joins = [(at, f"node{world + k}") for k, at in enumerate(sorted(self.joins))]
             exited: dict[str, int] = {}
             last_tick = time.time()
             while True:
@@ -254,6 +260,9 @@ class Launcher:
                     running = [n for n, p in self.procs.items() if n not in exited]
                     if running and not (set(running) & self.coordinator.live):
                         self.coordinator.release_standby()  # only standby joiners are left
+                        for _, node in self.joins:  # and joiners whose iteration never came
+                            self._store.set(f"spotpipe/join_gate/{node}", "over")
+                        self.joins = []
                     if len(exited) == len(self.procs):
                         self._drain(inbox, files, errors, store)
                         message = self._completion_problem()
@@ -356,16 +365,11 @@ class Launcher:
             files.metric(item)
             self._last = item
             self._update_bar(self._bar, item)
-            while self.joins and item["iter"] >= self.joins[0]:
-                self.joins.pop(0)
-                rank = len(self.procs)
-                files.event({"time_s": self._now(), "kind": "node_started",
-                             "node": f"node{rank}", "joining": True})
-                self._spawn(rank, self.cfg.stages * self.cfg.pipelines, self._port, self._inbox,
-                            joining=True)
-        elif kind == "event" and item["kind"] == "checkpoint_saved":
-            files.event({k: v for k, v in item.items() if k != "checksums"})
-            self._checkpoint_saved(item, files)
+            while self.joins and item["iter"] >= self.joins[0][0]:
+                at, node = self.joins.pop(0)
+                files.event({"time_s": self._now(), "kind": "node_available", "node": node,
+                             "iteration": item["iter"]})
+                self._store.set(f"spotpipe/join_gate/{node}", str(at))
         elif kind == "join":
             files.event({"time_s": item.pop("time_s"), "kind": "join_requested",
                          "node": item["node"]})

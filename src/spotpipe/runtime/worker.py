@@ -222,6 +222,9 @@ class Worker:
     def join(self) -> int:
         """A node arriving in a running job: present the token and the configuration, wait to
         be placed, receive its state from peers; return the iteration to start at."""
+        gate = f"spotpipe/join_gate/{self.node}"
+        if os.environ.get("SPOTPIPE_JOIN_GATED") == "1":  # started early by the local launcher
+            self.store.wait([gate], timedelta(days=7))
         self.channel._post({
             "type": "join", "node": self.node, "time_s": self.channel.now(),
             "token": os.environ.get("SPOTPIPE_JOIN_TOKEN", ""),
