@@ -13,6 +13,7 @@ import sys
 BENCHES = {
     "failover": "spotpipe.bench.failover",
     "pipeline": "spotpipe.bench.pipeline",
+    "reconfigure": "spotpipe.bench.reconfigure",
     "redundancy": "spotpipe.bench.redundancy",
     "simulator": "spotpipe.bench.simulator",
 }

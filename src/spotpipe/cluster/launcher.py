@@ -370,6 +370,9 @@ class Launcher:
                 files.event({"time_s": self._now(), "kind": "node_available", "node": node,
                              "iteration": item["iter"]})
                 self._store.set(f"spotpipe/join_gate/{node}", str(at))
+        elif kind == "event" and item["kind"] == "checkpoint_saved":
+            files.event({k: v for k, v in item.items() if k != "checksums"})
+            self._checkpoint_saved(item, files)
         elif kind == "join":
             files.event({"time_s": item.pop("time_s"), "kind": "join_requested",
                          "node": item["node"]})

@@ -86,9 +86,11 @@ def run(plan: list[Transfer], me: str, comm: Comm, have: dict[tuple[str, int], A
 
     `have[(kind, stage)]` gives (module, optimizer) for what this node holds now ("stage" for
     owned stages, "replica" for its replica); `build(stage)` makes an empty module and
-    optimizer of a stage. Returns what this node received, by (kind, stage).
+    optimizer of a stage. Returns what this node received, by (kind, stage), and under
+    ("bytes", -1) how many bytes came over the network.
     """
     sends = []
+    bytes_moved = [0]
     for t in plan:
         if t.src == me and t.dst != me:
             module, optimizer = have.get(("stage", t.stage)) or have[("replica", t.stage)]
@@ -112,7 +114,11 @@ def run(plan: list[Transfer], me: str, comm: Comm, have: dict[tuple[str, int], A
             comm.wait(comm.post_recv(flat, t.src, tag(kind, t.stage)))
             unflatten(flat, module, optimizer)
         received[(t.kind, t.stage)] = (module, optimizer)
+        nbytes = sum(p.numel() * p.element_size() for p in module.parameters()) + sum(
+            x.numel() * x.element_size() for x in optimizer_tensors(optimizer))
+        bytes_moved[0] += 0 if t.src == me else nbytes
     for work, _ in sends:
         comm.wait(work)
+    received[("bytes", -1)] = bytes_moved[0]
     return received
 

@@ -354,11 +354,13 @@ class Worker:
         self.channel.event("takeover" if promoted else ("migrated" if moved else "regrouped"),
                            generation=self.generation, stages=sorted(self.stages),
                            promoted=promoted, received=moved, resume=resume,
+                           bytes_received=self.bytes_received,
                            regroup_s=round(time.perf_counter() - started, 6))
         return resume
 
     def _migrate(self, moves: list[migrate.Transfer], comm: Comm, resume: int) -> list[str]:
         """This node's part of the state moves; returns what it received."""
+        self.bytes_received = 0
         if not any(self.node in (t.src, t.dst) for t in moves):
             return []
         have: dict[tuple[str, int], Any] = {("stage", s): (st.module, st.optimizer)
@@ -374,6 +376,7 @@ class Worker:
             return module, build_optimizer(module.parameters(), self.cfg)
 
         got = migrate.run(moves, self.node, comm, have, build)
+        self.bytes_received = got.pop(("bytes", -1))
         mine = set(nodelib.owned_stages(self.layout, self.node))
         for s in [s for s in self.stages if s not in mine]:  # handed over to another node
             del self.stages[s]
