@@ -16,7 +16,6 @@ paths as real failures) and reads the pauses from their events:
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -25,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from spotpipe.runfiles import read_jsonl
 
 REPO_EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "gpt_tiny.yaml"
 BASE = ["--set", "model.gpt.n_layer=4", "--set", "model.gpt.n_embd=64",
@@ -42,8 +43,7 @@ def _train(out: Path, *args: str, check: bool = True) -> subprocess.CompletedPro
     return result
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+_jsonl = read_jsonl
 
 
 def failover_pauses(run: Path) -> list[dict[str, float]]:

@@ -9,7 +9,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+
+from spotpipe.runfiles import read_jsonl
 
 MARKED = {"node_lost": ("tab:red", "lost"), "node_fenced": ("tab:red", "fenced"),
           "notice": ("tab:orange", "notice"), "takeover": ("tab:green", "takeover"),
@@ -23,15 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _read(path: Path) -> list[dict[str, Any]]:
-    out = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not a JSON line ({exc.msg})") from None
-    return out
+_read = read_jsonl
 
 
 def plot_run(run_dir: Path, out: Path) -> Path:

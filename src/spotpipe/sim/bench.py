@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from spotpipe.runfiles import read_jsonl
 from spotpipe.sim.models import ModelCosts, gpt2_1_5b, model_from_arg
 from spotpipe.sim.params import SimConfig, SimParams
 from spotpipe.sim.prices import price_of
@@ -168,19 +169,7 @@ def _trace_from_events(path: Path, nodes: int, end: float) -> Trace:
     return Trace(start + sorted(events, key=lambda e: e.time_s), path.parent.name, end)
 
 
-def _jsonl(path: Path) -> list[dict]:
-    out = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    for lineno, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from None
-    return out
+_jsonl = read_jsonl
 
 
 def _read_json(path: Path) -> dict:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spotpipe.runfiles import read_jsonl
 from spotpipe.sim.itertime import pipeline_time
 from spotpipe.sim.models import ModelCosts
 from spotpipe.sim.params import SimConfig, SimParams
@@ -193,16 +194,4 @@ def _config_value(run_dir: Path, key: str) -> Any:
         return None
 
 
-def _jsonl(path: Path) -> list[dict]:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    out = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from None
-    return out
+_jsonl = read_jsonl
