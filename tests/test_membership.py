@@ -127,3 +127,25 @@ def test_strangers_are_refused_and_the_job_is_undisturbed(tmp_path, tmp_path_fac
                                                       **{**FAST, "iterations": 600}))
     got = load_file(str(run / "final" / "model.safetensors"))
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_trace_additions_join_the_job(tmp_path, tmp_path_factory, corpus):
+    """A replayed trace removes a node, then offers a new one: failover, then a rebalance."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("0,add,a\n0,add,b\n0,add,c\n0,add,d\n500,remove,b\n1500,add,e\n")
+    cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
+                      **{**FAST, "iterations": 300})
+    from spotpipe.cluster.trace_replay import replay_actions
+    from spotpipe.sim.traces import load_trace
+
+    actions = replay_actions(load_trace(trace), [f"node{r}" for r in range(4)], 1.0)
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, trace_actions=actions) == 0
+    plans = [e["action"] for e in events(run) if e["kind"] == "plan"]
+    assert plans == ["failover", "rebalance"]
+    assert any(e["kind"] == "join_accepted" for e in events(run))
+    assert_samples_exactly_once(run, cfg)
+    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=2, pipelines=2,
+                                                      **{**FAST, "iterations": 300}))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -52,6 +52,7 @@ class Coordinator:
         self.generation = 0
         self.dead: set[str] = set()
         self.finished: set[str] = set()  # exited 0 at the end of training
+        self.fenced: set[str] = set()
         self.over = False  # training is over: late joiners are sent home
         self.left: set[str] = set()  # left after a notice, by plan
         self.recovery: Recovery | None = None
@@ -160,6 +161,9 @@ class Coordinator:
     # ------------------------------------------------------------------ agreement
 
     def _fence(self, node: str, why: str) -> None:
+        if node in self.fenced:
+            return  # killed already; its exit is on its way
+        self.fenced.add(node)
         self.emit({"time_s": self.now(), "kind": "node_fenced", "node": node, "reason": why,
                    "generation": self.generation})
         self._progress.pop(node, None)

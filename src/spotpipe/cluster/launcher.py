@@ -215,6 +215,7 @@ class Launcher:
             kill=self._kill, emit=files.event, now=self._now, token=self.token)
         inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._inbox, self._port, self._store = inbox, store.port, store
+        self._exited: dict[str, int] = {}
         self._watch_mailbox(store.port, inbox)
         bar = self._bar = self._progress_bar()
         status, message = "failed", ""
@@ -229,7 +230,7 @@ class Launcher:
             for k, at in enumerate(sorted(self.joins)):
                 self._spawn(world + k, world, store.port, inbox, joining=True)
             self.joins = [(at, f"node{world + k}") for k, at in enumerate(sorted(self.joins))]
-            exited: dict[str, int] = {}
+            exited = self._exited  # Popen.poll() is unreliable while a thread waits on the child
             last_tick = time.time()
             while True:
                 wait = cfg.failover.heartbeat_s
@@ -321,25 +322,46 @@ class Launcher:
 
     def _kill(self, node: str) -> None:
         proc = self.procs.get(node)
-        if proc is not None and proc.poll() is None:
+        if proc is not None and node not in self._exited:
             proc.kill()
 
     def _trace_due(self) -> float:
-        return self._train_start + self.trace_actions[0].at_s
+        return self._trace_due_of(self.trace_actions[0])
+
+    def _trace_due_of(self, action: TraceAction) -> float:
+        return self._train_start + action.at_s
 
     def _fire_trace(self, files: RunFiles) -> None:
         """Carry out the trace's actions that are due (the clock starts at the first metrics)."""
         while self.trace_actions and self._last is not None and time.time() >= self._trace_due():
             action = self.trace_actions.pop(0)
-            files.event({"time_s": self._now(), "kind": "trace_" + action.kind,
-                         "node": action.node or "launcher", "trace_node": action.trace_node})
-            proc = self.procs.get(action.node)
-            if proc is None or proc.poll() is not None or action.kind == "available":
+            if action.kind == "available":
+                files.event({"time_s": self._now(), "kind": "trace_available",
+                             "node": "launcher", "trace_node": action.trace_node})
+                self._trace_join(files)
                 continue
-            if action.kind == "kill":
-                proc.kill()
-            else:
-                proc.send_signal(signal.SIGTERM)
+            proc = self.procs.get(action.node)
+            if proc is None or action.node in self._exited:
+                continue
+            at = self._now()
+            os.kill(proc.pid, signal.SIGKILL if action.kind == "kill" else signal.SIGTERM)
+            files.event({"time_s": at, "kind": "trace_" + action.kind, "node": action.node,
+                         "trace_node": action.trace_node, "due_s": round(
+                             self._trace_due_of(action) - self.t0, 6)})
+
+    def _trace_join(self, files: RunFiles) -> None:
+        """A trace adds a spot instance: start a node that joins at once, while the job runs
+        on fewer nodes than it started with (the local machine is not grown beyond that)."""
+        world = self.cfg.stages * self.cfg.pipelines
+        running = [n for n in self.procs if n not in self._exited]
+        if len(running) >= world or self.coordinator.over:
+            return
+        rank = len(self.procs)
+        node = f"node{rank}"
+        files.event({"time_s": self._now(), "kind": "node_started", "node": node,
+                     "joining": True, "reason": "trace"})
+        self._store.set(f"spotpipe/join_gate/{node}", "trace")
+        self._spawn(rank, world, self._port, self._inbox, joining=True)
 
     def _now(self) -> float:
         return round(time.time() - self.t0, 6)

@@ -23,6 +23,10 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
                          + (f", {ev['phase']}" if ev.get("phase", "start") != "start" else ""))
         elif kind in ("trace_kill", "trace_notice"):
             lines.append(f"{at}  {node}: preempted by the trace ({ev['trace_node']})")
+        elif kind == "join_accepted":
+            lines.append(f"{at}  {node}: joins the job")
+        elif kind == "join_refused":
+            lines.append(f"{at}  {node}: refused ({ev['reason']})")
         elif kind == "node_lost":
             lines.append(f"{at}  {node}: lost (exit code {ev['returncode']})")
         elif kind == "node_fenced":
@@ -34,7 +38,10 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
                 lines.append(f"{at}  plan: stop. {ev['message']}")
                 continue
             moves = [f"{m['dst']} takes over stage {m['stage']} of pipeline {m['pipeline']} "
-                     "from its replica" for m in ev.get("moves", []) if m["kind"] == "promote"]
+                     "from its replica" if m["kind"] == "promote" else
+                     f"{m['dst']} receives stage {m['stage']} of pipeline {m['pipeline']} "
+                     f"from {m['src']}" for m in ev.get("moves", [])
+                     if m["kind"] in ("promote", "copy")]
             lines.append(f"{at}  plan for generation {ev['generation']}: {ev['action']}; "
                          + ("; ".join(moves) or "no stage moves")
                          + f"; resume at iteration {ev['resume']}")
