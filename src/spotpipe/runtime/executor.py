@@ -117,6 +117,7 @@ class Executor:
         self.committed_through = -1
         self.stepped_through = -1
         self._replica_recv: tuple[Any, torch.Tensor] | None = None
+        self._flags_gathered: bool | None = None
         self._replica_sends: list[tuple[Any, torch.Tensor]] = []
 
     def _local(self, stage: int) -> bool:
@@ -199,7 +200,7 @@ class Executor:
                 self.frc_outputs[mb] = out.to("cpu") if self.cfg.replica.offload_frc else out
             elif op == Op.ALL_REDUCE:
                 self.comm.wait_sends()
-                grad_norm = self.reduce_gradients()
+                grad_norm = self.reduce_gradients(leaving())
                 self._post_replication(iteration)
             elif op == Op.OPTIMIZER_STEP:
                 self._confirm_replication()
@@ -210,6 +211,8 @@ class Executor:
                         "samples": [list(i) for i in batches.indices]}) + "\n")
                     self.sample_log.flush()
                 leave = self._commit(iteration, leaving())
+                if self._flags_gathered is not None:
+                    leave = leave or self._flags_gathered
                 self.hook("optimizer", iteration)
                 self.step(iteration)
             else:
@@ -219,7 +222,14 @@ class Executor:
     # ------------------------------------------------------------------ commit and step
 
     def _commit(self, iteration: int, leaving: bool) -> bool:
-        """Every node holds final gradients (and its replica's) for `iteration`: commit."""
+        """Every node holds final gradients (and its replica's) for `iteration`: commit.
+
+        Without redundancy there is no replica to wait for, and the gradient-norm all-gather
+        that every node just took part in already says that everyone holds final gradients;
+        the flags rode on it, so no second collective runs."""
+        if self._flags_gathered is not None:
+            self.committed_through = iteration
+            return False
         flag = torch.tensor([1.0 if leaving else 0.0], device=self.comm.device)
         self.comm.all_reduce(flag)
         self.committed_through = iteration
@@ -305,7 +315,7 @@ class Executor:
 
     # ------------------------------------------------------------------ gradient reduction
 
-    def reduce_gradients(self) -> float:
+    def reduce_gradients(self, leaving: bool = False) -> float:
         """Data-parallel sum, tied-weight sum, then clipping by the global norm.
 
         The loss was divided by M * D, so a plain sum over pipelines gives the mean. With one
@@ -326,9 +336,13 @@ class Executor:
             like = self.stages[s].params[0] if self.stages[s].params else torch.zeros(1)
             mine.append(gradlib.local_norms([p.grad for p in self.stages[s].norm_params], like))
         vector = torch.cat(mine) if mine else torch.zeros(0)
-        padded = torch.zeros(self.w.norm_width, dtype=torch.float32, device=self.comm.device)
+        # one slot more than the norms: this node's leave/regroup flag (see _commit)
+        padded = torch.zeros(self.w.norm_width + 1, dtype=torch.float32, device=self.comm.device)
         padded[: vector.numel()] = vector
+        padded[-1] = 1.0 if leaving else 0.0
         gathered = self.comm.all_gather(padded)
+        self._flags_gathered = (any(float(g[-1]) > 0 for g in gathered)
+                                if self.cfg.redundancy == "none" else None)
         everything = torch.cat([gathered[rank][offset: offset + count]
                                 for rank, offset, count in self.w.norm_segments])
         total = gradlib.total_norm(everything)
