@@ -26,6 +26,10 @@ class ConfigError(ValueError):
 
 @dataclass
 class GPTSection:
+    """The `model.gpt` keys: the fields of spotpipe.model.GPTConfig, repeated here so that a
+    configuration can be read and checked without importing torch (the CLI checks it before
+    anything starts); job.build_model passes them over field by field."""
+
     vocab_size: int = 256
     block_size: int = 64
     n_layer: int = 4

@@ -7,6 +7,7 @@ partition (which may come from noisy profiling) is decided once and handed to ev
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,11 +20,7 @@ from spotpipe.model import GPTConfig, LayeredModel, build_gpt, build_user_model,
 
 def build_model(cfg: Config) -> LayeredModel:
     if cfg.model.kind == "gpt":
-        g = cfg.model.gpt
-        return build_gpt(GPTConfig(vocab_size=g.vocab_size, block_size=g.block_size,
-                                   n_layer=g.n_layer, n_head=g.n_head, n_embd=g.n_embd,
-                                   dropout=g.dropout, bias=g.bias,
-                                   tie_embeddings=g.tie_embeddings), seed=cfg.seed)
+        return build_gpt(GPTConfig(**dataclasses.asdict(cfg.model.gpt)), seed=cfg.seed)
     return build_user_model(cfg.model.factory, dict(cfg.model.factory_kwargs), seed=cfg.seed)
 
 
