@@ -156,7 +156,7 @@ def resolve(path: Path) -> tuple[Checkpoint, list[str]]:
 def load_stage(ckpt: Checkpoint, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Fill `module` (layers `layers` of the model) and its optimizer from the checkpoint,
     reading from every old stage folder that holds some of those layers."""
-    wanted = stage_tensors(module, _materialised(module, optimizer))
+    wanted = stage_tensors(module, materialise_optimizer_state(module, optimizer))
     for old, (start, end) in enumerate(ckpt.partition):
         keys = {k: v for k, v in wanted.items()
                 if start <= int(k.split("/")[-2 if k.startswith("optim/") else 0].split(".")[0])
@@ -170,7 +170,8 @@ def load_stage(ckpt: Checkpoint, module: nn.Module, optimizer: torch.optim.Optim
                 keys[k].copy_(v)
 
 
-def _materialised(module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def materialise_optimizer_state(module: nn.Module,
+                                optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Give every parameter its optimizer state (zeros), so loading has tensors to fill."""
     for group in optimizer.param_groups:
         for p in group["params"]:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from spotpipe.checkpoint.durable import _materialised
+from spotpipe.checkpoint.durable import materialise_optimizer_state
 from spotpipe.plan import Layout
 from spotpipe.runtime.comm import Comm, tag
 from spotpipe.runtime.digest import optimizer_tensors
@@ -59,7 +59,7 @@ def transfers(old: Layout, new: Layout, copies: list[dict[str, Any]],
 
 def flatten(module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
     params = list(module.parameters())
-    _materialised(module, optimizer)
+    materialise_optimizer_state(module, optimizer)
     return torch.cat([p.detach().reshape(-1) for p in params]
                      + [t.detach().reshape(-1).to(params[0].dtype)
                         for t in optimizer_tensors(optimizer)])
@@ -68,7 +68,7 @@ def flatten(module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor
 def unflatten(flat: torch.Tensor, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load what `flatten` produced on another node into a module and optimizer of the
     same structure (the optimizer state is created first, so the layouts agree)."""
-    _materialised(module, optimizer)
+    materialise_optimizer_state(module, optimizer)
     targets = [p for p in module.parameters()] + optimizer_tensors(optimizer)
     offset = 0
     with torch.no_grad():
@@ -106,7 +106,7 @@ def run(plan: list[Transfer], me: str, comm: Comm, have: dict[tuple[str, int], A
             src_module, src_optimizer = have.get(("stage", t.stage)) or have[("replica", t.stage)]
             unflatten(flatten(src_module, src_optimizer), module, optimizer)
         else:
-            _materialised(module, optimizer)
+            materialise_optimizer_state(module, optimizer)
             size = sum(p.numel() for p in module.parameters()) + sum(
                 x.numel() for x in optimizer_tensors(optimizer))
             flat = torch.empty(size, device=comm.device)
