@@ -37,3 +37,19 @@ def tiny_config(corpus: Path, **overrides) -> Config:
 @pytest.fixture(autouse=True)
 def _quiet_env(monkeypatch):
     monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"))
+
+
+@pytest.fixture
+def etcd(tmp_path_factory):
+    """An etcd server on loopback (free ports, a temporary data directory), stopped after the
+    test. Skipped only when the etcd binary is missing (.ci/run installs it)."""
+    import shutil
+
+    from etcd_server import EtcdServer
+
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data")
+    server.start()
+    yield server
+    server.stop()

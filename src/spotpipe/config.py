@@ -119,6 +119,8 @@ class ClusterSection:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_s: float = 120.0  # store and collective timeout
     threads_per_worker: int = 1  # torch intra-op threads in each worker
+    store: Literal["tcp", "etcd"] = "tcp"  # tcp: embedded TCPStore; etcd: an etcd server
+    etcd_endpoint: str = ""  # host:port of etcd's client URL, when store is etcd
 
 
 @dataclass
@@ -306,6 +308,20 @@ def _check(cfg: Config) -> None:
     if cfg.cluster.timeout_s <= 0:
         raise ConfigError(f"cluster.timeout_s: expected a positive number, got "
                           f"{cfg.cluster.timeout_s}")
+    if cfg.cluster.store == "etcd":
+        try:
+            parse_endpoint(cfg.cluster.etcd_endpoint)
+        except ValueError as exc:
+            raise ConfigError(f"cluster.etcd_endpoint: {exc} (required when cluster.store is "
+                              "etcd)") from None
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """'host:port' -> (host, port); ValueError saying what is wrong otherwise."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port (e.g. 127.0.0.1:2379), got {text!r}")
+    return host.strip("[]"), int(port)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -192,6 +192,7 @@ def bench_worker(cfg: Any, rank: int, run_dir: Any, *, namespace: str) -> Any:
 
     from spotpipe import job
     from spotpipe.model import partition
+    from spotpipe.cluster.store import StoreAddress
     from spotpipe.runtime.worker import Worker
 
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -200,8 +201,8 @@ def bench_worker(cfg: Any, rank: int, run_dir: Any, *, namespace: str) -> Any:
     model = job.build_model(cfg)
     ranges = [(int(a), int(e)) for a, e in partition(model, cfg.stages, cfg.model.partition)]
     spec = job.RunSpec(ranges, cfg.global_batch)
-    worker = Worker(cfg, spec, run_dir, f"node{rank}", store, time.time(), [], host=host,
-                    port=port, namespace=namespace)
+    worker = Worker(cfg, spec, run_dir, f"node{rank}", store, time.time(), [],
+                    address=StoreAddress("tcp", host, port), namespace=namespace)
     worker.heartbeat.stop()
     worker._form()
     return worker

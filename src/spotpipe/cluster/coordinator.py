@@ -38,7 +38,7 @@ class Recovery:
 
 
 class Coordinator:
-    def __init__(self, *, cfg: Config, store: dist.TCPStore, layout: Layout,
+    def __init__(self, *, cfg: Config, store: dist.Store, layout: Layout,
                  kill: Callable[[str], None], emit: Callable[[dict[str, Any]], None],
                  now: Callable[[], float], token: str = "") -> None:
         self.cfg = cfg
@@ -59,6 +59,7 @@ class Coordinator:
         self.stop_message: str | None = None
         self._progress: dict[str, tuple[Any, float]] = {}  # node -> (progress, since)
         self.pauses: list[dict[str, Any]] = []
+        self._grace_until = 0.0  # no fencing before this time (the store was away)
 
     @property
     def live(self) -> set[str]:
@@ -134,13 +135,25 @@ class Coordinator:
 
     def tick(self) -> None:
         """Heartbeat check: fence nodes that stopped beating or stopped making progress."""
+        before = time.time()
+        self.store.check([HEARTBEATS])  # blocks while the store is away (etcd restarting)
         now = time.time()
+        if now - before > self.cfg.failover.heartbeat_s:
+            # the store was unreachable: beats and progress could not be written meanwhile,
+            # which says nothing about the nodes; judge them afresh from now on
+            self._grace_until = now + self.cfg.failover.heartbeat_timeout_s
+            self.emit({"time_s": self.now(), "kind": "store_stalled", "node": "launcher",
+                       "stalled_s": round(now - before, 3)})
+        grace = now < self._grace_until
         for node in sorted(self.live):
             key = f"{HEARTBEATS}/{node}"
             if not self.store.check([key]):
                 continue
             beat = json.loads(self.store.get(key))
             age = now - beat.pop("t")
+            if grace:
+                self._progress.pop(node, None)
+                continue
             if age > self.cfg.failover.heartbeat_timeout_s:
                 self._fence(node, f"no heartbeat for {age:.1f} s")
                 continue

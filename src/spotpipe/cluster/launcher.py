@@ -29,7 +29,8 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from spotpipe.checkpoint import durable
-from spotpipe.config import Config
+from spotpipe.config import Config, parse_endpoint
+from spotpipe.cluster.store import StoreAddress, job_prefix
 from spotpipe.cluster.channel import MAILBOX, WorkerChannel, read_mailbox
 from spotpipe.cluster.coordinator import Coordinator
 from spotpipe.cluster.trace_replay import Action as TraceAction
@@ -89,15 +90,30 @@ def prepare(cfg: Config) -> Prepared:
     return Prepared(cfg, job.RunSpec(partition, len(dataset)))
 
 
-def bind_store(cfg: Config) -> dist.TCPStore:
+def bind_store(cfg: Config, job_id: str) -> tuple[dist.Store, StoreAddress]:
+    """The job's store and its address: an embedded TCPStore hosted by this process, or a
+    connection to the configured etcd (keys under the job's own prefix)."""
+    timeout = timedelta(seconds=cfg.cluster.timeout_s)
+    if cfg.cluster.store == "etcd":
+        from spotpipe.cluster.etcd_store import EtcdStore, EtcdStoreError
+
+        host, port = parse_endpoint(cfg.cluster.etcd_endpoint)
+        address = StoreAddress("etcd", host, port, job_prefix(job_id))
+        # a launch fails fast when etcd is not there; a running job waits out restarts
+        store = EtcdStore(host, port, address.prefix, timeout=timeout, reconnect_s=5.0)
+        try:
+            store.reachable()
+        except EtcdStoreError as exc:
+            raise LaunchError(f"cluster.etcd_endpoint: {exc}") from None
+        return EtcdStore(host, port, address.prefix, timeout=timeout), address
     try:
-        return dist.TCPStore(cfg.cluster.host, cfg.cluster.port, is_master=True,
-                             wait_for_workers=False,
-                             timeout=timedelta(seconds=cfg.cluster.timeout_s))
+        store = dist.TCPStore(cfg.cluster.host, cfg.cluster.port, is_master=True,
+                              wait_for_workers=False, timeout=timeout)
     except Exception as exc:
         raise LaunchError(f"cluster.port: cannot start the store on {cfg.cluster.host}:"
                           f"{cfg.cluster.port} ({exc}); the port may be taken: choose another "
                           "or 0 for a free one") from None
+    return store, StoreAddress("tcp", cfg.cluster.host, store.port)
 
 
 def _die_with_parent() -> None:
@@ -169,11 +185,10 @@ class Launcher:
         (self.out / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
         (self.out / "run.json").write_text(json.dumps(self.spec.to_json(), indent=1))
 
-    def _spawn(self, rank: int, world: int, port: int,
+    def _spawn(self, rank: int, world: int, address: StoreAddress,
                inbox: "queue.Queue[tuple[str, Any]]", joining: bool = False) -> None:
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=self.cfg.cluster.host,
-                   MASTER_PORT=str(port), SPOTPIPE_RUN_DIR=str(self.out),
+                   LOCAL_WORLD_SIZE=str(world), **address.env(), SPOTPIPE_RUN_DIR=str(self.out),
                    SPOTPIPE_T0=repr(self.t0), OMP_NUM_THREADS=str(self.cfg.cluster.threads_per_worker),
                    SPOTPIPE_FAULTS=json.dumps([f.to_json() for f in self.faults]),
                    SPOTPIPE_JOIN="1" if joining else "", SPOTPIPE_JOIN_GATED="1" if joining else "",
@@ -193,7 +208,7 @@ class Launcher:
 
     # ------------------------------------------------------------------ run
 
-    def run(self, store: dist.TCPStore) -> int:
+    def run(self, store: dist.Store, address: StoreAddress) -> int:
         cfg = self.cfg
         world = cfg.stages * cfg.pipelines
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
@@ -205,7 +220,9 @@ class Launcher:
             files.tensorboard = SummaryWriter(str(self.out / "tensorboard"))
         files.event({"time_s": 0.0, "kind": "launch", "node": "launcher", "stages": cfg.stages,
                      "pipelines": cfg.pipelines, "partition": self.spec.partition,
-                     "redundancy": cfg.redundancy, "store": f"{cfg.cluster.host}:{store.port}",
+                     "redundancy": cfg.redundancy, "store": f"{address.host}:{address.port}",
+                     "store_kind": address.kind,
+                     **({"store_prefix": address.prefix} if address.prefix else {}),
                      "faults": [f.to_json() for f in self.faults], "t0": self.t0,
                      **({"resumed_from": str(self.resume.path),
                          "start_iteration": self.resume.next_iteration} if self.resume else {})})
@@ -214,9 +231,9 @@ class Launcher:
             cfg=cfg, store=store, layout=Layout.build(cfg.stages, cfg.pipelines, nodes),
             kill=self._kill, emit=files.event, now=self._now, token=self.token)
         inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._inbox, self._port, self._store = inbox, store.port, store
+        self._inbox, self._address, self._store = inbox, address, store
         self._exited: dict[str, int] = {}
-        self._watch_mailbox(store.port, inbox)
+        self._watch_mailbox(address, inbox)
         bar = self._bar = self._progress_bar()
         status, message = "failed", ""
         self._last: dict[str, Any] | None = None
@@ -224,11 +241,11 @@ class Launcher:
         errors: dict[str, str] = {}
         try:
             for rank in range(world):
-                self._spawn(rank, world, store.port, inbox)
+                self._spawn(rank, world, address, inbox)
             # joining nodes start now, ready, and ask to join when their iteration comes (a
             # spot instance that becomes available has booted before it asks)
             for k, at in enumerate(sorted(self.joins)):
-                self._spawn(world + k, world, store.port, inbox, joining=True)
+                self._spawn(world + k, world, address, inbox, joining=True)
             self.joins = [(at, f"node{world + k}") for k, at in enumerate(sorted(self.joins))]
             exited = self._exited  # Popen.poll() is unreliable while a thread waits on the child
             last_tick = time.time()
@@ -361,13 +378,13 @@ class Launcher:
         files.event({"time_s": self._now(), "kind": "node_started", "node": node,
                      "joining": True, "reason": "trace"})
         self._store.set(f"spotpipe/join_gate/{node}", "trace")
-        self._spawn(rank, world, self._port, self._inbox, joining=True)
+        self._spawn(rank, world, self._address, self._inbox, joining=True)
 
     def _now(self) -> float:
         return round(time.time() - self.t0, 6)
 
     def _drain(self, inbox: "queue.Queue[tuple[str, Any]]", files: RunFiles,
-               errors: dict[str, str], store: dist.TCPStore) -> None:
+               errors: dict[str, str], store: dist.Store) -> None:
         """Write every record posted so far: a worker posts its last record before it exits,
         so once it has exited, the store's mailbox count says how many records to wait for."""
         posted = store.add(f"{MAILBOX}/count", 0)
@@ -408,9 +425,9 @@ class Launcher:
             if item["kind"] == "worker_error":
                 errors[item["node"]] = item["message"]
 
-    def _watch_mailbox(self, port: int, inbox: "queue.Queue[tuple[str, Any]]") -> None:
-        client = dist.TCPStore(self.cfg.cluster.host, port, is_master=False,
-                               timeout=timedelta(seconds=self.cfg.cluster.timeout_s))
+    def _watch_mailbox(self, address: StoreAddress,
+                       inbox: "queue.Queue[tuple[str, Any]]") -> None:
+        client = address.connect(self.cfg.cluster.timeout_s)
 
         def pump() -> None:
             try:
@@ -424,7 +441,7 @@ class Launcher:
         self._pump = threading.Thread(target=pump, name="mailbox", daemon=True)
         self._pump.start()
 
-    def _close_mailbox(self, store: dist.TCPStore) -> None:
+    def _close_mailbox(self, store: dist.Store) -> None:
         """Post the closing record, so the reader thread leaves its blocking wait and ends
         before the interpreter does (a thread inside a store call at exit aborts the process)."""
         WorkerChannel(store, "launcher", self.t0)._post({"type": "close"})
@@ -525,15 +542,21 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
                               "to replace it")
     prepared = prepare(cfg)
     checkpoint = check_resume(cfg, resume) if resume is not None else None
-    store = bind_store(cfg)
+    job_id = secrets.token_hex(8)
+    store, address = bind_store(cfg, job_id)
     if out.exists() and overwrite:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     launcher = Launcher(prepared, out, progress=progress, faults=faults,
                         trace_actions=trace_actions, resume=checkpoint, joins=joins)
     try:
-        return launcher.run(store)
+        return launcher.run(store, address)
     finally:
+        if address.kind == "etcd":  # the job is over: its keys go (other jobs keep theirs)
+            from spotpipe.cluster.etcd_store import EtcdStore
+
+            if isinstance(store, EtcdStore):
+                store.delete_prefix()
         # the store's listening port must be free when train() returns: drop every reference
         # (the coordinator and the launcher refer to each other) so the server shuts down now
         launcher.coordinator = None

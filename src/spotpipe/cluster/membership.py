@@ -27,6 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from spotpipe.cluster.store import StoreAddress
 from spotpipe.runtime.comm import AbortSignal
 
 HEARTBEATS = "spotpipe/hb"
@@ -50,12 +51,13 @@ def join_key(node: str) -> str:
     return f"spotpipe/join/{node}"
 
 
-def client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+def client(address: StoreAddress, timeout_s: float) -> dist.Store:
+    """A connection of its own (for a thread that blocks in `wait`)."""
+    return address.connect(timeout_s)
 
 
 class Heartbeat:
-    def __init__(self, store: dist.TCPStore, node: str, interval_s: float,
+    def __init__(self, store: dist.Store, node: str, interval_s: float,
                  progress: Callable[[], dict[str, Any]]) -> None:
         self.store, self.node, self.interval_s, self.progress = store, node, interval_s, progress
         self._stop = threading.Event()
@@ -77,7 +79,7 @@ class Heartbeat:
 class KeyWatcher:
     """Calls `then()` once when `key` appears in the store."""
 
-    def __init__(self, store: dist.TCPStore, key: str, then: Callable[[], None]) -> None:
+    def __init__(self, store: dist.Store, key: str, then: Callable[[], None]) -> None:
         def watch() -> None:
             try:
                 store.wait([key], timedelta(days=7))
@@ -91,7 +93,7 @@ class KeyWatcher:
 class AbortWatcher:
     """Triggers `abort` when the generation's abort key appears in the store."""
 
-    def __init__(self, store: dist.TCPStore, generation: int, abort: AbortSignal) -> None:
+    def __init__(self, store: dist.Store, generation: int, abort: AbortSignal) -> None:
         def watch() -> None:
             try:
                 store.wait([abort_key(generation)], timedelta(days=7))

@@ -33,6 +33,7 @@ from spotpipe.cluster.channel import WorkerChannel
 from spotpipe.cluster.membership import (AbortWatcher, Heartbeat, KeyWatcher, NoticeWatcher,
                                          abort_key, client, join_key, plan_key, regroup_key)
 from spotpipe.checkpoint import durable
+from spotpipe.cluster.store import StoreAddress
 from spotpipe.config import Config, load_config
 from spotpipe.data import collate
 from spotpipe.model import build_stage
@@ -61,13 +62,13 @@ class JoinRefused(Exception):
 
 class Worker:
     def __init__(self, cfg: Config, spec: job.RunSpec, run_dir: Path, node: str,
-                 store: dist.TCPStore, t0: float, faults: list[Fault], *, host: str, port: int,
+                 store: dist.Store, t0: float, faults: list[Fault], *, address: StoreAddress,
                  namespace: str = "spotpipe") -> None:
         """`namespace` prefixes this job's keys in the store, so that several jobs (e.g. the
         variants a benchmark compares) can share one store."""
         self.cfg, self.spec, self.run_dir, self.node = cfg, spec, run_dir, node
         self.namespace = namespace
-        self.host, self.port = host, port
+        self.address = address
         self.store = store
         self.t0 = t0
         self.channel = WorkerChannel(store, node, t0)
@@ -102,9 +103,9 @@ class Worker:
                                      on_notice=lambda src: self.channel.event("notice",
                                                                               source=src))
         timeout = cfg.cluster.timeout_s
-        self._watch_store = client(host, port, timeout)
+        self._watch_store = client(address, timeout)
         self.executor: Executor | None = None
-        self.heartbeat = Heartbeat(client(host, port, timeout), node, cfg.failover.heartbeat_s,
+        self.heartbeat = Heartbeat(client(address, timeout), node, cfg.failover.heartbeat_s,
                                    self._progress)
 
     # ------------------------------------------------------------------ state
@@ -167,7 +168,7 @@ class Worker:
         abort = AbortSignal()
         AbortWatcher(self._watch_store, self.generation, abort)
         self.regroup = threading.Event()
-        KeyWatcher(client(self.host, self.port, self.cfg.cluster.timeout_s),
+        KeyWatcher(client(self.address, self.cfg.cluster.timeout_s),
                    regroup_key(self.generation), self.regroup.set)
         return Comm(store=self.store, generation=self.generation, nodes=nodes, me=self.node,
                     namespace=self.namespace,
@@ -453,13 +454,12 @@ def main() -> int:
     torch.set_num_threads(cfg.cluster.threads_per_worker)
     spec = job.RunSpec.from_json(json.loads((run_dir / "run.json").read_text()))
     faults = [Fault(**f) for f in json.loads(os.environ.get("SPOTPIPE_FAULTS", "[]"))]
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timedelta(seconds=cfg.cluster.timeout_s))
+    address = StoreAddress.from_env()
+    store = address.connect(cfg.cluster.timeout_s)
     node = f"node{rank}"
     channel = WorkerChannel(store, node, t0)
     try:
-        Worker(cfg, spec, run_dir, node, store, t0, faults, host=os.environ["MASTER_ADDR"],
-               port=int(os.environ["MASTER_PORT"])).train(
+        Worker(cfg, spec, run_dir, node, store, t0, faults, address=address).train(
                    joining=os.environ.get("SPOTPIPE_JOIN") == "1")
     except JoinRefused as exc:
         print(f"spotpipe: {exc}", file=sys.stderr)

@@ -1,0 +1,263 @@
+"""A c10d Store on etcd's v3 API, for jobs whose nodes are on several hosts.
+
+Why not torch's own `torch.distributed.elastic.rendezvous.etcd_store.EtcdStore`: it speaks
+etcd's v2 API through python-etcd (unmaintained since 2017; v2 is off by default in etcd 3.4
+and removed in 3.6), reads the job's whole key directory on every `get`/`wait` (the mailbox and
+the per-generation process groups write thousands of keys), has no `delete_key` (the mailbox
+deletes what it has read) nor `compare_set` (the agents elect their coordinator with it), and
+gives up on the first connection error. This store is a Python subclass of
+`torch.distributed.Store` (which ProcessGroupGloo, ProcessGroupNCCL and PrefixStore accept like
+any C++ store, as long as the Python object stays referenced while they use it) over etcd3gw, the maintained client of etcd's v3 HTTP gateway (OpenStack).
+
+Every key lives under the job's prefix, so several jobs share one etcd. Blocking waits use etcd
+watches (no polling). On a connection error (etcd restarting, a leader change) every call
+retries with backoff until a bounded deadline (`reconnect_s`), then raises; etcd keeps its data
+directory, so a restarted server has every key, and a watch resumes from the revision it saw.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import requests
+import torch.distributed as dist
+from etcd3gw import exceptions as etcd_errors
+from etcd3gw.client import Etcd3Client
+from etcd3gw.utils import _decode, _encode, _increment_last_byte
+
+T = TypeVar("T")
+
+# Errors that mean "etcd is not reachable right now", worth retrying until the deadline.
+_RETRYABLE = (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError,
+              etcd_errors.InternalServerError, requests.exceptions.ConnectionError,
+              requests.exceptions.Timeout, requests.exceptions.ChunkedEncodingError)
+
+_WATCH_SLICE_S = 10.0  # a long wait re-checks its keys this often (covers a lost watch)
+
+
+class EtcdStoreError(RuntimeError):
+    """etcd stayed unreachable past the reconnect deadline, or answered nonsense."""
+
+
+class EtcdStore(dist.Store):
+    def __init__(self, host: str, port: int, prefix: str, *, timeout: timedelta,
+                 reconnect_s: float | None = None) -> None:
+        super().__init__()  # the pybind trampoline needs it
+        self.host, self.port = host, port
+        self.prefix = prefix.rstrip("/") + "/"
+        self.set_timeout(timeout)
+        self.reconnect_s = timeout.total_seconds() if reconnect_s is None else reconnect_s
+        # a requests.Session per thread: sessions are not thread-safe, and gloo, heartbeat and
+        # watcher threads may share one store object
+        self._local = threading.local()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _client(self) -> Etcd3Client:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            # api_path fixed: etcd >= 3.4 serves /v3/, and discovery would cost a request
+            client = Etcd3Client(host=self.host, port=self.port, timeout=30, api_path="/v3/")
+            self._local.client = client
+        return client
+
+    def _key(self, key: str | bytes) -> bytes:
+        return self.prefix.encode() + (key if isinstance(key, bytes) else key.encode())
+
+    def _retry(self, what: str, call: Callable[[], T]) -> T:
+        """Run `call`, retrying connection errors with backoff until the reconnect deadline."""
+        deadline = time.monotonic() + self.reconnect_s
+        delay = 0.05
+        while True:
+            try:
+                return call()
+            except _RETRYABLE as exc:
+                if time.monotonic() + delay > deadline:
+                    raise EtcdStoreError(
+                        f"etcd at {self.host}:{self.port} unreachable for {self.reconnect_s:.0f}"
+                        f" s ({what}): {exc}") from None
+                self._local.client = None  # a fresh connection after the server came back
+                time.sleep(delay)  # backoff between reconnection attempts, not a sync point
+                delay = min(delay * 2, 1.0)
+
+    def _txn(self, txn: dict[str, Any]) -> dict[str, Any]:
+        return self._client().transaction(txn)
+
+    def _range(self, keys: Sequence[bytes]) -> tuple[int, dict[bytes, bytes]]:
+        """The store's revision and the values of those of `keys` that exist (one request)."""
+        reply = self._retry("get", lambda: self._txn({"compare": [], "success": [
+            {"request_range": {"key": _encode(k)}} for k in keys], "failure": []}))
+        found: dict[bytes, bytes] = {}
+        for response in reply.get("responses", []):
+            for kv in response.get("response_range", {}).get("kvs", []):
+                found[_decode(kv["key"])] = _decode(kv.get("value", ""))
+        return int(reply["header"]["revision"]), found
+
+    # ------------------------------------------------------------------ c10d Store
+
+    def set(self, key: str, value: str | bytes) -> None:
+        data = value.encode() if isinstance(value, str) else value
+        self._retry("set", lambda: self._client().put(self._key(key), data))
+
+    def get(self, key: str) -> bytes:
+        k = self._key(key)
+        _, found = self._range([k])
+        if k not in found:
+            self._wait([k], self.timeout)
+            _, found = self._range([k])
+        return found[k]
+
+    def check(self, keys: list[str]) -> bool:
+        wanted = [self._key(k) for k in keys]
+        _, found = self._range(wanted)
+        return all(k in found for k in wanted)
+
+    def delete_key(self, key: str) -> bool:
+        k = self._key(key)
+        reply = self._retry("delete", lambda: self._client().post(
+            self._client().get_url("/kv/deleterange"), json={"key": _encode(k)}))
+        return int(reply.get("deleted", 0)) > 0
+
+    def num_keys(self) -> int:
+        start = self.prefix.encode()
+        reply = self._retry("num_keys", lambda: self._client().post(
+            self._client().get_url("/kv/range"),
+            json={"key": _encode(start), "range_end": _encode(_increment_last_byte(start)),
+                  "count_only": True}))
+        return int(reply.get("count", 0))
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomic increment (etcd has none): compare-and-swap on the key's mod revision.
+
+        The swap also writes a receipt under a fresh id, so that a retry after a lost reply
+        (etcd restarting between commit and answer) returns the committed result instead of
+        adding twice: a doubled count would leave a hole in the mailbox's numbering.
+        """
+        k = self._key(key)
+        receipt = self._key(f"__receipts/{uuid.uuid4().hex}")
+
+        def attempt() -> int | None:
+            _, done = self._range([receipt])
+            if receipt in done:
+                return int(done[receipt])
+            reply = self._client().get(k, metadata=True)
+            if reply:
+                value, meta = reply[0]
+                current, compare = int(value or 0), {"target": "MOD", "result": "EQUAL",
+                                                     "mod_revision": meta["mod_revision"]}
+            else:
+                current, compare = 0, {"target": "CREATE", "result": "EQUAL",
+                                       "create_revision": 0}
+            new = str(current + amount)
+            result = self._txn({"compare": [{"key": _encode(k), **compare}], "success": [
+                {"request_put": {"key": _encode(k), "value": _encode(new)}},
+                {"request_put": {"key": _encode(receipt), "value": _encode(new)}}],
+                "failure": []})
+            return int(new) if result.get("succeeded") else None
+
+        while True:
+            value = self._retry("add", attempt)
+            if value is not None:
+                self._retry("add", lambda: self._client().delete(receipt))
+                return value
+
+    def compare_set(self, key: str, expected_value: str | bytes,
+                    desired_value: str | bytes) -> bytes:
+        """c10d semantics: set to `desired_value` if the key holds `expected_value` (or is
+        missing and `expected_value` is empty); return the value the key holds afterwards
+        (TCPStore returns `expected_value` for a missing key with a non-empty expectation)."""
+        k = self._key(key)
+        expected = expected_value.encode() if isinstance(expected_value, str) else expected_value
+        desired = desired_value.encode() if isinstance(desired_value, str) else desired_value
+        if expected:
+            compare = {"target": "VALUE", "result": "EQUAL", "value": _encode(expected)}
+        else:
+            compare = {"target": "CREATE", "result": "EQUAL", "create_revision": 0}
+        reply = self._retry("compare_set", lambda: self._txn({
+            "compare": [{"key": _encode(k), **compare}],
+            "success": [{"request_put": {"key": _encode(k), "value": _encode(desired)}}],
+            "failure": [{"request_range": {"key": _encode(k)}}]}))
+        if reply.get("succeeded"):
+            return desired
+        kvs = reply["responses"][0].get("response_range", {}).get("kvs", [])
+        return _decode(kvs[0].get("value", "")) if kvs else expected
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        wanted = [self._key(k) for k in keys]
+        _, found = self._range(wanted)
+        if not all(k in found for k in wanted):
+            self._wait(wanted, self.timeout)
+            _, found = self._range(wanted)
+        return [found[k] for k in wanted]
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self._retry("multi_set", lambda: self._txn({"compare": [], "success": [
+            {"request_put": {"key": _encode(self._key(k)), "value": _encode(v)}}
+            for k, v in zip(keys, values)], "failure": []}))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._wait([self._key(k) for k in keys], timeout or self.timeout)
+
+    # ------------------------------------------------------------------ waiting
+
+    def _wait(self, keys: list[bytes], timeout: timedelta) -> None:
+        """Block until every key exists: check, then watch the first missing key from the
+        revision the check saw (so nothing written in between is missed), and check again."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            revision, found = self._range(keys)
+            missing = [k for k in keys if k not in found]
+            if not missing:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise dist.DistStoreError(
+                    f"etcd store: timed out after {timeout.total_seconds():.1f} s waiting for "
+                    f"{', '.join(m.decode(errors='replace') for m in missing)}")
+            try:
+                self._watch_once(missing[0], revision + 1, min(remaining, _WATCH_SLICE_S))
+            except _RETRYABLE:
+                # the stream broke (etcd restarting): the next _range retries until it is
+                # back or the reconnect deadline passes
+                continue
+
+    def _watch_once(self, key: bytes, start_revision: int, limit_s: float) -> None:
+        """Return at the first change of `key` at or after `start_revision`, or after about
+        `limit_s` seconds without one (a read timeout on the event stream)."""
+        client = self._client()
+        body = {"create_request": {"key": _encode(key), "start_revision": start_revision}}
+        with client.session.post(client.get_url("/watch"), json=body, stream=True,
+                                 timeout=(5, max(0.05, limit_s))) as reply:
+            if reply.status_code != 200:
+                raise EtcdStoreError(f"etcd watch refused: {reply.status_code} {reply.text}")
+            try:
+                for line in reply.iter_lines(chunk_size=None):
+                    if not line.strip():
+                        continue
+                    result = json.loads(line).get("result", {})
+                    if result.get("events") or result.get("canceled"):
+                        return
+            except requests.exceptions.ConnectionError as exc:
+                # requests reports a read timeout on a stream as a ConnectionError whose
+                # cause is urllib3's ReadTimeoutError: the slice is over, nothing happened
+                if "timed out" in str(exc).lower():
+                    return
+                raise
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def delete_prefix(self) -> None:
+        """Remove every key of this job (the job is over)."""
+        start = self.prefix.encode()
+        self._retry("delete_prefix", lambda: self._client().delete(
+            start, range_end=_increment_last_byte(start)))
+
+    def reachable(self) -> None:
+        """Raise EtcdStoreError unless etcd answers within the reconnect deadline."""
+        self._range([self._key("__ping")])

@@ -1,0 +1,59 @@
+"""Where a job's store is and how to reach it: torch's TCPStore or etcd.
+
+The launcher (or agent) decides the store once; its address travels to every worker in the
+environment (torchrun's MASTER_ADDR/MASTER_PORT, plus SPOTPIPE_STORE and SPOTPIPE_STORE_PREFIX),
+and every connection in the job (workers, their watcher threads, the mailbox reader, the
+coordinator) is opened from it, so nothing else in the code cares which store it is.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+import torch.distributed as dist
+
+StoreKind = Literal["tcp", "etcd"]
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    kind: StoreKind
+    host: str
+    port: int
+    prefix: str = ""  # etcd: the job's namespace (several jobs share one etcd)
+
+    def connect(self, timeout_s: float) -> dist.Store:
+        """A client connection (the TCPStore's server is hosted by the launcher or agent)."""
+        timeout = timedelta(seconds=timeout_s)
+        if self.kind == "etcd":
+            from spotpipe.cluster.etcd_store import EtcdStore
+
+            return EtcdStore(self.host, self.port, self.prefix, timeout=timeout)
+        return dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
+
+    def env(self) -> dict[str, str]:
+        return {"MASTER_ADDR": self.host, "MASTER_PORT": str(self.port),
+                "SPOTPIPE_STORE": self.kind, "SPOTPIPE_STORE_PREFIX": self.prefix}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreAddress:
+        env = os.environ if environ is None else environ
+        kind = env.get("SPOTPIPE_STORE") or "tcp"
+        if kind not in ("tcp", "etcd"):
+            raise ValueError(f"SPOTPIPE_STORE: expected tcp or etcd, got {kind!r}")
+        return cls(kind, env["MASTER_ADDR"], int(env["MASTER_PORT"]),  # type: ignore[arg-type]
+                   env.get("SPOTPIPE_STORE_PREFIX", ""))
+
+    def describe(self) -> str:
+        """host:port, as the launch event records it (plus the namespace for etcd)."""
+        return f"{self.host}:{self.port}" + (f" (etcd, keys under {self.prefix})"
+                                             if self.kind == "etcd" else "")
+
+
+def job_prefix(job_id: str) -> str:
+    """The etcd namespace of one job."""
+    return f"/spotpipe/jobs/{job_id}"
