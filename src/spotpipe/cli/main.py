@@ -1,4 +1,4 @@
-"""`spotpipe` command line: train, simulate, bench, plot.
+"""`spotpipe` command line: train, agent, simulate, bench, plot.
 
 Exit codes: 0 success, 1 the job failed while running, 2 bad input (nothing was started or
 written).
@@ -139,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _optional(sub, "spotpipe.cli.simulate")
     _optional(sub, "spotpipe.cli.plot")
+    _optional(sub, "spotpipe.cli.agent")
     return parser
 
 

@@ -14,6 +14,7 @@ under the generation's key, which is what every survivor is waiting on.
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 from collections.abc import Callable
@@ -25,6 +26,21 @@ import torch.distributed as dist
 from spotpipe.cluster.membership import HEARTBEATS, abort_key, join_key, plan_key, regroup_key
 from spotpipe.config import Config
 from spotpipe.plan import Action, Decision, Layout, decide
+
+
+def join_problem(cfg: Config, *, token_ok: bool, model_digest: str | None,
+                 config_digest: str | None) -> str | None:
+    """Why a node (a worker, or a whole node agent) may not join this job, or None.
+
+    The same three checks guard a worker joining a running job and an agent arriving at the
+    rendezvous: the shared secret, then the model and the configuration it would train."""
+    if not token_ok:
+        return "it did not present this job's join token"
+    if model_digest != cfg.model_digest():
+        return "it runs another model or optimizer"
+    if config_digest != cfg.digest():
+        return "it runs another configuration"
+    return None
 
 
 @dataclass
@@ -97,13 +113,10 @@ class Coordinator:
     def join(self, record: dict[str, Any]) -> None:
         """A node asks to join: check it, then reshape at the next iteration boundary."""
         node = record["node"]
-        problem = None
-        if not self.token or record.get("token") != self.token:
-            problem = "it did not present this job's join token"
-        elif record.get("model_digest") != self.cfg.model_digest():
-            problem = "it runs another model or optimizer"
-        elif record.get("config_digest") != self.cfg.digest():
-            problem = "it runs another configuration"
+        problem = join_problem(self.cfg, token_ok=bool(self.token)
+                               and hmac.compare_digest(str(record.get("token", "")), self.token),
+                               model_digest=record.get("model_digest"),
+                               config_digest=record.get("config_digest"))
         if problem:
             self.store.set(join_key(node), json.dumps(
                 {"refused": f"{node} refused by the job: {problem}"}))

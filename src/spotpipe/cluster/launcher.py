@@ -1,40 +1,35 @@
 """The local multi-node launcher: `spotpipe train` on one machine.
 
 It plays the part torchrun's agent plays: hosts the store (so the store outlives any worker),
-starts one worker process per node with torchrun's environment variables, watches them, and is
-the single writer of the run's output files. Everything that can be wrong with the input is
-checked here before the output folder exists or a process starts.
+starts one worker process per node with torchrun's environment variables (`Supervisor`),
+watches them, and runs the coordinator's loop (`JobLoop`), the single writer of the run's
+output files. Everything that can be wrong with the input is checked here before the output
+folder exists or a process starts. `spotpipe agent` (agent.py) runs the same two pieces split
+over hosts.
 """
 
 from __future__ import annotations
 
-import ctypes
-import json
 import os
 import queue
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch.distributed as dist
-import yaml
-from safetensors.torch import load_file, save_file
 
 from spotpipe.checkpoint import durable
 from spotpipe.config import Config, parse_endpoint
-from spotpipe.cluster.store import StoreAddress, job_prefix
-from spotpipe.cluster.channel import MAILBOX, WorkerChannel, read_mailbox
-from spotpipe.cluster.coordinator import Coordinator
+from spotpipe.cluster.jobloop import JobLoop, RunFiles
+from spotpipe.cluster.store import StoreAddress, host_tcp_store, job_prefix
+from spotpipe.cluster.supervisor import Supervisor, worker_env
 from spotpipe.cluster.trace_replay import Action as TraceAction
-from spotpipe.plan import Layout
 from spotpipe.runtime.faults import Fault
 from spotpipe import job
 from spotpipe.model.ties import cross_stage_tied
@@ -107,8 +102,7 @@ def bind_store(cfg: Config, job_id: str) -> tuple[dist.Store, StoreAddress]:
             raise LaunchError(f"cluster.etcd_endpoint: {exc}") from None
         return EtcdStore(host, port, address.prefix, timeout=timeout), address
     try:
-        store = dist.TCPStore(cfg.cluster.host, cfg.cluster.port, is_master=True,
-                              wait_for_workers=False, timeout=timeout)
+        store = host_tcp_store(cfg.cluster.host, cfg.cluster.port, timeout)
     except Exception as exc:
         raise LaunchError(f"cluster.port: cannot start the store on {cfg.cluster.host}:"
                           f"{cfg.cluster.port} ({exc}); the port may be taken: choose another "
@@ -116,231 +110,84 @@ def bind_store(cfg: Config, job_id: str) -> tuple[dist.Store, StoreAddress]:
     return store, StoreAddress("tcp", cfg.cluster.host, store.port)
 
 
-def _die_with_parent() -> None:
-    """Workers get SIGKILL if the launcher dies, so no worker outlives its job."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+class Launcher(JobLoop):
+    """The local launcher: every node of the job is a worker process on this machine, plus
+    fault injection, trace replay and nodes that join at given iterations."""
 
-
-@dataclass
-class RunFiles:
-    """The run's output files, written by the launcher only."""
-
-    out: Path
-    metrics: TextIO = field(init=False)
-    events: TextIO = field(init=False)
-    tensorboard: Any = None
-
-    def __post_init__(self) -> None:
-        self.metrics = open(self.out / "metrics.jsonl", "w")
-        self.events = open(self.out / "events.jsonl", "w")
-
-    def event(self, record: dict[str, Any]) -> None:
-        self.events.write(json.dumps(record) + "\n")
-        self.events.flush()
-
-    def metric(self, record: dict[str, Any]) -> None:
-        self.metrics.write(json.dumps(record) + "\n")
-        self.metrics.flush()
-        if self.tensorboard is not None:
-            step = record["iter"]
-            for key in ("loss", "samples_per_s", "lr", "grad_norm", "live_nodes"):
-                if key in record:
-                    self.tensorboard.add_scalar(key, record[key], step)
-
-    def close(self) -> None:
-        self.metrics.close()
-        self.events.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-
-
-class Launcher:
     def __init__(self, prepared: Prepared, out: Path, *, progress: bool = True,
                  stream: TextIO | None = None, faults: list[Fault] | None = None,
                  trace_actions: list[TraceAction] | None = None,
                  resume: durable.Checkpoint | None = None,
                  joins: list[int] | None = None) -> None:
-        self.cfg = prepared.cfg
-        self.spec = prepared.spec
-        self.out = out
-        self.progress = progress and self.cfg.logging.progress
-        self.stream = stream if stream is not None else sys.stderr
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.t0 = time.time()
-        self._train_start = self.t0
+        # every node must present the token to join (a node from another job or a stray
+        # process cannot disturb this one); real clusters pass it to their agents
+        super().__init__(prepared.cfg, prepared.spec, out, progress=progress, stream=stream,
+                         resume=resume,
+                         token=os.environ.get("SPOTPIPE_JOIN_TOKEN") or secrets.token_hex(16))
         self.faults = list(faults or [])
         self.joins = sorted(joins or [])
-        # every node must present it to join (a node from another job or a stray process
-        # cannot disturb this one); real clusters pass it to their agents
-        self.token = os.environ.get("SPOTPIPE_JOIN_TOKEN") or secrets.token_hex(16)
-        self.resume = resume
-        self._ckpt_parts: dict[int, dict[int, dict[str, str]]] = {}
-        self.checkpoint_root = Path(self.cfg.checkpoint.dir or out / "checkpoints")
         self.trace_actions = sorted(trace_actions or [], key=lambda a: a.at_s)
 
-    # ------------------------------------------------------------------ set-up
+    # ------------------------------------------------------------------ workers, here
 
-    def _write_inputs(self) -> None:
-        (self.out / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
-        (self.out / "run.json").write_text(json.dumps(self.spec.to_json(), indent=1))
+    def _spawn(self, rank: int, world: int, address: StoreAddress, joining: bool = False) -> None:
+        env = worker_env(self.cfg, rank=rank, world=world, local_rank=rank, local_world=world,
+                         address=address, run_dir=self.out, t0=self.t0, token=self.token,
+                         search_path=search_path(self.cfg), faults=self.faults,
+                         joining=joining, gated=joining,
+                         resume=str(self.resume.path) if self.resume else "")
+        self.supervisor.spawn(f"node{rank}", env)
 
-    def _spawn(self, rank: int, world: int, address: StoreAddress,
-               inbox: "queue.Queue[tuple[str, Any]]", joining: bool = False) -> None:
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world), **address.env(), SPOTPIPE_RUN_DIR=str(self.out),
-                   SPOTPIPE_T0=repr(self.t0), OMP_NUM_THREADS=str(self.cfg.cluster.threads_per_worker),
-                   SPOTPIPE_FAULTS=json.dumps([f.to_json() for f in self.faults]),
-                   SPOTPIPE_JOIN="1" if joining else "", SPOTPIPE_JOIN_GATED="1" if joining else "",
-                   SPOTPIPE_JOIN_TOKEN=self.token,
-                   SPOTPIPE_RESUME=str(self.resume.path) if self.resume else "",
-                   PYTHONPATH=os.pathsep.join(search_path(self.cfg)
-                                              + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-        log = open(self.out / "logs" / f"node{rank}.log", "wb")
-        node = f"node{rank}"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "spotpipe.runtime.worker"], env=env, stdout=log,
-            stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        log.close()
-        self.procs[node] = proc
-        threading.Thread(target=lambda: inbox.put(("exit", (node, proc.wait()))),
-                         name=f"wait-{node}", daemon=True).start()
+    def _start_nodes(self, address: StoreAddress,
+                     inbox: "queue.Queue[tuple[str, Any]]") -> None:
+        self.supervisor = Supervisor(self.out / "logs",
+                                     lambda node, code: inbox.put(("exit", (node, code))))
+        world = self.cfg.stages * self.cfg.pipelines
+        for rank in range(world):
+            self._spawn(rank, world, address)
+        # joining nodes start now, ready, and ask to join when their iteration comes (a
+        # spot instance that becomes available has booted before it asks)
+        for k, at in enumerate(sorted(self.joins)):
+            self._spawn(world + k, world, address, joining=True)
+        self.joins = [(at, f"node{world + k}") for k, at in enumerate(sorted(self.joins))]
 
-    # ------------------------------------------------------------------ run
+    def _started(self) -> list[str]:
+        return list(self.supervisor.procs)
 
-    def run(self, store: dist.Store, address: StoreAddress) -> int:
-        cfg = self.cfg
-        world = cfg.stages * cfg.pipelines
-        (self.out / "logs").mkdir(parents=True, exist_ok=True)
-        self._write_inputs()
-        files = self.files = RunFiles(self.out)
-        if cfg.logging.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            files.tensorboard = SummaryWriter(str(self.out / "tensorboard"))
-        files.event({"time_s": 0.0, "kind": "launch", "node": "launcher", "stages": cfg.stages,
-                     "pipelines": cfg.pipelines, "partition": self.spec.partition,
-                     "redundancy": cfg.redundancy, "store": f"{address.host}:{address.port}",
-                     "store_kind": address.kind,
-                     **({"store_prefix": address.prefix} if address.prefix else {}),
-                     "faults": [f.to_json() for f in self.faults], "t0": self.t0,
-                     **({"resumed_from": str(self.resume.path),
-                         "start_iteration": self.resume.next_iteration} if self.resume else {})})
-        nodes = [f"node{r}" for r in range(world)]
-        self.coordinator = Coordinator(
-            cfg=cfg, store=store, layout=Layout.build(cfg.stages, cfg.pipelines, nodes),
-            kill=self._kill, emit=files.event, now=self._now, token=self.token)
-        inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._inbox, self._address, self._store = inbox, address, store
-        self._exited: dict[str, int] = {}
-        self._watch_mailbox(address, inbox)
-        bar = self._bar = self._progress_bar()
-        status, message = "failed", ""
-        self._last: dict[str, Any] | None = None
-        self._received = 0
-        errors: dict[str, str] = {}
-        try:
-            for rank in range(world):
-                self._spawn(rank, world, address, inbox)
-            # joining nodes start now, ready, and ask to join when their iteration comes (a
-            # spot instance that becomes available has booted before it asks)
-            for k, at in enumerate(sorted(self.joins)):
-                self._spawn(world + k, world, address, inbox, joining=True)
-            self.joins = [(at, f"node{world + k}") for k, at in enumerate(sorted(self.joins))]
-            exited = self._exited  # Popen.poll() is unreliable while a thread waits on the child
-            last_tick = time.time()
-            while True:
-                wait = cfg.failover.heartbeat_s
-                if self.trace_actions:
-                    wait = min(wait, max(0.0, self._trace_due() - time.time()))
-                try:
-                    what, item = inbox.get(timeout=wait)
-                except queue.Empty:
-                    what, item = "tick", None
-                self._fire_trace(files)
-                if time.time() - last_tick >= cfg.failover.heartbeat_s:
-                    last_tick = time.time()
-                    self.coordinator.tick()
-                if what == "record":
-                    self._handle_record(what, item, files, errors)
-                elif what == "exit":
-                    node, code = item
-                    exited[node] = code
-                    if code == 1:  # a software error: failing over would repeat it elsewhere
-                        self._drain(inbox, files, errors, store)
-                        detail = errors.get(node) or f"exited with code {code}"
-                        message = f"{node} failed: {detail} (log: {self.out}/logs/{node}.log)"
-                        files.event({"time_s": self._now(), "kind": "worker_failed",
-                                     "node": node, "returncode": code, "message": detail})
-                        break
-                    if code != 3:  # 3: stopped by the plan, already accounted for
-                        self.coordinator.node_exited(node, code)
-                    running = [n for n, p in self.procs.items() if n not in exited]
-                    if running and not (set(running) & self.coordinator.live):
-                        self.coordinator.release_standby()  # only standby joiners are left
-                        for _, node in self.joins:  # and joiners whose iteration never came
-                            self._store.set(f"spotpipe/join_gate/{node}", "over")
-                        self.joins = []
-                    if len(exited) == len(self.procs):
-                        self._drain(inbox, files, errors, store)
-                        message = self._completion_problem()
-                        if not message:
-                            self._merge_final()
-                            status = "completed"
-                        break
-                elif what == "mailbox_closed":
-                    message = f"lost the store: {item}"
-                    break
-        except KeyboardInterrupt:
-            message = "interrupted"
-        finally:
-            self._stop_workers()
-            self._close_mailbox(store)
-            if bar is not None:
-                bar.close()
-            wall = time.time() - self.t0
-            files.event({"time_s": round(wall, 6), "kind": "job_" + status, "node": "launcher",
-                         **({"message": message} if message else {})})
-            files.close()
-            self._write_summary(status, message, self._last, wall)
-        if status != "completed":
-            print(f"spotpipe: training failed: {message}", file=self.stream)
-            return 1
-        return 0
-
-    def _completion_problem(self) -> str:
-        """Why a run whose workers all exited did not complete ("" when it did)."""
-        if self.coordinator.stop_message:
-            return self.coordinator.stop_message
-        final = self.out / "final"
-        missing = [s for s in range(self.cfg.stages)
-                   if not (final / f"stage{s}.safetensors").exists()]
-        if missing or self._last is None:
-            done = 0 if self._last is None else self._last["iter"] + 1
-            return f"workers exited after {done} of {self.cfg.iterations} iterations"
-        return ""
-
-    def _checkpoint_saved(self, item: dict[str, Any], files: RunFiles) -> None:
-        """Commit a checkpoint once every stage of its iteration is on disk (single writer)."""
-        t = item["iteration"]
-        parts = self._ckpt_parts.setdefault(t, {})
-        parts[item["stage"]] = item["checksums"]
-        if len(parts) < self.cfg.stages:
-            return
-        checksums = {k: v for stage in parts.values() for k, v in stage.items()}
-        info = {"partition": [list(r) for r in self.spec.partition], "stages": self.cfg.stages,
-                "pipelines": self.cfg.pipelines, "config_digest": self.cfg.digest(),
-                "model_digest": self.cfg.model_digest(), "num_samples": self.spec.num_samples,
-                "global_batch": self.cfg.global_batch, "seed": self.cfg.seed}
-        path = durable.commit(self.checkpoint_root, t, info, checksums, self.cfg.checkpoint.keep)
-        del self._ckpt_parts[t]
-        files.event({"time_s": self._now(), "kind": "checkpoint_committed", "node": "launcher",
-                     "iteration": t, "path": str(path)})
+    def _launch_details(self) -> dict[str, Any]:
+        return {"faults": [f.to_json() for f in self.faults]}
 
     def _kill(self, node: str) -> None:
-        proc = self.procs.get(node)
-        if proc is not None and node not in self._exited:
-            proc.kill()
+        if node not in self._exited:
+            self.supervisor.signal(node, signal.SIGKILL)
+
+    def _stop_workers(self) -> None:
+        if hasattr(self, "supervisor"):
+            self.supervisor.stop_all()
+
+    def _wait_limit(self) -> float:
+        wait = self.cfg.failover.heartbeat_s
+        if self.trace_actions:
+            wait = min(wait, max(0.0, self._trace_due() - time.time()))
+        return wait
+
+    def _each_turn(self, files: RunFiles) -> None:
+        self._fire_trace(files)
+
+    def _on_metrics(self, item: dict[str, Any], files: RunFiles) -> None:
+        while self.joins and item["iter"] >= self.joins[0][0]:
+            at, node = self.joins.pop(0)
+            files.event({"time_s": self._now(), "kind": "node_available", "node": node,
+                         "iteration": item["iter"]})
+            self._store.set(f"spotpipe/join_gate/{node}", str(at))
+
+    def _only_standby_left(self) -> None:
+        self.coordinator.release_standby()  # only standby joiners are left
+        for _, node in self.joins:  # and joiners whose iteration never came
+            self._store.set(f"spotpipe/join_gate/{node}", "over")
+        self.joins = []
+
+    # ------------------------------------------------------------------ trace replay
 
     def _trace_due(self) -> float:
         return self._trace_due_of(self.trace_actions[0])
@@ -357,11 +204,11 @@ class Launcher:
                              "node": "launcher", "trace_node": action.trace_node})
                 self._trace_join(files)
                 continue
-            proc = self.procs.get(action.node)
-            if proc is None or action.node in self._exited:
+            if action.node not in self.supervisor.procs or action.node in self._exited:
                 continue
             at = self._now()
-            os.kill(proc.pid, signal.SIGKILL if action.kind == "kill" else signal.SIGTERM)
+            self.supervisor.signal(action.node,
+                                   signal.SIGKILL if action.kind == "kill" else signal.SIGTERM)
             files.event({"time_s": at, "kind": "trace_" + action.kind, "node": action.node,
                          "trace_node": action.trace_node, "due_s": round(
                              self._trace_due_of(action) - self.t0, 6)})
@@ -370,142 +217,15 @@ class Launcher:
         """A trace adds a spot instance: start a node that joins at once, while the job runs
         on fewer nodes than it started with (the local machine is not grown beyond that)."""
         world = self.cfg.stages * self.cfg.pipelines
-        running = [n for n in self.procs if n not in self._exited]
+        running = [n for n in self.supervisor.procs if n not in self._exited]
         if len(running) >= world or self.coordinator.over:
             return
-        rank = len(self.procs)
+        rank = len(self.supervisor.procs)
         node = f"node{rank}"
         files.event({"time_s": self._now(), "kind": "node_started", "node": node,
                      "joining": True, "reason": "trace"})
         self._store.set(f"spotpipe/join_gate/{node}", "trace")
-        self._spawn(rank, world, self._address, self._inbox, joining=True)
-
-    def _now(self) -> float:
-        return round(time.time() - self.t0, 6)
-
-    def _drain(self, inbox: "queue.Queue[tuple[str, Any]]", files: RunFiles,
-               errors: dict[str, str], store: dist.Store) -> None:
-        """Write every record posted so far: a worker posts its last record before it exits,
-        so once it has exited, the store's mailbox count says how many records to wait for."""
-        posted = store.add(f"{MAILBOX}/count", 0)
-        while self._received < posted:
-            what, item = inbox.get(timeout=self.cfg.cluster.timeout_s)
-            self._handle_record(what, item, files, errors)
-
-    def _handle_record(self, what: str, item: Any, files: RunFiles,
-                       errors: dict[str, str]) -> None:
-        if what != "record":
-            return
-        self._received += 1
-        kind = item.pop("type")
-        if kind == "metrics":
-            if self._last is None:
-                self._train_start = time.time()
-            files.metric(item)
-            self._last = item
-            self._update_bar(self._bar, item)
-            while self.joins and item["iter"] >= self.joins[0][0]:
-                at, node = self.joins.pop(0)
-                files.event({"time_s": self._now(), "kind": "node_available", "node": node,
-                             "iteration": item["iter"]})
-                self._store.set(f"spotpipe/join_gate/{node}", str(at))
-        elif kind == "event" and item["kind"] == "checkpoint_saved":
-            files.event({k: v for k, v in item.items() if k != "checksums"})
-            self._checkpoint_saved(item, files)
-        elif kind == "join":
-            files.event({"time_s": item.pop("time_s"), "kind": "join_requested",
-                         "node": item["node"]})
-            self.coordinator.join(item)
-        elif kind == "report":
-            files.event({"time_s": item.pop("time_s"), "kind": "report", **item})
-            item["time_s"] = 0.0
-            self.coordinator.report(item)
-        else:
-            files.event(item)
-            if item["kind"] == "worker_error":
-                errors[item["node"]] = item["message"]
-
-    def _watch_mailbox(self, address: StoreAddress,
-                       inbox: "queue.Queue[tuple[str, Any]]") -> None:
-        client = address.connect(self.cfg.cluster.timeout_s)
-
-        def pump() -> None:
-            try:
-                for record in read_mailbox(client):
-                    if record.get("type") == "close":
-                        return
-                    inbox.put(("record", record))
-            except Exception as exc:  # the store went away: only at shutdown, or a real fault
-                inbox.put(("mailbox_closed", str(exc)))
-
-        self._pump = threading.Thread(target=pump, name="mailbox", daemon=True)
-        self._pump.start()
-
-    def _close_mailbox(self, store: dist.Store) -> None:
-        """Post the closing record, so the reader thread leaves its blocking wait and ends
-        before the interpreter does (a thread inside a store call at exit aborts the process)."""
-        WorkerChannel(store, "launcher", self.t0)._post({"type": "close"})
-        self._pump.join(timeout=10)
-
-    def _stop_workers(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        deadline = time.time() + 10
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-    def _merge_final(self) -> None:
-        final = self.out / "final"
-        merged: dict[str, Any] = {}
-        parts = [final / f"stage{s}.safetensors" for s in range(self.cfg.stages)]
-        for part in parts:
-            merged.update(load_file(str(part)))
-        tmp = final / ".model.safetensors.tmp"
-        save_file(merged, str(tmp), metadata={"spotpipe_config": self.cfg.digest()})
-        os.replace(tmp, final / "model.safetensors")
-        for part in parts:
-            part.unlink()
-
-    def _write_summary(self, status: str, message: str, last: dict[str, Any] | None,
-                       wall: float) -> None:
-        cfg = self.cfg
-        iters = 0 if last is None else last["iter"] + 1
-        summary = {
-            "status": status, "message": message, "iterations": iters,
-            "samples": 0 if last is None else last["samples"],
-            "final_loss": None if last is None else last["loss"],
-            "wall_s": round(wall, 3),
-            "train_s": None if last is None else last["time_s"],
-            "samples_per_s": None if not last else round(last["samples"] / last["time_s"], 3),
-            "stages": cfg.stages, "pipelines": cfg.pipelines, "schedule": cfg.schedule,
-            "partition": self.spec.partition, "config_digest": cfg.digest(),
-        }
-        tmp = self.out / ".summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=1))
-        os.replace(tmp, self.out / "summary.json")
-
-    # ------------------------------------------------------------------ progress
-
-    def _progress_bar(self) -> Any:
-        if not self.progress:
-            return None
-        from tqdm import tqdm
-
-        return tqdm(total=self.cfg.iterations, desc="train", unit="it", file=self.stream,
-                    dynamic_ncols=True)
-
-    def _update_bar(self, bar: Any, record: dict[str, Any]) -> None:
-        if bar is None:
-            return
-        bar.update(1)
-        bar.set_postfix_str(f"loss {record['loss']:.4f} | {record['samples_per_s']:.1f} samples/s"
-                            f" | nodes {record['live_nodes']}/{self.cfg.stages * self.cfg.pipelines}"
-                            f" double {record.get('carriers', 0)} gen {record['generation']}")
+        self._spawn(rank, world, self._address, joining=True)
 
 
 def check_resume(cfg: Config, path: Path) -> durable.Checkpoint:

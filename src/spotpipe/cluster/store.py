@@ -57,3 +57,25 @@ class StoreAddress:
 def job_prefix(job_id: str) -> str:
     """The etcd namespace of one job."""
     return f"/spotpipe/jobs/{job_id}"
+
+
+def host_tcp_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """Host a TCPStore that listens on `host` only (loopback unless configured otherwise).
+
+    TCPStore's own server listens on every interface whatever host name it is given; so the
+    socket is bound here and handed over (the store owns and closes it).
+    """
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own server
+    try:
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    bound = sock.getsockname()[1]
+    return dist.TCPStore(host, bound, is_master=True, wait_for_workers=False, timeout=timeout,
+                         master_listen_fd=sock.detach())

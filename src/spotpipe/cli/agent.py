@@ -1,0 +1,78 @@
+"""`spotpipe agent CONFIG --rdzv-backend etcd|c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB
+--nnodes MIN:MAX --out DIR`: the node agent, one per host (see spotpipe/cluster/agent.py).
+
+Flags follow torchrun's, and like torchrun's each may come from a PET_<FLAG> environment
+variable (PET_RDZV_ENDPOINT, PET_NNODES, ...). The join token comes from SPOTPIPE_JOIN_TOKEN.
+Exit codes: 0 the job completed, 1 it failed, 2 bad input or refused by the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def _env(flag: str, default: str | None = None) -> str | None:
+    return os.environ.get("PET_" + flag.upper().replace("-", "_"), default)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("agent", help="node agent for multi-host jobs (one per host, as torchrun)")
+    p.add_argument("config", help="YAML configuration file (the same on every host)")
+    p.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend",
+                   default=_env("rdzv_backend", "c10d"), choices=["etcd", "c10d"],
+                   help="etcd: an etcd server; c10d: a TCPStore hosted by the agent on the "
+                        "endpoint's host (default c10d)")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint",
+                   default=_env("rdzv_endpoint"), metavar="HOST:PORT")
+    p.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=_env("rdzv_id"),
+                   metavar="JOB", help="the job's id; agents with the same id form one job")
+    p.add_argument("--nnodes", default=_env("nnodes"), metavar="MIN:MAX",
+                   help="agents the job starts with (MIN) and at most admits (MAX)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int,
+                   default=int(_env("nproc_per_node", "1") or 1),
+                   help="nodes (worker processes) this agent runs (default 1)")
+    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int,
+                   default=int(_env("node_rank", "-1") or -1),
+                   help="this host's place among the MIN agents (default: order of arrival)")
+    p.add_argument("--local-addr", "--local_addr", dest="local_addr",
+                   default=_env("local_addr", ""), help="this host's address, for the record")
+    p.add_argument("--rdzv-timeout", dest="rdzv_timeout", type=float,
+                   default=float(_env("rdzv_timeout", "600") or 600),
+                   help="seconds to wait for the other agents (default 600)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a configuration key (every agent must use the same)")
+    p.add_argument("--out", default=_env("out", "runs/agent"),
+                   help="output folder (the coordinating agent writes the run's files here)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from spotpipe.cluster.agent import AgentError, AgentOptions, parse_nnodes, run_agent
+    from spotpipe.cluster.launcher import LaunchError
+    from spotpipe.config import ConfigError, load_config
+
+    try:
+        for flag in ("rdzv_endpoint", "rdzv_id", "nnodes"):
+            if not getattr(args, flag):
+                raise AgentError(f"--{flag.replace('_', '-')} is required (or "
+                                 f"PET_{flag.upper()} in the environment)")
+        low, high = parse_nnodes(args.nnodes)
+        cfg = load_config(args.config, args.overrides)
+        opts = AgentOptions(backend=args.rdzv_backend, endpoint=args.rdzv_endpoint,
+                            rdzv_id=args.rdzv_id, min_nodes=low, max_nodes=high,
+                            out=Path(args.out), nproc=args.nproc_per_node,
+                            node_rank=args.node_rank, local_addr=args.local_addr,
+                            rdzv_timeout_s=args.rdzv_timeout, progress=not args.no_progress)
+        code = run_agent(opts, cfg, overwrite=args.overwrite)
+    except (AgentError, ConfigError, LaunchError) as exc:
+        print(f"spotpipe agent: error: {exc}", file=sys.stderr)
+        code = 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # threads blocked in store waits must not run interpreter teardown (see worker.py)
+    os._exit(code)

@@ -1,0 +1,544 @@
+"""`spotpipe agent`: the node agent, one per host, for jobs that span machines.
+
+Like torchrun's agent, each agent starts the worker process(es) of its host (one node per agent
+by default) and supervises them; the workers' in-process notice watcher polls the cloud's
+preemption notice, and a SIGTERM to the agent (the host is being reclaimed) is passed on to
+them as a notice. The agents meet at a rendezvous store: etcd (`--rdzv-backend etcd`), or a
+TCPStore hosted by the agent whose host is the endpoint's (`c10d`, as torchrun does; it binds
+to the endpoint's address only, loopback unless configured otherwise).
+
+Rendezvous, under `spotpipe/rdzv/` in the job's store:
+
+1. Each agent takes an arrival number (an atomic add) and publishes what it brings: its nodes,
+   an HMAC of the join token (SPOTPIPE_JOIN_TOKEN, a shared secret; the token itself never
+   enters the store) and the digests of its model and configuration.
+2. The first agent to win a compare-and-set runs the coordinator: it publishes the job (its
+   partition, clock, and an HMAC proving it holds the token), admits agents in arrival order
+   with the same checks a joining worker gets (`coordinator.join_problem`), and once MIN agents
+   are in, runs the same `JobLoop` as `spotpipe train`. Agents arriving later, up to MAX, join
+   the running job through the joining-node path (a new pipeline, a rebalance).
+3. An agent refused (wrong token, another model or configuration, the job full) says why and
+   exits 2; nothing of the job changes. An agent that sees the job's proof fail (a job of
+   another team under the same id) refuses it in turn.
+
+Workers report to the coordinator through the store's mailbox, as under the local launcher;
+each agent adds an "exit" record when one of its workers exits, kills a worker the coordinator
+fences, and sends its final stage files through the store (in 512 KiB pieces) so that the
+coordinator's --out gets the whole model even without a shared filesystem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import yaml
+
+from spotpipe import job
+from spotpipe.cluster.channel import WorkerChannel
+from spotpipe.cluster.coordinator import join_problem
+from spotpipe.cluster.jobloop import JobLoop, RunFiles
+from spotpipe.cluster.launcher import LaunchError, prepare, search_path
+from spotpipe.cluster.membership import KeyWatcher
+from spotpipe.cluster.store import StoreAddress, host_tcp_store, job_prefix
+from spotpipe.cluster.supervisor import Supervisor, worker_env
+from spotpipe.config import Config, parse_endpoint
+
+RDZV = "spotpipe/rdzv"
+ARRIVALS = f"{RDZV}/arrivals"
+COORDINATOR = f"{RDZV}/coordinator"
+JOB = f"{RDZV}/job"
+OVER = f"{RDZV}/over"
+LEFT = f"{RDZV}/left"
+ALL_LEFT = f"{RDZV}/left/all"
+CHUNK = 512 * 1024  # etcd refuses requests over 1.5 MiB; base64 makes 512 KiB about 683 KiB
+
+
+def agent_key(k: int) -> str:
+    return f"{RDZV}/agent/{k}"
+
+
+def assign_key(k: int) -> str:
+    return f"{RDZV}/assign/{k}"
+
+
+def kill_key(node: str) -> str:
+    return f"{RDZV}/kill/{node}"
+
+
+def final_key(stage: int, part: str) -> str:
+    return f"spotpipe/final/{stage}/{part}"
+
+
+def proof(token: str, what: str) -> str:
+    """Shows the token without revealing it (anyone who reads the store sees this, not it)."""
+    return hmac.new(token.encode(), what.encode(), hashlib.sha256).hexdigest()
+
+
+class AgentError(RuntimeError):
+    """Bad flags or an unusable rendezvous; nothing was started (exit 2)."""
+
+
+@dataclass
+class AgentOptions:
+    backend: str  # "etcd" or "c10d"
+    endpoint: str  # host:port
+    rdzv_id: str
+    min_nodes: int
+    max_nodes: int
+    out: Path
+    nproc: int = 1
+    node_rank: int = -1  # -1: by arrival
+    local_addr: str = ""
+    rdzv_timeout_s: float = 600.0
+    progress: bool = True
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """'N' or 'MIN:MAX', as torchrun's --nnodes."""
+    lo, _, hi = text.partition(":")
+    try:
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise AgentError(f"--nnodes {text!r}: expected N or MIN:MAX") from None
+    if not 1 <= low <= high:
+        raise AgentError(f"--nnodes {text!r}: expected 1 <= MIN <= MAX")
+    return low, high
+
+
+def _is_local(host: str) -> bool:
+    """Whether `host` names an address of this machine (then it can be bound)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((addr[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def connect_rendezvous(opts: AgentOptions,
+                       cfg: Config) -> tuple[StoreAddress, dist.Store | None]:
+    """The job's store address, and the TCPStore this agent hosts (c10d, endpoint here)."""
+    try:
+        host, port = parse_endpoint(opts.endpoint)
+    except ValueError as exc:
+        raise AgentError(f"--rdzv-endpoint: {exc}") from None
+    timeout = timedelta(seconds=cfg.cluster.timeout_s)
+    if opts.backend == "etcd":
+        from spotpipe.cluster.etcd_store import EtcdStore, EtcdStoreError
+
+        address = StoreAddress("etcd", host, port, job_prefix(opts.rdzv_id))
+        try:
+            EtcdStore(host, port, address.prefix, timeout=timeout, reconnect_s=5.0).reachable()
+        except EtcdStoreError as exc:
+            raise AgentError(f"--rdzv-endpoint: {exc}") from None
+        return address, None
+    hosted = None
+    if _is_local(host):
+        try:
+            hosted = host_tcp_store(host, port, timeout)
+        except OSError:
+            hosted = None  # another agent of this host hosts it
+    return StoreAddress("tcp", host, port), hosted
+
+
+def _wait_get(store: dist.Store, key: str, timeout_s: float) -> bytes | None:
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except Exception:  # a timeout (the store raises its own error types)
+        return None
+    return store.get(key)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------- the coordinator
+
+
+class AgentJobLoop(JobLoop):
+    """The coordinator's loop when the workers run under agents on other hosts: exits arrive
+    as mailbox records, kills go through the store, the final model through the store."""
+
+    def __init__(self, coordinator: "Coordinating", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.rdzv = coordinator
+        self._kill_due: dict[str, float] = {}
+
+    def _write_inputs(self) -> None:
+        # the local agent writes the same files into the same folder at the same time
+        _write_atomic(self.out / "config.yaml", yaml.safe_dump(self.cfg.to_dict(),
+                                                               sort_keys=False))
+        _write_atomic(self.out / "run.json", json.dumps(self.spec.to_json(), indent=1))
+
+    def _start_nodes(self, address: StoreAddress, inbox: Any) -> None:
+        self.rdzv.go(inbox)
+
+    def _started(self) -> list[str]:
+        return self.rdzv.nodes()
+
+    def _launch_details(self) -> dict[str, Any]:
+        return {"rdzv_id": self.rdzv.opts.rdzv_id, "agents": self.rdzv.admitted_count()}
+
+    def _kill(self, node: str) -> None:
+        """Ask the node's agent to kill it; a node whose agent is gone with its host never
+        reports an exit, so it counts as exited once the heartbeat timeout passes again."""
+        if node in self._exited or node in self._kill_due:
+            return
+        self._store.set(kill_key(node), "fenced")
+        self._kill_due[node] = time.time() + self.cfg.failover.heartbeat_timeout_s
+
+    def _each_turn(self, files: RunFiles) -> None:
+        now = time.time()
+        for node, due in list(self._kill_due.items()):
+            if node in self._exited:
+                del self._kill_due[node]
+            elif now >= due:
+                del self._kill_due[node]
+                files.event({"time_s": self._now(), "kind": "agent_silent", "node": node,
+                             "reason": "killed by the coordinator, no exit reported"})
+                self._inbox.put(("exit", (node, -int(signal.SIGKILL))))
+
+    def _gather_final(self) -> str:
+        last = self._last
+        if self.coordinator.stop_message or last is None or last["iter"] + 1 < self.cfg.iterations:
+            return ""  # the run did not finish; _completion_problem says why
+        final = self.out / "final"
+        final.mkdir(exist_ok=True)
+        for s in range(self.cfg.stages):
+            if not self._store.check([final_key(s, "meta")]):
+                return f"the final parameters of stage {s} never arrived from its agent"
+            meta = json.loads(self._store.get(final_key(s, "meta")))
+            data = b"".join(self._store.get(final_key(s, str(i))) for i in range(meta["parts"]))
+            if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+                return f"the final parameters of stage {s} arrived damaged (checksum differs)"
+            tmp = final / f".stage{s}.safetensors.recv"
+            tmp.write_bytes(data)
+            os.replace(tmp, final / f"stage{s}.safetensors")
+            for i in range(meta["parts"]):
+                self._store.delete_key(final_key(s, str(i)))
+        return ""
+
+
+class Coordinating:
+    """The elected agent's side of the rendezvous: admit agents, then run the job's loop."""
+
+    def __init__(self, opts: AgentOptions, cfg: Config, spec: job.RunSpec, token: str,
+                 address: StoreAddress) -> None:
+        self.opts, self.cfg, self.spec, self.token, self.address = opts, cfg, spec, token, address
+        self.world = cfg.stages * cfg.pipelines
+        self._lock = threading.Lock()
+        self._nodes: list[str] = []
+        self._admitted: list[int] = []
+        self._slots: dict[int, int] = {}  # slot (node rank / nproc) -> agent
+        self._events: list[dict[str, Any]] = []
+        self._inbox: Any = None
+        self.t0 = time.time()
+        self.code = 1
+
+    def nodes(self) -> list[str]:
+        with self._lock:
+            return list(self._nodes)
+
+    def admitted_count(self) -> int:
+        with self._lock:
+            return len(self._admitted)
+
+    def _event(self, record: dict[str, Any]) -> None:
+        record = {"time_s": round(time.time() - self.t0, 6), **record}
+        with self._lock:
+            if self._inbox is None:
+                self._events.append(record)
+                return
+        self._inbox.put(("event", record))
+
+    def go(self, inbox: Any) -> None:
+        """The loop has started: events go to it from now on; late agents may join."""
+        with self._lock:
+            self._inbox = inbox
+            pending, self._events = self._events, []
+        for record in pending:
+            inbox.put(("event", record))
+        threading.Thread(target=self._admit_late, name="admission", daemon=True).start()
+
+    # ------------------------------------------------------------------ admission
+
+    def _problem(self, k: int, info: dict[str, Any], late: bool) -> str | None:
+        problem = join_problem(self.cfg, token_ok=hmac.compare_digest(
+            str(info.get("proof", "")), proof(self.token, f"{self.opts.rdzv_id}/agent/{k}")),
+            model_digest=info.get("model_digest"), config_digest=info.get("config_digest"))
+        if problem:
+            return problem
+        if info.get("nproc") != self.opts.nproc:
+            return (f"it runs {info.get('nproc')} nodes per agent, the job "
+                    f"{self.opts.nproc} (--nproc-per-node)")
+        if len(self._admitted) >= self.opts.max_nodes:
+            return f"the job has its maximum of {self.opts.max_nodes} agents (--nnodes)"
+        rank = int(info.get("node_rank", -1))
+        if not late and rank >= 0 and (rank >= self.opts.min_nodes or rank in self._slots):
+            return (f"--node-rank {rank} is taken or beyond the {self.opts.min_nodes} agents "
+                    "the job starts with")
+        return None
+
+    def _admit(self, store: dist.Store, k: int, info: dict[str, Any], late: bool) -> None:
+        problem = self._problem(k, info, late)
+        name = f"agent{k}@{info.get('host', '?')}"
+        if problem:
+            store.set(assign_key(k), json.dumps(
+                {"refused": f"{name} refused by the job: {problem}"}))
+            self._event({"kind": "join_refused", "node": name, "reason": problem})
+            return
+        n = self.opts.nproc
+        if late:
+            first = len(self._nodes)
+        else:
+            rank = int(info.get("node_rank", -1))
+            slot = rank if rank >= 0 else min(set(range(self.opts.min_nodes)) - set(self._slots))
+            self._slots[slot] = k
+            first = slot * n
+        ranks = list(range(first, first + n))
+        with self._lock:
+            self._admitted.append(k)
+            self._nodes.extend(f"node{r}" for r in ranks)
+        store.set(assign_key(k), json.dumps({"ranks": ranks, "joining": late,
+                                             "world": self.world}))
+        self._event({"kind": "agent_admitted", "node": name, "ranks": ranks, "joining": late})
+
+    def _admit_late(self) -> None:
+        store = self.address.connect(self.cfg.cluster.timeout_s)
+        k = self._next
+        while True:
+            raw = _wait_get(store, agent_key(k), 7 * 86400.0)
+            if raw is None:
+                return
+            info = json.loads(raw)
+            if info.get("closed"):  # the coordinator's own marker: the job is over
+                return
+            self._admit(store, k, info, late=True)
+            k += 1
+
+    def run(self) -> int:
+        store = self.address.connect(self.cfg.cluster.timeout_s)
+        store.set(JOB, json.dumps({
+            "proof": proof(self.token, f"{self.opts.rdzv_id}/job"), "spec": self.spec.to_json(),
+            "t0": self.t0, "world": self.world, "config_digest": self.cfg.digest(),
+            "model_digest": self.cfg.model_digest()}))
+        k = 0
+        while len(self._slots) < self.opts.min_nodes:
+            k += 1
+            raw = _wait_get(store, agent_key(k), self.opts.rdzv_timeout_s)
+            if raw is None:
+                message = (f"rendezvous: {len(self._slots)} of {self.opts.min_nodes} agents "
+                           f"arrived within {self.opts.rdzv_timeout_s:.0f} s (--rdzv-timeout)")
+                for j in range(1, k):
+                    if not store.check([assign_key(j)]):
+                        store.set(assign_key(j), json.dumps({"refused": message}))
+                print(f"spotpipe agent: {message}", file=sys.stderr)
+                store.set(OVER, json.dumps({"status": "failed", "message": message,
+                                            "agents": 0}))
+                self.code = 1
+                return self.code
+            self._admit(store, k, json.loads(raw), late=False)
+        self._next = k + 1
+        loop = AgentJobLoop(self, cfg=self.cfg, spec=self.spec, out=self.opts.out,
+                            token=self.token, progress=self.opts.progress, t0=self.t0)
+        loop_store = self.address.connect(self.cfg.cluster.timeout_s)
+        try:
+            self.code = loop.run(loop_store, self.address)
+        finally:
+            # wake the admission thread: a marker in the next arrival slot it will read
+            close = store.add(ARRIVALS, 1)
+            store.set(agent_key(close), json.dumps({"closed": True}))
+            summary = json.loads((self.opts.out / "summary.json").read_text()) \
+                if (self.opts.out / "summary.json").exists() else {}
+            store.set(OVER, json.dumps({"status": summary.get("status", "failed"),
+                                        "message": summary.get("message", ""),
+                                        "agents": self.admitted_count()}))
+        return self.code
+
+
+# ---------------------------------------------------------------------- every agent
+
+
+class Agent:
+    def __init__(self, opts: AgentOptions, cfg: Config, spec: job.RunSpec, token: str,
+                 address: StoreAddress, hosted: dist.Store | None) -> None:
+        self.opts, self.cfg, self.spec, self.token = opts, cfg, spec, token
+        self.address, self.hosted = address, hosted
+        self.timeout_s = cfg.cluster.timeout_s
+        self._exits_done = threading.Event()
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    def say(self, text: str) -> None:
+        print(f"spotpipe agent: {text}", file=sys.stderr, flush=True)
+
+    def run(self) -> int:
+        opts = self.opts
+        store = self.address.connect(self.timeout_s)
+        me = store.add(ARRIVALS, 1)
+        store.set(agent_key(me), json.dumps({
+            "host": socket.gethostname(), "local_addr": opts.local_addr, "nproc": opts.nproc,
+            "node_rank": opts.node_rank, "proof": proof(self.token, f"{opts.rdzv_id}/agent/{me}"),
+            "model_digest": self.cfg.model_digest(), "config_digest": self.cfg.digest()}))
+        coordinating: Coordinating | None = None
+        thread = None
+        if store.compare_set(COORDINATOR, "", str(me)) == str(me).encode():
+            coordinating = Coordinating(opts, self.cfg, self.spec, self.token, self.address)
+            thread = threading.Thread(target=coordinating.run, name="coordinator", daemon=True)
+            thread.start()
+            self.say(f"agent {me} coordinates job {opts.rdzv_id}")
+        raw = _wait_get(store, JOB, opts.rdzv_timeout_s)
+        if raw is None:
+            self.say(f"no job appeared at the rendezvous within {opts.rdzv_timeout_s:.0f} s")
+            return 1
+        job_info = json.loads(raw)
+        if not hmac.compare_digest(job_info["proof"], proof(self.token, f"{opts.rdzv_id}/job")):
+            self.say(f"refused: the job at this rendezvous (--rdzv-id {opts.rdzv_id}) was not "
+                     "started with this SPOTPIPE_JOIN_TOKEN; this agent did not join it")
+            return 2
+        if store.check([OVER]):
+            self.say(f"job {opts.rdzv_id} is over already")
+            return 1
+        raw = _wait_get(store, assign_key(me), opts.rdzv_timeout_s)
+        if raw is None:
+            self.say(f"not admitted within {opts.rdzv_timeout_s:.0f} s (--rdzv-timeout)")
+            return 1
+        answer = json.loads(raw)
+        if "refused" in answer:
+            self.say(answer["refused"])
+            return 2
+        code = self._work(store, job_info, answer, coordinating is not None)
+        if thread is not None and coordinating is not None:
+            thread.join()
+            code = coordinating.code
+        return code
+
+    def _work(self, store: dist.Store, job_info: dict[str, Any], answer: dict[str, Any],
+              coordinating: bool) -> int:
+        """Run this host's workers until the job is over; the job's outcome as exit code."""
+        out = self.opts.out
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        _write_atomic(out / "config.yaml", yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        _write_atomic(out / "run.json", json.dumps(job_info["spec"], indent=1))
+        ranks, world = answer["ranks"], int(answer["world"])
+        self._pending = len(ranks)
+        supervisor = self.supervisor = Supervisor(out / "logs", self._exited)
+        # a SIGTERM to the agent is the host's preemption notice: pass it on to the workers
+        signal.signal(signal.SIGTERM, lambda *_: [supervisor.signal(n, signal.SIGTERM)
+                                                  for n in list(supervisor.procs)])
+        for local, rank in enumerate(ranks):
+            node = f"node{rank}"
+            env = worker_env(self.cfg, rank=rank, world=world, local_rank=local,
+                             local_world=len(ranks), address=self.address, run_dir=out,
+                             t0=float(job_info["t0"]), token=self.token,
+                             search_path=search_path(self.cfg), joining=bool(answer["joining"]))
+            supervisor.spawn(node, env)
+            KeyWatcher(self.address.connect(self.timeout_s), kill_key(node),
+                       lambda node=node: supervisor.signal(node, signal.SIGKILL))
+        self.say(f"started {', '.join(f'node{r}' for r in ranks)}"
+                 + (" (joining the running job)" if answer["joining"] else ""))
+        store.wait([OVER], timedelta(days=7))
+        supervisor.stop_all()
+        self._exits_done.wait(self.timeout_s)
+        over = json.loads(store.get(OVER))
+        if store.add(LEFT, 1) >= int(over.get("agents", 0)):
+            store.set(ALL_LEFT, "1")
+        if self.hosted is not None or coordinating:
+            # the store's host stays until every agent has read the end; the coordinator
+            # then removes the job's keys from etcd (other jobs keep theirs)
+            try:
+                store.wait([ALL_LEFT], timedelta(seconds=self.timeout_s))
+            except Exception:
+                self.say("not every agent confirmed the end of the job; leaving anyway")
+            if coordinating and self.address.kind == "etcd":
+                from spotpipe.cluster.etcd_store import EtcdStore
+
+                if isinstance(store, EtcdStore):
+                    store.delete_prefix()
+        if over.get("status") == "completed":
+            self.say("job completed; results in the coordinator's --out")
+            return 0
+        self.say(f"job failed: {over.get('message', '')}")
+        return 1
+
+    def _exited(self, node: str, code: int) -> None:
+        """A worker of this host exited: hand over its final files, then tell the job."""
+        try:
+            store = self.address.connect(self.timeout_s)
+            if code == 0:
+                self._upload_final(store)
+            WorkerChannel(store, f"agent:{node}", 0.0)._post(
+                {"type": "exit", "node": node, "code": code})
+        except Exception as exc:  # the store is gone: the job is over already
+            self.say(f"could not report the exit of {node}: {exc}")
+        with self._lock:
+            self._pending -= 1
+            if self._pending <= 0:
+                self._exits_done.set()
+
+    def _upload_final(self, store: dist.Store) -> None:
+        for path in sorted((self.opts.out / "final").glob("stage*.safetensors")):
+            s = int(path.name[len("stage"):-len(".safetensors")])
+            data = path.read_bytes()
+            parts = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)] or [b""]
+            for i, part in enumerate(parts):
+                store.set(final_key(s, str(i)), part)
+            store.set(final_key(s, "meta"), json.dumps(
+                {"parts": len(parts), "sha256": hashlib.sha256(data).hexdigest()}))
+
+
+def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> int:
+    """Validate, meet the other agents, run; AgentError/LaunchError before anything starts."""
+    token = os.environ.get("SPOTPIPE_JOIN_TOKEN", "")
+    if not token:
+        raise AgentError("SPOTPIPE_JOIN_TOKEN: set it to the job's shared secret on every host "
+                         "(a node without it is refused)")
+    if opts.backend not in ("etcd", "c10d"):
+        raise AgentError(f"--rdzv-backend {opts.backend!r}: expected etcd or c10d")
+    if opts.nproc < 1:
+        raise AgentError(f"--nproc-per-node {opts.nproc}: expected >= 1")
+    world = cfg.stages * cfg.pipelines
+    if opts.min_nodes * opts.nproc != world:
+        raise AgentError(
+            f"--nnodes {opts.min_nodes}:{opts.max_nodes}: the job starts with stages x pipelines"
+            f" = {cfg.stages} x {cfg.pipelines} = {world} nodes, so MIN x --nproc-per-node "
+            f"({opts.min_nodes} x {opts.nproc}) must be {world}; agents beyond MIN join later")
+    if opts.node_rank >= opts.min_nodes:
+        raise AgentError(f"--node-rank {opts.node_rank}: expected 0..{opts.min_nodes - 1}")
+    out = opts.out = opts.out.resolve()  # workers get it in their environment
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise AgentError(f"--out {out}: the folder exists and is not empty; pass --overwrite "
+                         "to replace it")
+    prepared = prepare(cfg)
+    address, hosted = connect_rendezvous(opts, cfg)
+    if out.exists() and overwrite:
+        import shutil
+
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return Agent(opts, cfg, prepared.spec, token, address, hosted).run()
+
+
+__all__ = ["AgentError", "AgentOptions", "LaunchError", "parse_nnodes", "run_agent"]

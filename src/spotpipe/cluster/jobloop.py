@@ -1,0 +1,367 @@
+"""The coordinator's loop: one per job, next to the store, never on a preemptible worker.
+
+It is what `spotpipe train` runs after starting its workers, and what the elected node agent
+runs for a multi-host job: read the workers' records from the store's mailbox, write the run's
+output files (metrics, events, summary, final model; the single writer), feed failures, exits
+and joins to the `Coordinator`, tick its heartbeat checks, and decide when the job is over.
+
+Where the workers run is not its business: a subclass starts and stops them (the local
+launcher through a `Supervisor` on this machine; the agent's coordinator through the store,
+each agent supervising its own host) and tells the loop of their exits, either directly or as
+"exit" records in the mailbox.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch.distributed as dist
+import yaml
+from safetensors.torch import load_file, save_file
+
+from spotpipe import job
+from spotpipe.checkpoint import durable
+from spotpipe.cluster.channel import MAILBOX, WorkerChannel, read_mailbox
+from spotpipe.cluster.coordinator import Coordinator
+from spotpipe.cluster.store import StoreAddress
+from spotpipe.config import Config
+from spotpipe.plan import Layout
+
+
+@dataclass
+class RunFiles:
+    """The run's output files, written by the launcher only."""
+
+    out: Path
+    metrics: TextIO = field(init=False)
+    events: TextIO = field(init=False)
+    tensorboard: Any = None
+
+    def __post_init__(self) -> None:
+        self.metrics = open(self.out / "metrics.jsonl", "w")
+        self.events = open(self.out / "events.jsonl", "w")
+
+    def event(self, record: dict[str, Any]) -> None:
+        self.events.write(json.dumps(record) + "\n")
+        self.events.flush()
+
+    def metric(self, record: dict[str, Any]) -> None:
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        if self.tensorboard is not None:
+            step = record["iter"]
+            for key in ("loss", "samples_per_s", "lr", "grad_norm", "live_nodes"):
+                if key in record:
+                    self.tensorboard.add_scalar(key, record[key], step)
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.events.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+class JobLoop:
+    """The coordinator's loop over one run folder; subclasses say where the workers run."""
+
+    def __init__(self, cfg: Config, spec: job.RunSpec, out: Path, *, token: str,
+                 progress: bool = True, stream: TextIO | None = None,
+                 resume: durable.Checkpoint | None = None, t0: float | None = None) -> None:
+        self.cfg = cfg
+        self.spec = spec
+        self.out = out
+        self.token = token
+        self.progress = progress and cfg.logging.progress
+        self.stream = stream if stream is not None else sys.stderr
+        self.t0 = time.time() if t0 is None else t0
+        self._train_start = self.t0
+        self.resume = resume
+        self._ckpt_parts: dict[int, dict[int, dict[str, str]]] = {}
+        self.checkpoint_root = Path(cfg.checkpoint.dir or out / "checkpoints")
+
+    # ------------------------------------------------------------------ where workers run
+
+    def _start_nodes(self, address: StoreAddress,
+                     inbox: "queue.Queue[tuple[str, Any]]") -> None:
+        """Start (or let start) the job's first nodes; their exits come through `inbox`."""
+        raise NotImplementedError
+
+    def _started(self) -> list[str]:
+        """Every node started so far; the job is over when all of them have exited."""
+        raise NotImplementedError
+
+    def _kill(self, node: str) -> None:
+        raise NotImplementedError
+
+    def _stop_workers(self) -> None:
+        """The loop is leaving: no worker may outlive the job."""
+
+    def _launch_details(self) -> dict[str, Any]:
+        return {}
+
+    def _wait_limit(self) -> float:
+        """How long the loop may block on its inbox before its next turn."""
+        return self.cfg.failover.heartbeat_s
+
+    def _each_turn(self, files: RunFiles) -> None:
+        """Called on every turn of the loop (timed actions)."""
+
+    def _on_metrics(self, item: dict[str, Any], files: RunFiles) -> None:
+        """Called on each iteration's metrics (iteration-triggered actions)."""
+
+    def _only_standby_left(self) -> None:
+        """Every running node waits on standby: training is over for them."""
+        self.coordinator.release_standby()
+
+    def _gather_final(self) -> str:
+        """Bring the final stage files into this run folder; a problem, or "" when done."""
+        return ""
+
+    # ------------------------------------------------------------------ the loop
+
+    def _write_inputs(self) -> None:
+        (self.out / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
+        (self.out / "run.json").write_text(json.dumps(self.spec.to_json(), indent=1))
+
+    def run(self, store: dist.Store, address: StoreAddress) -> int:
+        cfg = self.cfg
+        world = cfg.stages * cfg.pipelines
+        (self.out / "logs").mkdir(parents=True, exist_ok=True)
+        self._write_inputs()
+        files = self.files = RunFiles(self.out)
+        if cfg.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            files.tensorboard = SummaryWriter(str(self.out / "tensorboard"))
+        files.event({"time_s": 0.0, "kind": "launch", "node": "launcher", "stages": cfg.stages,
+                     "pipelines": cfg.pipelines, "partition": self.spec.partition,
+                     "redundancy": cfg.redundancy, "store": f"{address.host}:{address.port}",
+                     "store_kind": address.kind,
+                     **({"store_prefix": address.prefix} if address.prefix else {}),
+                     **self._launch_details(), "t0": self.t0,
+                     **({"resumed_from": str(self.resume.path),
+                         "start_iteration": self.resume.next_iteration} if self.resume else {})})
+        nodes = [f"node{r}" for r in range(world)]
+        self.coordinator = Coordinator(
+            cfg=cfg, store=store, layout=Layout.build(cfg.stages, cfg.pipelines, nodes),
+            kill=self._kill, emit=files.event, now=self._now, token=self.token)
+        inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._inbox, self._address, self._store = inbox, address, store
+        self._exited: dict[str, int] = {}
+        self._watch_mailbox(address, inbox)
+        bar = self._bar = self._progress_bar()
+        status, message = "failed", ""
+        self._last: dict[str, Any] | None = None
+        self._received = 0
+        errors: dict[str, str] = {}
+        try:
+            self._start_nodes(address, inbox)
+            exited = self._exited
+            last_tick = time.time()
+            while True:
+                try:
+                    what, item = inbox.get(timeout=self._wait_limit())
+                except queue.Empty:
+                    what, item = "tick", None
+                self._each_turn(files)
+                if time.time() - last_tick >= cfg.failover.heartbeat_s:
+                    last_tick = time.time()
+                    self.coordinator.tick()
+                if what == "record" and item.get("type") == "exit":  # reported by an agent
+                    self._received += 1
+                    what, item = "exit", (item["node"], int(item["code"]))
+                if what == "event":  # from a helper thread of this process
+                    files.event(item)
+                elif what == "record":
+                    self._handle_record(what, item, files, errors)
+                elif what == "exit":
+                    node, code = item
+                    exited[node] = code
+                    if code == 1:  # a software error: failing over would repeat it elsewhere
+                        self._drain(inbox, files, errors, store)
+                        detail = errors.get(node) or f"exited with code {code}"
+                        message = f"{node} failed: {detail} (log: {self.out}/logs/{node}.log)"
+                        files.event({"time_s": self._now(), "kind": "worker_failed",
+                                     "node": node, "returncode": code, "message": detail})
+                        break
+                    if code != 3:  # 3: stopped by the plan, already accounted for
+                        self.coordinator.node_exited(node, code)
+                    running = [n for n in self._started() if n not in exited]
+                    if running and not (set(running) & self.coordinator.live):
+                        self._only_standby_left()
+                    if len(exited) == len(self._started()):
+                        self._drain(inbox, files, errors, store)
+                        message = self._gather_final() or self._completion_problem()
+                        if not message:
+                            self._merge_final()
+                            status = "completed"
+                        break
+                elif what == "mailbox_closed":
+                    message = f"lost the store: {item}"
+                    break
+        except KeyboardInterrupt:
+            message = "interrupted"
+        finally:
+            self._stop_workers()
+            self._close_mailbox(store)
+            if bar is not None:
+                bar.close()
+            wall = time.time() - self.t0
+            files.event({"time_s": round(wall, 6), "kind": "job_" + status, "node": "launcher",
+                         **({"message": message} if message else {})})
+            files.close()
+            self._write_summary(status, message, self._last, wall)
+        if status != "completed":
+            print(f"spotpipe: training failed: {message}", file=self.stream)
+            return 1
+        return 0
+
+    def _completion_problem(self) -> str:
+        """Why a run whose workers all exited did not complete ("" when it did)."""
+        if self.coordinator.stop_message:
+            return self.coordinator.stop_message
+        final = self.out / "final"
+        missing = [s for s in range(self.cfg.stages)
+                   if not (final / f"stage{s}.safetensors").exists()]
+        if missing or self._last is None:
+            done = 0 if self._last is None else self._last["iter"] + 1
+            return f"workers exited after {done} of {self.cfg.iterations} iterations"
+        return ""
+
+    def _checkpoint_saved(self, item: dict[str, Any], files: RunFiles) -> None:
+        """Commit a checkpoint once every stage of its iteration is on disk (single writer)."""
+        t = item["iteration"]
+        parts = self._ckpt_parts.setdefault(t, {})
+        parts[item["stage"]] = item["checksums"]
+        if len(parts) < self.cfg.stages:
+            return
+        checksums = {k: v for stage in parts.values() for k, v in stage.items()}
+        info = {"partition": [list(r) for r in self.spec.partition], "stages": self.cfg.stages,
+                "pipelines": self.cfg.pipelines, "config_digest": self.cfg.digest(),
+                "model_digest": self.cfg.model_digest(), "num_samples": self.spec.num_samples,
+                "global_batch": self.cfg.global_batch, "seed": self.cfg.seed}
+        path = durable.commit(self.checkpoint_root, t, info, checksums, self.cfg.checkpoint.keep)
+        del self._ckpt_parts[t]
+        files.event({"time_s": self._now(), "kind": "checkpoint_committed", "node": "launcher",
+                     "iteration": t, "path": str(path)})
+
+    def _now(self) -> float:
+        return round(time.time() - self.t0, 6)
+
+    def _drain(self, inbox: "queue.Queue[tuple[str, Any]]", files: RunFiles,
+               errors: dict[str, str], store: dist.Store) -> None:
+        """Write every record posted so far: a worker posts its last record before it exits,
+        so once it has exited, the store's mailbox count says how many records to wait for."""
+        posted = store.add(f"{MAILBOX}/count", 0)
+        while self._received < posted:
+            what, item = inbox.get(timeout=self.cfg.cluster.timeout_s)
+            self._handle_record(what, item, files, errors)
+
+    def _handle_record(self, what: str, item: Any, files: RunFiles,
+                       errors: dict[str, str]) -> None:
+        if what != "record":
+            return
+        self._received += 1
+        kind = item.pop("type")
+        if kind == "exit":  # an agent's report, read while draining: nothing more to do
+            self._exited.setdefault(item["node"], int(item["code"]))
+        elif kind == "metrics":
+            if self._last is None:
+                self._train_start = time.time()
+            files.metric(item)
+            self._last = item
+            self._update_bar(self._bar, item)
+            self._on_metrics(item, files)
+        elif kind == "event" and item["kind"] == "checkpoint_saved":
+            files.event({k: v for k, v in item.items() if k != "checksums"})
+            self._checkpoint_saved(item, files)
+        elif kind == "join":
+            files.event({"time_s": item.pop("time_s"), "kind": "join_requested",
+                         "node": item["node"]})
+            self.coordinator.join(item)
+        elif kind == "report":
+            files.event({"time_s": item.pop("time_s"), "kind": "report", **item})
+            item["time_s"] = 0.0
+            self.coordinator.report(item)
+        else:
+            files.event(item)
+            if item["kind"] == "worker_error":
+                errors[item["node"]] = item["message"]
+
+    def _watch_mailbox(self, address: StoreAddress,
+                       inbox: "queue.Queue[tuple[str, Any]]") -> None:
+        client = address.connect(self.cfg.cluster.timeout_s)
+
+        def pump() -> None:
+            try:
+                for record in read_mailbox(client):
+                    if record.get("type") == "close":
+                        return
+                    inbox.put(("record", record))
+            except Exception as exc:  # the store went away: only at shutdown, or a real fault
+                inbox.put(("mailbox_closed", str(exc)))
+
+        self._pump = threading.Thread(target=pump, name="mailbox", daemon=True)
+        self._pump.start()
+
+    def _close_mailbox(self, store: dist.Store) -> None:
+        """Post the closing record, so the reader thread leaves its blocking wait and ends
+        before the interpreter does (a thread inside a store call at exit aborts the process)."""
+        WorkerChannel(store, "launcher", self.t0)._post({"type": "close"})
+        self._pump.join(timeout=10)
+
+    def _merge_final(self) -> None:
+        final = self.out / "final"
+        merged: dict[str, Any] = {}
+        parts = [final / f"stage{s}.safetensors" for s in range(self.cfg.stages)]
+        for part in parts:
+            merged.update(load_file(str(part)))
+        tmp = final / ".model.safetensors.tmp"
+        save_file(merged, str(tmp), metadata={"spotpipe_config": self.cfg.digest()})
+        os.replace(tmp, final / "model.safetensors")
+        for part in parts:
+            part.unlink()
+
+    def _write_summary(self, status: str, message: str, last: dict[str, Any] | None,
+                       wall: float) -> None:
+        cfg = self.cfg
+        iters = 0 if last is None else last["iter"] + 1
+        summary = {
+            "status": status, "message": message, "iterations": iters,
+            "samples": 0 if last is None else last["samples"],
+            "final_loss": None if last is None else last["loss"],
+            "wall_s": round(wall, 3),
+            "train_s": None if last is None else last["time_s"],
+            "samples_per_s": None if not last else round(last["samples"] / last["time_s"], 3),
+            "stages": cfg.stages, "pipelines": cfg.pipelines, "schedule": cfg.schedule,
+            "partition": self.spec.partition, "config_digest": cfg.digest(),
+        }
+        tmp = self.out / ".summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=1))
+        os.replace(tmp, self.out / "summary.json")
+
+    # ------------------------------------------------------------------ progress
+
+    def _progress_bar(self) -> Any:
+        if not self.progress:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.cfg.iterations, desc="train", unit="it", file=self.stream,
+                    dynamic_ncols=True)
+
+    def _update_bar(self, bar: Any, record: dict[str, Any]) -> None:
+        if bar is None:
+            return
+        bar.update(1)
+        bar.set_postfix_str(f"loss {record['loss']:.4f} | {record['samples_per_s']:.1f} samples/s"
+                            f" | nodes {record['live_nodes']}/{self.cfg.stages * self.cfg.pipelines}"
+                            f" double {record.get('carriers', 0)} gen {record['generation']}")

@@ -1,0 +1,89 @@
+"""Worker processes on one host: start them with torchrun's environment, report their exits.
+
+The local launcher runs every node of a job on this machine; a node agent (`spotpipe agent`)
+runs the nodes of its own host. Both start workers the same way and learn of an exit through
+a callback (a thread waits on each process: Popen.poll is unreliable while another thread
+waits on the same child).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from spotpipe.cluster.store import StoreAddress
+from spotpipe.config import Config
+from spotpipe.runtime.faults import Fault
+
+
+def _die_with_parent() -> None:
+    """Workers get SIGKILL if their launcher or agent dies, so no worker outlives its job."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def worker_env(cfg: Config, *, rank: int, world: int, local_rank: int, local_world: int,
+               address: StoreAddress, run_dir: Path, t0: float, token: str,
+               search_path: Sequence[str], faults: Sequence[Fault] = (),
+               joining: bool = False, gated: bool = False, resume: str = "") -> dict[str, str]:
+    """The environment of one worker process (worker.py's docstring lists what it reads)."""
+    return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
+                LOCAL_WORLD_SIZE=str(local_world), **address.env(), SPOTPIPE_RUN_DIR=str(run_dir),
+                SPOTPIPE_T0=repr(t0), OMP_NUM_THREADS=str(cfg.cluster.threads_per_worker),
+                SPOTPIPE_FAULTS=json.dumps([f.to_json() for f in faults]),
+                SPOTPIPE_JOIN="1" if joining else "", SPOTPIPE_JOIN_GATED="1" if gated else "",
+                SPOTPIPE_JOIN_TOKEN=token, SPOTPIPE_RESUME=resume,
+                PYTHONPATH=os.pathsep.join(list(search_path) + [os.environ.get("PYTHONPATH", "")])
+                .rstrip(os.pathsep))
+
+
+class Supervisor:
+    """The worker processes this process started, by node name."""
+
+    def __init__(self, logs: Path, on_exit: Callable[[str, int], None]) -> None:
+        self.logs = logs
+        self.on_exit = on_exit
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn(self, node: str, env: dict[str, str]) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        log = open(self.logs / f"{node}.log", "wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "spotpipe.runtime.worker"], env=env, stdout=log,
+            stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        log.close()
+        self.procs[node] = proc
+        threading.Thread(target=lambda: self.on_exit(node, proc.wait()),
+                         name=f"wait-{node}", daemon=True).start()
+
+    def signal(self, node: str, signum: int) -> bool:
+        """Send a signal to a node's process if it still runs; whether it was sent."""
+        proc = self.procs.get(node)
+        if proc is None or proc.returncode is not None:
+            return False
+        try:
+            os.kill(proc.pid, signum)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after `grace_s`; returns when every process is gone."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.time() + grace_s
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
