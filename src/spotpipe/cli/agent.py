@@ -72,6 +72,12 @@ def run(args: argparse.Namespace) -> int:
     except (AgentError, ConfigError, LaunchError) as exc:
         print(f"spotpipe agent: error: {exc}", file=sys.stderr)
         code = 2
+    except Exception as exc:  # the rendezvous store went away, or a bug: say so, exit 1
+        import traceback
+
+        traceback.print_exc()
+        print(f"spotpipe agent: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     # threads blocked in store waits must not run interpreter teardown (see worker.py)

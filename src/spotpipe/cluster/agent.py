@@ -218,6 +218,7 @@ class AgentJobLoop(JobLoop):
                 del self._kill_due[node]
                 files.event({"time_s": self._now(), "kind": "agent_silent", "node": node,
                              "reason": "killed by the coordinator, no exit reported"})
+                self.rdzv.silent(node)
                 self._inbox.put(("exit", (node, -int(signal.SIGKILL))))
 
     def _gather_final(self) -> str:
@@ -251,6 +252,8 @@ class Coordinating:
         self._lock = threading.Lock()
         self._nodes: list[str] = []
         self._admitted: list[int] = []
+        self._agent_nodes: dict[int, list[str]] = {}
+        self._silent: set[str] = set()  # nodes whose agent never reported their end
         self._slots: dict[int, int] = {}  # slot (node rank / nproc) -> agent
         self._events: list[dict[str, Any]] = []
         self._inbox: Any = None
@@ -264,6 +267,17 @@ class Coordinating:
     def admitted_count(self) -> int:
         with self._lock:
             return len(self._admitted)
+
+    def silent(self, node: str) -> None:
+        with self._lock:
+            self._silent.add(node)
+
+    def answering(self) -> int:
+        """Admitted agents that may still confirm the end: not all of their nodes went silent
+        (an agent whose host is gone never will)."""
+        with self._lock:
+            return sum(1 for k in self._admitted
+                       if not set(self._agent_nodes.get(k, [])) <= self._silent)
 
     def _event(self, record: dict[str, Any]) -> None:
         record = {"time_s": round(time.time() - self.t0, 6), **record}
@@ -320,6 +334,7 @@ class Coordinating:
         ranks = list(range(first, first + n))
         with self._lock:
             self._admitted.append(k)
+            self._agent_nodes[k] = [f"node{r}" for r in ranks]
             self._nodes.extend(f"node{r}" for r in ranks)
         store.set(assign_key(k), json.dumps({"ranks": ranks, "joining": late,
                                              "world": self.world}))
@@ -370,11 +385,15 @@ class Coordinating:
             # wake the admission thread: a marker in the next arrival slot it will read
             close = store.add(ARRIVALS, 1)
             store.set(agent_key(close), json.dumps({"closed": True}))
+            for j in range(1, close):  # agents still waiting for an answer get one
+                if not store.check([assign_key(j)]):
+                    store.set(assign_key(j), json.dumps(
+                        {"refused": f"job {self.opts.rdzv_id} is over"}))
             summary = json.loads((self.opts.out / "summary.json").read_text()) \
                 if (self.opts.out / "summary.json").exists() else {}
             store.set(OVER, json.dumps({"status": summary.get("status", "failed"),
                                         "message": summary.get("message", ""),
-                                        "agents": self.admitted_count()}))
+                                        "agents": self.answering()}))
         return self.code
 
 

@@ -1,9 +1,10 @@
 """The worker process: one per node, started by the launcher (or agent) as torchrun starts one.
 
 Environment, as torchrun sets it: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK; plus
-SPOTPIPE_RUN_DIR (the run's output folder, holding config.yaml and run.json written by the
-launcher), SPOTPIPE_T0 (the launcher's start time, so all records share one clock) and
-SPOTPIPE_FAULTS (injected faults, JSON).
+SPOTPIPE_STORE and SPOTPIPE_STORE_PREFIX (tcp, or etcd at MASTER_ADDR:MASTER_PORT with the
+job's key prefix), SPOTPIPE_RUN_DIR (the run's output folder, holding config.yaml and
+run.json written by the launcher), SPOTPIPE_T0 (the launcher's start time, so all records
+share one clock) and SPOTPIPE_FAULTS (injected faults, JSON).
 
 The worker trains generation by generation. Within a generation the layout is fixed; a failure
 or a notice ends it: the worker reports where it stands, waits for the plan that the launcher's
