@@ -167,25 +167,7 @@ def test_job_survives_an_etcd_restart_mid_run(tmp_path, corpus, etcd):
 def test_pipelines_go_two_one_two_on_etcd(tmp_path, tmp_path_factory, corpus, etcd):
     """Membership on etcd: D = 2 -> 1 (adjacent losses drop a pipeline) -> 2 (two nodes join,
     gated on iterations through the store, and form one); every sample exactly once."""
-    from test_failover import failure_free
+    from test_membership import check_pipelines_two_one_two
 
-    sgd = {"optimizer.name": "sgd", "optimizer.momentum": 0.9, "optimizer.lr": 0.05}
-    cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
-                      **{**FAST, **sgd, "iterations": 40, "cluster.store": "etcd",
-                         "cluster.etcd_endpoint": etcd.endpoint})
-    nodes = [f"node{r}" for r in range(4)]
-    faults = [Fault.parse("fail", "node0@3:backward", nodes),
-              Fault.parse("fail", "node1@3:backward", nodes)]
-    run = tmp_path / "run"
-    assert train(cfg, run, progress=False, faults=faults, joins=[5, 5]) == 0
-    plans = [e["action"] for e in events(run) if e["kind"] == "plan"]
-    assert "drop_pipeline" in plans and plans[-1] == "add_pipeline"
-    widths = [json.loads(line)["live_nodes"] for line in open(run / "metrics.jsonl")]
-    assert widths[0] == 4 and 2 in widths and widths[-1] == 4
-    assert_samples_exactly_once(run, cfg)
-    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=2, pipelines=2,
-                                                      **{**FAST, **sgd, "iterations": 40}))
-    got = load_file(str(run / "final" / "model.safetensors"))
-    for k in want:  # D changed twice: the same samples, summed in other orders
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6)
-    assert workers_running(run) == []
+    check_pipelines_two_one_two(tmp_path, tmp_path_factory, corpus,
+                                **{"cluster.store": "etcd", "cluster.etcd_endpoint": etcd.endpoint})

@@ -56,8 +56,13 @@ def test_joining_node_rebalances_a_carrier_exactly(tmp_path, tmp_path_factory, c
 
 def test_pipelines_go_two_one_two(tmp_path, tmp_path_factory, corpus):
     """D = 2 -> 1 (adjacent losses drop a pipeline) -> 2 (two nodes join and form one)."""
+    check_pipelines_two_one_two(tmp_path, tmp_path_factory, corpus)
+
+
+def check_pipelines_two_one_two(tmp_path, tmp_path_factory, corpus, **store) -> None:
+    """The D = 2 -> 1 -> 2 run and its checks; `store` selects the store (test_etcd.py)."""
     cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
-                      **{**FAST, **SGD, "iterations": 40})
+                      **{**FAST, **SGD, "iterations": 40, **store})
     nodes = [f"node{r}" for r in range(4)]
     faults = [Fault.parse("fail", "node0@3:backward", nodes),
               Fault.parse("fail", "node1@3:backward", nodes)]
@@ -74,7 +79,7 @@ def test_pipelines_go_two_one_two(tmp_path, tmp_path_factory, corpus):
     got = load_file(str(run / "final" / "model.safetensors"))
     for k in want:  # D changed twice: the same samples, summed in other orders
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6)
-    assert_nothing_left(run, store_port(run))
+    assert_nothing_left(run, store_port(run) if not store else None)
 
 
 def _stranger(run, node, token, config_path=None):
