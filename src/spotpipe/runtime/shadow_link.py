@@ -95,6 +95,7 @@ class ShadowWriter:
         self.max_lag, self.timeout_s = max_lag, timeout_s
         self.links: dict[int, _Link] = {}
         self.waited_s = 0.0  # time spent waiting on a shadow beyond max_lag
+        self.waiting = False  # blocked on a shadow, not computing (read by the heartbeat)
         self.bytes_received = 0
 
     def relink(self, writes: dict[int, tuple[nn.Module, torch.optim.Optimizer]], resume: int,
@@ -143,7 +144,11 @@ class ShadowWriter:
             key = applied_key(self.namespace, stage, behind)
             if not self.store.check([key]):  # the documented policy: the writer waits
                 started = time.perf_counter()
-                self.store.wait([key], timedelta(seconds=self.timeout_s))
+                self.waiting = True
+                try:
+                    self.store.wait([key], timedelta(seconds=self.timeout_s))
+                finally:
+                    self.waiting = False
                 self.waited_s += time.perf_counter() - started
         flat = flat.detach().to("cpu")
         h = header(GRAD, iteration)
@@ -166,10 +171,13 @@ class ShadowWriter:
         self.links.clear()
 
     def _finish_sends(self, link: _Link) -> None:
+        self.waiting = True
         try:
             for work, _ in link.sends:
                 work.wait()
         except RuntimeError as exc:
             raise ShadowError(f"the shadow of stage {link.stage} is unreachable: "
                               f"{str(exc).splitlines()[0][:200]}") from None
+        finally:
+            self.waiting = False
         link.sends.clear()

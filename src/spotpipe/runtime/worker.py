@@ -156,7 +156,8 @@ class Worker:
         ex = self.executor
         if ex is None:
             return {"state": "starting", "generation": self.generation}
-        busy = not ex.comm.waiter.waiting and not self._recovering
+        busy = (not ex.comm.waiter.waiting and not self._recovering
+                and not (self.shadow is not None and self.shadow.waiting))
         return {"state": "busy" if busy else "waiting", "generation": self.generation,
                 "iteration": ex.iteration, "position": ex.position}
 
@@ -352,6 +353,8 @@ class Worker:
                 promoted.append(move["stage"])
         copies = [m for m in plan["moves"] if m["kind"] == "copy"]
         moves = migrate.transfers(old, new_layout, copies, promoted_nodes)
+        if self.cfg.redundancy == "none":  # nobody holds replicas: only stages move
+            moves = [t for t in moves if t.kind != "replica"]
         self.layout = new_layout
         self.generation = plan["generation"]
         comm = self._open_comm()
@@ -402,7 +405,8 @@ class Worker:
             if kind == "stage":
                 self.stages[s] = nodelib.stage_state_from(self.model, self.spec.partition, s,
                                                           module, optimizer)
-        want = nodelib.held_replica(self.layout, self.node)
+        want = (nodelib.held_replica(self.layout, self.node)
+                if self.cfg.redundancy != "none" else None)
         if ("replica", want) in got:
             if self.holding is not None:
                 self.holding.applier.close()
