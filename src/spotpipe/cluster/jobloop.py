@@ -32,6 +32,7 @@ from spotpipe.checkpoint import durable
 from spotpipe.cluster.channel import MAILBOX, WorkerChannel, read_mailbox
 from spotpipe.cluster.coordinator import Coordinator
 from spotpipe.cluster.store import StoreAddress
+from spotpipe.cluster.supervisor import Supervisor, search_path, worker_env
 from spotpipe.config import Config
 from spotpipe.plan import Layout
 
@@ -86,6 +87,7 @@ class JobLoop:
         self.resume = resume
         self._ckpt_parts: dict[int, dict[int, dict[str, str]]] = {}
         self.checkpoint_root = Path(cfg.checkpoint.dir or out / "checkpoints")
+        self._shadows: Supervisor | None = None
 
     # ------------------------------------------------------------------ where workers run
 
@@ -162,7 +164,10 @@ class JobLoop:
         self._last: dict[str, Any] | None = None
         self._received = 0
         errors: dict[str, str] = {}
+        self._shadow_exited: dict[str, int] = {}
         try:
+            if cfg.shadow.enabled:
+                self._spawn_shadows(address, inbox)
             self._start_nodes(address, inbox)
             exited = self._exited
             last_tick = time.time()
@@ -197,12 +202,24 @@ class JobLoop:
                     running = [n for n in self._started() if n not in exited]
                     if running and not (set(running) & self.coordinator.live):
                         self._only_standby_left()
-                    if len(exited) == len(self._started()):
+                    if len(exited) == len(self._started()) and (
+                            self._shadows_done() or self.coordinator.stop_message):
+                        message = self._complete(inbox, files, errors, store)
+                        status = "completed" if not message else status
+                        break
+                elif what == "shadow_exit":
+                    name, code = item
+                    self._shadow_exited[name] = code
+                    if code != 0:
                         self._drain(inbox, files, errors, store)
-                        message = self._gather_final() or self._completion_problem()
-                        if not message:
-                            self._merge_final()
-                            status = "completed"
+                        detail = errors.get(name) or f"exited with code {code}"
+                        message = f"{name} failed: {detail} (log: {self.out}/logs/{name}.log)"
+                        files.event({"time_s": self._now(), "kind": "shadow_failed",
+                                     "node": name, "returncode": code, "message": detail})
+                        break
+                    if len(exited) == len(self._started()) and self._shadows_done():
+                        message = self._complete(inbox, files, errors, store)
+                        status = "completed" if not message else status
                         break
                 elif what == "mailbox_closed":
                     message = f"lost the store: {item}"
@@ -211,6 +228,8 @@ class JobLoop:
             message = "interrupted"
         finally:
             self._stop_workers()
+            if self._shadows is not None:
+                self._shadows.stop_all()
             self._close_mailbox(store)
             if bar is not None:
                 bar.close()
@@ -223,6 +242,33 @@ class JobLoop:
             print(f"spotpipe: training failed: {message}", file=self.stream)
             return 1
         return 0
+
+    def _spawn_shadows(self, address: StoreAddress,
+                       inbox: "queue.Queue[tuple[str, Any]]") -> None:
+        """The CPU shadows, one per stage, run here, next to the store: on the host that is
+        not preempted (see spotpipe.checkpoint.shadow)."""
+        self._shadows = Supervisor(self.out / "logs",
+                                   lambda name, code: inbox.put(("shadow_exit", (name, code))),
+                                   module="spotpipe.checkpoint.shadow")
+        for stage in range(self.cfg.stages):
+            env = worker_env(self.cfg, rank=0, world=1, local_rank=0, local_world=1,
+                             address=address, run_dir=self.out, t0=self.t0, token=self.token,
+                             search_path=search_path(self.cfg),
+                             resume=str(self.resume.path) if self.resume else "")
+            env["SPOTPIPE_SHADOW_STAGE"] = str(stage)
+            self._shadows.spawn(f"shadow{stage}", env)
+
+    def _shadows_done(self) -> bool:
+        return self._shadows is None or len(self._shadow_exited) == len(self._shadows.procs)
+
+    def _complete(self, inbox: "queue.Queue[tuple[str, Any]]", files: RunFiles,
+                  errors: dict[str, str], store: dist.Store) -> str:
+        """Every process is done: write what is left; return why the run did not complete."""
+        self._drain(inbox, files, errors, store)
+        message = self._gather_final() or self._completion_problem()
+        if not message:
+            self._merge_final()
+        return message
 
     def _completion_problem(self) -> str:
         """Why a run whose workers all exited did not complete ("" when it did)."""
@@ -261,7 +307,8 @@ class JobLoop:
         """Write every record posted so far: a worker posts its last record before it exits,
         so once it has exited, the store's mailbox count says how many records to wait for."""
         posted = store.add(f"{MAILBOX}/count", 0)
-        while self._received < posted:
+        # the count may lag by a record whose writer was killed right after writing it
+        while self._received < posted or store.check([f"{MAILBOX}/{self._received + 1}"]):
             what, item = inbox.get(timeout=self.cfg.cluster.timeout_s)
             self._handle_record(what, item, files, errors)
 
@@ -293,7 +340,7 @@ class JobLoop:
             self.coordinator.report(item)
         else:
             files.event(item)
-            if item["kind"] == "worker_error":
+            if item["kind"] in ("worker_error", "shadow_error"):
                 errors[item["node"]] = item["message"]
 
     def _watch_mailbox(self, address: StoreAddress,

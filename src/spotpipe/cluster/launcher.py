@@ -28,7 +28,7 @@ from spotpipe.checkpoint import durable
 from spotpipe.config import Config, parse_endpoint
 from spotpipe.cluster.jobloop import JobLoop, RunFiles
 from spotpipe.cluster.store import StoreAddress, host_tcp_store, job_prefix
-from spotpipe.cluster.supervisor import Supervisor, worker_env
+from spotpipe.cluster.supervisor import Supervisor, search_path, worker_env
 from spotpipe.cluster.trace_replay import Action as TraceAction
 from spotpipe.runtime.faults import Fault
 from spotpipe import job
@@ -43,11 +43,6 @@ class LaunchError(RuntimeError):
 class Prepared:
     cfg: Config
     spec: job.RunSpec
-
-
-def search_path(cfg: Config) -> list[str]:
-    """Where user factories are imported from: the working folder and the config's folder."""
-    return [p for p in dict.fromkeys([os.getcwd(), cfg.source_dir]) if p]
 
 
 def prepare(cfg: Config) -> Prepared:

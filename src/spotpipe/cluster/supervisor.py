@@ -24,6 +24,11 @@ from spotpipe.config import Config
 from spotpipe.runtime.faults import Fault
 
 
+def search_path(cfg: Config) -> list[str]:
+    """Where user factories are imported from: the working folder and the config's folder."""
+    return [p for p in dict.fromkeys([os.getcwd(), cfg.source_dir]) if p]
+
+
 def _die_with_parent() -> None:
     """Workers get SIGKILL if their launcher or agent dies, so no worker outlives its job."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -48,16 +53,18 @@ def worker_env(cfg: Config, *, rank: int, world: int, local_rank: int, local_wor
 class Supervisor:
     """The worker processes this process started, by node name."""
 
-    def __init__(self, logs: Path, on_exit: Callable[[str, int], None]) -> None:
+    def __init__(self, logs: Path, on_exit: Callable[[str, int], None], *,
+                 module: str = "spotpipe.runtime.worker") -> None:
         self.logs = logs
         self.on_exit = on_exit
+        self.module = module  # what the processes run (workers; or the CPU shadows)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def spawn(self, node: str, env: dict[str, str]) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         log = open(self.logs / f"{node}.log", "wb")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "spotpipe.runtime.worker"], env=env, stdout=log,
+            [sys.executable, "-m", self.module], env=env, stdout=log,
             stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         log.close()
         self.procs[node] = proc
