@@ -171,3 +171,20 @@ def test_pipelines_go_two_one_two_on_etcd(tmp_path, tmp_path_factory, corpus, et
 
     check_pipelines_two_one_two(tmp_path, tmp_path_factory, corpus,
                                 **{"cluster.store": "etcd", "cluster.etcd_endpoint": etcd.endpoint})
+
+
+def test_shadow_restore_on_etcd(tmp_path, corpus, etcd):
+    """CPU shadows link to their writers through the store: on etcd, a stage lost without a
+    replica (redundancy off) comes back from its shadow, exactly."""
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="none",
+                      **{**FAST, "shadow.enabled": True, "cluster.store": "etcd",
+                         "cluster.etcd_endpoint": etcd.endpoint})
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False,
+                 faults=[Fault.parse("fail", "node1@3", ["node0", "node1"])]) == 0
+    assert [e["action"] for e in events(run) if e["kind"] == "plan"] == ["restore_from_shadow"]
+    want, _ = reference(tiny_config(corpus, stages=2, pipelines=1, **FAST))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert_samples_exactly_once(run, cfg)
+    assert workers_running(run) == []
