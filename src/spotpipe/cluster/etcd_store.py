@@ -140,12 +140,19 @@ class EtcdStore(dist.Store):
         adding twice: a doubled count would leave a hole in the mailbox's numbering.
         """
         k = self._key(key)
+        if amount == 0:  # a read (the mailbox asks for the count this way): no swap needed
+            _, found = self._range([k])
+            return int(found.get(k) or 0)
         receipt = self._key(f"__receipts/{uuid.uuid4().hex}")
+        tried = False
 
         def attempt() -> int | None:
-            _, done = self._range([receipt])
-            if receipt in done:
-                return int(done[receipt])
+            nonlocal tried
+            if tried:  # a retry: the previous attempt may have committed before failing
+                _, done = self._range([receipt])
+                if receipt in done:
+                    return int(done[receipt])
+            tried = True
             reply = self._client().get(k, metadata=True)
             if reply:
                 value, meta = reply[0]
