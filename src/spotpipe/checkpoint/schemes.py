@@ -196,7 +196,7 @@ class Scheme:
             self.bytes += nbytes
         entry = {"iteration": iteration, "stage": stage, "blocked_s": round(blocked_s, 6),
                  "bytes": nbytes, "done_time": time.time(), **extra}
-        self.records.append(entry)
+        self.records.append({"kind": kind, **entry})
         fields = {k: v for k, v in entry.items() if k != "done_time"}
         self.ctx.event(kind, scheme=self.name, k=self.cadence.k, **fields)
 

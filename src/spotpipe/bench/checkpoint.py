@@ -1,0 +1,166 @@
+"""`spotpipe bench checkpoint`: what each checkpoint scheme costs training, and what it saves.
+
+Throughput. Two processes (P = 2, D = 1), each pinned to its own core with one torch thread,
+gloo, train the same GPT stages once per variant, side by side in one run: no checkpoints, and
+each baseline (`torch_save`, `checkfreq`, `dcp_async`, `gemini`; spotpipe.checkpoint.schemes)
+every k = 1 and k = 10 iterations. Variants alternate in blocks of 10 iterations, each leading
+in turn, so that drift in the machine's load spreads over all of them (see
+`_checkpoint_worker`). `<variant>_ratio` is the median block time without checkpoints over the
+variant's: throughput as a fraction of no checkpointing.
+
+Bytes per iteration: what the variant wrote to disk or sent to a peer, both stages together,
+over the iterations it ran. Blocked seconds per checkpoint: what the training loop waited for
+(the slower node's).
+
+Lost work per failure (`lost_iterations_per_failure`), computed from the checkpoints the runs
+actually completed, not from a formula: `kills` kill times are drawn uniformly at random over
+each variant's timed iterations (seeded); a kill at time tau in iteration u loses u - t
+iterations, t being the newest iteration whose checkpoint was complete for every stage (written
+and, for the asynchronous schemes, persisted; for gemini, received by the peer) before tau:
+training resumes at t + 1, so iterations t + 1 .. u, the one in flight included, are run again.
+So a checkpoint every iteration that completes at once loses exactly the one in flight (1).
+
+Recovery time (`recovery_s`): a real restart, as `bench failover` measures it: a P = 2 job with
+the durable tier written by `dcp_async` every 5 iterations, no redundancy, one node killed (the
+job stops), then every worker started again with `--resume`; the figure runs from the kill to
+the first iteration completed by the restarted job (`recovery_with_replay_s` adds the lost
+iterations run again).
+
+The variants are listed in `VARIANTS`; the CPU shadows are one more line there (see the marked
+place), and their ratio then appears as `shadow_ratio`.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from spotpipe.bench.harness import describe_setup, launch, pinned_cores
+from spotpipe.bench.pipeline import MODEL
+
+BASELINES = ("torch_save", "checkfreq", "dcp_async", "gemini")
+INTERVALS = (1, 10)
+# (figure name, checkpoint.scheme, checkpoint.every); the first is the reference
+VARIANTS: list[tuple[str, str, int]] = [
+    ("none", "none", 0),
+    *[(f"{b}_k{k}", b, k) for b in BASELINES for k in INTERVALS],
+    # -- shadows (issue 6, items 1 and 3) go here, as one line: ("shadow", "shadow", 1),
+]
+FULL = {"rounds": 6, "warmup_blocks": 1, "iters_per_block": 10, "kills": 40}
+# --quick (the test): one round of a smaller model
+QUICK = {"rounds": 1, "warmup_blocks": 1, "iters_per_block": 10, "kills": 20,
+         "gpt": {**MODEL, "n_layer": 2, "n_embd": 64}, "num_microbatches": 4}
+
+
+def _spec(quick: bool) -> dict[str, Any]:
+    spec: dict[str, Any] = {"gpt": dict(MODEL), "num_microbatches": 8}
+    spec.update(QUICK if quick else FULL)
+    # the first k = 10 checkpoint (after iteration 9) falls in the middle of a block
+    spec.update(micro_batch_size=4, seed=0, first_iteration=5, timeout_s=120.0,
+                cores=pinned_cores(2))
+    return spec
+
+
+def lost_iterations(records: list[list[Any]], timeline: list[list[float]], stages: int,
+                    kills: int, seed: int) -> list[int]:
+    """Iterations lost by `kills` kills at uniformly random times of the timed iterations.
+
+    `records`: [iteration, stage, kind, wall time] of each completed checkpoint of a stage
+    (`checkpoint_held` is gemini's completion: the copy is in the peer's memory);
+    `timeline`: [iteration, start, end] wall times of each timed iteration. Kills before the
+    first complete checkpoint are drawn again (a long run always has one behind it)."""
+    complete_at: dict[int, dict[int, float]] = {}
+    held = any(kind == "checkpoint_held" for _, _, kind, _ in records)
+    for iteration, stage, kind, when in records:
+        if held and kind != "checkpoint_held":
+            continue  # gemini: the sender's completion says nothing about the peer's copy
+        complete_at.setdefault(int(iteration), {})[int(stage)] = float(when)
+    complete = sorted((max(parts.values()), t) for t, parts in complete_at.items()
+                      if len(parts) == stages)
+    if not complete or not timeline:
+        return []
+    rng = random.Random(seed)
+    total = sum(end - start for _, start, end in timeline)
+    out: list[int] = []
+    for _ in range(kills * 50):
+        if len(out) == kills:
+            break
+        x = rng.uniform(0.0, total)
+        for u, start, end in timeline:
+            if x <= end - start:
+                tau = start + x
+                break
+            x -= end - start
+        behind = [t for when, t in complete if when <= tau]
+        if behind:
+            out.append(int(u) - max(behind))
+    return out
+
+
+def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    blocks = raw["block_s"]
+    reference = statistics.median(blocks["none"])
+    n = raw["iters_per_block"]
+    out: dict[str, Any] = {}
+    lost: dict[str, float] = {}
+    for name, _, every in VARIANTS[1:]:
+        out[f"{name}_ratio"] = round(reference / statistics.median(blocks[name]), 4)
+    for name, _, every in VARIANTS[1:]:
+        per_rank = raw["per_rank"][name]  # [bytes, blocked_s, checkpoints, iterations] by rank
+        iterations = max(r[3] for r in per_rank)
+        out[f"{name}_bytes_per_iteration"] = int(sum(r[0] for r in per_rank) / iterations)
+        out[f"{name}_blocked_s_per_checkpoint"] = round(
+            max(r[1] / max(1.0, r[2]) for r in per_rank), 5)
+        kills = lost_iterations(raw["records"][name], raw["timeline"][name], 2, spec["kills"],
+                                seed=spec["seed"] + len(name))
+        if kills:
+            lost[name] = round(statistics.mean(kills), 2)
+    out["lost_iterations_per_failure"] = lost
+    out["kills_per_variant"] = spec["kills"]
+    out["none_iter_s"] = round(reference / n, 5)
+    out["rounds"] = spec["rounds"]
+    out["iters_per_block"] = n
+    return out
+
+
+def recovery(quick: bool) -> dict[str, float]:
+    """Kill a node of a job without redundancy that writes the durable tier with dcp_async,
+    restart everything from the newest checkpoint (`bench failover`'s restart baseline)."""
+    import shutil
+
+    from spotpipe.bench.failover import _train, restart_pause
+
+    iters, every, kill_at = (8, 3, 7) if quick else (30, 5, 23)
+    tmp = Path(tempfile.mkdtemp(prefix="spotpipe-bench-ckpt-restart-"))
+    try:
+        common = ["--stages", "2", "--set", f"iterations={iters}", "--set", "redundancy=none"]
+        first, second = tmp / "first", tmp / "second"
+        _train(first, *common, "--set", f"checkpoint.every={every}",
+               "--set", "checkpoint.scheme=dcp_async", "--fail", f"node1@{kill_at}:backward",
+               check=False)
+        _train(second, *common, "--resume", str(first))
+        r = restart_pause(first, second)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"recovery_s": round(r["restart_first_iteration_s"], 3),
+            "recovery_with_replay_s": round(r["restart_pause_s"], 3),
+            "recovery_lost_iterations": r["restart_lost_iterations"],
+            "recovery_checkpoint_every": every}
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    started = time.perf_counter()
+    spec = _spec(quick)
+    raw = launch(spec, 2, 600.0 if quick else 1200.0,
+                 worker_module="spotpipe.bench._checkpoint_worker", name="checkpoint")
+    figures = summarize(raw, spec)
+    figures.update(recovery(quick))
+    figures["config"] = describe_setup(spec, "uniform") + (
+        f"; micro-batch {spec['micro_batch_size']} x M={spec['num_microbatches']}, AdamW; "
+        f"blocks of {spec['iters_per_block']} iterations, {spec['rounds']} rounds")
+    figures["wall_s"] = round(time.perf_counter() - started, 1)
+    return figures
