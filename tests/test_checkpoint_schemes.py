@@ -100,8 +100,8 @@ def test_durable_tier_commits_exact_state_only_after_the_write(tmp_path, corpus,
     saved = events(run, "checkpoint_saved")
     assert all(e["scheme"] == scheme and e["bytes"] > 0 for e in saved)
     if scheme == "dcp_async":
-        # written in the background: the write outlasts what the loop waited for
-        assert all(e["persist_s"] >= e["blocked_s"] for e in saved)
+        # written in the background: some write outlasted what the loop waited for
+        assert any(e["persist_s"] > e["blocked_s"] for e in saved)
 
 
 def test_gemini_peer_holds_the_owner_state_bit_for_bit(tmp_path, corpus):
@@ -122,12 +122,21 @@ def test_auto_interval_picks_k_from_young_daly_and_commits(tmp_path, corpus):
     # a tiny MTBF makes the optimum a few iterations, so the run shows more than one choice
     run = _run(corpus, tmp_path, "durable", **{"checkpoint.every": "auto",
                                                "checkpoint.mtbf_s": 0.05, "iterations": 8})
-    saved = sorted({(e["iteration"], e["k"]) for e in events(run, "checkpoint_saved")})
-    assert saved[0][0] == 1  # the first after the warm-up iteration
-    for (t, k), (t_next, _) in zip(saved, saved[1:]):
-        assert k >= 1 and t_next == t + k  # every node agreed on the same next iteration
+    saved = sorted({e["iteration"] for e in events(run, "checkpoint_saved")})
+    assert saved[0] == 1  # the first after the warm-up iteration
+    decided = events(run, "checkpoint_interval")
+    assert {e["node"] for e in decided} == {"node0", "node1"}
+    by_iteration: dict[int, set[int]] = {}
+    for e in decided:
+        assert e["k"] >= 1 and e["next_at"] == e["iteration"] + e["k"]
+        assert e["mtbf_s"] >= 0.05 and e["cost_s"] >= 0 and e["iteration_s"] > 0
+        by_iteration.setdefault(e["iteration"], set()).add(e["next_at"])
+    assert sorted(by_iteration) == saved
+    assert all(len(v) == 1 for v in by_iteration.values())  # every node chose the same
+    for t, t_next in zip(saved, saved[1:]):
+        assert by_iteration[t] == {t_next}
     committed = [e["iteration"] for e in events(run, "checkpoint_committed")]
-    assert committed == [t for t, _ in saved]
+    assert committed == saved
 
 
 # ---------------------------------------------------------------------- interval (pure)
@@ -335,3 +344,33 @@ def test_gemini_needs_a_second_node(corpus):
         tiny_config(corpus, **{"checkpoint.scheme": "gemini", "checkpoint.every": 1,
                                "stages": 1, "pipelines": 1})
     tiny_config(corpus, **{"checkpoint.scheme": "gemini", "checkpoint.every": 1, "stages": 2})
+
+
+# ---------------------------------------------------------------------- across a failover
+
+@pytest.mark.parametrize("scheme", ["gemini", "dcp_async"])
+def test_schemes_go_on_exactly_after_a_takeover(tmp_path, corpus, scheme):
+    """node2 crashes in iteration 3 of a P = 3 job: node1 takes stage 2 over and from then on
+    writes both; gemini's copy of stage 2 moves to node0 (node1 is the writer now)."""
+    from spotpipe.runtime.faults import Fault
+
+    cfg = tiny_config(corpus, **{**RUN, "stages": 3, "redundancy": "lazy", "checkpoint.every": 1,
+                                 "checkpoint.scheme": scheme, "failover.heartbeat_s": 0.2,
+                                 "failover.heartbeat_timeout_s": 3.0})
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False,
+                 faults=[Fault("fail", "node2", 3, "backward")]) == 0
+    want = owner_digests(run)
+    assert [e["promoted"] for e in events(run, "takeover")] == [[2]]
+    if scheme == "gemini":
+        held = {(e["iteration"], e["stage"]): e for e in events(run, "checkpoint_held")}
+        assert {t for t, _ in held} == {0, 1, 2, 3, 4, 5}  # the in-flight 3 is replayed
+        assert held[(5, 2)]["node"] == "node0" and held[(5, 2)]["writer"] == "node1"
+        assert held[(1, 2)]["node"] == "node1" and held[(1, 2)]["writer"] == "node2"
+        for key, e in held.items():
+            assert e["digest"] == want[key], key
+    else:
+        newest = durable.newest(run / "checkpoints")
+        assert newest is not None and newest.manifest["iteration"] == 5
+        for s in range(3):
+            assert _load_durable(cfg, newest.path, s) == want[(5, s)]

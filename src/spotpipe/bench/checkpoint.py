@@ -5,8 +5,10 @@ gloo, train the same GPT stages once per variant, side by side in one run: no ch
 each baseline (`torch_save`, `checkfreq`, `dcp_async`, `gemini`; spotpipe.checkpoint.schemes)
 every k = 1 and k = 10 iterations. Variants alternate in blocks of 10 iterations, each leading
 in turn, so that drift in the machine's load spreads over all of them (see
-`_checkpoint_worker`). `<variant>_ratio` is the median block time without checkpoints over the
-variant's: throughput as a fraction of no checkpointing.
+`_checkpoint_worker`). `<variant>_ratio` is throughput as a fraction of no checkpointing: in
+each round, the block time without checkpoints over the variant's; the median over rounds
+(`ratio_quartiles` gives the spread). Each process has one core: a background write (checkfreq,
+dcp_async) competes with training for it, as it would on a machine without spare cores.
 
 Bytes per iteration: what the variant wrote to disk or sent to a peer, both stages together,
 over the iterations it ran. Blocked seconds per checkpoint: what the training loop waited for
@@ -39,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spotpipe.bench.harness import describe_setup, launch, pinned_cores
+from spotpipe.bench.harness import describe_setup, launch, pinned_cores, quantile
 from spotpipe.bench.pipeline import MODEL
 
 BASELINES = ("torch_save", "checkfreq", "dcp_async", "gemini")
@@ -107,9 +109,15 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     n = raw["iters_per_block"]
     out: dict[str, Any] = {}
     lost: dict[str, float] = {}
-    for name, _, every in VARIANTS[1:]:
-        out[f"{name}_ratio"] = round(reference / statistics.median(blocks[name]), 4)
-    for name, _, every in VARIANTS[1:]:
+    spread: dict[str, list[float]] = {}
+    for name, _, _ in VARIANTS[1:]:
+        # paired within each round (the blocks of one round run back to back), so that the
+        # machine's drift between rounds cancels; the median over rounds
+        ratios = sorted(a / b for a, b in zip(blocks["none"], blocks[name]))
+        out[f"{name}_ratio"] = round(statistics.median(ratios), 4)
+        spread[name] = [round(quantile(ratios, 0.25), 3), round(quantile(ratios, 0.75), 3)]
+    out["ratio_quartiles"] = spread
+    for name, _, _ in VARIANTS[1:]:
         per_rank = raw["per_rank"][name]  # [bytes, blocked_s, checkpoints, iterations] by rank
         iterations = max(r[3] for r in per_rank)
         out[f"{name}_bytes_per_iteration"] = int(sum(r[0] for r in per_rank) / iterations)

@@ -8,11 +8,12 @@ itself (one stage, or a node carrying two), the next node of the ring that is no
 keeps the latest complete copy of each stage it is peer for, in CPU memory.
 
 The transfer overlaps training: the sends and receives are posted at the boundary (a small
-header carrying the size first, which the peer waits for, then the data) and completed at the
-next boundary, where the scheme also waits for the previous copy before starting another (as
-Gemini's single in-flight checkpoint). A gloo send or receive says it is complete only once
-waited for, so completion is observed at a boundary: a copy counts as held from the boundary
-after it was posted. A generation change drops what was in flight; the held copies stay.
+header carrying the size first, which the peer waits for, then the data), and a helper thread
+per transfer waits for its completion (a gloo operation says it is complete only once waited
+for), so that a copy counts as held from the moment it arrived, even if the next iteration
+fails. The main thread reports completed copies at the next boundary, and waits for the previous
+copy before starting another (Gemini's single checkpoint in flight). A transfer of a generation
+that ended is abandoned; the held copies stay.
 
 The layout (names, dtypes, shapes) of a stage's buffer travels as JSON through the store, once
 per writer and stage, so nothing is unpickled from the network.
@@ -21,15 +22,16 @@ per writer and stage, so nothing is unpickled from the network.
 from __future__ import annotations
 
 import json
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from spotpipe.checkpoint import durable, snapshot
 from spotpipe.checkpoint.schemes import Boundary, Scheme, SchemeContext
-from spotpipe.runtime.comm import tag
+from spotpipe.runtime.comm import PeerFailure, tag
 
 CKPT, CKPT_DATA = 4, 5  # message kinds after spotpipe.runtime.comm's ACT, GRAD, REPLICA, TIED
 
@@ -57,9 +59,24 @@ class _InFlight:
     work: Any
     buffer: torch.Tensor
     comm: Any
-    posted: float
     blocked_s: float
     peer: str  # the other end
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+    done_time: float = 0.0
+
+    def start(self) -> "_InFlight":
+        threading.Thread(target=self._complete, name="gemini-transfer", daemon=True).start()
+        return self
+
+    def _complete(self) -> None:
+        try:
+            self.work.wait()
+            self.ok = True
+        except Exception:  # noqa: BLE001 - a dead peer: the generation's abort handles it
+            self.ok = False
+        self.done_time = time.time()
+        self.done.set()
 
 
 class GeminiScheme(Scheme):
@@ -98,8 +115,8 @@ class GeminiScheme(Scheme):
             comm.send(torch.tensor([flat.numel()], dtype=torch.int64, device=device), peer,
                       tag(CKPT, s))
             work = comm.post_send(flat, peer, tag(CKPT_DATA, s))
-            self._sends.append(_InFlight(b.iteration, s, work, flat, comm, started,
-                                         time.perf_counter() - started, peer))
+            self._sends.append(_InFlight(b.iteration, s, work, flat, comm,
+                                         time.perf_counter() - started, peer).start())
         for s in range(b.layout.num_stages):
             writer = b.layout.owner(0, s)
             if writer == me or peer_of(b.layout, s) != me:
@@ -108,33 +125,51 @@ class GeminiScheme(Scheme):
             size = int(comm.recv(writer, tag(CKPT, s)).item())
             buffer = torch.empty(size, dtype=torch.uint8, device=device)
             work = comm.post_recv(buffer, writer, tag(CKPT_DATA, s))
-            self._recvs.append(_InFlight(b.iteration, s, work, buffer, comm, started,
-                                         time.perf_counter() - started, writer))
+            self._recvs.append(_InFlight(b.iteration, s, work, buffer, comm,
+                                         time.perf_counter() - started, writer).start())
         self._comm = comm
 
+    def close(self) -> None:
+        """Complete the last copies; a generation that ended in a failure (this node leaves
+        after a notice) completes nothing more, and the held copies stay as they are."""
+        try:
+            super().close()
+        except PeerFailure:
+            self._sends.clear()
+            self._recvs.clear()
+
     def poll(self, b: Boundary | None, wait: bool) -> None:
-        # gloo reports a point-to-point operation complete only once waited for (see the module
-        # docstring), so every boundary completes what the previous one posted
+        """Report the transfers that completed; with `wait`, first wait for those of the
+        current generation (abortably: a failure raises PeerFailure into the worker's loop,
+        like any other communication)."""
         current = b.comm if b is not None else self._comm
-        for item in self._sends:
-            if item.comm is current:
-                waited = time.perf_counter()
-                current.wait(item.work)
-                self._record("checkpoint_done", item.iteration, item.stage,
-                             item.blocked_s + time.perf_counter() - waited,
-                             item.buffer.numel(), peer=item.peer)
-        for item in self._recvs:
-            if item.comm is current:
-                waited = time.perf_counter()
-                current.wait(item.work)
-                flat = item.buffer.to("cpu")
-                self.held[item.stage] = HeldCopy(item.iteration, flat, item.peer)
-                extra = ({"digest": self.fingerprint(item.stage)}
-                         if self.cfg.logging.state_digests else {})
-                self._record("checkpoint_held", item.iteration, item.stage,
-                             item.blocked_s + time.perf_counter() - waited, flat.numel(),
-                             counted=False, writer=item.peer, **extra)
-        self._sends, self._recvs = [], []
+        for items, received in ((self._sends, False), (self._recvs, True)):
+            keep = []
+            for item in items:
+                if wait and item.comm is current and not item.done.is_set():
+                    waited = time.perf_counter()
+                    current.abort.wait(item.done)
+                    item.blocked_s += time.perf_counter() - waited
+                if not item.done.is_set():
+                    if item.comm is current:
+                        keep.append(item)  # still in flight
+                    continue  # else abandoned with its generation
+                if item.ok:
+                    self._report(item, received)
+            items[:] = keep
+
+    def _report(self, item: _InFlight, received: bool) -> None:
+        if not received:
+            self._record("checkpoint_done", item.iteration, item.stage, item.blocked_s,
+                         item.buffer.numel(), done_time=item.done_time, peer=item.peer)
+            return
+        flat = item.buffer.to("cpu")
+        self.held[item.stage] = HeldCopy(item.iteration, flat, item.peer)
+        extra = ({"digest": self.fingerprint(item.stage)}
+                 if self.cfg.logging.state_digests else {})
+        self._record("checkpoint_held", item.iteration, item.stage, item.blocked_s,
+                     flat.numel(), counted=False, done_time=item.done_time, writer=item.peer,
+                     **extra)
 
     def tensors(self, stage: int) -> dict[str, torch.Tensor]:
         """The held copy of `stage`, by name (for a restore, or a check)."""

@@ -95,7 +95,8 @@ class Cadence:
     """
 
     def __init__(self, cfg: Config, ctx_failures: Callable[[], int], store: Any,
-                 namespace: str, first_at: int = 1, max_k: int = 10_000) -> None:
+                 namespace: str, first_at: int = 1, max_k: int = 10_000,
+                 event: Callable[..., None] = lambda kind, **fields: None) -> None:
         every = cfg.checkpoint.every
         self.auto = every == "auto"
         self.every = 0 if self.auto else int(every)
@@ -103,6 +104,7 @@ class Cadence:
         self.failures = ctx_failures
         self.store, self.key = store, f"{namespace}/checkpoint/next_at"
         self.first_at, self.max_k = first_at, max_k
+        self.event = event
         self.next_at: int | None = None
         self.k: int | None = None if self.auto else self.every
         self.started = time.perf_counter()
@@ -145,6 +147,8 @@ class Cadence:
         self.k = interval_iterations(cost, mtbf, it, max_iterations=self.max_k)
         self.next_at = iteration + self.k
         self.store.set(self.key, str(self.next_at))
+        self.event("checkpoint_interval", iteration=iteration, k=self.k, next_at=self.next_at,
+                   cost_s=round(cost, 6), iteration_s=round(it, 6), mtbf_s=round(mtbf, 3))
 
 
 class Scheme:
@@ -155,7 +159,8 @@ class Scheme:
     def __init__(self, ctx: SchemeContext) -> None:
         self.ctx = ctx
         self.cfg = ctx.cfg
-        self.cadence = Cadence(ctx.cfg, ctx.failures, ctx.store, ctx.namespace)
+        self.cadence = Cadence(ctx.cfg, ctx.failures, ctx.store, ctx.namespace,
+                               event=ctx.event)
         self.records: list[dict[str, Any]] = []  # one per completed checkpoint of a stage
         self.blocked_s = 0.0  # total seconds the loop waited in this scheme
         self.bytes = 0  # total bytes written or sent
@@ -189,13 +194,14 @@ class Scheme:
         self.blocked_s += time.perf_counter() - started
 
     def _record(self, kind: str, iteration: int, stage: int, blocked_s: float, nbytes: int,
-                counted: bool = True, **extra: Any) -> None:
+                counted: bool = True, done_time: float | None = None, **extra: Any) -> None:
         """One completed checkpoint of one stage; `counted` false for bytes another node
-        already counted (a copy received)."""
+        already counted (a copy received); `done_time` (wall clock) when it completed, if
+        before now."""
         if counted:
             self.bytes += nbytes
         entry = {"iteration": iteration, "stage": stage, "blocked_s": round(blocked_s, 6),
-                 "bytes": nbytes, "done_time": time.time(), **extra}
+                 "bytes": nbytes, "done_time": done_time or time.time(), **extra}
         self.records.append({"kind": kind, **entry})
         fields = {k: v for k, v in entry.items() if k != "done_time"}
         self.ctx.event(kind, scheme=self.name, k=self.cadence.k, **fields)
@@ -226,29 +232,32 @@ class _Background(Scheme):
     def __init__(self, ctx: SchemeContext) -> None:
         super().__init__(ctx)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-persist")
-        # (iteration, stage, seconds blocked, start, job returning (bytes, extra fields))
+        # (iteration, stage, seconds blocked, wall-clock start, job returning (bytes, extra
+        # fields, wall-clock end))
         self._pending: list[tuple[int, int, float, float, Future]] = []
 
     def save(self, b: Boundary) -> None:
         self.poll(b, wait=True)  # the next checkpoint waits for the previous one
         for s, (module, optimizer) in sorted(b.stages.items()):
-            started = time.perf_counter()
-            job = self.start(b.iteration, s, module, optimizer)
-            self._pending.append((b.iteration, s, time.perf_counter() - started, started, job))
+            started, wall = time.perf_counter(), time.time()
+            write = self.start(b.iteration, s, module, optimizer)
+            job = self._thread.submit(lambda write=write: (*write(), time.time()))
+            self._pending.append((b.iteration, s, time.perf_counter() - started, wall, job))
 
     def start(self, iteration: int, stage: int, module: nn.Module,
-              optimizer: torch.optim.Optimizer) -> Future:
-        """Copy what must be copied now; return the background job."""
+              optimizer: torch.optim.Optimizer) -> Callable[[], tuple[int, dict[str, Any]]]:
+        """Copy what must be copied now; return the write, run on the background thread, which
+        returns the bytes written and the event's extra fields."""
         raise NotImplementedError
 
     def poll(self, b: Boundary | None, wait: bool) -> None:
         while self._pending and (wait or self._pending[0][4].done()):
             iteration, s, spent, started, job = self._pending.pop(0)
             waited = time.perf_counter()
-            nbytes, extra = job.result()
+            nbytes, extra, done_time = job.result()
             spent += time.perf_counter() - waited
-            self._record(self.kind, iteration, s, spent, nbytes,
-                         persist_s=round(time.perf_counter() - started, 6), **extra)
+            self._record(self.kind, iteration, s, spent, nbytes, done_time=done_time,
+                         persist_s=round(done_time - started, 6), **extra)
 
     def close(self) -> None:
         super().close()
@@ -262,7 +271,7 @@ class DcpAsyncScheme(_Background):
     kind = "checkpoint_saved"
 
     def start(self, iteration: int, stage: int, module: nn.Module,
-              optimizer: torch.optim.Optimizer) -> Future:
+              optimizer: torch.optim.Optimizer) -> Callable[[], tuple[int, dict[str, Any]]]:
         folder = durable.prepare_stage_folder(self.ctx.root, iteration, stage)
         # stages (copies to CPU memory) now, writes on DCP's own thread
         upload = dcp.async_save(durable.stage_tensors(module, optimizer),
@@ -274,7 +283,7 @@ class DcpAsyncScheme(_Background):
             size = sum((folder / name).stat().st_size for name in sums)
             return size, {"checksums": {f"stage{stage}/{k}": v for k, v in sums.items()}}
 
-        return self._thread.submit(finish)
+        return finish
 
 
 class TorchSaveScheme(Scheme):
@@ -299,14 +308,14 @@ class CheckFreqScheme(_Background):
     name = "checkfreq"
 
     def start(self, iteration: int, stage: int, module: nn.Module,
-              optimizer: torch.optim.Optimizer) -> Future:
+              optimizer: torch.optim.Optimizer) -> Callable[[], tuple[int, dict[str, Any]]]:
         snap = snapshot.take(stage, iteration, module, optimizer)
 
         def persist() -> tuple[int, dict[str, Any]]:
             return snapshot.write_file(self.ctx.root, snap, self.cfg.model_digest(),
                                        self.cfg.checkpoint.keep), {}
 
-        return self._thread.submit(persist)
+        return persist
 
 
 def _gemini(ctx: SchemeContext) -> Scheme:
