@@ -374,3 +374,43 @@ def test_schemes_go_on_exactly_after_a_takeover(tmp_path, corpus, scheme):
         assert newest is not None and newest.manifest["iteration"] == 5
         for s in range(3):
             assert _load_durable(cfg, newest.path, s) == want[(5, s)]
+
+
+# ---------------------------------------------------------------------- durable tier: the gaps
+# (tests/test_checkpoint.py covers a flipped byte, a truncated shard, a deleted manifest,
+# another model and another format version on real runs)
+
+def _committed(root: Path, iteration: int) -> Path:
+    module, optimizer = _stage()
+    sums = durable.save_stage(root, iteration, 0, module, optimizer)
+    return durable.commit(root, iteration, {"partition": [[0, 1]]}, sums, keep=5)
+
+
+def test_durable_deleted_shard_and_bad_manifest_are_named(tmp_path):
+    _committed(tmp_path, 1)
+    newest = _committed(tmp_path, 2)
+    shard = next(newest.rglob("*.distcp"))
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"{shard}: missing"):
+        durable.verify(newest)
+    (newest / "manifest.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="manifest.json: not valid JSON"):
+        durable.verify(newest)
+    problems: list[str] = []
+    assert durable.newest(tmp_path, problems).manifest["iteration"] == 1
+    assert "not valid JSON" in problems[0]
+
+
+def test_durable_nothing_valid_left_is_refused_naming_each_problem(tmp_path):
+    for t in (1, 2):
+        (_committed(tmp_path, t) / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="nothing to resume from") as err:
+        durable.resolve(tmp_path)
+    assert str(err.value).count("manifest.json: missing") == 2
+
+
+def test_uncommitted_partial_folder_is_never_taken(tmp_path):
+    _committed(tmp_path, 1)
+    module, optimizer = _stage()
+    durable.save_stage(tmp_path, 2, 0, module, optimizer)  # written, never committed
+    assert durable.newest(tmp_path).manifest["iteration"] == 1

@@ -20,7 +20,9 @@ each variant's timed iterations (seeded); a kill at time tau in iteration u lose
 iterations, t being the newest iteration whose checkpoint was complete for every stage (written
 and, for the asynchronous schemes, persisted; for gemini, received by the peer) before tau:
 training resumes at t + 1, so iterations t + 1 .. u, the one in flight included, are run again.
-So a checkpoint every iteration that completes at once loses exactly the one in flight (1).
+An iteration's time includes its own checkpoint, so a checkpoint every iteration that completes
+at once loses the one in flight (1), or nothing when the kill lands after that checkpoint
+completed (0).
 
 Recovery time (`recovery_s`): a real restart, as `bench failover` measures it: a P = 2 job with
 the durable tier written by `dcp_async` every 5 iterations, no redundancy, one node killed (the
@@ -34,6 +36,7 @@ place), and their ratio then appears as `shadow_ratio`.
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import tempfile
@@ -52,9 +55,9 @@ VARIANTS: list[tuple[str, str, int]] = [
     *[(f"{b}_k{k}", b, k) for b in BASELINES for k in INTERVALS],
     # -- shadows (issue 6, items 1 and 3) go here, as one line: ("shadow", "shadow", 1),
 ]
-FULL = {"rounds": 6, "warmup_blocks": 1, "iters_per_block": 10, "kills": 40}
+FULL = {"rounds": 6, "warmup_blocks": 1, "iters_per_block": 10, "kills": 200}
 # --quick (the test): one round of a smaller model
-QUICK = {"rounds": 1, "warmup_blocks": 1, "iters_per_block": 10, "kills": 20,
+QUICK = {"rounds": 1, "warmup_blocks": 1, "iters_per_block": 10, "kills": 40,
          "gpt": {**MODEL, "n_layer": 2, "n_embd": 64}, "num_microbatches": 4}
 
 
@@ -162,6 +165,7 @@ def recovery(quick: bool) -> dict[str, float]:
 
 def run(quick: bool = False) -> dict[str, Any]:
     started = time.perf_counter()
+    load_before = os.getloadavg()[0]  # the machine's load: the ratios' noise grows with it
     spec = _spec(quick)
     raw = launch(spec, 2, 600.0 if quick else 1200.0,
                  worker_module="spotpipe.bench._checkpoint_worker", name="checkpoint")
@@ -170,5 +174,6 @@ def run(quick: bool = False) -> dict[str, Any]:
     figures["config"] = describe_setup(spec, "uniform") + (
         f"; micro-batch {spec['micro_batch_size']} x M={spec['num_microbatches']}, AdamW; "
         f"blocks of {spec['iters_per_block']} iterations, {spec['rounds']} rounds")
+    figures["load_average"] = [round(load_before, 1), round(os.getloadavg()[0], 1)]
     figures["wall_s"] = round(time.perf_counter() - started, 1)
     return figures
