@@ -12,7 +12,9 @@ dcp_async) competes with training for it, as it would on a machine without spare
 
 Bytes per iteration: what the variant wrote to disk or sent to a peer, both stages together,
 over the iterations it ran. Blocked seconds per checkpoint: what the training loop waited for
-(the slower node's).
+(the slower node's); `<variant>_blocking_only_ratio` is the throughput those waits alone would
+leave (iteration / (iteration + blocked / k)), which the machine's load does not blur but which
+leaves out background work competing for the core.
 
 Lost work per failure (`lost_iterations_per_failure`), computed from the checkpoints the runs
 actually completed, not from a formula: `kills` kill times are drawn uniformly at random over
@@ -124,8 +126,12 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
         per_rank = raw["per_rank"][name]  # [bytes, blocked_s, checkpoints, iterations] by rank
         iterations = max(r[3] for r in per_rank)
         out[f"{name}_bytes_per_iteration"] = int(sum(r[0] for r in per_rank) / iterations)
-        out[f"{name}_blocked_s_per_checkpoint"] = round(
-            max(r[1] / max(1.0, r[2]) for r in per_rank), 5)
+        blocked = max(r[1] / max(1.0, r[2]) for r in per_rank)
+        out[f"{name}_blocked_s_per_checkpoint"] = round(blocked, 5)
+        # what the loop's waits alone would cost (no background work, no noise): a figure that
+        # a loaded machine cannot blur, beside the measured ratio
+        it = reference / n
+        out[f"{name}_blocking_only_ratio"] = round(it / (it + blocked / every), 4)
         kills = lost_iterations(raw["records"][name], raw["timeline"][name], 2, spec["kills"],
                                 seed=spec["seed"] + len(name))
         if kills:
