@@ -122,7 +122,7 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
         out[f"{name}_ratio"] = round(statistics.median(ratios), 4)
         spread[name] = [round(quantile(ratios, 0.25), 3), round(quantile(ratios, 0.75), 3)]
     out["ratio_quartiles"] = spread
-    for name, _, _ in VARIANTS[1:]:
+    for name, _, every in VARIANTS[1:]:
         per_rank = raw["per_rank"][name]  # [bytes, blocked_s, checkpoints, iterations] by rank
         iterations = max(r[3] for r in per_rank)
         out[f"{name}_bytes_per_iteration"] = int(sum(r[0] for r in per_rank) / iterations)
