@@ -117,6 +117,12 @@ class CheckpointSection:
 
 
 @dataclass
+class ShadowSection:
+    enabled: bool = False  # one CPU shadow process per stage holds a checkpoint of every iteration
+    max_lag: int = 4  # iterations a shadow may fall behind before the stage's writer waits
+
+
+@dataclass
 class LoggingSection:
     progress: bool = True  # progress bar on the launcher's terminal
     tensorboard: bool = False  # write DIR/tensorboard/
@@ -146,6 +152,7 @@ class Config:
     replica: ReplicaSection = field(default_factory=ReplicaSection)
     failover: FailoverSection = field(default_factory=FailoverSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    shadow: ShadowSection = field(default_factory=ShadowSection)
     stages: int = 2
     pipelines: int = 1
     micro_batch_size: int = 4
@@ -301,6 +308,8 @@ def _check(cfg: Config) -> None:
     if cfg.redundancy != "none" and cfg.stages < 2:
         raise ConfigError(f"redundancy: {cfg.redundancy!r} needs stages >= 2 (a replica lives on "
                           f"the neighbouring stage's node), got stages = {cfg.stages}")
+    if cfg.shadow.max_lag < 1:
+        raise ConfigError(f"shadow.max_lag: expected a positive integer, got {cfg.shadow.max_lag}")
     if cfg.replica.sync_every < 1 or cfg.replica.max_lag < 1:
         raise ConfigError("replica.sync_every and replica.max_lag: expected positive integers")
     _check_checkpoint(cfg)
@@ -333,6 +342,9 @@ def _check_checkpoint(cfg: Config) -> None:
     if c.mtbf_s <= 0:
         raise ConfigError(f"checkpoint.mtbf_s: expected a positive number of seconds, got "
                           f"{c.mtbf_s}")
+    if cfg.shadow.enabled and every == "auto":
+        raise ConfigError("checkpoint.every: 'auto' is not supported with shadow.enabled (the "
+                          "shadows write the durable tier every k iterations); give k")
     if c.scheme == "gemini" and every and cfg.stages * cfg.pipelines < 2:
         raise ConfigError("checkpoint.scheme: 'gemini' keeps each copy in another node's memory "
                           "and needs at least 2 nodes (stages x pipelines), got 1")

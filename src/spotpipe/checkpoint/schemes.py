@@ -338,7 +338,10 @@ assert set(SCHEMES) == set(CHECKPOINT_SCHEMES), "schemes and config disagree"
 
 
 def build(ctx: SchemeContext) -> Scheme:
-    """The scheme `ctx.cfg.checkpoint.scheme` names (`none` when nothing is checkpointed)."""
+    """The scheme `ctx.cfg.checkpoint.scheme` names (`none` when nothing is checkpointed, and
+    for the durable tier when shadows write it)."""
     c = ctx.cfg.checkpoint
     name = c.scheme if c.every else "none"
+    if ctx.cfg.shadow.enabled and name in ("durable", "dcp_async"):
+        name = "none"  # the CPU shadows write the durable tier (spotpipe.checkpoint.shadow)
     return SCHEMES[name](ctx)
