@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from spotpipe.sim.sweep import SweepSpec, run_sweep
 from spotpipe.sim.synthetic import bamboo_trace
 from spotpipe.sim.traces import load_trace, parse_event_csv
 
-TRACES = Path(__file__).parents[2] / "shared" / "traces"
+TRACES = Path(os.environ.get("SPOTPIPE_SHARED", Path(__file__).parents[2] / "shared")) / "traces"
 SPOT = ["spotpipe", "bamboo", "checkpoint_restart"]
 
 
