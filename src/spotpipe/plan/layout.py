@@ -209,15 +209,13 @@ class Layout:
         cached = self.__dict__.get("_shape")
         if cached is not None:
             return cached
-        p = self.num_stages
-        merged: list[list[int]] = [[] for _ in range(self.num_pipelines)]
-        for slots in self._slots.values():
-            if len(slots) > 1:
-                own = set(slots)
-                for d, s in slots:
-                    if (d, (s - 1) % p) in own:
-                        merged[d].append(s)
-        key = (p, self.num_pipelines, tuple(tuple(sorted(m)) for m in merged))
+        p, width, own = self.num_stages, self.num_pipelines, self._map
+        if not self._carriers:
+            key = (p, width, ((),) * width)
+        else:  # stage s is merged when its predecessor's owner runs it too
+            key = (p, width, tuple(tuple(s for s in range(p)
+                                         if own[(d, s)] == own[(d, (s - 1) % p)])
+                                   for d in range(width)))
         object.__setattr__(self, "_shape", key)
         return key
 

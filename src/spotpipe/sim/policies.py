@@ -66,6 +66,22 @@ def _speed_memo(cfg: SimConfig, redundancy: str) -> dict[tuple, tuple[float, flo
 _SPEED_ATTR = {m: "_sim_speed_" + m for m in ("none", "lazy", "eager")}
 
 
+def _iteration_time(cfg: SimConfig, p: int, width: int, merged: tuple[tuple[int, ...], ...],
+                    redundant: bool) -> float:
+    """`itertime.iteration_time`, with each pipeline's time memoised per config: a sweep
+    meets thousands of layout shapes (which stages are merged in which pipeline) but few
+    pipeline shapes, and the timing cache's keys hash the whole model on every lookup."""
+    memo = _speed_memo(cfg, "pipelines")
+    worst = 0.0
+    for m in set(merged):
+        k = (p, width, m, redundant)
+        t = memo.get(k)
+        if t is None:
+            t = memo[k] = iteration_time(cfg.model, cfg.schedule, p, width, (m,), redundant)
+        worst = t if t > worst else worst
+    return worst
+
+
 class Planner:
     """Runs `plan.decide` until it answers KEEP or STOP, memoised per trace instant.
 
@@ -182,9 +198,9 @@ class SpotpipePolicy(Policy):
         speed = speeds.get(key)
         if speed is None:
             p, width, merged = key
-            plain = iteration_time(cfg.model, cfg.schedule, p, width, merged, False)
+            plain = _iteration_time(cfg, p, width, merged, False)
             if mode == "eager":
-                full = iteration_time(cfg.model, cfg.schedule, p, width, merged, True)
+                full = _iteration_time(cfg, p, width, merged, True)
             elif mode == "lazy" and p > 1:
                 # applying each replica's gradient in the background costs a little (see
                 # SimParams.lazy_ratio); a pipeline that has a carrier still does it for the
