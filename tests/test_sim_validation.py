@@ -12,8 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from spotpipe.sim.validate import (SHARED_TRACE, _loss_slots, calibration_from, compare,
-                                   format_phases, replay, write_segment)
+from spotpipe.sim.validate import (
+    SHARED_TRACE,
+    _loss_slots,
+    calibration_from,
+    compare,
+    format_phases,
+    replay,
+    write_segment,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -78,7 +78,7 @@ def _iteration_time(cfg: SimConfig, p: int, width: int, merged: tuple[tuple[int,
         t = memo.get(k)
         if t is None:
             t = memo[k] = iteration_time(cfg.model, cfg.schedule, p, width, (m,), redundant)
-        worst = t if t > worst else worst
+        worst = max(worst, t)
     return worst
 
 

@@ -31,6 +31,7 @@ own first phase) as `timing_model_error`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -136,7 +137,7 @@ def _train(config: str | Path, out_dir: str | Path, *, stages: int, pipelines: i
     for s in sets:
         cmd += ["--set", s]
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
     return {"rc": proc.returncode, "wall_s": time.perf_counter() - t, "command": cmd,
             "tail": (proc.stdout + proc.stderr)[-2000:]}
 
@@ -191,7 +192,7 @@ def loss_pauses(events: list[dict], rows: list[dict]) -> list[dict[str, float]]:
         t = float(ev["time_s"])
         nxt = float(losses[i + 1]["time_s"]) if i + 1 < len(losses) else math.inf
 
-        def first(kind: str, after: float) -> float | None:
+        def first(kind: str, after: float, nxt: float = nxt) -> float | None:
             ts = [float(e["time_s"]) for e in events
                   if e.get("kind") == kind and after <= float(e["time_s"]) < nxt]
             return min(ts) if ts else None
@@ -265,7 +266,7 @@ def calibration_from(run_dirs: str | Path | list[str | Path], *,
 def _gaps(rows: list[dict]) -> dict[int, list[float]]:
     """Seconds between consecutive completed iterations, per generation, in order."""
     gaps: dict[int, list[float]] = {}
-    for a, b in zip(rows, rows[1:]):
+    for a, b in itertools.pairwise(rows):
         if a.get("generation", 0) == b.get("generation", 0):
             gaps.setdefault(int(b.get("generation", 0)), []).append(
                 float(b["time_s"]) - float(a["time_s"]))
@@ -389,7 +390,7 @@ def _phases(rows: list[dict], events: list[dict], kills: list[float], sim: Any, 
     gens = iteration_times(rows)
     total = float(rows[-1]["samples"]) - float(rows[0]["samples"])
     out = []
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(bounds)):
         last_b = bounds[-1] if i == len(bounds) - 2 else b
         m_a = _samples_before(rows, t0 + a, inclusive=(i == 0))
         m_b = _samples_before(rows, t0 + last_b, inclusive=(i == len(bounds) - 2))
@@ -436,20 +437,21 @@ def _sim_iteration_s(sim: Any, a: float, b: float, spi: float) -> float | None:
 
 def format_phases(result: dict[str, Any]) -> str:
     """The per-phase table of `compare`, for people: where the prediction and the run part."""
-    lines = [f"validation: {result['stages']} x {result['pipelines']} over "
-             f"{result['window_s']:.1f} s, {result['kills']} loss(es); goodput measured "
-             f"{result['measured_samples_per_s']:.1f} samples/s, predicted "
-             f"{result['predicted_samples_per_s']:.1f} (error {result['signed_error']:+.1%}, "
-             f"after the first loss {result['error_after_first_loss']:+.1%}; timing model "
-             f"alone {result['timing_model_error']:.1%}"
-             + (f"; calibration run's absolute times "
-                f"{result['absolute_calibration_error']:.1%}"
-                if "absolute_calibration_error" in result else "") + ")",
-             f"{'phase':>5} {'from s':>7} {'to s':>7} {'samples meas':>12} {'pred':>8} "
-             f"{'share':>7} {'iter s meas':>11} {'pred':>7} {'pause meas':>10} "
-             f"{'det':>6} {'agree':>6} {'regroup':>7} {'restart':>7} {'lost':>6}"]
+    absolute = result.get("absolute_calibration_error")
+    head = (f"validation: {result['stages']} x {result['pipelines']} over "
+            f"{result['window_s']:.1f} s, {result['kills']} loss(es); goodput measured "
+            f"{result['measured_samples_per_s']:.1f} samples/s, predicted "
+            f"{result['predicted_samples_per_s']:.1f} (error {result['signed_error']:+.1%}, "
+            f"after the first loss {result['error_after_first_loss']:+.1%}; timing model "
+            f"alone {result['timing_model_error']:.1%}")
+    if absolute is not None:
+        head += f"; calibration runs' absolute times {absolute:.1%}"
+    lines = [head + ")",
+             (f"{'phase':>5} {'from s':>7} {'to s':>7} {'samples meas':>12} {'pred':>8} "
+              f"{'share':>7} {'iter s meas':>11} {'pred':>7} {'pause meas':>10} "
+              f"{'det':>6} {'agree':>6} {'regroup':>7} {'restart':>7} {'lost':>6}")]
     for ph in result["phases"]:
-        def f(key: str, fmt: str = "{:.3f}") -> str:
+        def f(key: str, fmt: str = "{:.3f}", ph: dict = ph) -> str:
             v = ph.get(key)
             return fmt.format(v) if isinstance(v, (int, float)) else "-"
         lines.append(f"{ph['phase']:>5} {ph['start_s']:>7.1f} {ph['end_s']:>7.1f} "
