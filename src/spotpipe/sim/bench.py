@@ -133,10 +133,10 @@ def bench_simulator(seeds: int = 10000, measured_run_dir: str | Path | None = No
         out["prediction_error"] = v["prediction_error"]
         out["prediction"] = {k: v.get(k) for k in (
             "measured_samples_per_s", "predicted_samples_per_s", "signed_error",
-            "error_after_first_loss", "timing_model_error", "absolute_calibration_error",
+            "error_after_first_loss", "timing_model_error", "prediction_error_own_level",
             "window_s", "calibrated_iteration_s", "calibrated_pause_s", "calibration", "kills",
             "predicted_failovers", "status", "stages", "pipelines", "time_scale", "segment",
-            "replay_wall_s", "calibration_wall_s", "phases")}
+            "replay_wall_s", "calibration_wall_s", "calibration_runs", "phases")}
     elif measured_run_dir is None:
         out["prediction_error"] = None
         out["prediction_error_note"] = (

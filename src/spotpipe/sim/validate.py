@@ -5,28 +5,28 @@
    at non-adjacent stages (so every loss can fail over), the others surviving it. Only those
    nodes are written (no additions), so the window exercises failovers, not joins.
 2. `calibration_run` runs the same job with the same losses injected at fixed iterations
-   (`--fail NODE@ITER`), three short runs separate from the one predicted, and
-   `calibration_from` reads from them what the simulator needs: how much faster or slower
-   each layout shape the losses lead to runs than the one before it (median over the runs
-   of the iterations either side of each change), and the failover pause (loss to resume).
+   (`--fail NODE@ITER`): four short runs, separate from the one predicted, two before it
+   and two after. `calibration_from` reads from them what the simulator needs: seconds per
+   iteration of every layout shape the losses lead to (median over the runs), and the
+   failover pause.
 3. `replay` runs `spotpipe train --trace SEGMENT --time-scale X` as a subprocess.
-4. `compare` simulates the same segment (times / X) for the same wall window and layout,
-   at the replayed run's own speed before its first loss and the calibrated ratios after,
-   and reports prediction_error = |predicted - measured| / measured of goodput (samples per
-   second from the first iteration to the last), and the phases between losses
-   (`format_phases`): samples, iteration time and pause (detection, agreement, regroup,
-   restart, in-flight work lost), measured and predicted, so that one can see where the
-   error comes from. `python -m spotpipe.sim.validate` runs all of it and prints the table.
+4. `compare` simulates the same segment (times / X) for the same wall window and layout
+   with those figures and reports prediction_error = |predicted - measured| / measured of
+   goodput (samples per second from the first iteration to the last), and the phases
+   between losses (`format_phases`): samples, iteration time and pause (detection,
+   agreement, regroup, restart, in-flight work lost), measured and predicted, so that one
+   can see where the error comes from. `python -m spotpipe.sim.validate` runs all of it
+   and prints the table.
 
 Why a calibration run and not the timing model: the local cluster runs P x D worker
 processes on one machine's few cores. Measured on 2 cores (P = 4, tiny GPT): 0.070 s per
 iteration with 4 workers, 0.053 s after one takeover (3 workers), 0.048 s after two; the
 timing model, scaled to the first phase, predicts the opposite (a node running two stages is
 slower), because it assumes one machine per node. That prediction was 40% low on such a run
-although pauses and failovers were predicted right. The calibration run measures the shapes
-on the machine at hand (as `spotpipe bench failover` measures pauses) and never looks at the
-run being predicted. `compare` still reports the timing-model prediction (scaled to the run's
-own first phase) as `timing_model_error`.
+although pauses and failovers were predicted right. On a machine shared with other work,
+what remains is the machine: the same shape ran at 0.07 s and at 0.24 s per iteration in
+runs minutes apart (lazy replicas are applied by SCHED_IDLE threads, which starve under
+load until the worker waits on them), and the per-phase table shows it.
 """
 
 from __future__ import annotations
@@ -105,10 +105,12 @@ _LOSS_KINDS = ("trace_kill", "trace_notice", "fault_injected")
 
 def calibration_run(config: str | Path, out_dir: str | Path, *, stages: int, pipelines: int,
                     losses: int, iterations_per_phase: int = 60, sets: list[str] = (),
-                    timeout_s: float = 240.0, repeats: int = 3) -> list[dict[str, Any]]:
+                    timeout_s: float = 240.0, repeats: int = 3,
+                    first: int = 0) -> list[dict[str, Any]]:
     """The job of the validation with its losses injected at fixed iterations instead of
     trace times: the same nodes (`_loss_slots`) crash, one every `iterations_per_phase`;
-    `repeats` short runs, in out_dir/0, out_dir/1, ... (see `calibration_from`)."""
+    `repeats` short runs, in out_dir/<first>, out_dir/<first + 1>, ... (see
+    `calibration_from`)."""
     nodes = _loss_slots(stages, pipelines, losses)
     faults = [f"node{n}@{(i + 1) * iterations_per_phase}" for i, n in enumerate(nodes)]
     extra: list[str] = []
@@ -116,7 +118,7 @@ def calibration_run(config: str | Path, out_dir: str | Path, *, stages: int, pip
         extra += ["--fail", f]
     return [_train(config, Path(out_dir) / str(r), stages=stages, pipelines=pipelines,
                    iterations=(len(faults) + 1) * iterations_per_phase, sets=sets,
-                   extra=extra, timeout_s=timeout_s) for r in range(repeats)]
+                   extra=extra, timeout_s=timeout_s) for r in range(first, first + repeats)]
 
 
 def replay(config: str | Path, out_dir: str | Path, segment: str | Path, *, time_scale: float,
@@ -215,20 +217,17 @@ def loss_pauses(events: list[dict], rows: list[dict]) -> list[dict[str, float]]:
     return out
 
 
-def calibration_from(run_dirs: str | Path | list[str | Path], *,
-                     window: int = 30) -> dict[str, Any]:
+def calibration_from(run_dirs: str | Path | list[str | Path]) -> dict[str, Any]:
     """Seconds per iteration of each layout shape some runs went through, and their pause.
 
-    A shape's speed is taken relative to the shape before it, from the `window` iterations
-    either side of the change (a few seconds apart), and chained back to the plain shape;
-    each ratio is the median over the runs. On a machine shared with other work the load
-    moves by tens of percent over tens of seconds, which whole-phase means would take for a
-    property of the shape. `shape_times` are those ratios times the plain shape's median
-    mean iteration time.
+    A shape's time is the mean interval between its iterations in a run, and the median of
+    that over the runs: on a machine shared with other work the load moves by tens of
+    percent over tens of seconds, and a median of short runs taken minutes apart is the
+    steadiest figure we found (local ratios either side of each change, chained, and the
+    replayed run's own first phase as the level both did worse on the runs in README.md).
     """
     dirs = [Path(d) for d in (run_dirs if isinstance(run_dirs, (list, tuple)) else [run_dirs])]
-    ratios: dict[tuple, list[float]] = {}
-    plain: list[float] = []
+    per_shape: dict[tuple, list[float]] = {}
     pauses: list[dict[str, float]] = []
     generations = []
     for run_dir in dirs:
@@ -238,29 +237,19 @@ def calibration_from(run_dirs: str | Path | list[str | Path], *,
             raise ValueError(f"{run_dir}: too few iterations ({len(rows)}) to calibrate")
         shapes = generation_shapes(events)
         gaps = _gaps(rows)
-        if 0 in gaps and 0 in shapes:
-            plain.append(statistics.fmean(gaps[0]))
-        ratio = 1.0
-        for gen in sorted(g for g in gaps if g > 0):
-            before, after = gaps.get(gen - 1), gaps[gen]
-            if not before or gen not in shapes:
-                break  # the chain back to the plain shape is broken
-            ratio *= statistics.fmean(after[:window]) / statistics.fmean(before[-window:])
-            ratios.setdefault(shapes[gen], []).append(ratio)
+        for gen, v in sorted(gaps.items()):
+            if gen in shapes and len(v) >= 5:
+                per_shape.setdefault(shapes[gen], []).append(statistics.fmean(v))
         pauses += loss_pauses(events, rows)
         generations.append({g: {"mean_s": statistics.fmean(v), "n": len(v),
                                 "shape": list(shapes.get(g, ()))} for g, v in gaps.items()})
-    if not plain:
-        raise ValueError(f"{dirs[0]}: no iterations of the initial layout to calibrate from")
-    base = statistics.median(plain)
-    first = next(iter(generation_shapes(_jsonl(dirs[0] / "events.jsonl")).values()))
-    shape_times = {first: base}
-    for shape, rs in ratios.items():
-        shape_times.setdefault(shape, statistics.median(rs) * base)
-    return {"run_dir": ", ".join(str(d) for d in dirs), "shape_times": shape_times,
+    if not per_shape:
+        raise ValueError(f"{dirs[0]}: no layout ran long enough to calibrate from")
+    return {"run_dir": ", ".join(str(d) for d in dirs),
+            "shape_times": {k: statistics.median(v) for k, v in per_shape.items()},
             "pause_s": statistics.fmean(p["pause_s"] for p in pauses) if pauses else 0.0,
             "pauses": pauses, "generations": generations,
-            "ratios": [[list(k), v] for k, v in ratios.items()]}
+            "runs_per_shape": {str(k): len(v) for k, v in per_shape.items()}}
 
 
 def _gaps(rows: list[dict]) -> dict[int, list[float]]:
@@ -280,17 +269,12 @@ def compare(run_dir: str | Path, segment: str | Path, time_scale: float, *,
             ) -> dict[str, Any]:
     """Simulate the segment with calibrated figures and compare goodput, phase by phase.
 
-    The job's speed before any loss is this run's own (mean seconds per iteration before the
-    first loss: what a user knows from the first minutes of a job, and what a shared machine
-    changes from one run to the next). How each later layout compares with it comes, with
-    `calibration` (from `calibration_from` on a separate run), from that run's measured
-    per-shape iteration times, as ratios to its plain shape, and the failover pause from
-    its losses; without it, from the timing model and this run's own pauses. Both
-    predictions are reported (`prediction_error`, `timing_model_error`), and, since the
-    first phase calibrates the level, the error of what follows the first loss alone
-    (`error_after_first_loss`), and that of the calibration run's absolute times
-    (`absolute_calibration_error`), which shows how much the machine's load moved between
-    the two runs.
+    With `calibration` (from `calibration_from` on separate runs) the simulator uses their
+    measured seconds per iteration of each layout shape and their failover pause, and
+    nothing of this run: that is `prediction_error`. Also reported: the same with this
+    run's own speed before its first loss as the level and the calibration's ratios after
+    (`prediction_error_own_level`), and the timing model scaled to this run's first phase
+    with its own pauses (`timing_model_error`; the only prediction without a calibration).
     """
     run_dir = Path(run_dir)
     rows = _jsonl(run_dir / "metrics.jsonl")
@@ -350,21 +334,17 @@ def compare(run_dir: str | Path, segment: str | Path, time_scale: float, *,
     sim = timing_sim
     out["calibrated_pause_s"] = own_pause
     if calibration is not None:
-        base = calibration["shape_times"].get(_initial_shape(p, d))
-        if not base:
-            raise ValueError(f"calibration run {calibration.get('run_dir')} never ran the "
-                             f"initial {p} x {d} layout")
-        shape_times = {k: v / base * iter_s for k, v in calibration["shape_times"].items()}
+        shape_times = dict(calibration["shape_times"])
         sim = simulate(calibration["pause_s"], shape_times)
-        absolute = simulate(calibration["pause_s"], calibration["shape_times"])
-        out["absolute_calibration_error"] = abs(errors(absolute)[0])
+        base = shape_times.get(_initial_shape(p, d))
+        if base:
+            own_level = simulate(calibration["pause_s"],
+                                 {k: v / base * iter_s for k, v in shape_times.items()})
+            out["prediction_error_own_level"] = abs(errors(own_level)[0])
         out["calibrated_pause_s"] = calibration["pause_s"]
         out["calibration"] = {"run_dir": calibration.get("run_dir"),
                               "pause_s": calibration["pause_s"],
-                              "shape_times": [[list(k), v] for k, v in
-                                              calibration["shape_times"].items()],
-                              "shape_ratios": [[list(k), v / base] for k, v in
-                                               calibration["shape_times"].items()]}
+                              "shape_times": [[list(k), v] for k, v in shape_times.items()]}
     whole, after = errors(sim)
     predicted = sim.samples / duration
     out.update(predicted_samples_per_s=predicted, predicted_samples=sim.samples,
@@ -437,15 +417,15 @@ def _sim_iteration_s(sim: Any, a: float, b: float, spi: float) -> float | None:
 
 def format_phases(result: dict[str, Any]) -> str:
     """The per-phase table of `compare`, for people: where the prediction and the run part."""
-    absolute = result.get("absolute_calibration_error")
+    own = result.get("prediction_error_own_level")
     head = (f"validation: {result['stages']} x {result['pipelines']} over "
             f"{result['window_s']:.1f} s, {result['kills']} loss(es); goodput measured "
             f"{result['measured_samples_per_s']:.1f} samples/s, predicted "
             f"{result['predicted_samples_per_s']:.1f} (error {result['signed_error']:+.1%}, "
             f"after the first loss {result['error_after_first_loss']:+.1%}; timing model "
             f"alone {result['timing_model_error']:.1%}")
-    if absolute is not None:
-        head += f"; calibration runs' absolute times {absolute:.1%}"
+    if own is not None:
+        head += f"; at this run's own first-phase speed {own:.1%}"
     lines = [head + ")",
              (f"{'phase':>5} {'from s':>7} {'to s':>7} {'samples meas':>12} {'pred':>8} "
               f"{'share':>7} {'iter s meas':>11} {'pred':>7} {'pause meas':>10} "
@@ -470,9 +450,13 @@ def validate(work_dir: str | Path, *, trace_path: str | Path = SHARED_TRACE,
              window: tuple[float, float] = DEFAULT_WINDOW, time_scale: float = 4.0,
              stages: int = 4, pipelines: int = 1, iterations: int = 1200, losses: int = 2,
              config: str | Path | None = None, timeout_s: float = 240.0,
-             calibration_iterations: int = 60, calibration_repeats: int = 3
+             calibration_iterations: int = 60, calibration_repeats: int = 4
              ) -> dict[str, Any]:
-    """Segment, calibrate (a separate run), replay, compare; the whole validation in one call."""
+    """Segment, calibrate, replay, compare: the whole validation in one call.
+
+    The calibration runs bracket the replay (half before it, half after), so that their
+    median sees the machine as it was around the replay, not only before it.
+    """
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     seg = work / "segment.csv"
@@ -480,19 +464,24 @@ def validate(work_dir: str | Path, *, trace_path: str | Path = SHARED_TRACE,
                          pipelines=pipelines, losses=losses)
     cfg = Path(config) if config else _example_config()
     sets = ["model.gpt.n_layer=2", "redundancy=lazy"]
-    cals = calibration_run(cfg, work / "calibration", stages=stages, pipelines=pipelines,
-                           losses=len(info["losses"]),
-                           iterations_per_phase=calibration_iterations, sets=sets,
-                           timeout_s=timeout_s, repeats=calibration_repeats)
-    good = [work / "calibration" / str(r) for r, c in enumerate(cals) if c["rc"] == 0]
-    if not good:
-        raise RuntimeError(f"calibration runs failed (rc {cals[-1]['rc']}): {cals[-1]['tail']}")
-    calibration = calibration_from(good)
+    before = (calibration_repeats + 1) // 2
+
+    def calibrate(first: int, count: int) -> list[dict[str, Any]]:
+        return calibration_run(cfg, work / "calibration", stages=stages, pipelines=pipelines,
+                               losses=len(info["losses"]),
+                               iterations_per_phase=calibration_iterations, sets=sets,
+                               timeout_s=timeout_s, repeats=count, first=first)
+
+    cals = calibrate(0, before)
     rep = replay(cfg, work / "run", seg, time_scale=time_scale, stages=stages,
                  pipelines=pipelines, iterations=iterations, sets=sets, timeout_s=timeout_s)
     if rep["rc"] != 0 and not (work / "run" / "metrics.jsonl").exists():
         raise RuntimeError(f"replay failed (rc {rep['rc']}): {rep['tail']}")
-    out = compare(work / "run", seg, time_scale, calibration=calibration)
+    cals += calibrate(before, calibration_repeats - before)
+    good = [work / "calibration" / str(r) for r, c in enumerate(cals) if c["rc"] == 0]
+    if not good:
+        raise RuntimeError(f"calibration runs failed (rc {cals[-1]['rc']}): {cals[-1]['tail']}")
+    out = compare(work / "run", seg, time_scale, calibration=calibration_from(good))
     out.update(segment=info, replay_wall_s=rep["wall_s"], replay_rc=rep["rc"],
                calibration_wall_s=sum(c["wall_s"] for c in cals),
                calibration_runs=len(good))
@@ -536,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "with the simulator's prediction")
     ap.add_argument("--work", help="keep the runs here (default: a temporary directory)")
     ap.add_argument("--time-scale", type=float, default=4.0)
-    ap.add_argument("--calibration-repeats", type=int, default=3)
+    ap.add_argument("--calibration-repeats", type=int, default=4)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="spotpipe-validate-") as tmp:
         out = validate(args.work or tmp, time_scale=args.time_scale,
