@@ -133,8 +133,18 @@ class Coordinator:
                    "generation": self.generation, "reason": why})
 
     def tick(self) -> None:
-        """Heartbeat check: fence nodes that stopped beating or stopped making progress."""
+        """Heartbeat check: fence nodes that stopped beating or stopped making progress, and
+        survivors that do not report after a failure (a node that cannot report would leave
+        the agreement waiting forever; fencing turns that into a decision)."""
         now = time.time()
+        rec = self.recovery
+        if rec is not None:
+            waited = self.now() - rec.started_s
+            silent = self.live - set(rec.reports) - self.fenced
+            if silent and waited > self.cfg.failover.hang_timeout_s:
+                for node in sorted(silent):
+                    self._fence(node, f"did not report within {waited:.1f} s of the failure "
+                                      f"of generation {rec.generation}")
         for node in sorted(self.live):
             key = f"{HEARTBEATS}/{node}"
             if not self.store.check([key]):
@@ -151,6 +161,10 @@ class Coordinator:
             elif now - since > self.cfg.failover.hang_timeout_s:
                 self._fence(node, f"hung: no progress for {now - since:.1f} s at iteration "
                                   f"{beat.get('iteration')}, instruction {beat.get('position')}")
+
+    def _decide(self, lost: set[str], joined: list[str]) -> Decision:
+        return decide(self.layout, lost, joined, shadows=self.cfg.shadow.enabled,
+                      replicas=self.cfg.redundancy != "none")
 
     def _adjacent(self, lost: set[str]) -> bool:
         """Whether some lost stage's replica holder (its predecessor) is lost too."""
@@ -189,7 +203,7 @@ class Coordinator:
         when = f"in iteration {in_flight} (the last committed iteration is {committed})"
         where = {n: f"{n} (pipeline {d}, stage {s})" for (d, s), n in self.layout.mapping.items()}
         named = ", ".join(where.get(n, n) for n in sorted(lost & set(self.layout.active_nodes)))
-        decision = decide(self.layout, lost & set(self.layout.active_nodes), self.joining)
+        decision = self._decide(lost & set(self.layout.active_nodes), self.joining)
         total = self.cfg.num_microbatches * self.cfg.pipelines
         if decision.action == Action.ADD_PIPELINE and total % decision.layout.num_pipelines:
             # the iteration's micro-batches must split evenly: the new nodes wait on standby
@@ -204,7 +218,8 @@ class Coordinator:
                    "agreement_s": round(agreed - rec.started_s, 6),
                    "action": decision.action.value})
         plan: dict[str, Any]
-        if self.cfg.redundancy == "none" and lost & set(self.layout.active_nodes):
+        if (self.cfg.redundancy == "none" and not self.cfg.shadow.enabled
+                and lost & set(self.layout.active_nodes)):
             self.stop_message = (
                 f"lost {named} {when}; redundancy is off, so no other node holds "
                 "their stages (set redundancy: lazy or eager), and no checkpoint is available")
@@ -218,15 +233,17 @@ class Coordinator:
                 "iteration do not split evenly; stopping")
             plan = {"action": "stop", "message": self.stop_message}
         elif decision.action not in (Action.FAILOVER, Action.KEEP, Action.DROP_PIPELINE,
-                                     Action.REBALANCE, Action.ADD_PIPELINE):
+                                     Action.REBALANCE, Action.ADD_PIPELINE,
+                                     Action.RESTORE_FROM_SHADOW):
             self.stop_message = (
                 f"lost {named} {when}: "
                 + ("adjacent stages of one pipeline, so no replica of one of them survives; "
                    if self._adjacent(lost) else "")
                 + f"the plan is {decision.action.value} ({decision.reason}), which this runtime "
-                  "cannot carry out yet (no shadow checkpoints, no re-partition in place); "
-                  "stopping. Resume with --resume from the newest durable checkpoint if "
-                  "checkpoint.every was set")
+                  "cannot carry out yet (no re-partition in place"
+                + ("" if self.cfg.shadow.enabled else "; shadow.enabled would restore the "
+                   "lost stages from CPU shadows") + "); stopping. Resume with --resume from the "
+                  "newest durable checkpoint if checkpoint.every was set")
             plan = {"action": "stop", "message": self.stop_message}
         else:
             plan = {"action": decision.action.value, "generation": rec.generation + 1,
@@ -254,6 +271,6 @@ class Coordinator:
                 if node in decision.layout.all_nodes:
                     self.joining.remove(node)
         self.recovery = None
-        if plan["action"] != "stop" and decide(self.layout, set(), []).action not in (
+        if plan["action"] != "stop" and self._decide(set(), []).action not in (
                 Action.KEEP, Action.ADD_PIPELINE):
             self._request_regroup("the layout can improve further")
