@@ -80,7 +80,8 @@ def bench_simulator(seeds: int = 10000, measured_run_dir: str | Path | None = No
                     processes: int = 2, replay: bool = False,
                     work_dir: str | Path | None = None) -> dict[str, Any]:
     """The table's speed and ratios; with `replay`, also the prediction error of a local
-    replay of a real trace segment (see `spotpipe.sim.validate`, about 2-3 minutes)."""
+    replay of a real trace segment (see `spotpipe.sim.validate`: five runs of a tiny GPT,
+    about 3 minutes on an idle machine, 8 on a loaded one)."""
     from spotpipe.sim import itertime
 
     cfg = bench_config()
