@@ -20,8 +20,9 @@ project_pactum/simulation/simulator.py), which is what its simulation figures ra
 - preemptions: every held node is removed with the hourly probability, as here.
 
 Table: 5 hourly removal rates (0.01, 0.05, 0.10, 0.25, 0.50) x `seeds` Bamboo-style traces of
-3 h each. spotpipe runs lazy redundancy (replicas kept exact by gradient replication, no FRC:
-measured at 0.97 of no redundancy); Bamboo runs eager FRC as published. Ratios are taken at
+3 h each (long enough for several preemptions at every rate but the lowest; the table's
+time grows with it). spotpipe runs lazy redundancy (replicas kept exact by gradient
+replication, no FRC: measured at 0.97 of no redundancy); Bamboo runs eager FRC as published. Ratios are taken at
 rate 0.10 (about Bamboo's measured p3 churn) and averaged over the rates, and on the real
 p3 trace (bamboo-p3.csv, Bamboo's own measured trace) replayed once.
 
