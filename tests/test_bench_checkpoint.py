@@ -25,8 +25,13 @@ def test_bench_checkpoint_quick_json():
     for b in BASELINES:
         ratio = figures[f"{b}_k1_bytes_per_iteration"] / figures[f"{b}_k10_bytes_per_iteration"]
         assert 8 <= ratio <= 12, (b, ratio)
-    for key in ("recovery_s", "recovery_with_replay_s", "none_iter_s", "wall_s"):
+    for key in ("recovery_s", "recovery_with_replay_s", "none_iter_s", "wall_s",
+                "shadow_ratio", "shadow_recovery_s"):
         assert positive(figures[key]), (key, figures.get(key))
+    # shadows: every loss repaired in place, losing at most the iteration in flight
+    assert figures["shadow_failures"] == 2
+    assert figures["shadow_lost_iterations_max"] <= 1
+    assert 0 <= figures["lost_iterations_per_failure"]["shadow"] <= 1
 
 
 def test_variants_are_the_reference_and_each_baseline_at_each_interval():

@@ -32,8 +32,12 @@ job stops), then every worker started again with `--resume`; the figure runs fro
 the first iteration completed by the restarted job (`recovery_with_replay_s` adds the lost
 iterations run again).
 
-The variants are listed in `VARIANTS`; the CPU shadows are one more line there (see the marked
-place), and their ratio then appears as `shadow_ratio`.
+The CPU shadows are not a scheme inside the training loop but processes beside it (started by
+the launcher, fed over their own links), so they are measured on real local clusters
+(`spotpipe.bench.shadow`): `shadow_ratio` from the same job with and without shadows, runs
+interleaved; `lost_iterations_per_failure["shadow"]` and `shadow_recovery_s` from a job without
+redundancy killed again and again at random iterations and phases, each loss repaired from the
+shadows in place (nothing restarts).
 """
 
 from __future__ import annotations
@@ -55,7 +59,6 @@ INTERVALS = (1, 10)
 VARIANTS: list[tuple[str, str, int]] = [
     ("none", "none", 0),
     *[(f"{b}_k{k}", b, k) for b in BASELINES for k in INTERVALS],
-    # -- shadows (issue 6, items 1 and 3) go here, as one line: ("shadow", "shadow", 1),
 ]
 FULL = {"rounds": 6, "warmup_blocks": 1, "iters_per_block": 10, "kills": 200}
 # --quick (the test): one round of a smaller model
@@ -169,6 +172,25 @@ def recovery(quick: bool) -> dict[str, float]:
             "recovery_checkpoint_every": every}
 
 
+def _shadows(quick: bool) -> dict[str, Any]:
+    import shutil
+
+    from spotpipe.bench import shadow
+
+    tmp = Path(tempfile.mkdtemp(prefix="spotpipe-bench-shadow-"))
+    try:
+        out: dict[str, Any] = shadow.throughput(tmp, rounds=1 if quick else 3,
+                                                iters=12 if quick else 40)
+        kills = shadow.recovery(tmp, kills=2 if quick else 20, runs=1 if quick else 2, seed=0)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    out["shadow_lost_iterations_max"] = kills.pop("shadow_lost_iterations_max")
+    out["shadow_recovery_s"] = kills.pop("shadow_recovery_s")
+    out["shadow_failures"] = kills.pop("shadow_failures")
+    out["shadow_lost_iterations_per_failure"] = kills.pop("shadow_lost_iterations_per_failure")
+    return out
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     started = time.perf_counter()
     load_before = os.getloadavg()[0]  # the machine's load: the ratios' noise grows with it
@@ -177,6 +199,9 @@ def run(quick: bool = False) -> dict[str, Any]:
                  worker_module="spotpipe.bench._checkpoint_worker", name="checkpoint")
     figures = summarize(raw, spec)
     figures.update(recovery(quick))
+    figures.update(_shadows(quick))
+    figures["lost_iterations_per_failure"]["shadow"] = figures.pop(
+        "shadow_lost_iterations_per_failure")
     figures["config"] = describe_setup(spec, "uniform") + (
         f"; micro-batch {spec['micro_batch_size']} x M={spec['num_microbatches']}, AdamW; "
         f"blocks of {spec['iters_per_block']} iterations, {spec['rounds']} rounds")
