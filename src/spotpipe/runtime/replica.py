@@ -19,6 +19,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -93,10 +94,19 @@ def apply_flat_gradient(params: list[nn.Parameter], optimizer: torch.optim.Optim
 class ReplicaApplier:
     """Applies committed updates to a replica on a background thread, in iteration order."""
 
-    def __init__(self, replica: ReplicaStage, cfg: Config, digests: DigestLog | None) -> None:
+    def __init__(self, replica: ReplicaStage, cfg: Config, digests: DigestLog | None, *,
+                 role: str = "replica", max_lag: int | None = -1,
+                 on_applied: Callable[[int], None] | None = None) -> None:
+        """`max_lag`: how far behind `submit` lets it fall before the caller waits (-1: the
+        configured `replica.max_lag`; None: never wait). `on_applied(t)` runs on the
+        background thread after iteration t is applied (a CPU shadow marks it, and writes
+        its durable checkpoints there)."""
         self.replica = replica
         self.cfg = cfg
         self.digests = digests
+        self.role = role
+        self.max_lag = cfg.replica.max_lag if max_lag == -1 else max_lag
+        self.on_applied = on_applied
         self._queue: queue.Queue[tuple[int, str, torch.Tensor | None] | None] = queue.Queue()
         self._cond = threading.Condition()
         self._applied = -1
@@ -125,8 +135,8 @@ class ReplicaApplier:
             lag = iteration - self._applied
         self.max_lag_seen = max(self.max_lag_seen, lag)
         self._queue.put((iteration, kind, flat))
-        if lag > self.cfg.replica.max_lag:  # the documented policy: the worker waits
-            self.wait_applied(iteration - self.cfg.replica.max_lag)
+        if self.max_lag is not None and lag > self.max_lag:  # the documented policy: wait
+            self.wait_applied(iteration - self.max_lag)
 
     def wait_applied(self, iteration: int) -> None:
         start = time.perf_counter()
@@ -171,8 +181,10 @@ class ReplicaApplier:
                 elif kind == "state":
                     self._load_state(flat)
                 if self.digests is not None:
-                    self.digests.write(iter=iteration, stage=self.replica.index, role="replica",
+                    self.digests.write(iter=iteration, stage=self.replica.index, role=self.role,
                                        **stage_digest(self.replica.module, self.replica.optimizer))
+                if self.on_applied is not None:
+                    self.on_applied(iteration)
                 with self._cond:
                     self._applied = iteration
                     self._cond.notify_all()
