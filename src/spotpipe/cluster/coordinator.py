@@ -37,11 +37,21 @@ class Recovery:
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+Partition = list[tuple[int, int]]
+
+
 class Coordinator:
     def __init__(self, *, cfg: Config, store: dist.TCPStore, layout: Layout,
                  kill: Callable[[str], None], emit: Callable[[dict[str, Any]], None],
-                 now: Callable[[], float], token: str = "") -> None:
+                 now: Callable[[], float], token: str = "", partition: Partition | None = None,
+                 partition_for: Callable[[int], Partition] | None = None) -> None:
+        """`partition` is the layer ranges per stage at launch; `partition_for(P)` computes
+        them for another depth the way the launch did (None: the job never re-partitions)."""
         self.cfg = cfg
+        self.partition: Partition = list(partition or [])
+        self.partition_for = partition_for
+        self._partitions: dict[int, Partition] = {}
+        self.repartition_refused: str | None = None
         self.token = token
         self.joining: list[str] = []  # accepted, not yet placed
         self.store = store
@@ -160,6 +170,39 @@ class Coordinator:
 
     # ------------------------------------------------------------------ agreement
 
+    def _decide(self, lost: set[str], joining: list[str]) -> Decision:
+        """`plan.decide`, less the re-partitions this job cannot make (a partition that cannot
+        be derived for the new depth): those become KEEP once, with the reason in the events,
+        and the job runs on in the layout it has."""
+        decision = decide(self.layout, lost, joining)
+        if decision.action != Action.REPARTITION or decision.needs_restore:
+            return decision
+        depth = decision.layout.num_stages
+        problem = self.repartition_refused
+        if problem is None:
+            try:
+                self._partition_at(depth)
+            except Exception as exc:  # the partitioner's message says what is wrong
+                problem = self.repartition_refused = (
+                    f"cannot re-partition to P={depth}: {exc}".splitlines()[0][:300])
+                self.emit({"time_s": self.now(), "kind": "repartition_refused",
+                           "node": "launcher", "generation": self.generation,
+                           "reason": problem})
+        if problem is None:
+            return decision
+        waiting = [n for n in decision.layout.all_nodes if n not in self.layout.active_nodes]
+        return Decision(Action.KEEP, self.layout.with_standby(tuple(sorted(waiting))), (),
+                        problem)
+
+    def _partition_at(self, depth: int) -> Partition:
+        if depth == len(self.partition):
+            return self.partition
+        if depth not in self._partitions:
+            if self.partition_for is None:
+                raise ValueError("this job cannot compute partitions at another depth")
+            self._partitions[depth] = [tuple(r) for r in self.partition_for(depth)]
+        return self._partitions[depth]
+
     def _fence(self, node: str, why: str) -> None:
         if node in self.fenced:
             return  # killed already; its exit is on its way
@@ -189,7 +232,7 @@ class Coordinator:
         when = f"in iteration {in_flight} (the last committed iteration is {committed})"
         where = {n: f"{n} (pipeline {d}, stage {s})" for (d, s), n in self.layout.mapping.items()}
         named = ", ".join(where.get(n, n) for n in sorted(lost & set(self.layout.active_nodes)))
-        decision = decide(self.layout, lost & set(self.layout.active_nodes), self.joining)
+        decision = self._decide(lost & set(self.layout.active_nodes), self.joining)
         total = self.cfg.num_microbatches * self.cfg.pipelines
         if decision.action == Action.ADD_PIPELINE and total % decision.layout.num_pipelines:
             # the iteration's micro-batches must split evenly: the new nodes wait on standby
@@ -218,22 +261,27 @@ class Coordinator:
                 "iteration do not split evenly; stopping")
             plan = {"action": "stop", "message": self.stop_message}
         elif decision.action not in (Action.FAILOVER, Action.KEEP, Action.DROP_PIPELINE,
-                                     Action.REBALANCE, Action.ADD_PIPELINE):
+                                     Action.REBALANCE, Action.ADD_PIPELINE,
+                                     Action.REPARTITION) or decision.needs_restore:
             self.stop_message = (
                 f"lost {named} {when}: "
                 + ("adjacent stages of one pipeline, so no replica of one of them survives; "
                    if self._adjacent(lost) else "")
                 + f"the plan is {decision.action.value} ({decision.reason}), which this runtime "
-                  "cannot carry out yet (no shadow checkpoints, no re-partition in place); "
+                  "cannot carry out yet (no shadow checkpoints); "
                   "stopping. Resume with --resume from the newest durable checkpoint if "
                   "checkpoint.every was set")
             plan = {"action": "stop", "message": self.stop_message}
         else:
+            partition = (self._partition_at(decision.layout.num_stages)
+                         if decision.action == Action.REPARTITION else self.partition)
             plan = {"action": decision.action.value, "generation": rec.generation + 1,
                     "layout": decision.layout.to_json(),
                     "previous_layout": self.layout.to_json(), "resume": resume,
                     "moves": [{"kind": m.kind.value, "pipeline": m.pipeline, "stage": m.stage,
-                               "src": m.src, "dst": m.dst} for m in decision.moves]}
+                               "src": m.src, "dst": m.dst} for m in decision.moves],
+                    "stages": decision.layout.num_stages, "partition": partition,
+                    "previous_partition": self.partition}
         self.store.set(plan_key(rec.generation), json.dumps(plan))
         self.emit({"time_s": self.now(), "kind": "plan", "node": "launcher",
                    "generation": rec.generation, **{k: v for k, v in plan.items()
@@ -247,6 +295,7 @@ class Coordinator:
             self.left |= (set(self.layout.active_nodes) - set(decision.layout.active_nodes)
                           - set(decision.layout.standby))
             self.layout = decision.layout
+            self.partition = plan["partition"]
             self.generation = rec.generation + 1
             for node in list(self.joining):
                 if node in decision.layout.active_nodes:
@@ -254,6 +303,6 @@ class Coordinator:
                 if node in decision.layout.all_nodes:
                     self.joining.remove(node)
         self.recovery = None
-        if plan["action"] != "stop" and decide(self.layout, set(), []).action not in (
+        if plan["action"] != "stop" and self._decide(set(), []).action not in (
                 Action.KEEP, Action.ADD_PIPELINE):
             self._request_regroup("the layout can improve further")

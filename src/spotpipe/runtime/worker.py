@@ -14,6 +14,7 @@ in-flight iteration, promote a replica) and starts the next generation under a n
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -36,7 +37,7 @@ from spotpipe.checkpoint import durable
 from spotpipe.config import Config, load_config
 from spotpipe.data import collate
 from spotpipe.model import build_stage
-from spotpipe.plan import Layout
+from spotpipe.plan import Layout, held_replica, layer_plan
 from spotpipe.runtime import migrate
 from spotpipe.runtime import node as nodelib
 from spotpipe.runtime.comm import AbortSignal, Comm, PeerFailure
@@ -337,6 +338,10 @@ class Worker:
         peer, then start the new generation."""
         started = time.perf_counter()
         old, new_layout = self.layout, Layout.from_json(plan["layout"])
+        repartition = plan["action"] == "repartition"
+        if "partition" in plan and not repartition:  # a joiner learns the job's current depth
+            self.spec = dataclasses.replace(self.spec, partition=[tuple(r) for r in
+                                                                  plan["partition"]])
         promoted_nodes = {m["dst"] for m in plan["moves"] if m["kind"] == "promote"}
         promoted = []
         for move in plan["moves"]:
@@ -344,19 +349,75 @@ class Worker:
                 self._promote(move["stage"], resume)
                 promoted.append(move["stage"])
         copies = [m for m in plan["moves"] if m["kind"] == "copy"]
-        moves = migrate.transfers(old, new_layout, copies, promoted_nodes)
+        moves = [] if repartition else migrate.transfers(old, new_layout, copies, promoted_nodes)
         self.layout = new_layout
         self.generation = plan["generation"]
         comm = self._open_comm()
-        moved = self._migrate(moves, comm, resume)
+        moved = (self._repartition(plan, old, comm, resume) if repartition
+                 else self._migrate(moves, comm, resume))
         self._form(comm)
         self._recovering = False
-        self.channel.event("takeover" if promoted else ("migrated" if moved else "regrouped"),
+        kind = "takeover" if promoted else ("migrated" if moved else "regrouped")
+        self.channel.event("repartitioned" if repartition else kind,
                            generation=self.generation, stages=sorted(self.stages),
                            promoted=promoted, received=moved, resume=resume,
                            bytes_received=self.bytes_received,
-                           regroup_s=round(time.perf_counter() - started, 6))
+                           regroup_s=round(time.perf_counter() - started, 6),
+                           **({"depth": new_layout.num_stages,
+                               "layers": [list(self.spec.partition[s]) for s in
+                                          sorted(self.stages)]} if repartition else {}))
         return resume
+
+    def _repartition(self, plan: dict[str, Any], old: Layout, comm: Comm,
+                     resume: int) -> list[str]:
+        """Change the depth in place: build this node's new stage(s) and replica from layers,
+        each layer's parameters and optimizer state taken from this node's memory when it holds
+        them and from a peer that does otherwise (`plan.layer_plan`); returns what it received.
+        """
+        new_partition = [tuple(r) for r in plan["partition"]]
+        old_partition = [tuple(r) for r in plan["previous_partition"]]
+        redundancy = self.cfg.redundancy != "none"
+        expected = held_replica(old, self.node) if redundancy else None
+        actual = self.holding.replica.index if self.holding is not None else None
+        if self.node in old.active_nodes and expected != actual:
+            raise RuntimeError(f"{self.node} holds the replica of stage {actual}, the layout "
+                               f"says {expected}: cannot re-partition from it")
+        held = [(st.module, st.optimizer) for st in self.stages.values()]
+        if self.holding is not None:
+            self.holding.applier.drain()  # the replica is exact through resume - 1
+            held.append((self.holding.replica.module, self.holding.replica.optimizer))
+
+        def build(stage: int, device: torch.device) -> tuple[torch.nn.Module,
+                                                              torch.optim.Optimizer]:
+            # a copy: stages share no Parameter with the node's model or with each other
+            module = copy.deepcopy(build_stage(self.model, *new_partition[stage])).to(device)
+            return module, build_optimizer(module.parameters(), self.cfg)
+
+        owned = {s: build(s, self.device) for s in nodelib.owned_stages(self.layout, self.node)}
+        want = held_replica(self.layout, self.node) if redundancy else None
+        replica_device = (self.device if self.cfg.replica.device == "device"
+                          else torch.device("cpu"))
+        replica = build(want, replica_device) if want is not None else None
+        moves = layer_plan(old, self.layout, old_partition, new_partition, redundancy)
+        self.bytes_received = migrate.exchange_layers(
+            moves, self.node, comm, self.store,
+            f"{self.namespace}/gen{self.generation}/layers", self.model,
+            have=migrate.state_index(held),
+            want=migrate.state_index(list(owned.values()) + ([replica] if replica else [])),
+            timeout_s=self.cfg.cluster.timeout_s)
+        if self.holding is not None:
+            self.holding.applier.close()
+            self.holding = None
+        self.spec = dataclasses.replace(self.spec, partition=new_partition)
+        self.stages = {s: nodelib.stage_state_from(self.model, new_partition, s, module, opt)
+                       for s, (module, opt) in owned.items()}
+        if replica is not None and want is not None:
+            stage = ReplicaStage(want, replica[0], replica[1], replica_device)
+            applier = ReplicaApplier(stage, self.cfg, self.digests)
+            applier.start_at(resume)
+            d = nodelib.pipeline_of(self.layout, self.node)
+            self.holding = Holding(stage, applier, self.layout.owner(d, want))
+        return sorted({f"layer {m.layer} from {m.src}" for m in moves if m.dst == self.node})
 
     def _migrate(self, moves: list[migrate.Transfer], comm: Comm, resume: int) -> list[str]:
         """This node's part of the state moves; returns what it received."""
