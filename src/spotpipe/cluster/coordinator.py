@@ -98,7 +98,8 @@ class Coordinator:
         if record["generation"] != self.generation:
             return
         if self.recovery is None:
-            self._begin(f"{record['node']}: {record['reason']}")
+            self._begin(f"{record['node']}: {record['reason']}",
+                        abort=not record.get("boundary", False))
         assert self.recovery is not None
         self.recovery.reports[record["node"]] = record
         self._maybe_decide()
@@ -212,10 +213,14 @@ class Coordinator:
         self._progress.pop(node, None)
         self.kill(node)  # its exit then arrives through node_exited
 
-    def _begin(self, reason: str) -> None:
+    def _begin(self, reason: str, abort: bool = True) -> None:
+        """Start agreement. `abort` wakes every node at once (a failure); a change at an
+        iteration boundary needs none: every node saw the same commit flag and comes on its
+        own, after finishing the iteration's tail (its metrics)."""
         if self.recovery is None:
             self.recovery = Recovery(self.generation, self.now())
-            self.store.set(abort_key(self.generation), reason)
+            if abort:
+                self.store.set(abort_key(self.generation), reason)
             self.emit({"time_s": self.now(), "kind": "failure_detected", "node": "launcher",
                        "generation": self.generation, "reason": reason})
         self.recovery.reasons.append(reason)
@@ -291,15 +296,18 @@ class Coordinator:
                       if plan["action"] != "stop" else {})})
         self.left |= leaving
         if plan["action"] != "stop":
-            # nodes of a dropped pipeline leave the job (a standby pool is for joiners)
+            # nodes the new layout does not list leave the job; those it puts on standby wait
+            # in their processes (a joiner, or a node a re-partition or a dropped pipeline
+            # left over) until a later plan places them
             self.left |= (set(self.layout.active_nodes) - set(decision.layout.active_nodes)
                           - set(decision.layout.standby))
+            placed = set(decision.layout.active_nodes) - set(self.layout.active_nodes)
             self.layout = decision.layout
             self.partition = plan["partition"]
             self.generation = rec.generation + 1
+            for node in sorted(placed):
+                self.store.set(join_key(node), json.dumps({"generation": rec.generation}))
             for node in list(self.joining):
-                if node in decision.layout.active_nodes:
-                    self.store.set(join_key(node), json.dumps({"generation": rec.generation}))
                 if node in decision.layout.all_nodes:
                     self.joining.remove(node)
         self.recovery = None

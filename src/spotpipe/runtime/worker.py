@@ -192,9 +192,11 @@ class Worker:
             loss_scale_div=nodelib.microbatches(self.cfg, self.layout) * self.layout.num_pipelines,
             holding=self.holding, digests=self.digests, sample_log=self.sample_log,
             hook=self.inject)
-        if previous is not None:
-            self.executor.committed_through = previous.committed_through
-            self.executor.stepped_through = previous.stepped_through
+        if previous is not None:  # (a node back from standby starts where the plan resumes)
+            self.executor.committed_through = max(previous.committed_through,
+                                                  self.start_iteration - 1)
+            self.executor.stepped_through = max(previous.stepped_through,
+                                                self.start_iteration - 1)
         else:
             self.executor.committed_through = self.start_iteration - 1
             self.executor.stepped_through = self.start_iteration - 1
@@ -230,9 +232,17 @@ class Worker:
             "type": "join", "node": self.node, "time_s": self.channel.now(),
             "token": os.environ.get("SPOTPIPE_JOIN_TOKEN", ""),
             "config_digest": self.cfg.digest(), "model_digest": self.cfg.model_digest()})
+        return self._await_placement()
+
+    def _await_placement(self) -> int:
+        """Wait on standby until a plan places this node (-1: the job ended first). The answer
+        is taken out of the store, so that a node placed, put on standby and placed again
+        waits for its new answer."""
         self._recovering = True
-        self.store.wait([join_key(self.node)], timedelta(days=7))
-        answer = json.loads(self.store.get(join_key(self.node)))
+        key = join_key(self.node)
+        self.store.wait([key], timedelta(days=7))
+        answer = json.loads(self.store.get(key))
+        self.store.delete_key(key)
         if "refused" in answer:
             raise JoinRefused(answer["refused"])
         if "finished" in answer:
@@ -311,9 +321,11 @@ class Worker:
         # a node with a notice leaves, whether it saw the commit's flag or was woken by the
         # abort of a faster node first
         leaving = self.notices.is_set()
-        self.store.set(abort_key(g), f"{self.node}: {why}")
+        boundary = isinstance(why, Leave)  # every node saw the same flag: no one to wake
+        if not boundary:
+            self.store.set(abort_key(g), f"{self.node}: {why}")
         self.channel._post({
-            "type": "report", "generation": g, "node": self.node,
+            "type": "report", "generation": g, "node": self.node, "boundary": boundary,
             "iteration": ex.iteration, "position": ex.position,
             "instruction": str(self.stream[ex.position]) if ex.position < len(self.stream) else "",
             "committed_through": ex.committed_through, "stepped_through": ex.stepped_through,
@@ -328,6 +340,16 @@ class Worker:
         if ex.stepped_through < resume - 1:
             ex.step(resume - 1)
         ex.discard()
+        if self.node in new_layout.standby:  # e.g. one node more than the new depth needs
+            self.channel.event("standby", generation=plan["generation"])
+            if self.holding is not None:
+                self.holding.applier.close()
+                self.holding = None
+            self.stages = {}  # the plan that places it again sends it whatever it will run
+            resume = self._await_placement()
+            if resume < 0:
+                self._finish(left=True)
+            return resume
         if self.node not in new_layout.active_nodes:
             self._finish(left=True)
             return -1
