@@ -3,12 +3,15 @@ by layer from memory, and training ends where the failure-free run ends."""
 
 from __future__ import annotations
 
+import copy
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from spotpipe.cluster.launcher import train
+from spotpipe.runtime import migrate
 from spotpipe.runtime.faults import Fault
 
 from conftest import tiny_config
@@ -92,3 +95,60 @@ def test_two_pipelines_lend_a_node_and_one_waits_on_standby(tmp_path, tmp_path_f
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-7, msg=key)
     assert_nothing_left(run, store_port(run))
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+    lambda ps: torch.optim.Rprop(ps, lr=1e-2),
+    lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5, centered=True),
+], ids=["adamw", "sgd", "adagrad", "rprop", "rmsprop"])
+def test_layer_messages_carry_any_optimizer_state_bit_for_bit(make):
+    """What a re-partition sends for a layer (parameters, then whatever state the optimizer
+    keeps for each) arrives as the same bits, and the moved copy steps exactly like the
+    original from then on."""
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).to(torch.float64)
+    src[1].to(torch.bfloat16)
+    src_opt = make(list(src.parameters()))
+    for _ in range(2):
+        for p in src.parameters():
+            p.grad = torch.randn_like(p)
+        src_opt.step()
+    names = [n for n, _ in src.named_parameters()]
+    meta, flat = migrate.pack_layers(names, migrate.state_index([(src, src_opt)]),
+                                     torch.device("cpu"))
+    assert flat.dtype == torch.uint8 and flat.numel() == migrate.message_bytes(meta)
+    json.dumps(meta)  # metadata travels as JSON
+    dst = copy.deepcopy(src)
+    for p in dst.parameters():
+        with torch.no_grad():
+            p.zero_()
+    dst_opt = make(list(dst.parameters()))
+    want = migrate.state_index([(dst, dst_opt)])
+    for name, (value, state) in migrate.unpack_layers(meta, flat).items():
+        migrate.install(name, value, state, want)
+    for a, b in zip(src.parameters(), dst.parameters()):
+        assert torch.equal(a, b) and a.dtype == b.dtype
+        sa, sb = src_opt.state[a], dst_opt.state[b]
+        assert sorted(sa) == sorted(sb)
+        for key in sa:
+            if isinstance(sa[key], torch.Tensor):
+                assert torch.equal(sa[key], sb[key]) and sa[key].device == sb[key].device, key
+            else:
+                assert sa[key] == sb[key], key
+    for p, q in zip(src.parameters(), dst.parameters()):
+        g = torch.randn_like(p)
+        p.grad, q.grad = g, g.clone()
+    src_opt.step()
+    dst_opt.step()
+    for a, b in zip(src.parameters(), dst.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_parameter_of_another_shape_is_refused():
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    want = migrate.state_index([(module, torch.optim.SGD(module.parameters(), lr=0.1))])
+    with pytest.raises(RuntimeError, match="0.weight"):
+        migrate.install("0.weight", torch.zeros(3, 2), {}, want)

@@ -219,6 +219,8 @@ def unpack_layers(meta: list[dict[str, Any]],
             n *= d
         size = n * dtype.itemsize
         part = flat[offset: offset + size]
+        if offset % dtype.itemsize:  # a wider dtype after a narrower one: realign by a copy
+            part = part.clone()
         offset += size
         return part.view(dtype).view(spec["shape"])
 
