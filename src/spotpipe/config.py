@@ -105,6 +105,12 @@ class CheckpointSection:
 
 
 @dataclass
+class ShadowSection:
+    enabled: bool = False  # one CPU shadow process per stage holds a checkpoint of every iteration
+    max_lag: int = 4  # iterations a shadow may fall behind before the stage's writer waits
+
+
+@dataclass
 class LoggingSection:
     progress: bool = True  # progress bar on the launcher's terminal
     tensorboard: bool = False  # write DIR/tensorboard/
@@ -134,6 +140,7 @@ class Config:
     replica: ReplicaSection = field(default_factory=ReplicaSection)
     failover: FailoverSection = field(default_factory=FailoverSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    shadow: ShadowSection = field(default_factory=ShadowSection)
     stages: int = 2
     pipelines: int = 1
     micro_batch_size: int = 4
@@ -289,6 +296,8 @@ def _check(cfg: Config) -> None:
     if cfg.redundancy != "none" and cfg.stages < 2:
         raise ConfigError(f"redundancy: {cfg.redundancy!r} needs stages >= 2 (a replica lives on "
                           f"the neighbouring stage's node), got stages = {cfg.stages}")
+    if cfg.shadow.max_lag < 1:
+        raise ConfigError(f"shadow.max_lag: expected a positive integer, got {cfg.shadow.max_lag}")
     if cfg.replica.sync_every < 1 or cfg.replica.max_lag < 1:
         raise ConfigError("replica.sync_every and replica.max_lag: expected positive integers")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:

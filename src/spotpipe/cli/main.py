@@ -90,7 +90,8 @@ def _faults(args: argparse.Namespace, cfg):
     from spotpipe.cluster.trace_replay import replay_actions
     from spotpipe.runtime.faults import Fault, FaultSpecError
 
-    nodes = [f"node{r}" for r in range(cfg.stages * cfg.pipelines)]
+    # nodes joining with --join are named after the initial ones, in order
+    nodes = [f"node{r}" for r in range(cfg.stages * cfg.pipelines + len(args.join or []))]
     faults = [Fault.parse(kind, text, nodes)
               for kind in ("fail", "notice", "hang") for text in getattr(args, kind)]
     for f in faults:

@@ -17,6 +17,8 @@ from typing import Any
 import torch.distributed as dist
 
 MAILBOX = "spotpipe/mail"
+COUNT = f"{MAILBOX}/count"
+_READ = b"."  # what a slot holds once read: not empty, so no writer can claim it again
 
 
 class WorkerChannel:
@@ -31,8 +33,18 @@ class WorkerChannel:
         return round(time.time() - self.t0, 6)
 
     def _post(self, record: dict[str, Any]) -> None:
-        index = self.store.add(f"{MAILBOX}/count", 1)
-        self.store.set(f"{MAILBOX}/{index}", json.dumps(record))
+        """Claim the next free slot and fill it in one atomic store operation.
+
+        Taking a number first and writing the slot second would leave a hole, and stall the
+        reader forever, whenever a worker is killed between the two; preemption kills workers
+        at any instruction. compare_set writes only a slot that was never written, so a
+        record is either whole in its slot or absent. The count is a hint of where to start
+        (it may lag behind by the records of writers killed right after their claim)."""
+        blob = json.dumps(record).encode()
+        index = self.store.add(COUNT, 0) + 1
+        while self.store.compare_set(f"{MAILBOX}/{index}", "", blob) != blob:
+            index += 1
+        self.store.add(COUNT, 1)
 
     def event(self, kind: str, **details: Any) -> None:
         self._post({"type": "event", "time_s": self.now(), "kind": kind, "node": self.node,
@@ -53,5 +65,5 @@ def read_mailbox(store: dist.Store, timeout_s: float = 86400.0) -> Iterator[dict
         key = f"{MAILBOX}/{index}"
         store.wait([key], timedelta(seconds=timeout_s))
         record = json.loads(store.get(key))
-        store.delete_key(key)
+        store.set(key, _READ)  # a tombstone, not a deletion: see WorkerChannel._post
         yield record

@@ -144,8 +144,18 @@ class Coordinator:
                    "generation": self.generation, "reason": why})
 
     def tick(self) -> None:
-        """Heartbeat check: fence nodes that stopped beating or stopped making progress."""
+        """Heartbeat check: fence nodes that stopped beating or stopped making progress, and
+        survivors that do not report after a failure (a node that cannot report would leave
+        the agreement waiting forever; fencing turns that into a decision)."""
         now = time.time()
+        rec = self.recovery
+        if rec is not None:
+            waited = self.now() - rec.started_s
+            silent = self.live - set(rec.reports) - self.fenced
+            if silent and waited > self.cfg.failover.hang_timeout_s:
+                for node in sorted(silent):
+                    self._fence(node, f"did not report within {waited:.1f} s of the failure "
+                                      f"of generation {rec.generation}")
         for node in sorted(self.live):
             key = f"{HEARTBEATS}/{node}"
             if not self.store.check([key]):
@@ -175,11 +185,19 @@ class Coordinator:
         """`plan.decide`, less the re-partitions this job cannot make (a partition that cannot
         be derived for the new depth): those become KEEP once, with the reason in the events,
         and the job runs on in the layout it has."""
-        decision = decide(self.layout, lost, joining)
+        decision = decide(self.layout, lost, joining, shadows=self.cfg.shadow.enabled,
+                          replicas=self.cfg.redundancy != "none")
         if decision.action != Action.REPARTITION or decision.needs_restore:
             return decision
         depth = decision.layout.num_stages
         problem = self.repartition_refused
+        if problem is None and self.cfg.shadow.enabled:
+            # each shadow holds one stage of the launch partition; they do not re-partition
+            problem = self.repartition_refused = (
+                f"cannot re-partition to P={depth}: the CPU shadows hold the stages of the "
+                "launch partition; the job keeps its carriers")
+            self.emit({"time_s": self.now(), "kind": "repartition_refused", "node": "launcher",
+                       "generation": self.generation, "reason": problem})
         if problem is None:
             try:
                 self._partition_at(depth)
@@ -252,7 +270,8 @@ class Coordinator:
                    "agreement_s": round(agreed - rec.started_s, 6),
                    "action": decision.action.value})
         plan: dict[str, Any]
-        if self.cfg.redundancy == "none" and lost & set(self.layout.active_nodes):
+        if (self.cfg.redundancy == "none" and not self.cfg.shadow.enabled
+                and lost & set(self.layout.active_nodes)):
             self.stop_message = (
                 f"lost {named} {when}; redundancy is off, so no other node holds "
                 "their stages (set redundancy: lazy or eager), and no checkpoint is available")
@@ -267,15 +286,17 @@ class Coordinator:
             plan = {"action": "stop", "message": self.stop_message}
         elif decision.action not in (Action.FAILOVER, Action.KEEP, Action.DROP_PIPELINE,
                                      Action.REBALANCE, Action.ADD_PIPELINE,
-                                     Action.REPARTITION) or decision.needs_restore:
+                                     Action.RESTORE_FROM_SHADOW, Action.REPARTITION) or (
+                decision.action == Action.REPARTITION and decision.needs_restore):
             self.stop_message = (
                 f"lost {named} {when}: "
                 + ("adjacent stages of one pipeline, so no replica of one of them survives; "
                    if self._adjacent(lost) else "")
                 + f"the plan is {decision.action.value} ({decision.reason}), which this runtime "
-                  "cannot carry out yet (no shadow checkpoints); "
-                  "stopping. Resume with --resume from the newest durable checkpoint if "
-                  "checkpoint.every was set")
+                  "cannot carry out yet (no restore from checkpoints at another depth"
+                + ("" if self.cfg.shadow.enabled else "; shadow.enabled would restore the "
+                   "lost stages from CPU shadows") + "); stopping. Resume with --resume from the "
+                  "newest durable checkpoint if checkpoint.every was set")
             plan = {"action": "stop", "message": self.stop_message}
         else:
             partition = (self._partition_at(decision.layout.num_stages)

@@ -147,6 +147,7 @@ class Launcher:
         self.progress = progress and self.cfg.logging.progress
         self.stream = stream if stream is not None else sys.stderr
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.shadow_procs: dict[str, subprocess.Popen[bytes]] = {}
         self.t0 = time.time()
         self._train_start = self.t0
         self.faults = list(faults or [])
@@ -165,9 +166,23 @@ class Launcher:
         (self.out / "config.yaml").write_text(yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
         (self.out / "run.json").write_text(json.dumps(self.spec.to_json(), indent=1))
 
-    def _spawn(self, rank: int, world: int, port: int,
-               inbox: "queue.Queue[tuple[str, Any]]", joining: bool = False) -> None:
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+    def _spawn_shadow(self, stage: int, port: int,
+                      inbox: "queue.Queue[tuple[str, Any]]") -> None:
+        """The CPU shadow of `stage` runs here, next to the store: on the host that is not
+        preempted (see spotpipe.checkpoint.shadow)."""
+        env = self._env(0, 1, port)
+        env["SPOTPIPE_SHADOW_STAGE"] = str(stage)
+        name = f"shadow{stage}"
+        with open(self.out / "logs" / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "spotpipe.checkpoint.shadow"],
+                                    env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    preexec_fn=_die_with_parent)
+        self.shadow_procs[name] = proc
+        threading.Thread(target=lambda: inbox.put(("shadow_exit", (name, proc.wait()))),
+                         name=f"wait-{name}", daemon=True).start()
+
+    def _env(self, rank: int, world: int, port: int, joining: bool = False) -> dict[str, str]:
+        return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=self.cfg.cluster.host,
                    MASTER_PORT=str(port), SPOTPIPE_RUN_DIR=str(self.out),
                    SPOTPIPE_T0=repr(self.t0), OMP_NUM_THREADS=str(self.cfg.cluster.threads_per_worker),
@@ -177,6 +192,10 @@ class Launcher:
                    SPOTPIPE_RESUME=str(self.resume.path) if self.resume else "",
                    PYTHONPATH=os.pathsep.join(search_path(self.cfg)
                                               + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+
+    def _spawn(self, rank: int, world: int, port: int,
+               inbox: "queue.Queue[tuple[str, Any]]", joining: bool = False) -> None:
+        env = self._env(rank, world, port, joining)
         log = open(self.out / "logs" / f"node{rank}.log", "wb")
         node = f"node{rank}"
         proc = subprocess.Popen(
@@ -213,6 +232,7 @@ class Launcher:
         inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._inbox, self._port, self._store = inbox, store.port, store
         self._exited: dict[str, int] = {}
+        self._shadow_exited: dict[str, int] = {}
         self._watch_mailbox(store.port, inbox)
         bar = self._bar = self._progress_bar()
         status, message = "failed", ""
@@ -220,6 +240,9 @@ class Launcher:
         self._received = 0
         errors: dict[str, str] = {}
         try:
+            if cfg.shadow.enabled:
+                for stage in range(cfg.stages):
+                    self._spawn_shadow(stage, store.port, inbox)
             for rank in range(world):
                 self._spawn(rank, world, store.port, inbox)
             # joining nodes start now, ready, and ask to join when their iteration comes (a
@@ -261,12 +284,24 @@ class Launcher:
                         for _, node in self.joins:  # and joiners whose iteration never came
                             self._store.set(f"spotpipe/join_gate/{node}", "over")
                         self.joins = []
-                    if len(exited) == len(self.procs):
+                    if len(exited) == len(self.procs) and (
+                            self._shadows_done() or self.coordinator.stop_message):
+                        message = self._complete(inbox, files, errors, store)
+                        status = "completed" if not message else status
+                        break
+                elif what == "shadow_exit":
+                    name, code = item
+                    self._shadow_exited[name] = code
+                    if code != 0:
                         self._drain(inbox, files, errors, store)
-                        message = self._completion_problem()
-                        if not message:
-                            self._merge_final()
-                            status = "completed"
+                        detail = errors.get(name) or f"exited with code {code}"
+                        message = f"{name} failed: {detail} (log: {self.out}/logs/{name}.log)"
+                        files.event({"time_s": self._now(), "kind": "shadow_failed",
+                                     "node": name, "returncode": code, "message": detail})
+                        break
+                    if len(exited) == len(self.procs) and self._shadows_done():
+                        message = self._complete(inbox, files, errors, store)
+                        status = "completed" if not message else status
                         break
                 elif what == "mailbox_closed":
                     message = f"lost the store: {item}"
@@ -287,6 +322,18 @@ class Launcher:
             print(f"spotpipe: training failed: {message}", file=self.stream)
             return 1
         return 0
+
+    def _shadows_done(self) -> bool:
+        return len(self._shadow_exited) == len(self.shadow_procs)
+
+    def _complete(self, inbox: "queue.Queue[tuple[str, Any]]", files: RunFiles,
+                  errors: dict[str, str], store: dist.TCPStore) -> str:
+        """Every process is done: write what is left; return why the run did not complete."""
+        self._drain(inbox, files, errors, store)
+        message = self._completion_problem()
+        if not message:
+            self._merge_final()
+        return message
 
     def _completion_problem(self) -> str:
         """Why a run whose workers all exited did not complete ("" when it did)."""
@@ -384,7 +431,8 @@ class Launcher:
         """Write every record posted so far: a worker posts its last record before it exits,
         so once it has exited, the store's mailbox count says how many records to wait for."""
         posted = store.add(f"{MAILBOX}/count", 0)
-        while self._received < posted:
+        # the count may lag by a record whose writer was killed right after writing it
+        while self._received < posted or store.check([f"{MAILBOX}/{self._received + 1}"]):
             what, item = inbox.get(timeout=self.cfg.cluster.timeout_s)
             self._handle_record(what, item, files, errors)
 
@@ -418,7 +466,7 @@ class Launcher:
             self.coordinator.report(item)
         else:
             files.event(item)
-            if item["kind"] == "worker_error":
+            if item["kind"] in ("worker_error", "shadow_error"):
                 errors[item["node"]] = item["message"]
 
     def _watch_mailbox(self, port: int, inbox: "queue.Queue[tuple[str, Any]]") -> None:
@@ -444,11 +492,12 @@ class Launcher:
         self._pump.join(timeout=10)
 
     def _stop_workers(self) -> None:
-        for p in self.procs.values():
+        procs = list(self.procs.values()) + list(self.shadow_procs.values())
+        for p in procs:
             if p.poll() is None:
                 p.terminate()
         deadline = time.time() + 10
-        for p in self.procs.values():
+        for p in procs:
             try:
                 p.wait(timeout=max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:

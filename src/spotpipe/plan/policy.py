@@ -11,6 +11,11 @@ Order of preference, and why:
 2. A pipeline whose lost stage has no live replica (two adjacent losses) cannot be repaired
    from memory. If another pipeline survives, drop the broken one (DROP_PIPELINE): data
    parallelism shrinks, the global batch stays, nothing is reloaded.
+   With CPU shadows (`shadows=True`) and no pipeline left whole, a broken pipeline is
+   repaired instead (RESTORE_FROM_SHADOW): stages with a live replica are promoted as in a
+   failover, the others are loaded from their shadow by a standby node or the nearest live
+   node of the pipeline; the survivors keep their state and only the in-flight iteration is
+   replayed.
 3. If every pipeline is broken, state must come from the shadows/checkpoint
    (RESTORE_FROM_CHECKPOINT), at depth P if enough nodes remain, else at a smaller depth
    (REPARTITION), else STOP.
@@ -41,6 +46,7 @@ class Action(str, Enum):
     DROP_PIPELINE = "drop_pipeline"
     REPARTITION = "repartition"
     RESTORE_FROM_CHECKPOINT = "restore_from_checkpoint"
+    RESTORE_FROM_SHADOW = "restore_from_shadow"
     STOP = "stop"
 
 
@@ -80,11 +86,12 @@ class Decision:
 
 
 def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str], *,
-           min_stages: int = 1) -> Decision:
+           min_stages: int = 1, shadows: bool = False, replicas: bool = True) -> Decision:
     """Decide the next layout given nodes `lost` and nodes `joined` since `layout`.
 
     `min_stages` is the smallest depth at which the model still fits in the nodes' memory;
-    below it the job stops.
+    below it the job stops. `shadows`: every stage has a CPU shadow to restore it from.
+    `replicas`: nodes hold their successor's replica (redundancy is on).
     """
     lost = frozenset(lost)
     standby = tuple(n for n in layout.standby if n not in lost)
@@ -94,12 +101,15 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
     if not hit:
         return _grow(layout.with_standby(standby), min_stages)
     hit_pipes = sorted({d for d, _ in _lost_slots(layout, hit)})
-    broken = [d for d in hit_pipes if not _repairable(layout, d, lost)]
+    broken = [d for d in hit_pipes if not (replicas and _repairable(layout, d, lost))]
     if not broken:
         return _failover(layout, lost, standby)
     alive_pipes = [d for d in range(layout.num_pipelines) if d not in broken]
     if alive_pipes:
         return _drop(layout, lost, standby, broken, alive_pipes)
+    if shadows and all(set(n for (d_, _), n in layout.mapping.items() if d_ == d) - lost
+                       for d in broken):
+        return _shadow_repair(layout, lost, standby, replicas)
     survivors = sorted(layout.active_nodes - lost) + list(standby)
     return _restart(layout, survivors, min_stages, broken)
 
@@ -135,6 +145,34 @@ def _failover(layout: Layout, lost: frozenset[str], standby: tuple[str, ...]) ->
     new = _replace(layout, mapping, standby)
     return Decision(Action.FAILOVER, new, tuple(moves),
                     f"{len(moves)} stage(s) taken over by their replica holders")
+
+
+def _shadow_repair(layout: Layout, lost: frozenset[str], standby: tuple[str, ...],
+                   replicas: bool) -> Decision:
+    """Every broken pipeline keeps a live node: promote what has a replica, restore the rest
+    from the shadows onto a standby node or the nearest live node of the same pipeline."""
+    mapping = layout.mapping
+    spare = list(standby)
+    moves: list[Move] = []
+    p = layout.num_stages
+    for d, s in _lost_slots(layout, lost):
+        holder = layout.replica_holder(d, s)
+        if replicas and holder not in lost and layout.has_replica(d, s):
+            mapping[(d, s)] = holder
+            moves.append(Move(MoveKind.PROMOTE, d, s, holder, holder))
+            continue
+        if spare:
+            target = spare.pop(0)
+        else:  # the nearest live owner, looking forward first (it receives s's activations)
+            near = [mapping[(d, (s + k) % p)] for j in range(1, p) for k in (j, -j)]
+            target = next(n for n in near if n not in lost)
+        mapping[(d, s)] = target
+        moves.append(Move(MoveKind.RESTORE, d, s, SHADOW, target))
+    new = _replace(layout, mapping, tuple(spare))
+    restored = [m.stage for m in moves if m.kind == MoveKind.RESTORE]
+    return Decision(Action.RESTORE_FROM_SHADOW, new, tuple(moves),
+                    f"stage(s) {restored} have no live replica; restored from their shadows, "
+                    "the survivors keep their state")
 
 
 def _drop(layout: Layout, lost: frozenset[str], standby: tuple[str, ...], broken: list[int],

@@ -29,6 +29,7 @@ from spotpipe.runtime.digest import DigestLog, stage_digest, tensors_digest
 from spotpipe.runtime.optim import set_lr
 from spotpipe.runtime.replica import (ReplicaApplier, ReplicaStage, flatten_grads,
                                       flatten_state)
+from spotpipe.runtime.shadow_link import ShadowWriter
 from spotpipe.schedule import Instr, Op
 
 
@@ -95,7 +96,7 @@ class Executor:
                  comm: Comm, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  loss_scale_div: int, holding: Holding | None = None,
                  digests: DigestLog | None = None, sample_log: TextIO | None = None,
-                 hook: Hook | None = None) -> None:
+                 hook: Hook | None = None, shadow: ShadowWriter | None = None) -> None:
         self.cfg = cfg
         self.me = me
         self.stages = stages
@@ -107,6 +108,7 @@ class Executor:
         self.digests = digests
         self.sample_log = sample_log
         self.hook = hook or (lambda phase, it: None)
+        self.shadow = shadow  # links to the CPU shadows of the stages this node writes
         self.generation = comm.generation
         # what a takeover of the successor would use, kept until the next iteration starts
         self.kept_outputs: dict[int, torch.Tensor] = {}
@@ -250,6 +252,8 @@ class Executor:
                 self.digests.write(iter=iteration, stage=s, role="owner",
                                    **stage_digest(state.module, state.optimizer))
         self.stepped_through = iteration
+        if self.shadow is not None:
+            self.shadow.commit(iteration)
         if self.cfg.replica.sync == "state":
             self._exchange_state(iteration)
         elif self.holding is not None:
@@ -273,11 +277,16 @@ class Executor:
     # ------------------------------------------------------------------ gradient replication
 
     def _post_replication(self, iteration: int) -> None:
+        self._replica_sends = []
+        flats: dict[int, torch.Tensor] = {}
+        if self.shadow is not None:
+            for s in sorted(self.shadow.links):
+                flats[s] = flatten_grads(self.stages[s].params)
+                self.shadow.post_grad(iteration, s, flats[s])
         if self.cfg.replica.sync != "gradient":
             return
-        self._replica_sends = []
         for s, holder in sorted(self.w.replica_holder.items()):
-            flat = flatten_grads(self.stages[s].params)
+            flat = flats[s] if s in flats else flatten_grads(self.stages[s].params)
             self._replica_sends.append((self.comm.post_send(flat, holder, tag(REPLICA, s)), flat))
         if self.holding is not None:
             buffer = torch.empty(self.holding.replica.grad_message_size(),
@@ -287,6 +296,8 @@ class Executor:
             self._replica_recv = (work, buffer)
 
     def _confirm_replication(self) -> None:
+        if self.shadow is not None:
+            self.shadow.confirm()
         if self._replica_recv is not None:
             self.comm.wait(self._replica_recv[0])
         for work, _ in self._replica_sends:
@@ -341,8 +352,11 @@ class Executor:
         padded[: vector.numel()] = vector
         padded[-1] = 1.0 if leaving else 0.0
         gathered = self.comm.all_gather(padded)
+        # the commit may ride on this gather only when nothing must be confirmed first:
+        # no replica to feed, no shadow to hand the gradient to before the iteration commits
         self._flags_gathered = (any(float(g[-1]) > 0 for g in gathered)
-                                if self.cfg.redundancy == "none" else None)
+                                if self.cfg.redundancy == "none" and self.shadow is None
+                                else None)
         everything = torch.cat([gathered[rank][offset: offset + count]
                                 for rank, offset, count in self.w.norm_segments])
         total = gradlib.total_norm(everything)

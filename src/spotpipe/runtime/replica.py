@@ -76,6 +76,20 @@ def flatten_state(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) 
                      + [t.reshape(-1).to(params[0].dtype) for t in optimizer_tensors(optimizer)])
 
 
+def apply_flat_gradient(params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
+                        cfg: Config, iteration: int, flat: torch.Tensor) -> None:
+    """The owner's optimizer step of `iteration`, replayed from what `flatten_grads` sent."""
+    flags = flat[-len(params):]
+    offset = 0
+    for i, p in enumerate(params):
+        n = p.numel()
+        p.grad = flat[offset: offset + n].view_as(p).clone() if flags[i] else None
+        offset += n
+    set_lr(optimizer, cfg, iteration)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 class ReplicaApplier:
     """Applies committed updates to a replica on a background thread, in iteration order."""
 
@@ -168,17 +182,8 @@ class ReplicaApplier:
                 self._cond.notify_all()
 
     def _apply_gradient(self, iteration: int, flat: torch.Tensor) -> None:
-        params = self.replica.params
-        flat = flat.to(self.replica.device)
-        flags = flat[-len(params):]
-        offset = 0
-        for i, p in enumerate(params):
-            n = p.numel()
-            p.grad = flat[offset: offset + n].view_as(p).clone() if flags[i] else None
-            offset += n
-        set_lr(self.replica.optimizer, self.cfg, iteration)
-        self.replica.optimizer.step()
-        self.replica.optimizer.zero_grad(set_to_none=True)
+        apply_flat_gradient(self.replica.params, self.replica.optimizer, self.cfg, iteration,
+                            flat.to(self.replica.device))
 
     def _load_state(self, flat: torch.Tensor) -> None:
         params = self.replica.params

@@ -46,6 +46,7 @@ from spotpipe.runtime.executor import Executor, Holding, Microbatches, StageStat
 from spotpipe.runtime.faults import Fault, Injector
 from spotpipe.runtime.optim import build_optimizer
 from spotpipe.runtime.replica import ReplicaApplier, ReplicaStage
+from spotpipe.runtime.shadow_link import ShadowWriter
 
 
 class Leave(Exception):
@@ -105,6 +106,9 @@ class Worker:
         timeout = cfg.cluster.timeout_s
         self._watch_store = client(host, port, timeout)
         self.executor: Executor | None = None
+        self.bytes_received = 0  # state received in the last change of layout
+        self.shadow = (ShadowWriter(store, namespace, node, max_lag=cfg.shadow.max_lag,
+                                    timeout_s=timeout) if cfg.shadow.enabled else None)
         self.heartbeat = Heartbeat(client(host, port, timeout), node, cfg.failover.heartbeat_s,
                                    self._progress)
 
@@ -138,8 +142,8 @@ class Worker:
     def _checkpoint(self, iteration: int) -> None:
         """Synchronous durable checkpoint of the stages this node writes (pipeline 0's)."""
         every = self.cfg.checkpoint.every
-        if not every or (iteration + 1) % every:
-            return
+        if not every or (iteration + 1) % every or self.shadow is not None:
+            return  # with shadows, they write the durable checkpoints
         root = Path(self.cfg.checkpoint.dir or self.run_dir / "checkpoints")
         for s, state in sorted(self.stages.items()):
             if self.layout.owner(0, s) != self.node:
@@ -153,7 +157,8 @@ class Worker:
         ex = self.executor
         if ex is None:
             return {"state": "starting", "generation": self.generation}
-        busy = not ex.comm.waiter.waiting and not self._recovering
+        busy = (not ex.comm.waiter.waiting and not self._recovering
+                and not (self.shadow is not None and self.shadow.waiting))
         return {"state": "busy" if busy else "waiting", "generation": self.generation,
                 "iteration": ex.iteration, "position": ex.position}
 
@@ -191,7 +196,7 @@ class Worker:
             loss_fn=self.model.loss_fn,
             loss_scale_div=nodelib.microbatches(self.cfg, self.layout) * self.layout.num_pipelines,
             holding=self.holding, digests=self.digests, sample_log=self.sample_log,
-            hook=self.inject)
+            hook=self.inject, shadow=self.shadow)
         if previous is not None:  # (a node back from standby starts where the plan resumes)
             self.executor.committed_through = max(previous.committed_through,
                                                   self.start_iteration - 1)
@@ -262,6 +267,9 @@ class Worker:
                 return
         else:
             self._form()
+            self._recovering = True  # waiting on the shadows, not computing (heartbeat)
+            self._relink(self.start_iteration, set())
+            self._recovering = False
         d = nodelib.pipeline_of(self.layout, self.node)
         self.channel.event("worker_ready", pipeline=d, stages=sorted(self.stages),
                            layers=[list(self.spec.partition[s]) for s in sorted(self.stages)],
@@ -372,11 +380,20 @@ class Worker:
                 promoted.append(move["stage"])
         copies = [m for m in plan["moves"] if m["kind"] == "copy"]
         moves = [] if repartition else migrate.transfers(old, new_layout, copies, promoted_nodes)
+        if self.cfg.redundancy == "none":  # nobody holds replicas: only stages move
+            moves = [t for t in moves if t.kind != "replica"]
         self.layout = new_layout
         self.generation = plan["generation"]
         comm = self._open_comm()
         moved = (self._repartition(plan, old, comm, resume) if repartition
                  else self._migrate(moves, comm, resume))
+        restored = sorted(m["stage"] for m in plan["moves"]
+                          if m["kind"] == "restore" and m["dst"] == self.node)
+        for s in restored:
+            self.stages[s] = nodelib.build_stage_state(self.model, self.spec.partition, s,
+                                                       self.cfg, self.device)
+        self._relink(resume, set(restored))
+        moved += [f"stage {s} from its shadow" for s in restored]
         self._form(comm)
         self._recovering = False
         kind = "takeover" if promoted else ("migrated" if moved else "regrouped")
@@ -444,6 +461,10 @@ class Worker:
     def _migrate(self, moves: list[migrate.Transfer], comm: Comm, resume: int) -> list[str]:
         """This node's part of the state moves; returns what it received."""
         self.bytes_received = 0
+        if self.holding is not None and nodelib.held_replica(self.layout, self.node) is None:
+            # this node now carries several stages: no room (and no feed) for a replica
+            self.holding.applier.close()
+            self.holding = None
         if not any(self.node in (t.src, t.dst) for t in moves):
             return []
         have: dict[tuple[str, int], Any] = {("stage", s): (st.module, st.optimizer)
@@ -467,7 +488,8 @@ class Worker:
             if kind == "stage":
                 self.stages[s] = nodelib.stage_state_from(self.model, self.spec.partition, s,
                                                           module, optimizer)
-        want = nodelib.held_replica(self.layout, self.node)
+        want = (nodelib.held_replica(self.layout, self.node)
+                if self.cfg.redundancy != "none" else None)
         if ("replica", want) in got:
             if self.holding is not None:
                 self.holding.applier.close()
@@ -482,6 +504,24 @@ class Worker:
             self.holding.applier.close()
             self.holding = None
         return [f"{kind} {s}" for kind, s in sorted(got)]
+
+    def _relink(self, resume: int, restore: set[int]) -> None:
+        """Point the shadow links at the stages this node now writes (pipeline 0's owners);
+        stages in `restore` are loaded from their shadow."""
+        if self.shadow is None:
+            if restore:
+                raise RuntimeError(f"{self.node} was asked to restore stages {sorted(restore)} "
+                                   "from shadows, but shadows are off")
+            return
+        writes = {s: (st.module, st.optimizer) for s, st in self.stages.items()
+                  if self.layout.owner(0, s) == self.node}
+        missing = restore - set(writes)
+        if missing:
+            raise RuntimeError(f"{self.node} must restore stages {sorted(missing)} from shadows "
+                               "but does not write them (only pipeline 0's owners link to shadows)")
+        before = self.shadow.bytes_received
+        self.shadow.relink(writes, resume, restore)
+        self.bytes_received += self.shadow.bytes_received - before
 
     def _promote(self, stage: int, resume: int) -> None:
         """The replica becomes an owned stage: it is already exact, nothing is transferred."""
@@ -501,6 +541,10 @@ class Worker:
 
     def _finish(self, left: bool = False) -> None:
         self.heartbeat.stop()
+        if self.shadow is not None:
+            self.shadow.close()  # the next writer (or nobody, at the end) takes over the links
+            if self.shadow.waited_s:
+                self.channel.event("shadow_waits", waited_s=round(self.shadow.waited_s, 6))
         if self.sample_log is not None:
             self.sample_log.close()
         if self.holding is not None:
@@ -557,10 +601,13 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
-    code = main()
-    # Every file is closed and every record posted by now. Interpreter teardown of torch and
-    # gloo takes seconds on a small machine and decides nothing, so skip it.
+def exit_now(code: int) -> None:
+    """Every file is closed and every record posted by now. Interpreter teardown of torch and
+    gloo takes seconds on a small machine and decides nothing, so skip it."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    exit_now(main())

@@ -1,0 +1,184 @@
+"""A CPU shadow of one stage: a checkpoint of every iteration at no cost to training.
+
+Checkmate's observation (NSDI '26): the final gradient of an iteration says everything a
+checkpoint needs, because the optimizer step is deterministic. The stage's writer ships that
+gradient (see `spotpipe.runtime.shadow_link` for the protocol); the shadow applies the same
+optimizer step to its own copy, on a CPU host that is not preempted (the launcher's, or the
+node agent's), and so holds exactly the owner's state after every committed iteration. It
+serves that state when two adjacent stages are lost (no replica survives), and writes the
+durable checkpoints (every `checkpoint.every` iterations), so workers never stop to save.
+
+Started by the launcher, one process per stage, with the worker's environment plus
+SPOTPIPE_SHADOW_STAGE. Its priority is the lowest (SCHED_IDLE): it uses only CPU time that
+training leaves idle; if it falls `shadow.max_lag` iterations behind, the writer waits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from spotpipe import job
+from spotpipe.checkpoint import durable
+from spotpipe.cluster.channel import WorkerChannel
+from spotpipe.config import Config, load_config
+from spotpipe.runtime import migrate
+from spotpipe.runtime import node as nodelib
+from spotpipe.runtime.digest import DigestLog, stage_digest
+from spotpipe.runtime.replica import ReplicaStage, apply_flat_gradient
+from spotpipe.runtime.shadow_link import (ACK, COMMIT, END, GRAD, HELLO, applied_key, header,
+                                          link_key, pair_group)
+
+
+class LinkBroken(Exception):
+    """The writer went away mid-link (it crashed); the next writer opens a new link."""
+
+
+class Shadow:
+    def __init__(self, cfg: Config, spec: job.RunSpec, run_dir: Path, stage: int,
+                 store: dist.Store, t0: float, namespace: str = "spotpipe") -> None:
+        self.cfg, self.run_dir, self.stage = cfg, run_dir, stage
+        self.store, self.namespace = store, namespace
+        self.name = f"shadow{stage}"
+        self.channel = WorkerChannel(store, self.name, t0)
+        model = job.build_model(cfg)
+        state = nodelib.build_stage_state(model, spec.partition, stage, cfg, torch.device("cpu"))
+        self.module, self.optimizer = state.module, state.optimizer
+        self.params = state.params
+        self.grad_size = ReplicaStage(stage, self.module, self.optimizer,
+                                      torch.device("cpu")).grad_message_size()
+        self.applied = -1
+        resume = os.environ.get("SPOTPIPE_RESUME")
+        if resume:
+            ckpt = durable.verify(Path(resume))
+            durable.load_stage(ckpt, self.module, self.optimizer)
+            self.applied = ckpt.next_iteration - 1
+        self.pending: tuple[int, torch.Tensor] | None = None  # received, not yet committed
+        self.digests = (DigestLog(run_dir / "logs" / f"digests.{self.name}.jsonl")
+                        if cfg.logging.state_digests else None)
+        self.max_lag_seen = 0
+        self.links = 0
+        self.checkpoint_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
+
+    def run(self) -> None:
+        last = self.cfg.iterations - 1
+        self.channel.event("shadow_ready", stage=self.stage, iteration=self.applied)
+        while True:
+            self.links += 1
+            key = link_key(self.namespace, self.stage, self.links)
+            self.store.wait([key], timedelta(days=7))
+            info = json.loads(self.store.get(key))
+            group = pair_group(self.store, self.namespace, self.stage, self.links, 0,
+                               self.cfg.cluster.timeout_s)
+            try:
+                ended = self._serve(group)
+            except LinkBroken as why:
+                self.channel.event("shadow_link_lost", stage=self.stage, writer=info["node"],
+                                   iteration=self.applied, reason=str(why)[:200])
+                continue
+            if ended and self.applied >= last:
+                break
+        self.channel.event("shadow_done", stage=self.stage, iteration=self.applied,
+                           max_lag=self.max_lag_seen, links=self.links)
+
+    # ------------------------------------------------------------------ one link
+
+    def _recv(self, group: object, tensor: torch.Tensor) -> torch.Tensor:
+        try:
+            group.recv([tensor], 1, 0).wait()  # type: ignore[attr-defined]
+        except RuntimeError as exc:
+            raise LinkBroken(str(exc).splitlines()[0]) from None
+        return tensor
+
+    def _serve(self, group: object) -> bool:
+        """Follow one writer until it ends the link (True) or disappears (LinkBroken)."""
+        while True:
+            kind, t, arg, _ = self._recv(group, torch.empty(4, dtype=torch.int64)).tolist()
+            if kind == HELLO:
+                self._settle(resume=t)
+                group.send([header(ACK, self.applied)], 1, 0).wait()  # type: ignore[attr-defined]
+                if arg:
+                    flat = migrate.flatten(self.module, self.optimizer)
+                    group.send([flat], 1, 0).wait()  # type: ignore[attr-defined]
+                    self.channel.event("shadow_restored", stage=self.stage,
+                                       iteration=self.applied,
+                                       bytes=flat.numel() * flat.element_size())
+            elif kind == GRAD:
+                flat = self._recv(group, torch.empty(self.grad_size))
+                self.pending = (t, flat)
+                self.max_lag_seen = max(self.max_lag_seen, t - self.applied)
+            elif kind == COMMIT:
+                if self.pending is None or self.pending[0] != t:
+                    raise RuntimeError(f"shadow of stage {self.stage}: commit of iteration {t} "
+                                       f"without its gradient (holding {self.pending and self.pending[0]})")
+                self._apply(*self.pending)
+            elif kind == END:
+                return True
+            else:
+                raise RuntimeError(f"shadow of stage {self.stage}: unknown message kind {kind}")
+
+    def _settle(self, resume: int) -> None:
+        """A new writer starts at `resume`: iteration resume - 1 was committed by the
+        survivors, so a gradient of it still pending is applied; a later one was not, and
+        will be sent again when the iteration is replayed."""
+        if self.pending is not None:
+            t, flat = self.pending
+            if t == resume - 1 and self.applied == t - 1:
+                self._apply(t, flat)
+            self.pending = None
+
+    def _apply(self, iteration: int, flat: torch.Tensor) -> None:
+        if iteration != self.applied + 1:
+            raise RuntimeError(f"shadow of stage {self.stage}: iteration {iteration} after "
+                               f"{self.applied}")
+        apply_flat_gradient(self.params, self.optimizer, self.cfg, iteration, flat)
+        self.applied = iteration
+        self.pending = None
+        self.store.set(applied_key(self.namespace, self.stage, iteration), "")
+        if self.digests is not None:
+            self.digests.write(iter=iteration, stage=self.stage, role="shadow",
+                               **stage_digest(self.module, self.optimizer))
+        every = self.cfg.checkpoint.every
+        if every and (iteration + 1) % every == 0:
+            started = time.perf_counter()
+            sums = durable.save_stage(self.checkpoint_root, iteration, self.stage, self.module,
+                                      self.optimizer)
+            self.channel.event("checkpoint_saved", iteration=iteration, stage=self.stage,
+                               checksums=sums, save_s=round(time.perf_counter() - started, 6),
+                               writer="shadow")
+
+
+def main() -> int:
+    run_dir = Path(os.environ["SPOTPIPE_RUN_DIR"])
+    t0 = float(os.environ.get("SPOTPIPE_T0", time.time()))
+    stage = int(os.environ["SPOTPIPE_SHADOW_STAGE"])
+    cfg = load_config(os.environ.get("SPOTPIPE_CONFIG") or run_dir / "config.yaml")
+    torch.set_num_threads(1)
+    try:  # only idle CPU time: the shadow must never slow the workers down
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
+    spec = job.RunSpec.from_json(json.loads((run_dir / "run.json").read_text()))
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timedelta(seconds=cfg.cluster.timeout_s))
+    channel = WorkerChannel(store, f"shadow{stage}", t0)
+    try:
+        Shadow(cfg, spec, run_dir, stage, store, t0).run()
+    except Exception as exc:
+        traceback.print_exc()
+        channel.event("shadow_error", stage=stage, message=f"{type(exc).__name__}: {exc}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    from spotpipe.runtime.worker import exit_now
+
+    exit_now(main())

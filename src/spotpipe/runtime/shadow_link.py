@@ -1,0 +1,183 @@
+"""The writer's side of the links to the CPU shadows (Checkmate's per-iteration checkpoints).
+
+A shadow holds one stage and applies that stage's final gradient every iteration, so it holds
+the state after every committed iteration without the workers ever writing a checkpoint. It
+outlives generations and layouts, so it cannot sit in the generation's process groups, which
+are re-formed among the live nodes after every change. Instead each stage has a numbered
+sequence of links: a two-rank gloo group between the shadow (rank 0) and the stage's current
+writer (rank 1, the owner of the stage in pipeline 0), made when the writer changes and kept
+across generations otherwise.
+
+Messages on a link are a header of four int64 `[kind, iteration, arg, 0]`, some followed by
+a payload:
+
+- HELLO(resume, want_state), writer -> shadow: the writer starts writing at iteration
+  `resume`. The shadow settles a gradient it holds uncommitted (applies it if it is of
+  `resume - 1`, which survivors committed, drops it otherwise), answers ACK(applied), and if
+  `want_state` sends the stage's state (a restore onto a node that lost it).
+- GRAD(t) + the flat gradient (`replica.flatten_grads`): iteration t's final gradient. Sent
+  when the gradient is reduced and confirmed before the iteration commits, as for replicas, so
+  a committed iteration is always in the shadow's hands even if the writer dies next.
+- COMMIT(t): iteration t committed everywhere: the shadow applies it.
+- END: the writer hands the stage over (or the job is over); the shadow waits for the next link.
+
+Gloo carries the links whatever the job's backend: shadows live on CPU hosts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from spotpipe.runtime import migrate
+from spotpipe.runtime.digest import optimizer_tensors
+from spotpipe.checkpoint.durable import materialise_optimizer_state
+
+HELLO, ACK, GRAD, COMMIT, END = 1, 2, 3, 4, 5
+_HEADER = 4
+
+
+def links_key(namespace: str, stage: int) -> str:
+    return f"{namespace}/shadow/{stage}/links"
+
+
+def link_key(namespace: str, stage: int, number: int) -> str:
+    return f"{namespace}/shadow/{stage}/link/{number}"
+
+
+def applied_key(namespace: str, stage: int, iteration: int) -> str:
+    return f"{namespace}/shadow/{stage}/applied/{iteration}"
+
+
+def pair_group(store: dist.Store, namespace: str, stage: int, number: int, rank: int,
+               timeout_s: float) -> Any:
+    prefix = f"{namespace}/shadow/{stage}/pg{number}"
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2,
+                                 timedelta(seconds=timeout_s))
+
+
+def header(kind: int, iteration: int = 0, arg: int = 0) -> torch.Tensor:
+    return torch.tensor([kind, iteration, arg, 0], dtype=torch.int64)
+
+
+def state_size(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Values in `migrate.flatten(module, optimizer)`."""
+    materialise_optimizer_state(module, optimizer)
+    return sum(p.numel() for p in module.parameters()) + sum(
+        t.numel() for t in optimizer_tensors(optimizer))
+
+
+class ShadowError(RuntimeError):
+    """A shadow cannot provide what the job needs (it fell out of step, or is gone)."""
+
+
+@dataclass
+class _Link:
+    stage: int
+    number: int
+    group: Any
+    sends: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+
+
+class ShadowWriter:
+    """This node's links to the shadows of the stages it writes."""
+
+    def __init__(self, store: dist.Store, namespace: str, node: str, *, max_lag: int,
+                 timeout_s: float) -> None:
+        self.store, self.namespace, self.node = store, namespace, node
+        self.max_lag, self.timeout_s = max_lag, timeout_s
+        self.links: dict[int, _Link] = {}
+        self.waited_s = 0.0  # time spent waiting on a shadow beyond max_lag
+        self.waiting = False  # blocked on a shadow, not computing (read by the heartbeat)
+        self.bytes_received = 0
+
+    def relink(self, writes: dict[int, tuple[nn.Module, torch.optim.Optimizer]], resume: int,
+               restore: set[int]) -> None:
+        """Write exactly the stages in `writes` from iteration `resume` on. Stages in `restore`
+        are loaded from their shadow (the node has an empty module for them)."""
+        for s in sorted(set(self.links) - set(writes)):
+            self._end(self.links.pop(s))
+        for s in sorted(set(writes)):
+            if s in self.links:
+                continue
+            module, optimizer = writes[s]
+            self.links[s] = self._open(s, resume, module, optimizer, s in restore)
+
+    def _open(self, stage: int, resume: int, module: nn.Module,
+              optimizer: torch.optim.Optimizer, want_state: bool) -> _Link:
+        number = self.store.add(links_key(self.namespace, stage), 1)
+        self.store.set(link_key(self.namespace, stage, number),
+                       json.dumps({"node": self.node, "resume": resume}))
+        group = pair_group(self.store, self.namespace, stage, number, 1, self.timeout_s)
+        link = _Link(stage, number, group)
+        group.send([header(HELLO, resume, int(want_state))], 0, 0).wait()
+        ack = torch.empty(_HEADER, dtype=torch.int64)
+        group.recv([ack], 0, 0).wait()
+        applied = int(ack[1])
+        if applied != resume - 1:
+            raise ShadowError(f"the shadow of stage {stage} holds iteration {applied}, but the "
+                              f"job resumes at iteration {resume}")
+        if want_state:
+            flat = torch.empty(state_size(module, optimizer))
+            group.recv([flat], 0, 0).wait()
+            device = next(module.parameters()).device
+            migrate.unflatten(flat.to(device), module, optimizer)
+            self.bytes_received += flat.numel() * flat.element_size()
+        return link
+
+    def _end(self, link: _Link) -> None:
+        self._finish_sends(link)
+        link.group.send([header(END)], 0, 0).wait()
+
+    def post_grad(self, iteration: int, stage: int, flat: torch.Tensor) -> None:
+        """Ship iteration `iteration`'s final gradient of `stage` (asynchronously)."""
+        link = self.links[stage]
+        behind = iteration - self.max_lag
+        if behind >= 0:
+            key = applied_key(self.namespace, stage, behind)
+            if not self.store.check([key]):  # the documented policy: the writer waits
+                started = time.perf_counter()
+                self.waiting = True
+                try:
+                    self.store.wait([key], timedelta(seconds=self.timeout_s))
+                finally:
+                    self.waiting = False
+                self.waited_s += time.perf_counter() - started
+        flat = flat.detach().to("cpu")
+        h = header(GRAD, iteration)
+        link.sends.append((link.group.send([h], 0, 0), h))
+        link.sends.append((link.group.send([flat], 0, 0), flat))
+
+    def confirm(self) -> None:
+        """Every gradient posted so far has left this node (before the commit)."""
+        for link in self.links.values():
+            self._finish_sends(link)
+
+    def commit(self, iteration: int) -> None:
+        for link in self.links.values():
+            h = header(COMMIT, iteration)
+            link.sends.append((link.group.send([h], 0, 0), h))
+
+    def close(self) -> None:
+        for link in self.links.values():
+            self._end(link)
+        self.links.clear()
+
+    def _finish_sends(self, link: _Link) -> None:
+        self.waiting = True
+        try:
+            for work, _ in link.sends:
+                work.wait()
+        except RuntimeError as exc:
+            raise ShadowError(f"the shadow of stage {link.stage} is unreachable: "
+                              f"{str(exc).splitlines()[0][:200]}") from None
+        finally:
+            self.waiting = False
+        link.sends.clear()
