@@ -230,6 +230,10 @@ class Worker:
     def join(self) -> int:
         """A node arriving in a running job: present the token and the configuration, wait to
         be placed, receive its state from peers; return the iteration to start at."""
+        # The first optimizer a process builds costs it over a second (torch imports its
+        # compiler hooks lazily), and the job would wait for that while the node takes its
+        # stage; pay it while booting, as the nodes that started with the job did.
+        build_optimizer([torch.nn.Parameter(torch.zeros(1, device=self.device))], self.cfg)
         gate = f"spotpipe/join_gate/{self.node}"
         if os.environ.get("SPOTPIPE_JOIN_GATED") == "1":  # started early by the local launcher
             self.store.wait([gate], timedelta(days=7))
@@ -385,8 +389,10 @@ class Worker:
         self.layout = new_layout
         self.generation = plan["generation"]
         comm = self._open_comm()
+        formed = time.perf_counter()
         moved = (self._repartition(plan, old, comm, resume) if repartition
                  else self._migrate(moves, comm, resume))
+        exchanged = time.perf_counter()
         restored = sorted(m["stage"] for m in plan["moves"]
                           if m["kind"] == "restore" and m["dst"] == self.node)
         for s in restored:
@@ -404,7 +410,10 @@ class Worker:
                            regroup_s=round(time.perf_counter() - started, 6),
                            **({"depth": new_layout.num_stages,
                                "layers": [list(self.spec.partition[s]) for s in
-                                          sorted(self.stages)]} if repartition else {}))
+                                          sorted(self.stages)],
+                               "groups_s": round(formed - started, 6),
+                               "exchange_s": round(exchanged - formed, 6)}
+                              if repartition else {}))
         return resume
 
     def _repartition(self, plan: dict[str, Any], old: Layout, comm: Comm,
