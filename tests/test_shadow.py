@@ -110,3 +110,26 @@ def test_lost_stages_without_replica_are_restored_from_shadows(tmp_path, tmp_pat
     first_fault = min(int(f.split("@")[1].split(":")[0]) for f in faults)
     assert agreement["resume"] >= first_fault
     assert_nothing_left(run, store_port(run))
+
+
+def test_shadows_write_checkpoints_that_resume_onto_another_depth(tmp_path, corpus):
+    """Checkpoints written by the shadows of a P=4 run resume a P=2 run with shadows, which
+    load it too, and the result is the uninterrupted run's, bit for bit."""
+    from test_checkpoint import SAVE
+    from test_equivalence import reference
+
+    saved = tmp_path / "saved"
+    assert train(tiny_config(corpus, stages=4, pipelines=1, **SAVE, **{"shadow.enabled": True}),
+                 saved, progress=False) == 0
+    iters = {**SAVE, "checkpoint.every": 0, "shadow.enabled": True,
+             "logging.state_digests": True}
+    resumed = tmp_path / "resumed"
+    assert train(tiny_config(corpus, stages=2, pipelines=1, **iters), resumed, progress=False,
+                 resume=saved / "checkpoints" / "iter_00000005") == 0
+    ready = [e for e in events(resumed) if e["kind"] == "shadow_ready"]
+    assert sorted(e["iteration"] for e in ready) == [5, 5]
+    seen = state_digests(resumed)
+    assert all(seen[("shadow", s, 7)] == seen[("owner", s, 7)] for s in range(2))
+    got = load_file(str(resumed / "final" / "model.safetensors"))
+    want, _ = reference(tiny_config(corpus, pipelines=1, **{**SAVE, "checkpoint.every": 0}))
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -83,6 +83,7 @@ class _Link:
     stage: int
     number: int
     group: Any
+    applied: int  # what the shadow held when the link opened
     sends: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
 
 
@@ -116,11 +117,11 @@ class ShadowWriter:
         self.store.set(link_key(self.namespace, stage, number),
                        json.dumps({"node": self.node, "resume": resume}))
         group = pair_group(self.store, self.namespace, stage, number, 1, self.timeout_s)
-        link = _Link(stage, number, group)
         group.send([header(HELLO, resume, int(want_state))], 0, 0).wait()
         ack = torch.empty(_HEADER, dtype=torch.int64)
         group.recv([ack], 0, 0).wait()
         applied = int(ack[1])
+        link = _Link(stage, number, group, applied)
         if applied != resume - 1:
             raise ShadowError(f"the shadow of stage {stage} holds iteration {applied}, but the "
                               f"job resumes at iteration {resume}")
@@ -140,7 +141,7 @@ class ShadowWriter:
         """Ship iteration `iteration`'s final gradient of `stage` (asynchronously)."""
         link = self.links[stage]
         behind = iteration - self.max_lag
-        if behind >= 0:
+        if behind > link.applied:  # the shadow marks each iteration it applies in the store
             key = applied_key(self.namespace, stage, behind)
             if not self.store.check([key]):  # the documented policy: the writer waits
                 started = time.perf_counter()
