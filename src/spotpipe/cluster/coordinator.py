@@ -309,6 +309,10 @@ class Coordinator:
                     "stages": decision.layout.num_stages, "partition": partition,
                     "previous_partition": self.partition}
         self.store.set(plan_key(rec.generation), json.dumps(plan))
+        if not self.store.check([abort_key(rec.generation)]):
+            # a change at an iteration boundary aborted no one; every node has reported, so the
+            # generation's abort watchers may go now
+            self.store.set(abort_key(rec.generation), "the generation ended at a boundary")
         self.emit({"time_s": self.now(), "kind": "plan", "node": "launcher",
                    "generation": rec.generation, **{k: v for k, v in plan.items()
                                                     if k != "layout"},

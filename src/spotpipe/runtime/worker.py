@@ -104,7 +104,6 @@ class Worker:
                                      on_notice=lambda src: self.channel.event("notice",
                                                                               source=src))
         timeout = cfg.cluster.timeout_s
-        self._watch_store = client(host, port, timeout)
         self.executor: Executor | None = None
         self.bytes_received = 0  # state received in the last change of layout
         self.shadow = (ShadowWriter(store, namespace, node, max_lag=cfg.shadow.max_lag,
@@ -168,10 +167,12 @@ class Worker:
         """The generation's process groups among the nodes of the current layout."""
         nodes = sorted(self.layout.active_nodes, key=lambda n: int(n[4:]) if n[4:].isdigit()
                        else n)
-        # each watcher blocks in its own store connection (a waiting client serves no one else);
-        # the previous generation's abort watcher has returned, its regroup watcher may not
+        # each watcher blocks in its own store connection (a waiting client serves no one
+        # else); a generation that ended at an iteration boundary was never aborted, and the
+        # coordinator sets its abort key only with the plan, so its watcher may still be waiting
         abort = AbortSignal()
-        AbortWatcher(self._watch_store, self.generation, abort)
+        AbortWatcher(client(self.host, self.port, self.cfg.cluster.timeout_s), self.generation,
+                     abort)
         self.regroup = threading.Event()
         KeyWatcher(client(self.host, self.port, self.cfg.cluster.timeout_s),
                    regroup_key(self.generation), self.regroup.set)
