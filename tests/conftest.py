@@ -37,3 +37,22 @@ def tiny_config(corpus: Path, **overrides) -> Config:
 @pytest.fixture(autouse=True)
 def _quiet_env(monkeypatch):
     monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"))
+
+
+def positive(value: object) -> bool:
+    """A benchmark figure that is a finite number above zero."""
+    import math
+
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def bench_figures(name: str, timeout: float) -> dict:
+    """Run `spotpipe bench NAME --json --quick`; its figures (the last line of stdout)."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "spotpipe", "bench", name, "--json", "--quick"],
+                          capture_output=True, text=True, timeout=timeout, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

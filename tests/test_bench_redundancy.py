@@ -8,13 +8,12 @@ train to the same state.
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 
 from spotpipe.bench.redundancy import update_slot, with_update
 from spotpipe.schedule import Op, StageCosts, build_schedule, simulate
+
+from conftest import bench_figures, positive
 
 KEYS = ["lazy_ratio", "eager_ratio", "eager_predicted_ratio", "lazy_predicted_ratio",
         "replica_memory_multiple", "none_iter_s", "lazy_iter_s", "eager_iter_s",
@@ -25,20 +24,13 @@ PER_NODE = ["replica_memory_multiple_per_node", "gradient_bytes_per_iteration", 
             "profile_replica_update_s"]
 
 
-def _positive(value: object) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
-
-
 def test_bench_redundancy_quick_json():
-    proc = subprocess.run([sys.executable, "-m", "spotpipe", "bench", "redundancy", "--json",
-                           "--quick"], capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    figures = bench_figures("redundancy", timeout=120)
     for key in KEYS:
         assert key in figures, f"missing {key}"
-        assert _positive(figures[key]), (key, figures[key])
+        assert positive(figures[key]), (key, figures[key])
     for key in PER_NODE:
-        assert len(figures[key]) == 2 and all(_positive(v) for v in figures[key]), (key,
+        assert len(figures[key]) == 2 and all(positive(v) for v in figures[key]), (key,
                                                                                    figures[key])
     assert math.isfinite(figures["eager_gap_pp"])
     assert figures["lazy_predicted_ratio"] == 1.0  # replication is off the modelled path

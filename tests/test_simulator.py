@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from spotpipe.sim.sweep import SweepSpec, run_sweep
 from spotpipe.sim.synthetic import bamboo_trace
 from spotpipe.sim.traces import load_trace, parse_event_csv
 
-TRACES = Path(__file__).parents[2] / "shared" / "traces"
+TRACES = Path(os.environ.get("SPOTPIPE_SHARED", Path(__file__).parents[2] / "shared")) / "traces"
 SPOT = ["spotpipe", "bamboo", "checkpoint_restart"]
 
 
@@ -91,6 +92,38 @@ def test_deterministic_per_seed():
     # sharing decisions between spotpipe and bamboo changes nothing
     alone = run(bamboo_trace(0.25, 3, 32, 11), "bamboo", cfg)
     assert alone.summary() == a["bamboo"].summary()
+
+
+def test_spotpipe_runs_its_redundancy_bamboo_eager_as_published():
+    trace = bamboo_trace(0.0, 2, 32, 0)
+    lazy = gpt_cfg(redundancy="lazy", params=SimParams(lazy_ratio=0.95))
+    res = run_policies(trace, ["spotpipe", "bamboo"], lazy)
+    plain = iteration_time(lazy.model, "1f1b", 8, 4, ((),), False)
+    eager = iteration_time(lazy.model, "1f1b", 8, 4, ((),), True)
+    running = 2 * 3600 - lazy.params.boot_s - lazy.params.rendezvous_s
+    assert res["spotpipe"].samples == pytest.approx(running / (plain / 0.95) * 512)
+    assert res["spotpipe"].breakdown["redundant"] == pytest.approx(running * 0.05)
+    assert res["bamboo"].samples == pytest.approx(running / eager * 512)
+    # a sweep runs bamboo on its own then, and gets the same as alone
+    sweep = run_sweep(SweepSpec(lazy, rates=(0.5,), seeds=3, hours=1, processes=1,
+                                policies=("spotpipe", "bamboo")))
+    alone = [run(bamboo_trace(0.5, 1, 32, s), "bamboo", lazy, duration_s=3600.0,
+                 record=False).throughput for s in range(3)]
+    row = next(r for r in sweep["rows"] if r["policy"] == "bamboo")
+    assert row["throughput"] == pytest.approx(sum(alone) / 3)
+    with pytest.raises(ValueError, match="lazy_ratio"):
+        SimParams(lazy_ratio=1.5)
+
+
+def test_measured_shape_times_replace_the_timing_model():
+    trace = bamboo_trace(0.0, 1, 8, 0)
+    cfg = gpt_cfg(num_stages=4, num_pipelines=2, redundancy="none",
+                  shape_times=(((4, 2, ((), ())), 2.0),))
+    r = run(trace, "spotpipe", cfg)
+    running = 3600 - cfg.params.boot_s - cfg.params.rendezvous_s
+    assert r.samples == pytest.approx(running / 2.0 * 512)
+    with pytest.raises(ValueError, match="shape_times"):
+        gpt_cfg(shape_times=(((8, 4, ((),) * 4), 0.0),))
 
 
 def adjacent_loss_trace(t_loss: float) -> str:

@@ -1,5 +1,6 @@
 """Trace loaders: the shared real traces load; malformed ones are rejected naming file+line."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -7,7 +8,7 @@ import pytest
 from spotpipe.sim.synthetic import bamboo_trace, fixed_interval_trace, poisson_trace
 from spotpipe.sim.traces import ADD, REMOVE, TraceError, load_trace
 
-TRACES = Path(__file__).parents[2] / "shared" / "traces"
+TRACES = Path(os.environ.get("SPOTPIPE_SHARED", Path(__file__).parents[2] / "shared")) / "traces"
 
 
 @pytest.mark.parametrize("name,events,adds,removes,peak", [

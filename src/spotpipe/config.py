@@ -97,11 +97,23 @@ class FailoverSection:
     notice_poll_s: float = 5.0
 
 
+# Checkpoint schemes (spotpipe.checkpoint.schemes registers one class per name): `durable` is
+# the resumable DCP tier written synchronously, `dcp_async` the same tier written with DCP's
+# async_save; the others are the baselines the checkpoint benchmark measures against.
+CHECKPOINT_SCHEMES = ("none", "durable", "torch_save", "checkfreq", "dcp_async", "gemini")
+
+
 @dataclass
 class CheckpointSection:
-    every: int = 0  # write a durable checkpoint every k iterations (0: never)
-    dir: str = ""  # default: OUT/checkpoints
+    # a checkpoint every k iterations (0: never), or "auto": k from the Young/Daly formula with
+    # the measured checkpoint cost and the failure rate (spotpipe.checkpoint.interval)
+    every: Any = 0
+    scheme: str = "durable"  # one of CHECKPOINT_SCHEMES
+    dir: str = ""  # default: OUT/checkpoints (torch_save/checkfreq: OUT/checkpoints_<scheme>)
     keep: int = 2  # newest checkpoints kept
+    # for every: auto, the mean time between failures assumed before any is seen; failures seen
+    # in the run update it (interval.mtbf_estimate)
+    mtbf_s: float = 3600.0
 
 
 @dataclass
@@ -300,9 +312,7 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"shadow.max_lag: expected a positive integer, got {cfg.shadow.max_lag}")
     if cfg.replica.sync_every < 1 or cfg.replica.max_lag < 1:
         raise ConfigError("replica.sync_every and replica.max_lag: expected positive integers")
-    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
-        raise ConfigError("checkpoint.every: expected >= 0 and checkpoint.keep >= 1, got "
-                          f"{cfg.checkpoint.every} and {cfg.checkpoint.keep}")
+    _check_checkpoint(cfg)
     f = cfg.failover
     for key in ("heartbeat_s", "heartbeat_timeout_s", "hang_timeout_s", "notice_poll_s"):
         if getattr(f, key) <= 0:
@@ -315,6 +325,29 @@ def _check(cfg: Config) -> None:
     if cfg.cluster.timeout_s <= 0:
         raise ConfigError(f"cluster.timeout_s: expected a positive number, got "
                           f"{cfg.cluster.timeout_s}")
+
+
+def _check_checkpoint(cfg: Config) -> None:
+    c = cfg.checkpoint
+    every = c.every
+    if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
+        raise ConfigError(f"checkpoint.every: expected an integer >= 0 or 'auto', got {every!r}")
+    if c.keep < 1:
+        raise ConfigError(f"checkpoint.keep: expected an integer >= 1, got {c.keep}")
+    if c.scheme not in CHECKPOINT_SCHEMES:
+        close = difflib.get_close_matches(c.scheme, CHECKPOINT_SCHEMES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"checkpoint.scheme: expected one of {', '.join(CHECKPOINT_SCHEMES)}, "
+                          f"got {c.scheme!r}{hint}")
+    if c.mtbf_s <= 0:
+        raise ConfigError(f"checkpoint.mtbf_s: expected a positive number of seconds, got "
+                          f"{c.mtbf_s}")
+    if cfg.shadow.enabled and every == "auto":
+        raise ConfigError("checkpoint.every: 'auto' is not supported with shadow.enabled (the "
+                          "shadows write the durable tier every k iterations); give k")
+    if c.scheme == "gemini" and every and cfg.stages * cfg.pipelines < 2:
+        raise ConfigError("checkpoint.scheme: 'gemini' keeps each copy in another node's memory "
+                          "and needs at least 2 nodes (stages x pipelines), got 1")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -11,6 +11,7 @@ import json
 import sys
 
 BENCHES = {
+    "checkpoint": "spotpipe.bench.checkpoint",
     "failover": "spotpipe.bench.failover",
     "pipeline": "spotpipe.bench.pipeline",
     "reconfigure": "spotpipe.bench.reconfigure",

@@ -66,7 +66,7 @@ def recovery(tmp: Path, *, kills: int, runs: int, seed: int) -> dict[str, Any]:
                "--set", "shadow.enabled=true", *args)
         pauses += failover_pauses(out)
     lost = [p["replayed_iterations"] for p in pauses]
-    return {"lost_iterations_per_failure": round(statistics.mean(lost), 3),
-            "lost_iterations_max": max(lost),
+    return {"shadow_lost_iterations_per_failure": round(statistics.mean(lost), 3),
+            "shadow_lost_iterations_max": max(lost),
             "shadow_recovery_s": round(statistics.median(p["pause_s"] for p in pauses), 4),
             "shadow_failures": len(pauses)}

@@ -65,13 +65,19 @@ def file_checksums(folder: Path) -> dict[str, str]:
     return out
 
 
-def save_stage(root: Path, iteration: int, stage: int, module: nn.Module,
-               optimizer: torch.optim.Optimizer) -> dict[str, str]:
-    """Write one stage of iteration `iteration`; return its files' checksums."""
+def prepare_stage_folder(root: Path, iteration: int, stage: int) -> Path:
+    """An empty folder for one stage of an uncommitted checkpoint."""
     folder = iter_dir(root, iteration, partial=True) / f"stage{stage}"
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
+    return folder
+
+
+def save_stage(root: Path, iteration: int, stage: int, module: nn.Module,
+               optimizer: torch.optim.Optimizer) -> dict[str, str]:
+    """Write one stage of iteration `iteration`; return its files' checksums."""
+    folder = prepare_stage_folder(root, iteration, stage)
     tensors = {k: v.to("cpu") for k, v in stage_tensors(module, optimizer).items()}
     dcp.save(tensors, checkpoint_id=str(folder), no_dist=True)
     return {f"stage{stage}/{k}": v for k, v in file_checksums(folder).items()}
@@ -108,18 +114,23 @@ class Checkpoint:
         return [tuple(r) for r in self.manifest["partition"]]
 
 
-def verify(path: Path) -> Checkpoint:
-    """Read and check one checkpoint folder; raise CheckpointError naming what is wrong."""
-    manifest_path = path / MANIFEST
+def read_manifest(manifest_path: Path, version: int = FORMAT_VERSION) -> dict[str, Any]:
+    """A JSON manifest that commits a checkpoint, checked for presence and format version."""
     if not manifest_path.is_file():
         raise CheckpointError(f"{manifest_path}: missing (the checkpoint was not committed)")
     try:
         manifest = json.loads(manifest_path.read_text())
     except ValueError as exc:
         raise CheckpointError(f"{manifest_path}: not valid JSON ({exc})") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") != version:
         raise CheckpointError(f"{manifest_path}: format version {manifest.get('format_version')}"
-                              f" is not supported (this spotpipe reads {FORMAT_VERSION})")
+                              f" is not supported (this spotpipe reads {version})")
+    return manifest
+
+
+def verify(path: Path) -> Checkpoint:
+    """Read and check one checkpoint folder; raise CheckpointError naming what is wrong."""
+    manifest = read_manifest(path / MANIFEST)
     for name, digest in manifest["checksums"].items():
         file = path / name
         if not file.is_file():

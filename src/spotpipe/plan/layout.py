@@ -34,7 +34,6 @@ class Layout:
     target_stages: int = 0
     max_pipelines: int | None = None
     _map: dict[Slot, str] = field(init=False, repr=False, compare=False, hash=False)
-    _slots: dict[str, list[Slot]] = field(init=False, repr=False, compare=False, hash=False)
     _carriers: int = field(init=False, repr=False, compare=False, hash=False)
     _active: frozenset[str] = field(init=False, repr=False, compare=False, hash=False)
 
@@ -64,16 +63,30 @@ class Layout:
                 raise ValueError(f"node {node} owns stages of more than one pipeline")
 
     def _index(self, mapping: dict[Slot, str]) -> None:
-        slots: dict[str, list[Slot]] = {}
-        for slot, node in mapping.items():
-            slots.setdefault(node, []).append(slot)
+        active = frozenset(mapping.values())
         object.__setattr__(self, "owners", tuple(mapping.items()))
         object.__setattr__(self, "_map", mapping)
-        object.__setattr__(self, "_slots", slots)
-        object.__setattr__(self, "_carriers", sum(1 for v in slots.values() if len(v) > 1))
-        object.__setattr__(self, "_active", frozenset(slots))
+        # how many more stages than nodes: > 0 exactly when some node carries two stages
+        object.__setattr__(self, "_carriers", len(mapping) - len(active))
+        object.__setattr__(self, "_active", active)
         if self.target_stages <= 0:
             object.__setattr__(self, "target_stages", self.num_stages)
+
+    @property
+    def _slots(self) -> dict[str, list[Slot]]:
+        """node -> the slots it owns; built on first use (the simulator derives tens of
+        layouts per simulated hour and most are never asked who owns what)."""
+        slots = self.__dict__.get("_slots_index")
+        if slots is None:
+            slots = {}
+            for slot, node in self._map.items():
+                got = slots.get(node)
+                if got is None:
+                    slots[node] = [slot]
+                else:
+                    got.append(slot)
+            object.__setattr__(self, "_slots_index", slots)
+        return slots
 
     @classmethod
     def _trusted(cls, num_stages: int, num_pipelines: int, mapping: dict[Slot, str],
@@ -183,7 +196,9 @@ class Layout:
         node's own second stage is not a replica of anything. Both cases return False.
         """
         holder = self.replica_holder(d, s)
-        return holder != self.owner(d, s) and len(self._slots[holder]) == 1
+        if holder == self.owner(d, s):
+            return False
+        return not self._carriers or len(self._slots[holder]) == 1
 
     def shape_key(self) -> tuple[int, int, tuple[tuple[int, ...], ...]]:
         """(P, D, per pipeline the stages merged onto their predecessor's node).
@@ -194,15 +209,13 @@ class Layout:
         cached = self.__dict__.get("_shape")
         if cached is not None:
             return cached
-        p = self.num_stages
-        merged: list[list[int]] = [[] for _ in range(self.num_pipelines)]
-        for slots in self._slots.values():
-            if len(slots) > 1:
-                own = set(slots)
-                for d, s in slots:
-                    if (d, (s - 1) % p) in own:
-                        merged[d].append(s)
-        key = (p, self.num_pipelines, tuple(tuple(sorted(m)) for m in merged))
+        p, width, own = self.num_stages, self.num_pipelines, self._map
+        if not self._carriers:
+            key = (p, width, ((),) * width)
+        else:  # stage s is merged when its predecessor's owner runs it too
+            key = (p, width, tuple(tuple(s for s in range(p)
+                                         if own[(d, s)] == own[(d, (s - 1) % p)])
+                                   for d in range(width)))
         object.__setattr__(self, "_shape", key)
         return key
 

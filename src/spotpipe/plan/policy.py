@@ -94,9 +94,13 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
     `replicas`: nodes hold their successor's replica (redundancy is on).
     """
     lost = frozenset(lost)
-    standby = tuple(n for n in layout.standby if n not in lost)
-    standby += tuple(n for n in joined if n not in lost and n not in standby
-                     and n not in layout.active_nodes)
+    joined = tuple(joined)
+    if not lost and not joined:  # the "anything else to do?" call after each decision
+        standby = layout.standby
+    else:
+        standby = tuple(n for n in layout.standby if n not in lost)
+        standby += tuple(n for n in joined if n not in lost and n not in standby
+                         and n not in layout.active_nodes)
     hit = lost & layout.active_nodes
     if not hit:
         return _grow(layout.with_standby(standby), min_stages)

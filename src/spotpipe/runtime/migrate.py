@@ -26,7 +26,6 @@ from spotpipe.model import LayeredModel
 from spotpipe.plan import LayerMove, Layout, exchange_order
 from spotpipe.runtime.comm import Comm, tag
 from spotpipe.runtime.digest import optimizer_tensors
-from spotpipe.runtime.node import held_replica
 
 STAGE, REPLICA_COPY = 4, 5  # message kinds (see comm.tag)
 
@@ -46,6 +45,10 @@ def transfers(old: Layout, new: Layout, copies: list[dict[str, Any]],
     `copies` are the plan's COPY moves (stage s from src to dst); `promoted` the nodes that
     turned their replica into an owned stage in this plan (their replica is gone).
     """
+    # imported here: node -> executor -> shadow_link -> migrate would otherwise be a cycle
+    # that breaks `from spotpipe.runtime import node` as a first import
+    from spotpipe.runtime.node import held_replica
+
     out = [Transfer("stage", m["stage"], m["src"], m["dst"]) for m in copies]
     alive = set(new.active_nodes)
     for node in sorted(new.active_nodes):

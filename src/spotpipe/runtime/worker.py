@@ -33,7 +33,7 @@ from spotpipe import job
 from spotpipe.cluster.channel import WorkerChannel
 from spotpipe.cluster.membership import (AbortWatcher, Heartbeat, KeyWatcher, NoticeWatcher,
                                          abort_key, client, join_key, plan_key, regroup_key)
-from spotpipe.checkpoint import durable
+from spotpipe.checkpoint import durable, schemes
 from spotpipe.config import Config, load_config
 from spotpipe.data import collate
 from spotpipe.model import build_stage
@@ -90,6 +90,9 @@ class Worker:
             for s in nodelib.owned_stages(self.layout, node)}
         self.holding = self._build_holding()
         self.start_iteration = 0
+        self.failures = 0  # failures and notices this node has recovered from
+        self.checkpoints = schemes.build(schemes.SchemeContext(
+            cfg, node, run_dir, self.channel.event, store, namespace, lambda: self.failures))
         resume = os.environ.get("SPOTPIPE_RESUME")
         if resume:
             self._restore(Path(resume))
@@ -139,18 +142,12 @@ class Worker:
                            stages=sorted(self.stages))
 
     def _checkpoint(self, iteration: int) -> None:
-        """Synchronous durable checkpoint of the stages this node writes (pipeline 0's)."""
-        every = self.cfg.checkpoint.every
-        if not every or (iteration + 1) % every or self.shadow is not None:
-            return  # with shadows, they write the durable checkpoints
-        root = Path(self.cfg.checkpoint.dir or self.run_dir / "checkpoints")
-        for s, state in sorted(self.stages.items()):
-            if self.layout.owner(0, s) != self.node:
-                continue
-            started = time.perf_counter()
-            sums = durable.save_stage(root, iteration, s, state.module, state.optimizer)
-            self.channel.event("checkpoint_saved", iteration=iteration, stage=s, checksums=sums,
-                               save_s=round(time.perf_counter() - started, 6))
+        """The checkpoint scheme's turn at the end of an iteration; pipeline 0's owners write
+        their stages (spotpipe.checkpoint.schemes)."""
+        mine = {s: (state.module, state.optimizer) for s, state in sorted(self.stages.items())
+                if self.layout.owner(0, s) == self.node}
+        self.checkpoints.after_iteration(schemes.Boundary(iteration, mine, self.executor.comm,
+                                                          self.layout))
 
     def _progress(self) -> dict[str, Any]:
         ex = self.executor
@@ -300,6 +297,8 @@ class Worker:
                     raise Leave("the layout changes at this iteration boundary (a notice or a "
                                 "joining node)")
             except (PeerFailure, Leave) as why:
+                if isinstance(why, PeerFailure) or self.notices.is_set():
+                    self.failures += 1
                 t = self.recover(why)
                 if t < 0:
                     return  # this node left the job
@@ -550,6 +549,7 @@ class Worker:
         self.holding = None
 
     def _finish(self, left: bool = False) -> None:
+        self.checkpoints.close()
         self.heartbeat.stop()
         if self.shadow is not None:
             self.shadow.close()  # the next writer (or nobody, at the end) takes over the links

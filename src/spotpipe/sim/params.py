@@ -27,6 +27,10 @@ class SimParams:
     shadow_restore_pause_s: float = 60.0  # spotpipe fatal failure: reload from CPU shadows
     restart_pause_s: float = 300.0  # full restart: relaunch every process, load checkpoint
     checkpoint_interval_s: float = 1800.0  # durable checkpoints of bamboo / checkpoint-restart
+    # throughput of lazy redundancy (replicas updated from replicated gradients in the
+    # background) over none: `spotpipe bench redundancy --json` measured 0.970 and 0.973
+    # (its key `lazy_ratio`, so `calibrate` takes it from that output)
+    lazy_ratio: float = 0.97
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -36,6 +40,8 @@ class SimParams:
                 raise ValueError(f"{f.name} must be a finite non-negative number, got {value!r}")
         if self.checkpoint_interval_s <= 0:
             raise ValueError("checkpoint_interval_s must be positive")
+        if not 0 < self.lazy_ratio <= 1:
+            raise ValueError(f"lazy_ratio must be in (0, 1], got {self.lazy_ratio!r}")
 
 
 def calibrate(path: str | Path, base: SimParams | None = None) -> SimParams:
@@ -81,6 +87,11 @@ class SimConfig:
     params: SimParams = SimParams()
     min_stages: int = 1  # below this depth the model does not fit: the job stops
     redundancy: str = "eager"  # spotpipe/bamboo: eager runs FRC in bubbles; lazy/none do not
+    # measured seconds per iteration by layout shape (`Layout.shape_key()`), which replace the
+    # timing model's for those shapes: a profile of the very cluster being predicted (see
+    # `spotpipe.sim.validate`: on one machine whose cores the workers share, a takeover
+    # frees a core, which no per-node timing model can know)
+    shape_times: tuple[tuple[tuple, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_stages < 1 or self.num_pipelines < 1:
@@ -94,6 +105,10 @@ class SimConfig:
         if self.redundancy not in ("none", "lazy", "eager"):
             raise ValueError(f"unknown redundancy {self.redundancy!r}; expected none, lazy or "
                              f"eager")
+        for shape, seconds in self.shape_times:
+            if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
+                raise ValueError(f"shape_times: iteration time of {shape} must be a positive "
+                                 f"number of seconds, got {seconds!r}")
 
     @property
     def nodes(self) -> int:

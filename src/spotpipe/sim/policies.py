@@ -46,19 +46,40 @@ class Policy:
         raise NotImplementedError
 
 
-_SPEEDS: dict[int, tuple[SimConfig, dict[tuple, tuple[float, float]]]] = {}
+_SPEEDS: dict[tuple[int, str], tuple[SimConfig, dict[tuple, tuple[float, float]]]] = {}
 
 
-def _speed_memo(cfg: SimConfig) -> dict[tuple, tuple[float, float]]:
-    """(iteration s, plain iteration s) per layout shape, per config object.
+def _speed_memo(cfg: SimConfig, redundancy: str) -> dict[tuple, tuple[float, float]]:
+    """(iteration s, plain iteration s) per layout shape, per config object and redundancy.
 
     Keyed by the config's identity (kept alive in the entry, so the id cannot be reused):
     hashing the model's per-layer tuples on every lookup would cost more than the lookup.
     """
-    entry = _SPEEDS.get(id(cfg))
+    entry = _SPEEDS.get((id(cfg), redundancy))
     if entry is None or entry[0] is not cfg:
-        entry = _SPEEDS[id(cfg)] = (cfg, {})
+        # measured shapes (a profile of the cluster) take precedence over the timing model
+        entry = _SPEEDS[(id(cfg), redundancy)] = (
+            cfg, {shape: (t, t) for shape, t in cfg.shape_times})
     return entry[1]
+
+
+_SPEED_ATTR = {m: "_sim_speed_" + m for m in ("none", "lazy", "eager")}
+
+
+def _iteration_time(cfg: SimConfig, p: int, width: int, merged: tuple[tuple[int, ...], ...],
+                    redundant: bool) -> float:
+    """`itertime.iteration_time`, with each pipeline's time memoised per config: a sweep
+    meets thousands of layout shapes (which stages are merged in which pipeline) but few
+    pipeline shapes, and the timing cache's keys hash the whole model on every lookup."""
+    memo = _speed_memo(cfg, "pipelines")
+    worst = 0.0
+    for m in set(merged):
+        k = (p, width, m, redundant)
+        t = memo.get(k)
+        if t is None:
+            t = memo[k] = iteration_time(cfg.model, cfg.schedule, p, width, (m,), redundant)
+        worst = max(worst, t)
+    return worst
 
 
 class Planner:
@@ -155,24 +176,40 @@ class SpotpipePolicy(Policy):
             job.pause(p.reconfig_pause_s, "recovering")
         self._set_speed()
 
+    def redundancy(self) -> str:
+        """spotpipe runs the configured redundancy (lazy: replicas kept exact by gradient
+        replication, no extra compute; eager: plus FRC in the bubbles)."""
+        return self.cfg.redundancy
+
     def _set_speed(self) -> None:
         # the speed rides on the layout object (shared by spotpipe and bamboo via the
         # Planner, and copied by with_standby, which keeps the shape); else by shape
-        layout, cfg = self.layout, self.cfg
-        hit = layout.__dict__.get("_sim_speed")
+        layout, cfg, mode = self.layout, self.cfg, self.redundancy()
+        attr = _SPEED_ATTR[mode]
+        hit = layout.__dict__.get(attr)
         if hit is not None and hit[0] is cfg:
             self.job.set_iteration(*hit[1])
             return
-        key = layout.shape_key()
-        speeds = _speed_memo(cfg)
+        # no carrier: the plain shape, without walking the owners (most layouts, and the
+        # commonest lookups of a sweep)
+        key = layout.shape_key() if layout.has_carriers else (
+            layout.num_stages, layout.num_pipelines, ((),) * layout.num_pipelines)
+        speeds = _speed_memo(cfg, mode)
         speed = speeds.get(key)
         if speed is None:
             p, width, merged = key
-            full = iteration_time(cfg.model, cfg.schedule, p, width, merged,
-                                  cfg.redundancy == "eager")
-            plain = iteration_time(cfg.model, cfg.schedule, p, width, merged, False)
+            plain = _iteration_time(cfg, p, width, merged, False)
+            if mode == "eager":
+                full = _iteration_time(cfg, p, width, merged, True)
+            elif mode == "lazy" and p > 1:
+                # applying each replica's gradient in the background costs a little (see
+                # SimParams.lazy_ratio); a pipeline that has a carrier still does it for the
+                # replicas it has left, which this charges as if all were there
+                full = plain / cfg.params.lazy_ratio
+            else:
+                full = plain
             speed = speeds[key] = (full, min(plain, full))
-        object.__setattr__(layout, "_sim_speed", (cfg, speed))
+        object.__setattr__(layout, attr, (cfg, speed))
         self.job.set_iteration(*speed)
 
     def _roll_back(self) -> None:
@@ -183,9 +220,13 @@ class SpotpipePolicy(Policy):
 
 
 class BambooPolicy(SpotpipePolicy):
-    """Bamboo as published: fatal failures restart globally from a periodic checkpoint."""
+    """Bamboo as published: eager FRC whatever spotpipe is configured with, and a fatal
+    failure restarts globally from a periodic checkpoint."""
 
     name = "bamboo"
+
+    def redundancy(self) -> str:
+        return "eager" if self.cfg.num_stages > 1 else "none"
 
     def _roll_back(self) -> None:
         self.job.roll_back_to_checkpoint(self.restore_bucket)
@@ -233,7 +274,11 @@ class CheckpointRestartPolicy(Policy):
                   "idle" if first_start else "restarting")
         self.width = fits
         self.used = set(list(self.pool)[: fits * cfg.num_stages])
-        it = iteration_time(cfg.model, cfg.schedule, cfg.num_stages, fits, ((),), False)
+        speeds = _speed_memo(cfg, "restart")
+        it = speeds.get(fits)
+        if it is None:
+            it = speeds[fits] = iteration_time(cfg.model, cfg.schedule, cfg.num_stages, fits,
+                                               ((),), False)
         job.set_iteration(it)
 
 

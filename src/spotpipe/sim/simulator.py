@@ -12,7 +12,7 @@ closed form, and a run is a pure function of (trace, policy, config).
 
 from __future__ import annotations
 
-import heapq
+import math
 from dataclasses import dataclass, field
 
 from spotpipe.sim.itertime import iteration_time
@@ -72,7 +72,7 @@ def run_policies(trace: Trace, policies: list[str], cfg: SimConfig, *,
     """Several policies on one trace; spotpipe and bamboo share their (identical) decisions."""
     planner = Planner()
     end = trace.duration_s if duration_s is None else float(duration_s)
-    instants = list(_instants(trace, cfg.params.boot_s, end))  # policy-independent: once
+    instants = instants_of(trace, cfg.params.boot_s, end)  # policy-independent: once
     return {name: run(trace, name, cfg, duration_s=duration_s, record=record, planner=planner,
                       instants=instants) for name in policies}
 
@@ -80,7 +80,11 @@ def run_policies(trace: Trace, policies: list[str], cfg: SimConfig, *,
 def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None = None,
         record: bool = True, planner: Planner | None = None,
         instants: list | None = None) -> Result:
-    """Simulate `policy` on `trace` for `duration_s` (default: the trace's span)."""
+    """Simulate `policy` on `trace` for `duration_s` (default: the trace's span).
+
+    `instants` (from `instants_of`) may be passed in when several policies run on one trace:
+    what the trace does to the instances held is the same for every spot policy.
+    """
     end = trace.duration_s if duration_s is None else float(duration_s)
     if policy == "on_demand":
         return on_demand(cfg, end, record=record)
@@ -88,73 +92,88 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
     pol = make_policy(policy, cfg, job, planner)
     price = cfg.price.spot
     timeline: list[TimelinePoint] = []
-    held: set[str] = set()
-    booting: set[str] = set()
-    dollars = 0.0
+    if instants is None:
+        instants = instants_of(trace, cfg.params.boot_s, end)
+    held = 0
+    node_seconds = 0.0
     preemptions = 0
     last_t = 0.0
-    if instants is None:
-        instants = list(_instants(trace, cfg.params.boot_s, end))
     resume: TimelinePoint | None = None  # where a pause ends before the next event
-    for index, (t, removes, adds, readies) in enumerate(instants):
-        if resume is not None and resume.time_s < t:
-            timeline.append(resume)
-        resume = None
-        dollars += len(held) * price * (t - last_t) / HOUR
+    for index, (t, lost, ready, held_after, taken) in enumerate(instants):
+        node_seconds += held * (t - last_t)
         last_t = t
-        job.advance(t)
-        lost = frozenset(removes)
-        preemptions += len(lost & held)
-        held -= lost
-        booting -= lost
-        held.update(adds)
-        booting.update(adds)
-        ready = [n for n in readies if n in booting]
-        booting.difference_update(ready)
-        pol.on_events(t, lost, ready, index)
+        held = held_after
+        preemptions += taken
+        if lost or ready:
+            job.advance(t)
+            pol.on_events(t, lost, ready, index)
         if record:
-            timeline.append(TimelinePoint(t, len(held), len(held), pol.used_nodes(),
+            if resume is not None and resume.time_s < t:
+                timeline.append(resume)
+            resume = None
+            job.advance(t)
+            dollars = node_seconds * price / HOUR
+            timeline.append(TimelinePoint(t, held, held, pol.used_nodes(),
                                           job.throughput_now(), job.samples, dollars))
             if job.paused_until > t and job.iter_s:
                 until = job.paused_until
-                resume = TimelinePoint(until, len(held), len(held), pol.used_nodes(),
+                resume = TimelinePoint(until, held, held, pol.used_nodes(),
                                        cfg.model.samples_per_iteration / job.iter_s,
-                                       job.samples, dollars + len(held) * price * (until - t) / HOUR)
+                                       job.samples, dollars + held * price * (until - t) / HOUR)
     if resume is not None and resume.time_s < end:
         timeline.append(resume)
-    dollars += len(held) * price * (end - last_t) / HOUR
+    node_seconds += held * (end - last_t)
+    dollars = node_seconds * price / HOUR
     breakdown = job.finish(end)
     if record:
-        timeline.append(TimelinePoint(end, len(held), len(held), pol.used_nodes(),
+        timeline.append(TimelinePoint(end, held, held, pol.used_nodes(),
                                       job.throughput_now(), job.samples, dollars))
     return Result(policy, end, job.samples, dollars, preemptions, pol.fatal_failures,
                   breakdown, timeline)
 
 
-def _instants(trace: Trace, boot_s: float, end: float):
-    """Group trace events and boot completions by instant: (t, removed, added, ready)."""
-    trace_events = ((ev.time_s, 0, ev.kind, ev.node) for ev in trace.events)
-    ready_events = ((ev.time_s + boot_s, 1, "ready", ev.node)
-                    for ev in trace.events if ev.kind == ADD)
-    cur_t = None
-    removes: list[str] = []
-    adds: list[str] = []
-    readies: list[str] = []
-    for t, _, kind, node in heapq.merge(trace_events, ready_events):
-        if t > end:  # events at the end instant are applied, so the last state is exact
+def instants_of(trace: Trace, boot_s: float, end: float) -> list[tuple]:
+    """What the trace does to the instances held, once per trace, for every spot policy:
+    per instant (t, lost, ready, held, taken): the held nodes removed (a frozenset), the
+    nodes whose boot completed (in trace order), how many instances are held (billed) after
+    it, and how many held instances were taken away. Events at `end` are applied, so the
+    last state is exact; a sweep calls this once per trace, hence the hand-made merge of
+    the trace with its boot completions (both sorted by time)."""
+    out: list[tuple] = []
+    held: set[str] = set()
+    booting: set[str] = set()
+    events = trace.events
+    boots = [(ev.time_s + boot_s, ev.node) for ev in events if ev.kind == ADD]
+    i = j = 0
+    n_ev, n_boot = len(events), len(boots)
+    while i < n_ev or j < n_boot:
+        t = events[i].time_s if i < n_ev else math.inf
+        if j < n_boot and boots[j][0] < t:
+            t = boots[j][0]
+        if t > end:
             break
-        if t != cur_t:
-            if cur_t is not None:
-                yield cur_t, removes, adds, readies
-            cur_t, removes, adds, readies = t, [], [], []
-        if kind == ADD:
-            adds.append(node)
-        elif kind == "ready":
-            readies.append(node)
-        else:
-            removes.append(node)
-    if cur_t is not None:
-        yield cur_t, removes, adds, readies
+        removes: list[str] = []
+        adds: list[str] = []
+        while i < n_ev and events[i].time_s == t:  # trace events first, then boots
+            ev = events[i]
+            (adds if ev.kind == ADD else removes).append(ev.node)
+            i += 1
+        readies: list[str] = []
+        while j < n_boot and boots[j][0] == t:
+            readies.append(boots[j][1])
+            j += 1
+        lost = frozenset(removes) & held if removes else frozenset()
+        if lost:
+            held -= lost
+            booting -= lost
+        if adds:
+            held.update(adds)
+            booting.update(adds)
+        ready = [n for n in readies if n in booting]
+        if ready:
+            booting.difference_update(ready)
+        out.append((t, lost, ready, len(held), len(lost)))
+    return out
 
 
 def on_demand_closed_form(cfg: SimConfig, duration_s: float) -> dict[str, float]:

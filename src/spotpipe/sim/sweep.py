@@ -18,7 +18,7 @@ import numpy as np
 from spotpipe.sim.params import SimConfig
 from spotpipe.sim import itertime
 from spotpipe.sim.policies import Planner
-from spotpipe.sim.simulator import _instants, on_demand, run
+from spotpipe.sim.simulator import instants_of, on_demand, run
 from spotpipe.sim.synthetic import bamboo_trace
 
 DEFAULT_RATES = (0.01, 0.05, 0.10, 0.25, 0.50)
@@ -46,13 +46,16 @@ def _chunk(args: tuple[SweepSpec, float, int, int]) -> dict[str, np.ndarray]:
     # bamboo differs from spotpipe only after a fatal failure (it restarts from a periodic
     # checkpoint instead of the shadows); with the same decisions and none fatal, its
     # samples, dollars and preemptions are spotpipe's bit for bit, so it is not re-run
-    share = "spotpipe" in spot and "bamboo" in spot
-    first = ["spotpipe"] + [p for p in spot if p not in ("spotpipe", "bamboo")] if share else spot
+    # (only when both run eager FRC: bamboo as published always does)
+    share = "spotpipe" in spot and "bamboo" in spot and spec.cfg.redundancy == "eager"
+    first = ["spotpipe"] + [p for p in spot if p not in ("spotpipe", "bamboo")] if share \
+        else sorted(spot, key=lambda p: p != "spotpipe")  # spotpipe first: bamboo reuses
+    # its decisions through the shared Planner
     end = spec.hours * 3600.0
     for i, seed in enumerate(range(lo, hi)):
         trace = bamboo_trace(rate, spec.hours, nodes, seed, spec.add_probability)
         planner = Planner()
-        instants = list(_instants(trace, spec.cfg.params.boot_s, end))
+        instants = instants_of(trace, spec.cfg.params.boot_s, end)
         for name in first:
             r = run(trace, name, spec.cfg, duration_s=end, record=False, planner=planner,
                     instants=instants)
@@ -75,14 +78,16 @@ def run_sweep(spec: SweepSpec) -> dict:
     cpu0 = _cpu_seconds()
     procs = max(1, spec.processes)
     cfg = spec.cfg
-    if cfg.redundancy == "eager" and cfg.num_stages > 1:
+    if cfg.num_stages > 1 and (cfg.redundancy == "eager" or "bamboo" in spec.policies):
         # every width at the configured depth, once, before forking (other shapes follow
         # takeovers or a re-partition and are timed on demand, through the shared cache)
         itertime.warm(cfg.model, cfg.schedule, cfg.num_stages,
                       range(1, cfg.num_pipelines + 1), procs)
     per = max(1, -(-spec.seeds // (procs * 4)))  # a few chunks per process, for balance
+    # highest rates first: their runs have the most events, and a pool that ends on
+    # small tasks keeps both processes busy to the end
     tasks = [(spec, rate, lo, min(spec.seeds, lo + per))
-             for rate in spec.rates for lo in range(0, spec.seeds, per)]
+             for rate in sorted(spec.rates, reverse=True) for lo in range(0, spec.seeds, per)]
     if procs > 1:
         with mp.get_context("fork").Pool(procs) as pool:
             parts = pool.map(_chunk, tasks, chunksize=1)

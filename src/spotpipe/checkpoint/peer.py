@@ -1,0 +1,182 @@
+"""Gemini-style checkpoints (Wang et al., SOSP '23): a copy of each stage in a peer's CPU memory.
+
+Every k iterations the writer of a stage (pipeline 0's owner) copies the stage state into one
+flat byte buffer and sends it over torch.distributed point-to-point, in the generation's own
+groups (`Comm`, message kinds CKPT and CKPT_DATA), to its peer: the node that holds the stage's
+replica in the ring (the owner of the previous stage of pipeline 0), or, when that is the writer
+itself (one stage, or a node carrying two), the next node of the ring that is not. The peer
+keeps the latest complete copy of each stage it is peer for, in CPU memory.
+
+The transfer overlaps training: the sends and receives are posted at the boundary (a small
+header carrying the size first, which the peer waits for, then the data), and a helper thread
+per transfer waits for its completion (a gloo operation says it is complete only once waited
+for), so that a copy counts as held from the moment it arrived, even if the next iteration
+fails. The main thread reports completed copies at the next boundary, and waits for the previous
+copy before starting another (Gemini's single checkpoint in flight). A transfer of a generation
+that ended is abandoned; the held copies stay.
+
+The layout (names, dtypes, shapes) of a stage's buffer travels as JSON through the store, once
+per writer and stage, so nothing is unpickled from the network.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from spotpipe.checkpoint import durable, snapshot
+from spotpipe.checkpoint.schemes import Boundary, Scheme, SchemeContext
+from spotpipe.runtime.comm import PeerFailure, tag
+
+CKPT, CKPT_DATA = 4, 5  # message kinds after spotpipe.runtime.comm's ACT, GRAD, REPLICA, TIED
+
+
+def peer_of(layout: Any, stage: int) -> str | None:
+    """The node that keeps the copy of `stage` (written by pipeline 0's owner of it)."""
+    writer = layout.owner(0, stage)
+    p = layout.num_stages
+    ring = [layout.owner(0, (stage - j) % p) for j in range(1, p)]
+    others = sorted(n for n in layout.active_nodes if n not in ring)
+    return next((n for n in ring + others if n != writer), None)
+
+
+@dataclass
+class HeldCopy:
+    iteration: int
+    flat: torch.Tensor  # uint8, CPU
+    writer: str
+
+
+@dataclass
+class _InFlight:
+    iteration: int
+    stage: int
+    work: Any
+    buffer: torch.Tensor
+    comm: Any
+    blocked_s: float
+    peer: str  # the other end
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+    done_time: float = 0.0
+
+    def start(self) -> "_InFlight":
+        threading.Thread(target=self._complete, name="gemini-transfer", daemon=True).start()
+        return self
+
+    def _complete(self) -> None:
+        try:
+            self.work.wait()
+            self.ok = True
+        except Exception:  # noqa: BLE001 - a dead peer: the generation's abort handles it
+            self.ok = False
+        self.done_time = time.time()
+        self.done.set()
+
+
+class GeminiScheme(Scheme):
+    name = "gemini"
+
+    def __init__(self, ctx: SchemeContext) -> None:
+        super().__init__(ctx)
+        self.held: dict[int, HeldCopy] = {}
+        self._sends: list[_InFlight] = []
+        self._recvs: list[_InFlight] = []
+        self._layout_put: set[int] = set()
+        self._comm: Any = None
+        self._layouts: dict[int, dict[str, Any]] = {}
+
+    def _layout_key(self, stage: int) -> str:
+        return f"{self.ctx.namespace}/checkpoint/layout/{stage}"
+
+    def save(self, b: Boundary) -> None:
+        self.poll(b, wait=True)  # one copy in flight at a time
+        comm, me = b.comm, self.ctx.node
+        device = comm.device
+        # every send is posted before any receive blocks on a header, so no two nodes wait for
+        # each other
+        for s, (module, optimizer) in sorted(b.stages.items()):
+            peer = peer_of(b.layout, s)
+            if peer is None:
+                continue
+            started = time.perf_counter()
+            tensors = durable.stage_tensors(module, optimizer)
+            if s not in self._layout_put:
+                params = [n for n, _ in module.named_parameters()]
+                self.ctx.store.set(self._layout_key(s),
+                                   json.dumps(snapshot.layout_of(tensors, params)))
+                self._layout_put.add(s)
+            flat = snapshot.flatten(tensors)  # a copy, on the device (NCCL sends from there)
+            comm.send(torch.tensor([flat.numel()], dtype=torch.int64, device=device), peer,
+                      tag(CKPT, s))
+            work = comm.post_send(flat, peer, tag(CKPT_DATA, s))
+            self._sends.append(_InFlight(b.iteration, s, work, flat, comm,
+                                         time.perf_counter() - started, peer).start())
+        for s in range(b.layout.num_stages):
+            writer = b.layout.owner(0, s)
+            if writer == me or peer_of(b.layout, s) != me:
+                continue
+            started = time.perf_counter()
+            size = int(comm.recv(writer, tag(CKPT, s)).item())
+            buffer = torch.empty(size, dtype=torch.uint8, device=device)
+            work = comm.post_recv(buffer, writer, tag(CKPT_DATA, s))
+            self._recvs.append(_InFlight(b.iteration, s, work, buffer, comm,
+                                         time.perf_counter() - started, writer).start())
+        self._comm = comm
+
+    def close(self) -> None:
+        """Complete the last copies; a generation that ended in a failure (this node leaves
+        after a notice) completes nothing more, and the held copies stay as they are."""
+        try:
+            super().close()
+        except PeerFailure:
+            self._sends.clear()
+            self._recvs.clear()
+
+    def poll(self, b: Boundary | None, wait: bool) -> None:
+        """Report the transfers that completed; with `wait`, first wait for those of the
+        current generation (abortably: a failure raises PeerFailure into the worker's loop,
+        like any other communication)."""
+        current = b.comm if b is not None else self._comm
+        for items, received in ((self._sends, False), (self._recvs, True)):
+            keep = []
+            for item in items:
+                if wait and item.comm is current and not item.done.is_set():
+                    waited = time.perf_counter()
+                    current.abort.wait(item.done)
+                    item.blocked_s += time.perf_counter() - waited
+                if not item.done.is_set():
+                    if item.comm is current:
+                        keep.append(item)  # still in flight
+                    continue  # else abandoned with its generation
+                if item.ok:
+                    self._report(item, received)
+            items[:] = keep
+
+    def _report(self, item: _InFlight, received: bool) -> None:
+        if not received:
+            self._record("checkpoint_done", item.iteration, item.stage, item.blocked_s,
+                         item.buffer.numel(), done_time=item.done_time, peer=item.peer)
+            return
+        flat = item.buffer.to("cpu")
+        self.held[item.stage] = HeldCopy(item.iteration, flat, item.peer)
+        extra = ({"digest": self.fingerprint(item.stage)}
+                 if self.cfg.logging.state_digests else {})
+        self._record("checkpoint_held", item.iteration, item.stage, item.blocked_s,
+                     flat.numel(), counted=False, done_time=item.done_time, writer=item.peer,
+                     **extra)
+
+    def tensors(self, stage: int) -> dict[str, torch.Tensor]:
+        """The held copy of `stage`, by name (for a restore, or a check)."""
+        if stage not in self._layouts:
+            self._layouts[stage] = json.loads(self.ctx.store.get(self._layout_key(stage)))
+        return snapshot.unflatten(self.held[stage].flat, self._layouts[stage])
+
+    def fingerprint(self, stage: int) -> dict[str, str]:
+        tensors = self.tensors(stage)
+        return snapshot.fingerprint(tensors, self._layouts[stage]["params"])

@@ -1,0 +1,347 @@
+"""Checkpoint schemes behind one interface: what a worker does at the end of each iteration.
+
+The worker calls `Scheme.after_iteration(Boundary(...))` once per completed iteration on every
+node (the step of that iteration is applied) and `Scheme.close()` when it finishes. A scheme
+decides with its `Cadence` whether this iteration is checkpointed, copies or writes the stages
+this node writes (pipeline 0's owners, as for the durable tier), and records what that cost:
+
+- `blocked_s`: seconds the training loop waited for the checkpoint (copy, write, or a wait for
+  the previous asynchronous one), the figure that slows training;
+- `bytes`: bytes written to disk or sent to a peer.
+
+Each completed checkpoint of a stage becomes one event (`checkpoint_saved` for the durable tier,
+which the launcher commits once every stage of the iteration has reported; `checkpoint_done`
+for the baselines; `checkpoint_held` on a peer that received a copy) and one entry of
+`Scheme.records`, which in-process benchmarks read directly.
+
+Schemes (config `checkpoint.scheme`; `checkpoint.every: k | auto`):
+
+- `none`: nothing.
+- `durable` (default): the resumable DCP tier (`durable.py`) written synchronously.
+- `dcp_async`: the same tier written with `torch.distributed.checkpoint.async_save`: the state
+  is staged (copied to CPU memory) at the boundary and written by DCP's thread; this node's
+  `checkpoint_saved` (with the files' SHA-256) is reported only once the write has finished, so
+  the launcher commits nothing unfinished. Each stage saves on its own (`no_dist=True`, one DCP
+  folder per stage, the layout `durable.load_stage` reshards from), so no process group is
+  involved: async_save would otherwise need a CPU (gloo) backend in its group, which a
+  NCCL-only generation lacks. The next checkpoint waits for the previous one.
+- `torch_save`: synchronous `torch.save` of the stage state every k (`snapshot.write_file`).
+- `checkfreq`: CheckFreq (Mohan et al., FAST '21): snapshot to CPU memory at the boundary, then
+  persist in a background thread; the next snapshot waits for the previous persist.
+- `gemini`: Gemini (Wang et al., SOSP '23): a copy in a peer's CPU memory (`peer.py`).
+
+A new scheme (the CPU shadows) is a subclass registered in `SCHEMES` under its config name.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from spotpipe.checkpoint import durable, snapshot
+from spotpipe.checkpoint.interval import interval_iterations, mtbf_estimate
+from spotpipe.config import CHECKPOINT_SCHEMES, Config
+
+
+@dataclass
+class SchemeContext:
+    """What a scheme needs from its worker, fixed for the worker's life."""
+
+    cfg: Config
+    node: str
+    run_dir: Path
+    event: Callable[..., None]  # (kind, **fields) -> one line of events.jsonl
+    store: Any  # the job's store: agreed cadence, peer-copy layouts
+    namespace: str = "spotpipe"
+    failures: Callable[[], int] = lambda: 0  # failures this node has seen so far
+
+    @property
+    def root(self) -> Path:
+        """Where this scheme writes: the durable tier's folder, or one per baseline."""
+        c = self.cfg.checkpoint
+        if c.scheme in ("durable", "dcp_async"):
+            return Path(c.dir or self.run_dir / "checkpoints")
+        return Path(c.dir or self.run_dir / f"checkpoints_{c.scheme}")
+
+
+@dataclass
+class Boundary:
+    """The end of one iteration on one node: its stepped stages and its generation."""
+
+    iteration: int
+    stages: dict[int, tuple[nn.Module, torch.optim.Optimizer]]  # the ones this node writes
+    comm: Any  # spotpipe.runtime.comm.Comm of the current generation
+    layout: Any  # spotpipe.plan.Layout of the current generation
+
+
+class Cadence:
+    """Which iterations are checkpointed: every k, or k from Young/Daly (`every: auto`).
+
+    With `auto`, the first checkpoint is taken after iteration `first_at` (the first iteration
+    carries warm-up costs, not representative ones); after each checkpoint the nodes agree, by
+    an all-gather in the generation's group, on the largest blocked time, iteration time and
+    elapsed time, so that every node picks the same next iteration (the launcher commits an
+    iteration only when every stage has written it). The agreed next iteration is also put in
+    the store, where a node that joins later reads it.
+    """
+
+    def __init__(self, cfg: Config, ctx_failures: Callable[[], int], store: Any,
+                 namespace: str, first_at: int = 1, max_k: int = 10_000,
+                 event: Callable[..., None] = lambda kind, **fields: None) -> None:
+        every = cfg.checkpoint.every
+        self.auto = every == "auto"
+        self.every = 0 if self.auto else int(every)
+        self.mtbf_prior_s = cfg.checkpoint.mtbf_s
+        self.failures = ctx_failures
+        self.store, self.key = store, f"{namespace}/checkpoint/next_at"
+        self.first_at, self.max_k = first_at, max_k
+        self.event = event
+        self.next_at: int | None = None
+        self.k: int | None = None if self.auto else self.every
+        self.started = time.perf_counter()
+        self._last_call: float | None = None
+        self._last_blocked = 0.0
+        self._iteration_s: list[float] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.auto or self.every > 0
+
+    def due(self, iteration: int) -> bool:
+        if not self.auto:
+            return self.every > 0 and (iteration + 1) % self.every == 0
+        if self.next_at is None:
+            stored = self.store.check([self.key]) and self.store.get(self.key)
+            self.next_at = int(stored) if stored else self.first_at
+        return iteration >= self.next_at
+
+    def tick(self, now: float) -> None:
+        """Called at each boundary: the iteration time is the time between two boundaries less
+        what the previous checkpoint blocked."""
+        if self._last_call is not None:
+            self._iteration_s.append(max(1e-9, now - self._last_call - self._last_blocked))
+            del self._iteration_s[:-32]
+        self._last_call = now
+        self._last_blocked = 0.0
+
+    def checkpointed(self, iteration: int, blocked_s: float, comm: Any) -> None:
+        self._last_blocked = blocked_s
+        if not self.auto:
+            return
+        it = statistics.median(self._iteration_s) if self._iteration_s else 0.0  # unknown
+        mine = torch.tensor([blocked_s, it, time.perf_counter() - self.started],
+                            dtype=torch.float64, device=comm.device)
+        agreed = torch.stack(comm.all_gather(mine)).max(dim=0).values.tolist()
+        cost, it, elapsed = agreed
+        it = it if it > 0 else 1.0  # no node has timed an iteration yet
+        mtbf = mtbf_estimate(self.mtbf_prior_s, elapsed, self.failures())
+        self.k = interval_iterations(cost, mtbf, it, max_iterations=self.max_k)
+        self.next_at = iteration + self.k
+        self.store.set(self.key, str(self.next_at))
+        self.event("checkpoint_interval", iteration=iteration, k=self.k, next_at=self.next_at,
+                   cost_s=round(cost, 6), iteration_s=round(it, 6), mtbf_s=round(mtbf, 3))
+
+
+class Scheme:
+    """No checkpoints; the base of every scheme (see the module docstring)."""
+
+    name = "none"
+
+    def __init__(self, ctx: SchemeContext) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.cadence = Cadence(ctx.cfg, ctx.failures, ctx.store, ctx.namespace,
+                               event=ctx.event)
+        self.records: list[dict[str, Any]] = []  # one per completed checkpoint of a stage
+        self.blocked_s = 0.0  # total seconds the loop waited in this scheme
+        self.bytes = 0  # total bytes written or sent
+        self.checkpoints = 0  # boundaries at which this node checkpointed
+
+    def after_iteration(self, b: Boundary) -> None:
+        if self.name == "none" or not self.cadence.enabled:
+            return
+        started = time.perf_counter()
+        self.cadence.tick(started)
+        self.poll(b, wait=False)
+        due = self.cadence.due(b.iteration)
+        if due:
+            self.save(b)
+            self.checkpoints += 1
+        blocked = time.perf_counter() - started
+        self.blocked_s += blocked
+        if due:
+            self.cadence.checkpointed(b.iteration, blocked, b.comm)
+
+    def save(self, b: Boundary) -> None:
+        """Checkpoint `b.stages` at `b.iteration` (blocking only as long as the scheme must)."""
+
+    def poll(self, b: Boundary | None, wait: bool) -> None:
+        """Report asynchronous checkpoints that have completed (all of them, if `wait`)."""
+
+    def close(self) -> None:
+        """Finish what is in flight (the worker is done)."""
+        started = time.perf_counter()
+        self.poll(None, wait=True)
+        self.blocked_s += time.perf_counter() - started
+
+    def _record(self, kind: str, iteration: int, stage: int, blocked_s: float, nbytes: int,
+                counted: bool = True, done_time: float | None = None, **extra: Any) -> None:
+        """One completed checkpoint of one stage; `counted` false for bytes another node
+        already counted (a copy received); `done_time` (wall clock) when it completed, if
+        before now."""
+        if counted:
+            self.bytes += nbytes
+        entry = {"iteration": iteration, "stage": stage, "blocked_s": round(blocked_s, 6),
+                 "bytes": nbytes, "done_time": done_time or time.time(), **extra}
+        self.records.append({"kind": kind, **entry})
+        fields = {k: v for k, v in entry.items() if k != "done_time"}
+        self.ctx.event(kind, scheme=self.name, k=self.cadence.k, **fields)
+
+
+class DurableScheme(Scheme):
+    """The DCP tier, written synchronously (what `checkpoint.every` always did)."""
+
+    name = "durable"
+
+    def save(self, b: Boundary) -> None:
+        for s, (module, optimizer) in sorted(b.stages.items()):
+            started = time.perf_counter()
+            sums = durable.save_stage(self.ctx.root, b.iteration, s, module, optimizer)
+            spent = time.perf_counter() - started
+            folder = durable.iter_dir(self.ctx.root, b.iteration, partial=True)
+            size = sum((folder / name).stat().st_size for name in sums)
+            self._record("checkpoint_saved", b.iteration, s, spent, size, checksums=sums,
+                         save_s=round(spent, 6))
+
+
+class _Background(Scheme):
+    """A scheme whose write runs on a background thread: at most one checkpoint in flight
+    (the next one waits for the previous), reported once written."""
+
+    kind = "checkpoint_done"
+
+    def __init__(self, ctx: SchemeContext) -> None:
+        super().__init__(ctx)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-persist")
+        # (iteration, stage, seconds blocked, wall-clock start, job returning (bytes, extra
+        # fields, wall-clock end))
+        self._pending: list[tuple[int, int, float, float, Future]] = []
+
+    def save(self, b: Boundary) -> None:
+        self.poll(b, wait=True)  # the next checkpoint waits for the previous one
+        for s, (module, optimizer) in sorted(b.stages.items()):
+            started, wall = time.perf_counter(), time.time()
+            write = self.start(b.iteration, s, module, optimizer)
+            job = self._thread.submit(lambda write=write: (*write(), time.time()))
+            self._pending.append((b.iteration, s, time.perf_counter() - started, wall, job))
+
+    def start(self, iteration: int, stage: int, module: nn.Module,
+              optimizer: torch.optim.Optimizer) -> Callable[[], tuple[int, dict[str, Any]]]:
+        """Copy what must be copied now; return the write, run on the background thread, which
+        returns the bytes written and the event's extra fields."""
+        raise NotImplementedError
+
+    def poll(self, b: Boundary | None, wait: bool) -> None:
+        while self._pending and (wait or self._pending[0][4].done()):
+            iteration, s, spent, started, job = self._pending.pop(0)
+            waited = time.perf_counter()
+            nbytes, extra, done_time = job.result()
+            spent += time.perf_counter() - waited
+            self._record(self.kind, iteration, s, spent, nbytes, done_time=done_time,
+                         persist_s=round(done_time - started, 6), **extra)
+
+    def close(self) -> None:
+        super().close()
+        self._thread.shutdown(wait=True)
+
+
+class DcpAsyncScheme(_Background):
+    """The DCP tier, written with async_save; reported (and so committed) once written."""
+
+    name = "dcp_async"
+    kind = "checkpoint_saved"
+
+    def start(self, iteration: int, stage: int, module: nn.Module,
+              optimizer: torch.optim.Optimizer) -> Callable[[], tuple[int, dict[str, Any]]]:
+        folder = durable.prepare_stage_folder(self.ctx.root, iteration, stage)
+        # stages (copies to CPU memory) now, writes on DCP's own thread
+        upload = dcp.async_save(durable.stage_tensors(module, optimizer),
+                                checkpoint_id=str(folder), no_dist=True)
+
+        def finish() -> tuple[int, dict[str, Any]]:
+            upload.result()
+            sums = durable.file_checksums(folder)  # hashed here, off the training loop
+            size = sum((folder / name).stat().st_size for name in sums)
+            return size, {"checksums": {f"stage{stage}/{k}": v for k, v in sums.items()}}
+
+        return finish
+
+
+class TorchSaveScheme(Scheme):
+    """Synchronous torch.save of each stage (the simplest baseline)."""
+
+    name = "torch_save"
+
+    def save(self, b: Boundary) -> None:
+        for s, (module, optimizer) in sorted(b.stages.items()):
+            started = time.perf_counter()
+            snap = snapshot.take(s, b.iteration, module, optimizer, copy=False)
+            nbytes = snapshot.write_file(self.ctx.root, snap, self.cfg.model_digest(),
+                                         self.cfg.checkpoint.keep)
+            self._record("checkpoint_done", b.iteration, s, time.perf_counter() - started,
+                         nbytes)
+
+
+class CheckFreqScheme(_Background):
+    """Snapshot to CPU memory at the boundary, persist in the background; the next snapshot
+    waits for the previous persist (CheckFreq's two phases, without its adaptive tuning)."""
+
+    name = "checkfreq"
+
+    def start(self, iteration: int, stage: int, module: nn.Module,
+              optimizer: torch.optim.Optimizer) -> Callable[[], tuple[int, dict[str, Any]]]:
+        snap = snapshot.take(stage, iteration, module, optimizer)
+
+        def persist() -> tuple[int, dict[str, Any]]:
+            return snapshot.write_file(self.ctx.root, snap, self.cfg.model_digest(),
+                                       self.cfg.checkpoint.keep), {}
+
+        return persist
+
+
+def _gemini(ctx: SchemeContext) -> Scheme:
+    from spotpipe.checkpoint.peer import GeminiScheme
+
+    return GeminiScheme(ctx)
+
+
+# config name -> constructor; CHECKPOINT_SCHEMES in spotpipe.config lists the same names (the
+# config is read before torch is imported). Adding a scheme is one entry in each.
+SCHEMES: dict[str, Callable[[SchemeContext], Scheme]] = {
+    "none": Scheme,
+    "durable": DurableScheme,
+    "dcp_async": DcpAsyncScheme,
+    "torch_save": TorchSaveScheme,
+    "checkfreq": CheckFreqScheme,
+    "gemini": _gemini,
+}
+assert set(SCHEMES) == set(CHECKPOINT_SCHEMES), "schemes and config disagree"
+
+
+def build(ctx: SchemeContext) -> Scheme:
+    """The scheme `ctx.cfg.checkpoint.scheme` names (`none` when nothing is checkpointed, and
+    for the durable tier when shadows write it)."""
+    c = ctx.cfg.checkpoint
+    name = c.scheme if c.every else "none"
+    if ctx.cfg.shadow.enabled and name in ("durable", "dcp_async"):
+        name = "none"  # the CPU shadows write the durable tier (spotpipe.checkpoint.shadow)
+    return SCHEMES[name](ctx)

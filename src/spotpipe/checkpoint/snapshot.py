@@ -1,0 +1,177 @@
+"""A stage's state as one thing to copy, send, write and check: the baselines' common format.
+
+- `take`: a copy of the stage's tensors (parameters, buffers, optimizer state under the
+  unpartitioned model's names, as `durable.stage_tensors` names them) in CPU memory, so that the
+  optimizer may go on while the copy is written or sent.
+- `flatten` / `unflatten`: one byte buffer and a JSON layout (names, dtypes, shapes), for a copy
+  sent to a peer over torch.distributed (tensors travel as tensors, metadata as JSON).
+- `write_file` / `read_file`: one torch.save file per stage and iteration, written to a
+  temporary name and renamed, then a JSON sidecar with its SHA-256 that commits it. Loading
+  checks the sidecar first and reads with `torch.load(weights_only=True)`, which unpickles
+  nothing but tensors and plain containers; a file of another model or format is refused.
+- `fingerprint`: the SHA-256 digests `spotpipe.runtime.digest.stage_digest` computes for a live
+  stage, computed from a copy, so tests can check a copy against the owner bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from spotpipe.checkpoint import durable
+from spotpipe.checkpoint.durable import CheckpointError
+from spotpipe.runtime.digest import tensors_digest
+
+FORMAT_VERSION = 1
+SUFFIX = ".pt"
+SIDECAR = ".json"
+
+
+@dataclass
+class Snapshot:
+    """A stage's state at the end of `iteration`, in memory the training loop no longer
+    touches."""
+
+    stage: int
+    iteration: int
+    tensors: dict[str, torch.Tensor]
+    params: list[str]  # parameter names in module order (what the digests cover)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def take(stage: int, iteration: int, module: nn.Module, optimizer: torch.optim.Optimizer,
+         copy: bool = True) -> Snapshot:
+    """The stage's state in CPU memory: a copy (even when it already lives there) unless
+    `copy` is false, for a caller that is done with it before the next optimizer step."""
+    tensors = {k: v.detach().to("cpu", copy=copy) for k, v in
+               durable.stage_tensors(module, optimizer).items()}
+    return Snapshot(stage, iteration, tensors, [n for n, _ in module.named_parameters()])
+
+
+def fingerprint(tensors: dict[str, torch.Tensor], params: list[str]) -> dict[str, str]:
+    """The digests `stage_digest(module, optimizer)` gives for the stage these tensors came
+    from: parameters in module order, then each parameter's optimizer state by sorted key."""
+    optim = []
+    for name in params:
+        prefix = f"optim/{name}/"
+        optim += [tensors[k] for k in sorted(k for k in tensors if k.startswith(prefix))]
+    return {"params": tensors_digest(tensors[n] for n in params),
+            "optim": tensors_digest(optim)}
+
+
+# ---------------------------------------------------------------------- flat, for peers
+
+def layout_of(tensors: dict[str, torch.Tensor], params: list[str]) -> dict[str, Any]:
+    return {"params": params,
+            "tensors": [[k, str(v.dtype).removeprefix("torch."), list(v.shape)]
+                        for k, v in tensors.items()]}
+
+
+def flatten(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A copy of all tensors' bytes, concatenated in `layout_of` order, as one uint8 tensor on
+    the tensors' device (all must share one)."""
+    parts = [v.detach().contiguous().reshape(-1).view(torch.uint8) for v in tensors.values()]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def unflatten(flat: torch.Tensor, layout: dict[str, Any]) -> dict[str, torch.Tensor]:
+    flat = flat.to("cpu")
+    sizes = []
+    for name, dtype, shape in layout["tensors"]:
+        dt = getattr(torch, dtype)
+        sizes.append((name, dt, shape, math.prod(shape) * torch.empty((), dtype=dt).element_size()))
+    expected = sum(size for *_, size in sizes)
+    if expected != flat.numel():
+        raise CheckpointError(f"a peer's copy has {flat.numel()} bytes, its layout {expected}")
+    out, offset = {}, 0
+    for name, dt, shape, size in sizes:
+        out[name] = flat[offset: offset + size].view(dt).reshape(shape).clone()
+        offset += size
+    return out
+
+
+# ---------------------------------------------------------------------- files
+
+def file_path(folder: Path, stage: int, iteration: int) -> Path:
+    return folder / f"stage{stage}" / f"iter_{iteration:08d}{SUFFIX}"
+
+
+def write_file(folder: Path, snapshot: Snapshot, model_digest: str, keep: int) -> int:
+    """Write, rename, then commit with the sidecar; keep the newest `keep`; return bytes."""
+    path = file_path(folder, snapshot.stage, snapshot.iteration)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"format_version": FORMAT_VERSION, "iteration": snapshot.iteration,
+                "stage": snapshot.stage, "model_digest": model_digest,
+                "params": snapshot.params, "tensors": snapshot.tensors}, tmp)
+    os.replace(tmp, path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    side = path.with_suffix(SIDECAR)
+    side_tmp = side.with_name(side.name + ".tmp")
+    side_tmp.write_text(json.dumps({"format_version": FORMAT_VERSION, "sha256": digest,
+                                    "iteration": snapshot.iteration, "stage": snapshot.stage}))
+    os.replace(side_tmp, side)
+    committed = sorted(path.parent.glob(f"iter_*{SIDECAR}"))
+    for old in committed[:-keep]:
+        old.with_suffix(SUFFIX).unlink(missing_ok=True)
+        old.unlink(missing_ok=True)
+    return path.stat().st_size
+
+
+def read_file(path: Path, model_digest: str | None = None) -> Snapshot:
+    """Load one committed file; CheckpointError names the file and what is wrong."""
+    meta = durable.read_manifest(path.with_suffix(SIDECAR), FORMAT_VERSION)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    if hashlib.sha256(path.read_bytes()).hexdigest() != meta.get("sha256"):
+        raise CheckpointError(f"{path}: checksum mismatch (corrupted or truncated)")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - whatever torch.load refuses, name the file
+        raise CheckpointError(f"{path}: cannot be read safely ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:200]})") from None
+    if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: not a spotpipe stage snapshot of format "
+                              f"{FORMAT_VERSION}")
+    if model_digest is not None and data.get("model_digest") != model_digest:
+        raise CheckpointError(f"{path}: a snapshot of another model or optimizer "
+                              f"(model digest {data.get('model_digest')}, expected "
+                              f"{model_digest})")
+    return Snapshot(int(data["stage"]), int(data["iteration"]), dict(data["tensors"]),
+                    list(data["params"]))
+
+
+def newest_file(folder: Path, stage: int, model_digest: str | None = None,
+                problems: list[str] | None = None) -> Snapshot | None:
+    """The newest snapshot of `stage` that verifies; the ones skipped are named in
+    `problems`."""
+    for path in sorted((folder / f"stage{stage}").glob(f"iter_*{SUFFIX}"), reverse=True):
+        try:
+            return read_file(path, model_digest)
+        except CheckpointError as exc:
+            if problems is not None:
+                problems.append(str(exc))
+    return None
+
+
+def load_into(snapshot: Snapshot, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Copy a snapshot into a live stage (every tensor it names must be there)."""
+    wanted = durable.stage_tensors(module,
+                                   durable.materialise_optimizer_state(module, optimizer))
+    missing = sorted(set(wanted) - set(snapshot.tensors))
+    if missing:
+        raise CheckpointError(f"snapshot of stage {snapshot.stage} lacks {missing[:3]}")
+    with torch.no_grad():
+        for k, v in wanted.items():
+            v.copy_(snapshot.tensors[k])

@@ -1,0 +1,75 @@
+"""`spotpipe bench checkpoint --json --quick`: runs end to end and reports every figure; the
+lost-work computation on hand-made timelines.
+
+No timing thresholds: the machine is shared and noisy; figures are checked for being there,
+finite and positive.
+"""
+
+from __future__ import annotations
+
+from spotpipe.bench.checkpoint import BASELINES, INTERVALS, VARIANTS, lost_iterations
+
+from conftest import bench_figures, positive
+
+
+def test_bench_checkpoint_quick_json():
+    figures = bench_figures("checkpoint", timeout=600)
+    names = [f"{b}_k{k}" for b in BASELINES for k in INTERVALS]
+    for name in names:
+        for key in (f"{name}_ratio", f"{name}_bytes_per_iteration"):
+            assert positive(figures.get(key)), (key, figures.get(key))
+        assert figures[f"{name}_blocked_s_per_checkpoint"] >= 0
+        # k = 1 loses the one in flight (or nothing, after the checkpoint); k = 10 more
+        assert figures["lost_iterations_per_failure"][name] > (0.5 if name.endswith("1") else 1)
+    # every k = 1 scheme moves about ten times the bytes of its k = 10 run
+    for b in BASELINES:
+        ratio = figures[f"{b}_k1_bytes_per_iteration"] / figures[f"{b}_k10_bytes_per_iteration"]
+        assert 8 <= ratio <= 12, (b, ratio)
+    for key in ("recovery_s", "recovery_with_replay_s", "none_iter_s", "wall_s",
+                "shadow_ratio", "shadow_recovery_s"):
+        assert positive(figures[key]), (key, figures.get(key))
+    # shadows: every loss repaired in place, losing at most the iteration in flight
+    assert figures["shadow_failures"] == 2
+    assert figures["shadow_lost_iterations_max"] <= 1
+    assert 0 <= figures["lost_iterations_per_failure"]["shadow"] <= 1
+
+
+def test_variants_are_the_reference_and_each_baseline_at_each_interval():
+    assert VARIANTS[0] == ("none", "none", 0)
+    assert {(s, k) for _, s, k in VARIANTS[1:]} >= {(b, k) for b in BASELINES for k in INTERVALS}
+
+
+def _timeline(n: int) -> list[list[float]]:
+    return [[t, float(t), float(t + 1)] for t in range(n)]  # iteration t runs [t, t + 1)
+
+
+def test_lost_iterations_of_a_checkpoint_every_iteration_is_the_one_in_flight():
+    # both stages of iteration t complete right at its end
+    records = [[t, s, "checkpoint_done", t + 1.0] for t in range(20) for s in (0, 1)]
+    lost = lost_iterations(records, _timeline(20), 2, kills=30, seed=1)
+    assert len(lost) == 30 and set(lost) == {1}
+    # complete half-way through the iteration (its own checkpoint is part of it): a kill after
+    # that loses nothing
+    records = [[t, s, "checkpoint_done", t + 0.5] for t in range(20) for s in (0, 1)]
+    assert set(lost_iterations(records, _timeline(20), 2, kills=200, seed=1)) == {0, 1}
+
+
+def test_lost_iterations_every_k_and_late_or_partial_checkpoints():
+    # every 10, complete at once: a kill in iteration u loses u - 9 (u in 10..19), mean 5.5
+    records = [[t, s, "checkpoint_done", t + 1.0] for t in (9, 19) for s in (0, 1)]
+    lost = lost_iterations(records, _timeline(30)[10:20], 2, kills=400, seed=2)
+    assert set(lost) <= set(range(1, 11)) and abs(sum(lost) / len(lost) - 5.5) < 0.5
+    # a checkpoint persisted 2.5 iterations late counts only from then on
+    late = [[9, s, "checkpoint_done", 12.5] for s in (0, 1)] + \
+           [[4, s, "checkpoint_done", 5.0] for s in (0, 1)]
+    lost = lost_iterations(late, _timeline(14)[10:14], 2, kills=400, seed=3)
+    # iteration 10: 6, 11: 7, 12: 8 before 12.5 and 3 after, 13: 4
+    assert set(lost) == {6, 7, 8, 3, 4}
+    # a stage missing: that iteration is not a checkpoint
+    half = [[9, 0, "checkpoint_done", 10.0]]
+    assert lost_iterations(half, _timeline(14), 2, kills=5, seed=4) == []
+    # gemini: only the peer's copy counts
+    sent = [[9, s, "checkpoint_done", 10.0] for s in (0, 1)]
+    held = [[9, s, "checkpoint_held", 11.0] for s in (0, 1)]
+    lost = lost_iterations(sent + held, _timeline(14)[10:14], 2, kills=200, seed=5)
+    assert set(lost) == {2, 3, 4}  # a kill during iteration 10 finds nothing complete yet

@@ -1,0 +1,430 @@
+"""Checkpoint schemes: each holds exactly the stage state of the iteration it checkpointed, the
+asynchronous ones are reported (and committed) only once written, the interval policy, the
+baselines' file format refuses what it must, and bad configuration is rejected by key."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from spotpipe import job
+from spotpipe.checkpoint import durable, interval, snapshot
+from spotpipe.checkpoint.durable import CheckpointError
+from spotpipe.checkpoint.peer import peer_of
+from spotpipe.checkpoint.schemes import Cadence
+from spotpipe.cluster.launcher import train
+from spotpipe.config import ConfigError
+from spotpipe.plan import Layout
+from spotpipe.runfiles import read_jsonl
+from spotpipe.runtime import node as nodelib
+from spotpipe.runtime.digest import stage_digest
+
+from conftest import tiny_config
+
+RUN = {"stages": 2, "iterations": 6, "checkpoint.every": 2, "logging.state_digests": True}
+
+
+def owner_digests(run: Path) -> dict[tuple[int, int], dict[str, str]]:
+    """(iteration, stage) -> the owner's digest after that iteration's step."""
+    out = {}
+    for path in (run / "logs").glob("digests.*.jsonl"):
+        for r in read_jsonl(path):
+            if r["role"] == "owner":
+                out[(r["iter"], r["stage"])] = {"params": r["params"], "optim": r["optim"]}
+    return out
+
+
+def events(run: Path, kind: str) -> list[dict]:
+    return [e for e in read_jsonl(run / "events.jsonl") if e["kind"] == kind]
+
+
+def _run(corpus: Path, tmp_path: Path, scheme: str, **extra) -> Path:
+    out = tmp_path / scheme
+    cfg = tiny_config(corpus, **{**RUN, "checkpoint.scheme": scheme, **extra})
+    assert train(cfg, out, progress=False) == 0
+    return out
+
+
+@pytest.mark.parametrize("scheme", ["torch_save", "checkfreq"])
+def test_file_schemes_hold_the_owner_state_bit_for_bit(tmp_path, corpus, scheme):
+    run = _run(corpus, tmp_path, scheme)
+    want = owner_digests(run)
+    root = run / f"checkpoints_{scheme}"
+    done = events(run, "checkpoint_done")
+    assert sorted((e["iteration"], e["stage"]) for e in done) == [
+        (t, s) for t in (1, 3, 5) for s in (0, 1)]
+    assert all(e["bytes"] > 0 and e["blocked_s"] >= 0 and e["scheme"] == scheme for e in done)
+    digest = tiny_config(corpus, **RUN).model_digest()
+    for s in (0, 1):
+        kept = sorted(p.name for p in (root / f"stage{s}").iterdir())
+        # keep: 2, each file committed by its sidecar, no temporary left
+        assert kept == ["iter_00000003.json", "iter_00000003.pt", "iter_00000005.json",
+                        "iter_00000005.pt"]
+        for t in (3, 5):
+            snap = snapshot.read_file(snapshot.file_path(root, s, t), digest)
+            assert snap.iteration == t and snap.stage == s
+            assert snapshot.fingerprint(snap.tensors, snap.params) == want[(t, s)]
+        assert snapshot.fingerprint(snap.tensors, snap.params) != want[(4, s)]
+
+
+def _load_durable(cfg, path: Path, stage: int) -> dict[str, str]:
+    model = job.build_model(cfg)
+    spec = job.RunSpec.from_json(json.loads((path.parents[1] / "run.json").read_text()))
+    state = nodelib.build_stage_state(model, spec.partition, stage, cfg, torch.device("cpu"))
+    durable.load_stage(durable.verify(path), state.module, state.optimizer)
+    return stage_digest(state.module, state.optimizer)
+
+
+@pytest.mark.parametrize("scheme", ["durable", "dcp_async"])
+def test_durable_tier_commits_exact_state_only_after_the_write(tmp_path, corpus, scheme):
+    run = _run(corpus, tmp_path, scheme)
+    cfg = tiny_config(corpus, **{**RUN, "checkpoint.scheme": scheme})
+    want = owner_digests(run)
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == ["iter_00000003", "iter_00000005"]  # keep 2, nothing partial left
+    for t in (3, 5):
+        for s in (0, 1):
+            assert _load_durable(cfg, run / "checkpoints" / f"iter_{t:08d}", s) == want[(t, s)]
+    # the launcher commits an iteration only after every stage reported it written
+    log = read_jsonl(run / "events.jsonl")
+    for t in (1, 3, 5):
+        commit = next(i for i, e in enumerate(log)
+                      if e["kind"] == "checkpoint_committed" and e["iteration"] == t)
+        saved = [i for i, e in enumerate(log)
+                 if e["kind"] == "checkpoint_saved" and e["iteration"] == t]
+        assert len(saved) == 2 and max(saved) < commit
+    saved = events(run, "checkpoint_saved")
+    assert all(e["scheme"] == scheme and e["bytes"] > 0 for e in saved)
+    if scheme == "dcp_async":
+        # written in the background: some write outlasted what the loop waited for
+        assert any(e["persist_s"] > e["blocked_s"] for e in saved)
+
+
+def test_gemini_peer_holds_the_owner_state_bit_for_bit(tmp_path, corpus):
+    run = _run(corpus, tmp_path, "gemini")
+    want = owner_digests(run)
+    held = events(run, "checkpoint_held")
+    sent = events(run, "checkpoint_done")
+    assert sorted((e["iteration"], e["stage"]) for e in held) == [
+        (t, s) for t in (1, 3, 5) for s in (0, 1)]
+    for e in held:
+        assert e["digest"] == want[(e["iteration"], e["stage"])]
+        assert e["node"] != e["writer"]  # in another node's memory
+    assert {(e["iteration"], e["stage"], e["bytes"]) for e in sent} == {
+        (e["iteration"], e["stage"], e["bytes"]) for e in held}
+
+
+def test_auto_interval_picks_k_from_young_daly_and_commits(tmp_path, corpus):
+    # a tiny MTBF makes the optimum a few iterations, so the run shows more than one choice
+    run = _run(corpus, tmp_path, "durable", **{"checkpoint.every": "auto",
+                                               "checkpoint.mtbf_s": 0.05, "iterations": 8})
+    saved = sorted({e["iteration"] for e in events(run, "checkpoint_saved")})
+    assert saved[0] == 1  # the first after the warm-up iteration
+    decided = events(run, "checkpoint_interval")
+    assert {e["node"] for e in decided} == {"node0", "node1"}
+    by_iteration: dict[int, set[int]] = {}
+    for e in decided:
+        assert e["k"] >= 1 and e["next_at"] == e["iteration"] + e["k"]
+        assert e["mtbf_s"] >= 0.05 and e["cost_s"] >= 0 and e["iteration_s"] > 0
+        by_iteration.setdefault(e["iteration"], set()).add(e["next_at"])
+    assert sorted(by_iteration) == saved
+    assert all(len(v) == 1 for v in by_iteration.values())  # every node chose the same
+    for t, t_next in zip(saved, saved[1:]):
+        assert by_iteration[t] == {t_next}
+    committed = [e["iteration"] for e in events(run, "checkpoint_committed")]
+    assert committed == saved
+
+
+# ---------------------------------------------------------------------- interval (pure)
+
+def test_young_and_daly_intervals():
+    assert interval.young_interval_s(2.0, 3600.0) == pytest.approx(math.sqrt(2 * 2 * 3600))
+    young = interval.young_interval_s(1.0, 1e6)
+    daly = interval.daly_interval_s(1.0, 1e6)
+    assert daly == pytest.approx(young, rel=1e-3)  # C << M: the orders agree
+    # C = 50, M = 1000: sqrt(1e5) (1 + sqrt(0.025)/3 + 0.025/9) - 50
+    want = math.sqrt(1e5) * (1 + math.sqrt(0.025) / 3 + 0.025 / 9) - 50
+    assert interval.daly_interval_s(50.0, 1000.0) == pytest.approx(want)
+    assert interval.daly_interval_s(3000.0, 1000.0) == 1000.0  # C >= 2M: once per MTBF
+    assert interval.young_interval_s(0.0, 100.0) == 0.0
+
+
+def test_interval_in_iterations():
+    # sqrt(2 * 0.5 * 200) = 14.14 s of work at 1 s per iteration
+    assert interval.interval_iterations(0.5, 200.0, 1.0, formula="young") == 14
+    assert interval.interval_iterations(0.0, 200.0, 1.0) == 1  # free checkpoints: every one
+    assert interval.interval_iterations(10.0, 1e9, 0.01, max_iterations=500) == 500
+    with pytest.raises(ValueError, match="iteration_s"):
+        interval.interval_iterations(1.0, 100.0, 0.0)
+    with pytest.raises(ValueError, match="formula"):
+        interval.interval_iterations(1.0, 100.0, 1.0, formula="magic")
+    with pytest.raises(ValueError, match="mtbf_s"):
+        interval.young_interval_s(1.0, 0.0)
+    with pytest.raises(ValueError, match="cost_s"):
+        interval.daly_interval_s(-1.0, 10.0)
+
+
+def test_mtbf_estimate_updates_the_prior_with_failures_seen():
+    assert interval.mtbf_estimate(3600.0, 0.0, 0) == 3600.0
+    assert interval.mtbf_estimate(3600.0, 400.0, 0) == 4000.0
+    assert interval.mtbf_estimate(100.0, 500.0, 5) == 100.0
+    with pytest.raises(ValueError):
+        interval.mtbf_estimate(0.0, 1.0, 0)
+
+
+class _Store(dict):
+    def check(self, keys):
+        return all(k in self for k in keys)
+
+    def get(self, key):
+        return dict.__getitem__(self, key)
+
+    def set(self, key, value):
+        self[key] = value.encode() if isinstance(value, str) else value
+
+
+class _Comm:
+    device = torch.device("cpu")
+
+    def __init__(self, others):
+        self.others = others
+
+    def all_gather(self, tensor):
+        return [tensor, *[torch.tensor(o, dtype=tensor.dtype) for o in self.others]]
+
+
+def test_auto_cadence_agrees_on_the_slowest_node_and_publishes_it(corpus):
+    cfg = tiny_config(corpus, **{"checkpoint.every": "auto", "checkpoint.mtbf_s": 10.0})
+    store = _Store()
+    cadence = Cadence(cfg, lambda: 0, store, "ns")
+    assert not cadence.due(0) and cadence.due(1)
+    # another node blocked 0.2 s with 0.1 s iterations: the slowest decides for all
+    cadence.checkpointed(1, 0.01, _Comm([[0.2, 0.1, 0.0]]))
+    k = interval.interval_iterations(0.2, 10.0, 0.1)  # 18.7 s of work: 19 iterations
+    assert k == 19 and cadence.k == k  # (the elapsed milliseconds barely move the MTBF)
+    assert cadence.next_at == 1 + k
+    assert int(store.get("ns/checkpoint/next_at")) == cadence.next_at
+    late = Cadence(cfg, lambda: 0, store, "ns")  # a node that joins later reads it
+    assert late.due(cadence.next_at) and not late.due(cadence.next_at - 1)
+    # failures seen shorten the interval
+    failing = Cadence(cfg, lambda: 3, _Store(), "ns")
+    failing.due(1)
+    failing.checkpointed(1, 0.2, _Comm([]))
+    assert failing.k < k
+
+
+def test_fixed_cadence(corpus):
+    cadence = Cadence(tiny_config(corpus, **{"checkpoint.every": 3}), lambda: 0, _Store(), "ns")
+    assert [t for t in range(10) if cadence.due(t)] == [2, 5, 8]
+
+
+# ---------------------------------------------------------------------- peers
+
+def test_peer_is_the_replica_holder_or_the_next_node():
+    layout = Layout.build(3, 1, ["node0", "node1", "node2"])
+    assert [peer_of(layout, s) for s in range(3)] == ["node2", "node0", "node1"]
+    one_stage = Layout.build(1, 2, ["node0", "node1"])
+    assert peer_of(one_stage, 0) == "node1"
+    assert peer_of(Layout.build(1, 1, ["node0"]), 0) is None
+
+
+def test_flatten_round_trip():
+    tensors = {"a": torch.randn(3, 4), "b": torch.arange(5, dtype=torch.int64),
+               "c": torch.tensor(2.5, dtype=torch.float64)}
+    layout = snapshot.layout_of(tensors, ["a"])
+    back = snapshot.unflatten(snapshot.flatten(tensors), json.loads(json.dumps(layout)))
+    assert all(torch.equal(back[k], tensors[k]) and back[k].dtype == tensors[k].dtype
+               for k in tensors)
+    with pytest.raises(CheckpointError, match="bytes"):
+        snapshot.unflatten(snapshot.flatten(tensors)[:-1], layout)
+
+
+# ---------------------------------------------------------------------- safety of the files
+
+def _stage():
+    module = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(module.parameters())
+    module(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    return module, optimizer
+
+
+def _write(folder: Path, iteration: int, digest: str = "m1") -> Path:
+    module, optimizer = _stage()
+    snapshot.write_file(folder, snapshot.take(0, iteration, module, optimizer), digest, keep=3)
+    return snapshot.file_path(folder, 0, iteration)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "sidecar", "version", "model"])
+def test_damaged_snapshot_file_is_named_and_the_previous_one_used(tmp_path, damage):
+    _write(tmp_path, 1)
+    path = _write(tmp_path, 2)
+    side = path.with_suffix(".json")
+    if damage == "flip":
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+        expected = f"{path}: checksum mismatch"
+    elif damage == "truncate":
+        path.write_bytes(path.read_bytes()[:20])
+        expected = f"{path}: checksum mismatch"
+    elif damage == "sidecar":
+        side.unlink()
+        expected = f"{side}: missing"
+    elif damage == "version":
+        meta = json.loads(side.read_text())
+        side.write_text(json.dumps({**meta, "format_version": 99}))
+        expected = f"{side}: format version 99 is not supported"
+    else:
+        expected = f"{path}: a snapshot of another model"
+    digest = "m2" if damage == "model" else "m1"
+    with pytest.raises(CheckpointError) as err:
+        snapshot.read_file(path, digest)
+    assert str(err.value).startswith(expected)
+    problems: list[str] = []
+    found = snapshot.newest_file(tmp_path, 0, "m1" if damage != "model" else None, problems)
+    if damage == "model":
+        assert found is not None and found.iteration == 2  # no digest asked: it reads
+    else:
+        assert found is not None and found.iteration == 1
+        assert problems and problems[0].startswith(expected)
+
+
+class Payload:
+    """Not a tensor: a pickle that would run code if unpickled freely."""
+
+    def __reduce__(self):
+        return (print, ("unpickled!",))
+
+
+def test_snapshot_loading_never_unpickles_arbitrary_objects(tmp_path):
+    import hashlib
+
+    path = _write(tmp_path, 1)
+    torch.save({"format_version": 1, "tensors": {}, "evil": Payload()}, path)
+    side = path.with_suffix(".json")
+    meta = json.loads(side.read_text())
+    side.write_text(json.dumps({**meta, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}))
+    with pytest.raises(CheckpointError, match="cannot be read safely"):
+        snapshot.read_file(path)
+
+
+def test_snapshot_loads_into_a_stage(tmp_path):
+    path = _write(tmp_path, 4)
+    module, optimizer = torch.nn.Linear(3, 2), None
+    optimizer = torch.optim.AdamW(module.parameters())
+    snap = snapshot.read_file(path, "m1")
+    snapshot.load_into(snap, module, optimizer)
+    assert snapshot.fingerprint(snap.tensors, snap.params) == stage_digest(module, optimizer)
+
+
+# ---------------------------------------------------------------------- configuration
+
+@pytest.mark.parametrize("key,value,message", [
+    ("checkpoint.scheme", "torchsave", "checkpoint.scheme: expected one of .* \\(did you mean "
+                                       r"'torch_save'\?"),
+    ("checkpoint.every", -1, "checkpoint.every: expected an integer >= 0 or 'auto'"),
+    ("checkpoint.every", "often", "checkpoint.every: expected an integer >= 0 or 'auto'"),
+    ("checkpoint.every", True, "checkpoint.every: expected an integer >= 0 or 'auto'"),
+    ("checkpoint.every", 2.5, "checkpoint.every: expected an integer >= 0 or 'auto'"),
+    ("checkpoint.keep", 0, "checkpoint.keep: expected an integer >= 1"),
+    ("checkpoint.mtbf_s", 0, "checkpoint.mtbf_s: expected a positive number"),
+])
+def test_bad_checkpoint_config_is_rejected_naming_the_key(corpus, key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(corpus, **{key: value})
+
+
+def test_gemini_needs_a_second_node(corpus):
+    with pytest.raises(ConfigError, match="checkpoint.scheme: 'gemini' .* at least 2 nodes"):
+        tiny_config(corpus, **{"checkpoint.scheme": "gemini", "checkpoint.every": 1,
+                               "stages": 1, "pipelines": 1})
+    tiny_config(corpus, **{"checkpoint.scheme": "gemini", "checkpoint.every": 1, "stages": 2})
+
+
+# ---------------------------------------------------------------------- across a failover
+
+@pytest.mark.parametrize("scheme", ["gemini", "dcp_async"])
+def test_schemes_go_on_exactly_after_a_takeover(tmp_path, corpus, scheme):
+    """node2 crashes in iteration 3 of a P = 3 job: node1 takes stage 2 over and from then on
+    writes both; gemini's copy of stage 2 moves to node0 (node1 is the writer now)."""
+    from spotpipe.runtime.faults import Fault
+
+    cfg = tiny_config(corpus, **{**RUN, "stages": 3, "redundancy": "lazy", "checkpoint.every": 1,
+                                 "checkpoint.scheme": scheme, "failover.heartbeat_s": 0.2,
+                                 "failover.heartbeat_timeout_s": 3.0})
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False,
+                 faults=[Fault("fail", "node2", 3, "backward")]) == 0
+    want = owner_digests(run)
+    assert [e["promoted"] for e in events(run, "takeover")] == [[2]]
+    if scheme == "gemini":
+        held = {(e["iteration"], e["stage"]): e for e in events(run, "checkpoint_held")}
+        assert {t for t, _ in held} == {0, 1, 2, 3, 4, 5}  # the in-flight 3 is replayed
+        assert held[(5, 2)]["node"] == "node0" and held[(5, 2)]["writer"] == "node1"
+        assert held[(1, 2)]["node"] == "node1" and held[(1, 2)]["writer"] == "node2"
+        for key, e in held.items():
+            assert e["digest"] == want[key], key
+    else:
+        newest = durable.newest(run / "checkpoints")
+        assert newest is not None and newest.manifest["iteration"] == 5
+        for s in range(3):
+            assert _load_durable(cfg, newest.path, s) == want[(5, s)]
+
+
+# ---------------------------------------------------------------------- durable tier: the gaps
+# (tests/test_checkpoint.py covers a flipped byte, a truncated shard, a deleted manifest,
+# another model and another format version on real runs)
+
+def _committed(root: Path, iteration: int) -> Path:
+    module, optimizer = _stage()
+    sums = durable.save_stage(root, iteration, 0, module, optimizer)
+    return durable.commit(root, iteration, {"partition": [[0, 1]]}, sums, keep=5)
+
+
+def test_durable_deleted_shard_and_bad_manifest_are_named(tmp_path):
+    _committed(tmp_path, 1)
+    newest = _committed(tmp_path, 2)
+    shard = next(newest.rglob("*.distcp"))
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"{shard}: missing"):
+        durable.verify(newest)
+    (newest / "manifest.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="manifest.json: not valid JSON"):
+        durable.verify(newest)
+    problems: list[str] = []
+    assert durable.newest(tmp_path, problems).manifest["iteration"] == 1
+    assert "not valid JSON" in problems[0]
+
+
+def test_durable_nothing_valid_left_is_refused_naming_each_problem(tmp_path):
+    for t in (1, 2):
+        (_committed(tmp_path, t) / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="nothing to resume from") as err:
+        durable.resolve(tmp_path)
+    assert str(err.value).count("manifest.json: missing") == 2
+
+
+def test_uncommitted_partial_folder_is_never_taken(tmp_path):
+    _committed(tmp_path, 1)
+    module, optimizer = _stage()
+    durable.save_stage(tmp_path, 2, 0, module, optimizer)  # written, never committed
+    assert durable.newest(tmp_path).manifest["iteration"] == 1
+
+
+def test_shadows_take_the_durable_tier_over(corpus):
+    from spotpipe.checkpoint import schemes
+
+    for scheme, built in (("durable", "none"), ("dcp_async", "none"), ("gemini", "gemini")):
+        cfg = tiny_config(corpus, **{"checkpoint.scheme": scheme, "checkpoint.every": 2,
+                                     "shadow.enabled": True, "stages": 2})
+        ctx = schemes.SchemeContext(cfg, "node0", Path("unused"), lambda *a, **k: None,
+                                    _Store())
+        assert schemes.build(ctx).name == built
+    with pytest.raises(ConfigError, match="checkpoint.every: 'auto' is not supported with "
+                                          "shadow.enabled"):
+        tiny_config(corpus, **{"checkpoint.every": "auto", "shadow.enabled": True})
