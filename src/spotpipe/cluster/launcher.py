@@ -36,7 +36,6 @@ from spotpipe.cluster.trace_replay import Action as TraceAction
 from spotpipe.plan import Layout
 from spotpipe.runtime.faults import Fault
 from spotpipe import job
-from spotpipe.model.ties import cross_stage_tied
 
 
 class LaunchError(RuntimeError):
@@ -78,14 +77,11 @@ def prepare(cfg: Config) -> Prepared:
     except Exception as exc:
         key = "model.stage_of_layer" if cfg.model.partition == "explicit" else "model.partition"
         raise LaunchError(f"{key}: {exc}") from None
-    last = len(partition) - 1
-    for name in sorted(cross_stage_tied(model, partition)):
-        layer = int(name.split(".", 1)[0])
-        if not (partition[0][0] <= layer < partition[0][1]
-                or partition[last][0] <= layer < partition[last][1]):
-            raise LaunchError(f"model: tied parameter {name} is split across stages but is on "
-                              "neither the first nor the last stage; only ties between the first "
-                              "and last stage (like GPT's embedding and head) are kept in sync")
+    name = job.misplaced_tie(model, partition)
+    if name:
+        raise LaunchError(f"model: tied parameter {name} is split across stages but is on "
+                          "neither the first nor the last stage; only ties between the first "
+                          "and last stage (like GPT's embedding and head) are kept in sync")
     return Prepared(cfg, job.RunSpec(partition, len(dataset)))
 
 
@@ -231,7 +227,8 @@ class Launcher:
         nodes = [f"node{r}" for r in range(world)]
         self.coordinator = Coordinator(
             cfg=cfg, store=store, layout=Layout.build(cfg.stages, cfg.pipelines, nodes),
-            kill=self._kill, emit=files.event, now=self._now, token=self.token)
+            kill=self._kill, emit=files.event, now=self._now, token=self.token,
+            partition=self.spec.partition, partition_for=self._partition_for)
         inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._inbox, self._port, self._store = inbox, store.port, store
         self._exited: dict[str, int] = {}
@@ -343,7 +340,7 @@ class Launcher:
         if self.coordinator.stop_message:
             return self.coordinator.stop_message
         final = self.out / "final"
-        missing = [s for s in range(self.cfg.stages)
+        missing = [s for s in range(self._stage_count())
                    if not (final / f"stage{s}.safetensors").exists()]
         if missing or self._last is None:
             done = 0 if self._last is None else self._last["iter"] + 1
@@ -355,10 +352,11 @@ class Launcher:
         t = item["iteration"]
         parts = self._ckpt_parts.setdefault(t, {})
         parts[item["stage"]] = item["checksums"]
-        if len(parts) < self.cfg.stages:
+        partition = self.coordinator.partition or self.spec.partition
+        if len(parts) < len(partition):
             return
         checksums = {k: v for stage in parts.values() for k, v in stage.items()}
-        info = {"partition": [list(r) for r in self.spec.partition], "stages": self.cfg.stages,
+        info = {"partition": [list(r) for r in partition], "stages": len(partition),
                 "pipelines": self.cfg.pipelines, "config_digest": self.cfg.digest(),
                 "model_digest": self.cfg.model_digest(), "num_samples": self.spec.num_samples,
                 "global_batch": self.cfg.global_batch, "seed": self.cfg.seed}
@@ -366,6 +364,21 @@ class Launcher:
         del self._ckpt_parts[t]
         files.event({"time_s": self._now(), "kind": "checkpoint_committed", "node": "launcher",
                      "iteration": t, "path": str(path)})
+
+    def _partition_for(self, depth: int) -> list[tuple[int, int]]:
+        """The partition at another depth, decided here once for every worker (as at launch:
+        profiling is noisy, so the workers must not each compute their own)."""
+        if self._partition_inputs is None:
+            self._partition_inputs = (job.build_model(self.cfg), job.build_dataset(self.cfg))
+        return job.partition_at_depth(self.cfg, *self._partition_inputs, depth)
+
+    _partition_inputs: tuple[Any, Any] | None = None
+
+    def _stage_count(self) -> int:
+        """Stages of the job as it ended (a re-partition changes the depth)."""
+        coordinator = getattr(self, "coordinator", None)
+        return len(coordinator.partition) if coordinator and coordinator.partition \
+            else self.cfg.stages
 
     def _kill(self, node: str) -> None:
         proc = self.procs.get(node)
@@ -494,7 +507,7 @@ class Launcher:
     def _merge_final(self) -> None:
         final = self.out / "final"
         merged: dict[str, Any] = {}
-        parts = [final / f"stage{s}.safetensors" for s in range(self.cfg.stages)]
+        parts = [final / f"stage{s}.safetensors" for s in range(self._stage_count())]
         for part in parts:
             merged.update(load_file(str(part)))
         tmp = final / ".model.safetensors.tmp"

@@ -138,11 +138,18 @@ class ReplicaApplier:
         if self.max_lag is not None and lag > self.max_lag:  # the documented policy: wait
             self.wait_applied(iteration - self.max_lag)
 
-    def wait_applied(self, iteration: int) -> None:
+    def wait_applied(self, iteration: int, check: Callable[[], None] | None = None) -> None:
+        """Block until `iteration` is applied. `check` is called while waiting and may raise to
+        leave the wait (an abort): the applier runs at idle priority, so on a busy machine it
+        can be seconds behind, and a node waiting on it must still answer a failure."""
         start = time.perf_counter()
         with self._cond:
             while self._applied < iteration and self._error is None:
-                self._cond.wait()
+                if check is None:
+                    self._cond.wait()
+                else:
+                    check()
+                    self._cond.wait(0.05)
         self.waited_s += time.perf_counter() - start
         self.raise_if_failed()
 
