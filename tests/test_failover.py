@@ -116,13 +116,19 @@ def test_failover_is_exact(tmp_path, tmp_path_factory, corpus, stages, pipelines
         assert torch.equal(got[key], want[key]), f"{key} differs from the failure-free run"
     assert_samples_exactly_once(run, cfg)
     kinds = [ev["kind"] for ev in events(run)]
-    assert kinds.count("plan") == len(faults)
+    plans = [ev["action"] for ev in events(run) if ev["kind"] == "plan"]
+    # each loss is one failover; where the nodes left allow P >= 2 with one stage each, a
+    # re-partition follows it (tests/test_repartition.py checks those in detail)
+    assert plans.count("failover") == len(faults)
+    assert set(plans) <= {"failover", "repartition"}
     assert "takeover" in kinds and "resumed" in kinds
     if any(kind == "hang" for kind, _ in faults):
         assert "node_fenced" in kinds
     metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
-    assert metrics[-1]["generation"] == len(faults)
-    assert metrics[-1]["live_nodes"] == stages * pipelines - len(faults)
+    assert metrics[-1]["generation"] == len(plans)
+    assert metrics[-1]["live_nodes"] <= stages * pipelines - len(faults)
+    if "repartition" in plans:
+        assert metrics[-1]["carriers"] == 0
     assert_nothing_left(run, store_port(run))
 
 

@@ -197,3 +197,146 @@ def test_random_event_sequences_keep_layouts_valid():
                 lay = d.layout
                 if d.action in (Action.KEEP, Action.STOP):
                     break
+
+
+# -- re-partition in place: policy, layer-ownership diff, deadlock-free order ----------------
+
+def test_carriers_without_standby_repartition_down_then_back_up():
+    after = decide(four_by_one(), {"b", "d"}, []).layout
+    assert after.grid == (("a", "a", "c", "c"),)
+    d = decide(after, set(), [])
+    assert d.action == Action.REPARTITION and not d.needs_restore
+    assert d.layout.grid == (("a", "c"),) and d.layout.target_stages == 4
+    assert {(m.kind, m.src) for m in d.moves} == {(MoveKind.LAYERS, "peers")}
+    assert not d.layout.has_carriers and d.layout.has_replica(0, 0) and d.layout.has_replica(0, 1)
+    assert decide(d.layout, set(), []).action == Action.KEEP
+    d2 = decide(d.layout, set(), ["x"])
+    assert d2.action == Action.KEEP  # 3 nodes: P = 4 needs 4
+    d3 = decide(d2.layout, set(), ["y"])
+    assert d3.action == Action.REPARTITION
+    # a ran the first half and c the second: they keep their place, joiners fill the gaps
+    assert d3.layout.grid == (("a", "x", "c", "y"),)
+    assert decide(d3.layout, set(), []).action == Action.KEEP
+
+
+def test_repartition_keeps_the_number_of_pipelines():
+    lay = Layout.build(4, 2, nodes("n", 8))
+    after = decide(lay, {"n1", "n3"}, []).layout  # pipeline 0 keeps 2 nodes, pipeline 1 all 4
+    d = decide(after, set(), [])
+    assert d.action == Action.REPARTITION
+    assert (d.layout.num_stages, d.layout.num_pipelines) == (3, 2)
+    checked = Layout(d.layout.num_stages, d.layout.num_pipelines, d.layout.owners,
+                     d.layout.standby, d.layout.target_stages)
+    assert checked == d.layout and not d.layout.has_carriers and d.layout.standby == ()
+    assert set(d.layout.grid[0]) >= {"n0", "n2"}  # pipeline 1 lent pipeline 0 a node
+    # back to P = 4 only when both pipelines can have it: 6 + 1 nodes are not enough
+    assert decide(d.layout, set(), ["x"]).action == Action.KEEP
+    up = decide(d.layout, set(), ["x", "y"])
+    assert up.action == Action.REPARTITION and (up.layout.num_stages,
+                                                up.layout.num_pipelines) == (4, 2)
+
+
+def test_no_repartition_below_two_stages_or_min_stages():
+    after = decide(Layout.build(2, 1, ["a", "b"]), {"b"}, []).layout  # a carries both
+    assert decide(after, set(), []).action == Action.KEEP
+    after = decide(Layout.build(6, 1, nodes("n", 6)), {"n1", "n3", "n5"}, []).layout
+    assert decide(after, set(), [], min_stages=4).action == Action.KEEP
+    assert decide(after, set(), [], min_stages=3).layout.num_stages == 3
+
+
+def test_spread_keeps_order_and_room():
+    from spotpipe.plan.policy import spread
+
+    assert spread([0, 2], 4, 2) == [0, 1]
+    assert spread([0, 1], 2, 4) == [0, 2]
+    assert spread([0, 1, 2], 4, 3) == [0, 1, 2]
+    assert spread([3], 4, 2) == [1]
+    assert spread([2, 3], 4, 3) == [1, 2]
+
+
+def test_layer_plan_moves_only_what_is_missing():
+    from spotpipe.plan import LayerMove, layer_plan
+
+    p4, p2 = uniform_partition(4, 4), uniform_partition(4, 2)
+    carried = Layout.from_mapping(4, 1, {(0, 0): "a", (0, 1): "a", (0, 2): "c", (0, 3): "c"})
+    two = Layout.build(2, 1, ["a", "c"], target_stages=4)
+    # a keeps layers 0-1 (its own, one of them a promoted replica) and gets its new replica
+    assert layer_plan(carried, two, p4, p2, redundancy=True) == [
+        LayerMove(2, "c", "a"), LayerMove(3, "c", "a"), LayerMove(0, "a", "c"),
+        LayerMove(1, "a", "c")]
+    assert layer_plan(carried, two, p4, p2, redundancy=False) == []
+    four = Layout.build(4, 1, ["a", "x", "c", "y"])
+    up = layer_plan(two, four, p2, p4, redundancy=True)
+    # a and c hold everything (own half + replica of the other); joiners get two layers each,
+    # spread over both holders
+    assert sorted((m.dst, m.layer) for m in up) == [("x", 1), ("x", 2), ("y", 0), ("y", 3)]
+    assert {m.src for m in up} == {"a", "c"}
+    assert all(m.src not in ("x", "y") for m in up)
+    with pytest.raises(ValueError):
+        layer_plan(two, Layout.build(4, 1, ["x", "y", "z", "w"]), p2, p4, redundancy=True)
+
+
+def _completes(orders: dict[str, list[tuple[str, str]]]) -> bool:
+    """Run every node's ops as blocking rendezvous: a send to q finishes only together with
+    q's receive from this node. True when all finish, False on a deadlock."""
+    pos = {n: 0 for n in orders}
+    while True:
+        moved = False
+        for n, ops in orders.items():
+            if pos[n] < len(ops) and ops[pos[n]][0] == "send":
+                q = ops[pos[n]][1]
+                if pos[q] < len(orders[q]) and orders[q][pos[q]] == ("recv", n):
+                    pos[n] += 1
+                    pos[q] += 1
+                    moved = True
+        if not moved:
+            return all(pos[n] == len(ops) for n, ops in orders.items())
+
+
+def test_exchange_order_cannot_deadlock():
+    import random
+
+    from spotpipe.plan import LayerMove, exchange_order
+
+    names = nodes("n", 6)
+    assert not _completes({"a": [("recv", "b"), ("send", "b")],
+                           "b": [("recv", "a"), ("send", "a")]})  # the check can fail
+    rng = random.Random(3)
+    for _ in range(200):
+        moves = [LayerMove(rng.randrange(8), *rng.sample(names, 2))
+                 for _ in range(rng.randint(1, 12))]
+        ranks = {n: i for i, n in enumerate(rng.sample(names, len(names)))}
+        orders = {n: exchange_order(moves, n, ranks) for n in names}
+        assert _completes(orders)
+        sent = sorted((n, peer) for n, ops in orders.items() for op, peer in ops if op == "send")
+        assert sent == sorted({(m.src, m.dst) for m in moves})
+
+
+def test_repartitions_through_random_events_keep_every_layer_reachable():
+    """Whatever failovers and joins did before, a re-partition finds a live holder for every
+    layer that a node of the new layout needs."""
+    import random
+
+    from spotpipe.plan import layer_plan
+
+    rng = random.Random(1)
+    seen = 0
+    for trial in range(60):
+        lay = Layout.build(4, rng.choice([1, 2]), nodes("n", 8))
+        lay = Layout.build(4, lay.num_pipelines, sorted(lay.active_nodes))
+        parts = {p: uniform_partition(8, p) for p in range(1, 5)}
+        fresh = 0
+        for _ in range(12):
+            live = sorted(lay.active_nodes)
+            lost = set(rng.sample(live, k=rng.randint(0, 1)))
+            joined = [f"j{trial}_{fresh}"] if rng.random() < 0.3 else []
+            fresh += len(joined)
+            d = decide(lay, lost, joined)
+            if d.action == Action.REPARTITION and not d.needs_restore:
+                seen += 1
+                layer_plan(lay, d.layout, parts[lay.num_stages], parts[d.layout.num_stages],
+                           redundancy=True)
+            if d.action == Action.STOP or d.layout.num_pipelines == 0:
+                break
+            lay = d.layout
+    assert seen > 10

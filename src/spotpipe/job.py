@@ -15,7 +15,9 @@ import torch
 
 from spotpipe.config import Config
 from spotpipe.data import GlobalSampler, TextDataset, TokenFileDataset, collate, load_user_dataset
-from spotpipe.model import GPTConfig, LayeredModel, build_gpt, build_user_model, partition
+from spotpipe.model import (GPTConfig, LayeredModel, PartitionError, build_gpt, build_user_model,
+                            partition)
+from spotpipe.model.ties import cross_stage_tied
 
 
 def build_model(cfg: Config) -> LayeredModel:
@@ -50,6 +52,34 @@ def compute_partition(cfg: Config, model: LayeredModel, dataset: Any,
     ranges = partition(model, p, cfg.model.partition,
                        explicit=list(cfg.model.stage_of_layer) or None, sample_input=sample)
     return [(int(a), int(b)) for a, b in ranges]
+
+
+def partition_at_depth(cfg: Config, model: LayeredModel, dataset: Any,
+                       depth: int) -> list[tuple[int, int]]:
+    """The partition a re-partition to `depth` stages uses: the configured method, as at
+    launch. An explicit map names the stage of every layer for the configured depth only."""
+    if cfg.model.partition == "explicit" and depth != cfg.stages:
+        raise PartitionError(
+            f"model.partition is explicit: model.stage_of_layer places the layers on "
+            f"{cfg.stages} stages and cannot be derived for {depth}; use uniform, parameters or "
+            "time to let the job change its depth")
+    ranges = compute_partition(cfg, model, dataset, depth)
+    name = misplaced_tie(model, ranges)
+    if name:
+        raise PartitionError(f"tied parameter {name} would be split across stages at P={depth} "
+                             "but is on neither the first nor the last stage")
+    return ranges
+
+
+def misplaced_tie(model: LayeredModel, ranges: list[tuple[int, int]]) -> str | None:
+    """A tied parameter split across stages away from the first and last stage, if any: the
+    runtime keeps only first/last ties (like GPT's embedding and head) in sync."""
+    last = len(ranges) - 1
+    for name in sorted(cross_stage_tied(model, ranges)):
+        layer = int(name.split(".", 1)[0])
+        if not (ranges[0][0] <= layer < ranges[0][1] or ranges[last][0] <= layer < ranges[last][1]):
+            return name
+    return None
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,18 @@ Real local clusters (`spotpipe train` subprocesses), changes driven through the 
 - rebalance: P=2, D=1; a crash leaves one node carrying both stages, a joining node takes one
   back (stage and replicas move peer to peer);
 - drop_pipeline: P=2, D=2; both nodes of pipeline 0 crash, the job goes on with one pipeline;
-- add_pipeline: then two nodes join and form a second pipeline again.
+- add_pipeline: then two nodes join and form a second pipeline again;
+- repartition: P=4, D=1; two non-adjacent nodes crash, their predecessors carry two stages
+  each, and the job re-partitions onto the two nodes left (P=2, layers and optimizer state
+  move peer to peer); then two nodes join and it re-partitions back to P=4. Both changes are
+  measured; `repartition_*` is the slower of the two.
 
 The pause of a change is the stall training sees: from the last iteration completed before the
 change to the first one completed after it, less one ordinary iteration. The restart baseline
 does what torchrun does for any change of membership: stop everything, start every worker again
 and load the newest torch.distributed.checkpoint checkpoint (written every k iterations), and is
 measured once, on the same P=2 x D=2 job, from the kill to the first iteration completed after
-the restart. Re-partitioning in place (P changes) is not implemented: its figure is absent.
+the restart.
 """
 
 from __future__ import annotations
@@ -28,17 +32,17 @@ from typing import Any
 from spotpipe.bench.failover import _jsonl, _train, restart_pause
 
 
-def _stall(run: Path, action: str) -> dict[str, float]:
-    """The pause around the first plan with `action`, and the bytes it moved."""
+def _stall(run: Path, action: str, nth: int = 0) -> dict[str, float]:
+    """The pause around the `nth` plan with `action`, and the bytes it moved."""
     events = _jsonl(run / "events.jsonl")
     metrics = _jsonl(run / "metrics.jsonl")
-    plan = next(e for e in events if e["kind"] == "plan" and e["action"] == action)
+    plan = [e for e in events if e["kind"] == "plan" and e["action"] == action][nth]
     resume = plan["resume"]
     before = max((m for m in metrics if m["time_s"] <= plan["time_s"]), key=lambda m: m["time_s"])
     after = next(m for m in metrics if m["time_s"] > plan["time_s"] and m["iter"] >= resume)
     normal = statistics.median(m["iter_time_s"] for m in metrics[3:])
     moved = sum(e.get("bytes_received", 0) for e in events
-                if e["kind"] in ("migrated", "takeover", "regrouped")
+                if e["kind"] in ("migrated", "takeover", "regrouped", "repartitioned")
                 and e.get("generation") == plan["generation"])
     return {"pause_s": max(0.0, after["time_s"] - before["time_s"] - normal),
             "bytes": moved, "iteration_s": normal}
@@ -56,6 +60,10 @@ def run(quick: bool = False) -> dict[str, Any]:
            "--set", "redundancy=lazy", "--set", "optimizer.name=sgd",
            "--fail", "node0@10:backward", "--fail", "node1@10:backward",
            "--join", "20", "--join", "20")
+    depth = tmp / "depth"
+    _train(depth, "--stages", "4", "--set", f"iterations={iters}", "--set", "redundancy=lazy",
+           "--fail", "node1@10:backward", "--fail", "node3@10:backward",
+           "--join", "20", "--join", "20")
     first, second = tmp / "restart-1", tmp / "restart-2"
     common = ["--stages", "2", "--pipelines", "2", "--set", f"iterations={iters}",
               "--set", "redundancy=none", "--set", "optimizer.name=sgd"]
@@ -72,13 +80,18 @@ def run(quick: bool = False) -> dict[str, Any]:
         figures[f"{name}_pause_iterations"] = round(s["pause_s"] / s["iteration_s"], 2)
         figures[f"{name}_bytes_moved"] = s["bytes"]
         figures[f"{name}_restart_ratio"] = round(restart / max(s["pause_s"], 1e-3), 1)
+    down, up = _stall(depth, "repartition", 0), _stall(depth, "repartition", 1)
+    for name, s in (("repartition_down", down), ("repartition_up", up),
+                    ("repartition", max(down, up, key=lambda x: x["pause_s"]))):
+        figures[f"{name}_pause_s"] = round(s["pause_s"], 4)
+        figures[f"{name}_pause_iterations"] = round(s["pause_s"] / s["iteration_s"], 2)
+        figures[f"{name}_bytes_moved"] = s["bytes"]
+        figures[f"{name}_restart_ratio"] = round(restart / max(s["pause_s"], 1e-3), 1)
     figures.update({
         "restart_pause_s": round(restart, 3),
-        "repartition_pause_s": None,
-        "repartition_note": "re-partitioning in place is not implemented",
         "config": "GPT n_layer=4 n_embd=64 (examples/gpt_tiny.yaml), micro-batch 4 x M=4, "
-                  f"{iters} iterations; restart baseline P=2 x D=2 with a DCP checkpoint every "
-                  "10 iterations",
+                  f"{iters} iterations; repartition P=4 -> 2 -> 4 at D=1; restart baseline "
+                  "P=2 x D=2 with a DCP checkpoint every 10 iterations",
         "wall_s": round(time.time() - started, 1),
     })
     shutil.rmtree(tmp, ignore_errors=True)

@@ -25,10 +25,11 @@ def iteration_times(run: Path, skip: int = 3) -> list[float]:
     return [m["iter_time_s"] for m in _jsonl(run / "metrics.jsonl")[skip:]]
 
 
-def throughput(tmp: Path, *, rounds: int, iters: int) -> dict[str, Any]:
+def throughput(tmp: Path, *, rounds: int, iters: int,
+               redundancy: str = "none") -> dict[str, Any]:
     """Median iteration time with and without shadows, interleaved."""
     times: dict[str, list[float]] = {"none": [], "shadow": []}
-    common = ["--stages", "2", "--set", f"iterations={iters}", "--set", "redundancy=lazy"]
+    common = ["--stages", "2", "--set", f"iterations={iters}", "--set", f"redundancy={redundancy}"]
     for r in range(rounds):
         for variant in ("none", "shadow"):
             out = tmp / f"tput-{variant}-{r}"

@@ -9,8 +9,11 @@ serves that state when two adjacent stages are lost (no replica survives), and w
 durable checkpoints (every `checkpoint.every` iterations), so workers never stop to save.
 
 Started by the launcher, one process per stage, with the worker's environment plus
-SPOTPIPE_SHADOW_STAGE. Its priority is the lowest (SCHED_IDLE): it uses only CPU time that
-training leaves idle; if it falls `shadow.max_lag` iterations behind, the writer waits.
+SPOTPIPE_SHADOW_STAGE. The main thread receives at normal priority, so that a writer's send
+completes at once (it confirms the send before it commits); the optimizer steps run on a
+background thread at the lowest priority (SCHED_IDLE, the replica applier's), so they use only
+CPU time that training leaves idle; if they fall `shadow.max_lag` iterations behind, the
+writer waits.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ from spotpipe.cluster.store import StoreAddress
 from spotpipe.config import Config, load_config
 from spotpipe.runtime import migrate
 from spotpipe.runtime import node as nodelib
-from spotpipe.runtime.digest import DigestLog, stage_digest
-from spotpipe.runtime.replica import ReplicaStage, apply_flat_gradient
+from spotpipe.runtime.digest import DigestLog
+from spotpipe.runtime.replica import ReplicaApplier, ReplicaStage
 from spotpipe.runtime.shadow_link import (ACK, COMMIT, END, GRAD, HELLO, applied_key, header,
                                           link_key, pair_group)
 
@@ -52,25 +55,33 @@ class Shadow:
         model = job.build_model(cfg)
         state = nodelib.build_stage_state(model, spec.partition, stage, cfg, torch.device("cpu"))
         self.module, self.optimizer = state.module, state.optimizer
-        self.params = state.params
-        self.grad_size = ReplicaStage(stage, self.module, self.optimizer,
-                                      torch.device("cpu")).grad_message_size()
-        self.applied = -1
+        replica = ReplicaStage(stage, self.module, self.optimizer, torch.device("cpu"))
+        self.grad_size = replica.grad_message_size()
+        self.submitted = -1  # the newest iteration handed to the applier
         resume = os.environ.get("SPOTPIPE_RESUME")
         if resume:
             ckpt = durable.verify(Path(resume))
             durable.load_stage(ckpt, self.module, self.optimizer)
-            self.applied = ckpt.next_iteration - 1
+            self.submitted = ckpt.next_iteration - 1
         self.pending: tuple[int, torch.Tensor] | None = None  # received, not yet committed
         self.digests = (DigestLog(run_dir / "logs" / f"digests.{self.name}.jsonl")
                         if cfg.logging.state_digests else None)
+        self.applier = ReplicaApplier(replica, cfg, self.digests, role="shadow", max_lag=None,
+                                      on_applied=self._applied)
+        self.applier.start_at(self.submitted + 1)
         self.max_lag_seen = 0
         self.links = 0
         self.checkpoint_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
 
+    @property
+    def applied(self) -> int:
+        """The iteration whose state the shadow holds, once every submitted step is applied."""
+        self.applier.drain()
+        return self.applier.applied
+
     def run(self) -> None:
         last = self.cfg.iterations - 1
-        self.channel.event("shadow_ready", stage=self.stage, iteration=self.applied)
+        self.channel.event("shadow_ready", stage=self.stage, iteration=self.submitted)
         while True:
             self.links += 1
             key = link_key(self.namespace, self.stage, self.links)
@@ -84,8 +95,9 @@ class Shadow:
                 self.channel.event("shadow_link_lost", stage=self.stage, writer=info["node"],
                                    iteration=self.applied, reason=str(why)[:200])
                 continue
-            if ended and self.applied >= last:
+            if ended and self.submitted >= last:
                 break
+        self.applier.close()
         self.channel.event("shadow_done", stage=self.stage, iteration=self.applied,
                            max_lag=self.max_lag_seen, links=self.links)
 
@@ -114,12 +126,12 @@ class Shadow:
             elif kind == GRAD:
                 flat = self._recv(group, torch.empty(self.grad_size))
                 self.pending = (t, flat)
-                self.max_lag_seen = max(self.max_lag_seen, t - self.applied)
+                self.max_lag_seen = max(self.max_lag_seen, t - self.applier.applied)
             elif kind == COMMIT:
                 if self.pending is None or self.pending[0] != t:
                     raise RuntimeError(f"shadow of stage {self.stage}: commit of iteration {t} "
                                        f"without its gradient (holding {self.pending and self.pending[0]})")
-                self._apply(*self.pending)
+                self._submit(*self.pending)
             elif kind == END:
                 return True
             else:
@@ -131,21 +143,21 @@ class Shadow:
         will be sent again when the iteration is replayed."""
         if self.pending is not None:
             t, flat = self.pending
-            if t == resume - 1 and self.applied == t - 1:
-                self._apply(t, flat)
+            if t == resume - 1 and self.submitted == t - 1:
+                self._submit(t, flat)
             self.pending = None
 
-    def _apply(self, iteration: int, flat: torch.Tensor) -> None:
-        if iteration != self.applied + 1:
+    def _submit(self, iteration: int, flat: torch.Tensor) -> None:
+        if iteration != self.submitted + 1:
             raise RuntimeError(f"shadow of stage {self.stage}: iteration {iteration} after "
-                               f"{self.applied}")
-        apply_flat_gradient(self.params, self.optimizer, self.cfg, iteration, flat)
-        self.applied = iteration
+                               f"{self.submitted}")
+        self.applier.submit(iteration, "grad", flat)
+        self.submitted = iteration
         self.pending = None
+
+    def _applied(self, iteration: int) -> None:
+        """On the applier's thread, after iteration `iteration`'s step."""
         self.store.set(applied_key(self.namespace, self.stage, iteration), "")
-        if self.digests is not None:
-            self.digests.write(iter=iteration, stage=self.stage, role="shadow",
-                               **stage_digest(self.module, self.optimizer))
         every = self.cfg.checkpoint.every
         if every and (iteration + 1) % every == 0:
             started = time.perf_counter()
@@ -162,10 +174,6 @@ def main() -> int:
     stage = int(os.environ["SPOTPIPE_SHADOW_STAGE"])
     cfg = load_config(os.environ.get("SPOTPIPE_CONFIG") or run_dir / "config.yaml")
     torch.set_num_threads(1)
-    try:  # only idle CPU time: the shadow must never slow the workers down
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass
     spec = job.RunSpec.from_json(json.loads((run_dir / "run.json").read_text()))
     store = StoreAddress.from_env().connect(cfg.cluster.timeout_s)
     channel = WorkerChannel(store, f"shadow{stage}", t0)

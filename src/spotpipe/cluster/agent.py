@@ -227,7 +227,7 @@ class AgentJobLoop(JobLoop):
             return ""  # the run did not finish; _completion_problem says why
         final = self.out / "final"
         final.mkdir(exist_ok=True)
-        for s in range(self.cfg.stages):
+        for s in range(self._stage_count()):
             if not self._store.check([final_key(s, "meta")]):
                 return f"the final parameters of stage {s} never arrived from its agent"
             meta = json.loads(self._store.get(final_key(s, "meta")))

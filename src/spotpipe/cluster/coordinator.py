@@ -53,11 +53,21 @@ class Recovery:
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+Partition = list[tuple[int, int]]
+
+
 class Coordinator:
     def __init__(self, *, cfg: Config, store: dist.Store, layout: Layout,
                  kill: Callable[[str], None], emit: Callable[[dict[str, Any]], None],
-                 now: Callable[[], float], token: str = "") -> None:
+                 now: Callable[[], float], token: str = "", partition: Partition | None = None,
+                 partition_for: Callable[[int], Partition] | None = None) -> None:
+        """`partition` is the layer ranges per stage at launch; `partition_for(P)` computes
+        them for another depth the way the launch did (None: the job never re-partitions)."""
         self.cfg = cfg
+        self.partition: Partition = list(partition or [])
+        self.partition_for = partition_for
+        self._partitions: dict[int, Partition] = {}
+        self.repartition_refused: str | None = None
         self.token = token
         self.joining: list[str] = []  # accepted, not yet placed
         self.store = store
@@ -105,7 +115,8 @@ class Coordinator:
         if record["generation"] != self.generation:
             return
         if self.recovery is None:
-            self._begin(f"{record['node']}: {record['reason']}")
+            self._begin(f"{record['node']}: {record['reason']}",
+                        abort=not record.get("boundary", False))
         assert self.recovery is not None
         self.recovery.reports[record["node"]] = record
         self._maybe_decide()
@@ -188,10 +199,6 @@ class Coordinator:
                 self._fence(node, f"hung: no progress for {now - since:.1f} s at iteration "
                                   f"{beat.get('iteration')}, instruction {beat.get('position')}")
 
-    def _decide(self, lost: set[str], joined: list[str]) -> Decision:
-        return decide(self.layout, lost, joined, shadows=self.cfg.shadow.enabled,
-                      replicas=self.cfg.redundancy != "none")
-
     def _adjacent(self, lost: set[str]) -> bool:
         """Whether some lost stage's replica holder (its predecessor) is lost too."""
         lay = self.layout
@@ -199,6 +206,47 @@ class Coordinator:
                    for (d, s), n in lay.mapping.items() if n in lost)
 
     # ------------------------------------------------------------------ agreement
+
+    def _decide(self, lost: set[str], joining: list[str]) -> Decision:
+        """`plan.decide`, less the re-partitions this job cannot make (a partition that cannot
+        be derived for the new depth): those become KEEP once, with the reason in the events,
+        and the job runs on in the layout it has."""
+        decision = decide(self.layout, lost, joining, shadows=self.cfg.shadow.enabled,
+                          replicas=self.cfg.redundancy != "none")
+        if decision.action != Action.REPARTITION or decision.needs_restore:
+            return decision
+        depth = decision.layout.num_stages
+        problem = self.repartition_refused
+        if problem is None and self.cfg.shadow.enabled:
+            # each shadow holds one stage of the launch partition; they do not re-partition
+            problem = self.repartition_refused = (
+                f"cannot re-partition to P={depth}: the CPU shadows hold the stages of the "
+                "launch partition; the job keeps its carriers")
+            self.emit({"time_s": self.now(), "kind": "repartition_refused", "node": "launcher",
+                       "generation": self.generation, "reason": problem})
+        if problem is None:
+            try:
+                self._partition_at(depth)
+            except Exception as exc:  # the partitioner's message says what is wrong
+                problem = self.repartition_refused = (
+                    f"cannot re-partition to P={depth}: {exc}".splitlines()[0][:300])
+                self.emit({"time_s": self.now(), "kind": "repartition_refused",
+                           "node": "launcher", "generation": self.generation,
+                           "reason": problem})
+        if problem is None:
+            return decision
+        waiting = [n for n in decision.layout.all_nodes if n not in self.layout.active_nodes]
+        return Decision(Action.KEEP, self.layout.with_standby(tuple(sorted(waiting))), (),
+                        problem)
+
+    def _partition_at(self, depth: int) -> Partition:
+        if depth == len(self.partition):
+            return self.partition
+        if depth not in self._partitions:
+            if self.partition_for is None:
+                raise ValueError("this job cannot compute partitions at another depth")
+            self._partitions[depth] = [tuple(r) for r in self.partition_for(depth)]
+        return self._partitions[depth]
 
     def _fence(self, node: str, why: str) -> None:
         if node in self.fenced:
@@ -209,10 +257,14 @@ class Coordinator:
         self._progress.pop(node, None)
         self.kill(node)  # its exit then arrives through node_exited
 
-    def _begin(self, reason: str) -> None:
+    def _begin(self, reason: str, abort: bool = True) -> None:
+        """Start agreement. `abort` wakes every node at once (a failure); a change at an
+        iteration boundary needs none: every node saw the same commit flag and comes on its
+        own, after finishing the iteration's tail (its metrics)."""
         if self.recovery is None:
             self.recovery = Recovery(self.generation, self.now())
-            self.store.set(abort_key(self.generation), reason)
+            if abort:
+                self.store.set(abort_key(self.generation), reason)
             self.emit({"time_s": self.now(), "kind": "failure_detected", "node": "launcher",
                        "generation": self.generation, "reason": reason})
         self.recovery.reasons.append(reason)
@@ -260,24 +312,33 @@ class Coordinator:
             plan = {"action": "stop", "message": self.stop_message}
         elif decision.action not in (Action.FAILOVER, Action.KEEP, Action.DROP_PIPELINE,
                                      Action.REBALANCE, Action.ADD_PIPELINE,
-                                     Action.RESTORE_FROM_SHADOW):
+                                     Action.RESTORE_FROM_SHADOW, Action.REPARTITION) or (
+                decision.action == Action.REPARTITION and decision.needs_restore):
             self.stop_message = (
                 f"lost {named} {when}: "
                 + ("adjacent stages of one pipeline, so no replica of one of them survives; "
                    if self._adjacent(lost) else "")
                 + f"the plan is {decision.action.value} ({decision.reason}), which this runtime "
-                  "cannot carry out yet (no re-partition in place"
+                  "cannot carry out yet (no restore from checkpoints at another depth"
                 + ("" if self.cfg.shadow.enabled else "; shadow.enabled would restore the "
                    "lost stages from CPU shadows") + "); stopping. Resume with --resume from the "
                   "newest durable checkpoint if checkpoint.every was set")
             plan = {"action": "stop", "message": self.stop_message}
         else:
+            partition = (self._partition_at(decision.layout.num_stages)
+                         if decision.action == Action.REPARTITION else self.partition)
             plan = {"action": decision.action.value, "generation": rec.generation + 1,
                     "layout": decision.layout.to_json(),
                     "previous_layout": self.layout.to_json(), "resume": resume,
                     "moves": [{"kind": m.kind.value, "pipeline": m.pipeline, "stage": m.stage,
-                               "src": m.src, "dst": m.dst} for m in decision.moves]}
+                               "src": m.src, "dst": m.dst} for m in decision.moves],
+                    "stages": decision.layout.num_stages, "partition": partition,
+                    "previous_partition": self.partition}
         self.store.set(plan_key(rec.generation), json.dumps(plan))
+        if not self.store.check([abort_key(rec.generation)]):
+            # a change at an iteration boundary aborted no one; every node has reported, so the
+            # generation's abort watchers may go now
+            self.store.set(abort_key(rec.generation), "the generation ended at a boundary")
         self.emit({"time_s": self.now(), "kind": "plan", "node": "launcher",
                    "generation": rec.generation, **{k: v for k, v in plan.items()
                                                     if k != "layout"},
@@ -286,14 +347,18 @@ class Coordinator:
                       if plan["action"] != "stop" else {})})
         self.left |= leaving
         if plan["action"] != "stop":
-            # nodes of a dropped pipeline leave the job (a standby pool is for joiners)
+            # nodes the new layout does not list leave the job; those it puts on standby wait
+            # in their processes (a joiner, or a node a re-partition or a dropped pipeline
+            # left over) until a later plan places them
             self.left |= (set(self.layout.active_nodes) - set(decision.layout.active_nodes)
                           - set(decision.layout.standby))
+            placed = set(decision.layout.active_nodes) - set(self.layout.active_nodes)
             self.layout = decision.layout
+            self.partition = plan["partition"]
             self.generation = rec.generation + 1
+            for node in sorted(placed):
+                self.store.set(join_key(node), json.dumps({"generation": rec.generation}))
             for node in list(self.joining):
-                if node in decision.layout.active_nodes:
-                    self.store.set(join_key(node), json.dumps({"generation": rec.generation}))
                 if node in decision.layout.all_nodes:
                     self.joining.remove(node)
         self.recovery = None

@@ -154,7 +154,8 @@ class JobLoop:
         nodes = [f"node{r}" for r in range(world)]
         self.coordinator = Coordinator(
             cfg=cfg, store=store, layout=Layout.build(cfg.stages, cfg.pipelines, nodes),
-            kill=self._kill, emit=files.event, now=self._now, token=self.token)
+            kill=self._kill, emit=files.event, now=self._now, token=self.token,
+            partition=self.spec.partition, partition_for=self._partition_for)
         inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._inbox, self._address, self._store = inbox, address, store
         self._exited: dict[str, int] = {}
@@ -275,7 +276,7 @@ class JobLoop:
         if self.coordinator.stop_message:
             return self.coordinator.stop_message
         final = self.out / "final"
-        missing = [s for s in range(self.cfg.stages)
+        missing = [s for s in range(self._stage_count())
                    if not (final / f"stage{s}.safetensors").exists()]
         if missing or self._last is None:
             done = 0 if self._last is None else self._last["iter"] + 1
@@ -287,10 +288,11 @@ class JobLoop:
         t = item["iteration"]
         parts = self._ckpt_parts.setdefault(t, {})
         parts[item["stage"]] = item["checksums"]
-        if len(parts) < self.cfg.stages:
+        partition = self.coordinator.partition or self.spec.partition
+        if len(parts) < len(partition):
             return
         checksums = {k: v for stage in parts.values() for k, v in stage.items()}
-        info = {"partition": [list(r) for r in self.spec.partition], "stages": self.cfg.stages,
+        info = {"partition": [list(r) for r in partition], "stages": len(partition),
                 "pipelines": self.cfg.pipelines, "config_digest": self.cfg.digest(),
                 "model_digest": self.cfg.model_digest(), "num_samples": self.spec.num_samples,
                 "global_batch": self.cfg.global_batch, "seed": self.cfg.seed}
@@ -298,6 +300,21 @@ class JobLoop:
         del self._ckpt_parts[t]
         files.event({"time_s": self._now(), "kind": "checkpoint_committed", "node": "launcher",
                      "iteration": t, "path": str(path)})
+
+    def _partition_for(self, depth: int) -> list[tuple[int, int]]:
+        """The partition at another depth, decided here once for every worker (as at launch:
+        profiling is noisy, so the workers must not each compute their own)."""
+        if self._partition_inputs is None:
+            self._partition_inputs = (job.build_model(self.cfg), job.build_dataset(self.cfg))
+        return job.partition_at_depth(self.cfg, *self._partition_inputs, depth)
+
+    _partition_inputs: tuple[Any, Any] | None = None
+
+    def _stage_count(self) -> int:
+        """Stages of the job as it ended (a re-partition changes the depth)."""
+        coordinator = getattr(self, "coordinator", None)
+        return len(coordinator.partition) if coordinator and coordinator.partition \
+            else self.cfg.stages
 
     def _now(self) -> float:
         return round(time.time() - self.t0, 6)
@@ -368,7 +385,7 @@ class JobLoop:
     def _merge_final(self) -> None:
         final = self.out / "final"
         merged: dict[str, Any] = {}
-        parts = [final / f"stage{s}.safetensors" for s in range(self.cfg.stages)]
+        parts = [final / f"stage{s}.safetensors" for s in range(self._stage_count())]
         for part in parts:
             merged.update(load_file(str(part)))
         tmp = final / ".model.safetensors.tmp"

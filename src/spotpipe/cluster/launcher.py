@@ -32,7 +32,6 @@ from spotpipe.cluster.supervisor import Supervisor, search_path, worker_env
 from spotpipe.cluster.trace_replay import Action as TraceAction
 from spotpipe.runtime.faults import Fault
 from spotpipe import job
-from spotpipe.model.ties import cross_stage_tied
 
 
 class LaunchError(RuntimeError):
@@ -69,14 +68,11 @@ def prepare(cfg: Config) -> Prepared:
     except Exception as exc:
         key = "model.stage_of_layer" if cfg.model.partition == "explicit" else "model.partition"
         raise LaunchError(f"{key}: {exc}") from None
-    last = len(partition) - 1
-    for name in sorted(cross_stage_tied(model, partition)):
-        layer = int(name.split(".", 1)[0])
-        if not (partition[0][0] <= layer < partition[0][1]
-                or partition[last][0] <= layer < partition[last][1]):
-            raise LaunchError(f"model: tied parameter {name} is split across stages but is on "
-                              "neither the first nor the last stage; only ties between the first "
-                              "and last stage (like GPT's embedding and head) are kept in sync")
+    name = job.misplaced_tie(model, partition)
+    if name:
+        raise LaunchError(f"model: tied parameter {name} is split across stages but is on "
+                          "neither the first nor the last stage; only ties between the first "
+                          "and last stage (like GPT's embedding and head) are kept in sync")
     return Prepared(cfg, job.RunSpec(partition, len(dataset)))
 
 

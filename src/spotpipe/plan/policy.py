@@ -20,9 +20,13 @@ Order of preference, and why:
    (RESTORE_FROM_CHECKPOINT), at depth P if enough nodes remain, else at a smaller depth
    (REPARTITION), else STOP.
 4. With nothing lost: give a node that carries two stages a standby partner (REBALANCE, which
-   restores redundancy), return to the configured depth (REPARTITION), or add a pipeline
+   restores redundancy); with no standby node for it, re-partition the model onto the depth
+   the active nodes allow, one stage per node (REPARTITION down: redundancy comes back and no
+   node runs two stages' worth of layers); return to the configured depth once enough nodes
+   are there for it at the same number of pipelines (REPARTITION up); or add a pipeline
    (ADD_PIPELINE), in that order: redundancy protects the work already running, extra
-   pipelines only add throughput.
+   pipelines only add throughput. A re-partition keeps D, so the micro-batches of an
+   iteration split over the pipelines as before.
 """
 
 from __future__ import annotations
@@ -51,9 +55,11 @@ class MoveKind(str, Enum):
     COPY = "copy"  # stage state (weights + optimizer) sent peer to peer from src to dst
     REPLICA = "replica"  # a replica for dst to hold, sent from the stage's owner src
     RESTORE = "restore"  # state loaded from the shadows / durable checkpoint (src "shadow")
+    LAYERS = "layers"  # a re-partitioned stage, assembled layer by layer from peers (src "peers")
 
 
 SHADOW = "shadow"  # src of RESTORE moves
+PEERS = "peers"  # src of LAYERS moves: which peer sends which layer is `plan.layers`' business
 
 
 @dataclass(frozen=True)
@@ -212,9 +218,18 @@ def _grow(layout: Layout, min_stages: int) -> Decision:
         return _restart(layout, list(layout.standby), min_stages, [])
     if layout.has_carriers and layout.standby:
         return _rebalance(layout)
+    if layout.has_carriers:
+        depth = len(layout.active_nodes) // layout.num_pipelines
+        # below two stages there is no replica ring: one node carrying both stages is as good
+        if max(2, min_stages) <= depth < layout.num_stages:
+            return _repartition(layout, depth, f"{len(layout.active_nodes)} active node(s) "
+                                f"and no standby: P={layout.num_stages} -> {depth}, one stage "
+                                "per node, redundancy restored")
     total = len(layout.all_nodes)
-    if layout.num_stages < layout.target_stages and total >= layout.target_stages:
-        return _repartition_up(layout)
+    if (layout.num_stages < layout.target_stages
+            and total >= layout.target_stages * layout.num_pipelines):
+        return _repartition(layout, layout.target_stages, f"back to the configured depth "
+                            f"P={layout.target_stages}")
     cap = layout.max_pipelines
     if (len(layout.standby) >= layout.num_stages and not layout.has_carriers
             and (cap is None or layout.num_pipelines < cap)):
@@ -249,13 +264,39 @@ def _extra_stages(layout: Layout, node: str, slots: list[Slot]) -> list[Slot]:
     return extra
 
 
-def _repartition_up(layout: Layout) -> Decision:
-    nodes = sorted(layout.active_nodes) + list(layout.standby)
-    new = _fresh(layout, layout.target_stages, nodes)
-    moves = tuple(Move(MoveKind.COPY, d, s, "peers", n) for (d, s), n in sorted(new.owners))
-    return Decision(Action.REPARTITION, new, moves,
-                    f"back to the configured depth P={layout.target_stages}; layers move peer to "
-                    f"peer (see layer_moves)")
+def _repartition(layout: Layout, depth: int, why: str) -> Decision:
+    """The same pipelines at another depth. Nodes keep roughly their place in the pipeline
+    (a node that ran the first stages runs the first stages again), so that most layers stay
+    where they are; only the layers whose holder changes travel (see `plan.layers`)."""
+    width = layout.num_pipelines
+    mapping: dict[Slot, str] = {}
+    spare: list[str] = []
+    for d in range(width):
+        firsts = sorted((min(s for _, s in layout.stages_of(n)), n)
+                        for n in set(layout.grid[d]))
+        keep, spare = firsts[:depth], spare + [n for _, n in firsts[depth:]]
+        for slot, (_, node) in zip(spread([s for s, _ in keep], layout.num_stages, depth), keep):
+            mapping[(d, slot)] = node
+    pool = spare + list(layout.standby)
+    for d in range(width):
+        for s in range(depth):
+            if (d, s) not in mapping:
+                mapping[(d, s)] = pool.pop(0)
+    new = Layout._trusted(depth, width, mapping, tuple(pool), layout.target_stages,
+                          layout.max_pipelines)
+    moves = tuple(Move(MoveKind.LAYERS, d, s, PEERS, n) for (d, s), n in sorted(new.owners))
+    return Decision(Action.REPARTITION, new, moves, f"{why}; layers move peer to peer")
+
+
+def spread(old_stages: list[int], old_depth: int, new_depth: int) -> list[int]:
+    """New stage indices for nodes that ran `old_stages` (ascending, at most `new_depth` of
+    them): each goes to its proportional place, kept in order and leaving room for the rest."""
+    out: list[int] = []
+    k = len(old_stages)
+    for i, s in enumerate(old_stages):
+        want = s * new_depth // old_depth
+        out.append(min(max(want, out[-1] + 1 if out else 0), new_depth - (k - i)))
+    return out
 
 
 def _add_pipeline(layout: Layout) -> Decision:

@@ -191,7 +191,7 @@ class Executor:
                 red = self.holding
                 assert red is not None and s == red.replica.index
                 if not replica_current:  # FRC must see the replica as of the last iteration
-                    red.applier.wait_applied(iteration - 1)
+                    red.applier.wait_applied(iteration - 1, check=self.comm.abort.check)
                     replica_current = True
                 x = batches.inputs[mb] if s == 0 else self.kept_outputs[mb]
                 with torch.no_grad():

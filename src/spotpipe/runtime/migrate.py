@@ -7,18 +7,23 @@ the same inputs (old layout, new layout, the plan's stage copies), so nobody has
 anything; each node then posts all its sends before waiting on its receives, which cannot
 deadlock. A replica comes from a node that owned its stage before the change (all data-parallel
 owners of a stage hold identical state), preferring the receiver itself.
+
+A change of depth (re-partition) moves layers instead of stages: see `exchange_layers` below.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import nn
 
 from spotpipe.checkpoint.durable import materialise_optimizer_state
-from spotpipe.plan import Layout
+from spotpipe.model import LayeredModel
+from spotpipe.plan import LayerMove, Layout, exchange_order
 from spotpipe.runtime.comm import Comm, tag
 from spotpipe.runtime.digest import optimizer_tensors
 
@@ -124,4 +129,184 @@ def run(plan: list[Transfer], me: str, comm: Comm, have: dict[tuple[str, int], A
         comm.wait(work)
     received[("bytes", -1)] = bytes_moved[0]
     return received
+
+
+
+# -- re-partition: layers move, not stages -------------------------------------------------
+#
+# A change of depth gives stages other layer ranges, so whole-stage messages do not fit: the
+# unit is the layer (see `plan.layers`). A message carries, for each of its layers, every
+# parameter and that parameter's optimizer state, whatever the optimizer keeps there (state
+# is keyed by parameter, and parameters by their global names "layer.name", the same in every
+# stage of every depth). Tensors travel as raw bytes, so every dtype travels bit for bit in one
+# buffer; what is in the buffer (names, keys, shapes, dtypes, plain numbers) is JSON in the
+# store, written by each sender before any message is posted, so no receiver waits on a
+# sender that waits on it.
+
+LAYERS = 6  # message kind (see comm.tag)
+
+StateIndex = dict[str, tuple[nn.Parameter, torch.optim.Optimizer]]
+
+
+def state_index(held: list[tuple[nn.Module, torch.optim.Optimizer]]) -> StateIndex:
+    """Global parameter name -> (parameter, its optimizer) over the modules a node holds; both
+    names of a parameter tied within one module are listed."""
+    out: StateIndex = {}
+    for module, optimizer in held:
+        for name, p in module.named_parameters(remove_duplicate=False):
+            out[name] = (p, optimizer)
+    return out
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.rsplit(".", 1)[-1], None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in a layer message")
+    return dtype
+
+
+def _raw(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
+
+
+def pack_layers(names: list[str], have: StateIndex,
+                device: torch.device) -> tuple[list[dict[str, Any]], torch.Tensor]:
+    """Parameters `names` and their optimizer state as (metadata, one byte buffer)."""
+    meta: list[dict[str, Any]] = []
+    chunks: list[torch.Tensor] = []
+    for name in names:
+        p, optimizer = have[name]
+        entry: dict[str, Any] = {"name": name, "shape": list(p.shape), "dtype": str(p.dtype),
+                                 "state": {}}
+        chunks.append(_raw(p, device))
+        state = optimizer.state.get(p, {})
+        for key in sorted(state):
+            value = state[key]
+            if isinstance(value, torch.Tensor):
+                entry["state"][key] = {"shape": list(value.shape), "dtype": str(value.dtype),
+                                       "on_param_device": value.device == p.device}
+                chunks.append(_raw(value, device))
+            elif isinstance(value, (bool, int, float)):
+                entry["state"][key] = {"value": value}
+            else:
+                raise TypeError(f"optimizer state {key!r} of {name} is a "
+                                f"{type(value).__name__}; only tensors and numbers can move")
+        meta.append(entry)
+    flat = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8, device=device)
+    return meta, flat
+
+
+def message_bytes(meta: list[dict[str, Any]]) -> int:
+    total = 0
+    for entry in meta:
+        for spec in [entry] + [s for s in entry["state"].values() if "shape" in s]:
+            n = 1
+            for d in spec["shape"]:
+                n *= d
+            total += n * _dtype(spec["dtype"]).itemsize
+    return total
+
+
+def unpack_layers(meta: list[dict[str, Any]],
+                  flat: torch.Tensor) -> dict[str, tuple[torch.Tensor, dict[str, Any]]]:
+    """Inverse of `pack_layers`: name -> (parameter value, {state key: number, or (tensor,
+    whether it was kept on its parameter's device)})."""
+    out: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {}
+    offset = 0
+
+    def take(spec: dict[str, Any]) -> torch.Tensor:
+        nonlocal offset
+        dtype = _dtype(spec["dtype"])
+        n = 1
+        for d in spec["shape"]:
+            n *= d
+        size = n * dtype.itemsize
+        part = flat[offset: offset + size]
+        if offset % dtype.itemsize:  # a wider dtype after a narrower one: realign by a copy
+            part = part.clone()
+        offset += size
+        return part.view(dtype).view(spec["shape"])
+
+    for entry in meta:
+        value = take(entry)
+        state = {key: (take(spec), bool(spec["on_param_device"])) if "shape" in spec
+                 else spec["value"] for key, spec in entry["state"].items()}
+        out[entry["name"]] = (value, state)
+    if offset != flat.numel():
+        raise RuntimeError(f"layer message of {flat.numel()} bytes, its metadata says {offset}")
+    return out
+
+
+def local_entry(name: str, have: StateIndex) -> tuple[torch.Tensor, dict[str, Any]]:
+    """A parameter this node already holds, in the form `unpack_layers` gives."""
+    p, optimizer = have[name]
+    state = {key: (v, v.device == p.device) if isinstance(v, torch.Tensor) else v
+             for key, v in optimizer.state.get(p, {}).items()}
+    return p.detach(), state
+
+
+def install(name: str, value: torch.Tensor, state: dict[str, Any], want: StateIndex) -> None:
+    """Copy one parameter's value and optimizer state into the new module that wants it.
+
+    A state tensor kept beside its parameter goes to the new parameter's device; one kept
+    elsewhere (AdamW's step count stays on the CPU) goes to the CPU."""
+    p, optimizer = want[name]
+    if tuple(value.shape) != tuple(p.shape) or value.dtype != p.dtype:
+        raise RuntimeError(f"{name}: got {value.dtype}{list(value.shape)}, the stage has "
+                           f"{p.dtype}{list(p.shape)}")
+    with torch.no_grad():
+        p.copy_(value)
+    optimizer.state[p] = {
+        key: (v[0].detach().to(p.device if v[1] else torch.device("cpu"), copy=True)
+              if isinstance(v, tuple) else v)
+        for key, v in state.items()}
+
+
+def exchange_layers(moves: list[LayerMove], me: str, comm: Comm, store: Any, prefix: str,
+                    model: LayeredModel, have: StateIndex, want: StateIndex,
+                    timeout_s: float) -> int:
+    """Fill `want` (the new modules' parameters and optimizer states) from what this node has
+    and from peers, as `moves` (from `plan.layer_plan`) says; returns the bytes received.
+
+    All metadata first, then every message posted in `plan.exchange_order`, then the waits in
+    the same order: with gloo the posts never block, and with NCCL no pair of nodes can wait
+    on each other in opposite orders."""
+    def names(layers: list[int]) -> list[str]:
+        return [f"{layer}.{n}" for layer in layers
+                for n, _ in model.layers[layer].named_parameters(remove_duplicate=False)]
+
+    def key(src: str, dst: str) -> str:
+        return f"{prefix}/{src}/{dst}"
+
+    outgoing: dict[str, torch.Tensor] = {}
+    for dst in sorted({m.dst for m in moves if m.src == me and m.dst != me}):
+        layers = sorted(m.layer for m in moves if m.src == me and m.dst == dst)
+        meta, flat = pack_layers(names(layers), have, comm.device)
+        store.set(key(me, dst), json.dumps(meta))
+        outgoing[dst] = flat
+    incoming: dict[str, tuple[list[dict[str, Any]], torch.Tensor]] = {}
+    works = []
+    ranks = {n: i for i, n in enumerate(comm.nodes)}
+    for op, peer in exchange_order(moves, me, ranks):
+        if op == "send":
+            works.append(comm.post_send(outgoing[peer], peer, tag(LAYERS, 0)))
+        else:
+            store.wait([key(peer, me)], timedelta(seconds=timeout_s))
+            meta = json.loads(store.get(key(peer, me)))
+            flat = torch.empty(message_bytes(meta), dtype=torch.uint8, device=comm.device)
+            incoming[peer] = (meta, flat)
+            works.append(comm.post_recv(flat, peer, tag(LAYERS, 0)))
+    for work in works:
+        comm.wait(work)
+    received: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {}
+    for meta, flat in incoming.values():
+        received.update(unpack_layers(meta, flat))
+    for name in want:
+        if name in received:
+            install(name, *received[name], want)
+        elif name in have:
+            install(name, *local_entry(name, have), want)
+        else:
+            raise RuntimeError(f"{me}: the re-partition left {name} without a source")
+    return sum(flat.numel() for _, flat in incoming.values())
 

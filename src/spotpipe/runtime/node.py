@@ -14,6 +14,7 @@ from spotpipe.config import Config
 from spotpipe.model import LayeredModel, build_stage
 from spotpipe.model.ties import cross_stage_tied, norm_param_names
 from spotpipe.plan import Layout
+from spotpipe.plan import held_replica as plan_held_replica
 from spotpipe.runtime.executor import StageState, Wiring
 from spotpipe.runtime.optim import build_optimizer
 from spotpipe.schedule import Schedule, StageCosts, build_schedule, merged_schedule, with_frc
@@ -65,16 +66,8 @@ def owned_stages(layout: Layout, node: str) -> list[int]:
 
 
 def held_replica(layout: Layout, node: str) -> int | None:
-    """The stage whose replica `node` holds in this layout (None when it carries two, or is
-    not running a stage)."""
-    if node not in layout.active_nodes:
-        return None
-    d = pipeline_of(layout, node)
-    stages = owned_stages(layout, node)
-    if len(stages) != 1 or layout.num_stages < 2:
-        return None
-    successor = (stages[0] + 1) % layout.num_stages
-    return successor if layout.has_replica(d, successor) else None
+    """The stage whose replica `node` holds in this layout (see `plan.held_replica`)."""
+    return plan_held_replica(layout, node)
 
 
 def wiring(layout: Layout, node: str, nodes: list[str], model: LayeredModel,

@@ -19,6 +19,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -93,10 +94,19 @@ def apply_flat_gradient(params: list[nn.Parameter], optimizer: torch.optim.Optim
 class ReplicaApplier:
     """Applies committed updates to a replica on a background thread, in iteration order."""
 
-    def __init__(self, replica: ReplicaStage, cfg: Config, digests: DigestLog | None) -> None:
+    def __init__(self, replica: ReplicaStage, cfg: Config, digests: DigestLog | None, *,
+                 role: str = "replica", max_lag: int | None = -1,
+                 on_applied: Callable[[int], None] | None = None) -> None:
+        """`max_lag`: how far behind `submit` lets it fall before the caller waits (-1: the
+        configured `replica.max_lag`; None: never wait). `on_applied(t)` runs on the
+        background thread after iteration t is applied (a CPU shadow marks it, and writes
+        its durable checkpoints there)."""
         self.replica = replica
         self.cfg = cfg
         self.digests = digests
+        self.role = role
+        self.max_lag = cfg.replica.max_lag if max_lag == -1 else max_lag
+        self.on_applied = on_applied
         self._queue: queue.Queue[tuple[int, str, torch.Tensor | None] | None] = queue.Queue()
         self._cond = threading.Condition()
         self._applied = -1
@@ -125,14 +135,21 @@ class ReplicaApplier:
             lag = iteration - self._applied
         self.max_lag_seen = max(self.max_lag_seen, lag)
         self._queue.put((iteration, kind, flat))
-        if lag > self.cfg.replica.max_lag:  # the documented policy: the worker waits
-            self.wait_applied(iteration - self.cfg.replica.max_lag)
+        if self.max_lag is not None and lag > self.max_lag:  # the documented policy: wait
+            self.wait_applied(iteration - self.max_lag)
 
-    def wait_applied(self, iteration: int) -> None:
+    def wait_applied(self, iteration: int, check: Callable[[], None] | None = None) -> None:
+        """Block until `iteration` is applied. `check` is called while waiting and may raise to
+        leave the wait (an abort): the applier runs at idle priority, so on a busy machine it
+        can be seconds behind, and a node waiting on it must still answer a failure."""
         start = time.perf_counter()
         with self._cond:
             while self._applied < iteration and self._error is None:
-                self._cond.wait()
+                if check is None:
+                    self._cond.wait()
+                else:
+                    check()
+                    self._cond.wait(0.05)
         self.waited_s += time.perf_counter() - start
         self.raise_if_failed()
 
@@ -171,8 +188,10 @@ class ReplicaApplier:
                 elif kind == "state":
                     self._load_state(flat)
                 if self.digests is not None:
-                    self.digests.write(iter=iteration, stage=self.replica.index, role="replica",
+                    self.digests.write(iter=iteration, stage=self.replica.index, role=self.role,
                                        **stage_digest(self.replica.module, self.replica.optimizer))
+                if self.on_applied is not None:
+                    self.on_applied(iteration)
                 with self._cond:
                     self._applied = iteration
                     self._cond.notify_all()

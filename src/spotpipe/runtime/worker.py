@@ -15,6 +15,7 @@ in-flight iteration, promote a replica) and starts the next generation under a n
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -38,7 +39,7 @@ from spotpipe.cluster.store import StoreAddress
 from spotpipe.config import Config, load_config
 from spotpipe.data import collate
 from spotpipe.model import build_stage
-from spotpipe.plan import Layout
+from spotpipe.plan import Layout, held_replica, layer_plan
 from spotpipe.runtime import migrate
 from spotpipe.runtime import node as nodelib
 from spotpipe.runtime.comm import AbortSignal, Comm, PeerFailure
@@ -108,7 +109,6 @@ class Worker:
                                      on_notice=lambda src: self.channel.event("notice",
                                                                               source=src))
         timeout = cfg.cluster.timeout_s
-        self._watch_store = client(address, timeout)
         self.executor: Executor | None = None
         self.bytes_received = 0  # state received in the last change of layout
         self.shadow = (ShadowWriter(store, namespace, node, max_lag=cfg.shadow.max_lag,
@@ -166,10 +166,12 @@ class Worker:
         """The generation's process groups among the nodes of the current layout."""
         nodes = sorted(self.layout.active_nodes, key=lambda n: int(n[4:]) if n[4:].isdigit()
                        else n)
-        # each watcher blocks in its own store connection (a waiting client serves no one else);
-        # the previous generation's abort watcher has returned, its regroup watcher may not
+        # each watcher blocks in its own store connection (a waiting client serves no one
+        # else); a generation that ended at an iteration boundary was never aborted, and the
+        # coordinator sets its abort key only with the plan, so its watcher may still be waiting
         abort = AbortSignal()
-        AbortWatcher(self._watch_store, self.generation, abort)
+        AbortWatcher(client(self.address, self.cfg.cluster.timeout_s), self.generation,
+                     abort)
         self.regroup = threading.Event()
         KeyWatcher(client(self.address, self.cfg.cluster.timeout_s),
                    regroup_key(self.generation), self.regroup.set)
@@ -195,9 +197,11 @@ class Worker:
             loss_scale_div=nodelib.microbatches(self.cfg, self.layout) * self.layout.num_pipelines,
             holding=self.holding, digests=self.digests, sample_log=self.sample_log,
             hook=self.inject, shadow=self.shadow)
-        if previous is not None:
-            self.executor.committed_through = previous.committed_through
-            self.executor.stepped_through = previous.stepped_through
+        if previous is not None:  # (a node back from standby starts where the plan resumes)
+            self.executor.committed_through = max(previous.committed_through,
+                                                  self.start_iteration - 1)
+            self.executor.stepped_through = max(previous.stepped_through,
+                                                self.start_iteration - 1)
         else:
             self.executor.committed_through = self.start_iteration - 1
             self.executor.stepped_through = self.start_iteration - 1
@@ -226,6 +230,10 @@ class Worker:
     def join(self) -> int:
         """A node arriving in a running job: present the token and the configuration, wait to
         be placed, receive its state from peers; return the iteration to start at."""
+        # The first optimizer a process builds costs it over a second (torch imports its
+        # compiler hooks lazily), and the job would wait for that while the node takes its
+        # stage; pay it while booting, as the nodes that started with the job did.
+        build_optimizer([torch.nn.Parameter(torch.zeros(1, device=self.device))], self.cfg)
         gate = f"spotpipe/join_gate/{self.node}"
         if os.environ.get("SPOTPIPE_JOIN_GATED") == "1":  # started early by the local launcher
             self.store.wait([gate], timedelta(days=7))
@@ -233,9 +241,17 @@ class Worker:
             "type": "join", "node": self.node, "time_s": self.channel.now(),
             "token": os.environ.get("SPOTPIPE_JOIN_TOKEN", ""),
             "config_digest": self.cfg.digest(), "model_digest": self.cfg.model_digest()})
+        return self._await_placement()
+
+    def _await_placement(self) -> int:
+        """Wait on standby until a plan places this node (-1: the job ended first). The answer
+        is taken out of the store, so that a node placed, put on standby and placed again
+        waits for its new answer."""
         self._recovering = True
-        self.store.wait([join_key(self.node)], timedelta(days=7))
-        answer = json.loads(self.store.get(join_key(self.node)))
+        key = join_key(self.node)
+        self.store.wait([key], timedelta(days=7))
+        answer = json.loads(self.store.get(key))
+        self.store.delete_key(key)
         if "refused" in answer:
             raise JoinRefused(answer["refused"])
         if "finished" in answer:
@@ -319,9 +335,11 @@ class Worker:
         # a node with a notice leaves, whether it saw the commit's flag or was woken by the
         # abort of a faster node first
         leaving = self.notices.is_set()
-        self.store.set(abort_key(g), f"{self.node}: {why}")
+        boundary = isinstance(why, Leave)  # every node saw the same flag: no one to wake
+        if not boundary:
+            self.store.set(abort_key(g), f"{self.node}: {why}")
         self.channel._post({
-            "type": "report", "generation": g, "node": self.node,
+            "type": "report", "generation": g, "node": self.node, "boundary": boundary,
             "iteration": ex.iteration, "position": ex.position,
             "instruction": str(self.stream[ex.position]) if ex.position < len(self.stream) else "",
             "committed_through": ex.committed_through, "stepped_through": ex.stepped_through,
@@ -336,6 +354,16 @@ class Worker:
         if ex.stepped_through < resume - 1:
             ex.step(resume - 1)
         ex.discard()
+        if self.node in new_layout.standby:  # e.g. one node more than the new depth needs
+            self.channel.event("standby", generation=plan["generation"])
+            if self.holding is not None:
+                self.holding.applier.close()
+                self.holding = None
+            self.stages = {}  # the plan that places it again sends it whatever it will run
+            resume = self._await_placement()
+            if resume < 0:
+                self._finish(left=True)
+            return resume
         if self.node not in new_layout.active_nodes:
             self._finish(left=True)
             return -1
@@ -346,6 +374,10 @@ class Worker:
         peer, then start the new generation."""
         started = time.perf_counter()
         old, new_layout = self.layout, Layout.from_json(plan["layout"])
+        repartition = plan["action"] == "repartition"
+        if "partition" in plan and not repartition:  # a joiner learns the job's current depth
+            self.spec = dataclasses.replace(self.spec, partition=[tuple(r) for r in
+                                                                  plan["partition"]])
         promoted_nodes = {m["dst"] for m in plan["moves"] if m["kind"] == "promote"}
         promoted = []
         for move in plan["moves"]:
@@ -353,13 +385,16 @@ class Worker:
                 self._promote(move["stage"], resume)
                 promoted.append(move["stage"])
         copies = [m for m in plan["moves"] if m["kind"] == "copy"]
-        moves = migrate.transfers(old, new_layout, copies, promoted_nodes)
+        moves = [] if repartition else migrate.transfers(old, new_layout, copies, promoted_nodes)
         if self.cfg.redundancy == "none":  # nobody holds replicas: only stages move
             moves = [t for t in moves if t.kind != "replica"]
         self.layout = new_layout
         self.generation = plan["generation"]
         comm = self._open_comm()
-        moved = self._migrate(moves, comm, resume)
+        formed = time.perf_counter()
+        moved = (self._repartition(plan, old, comm, resume) if repartition
+                 else self._migrate(moves, comm, resume))
+        exchanged = time.perf_counter()
         restored = sorted(m["stage"] for m in plan["moves"]
                           if m["kind"] == "restore" and m["dst"] == self.node)
         for s in restored:
@@ -369,12 +404,70 @@ class Worker:
         moved += [f"stage {s} from its shadow" for s in restored]
         self._form(comm)
         self._recovering = False
-        self.channel.event("takeover" if promoted else ("migrated" if moved else "regrouped"),
+        kind = "takeover" if promoted else ("migrated" if moved else "regrouped")
+        self.channel.event("repartitioned" if repartition else kind,
                            generation=self.generation, stages=sorted(self.stages),
                            promoted=promoted, received=moved, resume=resume,
                            bytes_received=self.bytes_received,
-                           regroup_s=round(time.perf_counter() - started, 6))
+                           regroup_s=round(time.perf_counter() - started, 6),
+                           **({"depth": new_layout.num_stages,
+                               "layers": [list(self.spec.partition[s]) for s in
+                                          sorted(self.stages)],
+                               "groups_s": round(formed - started, 6),
+                               "exchange_s": round(exchanged - formed, 6)}
+                              if repartition else {}))
         return resume
+
+    def _repartition(self, plan: dict[str, Any], old: Layout, comm: Comm,
+                     resume: int) -> list[str]:
+        """Change the depth in place: build this node's new stage(s) and replica from layers,
+        each layer's parameters and optimizer state taken from this node's memory when it holds
+        them and from a peer that does otherwise (`plan.layer_plan`); returns what it received.
+        """
+        new_partition = [tuple(r) for r in plan["partition"]]
+        old_partition = [tuple(r) for r in plan["previous_partition"]]
+        redundancy = self.cfg.redundancy != "none"
+        expected = held_replica(old, self.node) if redundancy else None
+        actual = self.holding.replica.index if self.holding is not None else None
+        if self.node in old.active_nodes and expected != actual:
+            raise RuntimeError(f"{self.node} holds the replica of stage {actual}, the layout "
+                               f"says {expected}: cannot re-partition from it")
+        held = [(st.module, st.optimizer) for st in self.stages.values()]
+        if self.holding is not None:
+            self.holding.applier.drain()  # the replica is exact through resume - 1
+            held.append((self.holding.replica.module, self.holding.replica.optimizer))
+
+        def build(stage: int, device: torch.device) -> tuple[torch.nn.Module,
+                                                              torch.optim.Optimizer]:
+            # a copy: stages share no Parameter with the node's model or with each other
+            module = copy.deepcopy(build_stage(self.model, *new_partition[stage])).to(device)
+            return module, build_optimizer(module.parameters(), self.cfg)
+
+        owned = {s: build(s, self.device) for s in nodelib.owned_stages(self.layout, self.node)}
+        want = held_replica(self.layout, self.node) if redundancy else None
+        replica_device = (self.device if self.cfg.replica.device == "device"
+                          else torch.device("cpu"))
+        replica = build(want, replica_device) if want is not None else None
+        moves = layer_plan(old, self.layout, old_partition, new_partition, redundancy)
+        self.bytes_received = migrate.exchange_layers(
+            moves, self.node, comm, self.store,
+            f"{self.namespace}/gen{self.generation}/layers", self.model,
+            have=migrate.state_index(held),
+            want=migrate.state_index(list(owned.values()) + ([replica] if replica else [])),
+            timeout_s=self.cfg.cluster.timeout_s)
+        if self.holding is not None:
+            self.holding.applier.close()
+            self.holding = None
+        self.spec = dataclasses.replace(self.spec, partition=new_partition)
+        self.stages = {s: nodelib.stage_state_from(self.model, new_partition, s, module, opt)
+                       for s, (module, opt) in owned.items()}
+        if replica is not None and want is not None:
+            stage = ReplicaStage(want, replica[0], replica[1], replica_device)
+            applier = ReplicaApplier(stage, self.cfg, self.digests)
+            applier.start_at(resume)
+            d = nodelib.pipeline_of(self.layout, self.node)
+            self.holding = Holding(stage, applier, self.layout.owner(d, want))
+        return sorted({f"layer {m.layer} from {m.src}" for m in moves if m.dst == self.node})
 
     def _migrate(self, moves: list[migrate.Transfer], comm: Comm, resume: int) -> list[str]:
         """This node's part of the state moves; returns what it received."""
