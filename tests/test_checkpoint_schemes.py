@@ -354,9 +354,11 @@ def test_schemes_go_on_exactly_after_a_takeover(tmp_path, corpus, scheme):
     writes both; gemini's copy of stage 2 moves to node0 (node1 is the writer now)."""
     from spotpipe.runtime.faults import Fault
 
+    # the carrier keeps both stages (no re-partition), so the copies keep their layout
     cfg = tiny_config(corpus, **{**RUN, "stages": 3, "redundancy": "lazy", "checkpoint.every": 1,
                                  "checkpoint.scheme": scheme, "failover.heartbeat_s": 0.2,
-                                 "failover.heartbeat_timeout_s": 3.0})
+                                 "failover.heartbeat_timeout_s": 3.0,
+                                 "failover.repartition": False})
     run = tmp_path / "run"
     assert train(cfg, run, progress=False,
                  faults=[Fault("fail", "node2", 3, "backward")]) == 0

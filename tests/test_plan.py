@@ -340,3 +340,12 @@ def test_repartitions_through_random_events_keep_every_layer_reachable():
                 break
             lay = d.layout
     assert seen > 10
+
+
+def test_without_repartition_carriers_carry_on():
+    """`failover.repartition: false`: after a failover the carrier keeps both stages."""
+    lay = Layout.build(4, 1, ["n0", "n1", "n2", "n3"])
+    after = decide(lay, {"n1"}, []).layout
+    assert after.has_carriers
+    assert decide(after, set(), []).action == Action.REPARTITION
+    assert decide(after, set(), [], repartition=False).action == Action.KEEP

@@ -78,8 +78,9 @@ def fake_run(out: Path, *, iter_s: dict[int, float], kills: list[tuple[float, st
     in-flight iteration at each kill (t relative to the first iteration) and resumes
     pause_s later, with the events the launcher writes around a failover."""
     out.mkdir(parents=True)
+    # a job that keeps its carriers (failover.repartition: false, or shadows on)
     rows, events = [], [{"time_s": 0.0, "kind": "launch", "node": "launcher", "stages": 4,
-                         "pipelines": 1}]
+                         "pipelines": 1, "repartition": False}]
     owners = {0: "node0", 1: "node1", 2: "node2", 3: "node3"}
     t, it, gen, lost = t0, 0, 0, []
     rows.append({"iter": 0, "samples": spi, "time_s": t, "iter_time_s": iter_s[0],

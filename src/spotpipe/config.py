@@ -95,6 +95,9 @@ class FailoverSection:
     aws_notice_url: str = ""  # AWS spot instance-action endpoint to poll ("" = off)
     gcp_notice_url: str = ""  # GCP preempted endpoint to poll ("" = off)
     notice_poll_s: float = 5.0
+    # when too few nodes remain for depth P, re-partition the model onto fewer stages (false:
+    # nodes carry two stages until new nodes arrive)
+    repartition: bool = True
 
 
 # Checkpoint schemes (spotpipe.checkpoint.schemes registers one class per name): `durable` is

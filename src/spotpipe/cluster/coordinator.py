@@ -212,7 +212,8 @@ class Coordinator:
         be derived for the new depth): those become KEEP once, with the reason in the events,
         and the job runs on in the layout it has."""
         decision = decide(self.layout, lost, joining, shadows=self.cfg.shadow.enabled,
-                          replicas=self.cfg.redundancy != "none")
+                          replicas=self.cfg.redundancy != "none",
+                          repartition=self.cfg.failover.repartition)
         if decision.action != Action.REPARTITION or decision.needs_restore:
             return decision
         depth = decision.layout.num_stages

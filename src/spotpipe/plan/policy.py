@@ -86,12 +86,14 @@ class Decision:
 
 
 def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str], *,
-           min_stages: int = 1, shadows: bool = False, replicas: bool = True) -> Decision:
+           min_stages: int = 1, shadows: bool = False, replicas: bool = True,
+           repartition: bool = True) -> Decision:
     """Decide the next layout given nodes `lost` and nodes `joined` since `layout`.
 
     `min_stages` is the smallest depth at which the model still fits in the nodes' memory;
     below it the job stops. `shadows`: every stage has a CPU shadow to restore it from.
-    `replicas`: nodes hold their successor's replica (redundancy is on).
+    `replicas`: nodes hold their successor's replica (redundancy is on). `repartition`: the
+    job may shrink its depth when too few nodes remain (else carriers carry on).
     """
     lost = frozenset(lost)
     joined = tuple(joined)
@@ -103,7 +105,7 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
                          and n not in layout.active_nodes)
     hit = lost & layout.active_nodes
     if not hit:
-        return _grow(layout.with_standby(standby), min_stages)
+        return _grow(layout.with_standby(standby), min_stages, repartition)
     hit_pipes = sorted({d for d, _ in _lost_slots(layout, hit)})
     broken = [d for d in hit_pipes if not (replicas and _repairable(layout, d, lost))]
     if not broken:
@@ -211,14 +213,14 @@ def _restart(layout: Layout, nodes: list[str], min_stages: int,
 
 # -- growth -------------------------------------------------------------------------------
 
-def _grow(layout: Layout, min_stages: int) -> Decision:
+def _grow(layout: Layout, min_stages: int, repartition: bool = True) -> Decision:
     if layout.num_pipelines == 0:
         if not layout.standby:
             return Decision(Action.STOP, layout, (), "no nodes")
         return _restart(layout, list(layout.standby), min_stages, [])
     if layout.has_carriers and layout.standby:
         return _rebalance(layout)
-    if layout.has_carriers:
+    if layout.has_carriers and repartition:
         depth = len(layout.active_nodes) // layout.num_pipelines
         # below two stages there is no replica ring: one node carrying both stages is as good
         if max(2, min_stages) <= depth < layout.num_stages:

@@ -86,6 +86,7 @@ class SimConfig:
     schedule: str = "1f1b"
     params: SimParams = SimParams()
     min_stages: int = 1  # below this depth the model does not fit: the job stops
+    repartition: bool = True  # shrink P when too few nodes remain (`failover.repartition`)
     redundancy: str = "eager"  # spotpipe/bamboo: eager runs FRC in bubbles; lazy/none do not
     # measured seconds per iteration by layout shape (`Layout.shape_key()`), which replace the
     # timing model's for those shapes: a profile of the very cluster being predicted (see

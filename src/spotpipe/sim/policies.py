@@ -104,14 +104,14 @@ class Planner:
         return s
 
     def plan(self, index: int, layout: Layout, lost: frozenset[str], ready: list[str],
-             min_stages: int) -> list[tuple[Layout, Decision]]:
+             min_stages: int, repartition: bool = True) -> list[tuple[Layout, Decision]]:
         hit = self._memo.get(index)
         if hit is not None and hit[0] is layout:
             return hit[1]
         steps = []
         current = layout
         for _ in range(8):  # a decision sequence converges in a few steps (KEEP ends it)
-            d = decide(current, lost, ready, min_stages=min_stages)
+            d = decide(current, lost, ready, min_stages=min_stages, repartition=repartition)
             steps.append((current, d))
             lost, ready, current = frozenset(), [], d.layout
             if d.action in (Action.KEEP, Action.STOP):
@@ -144,7 +144,8 @@ class SpotpipePolicy(Policy):
                              or n in layout.standby)
         if not lost and not ready:
             return
-        for before, d in self.planner.plan(index, self.layout, lost, ready, self.cfg.min_stages):
+        for before, d in self.planner.plan(index, self.layout, lost, ready, self.cfg.min_stages,
+                                           self.cfg.repartition):
             self.layout = d.layout
             if d.action != Action.KEEP:
                 self.decisions.append((t, d.action))

@@ -155,6 +155,7 @@ def generation_shapes(events: list[dict]) -> dict[int, tuple]:
     if launch is None:
         raise ValueError("events.jsonl has no launch event")
     p, d = int(launch["stages"]), int(launch["pipelines"])
+    repartition = bool(launch.get("repartition", True))
     shapes = {0: Layout.build(p, d, [f"node{i}" for i in range(p * d)]).shape_key()}
     lost_by_gen = {int(e["generation"]): set(e.get("lost", ())) for e in events
                    if e.get("kind") == "agreement"}
@@ -166,7 +167,7 @@ def generation_shapes(events: list[dict]) -> dict[int, tuple]:
         # the agreement of the generation before this plan names who was lost
         lost = frozenset(lost_by_gen.get(gen - 1, ())) & layout.active_nodes
         for _ in range(8):
-            dec = decide(layout, lost, ())
+            dec = decide(layout, lost, (), repartition=repartition)
             layout, lost = dec.layout, frozenset()
             if dec.action in (Action.KEEP, Action.STOP):
                 break
@@ -309,7 +310,8 @@ def compare(run_dir: str | Path, segment: str | Path, time_scale: float, *,
         params = SimParams(boot_s=0.0, rendezvous_s=0.0, pause_s=pause_s,
                            reconfig_pause_s=pause_s)
         cfg = SimConfig(model, price_of("p3.2xlarge"), p, d, params=params,
-                        redundancy=redundancy, shape_times=tuple(shape_times.items()))
+                        redundancy=redundancy, shape_times=tuple(shape_times.items()),
+                        repartition=bool(launch.get("repartition", True)))
         return run(trace, "spotpipe", cfg, duration_s=duration, record=True)
 
     measured = (s1 - s0) / duration
