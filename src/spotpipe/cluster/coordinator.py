@@ -218,11 +218,12 @@ class Coordinator:
             return decision
         depth = decision.layout.num_stages
         problem = self.repartition_refused
-        if problem is None and self.cfg.shadow.enabled:
-            # each shadow holds one stage of the launch partition; they do not re-partition
+        if problem is None and (self.cfg.shadow.enabled or self.cfg.checkpoint.scheme == "gemini"):
+            # each shadow (or gemini peer copy) holds one stage of the launch partition
             problem = self.repartition_refused = (
-                f"cannot re-partition to P={depth}: the CPU shadows hold the stages of the "
-                "launch partition; the job keeps its carriers")
+                f"cannot re-partition to P={depth}: the "
+                + ("CPU shadows" if self.cfg.shadow.enabled else "gemini peer copies")
+                + " hold the stages of the launch partition; the job keeps its carriers")
             self.emit({"time_s": self.now(), "kind": "repartition_refused", "node": "launcher",
                        "generation": self.generation, "reason": problem})
         if problem is None:

@@ -144,7 +144,8 @@ class JobLoop:
 
             files.tensorboard = SummaryWriter(str(self.out / "tensorboard"))
         files.event({"time_s": 0.0, "kind": "launch", "node": "launcher", "stages": cfg.stages,
-                     "repartition": cfg.failover.repartition and not cfg.shadow.enabled,
+                     "repartition": (cfg.failover.repartition and not cfg.shadow.enabled
+                                     and cfg.checkpoint.scheme != "gemini"),
                      "pipelines": cfg.pipelines, "partition": self.spec.partition,
                      "redundancy": cfg.redundancy, "store": f"{address.host}:{address.port}",
                      "store_kind": address.kind,
