@@ -194,11 +194,8 @@ class JobLoop:
                     node, code = item
                     exited[node] = code
                     if code == 1:  # a software error: failing over would repeat it elsewhere
-                        self._drain(inbox, files, errors, store)
-                        detail = errors.get(node) or f"exited with code {code}"
-                        message = f"{node} failed: {detail} (log: {self.out}/logs/{node}.log)"
-                        files.event({"time_s": self._now(), "kind": "worker_failed",
-                                     "node": node, "returncode": code, "message": detail})
+                        message = self._failed(node, code, "worker_failed", inbox, files,
+                                               errors, store)
                         break
                     if code != 3:  # 3: stopped by the plan, already accounted for
                         self.coordinator.node_exited(node, code)
@@ -214,11 +211,8 @@ class JobLoop:
                     name, code = item
                     self._shadow_exited[name] = code
                     if code != 0:
-                        self._drain(inbox, files, errors, store)
-                        detail = errors.get(name) or f"exited with code {code}"
-                        message = f"{name} failed: {detail} (log: {self.out}/logs/{name}.log)"
-                        files.event({"time_s": self._now(), "kind": "shadow_failed",
-                                     "node": name, "returncode": code, "message": detail})
+                        message = self._failed(name, code, "shadow_failed", inbox, files,
+                                               errors, store)
                         break
                     if len(exited) == len(self._started()) and self._shadows_done():
                         message = self._complete(inbox, files, errors, store)
@@ -260,6 +254,15 @@ class JobLoop:
                              resume=str(self.resume.path) if self.resume else "")
             env["SPOTPIPE_SHADOW_STAGE"] = str(stage)
             self._shadows.spawn(f"shadow{stage}", env)
+
+    def _failed(self, name: str, code: int, kind: str, inbox: Any, files: Any,
+                errors: dict[str, str], store: Any) -> str:
+        """A process whose failure ends the job: record it and say why, naming its log."""
+        self._drain(inbox, files, errors, store)
+        detail = errors.get(name) or f"exited with code {code}"
+        files.event({"time_s": self._now(), "kind": kind, "node": name, "returncode": code,
+                     "message": detail})
+        return f"{name} failed: {detail} (log: {self.out}/logs/{name}.log)"
 
     def _shadows_done(self) -> bool:
         return self._shadows is None or len(self._shadow_exited) == len(self._shadows.procs)
