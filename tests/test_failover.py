@@ -98,6 +98,7 @@ CASES = [
     ("hang-P4D2", 4, 2, "lazy", [("hang", "node5@2:backward")]),
     ("two-pipelines-P2D2", 2, 2, "lazy", [("fail", "node1@2"), ("fail", "node2@4:backward")]),
     ("two-apart-P4", 4, 1, "eager", [("fail", "node1@2:forward"), ("fail", "node3@4")]),
+    ("crash-allreduce-P2D2", 2, 2, "lazy", [("fail", "node3@2:all-reduce")]),
 ]
 
 
@@ -121,6 +122,9 @@ def test_failover_is_exact(tmp_path, tmp_path_factory, corpus, stages, pipelines
     # re-partition follows it (tests/test_repartition.py checks those in detail)
     assert plans.count("failover") == len(faults)
     assert set(plans) <= {"failover", "repartition"}
+    # survivors of a crash keep their share of the in-flight iteration (failover.replay: rest)
+    assert all(ev["replay"] == "rest" for ev in events(run)
+               if ev["kind"] == "plan" and ev["action"] == "failover")
     assert "takeover" in kinds and "resumed" in kinds
     if any(kind == "hang" for kind, _ in faults):
         assert "node_fenced" in kinds
@@ -242,3 +246,48 @@ def test_cloud_metadata_notice_is_handled_at_an_iteration_boundary(tmp_path, tmp
     got = load_file(str(run / "final" / "model.safetensors"))
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert_samples_exactly_once(run, cfg)
+
+
+def test_takeover_redoes_only_the_lost_stage(tmp_path, tmp_path_factory, corpus):
+    """A crash in the backward pass of P = 4 with eager FRC: the heir sends on the lost stage's
+    outputs that FRC already computed and runs their backward as BRC; the survivors forwarded
+    each micro-batch of that iteration once (their digests say so), and the result is the
+    failure-free one bit for bit. With `failover.replay: iteration` the survivors forward it all
+    again, with the same bits."""
+    m = 4
+    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=4, pipelines=1, **FAST))
+    forwards = {}
+    for replay in ("rest", "iteration"):
+        cfg = config(corpus, 4, 1, "eager", **{"logging.state_digests": True,
+                                               "failover.replay": replay,
+                                               "num_microbatches": m})
+        run = tmp_path / replay
+        fault = Fault.parse("fail", "node2@3:backward", [f"node{r}" for r in range(4)])
+        assert train(cfg, run, progress=False, faults=[fault]) == 0
+        got = load_file(str(run / "final" / "model.safetensors"))
+        for key in want:
+            assert torch.equal(got[key], want[key]), f"{replay}: {key} differs"
+        assert_samples_exactly_once(run, cfg)
+        takeover = next(ev for ev in events(run) if ev["kind"] == "takeover")
+        assert takeover["node"] == "node1" and takeover["promoted"] == [2]
+        heir = [json.loads(line) for line in open(run / "logs" / "digests.node1.jsonl")]
+        frc = sum(r.get("role") == "frc" and r["iter"] == 3 for r in heir)
+        redone = sum(r.get("role") == "output" and r["iter"] == 3 and r["stage"] == 2
+                     for r in heir)
+        if replay == "rest":
+            # each micro-batch whose FRC output the heir held went on as is, its backward as
+            # BRC; the others were forwarded on the promoted replica
+            assert takeover["rest"]["brc"] == frc and redone == m - frc
+            assert takeover["rest"]["instructions"] < takeover["rest"]["of"]
+        else:
+            assert "rest" not in takeover and redone == m
+        counts = Counter()
+        for node in ("node0", "node1", "node3"):
+            own = int(node[4:])
+            for line in open(run / "logs" / f"digests.{node}.jsonl"):
+                r = json.loads(line)
+                if r.get("role") == "output" and r["iter"] == 3 and r["stage"] == own:
+                    counts[node] += 1
+        forwards[replay] = counts
+    assert all(n == m for n in forwards["rest"].values()), forwards
+    assert all(n > m for n in forwards["iteration"].values()), forwards  # forwarded again

@@ -172,6 +172,18 @@ def test_calibrate(tmp_path):
     p.write_text(json.dumps({"pause_s": -1}))
     with pytest.raises(ValueError, match="pause_s"):
         calibrate(p)
+    # the benches' own outputs, together: failover, reconfigure, checkpoint
+    fo, rc, ck = (tmp_path / f"{n}.json" for n in ("failover", "reconfigure", "checkpoint"))
+    fo.write_text(json.dumps({"pause_s": 0.1, "notice_pause_s": 0.08, "restart_pause_s": 7.8,
+                              "iteration_replay_pause_s": 0.12}))
+    rc.write_text(json.dumps({"figures": {"rebalance_pause_s": 0.02, "add_pipeline_pause_s": 0.04,
+                                          "drop_pipeline_pause_s": 0.09,
+                                          "repartition_pause_s": 0.05, "restart_pause_s": 7.2}}))
+    ck.write_text(json.dumps({"shadow_recovery_s": 0.28, "recovery_s": 5.4}))
+    params = calibrate([fo, rc, ck])
+    assert params.pause_s == 0.1 and params.restart_pause_s == 7.2  # the later file wins
+    assert params.reconfig_pause_s == pytest.approx(0.05)
+    assert params.shadow_restore_pause_s == 0.28
 
 
 def test_prices_and_models():

@@ -87,6 +87,9 @@ class ReplicaSection:
     offload_frc: bool = False  # keep FRC outputs on the CPU instead of the device
 
 
+REPLAY_MODES = ("rest", "iteration")
+
+
 @dataclass
 class FailoverSection:
     heartbeat_s: float = 0.5  # how often each worker publishes liveness and progress
@@ -98,6 +101,10 @@ class FailoverSection:
     # when too few nodes remain for depth P, re-partition the model onto fewer stages (false:
     # nodes carry two stages until new nodes arrive)
     repartition: bool = True
+    # after a crash, "rest": survivors keep their share of the in-flight iteration and only
+    # the lost stage's work is redone (FRC outputs, BRC; Bamboo); "iteration": every node
+    # replays the whole iteration (simpler, slower; a baseline for the benchmark)
+    replay: str = "rest"
 
 
 # Checkpoint schemes (spotpipe.checkpoint.schemes registers one class per name): `durable` is
@@ -322,6 +329,9 @@ def _check(cfg: Config) -> None:
     for key in ("heartbeat_s", "heartbeat_timeout_s", "hang_timeout_s", "notice_poll_s"):
         if getattr(f, key) <= 0:
             raise ConfigError(f"failover.{key}: expected a positive number, got {getattr(f, key)}")
+    if f.replay not in REPLAY_MODES:
+        raise ConfigError(f"failover.replay: expected one of {', '.join(REPLAY_MODES)}, got "
+                          f"{f.replay!r}")
     if f.heartbeat_timeout_s <= f.heartbeat_s:
         raise ConfigError(f"failover.heartbeat_timeout_s ({f.heartbeat_timeout_s}) must exceed "
                           f"failover.heartbeat_s ({f.heartbeat_s})")

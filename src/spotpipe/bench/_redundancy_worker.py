@@ -206,8 +206,7 @@ class RedundancyBench:
         if held is not None:
             self.waited_in_blocks[mode] += held.applier.waited_s - before
             ex = self.executors[mode]
-            self.activation_bytes[mode] = _nbytes(list(ex.frc_outputs.values())
-                                                  + list(ex.kept_outputs.values()))
+            self.activation_bytes[mode] = ex.kept_bytes
         self.drain(mode)
         return durations
 

@@ -6,7 +6,9 @@ paths as real failures) and reads the pauses from their events:
 - crash: SIGKILL of a node; the pause runs from the kill to the first iteration completed
   after it, split into detection (kill -> first report or launcher detection), agreement
   (-> plan published), takeover (-> new generation formed, replica promoted) and replay
-  (-> the in-flight iteration completed again);
+  (-> the in-flight iteration completed: by default survivors keep their share of it and only
+  the lost stage's work is redone; the full run also measures `failover.replay: iteration`,
+  where every node replays the whole iteration);
 - notice: SIGTERM; the node leaves at the next iteration boundary, nothing is replayed;
 - restart baseline, as torchrun does it: the same crash without redundancy stops the job,
   every worker is started again and loads the newest torch.distributed.checkpoint checkpoint
@@ -115,6 +117,12 @@ def run(quick: bool = False) -> dict[str, Any]:
     notice = tmp / "notice"
     _train(notice, *common, "--notice", f"node1@{crash_at}", "--notice", f"node3@{notice_at}")
     crashes = failover_pauses(crash)
+    whole: list[dict[str, float]] = []
+    if not quick:  # the same crashes, every node replaying the whole in-flight iteration
+        whole_run = tmp / "crash-replay-iteration"
+        _train(whole_run, *common, "--set", "failover.replay=iteration",
+               "--fail", f"node1@{crash_at}:backward", "--fail", f"node3@{notice_at}:forward")
+        whole = failover_pauses(whole_run)
     notices = failover_pauses(notice)
     # the baseline: no redundancy, a checkpoint every k iterations, restart everything
     first, second = tmp / "restart-1", tmp / "restart-2"
@@ -133,6 +141,9 @@ def run(quick: bool = False) -> dict[str, Any]:
         "agreement_s": round(statistics.median(p["agreement_s"] for p in crashes), 4),
         "takeover_s": round(statistics.median(p["takeover_s"] for p in crashes), 4),
         "replay_s": round(statistics.median(p["replay_s"] for p in crashes), 4),
+        **({"iteration_replay_pause_s": round(statistics.median(p["pause_s"] for p in whole), 4),
+            "iteration_replay_replay_s": round(statistics.median(p["replay_s"] for p in whole),
+                                               4)} if whole else {}),
         # a notice arrives at an iteration's start and rides that iteration's commit, which is
         # useful work: the pause is the stall between the iteration that carried it and the
         # first one after the regroup

@@ -45,7 +45,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
     p.add_argument("--instance", default="p3.2xlarge")
     p.add_argument("--prices", metavar="FILE", help="prices JSON (default: packaged)")
-    p.add_argument("--calibrate", metavar="FILE", help="bench JSON with *_pause_s figures")
+    p.add_argument("--calibrate", metavar="FILE", nargs="+",
+                   help="JSON output of spotpipe bench failover / reconfigure / checkpoint "
+                        "(or a hand-written one with *_pause_s figures); later files win")
     p.add_argument("--table", action="store_true", help="rates x seeds table of synthetic runs")
     p.add_argument("--seeds", type=int, default=10000, help="seeds per rate for --table")
     p.add_argument("--rates", default=",".join(str(r) for r in DEFAULT_RATES))

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from spotpipe.cluster.membership import HEARTBEATS, abort_key, join_key, plan_key, regroup_key
 from spotpipe.config import Config
-from spotpipe.plan import Action, Decision, Layout, decide
+from spotpipe.plan import Action, Decision, Layout, MoveKind, decide
 
 
 def join_problem(cfg: Config, *, token_ok: bool, model_digest: str | None,
@@ -271,6 +271,17 @@ class Coordinator:
                        "generation": self.generation, "reason": reason})
         self.recovery.reasons.append(reason)
 
+    def _continues_in_flight(self, decision: Decision, resume: int) -> bool:
+        """Whether survivors can go on with the in-flight iteration instead of replaying it:
+        a takeover (stages only promoted, none moved away or re-shaped) of an iteration that
+        no one committed, with replicas whose holders kept what a takeover needs."""
+        return (self.cfg.failover.replay == "rest" and self.cfg.redundancy != "none"
+                and decision.action == Action.FAILOVER
+                and decision.layout.num_stages == self.layout.num_stages
+                and decision.layout.num_pipelines == self.layout.num_pipelines
+                and all(m.kind in (MoveKind.PROMOTE, MoveKind.REPLICA) for m in decision.moves)
+                and any(m.kind == MoveKind.PROMOTE for m in decision.moves))
+
     def _maybe_decide(self) -> None:
         rec = self.recovery
         if rec is None or set(rec.reports) < self.live:
@@ -336,6 +347,11 @@ class Coordinator:
                                "src": m.src, "dst": m.dst} for m in decision.moves],
                     "stages": decision.layout.num_stages, "partition": partition,
                     "previous_partition": self.partition}
+            if self._continues_in_flight(decision, resume):
+                # survivors keep their share of the in-flight iteration; each derives the rest
+                # from what every node reports done (spotpipe.schedule.replay)
+                plan["salvage"] = {n: r["done"] for n, r in rec.reports.items()
+                                   if r.get("flight") == resume and n not in lost}
         self.store.set(plan_key(rec.generation), json.dumps(plan))
         if not self.store.check([abort_key(rec.generation)]):
             # a change at an iteration boundary aborted no one; every node has reported, so the
@@ -343,7 +359,9 @@ class Coordinator:
             self.store.set(abort_key(rec.generation), "the generation ended at a boundary")
         self.emit({"time_s": self.now(), "kind": "plan", "node": "launcher",
                    "generation": rec.generation, **{k: v for k, v in plan.items()
-                                                    if k != "layout"},
+                                                    if k not in ("layout", "salvage")},
+                   **({"replay": "rest" if "salvage" in plan else "iteration"}
+                      if plan["action"] != "stop" else {}),
                    **({"carriers": {n: [s for _, s in slots] for n, slots in
                                     decision.layout.carriers().items()}}
                       if plan["action"] != "stop" else {})})

@@ -31,6 +31,7 @@ from spotpipe.runtime.replica import (ReplicaApplier, ReplicaStage, flatten_grad
                                       flatten_state)
 from spotpipe.runtime.shadow_link import ShadowWriter
 from spotpipe.schedule import Instr, Op
+from spotpipe.schedule.replay import KEPT_OPS, done_key
 
 
 @dataclass
@@ -82,6 +83,56 @@ class Wiring:
 
 
 @dataclass
+class InFlight:
+    """The iteration in flight on this node: its buffers, and which work is done.
+
+    Kept across a failure so that a takeover replays only the lost node's share: survivors
+    continue from here, the heir sends FRC outputs and runs BRC, the successor re-sends the
+    input gradients it kept (`sent_grads`)."""
+
+    iteration: int
+    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    out_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    local: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
+    kept_outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    frc_outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    sent_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    loss_sum: torch.Tensor | None = None
+    done: set[tuple[str, int, int]] = field(default_factory=set)
+    # each owned parameter's gradient before the reduction (which replaces, never mutates,
+    # them): a reduction cut short by a failure is redone from these
+    local_grads: dict[int, list[torch.Tensor | None]] | None = None
+
+    def activation(self, stage: int, mb: int) -> torch.Tensor:
+        """Stage's output for mb: live, kept after its backward, or from FRC (a takeover)."""
+        for kept in (self.outputs, self.kept_outputs, self.frc_outputs):
+            if (stage, mb) in kept:
+                return kept[(stage, mb)]
+        raise KeyError(f"no output of stage {stage} for micro-batch {mb} to send")
+
+    def keep_local_gradients(self, stages: dict[int, StageState]) -> None:
+        if self.local_grads is None:
+            self.local_grads = {s: [p.grad for p in st.params] for s, st in stages.items()}
+        else:
+            self.restore_local_gradients(stages)
+
+    def restore_local_gradients(self, stages: dict[int, StageState]) -> None:
+        for s, grads in (self.local_grads or {}).items():
+            if s in stages:
+                for p, g in zip(stages[s].params, grads):
+                    p.grad = g
+
+    def kept_bytes(self) -> int:
+        """Memory held for a takeover: FRC outputs, kept outputs and sent gradients."""
+        return sum(t.numel() * t.element_size() for kept in
+                   (self.frc_outputs, self.kept_outputs, self.sent_grads) for t in kept.values())
+
+    def done_list(self) -> list[list[Any]]:
+        return [list(k) for k in sorted(self.done)]
+
+
+@dataclass
 class IterationResult:
     loss_sum: torch.Tensor | None  # this pipeline's scaled micro-batch losses (last stage)
     grad_norm: float
@@ -110,9 +161,10 @@ class Executor:
         self.hook = hook or (lambda phase, it: None)
         self.shadow = shadow  # links to the CPU shadows of the stages this node writes
         self.generation = comm.generation
-        # what a takeover of the successor would use, kept until the next iteration starts
-        self.kept_outputs: dict[int, torch.Tensor] = {}
-        self.frc_outputs: dict[int, torch.Tensor] = {}
+        # the iteration in flight: what a takeover's rest of the iteration continues from
+        self.flight: InFlight | None = None
+        self.kept_bytes = 0  # of the last iteration (see InFlight.kept_bytes)
+        self.current: Sequence[Instr] = ()  # the stream being run (a rest after a takeover)
         # progress, read by the heartbeat thread and reported at recovery
         self.iteration = -1
         self.position = 0
@@ -129,62 +181,75 @@ class Executor:
 
     def run(self, stream: Sequence[Instr], batches: Microbatches, iteration: int,
             leaving: Callable[[], bool] = lambda: False) -> IterationResult:
+        """Run `stream` for `iteration`. If this node already worked on the iteration before a
+        failure (`self.flight`, carried into this generation by the worker), `stream` is the
+        rest of it (`spotpipe.schedule.replay`) and continues on what was kept."""
         p = self.w.num_stages
         last = p - 1
         self.iteration = iteration
-        inputs: dict[tuple[int, int], torch.Tensor] = {}
-        outputs: dict[tuple[int, int], torch.Tensor] = {}
-        out_grads: dict[tuple[int, int], torch.Tensor] = {}
-        local: dict[tuple[str, int, int], torch.Tensor] = {}  # hand-offs between own stages
-        self.kept_outputs, self.frc_outputs = {}, {}
-        loss_sum: torch.Tensor | None = None
+        self.current = stream
+        if self.flight is None or self.flight.iteration != iteration:
+            self.flight = InFlight(iteration)
+        f = self.flight
+        self._flags_gathered = None
         grad_norm, leave = 0.0, False
         seen: set[str] = set()
         replica_current = False
         keep = self.holding is not None and self.cfg.redundancy != "none"
+        salvageable = self.cfg.redundancy != "none"
         for pos, ins in enumerate(stream):
             self.position = pos
             op, s, mb = ins.op, ins.stage, ins.mb
-            phase = {Op.FORWARD: "forward", Op.BACKWARD: "backward",
+            phase = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.BRC_BACKWARD: "backward",
                      Op.ALL_REDUCE: "all-reduce"}.get(op)
             if phase and phase not in seen:
                 seen.add(phase)
                 self.hook(phase, iteration)
             if op == Op.RECV_ACT:
-                x = (local.pop(("act", s, mb)) if self._local(ins.peer)
+                x = (f.local.pop(("act", s, mb)) if self._local(ins.peer)
                      else self.comm.recv(self.w.node_of_stage[ins.peer], tag(ACT, ins.peer)))
-                inputs[(s, mb)] = x.requires_grad_()
+                f.inputs[(s, mb)] = x.requires_grad_()
             elif op == Op.FORWARD:
-                x = inputs[(s, mb)] if s > 0 else batches.inputs[mb]
+                x = f.inputs[(s, mb)] if s > 0 else batches.inputs[mb]
                 y = self.stages[s].module(x)
                 if self.digests is not None:
                     self.digests.write(iter=iteration, stage=s, mb=mb, role="output",
                                        digest=tensors_digest([y]))
                 if keep and s != last:
-                    self.kept_outputs[mb] = y.detach()
+                    f.kept_outputs[(s, mb)] = y.detach()
                 if s == last:
                     y = self.loss_fn(y, batches.targets[mb]) / self.loss_scale_div
-                    loss_sum = y.detach() if loss_sum is None else loss_sum + y.detach()
-                outputs[(s, mb)] = y
+                    f.loss_sum = y.detach() if f.loss_sum is None else f.loss_sum + y.detach()
+                f.outputs[(s, mb)] = y
             elif op == Op.SEND_ACT:
+                y = f.activation(s, mb)
                 if self._local(ins.peer):
-                    local[("act", ins.peer, mb)] = outputs[(s, mb)].detach()
+                    f.local[("act", ins.peer, mb)] = y.detach()
                 else:
-                    self.comm.send(outputs[(s, mb)], self.w.node_of_stage[ins.peer], tag(ACT, s))
+                    self.comm.send(y, self.w.node_of_stage[ins.peer], tag(ACT, s))
             elif op == Op.RECV_GRAD:
-                out_grads[(s, mb)] = (local.pop(("grad", s, mb)) if self._local(ins.peer)
-                                      else self.comm.recv(self.w.node_of_stage[ins.peer],
-                                                          tag(GRAD, ins.peer)))
+                f.out_grads[(s, mb)] = (f.local.pop(("grad", s, mb)) if self._local(ins.peer)
+                                        else self.comm.recv(self.w.node_of_stage[ins.peer],
+                                                            tag(GRAD, ins.peer)))
             elif op == Op.BACKWARD:
-                y = outputs.pop((s, mb))
+                y = f.outputs.pop((s, mb))
                 if s == last:
                     y.backward()
                 else:
-                    torch.autograd.backward(y, out_grads.pop((s, mb)))
+                    torch.autograd.backward(y, f.out_grads.pop((s, mb)))
+            elif op == Op.BRC_BACKWARD:
+                # backward redundant computation: the forward again, with autograd, from the
+                # kept input (its output already went on from FRC), then the backward
+                x = f.inputs[(s, mb)] if s > 0 else batches.inputs[mb]
+                torch.autograd.backward(self.stages[s].module(x), f.out_grads.pop((s, mb)))
+                f.done.add(("forward", s, mb))
             elif op == Op.SEND_GRAD:
-                g = inputs.pop((s, mb)).grad
+                x = f.inputs.pop((s, mb), None)
+                g = x.grad if x is not None else f.sent_grads[(s, mb)]
+                if salvageable:  # the successor re-sends it if this stage's new owner needs it
+                    f.sent_grads[(s, mb)] = g
                 if self._local(ins.peer):
-                    local[("grad", ins.peer, mb)] = g
+                    f.local[("grad", ins.peer, mb)] = g
                 else:
                     self.comm.send(g, self.w.node_of_stage[ins.peer], tag(GRAD, s))
             elif op == Op.FRC_FORWARD:
@@ -193,15 +258,17 @@ class Executor:
                 if not replica_current:  # FRC must see the replica as of the last iteration
                     red.applier.wait_applied(iteration - 1, check=self.comm.abort.check)
                     replica_current = True
-                x = batches.inputs[mb] if s == 0 else self.kept_outputs[mb]
+                x = batches.inputs[mb] if s == 0 else f.kept_outputs[((s - 1) % p, mb)]
                 with torch.no_grad():
                     out = red.replica.module(x.to(red.replica.device))
                 if self.digests is not None:
                     self.digests.write(iter=iteration, stage=s, mb=mb, role="frc",
                                        digest=tensors_digest([out]))
-                self.frc_outputs[mb] = out.to("cpu") if self.cfg.replica.offload_frc else out
+                f.frc_outputs[(s, mb)] = out.to("cpu") if self.cfg.replica.offload_frc else out
             elif op == Op.ALL_REDUCE:
                 self.comm.wait_sends()
+                if salvageable:
+                    f.keep_local_gradients(self.stages)
                 grad_norm = self.reduce_gradients(leaving())
                 self._post_replication(iteration)
             elif op == Op.OPTIMIZER_STEP:
@@ -219,6 +286,11 @@ class Executor:
                 self.step(iteration)
             else:
                 raise NotImplementedError(f"instruction {ins} is not executed by this runtime")
+            if op in KEPT_OPS or op == Op.BRC_BACKWARD:
+                f.done.add(("backward", s, mb) if op == Op.BRC_BACKWARD else done_key(ins))
+        loss_sum = f.loss_sum
+        self.kept_bytes = f.kept_bytes()
+        self.flight = None
         return IterationResult(loss_sum=loss_sum, grad_norm=grad_norm, leave_requested=leave)
 
     # ------------------------------------------------------------------ commit and step
@@ -262,11 +334,19 @@ class Executor:
         self._replica_recv = None
 
     def discard(self) -> None:
-        """Drop an uncommitted iteration: gradients and replica messages."""
+        """Drop an uncommitted iteration: gradients, what was kept, replica messages."""
         for state in self.stages.values():
             state.optimizer.zero_grad(set_to_none=True)
+        self.flight = None
+        self.abandon_messages()
+
+    def abandon_messages(self) -> None:
+        """Forget messages posted on the failed generation's groups; the work stays."""
         self._replica_recv = None
         self._replica_sends = []
+        if self.flight is not None:
+            self.flight.local.clear()  # hand-offs are redone with the sends that made them
+            self.flight.restore_local_gradients(self.stages)
 
     def set_lr(self, iteration: int) -> float:
         lr = 0.0
@@ -332,15 +412,18 @@ class Executor:
         The loss was divided by M * D, so a plain sum over pipelines gives the mean. With one
         pipeline no reduction runs at all, which keeps D = 1 bit-identical to one process.
         """
+        # gradients are replaced, never changed in place: InFlight keeps the local ones, and a
+        # reduction cut short by a failure is redone from them
         for s in sorted(self.stages):
             # a parameter the loss does not reach keeps grad None, as in a plain loop; which
             # ones is the same on every pipeline, so the flat buffers line up
-            grads = [p.grad for p in self.stages[s].params if p.grad is not None]
-            if grads and s in self.comm.data_parallel:
+            params = [p for p in self.stages[s].params if p.grad is not None]
+            if params and s in self.comm.data_parallel:
+                grads = [p.grad for p in params]
                 flat = torch._utils._flatten_dense_tensors(grads)
                 self.comm.all_reduce_dp(s, flat)
-                for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                    g.copy_(r)
+                for p, r in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
+                    p.grad = r
         self._sum_tied()
         mine = []
         for s in sorted(self.stages):
@@ -361,9 +444,10 @@ class Executor:
                                 for rank, offset, count in self.w.norm_segments])
         total = gradlib.total_norm(everything)
         if self.cfg.optimizer.grad_clip > 0:
-            grads = [p.grad for st in self.stages.values() for p in st.params
-                     if p.grad is not None]
-            gradlib.clip_(grads, total, self.cfg.optimizer.grad_clip)
+            params = [p for st in self.stages.values() for p in st.params if p.grad is not None]
+            scaled = gradlib.clipped([p.grad for p in params], total, self.cfg.optimizer.grad_clip)
+            for p, g in zip(params, scaled):
+                p.grad = g
         return float(total)
 
     def _sum_tied(self) -> None:
@@ -376,8 +460,7 @@ class Executor:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                 total = a.grad + b.grad
-                a.grad.copy_(total)
-                b.grad.copy_(total)
+                a.grad, b.grad = total, total.clone()
             return
         for s, partner in self.w.tied_partner.items():
             params = self.stages[s].tied_params
@@ -393,5 +476,5 @@ class Executor:
             offset = 0
             for p in params:
                 n = p.numel()
-                p.grad.add_(theirs[offset: offset + n].view_as(p))
+                p.grad = p.grad + theirs[offset: offset + n].view_as(p)
                 offset += n

@@ -27,12 +27,15 @@ def total_norm(all_norms: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(all_norms, 2.0)
 
 
-def clip_(grads: Sequence[torch.Tensor | None], norm: torch.Tensor, max_norm: float) -> None:
-    """Scale gradients in place by min(1, max_norm / (norm + 1e-6)), like clip_grad_norm_."""
+def clipped(grads: Sequence[torch.Tensor], norm: torch.Tensor,
+            max_norm: float) -> list[torch.Tensor]:
+    """Gradients scaled by min(1, max_norm / (norm + 1e-6)), like clip_grad_norm_ (the same
+    kernel, out of place): `grads` stay as they were, so that a reduction cut short by a
+    failure can be redone from them."""
+    if not grads:
+        return []
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    present = [g for g in grads if g is not None]
-    if present:
-        torch._foreach_mul_(present, coef.to(present[0].device))
+    return list(torch._foreach_mul(list(grads), coef.to(grads[0].device)))
 
 
 def gather_norms(mine: torch.Tensor, counts: Sequence[int], my_index: int,

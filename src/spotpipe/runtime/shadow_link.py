@@ -96,6 +96,7 @@ class ShadowWriter:
         self.max_lag, self.timeout_s = max_lag, timeout_s
         self.links: dict[int, _Link] = {}
         self.waited_s = 0.0  # time spent waiting on a shadow beyond max_lag
+        self.confirm_s = 0.0  # time spent confirming sends before commits (critical path)
         self.waiting = False  # blocked on a shadow, not computing (read by the heartbeat)
         self.bytes_received = 0
 
@@ -158,8 +159,10 @@ class ShadowWriter:
 
     def confirm(self) -> None:
         """Every gradient posted so far has left this node (before the commit)."""
+        started = time.perf_counter()
         for link in self.links.values():
             self._finish_sends(link)
+        self.confirm_s += time.perf_counter() - started
 
     def commit(self, iteration: int) -> None:
         for link in self.links.values():

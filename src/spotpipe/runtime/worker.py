@@ -49,6 +49,8 @@ from spotpipe.runtime.faults import Fault, Injector
 from spotpipe.runtime.optim import build_optimizer
 from spotpipe.runtime.replica import ReplicaApplier, ReplicaStage
 from spotpipe.runtime.shadow_link import ShadowWriter
+from spotpipe.schedule import Op
+from spotpipe.schedule.replay import done_from, rest_of_iteration
 
 
 class Leave(Exception):
@@ -161,6 +163,7 @@ class Worker:
                 "iteration": ex.iteration, "position": ex.position}
 
     _recovering = False
+    rest: list | None = None  # after a takeover: the rest of the in-flight iteration
 
     def _open_comm(self) -> Comm:
         """The generation's process groups among the nodes of the current layout."""
@@ -286,7 +289,9 @@ class Worker:
                 self.inject("start", t)
                 t_start = time.perf_counter()
                 lr = ex.set_lr(t)
-                result = ex.run(self.stream, self.batches(t), t,
+                stream, self.rest = (self.rest, None) if self.rest is not None else (self.stream,
+                                                                                     None)
+                result = ex.run(stream, self.batches(t), t,
                                 leaving=lambda: self.notices.is_set() or self.regroup.is_set())
                 self._report(t, result, lr, time.perf_counter() - t_start)
                 self._checkpoint(t)
@@ -341,8 +346,12 @@ class Worker:
         self.channel._post({
             "type": "report", "generation": g, "node": self.node, "boundary": boundary,
             "iteration": ex.iteration, "position": ex.position,
-            "instruction": str(self.stream[ex.position]) if ex.position < len(self.stream) else "",
+            "instruction": (str(ex.current[ex.position]) if ex.position < len(ex.current)
+                            else ""),
             "committed_through": ex.committed_through, "stepped_through": ex.stepped_through,
+            # what this node finished of the iteration in flight: the plan's rest builds on it
+            "done": ex.flight.done_list() if ex.flight is not None else [],
+            "flight": ex.flight.iteration if ex.flight is not None else -1,
             "leaving": leaving, "reason": str(why)[:300], "time_s": self.channel.now()})
         self.store.wait([plan_key(g)], timedelta(seconds=self.cfg.cluster.timeout_s * 4))
         plan = json.loads(self.store.get(plan_key(g)))
@@ -350,10 +359,14 @@ class Worker:
             raise JobStopped(plan["message"])
         new_layout = Layout.from_json(plan["layout"])
         resume = int(plan["resume"])
-        # finish the committed iteration, drop the one in flight
+        # finish the committed iteration; drop the one in flight, unless the plan continues it
         if ex.stepped_through < resume - 1:
             ex.step(resume - 1)
-        ex.discard()
+        salvage = "salvage" in plan and ex.flight is not None and ex.flight.iteration == resume
+        if salvage:
+            ex.abandon_messages()
+        else:
+            ex.discard()
         if self.node in new_layout.standby:  # e.g. one node more than the new depth needs
             self.channel.event("standby", generation=plan["generation"])
             if self.holding is not None:
@@ -402,14 +415,21 @@ class Worker:
                                                        self.cfg, self.device)
         self._relink(resume, set(restored))
         moved += [f"stage {s} from its shadow" for s in restored]
+        flight = self.executor.flight if self.executor is not None else None  # (a joiner: none)
         self._form(comm)
+        if "salvage" in plan and flight is not None and flight.iteration == resume:
+            self.executor.flight = flight
+            self.rest = self._rest_of_iteration(plan, promoted, flight)
         self._recovering = False
         kind = "takeover" if promoted else ("migrated" if moved else "regrouped")
+        rest = ({"rest": {"instructions": len(self.rest), "of": len(self.stream),
+                          "brc": sum(i.op == Op.BRC_BACKWARD for i in self.rest)}}
+                if self.rest is not None else {})
         self.channel.event("repartitioned" if repartition else kind,
                            generation=self.generation, stages=sorted(self.stages),
                            promoted=promoted, received=moved, resume=resume,
                            bytes_received=self.bytes_received,
-                           regroup_s=round(time.perf_counter() - started, 6),
+                           regroup_s=round(time.perf_counter() - started, 6), **rest,
                            **({"depth": new_layout.num_stages,
                                "layers": [list(self.spec.partition[s]) for s in
                                           sorted(self.stages)],
@@ -417,6 +437,21 @@ class Worker:
                                "exchange_s": round(exchanged - formed, 6)}
                               if repartition else {}))
         return resume
+
+    def _rest_of_iteration(self, plan: dict[str, Any], promoted: list[int],
+                           flight: Any) -> list:
+        """This node's share of the in-flight iteration still to run after a takeover: what
+        it finished stays, the promoted stages are redone (FRC outputs sent, BRC), and sends
+        its peers already received are left out (`spotpipe.schedule.replay`)."""
+        done = {n: done_from(entries) for n, entries in plan["salvage"].items()}
+        d = nodelib.pipeline_of(self.layout, self.node)
+        frc: dict[int, list[int]] = {}
+        for stage, mb in flight.frc_outputs:
+            frc.setdefault(stage, []).append(mb)
+        return rest_of_iteration(
+            self.stream, done.get(self.node, frozenset()),
+            lambda q: done.get(self.layout.owner(d, q), frozenset()), fresh=promoted,
+            frc_ready=frc, last_stage=self.layout.num_stages - 1)
 
     def _repartition(self, plan: dict[str, Any], old: Layout, comm: Comm,
                      resume: int) -> list[str]:
@@ -545,6 +580,7 @@ class Worker:
             raise RuntimeError(f"replica of stage {stage} is at iteration "
                                f"{holding.applier.applied}, expected {resume - 1}")
         holding.applier.close()
+        holding.replica.optimizer.zero_grad(set_to_none=True)
         module = holding.replica.module.to(self.device)
         self.stages[stage] = nodelib.stage_state_from(self.model, self.spec.partition, stage,
                                                       module, holding.replica.optimizer)
@@ -555,8 +591,9 @@ class Worker:
         self.heartbeat.stop()
         if self.shadow is not None:
             self.shadow.close()  # the next writer (or nobody, at the end) takes over the links
-            if self.shadow.waited_s:
-                self.channel.event("shadow_waits", waited_s=round(self.shadow.waited_s, 6))
+            if self.shadow.links or self.shadow.waited_s or self.shadow.confirm_s:
+                self.channel.event("shadow_waits", waited_s=round(self.shadow.waited_s, 6),
+                                   confirm_s=round(self.shadow.confirm_s, 6))
         if self.sample_log is not None:
             self.sample_log.close()
         if self.holding is not None:

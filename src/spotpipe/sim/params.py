@@ -44,14 +44,35 @@ class SimParams:
             raise ValueError(f"lazy_ratio must be in (0, 1], got {self.lazy_ratio!r}")
 
 
-def calibrate(path: str | Path, base: SimParams | None = None) -> SimParams:
-    """Override defaults from a bench JSON (a flat object, or one under a "figures" key).
+# figures of `spotpipe bench failover|reconfigure|checkpoint --json` that set a parameter
+# under another name: the simulator charges one reconfiguration pause for rebalance, add,
+# drop and re-partition alike (the mean of those measured), and a fatal failure with shadows
+# costs the measured shadow recovery
+RECONFIG_KEYS = ("rebalance_pause_s", "add_pipeline_pause_s", "drop_pipeline_pause_s",
+                 "repartition_pause_s")
+RENAMED = {"shadow_recovery_s": "shadow_restore_pause_s"}
+# pause figures the benches print that calibrate nothing here (they describe other variants)
+IGNORED_PAUSES = ("notice_pause_s", "iteration_replay_pause_s", "repartition_down_pause_s",
+                  "repartition_up_pause_s")
 
-    Keys named like the fields (pause_s, restart_pause_s, any *_pause_s, boot_s, ...) are
-    used; other keys are ignored, since bench output carries unrelated figures too. A file
-    with none of them is an error: calibrating from it would silently change nothing.
+
+def calibrate(paths: str | Path | list[str | Path], base: SimParams | None = None) -> SimParams:
+    """Override defaults from bench JSONs (flat objects, or one under a "figures" key); a later
+    file overrides an earlier one.
+
+    Keys named like the fields (pause_s, restart_pause_s, boot_s, lazy_ratio, ...) are used
+    as they are; the benches' reconfiguration pauses and shadow recovery map onto their fields
+    (RECONFIG_KEYS, RENAMED); other keys are ignored, since bench output carries unrelated
+    figures too. An unknown *_pause_s key (a typo in a hand-written file) and a file with no
+    figure at all are errors: calibrating from them would silently change nothing.
     """
-    path = Path(path)
+    params = base or SimParams()
+    for path in ([paths] if isinstance(paths, (str, Path)) else paths):
+        params = _calibrate_one(Path(path), params)
+    return params
+
+
+def _calibrate_one(path: Path, base: SimParams) -> SimParams:
     try:
         raw = json.loads(path.read_text())
     except OSError as exc:
@@ -64,13 +85,20 @@ def calibrate(path: str | Path, base: SimParams | None = None) -> SimParams:
         raise ValueError(f"{path}: calibration must be a JSON object")
     names = {f.name for f in fields(SimParams)}
     found = {k: v for k, v in raw.items() if k in names}
-    unknown = sorted(k for k in raw if k.endswith("_pause_s") and k not in names)
+    for key, field_name in RENAMED.items():
+        if key in raw and field_name not in found:
+            found[field_name] = raw[key]
+    reconfig = [raw[k] for k in RECONFIG_KEYS if isinstance(raw.get(k), (int, float))]
+    if reconfig and "reconfig_pause_s" not in found:
+        found["reconfig_pause_s"] = sum(reconfig) / len(reconfig)
+    unknown = sorted(k for k in raw if k.endswith("_pause_s") and k not in names
+                     and k not in RECONFIG_KEYS and k not in IGNORED_PAUSES)
     if unknown:
         raise ValueError(f"{path}: unknown pause figure(s) {unknown}; known: {sorted(names)}")
     if not found:
         raise ValueError(f"{path}: no calibration figures; expected some of {sorted(names)}")
     try:
-        return replace(base or SimParams(), **found)
+        return replace(base, **found)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
 
