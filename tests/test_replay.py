@@ -79,10 +79,12 @@ def test_rest_of_iteration_completes_exactly_once(kind, p):
                 fresh=[lost] if node == heir else [],
                 frc_ready={lost: frc} if node == heir else None, last_stage=p - 1))
         # what the rest does, per stage, on top of what the survivors kept
-        fwd = defaultdict(list, {q: sorted(mb for (op, s, mb) in done[q] if op == "forward" and s == q)
-                                 for q in range(p) if q != lost})
-        bwd = defaultdict(list, {q: sorted(mb for (op, s, mb) in done[q] if op == "backward" and s == q)
-                                 for q in range(p) if q != lost})
+        def kept(kind):
+            return defaultdict(list, {q: sorted(mb for (op, s, mb) in done[q]
+                                                if op == kind and s == q)
+                                      for q in range(p) if q != lost})
+
+        fwd, bwd = kept("forward"), kept("backward")
         have = defaultdict(set, {q: set(done[q]) for q in range(p) if q != lost})
 
         def state(actor, ins):
