@@ -117,12 +117,25 @@ def run(quick: bool = False) -> dict[str, Any]:
     notice = tmp / "notice"
     _train(notice, *common, "--notice", f"node1@{crash_at}", "--notice", f"node3@{notice_at}")
     crashes = failover_pauses(crash)
-    whole: list[dict[str, float]] = []
-    if not quick:  # the same crashes, every node replaying the whole in-flight iteration
-        whole_run = tmp / "crash-replay-iteration"
-        _train(whole_run, *common, "--set", "failover.replay=iteration",
-               "--fail", f"node1@{crash_at}:backward", "--fail", f"node3@{notice_at}:forward")
-        whole = failover_pauses(whole_run)
+    variants: dict[str, float] = {}
+    if not quick:
+        # the same crashes with every node replaying the whole in-flight iteration, and both
+        # ways with eager FRC (whose outputs the rest of the iteration sends on at once)
+        for mode in ("lazy", "eager"):
+            for replay in ("rest", "iteration"):
+                if (mode, replay) == ("lazy", "rest"):
+                    continue  # the main run
+                out = tmp / f"crash-{mode}-{replay}"
+                _train(out, "--stages", "4", "--set", f"iterations={iters}",
+                       "--set", f"redundancy={mode}", "--set", f"failover.replay={replay}",
+                       "--fail", f"node1@{crash_at}:backward",
+                       "--fail", f"node3@{notice_at}:forward")
+                got = failover_pauses(out)
+                name = f"{mode}_{replay}" if mode == "eager" else replay
+                variants[f"{name}_replay_pause_s"] = round(
+                    statistics.median(p["pause_s"] for p in got), 4)
+                variants[f"{name}_replay_s"] = round(
+                    statistics.median(p["replay_s"] for p in got), 4)
     notices = failover_pauses(notice)
     # the baseline: no redundancy, a checkpoint every k iterations, restart everything
     first, second = tmp / "restart-1", tmp / "restart-2"
@@ -141,9 +154,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "agreement_s": round(statistics.median(p["agreement_s"] for p in crashes), 4),
         "takeover_s": round(statistics.median(p["takeover_s"] for p in crashes), 4),
         "replay_s": round(statistics.median(p["replay_s"] for p in crashes), 4),
-        **({"iteration_replay_pause_s": round(statistics.median(p["pause_s"] for p in whole), 4),
-            "iteration_replay_replay_s": round(statistics.median(p["replay_s"] for p in whole),
-                                               4)} if whole else {}),
+        **variants,
         # a notice arrives at an iteration's start and rides that iteration's commit, which is
         # useful work: the pause is the stall between the iteration that carried it and the
         # first one after the regroup

@@ -52,7 +52,8 @@ RECONFIG_KEYS = ("rebalance_pause_s", "add_pipeline_pause_s", "drop_pipeline_pau
                  "repartition_pause_s")
 RENAMED = {"shadow_recovery_s": "shadow_restore_pause_s"}
 # pause figures the benches print that calibrate nothing here (they describe other variants)
-IGNORED_PAUSES = ("notice_pause_s", "iteration_replay_pause_s", "repartition_down_pause_s",
+IGNORED_PAUSES = ("notice_pause_s", "iteration_replay_pause_s", "eager_rest_replay_pause_s",
+                  "eager_iteration_replay_pause_s", "repartition_down_pause_s",
                   "repartition_up_pause_s")
 
 
