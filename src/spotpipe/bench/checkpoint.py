@@ -34,8 +34,8 @@ iterations run again).
 
 The CPU shadows are not a scheme inside the training loop but processes beside it (started by
 the launcher, fed over their own links), so they are measured on real local clusters
-(`spotpipe.bench.shadow`): `shadow_ratio` from the same job with and without shadows, runs
-interleaved; `lost_iterations_per_failure["shadow"]` and `shadow_recovery_s` from a job without
+(`spotpipe.bench.shadow`): `shadow_ratio` from the same job with and without shadows, in
+back-to-back pairs of runs (the median of the pairs' ratios); `lost_iterations_per_failure["shadow"]` and `shadow_recovery_s` from a job without
 redundancy killed again and again at random iterations and phases, each loss repaired from the
 shadows in place (nothing restarts).
 """
@@ -179,8 +179,8 @@ def _shadows(quick: bool) -> dict[str, Any]:
 
     tmp = Path(tempfile.mkdtemp(prefix="spotpipe-bench-shadow-"))
     try:
-        out: dict[str, Any] = shadow.throughput(tmp, rounds=1 if quick else 3,
-                                                iters=12 if quick else 40)
+        out: dict[str, Any] = shadow.throughput(tmp, rounds=1 if quick else 8,
+                                                iters=12 if quick else 60)
         kills = shadow.recovery(tmp, kills=2 if quick else 20, runs=1 if quick else 2, seed=0)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -27,17 +27,29 @@ def iteration_times(run: Path, skip: int = 3) -> list[float]:
 
 def throughput(tmp: Path, *, rounds: int, iters: int,
                redundancy: str = "none") -> dict[str, Any]:
-    """Median iteration time with and without shadows, interleaved."""
+    """Iteration time with and without shadows, in interleaved rounds.
+
+    Runs minutes apart on a shared machine differ by 10% with the same configuration, more
+    than the shadows cost, so each round pairs one run without and one with shadows, back to
+    back, and the ratio is the median over rounds of each pair's ratio of median iteration
+    times (drift between rounds cancels within a pair)."""
     times: dict[str, list[float]] = {"none": [], "shadow": []}
+    pairs: list[float] = []
     common = ["--stages", "2", "--set", f"iterations={iters}", "--set", f"redundancy={redundancy}"]
     for r in range(rounds):
-        for variant in ("none", "shadow"):
+        medians = {}
+        for variant in (("none", "shadow") if r % 2 == 0 else ("shadow", "none")):
             out = tmp / f"tput-{variant}-{r}"
             _train(out, *common, "--set", f"shadow.enabled={variant == 'shadow'}")
-            times[variant] += iteration_times(out)
+            got = iteration_times(out)
+            times[variant] += got
+            medians[variant] = statistics.median(got)
+        pairs.append(medians["none"] / medians["shadow"])
     base, shadow = statistics.median(times["none"]), statistics.median(times["shadow"])
-    return {"shadow_ratio": round(base / shadow, 4), "iteration_s": round(base, 5),
-            "shadow_iteration_s": round(shadow, 5)}
+    return {"shadow_ratio": round(statistics.median(pairs), 4),
+            "shadow_ratio_pooled": round(base / shadow, 4),
+            "shadow_ratio_rounds": [round(x, 4) for x in pairs],
+            "iteration_s": round(base, 5), "shadow_iteration_s": round(shadow, 5)}
 
 
 def kill_schedule(kills: int, *, seed: int, first: int = 4, gap: int = 4) -> tuple[list[str], int]:

@@ -24,6 +24,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,8 +38,13 @@ from spotpipe.runtime import migrate
 from spotpipe.runtime import node as nodelib
 from spotpipe.runtime.digest import DigestLog
 from spotpipe.runtime.replica import ReplicaApplier, ReplicaStage
-from spotpipe.runtime.shadow_link import (ACK, COMMIT, END, GRAD, HELLO, applied_key, header,
-                                          link_key, pair_group)
+from spotpipe.runtime.shadow_link import (ACK, COMMIT, END, GRAD, GRAD_TAG, HELLO, applied_key,
+                                          header, link_key, pair_group)
+
+
+# receives posted ahead on links that ended: kept, not destroyed, as the generations' groups
+# are (a gloo object with a pending operation can block in its destructor)
+_UNMATCHED: list[Any] = []
 
 
 class LinkBroken(Exception):
@@ -99,7 +105,8 @@ class Shadow:
                 break
         self.applier.close()
         self.channel.event("shadow_done", stage=self.stage, iteration=self.applied,
-                           max_lag=self.max_lag_seen, links=self.links)
+                           max_lag=self.max_lag_seen, links=self.links,
+                           cpu_s=round(time.process_time(), 3))  # what the shadow costs a host
 
     # ------------------------------------------------------------------ one link
 
@@ -112,30 +119,53 @@ class Shadow:
 
     def _serve(self, group: object) -> bool:
         """Follow one writer until it ends the link (True) or disappears (LinkBroken)."""
-        while True:
-            kind, t, arg, _ = self._recv(group, torch.empty(4, dtype=torch.int64)).tolist()
-            if kind == HELLO:
-                self._settle(resume=t)
-                group.send([header(ACK, self.applied)], 1, 0).wait()  # type: ignore[attr-defined]
-                if arg:
-                    flat = migrate.flatten(self.module, self.optimizer)
-                    group.send([flat], 1, 0).wait()  # type: ignore[attr-defined]
-                    self.channel.event("shadow_restored", stage=self.stage,
-                                       iteration=self.applied,
-                                       bytes=flat.numel() * flat.element_size())
-            elif kind == GRAD:
-                flat = self._recv(group, torch.empty(self.grad_size))
-                self.pending = (t, flat)
-                self.max_lag_seen = max(self.max_lag_seen, t - self.applier.applied)
-            elif kind == COMMIT:
-                if self.pending is None or self.pending[0] != t:
-                    raise RuntimeError(f"shadow of stage {self.stage}: commit of iteration {t} "
-                                       f"without its gradient (holding {self.pending and self.pending[0]})")
-                self._submit(*self.pending)
-            elif kind == END:
-                return True
-            else:
-                raise RuntimeError(f"shadow of stage {self.stage}: unknown message kind {kind}")
+        ahead: tuple[Any, torch.Tensor] | None = None  # the next gradient's receive, posted
+        try:
+            while True:
+                kind, t, arg, _ = self._recv(group, torch.empty(4, dtype=torch.int64)).tolist()
+                if kind == HELLO:
+                    self._settle(resume=t)
+                    group.send([header(ACK, self.applied)], 1, 0).wait()  # type: ignore[attr-defined]
+                    if arg:
+                        flat = migrate.flatten(self.module, self.optimizer)
+                        group.send([flat], 1, 0).wait()  # type: ignore[attr-defined]
+                        self.channel.event("shadow_restored", stage=self.stage,
+                                           iteration=self.applied,
+                                           bytes=flat.numel() * flat.element_size())
+                    ahead = self._post_gradient(group)
+                elif kind == GRAD:
+                    if ahead is None:
+                        raise RuntimeError(f"shadow of stage {self.stage}: a gradient before "
+                                           "HELLO")
+                    flat = self._wait(*ahead)
+                    ahead = self._post_gradient(group)
+                    self.pending = (t, flat)
+                    self.max_lag_seen = max(self.max_lag_seen, t - self.applier.applied)
+                elif kind == COMMIT:
+                    if self.pending is None or self.pending[0] != t:
+                        raise RuntimeError(f"shadow of stage {self.stage}: commit of iteration "
+                                           f"{t} without its gradient (holding "
+                                           f"{self.pending and self.pending[0]})")
+                    self._submit(*self.pending)
+                elif kind == END:
+                    return True
+                else:
+                    raise RuntimeError(f"shadow of stage {self.stage}: unknown message kind "
+                                       f"{kind}")
+        finally:
+            if ahead is not None:  # never matched now: the link's group is dropped with it
+                _UNMATCHED.append(ahead)
+
+    def _post_gradient(self, group: Any) -> tuple[Any, torch.Tensor]:
+        buffer = torch.empty(self.grad_size)
+        return group.recv([buffer], 1, GRAD_TAG), buffer
+
+    def _wait(self, work: Any, tensor: torch.Tensor) -> torch.Tensor:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise LinkBroken(str(exc).splitlines()[0]) from None
+        return tensor
 
     def _settle(self, resume: int) -> None:
         """A new writer starts at `resume`: iteration resume - 1 was committed by the

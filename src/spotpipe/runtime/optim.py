@@ -18,10 +18,12 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: Config) -> torch.
     o = cfg.optimizer
     params = list(params)
     if o.name == "adamw":
-        # foreach=False: the per-tensor kernels are the same on every process whatever the
-        # grouping of tensors into stages, so partitioned and unpartitioned steps match bitwise.
+        # fused: one kernel that updates each tensor on its own, so partitioned and
+        # unpartitioned steps match bitwise whatever the grouping of tensors into stages (as
+        # the per-tensor loop, foreach=False, does); on CPU it is 4-5x faster than that loop,
+        # which matters to the CPU shadows that apply every iteration's step beside training
         return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                 weight_decay=o.weight_decay, foreach=False)
+                                 weight_decay=o.weight_decay, fused=True)
     return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
                            foreach=False)
 

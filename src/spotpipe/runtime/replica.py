@@ -80,11 +80,12 @@ def flatten_state(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) 
 def apply_flat_gradient(params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
                         cfg: Config, iteration: int, flat: torch.Tensor) -> None:
     """The owner's optimizer step of `iteration`, replayed from what `flatten_grads` sent."""
-    flags = flat[-len(params):]
+    flags = flat[-len(params):].tolist()
     offset = 0
     for i, p in enumerate(params):
         n = p.numel()
-        p.grad = flat[offset: offset + n].view_as(p).clone() if flags[i] else None
+        # a view, not a copy: every message arrives in a buffer of its own, never reused
+        p.grad = flat[offset: offset + n].view_as(p) if flags[i] else None
         offset += n
     set_lr(optimizer, cfg, iteration)
     optimizer.step()

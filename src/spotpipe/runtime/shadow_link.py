@@ -17,7 +17,11 @@ a payload:
   `want_state` sends the stage's state (a restore onto a node that lost it).
 - GRAD(t) + the flat gradient (`replica.flatten_grads`): iteration t's final gradient. Sent
   when the gradient is reduced and confirmed before the iteration commits, as for replicas, so
-  a committed iteration is always in the shadow's hands even if the writer dies next.
+  a committed iteration is always in the shadow's hands even if the writer dies next. The
+  gradient travels under its own tag (GRAD_TAG), so that the shadow can post the receive of
+  the next one ahead of time: the writer's send then completes as soon as the bytes are
+  copied, without waiting for the shadow's process to be scheduled (the confirm is on the
+  training's critical path).
 - COMMIT(t): iteration t committed everywhere: the shadow applies it.
 - END: the writer hands the stage over (or the job is over); the shadow waits for the next link.
 
@@ -41,6 +45,7 @@ from spotpipe.runtime.digest import optimizer_tensors
 from spotpipe.checkpoint.durable import materialise_optimizer_state
 
 HELLO, ACK, GRAD, COMMIT, END = 1, 2, 3, 4, 5
+HEADER_TAG, GRAD_TAG = 0, 1
 _HEADER = 4
 
 
@@ -155,7 +160,7 @@ class ShadowWriter:
         flat = flat.detach().to("cpu")
         h = header(GRAD, iteration)
         link.sends.append((link.group.send([h], 0, 0), h))
-        link.sends.append((link.group.send([flat], 0, 0), flat))
+        link.sends.append((link.group.send([flat], 0, GRAD_TAG), flat))
 
     def confirm(self) -> None:
         """Every gradient posted so far has left this node (before the commit)."""

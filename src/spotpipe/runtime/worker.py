@@ -605,7 +605,8 @@ class Worker:
             self.digests.close()
         if not left:
             self.save_final()
-        self.channel.event("worker_left" if left else "worker_done", stages=sorted(self.stages))
+        self.channel.event("worker_left" if left else "worker_done", stages=sorted(self.stages),
+                           cpu_s=round(time.process_time(), 3))
 
     def save_final(self) -> None:
         """Pipeline 0's owners write their stages; the launcher merges them."""
