@@ -9,11 +9,11 @@ serves that state when two adjacent stages are lost (no replica survives), and w
 durable checkpoints (every `checkpoint.every` iterations), so workers never stop to save.
 
 Started by the launcher, one process per stage, with the worker's environment plus
-SPOTPIPE_SHADOW_STAGE. The main thread receives at normal priority, so that a writer's send
-completes at once (it confirms the send before it commits); the optimizer steps run on a
-background thread at the lowest priority (SCHED_IDLE, the replica applier's), so they use only
-CPU time that training leaves idle; if they fall `shadow.max_lag` iterations behind, the
-writer waits.
+SPOTPIPE_SHADOW_STAGE. The whole process runs at the lowest priority (SCHED_IDLE), so where it
+shares a host with workers it uses only CPU time that training leaves idle; the receive of the
+next gradient is always posted ahead, so a writer's send (which it confirms before it commits)
+completes without this process being scheduled. The optimizer steps run on a background thread
+(the replica applier); if they fall `shadow.max_lag` iterations behind, the writer waits.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ from spotpipe.config import Config, load_config
 from spotpipe.runtime import migrate
 from spotpipe.runtime import node as nodelib
 from spotpipe.runtime.digest import DigestLog
-from spotpipe.runtime.replica import ReplicaApplier, ReplicaStage
+from spotpipe.runtime.replica import ReplicaApplier, ReplicaStage, scale_flat_gradient
 from spotpipe.runtime.shadow_link import (ACK, COMMIT, END, GRAD, GRAD_TAG, HELLO, applied_key,
-                                          header, link_key, pair_group)
+                                          header, latest_key, link_key, pair_group,
+                                          scale_from_bits)
 
 
 # receives posted ahead on links that ended: kept, not destroyed, as the generations' groups
@@ -63,6 +64,7 @@ class Shadow:
         self.module, self.optimizer = state.module, state.optimizer
         replica = ReplicaStage(stage, self.module, self.optimizer, torch.device("cpu"))
         self.grad_size = replica.grad_message_size()
+        self.num_params = len(replica.params)
         self.submitted = -1  # the newest iteration handed to the applier
         resume = os.environ.get("SPOTPIPE_RESUME")
         if resume:
@@ -122,9 +124,10 @@ class Shadow:
         ahead: tuple[Any, torch.Tensor] | None = None  # the next gradient's receive, posted
         try:
             while True:
-                kind, t, arg, _ = self._recv(group, torch.empty(4, dtype=torch.int64)).tolist()
+                kind, t, arg, bits = self._recv(group,
+                                                torch.empty(4, dtype=torch.int64)).tolist()
                 if kind == HELLO:
-                    self._settle(resume=t)
+                    self._settle(resume=t, scale=scale_from_bits(bits))
                     group.send([header(ACK, self.applied)], 1, 0).wait()  # type: ignore[attr-defined]
                     if arg:
                         flat = migrate.flatten(self.module, self.optimizer)
@@ -146,7 +149,7 @@ class Shadow:
                         raise RuntimeError(f"shadow of stage {self.stage}: commit of iteration "
                                            f"{t} without its gradient (holding "
                                            f"{self.pending and self.pending[0]})")
-                    self._submit(*self.pending)
+                    self._submit(*self.pending, scale_from_bits(bits))
                 elif kind == END:
                     return True
                 else:
@@ -167,20 +170,26 @@ class Shadow:
             raise LinkBroken(str(exc).splitlines()[0]) from None
         return tensor
 
-    def _settle(self, resume: int) -> None:
+    def _settle(self, resume: int, scale: torch.Tensor | None) -> None:
         """A new writer starts at `resume`: iteration resume - 1 was committed by the
-        survivors, so a gradient of it still pending is applied; a later one was not, and
-        will be sent again when the iteration is replayed."""
+        survivors, so a gradient of it still pending is applied (with the clipping scale the
+        new writer brings); a later one was not, and will be sent again when the iteration is
+        replayed."""
         if self.pending is not None:
             t, flat = self.pending
             if t == resume - 1 and self.submitted == t - 1:
-                self._submit(t, flat)
+                self._submit(t, flat, scale)
             self.pending = None
 
-    def _submit(self, iteration: int, flat: torch.Tensor) -> None:
+    def _submit(self, iteration: int, flat: torch.Tensor, scale: torch.Tensor | None) -> None:
         if iteration != self.submitted + 1:
             raise RuntimeError(f"shadow of stage {self.stage}: iteration {iteration} after "
                                f"{self.submitted}")
+        if self.cfg.optimizer.grad_clip > 0:
+            if scale is None:
+                raise RuntimeError(f"shadow of stage {self.stage}: iteration {iteration} "
+                                   "committed without its clipping scale")
+            scale_flat_gradient(flat, self.num_params, scale)
         self.applier.submit(iteration, "grad", flat)
         self.submitted = iteration
         self.pending = None
@@ -188,6 +197,7 @@ class Shadow:
     def _applied(self, iteration: int) -> None:
         """On the applier's thread, after iteration `iteration`'s step."""
         self.store.set(applied_key(self.namespace, self.stage, iteration), "")
+        self.store.set(latest_key(self.namespace, self.stage), str(iteration))
         every = self.cfg.checkpoint.every
         if every and (iteration + 1) % every == 0:
             started = time.perf_counter()
@@ -204,6 +214,10 @@ def main() -> int:
     stage = int(os.environ["SPOTPIPE_SHADOW_STAGE"])
     cfg = load_config(os.environ.get("SPOTPIPE_CONFIG") or run_dir / "config.yaml")
     torch.set_num_threads(1)
+    try:  # the whole process, and the threads it starts, only on CPU that training leaves idle
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux, or not permitted: normal priority
+        pass
     spec = job.RunSpec.from_json(json.loads((run_dir / "run.json").read_text()))
     store = StoreAddress.from_env().connect(cfg.cluster.timeout_s)
     channel = WorkerChannel(store, f"shadow{stage}", t0)

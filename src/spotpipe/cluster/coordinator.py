@@ -346,7 +346,11 @@ class Coordinator:
                     "moves": [{"kind": m.kind.value, "pipeline": m.pipeline, "stage": m.stage,
                                "src": m.src, "dst": m.dst} for m in decision.moves],
                     "stages": decision.layout.num_stages, "partition": partition,
-                    "previous_partition": self.partition}
+                    "previous_partition": self.partition,
+                    # for a shadow whose writer died between the commit and its COMMIT message
+                    "clip_scale": next((r["clip_scale"] for r in rec.reports.values()
+                                        if r["committed_through"] == resume - 1
+                                        and r.get("clip_scale") is not None), None)}
             if self._continues_in_flight(decision, resume):
                 # survivors keep their share of the in-flight iteration; each derives the rest
                 # from what every node reports done (spotpipe.schedule.replay)
@@ -359,7 +363,8 @@ class Coordinator:
             self.store.set(abort_key(rec.generation), "the generation ended at a boundary")
         self.emit({"time_s": self.now(), "kind": "plan", "node": "launcher",
                    "generation": rec.generation, **{k: v for k, v in plan.items()
-                                                    if k not in ("layout", "salvage")},
+                                                    if k not in ("layout", "salvage",
+                                                                 "clip_scale")},
                    **({"replay": "rest" if "salvage" in plan else "iteration"}
                       if plan["action"] != "stop" else {}),
                    **({"carriers": {n: [s for _, s in slots] for n, slots in

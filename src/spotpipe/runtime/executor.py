@@ -15,6 +15,7 @@ survivors either all complete the iteration or all replay it.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -164,6 +165,9 @@ class Executor:
         # the iteration in flight: what a takeover's rest of the iteration continues from
         self.flight: InFlight | None = None
         self.kept_bytes = 0  # of the last iteration (see InFlight.kept_bytes)
+        # the last reduction's clipping scale (None: no clipping), which the shadows apply
+        self.clip_scale: torch.Tensor | None = None
+        self.clip_scales: dict[int, float] = {}  # recent iterations' scales (a recovery's HELLO)
         self.current: Sequence[Instr] = ()  # the stream being run (a rest after a takeover)
         # progress, read by the heartbeat thread and reported at recovery
         self.iteration = -1
@@ -269,7 +273,7 @@ class Executor:
                 self.comm.wait_sends()
                 if salvageable:
                     f.keep_local_gradients(self.stages)
-                grad_norm = self.reduce_gradients(leaving())
+                grad_norm = self.reduce_gradients(leaving(), iteration)
                 self._post_replication(iteration)
             elif op == Op.OPTIMIZER_STEP:
                 self._confirm_replication()
@@ -299,8 +303,9 @@ class Executor:
         """Every node holds final gradients (and its replica's) for `iteration`: commit.
 
         Without redundancy there is no replica to wait for, and the gradient-norm all-gather
-        that every node just took part in already says that everyone holds final gradients;
-        the flags rode on it, so no second collective runs."""
+        that every node just took part in already says that everyone holds final gradients
+        (shadows had theirs confirmed before it); the flags rode on it, so no second
+        collective runs."""
         if self._flags_gathered is not None:
             self.committed_through = iteration
             return False
@@ -325,7 +330,7 @@ class Executor:
                                    **stage_digest(state.module, state.optimizer))
         self.stepped_through = iteration
         if self.shadow is not None:
-            self.shadow.commit(iteration)
+            self.shadow.commit(iteration, self.clip_scale)
         if self.cfg.replica.sync == "state":
             self._exchange_state(iteration)
         elif self.holding is not None:
@@ -356,17 +361,22 @@ class Executor:
 
     # ------------------------------------------------------------------ gradient replication
 
+    def _post_shadows(self, iteration: int) -> None:
+        """Ship the (reduced, unclipped) gradients to the shadows and confirm they left."""
+        assert self.shadow is not None
+        for s in sorted(self.shadow.links):
+            started = time.perf_counter()
+            flat = flatten_grads(self.stages[s].params)
+            self.shadow.spent("copy", started)
+            self.shadow.post_grad(iteration, s, flat)
+        self.shadow.confirm()
+
     def _post_replication(self, iteration: int) -> None:
         self._replica_sends = []
-        flats: dict[int, torch.Tensor] = {}
-        if self.shadow is not None:
-            for s in sorted(self.shadow.links):
-                flats[s] = flatten_grads(self.stages[s].params)
-                self.shadow.post_grad(iteration, s, flats[s])
         if self.cfg.replica.sync != "gradient":
             return
         for s, holder in sorted(self.w.replica_holder.items()):
-            flat = flats[s] if s in flats else flatten_grads(self.stages[s].params)
+            flat = flatten_grads(self.stages[s].params)
             self._replica_sends.append((self.comm.post_send(flat, holder, tag(REPLICA, s)), flat))
         if self.holding is not None:
             buffer = torch.empty(self.holding.replica.grad_message_size(),
@@ -376,8 +386,6 @@ class Executor:
             self._replica_recv = (work, buffer)
 
     def _confirm_replication(self) -> None:
-        if self.shadow is not None:
-            self.shadow.confirm()
         if self._replica_recv is not None:
             self.comm.wait(self._replica_recv[0])
         for work, _ in self._replica_sends:
@@ -406,7 +414,7 @@ class Executor:
 
     # ------------------------------------------------------------------ gradient reduction
 
-    def reduce_gradients(self, leaving: bool = False) -> float:
+    def reduce_gradients(self, leaving: bool = False, iteration: int = -1) -> float:
         """Data-parallel sum, tied-weight sum, then clipping by the global norm.
 
         The loss was divided by M * D, so a plain sum over pipelines gives the mean. With one
@@ -425,6 +433,11 @@ class Executor:
                 for p, r in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
                     p.grad = r
         self._sum_tied()
+        if self.shadow is not None and iteration >= 0:
+            # the shadows get the gradient before clipping, and the clipping scale with the
+            # commit (Checkmate sends what is not a gradient alongside): the confirm is done
+            # before the norm gather, so that the gather can stay the commit
+            self._post_shadows(iteration)
         mine = []
         for s in sorted(self.stages):
             like = self.stages[s].params[0] if self.stages[s].params else torch.zeros(1)
@@ -438,14 +451,17 @@ class Executor:
         # the commit may ride on this gather only when nothing must be confirmed first:
         # no replica to feed, no shadow to hand the gradient to before the iteration commits
         self._flags_gathered = (any(float(g[-1]) > 0 for g in gathered)
-                                if self.cfg.redundancy == "none" and self.shadow is None
-                                else None)
+                                if self.cfg.redundancy == "none" else None)
         everything = torch.cat([gathered[rank][offset: offset + count]
                                 for rank, offset, count in self.w.norm_segments])
         total = gradlib.total_norm(everything)
+        self.clip_scale = None
         if self.cfg.optimizer.grad_clip > 0:
+            self.clip_scale = gradlib.clip_scale(total, self.cfg.optimizer.grad_clip)
+            self.clip_scales = {t: c for t, c in self.clip_scales.items() if t >= iteration - 2}
+            self.clip_scales[iteration] = float(self.clip_scale)
             params = [p for st in self.stages.values() for p in st.params if p.grad is not None]
-            scaled = gradlib.clipped([p.grad for p in params], total, self.cfg.optimizer.grad_clip)
+            scaled = gradlib.clipped([p.grad for p in params], self.clip_scale)
             for p, g in zip(params, scaled):
                 p.grad = g
         return float(total)

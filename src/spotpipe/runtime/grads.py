@@ -27,15 +27,18 @@ def total_norm(all_norms: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(all_norms, 2.0)
 
 
-def clipped(grads: Sequence[torch.Tensor], norm: torch.Tensor,
-            max_norm: float) -> list[torch.Tensor]:
-    """Gradients scaled by min(1, max_norm / (norm + 1e-6)), like clip_grad_norm_ (the same
-    kernel, out of place): `grads` stay as they were, so that a reduction cut short by a
-    failure can be redone from them."""
+def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_ computes it."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+def clipped(grads: Sequence[torch.Tensor], scale: torch.Tensor) -> list[torch.Tensor]:
+    """Gradients times `scale` (`clip_scale`), like clip_grad_norm_ (the same kernel, out of
+    place): `grads` stay as they were, so that a reduction cut short by a failure can be
+    redone from them. A shadow applies the same scale to the same bits (`scale_flat`)."""
     if not grads:
         return []
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    return list(torch._foreach_mul(list(grads), coef.to(grads[0].device)))
+    return list(torch._foreach_mul(list(grads), scale.to(grads[0].device)))
 
 
 def gather_norms(mine: torch.Tensor, counts: Sequence[int], my_index: int,

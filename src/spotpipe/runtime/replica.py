@@ -71,6 +71,12 @@ def flatten_grads(params: list[nn.Parameter]) -> torch.Tensor:
     return torch.cat(parts + [flags])
 
 
+def scale_flat_gradient(flat: torch.Tensor, num_params: int, scale: torch.Tensor) -> None:
+    """Clip a `flatten_grads` message in place: its values (not the flags) times `scale`,
+    the kernel and operands of the owner's clipping (`grads.clipped`), hence the same bits."""
+    flat[: flat.numel() - num_params].mul_(scale.to(flat.device))
+
+
 def flatten_state(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> torch.Tensor:
     """Parameters, then the optimizer state in parameter and key order (baseline sync)."""
     return torch.cat([p.detach().reshape(-1) for p in params]

@@ -22,7 +22,10 @@ a payload:
   the next one ahead of time: the writer's send then completes as soon as the bytes are
   copied, without waiting for the shadow's process to be scheduled (the confirm is on the
   training's critical path).
-- COMMIT(t): iteration t committed everywhere: the shadow applies it.
+- COMMIT(t, scale): iteration t committed everywhere: the shadow scales the gradient by the
+  clipping scale (sent before clipping, because the scale needs the global norm, which the
+  commit's own collective gathers) and applies it. A HELLO carries the scale of iteration
+  `resume - 1`, for a gradient whose COMMIT its writer did not live to send.
 - END: the writer hands the stage over (or the job is over); the shadow waits for the next link.
 
 Gloo carries the links whatever the job's backend: shadows live on CPU hosts.
@@ -61,6 +64,12 @@ def applied_key(namespace: str, stage: int, iteration: int) -> str:
     return f"{namespace}/shadow/{stage}/applied/{iteration}"
 
 
+def latest_key(namespace: str, stage: int) -> str:
+    """The newest iteration the shadow applied: one read tells the writer how far ahead it may
+    run without asking again (the per-iteration keys are for waiting on)."""
+    return f"{namespace}/shadow/{stage}/applied/latest"
+
+
 def pair_group(store: dist.Store, namespace: str, stage: int, number: int, rank: int,
                timeout_s: float) -> Any:
     prefix = f"{namespace}/shadow/{stage}/pg{number}"
@@ -68,8 +77,27 @@ def pair_group(store: dist.Store, namespace: str, stage: int, number: int, rank:
                                  timedelta(seconds=timeout_s))
 
 
-def header(kind: int, iteration: int = 0, arg: int = 0) -> torch.Tensor:
-    return torch.tensor([kind, iteration, arg, 0], dtype=torch.int64)
+def header(kind: int, iteration: int = 0, arg: int = 0,
+           scale: torch.Tensor | float | None = None) -> torch.Tensor:
+    """`scale`, a clipping scale (float32), rides in the last slot as its bits, 1 << 32
+    meaning none (no clipping, or not known)."""
+    return torch.tensor([kind, iteration, arg, scale_bits(scale)], dtype=torch.int64)
+
+
+_NO_SCALE = 1 << 32
+
+
+def scale_bits(scale: torch.Tensor | float | None) -> int:
+    if scale is None:
+        return _NO_SCALE
+    value = torch.tensor([float(scale)], dtype=torch.float32)  # float32 -> float is exact
+    return int(value.view(torch.int32).item())
+
+
+def scale_from_bits(bits: int) -> torch.Tensor | None:
+    if bits == _NO_SCALE:
+        return None
+    return torch.tensor([bits], dtype=torch.int32).view(torch.float32)[0]
 
 
 def state_size(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -88,7 +116,7 @@ class _Link:
     stage: int
     number: int
     group: Any
-    applied: int  # what the shadow held when the link opened
+    applied: int  # the newest iteration known applied by the shadow
     sends: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
 
 
@@ -102,28 +130,41 @@ class ShadowWriter:
         self.links: dict[int, _Link] = {}
         self.waited_s = 0.0  # time spent waiting on a shadow beyond max_lag
         self.confirm_s = 0.0  # time spent confirming sends before commits (critical path)
+        # all the time shadows add to the writer's critical path, lag waits aside: copying and
+        # posting the gradient, confirming, the commit message (and, measured by the executor,
+        # the commit collective that only the shadows make necessary)
+        self.writer_s = 0.0
+        self.parts: dict[str, float] = {}  # writer_s by part, for the breakdown
         self.waiting = False  # blocked on a shadow, not computing (read by the heartbeat)
         self.bytes_received = 0
 
+    def spent(self, part: str, started: float) -> None:
+        """Count the time since `started` as the writer's, under `part`."""
+        took = time.perf_counter() - started
+        self.writer_s += took
+        self.parts[part] = self.parts.get(part, 0.0) + took
+
     def relink(self, writes: dict[int, tuple[nn.Module, torch.optim.Optimizer]], resume: int,
-               restore: set[int]) -> None:
+               restore: set[int], scale: float | None = None) -> None:
         """Write exactly the stages in `writes` from iteration `resume` on. Stages in `restore`
-        are loaded from their shadow (the node has an empty module for them)."""
+        are loaded from their shadow (the node has an empty module for them). `scale`: the
+        clipping scale of iteration resume - 1 (see COMMIT)."""
         for s in sorted(set(self.links) - set(writes)):
             self._end(self.links.pop(s))
         for s in sorted(set(writes)):
             if s in self.links:
                 continue
             module, optimizer = writes[s]
-            self.links[s] = self._open(s, resume, module, optimizer, s in restore)
+            self.links[s] = self._open(s, resume, module, optimizer, s in restore, scale)
 
     def _open(self, stage: int, resume: int, module: nn.Module,
-              optimizer: torch.optim.Optimizer, want_state: bool) -> _Link:
+              optimizer: torch.optim.Optimizer, want_state: bool,
+              scale: float | None) -> _Link:
         number = self.store.add(links_key(self.namespace, stage), 1)
         self.store.set(link_key(self.namespace, stage, number),
                        json.dumps({"node": self.node, "resume": resume}))
         group = pair_group(self.store, self.namespace, stage, number, 1, self.timeout_s)
-        group.send([header(HELLO, resume, int(want_state))], 0, 0).wait()
+        group.send([header(HELLO, resume, int(want_state), scale)], 0, 0).wait()
         ack = torch.empty(_HEADER, dtype=torch.int64)
         group.recv([ack], 0, 0).wait()
         applied = int(ack[1])
@@ -145,22 +186,29 @@ class ShadowWriter:
 
     def post_grad(self, iteration: int, stage: int, flat: torch.Tensor) -> None:
         """Ship iteration `iteration`'s final gradient of `stage` (asynchronously)."""
+        started = time.perf_counter()
         link = self.links[stage]
         behind = iteration - self.max_lag
         if behind > link.applied:  # the shadow marks each iteration it applies in the store
-            key = applied_key(self.namespace, stage, behind)
-            if not self.store.check([key]):  # the documented policy: the writer waits
-                started = time.perf_counter()
-                self.waiting = True
-                try:
-                    self.store.wait([key], timedelta(seconds=self.timeout_s))
-                finally:
-                    self.waiting = False
-                self.waited_s += time.perf_counter() - started
+            latest = latest_key(self.namespace, stage)
+            if self.store.check([latest]):
+                link.applied = max(link.applied, int(self.store.get(latest)))
+        if behind > link.applied:  # the documented policy: the writer waits
+            waited = time.perf_counter()
+            self.waiting = True
+            try:
+                self.store.wait([applied_key(self.namespace, stage, behind)],
+                                timedelta(seconds=self.timeout_s))
+            finally:
+                self.waiting = False
+            link.applied = behind
+            self.waited_s += time.perf_counter() - waited
+            started += time.perf_counter() - waited
         flat = flat.detach().to("cpu")
         h = header(GRAD, iteration)
         link.sends.append((link.group.send([h], 0, 0), h))
         link.sends.append((link.group.send([flat], 0, GRAD_TAG), flat))
+        self.spent("post", started)
 
     def confirm(self) -> None:
         """Every gradient posted so far has left this node (before the commit)."""
@@ -168,11 +216,14 @@ class ShadowWriter:
         for link in self.links.values():
             self._finish_sends(link)
         self.confirm_s += time.perf_counter() - started
+        self.spent("confirm", started)
 
-    def commit(self, iteration: int) -> None:
+    def commit(self, iteration: int, scale: torch.Tensor | None) -> None:
+        started = time.perf_counter()
         for link in self.links.values():
-            h = header(COMMIT, iteration)
+            h = header(COMMIT, iteration, scale=scale)
             link.sends.append((link.group.send([h], 0, 0), h))
+        self.spent("commit_message", started)
 
     def close(self) -> None:
         for link in self.links.values():

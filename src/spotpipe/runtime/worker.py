@@ -351,6 +351,8 @@ class Worker:
             "committed_through": ex.committed_through, "stepped_through": ex.stepped_through,
             # what this node finished of the iteration in flight: the plan's rest builds on it
             "done": ex.flight.done_list() if ex.flight is not None else [],
+            # the committed iteration's clipping scale: a new shadow writer brings it along
+            "clip_scale": ex.clip_scales.get(ex.committed_through),
             "flight": ex.flight.iteration if ex.flight is not None else -1,
             "leaving": leaving, "reason": str(why)[:300], "time_s": self.channel.now()})
         self.store.wait([plan_key(g)], timedelta(seconds=self.cfg.cluster.timeout_s * 4))
@@ -413,7 +415,7 @@ class Worker:
         for s in restored:
             self.stages[s] = nodelib.build_stage_state(self.model, self.spec.partition, s,
                                                        self.cfg, self.device)
-        self._relink(resume, set(restored))
+        self._relink(resume, set(restored), plan.get("clip_scale"))
         moved += [f"stage {s} from its shadow" for s in restored]
         flight = self.executor.flight if self.executor is not None else None  # (a joiner: none)
         self._form(comm)
@@ -551,7 +553,7 @@ class Worker:
             self.holding = None
         return [f"{kind} {s}" for kind, s in sorted(got)]
 
-    def _relink(self, resume: int, restore: set[int]) -> None:
+    def _relink(self, resume: int, restore: set[int], scale: float | None = None) -> None:
         """Point the shadow links at the stages this node now writes (pipeline 0's owners);
         stages in `restore` are loaded from their shadow."""
         if self.shadow is None:
@@ -566,7 +568,7 @@ class Worker:
             raise RuntimeError(f"{self.node} must restore stages {sorted(missing)} from shadows "
                                "but does not write them (only pipeline 0's owners link to shadows)")
         before = self.shadow.bytes_received
-        self.shadow.relink(writes, resume, restore)
+        self.shadow.relink(writes, resume, restore, scale)
         self.bytes_received += self.shadow.bytes_received - before
 
     def _promote(self, stage: int, resume: int) -> None:
@@ -591,9 +593,11 @@ class Worker:
         self.heartbeat.stop()
         if self.shadow is not None:
             self.shadow.close()  # the next writer (or nobody, at the end) takes over the links
-            if self.shadow.links or self.shadow.waited_s or self.shadow.confirm_s:
+            if self.shadow.writer_s or self.shadow.waited_s:
                 self.channel.event("shadow_waits", waited_s=round(self.shadow.waited_s, 6),
-                                   confirm_s=round(self.shadow.confirm_s, 6))
+                                   confirm_s=round(self.shadow.confirm_s, 6),
+                                   writer_s=round(self.shadow.writer_s, 6),
+                                   parts={k: round(v, 6) for k, v in self.shadow.parts.items()})
         if self.sample_log is not None:
             self.sample_log.close()
         if self.holding is not None:
