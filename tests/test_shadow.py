@@ -77,6 +77,9 @@ CASES = [
     ("adjacent-P4", 4, "lazy", ["node1@2:forward", "node2@2:forward"]),
     ("adjacent-wrap-P3", 3, "eager", ["node2@2:backward", "node0@2:backward"]),
     ("no-replicas-P2", 2, "none", ["node1@3:all-reduce"]),
+    # killed after the commit, before its COMMIT message: the new writer brings the clipping
+    # scale, the shadow applies the pending gradient with it
+    ("no-replicas-committed-P2", 2, "none", ["node1@3:optimizer"]),
 ]
 
 
@@ -109,6 +112,9 @@ def test_lost_stages_without_replica_are_restored_from_shadows(tmp_path, tmp_pat
     agreement = next(e for e in evs if e["kind"] == "agreement")
     first_fault = min(int(f.split("@")[1].split(":")[0]) for f in faults)
     assert agreement["resume"] >= first_fault
+    if all(f.endswith(":optimizer") for f in faults):  # committed, its COMMIT never sent
+        assert agreement["resume"] == first_fault + 1
+        assert [e["iteration"] for e in evs if e["kind"] == "shadow_settled"] == [first_fault]
     assert_nothing_left(run, store_port(run))
 
 

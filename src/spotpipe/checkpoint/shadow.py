@@ -179,6 +179,7 @@ class Shadow:
             t, flat = self.pending
             if t == resume - 1 and self.submitted == t - 1:
                 self._submit(t, flat, scale)
+                self.channel.event("shadow_settled", stage=self.stage, iteration=t)
             self.pending = None
 
     def _submit(self, iteration: int, flat: torch.Tensor, scale: torch.Tensor | None) -> None:
