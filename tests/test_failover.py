@@ -249,30 +249,30 @@ def test_cloud_metadata_notice_is_handled_at_an_iteration_boundary(tmp_path, tmp
 
 
 def test_takeover_redoes_only_the_lost_stage(tmp_path, tmp_path_factory, corpus):
-    """A crash in the backward pass of P = 4 with eager FRC: the heir sends on the lost stage's
+    """A crash in the backward pass of P = 3 with eager FRC: the heir sends on the lost stage's
     outputs that FRC already computed and runs their backward as BRC; the survivors forwarded
     each micro-batch of that iteration once (their digests say so), and the result is the
     failure-free one bit for bit. With `failover.replay: iteration` the survivors forward it all
     again, with the same bits."""
     m = 4
-    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=4, pipelines=1, **FAST))
+    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=3, pipelines=1, **FAST))
     forwards = {}
     for replay in ("rest", "iteration"):
-        cfg = config(corpus, 4, 1, "eager", **{"logging.state_digests": True,
+        cfg = config(corpus, 3, 1, "eager", **{"logging.state_digests": True,
                                                "failover.replay": replay,
                                                "num_microbatches": m})
         run = tmp_path / replay
-        fault = Fault.parse("fail", "node2@3:backward", [f"node{r}" for r in range(4)])
+        fault = Fault.parse("fail", "node1@3:backward", [f"node{r}" for r in range(3)])
         assert train(cfg, run, progress=False, faults=[fault]) == 0
         got = load_file(str(run / "final" / "model.safetensors"))
         for key in want:
             assert torch.equal(got[key], want[key]), f"{replay}: {key} differs"
         assert_samples_exactly_once(run, cfg)
         takeover = next(ev for ev in events(run) if ev["kind"] == "takeover")
-        assert takeover["node"] == "node1" and takeover["promoted"] == [2]
-        heir = [json.loads(line) for line in open(run / "logs" / "digests.node1.jsonl")]
+        assert takeover["node"] == "node0" and takeover["promoted"] == [1]
+        heir = [json.loads(line) for line in open(run / "logs" / "digests.node0.jsonl")]
         frc = sum(r.get("role") == "frc" and r["iter"] == 3 for r in heir)
-        redone = sum(r.get("role") == "output" and r["iter"] == 3 and r["stage"] == 2
+        redone = sum(r.get("role") == "output" and r["iter"] == 3 and r["stage"] == 1
                      for r in heir)
         if replay == "rest":
             # each micro-batch whose FRC output the heir held went on as is, its backward as
@@ -282,7 +282,7 @@ def test_takeover_redoes_only_the_lost_stage(tmp_path, tmp_path_factory, corpus)
         else:
             assert "rest" not in takeover and redone == m
         counts = Counter()
-        for node in ("node0", "node1", "node3"):
+        for node in ("node0", "node2"):
             own = int(node[4:])
             for line in open(run / "logs" / f"digests.{node}.jsonl"):
                 r = json.loads(line)

@@ -79,10 +79,12 @@ class Job:
         self.paused_until = start + seconds
         self.pause_bucket = bucket
 
-    def lose_in_flight(self, bucket: str) -> None:
-        """Drop the unfinished iteration (failover replays it); its time goes to `bucket`."""
+    def lose_in_flight(self, bucket: str, fraction: float = 1.0) -> None:
+        """Drop `fraction` of the unfinished iteration's progress (a failover redoes it); its
+        time goes to `bucket`. 1: the iteration is replayed whole; less when the survivors
+        keep their share and only the lost stage's work is redone."""
         whole = math.floor(self.iters + 1e-9)
-        lost = self.iters - whole
+        lost = (self.iters - whole) * fraction
         if lost <= 0 or not self.iter_s:
             return
         seconds = lost * self.iter_s
@@ -90,7 +92,7 @@ class Job:
         self.pending[0] -= seconds * share
         self.pending[1] -= seconds * (1.0 - share)
         self.buckets[bucket] += seconds
-        self.iters = whole
+        self.iters -= lost
         self.kept_iters = min(self.kept_iters, whole)
 
     def roll_back_to_checkpoint(self, bucket: str) -> None:

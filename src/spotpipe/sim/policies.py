@@ -6,7 +6,8 @@ every instance the trace grants (an autoscaling group bills what it grants), so 
 same; they differ in how much of that time turns into kept samples.
 
 - spotpipe: redundancy (FRC) slows each iteration; failover, rebalance, add/drop pipeline and
-  re-partition come from `spotpipe.plan.decide`; a fatal failure (two adjacent losses in every
+  re-partition come from `spotpipe.plan.decide`; a takeover redoes only the lost stage's share
+  of the in-flight iteration; a fatal failure (two adjacent losses in every
   pipeline) reloads from per-iteration CPU shadows, losing at most the in-flight iteration.
 - bamboo: the same redundancy and decisions, as published: a fatal failure is a global
   restart from the last periodic checkpoint.
@@ -126,6 +127,10 @@ class SpotpipePolicy(Policy):
 
     name = "spotpipe"
     restore_bucket = "restarting"
+    # the part of the in-flight iteration a takeover redoes (`failover.replay: rest`): the
+    # heir runs two stages, keeps its own stage's work and every survivor's, and redoes the
+    # lost stage's, which is half of what the heir now runs; the pause covers the rest
+    takeover_redo = 0.5
 
     def __init__(self, cfg: SimConfig, job: Job, planner: "Planner | None" = None) -> None:
         super().__init__(cfg, job)
@@ -170,7 +175,8 @@ class SpotpipePolicy(Policy):
             else:  # the job's first start
                 job.pause(p.rendezvous_s, "idle")
         elif d.action in (Action.FAILOVER, Action.DROP_PIPELINE):
-            job.lose_in_flight("recovering")
+            job.lose_in_flight("recovering", self.takeover_redo
+                               if d.action == Action.FAILOVER else 1.0)
             job.pause(p.pause_s if d.action == Action.FAILOVER else p.reconfig_pause_s,
                       "recovering")
         else:  # REBALANCE, ADD_PIPELINE, REPARTITION without loss: at an iteration boundary
@@ -221,8 +227,11 @@ class SpotpipePolicy(Policy):
 
 
 class BambooPolicy(SpotpipePolicy):
-    """Bamboo as published: eager FRC whatever spotpipe is configured with, and a fatal
-    failure restarts globally from a periodic checkpoint."""
+    """Bamboo as published: eager FRC whatever spotpipe is configured with, a takeover
+    replays the in-flight iteration, and a fatal failure restarts globally from a periodic
+    checkpoint."""
+
+    takeover_redo = 1.0
 
     name = "bamboo"
 
