@@ -28,23 +28,23 @@ p3 trace (bamboo-p3.csv, Bamboo's own measured trace) replayed once.
 
 Why our ratios differ from the paper's (10,000 seeds; figures in README.md):
 - value vs on-demand = (spot price ratio 3.33) x (spot throughput / on-demand throughput) x
-  (on-demand nodes / spot nodes held). Ours is about 2.4-2.6x at every rate (3.0x at
-  0.01), close to the paper's 2.4x, but only because spotpipe runs lazy redundancy. With
-  eager FRC (Bamboo's way) our timing model charges FRC its full cost where 1F1B's bubbles
-  cannot hold it (M = 43 micro-batches per pipeline at D = 3: bubbles are 14% of the
-  iteration, FRC a third of the compute): 36% slower, and value drops to about 2.1x, which
-  is also what Bamboo scores here. The paper measured a smaller FRC overhead on its
-  models; we have its abstract, not its measurements, so we cannot say where ours differs.
-  What costs spotpipe most is not the pauses but the takeover itself: a node running two
-  stages makes its pipeline 1.62x slower, and a synchronous step waits for it, so the whole
-  job runs 1.62x slower until a replacement boots (the trace grants one with probability
-  0.5 per hour); dropping that pipeline instead would cost 1.36x. plan.decide prefers the
-  takeover (it keeps redundancy and the runtime does the same), so the simulator follows.
+  (on-demand nodes / spot nodes held). Ours is about 3.1x at 0.10 (3.2x at 0.01, 2.8x at
+  0.5), above the paper's 2.4x, for two reasons of spotpipe's own: it runs lazy redundancy
+  (replicas kept exact by gradient replication, no FRC: 0.97 of no redundancy), and after a
+  takeover it re-partitions in place at the next iteration boundary (P shrinks to the live
+  nodes) instead of running with a node that carries two stages, which made the whole
+  synchronous job 1.62x slower until a replacement booted (value was 2.4x with carriers).
+  With eager FRC (Bamboo's way) our timing model charges FRC its full cost where 1F1B's
+  bubbles cannot hold it (M = 43 micro-batches per pipeline at D = 3: bubbles are 14% of the
+  iteration, FRC a third of the compute): about 36% slower, and value drops to about 2.3x;
+  Bamboo as published (eager, carriers, global restart on a fatal failure) scores 1.9x on the
+  p3 trace. The paper measured a smaller FRC overhead on its models; we have its abstract,
+  not its measurements, so we cannot say where ours differs.
 - throughput vs checkpoint-restart depends almost entirely on the preemption rate and on
-  the baseline's restart cost (300 s) and checkpoint interval (30 min): about 1.0x at 0.01
-  (nothing to recover from), 1.6x at 0.10, 4.5x at 0.25, 10x at 0.5. The paper's 3.7x is
+  the baseline's restart cost (300 s) and checkpoint interval (30 min): about 1.1x at 0.01
+  (nothing to recover from), 2.0x at 0.10, 5.2x at 0.25, 12x at 0.5. The paper's 3.7x is
   an average over models and its measured traces, not one synthetic rate; on Bamboo's p3
-  trace we get about 4.5x (Bamboo itself about 3.5x).
+  trace we get about 4.8x (Bamboo itself about 3.6x).
 """
 
 from __future__ import annotations
