@@ -118,6 +118,38 @@ def test_lost_stages_without_replica_are_restored_from_shadows(tmp_path, tmp_pat
     assert_nothing_left(run, store_port(run))
 
 
+def test_every_pipeline_broken_is_restored_from_shadows(tmp_path, tmp_path_factory, corpus):
+    """P=2 x D=2 without redundancy, both pipelines' stage 1 killed at the same instant (a
+    replayed trace, so the launcher kills both at once): no pipeline survives to drop the
+    other, so pipeline 0's lost stage comes back from its shadow and pipeline 1's is copied
+    from it; D stays 2, so the result is the failure-free run's, bit for bit."""
+    from spotpipe.cluster.trace_replay import replay_actions
+    from spotpipe.sim.traces import load_trace
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text("0,add,a\n0,add,b\n0,add,c\n0,add,d\n1500,remove,b\n1500,remove,d\n")
+    extra = {**FAST, "iterations": 200}
+    cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="none",
+                      **{**extra, "shadow.enabled": True})
+    actions = replay_actions(load_trace(trace), [f"node{r}" for r in range(4)], 1.0)
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, trace_actions=actions) == 0
+    evs = events(run)
+    plans = [e for e in evs if e["kind"] == "plan"]
+    agreement = next(e for e in evs if e["kind"] == "agreement")
+    assert agreement["lost"] == ["node1", "node3"], agreement  # one agreement, both lost
+    assert [p["action"] for p in plans] == ["restore_from_shadow"]
+    moves = {(m["pipeline"], m["stage"]): m["dst"] for m in plans[0]["moves"]}
+    assert moves == {(0, 1): "node0", (1, 1): "node2"}
+    assert any(e["kind"] == "shadow_restored" for e in evs)
+    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=2, pipelines=2, **extra))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs from the failure-free run"
+    assert_samples_exactly_once(run, cfg)
+    assert_nothing_left(run, store_port(run))
+
+
 def test_shadows_write_checkpoints_that_resume_onto_another_depth(tmp_path, corpus):
     """Checkpoints written by the shadows of a P=4 run resume a P=2 run with shadows, which
     load it too, and the result is the uninterrupted run's, bit for bit."""

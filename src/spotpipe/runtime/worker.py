@@ -410,13 +410,23 @@ class Worker:
         moved = (self._repartition(plan, old, comm, resume) if repartition
                  else self._migrate(moves, comm, resume))
         exchanged = time.perf_counter()
-        restored = sorted(m["stage"] for m in plan["moves"]
-                          if m["kind"] == "restore" and m["dst"] == self.node)
+        # shadows are fed by pipeline 0's owners: those restore from them; a lost stage of
+        # another pipeline is the same state (data parallel), copied from pipeline 0's owner
+        # once that one holds it
+        restores = [m for m in plan["moves"] if m["kind"] == "restore"]
+        restored = sorted(m["stage"] for m in restores
+                          if m["dst"] == self.node and m["pipeline"] == 0)
         for s in restored:
             self.stages[s] = nodelib.build_stage_state(self.model, self.spec.partition, s,
                                                        self.cfg, self.device)
         self._relink(resume, set(restored), plan.get("clip_scale"))
         moved += [f"stage {s} from its shadow" for s in restored]
+        copies_after = [migrate.Transfer("stage", m["stage"], new_layout.owner(0, m["stage"]),
+                                         m["dst"]) for m in restores if m["pipeline"] != 0]
+        if copies_after:
+            before = self.bytes_received
+            moved += self._migrate(copies_after, comm, resume)
+            self.bytes_received += before
         flight = self.executor.flight if self.executor is not None else None  # (a joiner: none)
         self._form(comm)
         if "salvage" in plan and flight is not None and flight.iteration == resume:
