@@ -95,7 +95,7 @@ CASES = [
     ("crash-allreduce-P3", 3, 1, "lazy", [("fail", "node1@2:all-reduce")]),
     ("crash-committed-P3D2", 3, 2, "eager", [("fail", "node4@3:optimizer")]),
     ("notice-P4", 4, 1, "lazy", [("notice", "node2@3")]),
-    ("hang-P4D2", 4, 2, "lazy", [("hang", "node5@2:backward")]),
+    ("hang-P3D2", 3, 2, "lazy", [("hang", "node4@2:backward")]),
     ("two-pipelines-P2D2", 2, 2, "lazy", [("fail", "node1@2"), ("fail", "node2@4:backward")]),
     ("two-apart-P4", 4, 1, "eager", [("fail", "node1@2:forward"), ("fail", "node3@4")]),
     ("crash-allreduce-P2D2", 2, 2, "lazy", [("fail", "node3@2:all-reduce")]),
