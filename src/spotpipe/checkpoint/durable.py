@@ -26,6 +26,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from spotpipe.runtime.optim import materialise_optimizer_state  # noqa: F401 (re-exported)
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 
@@ -179,18 +181,3 @@ def load_stage(ckpt: Checkpoint, module: nn.Module, optimizer: torch.optim.Optim
         with torch.no_grad():
             for k, v in buffers.items():
                 keys[k].copy_(v)
-
-
-def materialise_optimizer_state(module: nn.Module,
-                                optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Give every parameter its optimizer state (zeros), so loading has tensors to fill."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
-                state.setdefault("step", torch.zeros((), dtype=torch.float32))
-                state.setdefault("exp_avg", torch.zeros_like(p))
-                state.setdefault("exp_avg_sq", torch.zeros_like(p))
-            elif group.get("momentum", 0):
-                state.setdefault("momentum_buffer", torch.zeros_like(p))
-    return optimizer

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from spotpipe.checkpoint.durable import materialise_optimizer_state
+from spotpipe.runtime.optim import materialise_optimizer_state
 from spotpipe.model import LayeredModel
 from spotpipe.plan import LayerMove, Layout, exchange_order
 from spotpipe.runtime.comm import Comm, tag

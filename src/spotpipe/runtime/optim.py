@@ -50,3 +50,23 @@ def set_lr(optimizer: torch.optim.Optimizer, cfg: Config, step: int) -> float:
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
+
+
+def materialise_optimizer_state(module: torch.nn.Module,
+                                optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Give every parameter its optimizer state (zeros), so loading has tensors to fill.
+
+    AdamW's step count sits on the parameter's device when the optimizer is fused (its kernel
+    reads it there), on the CPU otherwise, as the optimizer itself would place it."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
+                on_device = group.get("fused") or group.get("capturable")
+                state.setdefault("step", torch.zeros((), dtype=torch.float32,
+                                                     device=p.device if on_device else "cpu"))
+                state.setdefault("exp_avg", torch.zeros_like(p))
+                state.setdefault("exp_avg_sq", torch.zeros_like(p))
+            elif group.get("momentum", 0):
+                state.setdefault("momentum_buffer", torch.zeros_like(p))
+    return optimizer

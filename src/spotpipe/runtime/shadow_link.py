@@ -45,7 +45,7 @@ from torch import nn
 
 from spotpipe.runtime import migrate
 from spotpipe.runtime.digest import optimizer_tensors
-from spotpipe.checkpoint.durable import materialise_optimizer_state
+from spotpipe.runtime.optim import materialise_optimizer_state
 
 HELLO, ACK, GRAD, COMMIT, END = 1, 2, 3, 4, 5
 HEADER_TAG, GRAD_TAG = 0, 1
