@@ -35,9 +35,11 @@ iterations run again).
 The CPU shadows are not a scheme inside the training loop but processes beside it (started by
 the launcher, fed over their own links), so they are measured on real local clusters
 (`spotpipe.bench.shadow`): `shadow_ratio` from the same job with and without shadows, in
-back-to-back pairs of runs (the median of the pairs' ratios); `lost_iterations_per_failure["shadow"]` and `shadow_recovery_s` from a job without
-redundancy killed again and again at random iterations and phases, each loss repaired from the
-shadows in place (nothing restarts).
+back-to-back pairs of runs (the median of the pairs' ratios);
+`lost_iterations_per_failure["shadow"]` and `shadow_recovery_s` from a job without redundancy
+killed again and again at random iterations and phases, each loss repaired from the shadows in
+place (nothing restarts). `shadow_ratio_own_hosts` is the figure for shadows on CPUs of their
+own: only the writers' side of the work is then left on training's path.
 """
 
 from __future__ import annotations
