@@ -167,7 +167,9 @@ class Executor:
         self.kept_bytes = 0  # of the last iteration (see InFlight.kept_bytes)
         # the last reduction's clipping scale (None: no clipping), which the shadows apply
         self.clip_scale: torch.Tensor | None = None
-        self.clip_scales: dict[int, float] = {}  # recent iterations' scales (a recovery's HELLO)
+        # the newest committed iteration's scale, reported at recovery (a new shadow writer's
+        # HELLO brings it)
+        self.committed_clip_scale: float | None = None
         self.current: Sequence[Instr] = ()  # the stream being run (a rest after a takeover)
         # progress, read by the heartbeat thread and reported at recovery
         self.iteration = -1
@@ -246,7 +248,7 @@ class Executor:
                 # kept input (its output already went on from FRC), then the backward
                 x = f.inputs[(s, mb)] if s > 0 else batches.inputs[mb]
                 torch.autograd.backward(self.stages[s].module(x), f.out_grads.pop((s, mb)))
-                f.done.add(("forward", s, mb))
+                f.done |= {("forward", s, mb), ("backward", s, mb)}
             elif op == Op.SEND_GRAD:
                 x = f.inputs.pop((s, mb), None)
                 g = x.grad if x is not None else f.sent_grads[(s, mb)]
@@ -290,8 +292,8 @@ class Executor:
                 self.step(iteration)
             else:
                 raise NotImplementedError(f"instruction {ins} is not executed by this runtime")
-            if op in KEPT_OPS or op == Op.BRC_BACKWARD:
-                f.done.add(("backward", s, mb) if op == Op.BRC_BACKWARD else done_key(ins))
+            if op in KEPT_OPS:
+                f.done.add(done_key(ins))
         loss_sum = f.loss_sum
         self.kept_bytes = f.kept_bytes()
         self.flight = None
@@ -306,13 +308,14 @@ class Executor:
         that every node just took part in already says that everyone holds final gradients
         (shadows had theirs confirmed before it); the flags rode on it, so no second
         collective runs."""
-        if self._flags_gathered is not None:
-            self.committed_through = iteration
-            return False
-        flag = torch.tensor([1.0 if leaving else 0.0], device=self.comm.device)
-        self.comm.all_reduce(flag)
+        leave = False  # with the gather as the commit, the caller reads its flags
+        if self._flags_gathered is None:
+            flag = torch.tensor([1.0 if leaving else 0.0], device=self.comm.device)
+            self.comm.all_reduce(flag)
+            leave = bool(flag.item() > 0)
         self.committed_through = iteration
-        return bool(flag.item() > 0)
+        self.committed_clip_scale = None if self.clip_scale is None else float(self.clip_scale)
+        return leave
 
     def step(self, iteration: int) -> None:
         """Apply the committed iteration to owned stages and hand the replica its update.
@@ -448,8 +451,8 @@ class Executor:
         padded[: vector.numel()] = vector
         padded[-1] = 1.0 if leaving else 0.0
         gathered = self.comm.all_gather(padded)
-        # the commit may ride on this gather only when nothing must be confirmed first:
-        # no replica to feed, no shadow to hand the gradient to before the iteration commits
+        # the commit may ride on this gather only when nothing must be confirmed first: no
+        # replica to feed (shadows had their gradients confirmed before the gather)
         self._flags_gathered = (any(float(g[-1]) > 0 for g in gathered)
                                 if self.cfg.redundancy == "none" else None)
         everything = torch.cat([gathered[rank][offset: offset + count]
@@ -458,8 +461,6 @@ class Executor:
         self.clip_scale = None
         if self.cfg.optimizer.grad_clip > 0:
             self.clip_scale = gradlib.clip_scale(total, self.cfg.optimizer.grad_clip)
-            self.clip_scales = {t: c for t, c in self.clip_scales.items() if t >= iteration - 2}
-            self.clip_scales[iteration] = float(self.clip_scale)
             params = [p for st in self.stages.values() for p in st.params if p.grad is not None]
             scaled = gradlib.clipped([p.grad for p in params], self.clip_scale)
             for p, g in zip(params, scaled):

@@ -48,7 +48,7 @@ from spotpipe.runtime.digest import optimizer_tensors
 from spotpipe.runtime.optim import materialise_optimizer_state
 
 HELLO, ACK, GRAD, COMMIT, END = 1, 2, 3, 4, 5
-HEADER_TAG, GRAD_TAG = 0, 1
+GRAD_TAG = 1  # headers travel under tag 0
 _HEADER = 4
 
 
@@ -129,10 +129,8 @@ class ShadowWriter:
         self.max_lag, self.timeout_s = max_lag, timeout_s
         self.links: dict[int, _Link] = {}
         self.waited_s = 0.0  # time spent waiting on a shadow beyond max_lag
-        self.confirm_s = 0.0  # time spent confirming sends before commits (critical path)
         # all the time shadows add to the writer's critical path, lag waits aside: copying and
-        # posting the gradient, confirming, the commit message (and, measured by the executor,
-        # the commit collective that only the shadows make necessary)
+        # posting the gradient, confirming its send, the commit message
         self.writer_s = 0.0
         self.parts: dict[str, float] = {}  # writer_s by part, for the breakdown
         self.waiting = False  # blocked on a shadow, not computing (read by the heartbeat)
@@ -215,7 +213,6 @@ class ShadowWriter:
         started = time.perf_counter()
         for link in self.links.values():
             self._finish_sends(link)
-        self.confirm_s += time.perf_counter() - started
         self.spent("confirm", started)
 
     def commit(self, iteration: int, scale: torch.Tensor | None) -> None:

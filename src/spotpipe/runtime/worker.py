@@ -289,8 +289,8 @@ class Worker:
                 self.inject("start", t)
                 t_start = time.perf_counter()
                 lr = ex.set_lr(t)
-                stream, self.rest = (self.rest, None) if self.rest is not None else (self.stream,
-                                                                                     None)
+                stream = self.rest if self.rest is not None else self.stream
+                self.rest = None
                 result = ex.run(stream, self.batches(t), t,
                                 leaving=lambda: self.notices.is_set() or self.regroup.is_set())
                 self._report(t, result, lr, time.perf_counter() - t_start)
@@ -352,7 +352,7 @@ class Worker:
             # what this node finished of the iteration in flight: the plan's rest builds on it
             "done": ex.flight.done_list() if ex.flight is not None else [],
             # the committed iteration's clipping scale: a new shadow writer brings it along
-            "clip_scale": ex.clip_scales.get(ex.committed_through),
+            "clip_scale": ex.committed_clip_scale,
             "flight": ex.flight.iteration if ex.flight is not None else -1,
             "leaving": leaving, "reason": str(why)[:300], "time_s": self.channel.now()})
         self.store.wait([plan_key(g)], timedelta(seconds=self.cfg.cluster.timeout_s * 4))
@@ -427,9 +427,10 @@ class Worker:
             before = self.bytes_received
             moved += self._migrate(copies_after, comm, resume)
             self.bytes_received += before
-        flight = self.executor.flight if self.executor is not None else None  # (a joiner: none)
+        # kept only when `recover` took the plan to continue it (a joiner has none)
+        flight = self.executor.flight if self.executor is not None else None
         self._form(comm)
-        if "salvage" in plan and flight is not None and flight.iteration == resume:
+        if flight is not None:
             self.executor.flight = flight
             self.rest = self._rest_of_iteration(plan, promoted, flight)
         self._recovering = False
@@ -605,7 +606,7 @@ class Worker:
             self.shadow.close()  # the next writer (or nobody, at the end) takes over the links
             if self.shadow.writer_s or self.shadow.waited_s:
                 self.channel.event("shadow_waits", waited_s=round(self.shadow.waited_s, 6),
-                                   confirm_s=round(self.shadow.confirm_s, 6),
+                                   confirm_s=round(self.shadow.parts.get("confirm", 0.0), 6),
                                    writer_s=round(self.shadow.writer_s, 6),
                                    parts={k: round(v, 6) for k, v in self.shadow.parts.items()})
         if self.sample_log is not None:
