@@ -31,7 +31,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     faults = p.add_argument_group("fault injection (the same paths as real failures)")
     faults.add_argument("--fail", action="append", default=[], metavar="NODE@ITER[:PHASE]",
                         help="kill NODE (SIGKILL) at iteration ITER, at the start or in PHASE "
-                             "(forward, backward, all-reduce, optimizer)")
+                             "(forward, backward, all-reduce, optimizer; or regroup, "
+                             "transfer: while the first recovery resuming at ITER or later "
+                             "forms its groups or moves state)")
     faults.add_argument("--notice", action="append", default=[], metavar="NODE@ITER",
                         help="send NODE a preemption notice (SIGTERM) at iteration ITER")
     faults.add_argument("--hang", action="append", default=[], metavar="NODE@ITER[:PHASE]",

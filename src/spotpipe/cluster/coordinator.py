@@ -287,12 +287,18 @@ class Coordinator:
         if rec is None or set(rec.reports) < self.live:
             return
         leaving = {n for n, r in rec.reports.items() if r["leaving"]}
-        lost = self.dead | leaving
+        # a node that could not receive what the last plan gave it (a peer was lost while the
+        # plan was carried out) does not hold its place: counted out, it joins again
+        lacking = {n: r["lacking"] for n, r in rec.reports.items() if r.get("lacking")}
+        lost = self.dead | leaving | set(lacking)
         committed = max((r["committed_through"] for r in rec.reports.values()), default=-1)
         resume = committed + 1
         in_flight = max((r["iteration"] for r in rec.reports.values()), default=resume)
         when = f"in iteration {in_flight} (the last committed iteration is {committed})"
         where = {n: f"{n} (pipeline {d}, stage {s})" for (d, s), n in self.layout.mapping.items()}
+        for n, what in lacking.items():
+            where[n] = (f"{where.get(n, n)}, which did not receive {', '.join(what)} when a peer "
+                        "was lost while the job reshaped")
         named = ", ".join(where.get(n, n) for n in sorted(lost & set(self.layout.active_nodes)))
         decision = self._decide(lost & set(self.layout.active_nodes), self.joining)
         total = self.cfg.num_microbatches * self.cfg.pipelines
@@ -306,6 +312,7 @@ class Coordinator:
         self.emit({"time_s": agreed, "kind": "agreement", "node": "launcher",
                    "generation": rec.generation, "lost": sorted(lost), "leaving": sorted(leaving),
                    "resume": resume, "reports": len(rec.reports),
+                   **({"lacking": lacking} if lacking else {}),
                    "agreement_s": round(agreed - rec.started_s, 6),
                    "action": decision.action.value})
         plan: dict[str, Any]
@@ -351,7 +358,10 @@ class Coordinator:
                     "clip_scale": next((r["clip_scale"] for r in rec.reports.values()
                                         if r["committed_through"] == resume - 1
                                         and r.get("clip_scale") is not None), None)}
-            if self._continues_in_flight(decision, resume):
+            if self._continues_in_flight(decision, resume) and all(
+                    r.get("formed", True) for r in rec.reports.values()):
+                # (not after a plan that failed while it was carried out: some nodes dropped
+                # their share of the iteration, so every node replays it whole)
                 # survivors keep their share of the in-flight iteration; each derives the rest
                 # from what every node reports done (spotpipe.schedule.replay)
                 plan["salvage"] = {n: r["done"] for n, r in rec.reports.items()

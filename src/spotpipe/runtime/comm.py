@@ -140,24 +140,57 @@ class Comm:
         self.device = device
         self.abort = abort
         self.waiter = Waiter(abort)
-        timeout = timedelta(seconds=timeout_s)
-        prefix = f"{namespace}/gen{generation}"
-        self.world = _make_group(backend, dist.PrefixStore(f"{prefix}/world", store),
-                                 self.rank, len(self.nodes), timeout)
-        _GRAVEYARD.append(self.world)
-        # data-parallel groups of this node's stages, created in stage order on every member
-        # so that two nodes sharing two groups never wait for each other in opposite orders
+        self.world: Any = None
         self.data_parallel: dict[int, tuple[Any, int]] = {}
-        for stage in sorted(stage_members):
-            members = stage_members[stage]
-            if me in members and len(members) > 1:
-                group = _make_group(backend, dist.PrefixStore(f"{prefix}/dp{stage}", store),
-                                    members.index(me), len(members), timeout)
-                _GRAVEYARD.append(group)
-                self.data_parallel[stage] = (group, len(members))
+        self._form_groups(store, f"{namespace}/gen{generation}", stage_members, backend,
+                          timedelta(seconds=timeout_s))
         self._shapes: dict[tuple[str, int, int], tuple[torch.Size, torch.dtype]] = {}
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._early: dict[tuple[str, int, int], tuple[Any, torch.Tensor]] = {}
+
+    def _form_groups(self, store: dist.Store, prefix: str, stage_members: dict[int, list[str]],
+                     backend: str, timeout: timedelta) -> None:
+        """The world group, then the data-parallel groups of this node's stages.
+
+        Forming a gloo group blocks until every member has published its address and every
+        pair has connected; a member lost meanwhile (a spot node may go while the job
+        reshapes) would hold the others there until `timeout`, or break the mesh under them.
+        So the groups are formed on a helper thread, and the generation's abort (set by the
+        coordinator when it learns of the loss) or a broken connection ends the wait with
+        PeerFailure: the node reports, like any survivor, and waits for the next plan. An
+        abandoned formation keeps blocking its thread until the timeout; `store` must be a
+        connection of its own, so that nothing else waits behind it.
+        """
+        def form() -> None:
+            self.world = _make_group(backend, dist.PrefixStore(f"{prefix}/world", store),
+                                     self.rank, len(self.nodes), timeout)
+            _GRAVEYARD.append(self.world)
+            # created in stage order on every member, so that two nodes sharing two groups
+            # never wait for each other in opposite orders
+            for stage in sorted(stage_members):
+                members = stage_members[stage]
+                if self.me in members and len(members) > 1:
+                    group = _make_group(backend, dist.PrefixStore(f"{prefix}/dp{stage}", store),
+                                        members.index(self.me), len(members), timeout)
+                    _GRAVEYARD.append(group)
+                    self.data_parallel[stage] = (group, len(members))
+
+        done, errors = threading.Event(), []
+
+        def run() -> None:
+            try:
+                form()
+            except Exception as exc:  # gloo: a peer gone mid-mesh, or the store timed out
+                errors.append(exc)
+            done.set()
+
+        self.abort.check()
+        threading.Thread(target=run, name=f"form-{prefix}", daemon=True).start()
+        self.abort.wait(done)
+        if errors:
+            reason = f"forming the process groups failed: {errors[0]}".splitlines()[0][:300]
+            self.abort.trigger(reason)
+            raise PeerFailure(reason)
 
     def _post(self, op: Any, *args: Any) -> Any:
         """Start an operation; a peer already gone makes gloo raise right here, not at wait."""

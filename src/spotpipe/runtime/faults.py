@@ -14,7 +14,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-PHASES = ("start", "forward", "backward", "all-reduce", "optimizer")
+PHASES = ("start", "forward", "backward", "all-reduce", "optimizer", "regroup", "transfer")
+# Phases of a recovery rather than of an iteration: they fire while the first generation that
+# resumes at or after the fault's iteration forms (`regroup`: before its process groups exist;
+# `transfer`: groups formed, before stage and replica states move). A spot node is as likely
+# to go while the job reshapes as at any other moment.
+RECOVERY_PHASES = ("regroup", "transfer")
 KINDS = ("fail", "notice", "hang")
 _SPEC = re.compile(r"^(?P<node>[A-Za-z0-9_.-]+)@(?P<iter>\d+)(?::(?P<phase>[a-z-]+))?$")
 
@@ -45,6 +50,9 @@ class Fault:
         if kind == "notice" and phase != "start":
             raise FaultSpecError(f"--notice {text!r}: a notice arrives between iterations; "
                                  "give no phase")
+        if kind == "hang" and phase in RECOVERY_PHASES:
+            raise FaultSpecError(f"--hang {text!r}: a hang is injected in an iteration's phases "
+                                 f"({', '.join(p for p in PHASES if p not in RECOVERY_PHASES)})")
         if nodes is not None and node not in nodes:
             raise FaultSpecError(f"--{kind} {text!r}: no node {node!r}; the job's nodes are "
                                  f"{', '.join(nodes)}")
@@ -65,7 +73,8 @@ class Injector:
 
     def __call__(self, phase: str, iteration: int) -> None:
         for fault in list(self.pending):
-            if fault.iteration == iteration and fault.phase == phase:
+            if fault.phase == phase and (fault.iteration == iteration or (
+                    phase in RECOVERY_PHASES and fault.iteration <= iteration)):
                 self.pending.remove(fault)
                 self.announce(fault)
                 if fault.kind == "fail":

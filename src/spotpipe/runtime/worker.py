@@ -178,7 +178,9 @@ class Worker:
         self.regroup = threading.Event()
         KeyWatcher(client(self.address, self.cfg.cluster.timeout_s),
                    regroup_key(self.generation), self.regroup.set)
-        return Comm(store=self.store, generation=self.generation, nodes=nodes, me=self.node,
+        # the groups form over a connection of their own (see Comm._form_groups)
+        return Comm(store=client(self.address, self.cfg.cluster.timeout_s),
+                    generation=self.generation, nodes=nodes, me=self.node,
                     namespace=self.namespace,
                     stage_members=nodelib.stage_members(self.layout), backend=self.backend,
                     device=self.device, timeout_s=self.cfg.cluster.timeout_s, abort=abort)
@@ -240,11 +242,14 @@ class Worker:
         gate = f"spotpipe/join_gate/{self.node}"
         if os.environ.get("SPOTPIPE_JOIN_GATED") == "1":  # started early by the local launcher
             self.store.wait([gate], timedelta(days=7))
+        self._ask_to_join()
+        return self._await_placement()
+
+    def _ask_to_join(self) -> None:
         self.channel._post({
             "type": "join", "node": self.node, "time_s": self.channel.now(),
             "token": os.environ.get("SPOTPIPE_JOIN_TOKEN", ""),
             "config_digest": self.cfg.digest(), "model_digest": self.cfg.model_digest()})
-        return self._await_placement()
 
     def _await_placement(self) -> int:
         """Wait on standby until a plan places this node (-1: the job ended first). The answer
@@ -264,7 +269,11 @@ class Worker:
         self.layout = Layout.from_json(plan["previous_layout"])
         resume = int(plan["resume"])
         self.start_iteration = resume
-        return self._apply_plan(plan, resume)
+        try:
+            return self._apply_plan(plan, resume)
+        except PeerFailure as why:  # a peer lost while this node was being placed
+            self.formed = False
+            return self.recover(why)
 
     def train(self, joining: bool = False) -> None:
         cfg = self.cfg
@@ -331,9 +340,26 @@ class Worker:
 
     # ------------------------------------------------------------------ recovery
 
+    # what this node was to receive under the plan it is carrying out and does not hold yet
+    # (stages, replicas); non-empty only while a plan is carried out, or after one failed
+    lacking: list[str] = []
+    formed = True  # False from a plan that failed before this node's generation formed
+
     def recover(self, why: Exception) -> int:
         """Report, wait for the plan, carry it out; return the iteration to resume at (or -1
-        when this node leaves the job)."""
+        when this node leaves the job).
+
+        A peer may be lost while the plan is carried out (groups forming, states moving):
+        then this node reports again, in the new generation, saying what it did not receive,
+        and carries out the next plan, which the coordinator decides from those reports."""
+        while True:
+            try:
+                return self._recover_once(why)
+            except PeerFailure as again:
+                self.formed = False
+                why = again
+
+    def _recover_once(self, why: Exception) -> int:
         self._recovering = True
         ex = self.executor
         g = self.generation
@@ -343,18 +369,26 @@ class Worker:
         boundary = isinstance(why, Leave)  # every node saw the same flag: no one to wake
         if not boundary:
             self.store.set(abort_key(g), f"{self.node}: {why}")
+        flight = ex.flight if ex is not None else None
         self.channel._post({
             "type": "report", "generation": g, "node": self.node, "boundary": boundary,
-            "iteration": ex.iteration, "position": ex.position,
-            "instruction": (str(ex.current[ex.position]) if ex.position < len(ex.current)
-                            else ""),
-            "committed_through": ex.committed_through, "stepped_through": ex.stepped_through,
+            # (no executor: a joining node whose placement failed; it has committed nothing)
+            "iteration": ex.iteration if ex is not None else -1,
+            "position": ex.position if ex is not None else 0,
+            "instruction": (str(ex.current[ex.position])
+                            if ex is not None and ex.position < len(ex.current) else ""),
+            "committed_through": ex.committed_through if ex is not None else -1,
+            "stepped_through": ex.stepped_through if ex is not None else -1,
             # what this node finished of the iteration in flight: the plan's rest builds on it
-            "done": ex.flight.done_list() if ex.flight is not None else [],
+            "done": flight.done_list() if flight is not None else [],
             # the committed iteration's clipping scale: a new shadow writer brings it along
-            "clip_scale": ex.committed_clip_scale,
-            "flight": ex.flight.iteration if ex.flight is not None else -1,
+            "clip_scale": ex.committed_clip_scale if ex is not None else None,
+            "flight": flight.iteration if flight is not None else -1,
+            # after a plan this node could not carry out: what it misses (the coordinator
+            # counts it out of the layout; it joins again) and that nothing in flight is kept
+            "formed": self.formed, "lacking": self.lacking,
             "leaving": leaving, "reason": str(why)[:300], "time_s": self.channel.now()})
+        self.formed = True
         self.store.wait([plan_key(g)], timedelta(seconds=self.cfg.cluster.timeout_s * 4))
         plan = json.loads(self.store.get(plan_key(g)))
         if plan["action"] == "stop":
@@ -362,12 +396,12 @@ class Worker:
         new_layout = Layout.from_json(plan["layout"])
         resume = int(plan["resume"])
         # finish the committed iteration; drop the one in flight, unless the plan continues it
-        if ex.stepped_through < resume - 1:
+        if ex is not None and ex.stepped_through < resume - 1:
             ex.step(resume - 1)
-        salvage = "salvage" in plan and ex.flight is not None and ex.flight.iteration == resume
+        salvage = "salvage" in plan and flight is not None and flight.iteration == resume
         if salvage:
             ex.abandon_messages()
-        else:
+        elif ex is not None:
             ex.discard()
         if self.node in new_layout.standby:  # e.g. one node more than the new depth needs
             self.channel.event("standby", generation=plan["generation"])
@@ -375,14 +409,32 @@ class Worker:
                 self.holding.applier.close()
                 self.holding = None
             self.stages = {}  # the plan that places it again sends it whatever it will run
+            self.lacking = []
             resume = self._await_placement()
             if resume < 0:
                 self._finish(left=True)
             return resume
         if self.node not in new_layout.active_nodes:
+            if self.lacking:  # counted out for what it missed: it comes back as a new node
+                return self._join_again(plan["generation"])
             self._finish(left=True)
             return -1
         return self._apply_plan(plan, resume)
+
+    def _join_again(self, generation: int) -> int:
+        """After a plan this node could not carry out, it holds states the job no longer
+        counts on: drop them and join as a new node (placed at a later boundary)."""
+        self.channel.event("rejoining", generation=generation, lacked=self.lacking)
+        self.lacking = []
+        if self.holding is not None:
+            self.holding.applier.close()
+            self.holding = None
+        self.stages = {}
+        self._ask_to_join()
+        resume = self._await_placement()
+        if resume < 0:
+            self._finish(left=True)
+        return resume
 
     def _apply_plan(self, plan: dict[str, Any], resume: int) -> int:
         """Carry out a plan in memory: promote replicas, move stage and replica states peer to
@@ -405,15 +457,21 @@ class Worker:
             moves = [t for t in moves if t.kind != "replica"]
         self.layout = new_layout
         self.generation = plan["generation"]
-        comm = self._open_comm()
-        formed = time.perf_counter()
-        moved = (self._repartition(plan, old, comm, resume) if repartition
-                 else self._migrate(moves, comm, resume))
-        exchanged = time.perf_counter()
         # shadows are fed by pipeline 0's owners: those restore from them; a lost stage of
         # another pipeline is the same state (data parallel), copied from pipeline 0's owner
         # once that one holds it
         restores = [m for m in plan["moves"] if m["kind"] == "restore"]
+        self.lacking = ([f"stage {s}" for s in nodelib.owned_stages(new_layout, self.node)]
+                        if repartition else
+                        [f"{t.kind} {t.stage}" for t in moves if t.dst == self.node]
+                        + [f"stage {m['stage']}" for m in restores if m["dst"] == self.node])
+        self.inject("regroup", resume)
+        comm = self._open_comm()
+        formed = time.perf_counter()
+        self.inject("transfer", resume)
+        moved = (self._repartition(plan, old, comm, resume) if repartition
+                 else self._migrate(moves, comm, resume))
+        exchanged = time.perf_counter()
         restored = sorted(m["stage"] for m in restores
                           if m["dst"] == self.node and m["pipeline"] == 0)
         for s in restored:
@@ -430,6 +488,7 @@ class Worker:
         # kept only when `recover` took the plan to continue it (a joiner has none)
         flight = self.executor.flight if self.executor is not None else None
         self._form(comm)
+        self.lacking = []
         if flight is not None:
             self.executor.flight = flight
             self.rest = self._rest_of_iteration(plan, promoted, flight)
@@ -524,7 +583,10 @@ class Worker:
             # this node now carries several stages: no room (and no feed) for a replica
             self.holding.applier.close()
             self.holding = None
+        mine = set(nodelib.owned_stages(self.layout, self.node))
         if not any(self.node in (t.src, t.dst) for t in moves):
+            for s in [s for s in self.stages if s not in mine]:  # kept by a plan that failed
+                del self.stages[s]
             return []
         have: dict[tuple[str, int], Any] = {("stage", s): (st.module, st.optimizer)
                                              for s, st in self.stages.items()}
@@ -540,7 +602,6 @@ class Worker:
 
         got = migrate.run(moves, self.node, comm, have, build)
         self.bytes_received = got.pop(("bytes", -1))
-        mine = set(nodelib.owned_stages(self.layout, self.node))
         for s in [s for s in self.stages if s not in mine]:  # handed over to another node
             del self.stages[s]
         for (kind, s), (module, optimizer) in got.items():
