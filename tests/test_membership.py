@@ -57,6 +57,19 @@ def test_joining_node_rebalances_a_carrier_exactly(tmp_path, tmp_path_factory, c
     assert_nothing_left(run, store_port(run))
 
 
+def test_a_node_arriving_after_the_last_iteration_is_told_so(tmp_path, corpus):
+    """Once the last iteration is committed no plan will place a node: one that asks to join
+    then is answered at once (join_too_late), never accepted, and exits cleanly."""
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy",
+                      **{**FAST, "iterations": 6})
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, joins=[5]) == 0
+    kinds = [(e["kind"], e["node"]) for e in events(run)]
+    assert ("node_available", "node2") in kinds and ("join_too_late", "node2") in kinds
+    assert ("join_accepted", "node2") not in kinds
+    assert_nothing_left(run, store_port(run))
+
+
 def test_pipelines_go_two_one_two(tmp_path, tmp_path_factory, corpus):
     """D = 2 -> 1 (adjacent losses drop a pipeline) -> 2 (two nodes join and form one)."""
     check_pipelines_two_one_two(tmp_path, tmp_path_factory, corpus)

@@ -151,6 +151,10 @@ class Coordinator:
         for node in list(self.joining) + list(self.layout.standby):
             self.store.set(join_key(node), json.dumps({"finished": True}))
             self.left.add(node)
+        # they are gone: a plan made after this (a failure in the job's last moments) must not
+        # place them
+        self.joining.clear()
+        self.layout = self.layout.with_standby(())
 
     def _request_regroup(self, why: str) -> None:
         self.store.set(regroup_key(self.generation), why)

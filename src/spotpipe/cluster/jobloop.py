@@ -348,6 +348,10 @@ class JobLoop:
             files.metric(item)
             self._last = item
             self._update_bar(self._bar, item)
+            if item["iter"] >= self.cfg.iterations - 1:
+                # the last iteration is committed: no plan will place a node any more, so a
+                # node asking to join from now on is told so instead of being accepted
+                self.coordinator.release_standby()
             self._on_metrics(item, files)
         elif kind == "event" and item["kind"] == "checkpoint_saved":
             files.event({k: v for k, v in item.items() if k != "checksums"})
