@@ -90,3 +90,30 @@ def test_recovery_phases_are_parsed_and_hangs_refused():
     assert Fault.parse("fail", "node2@5:transfer").phase == "transfer"
     with pytest.raises(FaultSpecError, match="a hang is injected in an iteration's phases"):
         Fault.parse("hang", "node2@5:regroup")
+
+
+def test_repartition_cut_short_is_rolled_back(tmp_path, corpus):
+    """P = 4: node1 crashes, its heir carries two stages, and the job re-partitions to P = 3;
+    node3 dies after the groups formed, before any layer moved. No survivor's state changed,
+    so the coordinator rolls the re-partition back and decides from the layout before it (a
+    takeover of node3's stage): nobody is counted out, and with one pipeline the result is
+    bit-identical to the failure-free run."""
+    from test_equivalence import reference
+
+    cfg = tiny_config(corpus, stages=4, pipelines=1, redundancy="lazy",
+                      **{**FAST, "iterations": 12})
+    nodes = [f"node{r}" for r in range(4)]
+    faults = [Fault.parse("fail", "node1@2:backward", nodes),
+              Fault.parse("fail", "node3@3:transfer", nodes)]
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, faults=faults) == 0
+    ev = events(run)
+    plans = [e["action"] for e in ev if e["kind"] == "plan"]
+    assert plans[:3] == ["failover", "repartition", "failover"], plans
+    rolled = [e for e in ev if e["kind"] == "agreement" and e.get("rolled_back")]
+    assert len(rolled) == 1 and rolled[0]["lost"] == ["node1", "node3"]
+    assert not [e for e in ev if e["kind"] in ("rejoining", "worker_error")]
+    want, _ = reference(cfg)
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert_samples_exactly_once(run, cfg)

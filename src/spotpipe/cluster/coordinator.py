@@ -86,6 +86,9 @@ class Coordinator:
         self._progress: dict[str, tuple[Any, float]] = {}  # node -> (progress, since)
         self.pauses: list[dict[str, Any]] = []
         self._grace_until = 0.0  # no fencing before this time (the store was away)
+        # the layout and partition the last plan started from: a plan that fails before any
+        # survivor's state changed is rolled back to them (`_roll_back`)
+        self._before: tuple[Layout, Partition] | None = None
 
     @property
     def live(self) -> set[str]:
@@ -275,6 +278,24 @@ class Coordinator:
                        "generation": self.generation, "reason": reason})
         self.recovery.reasons.append(reason)
 
+    def _roll_back(self, rec: Recovery) -> bool:
+        """Whether the plan that failed while it was carried out can be undone: every node of
+        the layout before it is either lost or reports that nothing of the plan changed its
+        state (a re-partition exchanges all layers before any node switches over, so one cut
+        short leaves every node as it was). Then the job decides again from that layout, and
+        a burst of losses during a re-partition costs the nodes lost, not the job."""
+        if self._before is None:
+            return False
+        layout, partition = self._before
+        for node in layout.active_nodes:
+            if node in self.dead:
+                continue
+            report = rec.reports.get(node)
+            if report is None or not report.get("untouched"):
+                return False
+        self.layout, self.partition = layout, list(partition)
+        return True
+
     def _continues_in_flight(self, decision: Decision, resume: int) -> bool:
         """Whether survivors can go on with the in-flight iteration instead of replaying it:
         a takeover (stages only promoted, none moved away or re-shaped) of an iteration that
@@ -294,6 +315,9 @@ class Coordinator:
         # a node that could not receive what the last plan gave it (a peer was lost while the
         # plan was carried out) does not hold its place: counted out, it joins again
         lacking = {n: r["lacking"] for n, r in rec.reports.items() if r.get("lacking")}
+        rolled_back = bool(lacking) and self._roll_back(rec)
+        if rolled_back:  # the nodes of the layout before hold their places; joiners do not
+            lacking = {n: w for n, w in lacking.items() if n not in self.layout.active_nodes}
         lost = self.dead | leaving | set(lacking)
         committed = max((r["committed_through"] for r in rec.reports.values()), default=-1)
         resume = committed + 1
@@ -317,6 +341,7 @@ class Coordinator:
                    "generation": rec.generation, "lost": sorted(lost), "leaving": sorted(leaving),
                    "resume": resume, "reports": len(rec.reports),
                    **({"lacking": lacking} if lacking else {}),
+                   **({"rolled_back": True} if rolled_back else {}),
                    "agreement_s": round(agreed - rec.started_s, 6),
                    "action": decision.action.value})
         plan: dict[str, Any]
@@ -392,6 +417,7 @@ class Coordinator:
             self.left |= (set(self.layout.active_nodes) - set(decision.layout.active_nodes)
                           - set(decision.layout.standby))
             placed = set(decision.layout.active_nodes) - set(self.layout.active_nodes)
+            self._before = (self.layout, list(self.partition))
             self.layout = decision.layout
             self.partition = plan["partition"]
             self.generation = rec.generation + 1

@@ -344,6 +344,10 @@ class Worker:
     # (stages, replicas); non-empty only while a plan is carried out, or after one failed
     lacking: list[str] = []
     formed = True  # False from a plan that failed before this node's generation formed
+    # nothing of the plan being carried out has changed this node's state yet (no promotion,
+    # no state received or given up): if every survivor says so, the coordinator can roll the
+    # failed plan back and decide again from the layout before it
+    untouched = True
 
     def recover(self, why: Exception) -> int:
         """Report, wait for the plan, carry it out; return the iteration to resume at (or -1
@@ -386,7 +390,7 @@ class Worker:
             "flight": flight.iteration if flight is not None else -1,
             # after a plan this node could not carry out: what it misses (the coordinator
             # counts it out of the layout; it joins again) and that nothing in flight is kept
-            "formed": self.formed, "lacking": self.lacking,
+            "formed": self.formed, "lacking": self.lacking, "untouched": self.untouched,
             "leaving": leaving, "reason": str(why)[:300], "time_s": self.channel.now()})
         self.formed = True
         self.store.wait([plan_key(g)], timedelta(seconds=self.cfg.cluster.timeout_s * 4))
@@ -440,7 +444,11 @@ class Worker:
         """Carry out a plan in memory: promote replicas, move stage and replica states peer to
         peer, then start the new generation."""
         started = time.perf_counter()
-        old, new_layout = self.layout, Layout.from_json(plan["layout"])
+        # (the layout the plan starts from: after a failed plan was rolled back, not the one
+        # this node was last carrying out)
+        old = Layout.from_json(plan["previous_layout"])
+        new_layout = Layout.from_json(plan["layout"])
+        self.untouched = True
         repartition = plan["action"] == "repartition"
         if "partition" in plan and not repartition:  # a joiner learns the job's current depth
             self.spec = dataclasses.replace(self.spec, partition=[tuple(r) for r in
@@ -449,6 +457,7 @@ class Worker:
         promoted = []
         for move in plan["moves"]:
             if move["kind"] == "promote" and move["dst"] == self.node:
+                self.untouched = False
                 self._promote(move["stage"], resume)
                 promoted.append(move["stage"])
         copies = [m for m in plan["moves"] if m["kind"] == "copy"]
@@ -469,11 +478,16 @@ class Worker:
         comm = self._open_comm()
         formed = time.perf_counter()
         self.inject("transfer", resume)
+        held = ({s: id(st) for s, st in self.stages.items()}, id(self.holding))
         moved = (self._repartition(plan, old, comm, resume) if repartition
                  else self._migrate(moves, comm, resume))
+        self.untouched = self.untouched and held == (
+            {s: id(st) for s, st in self.stages.items()}, id(self.holding))
         exchanged = time.perf_counter()
         restored = sorted(m["stage"] for m in restores
                           if m["dst"] == self.node and m["pipeline"] == 0)
+        if restored:
+            self.untouched = False
         for s in restored:
             self.stages[s] = nodelib.build_stage_state(self.model, self.spec.partition, s,
                                                        self.cfg, self.device)
@@ -482,6 +496,7 @@ class Worker:
         copies_after = [migrate.Transfer("stage", m["stage"], new_layout.owner(0, m["stage"]),
                                          m["dst"]) for m in restores if m["pipeline"] != 0]
         if copies_after:
+            self.untouched = False
             before = self.bytes_received
             moved += self._migrate(copies_after, comm, resume)
             self.bytes_received += before
@@ -525,6 +540,26 @@ class Worker:
             lambda q: done.get(self.layout.owner(d, q), frozenset()), fresh=promoted,
             frc_ready=frc, last_stage=self.layout.num_stages - 1)
 
+    def _commit_exchange(self, comm: Comm) -> None:
+        """Switch to the new partition only once every node of it holds its new layers.
+
+        A re-partition cut short by a loss must leave the nodes either all on the old
+        partition (the coordinator then rolls the plan back) or all on the new one, never
+        mixed. Each node marks in the store that its exchange is complete, then waits for
+        every mark; the last mark written is the commit point. A node woken by the abort
+        before it saw every mark looks once more: if they are all there, every node holds its
+        new state and it switches over too."""
+        prefix = f"{self.namespace}/gen{self.generation}/exchanged"
+        nodes = sorted(self.layout.active_nodes)
+        self.store.set(f"{prefix}/{self.node}", "1")
+        try:
+            for node in nodes:
+                migrate.wait_for_peer(self.store, f"{prefix}/{node}", comm, node,
+                                      self.cfg.cluster.timeout_s)
+        except PeerFailure:
+            if not self.store.check([f"{prefix}/{node}" for node in nodes]):
+                raise
+
     def _repartition(self, plan: dict[str, Any], old: Layout, comm: Comm,
                      resume: int) -> list[str]:
         """Change the depth in place: build this node's new stage(s) and replica from layers,
@@ -562,6 +597,7 @@ class Worker:
             have=migrate.state_index(held),
             want=migrate.state_index(list(owned.values()) + ([replica] if replica else [])),
             timeout_s=self.cfg.cluster.timeout_s)
+        self._commit_exchange(comm)
         if self.holding is not None:
             self.holding.applier.close()
             self.holding = None
@@ -581,6 +617,7 @@ class Worker:
         self.bytes_received = 0
         if self.holding is not None and nodelib.held_replica(self.layout, self.node) is None:
             # this node now carries several stages: no room (and no feed) for a replica
+            self.untouched = False
             self.holding.applier.close()
             self.holding = None
         mine = set(nodelib.owned_stages(self.layout, self.node))
