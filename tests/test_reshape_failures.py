@@ -117,3 +117,27 @@ def test_repartition_cut_short_is_rolled_back(tmp_path, corpus):
     got = load_file(str(run / "final" / "model.safetensors"))
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert_samples_exactly_once(run, cfg)
+
+
+def test_standby_node_lost_while_placed_is_no_spare(tmp_path, corpus):
+    """A node waits on standby; after a failover a rebalance places it, and it dies before the
+    groups form. The plan is rolled back, and the dead node is not a spare any more: the job
+    goes on with its carrier instead of planning for the dead node again."""
+    from test_equivalence import reference
+
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy",
+                      **{**FAST, "iterations": 20})
+    nodes = [f"node{r}" for r in range(3)]
+    faults = [Fault.parse("fail", "node1@10:backward", nodes),
+              Fault.parse("fail", "node2@10:regroup", nodes)]
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, faults=faults, joins=[3]) == 0
+    ev = events(run)
+    plans = [e["action"] for e in ev if e["kind"] == "plan"]
+    assert plans[:3] == ["keep", "failover", "rebalance"], plans
+    assert [e for e in ev if e["kind"] == "agreement" and e.get("rolled_back")]
+    assert plans.count("rebalance") == 1, plans  # never placed again, dead
+    want, _ = reference(cfg)
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert_samples_exactly_once(run, cfg)

@@ -89,6 +89,9 @@ class Coordinator:
         # the layout and partition the last plan started from: a plan that fails before any
         # survivor's state changed is rolled back to them (`_roll_back`)
         self._before: tuple[Layout, Partition] | None = None
+        self._resumed_at = 0  # the iteration the last plan resumed at
+        self._futile = 0  # failed plans in a row with no node lost in between
+        self._lost_before: set[str] = set()
 
     @property
     def live(self) -> set[str]:
@@ -319,7 +322,18 @@ class Coordinator:
         if rolled_back:  # the nodes of the layout before hold their places; joiners do not
             lacking = {n: w for n, w in lacking.items() if n not in self.layout.active_nodes}
         lost = self.dead | leaving | set(lacking)
-        committed = max((r["committed_through"] for r in rec.reports.values()), default=-1)
+        if set(self.layout.standby) & lost:  # a standby node lost (or counted out) is no spare
+            self.layout = self.layout.with_standby(
+                tuple(n for n in self.layout.standby if n not in lost))
+        # plans that fail while carried out, again and again with no node lost in between
+        # (groups that cannot form: a partitioned network), would loop forever: stop instead
+        failed_plan = any(not r.get("formed", True) for r in rec.reports.values())
+        self._futile = self._futile + 1 if failed_plan and lost <= self._lost_before else 0
+        self._lost_before = set(lost)
+        # (at least what the last plan resumed after: the reports may all come from nodes that
+        # committed nothing yet, joiners whose placement failed)
+        committed = max([r["committed_through"] for r in rec.reports.values()]
+                        + [self._resumed_at - 1])
         resume = committed + 1
         in_flight = max((r["iteration"] for r in rec.reports.values()), default=resume)
         when = f"in iteration {in_flight} (the last committed iteration is {committed})"
@@ -345,7 +359,14 @@ class Coordinator:
                    "agreement_s": round(agreed - rec.started_s, 6),
                    "action": decision.action.value})
         plan: dict[str, Any]
-        if (self.cfg.redundancy == "none" and not self.cfg.shadow.enabled
+        if self._futile >= 3:
+            reasons = sorted({r["reason"] for r in rec.reports.values()})
+            self.stop_message = (
+                f"the job could not re-form {when}: the last {self._futile} plans failed while "
+                f"they were carried out, with no node lost in between ({'; '.join(reasons)})"
+                "; stopping")
+            plan = {"action": "stop", "message": self.stop_message[:2000]}
+        elif (self.cfg.redundancy == "none" and not self.cfg.shadow.enabled
                 and lost & set(self.layout.active_nodes)):
             self.stop_message = (
                 f"lost {named} {when}; redundancy is off, so no other node holds "
@@ -418,6 +439,7 @@ class Coordinator:
                           - set(decision.layout.standby))
             placed = set(decision.layout.active_nodes) - set(self.layout.active_nodes)
             self._before = (self.layout, list(self.partition))
+            self._resumed_at = resume
             self.layout = decision.layout
             self.partition = plan["partition"]
             self.generation = rec.generation + 1
