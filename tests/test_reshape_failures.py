@@ -126,10 +126,11 @@ def test_standby_node_lost_while_placed_is_no_spare(tmp_path, corpus):
     from test_equivalence import reference
 
     cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy",
-                      **{**FAST, "iterations": 20})
+                      **{**FAST, "iterations": 60})
     nodes = [f"node{r}" for r in range(3)]
-    faults = [Fault.parse("fail", "node1@10:backward", nodes),
-              Fault.parse("fail", "node2@10:regroup", nodes)]
+    # (node2 asks to join at iteration 3, long before the crash: it waits on standby)
+    faults = [Fault.parse("fail", "node1@45:backward", nodes),
+              Fault.parse("fail", "node2@45:regroup", nodes)]
     run = tmp_path / "run"
     assert train(cfg, run, progress=False, faults=faults, joins=[3]) == 0
     ev = events(run)

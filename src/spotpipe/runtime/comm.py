@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -142,6 +142,7 @@ class Comm:
         self.waiter = Waiter(abort)
         self.world: Any = None
         self.data_parallel: dict[int, tuple[Any, int]] = {}
+        self._store = store  # the generation's own connection (see _form_groups, wait_keys)
         self._form_groups(store, f"{namespace}/gen{generation}", stage_members, backend,
                           timedelta(seconds=timeout_s))
         self._shapes: dict[tuple[str, int, int], tuple[torch.Size, torch.dtype]] = {}
@@ -155,11 +156,9 @@ class Comm:
         Forming a gloo group blocks until every member has published its address and every
         pair has connected; a member lost meanwhile (a spot node may go while the job
         reshapes) would hold the others there until `timeout`, or break the mesh under them.
-        So the groups are formed on a helper thread, and the generation's abort (set by the
-        coordinator when it learns of the loss) or a broken connection ends the wait with
-        PeerFailure: the node reports, like any survivor, and waits for the next plan. An
-        abandoned formation keeps blocking its thread until the timeout; `store` must be a
-        connection of its own, so that nothing else waits behind it.
+        So the groups form on a helper thread (`_blocking`), and the generation's abort (set
+        by the coordinator when it learns of the loss) or a broken connection ends the wait
+        with PeerFailure: the node reports, like any survivor, and waits for the next plan.
         """
         def form() -> None:
             self.world = _make_group(backend, dist.PrefixStore(f"{prefix}/world", store),
@@ -175,20 +174,34 @@ class Comm:
                     _GRAVEYARD.append(group)
                     self.data_parallel[stage] = (group, len(members))
 
+        self._blocking(form, "forming the process groups failed")
+
+    def wait_keys(self, keys: list[str], timeout_s: float, what: str) -> None:
+        """Wait until `keys` exist in the store (what peers publish while the job reshapes),
+        ended like any communication by the generation's abort: a peer lost before it
+        published would otherwise hold this node for the whole timeout."""
+        self._blocking(lambda: self._store.wait(keys, timedelta(seconds=timeout_s)),
+                       f"waiting for {what} failed")
+
+    def _blocking(self, call: Callable[[], None], failure: str) -> None:
+        """Run a blocking group or store call on a helper thread, so that the abort (or the
+        call's own error) ends the wait with PeerFailure. An abandoned call keeps its thread
+        until its timeout; it runs on the generation's own store connection, so nothing else
+        waits behind it."""
         done, errors = threading.Event(), []
 
         def run() -> None:
             try:
-                form()
-            except Exception as exc:  # gloo: a peer gone mid-mesh, or the store timed out
+                call()
+            except Exception as exc:  # gloo: a peer gone mid-mesh; the store: a timeout
                 errors.append(exc)
             done.set()
 
         self.abort.check()
-        threading.Thread(target=run, name=f"form-{prefix}", daemon=True).start()
+        threading.Thread(target=run, name="comm-blocking", daemon=True).start()
         self.abort.wait(done)
         if errors:
-            reason = f"forming the process groups failed: {errors[0]}".splitlines()[0][:300]
+            reason = f"{failure}: {errors[0]}".splitlines()[0][:300]
             self.abort.trigger(reason)
             raise PeerFailure(reason)
 

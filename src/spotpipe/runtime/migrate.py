@@ -14,19 +14,16 @@ A change of depth (re-partition) moves layers instead of stages: see `exchange_l
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from spotpipe.runtime.optim import materialise_optimizer_state
 from spotpipe.model import LayeredModel
 from spotpipe.plan import LayerMove, Layout, exchange_order
-from spotpipe.runtime.comm import Comm, PeerFailure, tag
+from spotpipe.runtime.comm import Comm, tag
 from spotpipe.runtime.digest import optimizer_tensors
 
 STAGE, REPLICA_COPY = 4, 5  # message kinds (see comm.tag)
@@ -264,23 +261,6 @@ def install(name: str, value: torch.Tensor, state: dict[str, Any], want: StateIn
         for key, v in state.items()}
 
 
-def wait_for_peer(store: Any, key: str, comm: Comm, peer: str, timeout_s: float) -> None:
-    """Wait for a peer's metadata, in short slices that look at the generation's abort in
-    between: a peer lost before it published would otherwise hold this node (and the job's
-    recovery) for the whole timeout. Out of time, the peer is taken for failed."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        comm.abort.check()
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise PeerFailure(f"{peer} sent no layer metadata within {timeout_s:.0f} s")
-        try:
-            store.wait([key], timedelta(seconds=min(0.25, left)))
-            return
-        except dist.DistStoreError:
-            continue  # this slice timed out; the key may still come
-
-
 def exchange_layers(moves: list[LayerMove], me: str, comm: Comm, store: Any, prefix: str,
                     model: LayeredModel, have: StateIndex, want: StateIndex,
                     timeout_s: float) -> int:
@@ -310,7 +290,7 @@ def exchange_layers(moves: list[LayerMove], me: str, comm: Comm, store: Any, pre
         if op == "send":
             works.append(comm.post_send(outgoing[peer], peer, tag(LAYERS, 0)))
         else:
-            wait_for_peer(store, key(peer, me), comm, peer, timeout_s)
+            comm.wait_keys([key(peer, me)], timeout_s, f"{peer}'s layer metadata")
             meta = json.loads(store.get(key(peer, me)))
             flat = torch.empty(message_bytes(meta), dtype=torch.uint8, device=comm.device)
             incoming[peer] = (meta, flat)

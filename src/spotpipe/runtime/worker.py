@@ -553,9 +553,8 @@ class Worker:
         nodes = sorted(self.layout.active_nodes)
         self.store.set(f"{prefix}/{self.node}", "1")
         try:
-            for node in nodes:
-                migrate.wait_for_peer(self.store, f"{prefix}/{node}", comm, node,
-                                      self.cfg.cluster.timeout_s)
+            comm.wait_keys([f"{prefix}/{node}" for node in nodes], self.cfg.cluster.timeout_s,
+                           "every node's exchange")
         except PeerFailure:
             if not self.store.check([f"{prefix}/{node}" for node in nodes]):
                 raise
