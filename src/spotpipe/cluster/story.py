@@ -33,18 +33,22 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
             lines.append(f"{at}  {node}: fenced, {ev['reason']}")
         elif kind == "notice":
             lines.append(f"{at}  {node}: preemption notice from {ev['source']}")
+        elif kind == "standby":
+            lines.append(f"{at}  {node}: waits on standby (no place for it in the layout)")
+        elif kind == "rejoining":
+            lines.append(f"{at}  {node}: did not receive {', '.join(ev['lacked'])} when a peer "
+                         "was lost; it joins again")
+        elif kind == "join_too_late":
+            lines.append(f"{at}  {node}: arrived after the last iteration; not placed")
+        elif kind == "agreement" and ev.get("rolled_back"):
+            lines.append(f"{at}  the plan in progress is rolled back: no survivor's state had "
+                         "changed yet")
         elif kind == "plan":
             if ev["action"] == "stop":
                 lines.append(f"{at}  plan: stop. {ev['message']}")
                 continue
-            moves = [f"{m['dst']} takes over stage {m['stage']} of pipeline {m['pipeline']} "
-                     "from its replica" if m["kind"] == "promote" else
-                     f"{m['dst']} receives stage {m['stage']} of pipeline {m['pipeline']} "
-                     f"from {m['src']}" for m in ev.get("moves", [])
-                     if m["kind"] in ("promote", "copy")]
             lines.append(f"{at}  plan for generation {ev['generation']}: {ev['action']}; "
-                         + ("; ".join(moves) or "no stage moves")
-                         + f"; resume at iteration {ev['resume']}")
+                         + "; ".join(_moves(ev)) + f"; resume at iteration {ev['resume']}")
         elif kind == "resumed" and ev["generation"] not in resumed_gens:
             resumed_gens.add(ev["generation"])
             pause = f" after a {t - incident:.2f} s pause" if incident is not None else ""
@@ -58,3 +62,21 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
     if not lines:
         return [head, "  no preemptions or failures"]
     return [head, "  what happened:"] + lines
+
+
+def _moves(plan: dict[str, Any]) -> list[str]:
+    """The plan's moves in words (a re-partition as its change of depth)."""
+    if plan["action"] == "repartition":
+        before = len(plan.get("previous_partition", [])) or "?"
+        return [f"P {before} -> {plan['stages']}: every node builds its new stages from the "
+                "layers it holds and its peers'"]
+    words = []
+    for m in plan.get("moves", []):
+        where = f"stage {m['stage']} of pipeline {m['pipeline']}"
+        if m["kind"] == "promote":
+            words.append(f"{m['dst']} takes over {where} from its replica")
+        elif m["kind"] == "copy":
+            words.append(f"{m['dst']} receives {where} from {m['src']}")
+        elif m["kind"] == "restore":
+            words.append(f"{m['dst']} restores {where} from its CPU shadow")
+    return words or ["no stage moves"]

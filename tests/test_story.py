@@ -1,0 +1,36 @@
+"""The few lines `spotpipe train` prints about what happened, from the run's events."""
+
+from __future__ import annotations
+
+from spotpipe.cluster.story import describe
+
+
+def test_reshaping_events_are_told():
+    events = [
+        {"kind": "fault_injected", "time_s": 1.0, "node": "node1", "fault": "fail",
+         "iteration": 4, "phase": "backward"},
+        {"kind": "plan", "time_s": 1.1, "node": "launcher", "generation": 2,
+         "action": "repartition", "stages": 2, "previous_partition": [[0, 1], [1, 2], [2, 4]],
+         "moves": [{"kind": "layers", "pipeline": 0, "stage": 0, "src": "peers",
+                    "dst": "node0"}], "resume": 5},
+        {"kind": "standby", "time_s": 1.2, "node": "node5", "generation": 2},
+        {"kind": "agreement", "time_s": 1.3, "node": "launcher", "generation": 2,
+         "rolled_back": True},
+        {"kind": "rejoining", "time_s": 1.4, "node": "node4", "generation": 3,
+         "lacked": ["stage 1", "replica 0"]},
+        {"kind": "plan", "time_s": 1.5, "node": "launcher", "generation": 3,
+         "action": "restore_from_shadow", "stages": 2, "resume": 5,
+         "moves": [{"kind": "restore", "pipeline": 0, "stage": 1, "src": "shadow",
+                    "dst": "node2"}]},
+        {"kind": "resumed", "time_s": 1.6, "node": "node0", "generation": 3, "iteration": 5},
+        {"kind": "join_too_late", "time_s": 2.0, "node": "node6"},
+    ]
+    text = "\n".join(describe(events, {"status": "completed", "iterations": 9, "samples": 72,
+                                       "wall_s": 2.5, "final_loss": 1.5}))
+    assert "repartition; P 3 -> 2" in text
+    assert "node5: waits on standby" in text
+    assert "rolled back" in text
+    assert "node4: did not receive stage 1, replica 0" in text
+    assert "node2 restores stage 1 of pipeline 0 from its CPU shadow" in text
+    assert "training resumed at iteration 5 after a 0.60 s pause" in text
+    assert "node6: arrived after the last iteration" in text
