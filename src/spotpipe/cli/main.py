@@ -33,7 +33,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         help="kill NODE (SIGKILL) at iteration ITER, at the start or in PHASE "
                              "(forward, backward, all-reduce, optimizer; or regroup, "
                              "transfer: while the first recovery resuming at ITER or later "
-                             "forms its groups or moves state)")
+                             "forms its groups or moves the node's state)")
     faults.add_argument("--notice", action="append", default=[], metavar="NODE@ITER",
                         help="send NODE a preemption notice (SIGTERM) at iteration ITER")
     faults.add_argument("--hang", action="append", default=[], metavar="NODE@ITER[:PHASE]",

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 PHASES = ("start", "forward", "backward", "all-reduce", "optimizer", "regroup", "transfer")
 # Phases of a recovery rather than of an iteration: they fire while the first generation that
 # resumes at or after the fault's iteration forms (`regroup`: before its process groups exist;
-# `transfer`: groups formed, before stage and replica states move). A spot node is as likely
-# to go while the job reshapes as at any other moment.
+# `transfer`: groups formed, before stage and replica states move, in the first such recovery
+# that moves state to or from the node). A spot node is as likely to go while the job reshapes
+# as at any other moment.
 RECOVERY_PHASES = ("regroup", "transfer")
 KINDS = ("fail", "notice", "hang")
 _SPEC = re.compile(r"^(?P<node>[A-Za-z0-9_.-]+)@(?P<iter>\d+)(?::(?P<phase>[a-z-]+))?$")

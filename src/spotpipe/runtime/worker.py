@@ -477,7 +477,8 @@ class Worker:
         self.inject("regroup", resume)
         comm = self._open_comm()
         formed = time.perf_counter()
-        self.inject("transfer", resume)
+        if repartition or self.lacking or any(self.node in (t.src, t.dst) for t in moves):
+            self.inject("transfer", resume)  # (only a plan that moves this node's state)
         held = ({s: id(st) for s, st in self.stages.items()}, id(self.holding))
         moved = (self._repartition(plan, old, comm, resume) if repartition
                  else self._migrate(moves, comm, resume))
