@@ -83,35 +83,42 @@ class AbortSignal:
 
 
 class Waiter:
-    """Completes Work objects on a helper thread, in submission order."""
+    """Runs blocking calls (a Work's wait, forming a group, a store wait) on a helper thread, in
+    submission order, so that the generation's abort can end the main thread's wait. A call
+    abandoned at the abort keeps the thread until its own timeout; the generation is over."""
 
     def __init__(self, abort: AbortSignal) -> None:
         self.abort = abort
         self.waiting = False  # the main thread is blocked on a peer (read by the heartbeat)
-        self._queue: queue.Queue[tuple[Any, threading.Event, list[BaseException]]] = queue.Queue()
+        self._queue: queue.Queue[tuple[Callable[[], Any], str, threading.Event,
+                                       list[str]]] = queue.Queue()
         threading.Thread(target=self._loop, name="comm-waiter", daemon=True).start()
 
     def _loop(self) -> None:
         while True:
-            work, done, errors = self._queue.get()
+            call, failure, done, errors = self._queue.get()
             try:
-                work.wait()
+                call()
             except BaseException as exc:  # a dead peer: connection closed, or a timeout
-                errors.append(exc)
-                self.abort.trigger(f"communication failed: {exc}".splitlines()[0][:300])
+                errors.append(f"{failure}: {exc}".splitlines()[0][:300])
+                self.abort.trigger(errors[0])
             done.set()
 
     def wait(self, work: Any) -> None:
+        self.call(work.wait, "communication failed")
+
+    def call(self, call: Callable[[], Any], failure: str) -> None:
+        """`call()`; PeerFailure (`failure`: the error) if it fails or the abort comes first."""
         self.abort.check()
         done, errors = threading.Event(), []
-        self._queue.put((work, done, errors))
+        self._queue.put((call, failure, done, errors))
         self.waiting = True
         try:
             self.abort.wait(done)
         finally:
             self.waiting = False
         if errors:
-            raise PeerFailure(str(errors[0]).splitlines()[0][:300])
+            raise PeerFailure(errors[0])
 
 
 def _make_group(backend: str, store: dist.Store, rank: int, size: int,
@@ -156,7 +163,7 @@ class Comm:
         Forming a gloo group blocks until every member has published its address and every
         pair has connected; a member lost meanwhile (a spot node may go while the job
         reshapes) would hold the others there until `timeout`, or break the mesh under them.
-        So the groups form on a helper thread (`_blocking`), and the generation's abort (set
+        So the groups form on the waiter's thread, and the generation's abort (set
         by the coordinator when it learns of the loss) or a broken connection ends the wait
         with PeerFailure: the node reports, like any survivor, and waits for the next plan.
         """
@@ -174,36 +181,15 @@ class Comm:
                     _GRAVEYARD.append(group)
                     self.data_parallel[stage] = (group, len(members))
 
-        self._blocking(form, "forming the process groups failed")
+        self.waiter.call(form, "forming the process groups failed")
 
     def wait_keys(self, keys: list[str], timeout_s: float, what: str) -> None:
         """Wait until `keys` exist in the store (what peers publish while the job reshapes),
         ended like any communication by the generation's abort: a peer lost before it
-        published would otherwise hold this node for the whole timeout."""
-        self._blocking(lambda: self._store.wait(keys, timedelta(seconds=timeout_s)),
-                       f"waiting for {what} failed")
-
-    def _blocking(self, call: Callable[[], None], failure: str) -> None:
-        """Run a blocking group or store call on a helper thread, so that the abort (or the
-        call's own error) ends the wait with PeerFailure. An abandoned call keeps its thread
-        until its timeout; it runs on the generation's own store connection, so nothing else
-        waits behind it."""
-        done, errors = threading.Event(), []
-
-        def run() -> None:
-            try:
-                call()
-            except Exception as exc:  # gloo: a peer gone mid-mesh; the store: a timeout
-                errors.append(exc)
-            done.set()
-
-        self.abort.check()
-        threading.Thread(target=run, name="comm-blocking", daemon=True).start()
-        self.abort.wait(done)
-        if errors:
-            reason = f"{failure}: {errors[0]}".splitlines()[0][:300]
-            self.abort.trigger(reason)
-            raise PeerFailure(reason)
+        published would otherwise hold this node for the whole timeout. The wait runs on the
+        generation's own store connection, so an abandoned one holds up nothing else."""
+        self.waiter.call(lambda: self._store.wait(keys, timedelta(seconds=timeout_s)),
+                         f"waiting for {what} failed")
 
     def _post(self, op: Any, *args: Any) -> Any:
         """Start an operation; a peer already gone makes gloo raise right here, not at wait."""

@@ -363,6 +363,23 @@ class Worker:
                 self.formed = False
                 why = again
 
+    def _where(self) -> dict[str, Any]:
+        """Where this node stands, for its report after a failure."""
+        ex = self.executor
+        if ex is None:  # a joining node whose placement failed: it has committed nothing
+            return {"iteration": -1, "position": 0, "instruction": "", "committed_through": -1,
+                    "stepped_through": -1, "done": [], "clip_scale": None, "flight": -1}
+        return {
+            "iteration": ex.iteration, "position": ex.position,
+            "instruction": (str(ex.current[ex.position]) if ex.position < len(ex.current)
+                            else ""),
+            "committed_through": ex.committed_through, "stepped_through": ex.stepped_through,
+            # what this node finished of the iteration in flight: the plan's rest builds on it
+            "done": ex.flight.done_list() if ex.flight is not None else [],
+            # the committed iteration's clipping scale: a new shadow writer brings it along
+            "clip_scale": ex.committed_clip_scale,
+            "flight": ex.flight.iteration if ex.flight is not None else -1}
+
     def _recover_once(self, why: Exception) -> int:
         self._recovering = True
         ex = self.executor
@@ -376,18 +393,7 @@ class Worker:
         flight = ex.flight if ex is not None else None
         self.channel._post({
             "type": "report", "generation": g, "node": self.node, "boundary": boundary,
-            # (no executor: a joining node whose placement failed; it has committed nothing)
-            "iteration": ex.iteration if ex is not None else -1,
-            "position": ex.position if ex is not None else 0,
-            "instruction": (str(ex.current[ex.position])
-                            if ex is not None and ex.position < len(ex.current) else ""),
-            "committed_through": ex.committed_through if ex is not None else -1,
-            "stepped_through": ex.stepped_through if ex is not None else -1,
-            # what this node finished of the iteration in flight: the plan's rest builds on it
-            "done": flight.done_list() if flight is not None else [],
-            # the committed iteration's clipping scale: a new shadow writer brings it along
-            "clip_scale": ex.committed_clip_scale if ex is not None else None,
-            "flight": flight.iteration if flight is not None else -1,
+            **self._where(),
             # after a plan this node could not carry out: what it misses (the coordinator
             # counts it out of the layout; it joins again) and that nothing in flight is kept
             "formed": self.formed, "lacking": self.lacking, "untouched": self.untouched,
@@ -409,32 +415,27 @@ class Worker:
             ex.discard()
         if self.node in new_layout.standby:  # e.g. one node more than the new depth needs
             self.channel.event("standby", generation=plan["generation"])
-            if self.holding is not None:
-                self.holding.applier.close()
-                self.holding = None
-            self.stages = {}  # the plan that places it again sends it whatever it will run
-            self.lacking = []
-            resume = self._await_placement()
-            if resume < 0:
-                self._finish(left=True)
-            return resume
+            return self._wait_unplaced()
         if self.node not in new_layout.active_nodes:
-            if self.lacking:  # counted out for what it missed: it comes back as a new node
-                return self._join_again(plan["generation"])
+            if self.lacking:
+                # counted out for what it missed: it holds states the job no longer counts
+                # on, and comes back as a new node (placed at a later boundary)
+                self.channel.event("rejoining", generation=plan["generation"],
+                                   lacked=self.lacking)
+                self._ask_to_join()
+                return self._wait_unplaced()
             self._finish(left=True)
             return -1
         return self._apply_plan(plan, resume)
 
-    def _join_again(self, generation: int) -> int:
-        """After a plan this node could not carry out, it holds states the job no longer
-        counts on: drop them and join as a new node (placed at a later boundary)."""
-        self.channel.event("rejoining", generation=generation, lacked=self.lacking)
-        self.lacking = []
+    def _wait_unplaced(self) -> int:
+        """Drop every state (the plan that places this node again sends it whatever it will
+        run) and wait to be placed; -1 when the job ended first."""
         if self.holding is not None:
             self.holding.applier.close()
             self.holding = None
         self.stages = {}
-        self._ask_to_join()
+        self.lacking = []
         resume = self._await_placement()
         if resume < 0:
             self._finish(left=True)
