@@ -272,6 +272,11 @@ class Executor:
                                        digest=tensors_digest([out]))
                 f.frc_outputs[(s, mb)] = out.to("cpu") if self.cfg.replica.offload_frc else out
             elif op == Op.ALL_REDUCE:
+                # the samples are logged before the reduction: with the norm gather as the
+                # commit point, a node killed after it would otherwise leave a committed
+                # iteration unlogged (a record of an iteration that is rolled back instead is
+                # ignored by its generation)
+                self._log_samples(iteration, batches, last)
                 self.comm.wait_sends()
                 if salvageable:
                     f.keep_local_gradients(self.stages)
@@ -279,12 +284,6 @@ class Executor:
                 self._post_replication(iteration)
             elif op == Op.OPTIMIZER_STEP:
                 self._confirm_replication()
-                if self.sample_log is not None and last in self.stages:
-                    self.sample_log.write(json.dumps({
-                        "iter": iteration, "pipeline": self.w.pipeline,
-                        "generation": self.generation,
-                        "samples": [list(i) for i in batches.indices]}) + "\n")
-                    self.sample_log.flush()
                 leave = self._commit(iteration, leaving())
                 if self._flags_gathered is not None:
                     leave = leave or self._flags_gathered
@@ -340,6 +339,13 @@ class Executor:
             flat = self._replica_recv[1] if self._replica_recv is not None else None
             self.holding.applier.submit(iteration, "grad", flat)
         self._replica_recv = None
+
+    def _log_samples(self, iteration: int, batches: Microbatches, last: int) -> None:
+        if self.sample_log is not None and last in self.stages:
+            self.sample_log.write(json.dumps({
+                "iter": iteration, "pipeline": self.w.pipeline, "generation": self.generation,
+                "samples": [list(i) for i in batches.indices]}) + "\n")
+            self.sample_log.flush()
 
     def discard(self) -> None:
         """Drop an uncommitted iteration: gradients, what was kept, replica messages."""
