@@ -352,7 +352,7 @@ def test_gemini_needs_a_second_node(corpus):
 def test_schemes_go_on_exactly_after_a_takeover(tmp_path, corpus, scheme):
     """node2 crashes in iteration 3 of a P = 3 job: node1 takes stage 2 over and from then on
     writes both; gemini's copy of stage 2 moves to node0 (node1 is the writer now)."""
-    from spotpipe.runtime.faults import Fault
+    from spotpipe.faults import Fault
 
     # the carrier keeps both stages (no re-partition), so the copies keep their layout
     cfg = tiny_config(corpus, **{**RUN, "stages": 3, "redundancy": "lazy", "checkpoint.every": 1,

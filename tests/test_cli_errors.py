@@ -30,7 +30,7 @@ def spotpipe(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
 
 def workers_running(out: Path) -> list[str]:
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if "spotpipe.runtime.worker" in line
+    return [line for line in ps.splitlines() if "spotpipe.cli.worker" in line
             and str(out) in open(f"/proc/{line.split()[0]}/environ", "rb").read().decode(
                 errors="replace")] if ps else []
 

@@ -3,13 +3,16 @@ reports directly (an in-memory store, no processes)."""
 
 from __future__ import annotations
 
-import json
+import dataclasses
 
 import torch.distributed as dist
 
 from spotpipe.cluster.coordinator import Coordinator
-from spotpipe.cluster.membership import plan_key
 from spotpipe.plan import Layout
+from spotpipe.protocol import Channel, DecisionRecord, Report, job_key, keys
+from spotpipe.store import board
+
+KEY = job_key(b"sesame", "test")
 
 from conftest import tiny_config
 
@@ -19,16 +22,35 @@ def _coordinator(corpus, stages: int, nodes: list[str]) -> tuple[Coordinator, li
     emitted: list[dict] = []
     coord = Coordinator(cfg=cfg, store=dist.HashStore(), layout=Layout.build(stages, 1, nodes),
                         kill=lambda node: None, emit=emitted.append, now=lambda: 0.0,
-                        partition=[(0, 1), (1, 2)][:stages])
+                        channel=Channel(KEY, "coordinator"), partition=[(0, 1), (1, 2)][:stages])
     return coord, emitted
 
 
+def _with_standby(coord: Coordinator, standby: tuple[str, ...]) -> None:
+    coord.history = dataclasses.replace(coord.history,
+                                        layout=coord.layout.with_standby(standby))
+
+
+def _plan(coord: Coordinator, generation: int) -> dict:
+    """The Decision the coordinator published for `generation`, as a worker reads it."""
+    opened = board.first(coord.store, keys.decision_board(generation), Channel(KEY, "node0"),
+                         on_refused=lambda why, _: None, timeout_s=5, expect=DecisionRecord)
+    return opened.message.decision
+
+
+def _make(coord: Coordinator, node: str, **extra) -> Report:
+    fields = dict(node=node, generation=coord.generation, boundary=False, iteration=5,
+                  position=0, instruction="", committed_through=4, stepped_through=4, done=(),
+                  clip_scale=None, flight=-1, formed=False, lacking=(), untouched=True,
+                  leaving=False, reason="forming the process groups failed: wait timeout",
+                  time_s=0.0)
+    fields.update(extra)
+    fields["lacking"] = tuple(fields["lacking"])
+    return Report(**fields)
+
+
 def _report(coord: Coordinator, node: str, **extra) -> None:
-    coord.report({"generation": coord.generation, "node": node, "boundary": False,
-                  "iteration": 5, "position": 0, "instruction": "", "committed_through": 4,
-                  "stepped_through": 4, "done": [], "clip_scale": None, "flight": -1,
-                  "formed": False, "lacking": [], "untouched": True, "leaving": False,
-                  "reason": "forming the process groups failed: wait timeout", **extra})
+    coord.report(_make(coord, node, **extra), node)
 
 
 def test_plans_that_keep_failing_with_no_loss_stop_the_job(corpus):
@@ -37,7 +59,7 @@ def test_plans_that_keep_failing_with_no_loss_stop_the_job(corpus):
         generation = coord.generation
         _report(coord, "node0")
         _report(coord, "node1")
-        plan = json.loads(coord.store.get(plan_key(generation)))
+        plan = _plan(coord, generation)
         if attempt < 2:
             assert plan["action"] == "keep" and coord.generation == generation + 1
     assert plan["action"] == "stop"
@@ -48,17 +70,17 @@ def test_a_node_lost_between_failed_plans_is_progress(corpus):
     """Failed plans count as futile only while nothing changes: a loss in between restarts
     the count (each plan then re-forms around the loss)."""
     coord, _ = _coordinator(corpus, 2, ["node0", "node1"])
-    coord.layout = coord.layout.with_standby(("node2",))
+    _with_standby(coord, ("node2",))
     for _ in range(2):
         g = coord.generation
         _report(coord, "node0")
         _report(coord, "node1")
-        assert json.loads(coord.store.get(plan_key(g)))["action"] != "stop"
+        assert _plan(coord, g)["action"] != "stop"
     coord.node_exited("node2", -9)  # the standby node goes: a loss, and no spare any more
     g = coord.generation
     _report(coord, "node0")
     _report(coord, "node1")
-    plan = json.loads(coord.store.get(plan_key(g)))
+    plan = _plan(coord, g)
     assert plan["action"] == "keep" and "node2" not in plan["layout"].get("standby", [])
 
 
@@ -68,28 +90,26 @@ def test_failed_plan_rolled_back_only_when_no_survivor_changed(corpus):
     receive its stage, is counted out either way (it joins again)."""
     for untouched in (True, False):
         coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
-        coord.layout = coord.layout.with_standby(("node2",))
+        _with_standby(coord, ("node2",))
         coord.node_exited("node1", -9)
         _report(coord, "node0", formed=True)
-        assert json.loads(coord.store.get(plan_key(0)))["action"] == "failover"
+        assert _plan(coord, 0)["action"] == "failover"
         # node0 carries both stages; at the next boundary the standby node takes one back
-        coord.report(_boundary(coord, "node0"))
-        assert json.loads(coord.store.get(plan_key(1)))["action"] == "rebalance"
+        coord.report(_boundary(coord, "node0"), "node0")
+        assert _plan(coord, 1)["action"] == "rebalance"
         _report(coord, "node0", untouched=untouched, committed_through=6)
         _report(coord, "node2", lacking=["stage 1", "replica 0"], committed_through=-1)
         agreement = [e for e in emitted if e["kind"] == "agreement"][-1]
         assert bool(agreement.get("rolled_back")) == untouched
         assert "node2" in agreement["lost"] and agreement["resume"] == 7
-        plan = json.loads(coord.store.get(plan_key(2)))
-        assert "node2" not in json.dumps(plan["layout"])
+        plan = _plan(coord, 2)
+        assert "node2" not in str(plan["layout"])
         # rolled back, node0 still carries both stages and the job keeps going; otherwise
         # node0's new state is that of the failed plan, where node2 owned a stage
         assert plan["action"] == ("keep" if untouched else "failover"), plan["action"]
 
 
-def _boundary(coord: Coordinator, node: str) -> dict:
-    return {"generation": coord.generation, "node": node, "boundary": True, "iteration": 6,
-            "position": 0, "instruction": "", "committed_through": 6, "stepped_through": 6,
-            "done": [], "clip_scale": None, "flight": -1, "formed": True, "lacking": [],
-            "untouched": True, "leaving": False,
-            "reason": "the layout changes at this iteration boundary"}
+def _boundary(coord: Coordinator, node: str) -> Report:
+    return _make(coord, node, boundary=True, iteration=6, committed_through=6,
+                 stepped_through=6, formed=True,
+                 reason="the layout changes at this iteration boundary")

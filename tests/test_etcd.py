@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from spotpipe.cluster.etcd_store import EtcdStore
+from spotpipe.store.etcd import EtcdStore
 from spotpipe.cluster.launcher import LaunchError, train
 from spotpipe.config import ConfigError
-from spotpipe.runtime.faults import Fault
+from spotpipe.faults import Fault
 
 from conftest import tiny_config
 from test_cli_errors import workers_running

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from spotpipe.cluster.launcher import train
-from spotpipe.runtime.faults import Fault
+from spotpipe.faults import Fault
 
 from conftest import tiny_config
 from test_cli_errors import workers_running

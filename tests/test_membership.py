@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from spotpipe.cluster.launcher import train
-from spotpipe.runtime.faults import Fault
+from spotpipe.faults import Fault
 
 from conftest import tiny_config
 from test_failover import (FAST, assert_nothing_left, assert_samples_exactly_once, events,
@@ -105,8 +105,9 @@ def _stranger(run, node, token, config_path=None):
     env = dict(os.environ, RANK=node[4:], WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR=host,
                MASTER_PORT=port, SPOTPIPE_RUN_DIR=str(run), SPOTPIPE_T0=str(launch["t0"]),
                SPOTPIPE_JOIN="1", SPOTPIPE_JOIN_TOKEN=token, SPOTPIPE_FAULTS="[]",
+               SPOTPIPE_INSTANCE=launch["instance"],
                SPOTPIPE_RESUME="", SPOTPIPE_CONFIG=str(config_path or run / "config.yaml"))
-    return subprocess.run([sys.executable, "-m", "spotpipe.runtime.worker"], env=env,
+    return subprocess.run([sys.executable, "-m", "spotpipe.cli.worker"], env=env,
                           capture_output=True, text=True, timeout=120)
 
 

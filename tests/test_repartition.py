@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from spotpipe.cluster.launcher import train
 from spotpipe.runtime import migrate
-from spotpipe.runtime.faults import Fault
+from spotpipe.faults import Fault
 
 from conftest import tiny_config
 from test_failover import (FAST, assert_nothing_left, assert_samples_exactly_once, events,

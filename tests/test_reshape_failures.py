@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from spotpipe.cluster.launcher import train
-from spotpipe.runtime.faults import Fault, FaultSpecError
+from spotpipe.faults import Fault, FaultSpecError
 
 from conftest import tiny_config
 from test_failover import (FAST, assert_nothing_left, assert_samples_exactly_once, events,

@@ -192,8 +192,9 @@ def bench_worker(cfg: Any, rank: int, run_dir: Any, *, namespace: str) -> Any:
 
     from spotpipe import job
     from spotpipe.model import partition
-    from spotpipe.cluster.store import StoreAddress
+    from spotpipe.protocol import Channel, job_key
     from spotpipe.runtime.worker import Worker
+    from spotpipe.store.address import StoreAddress
 
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     store = dist.TCPStore(host, port, is_master=False,
@@ -201,8 +202,11 @@ def bench_worker(cfg: Any, rank: int, run_dir: Any, *, namespace: str) -> Any:
     model = job.build_model(cfg)
     ranges = [(int(a), int(e)) for a, e in partition(model, cfg.stages, cfg.model.partition)]
     spec = job.RunSpec(ranges, cfg.global_batch)
+    # no coordinator runs: a key of the benchmark's own seals what the worker writes
+    channel = Channel(job_key(b"bench", namespace), f"node{rank}")
     worker = Worker(cfg, spec, run_dir, f"node{rank}", store, time.time(), [],
-                    address=StoreAddress("tcp", host, port), namespace=namespace)
+                    address=StoreAddress("tcp", host, port), channel=channel,
+                    namespace=namespace)
     worker.heartbeat.stop()
     worker._form()
     return worker

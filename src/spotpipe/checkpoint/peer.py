@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from spotpipe.checkpoint import durable, snapshot
+from spotpipe.protocol import keys
 from spotpipe.checkpoint.schemes import Boundary, Scheme, SchemeContext
 from spotpipe.runtime.comm import PeerFailure, tag
 
@@ -92,7 +93,7 @@ class GeminiScheme(Scheme):
         self._layouts: dict[int, dict[str, Any]] = {}
 
     def _layout_key(self, stage: int) -> str:
-        return f"{self.ctx.namespace}/checkpoint/layout/{stage}"
+        return keys.checkpoint_layout(self.ctx.namespace, stage)
 
     def save(self, b: Boundary) -> None:
         self.poll(b, wait=True)  # one copy in flight at a time

@@ -49,7 +49,9 @@ from torch import nn
 
 from spotpipe.checkpoint import durable, snapshot
 from spotpipe.checkpoint.interval import interval_iterations, mtbf_estimate
+from spotpipe.protocol import keys
 from spotpipe.config import CHECKPOINT_SCHEMES, Config
+from spotpipe.runtime.hooks import Boundary  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -73,16 +75,6 @@ class SchemeContext:
         return Path(c.dir or self.run_dir / f"checkpoints_{c.scheme}")
 
 
-@dataclass
-class Boundary:
-    """The end of one iteration on one node: its stepped stages and its generation."""
-
-    iteration: int
-    stages: dict[int, tuple[nn.Module, torch.optim.Optimizer]]  # the ones this node writes
-    comm: Any  # spotpipe.runtime.comm.Comm of the current generation
-    layout: Any  # spotpipe.plan.Layout of the current generation
-
-
 class Cadence:
     """Which iterations are checkpointed: every k, or k from Young/Daly (`every: auto`).
 
@@ -102,7 +94,7 @@ class Cadence:
         self.every = 0 if self.auto else int(every)
         self.mtbf_prior_s = cfg.checkpoint.mtbf_s
         self.failures = ctx_failures
-        self.store, self.key = store, f"{namespace}/checkpoint/next_at"
+        self.store, self.key = store, keys.checkpoint_next_at(namespace)
         self.first_at, self.max_k = first_at, max_k
         self.event = event
         self.next_at: int | None = None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -31,10 +32,11 @@ import torch.distributed as dist
 
 from spotpipe import job
 from spotpipe.checkpoint import durable
-from spotpipe.cluster.channel import WorkerChannel
-from spotpipe.cluster.store import StoreAddress
+from spotpipe.protocol import channel_from_env
+from spotpipe.store.address import StoreAddress
+from spotpipe.store.mailbox import Outbox
 from spotpipe.config import Config, load_config
-from spotpipe.runtime import migrate
+from spotpipe.runtime.state import flatten
 from spotpipe.runtime import node as nodelib
 from spotpipe.runtime.digest import DigestLog
 from spotpipe.runtime.replica import ReplicaApplier, ReplicaStage, scale_flat_gradient
@@ -58,7 +60,7 @@ class Shadow:
         self.cfg, self.run_dir, self.stage = cfg, run_dir, stage
         self.store, self.namespace = store, namespace
         self.name = f"shadow{stage}"
-        self.channel = WorkerChannel(store, self.name, t0)
+        self.channel = Outbox(store, channel_from_env(self.name), t0)
         model = job.build_model(cfg)
         state = nodelib.build_stage_state(model, spec.partition, stage, cfg, torch.device("cpu"))
         self.module, self.optimizer = state.module, state.optimizer
@@ -130,7 +132,7 @@ class Shadow:
                     self._settle(resume=t, scale=scale_from_bits(bits))
                     group.send([header(ACK, self.applied)], 1, 0).wait()  # type: ignore[attr-defined]
                     if arg:
-                        flat = migrate.flatten(self.module, self.optimizer)
+                        flat = flatten(self.module, self.optimizer)
                         group.send([flat], 1, 0).wait()  # type: ignore[attr-defined]
                         self.channel.event("shadow_restored", stage=self.stage,
                                            iteration=self.applied,
@@ -221,7 +223,7 @@ def main() -> int:
         pass
     spec = job.RunSpec.from_json(json.loads((run_dir / "run.json").read_text()))
     store = StoreAddress.from_env().connect(cfg.cluster.timeout_s)
-    channel = WorkerChannel(store, f"shadow{stage}", t0)
+    channel = Outbox(store, channel_from_env(f"shadow{stage}"), t0)
     try:
         Shadow(cfg, spec, run_dir, stage, store, t0).run()
     except Exception as exc:
@@ -232,6 +234,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from spotpipe.runtime.worker import exit_now
-
-    exit_now(main())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(main())  # teardown of torch and gloo decides nothing (see cli.worker)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from spotpipe.config import ConfigError, load_config
-from spotpipe.runtime.faults import FaultSpecError
+from spotpipe.faults import FaultSpecError
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -90,7 +90,7 @@ def _tell_story(out: Path) -> None:
 def _faults(args: argparse.Namespace, cfg):
     """Fault specs and trace actions, checked against the job's nodes before anything runs."""
     from spotpipe.cluster.trace_replay import replay_actions
-    from spotpipe.runtime.faults import Fault, FaultSpecError
+    from spotpipe.faults import Fault, FaultSpecError
 
     # nodes joining with --join are named after the initial ones, in order
     nodes = [f"node{r}" for r in range(cfg.stages * cfg.pipelines + len(args.join or []))]

@@ -30,7 +30,6 @@ coordinator's --out gets the whole model even without a shared filesystem.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import os
 import signal
@@ -47,16 +46,19 @@ import torch.distributed as dist
 import yaml
 
 from spotpipe import job
-from spotpipe.cluster.channel import WorkerChannel
 from spotpipe.cluster.coordinator import join_problem
 from spotpipe.cluster.jobloop import JobLoop, RunFiles
 from spotpipe.cluster.launcher import LaunchError, prepare, search_path
-from spotpipe.cluster.membership import KeyWatcher
-from spotpipe.cluster.store import StoreAddress, host_tcp_store, job_prefix
 from spotpipe.cluster.supervisor import Supervisor, worker_env
 from spotpipe.config import Config, parse_endpoint
+from spotpipe.protocol import (Channel, Exit, Kill, job_key, keys, new_instance_id, proof,
+                               same_secret)
+from spotpipe.store import board
+from spotpipe.store.address import StoreAddress, host_tcp_store, job_prefix
+from spotpipe.store.mailbox import Outbox
+from spotpipe.store.watchers import BoardWatcher
 
-RDZV = "spotpipe/rdzv"
+RDZV = keys.RDZV
 ARRIVALS = f"{RDZV}/arrivals"
 COORDINATOR = f"{RDZV}/coordinator"
 JOB = f"{RDZV}/job"
@@ -74,17 +76,7 @@ def assign_key(k: int) -> str:
     return f"{RDZV}/assign/{k}"
 
 
-def kill_key(node: str) -> str:
-    return f"{RDZV}/kill/{node}"
-
-
-def final_key(stage: int, part: str) -> str:
-    return f"spotpipe/final/{stage}/{part}"
-
-
-def proof(token: str, what: str) -> str:
-    """Shows the token without revealing it (anyone who reads the store sees this, not it)."""
-    return hmac.new(token.encode(), what.encode(), hashlib.sha256).hexdigest()
+final_key = keys.final_part
 
 
 class AgentError(RuntimeError):
@@ -143,7 +135,7 @@ def connect_rendezvous(opts: AgentOptions,
         raise AgentError(f"--rdzv-endpoint: {exc}") from None
     timeout = timedelta(seconds=cfg.cluster.timeout_s)
     if opts.backend == "etcd":
-        from spotpipe.cluster.etcd_store import EtcdStore, EtcdStoreError
+        from spotpipe.store.etcd import EtcdStore, EtcdStoreError
 
         address = StoreAddress("etcd", host, port, job_prefix(opts.rdzv_id))
         try:
@@ -206,7 +198,8 @@ class AgentJobLoop(JobLoop):
         reports an exit, so it counts as exited once the heartbeat timeout passes again."""
         if node in self._exited or node in self._kill_due:
             return
-        self._store.set(kill_key(node), "fenced")
+        board.publish(self._store, self.channel, keys.kill_board(node),
+                      Kill(node, "fenced by the coordinator"), self.coordinator.generation)
         self._kill_due[node] = time.time() + self.cfg.failover.heartbeat_timeout_s
 
     def _each_turn(self, files: RunFiles) -> None:
@@ -258,6 +251,7 @@ class Coordinating:
         self._events: list[dict[str, Any]] = []
         self._inbox: Any = None
         self.t0 = time.time()
+        self.instance = new_instance_id()  # the job's key is derived from it and the token
         self.code = 1
 
     def nodes(self) -> list[str]:
@@ -299,7 +293,7 @@ class Coordinating:
     # ------------------------------------------------------------------ admission
 
     def _problem(self, k: int, info: dict[str, Any], late: bool) -> str | None:
-        problem = join_problem(self.cfg, token_ok=hmac.compare_digest(
+        problem = join_problem(self.cfg, token_ok=same_secret(
             str(info.get("proof", "")), proof(self.token, f"{self.opts.rdzv_id}/agent/{k}")),
             model_digest=info.get("model_digest"), config_digest=info.get("config_digest"))
         if problem:
@@ -357,7 +351,8 @@ class Coordinating:
         store = self.address.connect(self.cfg.cluster.timeout_s)
         store.set(JOB, json.dumps({
             "proof": proof(self.token, f"{self.opts.rdzv_id}/job"), "spec": self.spec.to_json(),
-            "t0": self.t0, "world": self.world, "config_digest": self.cfg.digest(),
+            "t0": self.t0, "instance": self.instance, "world": self.world,
+            "config_digest": self.cfg.digest(),
             "model_digest": self.cfg.model_digest()}))
         k = 0
         while len(self._slots) < self.opts.min_nodes:
@@ -377,7 +372,8 @@ class Coordinating:
             self._admit(store, k, json.loads(raw), late=False)
         self._next = k + 1
         loop = AgentJobLoop(self, cfg=self.cfg, spec=self.spec, out=self.opts.out,
-                            token=self.token, progress=self.opts.progress, t0=self.t0)
+                            token=self.token, instance=self.instance,
+                            progress=self.opts.progress, t0=self.t0)
         loop_store = self.address.connect(self.cfg.cluster.timeout_s)
         try:
             self.code = loop.run(loop_store, self.address)
@@ -433,7 +429,8 @@ class Agent:
             self.say(f"no job appeared at the rendezvous within {opts.rdzv_timeout_s:.0f} s")
             return 1
         job_info = json.loads(raw)
-        if not hmac.compare_digest(job_info["proof"], proof(self.token, f"{opts.rdzv_id}/job")):
+        if not same_secret(str(job_info.get("proof", "")),
+                           proof(self.token, f"{opts.rdzv_id}/job")):
             self.say(f"refused: the job at this rendezvous (--rdzv-id {opts.rdzv_id}) was not "
                      "started with this SPOTPIPE_JOIN_TOKEN; this agent did not join it")
             return 2
@@ -448,6 +445,8 @@ class Agent:
         if "refused" in answer:
             self.say(answer["refused"])
             return 2
+        self.channel = Channel(job_key(self.token, str(job_info["instance"])), f"agent{me}")
+        self.instance = str(job_info["instance"])
         code = self._work(store, job_info, answer, coordinating is not None)
         if thread is not None and coordinating is not None:
             thread.join()
@@ -472,10 +471,12 @@ class Agent:
             env = worker_env(self.cfg, rank=rank, world=world, local_rank=local,
                              local_world=len(ranks), address=self.address, run_dir=out,
                              t0=float(job_info["t0"]), token=self.token,
-                             search_path=search_path(self.cfg), joining=bool(answer["joining"]))
+                             instance=self.instance, search_path=search_path(self.cfg),
+                             joining=bool(answer["joining"]))
             supervisor.spawn(node, env)
-            KeyWatcher(self.address.connect(self.timeout_s), kill_key(node),
-                       lambda node=node: supervisor.signal(node, signal.SIGKILL))
+            BoardWatcher(self.address.connect(self.timeout_s), self.channel,
+                         keys.kill_board(node), Kill,
+                         lambda _, node=node: supervisor.signal(node, signal.SIGKILL))
         self.say(f"started {', '.join(f'node{r}' for r in ranks)}"
                  + (" (joining the running job)" if answer["joining"] else ""))
         store.wait([OVER], timedelta(days=7))
@@ -492,7 +493,7 @@ class Agent:
             except Exception:
                 self.say("not every agent confirmed the end of the job; leaving anyway")
             if coordinating and self.address.kind == "etcd":
-                from spotpipe.cluster.etcd_store import EtcdStore
+                from spotpipe.store.etcd import EtcdStore
 
                 if isinstance(store, EtcdStore):
                     store.delete_prefix()
@@ -508,8 +509,7 @@ class Agent:
             store = self.address.connect(self.timeout_s)
             if code == 0:
                 self._upload_final(store)
-            WorkerChannel(store, f"agent:{node}", 0.0)._post(
-                {"type": "exit", "node": node, "code": code})
+            Outbox(store, self.channel, 0.0).post(Exit(node, code))
         except Exception as exc:  # the store is gone: the job is over already
             self.say(f"could not report the exit of {node}: {exc}")
         with self._lock:
@@ -530,7 +530,7 @@ class Agent:
 
 def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> int:
     """Validate, meet the other agents, run; AgentError/LaunchError before anything starts."""
-    token = os.environ.get("SPOTPIPE_JOIN_TOKEN", "")
+    token = os.environ.get("SPOTPIPE_JOIN_TOKEN", "")  # (str; any bytes, see protocol.auth)
     if not token:
         raise AgentError("SPOTPIPE_JOIN_TOKEN: set it to the job's shared secret on every host "
                          "(a node without it is refused)")

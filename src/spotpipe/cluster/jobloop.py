@@ -29,9 +29,11 @@ from safetensors.torch import load_file, save_file
 
 from spotpipe import job
 from spotpipe.checkpoint import durable
-from spotpipe.cluster.channel import MAILBOX, WorkerChannel, read_mailbox
 from spotpipe.cluster.coordinator import Coordinator
-from spotpipe.cluster.store import StoreAddress
+from spotpipe.protocol import (Channel, CheckpointSaved, Close, Event, Exit, JoinRequest, Metrics,
+                               Opened, Refused, Report, job_key)
+from spotpipe.store import mailbox
+from spotpipe.store.address import StoreAddress
 from spotpipe.cluster.supervisor import Supervisor, search_path, worker_env
 from spotpipe.config import Config
 from spotpipe.plan import Layout
@@ -73,13 +75,17 @@ class RunFiles:
 class JobLoop:
     """The coordinator's loop over one run folder; subclasses say where the workers run."""
 
-    def __init__(self, cfg: Config, spec: job.RunSpec, out: Path, *, token: str,
-                 progress: bool = True, stream: TextIO | None = None,
-                 resume: durable.Checkpoint | None = None, t0: float | None = None) -> None:
+    def __init__(self, cfg: Config, spec: job.RunSpec, out: Path, *, token: str | bytes,
+                 instance: str, progress: bool = True, stream: TextIO | None = None,
+                 resume: durable.Checkpoint | None = None, t0: float | None = None,
+                 writer: str = "coordinator") -> None:
         self.cfg = cfg
         self.spec = spec
         self.out = out
         self.token = token
+        self.instance = instance
+        # the job's key: every record this loop reads must be sealed under it
+        self.channel = Channel(job_key(token, instance), writer)
         self.progress = progress and cfg.logging.progress
         self.stream = stream if stream is not None else sys.stderr
         self.t0 = time.time() if t0 is None else t0
@@ -148,7 +154,7 @@ class JobLoop:
                                      and cfg.checkpoint.scheme != "gemini"),
                      "pipelines": cfg.pipelines, "partition": self.spec.partition,
                      "redundancy": cfg.redundancy, "store": f"{address.host}:{address.port}",
-                     "store_kind": address.kind,
+                     "store_kind": address.kind, "instance": self.instance,
                      **({"store_prefix": address.prefix} if address.prefix else {}),
                      **self._launch_details(), "t0": self.t0,
                      **({"resumed_from": str(self.resume.path),
@@ -156,7 +162,7 @@ class JobLoop:
         nodes = [f"node{r}" for r in range(world)]
         self.coordinator = Coordinator(
             cfg=cfg, store=store, layout=Layout.build(cfg.stages, cfg.pipelines, nodes),
-            kill=self._kill, emit=files.event, now=self._now, token=self.token,
+            kill=self._kill, emit=files.event, now=self._now, channel=self.channel,
             partition=self.spec.partition, partition_for=self._partition_for)
         inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._inbox, self._address, self._store = inbox, address, store
@@ -183,12 +189,12 @@ class JobLoop:
                 if time.time() - last_tick >= cfg.failover.heartbeat_s:
                     last_tick = time.time()
                     self.coordinator.tick()
-                if what == "record" and item.get("type") == "exit":  # reported by an agent
+                if what == "record" and isinstance(item.message, Exit):  # from an agent
                     self._received += 1
-                    what, item = "exit", (item["node"], int(item["code"]))
+                    what, item = "exit", (item.message.node, item.message.code)
                 if what == "event":  # from a helper thread of this process
                     files.event(item)
-                elif what == "record":
+                elif what in ("record", "refused"):
                     self._handle_record(what, item, files, errors)
                 elif what == "exit":
                     node, code = item
@@ -250,6 +256,7 @@ class JobLoop:
         for stage in range(self.cfg.stages):
             env = worker_env(self.cfg, rank=0, world=1, local_rank=0, local_world=1,
                              address=address, run_dir=self.out, t0=self.t0, token=self.token,
+                             instance=self.instance,
                              search_path=search_path(self.cfg),
                              resume=str(self.resume.path) if self.resume else "")
             env["SPOTPIPE_SHADOW_STAGE"] = str(stage)
@@ -328,46 +335,64 @@ class JobLoop:
                errors: dict[str, str], store: dist.Store) -> None:
         """Write every record posted so far: a worker posts its last record before it exits,
         so once it has exited, the store's mailbox count says how many records to wait for."""
-        posted = store.add(f"{MAILBOX}/count", 0)
+        posted = mailbox.posted(store)
         # the count may lag by a record whose writer was killed right after writing it
-        while self._received < posted or store.check([f"{MAILBOX}/{self._received + 1}"]):
+        while self._received < posted or mailbox.slot_written(store, self._received + 1):
             what, item = inbox.get(timeout=self.cfg.cluster.timeout_s)
             self._handle_record(what, item, files, errors)
 
     def _handle_record(self, what: str, item: Any, files: RunFiles,
                        errors: dict[str, str]) -> None:
+        if what == "refused":  # a slot whose record did not open: counted, not read
+            self._received += 1
+            self.coordinator.refused(item.writer, f"mailbox: {item.reason}")
+            body = item.claimed.get("body")
+            if item.claimed.get("type") == JoinRequest.TYPE and isinstance(body, dict):
+                # a node without the job's key asks to join: tell it so (it cannot verify
+                # the answer, and nothing else it wrote is acted on)
+                self.coordinator.join_without_key(str(body.get("node", item.writer))[:100])
+            return
         if what != "record":
             return
         self._received += 1
-        kind = item.pop("type")
-        if kind == "exit":  # an agent's report, read while draining: nothing more to do
-            self._exited.setdefault(item["node"], int(item["code"]))
-        elif kind == "metrics":
-            if self._last is None:
-                self._train_start = time.time()
-            files.metric(item)
-            self._last = item
-            self._update_bar(self._bar, item)
-            if item["iter"] >= self.cfg.iterations - 1:
-                # the last iteration is committed: no plan will place a node any more, so a
-                # node asking to join from now on is told so instead of being accepted
-                self.coordinator.release_standby()
-            self._on_metrics(item, files)
-        elif kind == "event" and item["kind"] == "checkpoint_saved":
-            files.event({k: v for k, v in item.items() if k != "checksums"})
-            self._checkpoint_saved(item, files)
-        elif kind == "join":
-            files.event({"time_s": item.pop("time_s"), "kind": "join_requested",
-                         "node": item["node"]})
-            self.coordinator.join(item)
-        elif kind == "report":
-            files.event({"time_s": item.pop("time_s"), "kind": "report", **item})
-            item["time_s"] = 0.0
-            self.coordinator.report(item)
+        opened: Opened = item
+        message, writer = opened.message, opened.writer
+        if isinstance(message, Exit):  # an agent's report, read while draining
+            self._exited.setdefault(message.node, message.code)
+        elif isinstance(message, Metrics):
+            self._metrics(message.to_json(), files)
+        elif isinstance(message, CheckpointSaved):
+            files.event({"time_s": message.time_s, "kind": "checkpoint_saved",
+                         "node": message.node, "iteration": message.iteration,
+                         "stage": message.stage, **message.details})
+            self._checkpoint_saved({"iteration": message.iteration, "stage": message.stage,
+                                    "checksums": message.checksums}, files)
+        elif isinstance(message, JoinRequest):
+            files.event({"time_s": message.time_s, "kind": "join_requested",
+                         "node": message.node})
+            self.coordinator.join(message, writer)
+        elif isinstance(message, Report):
+            files.event({"kind": "report", **message.to_json()})
+            self.coordinator.report(message, writer)
+        elif isinstance(message, Event):
+            record = message.record()
+            files.event(record)
+            if message.kind in ("worker_error", "shadow_error"):
+                errors[message.node] = str(message.details.get("message", ""))
         else:
-            files.event(item)
-            if item["kind"] in ("worker_error", "shadow_error"):
-                errors[item["node"]] = item["message"]
+            self.coordinator.refused(writer, f"a {type(message).__name__} record in the mailbox")
+
+    def _metrics(self, item: dict[str, Any], files: RunFiles) -> None:
+        if self._last is None:
+            self._train_start = time.time()
+        files.metric(item)
+        self._last = item
+        self._update_bar(self._bar, item)
+        if item["iter"] >= self.cfg.iterations - 1:
+            # the last iteration is committed: no plan will place a node any more, so a
+            # node asking to join from now on is told so instead of being accepted
+            self.coordinator.release_standby()
+        self._on_metrics(item, files)
 
     def _watch_mailbox(self, address: StoreAddress,
                        inbox: "queue.Queue[tuple[str, Any]]") -> None:
@@ -375,10 +400,11 @@ class JobLoop:
 
         def pump() -> None:
             try:
-                for record in read_mailbox(client):
-                    if record.get("type") == "close":
+                for opened in mailbox.read_mailbox(
+                        client, self.channel, lambda why: inbox.put(("refused", why))):
+                    if isinstance(opened.message, Close) and opened.writer == self.channel.writer:
                         return
-                    inbox.put(("record", record))
+                    inbox.put(("record", opened))
             except Exception as exc:  # the store went away: only at shutdown, or a real fault
                 inbox.put(("mailbox_closed", str(exc)))
 
@@ -388,7 +414,7 @@ class JobLoop:
     def _close_mailbox(self, store: dist.Store) -> None:
         """Post the closing record, so the reader thread leaves its blocking wait and ends
         before the interpreter does (a thread inside a store call at exit aborts the process)."""
-        WorkerChannel(store, "launcher", self.t0)._post({"type": "close"})
+        mailbox.Outbox(store, self.channel, self.t0).post(Close())
         self._pump.join(timeout=10)
 
     def _merge_final(self) -> None:

@@ -27,10 +27,11 @@ import torch.distributed as dist
 from spotpipe.checkpoint import durable
 from spotpipe.config import Config, parse_endpoint
 from spotpipe.cluster.jobloop import JobLoop, RunFiles
-from spotpipe.cluster.store import StoreAddress, host_tcp_store, job_prefix
+from spotpipe.protocol import keys, new_instance_id
+from spotpipe.store.address import StoreAddress, host_tcp_store, job_prefix
 from spotpipe.cluster.supervisor import Supervisor, search_path, worker_env
 from spotpipe.cluster.trace_replay import Action as TraceAction
-from spotpipe.runtime.faults import Fault
+from spotpipe.faults import Fault
 from spotpipe import job
 
 
@@ -81,7 +82,7 @@ def bind_store(cfg: Config, job_id: str) -> tuple[dist.Store, StoreAddress]:
     connection to the configured etcd (keys under the job's own prefix)."""
     timeout = timedelta(seconds=cfg.cluster.timeout_s)
     if cfg.cluster.store == "etcd":
-        from spotpipe.cluster.etcd_store import EtcdStore, EtcdStoreError
+        from spotpipe.store.etcd import EtcdStore, EtcdStoreError
 
         host, port = parse_endpoint(cfg.cluster.etcd_endpoint)
         address = StoreAddress("etcd", host, port, job_prefix(job_id))
@@ -113,7 +114,7 @@ class Launcher(JobLoop):
         # every node must present the token to join (a node from another job or a stray
         # process cannot disturb this one); real clusters pass it to their agents
         super().__init__(prepared.cfg, prepared.spec, out, progress=progress, stream=stream,
-                         resume=resume,
+                         resume=resume, instance=new_instance_id(),
                          token=os.environ.get("SPOTPIPE_JOIN_TOKEN") or secrets.token_hex(16))
         self.faults = list(faults or [])
         self.joins = sorted(joins or [])
@@ -124,7 +125,8 @@ class Launcher(JobLoop):
     def _spawn(self, rank: int, world: int, address: StoreAddress, joining: bool = False) -> None:
         env = worker_env(self.cfg, rank=rank, world=world, local_rank=rank, local_world=world,
                          address=address, run_dir=self.out, t0=self.t0, token=self.token,
-                         search_path=search_path(self.cfg), faults=self.faults,
+                         instance=self.instance, search_path=search_path(self.cfg),
+                         faults=self.faults,
                          joining=joining, gated=joining,
                          resume=str(self.resume.path) if self.resume else "")
         self.supervisor.spawn(f"node{rank}", env)
@@ -170,12 +172,12 @@ class Launcher(JobLoop):
             at, node = self.joins.pop(0)
             files.event({"time_s": self._now(), "kind": "node_available", "node": node,
                          "iteration": item["iter"]})
-            self._store.set(f"spotpipe/join_gate/{node}", str(at))
+            self._store.set(keys.join_gate(node), str(at))
 
     def _only_standby_left(self) -> None:
         self.coordinator.release_standby()  # only standby joiners are left
         for _, node in self.joins:  # and joiners whose iteration never came
-            self._store.set(f"spotpipe/join_gate/{node}", "over")
+            self._store.set(keys.join_gate(node), "over")
         self.joins = []
 
     # ------------------------------------------------------------------ trace replay
@@ -215,7 +217,7 @@ class Launcher(JobLoop):
         node = f"node{rank}"
         files.event({"time_s": self._now(), "kind": "node_started", "node": node,
                      "joining": True, "reason": "trace"})
-        self._store.set(f"spotpipe/join_gate/{node}", "trace")
+        self._store.set(keys.join_gate(node), "trace")
         self._spawn(rank, world, self._address, joining=True)
 
 
@@ -264,7 +266,7 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
         return launcher.run(store, address)
     finally:
         if address.kind == "etcd":  # the job is over: its keys go (other jobs keep theirs)
-            from spotpipe.cluster.etcd_store import EtcdStore
+            from spotpipe.store.etcd import EtcdStore
 
             if isinstance(store, EtcdStore):
                 store.delete_prefix()
@@ -272,3 +274,6 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
         # (the coordinator and the launcher refer to each other) so the server shuts down now
         launcher.coordinator = None
         del launcher, store
+        import gc
+
+        gc.collect()  # (cycles within the coordinator's parts hold the store too)

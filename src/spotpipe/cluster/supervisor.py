@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from spotpipe.cluster.store import StoreAddress
+from spotpipe.store.address import StoreAddress
 from spotpipe.config import Config
-from spotpipe.runtime.faults import Fault
+from spotpipe.faults import Fault
 
 
 def search_path(cfg: Config) -> list[str]:
@@ -36,7 +36,7 @@ def _die_with_parent() -> None:
 
 
 def worker_env(cfg: Config, *, rank: int, world: int, local_rank: int, local_world: int,
-               address: StoreAddress, run_dir: Path, t0: float, token: str,
+               address: StoreAddress, run_dir: Path, t0: float, token: str, instance: str,
                search_path: Sequence[str], faults: Sequence[Fault] = (),
                joining: bool = False, gated: bool = False, resume: str = "") -> dict[str, str]:
     """The environment of one worker process (worker.py's docstring lists what it reads)."""
@@ -45,7 +45,7 @@ def worker_env(cfg: Config, *, rank: int, world: int, local_rank: int, local_wor
                 SPOTPIPE_T0=repr(t0), OMP_NUM_THREADS=str(cfg.cluster.threads_per_worker),
                 SPOTPIPE_FAULTS=json.dumps([f.to_json() for f in faults]),
                 SPOTPIPE_JOIN="1" if joining else "", SPOTPIPE_JOIN_GATED="1" if gated else "",
-                SPOTPIPE_JOIN_TOKEN=token, SPOTPIPE_RESUME=resume,
+                SPOTPIPE_JOIN_TOKEN=token, SPOTPIPE_INSTANCE=instance, SPOTPIPE_RESUME=resume,
                 PYTHONPATH=os.pathsep.join(list(search_path) + [os.environ.get("PYTHONPATH", "")])
                 .rstrip(os.pathsep))
 
@@ -54,7 +54,7 @@ class Supervisor:
     """The worker processes this process started, by node name."""
 
     def __init__(self, logs: Path, on_exit: Callable[[str, int], None], *,
-                 module: str = "spotpipe.runtime.worker") -> None:
+                 module: str = "spotpipe.cli.worker") -> None:
         self.logs = logs
         self.on_exit = on_exit
         self.module = module  # what the processes run (workers; or the CPU shadows)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from spotpipe.model.factory import call_factory
+from spotpipe.factories import call_factory
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 

@@ -5,9 +5,11 @@ are needed here, so this module owns them:
 
 - Re-forming groups in place. Each generation creates fresh process-group objects under its
   own store prefix (`spotpipe/gen<g>/...`) among the nodes still alive, without the global
-  default group, so survivors keep their processes and memory. Old groups are never destroyed:
-  a gloo group with an operation pending on a dead peer can block in its destructor, so they
-  are parked for the life of the process instead.
+  default group, so survivors keep their processes and memory. A gloo group with an operation
+  pending on a dead peer can block in its destructor, so a closed generation's groups are
+  parked for a few generations and then released on one reaper thread, never on the main
+  thread: sockets, threads and store connections stay bounded however many generations a job
+  goes through.
 - Leaving a blocked wait. A gloo receive from a peer that is alive but stuck does not return,
   and a timed-out gloo wait closes the connection, so waits run on a helper thread while the
   main thread waits on an event that either the operation's completion or an abort sets.
@@ -27,59 +29,50 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spotpipe.store.abort import AbortSignal, PeerFailure  # noqa: F401 (re-exported)
+
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 _HEADER = 10  # ndim, dtype code, up to 8 dims
 
 # message kinds; the tag is kind * 1024 + source stage, so every channel has its own tag
 ACT, GRAD, REPLICA, TIED = 0, 1, 2, 3
 
-_GRAVEYARD: list[Any] = []  # groups of past generations, kept alive on purpose (see above)
+_PARKED = 2  # closed generations whose groups are kept before release (see above)
+
+
+class _Reaper:
+    """Releases the groups of old generations on a thread of its own (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._parked: list[list[Any]] = []
+        self._queue: queue.Queue[list[Any]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def park(self, things: list[Any]) -> None:
+        with self._lock:
+            self._parked.append(things)
+            old = self._parked[:-_PARKED] if len(self._parked) > _PARKED else []
+            self._parked = self._parked[-_PARKED:]
+            if old and self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="group-reaper",
+                                                daemon=True)
+                self._thread.start()
+        for things in old:
+            self._queue.put(things)
+
+    def _loop(self) -> None:
+        while True:
+            things = self._queue.get()
+            things.clear()  # the last references: destructors run here, not on the main thread
+            del things
+
+
+_REAPER = _Reaper()
 
 
 def tag(kind: int, stage: int) -> int:
     return kind * 1024 + stage
-
-
-class PeerFailure(RuntimeError):
-    """A peer failed, or the job is re-forming: leave the iteration and recover."""
-
-
-class AbortSignal:
-    """Set once per generation; wakes every wait of that generation."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._waiting: set[threading.Event] = set()
-        self.reason: str | None = None
-
-    def trigger(self, reason: str) -> None:
-        with self._lock:
-            if self.reason is None:
-                self.reason = reason
-            waiting = list(self._waiting)
-        for event in waiting:
-            event.set()
-
-    @property
-    def is_set(self) -> bool:
-        return self.reason is not None
-
-    def check(self) -> None:
-        if self.reason is not None:
-            raise PeerFailure(self.reason)
-
-    def wait(self, done: threading.Event) -> None:
-        """Block until `done` is set or the abort is; raise PeerFailure on abort."""
-        with self._lock:
-            self._waiting.add(done)
-        try:
-            if self.reason is None:
-                done.wait()
-        finally:
-            with self._lock:
-                self._waiting.discard(done)
-        if not done.is_set() or self.reason is not None:
-            raise PeerFailure(self.reason or "aborted")
 
 
 class Waiter:
@@ -94,9 +87,17 @@ class Waiter:
                                        list[str]]] = queue.Queue()
         threading.Thread(target=self._loop, name="comm-waiter", daemon=True).start()
 
+    def stop(self) -> None:
+        """End the thread once it is done with what it runs (a call abandoned at the abort
+        ends at its own timeout)."""
+        self._queue.put(None)  # type: ignore[arg-type]
+
     def _loop(self) -> None:
         while True:
-            call, failure, done, errors = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            call, failure, done, errors = item
             try:
                 call()
             except BaseException as exc:  # a dead peer: connection closed, or a timeout
@@ -170,7 +171,6 @@ class Comm:
         def form() -> None:
             self.world = _make_group(backend, dist.PrefixStore(f"{prefix}/world", store),
                                      self.rank, len(self.nodes), timeout)
-            _GRAVEYARD.append(self.world)
             # created in stage order on every member, so that two nodes sharing two groups
             # never wait for each other in opposite orders
             for stage in sorted(stage_members):
@@ -178,10 +178,18 @@ class Comm:
                 if self.me in members and len(members) > 1:
                     group = _make_group(backend, dist.PrefixStore(f"{prefix}/dp{stage}", store),
                                         members.index(self.me), len(members), timeout)
-                    _GRAVEYARD.append(group)
                     self.data_parallel[stage] = (group, len(members))
 
         self.waiter.call(form, "forming the process groups failed")
+
+    def close(self) -> None:
+        """The generation is over: stop its waiter thread and park its groups for release."""
+        self.waiter.stop()
+        groups = [self.world] + [g for g, _ in self.data_parallel.values()]
+        _REAPER.park([g for g in groups + [self._store] if g is not None])
+        self.world, self.data_parallel, self._store = None, {}, None
+        self._pending.clear()
+        self._early.clear()
 
     def wait_keys(self, keys: list[str], timeout_s: float, what: str) -> None:
         """Wait until `keys` exist in the store (what peers publish while the job reshapes),

@@ -31,34 +31,9 @@ from spotpipe.runtime.optim import set_lr
 from spotpipe.runtime.replica import (ReplicaApplier, ReplicaStage, flatten_grads,
                                       flatten_state)
 from spotpipe.runtime.shadow_link import ShadowWriter
+from spotpipe.runtime.state import Holding, StageState  # noqa: F401 (re-exported)
 from spotpipe.schedule import Instr, Op
 from spotpipe.schedule.replay import KEPT_OPS, done_key
-
-
-@dataclass
-class StageState:
-    """An owned stage's module and optimizer, plus what the global-norm clip needs."""
-
-    index: int
-    module: nn.Module
-    optimizer: torch.optim.Optimizer
-    # parameters counted in the global norm, in the unpartitioned model's order (a tied
-    # parameter is counted only on the stage of its first occurrence)
-    norm_params: list[nn.Parameter]
-    tied_params: list[nn.Parameter] = field(default_factory=list)  # summed across stages
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
-
-
-@dataclass
-class Holding:
-    """The replica this node holds, and the node that owns (and feeds) that stage."""
-
-    replica: ReplicaStage
-    applier: ReplicaApplier
-    owner: str
 
 
 @dataclass
@@ -337,7 +312,7 @@ class Executor:
             self._exchange_state(iteration)
         elif self.holding is not None:
             flat = self._replica_recv[1] if self._replica_recv is not None else None
-            self.holding.applier.submit(iteration, "grad", flat)
+            self.holding.applier.submit(iteration, "grad", flat, check=self.comm.abort.check)
         self._replica_recv = None
 
     def _log_samples(self, iteration: int, batches: Microbatches, last: int) -> None:
@@ -406,7 +381,7 @@ class Executor:
         holding = self.holding
         if (iteration + 1) % self.cfg.replica.sync_every:
             if holding is not None:
-                holding.applier.submit(iteration, "none", None)
+                holding.applier.submit(iteration, "none", None, check=self.comm.abort.check)
             return
         sends = []
         for s, holder in sorted(self.w.replica_holder.items()):
@@ -417,7 +392,7 @@ class Executor:
                                  device=self.comm.device)
             self.comm.wait(self.comm.post_recv(buffer, holding.owner,
                                                tag(REPLICA, holding.replica.index)))
-            holding.applier.submit(iteration, "state", buffer)
+            holding.applier.submit(iteration, "state", buffer, check=self.comm.abort.check)
         for work, _ in sends:
             self.comm.wait(work)
 

@@ -20,71 +20,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from spotpipe.runtime.optim import materialise_optimizer_state
 from spotpipe.model import LayeredModel
 from spotpipe.plan import LayerMove, Layout, exchange_order
+from spotpipe.plan.transfers import Transfer
 from spotpipe.runtime.comm import Comm, tag
 from spotpipe.runtime.digest import optimizer_tensors
+from spotpipe.runtime.optim import materialise_optimizer_state
+from spotpipe.runtime.state import flatten, unflatten  # noqa: F401 (re-exported)
 
 STAGE, REPLICA_COPY = 4, 5  # message kinds (see comm.tag)
-
-
-@dataclass(frozen=True)
-class Transfer:
-    kind: str  # "stage" or "replica"
-    stage: int
-    src: str
-    dst: str
-
-
-def transfers(old: Layout, new: Layout, copies: list[dict[str, Any]],
-              promoted: set[str]) -> list[Transfer]:
-    """Every state transfer the change needs, in a deterministic order.
-
-    `copies` are the plan's COPY moves (stage s from src to dst); `promoted` the nodes that
-    turned their replica into an owned stage in this plan (their replica is gone).
-    """
-    # imported here: node -> executor -> shadow_link -> migrate would otherwise be a cycle
-    # that breaks `from spotpipe.runtime import node` as a first import
-    from spotpipe.runtime.node import held_replica
-
-    out = [Transfer("stage", m["stage"], m["src"], m["dst"]) for m in copies]
-    alive = set(new.active_nodes)
-    for node in sorted(new.active_nodes):
-        want = held_replica(new, node)
-        if want is None:
-            continue
-        had = (held_replica(old, node) if node in old.active_nodes and node not in promoted
-               else None)
-        if had == want:
-            continue
-        sources = sorted(n for (d, s), n in old.mapping.items() if s == want and n in alive)
-        src = node if node in sources else sources[0]
-        out.append(Transfer("replica", want, src, node))
-    return out
-
-
-def flatten(module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    params = list(module.parameters())
-    materialise_optimizer_state(module, optimizer)
-    return torch.cat([p.detach().reshape(-1) for p in params]
-                     + [t.detach().reshape(-1).to(params[0].dtype)
-                        for t in optimizer_tensors(optimizer)])
-
-
-def unflatten(flat: torch.Tensor, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load what `flatten` produced on another node into a module and optimizer of the
-    same structure (the optimizer state is created first, so the layouts agree)."""
-    materialise_optimizer_state(module, optimizer)
-    targets = [p for p in module.parameters()] + optimizer_tensors(optimizer)
-    offset = 0
-    with torch.no_grad():
-        for t in targets:
-            n = t.numel()
-            t.copy_(flat[offset: offset + n].view_as(t).to(t.dtype))
-            offset += n
-    if offset != flat.numel():
-        raise RuntimeError(f"state message of {flat.numel()} values, expected {offset}")
 
 
 def run(plan: list[Transfer], me: str, comm: Comm, have: dict[tuple[str, int], Any],

@@ -15,7 +15,8 @@ from spotpipe.model import LayeredModel, build_stage
 from spotpipe.model.ties import cross_stage_tied, norm_param_names
 from spotpipe.plan import Layout
 from spotpipe.plan import held_replica as plan_held_replica
-from spotpipe.runtime.executor import StageState, Wiring
+from spotpipe.runtime.executor import Wiring
+from spotpipe.runtime.state import build_stage_state, stage_state_from  # noqa: F401
 from spotpipe.runtime.optim import build_optimizer
 from spotpipe.schedule import Schedule, StageCosts, build_schedule, merged_schedule, with_frc
 
@@ -28,27 +29,6 @@ def microbatches(cfg: Config, layout: Layout) -> int:
         raise ValueError(f"{total} micro-batches per iteration do not split over "
                          f"{layout.num_pipelines} pipelines")
     return total // layout.num_pipelines
-
-
-def build_stage_state(model: LayeredModel, partition: list[tuple[int, int]], stage: int,
-                      cfg: Config, device: torch.device) -> StageState:
-    """Stage `stage` of `model` with a fresh optimizer and its share of the global norm."""
-    start, end = partition[stage]
-    module = build_stage(model, start, end).to(device)
-    return stage_state_from(model, partition, stage, module, build_optimizer(
-        module.parameters(), cfg))
-
-
-def stage_state_from(model: LayeredModel, partition: list[tuple[int, int]], stage: int,
-                     module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> StageState:
-    """Wrap an existing module and optimizer (e.g. a promoted replica) as an owned stage."""
-    counted = set(norm_param_names(model, partition)[stage])
-    named = dict(module.named_parameters())
-    norm_params = [named[n] for n in named if n in counted]
-    tied_names = cross_stage_tied(model, partition)
-    # in the order of the model's tie pairs, so both ends list their halves alike
-    tied = [named[n] for a, b in model.tied for n in (a, b) if n in tied_names and n in named]
-    return StageState(stage, module, optimizer, norm_params, tied)
 
 
 def stage_members(layout: Layout) -> dict[int, list[str]]:

@@ -120,6 +120,7 @@ class ReplicaApplier:
         self._submitted = -1
         self._error: BaseException | None = None
         self.waited_s = 0.0
+        self.waiting = False  # the caller is held back by this replica (read by heartbeats)
         self.max_lag_seen = 0
         self._thread = threading.Thread(target=self._loop, name="replica", daemon=True)
         self._thread.start()
@@ -134,8 +135,11 @@ class ReplicaApplier:
         with self._cond:
             self._applied = self._submitted = iteration - 1
 
-    def submit(self, iteration: int, kind: str, flat: torch.Tensor | None) -> None:
-        """kind: "grad" (apply an optimizer step), "state" (load a full copy), "none"."""
+    def submit(self, iteration: int, kind: str, flat: torch.Tensor | None,
+               check: Callable[[], None] | None = None) -> None:
+        """kind: "grad" (apply an optimizer step), "state" (load a full copy), "none".
+        `check` as for `wait_applied`: a node held back by a slow replica still answers an
+        abort (otherwise it looks hung and is fenced)."""
         self.raise_if_failed()
         with self._cond:
             self._submitted = iteration
@@ -143,20 +147,24 @@ class ReplicaApplier:
         self.max_lag_seen = max(self.max_lag_seen, lag)
         self._queue.put((iteration, kind, flat))
         if self.max_lag is not None and lag > self.max_lag:  # the documented policy: wait
-            self.wait_applied(iteration - self.max_lag)
+            self.wait_applied(iteration - self.max_lag, check)
 
     def wait_applied(self, iteration: int, check: Callable[[], None] | None = None) -> None:
         """Block until `iteration` is applied. `check` is called while waiting and may raise to
         leave the wait (an abort): the applier runs at idle priority, so on a busy machine it
         can be seconds behind, and a node waiting on it must still answer a failure."""
         start = time.perf_counter()
-        with self._cond:
-            while self._applied < iteration and self._error is None:
-                if check is None:
-                    self._cond.wait()
-                else:
-                    check()
-                    self._cond.wait(0.05)
+        self.waiting = True
+        try:
+            with self._cond:
+                while self._applied < iteration and self._error is None:
+                    if check is None:
+                        self._cond.wait()
+                    else:
+                        check()
+                        self._cond.wait(0.05)
+        finally:
+            self.waiting = False
         self.waited_s += time.perf_counter() - start
         self.raise_if_failed()
 

@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spotpipe.runtime import migrate
+from spotpipe.runtime.state import flatten, unflatten
+from spotpipe.protocol import keys
 from spotpipe.runtime.digest import optimizer_tensors
 from spotpipe.runtime.optim import materialise_optimizer_state
 
@@ -53,26 +54,26 @@ _HEADER = 4
 
 
 def links_key(namespace: str, stage: int) -> str:
-    return f"{namespace}/shadow/{stage}/links"
+    return keys.shadow_links(namespace, stage)
 
 
 def link_key(namespace: str, stage: int, number: int) -> str:
-    return f"{namespace}/shadow/{stage}/link/{number}"
+    return keys.shadow_link(namespace, stage, number)
 
 
 def applied_key(namespace: str, stage: int, iteration: int) -> str:
-    return f"{namespace}/shadow/{stage}/applied/{iteration}"
+    return keys.shadow_applied(namespace, stage, iteration)
 
 
 def latest_key(namespace: str, stage: int) -> str:
     """The newest iteration the shadow applied: one read tells the writer how far ahead it may
     run without asking again (the per-iteration keys are for waiting on)."""
-    return f"{namespace}/shadow/{stage}/applied/latest"
+    return keys.shadow_applied(namespace, stage, "latest")
 
 
 def pair_group(store: dist.Store, namespace: str, stage: int, number: int, rank: int,
                timeout_s: float) -> Any:
-    prefix = f"{namespace}/shadow/{stage}/pg{number}"
+    prefix = keys.shadow_groups(namespace, stage, number)
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2,
                                  timedelta(seconds=timeout_s))
 
@@ -101,7 +102,7 @@ def scale_from_bits(bits: int) -> torch.Tensor | None:
 
 
 def state_size(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Values in `migrate.flatten(module, optimizer)`."""
+    """Values in `state.flatten(module, optimizer)`."""
     materialise_optimizer_state(module, optimizer)
     return sum(p.numel() for p in module.parameters()) + sum(
         t.numel() for t in optimizer_tensors(optimizer))
@@ -174,7 +175,7 @@ class ShadowWriter:
             flat = torch.empty(state_size(module, optimizer))
             group.recv([flat], 0, 0).wait()
             device = next(module.parameters()).device
-            migrate.unflatten(flat.to(device), module, optimizer)
+            unflatten(flat.to(device), module, optimizer)
             self.bytes_received += flat.numel() * flat.element_size()
         return link
 

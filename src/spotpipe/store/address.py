@@ -30,7 +30,7 @@ class StoreAddress:
         """A client connection (the TCPStore's server is hosted by the launcher or agent)."""
         timeout = timedelta(seconds=timeout_s)
         if self.kind == "etcd":
-            from spotpipe.cluster.etcd_store import EtcdStore
+            from spotpipe.store.etcd import EtcdStore
 
             return EtcdStore(self.host, self.port, self.prefix, timeout=timeout)
         return dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)

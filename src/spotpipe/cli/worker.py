@@ -1,0 +1,90 @@
+"""The worker process's entry point: one per node, started by the launcher or an agent as
+torchrun starts one (`python -m spotpipe.cli.worker`).
+
+Environment, as torchrun sets it: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK; plus
+SPOTPIPE_STORE and SPOTPIPE_STORE_PREFIX (tcp, or etcd at MASTER_ADDR:MASTER_PORT with the
+job's key prefix), SPOTPIPE_RUN_DIR (the run's output folder, holding config.yaml and
+run.json written by the launcher), SPOTPIPE_T0 (the launcher's start time, so all records
+share one clock), SPOTPIPE_JOIN_TOKEN and SPOTPIPE_INSTANCE (the job's key is derived from
+them; neither is ever written to the store), SPOTPIPE_FAULTS (injected faults, JSON) and
+SPOTPIPE_RESUME (a durable checkpoint to start from).
+
+It is here, above the runtime, because it joins the runtime to what sits above it: the
+checkpoint schemes and the durable tier, handed to the worker as boundary hooks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from spotpipe import job
+from spotpipe.checkpoint import durable, schemes
+from spotpipe.config import load_config
+from spotpipe.faults import Fault
+from spotpipe.protocol import channel_from_env
+from spotpipe.runtime.hooks import StagePair
+from spotpipe.runtime.worker import JobStopped, JoinRefused, Worker
+from spotpipe.store.address import StoreAddress
+from spotpipe.store.mailbox import Outbox
+
+
+def restore_from(path: Path, pairs: list[StagePair]) -> int:
+    """The durable tier's restore (any P x D): verify, then load each stage it is given."""
+    ckpt = durable.verify(path)
+    for module, optimizer in pairs:
+        durable.load_stage(ckpt, module, optimizer)
+    return ckpt.next_iteration
+
+
+def main() -> int:
+    rank = int(os.environ["RANK"])
+    run_dir = Path(os.environ["SPOTPIPE_RUN_DIR"])
+    t0 = float(os.environ.get("SPOTPIPE_T0", time.time()))
+    cfg = load_config(os.environ.get("SPOTPIPE_CONFIG") or run_dir / "config.yaml")
+    torch.set_num_threads(cfg.cluster.threads_per_worker)
+    spec = job.RunSpec.from_json(json.loads((run_dir / "run.json").read_text()))
+    faults = [Fault(**f) for f in json.loads(os.environ.get("SPOTPIPE_FAULTS", "[]"))]
+    address = StoreAddress.from_env()
+    store = address.connect(cfg.cluster.timeout_s)
+    node = f"node{rank}"
+    channel = channel_from_env(node)
+    outbox = Outbox(store, channel, t0)
+    worker = None
+    try:
+        worker = Worker(cfg, spec, run_dir, node, store, t0, faults, address=address,
+                        channel=channel, restore=restore_from,
+                        checkpoints=None)
+        worker.checkpoints = schemes.build(schemes.SchemeContext(
+            cfg, node, run_dir, worker.channel.event, store, "spotpipe",
+            lambda: worker.failures))
+        worker.train(joining=os.environ.get("SPOTPIPE_JOIN") == "1")
+    except JoinRefused as exc:
+        print(f"spotpipe: {exc}", file=sys.stderr)
+        return 2
+    except JobStopped as exc:
+        outbox.event("worker_stopped", message=str(exc))
+        return 3
+    except Exception as exc:  # reported to the launcher, which stops the job with the message
+        traceback.print_exc()
+        outbox.event("worker_error", message=f"{type(exc).__name__}: {exc}")
+        return 1
+    return 0
+
+
+def exit_now(code: int) -> None:
+    """Every file is closed and every record posted by now. Interpreter teardown of torch and
+    gloo takes seconds on a small machine and decides nothing, so skip it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    exit_now(main())

@@ -1,0 +1,94 @@
+"""Which nodes are dead or hung, judged on the coordinator's own clock.
+
+A heartbeat carries no time. The coordinator notes when it first sees each new beat (a new
+sequence number from the node's writer) on its own monotonic clock, so the age of a node's
+newest beat is the time since it arrived here: clock skew between hosts cannot fence a
+healthy node, nor hide a dead one. A beat that does not open under the job's key, or an older
+beat written back (a replay), is refused and changes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from spotpipe.protocol import Channel, Heartbeat, Refused, keys
+
+
+@dataclass
+class _Seen:
+    incarnation: str
+    seq: int
+    at: float  # when the newest beat arrived (coordinator's monotonic clock)
+    beat: Heartbeat
+    progress: tuple[int, int, int] = (-1, -1, 0)
+    since: float = 0.0  # when its progress last changed (or it last waited)
+
+
+@dataclass
+class Liveness:
+    store: dist.Store
+    channel: Channel
+    refused: Callable[[str, str], None]  # (writer, reason)
+    clock: Callable[[], float] = time.monotonic
+    _seen: dict[str, _Seen] = field(default_factory=dict)
+
+    def forget(self, node: str) -> None:
+        self._seen.pop(node, None)
+
+    def restart_clocks(self) -> None:
+        """The store was away: beats could not arrive meanwhile, which says nothing about the
+        nodes; judge them afresh from now."""
+        now = self.clock()
+        for seen in self._seen.values():
+            seen.at = seen.since = now
+
+    def read(self, node: str) -> _Seen | None:
+        """Take in `node`'s current beat; its record as seen here, or None before its first."""
+        key = keys.heartbeat(node)
+        seen = self._seen.get(node)
+        if not self.store.check([key]):
+            return seen
+        try:
+            opened = self.channel.open(self.store.get(key), expect=Heartbeat,
+                                       writers={node})
+        except Refused as why:
+            self.refused(why.writer, f"heartbeat: {why.reason}")
+            return seen
+        sealed, beat = opened.sealed, opened.message
+        assert isinstance(beat, Heartbeat)
+        now = self.clock()
+        if seen is None or seen.incarnation != sealed.incarnation:
+            # a first beat, or a new process under this node's name (a node that came back)
+            self._seen[node] = seen = _Seen(sealed.incarnation, sealed.seq, now, beat,
+                                            (beat.generation, beat.iteration, beat.position),
+                                            now)
+            return seen
+        if sealed.seq < seen.seq:
+            self.refused(node, f"heartbeat: a replay (sequence number {sealed.seq} after "
+                               f"{seen.seq})")
+            return seen
+        if sealed.seq == seen.seq:
+            return seen
+        seen.seq, seen.at, seen.beat = sealed.seq, now, beat
+        progress = (beat.generation, beat.iteration, beat.position)
+        if progress != seen.progress or beat.state != "busy":
+            seen.progress, seen.since = progress, now
+        return seen
+
+    def verdict(self, node: str, heartbeat_timeout_s: float, hang_timeout_s: float) -> str | None:
+        """Why `node` must be fenced, or None."""
+        seen = self.read(node)
+        if seen is None:
+            return None
+        now = self.clock()
+        age = now - seen.at
+        if age > heartbeat_timeout_s:
+            return f"no heartbeat for {age:.1f} s"
+        if now - seen.since > hang_timeout_s:
+            return (f"hung: no progress for {now - seen.since:.1f} s at iteration "
+                    f"{seen.beat.iteration}, instruction {seen.beat.position}")
+        return None

@@ -1,0 +1,379 @@
+"""The one recovery decision: what a job does after a loss, a notice or a join.
+
+`recover` is a pure function from the layout, the nodes' reports, the joiners, the job's rules
+and its history to a `Decision`: the action (failover, rebalance, add or drop a pipeline,
+re-partition, restore from shadows, roll back, keep, or stop with its reason), the iteration
+to resume at, the moves and state transfers, and what each node does with the iteration in
+flight. The coordinator collects reports, calls it and publishes what it returns; workers carry
+a Decision out without deciding anything; the simulator's spotpipe policy calls it too, so what
+the simulator predicts is what the runtime does.
+
+The layout-level choice (which node takes which stage) is `plan.policy.decide`; on top of it
+this module owns the rules a running job adds:
+- the resume iteration: one past the newest iteration any survivor committed (never below
+  what the last plan resumed at);
+- a plan that failed while carried out (a peer lost while groups formed or states moved):
+  nodes that did not receive their new state are counted out (they join again as new nodes),
+  and if no survivor's state changed yet, the plan is rolled back and the job decides again
+  from the layout before it;
+- plans failing again and again with no node lost in between (a partitioned network) stop
+  the job instead of looping;
+- without redundancy or shadows, a lost stage is a stop;
+- pipelines must divide the iteration's micro-batches (a new pipeline waits on standby, a
+  drop that would not divide them is a stop);
+- a re-partition the job cannot make (shadows hold the launch partition; no partition at that
+  depth) becomes KEEP once, and the job runs on with its carriers;
+- whether survivors keep their share of the in-flight iteration (the rest-of-iteration
+  replay after a pure takeover) or replay it whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable
+
+from spotpipe.plan.layout import Layout
+from spotpipe.plan.policy import Action, Decision as Choice, Move, MoveKind, decide
+from spotpipe.plan.transfers import Transfer, transfers
+
+Partition = tuple[tuple[int, int], ...]
+
+# actions a running job carries out in memory; anything else is a stop
+CARRIED_OUT = (Action.FAILOVER, Action.KEEP, Action.DROP_PIPELINE, Action.REBALANCE,
+               Action.ADD_PIPELINE, Action.RESTORE_FROM_SHADOW, Action.REPARTITION)
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What the job's configuration says about recovery (see `Rules.from_config` callers)."""
+
+    replicas: bool  # redundancy is on: nodes hold their successor's replica
+    shadows: bool  # CPU shadows hold every stage of pipeline 0
+    repartition: bool  # the job may change its depth
+    replay_rest: bool  # after a pure takeover, survivors keep their share of the iteration
+    microbatches: int  # micro-batches of one iteration, over every pipeline
+    # why the job can never re-partition (shadows or peer copies hold the launch partition)
+    repartition_blocked: str | None = None
+    # the partition (layer ranges per stage) at another depth; raises ValueError when the
+    # model cannot be split that way. Deterministic for a job (the caller memoises it).
+    partition_for: Callable[[int], Partition] | None = None
+    max_futile: int = 3  # plans failing in a row with no node lost, before the job stops
+    min_stages: int = 1  # the smallest depth at which a stage fits in memory
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """What one node says of itself when a generation ends (`protocol.Report`, planner side)."""
+
+    node: str
+    iteration: int = -1
+    committed_through: int = -1
+    leaving: bool = False
+    formed: bool = True
+    lacking: tuple[str, ...] = ()
+    untouched: bool = True
+    flight: int = -1
+    done: tuple[Any, ...] = ()
+    clip_scale: float | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class History:
+    """What the job remembers between decisions: where it is, and what the last plan was."""
+
+    layout: Layout
+    partition: Partition
+    generation: int = 0
+    before: tuple[Layout, Partition] | None = None  # the layout the last plan started from
+    resumed_at: int = 0  # the iteration the last plan resumed at
+    futile: int = 0  # failed plans in a row with no node lost in between
+    lost_before: frozenset[str] = frozenset()
+    repartition_refused: str | None = None  # said once, then remembered
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one recovery: what every node does next. Serialisable (`to_json`)."""
+
+    action: Action
+    generation: int  # the generation the decision starts (unused for a stop)
+    resume: int
+    layout: Layout
+    previous_layout: Layout
+    partition: Partition
+    previous_partition: Partition
+    moves: tuple[Move, ...] = ()
+    transfers: tuple[Transfer, ...] = ()
+    # node -> what it finished of the iteration in flight, for nodes that keep their share
+    # of it (None: every node replays the in-flight iteration whole)
+    salvage: Mapping[str, tuple[Any, ...]] | None = None
+    clip_scale: float | None = None  # the committed iteration's, for a new shadow writer
+    rejoin: tuple[str, ...] = ()  # counted out for state they did not receive: join again
+    reason: str = ""
+    message: str = ""  # a stop's one-sentence reason
+
+    @property
+    def stopped(self) -> bool:
+        return self.action == Action.STOP
+
+    @property
+    def promoted(self) -> frozenset[str]:
+        return frozenset(m.dst for m in self.moves if m.kind == MoveKind.PROMOTE)
+
+    def promotions(self, node: str) -> list[int]:
+        return [m.stage for m in self.moves if m.kind == MoveKind.PROMOTE and m.dst == node]
+
+    def restores(self, node: str) -> list[Move]:
+        return [m for m in self.moves if m.kind == MoveKind.RESTORE and m.dst == node]
+
+    def receives(self, node: str) -> list[str]:
+        """What `node` is to receive under this decision (it lacks it until it has it)."""
+        if self.action == Action.REPARTITION:
+            return [f"stage {s}" for (_, s), n in sorted(self.layout.owners) if n == node]
+        return ([f"{t.kind} {t.stage}" for t in self.transfers if t.dst == node]
+                + [f"stage {m.stage}" for m in self.restores(node)])
+
+    def placed(self) -> frozenset[str]:
+        """Nodes that run a stage now and did not before (joiners, standby nodes)."""
+        return self.layout.active_nodes - self.previous_layout.active_nodes
+
+    def released(self) -> frozenset[str]:
+        """Nodes of the layout before that the new one neither runs nor keeps on standby."""
+        return (self.previous_layout.active_nodes - self.layout.active_nodes
+                - frozenset(self.layout.standby) - frozenset(self.rejoin))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "action": self.action.value, "generation": self.generation, "resume": self.resume,
+            "layout": self.layout.to_json(), "previous_layout": self.previous_layout.to_json(),
+            "partition": [list(r) for r in self.partition],
+            "previous_partition": [list(r) for r in self.previous_partition],
+            "moves": [[m.kind.value, m.pipeline, m.stage, m.src, m.dst] for m in self.moves],
+            "transfers": [t.to_json() for t in self.transfers],
+            "salvage": None if self.salvage is None else {
+                n: [list(e) if isinstance(e, (list, tuple)) else e for e in done]
+                for n, done in self.salvage.items()},
+            "clip_scale": self.clip_scale, "rejoin": list(self.rejoin),
+            "reason": self.reason, "message": self.message}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "Decision":
+        """Raises ValueError (or KeyError/TypeError, which callers treat alike) when `data`
+        is not a decision."""
+        return cls(
+            action=Action(data["action"]), generation=int(data["generation"]),
+            resume=int(data["resume"]), layout=Layout.from_json(data["layout"]),
+            previous_layout=Layout.from_json(data["previous_layout"]),
+            partition=_partition(data["partition"]),
+            previous_partition=_partition(data["previous_partition"]),
+            moves=tuple(Move(MoveKind(k), int(d), int(s), str(src), str(dst))
+                        for k, d, s, src, dst in data["moves"]),
+            transfers=tuple(Transfer.from_json(t) for t in data["transfers"]),
+            salvage=None if data["salvage"] is None else {
+                str(n): tuple(tuple(e) if isinstance(e, list) else e for e in done)
+                for n, done in data["salvage"].items()},
+            clip_scale=None if data["clip_scale"] is None else float(data["clip_scale"]),
+            rejoin=tuple(str(n) for n in data["rejoin"]), reason=str(data["reason"]),
+            message=str(data["message"]))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A decision with what the coordinator records of it (its agreement event)."""
+
+    decision: Decision
+    history: History
+    lost: frozenset[str]
+    leaving: frozenset[str]
+    lacking: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    rolled_back: bool = False
+    refused: str | None = None  # a re-partition refused now (said once)
+    improve: bool = False  # the new layout can improve further at the next boundary
+
+
+def _partition(data: Iterable[Iterable[int]]) -> Partition:
+    return tuple((int(a), int(b)) for a, b in data)
+
+
+def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterable[str],
+            rules: Rules, *, dead: Iterable[str] = ()) -> Outcome:
+    """Decide what the job does after generation `history.generation` ended.
+
+    `reports` are the survivors' (every live node has reported); `dead` the nodes known lost
+    (exited, fenced); `joiners` accepted nodes not placed yet, in arrival order."""
+    joiners = list(joiners)
+    layout, partition = history.layout, history.partition
+    leaving = frozenset(n for n, r in reports.items() if r.leaving)
+    # a node that could not receive what the last plan gave it (a peer was lost while the
+    # plan was carried out) does not hold its place: counted out, it joins again
+    lacking = {n: r.lacking for n, r in reports.items() if r.lacking}
+    rolled_back = False
+    if lacking and history.before is not None and _untouched(history.before[0], reports,
+                                                             frozenset(dead)):
+        layout, partition = history.before
+        rolled_back = True
+        # the nodes of the layout before hold their places; joiners do not
+        lacking = {n: w for n, w in lacking.items() if n not in layout.active_nodes}
+    lost = frozenset(dead) | leaving | frozenset(lacking)
+    if set(layout.standby) & lost:  # a standby node lost (or counted out) is no spare
+        layout = layout.with_standby(tuple(n for n in layout.standby if n not in lost))
+    # plans that fail while carried out, again and again with no node lost in between
+    # (groups that cannot form: a partitioned network), would loop forever: stop instead
+    failed_plan = any(not r.formed for r in reports.values())
+    futile = history.futile + 1 if failed_plan and lost <= history.lost_before else 0
+    # (at least what the last plan resumed after: the reports may all come from nodes that
+    # committed nothing yet, joiners whose placement failed)
+    committed = max([r.committed_through for r in reports.values()] + [history.resumed_at - 1])
+    resume = committed + 1
+    in_flight = max((r.iteration for r in reports.values()), default=resume)
+    when = f"in iteration {in_flight} (the last committed iteration is {committed})"
+    hit = lost & layout.active_nodes
+    state = replace(history, layout=layout, partition=partition)
+    choice, refused = _choose(state, hit, joiners, rules)
+    if refused:
+        state = replace(state, repartition_refused=refused)
+    total = rules.microbatches
+    if choice.action == Action.ADD_PIPELINE and total % choice.layout.num_pipelines:
+        choice = Choice(Action.KEEP, layout.with_standby(tuple(layout.standby) + tuple(joiners)),
+                        (), f"{total} micro-batches do not split over "
+                        f"{choice.layout.num_pipelines} pipelines; the new nodes wait on standby")
+    named = _named(layout, hit, lacking)
+    message = _stop_reason(choice, rules, layout, hit, lost, reports, futile, named, when)
+    base = dict(generation=history.generation + 1, resume=resume, previous_layout=layout,
+                previous_partition=partition, rejoin=tuple(sorted(
+                    n for n in lacking if n not in choice.layout.active_nodes)))
+    if message:
+        decision = Decision(Action.STOP, layout=layout, partition=partition, message=message,
+                            reason=choice.reason, **base)  # type: ignore[arg-type]
+        return Outcome(decision, replace(state, futile=futile, lost_before=lost), lost,
+                       leaving, lacking, rolled_back, refused)
+    new_partition = (_partition_at(rules, partition, choice.layout.num_stages)
+                     if choice.action == Action.REPARTITION else partition)
+    promoted = {m.dst for m in choice.moves if m.kind == MoveKind.PROMOTE}
+    copies = [(m.stage, m.src, m.dst) for m in choice.moves if m.kind == MoveKind.COPY]
+    moved = (() if choice.action == Action.REPARTITION else
+             tuple(transfers(layout, choice.layout, copies, promoted, rules.replicas)))
+    continues = (_continues_in_flight(choice, layout, rules)
+                 and all(r.formed for r in reports.values()))
+    decision = Decision(
+        choice.action, layout=choice.layout, partition=new_partition, moves=choice.moves,
+        transfers=moved, reason=choice.reason,
+        # (not after a plan that failed while it was carried out: some nodes dropped their
+        # share of the iteration, so every node replays it whole)
+        salvage=({n: r.done for n, r in reports.items() if r.flight == resume and n not in lost}
+                 if continues else None),
+        # for a shadow whose writer died between the commit and its COMMIT message
+        clip_scale=next((r.clip_scale for r in reports.values()
+                         if r.committed_through == resume - 1 and r.clip_scale is not None),
+                        None), **base)  # type: ignore[arg-type]
+    after = History(choice.layout, new_partition, history.generation + 1,
+                    before=(layout, partition), resumed_at=resume, futile=futile,
+                    lost_before=lost, repartition_refused=state.repartition_refused)
+    improve = _choose(after, frozenset(), [], rules)[0].action not in (Action.KEEP,
+                                                                        Action.ADD_PIPELINE)
+    return Outcome(decision, after, lost, leaving, lacking, rolled_back, refused, improve)
+
+
+def _untouched(before: Layout, reports: Mapping[str, NodeReport], dead: frozenset[str]) -> bool:
+    """Whether the plan that failed while carried out can be undone: every node of the layout
+    before it is either lost or reports that nothing of the plan changed its state (a
+    re-partition exchanges all layers before any node switches over, so one cut short leaves
+    every node as it was). A burst of losses during a re-partition then costs the nodes lost,
+    not the job."""
+    for node in before.active_nodes:
+        if node in dead:
+            continue
+        report = reports.get(node)
+        if report is None or not report.untouched:
+            return False
+    return True
+
+
+def _choose(history: History, hit: frozenset[str], joiners: list[str],
+            rules: Rules) -> tuple[Choice, str | None]:
+    """`plan.decide`, less the re-partitions this job cannot make: those become KEEP, and the
+    job runs on in the layout it has. Returns the reason when it is new."""
+    layout = history.layout
+    choice = decide(layout, hit, joiners, shadows=rules.shadows, replicas=rules.replicas,
+                    repartition=rules.repartition, min_stages=rules.min_stages)
+    if choice.action != Action.REPARTITION or choice.needs_restore:
+        return choice, None
+    depth = choice.layout.num_stages
+    problem = history.repartition_refused
+    new = None
+    if problem is None and rules.repartition_blocked:
+        problem = new = f"cannot re-partition to P={depth}: {rules.repartition_blocked}"
+    if problem is None:
+        try:
+            _partition_at(rules, history.partition, depth)
+        except ValueError as exc:  # the partitioner's message says what is wrong
+            problem = new = f"cannot re-partition to P={depth}: {exc}".splitlines()[0][:300]
+    if problem is None:
+        return choice, None
+    waiting = [n for n in choice.layout.all_nodes if n not in layout.active_nodes]
+    return Choice(Action.KEEP, layout.with_standby(tuple(sorted(waiting))), (), problem), new
+
+
+def _partition_at(rules: Rules, partition: Partition, depth: int) -> Partition:
+    if depth == len(partition):
+        return partition
+    if rules.partition_for is None:
+        raise ValueError("this job cannot compute partitions at another depth")
+    return _partition(rules.partition_for(depth))
+
+
+def _continues_in_flight(choice: Choice, layout: Layout, rules: Rules) -> bool:
+    """Whether survivors can go on with the in-flight iteration instead of replaying it: a
+    takeover (stages only promoted, none moved away or re-shaped) of an iteration that no one
+    committed, with replicas whose holders kept what a takeover needs."""
+    return (rules.replay_rest and rules.replicas and choice.action == Action.FAILOVER
+            and choice.layout.num_stages == layout.num_stages
+            and choice.layout.num_pipelines == layout.num_pipelines
+            and all(m.kind in (MoveKind.PROMOTE, MoveKind.REPLICA) for m in choice.moves)
+            and any(m.kind == MoveKind.PROMOTE for m in choice.moves))
+
+
+def _named(layout: Layout, hit: frozenset[str], lacking: Mapping[str, tuple[str, ...]]) -> str:
+    where = {n: f"{n} (pipeline {d}, stage {s})" for (d, s), n in layout.mapping.items()}
+    for n, what in lacking.items():
+        where[n] = (f"{where.get(n, n)}, which did not receive {', '.join(what)} when a peer "
+                    "was lost while the job reshaped")
+    return ", ".join(where.get(n, n) for n in sorted(hit))
+
+
+def _adjacent(layout: Layout, lost: frozenset[str]) -> bool:
+    """Whether some lost stage's replica holder (its predecessor) is lost too."""
+    return any(layout.replica_holder(d, s) in lost
+               for (d, s), n in layout.mapping.items() if n in lost)
+
+
+def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[str],
+                 lost: frozenset[str], reports: Mapping[str, NodeReport], futile: int,
+                 named: str, when: str) -> str:
+    """Why the job stops, in one sentence, or "" when it goes on."""
+    if futile >= rules.max_futile:
+        reasons = "; ".join(sorted({r.reason for r in reports.values()}))
+        return (f"the job could not re-form {when}: the last {futile} plans failed while they "
+                f"were carried out, with no node lost in between ({reasons}); stopping")[:2000]
+    if not rules.replicas and not rules.shadows and hit:
+        return (f"lost {named} {when}; redundancy is off, so no other node holds their stages "
+                "(set redundancy: lazy or eager), and no checkpoint is available")
+    if choice.action == Action.DROP_PIPELINE and rules.microbatches % choice.layout.num_pipelines:
+        return (f"lost {named} {when}: adjacent stages of one pipeline; dropping that pipeline "
+                f"would leave {choice.layout.num_pipelines} pipelines, over which the "
+                f"{rules.microbatches} micro-batches of an iteration do not split evenly; "
+                "stopping")
+    if choice.action not in CARRIED_OUT or (choice.action == Action.REPARTITION
+                                            and choice.needs_restore):
+        survivors = len(layout.active_nodes - lost) + len(layout.standby)
+        return (f"lost {named} {when}: "
+                + ("adjacent stages of one pipeline, so no replica of one of them survives; "
+                   if _adjacent(layout, lost) else "")
+                + f"no layout of the {survivors} surviving node(s) can hold the job's state "
+                  f"({choice.reason}"
+                + ("" if rules.shadows else "; shadow.enabled would restore the lost stages "
+                   "from CPU shadows") + "); stopping. Resume with --resume from the newest "
+                  "durable checkpoint if checkpoint.every was set")
+    return ""

@@ -1,0 +1,60 @@
+"""Which stage and replica states travel between nodes when the layout changes (not its depth).
+
+Part of a Decision: every node carries out the same list, so nobody announces anything. A
+replica comes from a node that owned its stage before the change (all data-parallel owners of
+a stage hold identical state), preferring the receiver itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from spotpipe.plan.layers import held_replica
+from spotpipe.plan.layout import Layout
+
+STAGE, REPLICA = "stage", "replica"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    kind: str  # "stage" or "replica"
+    stage: int
+    src: str
+    dst: str
+
+    def to_json(self) -> list:
+        return [self.kind, self.stage, self.src, self.dst]
+
+    @classmethod
+    def from_json(cls, data: list) -> "Transfer":
+        kind, stage, src, dst = data
+        if kind not in (STAGE, REPLICA):
+            raise ValueError(f"transfer kind {kind!r}")
+        return cls(str(kind), int(stage), str(src), str(dst))
+
+
+def transfers(old: Layout, new: Layout, copies: Iterable[tuple[int, str, str]],
+              promoted: set[str], replicas: bool) -> list[Transfer]:
+    """Every state transfer the change needs, in a deterministic order.
+
+    `copies` are the decision's stage copies (stage, src, dst); `promoted` the nodes that
+    turned their replica into an owned stage (their replica is gone); without `replicas`
+    (redundancy off) only stages move.
+    """
+    out = [Transfer(STAGE, s, src, dst) for s, src, dst in copies]
+    if not replicas:
+        return out
+    alive = set(new.active_nodes)
+    for node in sorted(new.active_nodes):
+        want = held_replica(new, node)
+        if want is None:
+            continue
+        had = (held_replica(old, node) if node in old.active_nodes and node not in promoted
+               else None)
+        if had == want:
+            continue
+        sources = sorted(n for (d, s), n in old.mapping.items() if s == want and n in alive)
+        src = node if node in sources else sources[0]
+        out.append(Transfer(REPLICA, want, src, node))
+    return out

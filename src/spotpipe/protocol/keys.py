@@ -1,0 +1,107 @@
+"""Every key of the job's store, built in one place.
+
+A key says what a record is and who may write it; spelling keys in one module means a reader
+and its writer cannot drift apart, and a test can list every key the job uses. Keys are plain
+strings under the store's own prefix (etcd's job namespace, or none for the launcher's
+TCPStore). Keys that several jobs can share a store by (a benchmark's variants) take a
+`namespace` first part; the control plane's keys live under `spotpipe/`.
+"""
+
+from __future__ import annotations
+
+ROOT = "spotpipe"
+
+# the numbered mailbox: every record from a worker, shadow or agent to the coordinator
+MAILBOX = f"{ROOT}/mail"
+MAILBOX_COUNT = f"{MAILBOX}/count"
+HEARTBEATS = f"{ROOT}/hb"
+# written once at launch, read by every node to derive the job's key (not a secret)
+INSTANCE = f"{ROOT}/instance"
+RDZV = f"{ROOT}/rdzv"
+
+
+def mailbox_slot(index: int) -> str:
+    return f"{MAILBOX}/{index}"
+
+
+def heartbeat(node: str) -> str:
+    return f"{HEARTBEATS}/{node}"
+
+
+def board_slot(board: str, index: int) -> str:
+    """Slot `index` (from 1) of an append-only board: see `spotpipe.store.board`."""
+    return f"{board}/{index}"
+
+
+def abort_board(generation: int) -> str:
+    """Aborts of a generation: any node, the coordinator or an agent declares a failure."""
+    return f"{ROOT}/gen{generation}/abort"
+
+
+def decision_board(generation: int) -> str:
+    """The coordinator's Decision that ends a generation (the next generation's plan)."""
+    return f"{ROOT}/gen{generation}/decision"
+
+
+def regroup_board(generation: int) -> str:
+    """Set when the layout should change at the next iteration boundary (a node joined)."""
+    return f"{ROOT}/gen{generation}/regroup"
+
+
+def join_board(node: str) -> str:
+    """The coordinator's answers to a joining node (placed in a generation, or refused)."""
+    return f"{ROOT}/join/{node}"
+
+
+def join_gate(node: str) -> str:
+    """The local launcher opens it when a node started early (warm) may ask to join."""
+    return f"{ROOT}/join_gate/{node}"
+
+
+def exchanged(namespace: str, generation: int, node: str) -> str:
+    """A node's mark that its layer exchange of a re-partition is complete."""
+    return f"{namespace}/gen{generation}/exchanged/{node}"
+
+
+def layers_prefix(namespace: str, generation: int) -> str:
+    """Layer metadata of a re-partition (`runtime.migrate.exchange_layers`)."""
+    return f"{namespace}/gen{generation}/layers"
+
+
+def groups_prefix(namespace: str, generation: int) -> str:
+    """Where a generation's process groups rendezvous (torch's PrefixStore)."""
+    return f"{namespace}/gen{generation}"
+
+
+def shadow_links(namespace: str, stage: int) -> str:
+    return f"{namespace}/shadow/{stage}/links"
+
+
+def shadow_link(namespace: str, stage: int, number: int) -> str:
+    return f"{namespace}/shadow/{stage}/link/{number}"
+
+
+def shadow_applied(namespace: str, stage: int, iteration: int | str) -> str:
+    return f"{namespace}/shadow/{stage}/applied/{iteration}"
+
+
+def shadow_groups(namespace: str, stage: int, number: int) -> str:
+    return f"{namespace}/shadow/{stage}/pg{number}"
+
+
+def checkpoint_next_at(namespace: str) -> str:
+    return f"{namespace}/checkpoint/next_at"
+
+
+def checkpoint_layout(namespace: str, stage: int) -> str:
+    return f"{namespace}/checkpoint/layout/{stage}"
+
+
+def kill_board(node: str) -> str:
+    """The coordinator's order to kill a fenced node, for its host's agent."""
+    return f"{RDZV}/kill/{node}"
+
+
+def final_part(stage: int, part: str) -> str:
+    """A final stage file in transit to the coordinating agent's host."""
+    return f"{ROOT}/final/{stage}/{part}"

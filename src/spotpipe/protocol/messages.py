@@ -1,0 +1,319 @@
+"""Every message between workers, shadows, agents and the coordinator, as typed data.
+
+Each message is a frozen dataclass with a `TYPE` (its name on the wire) and a `VERSION`.
+`to_json` gives the body that `spotpipe.protocol.auth` seals; `from_json` checks every field
+against the dataclass's annotations and raises `MessageError` naming the field, so a reader
+can drop a malformed record with an event instead of failing on a KeyError somewhere deep in
+the coordinator. Fields that are themselves structured (a layout, a list of moves) are checked
+here as JSON shapes and parsed by the layer that owns them (`spotpipe.plan.recovery`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+JSON = Any  # a JSON value: checked as such, interpreted by its owner
+
+
+class MessageError(ValueError):
+    """A message body that does not match its type."""
+
+
+M = TypeVar("M", bound="Message")
+
+
+@dataclass(frozen=True)
+class Message:
+    TYPE: ClassVar[str] = ""
+    VERSION: ClassVar[int] = 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls: type[M], body: Any, version: int | None = None) -> M:
+        if version is not None and version != cls.VERSION:
+            raise MessageError(f"{cls.TYPE}: unknown version {version} (this build reads "
+                               f"version {cls.VERSION})")
+        if not isinstance(body, dict):
+            raise MessageError(f"{cls.TYPE}: body is not an object")
+        hints = typing.get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in body:
+                if f.default is not dataclasses.MISSING or \
+                        f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                    continue
+                raise MessageError(f"{cls.TYPE}: missing field {f.name!r}")
+            values[f.name] = _check(body[f.name], hints[f.name], f"{cls.TYPE}.{f.name}")
+        unknown = sorted(set(body) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise MessageError(f"{cls.TYPE}: unknown field(s) {', '.join(unknown)}")
+        return cls(**values)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _check(value: Any, hint: Any, where: str) -> Any:
+    """`value` as the annotation `hint` wants it (lists become tuples for tuple hints)."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is Any:
+        return _json_value(value, where)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        last: MessageError | None = None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check(value, arg, where)
+            except MessageError as exc:
+                last = exc
+        raise last or MessageError(f"{where}: unexpected null")
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise MessageError(f"{where}: expected true or false, got {_show(value)}")
+        return value
+    if hint is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise MessageError(f"{where}: expected an integer, got {_show(value)}")
+        return value
+    if hint is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) \
+                or not math.isfinite(value):
+            raise MessageError(f"{where}: expected a finite number, got {_show(value)}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise MessageError(f"{where}: expected a string, got {_show(value)}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            raise MessageError(f"{where}: expected a list, got {_show(value)}")
+        item = args[0] if args else Any
+        items = [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise MessageError(f"{where}: expected an object, got {_show(value)}")
+        item = args[1] if len(args) == 2 else Any
+        return {str(k): _check(v, item, f"{where}.{k}") for k, v in value.items()}
+    raise MessageError(f"{where}: cannot check a field of type {hint!r}")  # a bug of ours
+
+
+def _json_value(value: Any, where: str) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise MessageError(f"{where}: not a finite number")
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _json_value(v, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _json_value(v, f"{where}.{k}")
+    return value
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# --------------------------------------------------------------------- worker -> coordinator
+
+@dataclass(frozen=True)
+class Report(Message):
+    """Where a node stands after a failure or at a boundary, for the generation's agreement."""
+
+    TYPE: ClassVar[str] = "report"
+    node: str
+    generation: int
+    boundary: bool  # a change at an iteration boundary (every node saw the commit's flag)
+    iteration: int
+    position: int
+    instruction: str
+    committed_through: int
+    stepped_through: int
+    done: tuple[tuple[Any, ...], ...]  # what it finished of the iteration in flight
+    clip_scale: float | None  # the committed iteration's clipping scale
+    flight: int  # the iteration in flight (-1: none)
+    formed: bool  # False: the last plan failed before this node's generation formed
+    lacking: tuple[str, ...]  # what the plan being carried out was to give it, and did not
+    untouched: bool  # nothing of that plan changed this node's state yet
+    leaving: bool  # a preemption notice: it leaves
+    reason: str
+    time_s: float
+
+
+@dataclass(frozen=True)
+class JoinRequest(Message):
+    """A node asking to join a running job. Its seal proves it holds the job's key (that is,
+    the token); the token itself is not in it."""
+
+    TYPE: ClassVar[str] = "join"
+    node: str
+    time_s: float
+    config_digest: str
+    model_digest: str
+
+
+@dataclass(frozen=True)
+class Metrics(Message):
+    """One iteration's figures, from the last stage's owner in pipeline 0."""
+
+    TYPE: ClassVar[str] = "metrics"
+    iter: int
+    loss: float | None  # None: non-finite (see training.nonfinite)
+    samples: int
+    time_s: float
+    iter_time_s: float
+    samples_per_s: float
+    lr: float
+    grad_norm: float | None
+    live_nodes: int
+    carriers: int
+    generation: int
+    replica_lag: int | None = None
+
+
+@dataclass(frozen=True)
+class Event(Message):
+    """A cluster event for events.jsonl: `kind`, `node`, `time_s`, and free details (JSON)."""
+
+    TYPE: ClassVar[str] = "event"
+    kind: str
+    node: str
+    time_s: float
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        """The line of events.jsonl."""
+        return {"time_s": self.time_s, "kind": self.kind, "node": self.node, **self.details}
+
+
+@dataclass(frozen=True)
+class CheckpointSaved(Message):
+    """A stage of a durable checkpoint is on disk, with its files' checksums."""
+
+    TYPE: ClassVar[str] = "checkpoint_saved"
+    node: str
+    time_s: float
+    iteration: int
+    stage: int
+    checksums: dict[str, str]
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Exit(Message):
+    """A worker process ended, as its host's agent saw it."""
+
+    TYPE: ClassVar[str] = "exit"
+    node: str
+    code: int
+
+
+@dataclass(frozen=True)
+class Close(Message):
+    """The coordinator is done with its mailbox (its reader thread may end)."""
+
+    TYPE: ClassVar[str] = "close"
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Liveness and progress. No clock: its age is measured by the coordinator when a new beat
+    arrives, on the coordinator's own clock, so clocks of other hosts do not matter."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    node: str
+    state: str  # starting | busy | waiting
+    generation: int
+    iteration: int = -1
+    position: int = 0
+
+
+# --------------------------------------------------------------------- coordinator -> nodes
+
+@dataclass(frozen=True)
+class Abort(Message):
+    """A generation is over: every wait of it ends."""
+
+    TYPE: ClassVar[str] = "abort"
+    generation: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Regroup(Message):
+    """Change the layout at the next iteration boundary (a node joined; it can improve)."""
+
+    TYPE: ClassVar[str] = "regroup"
+    generation: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class DecisionRecord(Message):
+    """The coordinator's Decision for the generation it ends (`plan.recovery.Decision` as JSON:
+    the plan layer parses it, so the wire and the planner share one definition)."""
+
+    TYPE: ClassVar[str] = "decision"
+    generation: int
+    decision: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class JoinAnswer(Message):
+    """The coordinator's answer to a joining node."""
+
+    TYPE: ClassVar[str] = "join_answer"
+    node: str
+    outcome: str  # placed | refused | finished
+    generation: int = -1  # placed: the generation whose Decision places it
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Kill(Message):
+    """The coordinator fences a node: its host's agent kills the process."""
+
+    TYPE: ClassVar[str] = "kill"
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Mark(Message):
+    """A node's mark in a step that every node must finish (a re-partition's exchange)."""
+
+    TYPE: ClassVar[str] = "mark"
+    node: str
+    generation: int
+    what: str
+
+
+MESSAGES: dict[str, type[Message]] = {m.TYPE: m for m in (
+    Report, JoinRequest, Metrics, Event, CheckpointSaved, Exit, Close, Heartbeat, Abort,
+    Regroup, DecisionRecord, JoinAnswer, Kill, Mark)}
+
+
+def parse(type_: str, version: int, body: Any) -> Message:
+    cls = MESSAGES.get(type_)
+    if cls is None:
+        raise MessageError(f"unknown message type {type_!r}")
+    return cls.from_json(body, version)

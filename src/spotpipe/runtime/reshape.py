@@ -1,0 +1,266 @@
+"""Carrying out a Decision: promote replicas, move states, re-partition, relink shadows.
+
+Nothing here decides. `plan.recovery` said which node takes which stage, which states travel
+from where, and whether a re-partition happens; this module turns that into local changes of a
+node's `NodeState`, over the new generation's process groups, and records what the node did
+not receive yet (`lacking`) and whether its state changed (`untouched`), which is what its next
+report says if a peer is lost meanwhile.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from spotpipe.plan import MoveKind, held_replica, layer_plan
+from spotpipe.plan.recovery import Decision
+from spotpipe.plan.transfers import Transfer
+from spotpipe.protocol import Channel, Mark, Refused, keys
+from spotpipe.runtime import migrate
+from spotpipe.runtime import node as nodelib
+from spotpipe.runtime.comm import Comm, PeerFailure
+from spotpipe.runtime.shadow_link import ShadowWriter
+from spotpipe.runtime.state import NodeState
+
+
+@dataclass
+class Progress:
+    """What a node has of the Decision it is carrying out, for a report if it fails."""
+
+    lacking: list[str] = field(default_factory=list)
+    untouched: bool = True
+    bytes_received: int = 0
+
+
+@dataclass
+class Carried:
+    """What carrying out a Decision did on this node (for its event)."""
+
+    promoted: list[int]
+    received: list[str]
+    groups_s: float
+    exchange_s: float
+
+
+class Reshaper:
+    def __init__(self, state: NodeState, *, store: Any, namespace: str, channel: Channel,
+                 shadow: ShadowWriter | None, digests: Any, inject: Callable[[str, int], None],
+                 refused: Callable[[Refused], None]) -> None:
+        self.state = state
+        self.store = store
+        self.namespace = namespace
+        self.channel = channel
+        self.shadow = shadow
+        self.digests = digests
+        self.inject = inject
+        self.refused = refused
+        self.progress = Progress()
+
+    def carry_out(self, decision: Decision, open_comm: Callable[[], Comm]) -> tuple[Comm, Carried]:
+        """Make this node's state what `decision` says, over the new generation's groups
+        (opened with `open_comm` once the layout and generation are the decision's)."""
+        st, me = self.state, self.state.node
+        started = time.perf_counter()
+        old = decision.previous_layout
+        resume = decision.resume
+        progress = self.progress = Progress()
+        repartition = decision.action.value == "repartition"
+        if not repartition:  # a joiner learns the job's current depth
+            st.partition = [tuple(r) for r in decision.partition]  # type: ignore[misc]
+        promoted = decision.promotions(me)
+        for stage in promoted:
+            progress.untouched = False
+            self._promote(stage, resume)
+        st.layout = decision.layout
+        st.generation = decision.generation
+        progress.lacking = decision.receives(me)
+        self.inject("regroup", resume)
+        comm = open_comm()
+        formed = time.perf_counter()
+        moves = list(decision.transfers)
+        if repartition or progress.lacking or any(me in (t.src, t.dst) for t in moves):
+            self.inject("transfer", resume)  # (only a plan that moves this node's state)
+        held = ({s: id(x) for s, x in st.stages.items()}, id(st.holding))
+        received = (self._repartition(decision, comm) if repartition
+                    else self._migrate(moves, comm, resume))
+        progress.untouched = progress.untouched and held == (
+            {s: id(x) for s, x in st.stages.items()}, id(st.holding))
+        exchanged = time.perf_counter()
+        # shadows are fed by pipeline 0's owners: those restore from them; a lost stage of
+        # another pipeline is the same state (data parallel), copied from pipeline 0's owner
+        # once that one holds it
+        restores = [m for m in decision.moves if m.kind == MoveKind.RESTORE]
+        restored = sorted(m.stage for m in restores if m.dst == me and m.pipeline == 0)
+        if restored:
+            progress.untouched = False
+        for s in restored:
+            st.own(s, *st.build_stage(s))
+        self._relink(resume, set(restored), decision.clip_scale)
+        received += [f"stage {s} from its shadow" for s in restored]
+        after = [Transfer("stage", m.stage, decision.layout.owner(0, m.stage), m.dst)
+                 for m in restores if m.pipeline != 0]
+        if after:
+            progress.untouched = False
+            before = progress.bytes_received
+            received += self._migrate(after, comm, resume)
+            progress.bytes_received += before
+        progress.lacking = []
+        return comm, Carried(promoted, received, formed - started, exchanged - formed)
+
+    # ------------------------------------------------------------------ the parts
+
+    def _promote(self, stage: int, resume: int) -> None:
+        """The replica becomes an owned stage: it is already exact, nothing is transferred."""
+        st = self.state
+        holding = st.holding
+        if holding is None or holding.replica.index != stage:
+            raise RuntimeError(f"{st.node} was asked to take over stage {stage} but holds no "
+                               "replica of it")
+        holding.applier.drain()
+        if holding.applier.applied != resume - 1:
+            raise RuntimeError(f"replica of stage {stage} is at iteration "
+                               f"{holding.applier.applied}, expected {resume - 1}")
+        holding.applier.close()
+        holding.replica.optimizer.zero_grad(set_to_none=True)
+        st.own(stage, holding.replica.module.to(st.device), holding.replica.optimizer)
+        st.holding = None
+
+    def _migrate(self, moves: list[Transfer], comm: Comm, resume: int) -> list[str]:
+        """This node's part of the state moves; returns what it received."""
+        st, me = self.state, self.state.node
+        self.progress.bytes_received = 0
+        replicas = st.cfg.redundancy != "none"
+        if st.holding is not None and held_replica(st.layout, me) is None:
+            # this node now carries several stages: no room (and no feed) for a replica
+            self.progress.untouched = False
+            st.drop_replica()
+        mine = set(nodelib.owned_stages(st.layout, me))
+        if not any(me in (t.src, t.dst) for t in moves):
+            for s in [s for s in st.stages if s not in mine]:  # kept by a plan that failed
+                del st.stages[s]
+            return []
+        have: dict[tuple[str, int], Any] = {("stage", s): (x.module, x.optimizer)
+                                             for s, x in st.stages.items()}
+        if st.holding is not None:
+            st.holding.applier.drain()
+            have[("replica", st.holding.replica.index)] = (st.holding.replica.module,
+                                                           st.holding.replica.optimizer)
+        got = migrate.run(moves, me, comm, have, lambda stage: st.build_stage(stage))
+        self.progress.bytes_received = got.pop(("bytes", -1))
+        for s in [s for s in st.stages if s not in mine]:  # handed over to another node
+            del st.stages[s]
+        for (kind, s), (module, optimizer) in got.items():
+            if kind == "stage":
+                st.own(s, module, optimizer)
+        want = held_replica(st.layout, me) if replicas else None
+        if ("replica", want) in got:
+            module, optimizer = got[("replica", want)]
+            st.hold(want, module, optimizer, resume, self.digests)  # type: ignore[arg-type]
+        elif st.holding is not None and want is None:
+            st.drop_replica()
+        return [f"{kind} {s}" for kind, s in sorted(got)]
+
+    def _repartition(self, decision: Decision, comm: Comm) -> list[str]:
+        """Change the depth in place: build this node's new stage(s) and replica from layers,
+        each layer's parameters and optimizer state taken from this node's memory when it holds
+        them and from a peer that does otherwise (`plan.layer_plan`); returns what it received.
+        """
+        st, me = self.state, self.state.node
+        old = decision.previous_layout
+        new_partition = [tuple(r) for r in decision.partition]
+        old_partition = [tuple(r) for r in decision.previous_partition]
+        redundancy = st.cfg.redundancy != "none"
+        expected = held_replica(old, me) if redundancy else None
+        actual = st.holding.replica.index if st.holding is not None else None
+        if me in old.active_nodes and expected != actual:
+            raise RuntimeError(f"{me} holds the replica of stage {actual}, the layout says "
+                               f"{expected}: cannot re-partition from it")
+        held = [(x.module, x.optimizer) for x in st.stages.values()]
+        if st.holding is not None:
+            st.holding.applier.drain()  # the replica is exact through resume - 1
+            held.append((st.holding.replica.module, st.holding.replica.optimizer))
+        current = st.partition
+        st.partition = new_partition  # type: ignore[assignment]
+        try:
+            owned = {s: st.build_stage(s) for s in nodelib.owned_stages(st.layout, me)}
+            want = held_replica(st.layout, me) if redundancy else None
+            replica = st.build_stage(want, st.replica_device) if want is not None else None
+        finally:
+            st.partition = current
+        moves = layer_plan(old, st.layout, old_partition, new_partition, redundancy)
+        self.progress.bytes_received = migrate.exchange_layers(
+            moves, me, comm, self.store, keys.layers_prefix(self.namespace, st.generation),
+            st.model, have=migrate.state_index(held),
+            want=migrate.state_index(list(owned.values()) + ([replica] if replica else [])),
+            timeout_s=st.cfg.cluster.timeout_s)
+        self._commit_exchange(comm)
+        st.drop_replica()
+        st.partition = new_partition  # type: ignore[assignment]
+        st.stages = {}
+        for s, (module, opt) in owned.items():
+            st.own(s, module, opt)
+        if replica is not None and want is not None:
+            st.hold(want, replica[0], replica[1], decision.resume, self.digests)
+        return sorted({f"layer {m.layer} from {m.src}" for m in moves if m.dst == me})
+
+    def _commit_exchange(self, comm: Comm) -> None:
+        """Switch to the new partition only once every node of it holds its new layers.
+
+        A re-partition cut short by a loss must leave the nodes either all on the old
+        partition (the coordinator then rolls the plan back) or all on the new one, never
+        mixed. Each node writes a sealed mark that its exchange is complete, then waits for
+        every mark; the last mark written is the commit point. A node woken by the abort
+        before it saw every mark looks once more: if they are all there, every node holds its
+        new state and it switches over too. A mark that does not open (forged) counts as
+        absent: a forger can at worst make the re-partition roll back, never mix partitions.
+        """
+        st = self.state
+        g = st.generation
+        nodes = sorted(st.layout.active_nodes)
+        marks = [keys.exchanged(self.namespace, g, n) for n in nodes]
+        self.store.set(keys.exchanged(self.namespace, g, st.node),
+                       self.channel.seal(Mark(st.node, g, "exchanged"), g))
+        try:
+            comm.wait_keys(marks, st.cfg.cluster.timeout_s, "every node's exchange")
+        except PeerFailure:
+            if not self.store.check(marks) or not self._genuine(marks, nodes, g):
+                raise
+            return
+        if not self._genuine(marks, nodes, g):
+            raise PeerFailure("an exchange mark did not open under the job's key")
+
+    def _genuine(self, marks: list[str], nodes: list[str], generation: int) -> bool:
+        for key, node in zip(marks, nodes):
+            try:
+                opened = self.channel.open(self.store.get(key), expect=Mark, writers={node})
+            except Refused as why:
+                self.refused(why)
+                return False
+            if opened.message.generation != generation:  # type: ignore[attr-defined]
+                return False
+        return True
+
+    def _relink(self, resume: int, restore: set[int], scale: float | None = None) -> None:
+        """Point the shadow links at the stages this node now writes (pipeline 0's owners);
+        stages in `restore` are loaded from their shadow."""
+        st = self.state
+        if self.shadow is None:
+            if restore:
+                raise RuntimeError(f"{st.node} was asked to restore stages {sorted(restore)} "
+                                   "from shadows, but shadows are off")
+            return
+        writes = {s: (x.module, x.optimizer) for s, x in st.stages.items()
+                  if st.layout.owner(0, s) == st.node}
+        missing = restore - set(writes)
+        if missing:
+            raise RuntimeError(f"{st.node} must restore stages {sorted(missing)} from shadows "
+                               "but does not write them (only pipeline 0's owners link to shadows)")
+        before = self.shadow.bytes_received
+        self.shadow.relink(writes, resume, restore, scale)
+        self.progress.bytes_received += self.shadow.bytes_received - before
+
+    def relink_at_start(self, resume: int) -> None:
+        self._relink(resume, set())
+

@@ -1,0 +1,153 @@
+"""A node's training state: its stages, the replica it holds, and their flat form.
+
+One place for what a node holds and how it is turned into one tensor and back (state moves
+between nodes, to shadows and from checkpoints in that form), so that every path that moves
+state agrees on its layout: parameters first, then the optimizer's tensors in their order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from spotpipe.config import Config
+from spotpipe.plan import Layout
+from spotpipe.model import LayeredModel, build_stage
+from spotpipe.model.ties import cross_stage_tied, norm_param_names
+from spotpipe.runtime.digest import optimizer_tensors
+from spotpipe.runtime.optim import build_optimizer, materialise_optimizer_state
+from spotpipe.runtime.replica import ReplicaApplier, ReplicaStage
+
+
+@dataclass
+class StageState:
+    """An owned stage's module and optimizer, plus what the global-norm clip needs."""
+
+    index: int
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    # parameters counted in the global norm, in the unpartitioned model's order (a tied
+    # parameter is counted only on the stage of its first occurrence)
+    norm_params: list[nn.Parameter]
+    tied_params: list[nn.Parameter] = field(default_factory=list)  # summed across stages
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+
+@dataclass
+class Holding:
+    """The replica this node holds, and the node that owns (and feeds) that stage."""
+
+    replica: ReplicaStage
+    applier: ReplicaApplier
+    owner: str
+
+
+def build_stage_state(model: LayeredModel, partition: list[tuple[int, int]], stage: int,
+                      cfg: Config, device: torch.device) -> StageState:
+    """Stage `stage` of `model` with a fresh optimizer and its share of the global norm."""
+    start, end = partition[stage]
+    module = build_stage(model, start, end).to(device)
+    return stage_state_from(model, partition, stage, module, build_optimizer(
+        module.parameters(), cfg))
+
+
+def stage_state_from(model: LayeredModel, partition: list[tuple[int, int]], stage: int,
+                     module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> StageState:
+    """Wrap an existing module and optimizer (e.g. a promoted replica) as an owned stage."""
+    counted = set(norm_param_names(model, partition)[stage])
+    named = dict(module.named_parameters())
+    norm_params = [named[n] for n in named if n in counted]
+    tied_names = cross_stage_tied(model, partition)
+    # in the order of the model's tie pairs, so both ends list their halves alike
+    tied = [named[n] for a, b in model.tied for n in (a, b) if n in tied_names and n in named]
+    return StageState(stage, module, optimizer, norm_params, tied)
+
+
+def flatten(module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    params = list(module.parameters())
+    materialise_optimizer_state(module, optimizer)
+    return torch.cat([p.detach().reshape(-1) for p in params]
+                     + [t.detach().reshape(-1).to(params[0].dtype)
+                        for t in optimizer_tensors(optimizer)])
+
+
+def unflatten(flat: torch.Tensor, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load what `flatten` produced on another node into a module and optimizer of the
+    same structure (the optimizer state is created first, so the layouts agree)."""
+    materialise_optimizer_state(module, optimizer)
+    targets = [p for p in module.parameters()] + optimizer_tensors(optimizer)
+    offset = 0
+    with torch.no_grad():
+        for t in targets:
+            n = t.numel()
+            t.copy_(flat[offset: offset + n].view_as(t).to(t.dtype))
+            offset += n
+    if offset != flat.numel():
+        raise RuntimeError(f"state message of {flat.numel()} values, expected {offset}")
+
+
+@dataclass
+class NodeState:
+    """Everything a node holds between generations: where it is in the layout, the stages it
+    owns and the replica it holds. The worker trains on it; `runtime.reshape` changes it as a
+    Decision says."""
+
+    cfg: Config
+    model: LayeredModel
+    device: torch.device
+    node: str
+    layout: "Layout"
+    partition: list[tuple[int, int]]
+    stages: dict[int, StageState] = field(default_factory=dict)
+    holding: Holding | None = None
+    generation: int = 0
+    start_iteration: int = 0
+
+    @property
+    def replica_device(self) -> torch.device:
+        return self.device if self.cfg.replica.device == "device" else torch.device("cpu")
+
+    @property
+    def pipeline(self) -> int:
+        from spotpipe.runtime.node import pipeline_of
+
+        return pipeline_of(self.layout, self.node)
+
+    def build_stage(self, stage: int, device: torch.device | None = None) -> tuple[
+            nn.Module, torch.optim.Optimizer]:
+        """A fresh copy of stage `stage` of the current partition: stages share no Parameter
+        with the node's model or with each other."""
+        import copy
+
+        start, end = self.partition[stage]
+        module = copy.deepcopy(build_stage(self.model, start, end)).to(device or self.device)
+        return module, build_optimizer(module.parameters(), self.cfg)
+
+    def own(self, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.stages[stage] = stage_state_from(self.model, self.partition, stage, module,
+                                              optimizer)
+
+    def hold(self, index: int, module: nn.Module, optimizer: torch.optim.Optimizer,
+             resume: int, digests: object = None) -> None:
+        """Hold the replica of stage `index` (exact through resume - 1), fed by its owner."""
+        self.drop_replica()
+        replica = ReplicaStage(index, module.to(self.replica_device), optimizer,
+                               self.replica_device)
+        applier = ReplicaApplier(replica, self.cfg, digests)  # type: ignore[arg-type]
+        applier.start_at(resume)
+        self.holding = Holding(replica, applier, self.layout.owner(self.pipeline, index))
+
+    def drop_replica(self) -> None:
+        if self.holding is not None:
+            self.holding.applier.close()
+            self.holding = None
+
+    def drop_all(self) -> None:
+        """Standby: the plan that places the node again sends it whatever it will run."""
+        self.drop_replica()
+        self.stages = {}

@@ -1,0 +1,84 @@
+"""Records from workers, shadows and agents to the coordinator, through the store's mailbox.
+
+The store lives in the launcher (or node agent), which is never preempted, so a record written
+there survives the worker that wrote it. All records go into one numbered board (see
+`spotpipe.store.board`), so the coordinator can block on "the next record" (no polling) and
+sees them in the order they happened. Every record is a sealed `spotpipe.protocol` message:
+JSON, never unpickled, and dropped with a `record_refused` event when it does not open.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+from spotpipe.protocol import Channel, CheckpointSaved, Event, Message, Opened, Refused, ReplayGuard, keys
+from spotpipe.store import board
+
+
+class Outbox:
+    """A process's side of the mailbox: seal and post; never waits for the coordinator."""
+
+    def __init__(self, store: dist.Store, channel: Channel, t0: float,
+                 generation: Callable[[], int] = lambda: 0) -> None:
+        self.store = store
+        self.channel = channel
+        self.t0 = t0
+        self.generation = generation
+
+    @property
+    def node(self) -> str:
+        return self.channel.writer
+
+    def now(self) -> float:
+        return round(time.time() - self.t0, 6)
+
+    def post(self, message: Message) -> None:
+        board.post(self.store, keys.MAILBOX, self.channel.seal(message, self.generation()),
+                   count_key=keys.MAILBOX_COUNT)
+
+    def event(self, kind: str, **details: Any) -> None:
+        if kind == "checkpoint_saved":  # a checkpoint record: the launcher commits on it
+            iteration, stage = details.pop("iteration"), details.pop("stage")
+            checksums = details.pop("checksums")
+            self.post(CheckpointSaved(self.node, self.now(), iteration, stage, checksums,
+                                      details))
+            return
+        self.post(Event(kind, self.node, self.now(), details))
+
+
+def read_mailbox(store: dist.Store, channel: Channel,
+                 on_refused: Callable[[Refused], None],
+                 timeout_s: float = 86400.0) -> Iterator[Opened]:
+    """Yield the mailbox's records in order as they arrive, blocking between them; a record
+    that does not open (no key, malformed, a replay) goes to `on_refused` instead.
+
+    Give it a store client of its own: a client blocked in wait() cannot serve other calls.
+    Each slot is overwritten once read (a tombstone, not a deletion: see `board.post`)."""
+    guard = ReplayGuard()
+    index = 0
+    while True:
+        index += 1
+        key = keys.mailbox_slot(index)
+        store.wait([key], timedelta(seconds=timeout_s))
+        blob = store.get(key)
+        store.set(key, board.READ)
+        try:
+            opened = channel.open(blob, guard=guard)
+        except Refused as why:
+            on_refused(why)
+            continue
+        yield opened
+
+
+def posted(store: dist.Store) -> int:
+    """How many records writers say they posted (a hint: see `board.post`)."""
+    return store.add(keys.MAILBOX_COUNT, 0)
+
+
+def slot_written(store: dist.Store, index: int) -> bool:
+    return store.check([keys.mailbox_slot(index)])

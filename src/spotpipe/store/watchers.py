@@ -1,0 +1,103 @@
+"""A node's threads that talk to the store: the heartbeat and the board watchers.
+
+Each has its own store connection (a client blocked in `wait` cannot serve other calls):
+
+- the heartbeat publishes liveness and progress, so the coordinator can tell a dead node
+  (heartbeats stop) from a hung one (heartbeats go on, progress does not, the main thread is
+  not waiting on a peer). It survives store errors: it retries, and says so once in an event;
+- a board watcher blocks on a board (a generation's abort, its regroup request) and calls
+  back on the first record that opens under the job's key; a forged record is skipped.
+
+Watchers end when their generation does: the coordinator closes every board of a generation
+it ends (an abort record, a regroup record), so threads and connections do not pile up over
+hundreds of generations (tests/test_protocol_liveness.py counts them).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from spotpipe.protocol import Abort, Channel, Heartbeat as Beat, Message, Refused, keys
+from spotpipe.store import board
+from spotpipe.store.abort import AbortSignal
+from spotpipe.store.address import StoreAddress
+
+
+def client(address: StoreAddress, timeout_s: float) -> dist.Store:
+    """A connection of its own (for a thread that blocks in `wait`)."""
+    return address.connect(timeout_s)
+
+
+class Heartbeat:
+    """Publishes a sealed beat every `interval_s`; never ends on a store error."""
+
+    def __init__(self, store: dist.Store, channel: Channel, node: str, interval_s: float,
+                 progress: Callable[[], dict[str, Any]],
+                 on_trouble: Callable[[str], None] | None = None) -> None:
+        self.store, self.channel, self.node = store, channel, node
+        self.interval_s, self.progress = interval_s, progress
+        self._on_trouble = on_trouble
+        self._stop = threading.Event()
+        self.failures = 0  # beats that could not be written, in a row
+        self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                state = self.progress()
+                self.store.set(keys.heartbeat(self.node), self.channel.seal(
+                    Beat(self.node, **state), state.get("generation", 0)))
+                self.failures = 0
+            except Exception as exc:  # the store away (etcd restarting) or a closed client
+                self.failures += 1
+                if self.failures == 3 and self._on_trouble is not None:
+                    try:
+                        self._on_trouble(f"heartbeats failing: {type(exc).__name__}: {exc}")
+                    except Exception:  # the same store is away: the event cannot go either
+                        pass
+            self._stop.wait(self.interval_s)  # the beat's period, not a synchronisation
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class BoardWatcher:
+    """Calls `then(message)` once, for the first record of `board` that opens as `expect`."""
+
+    def __init__(self, store: dist.Store, channel: Channel, board_key: str,
+                 expect: type[Message], then: Callable[[Message], None],
+                 on_refused: Callable[[Refused], None] | None = None) -> None:
+        self.store = store
+        self._closed = threading.Event()
+
+        def watch() -> None:
+            try:
+                opened = board.first(store, board_key, channel, expect=expect,
+                                     on_refused=lambda why, _: on_refused and on_refused(why),
+                                     timeout_s=7 * 86400)
+            except Exception:  # closed (the generation ended) or the store gone (job over)
+                return
+            if not self._closed.is_set():
+                then(opened.message)
+
+        self._thread = threading.Thread(target=watch, name=f"watch-{board_key}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Ignore what comes from now on (the thread ends with the generation's last record)."""
+        self._closed.set()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
+def watch_abort(store: dist.Store, channel: Channel, generation: int, abort: AbortSignal,
+                on_refused: Callable[[Refused], None] | None = None) -> BoardWatcher:
+    """Trigger `abort` on the generation's first genuine abort record."""
+    return BoardWatcher(store, channel, keys.abort_board(generation), Abort,
+                        lambda m: abort.trigger(m.reason), on_refused)  # type: ignore[attr-defined]
