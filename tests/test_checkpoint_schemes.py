@@ -419,14 +419,14 @@ def test_uncommitted_partial_folder_is_never_taken(tmp_path):
 
 
 def test_shadows_take_the_durable_tier_over(corpus):
-    from spotpipe.checkpoint import schemes
+    from spotpipe.checkpoint import registry, schemes
 
     for scheme, built in (("durable", "none"), ("dcp_async", "none"), ("gemini", "gemini")):
         cfg = tiny_config(corpus, **{"checkpoint.scheme": scheme, "checkpoint.every": 2,
                                      "shadow.enabled": True, "stages": 2})
         ctx = schemes.SchemeContext(cfg, "node0", Path("unused"), lambda *a, **k: None,
                                     _Store())
-        assert schemes.build(ctx).name == built
+        assert registry.build(ctx).name == built
     with pytest.raises(ConfigError, match="checkpoint.every: 'auto' is not supported with "
                                           "shadow.enabled"):
         tiny_config(corpus, **{"checkpoint.every": "auto", "shadow.enabled": True})

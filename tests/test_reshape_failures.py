@@ -142,3 +142,67 @@ def test_standby_node_lost_while_placed_is_no_spare(tmp_path, corpus):
     got = load_file(str(run / "final" / "model.safetensors"))
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert_samples_exactly_once(run, cfg)
+
+
+@pytest.mark.parametrize("stages,lost_in_transfer", [(3, "node4"), (4, "node5")],
+                         ids=["P3xD2", "P4xD2"])
+def test_loss_in_the_transfers_of_a_repartition_after_a_failover(tmp_path, tmp_path_factory,
+                                                                 corpus, stages,
+                                                                 lost_in_transfer):
+    """node1 crashes; after the failover the job re-partitions to the depth its nodes allow,
+    and a node of the other pipeline dies in that re-partition's transfer phase. The job goes
+    on with the survivors (the re-partition rolled back, then decided again without the lost
+    node) instead of stopping: every sample once, the same training within float tolerance
+    (D changes)."""
+    extra = {**FAST, **SGD, "iterations": 12}
+    cfg = tiny_config(corpus, stages=stages, pipelines=2, redundancy="lazy", **extra)
+    nodes = [f"node{r}" for r in range(2 * stages)]
+    faults = [Fault.parse("fail", "node1@2:backward", nodes),
+              Fault.parse("fail", f"{lost_in_transfer}@3:transfer", nodes)]
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, faults=faults) == 0
+    ev = events(run)
+    plans = [e["action"] for e in ev if e["kind"] == "plan"]
+    assert plans[:2] == ["failover", "repartition"], plans
+    assert "stop" not in plans
+    assert {e["node"] for e in ev if e["kind"] == "node_lost"} == {"node1", lost_in_transfer}
+    assert not [e for e in ev if e["kind"] == "worker_error"]
+    assert_samples_exactly_once(run, cfg)
+    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=stages, pipelines=2,
+                                                      **extra))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6)
+    assert_nothing_left(run, store_port(run))
+
+
+def test_shadows_follow_their_new_writers_when_pipeline_zero_is_dropped(tmp_path,
+                                                                         tmp_path_factory,
+                                                                         corpus):
+    """P = 4 x D = 2 with CPU shadows and no redundancy: a node of pipeline 0 crashes, so that
+    pipeline is dropped and pipeline 1's owners become the shadows' writers. The job goes on
+    with the shadows fed by them, within float tolerance of the failure-free run, every sample
+    once, and no wait (the recovery's pause, the shadow links' waits) as long as the heartbeat
+    timeout."""
+    extra = {**FAST, "iterations": 10, "shadow.enabled": True,
+             "failover.heartbeat_timeout_s": 20.0}
+    cfg = tiny_config(corpus, stages=4, pipelines=2, redundancy="none", **extra)
+    nodes = [f"node{r}" for r in range(8)]
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False,
+                 faults=[Fault.parse("fail", "node1@4", nodes)]) == 0
+    ev = events(run)
+    plans = [e["action"] for e in ev if e["kind"] == "plan"]
+    assert plans[0] == "drop_pipeline", plans
+    lost = next(e for e in ev if e["kind"] == "node_lost")
+    resumed = next(e for e in ev if e["kind"] == "resumed" and e["time_s"] > lost["time_s"])
+    assert resumed["time_s"] - lost["time_s"] < cfg.failover.heartbeat_timeout_s
+    waits = [e for e in ev if e["kind"] == "shadow_waits"]
+    assert waits and all(e["waited_s"] < cfg.failover.heartbeat_timeout_s for e in waits)
+    assert not [e for e in ev if e["kind"] in ("worker_error", "shadow_error")]
+    assert_samples_exactly_once(run, cfg)
+    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=4, pipelines=2,
+                                                      **{**FAST, "iterations": 10}))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6)

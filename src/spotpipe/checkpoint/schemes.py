@@ -30,7 +30,8 @@ Schemes (config `checkpoint.scheme`; `checkpoint.every: k | auto`):
   persist in a background thread; the next snapshot waits for the previous persist.
 - `gemini`: Gemini (Wang et al., SOSP '23): a copy in a peer's CPU memory (`peer.py`).
 
-A new scheme (the CPU shadows) is a subclass registered in `SCHEMES` under its config name.
+A new scheme is a subclass registered in `spotpipe.checkpoint.registry.SCHEMES` under its
+config name.
 """
 
 from __future__ import annotations
@@ -308,32 +309,3 @@ class CheckFreqScheme(_Background):
                                        self.cfg.checkpoint.keep), {}
 
         return persist
-
-
-def _gemini(ctx: SchemeContext) -> Scheme:
-    from spotpipe.checkpoint.peer import GeminiScheme
-
-    return GeminiScheme(ctx)
-
-
-# config name -> constructor; CHECKPOINT_SCHEMES in spotpipe.config lists the same names (the
-# config is read before torch is imported). Adding a scheme is one entry in each.
-SCHEMES: dict[str, Callable[[SchemeContext], Scheme]] = {
-    "none": Scheme,
-    "durable": DurableScheme,
-    "dcp_async": DcpAsyncScheme,
-    "torch_save": TorchSaveScheme,
-    "checkfreq": CheckFreqScheme,
-    "gemini": _gemini,
-}
-assert set(SCHEMES) == set(CHECKPOINT_SCHEMES), "schemes and config disagree"
-
-
-def build(ctx: SchemeContext) -> Scheme:
-    """The scheme `ctx.cfg.checkpoint.scheme` names (`none` when nothing is checkpointed, and
-    for the durable tier when shadows write it)."""
-    c = ctx.cfg.checkpoint
-    name = c.scheme if c.every else "none"
-    if ctx.cfg.shadow.enabled and name in ("durable", "dcp_async"):
-        name = "none"  # the CPU shadows write the durable tier (spotpipe.checkpoint.shadow)
-    return SCHEMES[name](ctx)

@@ -25,10 +25,12 @@ from pathlib import Path
 import torch
 
 from spotpipe import job
-from spotpipe.checkpoint import durable, schemes
+from spotpipe.checkpoint import durable, registry, schemes
 from spotpipe.config import load_config
 from spotpipe.faults import Fault
 from spotpipe.protocol import channel_from_env
+from spotpipe.runtime import replica
+from spotpipe.runtime.faults import per_node, skew_clock
 from spotpipe.runtime.hooks import StagePair
 from spotpipe.runtime.worker import JobStopped, JoinRefused, Worker
 from spotpipe.store.address import StoreAddress
@@ -54,6 +56,11 @@ def main() -> int:
     address = StoreAddress.from_env()
     store = address.connect(cfg.cluster.timeout_s)
     node = f"node{rank}"
+    # test knobs: a host whose clock is off, a replica update starved of CPU
+    offset = per_node(os.environ.get("SPOTPIPE_TEST_CLOCK_OFFSET", ""), node)
+    if offset:
+        skew_clock(offset)
+    replica.DELAY_S = per_node(os.environ.get("SPOTPIPE_TEST_REPLICA_DELAY", ""), node)
     channel = channel_from_env(node)
     outbox = Outbox(store, channel, t0)
     worker = None
@@ -61,7 +68,7 @@ def main() -> int:
         worker = Worker(cfg, spec, run_dir, node, store, t0, faults, address=address,
                         channel=channel, restore=restore_from,
                         checkpoints=None)
-        worker.checkpoints = schemes.build(schemes.SchemeContext(
+        worker.checkpoints = registry.build(schemes.SchemeContext(
             cfg, node, run_dir, worker.channel.event, store, "spotpipe",
             lambda: worker.failures))
         worker.train(joining=os.environ.get("SPOTPIPE_JOIN") == "1")

@@ -101,6 +101,7 @@ class Coordinator:
         self.liveness = Liveness(store, channel, self.refused)
         self._grace_until = 0.0  # no fencing before this time (the store was away)
         self._refusals: set[tuple[str, str]] = set()
+        self._regroup_asked = -1  # the generation whose regroup was asked for
 
     # ------------------------------------------------------------------ views
 
@@ -189,7 +190,7 @@ class Coordinator:
         self.emit({"time_s": self.now(), "kind": "join_accepted", "node": node,
                    "generation": self.generation})
         if self.collecting is None:
-            self._request_regroup(f"{node} joined")
+            self.request_regroup(f"{node} joined")
 
     def join_without_key(self, node: str) -> None:
         """A join request that did not open under the job's key: refused, with an answer its
@@ -214,7 +215,11 @@ class Coordinator:
     def _answer(self, node: str, answer: JoinAnswer) -> None:
         board.publish(self.store, self.channel, keys.join_board(node), answer, self.generation)
 
-    def _request_regroup(self, why: str) -> None:
+    def request_regroup(self, why: str) -> None:
+        """Ask for a change of layout at the next iteration boundary (once per generation)."""
+        if self._regroup_asked == self.generation:
+            return
+        self._regroup_asked = self.generation
         board.publish(self.store, self.channel, keys.regroup_board(self.generation),
                       Regroup(self.generation, why), self.generation)
         self.emit({"time_s": self.now(), "kind": "regroup_requested", "node": "launcher",
@@ -336,7 +341,7 @@ class Coordinator:
         self.joining = [n for n in self.joining if n not in decision.layout.all_nodes]
         self.collecting = None
         if outcome.improve:
-            self._request_regroup("the layout can improve further")
+            self.request_regroup("the layout can improve further")
 
 
 def _node_report(r: Report) -> NodeReport:

@@ -168,6 +168,11 @@ class Launcher(JobLoop):
         self._fire_trace(files)
 
     def _on_metrics(self, item: dict[str, Any], files: RunFiles) -> None:
+        if os.environ.get("SPOTPIPE_TEST_REGROUP_EVERY_ITERATION") == "1" and \
+                self.coordinator.collecting is None and item["iter"] < self.cfg.iterations - 1:
+            # a test knob: every iteration ends its generation at the boundary (groups,
+            # watchers and connections renewed), to show that none of them pile up
+            self.coordinator.request_regroup(f"test: regroup after iteration {item['iter']}")
         while self.joins and item["iter"] >= self.joins[0][0]:
             at, node = self.joins.pop(0)
             files.event({"time_s": self._now(), "kind": "node_available", "node": node,

@@ -377,3 +377,29 @@ def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[st
                    "from CPU shadows") + "); stopping. Resume with --resume from the newest "
                   "durable checkpoint if checkpoint.every was set")
     return ""
+
+
+def settle(history: History, rules: Rules, *, lost: Iterable[str] = (),
+           leaving: Iterable[str] = (), joiners: Iterable[str] = (),
+           committed: int | None = None) -> list[Outcome]:
+    """The decisions a running job makes for one event and at the boundaries after it, until
+    its layout cannot improve further: one `recover` for the event (nodes `lost`, nodes
+    `leaving` on a notice, `joiners`), then one per boundary while the last outcome says the
+    layout can improve. This is what the coordinator does over several generations and what
+    the simulator's policies replay at one instant; both call `recover`, so they agree.
+
+    Every live node reports having committed `committed` (default: one before the iteration
+    the job last resumed at, i.e. nothing in flight is kept)."""
+    lost, leaving = frozenset(lost), frozenset(leaving)
+    done = history.resumed_at - 1 if committed is None else committed
+
+    def reports(h: History, going: frozenset[str]) -> dict[str, NodeReport]:
+        return {n: NodeReport(n, iteration=done + 1, committed_through=done,
+                              leaving=n in going)
+                for n in sorted(h.layout.active_nodes - lost)}
+
+    outcomes = [recover(history, reports(history, leaving), joiners, rules, dead=lost)]
+    while outcomes[-1].improve and not outcomes[-1].decision.stopped:
+        after = outcomes[-1].history
+        outcomes.append(recover(after, reports(after, frozenset()), [], rules))
+    return outcomes

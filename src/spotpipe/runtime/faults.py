@@ -35,3 +35,21 @@ class Injector:
                     os.kill(os.getpid(), signal.SIGTERM)
                 else:
                     threading.Event().wait()  # hung for good: only the launcher ends this
+
+
+def per_node(spec: str, node: str) -> float:
+    """This node's value in a test knob like "node0=1.5,node2=-30" (0.0 when not named)."""
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, value = part.partition("=")
+        if name == node:
+            return float(value)
+    return 0.0
+
+
+def skew_clock(offset_s: float) -> None:
+    """Shift this process's wall clock (time.time) by `offset_s`: a host whose clock is off.
+    Liveness must not depend on it (the coordinator times heartbeats on its own clock)."""
+    import time
+
+    real = time.time
+    time.time = lambda: real() + offset_s  # type: ignore[assignment]

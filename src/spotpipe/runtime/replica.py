@@ -98,6 +98,11 @@ def apply_flat_gradient(params: list[nn.Parameter], optimizer: torch.optim.Optim
     optimizer.zero_grad(set_to_none=True)
 
 
+# Injected in tests (SPOTPIPE_TEST_REPLICA_DELAY, set by the worker's entry point): seconds
+# each replica update is held back, as on a node whose idle-priority thread gets no CPU.
+DELAY_S = 0.0
+
+
 class ReplicaApplier:
     """Applies committed updates to a replica on a background thread, in iteration order."""
 
@@ -198,6 +203,8 @@ class ReplicaApplier:
         try:
             while (item := self._queue.get()) is not None:
                 iteration, kind, flat = item
+                if DELAY_S and self.role == "replica":
+                    time.sleep(DELAY_S)  # an injected starvation (see DELAY_S), not a wait
                 if kind == "grad":
                     self._apply_gradient(iteration, flat)
                 elif kind == "state":

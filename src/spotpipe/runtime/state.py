@@ -114,9 +114,7 @@ class NodeState:
 
     @property
     def pipeline(self) -> int:
-        from spotpipe.runtime.node import pipeline_of
-
-        return pipeline_of(self.layout, self.node)
+        return self.layout.stages_of(self.node)[0][0]
 
     def build_stage(self, stage: int, device: torch.device | None = None) -> tuple[
             nn.Module, torch.optim.Optimizer]:

@@ -1,0 +1,122 @@
+"""Liveness that depends on neither clocks nor luck, and nothing that grows per generation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+
+import torch
+from safetensors.torch import load_file
+
+from spotpipe.cluster.launcher import train
+from spotpipe.faults import Fault
+
+from conftest import tiny_config
+from test_failover import (FAST, assert_samples_exactly_once, config, events, failure_free)
+
+
+def _exact(run, want) -> bool:
+    got = load_file(str(run / "final" / "model.safetensors"))
+    return all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_clock_skew_neither_fences_nor_hides_a_node(tmp_path, tmp_path_factory, corpus,
+                                                    monkeypatch):
+    """node0's clock runs 30 s ahead, node2's 30 s behind: no one is fenced, and node1's
+    crash is still found and taken over."""
+    monkeypatch.setenv("SPOTPIPE_TEST_CLOCK_OFFSET", "node0=30,node2=-30")
+    cfg = config(corpus, 3, 1, iterations=8)
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, faults=[Fault("fail", "node1", 4)]) == 0
+    kinds = [e["kind"] for e in events(run)]
+    assert "node_fenced" not in kinds
+    assert [e["node"] for e in events(run) if e["kind"] == "node_lost"] == ["node1"]
+    assert [e["action"] for e in events(run) if e["kind"] == "plan"][0] == "failover"
+    assert_samples_exactly_once(run, cfg)
+    assert _exact(run, failure_free(tmp_path_factory, config(corpus, 3, 1, iterations=8)))
+
+
+def test_a_starved_replica_update_does_not_hide_an_abort(tmp_path, tmp_path_factory, corpus,
+                                                         monkeypatch):
+    """node0's replica updates are held back 1 s each (an idle-priority thread without CPU)
+    while replica.max_lag makes node0 wait for them, longer than the hang timeout: node0 is
+    waiting, not hung, so it is not fenced; and when node1 crashes, it answers the abort."""
+    monkeypatch.setenv("SPOTPIPE_TEST_REPLICA_DELAY", "node0=1.0")
+    extra = {"replica.max_lag": 1, "failover.hang_timeout_s": 0.6, "iterations": 6}
+    cfg = config(corpus, 2, 1, **extra)
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, faults=[Fault("fail", "node1", 4)]) == 0
+    kinds = [e["kind"] for e in events(run)]
+    assert "node_fenced" not in kinds, [e for e in events(run) if e["kind"] == "node_fenced"]
+    assert [e["action"] for e in events(run) if e["kind"] == "plan"] == ["failover"]
+    assert_samples_exactly_once(run, cfg)
+    assert _exact(run, failure_free(tmp_path_factory, config(corpus, 2, 1, **extra)))
+
+
+def _counts(pid: int) -> tuple[int, int, int]:
+    """(threads, open files, sockets) of a process, from /proc."""
+    threads = len(os.listdir(f"/proc/{pid}/task"))
+    fds = os.listdir(f"/proc/{pid}/fd")
+    sockets = 0
+    for fd in fds:
+        try:
+            sockets += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return threads, len(fds), sockets
+
+
+def _worker_pids(run) -> list[int]:
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in ps.splitlines()
+            if "spotpipe.cli.worker" in line and str(run) in open(
+                f"/proc/{line.split()[0]}/environ", "rb").read().decode(errors="replace")]
+
+
+def test_two_hundred_generations_leave_nothing_behind(tmp_path, corpus, monkeypatch):
+    """Every iteration ends its generation (a regroup at each boundary), 200 times, with a
+    crash and a joiner among them: a surviving worker's and the launcher's threads, open files
+    and sockets stay under a fixed bound, the same late in the run as early."""
+    monkeypatch.setenv("SPOTPIPE_TEST_REGROUP_EVERY_ITERATION", "1")
+    iters = 205
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy",
+                      **{**FAST, "iterations": iters})
+    run = tmp_path / "run"
+    result: dict = {}
+    job = threading.Thread(target=lambda: result.update(code=train(
+        cfg, run, progress=False, faults=[Fault("fail", "node1", 10)], joins=[12])))
+    job.start()
+    samples: dict[str, list[tuple[int, tuple[int, int, int]]]] = {"worker": [], "launcher": []}
+
+    def generation() -> int:
+        try:
+            lines = (run / "metrics.jsonl").read_text().strip().splitlines()
+        except FileNotFoundError:
+            return -1
+        return json.loads(lines[-1])["generation"] if lines else -1
+
+    while job.is_alive():
+        g = generation()
+        pids = _worker_pids(run) if g >= 0 else []
+        try:
+            node0 = next(p for p in pids if b"RANK=0\x00" in open(f"/proc/{p}/environ",
+                                                                  "rb").read())
+            samples["worker"].append((g, _counts(node0)))
+        except (StopIteration, OSError):
+            pass
+        samples["launcher"].append((g, _counts(os.getpid())))
+        job.join(timeout=0.25)  # the sampling period; the loop ends when the job does
+    assert result["code"] == 0
+    assert generation() >= 200, generation()
+    for who, seen in samples.items():
+        early = [c for g, c in seen if 20 <= g < 60]
+        late = [c for g, c in seen if g >= 160]
+        assert early and late, (who, len(seen))
+        for i, what in enumerate(("threads", "open files", "sockets")):
+            high_early = max(c[i] for c in early)
+            high_late = max(c[i] for c in late)
+            assert high_late <= high_early + 4, (who, what, high_early, high_late)
+            assert high_late < 200, (who, what, high_late)

@@ -1,0 +1,152 @@
+"""The protocol: typed messages and their seals, and a job that a process without the token
+cannot steer or crash through the store."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from spotpipe.cluster.launcher import train
+from spotpipe.faults import Fault
+from spotpipe.protocol import (Abort, Channel, DecisionRecord, Exit, Heartbeat, MessageError,
+                               Refused, Report, ReplayGuard, job_key, keys, parse, same_secret)
+from spotpipe.store import board
+
+from conftest import tiny_config
+from test_failover import FAST, assert_samples_exactly_once, events, failure_free
+
+
+def test_messages_round_trip_and_refuse_what_does_not_match():
+    report = Report(node="node1", generation=2, boundary=False, iteration=5, position=3,
+                    instruction="F1.2", committed_through=4, stepped_through=4,
+                    done=(("forward", 1, 0),), clip_scale=None, flight=5, formed=True,
+                    lacking=(), untouched=True, leaving=False, reason="peer lost", time_s=1.5)
+    body = json.loads(json.dumps(report.to_json()))
+    assert parse("report", 1, body) == report
+    with pytest.raises(MessageError, match="missing field 'iteration'"):
+        parse("report", 1, {k: v for k, v in body.items() if k != "iteration"})
+    with pytest.raises(MessageError, match="report.iteration: expected an integer"):
+        parse("report", 1, {**body, "iteration": "5"})
+    with pytest.raises(MessageError, match="unknown version 2"):
+        parse("report", 2, body)
+    with pytest.raises(MessageError, match="unknown field"):
+        parse("report", 1, {**body, "extra": 1})
+    with pytest.raises(MessageError, match="finite number"):
+        parse("report", 1, {**body, "time_s": float("nan")})
+    with pytest.raises(MessageError, match="unknown message type"):
+        parse("nonsense", 1, {})
+
+
+def test_seals_bind_key_writer_generation_and_sequence():
+    key = job_key("tøken ✓".encode(), "inst")  # any bytes make a token
+    assert job_key("tøken ✓".encode(), "inst") == key
+    assert job_key("tøken ✓".encode(), "other run") != key  # a key is worth one run only
+    writer = Channel(key, "node3")
+    blob = writer.seal(Heartbeat("node3", "busy", 4, 9, 2), 4)
+    assert b"t\xc3\xb8ken" not in blob  # the token never travels
+    guard = ReplayGuard()
+    opened = Channel(key, "coordinator").open(blob, guard=guard)
+    assert opened.writer == "node3" and opened.generation == 4
+    with pytest.raises(Refused, match="replay"):
+        Channel(key, "coordinator").open(blob, guard=guard)
+    with pytest.raises(Refused, match="bad MAC"):
+        Channel(job_key(b"guess", "inst"), "x").open(blob)
+    tampered = blob.replace(b'"gen":4', b'"gen":5')
+    with pytest.raises(Refused, match="bad MAC"):
+        Channel(key, "coordinator").open(tampered)
+    with pytest.raises(Refused, match="older than"):
+        Channel(key, "coordinator").open(blob, min_generation=5)
+    with pytest.raises(Refused, match="may not write"):
+        Channel(key, "node0").open(blob, writers={"coordinator"})
+    assert same_secret("sésame", "sésame".encode()) and not same_secret(b"a", b"b")
+
+
+def _store_of(run) -> dist.TCPStore:
+    launch = events(run)[0]
+    host, port = launch["store"].rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+
+
+def _wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _refusals(run) -> list[dict]:
+    return [e for e in events(run) if e["kind"] == "record_refused"]
+
+
+def test_forged_records_are_refused_and_the_job_is_undisturbed(tmp_path, tmp_path_factory,
+                                                                corpus, monkeypatch):
+    """A process with the store's address but not the token writes a fake exit, a forged
+    decision and abort, a stale heartbeat, a report, and a valid record replayed where it does
+    not belong: each is refused with an event; the job (one real crash at iteration 40) ends
+    bit-identical to the run without failures."""
+    monkeypatch.setenv("SPOTPIPE_JOIN_TOKEN", "sesame")
+    iters = 80
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy",
+                      **{**FAST, "iterations": iters, "logging.sample_log": True})
+    run = tmp_path / "run"
+    result: dict = {}
+    job = threading.Thread(target=lambda: result.update(code=train(
+        cfg, run, progress=False, faults=[Fault("fail", "node1", 40)])))
+    job.start()
+    _wait_for(lambda: (run / "metrics.jsonl").exists()
+              and (run / "metrics.jsonl").read_text().strip(), 120, "the job to train")
+    store = _store_of(run)
+    forger = Channel(job_key(b"a guess", "any"), "node0")  # a key, but not the job's
+    # a fake exit: unsealed, and sealed under the wrong key
+    board.post(store, keys.MAILBOX, json.dumps({"type": "exit", "node": "node0",
+                                                "code": -9}).encode(),
+               count_key=keys.MAILBOX_COUNT)
+    board.post(store, keys.MAILBOX, forger.seal(Exit("node0", -9)), count_key=keys.MAILBOX_COUNT)
+    # a forged report of generation 0, and a forged decision and abort for generation 0,
+    # posted before the coordinator's own
+    board.post(store, keys.MAILBOX, forger.seal(Report(
+        node="node0", generation=0, boundary=False, iteration=0, position=0, instruction="",
+        committed_through=-1, stepped_through=-1, done=(), clip_scale=None, flight=-1,
+        formed=True, lacking=(), untouched=True, leaving=True, reason="forged",
+        time_s=0.0)), count_key=keys.MAILBOX_COUNT)
+    board.post(store, keys.decision_board(0), forger.seal(DecisionRecord(0, {"action": "stop"})))
+    board.post(store, keys.abort_board(0), forger.seal(Abort(0, "forged abort")))
+    # a valid record (node0's own heartbeat) replayed where it does not belong: the mailbox
+    valid = store.get(keys.heartbeat("node0"))
+    board.post(store, keys.MAILBOX, valid, count_key=keys.MAILBOX_COUNT)
+    # a stale heartbeat: node0's valid beat written back once newer ones arrived, until the
+    # coordinator says it refused one (a real condition: its event)
+    _wait_for(lambda: store.get(keys.heartbeat("node0")) != valid, 30, "a newer beat")
+
+    def stale_refused() -> bool:
+        store.set(keys.heartbeat("node0"), valid)
+        return any("heartbeat: a replay" in e["reason"] for e in _refusals(run))
+
+    _wait_for(stale_refused, 60, "the stale heartbeat's refusal")
+    job.join()
+    assert result["code"] == 0
+    refused = _refusals(run)
+    reasons = " | ".join(e["reason"] for e in refused)
+    assert "no MAC" in reasons and "bad MAC" in reasons and "heartbeat: a replay" in reasons
+    assert "Heartbeat record in the mailbox" in reasons
+    # the forged decision and abort were skipped by the survivors (their own events)
+    assert any("writer" in e and "bad MAC" in e["reason"] for e in refused)
+    kinds = [e["kind"] for e in events(run)]
+    assert "node_fenced" not in kinds
+    assert [e["action"] for e in events(run) if e["kind"] == "plan"] == ["failover"]
+    assert [e["node"] for e in events(run) if e["kind"] == "node_lost"] == ["node1"]
+    assert_samples_exactly_once(run, cfg)
+    want = failure_free(tmp_path_factory, cfg)
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    # the token is nowhere in the run's files
+    for path in run.rglob("*"):
+        if path.is_file():
+            assert b"sesame" not in path.read_bytes(), path
