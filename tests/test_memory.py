@@ -61,7 +61,7 @@ def test_redundancy_and_shadows():
     # one stage: no successor to replicate
     assert estimate_stage(0, FACTS, rules(num_stages=1, redundancy="eager")).host_bytes == 0
     sh = estimate_stage(0, FACTS, rules(shadows=True, optimizer="sgd"))
-    assert sh.host_bytes == N * (4 + 4 + 4)
+    assert sh.shadow_host_bytes == N * (4 + 4 + 4) and sh.host_bytes == 0
     reserve = estimate_stage(0, FACTS, rules(device_reserve_bytes=GIB))
     assert reserve.device_bytes == 16_004_000 + GIB
 

@@ -48,7 +48,8 @@ Redundancy (Bamboo, NSDI '23; spotpipe's replicas kept exact by gradient replica
   device, or on the host with `offload_frc` (the runtime's `replica.offload_frc`). FRC runs
   under no_grad, so it keeps no activations; BRC recomputes them after a loss.
 Shadows (`shadows`): a CPU process per stage holds every iteration's state: fp32 weights, the
-gradient it receives and the optimizer state, on the host: (4 + 4 + optimizer) N.
+gradient it receives and the optimizer state: (4 + 4 + optimizer) N, in the memory of the
+host the shadows run on (the launcher's or agent's, not a preemptible node: `shadow_host`).
 Reserve: `device_reserve_bytes` of every device (CUDA context and allocator slack; about
 0.5-1 GiB in practice) is not available to the stage.
 Not counted: temporary buffers of one kernel, communication buffers (small against the
@@ -134,7 +135,7 @@ class MemoryRules:
 @dataclass(frozen=True)
 class MemoryPart:
     name: str
-    where: str  # "device" or "host"
+    where: str  # "device", "host" (the node's) or "shadow_host"
     bytes: float
 
 
@@ -150,6 +151,10 @@ class MemoryEstimate:
     @property
     def host_bytes(self) -> float:
         return sum(p.bytes for p in self.parts if p.where == "host")
+
+    @property
+    def shadow_host_bytes(self) -> float:
+        return sum(p.bytes for p in self.parts if p.where == "shadow_host")
 
     def breakdown(self) -> dict[str, float]:
         """bytes per "where:name", e.g. {"device:weights": ...}."""
@@ -195,7 +200,7 @@ def estimate_stage(stage: int, facts: StageFacts, rules: MemoryRules) -> MemoryE
             parts.append(MemoryPart("frc_outputs", "host" if rules.offload_frc else "device",
                                     float(m * facts.replica_boundary_bytes)))
     if rules.shadows:
-        parts.append(MemoryPart("shadow", "host",
+        parts.append(MemoryPart("shadow", "shadow_host",
                                 float((4 + 4 + OPTIMIZER_BYTES[rules.optimizer]) * n)))
     if rules.device_reserve_bytes:
         parts.append(MemoryPart("reserve", "device", float(rules.device_reserve_bytes)))
@@ -329,7 +334,7 @@ class Instance:
 
     @property
     def host_bytes_per_gpu(self) -> float:
-        return self.host_bytes / self.gpus
+        return self.host_bytes / max(1, self.gpus)
 
 
 # AWS's published instance specifications (aws.amazon.com/ec2/instance-types/p3, /g4, /g5)
@@ -341,6 +346,8 @@ INSTANCES = {
     "g4dn.2xlarge": Instance("g4dn.2xlarge", 1, 16 * GIB, 32 * GIB),
     "g4dn.12xlarge": Instance("g4dn.12xlarge", 4, 16 * GIB, 192 * GIB),
     "g5.xlarge": Instance("g5.xlarge", 1, 24 * GIB, 16 * GIB),
+    # a CPU host for the shadows (not preempted): no GPU, its memory is host memory
+    "r5.4xlarge": Instance("r5.4xlarge", 0, 0, 128 * GIB),
 }
 
 

@@ -62,13 +62,13 @@ from spotpipe.sim.params import SimConfig, SimParams
 from spotpipe.sim.prices import price_of
 from spotpipe.sim.simulator import run, run_policies
 from spotpipe.sim.sweep import SweepSpec, run_sweep
-from spotpipe.sim.traces import ADD, REMOVE, Event, Trace, load_trace
+from spotpipe.sim.traces import ADD, REMOVE, Event, Trace, find_trace, load_trace
 
 REFERENCE_RATE = 0.10
 REMOVE_KINDS = {"remove", "preempt", "preempted", "fail", "failure", "kill", "killed", "lost",
                 "leave"}
 ADD_KINDS = {"add", "join", "joined"}
-P3_TRACE = Path(os.environ.get("SPOTPIPE_SHARED", "/work/shared")) / "traces" / "bamboo-p3.csv"
+P3_TRACE = find_trace("bamboo-p3.csv")  # beside the checkout, else the bundled copy
 
 
 def bench_config(redundancy: str = "lazy") -> SimConfig:

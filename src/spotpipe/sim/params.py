@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from spotpipe.plan.memory import GIB, MemoryRules
+
 if TYPE_CHECKING:
     from spotpipe.sim.models import ModelCosts
     from spotpipe.sim.prices import Price
@@ -104,6 +106,15 @@ def _calibrate_one(path: Path, base: SimParams) -> SimParams:
         raise ValueError(f"{path}: {exc}") from None
 
 
+# the simulator's default memory rules: mixed precision (fp16 compute, fp32 master weights and
+# Adam), activation checkpointing per layer (what Megatron/DeepSpeed GPT runs at this size
+# use), replicas on the host (the runtime's `replica.device: cpu`), 1 GiB of each device
+# reserved for the CUDA context and the allocator; depth, micro-batches, schedule and
+# redundancy are set per layout
+DEFAULT_MEMORY = MemoryRules(precision="fp16", optimizer="adamw",
+                             activation_checkpointing="layers", device_reserve_bytes=GIB)
+
+
 @dataclass(frozen=True)
 class SimConfig:
     """One job: the model, its configured P x D and schedule, the instance price, the pauses."""
@@ -122,6 +133,18 @@ class SimConfig:
     # `spotpipe.sim.validate`: on one machine whose cores the workers share, a takeover
     # frees a core, which no per-node timing model can know)
     shape_times: tuple[tuple[tuple, float], ...] = ()
+    # samples_per_dollar: samples / dollars billed; bamboo: its simulator's time average of
+    # (samples/s) / ($/h) over the time the job ran (see `Result.time_average_value`)
+    value_formula: str = "samples_per_dollar"
+    # memory rules of the job (None: no layout is refused for memory); the instance's device
+    # and host memory come from `spotpipe.plan.memory.INSTANCES`
+    memory: MemoryRules | None = DEFAULT_MEMORY
+    # spotpipe keeps CPU shadows of every stage (a fatal failure loses only the iteration in
+    # flight); without them it rolls back to the last durable checkpoint. They run on an
+    # on-demand CPU host, billed and memory-checked as `shadow_host`
+    shadows: bool = False
+    shadow_host: str = "r5.4xlarge"
+    shadow_host_price: float = 1.008  # $/h on-demand, AWS us-east-1 r5.4xlarge (128 GiB)
 
     def __post_init__(self) -> None:
         if self.num_stages < 1 or self.num_pipelines < 1:
@@ -135,6 +158,9 @@ class SimConfig:
         if self.redundancy not in ("none", "lazy", "eager"):
             raise ValueError(f"unknown redundancy {self.redundancy!r}; expected none, lazy or "
                              f"eager")
+        if self.value_formula not in ("samples_per_dollar", "bamboo"):
+            raise ValueError(f"unknown value_formula {self.value_formula!r}; expected "
+                             f"samples_per_dollar or bamboo")
         for shape, seconds in self.shape_times:
             if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
                 raise ValueError(f"shape_times: iteration time of {shape} must be a positive "
