@@ -68,6 +68,17 @@ def min_stages(cfg: SimConfig, redundancy: str, replica_on_host: bool | None = N
     """The smallest depth from which every depth up to `cfg.num_stages` fits (D = 1); raises
     ValueError with the refusal when the configured depth itself does not fit."""
     target = cfg.num_stages
+    key = (id(cfg), "min", redundancy, replica_on_host)
+    hit = _MEMO.get(key)
+    if hit is not None and hit[0] is cfg:
+        return int(hit[1])  # type: ignore[arg-type]
+    low = _min_stages(cfg, target, redundancy, replica_on_host)
+    _MEMO[key] = (cfg, low)  # type: ignore[assignment]
+    return low
+
+
+def _min_stages(cfg: SimConfig, target: int, redundancy: str,
+                replica_on_host: bool | None) -> int:
     why = layout_refusal(cfg, target, 1, redundancy, replica_on_host)
     if why:
         raise ValueError(f"the configured layout does not fit: {why}")
@@ -112,3 +123,20 @@ def estimates(cfg: SimConfig, num_stages: int, num_pipelines: int,
                     redundancy=redundancy if num_stages > 1 else "none", shadows=False)
     return [estimate_stage(s, stage_facts(layers, parts, s, redundancy != "none"), rules)
             for s in range(num_stages)]
+
+
+def check_policies(cfg: SimConfig, policies: "list[str] | tuple[str, ...]") -> None:
+    """Refuse, before anything runs, a configuration some policy could not run in memory."""
+    for name in policies:
+        if name == "spotpipe":
+            min_stages(cfg, cfg.redundancy)
+            why = shadow_host_refusal(cfg, cfg.num_stages)
+            if why and cfg.shadows:
+                raise ValueError(f"spotpipe with shadows: {why}")
+        elif name == "bamboo":
+            require_fit(cfg, cfg.num_stages, 1, "eager" if cfg.num_stages > 1 else "none",
+                        replica_on_host=False)
+        elif name == "checkpoint_restart":
+            require_fit(cfg, cfg.num_stages, 1, "none")
+        elif name == "on_demand":
+            require_fit(cfg, cfg.num_stages, cfg.num_pipelines, "none")

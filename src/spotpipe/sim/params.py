@@ -75,7 +75,7 @@ def calibrate(paths: str | Path | list[str | Path], base: SimParams | None = Non
     return params
 
 
-def _calibrate_one(path: Path, base: SimParams) -> SimParams:
+def _read_calibration(path: Path) -> dict:
     try:
         raw = json.loads(path.read_text())
     except OSError as exc:
@@ -86,6 +86,37 @@ def _calibrate_one(path: Path, base: SimParams) -> SimParams:
         raw = raw["figures"]
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: calibration must be a JSON object")
+    return raw
+
+
+def calibrate_shapes(paths: str | Path | list[str | Path]) -> tuple[tuple[tuple, float], ...]:
+    """Measured iteration seconds per layout shape from calibration JSONs: a "shape_times"
+    list of [[P, D, [[merged stages of pipeline 0], ...]], seconds] (what
+    `spotpipe.sim.validate` writes, also under "calibration"); a later file wins per shape.
+    They replace the timing model for those shapes in every policy."""
+    shapes: dict[tuple, float] = {}
+    for path in ([paths] if isinstance(paths, (str, Path)) else paths):
+        raw = _read_calibration(Path(path))
+        items = raw.get("shape_times", (raw.get("calibration") or {}).get("shape_times", []))
+        if not isinstance(items, list):
+            raise ValueError(f"{path}: shape_times must be a list of [shape, seconds]")
+        for i, item in enumerate(items):
+            try:
+                (p, d, merged), seconds = item
+                key = (int(p), int(d), tuple(tuple(int(s) for s in m) for m in merged))
+                seconds = float(seconds)
+            except (TypeError, ValueError):
+                raise ValueError(f"{path}: shape_times[{i}]: expected [[P, D, [[...], ...]], "
+                                 f"seconds], got {item!r}") from None
+            if not (math.isfinite(seconds) and seconds > 0) or len(key[2]) != key[1]:
+                raise ValueError(f"{path}: shape_times[{i}]: seconds must be positive and "
+                                 f"one merged list per pipeline, got {item!r}")
+            shapes[key] = seconds
+    return tuple(shapes.items())
+
+
+def _calibrate_one(path: Path, base: SimParams) -> SimParams:
+    raw = _read_calibration(path)
     names = {f.name for f in fields(SimParams)}
     found = {k: v for k, v in raw.items() if k in names}
     for key, field_name in RENAMED.items():
@@ -98,8 +129,9 @@ def _calibrate_one(path: Path, base: SimParams) -> SimParams:
                      and k not in RECONFIG_KEYS and k not in IGNORED_PAUSES)
     if unknown:
         raise ValueError(f"{path}: unknown pause figure(s) {unknown}; known: {sorted(names)}")
-    if not found:
-        raise ValueError(f"{path}: no calibration figures; expected some of {sorted(names)}")
+    if not found and "shape_times" not in raw and "calibration" not in raw:
+        raise ValueError(f"{path}: no calibration figures; expected some of {sorted(names)} "
+                         f"or shape_times")
     try:
         return replace(base, **found)
     except ValueError as exc:

@@ -302,9 +302,17 @@ class CheckpointRestartPolicy(Policy):
         speeds = _speed_memo(cfg, "restart")
         it = speeds.get(fits)
         if it is None:
-            it = speeds[fits] = iteration_time(cfg.model, cfg.schedule, cfg.num_stages, fits,
-                                               ((),), False)
+            it = speeds[fits] = plain_iteration_time(cfg, cfg.num_stages, fits)
         job.set_iteration(it)
+
+
+def plain_iteration_time(cfg: SimConfig, num_stages: int, num_pipelines: int) -> float:
+    """Seconds per iteration of P x D without redundancy: a measured shape time when the
+    calibration has one (it applies to every policy alike), else the timing model."""
+    measured = dict(cfg.shape_times).get((num_stages, num_pipelines, ((),) * num_pipelines))
+    if measured is not None:
+        return measured
+    return iteration_time(cfg.model, cfg.schedule, num_stages, num_pipelines, ((),), False)
 
 
 POLICIES: dict[str, type] = {

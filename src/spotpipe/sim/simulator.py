@@ -19,7 +19,8 @@ from spotpipe.sim import fit
 from spotpipe.sim.itertime import iteration_time
 from spotpipe.sim.job import Job
 from spotpipe.sim.params import SimConfig
-from spotpipe.sim.policies import Planner, checkpoint_interval, make_policy
+from spotpipe.sim.policies import (Planner, checkpoint_interval, make_policy,
+                                   plain_iteration_time)
 from spotpipe.sim.traces import ADD, Trace
 
 HOUR = 3600.0
@@ -230,7 +231,7 @@ def instants_of(trace: Trace, boot_s: float, end: float) -> list[tuple]:
 def on_demand_closed_form(cfg: SimConfig, duration_s: float) -> dict[str, float]:
     """P x D on-demand nodes, never preempted: boot, one rendezvous, then steady iterations."""
     start = cfg.params.boot_s + cfg.params.rendezvous_s
-    it = iteration_time(cfg.model, cfg.schedule, cfg.num_stages, cfg.num_pipelines, ((),), False)
+    it = plain_iteration_time(cfg, cfg.num_stages, cfg.num_pipelines)
     running = max(0.0, duration_s - start)
     samples = running / it * cfg.model.samples_per_iteration
     dollars = cfg.nodes * cfg.price.on_demand * duration_s / HOUR
