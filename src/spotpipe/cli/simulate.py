@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from typing import Any
 
 from spotpipe.sim.models import model_from_arg
@@ -60,6 +61,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="JSON output of spotpipe bench failover / reconfigure / checkpoint "
                         "(or a hand-written one with *_pause_s figures); later files win")
     p.add_argument("--table", action="store_true", help="rates x seeds table of synthetic runs")
+    p.add_argument("--advise", action="store_true", help="rank configurations (spot or "
+                   "on-demand, P x D, redundancy, shadows, checkpoint interval) by samples "
+                   "per dollar on this trace and name the best")
+    p.add_argument("--checkpoint-cost", type=float, default=None, metavar="S",
+                   help="seconds a durable checkpoint stalls training (default: the "
+                        "calibration's, else 0)")
     p.add_argument("--seeds", type=int, default=10000, help="seeds per rate for --table")
     p.add_argument("--rates", default=",".join(str(r) for r in DEFAULT_RATES))
     p.add_argument("--processes", type=int, default=2)
@@ -81,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from spotpipe.sim import report
 
+    if args.advise:
+        return _advise(cfg, job, args.json)
     if args.table:
         from spotpipe.sim.sweep import run_sweep
 
@@ -116,6 +125,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _advise(cfg: SimConfig, job: Any, as_json: bool) -> int:
+    from spotpipe.sim import report
+    from spotpipe.sim.advise import advice_table, advise
+
+    trace, hours, _ = job
+    duration = hours * 3600.0 if hours is not None else trace.duration_s
+    ranked = advise(cfg, trace, duration_s=duration)
+    if not any(r.refused is None for r in ranked):
+        print("spotpipe simulate: error: no configuration fits memory: "
+              f"{ranked[0].refused if ranked else 'no candidates'}", file=sys.stderr)
+        return 2
+    best = ranked[0]
+    print(f"{trace!r}: model {cfg.model.name}, {cfg.price.instance} (spot "
+          f"${cfg.price.spot}/h, on demand ${cfg.price.on_demand}/h)")
+    print(advice_table(ranked))
+    print(f"advice: {best.candidate.label()}: {best.value:.0f} samples/$")
+    if as_json:
+        print(report.to_json({"trace": trace.name, "duration_s": duration,
+                              "victims": trace.victims, "advice": best.row(),
+                              "table": [r.row() for r in ranked]}))
+    return 0
+
+
 def _prepare(args: argparse.Namespace) -> tuple[SimConfig, Any]:
     """Check every input; return the config and either a sweep spec or (trace, hours, policies)."""
     if args.stages < 1 or args.pipelines < 1:
@@ -126,12 +158,21 @@ def _prepare(args: argparse.Namespace) -> tuple[SimConfig, Any]:
     if args.nodes < 0:
         raise UsageError(f"--nodes must be >= 0, got {args.nodes}")
     params = calibrate(args.calibrate) if args.calibrate else SimParams()
+    if args.checkpoint_cost is not None:
+        if not (args.checkpoint_cost >= 0 and args.checkpoint_cost < float("inf")):
+            raise UsageError(f"--checkpoint-cost must be >= 0 seconds, got "
+                             f"{args.checkpoint_cost}")
+        params = replace(params, checkpoint_cost_s=args.checkpoint_cost)
     shapes = calibrate_shapes(args.calibrate) if args.calibrate else ()
     cfg = SimConfig(model_from_arg(args.model), price_of(args.instance, args.prices),
                     args.stages, args.pipelines, args.schedule, params,
                     redundancy=args.redundancy, shadows=args.shadows, shape_times=shapes)
     if args.plot:
         _check_dir(args.plot)
+    if args.advise and args.table:
+        raise UsageError("--advise ranks configurations on one trace; it cannot take --table")
+    if args.advise:
+        return cfg, (_trace(args, cfg), args.hours, [])
     if args.table:
         if args.trace:
             raise UsageError("--table runs synthetic traces; it cannot take --trace")

@@ -222,13 +222,10 @@ def merged_schedule(kind: str, num_microbatches: int,
     p = len(stages)
     if stages != list(range(p)):
         raise ValueError(f"owners {list(owners)} must cover stages 0..{p - 1} exactly once")
-    actor_of = {s: a for a, own in enumerate(owners) for s in own}
-    streams: list[list[Instr]] = [[] for _ in owners]
-    for ins in _global_order(kind, p, num_microbatches):
-        if ins.op not in (Op.ALL_REDUCE, Op.OPTIMIZER_STEP):
-            streams[actor_of[ins.stage]].append(ins)
-    for a, own in enumerate(owners):
-        first = min(own)
-        streams[a] += [Instr(Op.ALL_REDUCE, first), Instr(Op.OPTIMIZER_STEP, first)]
-    return Schedule(kind, p, num_microbatches, tuple(tuple(s) for s in streams),
+    order = [ins for ins in _global_order(kind, p, num_microbatches)
+             if ins.op not in (Op.ALL_REDUCE, Op.OPTIMIZER_STEP)]
+    streams = tuple(tuple([ins for ins in order if ins.stage in own]
+                          + [Instr(Op.ALL_REDUCE, min(own)), Instr(Op.OPTIMIZER_STEP, min(own))])
+                    for own in map(set, owners))
+    return Schedule(kind, p, num_microbatches, streams,
                     owners=tuple(tuple(sorted(own)) for own in owners))

@@ -4,7 +4,8 @@ Policies decide *what* happens at an event (a pause, a rollback, a new iteration
 class does the arithmetic of *how much* each costs, identically for every policy, so policies
 differ only in their decisions. Time between events is split into five buckets:
 - useful: running iterations that are kept, at the speed of the plain (non-redundant) schedule;
-- redundant: the extra iteration time forward redundant computation adds;
+- redundant: the extra iteration time protection adds (forward redundant computation, lazy
+  replication, and the stalls of periodic checkpoints, `checkpoint_cost_s` each);
 - recovering: failover and reconfiguration pauses, and in-flight work replayed after them;
 - restarting: restarts (from shadows or checkpoints) and the work they roll back;
 - idle: nothing can run (booting, too few nodes).
@@ -20,9 +21,14 @@ BUCKETS = ("useful", "redundant", "recovering", "restarting", "idle")
 class Job:
     """Progress in iterations (a float: the fraction is the in-flight iteration)."""
 
-    def __init__(self, samples_per_iteration: int, checkpoint_interval_s: float) -> None:
+    def __init__(self, samples_per_iteration: int, checkpoint_interval_s: float,
+                 checkpoint_cost_s: float = 0.0) -> None:
         self.samples_per_iteration = samples_per_iteration
         self.interval = checkpoint_interval_s
+        # a checkpoint stalls training this long every `interval` of running: charged as a
+        # longer iteration (1 + cost / interval), so no policy can dodge it
+        self.checkpoint_slowdown = 1.0 + (checkpoint_cost_s / checkpoint_interval_s
+                                          if math.isfinite(checkpoint_interval_s) else 0.0)
         self.t = 0.0
         self.iters = 0.0
         self.kept_iters = 0.0  # progress saved in the last durable checkpoint
@@ -88,8 +94,8 @@ class Job:
                       idle_bucket: str = "idle") -> None:
         """The layout changed: new iteration time (None: nothing runs, and the time goes to
         `idle_bucket` until the next call)."""
-        self.iter_s = iter_s
         self.plain_s = iter_s if plain_s is None else plain_s
+        self.iter_s = iter_s * self.checkpoint_slowdown if iter_s is not None else None
         self.idle_bucket = idle_bucket
 
     def end_pause(self) -> None:

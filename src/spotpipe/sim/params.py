@@ -28,7 +28,10 @@ class SimParams:
     reconfig_pause_s: float = 30.0  # rebalance / add / drop pipeline / re-partition: P2P moves
     shadow_restore_pause_s: float = 60.0  # spotpipe fatal failure: reload from CPU shadows
     restart_pause_s: float = 300.0  # full restart: relaunch every process, load checkpoint
-    checkpoint_interval_s: float = 1800.0  # durable checkpoints of bamboo / checkpoint-restart
+    checkpoint_interval_s: float = 1800.0  # durable checkpoints (checkpoint-restart; spotpipe
+    # without shadows)
+    checkpoint_cost_s: float = 0.0  # training stalled per durable checkpoint (0: free, as
+    # with async saves from shadows; `spotpipe bench checkpoint` measures the schemes)
     # throughput of lazy redundancy (replicas updated from replicated gradients in the
     # background) over none: `spotpipe bench redundancy --json` measured 0.970 and 0.973
     # (its key `lazy_ratio`, so `calibrate` takes it from that output)

@@ -340,5 +340,8 @@ def policy_class(name: str) -> type:
 
 
 def checkpoint_interval(name: str, cfg: SimConfig) -> float:
-    """spotpipe's shadows hold every iteration, so only in-flight work is ever lost."""
-    return math.inf if name == "spotpipe" and cfg.shadows else cfg.params.checkpoint_interval_s
+    """spotpipe's shadows hold every iteration, so only in-flight work is ever lost; Bamboo's
+    simulator keeps its steps through a fatal failure (it writes no checkpoints)."""
+    if name == "bamboo" or (name == "spotpipe" and cfg.shadows):
+        return math.inf
+    return cfg.params.checkpoint_interval_s

@@ -118,7 +118,8 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
     end = trace.duration_s if duration_s is None else float(duration_s)
     if policy == "on_demand":
         return on_demand(cfg, end, record=record)
-    job = Job(cfg.model.samples_per_iteration, checkpoint_interval(policy, cfg))
+    job = Job(cfg.model.samples_per_iteration, checkpoint_interval(policy, cfg),
+              cfg.params.checkpoint_cost_s)
     pol = make_policy(policy, cfg, job, planner)
     price = cfg.price.spot
     timeline: list[TimelinePoint] = []
