@@ -291,3 +291,52 @@ def test_cli_bad_trace_names_line(tmp_path, capsys):
     assert cli_run(["--trace", str(bad), "--json"]) == 2
     captured = capsys.readouterr()
     assert f"{bad}:2:" in captured.err and captured.out == ""
+
+
+def test_cli_redundancy_shadows_victims(tmp_path, capsys):
+    gcp = Path(__file__).parent / "fixtures" / "traces" / "bamboo-gcp-v100x1-east1c.txt"
+    by_mode = {}
+    for extra in (["--redundancy", "none"], ["--redundancy", "lazy"], [],
+                  ["--redundancy", "eager"], ["--shadows"]):
+        assert cli_run(["--trace", str(gcp), "--hours", "3", "--policy", "spotpipe",
+                        "--stages", "8", "--pipelines", "8", "--json", "--seed", "3"]
+                       + extra) == 0
+        data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert data["victims"] == "random(seed=3)"
+        res = data["results"][0]
+        by_mode[" ".join(extra)] = (data["redundancy"], data["shadows"], res["samples"],
+                                    res["dollars"])
+    assert by_mode[""] == by_mode["--redundancy lazy"]  # lazy is the default
+    assert by_mode["--shadows"][:2] == ("lazy", True)
+    samples = {k: v[2] for k, v in by_mode.items() if k != "--shadows"}
+    assert len(set(samples.values())) == 3  # none, lazy, eager differ
+    # the shadows' host is billed (no fatal failure here, so the samples are lazy's)
+    assert by_mode["--shadows"][3] == pytest.approx(by_mode[""][3] + 1.008 * 3)
+    assert cli_run(["--trace", str(gcp), "--hours", "1", "--victims", "oldest", "--json",
+                    "--policy", "spotpipe"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["victims"] == "oldest"
+
+
+def test_cli_layout_that_does_not_fit_exits_2(capsys):
+    assert cli_run(["--synthetic", "bamboo", "--hours", "1", "--stages", "1",
+                    "--pipelines", "8", "--policy", "on_demand"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit" in err and "stage 0" in err and "16.00 GiB" in err
+
+
+def test_calibrated_shape_times_apply_to_every_policy(tmp_path):
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"pause_s": 2.0, "shape_times": [[[8, 2, [[], []]], 3.0]]}))
+    from spotpipe.sim.params import calibrate_shapes
+    shapes = calibrate_shapes(cal)
+    assert shapes == (((8, 2, ((), ())), 3.0),)
+    cfg = gpt_cfg(num_stages=8, num_pipelines=2, shape_times=shapes, params=calibrate(cal))
+    od = on_demand_closed_form(cfg, 3600.0)
+    assert od["iteration_s"] == 3.0
+    trace = bamboo_trace(0.0, 1, 16, 0)
+    cr = run(trace, "checkpoint_restart", cfg)
+    running = 3600 - cfg.params.boot_s - cfg.params.rendezvous_s
+    assert cr.samples == pytest.approx(running / 3.0 * 512)
+    cal.write_text(json.dumps({"shape_times": [[[8, 2], 3.0]]}))
+    with pytest.raises(ValueError, match=r"shape_times\[0\]"):
+        calibrate_shapes(cal)

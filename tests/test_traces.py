@@ -169,3 +169,20 @@ def test_synthetic_traces_are_deterministic_and_consistent():
     assert bamboo_trace(1.0, 1, 16, 0).removals == 16
     with pytest.raises(ValueError):
         bamboo_trace(1.5, 1, 4, 0)
+
+
+def test_traces_are_found_beside_the_checkout_or_in_the_package(tmp_path, monkeypatch):
+    from spotpipe.sim.traces import find_trace
+
+    monkeypatch.setenv("SPOTPIPE_SHARED", str(tmp_path))  # nothing there
+    monkeypatch.chdir(tmp_path)
+    bundled = find_trace("p3")
+    assert bundled.name == "bamboo-p3.csv" and bundled.is_file()
+    assert (bundled.parent / "LICENSE-bamboo-traces").is_file()
+    assert len(load_trace("g4dn")) == 153
+    (tmp_path / "traces").mkdir()
+    shared = tmp_path / "traces" / "bamboo-p3.csv"
+    shared.write_text("0,add,a\n")
+    assert find_trace("bamboo-p3.csv") == shared  # a shared copy comes first
+    with pytest.raises(TraceError, match="cannot read"):
+        load_trace("no-such-trace.csv")
