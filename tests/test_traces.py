@@ -6,9 +6,8 @@ from pathlib import Path
 import pytest
 
 from spotpipe.sim.synthetic import bamboo_trace, fixed_interval_trace, poisson_trace
-from spotpipe.sim.traces import ADD, REMOVE, TraceError, load_trace
+from spotpipe.sim.traces import ADD, REMOVE, TraceError, find_trace, load_trace
 
-TRACES = Path(os.environ.get("SPOTPIPE_SHARED", Path(__file__).parents[2] / "shared")) / "traces"
 
 
 @pytest.mark.parametrize("name,events,adds,removes,peak", [
@@ -16,7 +15,7 @@ TRACES = Path(os.environ.get("SPOTPIPE_SHARED", Path(__file__).parents[2] / "sha
     ("bamboo-g4dn.csv", 153, 79, 74, 24),
 ])
 def test_shared_traces_load(name, events, adds, removes, peak):
-    tr = load_trace(TRACES / name)
+    tr = load_trace(name)
     assert len(tr) == events
     assert sum(e.kind == ADD for e in tr.events) == adds
     assert tr.removals == removes
@@ -75,12 +74,66 @@ def test_tick_json_errors(tmp_path, text, line, words):
 def test_dated_series(tmp_path):
     p = write(tmp_path, "gcp.txt", "2021-03-01, 10:00:00, 4\n2021-03-01, 10:05:00, 2\n"
                                    "2021-03-01, 11:00:00, 5\n")
-    tr = load_trace(p)
+    tr = load_trace(p, victims="oldest")
     assert tr.nodes_available_at(0) == 4
     assert tr.nodes_available_at(300) == 2
     assert tr.nodes_available_at(3600) == 5
     assert tr.nodes_at(300) == {"n2", "n3"}  # oldest leave first
+    assert tr.victims == "oldest"
+    assert load_trace(p, victims="newest").nodes_at(300) == {"n0", "n1"}
 
+
+def test_dated_series_with_bamboo_padding_spans_to_the_last_line(tmp_path):
+    # as Bamboo publishes them: each reading repeated 1 and 2 minutes later, the repeats
+    # running past the next reading (which is earlier than them)
+    p = write(tmp_path, "gcp.txt", "2021-12-10, 13:07:45, 80\n2021-12-10, 13:08:45, 80\n"
+                                   "2021-12-10, 13:09:45, 80\n2021-12-10, 13:08:45, 70\n"
+                                   "2021-12-10, 13:09:45, 70\n2021-12-10, 13:10:45, 70\n")
+    tr = load_trace(p)
+    assert tr.nodes_available_at(0) == 80 and tr.nodes_available_at(59) == 80
+    assert tr.nodes_available_at(60) == 70 and tr.nodes_available_at(179) == 70
+    assert tr.duration_s == 180  # to the last line, not to the last change (60 s)
+    assert tr.removals == 10
+
+
+def test_bamboo_gcp_trace_as_published_loads():
+    tr = load_trace(Path(__file__).parent / "fixtures" / "traces" /
+                    "bamboo-gcp-v100x1-east1c.txt")
+    # its 1477 lines: 2021-12-10 13:07:45 to 2021-12-11 13:17:58, at most 80 V100s
+    assert tr.duration_s == 24 * 3600 + 10 * 60 + 13
+    assert tr.peak_nodes == 80 and tr.nodes_available_at(0) == 80
+    assert tr.nodes_available_at(tr.duration_s) == 80
+    times = [e.time_s for e in tr.events]
+    assert times == sorted(times)
+
+
+def test_count_series_victims_random_is_seeded():
+    text = "".join(f"2021-03-01, 10:{m:02d}:00, {n}\n" for m, n in
+                   enumerate([12, 9, 11, 6, 10, 3, 8]))
+    from spotpipe.sim.traces import parse_dated_series
+    a, b = parse_dated_series(text, "x", "random", 1), parse_dated_series(text, "x", "random", 1)
+    c = parse_dated_series(text, "x", "random", 2)
+    assert a.events == b.events and a.events != c.events
+    assert a.victims == "random(seed=1)"
+    for tr in (a, c):  # the counts are the series' whatever the victims
+        assert [tr.nodes_available_at(60 * i) for i in range(7)] == [12, 9, 11, 6, 10, 3, 8]
+    oldest = parse_dated_series(text, "x", "oldest")
+    assert a.events != oldest.events
+    with pytest.raises(ValueError, match="victims"):
+        load_trace("whatever.txt", victims="youngest")
+
+
+@pytest.mark.parametrize("name,text,line", [
+    ("t.csv", "0,add,a\nNaN,add,b\n", 2),
+    ("t.csv", "0,add,a\ninf,add,b\n", 2),
+    ("t.json", '{"metadata": {"gap_seconds": 60},\n "data": [2,\n NaN]}', 3),
+    ("t.json", '{"metadata": {"gap_seconds": Infinity},\n "data": [2]}', 1),
+    ("t.txt", "2021-03-01, 10:00:00, 4\n2021-03-01, 10:05:00, nan\n", 2),
+])
+def test_non_finite_numbers_are_refused_naming_the_line(tmp_path, name, text, line):
+    with pytest.raises(TraceError) as err:
+        load_trace(write(tmp_path, name, text))
+    assert f":{line}:" in str(err.value) and err.value.line == line
 
 @pytest.mark.parametrize("text,line,words", [
     ("2021-03-01, 10:00:00, 4\n2021-03-01, 09:00:00, 2\n", 2, "backwards"),
@@ -116,3 +169,20 @@ def test_synthetic_traces_are_deterministic_and_consistent():
     assert bamboo_trace(1.0, 1, 16, 0).removals == 16
     with pytest.raises(ValueError):
         bamboo_trace(1.5, 1, 4, 0)
+
+
+def test_traces_are_found_beside_the_checkout_or_in_the_package(tmp_path, monkeypatch):
+    from spotpipe.sim.traces import find_trace
+
+    monkeypatch.setenv("SPOTPIPE_SHARED", str(tmp_path))  # nothing there
+    monkeypatch.chdir(tmp_path)
+    bundled = find_trace("p3")
+    assert bundled.name == "bamboo-p3.csv" and bundled.is_file()
+    assert (bundled.parent / "LICENSE-bamboo-traces").is_file()
+    assert len(load_trace("g4dn")) == 153
+    (tmp_path / "traces").mkdir()
+    shared = tmp_path / "traces" / "bamboo-p3.csv"
+    shared.write_text("0,add,a\n")
+    assert find_trace("bamboo-p3.csv") == shared  # a shared copy comes first
+    with pytest.raises(TraceError, match="cannot read"):
+        load_trace("no-such-trace.csv")

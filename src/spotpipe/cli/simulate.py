@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from typing import Any
 
 from spotpipe.sim.models import model_from_arg
-from spotpipe.sim.params import SimConfig, SimParams, calibrate
+from spotpipe.sim.fit import check_policies
+from spotpipe.sim.params import SimConfig, SimParams, calibrate, calibrate_shapes
 from spotpipe.sim.policies import ALL_POLICIES
 from spotpipe.sim.prices import price_of
 from spotpipe.sim.sweep import DEFAULT_RATES, SweepSpec
@@ -43,12 +45,28 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--stages", type=int, default=8, help="pipeline depth P")
     p.add_argument("--pipelines", type=int, default=4, help="data-parallel width D")
     p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    p.add_argument("--redundancy", default="lazy", choices=("none", "lazy", "eager"),
+                   help="spotpipe's redundancy (default lazy, what the runtime recommends: "
+                        "replicas kept exact by gradient replication, no FRC); bamboo always "
+                        "runs eager FRC as published")
+    p.add_argument("--shadows", action="store_true", help="spotpipe keeps CPU shadows of "
+                   "every stage (a fatal failure loses one iteration; their on-demand host "
+                   "is billed); without, it rolls back to the last durable checkpoint")
+    p.add_argument("--victims", default="random", choices=("random", "oldest", "newest"),
+                   help="which nodes leave when a count series (tick JSON, dated series) "
+                        "drops: seeded by --seed (default random)")
     p.add_argument("--instance", default="p3.2xlarge")
     p.add_argument("--prices", metavar="FILE", help="prices JSON (default: packaged)")
     p.add_argument("--calibrate", metavar="FILE", nargs="+",
                    help="JSON output of spotpipe bench failover / reconfigure / checkpoint "
                         "(or a hand-written one with *_pause_s figures); later files win")
     p.add_argument("--table", action="store_true", help="rates x seeds table of synthetic runs")
+    p.add_argument("--advise", action="store_true", help="rank configurations (spot or "
+                   "on-demand, P x D, redundancy, shadows, checkpoint interval) by samples "
+                   "per dollar on this trace and name the best")
+    p.add_argument("--checkpoint-cost", type=float, default=None, metavar="S",
+                   help="seconds a durable checkpoint stalls training (default: the "
+                        "calibration's, else 0)")
     p.add_argument("--seeds", type=int, default=10000, help="seeds per rate for --table")
     p.add_argument("--rates", default=",".join(str(r) for r in DEFAULT_RATES))
     p.add_argument("--processes", type=int, default=2)
@@ -70,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from spotpipe.sim import report
 
+    if args.advise:
+        return _advise(cfg, job, args.json)
     if args.table:
         from spotpipe.sim.sweep import run_sweep
 
@@ -87,8 +107,11 @@ def run(args: argparse.Namespace) -> int:
     trace, hours, policies = job
     duration = hours * 3600.0 if hours is not None else trace.duration_s
     results = [simulate_run(trace, name, cfg, duration_s=duration) for name in policies]
-    print(f"{trace!r}: peak {trace.peak_nodes} nodes, {trace.removals} removals; model "
-          f"{cfg.model.name}, P={cfg.num_stages} x D={cfg.num_pipelines}, {cfg.price.instance}")
+    victims = f", victims {trace.victims}" if trace.victims else ""
+    print(f"{trace!r}: peak {trace.peak_nodes} nodes, {trace.removals} removals{victims}; "
+          f"model {cfg.model.name}, P={cfg.num_stages} x D={cfg.num_pipelines}, "
+          f"{cfg.price.instance}, spotpipe redundancy {cfg.redundancy}"
+          f"{' with shadows' if cfg.shadows else ''}")
     print(report.run_table(results))
     if args.plot:
         from spotpipe.sim.plots import plot_run
@@ -96,7 +119,32 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {plot_run(results, args.plot, trace.name)}")
     if args.json:
         print(report.to_json({"trace": trace.name, "duration_s": duration,
+                              "victims": trace.victims, "redundancy": cfg.redundancy,
+                              "shadows": cfg.shadows,
                               "results": [report.result_dict(r) for r in results]}))
+    return 0
+
+
+def _advise(cfg: SimConfig, job: Any, as_json: bool) -> int:
+    from spotpipe.sim import report
+    from spotpipe.sim.advise import advice_table, advise
+
+    trace, hours, _ = job
+    duration = hours * 3600.0 if hours is not None else trace.duration_s
+    ranked = advise(cfg, trace, duration_s=duration)
+    if not any(r.refused is None for r in ranked):
+        print("spotpipe simulate: error: no configuration fits memory: "
+              f"{ranked[0].refused if ranked else 'no candidates'}", file=sys.stderr)
+        return 2
+    best = ranked[0]
+    print(f"{trace!r}: model {cfg.model.name}, {cfg.price.instance} (spot "
+          f"${cfg.price.spot}/h, on demand ${cfg.price.on_demand}/h)")
+    print(advice_table(ranked))
+    print(f"advice: {best.candidate.label()}: {best.value:.0f} samples/$")
+    if as_json:
+        print(report.to_json({"trace": trace.name, "duration_s": duration,
+                              "victims": trace.victims, "advice": best.row(),
+                              "table": [r.row() for r in ranked]}))
     return 0
 
 
@@ -110,10 +158,21 @@ def _prepare(args: argparse.Namespace) -> tuple[SimConfig, Any]:
     if args.nodes < 0:
         raise UsageError(f"--nodes must be >= 0, got {args.nodes}")
     params = calibrate(args.calibrate) if args.calibrate else SimParams()
+    if args.checkpoint_cost is not None:
+        if not (args.checkpoint_cost >= 0 and args.checkpoint_cost < float("inf")):
+            raise UsageError(f"--checkpoint-cost must be >= 0 seconds, got "
+                             f"{args.checkpoint_cost}")
+        params = replace(params, checkpoint_cost_s=args.checkpoint_cost)
+    shapes = calibrate_shapes(args.calibrate) if args.calibrate else ()
     cfg = SimConfig(model_from_arg(args.model), price_of(args.instance, args.prices),
-                    args.stages, args.pipelines, args.schedule, params)
+                    args.stages, args.pipelines, args.schedule, params,
+                    redundancy=args.redundancy, shadows=args.shadows, shape_times=shapes)
     if args.plot:
         _check_dir(args.plot)
+    if args.advise and args.table:
+        raise UsageError("--advise ranks configurations on one trace; it cannot take --table")
+    if args.advise:
+        return cfg, (_trace(args, cfg), args.hours, [])
     if args.table:
         if args.trace:
             raise UsageError("--table runs synthetic traces; it cannot take --trace")
@@ -122,17 +181,19 @@ def _prepare(args: argparse.Namespace) -> tuple[SimConfig, Any]:
         rates = _rates(args.rates)
         policies = ALL_POLICIES if args.policy == "all" else ("on_demand", args.policy) \
             if args.policy != "on_demand" else ("on_demand",)
+        policies = tuple(dict.fromkeys(policies))
+        check_policies(cfg, policies)
         return cfg, SweepSpec(cfg, rates, args.seeds, args.hours or 3.0, args.nodes,
-                              policies=tuple(dict.fromkeys(policies)),
-                              processes=args.processes)
+                              policies=policies, processes=args.processes)
     trace = _trace(args, cfg)
     policies = list(ALL_POLICIES) if args.policy == "all" else [args.policy]
+    check_policies(cfg, policies)
     return cfg, (trace, args.hours, policies)
 
 
 def _trace(args: argparse.Namespace, cfg: SimConfig) -> Trace:
     if args.trace:
-        return load_trace(args.trace)
+        return load_trace(args.trace, victims=args.victims, seed=args.seed)
     kind = args.synthetic or "bamboo"
     hours = args.hours or 10.0
     nodes = args.nodes or cfg.nodes

@@ -62,13 +62,13 @@ from spotpipe.sim.params import SimConfig, SimParams
 from spotpipe.sim.prices import price_of
 from spotpipe.sim.simulator import run, run_policies
 from spotpipe.sim.sweep import SweepSpec, run_sweep
-from spotpipe.sim.traces import ADD, REMOVE, Event, Trace, load_trace
+from spotpipe.sim.traces import ADD, REMOVE, Event, Trace, find_trace, load_trace
 
 REFERENCE_RATE = 0.10
 REMOVE_KINDS = {"remove", "preempt", "preempted", "fail", "failure", "kill", "killed", "lost",
                 "leave"}
 ADD_KINDS = {"add", "join", "joined"}
-P3_TRACE = Path(os.environ.get("SPOTPIPE_SHARED", "/work/shared")) / "traces" / "bamboo-p3.csv"
+P3_TRACE = find_trace("bamboo-p3.csv")  # beside the checkout, else the bundled copy
 
 
 def bench_config(redundancy: str = "lazy") -> SimConfig:
@@ -80,47 +80,56 @@ def bench_config(redundancy: str = "lazy") -> SimConfig:
 def bench_simulator(seeds: int = 10000, measured_run_dir: str | Path | None = None,
                     processes: int = 2, replay: bool = False,
                     work_dir: str | Path | None = None) -> dict[str, Any]:
-    """The table's speed and ratios; with `replay`, also the prediction error of a local
-    replay of a real trace segment (see `spotpipe.sim.validate`: five runs of a tiny GPT,
-    about 3 minutes on an idle machine, 8 on a loaded one)."""
+    """The table's speed and ratios for lazy and eager spotpipe, the cold run, the Bamboo
+    reproduction and the growth with cluster size; with `replay`, also the prediction error
+    of a local replay of a real trace segment (see `spotpipe.sim.validate`: five runs of a
+    tiny GPT, about 3 minutes on an idle machine, 8 on a loaded one)."""
     from spotpipe.sim import itertime
 
     cfg = bench_config()
     hits0, misses0 = itertime.CACHE_STATS["hits"], itertime.CACHE_STATS["misses"]
     sweep = run_sweep(SweepSpec(cfg, seeds=seeds, processes=processes))
+    eager = run_sweep(SweepSpec(replace(cfg, redundancy="eager"), seeds=seeds,
+                                processes=processes, policies=("spotpipe",)))
     rows = {(r["rate"], r["policy"]): r for r in sweep["rows"]}
+    rows.update({(r["rate"], "spotpipe_eager"): r for r in eager["rows"]})
     rates = sweep["rates"]
 
     def ratio(metric: str, a: str, b: str, rate: float) -> float:
         return rows[(rate, a)][metric] / rows[(rate, b)][metric]
 
+    by_rate = {mode: {str(r): {
+        "throughput": rows[(r, name)]["throughput"], "samples_per_dollar": rows[(r, name)]["value"],
+        "throughput_vs_checkpoint_restart": ratio("throughput", name, "checkpoint_restart", r),
+        "value_vs_checkpoint_restart": ratio("value", name, "checkpoint_restart", r),
+        "throughput_vs_on_demand": ratio("throughput", name, "on_demand", r),
+        "value_vs_on_demand": ratio("value", name, "on_demand", r)} for r in rates}
+        for mode, name in (("lazy", "spotpipe"), ("eager", "spotpipe_eager"))}
     out: dict[str, Any] = {
         "table_seconds": sweep["seconds"],
         "table_cpu_seconds": sweep["cpu_seconds"],
+        "eager_table_seconds": eager["seconds"],
         "processes": processes,
         "seeds": seeds,
         "rates": rates,
         "hours_per_run": sweep["hours"],
         "config": {"model": cfg.model.name, "stages": cfg.num_stages,
                    "pipelines": cfg.num_pipelines, "instance": "p3.2xlarge",
-                   "redundancy": cfg.redundancy, "boot_s": cfg.params.boot_s},
+                   "redundancy": cfg.redundancy, "shadows": cfg.shadows,
+                   "boot_s": cfg.params.boot_s},
+        "by_rate": by_rate,
         "reference_rate": REFERENCE_RATE,
-        "value_vs_on_demand": ratio("value", "spotpipe", "on_demand", REFERENCE_RATE),
-        "value_vs_on_demand_mean": sum(ratio("value", "spotpipe", "on_demand", r)
-                                       for r in rates) / len(rates),
-        "throughput_vs_checkpoint_restart": ratio("throughput", "spotpipe",
-                                                  "checkpoint_restart", REFERENCE_RATE),
-        "throughput_vs_checkpoint_restart_mean": sum(
-            ratio("throughput", "spotpipe", "checkpoint_restart", r) for r in rates) / len(rates),
-        "value_vs_on_demand_by_rate": {str(r): ratio("value", "spotpipe", "on_demand", r)
-                                       for r in rates},
-        "throughput_vs_checkpoint_restart_by_rate": {
-            str(r): ratio("throughput", "spotpipe", "checkpoint_restart", r) for r in rates},
+        "value_vs_on_demand": by_rate["lazy"][str(REFERENCE_RATE)]["value_vs_on_demand"],
+        "throughput_vs_checkpoint_restart":
+            by_rate["lazy"][str(REFERENCE_RATE)]["throughput_vs_checkpoint_restart"],
         "value_by_rate": {str(r): {p: rows[(r, p)]["value"] for p in
-                                   ("spotpipe", "bamboo", "checkpoint_restart", "on_demand")}
-                          for r in rates},
+                                   ("spotpipe", "spotpipe_eager", "bamboo",
+                                    "checkpoint_restart", "on_demand")} for r in rates},
     }
-    out.update(_eager_and_trace_figures(cfg, min(seeds, 1000)))
+    out.update(_trace_figures(cfg))
+    out.update(bamboo_reproduction())
+    out["cold_run_s"], out["cold_run_cpu_s"] = cold_run()
+    out["growth"] = growth()
     out["shape_cache"] = {"dir": str(itertime.cache_dir()),
                           "parent_hits": itertime.CACHE_STATS["hits"] - hits0,
                           "parent_misses": itertime.CACHE_STATS["misses"] - misses0}
@@ -151,31 +160,84 @@ def bench_simulator(seeds: int = 10000, measured_run_dir: str | Path | None = No
     return out
 
 
-def _eager_and_trace_figures(cfg: SimConfig, seeds: int) -> dict[str, Any]:
-    """Beside the table: spotpipe with eager FRC at the reference rate (fewer seeds), and
-    every policy on Bamboo's real p3 trace."""
-    eager = run_sweep(SweepSpec(replace(cfg, redundancy="eager"), rates=(REFERENCE_RATE,),
-                                seeds=seeds, processes=1,
-                                policies=("spotpipe", "checkpoint_restart", "on_demand")))
-    rows = {r["policy"]: r for r in eager["rows"]}
-    out: dict[str, Any] = {
-        "eager": {"seeds": seeds, "rate": REFERENCE_RATE,
-                  "value_vs_on_demand": rows["spotpipe"]["value"] / rows["on_demand"]["value"],
-                  "throughput_vs_checkpoint_restart": rows["spotpipe"]["throughput"]
-                  / rows["checkpoint_restart"]["throughput"]}}
-    if P3_TRACE.exists():
-        trace = load_trace(P3_TRACE)
-        res = run_policies(trace, ["spotpipe", "bamboo", "checkpoint_restart", "on_demand"],
-                           cfg, record=False)
-        out["p3_trace"] = {
-            "hours": trace.duration_s / 3600.0,
-            "preemptions": res["spotpipe"].preemptions,
-            "value_vs_on_demand": res["spotpipe"].value / res["on_demand"].value,
-            "throughput_vs_checkpoint_restart": res["spotpipe"].throughput
-            / res["checkpoint_restart"].throughput,
-            "bamboo_value_vs_on_demand": res["bamboo"].value / res["on_demand"].value,
-            "bamboo_throughput_vs_checkpoint_restart": res["bamboo"].throughput
-            / res["checkpoint_restart"].throughput}
+def _trace_figures(cfg: SimConfig) -> dict[str, Any]:
+    """Every policy on Bamboo's real p3 trace, once."""
+    trace = load_trace(P3_TRACE)
+    res = run_policies(trace, ["spotpipe", "bamboo", "checkpoint_restart", "on_demand"], cfg,
+                       record=False)
+    return {"p3_trace": {
+        "hours": trace.duration_s / 3600.0,
+        "preemptions": res["spotpipe"].preemptions,
+        "value_vs_on_demand": res["spotpipe"].value / res["on_demand"].value,
+        "throughput_vs_checkpoint_restart": res["spotpipe"].throughput
+        / res["checkpoint_restart"].throughput,
+        "bamboo_value_vs_on_demand": res["bamboo"].value / res["on_demand"].value,
+        "bamboo_throughput_vs_checkpoint_restart": res["bamboo"].throughput
+        / res["checkpoint_restart"].throughput}}
+
+
+BAMBOO_REFERENCE = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / \
+    "bamboo_reference.json"
+
+
+def bamboo_reproduction(reference: Path = BAMBOO_REFERENCE) -> dict[str, Any]:
+    """The largest relative error of the bamboo policy against Bamboo's own simulator's
+    figures (performance, cost, value) on its p3 and g4dn traces, given its step table: as
+    published, and with its simultaneous events taken in trace order (see tests/test_bamboo.py)."""
+    from spotpipe.sim.bamboo import reproduction_errors
+
+    if not reference.exists():
+        return {"bamboo_reproduction_error": None,
+                "bamboo_reproduction_note": f"{reference} not found (a source checkout has it)"}
+    ref = json.loads(reference.read_text())
+    traces = {name: load_trace(f"bamboo-{name}.csv") for name in ("p3", "g4dn")}
+    out: dict[str, Any] = {}
+    for key, label in (("results", "bamboo_reproduction_error"),
+                       ("results_ties_in_order", "bamboo_reproduction_error_ties_in_order")):
+        errs = reproduction_errors(ref, traces, key)
+        out[label] = max(abs(v) for e in errs.values() for k, v in e.items()
+                         if k != "fatal_failures")
+        out[label + "_by_trace"] = errs
+    return out
+
+
+def cold_run() -> tuple[float, float]:
+    """Wall and CPU seconds of `spotpipe simulate --trace bamboo-p3.csv` in a fresh process
+    with the shape cache off: what a user's first run costs."""
+    import resource
+    import subprocess
+    import time
+
+    env = dict(os.environ, SPOTPIPE_SIM_CACHE="off")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "spotpipe", "simulate", "--trace", str(P3_TRACE)],
+                   check=True, env=env, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def growth(sizes: tuple[int, ...] = (48, 192, 768), hours: tuple[float, ...] = (3.0, 12.0),
+           rate: float = REFERENCE_RATE) -> dict[str, Any]:
+    """CPU milliseconds of one run per policy at each cluster size (P = 8, D = nodes / 8) and
+    trace length, shapes already timed (the cost a sweep pays per run)."""
+    import time
+
+    from spotpipe.sim.synthetic import bamboo_trace
+
+    out: dict[str, Any] = {}
+    for n in sizes:
+        cfg = replace(bench_config(), num_pipelines=n // 8)
+        for h in hours:
+            trace = bamboo_trace(rate, h, n, seed=0)
+            row = {"events": len(trace)}
+            for policy in ("spotpipe", "bamboo", "checkpoint_restart"):
+                run(trace, policy, cfg, record=False)  # times the shapes it meets
+                t0 = time.process_time()
+                run(trace, policy, cfg, record=False)
+                row[policy + "_ms"] = 1e3 * (time.process_time() - t0)
+            out[f"{n}_nodes_{h:g}h"] = row
     return out
 
 

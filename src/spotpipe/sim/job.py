@@ -4,7 +4,8 @@ Policies decide *what* happens at an event (a pause, a rollback, a new iteration
 class does the arithmetic of *how much* each costs, identically for every policy, so policies
 differ only in their decisions. Time between events is split into five buckets:
 - useful: running iterations that are kept, at the speed of the plain (non-redundant) schedule;
-- redundant: the extra iteration time forward redundant computation adds;
+- redundant: the extra iteration time protection adds (forward redundant computation, lazy
+  replication, and the stalls of periodic checkpoints, `checkpoint_cost_s` each);
 - recovering: failover and reconfiguration pauses, and in-flight work replayed after them;
 - restarting: restarts (from shadows or checkpoints) and the work they roll back;
 - idle: nothing can run (booting, too few nodes).
@@ -20,9 +21,14 @@ BUCKETS = ("useful", "redundant", "recovering", "restarting", "idle")
 class Job:
     """Progress in iterations (a float: the fraction is the in-flight iteration)."""
 
-    def __init__(self, samples_per_iteration: int, checkpoint_interval_s: float) -> None:
+    def __init__(self, samples_per_iteration: int, checkpoint_interval_s: float,
+                 checkpoint_cost_s: float = 0.0) -> None:
         self.samples_per_iteration = samples_per_iteration
         self.interval = checkpoint_interval_s
+        # a checkpoint stalls training this long every `interval` of running: charged as a
+        # longer iteration (1 + cost / interval), so no policy can dodge it
+        self.checkpoint_slowdown = 1.0 + (checkpoint_cost_s / checkpoint_interval_s
+                                          if math.isfinite(checkpoint_interval_s) else 0.0)
         self.t = 0.0
         self.iters = 0.0
         self.kept_iters = 0.0  # progress saved in the last durable checkpoint
@@ -33,6 +39,15 @@ class Job:
         self.run_since_ckpt = 0.0
         self.pending = [0.0, 0.0]  # useful, redundant run time since the last checkpoint
         self.buckets = dict.fromkeys(BUCKETS, 0.0)
+        self.idle_bucket = "idle"  # where time goes while nothing runs (set_iteration(None))
+        # Bamboo's value formula needs the time average of (samples/s) / ($/h) over the
+        # time the job ran: the simulator sets `cost_rate` ($/h held) at every instant
+        self.cost_rate = 0.0
+        self.dollars = 0.0
+        self.value_integral = 0.0  # integral of (samples/s) / ($/h) dt while running
+        self.first_run_s: float | None = None
+        self.last_run_s = 0.0
+        self.dollars_at_last_run = 0.0
 
     # -- time passes ----------------------------------------------------------------------
     def advance(self, t: float) -> None:
@@ -43,12 +58,20 @@ class Job:
         if paused:
             self.buckets[self.pause_bucket] += paused
         run = dt - paused
+        self.dollars += self.cost_rate * dt / 3600.0
         self.t = t
         if run <= 0:
             return
         if self.iter_s is None:
-            self.buckets["idle"] += run
+            self.buckets[self.idle_bucket] += run
             return
+        if self.first_run_s is None:
+            self.first_run_s = t - run
+        self.last_run_s = t
+        self.dollars_at_last_run = self.dollars
+        if self.cost_rate > 0:
+            self.value_integral += run * self.samples_per_iteration / self.iter_s \
+                / self.cost_rate
         self.iters += run / self.iter_s
         share = self.plain_s / self.iter_s
         self.pending[0] += run * share
@@ -67,10 +90,26 @@ class Job:
         self.pending = [keep_useful, keep_redundant]
 
     # -- what policies do -----------------------------------------------------------------
-    def set_iteration(self, iter_s: float | None, plain_s: float | None = None) -> None:
-        """The layout changed: new iteration time (None: nothing runs)."""
-        self.iter_s = iter_s
+    def set_iteration(self, iter_s: float | None, plain_s: float | None = None,
+                      idle_bucket: str = "idle") -> None:
+        """The layout changed: new iteration time (None: nothing runs, and the time goes to
+        `idle_bucket` until the next call)."""
         self.plain_s = iter_s if plain_s is None else plain_s
+        self.iter_s = iter_s * self.checkpoint_slowdown if iter_s is not None else None
+        self.idle_bucket = idle_bucket
+
+    def end_pause(self) -> None:
+        """A pause ends now, before the time it was set for."""
+        self.paused_until = min(self.paused_until, self.t)
+
+    def next_iteration_end(self) -> float | None:
+        """When the iteration in flight completes at the present speed (None: none runs)."""
+        if self.iter_s is None:
+            return None
+        left = math.floor(self.iters + 1e-9) + 1 - self.iters
+        if left > 1.0 - 1e-9:  # one just ended: its end is now (after this instant's events)
+            left = 0.0
+        return max(self.t, self.paused_until) + left * self.iter_s
 
     def pause(self, seconds: float, bucket: str) -> None:
         """Stop computing for `seconds` from now (or from the end of a pause under way)."""

@@ -20,6 +20,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from spotpipe.plan.memory import LayerMemory, TransformerShape, transformer_layers
+
 EFFECTIVE_FLOPS = 40e12
 NETWORK_BYTES_S = 1.0e9
 
@@ -37,6 +39,9 @@ class ModelCosts:
     global_microbatches: int  # micro-batches per iteration, all pipelines together
     network_bytes_s: float = NETWORK_BYTES_S
     optimizer_s_per_byte: float = 0.0  # optimizer step time per parameter byte of a stage
+    # per layer: parameters, activation bytes kept and sent (`spotpipe.plan.memory`); empty:
+    # unknown (a profile without them), and no layout is refused for memory
+    layer_memory: tuple[LayerMemory, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -48,7 +53,7 @@ class ModelCosts:
 
 
 def transformer(name: str, *, layers: int, hidden: int, seq: int, vocab: int,
-                micro_batch: int, global_batch: int) -> ModelCosts:
+                micro_batch: int, global_batch: int, heads: int) -> ModelCosts:
     """A decoder/encoder stack: an embedding layer, `layers` blocks, and an output head.
 
     Block FLOPs per sequence: 24*h^2*s + 4*s^2*h; head FLOPs: 2*s*h*vocab; the embedding is a
@@ -68,23 +73,26 @@ def transformer(name: str, *, layers: int, hidden: int, seq: int, vocab: int,
         global_microbatches=global_batch // micro_batch,
         # fp32 Adam over master weights: ~16 bytes touched per parameter at ~400 GB/s HBM
         optimizer_s_per_byte=8.0 / 400e9,
+        layer_memory=transformer_layers(TransformerShape(layers, hidden, heads, seq, vocab),
+                                        micro_batch, "fp16"),
     )
 
 
 def gpt2_1_5b() -> ModelCosts:
     """GPT-2 XL (1.5B): 48 blocks, h=1600, seq 1024, vocab 50257; micro-batch 4, batch 512.
 
-    Batch 512 sequences is the order Bamboo trains GPT-2 with; micro-batch 4 fits a stage
-    plus a replica in a 16 GB V100 at P = 8.
+    Batch 512 sequences is the order Bamboo trains GPT-2 with; with mixed precision and
+    activation checkpointing per layer (the simulator's default memory rules) the memory
+    model fits it on 16 GB V100s from P = 4 (plain stages) or more with redundancy.
     """
     return transformer("gpt2-1.5b", layers=48, hidden=1600, seq=1024, vocab=50257,
-                       micro_batch=4, global_batch=512)
+                       micro_batch=4, global_batch=512, heads=25)
 
 
 def bert_large() -> ModelCosts:
     """BERT-large (340M): 24 blocks, h=1024, seq 512, vocab 30522; micro-batch 16, batch 1024."""
     return transformer("bert-large", layers=24, hidden=1024, seq=512, vocab=30522,
-                       micro_batch=16, global_batch=1024)
+                       micro_batch=16, global_batch=1024, heads=16)
 
 
 PRESETS = {"gpt2-1.5b": gpt2_1_5b, "bert-large": bert_large}

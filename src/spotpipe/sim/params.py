@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from spotpipe.plan.memory import GIB, MemoryRules
+
 if TYPE_CHECKING:
     from spotpipe.sim.models import ModelCosts
     from spotpipe.sim.prices import Price
@@ -26,7 +28,10 @@ class SimParams:
     reconfig_pause_s: float = 30.0  # rebalance / add / drop pipeline / re-partition: P2P moves
     shadow_restore_pause_s: float = 60.0  # spotpipe fatal failure: reload from CPU shadows
     restart_pause_s: float = 300.0  # full restart: relaunch every process, load checkpoint
-    checkpoint_interval_s: float = 1800.0  # durable checkpoints of bamboo / checkpoint-restart
+    checkpoint_interval_s: float = 1800.0  # durable checkpoints (checkpoint-restart; spotpipe
+    # without shadows)
+    checkpoint_cost_s: float = 0.0  # training stalled per durable checkpoint (0: free, as
+    # with async saves from shadows; `spotpipe bench checkpoint` measures the schemes)
     # throughput of lazy redundancy (replicas updated from replicated gradients in the
     # background) over none: `spotpipe bench redundancy --json` measured 0.970 and 0.973
     # (its key `lazy_ratio`, so `calibrate` takes it from that output)
@@ -73,7 +78,7 @@ def calibrate(paths: str | Path | list[str | Path], base: SimParams | None = Non
     return params
 
 
-def _calibrate_one(path: Path, base: SimParams) -> SimParams:
+def _read_calibration(path: Path) -> dict:
     try:
         raw = json.loads(path.read_text())
     except OSError as exc:
@@ -84,6 +89,37 @@ def _calibrate_one(path: Path, base: SimParams) -> SimParams:
         raw = raw["figures"]
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: calibration must be a JSON object")
+    return raw
+
+
+def calibrate_shapes(paths: str | Path | list[str | Path]) -> tuple[tuple[tuple, float], ...]:
+    """Measured iteration seconds per layout shape from calibration JSONs: a "shape_times"
+    list of [[P, D, [[merged stages of pipeline 0], ...]], seconds] (what
+    `spotpipe.sim.validate` writes, also under "calibration"); a later file wins per shape.
+    They replace the timing model for those shapes in every policy."""
+    shapes: dict[tuple, float] = {}
+    for path in ([paths] if isinstance(paths, (str, Path)) else paths):
+        raw = _read_calibration(Path(path))
+        items = raw.get("shape_times", (raw.get("calibration") or {}).get("shape_times", []))
+        if not isinstance(items, list):
+            raise ValueError(f"{path}: shape_times must be a list of [shape, seconds]")
+        for i, item in enumerate(items):
+            try:
+                (p, d, merged), seconds = item
+                key = (int(p), int(d), tuple(tuple(int(s) for s in m) for m in merged))
+                seconds = float(seconds)
+            except (TypeError, ValueError):
+                raise ValueError(f"{path}: shape_times[{i}]: expected [[P, D, [[...], ...]], "
+                                 f"seconds], got {item!r}") from None
+            if not (math.isfinite(seconds) and seconds > 0) or len(key[2]) != key[1]:
+                raise ValueError(f"{path}: shape_times[{i}]: seconds must be positive and "
+                                 f"one merged list per pipeline, got {item!r}")
+            shapes[key] = seconds
+    return tuple(shapes.items())
+
+
+def _calibrate_one(path: Path, base: SimParams) -> SimParams:
+    raw = _read_calibration(path)
     names = {f.name for f in fields(SimParams)}
     found = {k: v for k, v in raw.items() if k in names}
     for key, field_name in RENAMED.items():
@@ -96,12 +132,22 @@ def _calibrate_one(path: Path, base: SimParams) -> SimParams:
                      and k not in RECONFIG_KEYS and k not in IGNORED_PAUSES)
     if unknown:
         raise ValueError(f"{path}: unknown pause figure(s) {unknown}; known: {sorted(names)}")
-    if not found:
-        raise ValueError(f"{path}: no calibration figures; expected some of {sorted(names)}")
+    if not found and "shape_times" not in raw and "calibration" not in raw:
+        raise ValueError(f"{path}: no calibration figures; expected some of {sorted(names)} "
+                         f"or shape_times")
     try:
         return replace(base, **found)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
+
+
+# the simulator's default memory rules: mixed precision (fp16 compute, fp32 master weights and
+# Adam), activation checkpointing per layer (what Megatron/DeepSpeed GPT runs at this size
+# use), replicas on the host (the runtime's `replica.device: cpu`), 1 GiB of each device
+# reserved for the CUDA context and the allocator; depth, micro-batches, schedule and
+# redundancy are set per layout
+DEFAULT_MEMORY = MemoryRules(precision="fp16", optimizer="adamw",
+                             activation_checkpointing="layers", device_reserve_bytes=GIB)
 
 
 @dataclass(frozen=True)
@@ -122,6 +168,18 @@ class SimConfig:
     # `spotpipe.sim.validate`: on one machine whose cores the workers share, a takeover
     # frees a core, which no per-node timing model can know)
     shape_times: tuple[tuple[tuple, float], ...] = ()
+    # samples_per_dollar: samples / dollars billed; bamboo: its simulator's time average of
+    # (samples/s) / ($/h) over the time the job ran (see `Result.time_average_value`)
+    value_formula: str = "samples_per_dollar"
+    # memory rules of the job (None: no layout is refused for memory); the instance's device
+    # and host memory come from `spotpipe.plan.memory.INSTANCES`
+    memory: MemoryRules | None = DEFAULT_MEMORY
+    # spotpipe keeps CPU shadows of every stage (a fatal failure loses only the iteration in
+    # flight); without them it rolls back to the last durable checkpoint. They run on an
+    # on-demand CPU host, billed and memory-checked as `shadow_host`
+    shadows: bool = False
+    shadow_host: str = "r5.4xlarge"
+    shadow_host_price: float = 1.008  # $/h on-demand, AWS us-east-1 r5.4xlarge (128 GiB)
 
     def __post_init__(self) -> None:
         if self.num_stages < 1 or self.num_pipelines < 1:
@@ -135,6 +193,9 @@ class SimConfig:
         if self.redundancy not in ("none", "lazy", "eager"):
             raise ValueError(f"unknown redundancy {self.redundancy!r}; expected none, lazy or "
                              f"eager")
+        if self.value_formula not in ("samples_per_dollar", "bamboo"):
+            raise ValueError(f"unknown value_formula {self.value_formula!r}; expected "
+                             f"samples_per_dollar or bamboo")
         for shape, seconds in self.shape_times:
             if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
                 raise ValueError(f"shape_times: iteration time of {shape} must be a positive "

@@ -9,8 +9,8 @@ same; they differ in how much of that time turns into kept samples.
   re-partition come from `spotpipe.plan.decide`; a takeover redoes only the lost stage's share
   of the in-flight iteration; a fatal failure (two adjacent losses in every
   pipeline) reloads from per-iteration CPU shadows, losing at most the in-flight iteration.
-- bamboo: the same redundancy and decisions, as published: a fatal failure is a global
-  restart from the last periodic checkpoint.
+- bamboo: Bamboo as its simulator has it (P fixed, carriers until a rendezvous, its fatal
+  rule, global and local rendezvous); see `spotpipe.sim.bamboo`.
 - checkpoint_restart (torchrun, Varuna): no redundancy; every preemption of a node in use
   restarts all processes from the last periodic checkpoint at the largest D that fits; spare
   nodes scale D up with a graceful (checkpoint-then-restart) relaunch. The 2-minute notice is
@@ -21,8 +21,11 @@ same; they differ in how much of that time turns into kept samples.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from spotpipe.plan import Action, Decision, Layout, decide
+from spotpipe.sim import fit
+from spotpipe.sim.bamboo import BambooPolicy
 from spotpipe.sim.itertime import iteration_time
 from spotpipe.sim.job import Job
 from spotpipe.sim.params import SimConfig
@@ -38,7 +41,7 @@ class Policy:
         self.job = job
         self.fatal_failures = 0
 
-    def on_events(self, t: float, lost: frozenset[str], ready: list[str],
+    def on_events(self, t: float, lost: tuple[str, ...], ready: list[str],
                   index: int = -1) -> None:
         """React to the nodes lost and the nodes ready at instant number `index`, time t."""
         raise NotImplementedError
@@ -83,6 +86,23 @@ def _iteration_time(cfg: SimConfig, p: int, width: int, merged: tuple[tuple[int,
     return worst
 
 
+@dataclass(frozen=True)
+class DecideRules:
+    """What the spotpipe policy's decisions depend on besides the layout and the events."""
+
+    min_stages: int  # the smallest depth that fits memory (see `spotpipe.sim.fit`)
+    shadows: bool
+    replicas: bool
+    repartition: bool
+
+
+def next_decision(layout: Layout, lost: frozenset[str], ready: list[str],
+                  rules: DecideRules) -> Decision:
+    """The one place the simulator asks the planner what to do: the runtime's own function."""
+    return decide(layout, lost, ready, min_stages=rules.min_stages, shadows=rules.shadows,
+                  replicas=rules.replicas, repartition=rules.repartition)
+
+
 class Planner:
     """Runs `plan.decide` until it answers KEEP or STOP, memoised per trace instant.
 
@@ -105,14 +125,14 @@ class Planner:
         return s
 
     def plan(self, index: int, layout: Layout, lost: frozenset[str], ready: list[str],
-             min_stages: int, repartition: bool = True) -> list[tuple[Layout, Decision]]:
+             rules: "DecideRules") -> list[tuple[Layout, Decision]]:
         hit = self._memo.get(index)
         if hit is not None and hit[0] is layout:
             return hit[1]
         steps = []
         current = layout
         for _ in range(8):  # a decision sequence converges in a few steps (KEEP ends it)
-            d = decide(current, lost, ready, min_stages=min_stages, repartition=repartition)
+            d = next_decision(current, lost, ready, rules)
             steps.append((current, d))
             lost, ready, current = frozenset(), [], d.layout
             if d.action in (Action.KEEP, Action.STOP):
@@ -137,11 +157,14 @@ class SpotpipePolicy(Policy):
         self.planner = planner or Planner()
         self.layout = self.planner.start(cfg.num_stages, cfg.num_pipelines)
         self.decisions: list[tuple[float, Action]] = []
+        self.rules = DecideRules(fit.min_stages(cfg, self.redundancy()), cfg.shadows,
+                                 self.redundancy() != "none", cfg.repartition)
+        self.shapes: set[tuple[int, int, bool]] = set()  # (P, D, a node carries two stages)
 
     def used_nodes(self) -> int:
         return len(self.layout.active_nodes)
 
-    def on_events(self, t: float, lost: frozenset[str], ready: list[str],
+    def on_events(self, t: float, lost: tuple[str, ...], ready: list[str],
                   index: int = -1) -> None:
         if lost:
             layout = self.layout
@@ -149,12 +172,14 @@ class SpotpipePolicy(Policy):
                              or n in layout.standby)
         if not lost and not ready:
             return
-        for before, d in self.planner.plan(index, self.layout, lost, ready, self.cfg.min_stages,
-                                           self.cfg.repartition):
+        for before, d in self.planner.plan(index, self.layout, lost, ready, self.rules):
             self.layout = d.layout
             if d.action != Action.KEEP:
                 self.decisions.append((t, d.action))
                 self._apply(d, before)
+        lay = self.layout
+        if lay.num_pipelines:
+            self.shapes.add((lay.num_stages, lay.num_pipelines, lay.has_carriers))
 
     def _apply(self, d: Decision, before: Layout) -> None:
         job, p = self.job, self.cfg.params
@@ -220,29 +245,16 @@ class SpotpipePolicy(Policy):
         self.job.set_iteration(*speed)
 
     def _roll_back(self) -> None:
-        self.job.lose_in_flight(self.restore_bucket)
+        """With shadows only the iteration in flight is lost; without, everything since the
+        last durable checkpoint."""
+        if self.cfg.shadows:
+            self.job.lose_in_flight(self.restore_bucket)
+        else:
+            self.job.roll_back_to_checkpoint(self.restore_bucket)
 
     def _restore_pause(self) -> float:
-        return self.cfg.params.shadow_restore_pause_s
-
-
-class BambooPolicy(SpotpipePolicy):
-    """Bamboo as published: eager FRC whatever spotpipe is configured with, a takeover
-    replays the in-flight iteration, and a fatal failure restarts globally from a periodic
-    checkpoint."""
-
-    takeover_redo = 1.0
-
-    name = "bamboo"
-
-    def redundancy(self) -> str:
-        return "eager" if self.cfg.num_stages > 1 else "none"
-
-    def _roll_back(self) -> None:
-        self.job.roll_back_to_checkpoint(self.restore_bucket)
-
-    def _restore_pause(self) -> float:
-        return self.cfg.params.restart_pause_s
+        p = self.cfg.params
+        return p.shadow_restore_pause_s if self.cfg.shadows else p.restart_pause_s
 
 
 class CheckpointRestartPolicy(Policy):
@@ -252,21 +264,23 @@ class CheckpointRestartPolicy(Policy):
 
     def __init__(self, cfg: SimConfig, job: Job) -> None:
         super().__init__(cfg, job)
+        fit.require_fit(cfg, cfg.num_stages, 1, "none")  # P is fixed; D = 1 is the largest
         self.pool: dict[str, None] = {}  # ready nodes, in arrival order
         self.used: set[str] = set()
         self.width = 0  # pipelines running
+        self.shapes: set[tuple[int, int, bool]] = set()  # (P, D, a node carries two stages)
 
     def used_nodes(self) -> int:
         return len(self.used)
 
-    def on_events(self, t: float, lost: frozenset[str], ready: list[str],
+    def on_events(self, t: float, lost: tuple[str, ...], ready: list[str],
                   index: int = -1) -> None:
         cfg, job = self.cfg, self.job
         for node in lost:
             self.pool.pop(node, None)
         for node in ready:
             self.pool[node] = None
-        hit = bool(lost & self.used)
+        hit = not self.used.isdisjoint(lost)
         fits = min(cfg.num_pipelines, len(self.pool) // cfg.num_stages)
         if hit:
             self.fatal_failures += 1
@@ -284,15 +298,24 @@ class CheckpointRestartPolicy(Policy):
                   "idle" if first_start else "restarting")
         self.width = fits
         self.used = set(list(self.pool)[: fits * cfg.num_stages])
+        self.shapes.add((cfg.num_stages, fits, False))
         speeds = _speed_memo(cfg, "restart")
         it = speeds.get(fits)
         if it is None:
-            it = speeds[fits] = iteration_time(cfg.model, cfg.schedule, cfg.num_stages, fits,
-                                               ((),), False)
+            it = speeds[fits] = plain_iteration_time(cfg, cfg.num_stages, fits)
         job.set_iteration(it)
 
 
-POLICIES: dict[str, type[Policy]] = {
+def plain_iteration_time(cfg: SimConfig, num_stages: int, num_pipelines: int) -> float:
+    """Seconds per iteration of P x D without redundancy: a measured shape time when the
+    calibration has one (it applies to every policy alike), else the timing model."""
+    measured = dict(cfg.shape_times).get((num_stages, num_pipelines, ((),) * num_pipelines))
+    if measured is not None:
+        return measured
+    return iteration_time(cfg.model, cfg.schedule, num_stages, num_pipelines, ((),), False)
+
+
+POLICIES: dict[str, type] = {
     "spotpipe": SpotpipePolicy,
     "bamboo": BambooPolicy,
     "checkpoint_restart": CheckpointRestartPolicy,
@@ -300,14 +323,15 @@ POLICIES: dict[str, type[Policy]] = {
 ALL_POLICIES = tuple(POLICIES) + ("on_demand",)
 
 
-def make_policy(name: str, cfg: SimConfig, job: Job, planner: Planner | None = None) -> Policy:
+def make_policy(name: str, cfg: SimConfig, job: Job,
+                planner: Planner | None = None) -> "Policy | BambooPolicy":
     cls = policy_class(name)
     if issubclass(cls, SpotpipePolicy):
         return cls(cfg, job, planner)
     return cls(cfg, job)
 
 
-def policy_class(name: str) -> type[Policy]:
+def policy_class(name: str) -> type:
     try:
         return POLICIES[name]
     except KeyError:
@@ -316,5 +340,8 @@ def policy_class(name: str) -> type[Policy]:
 
 
 def checkpoint_interval(name: str, cfg: SimConfig) -> float:
-    """spotpipe's shadows hold every iteration, so only in-flight work is ever lost."""
-    return math.inf if name == "spotpipe" else cfg.params.checkpoint_interval_s
+    """spotpipe's shadows hold every iteration, so only in-flight work is ever lost; Bamboo's
+    simulator keeps its steps through a fatal failure (it writes no checkpoints)."""
+    if name == "bamboo" or (name == "spotpipe" and cfg.shadows):
+        return math.inf
+    return cfg.params.checkpoint_interval_s

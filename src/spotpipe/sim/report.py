@@ -28,7 +28,7 @@ def run_table(results: list[Result]) -> str:
                for k in ("useful", "redundant", "recovering", "restarting", "idle")]
         rows.append([r.policy, f"{r.throughput:.2f}", f"{r.cost_per_hour:.2f}", f"{r.value:.0f}",
                      str(r.preemptions), str(r.fatal_failures)] + [f"{p:.1f}" for p in pct])
-    return _format(head, rows)
+    return format_table(head, rows)
 
 
 def sweep_table(sweep: dict[str, Any]) -> str:
@@ -37,12 +37,12 @@ def sweep_table(sweep: dict[str, Any]) -> str:
     rows = [[f"{r['rate']:.2f}", r["policy"], str(r["runs"]), f"{r['value']:.0f}",
              f"{r['value_p10']:.0f}..{r['value_p90']:.0f}", f"{r['throughput']:.2f}",
              f"{r['cost_per_hour']:.2f}", f"{r['fatal_failures']:.2f}"] for r in sweep["rows"]]
-    return _format(head, rows) + (f"\n{sweep['seeds']} seeds x {len(sweep['rates'])} rates, "
+    return format_table(head, rows) + (f"\n{sweep['seeds']} seeds x {len(sweep['rates'])} rates, "
                                   f"{sweep['hours']} h runs, {sweep['nodes']} nodes: "
                                   f"{sweep['seconds']:.1f} s")
 
 
-def _format(head: list[str], rows: list[list[str]]) -> str:
+def format_table(head: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
               for i, h in enumerate(head)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]

@@ -15,10 +15,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from spotpipe.sim import fit
 from spotpipe.sim.itertime import iteration_time
 from spotpipe.sim.job import Job
 from spotpipe.sim.params import SimConfig
-from spotpipe.sim.policies import Planner, checkpoint_interval, make_policy
+from spotpipe.sim.policies import (Planner, checkpoint_interval, make_policy,
+                                   plain_iteration_time)
 from spotpipe.sim.traces import ADD, Trace
 
 HOUR = 3600.0
@@ -45,6 +47,32 @@ class Result:
     fatal_failures: int  # restarts from shadows / checkpoints
     breakdown: dict[str, float]
     timeline: list[TimelinePoint] = field(default_factory=list)
+    # the time the job ran, from its first to its last progress (Bamboo's averages use it)
+    run_window: tuple[float, float] = (0.0, 0.0)
+    dollars_in_window: float = 0.0  # billed from 0 to the end of the run window
+    value_integral: float = 0.0  # of (samples/s) / ($/h) over the run window
+    value_formula: str = "samples_per_dollar"
+    shapes: frozenset = frozenset()  # (P, D, a node carries two stages) of every layout run
+
+    @property
+    def window_s(self) -> float:
+        return self.run_window[1] - self.run_window[0]
+
+    @property
+    def window_throughput(self) -> float:
+        """Samples per second while the job ran: Bamboo's "average performance"."""
+        return self.samples / self.window_s if self.window_s > 0 else 0.0
+
+    @property
+    def window_cost_per_hour(self) -> float:
+        """$/h from 0 to the end of the run window: Bamboo's "average cost"."""
+        end = self.run_window[1]
+        return self.dollars_in_window / (end / HOUR) if end > 0 else 0.0
+
+    @property
+    def time_average_value(self) -> float:
+        """Bamboo's value formula: the time average of samples/s per $/h while running."""
+        return self.value_integral / self.window_s if self.window_s > 0 else 0.0
 
     @property
     def throughput(self) -> float:
@@ -57,7 +85,9 @@ class Result:
 
     @property
     def value(self) -> float:
-        """Samples per dollar."""
+        """Samples per dollar, or Bamboo's time-averaged value (`SimConfig.value_formula`)."""
+        if self.value_formula == "bamboo":
+            return self.time_average_value
         return self.samples / self.dollars if self.dollars > 0 else 0.0
 
     def summary(self) -> dict[str, object]:
@@ -88,7 +118,8 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
     end = trace.duration_s if duration_s is None else float(duration_s)
     if policy == "on_demand":
         return on_demand(cfg, end, record=record)
-    job = Job(cfg.model.samples_per_iteration, checkpoint_interval(policy, cfg))
+    job = Job(cfg.model.samples_per_iteration, checkpoint_interval(policy, cfg),
+              cfg.params.checkpoint_cost_s)
     pol = make_policy(policy, cfg, job, planner)
     price = cfg.price.spot
     timeline: list[TimelinePoint] = []
@@ -99,14 +130,20 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
     preemptions = 0
     last_t = 0.0
     resume: TimelinePoint | None = None  # where a pause ends before the next event
+    timers = hasattr(pol, "next_wakeup")  # a policy with clocks of its own (bamboo)
     for index, (t, lost, ready, held_after, taken) in enumerate(instants):
+        if timers:
+            _wake(pol, job, t, False)
         node_seconds += held * (t - last_t)
         last_t = t
+        job.advance(t)
+        job.cost_rate = held_after * price
         held = held_after
         preemptions += taken
         if lost or ready:
-            job.advance(t)
             pol.on_events(t, lost, ready, index)
+        if timers:
+            _wake(pol, job, t, True)  # after the trace's events of the same instant
         if record:
             if resume is not None and resume.time_s < t:
                 timeline.append(resume)
@@ -122,19 +159,35 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
                                        job.samples, dollars + held * price * (until - t) / HOUR)
     if resume is not None and resume.time_s < end:
         timeline.append(resume)
+    if timers:
+        _wake(pol, job, end, False)
     node_seconds += held * (end - last_t)
     dollars = node_seconds * price / HOUR
+    if policy == "spotpipe" and cfg.shadows:  # the shadows' CPU host runs on demand
+        dollars += cfg.shadow_host_price * end / HOUR
     breakdown = job.finish(end)
     if record:
         timeline.append(TimelinePoint(end, held, held, pol.used_nodes(),
                                       job.throughput_now(), job.samples, dollars))
+    window = (job.first_run_s, job.last_run_s) if job.first_run_s is not None else (0.0, 0.0)
     return Result(policy, end, job.samples, dollars, preemptions, pol.fatal_failures,
-                  breakdown, timeline)
+                  breakdown, timeline, window, job.dollars_at_last_run, job.value_integral,
+                  cfg.value_formula, frozenset(pol.shapes))
+
+
+def _wake(pol, job: Job, t: float, inclusive: bool) -> None:
+    """Fire the policy's own timers due before t (or at t, after t's events)."""
+    while True:
+        w = pol.next_wakeup()
+        if w > t or (w == t and not inclusive):
+            return
+        job.advance(w)
+        pol.on_wakeup(w)
 
 
 def instants_of(trace: Trace, boot_s: float, end: float) -> list[tuple]:
     """What the trace does to the instances held, once per trace, for every spot policy:
-    per instant (t, lost, ready, held, taken): the held nodes removed (a frozenset), the
+    per instant (t, lost, ready, held, taken): the held nodes removed (in trace order), the
     nodes whose boot completed (in trace order), how many instances are held (billed) after
     it, and how many held instances were taken away. Events at `end` are applied, so the
     last state is exact; a sweep calls this once per trace, hence the hand-made merge of
@@ -162,10 +215,10 @@ def instants_of(trace: Trace, boot_s: float, end: float) -> list[tuple]:
         while j < n_boot and boots[j][0] == t:
             readies.append(boots[j][1])
             j += 1
-        lost = frozenset(removes) & held if removes else frozenset()
+        lost = tuple(n for n in removes if n in held) if removes else ()
         if lost:
-            held -= lost
-            booting -= lost
+            held.difference_update(lost)
+            booting.difference_update(lost)
         if adds:
             held.update(adds)
             booting.update(adds)
@@ -179,7 +232,7 @@ def instants_of(trace: Trace, boot_s: float, end: float) -> list[tuple]:
 def on_demand_closed_form(cfg: SimConfig, duration_s: float) -> dict[str, float]:
     """P x D on-demand nodes, never preempted: boot, one rendezvous, then steady iterations."""
     start = cfg.params.boot_s + cfg.params.rendezvous_s
-    it = iteration_time(cfg.model, cfg.schedule, cfg.num_stages, cfg.num_pipelines, ((),), False)
+    it = plain_iteration_time(cfg, cfg.num_stages, cfg.num_pipelines)
     running = max(0.0, duration_s - start)
     samples = running / it * cfg.model.samples_per_iteration
     dollars = cfg.nodes * cfg.price.on_demand * duration_s / HOUR
@@ -188,6 +241,7 @@ def on_demand_closed_form(cfg: SimConfig, duration_s: float) -> dict[str, float]
 
 
 def on_demand(cfg: SimConfig, duration_s: float, *, record: bool = True) -> Result:
+    fit.require_fit(cfg, cfg.num_stages, cfg.num_pipelines, "none")
     form = on_demand_closed_form(cfg, duration_s)
     breakdown = {"useful": form["useful_s"], "redundant": 0.0, "recovering": 0.0,
                  "restarting": 0.0, "idle": form["idle_s"]}
@@ -201,4 +255,5 @@ def on_demand(cfg: SimConfig, duration_s: float, *, record: bool = True) -> Resu
                     TimelinePoint(start, n, n, n, rate, 0.0, per_s * start),
                     TimelinePoint(duration_s, n, n, n, rate, form["samples"], form["dollars"])]
     return Result("on_demand", duration_s, form["samples"], form["dollars"], 0, 0, breakdown,
-                  timeline)
+                  timeline, (form["idle_s"], duration_s), form["dollars"],
+                  shapes=frozenset({(cfg.num_stages, cfg.num_pipelines, False)}))

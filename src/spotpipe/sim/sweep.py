@@ -2,7 +2,7 @@
 
 Runs are independent, so they are split over worker processes (2 by default, the CPUs this
 project's machines have); within a worker each seed's trace is generated once and shared by
-all policies, and spotpipe and bamboo share their decisions (see `policies.Planner`). Per-run
+all policies. Per-run
 results travel back as plain floats and are summarised with numpy.
 """
 
@@ -12,8 +12,10 @@ import multiprocessing as mp
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 from spotpipe.sim.params import SimConfig
 from spotpipe.sim import itertime
@@ -38,42 +40,30 @@ class SweepSpec:
     processes: int = 2
 
 
-def _chunk(args: tuple[SweepSpec, float, int, int]) -> dict[str, np.ndarray]:
+def _chunk(args: tuple[SweepSpec, float, int, int]) -> "dict[str, np.ndarray]":
+    import numpy as np
+
     spec, rate, lo, hi = args
     spot = [p for p in spec.policies if p != "on_demand"]
     out = {p: np.zeros((hi - lo, len(METRICS))) for p in spot}
     nodes = spec.nodes or spec.cfg.nodes
-    # bamboo differs from spotpipe only after a fatal failure (it restarts from a periodic
-    # checkpoint instead of the shadows); with the same decisions and none fatal, its
-    # samples, dollars and preemptions are spotpipe's bit for bit, so it is not re-run
-    # (only when both run eager FRC: bamboo as published always does)
-    share = "spotpipe" in spot and "bamboo" in spot and spec.cfg.redundancy == "eager"
-    first = ["spotpipe"] + [p for p in spot if p not in ("spotpipe", "bamboo")] if share \
-        else sorted(spot, key=lambda p: p != "spotpipe")  # spotpipe first: bamboo reuses
-    # its decisions through the shared Planner
     end = spec.hours * 3600.0
     for i, seed in enumerate(range(lo, hi)):
         trace = bamboo_trace(rate, spec.hours, nodes, seed, spec.add_probability)
         planner = Planner()
         instants = instants_of(trace, spec.cfg.params.boot_s, end)
-        for name in first:
+        for name in spot:
             r = run(trace, name, spec.cfg, duration_s=end, record=False, planner=planner,
                     instants=instants)
             out[name][i] = (r.throughput, r.cost_per_hour, r.value, r.preemptions,
                             r.fatal_failures)
-        if share:
-            if out["spotpipe"][i, 4] == 0:
-                out["bamboo"][i] = out["spotpipe"][i]
-            else:
-                r = run(trace, "bamboo", spec.cfg, duration_s=end, record=False,
-                        planner=planner, instants=instants)
-                out["bamboo"][i] = (r.throughput, r.cost_per_hour, r.value, r.preemptions,
-                                    r.fatal_failures)
     return out
 
 
 def run_sweep(spec: SweepSpec) -> dict:
     """Summary per rate and policy: mean, p10, p50, p90 of each metric, and the wall time."""
+    import numpy as np
+
     start = time.perf_counter()
     cpu0 = _cpu_seconds()
     procs = max(1, spec.processes)

@@ -8,10 +8,20 @@ they read, because a silently wrong trace gives a confidently wrong prediction: 
 Formats (see shared/traces/README.md):
 - event CSV `delta_ms,add|remove,node` (Bamboo's AWS traces);
 - tick series JSON `{"metadata": {"gap_seconds": N}, "data": [n0, n1, ...]}` (spot-traces);
-- dated count series `YYYY-MM-DD, HH:MM:SS, n` (Bamboo's GCP traces).
-Count series carry no node identities: nodes get generated names, and when the count drops
-the longest-held nodes leave first (a count says nothing about which; oldest-first is a fixed,
-documented choice that does not favour keeping the original pipeline intact).
+- dated count series `YYYY-MM-DD, HH:MM:SS, n` (Bamboo's GCP traces). As published, each
+  reading is followed by padding lines that repeat its count 1 and 2 minutes later, which may
+  lie after the next reading: a line that repeats the last reading's count 60 or 120 s after
+  it is padding (it changes nothing), the readings themselves must not go back in time, and
+  the series spans to its last line.
+Count series carry no node identities: nodes get generated names, and when the count drops,
+which nodes leave is a choice (`victims`): `random` (seeded, the default: a count says
+nothing about which, and a fixed order would always hit the same stages), `oldest` or
+`newest`. The choice is recorded in `Trace.victims`.
+
+Bundled traces: Bamboo's two AWS traces ship with the package (MIT, see
+data/traces/LICENSE-bamboo-traces); `find_trace` looks a name up beside the checkout
+(`../shared/traces`, or $SPOTPIPE_SHARED/traces) and then in the package, never at an absolute
+path of one machine.
 """
 
 from __future__ import annotations
@@ -19,12 +29,19 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import os
+import random
+import re
 from datetime import datetime
+from importlib import resources
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
 ADD = "add"
 REMOVE = "remove"
+VICTIMS = ("random", "oldest", "newest")
+PADDING_S = (60.0, 120.0)  # Bamboo's dated series repeat each reading 1 and 2 minutes later
+BUNDLED = ("bamboo-p3.csv", "bamboo-g4dn.csv")
 
 
 class TraceError(ValueError):
@@ -45,9 +62,10 @@ class Trace:
     """Sorted events plus fast availability queries (counts as a step function of time)."""
 
     def __init__(self, events: Iterable[Event], name: str = "trace",
-                 duration_s: float | None = None) -> None:
+                 duration_s: float | None = None, victims: str | None = None) -> None:
         self.events: tuple[Event, ...] = tuple(events)
         self.name = name
+        self.victims = victims  # how a count series chose who leaves (None: events name them)
         last = self.events[-1].time_s if self.events else 0.0
         self.duration_s = float(duration_s) if duration_s is not None else last
         self._times: list[float] = []
@@ -96,19 +114,44 @@ class Trace:
 
 # -- loaders ------------------------------------------------------------------------------
 
-def load_trace(path: str | Path) -> Trace:
-    """Load any supported format, chosen by content (JSON object, dated lines, or events)."""
-    path = Path(path)
+def find_trace(name: str | Path) -> Path:
+    """A trace file: `name` itself if it exists, else a bundled or shared trace of that name
+    ("bamboo-p3.csv", or "p3" / "g4dn" for Bamboo's), looked up beside the checkout first."""
+    path = Path(name)
+    if path.exists():
+        return path
+    file = f"bamboo-{name}.csv" if f"bamboo-{name}.csv" in BUNDLED else path.name
+    places = []
+    if os.environ.get("SPOTPIPE_SHARED"):
+        places.append(Path(os.environ["SPOTPIPE_SHARED"]) / "traces")
+    places.append(Path(__file__).resolve().parents[3].parent / "shared" / "traces")
+    for place in places:
+        if (place / file).is_file():
+            return place / file
+    if file in BUNDLED:
+        with resources.as_file(resources.files("spotpipe.sim") / "data" / "traces" / file) as p:
+            return Path(p)
+    return path  # not found: load_trace reports it, naming what was asked for
+
+
+def load_trace(path: str | Path, victims: str = "random", seed: int = 0) -> Trace:
+    """Load any supported format, chosen by content (JSON object, dated lines, or events);
+    `victims` and `seed` say who leaves when a count series drops (see the module doc)."""
+    if victims not in VICTIMS:
+        raise ValueError(f"victims must be one of {', '.join(VICTIMS)}, got {victims!r}")
+    path = find_trace(path)
     try:
         text = path.read_text()
     except OSError as exc:
         raise TraceError(str(path), 0, f"cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise TraceError(str(path), 0, f"not a text file: {exc.reason}") from None
     head = text.lstrip()
     if head.startswith("{"):
-        return parse_tick_json(text, str(path))
+        return parse_tick_json(text, str(path), victims, seed)
     first = next((ln for ln in text.splitlines() if ln.strip()), "")
     if first.split(",")[0].strip().count("-") == 2:
-        return parse_dated_series(text, str(path))
+        return parse_dated_series(text, str(path), victims, seed)
     return parse_event_csv(text, str(path))
 
 
@@ -144,10 +187,16 @@ def parse_event_csv(text: str, source: str = "<string>") -> Trace:
     return Trace(events, Path(source).name)
 
 
-def parse_tick_json(text: str, source: str = "<string>") -> Trace:
+def parse_tick_json(text: str, source: str = "<string>", victims: str = "random",
+                    seed: int = 0) -> Trace:
     """`{"metadata": {"gap_seconds": N}, "data": [n0, n1, ...]}`: count n_i from i*N."""
+    def refuse_constant(name: str) -> None:  # JSON has no NaN/Infinity; Python's parser does
+        match = re.search(r"(?<![\w\"])-?(NaN|Infinity)\b", text)
+        line = text.count("\n", 0, match.start()) + 1 if match else 1
+        raise TraceError(source, line, f"{name} is not a count (JSON has no NaN or Infinity)")
+
     try:
-        raw = json.loads(text)
+        raw = json.loads(text, parse_constant=refuse_constant)
     except json.JSONDecodeError as exc:
         raise TraceError(source, exc.lineno, f"invalid JSON: {exc.msg}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("metadata"), dict):
@@ -166,14 +215,18 @@ def parse_tick_json(text: str, source: str = "<string>") -> Trace:
                              f"data[{i}] must be a non-negative whole count, got {n!r}")
         counts.append(int(n))
     times = [i * float(gap) for i in range(len(counts))]
-    return counts_to_trace(times, counts, Path(source).name, len(counts) * float(gap))
+    return counts_to_trace(times, counts, Path(source).name, len(counts) * float(gap),
+                           victims, seed)
 
 
-def parse_dated_series(text: str, source: str = "<string>") -> Trace:
-    """`YYYY-MM-DD, HH:MM:SS, n` lines; times relative to the first line."""
+def parse_dated_series(text: str, source: str = "<string>", victims: str = "random",
+                       seed: int = 0) -> Trace:
+    """`YYYY-MM-DD, HH:MM:SS, n` lines; times relative to the first line; padding lines
+    (see the module doc) change nothing but the span."""
     times: list[float] = []
     counts: list[int] = []
     start: datetime | None = None
+    span = 0.0
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line:
@@ -191,18 +244,27 @@ def parse_dated_series(text: str, source: str = "<string>") -> Trace:
                                              f"number, got {parts[2]!r}")
         start = start or when
         t = (when - start).total_seconds()
+        span = max(span, t)
+        if times and int(n) == counts[-1] and t - times[-1] in PADDING_S:
+            continue  # a padding line
         if times and t < times[-1]:
-            raise TraceError(source, lineno, f"time goes backwards: {parts[0]} {parts[1]}")
+            raise TraceError(source, lineno, f"time goes backwards: {parts[0]} {parts[1]} is "
+                                             f"before the reading at +{times[-1]:g} s")
         times.append(t)
         counts.append(int(n))
     if not times:
         raise TraceError(source, 1, "no data lines")
-    return counts_to_trace(times, counts, Path(source).name)
+    return counts_to_trace(times, counts, Path(source).name, span, victims, seed)
 
 
 def counts_to_trace(times: list[float], counts: list[int], name: str,
-                    duration_s: float | None = None) -> Trace:
-    """Turn a count series into add/remove events; the oldest nodes leave first."""
+                    duration_s: float | None = None, victims: str = "random",
+                    seed: int = 0) -> Trace:
+    """Turn a count series into add/remove events; `victims` picks who leaves on a drop
+    (random: seeded by `seed`; oldest; newest)."""
+    if victims not in VICTIMS:
+        raise ValueError(f"victims must be one of {', '.join(VICTIMS)}, got {victims!r}")
+    rng = random.Random(seed)
     events: list[Event] = []
     live: list[str] = []  # oldest first
     next_id = 0
@@ -212,9 +274,19 @@ def counts_to_trace(times: list[float], counts: list[int], name: str,
             next_id += 1
             live.append(node)
             events.append(Event(t, ADD, node))
-        while len(live) > n:
-            events.append(Event(t, REMOVE, live.pop(0)))
-    return Trace(events, name, duration_s)
+        drop = len(live) - n
+        if drop > 0:
+            if victims == "oldest":
+                gone = live[:drop]
+            elif victims == "newest":
+                gone = live[-drop:]
+            else:
+                gone = rng.sample(live, drop)
+            leaving = set(gone)
+            live = [x for x in live if x not in leaving]
+            events += [Event(t, REMOVE, node) for node in gone]
+    label = f"random(seed={seed})" if victims == "random" else victims
+    return Trace(events, name, duration_s, victims=label)
 
 
 # -- helpers ------------------------------------------------------------------------------

@@ -48,9 +48,9 @@ from spotpipe.sim.models import ModelCosts
 from spotpipe.sim.params import SimConfig, SimParams
 from spotpipe.sim.prices import price_of
 from spotpipe.sim.simulator import run
-from spotpipe.sim.traces import ADD, REMOVE, Event, Trace, load_trace
+from spotpipe.sim.traces import ADD, REMOVE, Event, Trace, find_trace, load_trace
 
-SHARED_TRACE = Path(os.environ.get("SPOTPIPE_SHARED", "/work/shared")) / "traces" / "bamboo-p3.csv"
+SHARED_TRACE = find_trace("bamboo-p3.csv")  # beside the checkout, else the bundled copy
 DEFAULT_WINDOW = (3000.0, 360.0)  # p3: 32 nodes at 3000 s, removals at 3060 s and 3180 s
 
 

@@ -1,0 +1,248 @@
+"""Bamboo as published: the rules of its simulator (uclasystem/bamboo,
+project_pactum/simulation/simulator.py), re-expressed on this simulator's clock and ledger.
+
+Why a policy of its own rather than spotpipe's decisions with other costs: Bamboo decides
+differently, and the figures it published come from these rules:
+- P is fixed (`num_stages`); D = nodes // P at each rendezvous, 0 below P nodes (the job
+  stops until a node becomes ready, which starts a global rendezvous);
+- a loss is taken over by the predecessor (the holder of stage s - 1, which holds the
+  replica of s): from then on that node carries two stages until the next rendezvous;
+  the pipeline runs `fallback_slowdown` (1.5x) slower from the loss on, in-flight step
+  included, until the next rendezvous;
+- fatal: losing a node that carries two stages, or a node whose predecessor already carries
+  two; a fatal failure starts a global rendezvous (30 s) and loses only the step in flight
+  (its simulator keeps the step count: no checkpoint rollback);
+- at each step's end it reconfigures with a local rendezvous (20 s) when the carriers can
+  be relieved by waiting nodes, when 2 x carriers / active nodes exceeds 5 %, or when
+  another pipeline can be formed;
+- a rendezvous completes after its timeout with the nodes ready then; if one of them was
+  lost meanwhile it starts over. As in its simulator, a rendezvous started while another
+  is pending (a fatal failure during a rendezvous) does not cancel the pending timeout, and
+  a waiting node that is preempted stays counted as waiting until the next rendezvous: both
+  change its figures, so both are kept.
+Nodes are ready `params.boot_s` after they are granted (its 45 s). Its step times per D come
+from `cfg.shape_times` when given (its table), else from the timing model with eager FRC.
+Its value formula (the time average of samples/s per $/h over the time the job ran) is
+`Result.time_average_value`; `SimConfig.value_formula = "bamboo"` makes it the value.
+"""
+
+from __future__ import annotations
+
+import heapq
+from math import inf
+
+from spotpipe.sim import fit
+from spotpipe.sim.itertime import iteration_time
+from spotpipe.sim.job import Job
+from spotpipe.sim.params import SimConfig
+from spotpipe.sim.traces import Trace
+
+GLOBAL, LOCAL, CHECK = 0, 1, 2
+
+
+class BambooPolicy:
+    name = "bamboo"
+    fallback_slowdown = 1.5
+    failure_budget = 0.05  # reconfigure above this chance of a fatal failure
+
+    def __init__(self, cfg: SimConfig, job: Job) -> None:
+        # P is fixed; Bamboo keeps its replica in device memory and runs eager FRC
+        fit.require_fit(cfg, cfg.num_stages, 1, "eager" if cfg.num_stages > 1 else "none",
+                        replica_on_host=False)
+        self.cfg, self.job = cfg, job
+        self.fatal_failures = 0
+        self.target = cfg.num_stages
+        self.p = 0  # depth now (0 while stopped)
+        self.width = 0
+        self.status = "stopped"  # stopped | rendezvous | running
+        self.nodes: dict[str, list[tuple[int, int]]] = {}  # ready nodes -> coordinates
+        self.members: list[str] = []
+        self.waiting = 0
+        self.slowed = False
+        self.stepping = False  # steps run (also during a rendezvous a fatal failure started)
+        self.version = 0
+        self._timers: list[tuple[float, int, int, int]] = []  # (t, seq, kind, version)
+        self._seq = 0
+        self._steps: dict[int, float] = {}
+        self.decisions: list[tuple[float, str]] = []
+        self.shapes: set[tuple[int, int, bool]] = set()  # (P, D, a node carries two stages)
+
+    # -- what the simulator asks ------------------------------------------------------------
+    def used_nodes(self) -> int:
+        return sum(1 for c in self.nodes.values() if c) if self.status == "running" else 0
+
+    def next_wakeup(self) -> float:
+        return self._timers[0][0] if self._timers else inf
+
+    def on_wakeup(self, t: float) -> None:
+        _, _, kind, version = heapq.heappop(self._timers)
+        if kind == CHECK:
+            if version == self.version and self.stepping:
+                self._step_end(t)
+        else:
+            self._rendezvous_timeout(t, kind)
+
+    def on_events(self, t: float, lost: tuple[str, ...], ready: list[str],
+                  index: int = -1) -> None:
+        for name in lost:  # in trace order
+            self._remove(t, name)
+        for name in ready:
+            self._ready(t, name)
+
+    # -- Bamboo's rules ---------------------------------------------------------------------
+    def _remove(self, t: float, name: str) -> None:
+        coords = self.nodes.pop(name, [])  # a rendezvous member: noticed at its timeout
+        if len(coords) > 1:
+            return self._fatal(t)
+        if coords:
+            d, s = coords[0]
+            want = (d, s - 1 if s > 0 else self.p - 1)
+            for other in self.nodes.values():
+                if want in other:
+                    if len(other) > 1:  # the heir already carries two stages
+                        return self._fatal(t)
+                    other.append(coords[0])
+                    if self.status == "running":
+                        self.shapes.add((self.p, self.width, True))
+                    break
+        # as its simulator has it: any preemption while running (a waiting or booting node's
+        # too) slows the steps by the fallback factor until the next rendezvous
+        if self.status == "running" and not self.slowed:
+            self.slowed = True
+            self.job.set_iteration(self.job.iter_s * self.fallback_slowdown)
+            self.decisions.append((t, "failover"))
+        self._check_at_step_end()
+
+    def _ready(self, t: float, name: str) -> None:
+        self.nodes[name] = []
+        if self.status == "stopped":
+            self._start_rendezvous(t, GLOBAL)
+        elif self.status == "rendezvous":
+            self.members.append(name)
+        else:
+            self.waiting += 1
+            self._check_at_step_end()
+
+    def _fatal(self, t: float) -> None:
+        """As its simulator has it: the steps already scheduled go on until the global
+        rendezvous completes (or a step's end starts a local one)."""
+        self.fatal_failures += 1
+        self.decisions.append((t, "fatal"))
+        self._start_rendezvous(t, GLOBAL)
+        self._check_at_step_end()
+
+    def _start_rendezvous(self, t: float, kind: int) -> None:
+        self.status = "rendezvous"
+        self.members = list(self.nodes)
+        self._timer(t + self._timeout(kind), kind)
+        if kind == LOCAL or not self.stepping:
+            self.stepping = False
+            bucket = "idle" if self.version == 0 else "restarting" if kind == GLOBAL \
+                else "recovering"
+            self.job.set_iteration(None, idle_bucket=bucket)
+
+    def _timeout(self, kind: int) -> float:
+        p = self.cfg.params
+        return p.rendezvous_s if kind == GLOBAL else p.reconfig_pause_s
+
+    def _rendezvous_timeout(self, t: float, kind: int) -> None:
+        if any(n not in self.nodes for n in self.members):
+            self.members = list(self.nodes)
+            self._timer(t + self._timeout(kind), kind)
+            return
+        n = len(self.members)
+        self.p = self.target if n >= self.target else 0
+        self.width = n // self.target if self.p else 0
+        slots = [(d, s) for d in range(self.width) for s in range(self.p)]
+        for i, name in enumerate(self.members):
+            self.nodes[name] = [slots[i]] if i < len(slots) else []
+        self.waiting = n - len(slots)
+        self.slowed = False
+        self.version += 1
+        self.members = []
+        if self.stepping:  # the step in flight when a global rendezvous completes is lost
+            self.job.lose_in_flight("restarting")
+        self.stepping = bool(self.width)
+        if self.width:
+            self.shapes.add((self.p, self.width, False))
+            self.status = "running"
+            self.job.set_iteration(self._step_s(self.width))
+            self.decisions.append((t, f"rendezvous {self.width}x{self.p}"))
+        else:
+            self.status = "stopped"
+            self.job.set_iteration(None)
+
+    def _step_end(self, t: float) -> None:
+        carriers = sum(1 for c in self.nodes.values() if len(c) > 1)
+        active = self.p * self.width - carriers
+        reconfigure = (
+            (carriers > 0 and self.waiting >= carriers)
+            or (carriers > 0 and 2 * carriers / active > self.failure_budget)
+            or (active + self.waiting) // self.target > self.width)
+        if reconfigure:
+            self.job.lose_in_flight("recovering")  # at a step's end: only rounding
+            self._start_rendezvous(t, LOCAL)
+
+    def _check_at_step_end(self) -> None:
+        when = self.job.next_iteration_end()
+        if when is not None:
+            self._timer(when, CHECK)
+
+    def _timer(self, t: float, kind: int) -> None:
+        self._seq += 1
+        heapq.heappush(self._timers, (t, self._seq, kind, self.version))
+
+    def _step_s(self, width: int) -> float:
+        hit = self._steps.get(width)
+        if hit is None:
+            shape = (self.target, width, ((),) * width)
+            hit = dict(self.cfg.shape_times).get(shape)
+            if hit is None:
+                hit = iteration_time(self.cfg.model, self.cfg.schedule, self.target, width,
+                                     ((),), self.target > 1)
+            self._steps[width] = hit
+        return hit
+
+
+# -- reproducing its published figures ---------------------------------------------------
+
+def reference_config(ref: dict) -> SimConfig:
+    """The configuration of Bamboo's GPT-2 runs from the `config` of a reference file
+    (tests/fixtures/bamboo_reference.json): its step table, prices, timings and batch."""
+    from dataclasses import replace
+
+    from spotpipe.sim.models import gpt2_1_5b
+    from spotpipe.sim.params import SimParams
+    from spotpipe.sim.prices import Price
+
+    c = ref["config"]
+    p = int(c["num_stages"])
+    steps = {int(d): float(s) for d, s in c["step_s_by_pipelines"].items()}
+    model = replace(gpt2_1_5b(), micro_batch_size=1,
+                    global_microbatches=int(c["samples_per_step"]))
+    return SimConfig(model, Price("bamboo", float(c["spot_price"]), float(c["on_demand_price"])),
+                     p, max(steps),
+                     params=SimParams(boot_s=float(c["creation_s"]),
+                                      rendezvous_s=float(c["global_rendezvous_s"]),
+                                      reconfig_pause_s=float(c["local_rendezvous_s"])),
+                     shape_times=tuple(((p, d, ((),) * d), s) for d, s in sorted(steps.items())),
+                     value_formula="bamboo", memory=None)
+
+
+def reproduction_errors(ref: dict, traces: dict[str, Trace],
+                        key: str = "results") -> dict[str, dict[str, float]]:
+    """Relative error of the bamboo policy against each reference figure, per trace:
+    performance (samples/s while running), cost ($/h up to the last step), value (its
+    time-averaged samples/s per $/h)."""
+    from spotpipe.sim.simulator import run
+
+    cfg = reference_config(ref)
+    out: dict[str, dict[str, float]] = {}
+    for name, trace in traces.items():
+        want = ref[key][name]
+        r = run(trace, "bamboo", cfg, record=False)
+        got = {"average_performance": r.window_throughput,
+               "average_cost": r.window_cost_per_hour, "average_value": r.time_average_value}
+        out[name] = {k: (v - want[k]) / want[k] for k, v in got.items()}
+        out[name]["fatal_failures"] = float(r.fatal_failures - want["num_fatal_failures"])
+    return out

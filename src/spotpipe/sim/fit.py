@@ -1,0 +1,142 @@
+"""Which layouts fit the instances' memory: the simulator's use of `spotpipe.plan.memory`.
+
+A layout (P stages x D pipelines) fits when every stage's estimate fits one node's device and
+host memory; with redundancy, a node that carries two stages after a takeover (its own and
+its successor's, without a replica) must fit too, so a failover never needs memory the node
+lacks. Memory per stage does not fall monotonically with P (1F1B's first stage keeps P
+micro-batches in flight), so the smallest depth a policy may re-partition to is the smallest
+P from which every depth up to the configured one fits. D = 1 is checked because one pipeline
+runs the most micro-batches (the kept inputs of lazy/eager redundancy grow with them): what
+fits at D = 1 fits at every D.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from spotpipe.plan.layout import uniform_partition
+from spotpipe.plan.memory import (MemoryEstimate, estimate_stage, instance, merge_facts,
+                                  refusal, stage_facts)
+from spotpipe.sim.itertime import microbatches_per_pipeline
+from spotpipe.sim.params import SimConfig
+
+_MEMO: dict[tuple, tuple[SimConfig, str | None]] = {}
+
+
+def layout_refusal(cfg: SimConfig, num_stages: int, num_pipelines: int, redundancy: str,
+                   replica_on_host: bool | None = None) -> str | None:
+    """Why P x D does not fit (one line naming the stage and the figures), or None."""
+    key = (id(cfg), num_stages, num_pipelines, redundancy, replica_on_host)
+    hit = _MEMO.get(key)
+    if hit is not None and hit[0] is cfg:
+        return hit[1]
+    why = _refusal(cfg, num_stages, num_pipelines, redundancy, replica_on_host)
+    _MEMO[key] = (cfg, why)
+    return why
+
+
+def _refusal(cfg: SimConfig, p: int, d: int, redundancy: str,
+             replica_on_host: bool | None) -> str | None:
+    layers = cfg.model.layer_memory
+    if cfg.memory is None or not layers:
+        return None
+    node = instance(cfg.price.instance)
+    parts = uniform_partition(len(layers), p)
+    rules = replace(cfg.memory, schedule=cfg.schedule, num_stages=p,
+                    microbatches=microbatches_per_pipeline(cfg.model, d),
+                    redundancy=redundancy if p > 1 else "none", shadows=False,
+                    replica_on_host=cfg.memory.replica_on_host if replica_on_host is None
+                    else replica_on_host)
+    plain = replace(rules, redundancy="none")
+    facts = [stage_facts(layers, parts, s, redundancy != "none") for s in range(p)]
+    where = f"P={p} x D={d} on {node.name}"
+    for s in range(p):
+        why = refusal(estimate_stage(s, facts[s], rules), node.device_bytes,
+                      node.host_bytes_per_gpu)
+        if why:
+            return f"{where}: {why}"
+        if rules.redundancy != "none":
+            carrier = estimate_stage(s, merge_facts(facts[s], facts[(s + 1) % p]), plain)
+            why = refusal(carrier, node.device_bytes, node.host_bytes_per_gpu)
+            if why:
+                return (f"{where}: a node carrying stages {s} and {(s + 1) % p} after a "
+                        f"takeover " + why.split(": it ", 1)[1])
+    return None
+
+
+def min_stages(cfg: SimConfig, redundancy: str, replica_on_host: bool | None = None) -> int:
+    """The smallest depth from which every depth up to `cfg.num_stages` fits (D = 1); raises
+    ValueError with the refusal when the configured depth itself does not fit."""
+    target = cfg.num_stages
+    key = (id(cfg), "min", redundancy, replica_on_host)
+    hit = _MEMO.get(key)
+    if hit is not None and hit[0] is cfg:
+        return int(hit[1])  # type: ignore[arg-type]
+    low = _min_stages(cfg, target, redundancy, replica_on_host)
+    _MEMO[key] = (cfg, low)  # type: ignore[assignment]
+    return low
+
+
+def _min_stages(cfg: SimConfig, target: int, redundancy: str,
+                replica_on_host: bool | None) -> int:
+    why = layout_refusal(cfg, target, 1, redundancy, replica_on_host)
+    if why:
+        raise ValueError(f"the configured layout does not fit: {why}")
+    low = target
+    while low > max(1, cfg.min_stages) and \
+            layout_refusal(cfg, low - 1, 1, redundancy, replica_on_host) is None:
+        low -= 1
+    return max(low, cfg.min_stages)
+
+
+def require_fit(cfg: SimConfig, num_stages: int, num_pipelines: int, redundancy: str,
+                replica_on_host: bool | None = None) -> None:
+    why = layout_refusal(cfg, num_stages, num_pipelines, redundancy, replica_on_host)
+    if why:
+        raise ValueError(f"the configured layout does not fit: {why}")
+
+
+def shadow_host_refusal(cfg: SimConfig, num_stages: int) -> str | None:
+    """The shadows of all P stages share one CPU host: its memory must hold them all."""
+    layers = cfg.model.layer_memory
+    if cfg.memory is None or not layers or not cfg.shadows:
+        return None
+    host = instance(cfg.shadow_host)
+    rules = replace(cfg.memory, num_stages=num_stages, shadows=True, redundancy="none")
+    parts = uniform_partition(len(layers), num_stages)
+    need = sum(estimate_stage(s, stage_facts(layers, parts, s, False), rules).shadow_host_bytes
+               for s in range(num_stages))
+    if need > host.host_bytes:
+        return (f"the shadows of {num_stages} stages need {need / 2 ** 30:.2f} GiB, the shadow "
+                f"host {host.name} has {host.host_bytes / 2 ** 30:.2f} GiB")
+    return None
+
+
+def estimates(cfg: SimConfig, num_stages: int, num_pipelines: int,
+              redundancy: str) -> list[MemoryEstimate]:
+    """Every stage's estimate of P x D (for reports and tests)."""
+    layers = cfg.model.layer_memory
+    assert cfg.memory is not None and layers
+    parts = uniform_partition(len(layers), num_stages)
+    rules = replace(cfg.memory, schedule=cfg.schedule, num_stages=num_stages,
+                    microbatches=microbatches_per_pipeline(cfg.model, num_pipelines),
+                    redundancy=redundancy if num_stages > 1 else "none", shadows=False)
+    return [estimate_stage(s, stage_facts(layers, parts, s, redundancy != "none"), rules)
+            for s in range(num_stages)]
+
+
+def check_policies(cfg: SimConfig, policies: "list[str] | tuple[str, ...]") -> None:
+    """Refuse, before anything runs, a configuration some policy could not run in memory."""
+    for name in policies:
+        if name == "spotpipe":
+            min_stages(cfg, cfg.redundancy)
+            why = shadow_host_refusal(cfg, cfg.num_stages)
+            if why and cfg.shadows:
+                raise ValueError(f"spotpipe with shadows: {why}")
+        elif name == "bamboo":
+            require_fit(cfg, cfg.num_stages, 1, "eager" if cfg.num_stages > 1 else "none",
+                        replica_on_host=False)
+        elif name == "checkpoint_restart":
+            require_fit(cfg, cfg.num_stages, 1, "none")
+        elif name == "on_demand":
+            require_fit(cfg, cfg.num_stages, cfg.num_pipelines, "none")
