@@ -117,7 +117,7 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
                        for d in broken):
         return _shadow_repair(layout, lost, standby, replicas)
     survivors = sorted(layout.active_nodes - lost) + list(standby)
-    return _restart(layout, survivors, min_stages, broken)
+    return restart(layout, survivors, min_stages, broken)
 
 
 # -- losses -------------------------------------------------------------------------------
@@ -196,9 +196,10 @@ def _drop(layout: Layout, lost: frozenset[str], standby: tuple[str, ...], broken
                     tuple(broken))
 
 
-def _restart(layout: Layout, nodes: list[str], min_stages: int,
-             broken: list[int]) -> Decision:
-    """Every pipeline is broken: rebuild from the shadows at the deepest depth that fits."""
+def restart(layout: Layout, nodes: list[str], min_stages: int,
+            broken: list[int]) -> Decision:
+    """Every pipeline is broken: rebuild from the shadows (or the newest checkpoint) at the
+    deepest depth that fits on `nodes`."""
     depth = min(layout.target_stages, len(nodes))
     if depth < max(1, min_stages):
         empty = _empty(layout, nodes)
@@ -217,7 +218,7 @@ def _grow(layout: Layout, min_stages: int, repartition: bool = True) -> Decision
     if layout.num_pipelines == 0:
         if not layout.standby:
             return Decision(Action.STOP, layout, (), "no nodes")
-        return _restart(layout, list(layout.standby), min_stages, [])
+        return restart(layout, list(layout.standby), min_stages, [])
     if layout.has_carriers and layout.standby:
         return _rebalance(layout)
     if layout.has_carriers and repartition:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 from spotpipe.plan.layout import Layout
-from spotpipe.plan.policy import Action, Decision as Choice, Move, MoveKind, decide
+from spotpipe.plan.policy import Action, Decision as Choice, Move, MoveKind, decide, restart
 from spotpipe.plan.transfers import Transfer, transfers
 
 Partition = tuple[tuple[int, int], ...]
@@ -60,6 +60,10 @@ class Rules:
     partition_for: Callable[[int], Partition] | None = None
     max_futile: int = 3  # plans failing in a row with no node lost, before the job stops
     min_stages: int = 1  # the smallest depth at which a stage fits in memory
+    # the job is restarted from its newest checkpoint when no layout of the survivors holds
+    # its state (a supervisor does it, as the simulator models it); the runtime stops
+    # instead and says so (restarting it is the user's `--resume`)
+    restarts: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,11 @@ class Decision:
     @property
     def stopped(self) -> bool:
         return self.action == Action.STOP
+
+    @property
+    def needs_restore(self) -> bool:
+        """Progress since the last shadow copy or checkpoint is rolled back."""
+        return any(m.kind == MoveKind.RESTORE for m in self.moves)
 
     @property
     def promoted(self) -> frozenset[str]:
@@ -241,11 +250,21 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
                         f"{choice.layout.num_pipelines} pipelines; the new nodes wait on standby")
     named = _named(layout, hit, lacking)
     message = _stop_reason(choice, rules, layout, hit, lost, reports, futile, named, when)
+    if message and rules.restarts and futile < rules.max_futile:
+        # restarted from the newest checkpoint on the survivors (see Rules.restarts)
+        survivors = sorted(layout.active_nodes - lost) + [n for n in layout.standby
+                                                           if n not in lost]
+        choice = restart(layout, survivors + [n for n in joiners if n not in survivors],
+                         rules.min_stages, [])
+        message = "" if choice.action != Action.STOP else (
+            f"lost {named} {when}: {choice.reason}")
     base = dict(generation=history.generation + 1, resume=resume, previous_layout=layout,
                 previous_partition=partition, rejoin=tuple(sorted(
                     n for n in lacking if n not in choice.layout.active_nodes)))
     if message:
-        decision = Decision(Action.STOP, layout=layout, partition=partition, message=message,
+        # (the layout a stop leaves: decide's own, or the survivors waiting for a restart)
+        left = choice.layout if choice.action == Action.STOP else layout.with_standby(())
+        decision = Decision(Action.STOP, layout=left, partition=partition, message=message,
                             reason=choice.reason, **base)  # type: ignore[arg-type]
         return Outcome(decision, replace(state, futile=futile, lost_before=lost), lost,
                        leaving, lacking, rolled_back, refused)
@@ -253,7 +272,9 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
                      if choice.action == Action.REPARTITION else partition)
     promoted = {m.dst for m in choice.moves if m.kind == MoveKind.PROMOTE}
     copies = [(m.stage, m.src, m.dst) for m in choice.moves if m.kind == MoveKind.COPY]
-    moved = (() if choice.action == Action.REPARTITION else
+    # (a re-partition moves layers, not states; a restart loads every state from the
+    # checkpoint: neither has stage transfers)
+    moved = (() if choice.action in (Action.REPARTITION, Action.RESTORE_FROM_CHECKPOINT) else
              tuple(transfers(layout, choice.layout, copies, promoted, rules.replicas)))
     continues = (_continues_in_flight(choice, layout, rules)
                  and all(r.formed for r in reports.values()))
@@ -365,8 +386,11 @@ def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[st
                 f"would leave {choice.layout.num_pipelines} pipelines, over which the "
                 f"{rules.microbatches} micro-batches of an iteration do not split evenly; "
                 "stopping")
-    if choice.action not in CARRIED_OUT or (choice.action == Action.REPARTITION
-                                            and choice.needs_restore):
+    restart = choice.action == Action.RESTORE_FROM_CHECKPOINT or (
+        choice.action == Action.REPARTITION and choice.needs_restore)
+    if restart and rules.restarts:
+        return ""
+    if choice.action not in CARRIED_OUT or restart:
         survivors = len(layout.active_nodes - lost) + len(layout.standby)
         return (f"lost {named} {when}: "
                 + ("adjacent stages of one pipeline, so no replica of one of them survives; "

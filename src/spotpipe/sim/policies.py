@@ -6,7 +6,7 @@ every instance the trace grants (an autoscaling group bills what it grants), so 
 same; they differ in how much of that time turns into kept samples.
 
 - spotpipe: redundancy (FRC) slows each iteration; failover, rebalance, add/drop pipeline and
-  re-partition come from `spotpipe.plan.decide`; a takeover redoes only the lost stage's share
+  re-partition come from `spotpipe.plan.recovery`, the runtime's own decision; a takeover redoes only the lost stage's share
   of the in-flight iteration; a fatal failure (two adjacent losses in every
   pipeline) reloads from per-iteration CPU shadows, losing at most the in-flight iteration.
 - bamboo: Bamboo as its simulator has it (P fixed, carriers until a rendezvous, its fatal
@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from spotpipe.plan import Action, Decision, Layout, decide
+from spotpipe.plan import Action, Layout
+from spotpipe.plan.recovery import Decision, History, Rules, settle
 from spotpipe.sim import fit
 from spotpipe.sim.bamboo import BambooPolicy
 from spotpipe.sim.itertime import iteration_time
@@ -86,30 +87,33 @@ def _iteration_time(cfg: SimConfig, p: int, width: int, merged: tuple[tuple[int,
     return worst
 
 
-@dataclass(frozen=True)
-class DecideRules:
-    """What the spotpipe policy's decisions depend on besides the layout and the events."""
+def recovery_rules(cfg: SimConfig, redundancy: str) -> Rules:
+    """The runtime's recovery rules for a simulated job (`cluster.coordinator.rules_for` makes
+    the same from a config): with them `plan.recovery` decides here what the coordinator
+    decides in a run. Partitions are uniform (the simulator has no model to profile); a job
+    whose layout no survivor can hold is restarted from its checkpoint, as a supervisor would
+    restart a stopped run."""
+    return Rules(replicas=redundancy != "none", shadows=cfg.shadows,
+                 repartition=cfg.repartition, replay_rest=True,
+                 microbatches=cfg.model.global_microbatches,
+                 repartition_blocked=("the CPU shadows hold the stages of the launch "
+                                      "partition; the job keeps its carriers"
+                                      if cfg.shadows else None),
+                 partition_for=_uniform, min_stages=fit.min_stages(cfg, redundancy),
+                 restarts=True)
 
-    min_stages: int  # the smallest depth that fits memory (see `spotpipe.sim.fit`)
-    shadows: bool
-    replicas: bool
-    repartition: bool
 
-
-def next_decision(layout: Layout, lost: frozenset[str], ready: list[str],
-                  rules: DecideRules) -> Decision:
-    """The one place the simulator asks the planner what to do: the runtime's own function."""
-    return decide(layout, lost, ready, min_stages=rules.min_stages, shadows=rules.shadows,
-                  replicas=rules.replicas, repartition=rules.repartition)
+def _uniform(depth: int) -> tuple[tuple[int, int], ...]:
+    return tuple((s, s + 1) for s in range(depth))
 
 
 class Planner:
-    """Runs `plan.decide` until it answers KEEP or STOP, memoised per trace instant.
+    """Runs `plan.recovery.settle` for the events of one trace instant, memoised per instant.
 
-    Layouts evolve from the events alone (decide never looks at the job's clock), so spotpipe
-    and bamboo, which differ only in what a fatal failure costs, take the same decisions on
-    the same trace. Sharing one Planner between them computes each decision once; the memo is
-    used only when the caller's layout is the very object the memo started from.
+    Layouts evolve from the events alone (recovery never looks at the job's clock), so
+    policies that share the runtime's decisions and differ only in what they cost take the
+    same decisions on the same trace. Sharing one Planner computes each decision once; the
+    memo is used only when the caller's layout is the very object the memo started from.
     """
 
     def __init__(self) -> None:
@@ -125,25 +129,23 @@ class Planner:
         return s
 
     def plan(self, index: int, layout: Layout, lost: frozenset[str], ready: list[str],
-             rules: "DecideRules") -> list[tuple[Layout, Decision]]:
+             rules: Rules) -> list[tuple[Layout, Decision]]:
         hit = self._memo.get(index)
         if hit is not None and hit[0] is layout:
             return hit[1]
+        history = History(layout, _uniform(layout.num_stages))
         steps = []
         current = layout
-        for _ in range(8):  # a decision sequence converges in a few steps (KEEP ends it)
-            d = next_decision(current, lost, ready, rules)
-            steps.append((current, d))
-            lost, ready, current = frozenset(), [], d.layout
-            if d.action in (Action.KEEP, Action.STOP):
-                break
+        for outcome in settle(history, rules, lost=lost, joiners=ready):
+            steps.append((current, outcome.decision))
+            current = outcome.decision.layout
         if index >= 0:
             self._memo[index] = (layout, steps)
         return steps
 
 
 class SpotpipePolicy(Policy):
-    """Redundant computation + plan.decide + per-iteration shadows."""
+    """Redundant computation + the runtime's recovery decisions + per-iteration shadows."""
 
     name = "spotpipe"
     restore_bucket = "restarting"
@@ -157,8 +159,7 @@ class SpotpipePolicy(Policy):
         self.planner = planner or Planner()
         self.layout = self.planner.start(cfg.num_stages, cfg.num_pipelines)
         self.decisions: list[tuple[float, Action]] = []
-        self.rules = DecideRules(fit.min_stages(cfg, self.redundancy()), cfg.shadows,
-                                 self.redundancy() != "none", cfg.repartition)
+        self.rules = recovery_rules(cfg, self.redundancy())
         self.shapes: set[tuple[int, int, bool]] = set()  # (P, D, a node carries two stages)
 
     def used_nodes(self) -> int:
