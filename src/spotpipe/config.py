@@ -48,6 +48,9 @@ class ModelSection:
     factory_kwargs: dict[str, Any] = field(default_factory=dict)
     partition: Literal["uniform", "parameters", "time", "explicit"] = "uniform"
     stage_of_layer: list[int] = field(default_factory=list)  # for partition: explicit
+    # torch.utils.checkpoint (non-reentrant) around each layer, or around each whole stage:
+    # activations are recomputed in the backward instead of kept; the bits do not change
+    activation_checkpointing: Literal["none", "layers", "stage"] = "none"
 
 
 @dataclass
@@ -76,6 +79,16 @@ class LRScheduleSection:
     kind: Literal["constant", "cosine", "linear"] = "constant"
     warmup_iters: int = 0
     min_lr: float = 0.0
+
+
+@dataclass
+class LossScaleSection:
+    """fp16's dynamic loss scaler (torch.amp.GradScaler's parameters and defaults)."""
+
+    init: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
 
 
 @dataclass
@@ -161,6 +174,10 @@ class Config:
     cluster: ClusterSection = field(default_factory=ClusterSection)
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
     redundancy: Literal["none", "lazy", "eager"] = "none"
+    # compute dtype: autocast inside each layer, layer outputs (what travels between stages)
+    # in it; master weights, gradients and optimizer state stay fp32 (spotpipe.runtime.precision)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss_scale: LossScaleSection = field(default_factory=LossScaleSection)
     replica: ReplicaSection = field(default_factory=ReplicaSection)
     failover: FailoverSection = field(default_factory=FailoverSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
@@ -320,6 +337,11 @@ def _check(cfg: Config) -> None:
     if cfg.redundancy != "none" and cfg.stages < 2:
         raise ConfigError(f"redundancy: {cfg.redundancy!r} needs stages >= 2 (a replica lives on "
                           f"the neighbouring stage's node), got stages = {cfg.stages}")
+    ls = cfg.loss_scale
+    if ls.init <= 0 or ls.growth_factor <= 1 or not 0 < ls.backoff_factor < 1 \
+            or ls.growth_interval < 1:
+        raise ConfigError("loss_scale: expected init > 0, growth_factor > 1, backoff_factor in "
+                          f"(0, 1) and growth_interval >= 1, got {dataclasses.asdict(ls)}")
     if cfg.shadow.max_lag < 1:
         raise ConfigError(f"shadow.max_lag: expected a positive integer, got {cfg.shadow.max_lag}")
     if cfg.replica.sync_every < 1 or cfg.replica.max_lag < 1:
