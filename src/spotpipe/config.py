@@ -41,9 +41,19 @@ class GPTSection:
 
 
 @dataclass
+class HFSection:
+    """`model.kind: hf`: a transformers causal LM (GPT-2 or Llama family)."""
+
+    config: str = ""  # a model type ("gpt2", "llama") or a local folder with config.json
+    overrides: dict[str, Any] = field(default_factory=dict)  # config fields set on top
+    weights: str = ""  # local safetensors file (or folder with model.safetensors); "": random
+
+
+@dataclass
 class ModelSection:
-    kind: Literal["gpt", "factory"] = "gpt"
+    kind: Literal["gpt", "factory", "hf"] = "gpt"
     gpt: GPTSection = field(default_factory=GPTSection)
+    hf: HFSection = field(default_factory=HFSection)
     factory: str = ""  # "package.module:function" returning layers (+ loss)
     factory_kwargs: dict[str, Any] = field(default_factory=dict)
     partition: Literal["uniform", "parameters", "time", "explicit"] = "uniform"
@@ -324,6 +334,9 @@ def _check(cfg: Config) -> None:
     if cfg.model.kind == "factory" and ":" not in cfg.model.factory:
         raise ConfigError("model.factory: expected 'package.module:function' when model.kind is "
                           f"'factory', got {cfg.model.factory!r}")
+    if cfg.model.kind == "hf" and not cfg.model.hf.config:
+        raise ConfigError("model.hf.config: required when model.kind is 'hf' (a model type such "
+                          "as 'gpt2' or 'llama', or a local folder with config.json)")
     if cfg.data.kind == "factory" and ":" not in cfg.data.factory:
         raise ConfigError("data.factory: expected 'package.module:function' when data.kind is "
                           f"'factory', got {cfg.data.factory!r}")

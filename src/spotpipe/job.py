@@ -23,6 +23,11 @@ from spotpipe.model.ties import cross_stage_tied
 def build_model(cfg: Config) -> LayeredModel:
     if cfg.model.kind == "gpt":
         return build_gpt(GPTConfig(**dataclasses.asdict(cfg.model.gpt)), seed=cfg.seed)
+    if cfg.model.kind == "hf":
+        from spotpipe.model.hf import build_hf_model, split_hf  # transformers: the hf extra
+
+        h = cfg.model.hf
+        return split_hf(*build_hf_model(h.config, dict(h.overrides), h.weights, cfg.seed))
     return build_user_model(cfg.model.factory, dict(cfg.model.factory_kwargs), seed=cfg.seed)
 
 

@@ -34,6 +34,9 @@ class LayeredModel:
     layers: list[nn.Module]
     loss_fn: LossFn
     tied: list[tuple[str, str]] = field(default_factory=list)
+    # layer names -> the names the model is known by outside spotpipe (e.g. a transformers
+    # model's own), used for the final model.safetensors; names not listed are kept
+    export_names: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.layers = list(self.layers)
@@ -52,6 +55,9 @@ class LayeredModel:
             for name in pair:
                 if name not in names:
                     raise ValueError(f"tied parameter {name!r} is not a parameter of the model")
+
+    def export_name(self, name: str) -> str:
+        return self.export_names.get(name, name)
 
     @property
     def num_layers(self) -> int:

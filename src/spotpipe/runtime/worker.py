@@ -726,11 +726,16 @@ class Worker:
         """Pipeline 0's owners write their stages; the launcher merges them."""
         out = self.run_dir / "final"
         out.mkdir(exist_ok=True)
+        if self.cfg.model.kind == "hf" and self.layout.owner(0, 0) == self.node:
+            from spotpipe.model.hf import load_config  # from_pretrained(out) needs config.json
+
+            h = self.cfg.model.hf
+            load_config(h.config, dict(h.overrides)).save_pretrained(out)
         for s, state in self.stages.items():
             if self.layout.owner(0, s) != self.node:
                 continue
             # clone: tied tensors share storage, which safetensors refuses to write twice
-            tensors = {k: v.detach().to("cpu").contiguous().clone()
+            tensors = {self.model.export_name(k): v.detach().to("cpu").contiguous().clone()
                        for k, v in state.module.state_dict().items()}
             save_file(tensors, str(out / f".stage{s}.safetensors.tmp"))
             os.replace(out / f".stage{s}.safetensors.tmp", out / f"stage{s}.safetensors")
