@@ -58,6 +58,9 @@ class ModelSection:
     factory_kwargs: dict[str, Any] = field(default_factory=dict)
     partition: Literal["uniform", "parameters", "time", "explicit"] = "uniform"
     stage_of_layer: list[int] = field(default_factory=list)  # for partition: explicit
+    # where stages begin, by layer name ("layers.4"; torch.distributed.pipelining's
+    # SplitPoint.BEGINNING): len + 1 stages; overrides partition
+    split_points: list[str] = field(default_factory=list)
     # torch.utils.checkpoint (non-reentrant) around each layer, or around each whole stage:
     # activations are recomputed in the backward instead of kept; the bits do not change
     activation_checkpointing: Literal["none", "layers", "stage"] = "none"

@@ -17,6 +17,7 @@ from spotpipe.config import Config
 from spotpipe.data import GlobalSampler, TextDataset, TokenFileDataset, collate, load_user_dataset
 from spotpipe.model import (GPTConfig, LayeredModel, PartitionError, build_gpt, build_user_model,
                             partition)
+from spotpipe.model.named import SplitError, split_points_map
 from spotpipe.model.ties import cross_stage_tied
 
 
@@ -51,6 +52,15 @@ def build_sampler(cfg: Config, dataset: Any) -> GlobalSampler:
 def compute_partition(cfg: Config, model: LayeredModel, dataset: Any,
                       num_stages: int | None = None) -> list[tuple[int, int]]:
     p = num_stages or cfg.stages
+    if cfg.model.split_points:
+        if len(cfg.model.split_points) + 1 != p:
+            raise PartitionError(f"model.split_points {cfg.model.split_points} make "
+                                 f"{len(cfg.model.split_points) + 1} stages, the job has {p}")
+        try:
+            stage_of = split_points_map(model.layer_names, list(cfg.model.split_points))
+        except SplitError as exc:
+            raise PartitionError(str(exc)) from None
+        return partition(model, p, "explicit", explicit=stage_of)
     sample = None
     if cfg.model.partition == "time":
         sample, _ = collate(dataset, list(range(cfg.micro_batch_size)))
@@ -63,6 +73,10 @@ def partition_at_depth(cfg: Config, model: LayeredModel, dataset: Any,
                        depth: int) -> list[tuple[int, int]]:
     """The partition a re-partition to `depth` stages uses: the configured method, as at
     launch. An explicit map names the stage of every layer for the configured depth only."""
+    if cfg.model.split_points and depth != cfg.stages:
+        raise PartitionError(
+            f"model.split_points place the stages of a {cfg.stages}-stage job and cannot be "
+            f"derived for {depth}; leave them out to let the job change its depth")
     if cfg.model.partition == "explicit" and depth != cfg.stages:
         raise PartitionError(
             f"model.partition is explicit: model.stage_of_layer places the layers on "

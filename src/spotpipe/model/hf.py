@@ -158,8 +158,10 @@ def split_hf(model: nn.Module, config: Any) -> LayeredModel:
     layers: list[nn.Module] = [Embedding(parts)]
     layers += [Block(b, config, rotary) for b in model.get_submodule(family.blocks)]
     layers += [model.get_submodule(family.norm), model.get_submodule(family.head)]
+    names = [family.embed[0]] + [f"{family.blocks}.{i}" for i in range(len(layers) - 3)]
     return LayeredModel(layers=layers, loss_fn=gpt_loss, tied=find_tied(layers),
-                        export_names=export_names(layers, model))
+                        export_names=export_names(layers, model),
+                        layer_names=names + [family.norm, family.head])
 
 
 def export_names(layers: list[nn.Module], model: nn.Module) -> dict[str, str]:

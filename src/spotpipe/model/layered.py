@@ -37,6 +37,8 @@ class LayeredModel:
     # layer names -> the names the model is known by outside spotpipe (e.g. a transformers
     # model's own), used for the final model.safetensors; names not listed are kept
     export_names: dict[str, str] = field(default_factory=dict)
+    # each layer's name in the model it came from ("layers.3"), for model.split_points
+    layer_names: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.layers = list(self.layers)
@@ -48,6 +50,8 @@ class LayeredModel:
         if not callable(self.loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(self.loss_fn).__name__}")
         self.tied = [tuple(pair) for pair in self.tied]  # type: ignore[misc]
+        if self.layer_names and len(self.layer_names) != len(self.layers):
+            raise ValueError(f"{len(self.layer_names)} layer names for {len(self.layers)} layers")
         names = dict(self.to_sequential().named_parameters(remove_duplicate=False))
         for pair in self.tied:
             if len(pair) != 2:
