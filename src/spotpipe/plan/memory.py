@@ -1,0 +1,352 @@
+"""How much device and host memory one pipeline stage needs, and whether that fits.
+
+One estimator serves two callers. The simulator builds a stage's facts analytically (GPT-2
+sizes, `transformer_layers`) and refuses every layout whose stages do not fit the instance
+preset (`INSTANCES`), so the smallest depth P follows from memory. The runtime builds them
+from a real stage (its parameter count, measured activation bytes) and refuses to launch a
+stage that would not fit its device, with the figures (`refusal`). Standard library only.
+
+Formulas (B = bytes, N = parameters of the stage, in_flight = micro-batches whose
+activations a stage holds at once, M = micro-batches per pipeline and iteration):
+
+Model state (`STATE_BYTES`). Master weights and optimizer state are fp32 whatever the compute
+precision; with bf16/fp16 the weights are also held as a compute copy, and the gradients
+are in the compute dtype (mixed precision as in Micikevicius et al., "Mixed Precision
+Training", ICLR 2018):
+- fp32: weights 4 N, gradients 4 N;
+- bf16 / fp16: compute copy 2 N, gradients 2 N, fp32 master weights 4 N;
+- optimizer state: Adam/AdamW 8 N (two fp32 moments, Kingma & Ba 2015; torch.optim.AdamW
+  keeps `exp_avg` and `exp_avg_sq`), SGD with momentum 4 N (torch's `momentum_buffer`).
+  So mixed-precision Adam is 2 + 2 + 4 + 8 = 16 B/param, the ZeRO paper's figure (Rajbhandari
+  et al., SC '20, sec. 3.1: 2Psi + 2Psi + K Psi, K = 12), and fp32 Adam is 4 + 4 + 8 = 16 too.
+
+Activations (`in_flight`): a stage keeps, per micro-batch in flight, what its backward needs.
+- 1F1B (PipeDream-flush, Narayanan et al., SC '21): stage s of P runs P - s - 1 warm-up
+  forwards before its first backward, so it holds min(P - s, M) micro-batches;
+- GPipe (Huang et al., NeurIPS '19): every forward before any backward: M micro-batches.
+Activation checkpointing (Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016):
+- none: in_flight x activation_bytes;
+- layers: in_flight x layers x layer input (a transformer block's input is the size of the
+  boundary activation, so `boundary_bytes` per layer), plus one micro-batch's activations of
+  one layer while it is recomputed (activation_bytes / layers);
+- stage: in_flight x the stage's input (`boundary_bytes`), plus one micro-batch's
+  activations of the whole stage while it is recomputed (activation_bytes).
+Analytic transformer activations (`transformer_layers`) per block and micro-batch are
+s b h (34 + 5 a s / h) bytes with 16-bit activations (Korthikanti et al., "Reducing Activation
+Recomputation in Large Transformer Models", MLSys '23, eq. 1, no tensor parallelism), scaled by
+dtype bytes / 2 for other precisions; the head keeps its logits (s b V in the compute dtype)
+and their fp32 softmax for the loss (s b V x 4).
+
+Redundancy (Bamboo, NSDI '23; spotpipe's replicas kept exact by gradient replication):
+- none: nothing more;
+- lazy: the replica of the successor's stage (its fp32 weights 4 N', the replicated gradient
+  4 N', its optimizer state) on the replica's device (`replica_on_host`: the runtime's default
+  `replica.device: cpu`), plus the successor's inputs of the iteration kept for a replay:
+  M x boundary_bytes (what this stage sends) on the device;
+- eager: as lazy, plus the replica's compute copy (2 N' for bf16/fp16) when it runs on the
+  device, plus FRC's outputs of the iteration, M x the replica's boundary bytes, on the
+  device, or on the host with `offload_frc` (the runtime's `replica.offload_frc`). FRC runs
+  under no_grad, so it keeps no activations; BRC recomputes them after a loss.
+Shadows (`shadows`): a CPU process per stage holds every iteration's state: fp32 weights, the
+gradient it receives and the optimizer state, on the host: (4 + 4 + optimizer) N.
+Reserve: `device_reserve_bytes` of every device (CUDA context and allocator slack; about
+0.5-1 GiB in practice) is not available to the stage.
+Not counted: temporary buffers of one kernel, communication buffers (small against the
+above at these sizes), fragmentation beyond the reserve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+GIB = 1024 ** 3
+
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
+SCHEDULES = ("1f1b", "gpipe")
+REDUNDANCY = ("none", "lazy", "eager")
+CHECKPOINTING = ("none", "layers", "stage")
+
+
+@dataclass(frozen=True)
+class StageFacts:
+    """What the estimate needs to know of one stage (and of the replica its node holds).
+
+    activation_bytes: what one micro-batch's forward keeps for its backward, without
+    activation checkpointing; boundary_bytes: the activation this stage sends on per
+    micro-batch; input_bytes: the one it receives (default: boundary_bytes), also taken as
+    the size of each of its layers' inputs for activation checkpointing.
+    """
+
+    params: int
+    activation_bytes: float
+    boundary_bytes: float
+    layers: int = 1
+    replica_params: int = 0
+    replica_boundary_bytes: float = 0.0
+    input_bytes: float | None = None
+
+    @property
+    def stage_input_bytes(self) -> float:
+        return self.boundary_bytes if self.input_bytes is None else self.input_bytes
+
+    def __post_init__(self) -> None:
+        for name in ("params", "activation_bytes", "boundary_bytes", "replica_params",
+                     "replica_boundary_bytes", "stage_input_bytes"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"StageFacts.{name} must be >= 0, got {value!r}")
+        if self.layers < 1:
+            raise ValueError(f"StageFacts.layers must be >= 1, got {self.layers}")
+
+
+@dataclass(frozen=True)
+class MemoryRules:
+    """How the job runs, as far as memory goes (see the module doc for each formula)."""
+
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    schedule: str = "1f1b"
+    num_stages: int = 1
+    microbatches: int = 1  # per pipeline and iteration
+    redundancy: str = "none"
+    activation_checkpointing: str = "none"
+    shadows: bool = False
+    replica_on_host: bool = True  # the runtime's `replica.device: cpu`
+    offload_frc: bool = False  # the runtime's `replica.offload_frc`
+    device_reserve_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("precision", COMPUTE_BYTES), ("optimizer", OPTIMIZER_BYTES),
+                              ("schedule", SCHEDULES), ("redundancy", REDUNDANCY),
+                              ("activation_checkpointing", CHECKPOINTING)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"MemoryRules.{name}: {getattr(self, name)!r}, expected one "
+                                 f"of {', '.join(allowed)}")
+        if self.num_stages < 1 or self.microbatches < 1:
+            raise ValueError(f"MemoryRules: num_stages and microbatches must be >= 1, got "
+                             f"{self.num_stages}, {self.microbatches}")
+        if self.device_reserve_bytes < 0:
+            raise ValueError("MemoryRules.device_reserve_bytes must be >= 0")
+
+
+@dataclass(frozen=True)
+class MemoryPart:
+    name: str
+    where: str  # "device" or "host"
+    bytes: float
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    stage: int
+    parts: tuple[MemoryPart, ...]
+
+    @property
+    def device_bytes(self) -> float:
+        return sum(p.bytes for p in self.parts if p.where == "device")
+
+    @property
+    def host_bytes(self) -> float:
+        return sum(p.bytes for p in self.parts if p.where == "host")
+
+    def breakdown(self) -> dict[str, float]:
+        """bytes per "where:name", e.g. {"device:weights": ...}."""
+        return {f"{p.where}:{p.name}": p.bytes for p in self.parts}
+
+
+def in_flight(schedule: str, num_stages: int, stage: int, microbatches: int) -> int:
+    """Micro-batches whose activations stage `stage` holds at its peak (see the module doc)."""
+    if schedule == "gpipe":
+        return microbatches
+    if schedule == "1f1b":
+        return min(num_stages - stage, microbatches)
+    raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
+
+
+def state_bytes_per_param(precision: str, optimizer: str) -> dict[str, int]:
+    """Bytes per parameter of an owned stage: weights (compute copy + master), gradients,
+    optimizer state."""
+    compute = COMPUTE_BYTES[precision]
+    weights = 4 if compute == 4 else compute + 4
+    return {"weights": weights, "gradients": compute, "optimizer": OPTIMIZER_BYTES[optimizer]}
+
+
+def estimate_stage(stage: int, facts: StageFacts, rules: MemoryRules) -> MemoryEstimate:
+    """Device and host bytes of the node that runs `stage` (and holds its successor's replica)."""
+    if not 0 <= stage < rules.num_stages:
+        raise ValueError(f"stage {stage} is outside 0..{rules.num_stages - 1}")
+    per = state_bytes_per_param(rules.precision, rules.optimizer)
+    n = facts.params
+    parts = [MemoryPart(name, "device", float(b * n)) for name, b in per.items()]
+    parts.append(MemoryPart("activations", "device", _activations(stage, facts, rules)))
+    m = rules.microbatches
+    if rules.redundancy != "none" and rules.num_stages > 1:
+        r = facts.replica_params
+        where = "host" if rules.replica_on_host else "device"
+        replica = (4 + 4 + OPTIMIZER_BYTES[rules.optimizer]) * r
+        if rules.redundancy == "eager" and not rules.replica_on_host \
+                and COMPUTE_BYTES[rules.precision] != 4:
+            replica += COMPUTE_BYTES[rules.precision] * r
+        parts.append(MemoryPart("replica", where, float(replica)))
+        parts.append(MemoryPart("kept_inputs", "device", float(m * facts.boundary_bytes)))
+        if rules.redundancy == "eager":
+            parts.append(MemoryPart("frc_outputs", "host" if rules.offload_frc else "device",
+                                    float(m * facts.replica_boundary_bytes)))
+    if rules.shadows:
+        parts.append(MemoryPart("shadow", "host",
+                                float((4 + 4 + OPTIMIZER_BYTES[rules.optimizer]) * n)))
+    if rules.device_reserve_bytes:
+        parts.append(MemoryPart("reserve", "device", float(rules.device_reserve_bytes)))
+    return MemoryEstimate(stage, tuple(p for p in parts if p.bytes))
+
+
+def _activations(stage: int, facts: StageFacts, rules: MemoryRules) -> float:
+    k = in_flight(rules.schedule, rules.num_stages, stage, rules.microbatches)
+    mode = rules.activation_checkpointing
+    if mode == "none":
+        return k * facts.activation_bytes
+    kept = facts.stage_input_bytes
+    if mode == "layers":
+        return k * facts.layers * kept + facts.activation_bytes / facts.layers
+    return k * kept + facts.activation_bytes
+
+
+def fits(estimate: MemoryEstimate, device_bytes: float, host_bytes: float) -> bool:
+    return estimate.device_bytes <= device_bytes and estimate.host_bytes <= host_bytes
+
+
+def refusal(estimate: MemoryEstimate, device_bytes: float, host_bytes: float) -> str | None:
+    """One line naming the stage, what it needs and what there is; None when it fits."""
+    short = []
+    for where, need, have in (("device", estimate.device_bytes, device_bytes),
+                              ("host", estimate.host_bytes, host_bytes)):
+        if need > have:
+            parts = ", ".join(f"{p.name} {_gib(p.bytes)}" for p in estimate.parts
+                              if p.where == where)
+            short.append(f"{_gib(need)} of {where} memory ({parts}), the {where} has "
+                         f"{_gib(have)}")
+    if not short:
+        return None
+    return f"stage {estimate.stage} does not fit: it needs " + "; and ".join(short)
+
+
+def _gib(b: float) -> str:
+    return f"{b / GIB:.2f} GiB"
+
+
+# -- analytic models (the simulator's) ----------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """One layer of a layer-list model: parameters, bytes kept for backward per
+    micro-batch, bytes of its output per micro-batch."""
+
+    params: int
+    activation_bytes: float
+    output_bytes: float
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+
+
+GPT2 = {
+    "gpt2": TransformerShape(12, 768, 12, 1024, 50257),
+    "gpt2-medium": TransformerShape(24, 1024, 16, 1024, 50257),
+    "gpt2-large": TransformerShape(36, 1280, 20, 1024, 50257),
+    "gpt2-1.5b": TransformerShape(48, 1600, 25, 1024, 50257),  # GPT-2 XL
+}
+
+
+def transformer_layers(shape: TransformerShape, micro_batch: int,
+                       precision: str = "fp32") -> tuple[LayerMemory, ...]:
+    """[embedding, blocks..., head], as spotpipe's GPT lays them out (untied head: each stage
+    holds its own copy of what it uses).
+
+    embedding: token + position tables (V h + s h), keeps nothing but its output (s b h);
+    block: 12 h^2 + 13 h parameters (attention 4 h^2 + 4 h, MLP 8 h^2 + 5 h, two layer norms
+    4 h), activations by Korthikanti et al. (module doc);
+    head: final layer norm (2 h) and the LM projection (V h); keeps its input, the logits and
+    their fp32 softmax.
+    """
+    s, h, a, v, b = shape.seq, shape.hidden, shape.heads, shape.vocab, micro_batch
+    dt = COMPUTE_BYTES[precision]
+    boundary = float(s * b * h * dt)
+    block_act = s * b * h * (34 + 5 * a * s / h) * dt / 2
+    head_act = boundary + s * b * v * dt + s * b * v * 4
+    layers = [LayerMemory(v * h + s * h, 0.0, boundary)]
+    layers += [LayerMemory(12 * h * h + 13 * h, block_act, boundary)] * shape.layers
+    layers.append(LayerMemory(v * h + 2 * h, head_act, 0.0))
+    return tuple(layers)
+
+
+def stage_facts(layers: Sequence[LayerMemory], stages: Sequence[tuple[int, int]],
+                stage: int, redundancy: bool = True) -> StageFacts:
+    """Facts of stage `stage` of the partition `stages` ((start, end) layer ranges), with the
+    replica of its successor (stage + 1) mod P when `redundancy` and P > 1."""
+    start, end = stages[stage]
+    if not 0 <= start < end <= len(layers):
+        raise ValueError(f"stage {stage}: layers {start}..{end} outside 0..{len(layers)}")
+    own = layers[start:end]
+    replica: Sequence[LayerMemory] = ()
+    if redundancy and len(stages) > 1:
+        rs, re_ = stages[(stage + 1) % len(stages)]
+        replica = layers[rs:re_]
+    return StageFacts(
+        params=sum(x.params for x in own),
+        activation_bytes=sum(x.activation_bytes for x in own),
+        boundary_bytes=own[-1].output_bytes,
+        layers=len(own),
+        replica_params=sum(x.params for x in replica),
+        replica_boundary_bytes=replica[-1].output_bytes if replica else 0.0,
+        input_bytes=layers[start - 1].output_bytes if start > 0 else 0.0)
+
+
+def merge_facts(first: StageFacts, second: StageFacts) -> StageFacts:
+    """A node that carries two adjacent stages (after a takeover): both stages' state and
+    activations, the second's output sent on, no replica (the runtime holds none then)."""
+    return StageFacts(first.params + second.params,
+                      first.activation_bytes + second.activation_bytes,
+                      second.boundary_bytes, first.layers + second.layers,
+                      input_bytes=first.stage_input_bytes)
+
+
+# -- instance presets (device memory per GPU, host memory per instance) --------------------
+
+@dataclass(frozen=True)
+class Instance:
+    name: str
+    gpus: int
+    device_bytes: float  # per GPU
+    host_bytes: float  # the whole instance
+
+    @property
+    def host_bytes_per_gpu(self) -> float:
+        return self.host_bytes / self.gpus
+
+
+# AWS's published instance specifications (aws.amazon.com/ec2/instance-types/p3, /g4, /g5)
+INSTANCES = {
+    "p3.2xlarge": Instance("p3.2xlarge", 1, 16 * GIB, 61 * GIB),
+    "p3.8xlarge": Instance("p3.8xlarge", 4, 16 * GIB, 244 * GIB),
+    "p3.16xlarge": Instance("p3.16xlarge", 8, 16 * GIB, 488 * GIB),
+    "g4dn.xlarge": Instance("g4dn.xlarge", 1, 16 * GIB, 16 * GIB),
+    "g4dn.2xlarge": Instance("g4dn.2xlarge", 1, 16 * GIB, 32 * GIB),
+    "g4dn.12xlarge": Instance("g4dn.12xlarge", 4, 16 * GIB, 192 * GIB),
+    "g5.xlarge": Instance("g5.xlarge", 1, 24 * GIB, 16 * GIB),
+}
+
+
+def instance(name: str) -> Instance:
+    try:
+        return INSTANCES[name]
+    except KeyError:
+        raise ValueError(f"unknown instance {name!r}; known: {', '.join(sorted(INSTANCES))}") \
+            from None

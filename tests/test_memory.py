@@ -1,0 +1,129 @@
+"""The memory model against figures computed by hand (and GPT-2 XL's published size)."""
+
+import pytest
+
+from spotpipe.plan.memory import (GIB, GPT2, MemoryRules, StageFacts, estimate_stage, fits,
+                                  in_flight, instance, merge_facts, refusal, stage_facts,
+                                  transformer_layers)
+from spotpipe.plan.layout import uniform_partition
+
+N = 1_000_000
+FACTS = StageFacts(params=N, activation_bytes=1000, boundary_bytes=100, layers=4,
+                   replica_params=2 * N, replica_boundary_bytes=300)
+
+
+def rules(**kw):
+    base = dict(num_stages=4, microbatches=8)
+    base.update(kw)
+    return MemoryRules(**base)
+
+
+def test_state_bytes_per_precision_and_optimizer():
+    # fp32 Adam: 4 (weights) + 4 (grads) + 8 (two moments) = 16 B/param; activations 4 x 1000
+    e = estimate_stage(0, FACTS, rules())
+    assert e.breakdown() == {"device:weights": 4e6, "device:gradients": 4e6,
+                             "device:optimizer": 8e6, "device:activations": 4000.0}
+    assert e.device_bytes == 16_004_000 and e.host_bytes == 0
+    # mixed precision Adam: 2 + 2 + 4 (fp32 master) + 8 = 16, the ZeRO paper's figure
+    bf = estimate_stage(0, FACTS, rules(precision="bf16"))
+    assert bf.breakdown()["device:weights"] == 6e6
+    assert bf.breakdown()["device:gradients"] == 2e6
+    assert bf.device_bytes == 16_004_000
+    # SGD with momentum in fp32: 4 + 4 + 4
+    assert estimate_stage(0, FACTS, rules(optimizer="sgd")).device_bytes == 12_004_000
+
+
+def test_activations_follow_the_schedule():
+    assert [in_flight("1f1b", 4, s, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("1f1b", 4, s, 2) for s in range(4)] == [2, 2, 2, 1]
+    assert [in_flight("gpipe", 4, s, 8) for s in range(4)] == [8] * 4
+    act = lambda s, **kw: estimate_stage(s, FACTS, rules(**kw)).breakdown()["device:activations"]
+    assert act(3) == 1000
+    assert act(1, schedule="gpipe") == 8000
+    # checkpointing per layer: 4 in flight x 4 layers x 100 B input + one layer recomputed
+    assert act(0, activation_checkpointing="layers") == 4 * 4 * 100 + 1000 / 4
+    # per stage: 4 stage inputs + the whole stage recomputed once
+    assert act(0, activation_checkpointing="stage") == 4 * 100 + 1000
+
+
+def test_redundancy_and_shadows():
+    lazy = estimate_stage(0, FACTS, rules(redundancy="lazy")).breakdown()
+    # the replica (2M params) on the host: fp32 weights + replicated gradient + Adam = 16 B
+    assert lazy["host:replica"] == 32e6
+    assert lazy["device:kept_inputs"] == 8 * 100  # the iteration's 8 inputs of the successor
+    assert "device:frc_outputs" not in lazy
+    eager = estimate_stage(0, FACTS, rules(redundancy="eager", replica_on_host=False,
+                                           precision="bf16")).breakdown()
+    assert eager["device:replica"] == 2 * N * (4 + 4 + 8 + 2)  # plus a bf16 compute copy
+    assert eager["device:frc_outputs"] == 8 * 300
+    off = estimate_stage(0, FACTS, rules(redundancy="eager", offload_frc=True)).breakdown()
+    assert off["host:frc_outputs"] == 8 * 300
+    # one stage: no successor to replicate
+    assert estimate_stage(0, FACTS, rules(num_stages=1, redundancy="eager")).host_bytes == 0
+    sh = estimate_stage(0, FACTS, rules(shadows=True, optimizer="sgd"))
+    assert sh.host_bytes == N * (4 + 4 + 4)
+    reserve = estimate_stage(0, FACTS, rules(device_reserve_bytes=GIB))
+    assert reserve.device_bytes == 16_004_000 + GIB
+
+
+def test_gpt2_xl_does_not_fit_one_16gb_gpu_but_fits_eight_stages():
+    shape = GPT2["gpt2-1.5b"]
+    layers = transformer_layers(shape, micro_batch=4, precision="fp16")
+    total = sum(x.params for x in layers)
+    # GPT-2 XL has 1,557,611,200 parameters with a tied head (Hugging Face's count); the
+    # pipeline's last stage holds its own copy of the 50257 x 1600 projection
+    assert total - 50257 * 1600 == 1_557_611_200
+    # Korthikanti et al.: s b h (34 + 5 a s / h) = 1024*4*1600*(34 + 80) bytes per block (16-bit)
+    assert layers[1].activation_bytes == 1024 * 4 * 1600 * 114
+    gpu = instance("p3.2xlarge")
+    whole = estimate_stage(0, stage_facts(layers, [(0, len(layers))], 0),
+                           MemoryRules(precision="fp16", microbatches=128))
+    assert whole.device_bytes > 16 * total  # 16 B/param of state alone: 26 GB
+    assert not fits(whole, gpu.device_bytes, gpu.host_bytes)
+    line = refusal(whole, gpu.device_bytes, gpu.host_bytes)
+    assert line.startswith("stage 0 does not fit") and "device" in line and "16.00 GiB" in line
+    parts = uniform_partition(len(layers), 8)
+    assert parts[0] == (0, 7)  # the embedding and 6 blocks
+    r8 = MemoryRules(precision="fp16", num_stages=8, microbatches=32, redundancy="lazy",
+                     device_reserve_bytes=GIB)
+    # without activation checkpointing, stage 0 keeps 8 micro-batches x 6 blocks: 33.4 GiB
+    plain = estimate_stage(0, stage_facts(layers, parts, 0), r8)
+    assert plain.breakdown()["device:activations"] == 8 * 6 * 1024 * 4 * 1600 * 114
+    assert not fits(plain, gpu.device_bytes, gpu.host_bytes)
+    r8 = MemoryRules(precision="fp16", num_stages=8, microbatches=32, redundancy="lazy",
+                     device_reserve_bytes=GIB, activation_checkpointing="layers")
+    for s in range(8):
+        e = estimate_stage(s, stage_facts(layers, parts, s), r8)
+        assert fits(e, gpu.device_bytes, gpu.host_bytes), refusal(e, gpu.device_bytes,
+                                                                  gpu.host_bytes)
+        assert refusal(e, gpu.device_bytes, gpu.host_bytes) is None
+
+
+def test_stage_facts_and_merge():
+    layers = transformer_layers(GPT2["gpt2"], micro_batch=2)
+    parts = uniform_partition(len(layers), 2)
+    a, b = (stage_facts(layers, parts, s) for s in range(2))
+    assert a.replica_params == b.params and b.replica_params == a.params
+    assert a.boundary_bytes == 1024 * 2 * 768 * 4 and b.boundary_bytes == 0
+    m = merge_facts(a, b)
+    assert m.params == a.params + b.params and m.replica_params == 0
+    assert m.stage_input_bytes == 0 and m.layers == len(layers)
+
+
+@pytest.mark.parametrize("kw, word", [({"precision": "fp8"}, "precision"),
+                                      ({"optimizer": "lion"}, "optimizer"),
+                                      ({"schedule": "zb"}, "schedule"),
+                                      ({"redundancy": "full"}, "redundancy"),
+                                      ({"microbatches": 0}, "microbatches")])
+def test_bad_rules_are_refused_naming_the_field(kw, word):
+    with pytest.raises(ValueError, match=word):
+        rules(**kw)
+
+
+def test_bad_facts_and_stage_are_refused():
+    with pytest.raises(ValueError, match="params"):
+        StageFacts(params=-1, activation_bytes=0, boundary_bytes=0)
+    with pytest.raises(ValueError, match="stage 4"):
+        estimate_stage(4, FACTS, rules())
+    with pytest.raises(ValueError, match="unknown instance"):
+        instance("p9.huge")
