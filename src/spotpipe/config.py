@@ -56,7 +56,8 @@ class ModelSection:
     hf: HFSection = field(default_factory=HFSection)
     factory: str = ""  # "package.module:function" returning layers (+ loss)
     factory_kwargs: dict[str, Any] = field(default_factory=dict)
-    partition: Literal["uniform", "parameters", "time", "explicit"] = "uniform"
+    # balanced: profiled time balanced under the per-stage memory bound (plan.memory)
+    partition: Literal["uniform", "parameters", "time", "explicit", "balanced"] = "uniform"
     stage_of_layer: list[int] = field(default_factory=list)  # for partition: explicit
     # where stages begin, by layer name ("layers.4"; torch.distributed.pipelining's
     # SplitPoint.BEGINNING): len + 1 stages; overrides partition
@@ -173,6 +174,9 @@ class ClusterSection:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_s: float = 120.0  # store and collective timeout
     threads_per_worker: int = 1  # torch intra-op threads in each worker
+    # memory one stage may use, GiB (0: the GPU's memory; on CPU the host's RAM shared by the
+    # workers started on it): the launch refuses a stage whose estimate exceeds it
+    device_memory_gb: float = 0.0
     store: Literal["tcp", "etcd"] = "tcp"  # tcp: embedded TCPStore; etcd: an etcd server
     etcd_endpoint: str = ""  # host:port of etcd's client URL, when store is etcd
 
