@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import json
 import os
+import resource
 import sys
 import threading
 import time
@@ -93,6 +94,7 @@ class Worker:
             s: nodelib.build_stage_state(self.model, spec.partition, s, cfg, self.device)
             for s in nodelib.owned_stages(self.layout, node)}
         self.holding = self._build_holding()
+        self.rss_built_mib = _rss_mib()  # model, stages and replica built, nothing run yet
         self.start_iteration = 0
         self.failures = 0  # failures and notices this node has recovered from
         self.checkpoints = schemes.build(schemes.SchemeContext(
@@ -720,7 +722,10 @@ class Worker:
         if not left:
             self.save_final()
         self.channel.event("worker_left" if left else "worker_done", stages=sorted(self.stages),
-                           cpu_s=round(time.process_time(), 3))
+                           cpu_s=round(time.process_time(), 3),
+                           rss_built_mib=self.rss_built_mib,
+                           peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF)
+                                              .ru_maxrss / 1024, 1))
 
     def save_final(self) -> None:
         """Pipeline 0's owners write their stages; the launcher merges them."""
@@ -739,6 +744,15 @@ class Worker:
                        for k, v in state.module.state_dict().items()}
             save_file(tensors, str(out / f".stage{s}.safetensors.tmp"))
             os.replace(out / f".stage{s}.safetensors.tmp", out / f"stage{s}.safetensors")
+
+
+def _rss_mib() -> float:
+    """This process's resident memory now (Linux), MiB."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+    return round(pages * os.sysconf("SC_PAGE_SIZE") / 2 ** 20, 1)
 
 
 def main() -> int:
