@@ -41,13 +41,30 @@ class GPTSection:
 
 
 @dataclass
+class HFSection:
+    """`model.kind: hf`: a transformers causal LM (GPT-2 or Llama family)."""
+
+    config: str = ""  # a model type ("gpt2", "llama") or a local folder with config.json
+    overrides: dict[str, Any] = field(default_factory=dict)  # config fields set on top
+    weights: str = ""  # local safetensors file (or folder with model.safetensors); "": random
+
+
+@dataclass
 class ModelSection:
-    kind: Literal["gpt", "factory"] = "gpt"
+    kind: Literal["gpt", "factory", "hf"] = "gpt"
     gpt: GPTSection = field(default_factory=GPTSection)
+    hf: HFSection = field(default_factory=HFSection)
     factory: str = ""  # "package.module:function" returning layers (+ loss)
     factory_kwargs: dict[str, Any] = field(default_factory=dict)
-    partition: Literal["uniform", "parameters", "time", "explicit"] = "uniform"
+    # balanced: profiled time balanced under the per-stage memory bound (plan.memory)
+    partition: Literal["uniform", "parameters", "time", "explicit", "balanced"] = "uniform"
     stage_of_layer: list[int] = field(default_factory=list)  # for partition: explicit
+    # where stages begin, by layer name ("layers.4"; torch.distributed.pipelining's
+    # SplitPoint.BEGINNING): len + 1 stages; overrides partition
+    split_points: list[str] = field(default_factory=list)
+    # torch.utils.checkpoint (non-reentrant) around each layer, or around each whole stage:
+    # activations are recomputed in the backward instead of kept; the bits do not change
+    activation_checkpointing: Literal["none", "layers", "stage"] = "none"
 
 
 @dataclass
@@ -76,6 +93,16 @@ class LRScheduleSection:
     kind: Literal["constant", "cosine", "linear"] = "constant"
     warmup_iters: int = 0
     min_lr: float = 0.0
+
+
+@dataclass
+class LossScaleSection:
+    """fp16's dynamic loss scaler (torch.amp.GradScaler's parameters and defaults)."""
+
+    init: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
 
 
 @dataclass
@@ -147,6 +174,9 @@ class ClusterSection:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_s: float = 120.0  # store and collective timeout
     threads_per_worker: int = 1  # torch intra-op threads in each worker
+    # memory one stage may use, GiB (0: the GPU's memory; on CPU the host's RAM shared by the
+    # workers started on it): the launch refuses a stage whose estimate exceeds it
+    device_memory_gb: float = 0.0
     store: Literal["tcp", "etcd"] = "tcp"  # tcp: embedded TCPStore; etcd: an etcd server
     etcd_endpoint: str = ""  # host:port of etcd's client URL, when store is etcd
 
@@ -161,6 +191,10 @@ class Config:
     cluster: ClusterSection = field(default_factory=ClusterSection)
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
     redundancy: Literal["none", "lazy", "eager"] = "none"
+    # compute dtype: autocast inside each layer, layer outputs (what travels between stages)
+    # in it; master weights, gradients and optimizer state stay fp32 (spotpipe.runtime.precision)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss_scale: LossScaleSection = field(default_factory=LossScaleSection)
     replica: ReplicaSection = field(default_factory=ReplicaSection)
     failover: FailoverSection = field(default_factory=FailoverSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
@@ -307,6 +341,9 @@ def _check(cfg: Config) -> None:
     if cfg.model.kind == "factory" and ":" not in cfg.model.factory:
         raise ConfigError("model.factory: expected 'package.module:function' when model.kind is "
                           f"'factory', got {cfg.model.factory!r}")
+    if cfg.model.kind == "hf" and not cfg.model.hf.config:
+        raise ConfigError("model.hf.config: required when model.kind is 'hf' (a model type such "
+                          "as 'gpt2' or 'llama', or a local folder with config.json)")
     if cfg.data.kind == "factory" and ":" not in cfg.data.factory:
         raise ConfigError("data.factory: expected 'package.module:function' when data.kind is "
                           f"'factory', got {cfg.data.factory!r}")
@@ -320,6 +357,11 @@ def _check(cfg: Config) -> None:
     if cfg.redundancy != "none" and cfg.stages < 2:
         raise ConfigError(f"redundancy: {cfg.redundancy!r} needs stages >= 2 (a replica lives on "
                           f"the neighbouring stage's node), got stages = {cfg.stages}")
+    ls = cfg.loss_scale
+    if ls.init <= 0 or ls.growth_factor <= 1 or not 0 < ls.backoff_factor < 1 \
+            or ls.growth_interval < 1:
+        raise ConfigError("loss_scale: expected init > 0, growth_factor > 1, backoff_factor in "
+                          f"(0, 1) and growth_interval >= 1, got {dataclasses.asdict(ls)}")
     if cfg.shadow.max_lag < 1:
         raise ConfigError(f"shadow.max_lag: expected a positive integer, got {cfg.shadow.max_lag}")
     if cfg.replica.sync_every < 1 or cfg.replica.max_lag < 1:

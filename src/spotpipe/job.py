@@ -8,6 +8,7 @@ partition (which may come from noisy profiling) is decided once and handed to ev
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,12 +18,23 @@ from spotpipe.config import Config
 from spotpipe.data import GlobalSampler, TextDataset, TokenFileDataset, collate, load_user_dataset
 from spotpipe.model import (GPTConfig, LayeredModel, PartitionError, build_gpt, build_user_model,
                             partition)
+from spotpipe.model.named import SplitError, split_points_map
+from spotpipe.model.measure import profile_layer_memory
+from spotpipe.model.partition import balanced_partition, bounded_partition, profile_layer_times
+from spotpipe.model.precision import Precision
 from spotpipe.model.ties import cross_stage_tied
+from spotpipe.plan.memory import (GIB, LayerMemory, MemoryEstimate, MemoryRules, StageFacts,
+                                  estimate_stage, stage_facts)
 
 
 def build_model(cfg: Config) -> LayeredModel:
     if cfg.model.kind == "gpt":
         return build_gpt(GPTConfig(**dataclasses.asdict(cfg.model.gpt)), seed=cfg.seed)
+    if cfg.model.kind == "hf":
+        from spotpipe.model.hf import build_hf_model, split_hf  # transformers: the hf extra
+
+        h = cfg.model.hf
+        return split_hf(*build_hf_model(h.config, dict(h.overrides), h.weights, cfg.seed))
     return build_user_model(cfg.model.factory, dict(cfg.model.factory_kwargs), seed=cfg.seed)
 
 
@@ -46,9 +58,20 @@ def build_sampler(cfg: Config, dataset: Any) -> GlobalSampler:
 def compute_partition(cfg: Config, model: LayeredModel, dataset: Any,
                       num_stages: int | None = None) -> list[tuple[int, int]]:
     p = num_stages or cfg.stages
+    if cfg.model.split_points:
+        if len(cfg.model.split_points) + 1 != p:
+            raise PartitionError(f"model.split_points {cfg.model.split_points} make "
+                                 f"{len(cfg.model.split_points) + 1} stages, the job has {p}")
+        try:
+            stage_of = split_points_map(model.layer_names, list(cfg.model.split_points))
+        except SplitError as exc:
+            raise PartitionError(str(exc)) from None
+        return partition(model, p, "explicit", explicit=stage_of)
     sample = None
-    if cfg.model.partition == "time":
+    if cfg.model.partition in ("time", "balanced"):
         sample, _ = collate(dataset, list(range(cfg.micro_batch_size)))
+    if cfg.model.partition == "balanced":
+        return balanced_under_memory(cfg, model, sample, p)
     ranges = partition(model, p, cfg.model.partition,
                        explicit=list(cfg.model.stage_of_layer) or None, sample_input=sample)
     return [(int(a), int(b)) for a, b in ranges]
@@ -58,6 +81,10 @@ def partition_at_depth(cfg: Config, model: LayeredModel, dataset: Any,
                        depth: int) -> list[tuple[int, int]]:
     """The partition a re-partition to `depth` stages uses: the configured method, as at
     launch. An explicit map names the stage of every layer for the configured depth only."""
+    if cfg.model.split_points and depth != cfg.stages:
+        raise PartitionError(
+            f"model.split_points place the stages of a {cfg.stages}-stage job and cannot be "
+            f"derived for {depth}; leave them out to let the job change its depth")
     if cfg.model.partition == "explicit" and depth != cfg.stages:
         raise PartitionError(
             f"model.partition is explicit: model.stage_of_layer places the layers on "
@@ -107,3 +134,99 @@ def resolve_backend(cfg: Config) -> str:
     if cfg.cluster.backend != "auto":
         return cfg.cluster.backend
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def memory_rules(cfg: Config, num_stages: int) -> MemoryRules:
+    micro = cfg.num_microbatches
+    return MemoryRules(precision=cfg.precision, optimizer=cfg.optimizer.name,
+                       schedule=cfg.schedule, num_stages=num_stages, microbatches=micro,
+                       redundancy=cfg.redundancy if num_stages > 1 else "none",
+                       activation_checkpointing=cfg.model.activation_checkpointing,
+                       shadows=cfg.shadow.enabled,
+                       replica_on_host=cfg.replica.device == "cpu",
+                       offload_frc=cfg.replica.offload_frc)
+
+
+def layer_memory(cfg: Config, model: LayeredModel, dataset: Any) -> list[LayerMemory]:
+    sample, _ = collate(dataset, list(range(cfg.micro_batch_size)))
+    return profile_layer_memory(model, sample, Precision.of(cfg))
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What one stage may use: bytes, where the figure comes from, and whether device and
+    host are one memory (a CPU run: the replica and shadows share the RAM with the stage)."""
+
+    bytes: float
+    source: str
+    shared_with_host: bool
+
+
+def device_memory(cfg: Config) -> DeviceMemory:
+    workers = cfg.stages * cfg.pipelines
+    if cfg.cluster.device_memory_gb > 0:
+        return DeviceMemory(cfg.cluster.device_memory_gb * GIB, "cluster.device_memory_gb",
+                            resolve_backend(cfg) != "nccl")
+    if resolve_backend(cfg) == "nccl":
+        total = torch.cuda.get_device_properties(0).total_memory
+        return DeviceMemory(float(total), torch.cuda.get_device_name(0), False)
+    pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    return DeviceMemory(pages * size / workers, f"host RAM / {workers} workers", True)
+
+
+def memory_estimates(cfg: Config, layers: list[LayerMemory],
+                     ranges: list[tuple[int, int]]) -> list[MemoryEstimate]:
+    rules = memory_rules(cfg, len(ranges))
+    return [estimate_stage(s, stage_facts(layers, ranges, s, redundancy=rules.redundancy
+                                          != "none"), rules) for s in range(len(ranges))]
+
+
+def _needed(estimate: MemoryEstimate, mem: DeviceMemory) -> float:
+    return estimate.device_bytes + (estimate.host_bytes if mem.shared_with_host else 0.0)
+
+
+def memory_report(cfg: Config, layers: list[LayerMemory],
+                  ranges: list[tuple[int, int]]) -> tuple[list[str], str | None]:
+    """One line per stage (estimate next to the memory), and the refusal of the first stage
+    that does not fit (None when all do)."""
+    mem = device_memory(cfg)
+    lines, refused = [], None
+    for est in memory_estimates(cfg, layers, ranges):
+        need = _needed(est, mem)
+        parts = ", ".join(f"{p.name} {_mib(p.bytes)}" for p in est.parts)
+        lines.append(f"memory: stage {est.stage} (layers {ranges[est.stage][0]}-"
+                     f"{ranges[est.stage][1] - 1}) needs {_mib(need)} of {_mib(mem.bytes)} "
+                     f"({mem.source}): {parts}")
+        if need > mem.bytes and refused is None:
+            refused = (f"stage {est.stage} does not fit: its estimate is {_mib(need)} "
+                       f"({parts}), the memory is {_mib(mem.bytes)} ({mem.source})")
+    return lines, refused
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2 ** 20:.1f} MiB"
+
+
+def balanced_under_memory(cfg: Config, model: LayeredModel, sample: torch.Tensor,
+                          num_stages: int) -> list[tuple[int, int]]:
+    """Profiled time balanced under the memory bound; the time-balanced partition when no
+    partition fits (the launch then refuses it, naming the stage)."""
+    precision = Precision.of(cfg)
+    times = profile_layer_times(model, sample, precision=precision)
+    layers = profile_layer_memory(model, sample, precision)
+    rules = memory_rules(cfg, num_stages)
+    mem = device_memory(cfg)
+
+    def fits(stage: int, start: int, end: int) -> bool:
+        # the stage's own needs; its replica (its successor's layers) is checked at launch
+        own = layers[start:end]
+        facts = StageFacts(params=sum(x.params for x in own),
+                           activation_bytes=sum(x.activation_bytes for x in own),
+                           boundary_bytes=own[-1].output_bytes, layers=len(own),
+                           input_bytes=layers[start - 1].output_bytes if start else 0.0)
+        return _needed(estimate_stage(stage, facts, rules), mem) <= mem.bytes
+
+    return bounded_partition(times, num_stages, fits) or balanced_partition(times, num_stages)

@@ -13,6 +13,7 @@ import sys
 BENCHES = {
     "checkpoint": "spotpipe.bench.checkpoint",
     "failover": "spotpipe.bench.failover",
+    "model": "spotpipe.bench.model",
     "pipeline": "spotpipe.bench.pipeline",
     "reconfigure": "spotpipe.bench.reconfigure",
     "redundancy": "spotpipe.bench.redundancy",

@@ -39,7 +39,8 @@ from spotpipe.config import Config, load_config
 from spotpipe.runtime.state import flatten
 from spotpipe.runtime import node as nodelib
 from spotpipe.runtime.digest import DigestLog
-from spotpipe.runtime.replica import ReplicaApplier, ReplicaStage, scale_flat_gradient
+from spotpipe.runtime.replica import (ReplicaApplier, ReplicaStage, mark_skipped,
+                                      scale_flat_gradient)
 from spotpipe.runtime.shadow_link import (ACK, COMMIT, END, GRAD, GRAD_TAG, HELLO, applied_key,
                                           header, latest_key, link_key, pair_group,
                                           scale_from_bits)
@@ -188,7 +189,9 @@ class Shadow:
         if iteration != self.submitted + 1:
             raise RuntimeError(f"shadow of stage {self.stage}: iteration {iteration} after "
                                f"{self.submitted}")
-        if self.cfg.optimizer.grad_clip > 0:
+        if scale is not None and torch.isnan(scale):  # fp16: the step was skipped everywhere
+            mark_skipped(flat, self.num_params)
+        elif self.cfg.optimizer.grad_clip > 0:
             if scale is None:
                 raise RuntimeError(f"shadow of stage {self.stage}: iteration {iteration} "
                                    "committed without its clipping scale")

@@ -69,6 +69,14 @@ def prepare(cfg: Config) -> Prepared:
     except Exception as exc:
         key = "model.stage_of_layer" if cfg.model.partition == "explicit" else "model.partition"
         raise LaunchError(f"{key}: {exc}") from None
+    try:
+        lines, refused = job.memory_report(cfg, job.layer_memory(cfg, model, dataset), partition)
+    except Exception as exc:
+        raise LaunchError(f"model: cannot estimate the stages' memory: {exc}") from None
+    for line in lines:
+        print(line, file=sys.stderr)
+    if refused:
+        raise LaunchError(f"memory: {refused}")
     name = job.misplaced_tie(model, partition)
     if name:
         raise LaunchError(f"model: tied parameter {name} is split across stages but is on "

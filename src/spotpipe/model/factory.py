@@ -15,6 +15,7 @@ from torch import nn
 
 from spotpipe.factories import FactoryError, call_factory, load_factory  # noqa: F401 (re-exported)
 from spotpipe.model.layered import LayeredModel, find_tied
+from spotpipe.model.named import split_by_names
 
 
 def _as_layers(obj: Any, spec: str) -> list[nn.Module]:
@@ -48,7 +49,8 @@ def build_user_model(spec: str, kwargs: dict[str, Any], seed: int) -> LayeredMod
     """Build a user model: ``torch.manual_seed(seed)``, then ``function(**kwargs)``.
 
     The function may return a LayeredModel (used as is), an ``nn.Sequential`` or a list of
-    layers, or a tuple ``(layers_or_sequential, loss_fn)``. Without a loss, ``F.cross_entropy
+    layers, any other ``nn.Module`` (split by module names, `spotpipe.model.named`), or a
+    tuple ``(any of these, loss_fn)``. Without a loss, ``F.cross_entropy
     (output, target)`` is used, which suits a classifier whose last layer gives (b, classes)
     logits; any other output shape needs an explicit loss. An ``nn.Sequential``'s own child
     names are dropped: global names are always ``"{layer_index}.{param}"``. Parameters shared
@@ -62,9 +64,12 @@ def build_user_model(spec: str, kwargs: dict[str, Any], seed: int) -> LayeredMod
     if (
         isinstance(out, tuple)
         and len(out) == 2
-        and isinstance(out[0], (nn.Sequential, list, tuple))
+        and isinstance(out[0], (nn.Module, list, tuple))
         and _is_loss(out[1])
     ):
         out, loss_fn = out
+    if isinstance(out, nn.Module) and not isinstance(out, nn.Sequential):
+        # a whole model (torchtitan style): split by its module names
+        return split_by_names(out, loss_fn)
     layers = _as_layers(out, spec)
     return LayeredModel(layers=layers, loss_fn=loss_fn, tied=find_tied(layers))

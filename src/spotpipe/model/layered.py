@@ -34,6 +34,11 @@ class LayeredModel:
     layers: list[nn.Module]
     loss_fn: LossFn
     tied: list[tuple[str, str]] = field(default_factory=list)
+    # layer names -> the names the model is known by outside spotpipe (e.g. a transformers
+    # model's own), used for the final model.safetensors; names not listed are kept
+    export_names: dict[str, str] = field(default_factory=dict)
+    # each layer's name in the model it came from ("layers.3"), for model.split_points
+    layer_names: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.layers = list(self.layers)
@@ -45,6 +50,8 @@ class LayeredModel:
         if not callable(self.loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(self.loss_fn).__name__}")
         self.tied = [tuple(pair) for pair in self.tied]  # type: ignore[misc]
+        if self.layer_names and len(self.layer_names) != len(self.layers):
+            raise ValueError(f"{len(self.layer_names)} layer names for {len(self.layers)} layers")
         names = dict(self.to_sequential().named_parameters(remove_duplicate=False))
         for pair in self.tied:
             if len(pair) != 2:
@@ -52,6 +59,9 @@ class LayeredModel:
             for name in pair:
                 if name not in names:
                     raise ValueError(f"tied parameter {name!r} is not a parameter of the model")
+
+    def export_name(self, name: str) -> str:
+        return self.export_names.get(name, name)
 
     @property
     def num_layers(self) -> int:

@@ -10,14 +10,15 @@ from __future__ import annotations
 import statistics
 import time
 from collections import OrderedDict
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from spotpipe.model.layered import LayeredModel
+from spotpipe.model.precision import Precision, run_layers
 
-METHODS = ("uniform", "parameters", "time", "explicit")
+METHODS = ("uniform", "parameters", "time", "explicit", "balanced")
 
 
 class PartitionError(ValueError):
@@ -47,7 +48,8 @@ def _best_split(
     prefix: list[float], num_stages: int, cost, combine
 ) -> tuple[list[list[float]], list[list[int]]]:
     """DP over contiguous splits: ``best[k][i]`` is the best way to put layers [0, i) on k
-    stages, where a stage [j, i) costs ``cost(j, i)`` and costs add up with ``combine``."""
+    stages, where stage k - 1 holding [j, i) costs ``cost(k - 1, j, i)`` and costs add up
+    with ``combine``."""
     n = len(prefix) - 1
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
@@ -56,7 +58,7 @@ def _best_split(
     for k in range(1, num_stages + 1):
         for i in range(k, n - (num_stages - k) + 1):
             for j in range(k - 1, i):
-                value = combine(best[k - 1][j], cost(j, i))
+                value = combine(best[k - 1][j], cost(k - 1, j, i))
                 if value < best[k][i]:
                     best[k][i], cut[k][i] = value, j
     return best, cut
@@ -69,6 +71,16 @@ def balanced_partition(weights: Sequence[float], num_stages: int) -> list[tuple[
     squared stage sums is taken (the most even), so ``[1] * 7`` on 3 stages gives 3, 2, 2
     layers, not 3, 3, 1. O(P n^2), instant for layer lists of hundreds of layers.
     """
+    found = bounded_partition(weights, num_stages, lambda stage, start, end: True)
+    assert found is not None  # every partition fits
+    return found
+
+
+def bounded_partition(weights: Sequence[float], num_stages: int,
+                      fits: Callable[[int, int, int], bool]) -> list[tuple[int, int]] | None:
+    """As `balanced_partition`, among the partitions whose every stage fits (`fits(stage,
+    start, end)`: a stage's memory depends on its index too, e.g. how many micro-batches 1F1B
+    keeps in flight there); None when none does."""
     n = len(weights)
     _check_counts(n, num_stages)
     prefix = [0.0]
@@ -76,14 +88,16 @@ def balanced_partition(weights: Sequence[float], num_stages: int) -> list[tuple[
         prefix.append(prefix[-1] + float(w))
     inf = float("inf")
 
-    def stage_sum(j: int, i: int) -> float:
-        return prefix[i] - prefix[j]
+    def stage_sum(stage: int, j: int, i: int) -> float:
+        return prefix[i] - prefix[j] if fits(stage, j, i) else inf
 
     best, _ = _best_split(prefix, num_stages, stage_sum, max)
+    if best[num_stages][n] == inf:
+        return None
     limit = best[num_stages][n] * (1 + 1e-9) + 1e-12  # float sums: tolerate rounding
 
-    def squared_within_limit(j: int, i: int) -> float:
-        w = stage_sum(j, i)
+    def squared_within_limit(stage: int, j: int, i: int) -> float:
+        w = stage_sum(stage, j, i)
         return w * w if w <= limit else inf
 
     _, cut = _best_split(prefix, num_stages, squared_within_limit, lambda a, b: a + b)
@@ -102,7 +116,8 @@ def parameter_counts(model: LayeredModel) -> list[int]:
 
 
 def profile_layer_times(
-    model: LayeredModel, sample_input: Tensor, repeats: int = 5
+    model: LayeredModel, sample_input: Tensor, repeats: int = 5,
+    precision: Precision = Precision(),
 ) -> list[float]:
     """Median forward+backward seconds of each layer on ``sample_input`` (after one warm-up).
 
@@ -122,7 +137,7 @@ def profile_layer_times(
                     if inp.is_floating_point():
                         inp.requires_grad_(True)
                     t0 = time.perf_counter()
-                    out = layer(inp)
+                    out = run_layers(nn.Sequential(layer), inp, precision)
                     if out.requires_grad:
                         out.backward(torch.ones_like(out))
                     samples.append(time.perf_counter() - t0)

@@ -28,6 +28,7 @@ from spotpipe.runtime import grads as gradlib
 from spotpipe.runtime.comm import ACT, GRAD, REPLICA, TIED, Comm, tag
 from spotpipe.runtime.digest import DigestLog, stage_digest, tensors_digest
 from spotpipe.runtime.optim import set_lr
+from spotpipe.runtime import precision as amp
 from spotpipe.runtime.replica import (ReplicaApplier, ReplicaStage, flatten_grads,
                                       flatten_state)
 from spotpipe.runtime.shadow_link import ShadowWriter
@@ -154,6 +155,10 @@ class Executor:
         self._replica_recv: tuple[Any, torch.Tensor] | None = None
         self._flags_gathered: bool | None = None
         self._replica_sends: list[tuple[Any, torch.Tensor]] = []
+        self.precision = amp.Precision.of(cfg)
+        # fp16: the last reduction found a non-finite gradient somewhere (every node learns it
+        # from the same gather): the step is skipped everywhere and the loss scale backs off
+        self.skipped = False
 
     def _local(self, stage: int) -> bool:
         return self.w.node_of_stage[stage] == self.me
@@ -192,15 +197,18 @@ class Executor:
                 f.inputs[(s, mb)] = x.requires_grad_()
             elif op == Op.FORWARD:
                 x = f.inputs[(s, mb)] if s > 0 else batches.inputs[mb]
-                y = self.stages[s].module(x)
+                y = amp.run_layers(self.stages[s].module, x, self.precision)
                 if self.digests is not None:
                     self.digests.write(iter=iteration, stage=s, mb=mb, role="output",
                                        digest=tensors_digest([y]))
                 if keep and s != last:
                     f.kept_outputs[(s, mb)] = y.detach()
                 if s == last:
-                    y = self.loss_fn(y, batches.targets[mb]) / self.loss_scale_div
+                    y = amp.loss_of(self.loss_fn, y, batches.targets[mb],
+                                    self.precision) / self.loss_scale_div
                     f.loss_sum = y.detach() if f.loss_sum is None else f.loss_sum + y.detach()
+                    if self.precision.scaled:
+                        y = y * amp.current_scale(self.stages[s].optimizer).to(y.device)
                 f.outputs[(s, mb)] = y
             elif op == Op.SEND_ACT:
                 y = f.activation(s, mb)
@@ -222,7 +230,8 @@ class Executor:
                 # backward redundant computation: the forward again, with autograd, from the
                 # kept input (its output already went on from FRC), then the backward
                 x = f.inputs[(s, mb)] if s > 0 else batches.inputs[mb]
-                torch.autograd.backward(self.stages[s].module(x), f.out_grads.pop((s, mb)))
+                torch.autograd.backward(amp.run_layers(self.stages[s].module, x, self.precision),
+                                        f.out_grads.pop((s, mb)))
                 f.done |= {("forward", s, mb), ("backward", s, mb)}
             elif op == Op.SEND_GRAD:
                 x = f.inputs.pop((s, mb), None)
@@ -241,7 +250,8 @@ class Executor:
                     replica_current = True
                 x = batches.inputs[mb] if s == 0 else f.kept_outputs[((s - 1) % p, mb)]
                 with torch.no_grad():
-                    out = red.replica.module(x.to(red.replica.device))
+                    out = amp.run_layers(red.replica.module, x.to(red.replica.device),
+                                         self.precision)
                 if self.digests is not None:
                     self.digests.write(iter=iteration, stage=s, mb=mb, role="frc",
                                        digest=tensors_digest([out]))
@@ -300,7 +310,10 @@ class Executor:
             return
         for s in sorted(self.stages):
             state = self.stages[s]
-            state.optimizer.step()
+            if not self.skipped:
+                state.optimizer.step()
+            if self.precision.scaled:
+                amp.update_scale(state.params, state.optimizer, self.skipped, self.cfg)
             state.optimizer.zero_grad(set_to_none=True)
             if self.digests is not None:
                 self.digests.write(iter=iteration, stage=s, role="owner",
@@ -350,7 +363,7 @@ class Executor:
         assert self.shadow is not None
         for s in sorted(self.shadow.links):
             started = time.perf_counter()
-            flat = flatten_grads(self.stages[s].params)
+            flat = flatten_grads(self.stages[s].params)  # a skipped step comes with COMMIT
             self.shadow.spent("copy", started)
             self.shadow.post_grad(iteration, s, flat)
         self.shadow.confirm()
@@ -360,7 +373,7 @@ class Executor:
         if self.cfg.replica.sync != "gradient":
             return
         for s, holder in sorted(self.w.replica_holder.items()):
-            flat = flatten_grads(self.stages[s].params)
+            flat = flatten_grads(self.stages[s].params, skipped=self.skipped)
             self._replica_sends.append((self.comm.post_send(flat, holder, tag(REPLICA, s)), flat))
         if self.holding is not None:
             buffer = torch.empty(self.holding.replica.grad_message_size(),
@@ -417,6 +430,7 @@ class Executor:
                 for p, r in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
                     p.grad = r
         self._sum_tied()
+        found_inf = self._unscale()
         if self.shadow is not None and iteration >= 0:
             # the shadows get the gradient before clipping, and the clipping scale with the
             # commit (Checkmate sends what is not a gradient alongside): the confirm is done
@@ -428,10 +442,14 @@ class Executor:
             mine.append(gradlib.local_norms([p.grad for p in self.stages[s].norm_params], like))
         vector = torch.cat(mine) if mine else torch.zeros(0)
         # one slot more than the norms: this node's leave/regroup flag (see _commit)
-        padded = torch.zeros(self.w.norm_width + 1, dtype=torch.float32, device=self.comm.device)
+        # two slots more than the norms: found-inf (fp16), and this node's leave/regroup flag
+        # (see _commit)
+        padded = torch.zeros(self.w.norm_width + 2, dtype=torch.float32, device=self.comm.device)
         padded[: vector.numel()] = vector
+        padded[-2] = 1.0 if found_inf else 0.0
         padded[-1] = 1.0 if leaving else 0.0
         gathered = self.comm.all_gather(padded)
+        self.skipped = any(float(g[-2]) > 0 for g in gathered)
         # the commit may ride on this gather only when nothing must be confirmed first: no
         # replica to feed (shadows had their gradients confirmed before the gather)
         self._flags_gathered = (any(float(g[-1]) > 0 for g in gathered)
@@ -440,13 +458,30 @@ class Executor:
                                 for rank, offset, count in self.w.norm_segments])
         total = gradlib.total_norm(everything)
         self.clip_scale = None
-        if self.cfg.optimizer.grad_clip > 0:
+        if self.skipped:  # no step: the shadows learn it from a NaN scale with COMMIT
+            self.clip_scale = torch.tensor(float("nan"))
+        elif self.cfg.optimizer.grad_clip > 0:
             self.clip_scale = gradlib.clip_scale(total, self.cfg.optimizer.grad_clip)
             params = [p for st in self.stages.values() for p in st.params if p.grad is not None]
             scaled = gradlib.clipped([p.grad for p in params], self.clip_scale)
             for p, g in zip(params, scaled):
                 p.grad = g
         return float(total)
+
+    def _unscale(self) -> bool:
+        """fp16: divide the (reduced, tied-summed) gradients by the loss scale, out of place;
+        whether this node found a non-finite one."""
+        if not self.precision.scaled:
+            return False
+        found = False
+        for state in self.stages.values():
+            params = [p for p in state.params if p.grad is not None]
+            grads, inf = amp.unscale([p.grad for p in params],
+                                     amp.current_scale(state.optimizer))
+            for p, g in zip(params, grads):
+                p.grad = g
+            found = found or inf
+        return found
 
     def _sum_tied(self) -> None:
         """Keep tied copies on the first and last stage equal: each gets a + b (addition is

@@ -12,11 +12,21 @@ from collections.abc import Iterable
 import torch
 
 from spotpipe.config import Config
+from spotpipe.runtime.precision import init_loss_scale
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: Config) -> torch.optim.Optimizer:
+    """The configured optimizer; in fp16, with the loss scaler's state in every parameter's
+    state (`spotpipe.runtime.precision`)."""
+    optimizer = _optimizer(list(params), cfg)
+    if cfg.precision == "fp16":
+        materialise_optimizer_state(torch.nn.Module(), optimizer)
+        init_loss_scale(optimizer, cfg)
+    return optimizer
+
+
+def _optimizer(params: list[torch.nn.Parameter], cfg: Config) -> torch.optim.Optimizer:
     o = cfg.optimizer
-    params = list(params)
     if o.name == "adamw":
         # fused: one kernel that updates each tensor on its own, so partitioned and
         # unpartitioned steps match bitwise whatever the grouping of tensors into stages (as

@@ -15,6 +15,7 @@ from spotpipe.config import Config
 from spotpipe.data import collate
 from spotpipe import job
 from spotpipe.runtime.optim import build_optimizer, set_lr
+from spotpipe.runtime.precision import Precision, loss_of, run_layers
 
 
 def train_reference(cfg: Config, iterations: int | None = None) -> tuple[nn.Module, list[float]]:
@@ -25,6 +26,13 @@ def train_reference(cfg: Config, iterations: int | None = None) -> tuple[nn.Modu
     dataset = job.build_dataset(cfg)
     sampler = job.build_sampler(cfg, dataset)
     optimizer = build_optimizer(model.parameters(), cfg)
+    precision = Precision.of(cfg)
+    ls = cfg.loss_scale
+    # fp16: torch's own scaler, which the pipeline's must reproduce
+    scaler = torch.amp.GradScaler("cpu", init_scale=ls.init, growth_factor=ls.growth_factor,
+                                  backoff_factor=ls.backoff_factor,
+                                  growth_interval=ls.growth_interval,
+                                  enabled=precision.scaled)
     m, d = cfg.num_microbatches, cfg.pipelines
     losses = []
     for t in range(cfg.iterations if iterations is None else iterations):
@@ -33,12 +41,15 @@ def train_reference(cfg: Config, iterations: int | None = None) -> tuple[nn.Modu
         for pipeline in range(d):
             for idx in sampler.pipeline_microbatches(t, pipeline, d, m):
                 x, y = collate(dataset, idx)
-                loss = layered.loss_fn(model(x), y) / (m * d)
-                loss.backward()
+                loss = loss_of(layered.loss_fn, run_layers(model, x, precision), y,
+                               precision) / (m * d)
+                scaler.scale(loss).backward()
                 total += float(loss.detach())
+        scaler.unscale_(optimizer)
         if cfg.optimizer.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
     return model, losses

@@ -27,7 +27,8 @@ from torch import nn
 
 from spotpipe.config import Config
 from spotpipe.runtime.digest import DigestLog, optimizer_tensors, stage_digest
-from spotpipe.runtime.optim import build_optimizer, set_lr
+from spotpipe.runtime import precision as amp
+from spotpipe.runtime.optim import build_optimizer, materialise_optimizer_state, set_lr
 
 
 @dataclass
@@ -57,18 +58,29 @@ class ReplicaStage:
     def state_message_size(self, cfg: Config) -> int:
         n = sum(p.numel() for p in self.params)
         if cfg.optimizer.name == "adamw":
-            return n + 2 * n + len(self.params)  # params, exp_avg, exp_avg_sq, step
+            # params, exp_avg, exp_avg_sq, step (and fp16's two scaler values)
+            return n + 2 * n + len(self.params) * (3 if cfg.precision == "fp16" else 1)
         return n + (n if cfg.optimizer.momentum else 0)
 
 
-def flatten_grads(params: list[nn.Parameter]) -> torch.Tensor:
+def flatten_grads(params: list[nn.Parameter], skipped: bool = False) -> torch.Tensor:
     """All gradients in one buffer, then one presence flag per parameter (a parameter the loss
-    did not reach has no gradient, and the optimizer must skip it on both sides)."""
+    did not reach has no gradient, and the optimizer must skip it on both sides). fp16: a
+    step skipped for a non-finite gradient has every flag -1 (`mark_skipped`)."""
     parts = [p.grad.reshape(-1) if p.grad is not None
              else torch.zeros(p.numel(), device=p.device, dtype=p.dtype) for p in params]
     flags = torch.tensor([p.grad is not None for p in params], dtype=params[0].dtype,
                          device=params[0].device)
-    return torch.cat(parts + [flags])
+    flat = torch.cat(parts + [flags])
+    if skipped:
+        mark_skipped(flat, len(params))
+    return flat
+
+
+def mark_skipped(flat: torch.Tensor, num_params: int) -> None:
+    """Mark a `flatten_grads` message as a skipped step (fp16 found a non-finite gradient):
+    the receiver applies no step, only the loss scaler's back-off."""
+    flat[flat.numel() - num_params:] = -1.0
 
 
 def scale_flat_gradient(flat: torch.Tensor, num_params: int, scale: torch.Tensor) -> None:
@@ -87,6 +99,9 @@ def apply_flat_gradient(params: list[nn.Parameter], optimizer: torch.optim.Optim
                         cfg: Config, iteration: int, flat: torch.Tensor) -> None:
     """The owner's optimizer step of `iteration`, replayed from what `flatten_grads` sent."""
     flags = flat[-len(params):].tolist()
+    if cfg.precision == "fp16" and flags and flags[0] < 0:  # the owner skipped this step
+        amp.update_scale(params, optimizer, True, cfg)
+        return
     offset = 0
     for i, p in enumerate(params):
         n = p.numel()
@@ -95,6 +110,8 @@ def apply_flat_gradient(params: list[nn.Parameter], optimizer: torch.optim.Optim
         offset += n
     set_lr(optimizer, cfg, iteration)
     optimizer.step()
+    if cfg.precision == "fp16":
+        amp.update_scale(params, optimizer, False, cfg)
     optimizer.zero_grad(set_to_none=True)
 
 
@@ -227,22 +244,15 @@ class ReplicaApplier:
                             flat.to(self.replica.device))
 
     def _load_state(self, flat: torch.Tensor) -> None:
+        """Inverse of `flatten_state`: parameters, then every state tensor in key order."""
         params = self.replica.params
         flat = flat.to(self.replica.device)
+        materialise_optimizer_state(self.replica.module, self.replica.optimizer)
         offset = 0
-        adamw = self.cfg.optimizer.name == "adamw"
-        keys = ["exp_avg", "exp_avg_sq", "step"] if adamw else (
-            ["momentum_buffer"] if self.cfg.optimizer.momentum else [])
         with torch.no_grad():
             for p in params:
                 p.copy_(flat[offset: offset + p.numel()].view_as(p))
                 offset += p.numel()
-            for p in params:
-                state = self.replica.optimizer.state.setdefault(p, {})
-                for key in sorted(keys):
-                    if key == "step":
-                        state[key] = flat[offset].clone().reshape(())
-                        offset += 1
-                    else:
-                        state[key] = flat[offset: offset + p.numel()].view_as(p).clone()
-                        offset += p.numel()
+            for t in optimizer_tensors(self.replica.optimizer):
+                t.copy_(flat[offset: offset + t.numel()].view_as(t).to(t.dtype))
+                offset += t.numel()

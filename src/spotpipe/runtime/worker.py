@@ -13,6 +13,7 @@ the store and the job's protocol channel, injected faults, and the boundary hook
 from __future__ import annotations
 
 import os
+import resource
 import threading
 import time
 from datetime import timedelta
@@ -93,6 +94,7 @@ class Worker:
         for s in nodelib.owned_stages(layout, node):
             st.stages[s] = build_stage_state(self.model, st.partition, s, cfg, self.device)
         self._build_holding()
+        self.rss_built_mib = _rss_mib()  # model, stages and replica built, nothing run yet
         self.failures = 0  # failures and notices this node has recovered from
         self.checkpoints: BoundaryHook = checkpoints or NoHook()
         resume = os.environ.get("SPOTPIPE_RESUME")
@@ -558,17 +560,34 @@ class Worker:
         if not left:
             self.save_final()
         self.channel.event("worker_left" if left else "worker_done", stages=sorted(self.stages),
-                           cpu_s=round(time.process_time(), 3))
+                           cpu_s=round(time.process_time(), 3),
+                           rss_built_mib=self.rss_built_mib,
+                           peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF)
+                                              .ru_maxrss / 1024, 1))
 
     def save_final(self) -> None:
         """Pipeline 0's owners write their stages; the launcher merges them."""
         out = self.run_dir / "final"
         out.mkdir(exist_ok=True)
+        if self.cfg.model.kind == "hf" and self.layout.owner(0, 0) == self.node:
+            from spotpipe.model.hf import load_config  # from_pretrained(out) needs config.json
+
+            h = self.cfg.model.hf
+            load_config(h.config, dict(h.overrides)).save_pretrained(out)
         for s, state in self.stages.items():
             if self.layout.owner(0, s) != self.node:
                 continue
             # clone: tied tensors share storage, which safetensors refuses to write twice
-            tensors = {k: v.detach().to("cpu").contiguous().clone()
+            tensors = {self.model.export_name(k): v.detach().to("cpu").contiguous().clone()
                        for k, v in state.module.state_dict().items()}
             save_file(tensors, str(out / f".stage{s}.safetensors.tmp"))
             os.replace(out / f".stage{s}.safetensors.tmp", out / f"stage{s}.safetensors")
+
+
+def _rss_mib() -> float:
+    """This process's resident memory now (Linux), MiB."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+    return round(pages * os.sysconf("SC_PAGE_SIZE") / 2 ** 20, 1)

@@ -1,0 +1,126 @@
+"""Hugging Face causal LMs (`model.kind: hf`): split into layers, trained exactly.
+
+The reference is a plain single-process transformers loop: the model built by transformers
+from the same config and seed, `model(input_ids=x).logits`, cross entropy, torch's fused
+AdamW and clip_grad_norm_, over the same samples. Spotpipe at P = 2, D = 1 must end with the
+same bits, and its final model.safetensors must load with `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+pytest.importorskip("transformers")  # the `hf` extra (part of `test`)
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+from spotpipe import job  # noqa: E402
+from spotpipe.cluster.launcher import train  # noqa: E402
+from spotpipe.config import ConfigError  # noqa: E402
+from spotpipe.data import collate  # noqa: E402
+
+from conftest import tiny_config  # noqa: E402
+
+TINY = {
+    "gpt2": {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 16,
+             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+             "tie_word_embeddings": False, "eos_token_id": 0, "bos_token_id": 0},
+    "llama": {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 256,
+              "max_position_embeddings": 16, "eos_token_id": 0, "bos_token_id": 0},
+}
+
+
+def hf_config(corpus, kind, overrides=None, **extra):
+    return tiny_config(corpus, **{"model.kind": "hf", "model.hf.config": kind,
+                                  "model.hf.overrides": json.dumps(TINY[kind] if overrides is None else overrides),
+                                  "data.block_size": 16, "lr_schedule.kind": "constant",
+                                  "lr_schedule.warmup_iters": 0, **extra})
+
+
+def plain_transformers_loop(cfg, kind, overrides):
+    """Train the transformers model itself, as its users would, on spotpipe's samples (with
+    the workers' thread count: some CPU kernels sum in another order on more threads)."""
+    torch.set_num_threads(cfg.cluster.threads_per_worker)
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **overrides))
+    model.train()
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                            weight_decay=o.weight_decay, fused=True)
+    dataset = job.build_dataset(cfg)
+    sampler = job.build_sampler(cfg, dataset)
+    m = cfg.num_microbatches
+    for t in range(cfg.iterations):
+        for idx in sampler.pipeline_microbatches(t, 0, 1, m):
+            x, y = collate(dataset, idx)
+            logits = model(input_ids=x).logits
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)) / m
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_pipeline_equals_a_plain_transformers_loop(tmp_path, corpus, kind):
+    cfg = hf_config(corpus, kind)
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False) == 0
+    got = load_file(str(run / "final" / "model.safetensors"))
+    want = plain_transformers_loop(cfg, kind, TINY[kind]).state_dict()
+    assert set(got) == set(want), "final keys must be the transformers model's own"
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs from the transformers loop"
+    loaded = AutoModelForCausalLM.from_pretrained(run / "final")
+    assert type(loaded).__name__ == type(AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(kind, **TINY[kind]))).__name__
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, got[key]), key
+
+
+def test_tied_gpt2_stays_tied_across_stages_and_loads(tmp_path, corpus):
+    overrides = {**TINY["gpt2"], "tie_word_embeddings": True}
+    cfg = hf_config(corpus, "gpt2", overrides)
+    assert job.build_model(cfg).tied == [("0.wte.weight", "4.weight")]
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False) == 0
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert torch.equal(got["transformer.wte.weight"], got["lm_head.weight"])
+    want = plain_transformers_loop(cfg, "gpt2", overrides).state_dict()
+    for key in want:  # the two halves of the tied gradient are summed in another order
+        torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=key)
+    loaded = AutoModelForCausalLM.from_pretrained(run / "final")
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    assert torch.equal(loaded.lm_head.weight.detach(), got["lm_head.weight"])
+
+
+def test_weights_are_loaded_from_local_safetensors(tmp_path, corpus):
+    torch.manual_seed(123)
+    source = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY["llama"]))
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()},
+              str(tmp_path / "w.safetensors"))
+    cfg = hf_config(corpus, "llama", **{"model.hf.weights": str(tmp_path / "w.safetensors")})
+    layered = job.build_model(cfg)
+    names = {v: k for k, v in layered.export_names.items()}
+    mine = dict(layered.to_sequential().state_dict())
+    for key, value in source.state_dict().items():
+        assert torch.equal(mine[names[key]], value), key
+    save_file({"nonsense": torch.zeros(1)}, str(tmp_path / "bad.safetensors"))
+    bad = hf_config(corpus, "llama", **{"model.hf.weights": str(tmp_path / "bad.safetensors")})
+    with pytest.raises(ValueError, match="does not fit the model"):
+        job.build_model(bad)
+
+
+def test_hf_config_errors(corpus, tmp_path):
+    with pytest.raises(ConfigError, match="model.hf.config"):
+        tiny_config(corpus, **{"model.kind": "hf"})
+    with pytest.raises(ValueError, match="model.hf.config"):
+        job.build_model(hf_config(corpus, "no-such-model-type", {}))
+    with pytest.raises(ValueError, match="config.json"):
+        job.build_model(hf_config(corpus, str(tmp_path), {}))

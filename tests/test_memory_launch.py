@@ -1,0 +1,117 @@
+"""Memory at launch: measured layer facts, the per-stage estimate printed next to the memory,
+a stage that cannot fit refused before anything starts, and `model.partition: balanced`."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from spotpipe import job
+from spotpipe.cluster.launcher import LaunchError, prepare
+from spotpipe.model import LayeredModel
+from spotpipe.model.measure import profile_layer_memory
+from spotpipe.model.partition import bounded_partition
+from spotpipe.model.precision import Precision
+
+from conftest import tiny_config
+
+
+def test_layer_memory_counts_what_autograd_keeps():
+    b, n_in, n_out = 8, 16, 32
+    model = LayeredModel([nn.Sequential(nn.Linear(n_in, n_out), nn.ReLU()),
+                          nn.Linear(n_out, 4)], nn.functional.cross_entropy)
+    first, second = profile_layer_memory(model, torch.randn(b, n_in))
+    # by hand: Linear keeps its input, ReLU its output (weights are not activations)
+    assert first.params == n_in * n_out + n_out
+    assert first.activation_bytes == 4 * (b * n_in + b * n_out)
+    assert first.output_bytes == 4 * b * n_out
+    assert second.activation_bytes == 4 * b * n_out and second.output_bytes == 4 * b * 4
+    # bf16: the layer's output (what travels) is half the bytes
+    bf = profile_layer_memory(model, torch.randn(b, n_in), Precision("bf16"))
+    assert bf[0].output_bytes == 2 * b * n_out
+
+
+def test_bounded_partition_is_the_best_that_fits():
+    rng = random.Random(3)
+    for _ in range(30):
+        n, p = rng.randint(3, 8), rng.randint(1, 3)
+        weights = [rng.uniform(0.1, 5.0) for _ in range(n)]
+        size = [rng.uniform(0.1, 5.0) for _ in range(n)]
+        bound = rng.uniform(2.0, 12.0)
+
+        def fits(stage, start, end):
+            return sum(size[start:end]) * (1 + 0.1 * stage) <= bound
+        best = None  # by brute force over every cut
+        for cuts in itertools.combinations(range(1, n), p - 1):
+            ranges = list(zip((0,) + cuts, cuts + (n,)))
+            if all(fits(s, a, e) for s, (a, e) in enumerate(ranges)):
+                cost = max(sum(weights[a:e]) for a, e in ranges)
+                best = cost if best is None else min(best, cost)
+        got = bounded_partition(weights, p, fits)
+        if best is None:
+            assert got is None
+        else:
+            assert all(fits(s, a, e) for s, (a, e) in enumerate(got))
+            assert max(sum(weights[a:e]) for a, e in got) == pytest.approx(best)
+
+
+def test_estimates_are_printed_and_a_stage_that_cannot_fit_is_refused(corpus, capsys):
+    cfg = tiny_config(corpus, stages=2)
+    prepared = prepare(cfg)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("memory")]
+    assert [line.split()[2] for line in lines] == ["0", "1"]
+    assert all(" of " in line and "host RAM / 2 workers" in line for line in lines)
+    layers = job.layer_memory(cfg, job.build_model(cfg), job.build_dataset(cfg))
+    need = [e.device_bytes + e.host_bytes
+            for e in job.memory_estimates(cfg, layers, prepared.spec.partition)]
+    tight = tiny_config(corpus, stages=2, **{"cluster.device_memory_gb": need[0] * 0.9 / 2**30})
+    with pytest.raises(LaunchError, match=r"memory: stage 0 does not fit: its estimate is "
+                       r"[0-9.]+ MiB \(weights .*activations .*\), the memory is [0-9.]+ MiB "
+                       r"\(cluster.device_memory_gb\)"):
+        prepare(tight)
+
+
+def test_refused_launch_exits_nonzero_and_starts_nothing(corpus, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "spotpipe", "train", str(corpus.parent / "x"),
+                           "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode != 0  # (no such file: the CLI's own error path)
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(f"""
+model: {{kind: gpt, gpt: {{vocab_size: 256, block_size: 16, n_layer: 2, n_head: 2, n_embd: 32}}}}
+data: {{kind: text, path: {corpus}}}
+cluster: {{device_memory_gb: 0.00001}}
+iterations: 2
+""")
+    proc = subprocess.run([sys.executable, "-m", "spotpipe", "train", str(cfg_file),
+                           "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "stage 0 does not fit" in proc.stderr
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_balanced_partition_keeps_every_stage_under_the_bound(corpus):
+    # P=3, 1F1B: stage s keeps 3 - s micro-batches in flight, so equal layer counts overload
+    # stage 0; the bound is the smallest largest-stage need of any partition (brute force)
+    cfg = tiny_config(corpus, stages=3, **{"model.gpt.n_layer": 6})
+    model, data = job.build_model(cfg), job.build_dataset(cfg)
+    layers = job.layer_memory(cfg, model, data)
+
+    def worst(ranges):
+        return max(e.device_bytes + e.host_bytes
+                   for e in job.memory_estimates(cfg, layers, ranges))
+    n = len(layers)
+    bound = min(worst(list(zip((0,) + c, c + (n,))))
+                for c in itertools.combinations(range(1, n), 2))
+    assert worst(job.compute_partition(cfg, model, data)) > bound  # uniform does not fit
+    tight = tiny_config(corpus, stages=3, **{"model.gpt.n_layer": 6,
+                                             "model.partition": "balanced",
+                                             "cluster.device_memory_gb": bound * 1.000001 / 2**30})
+    got = job.compute_partition(tight, model, data)
+    assert worst(got) <= bound * 1.000001, got
