@@ -63,7 +63,7 @@ class BambooPolicy:
         self.version = 0
         self._timers: list[tuple[float, int, int, int]] = []  # (t, seq, kind, version)
         self._seq = 0
-        self._steps: dict[int, float] = {}
+        self._steps: dict[int, tuple[float, float]] = {}
         self.decisions: list[tuple[float, str]] = []
         self.shapes: set[tuple[int, int, bool]] = set()  # (P, D, a node carries two stages)
 
@@ -109,7 +109,8 @@ class BambooPolicy:
         # too) slows the steps by the fallback factor until the next rendezvous
         if self.status == "running" and not self.slowed:
             self.slowed = True
-            self.job.set_iteration(self.job.iter_s * self.fallback_slowdown)
+            full, plain = self._steps[self.width]  # the whole step slows down
+            self.job.set_iteration(full * self.fallback_slowdown, plain * self.fallback_slowdown)
             self.decisions.append((t, "failover"))
         self._check_at_step_end()
 
@@ -166,7 +167,7 @@ class BambooPolicy:
         if self.width:
             self.shapes.add((self.p, self.width, False))
             self.status = "running"
-            self.job.set_iteration(self._step_s(self.width))
+            self.job.set_iteration(*self._step_s(self.width))
             self.decisions.append((t, f"rendezvous {self.width}x{self.p}"))
         else:
             self.status = "stopped"
@@ -192,14 +193,19 @@ class BambooPolicy:
         self._seq += 1
         heapq.heappush(self._timers, (t, self._seq, kind, self.version))
 
-    def _step_s(self, width: int) -> float:
+    def _step_s(self, width: int) -> tuple[float, float]:
+        """(step seconds, of which without FRC): a measured step has no split."""
         hit = self._steps.get(width)
         if hit is None:
-            shape = (self.target, width, ((),) * width)
-            hit = dict(self.cfg.shape_times).get(shape)
-            if hit is None:
-                hit = iteration_time(self.cfg.model, self.cfg.schedule, self.target, width,
-                                     ((),), self.target > 1)
+            measured = dict(self.cfg.shape_times).get((self.target, width, ((),) * width))
+            if measured is not None:
+                hit = (measured, measured)
+            else:
+                cfg = self.cfg
+                hit = (iteration_time(cfg.model, cfg.schedule, self.target, width, ((),),
+                                      self.target > 1),
+                       iteration_time(cfg.model, cfg.schedule, self.target, width, ((),),
+                                      False))
             self._steps[width] = hit
         return hit
 

@@ -5,10 +5,13 @@ A policy sees the events of one instant (nodes lost, nodes whose boot finished) 
 every instance the trace grants (an autoscaling group bills what it grants), so they pay the
 same; they differ in how much of that time turns into kept samples.
 
-- spotpipe: redundancy (FRC) slows each iteration; failover, rebalance, add/drop pipeline and
-  re-partition come from `spotpipe.plan.decide`; a takeover redoes only the lost stage's share
-  of the in-flight iteration; a fatal failure (two adjacent losses in every
-  pipeline) reloads from per-iteration CPU shadows, losing at most the in-flight iteration.
+- spotpipe: redundancy none | lazy | eager (lazy costs `lazy_ratio`, eager its FRC);
+  failover, rebalance, add/drop pipeline and re-partition come from the planner
+  (`next_decision`, the one call into it), never below the smallest depth that fits memory
+  (`spotpipe.sim.fit`); a takeover redoes only the lost stage's share of the in-flight
+  iteration; a fatal failure (two adjacent losses in every pipeline) reloads from
+  per-iteration CPU shadows (`shadows`, losing at most the in-flight iteration, their host
+  billed) or else from the last durable checkpoint.
 - bamboo: Bamboo as its simulator has it (P fixed, carriers until a rendezvous, its fatal
   rule, global and local rendezvous); see `spotpipe.sim.bamboo`.
 - checkpoint_restart (torchrun, Varuna): no redundancy; every preemption of a node in use
@@ -104,12 +107,12 @@ def next_decision(layout: Layout, lost: frozenset[str], ready: list[str],
 
 
 class Planner:
-    """Runs `plan.decide` until it answers KEEP or STOP, memoised per trace instant.
+    """Runs the planner until it answers KEEP or STOP, memoised per trace instant.
 
-    Layouts evolve from the events alone (decide never looks at the job's clock), so spotpipe
-    and bamboo, which differ only in what a fatal failure costs, take the same decisions on
-    the same trace. Sharing one Planner between them computes each decision once; the memo is
-    used only when the caller's layout is the very object the memo started from.
+    Layouts evolve from the events alone (decisions never look at the job's clock), so two
+    runs of the spotpipe policy on one trace (a sweep's) can share one Planner and compute
+    each decision once; the memo is used only when the caller's layout is the very object
+    the memo started from.
     """
 
     def __init__(self) -> None:
@@ -214,8 +217,8 @@ class SpotpipePolicy(Policy):
         return self.cfg.redundancy
 
     def _set_speed(self) -> None:
-        # the speed rides on the layout object (shared by spotpipe and bamboo via the
-        # Planner, and copied by with_standby, which keeps the shape); else by shape
+        # the speed rides on the layout object (shared through the Planner, and copied by
+        # with_standby, which keeps the shape); else by shape
         layout, cfg, mode = self.layout, self.cfg, self.redundancy()
         attr = _SPEED_ATTR[mode]
         hit = layout.__dict__.get(attr)
