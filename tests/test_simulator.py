@@ -340,3 +340,16 @@ def test_calibrated_shape_times_apply_to_every_policy(tmp_path):
     cal.write_text(json.dumps({"shape_times": [[[8, 2], 3.0]]}))
     with pytest.raises(ValueError, match=r"shape_times\[0\]"):
         calibrate_shapes(cal)
+
+
+def test_sweep_eager_rows_share_decisions_yet_equal_separate_runs():
+    cfg = gpt_cfg(num_stages=8, num_pipelines=3, redundancy="lazy")
+    sweep = run_sweep(SweepSpec(cfg, rates=(0.5,), seeds=3, hours=1, processes=1,
+                                policies=("spotpipe",), extra_redundancy=("eager",)))
+    rows = {r["policy"]: r for r in sweep["rows"]}
+    eager = gpt_cfg(num_stages=8, num_pipelines=3, redundancy="eager")
+    for name, c in (("spotpipe", cfg), ("spotpipe_eager", eager)):
+        alone = [run(bamboo_trace(0.5, 1, 24, s), "spotpipe", c, duration_s=3600.0,
+                     record=False).throughput for s in range(3)]
+        assert rows[name]["throughput"] == pytest.approx(sum(alone) / 3)
+    assert rows["spotpipe_eager"]["throughput"] < rows["spotpipe"]["throughput"]

@@ -21,6 +21,7 @@ from spotpipe.sim.itertime import microbatches_per_pipeline
 from spotpipe.sim.params import SimConfig
 
 _MEMO: dict[tuple, tuple[SimConfig, str | None]] = {}
+_MIN: dict[tuple, tuple[SimConfig, int]] = {}
 
 
 def layout_refusal(cfg: SimConfig, num_stages: int, num_pipelines: int, redundancy: str,
@@ -68,12 +69,12 @@ def min_stages(cfg: SimConfig, redundancy: str, replica_on_host: bool | None = N
     """The smallest depth from which every depth up to `cfg.num_stages` fits (D = 1); raises
     ValueError with the refusal when the configured depth itself does not fit."""
     target = cfg.num_stages
-    key = (id(cfg), "min", redundancy, replica_on_host)
-    hit = _MEMO.get(key)
+    key = (id(cfg), redundancy, replica_on_host)
+    hit = _MIN.get(key)
     if hit is not None and hit[0] is cfg:
-        return int(hit[1])  # type: ignore[arg-type]
+        return hit[1]
     low = _min_stages(cfg, target, redundancy, replica_on_host)
-    _MEMO[key] = (cfg, low)  # type: ignore[assignment]
+    _MIN[key] = (cfg, low)
     return low
 
 

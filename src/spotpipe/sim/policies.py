@@ -109,14 +109,15 @@ def next_decision(layout: Layout, lost: frozenset[str], ready: list[str],
 class Planner:
     """Runs the planner until it answers KEEP or STOP, memoised per trace instant.
 
-    Layouts evolve from the events alone (decisions never look at the job's clock), so two
-    runs of the spotpipe policy on one trace (a sweep's) can share one Planner and compute
-    each decision once; the memo is used only when the caller's layout is the very object
-    the memo started from.
+    Layouts evolve from the events and the rules alone (decisions never look at the job's
+    clock), so runs of the spotpipe policy on one trace with the same rules (lazy and eager
+    redundancy in a sweep) share one Planner and compute each decision once; the memo is
+    used only when the caller's layout is the very object the memo started from.
     """
 
     def __init__(self) -> None:
-        self._memo: dict[int, tuple[Layout, list[tuple[Layout, Decision]]]] = {}
+        self._memo: dict[int, tuple[Layout, DecideRules,
+                                    list[tuple[Layout, Decision]]]] = {}
         self._start: Layout | None = None
 
     def start(self, num_stages: int, num_pipelines: int) -> Layout:
@@ -130,8 +131,8 @@ class Planner:
     def plan(self, index: int, layout: Layout, lost: frozenset[str], ready: list[str],
              rules: "DecideRules") -> list[tuple[Layout, Decision]]:
         hit = self._memo.get(index)
-        if hit is not None and hit[0] is layout:
-            return hit[1]
+        if hit is not None and hit[0] is layout and hit[1] == rules:
+            return hit[2]
         steps = []
         current = layout
         for _ in range(8):  # a decision sequence converges in a few steps (KEEP ends it)
@@ -141,7 +142,7 @@ class Planner:
             if d.action in (Action.KEEP, Action.STOP):
                 break
         if index >= 0:
-            self._memo[index] = (layout, steps)
+            self._memo[index] = (layout, rules, steps)
         return steps
 
 
