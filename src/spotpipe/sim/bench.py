@@ -66,7 +66,8 @@ def bench_config(redundancy: str = "lazy") -> SimConfig:
 
 def bench_simulator(seeds: int = 10000, measured_run_dir: str | Path | None = None,
                     processes: int = 2, replay: bool = False,
-                    work_dir: str | Path | None = None) -> dict[str, Any]:
+                    work_dir: str | Path | None = None,
+                    growth_sizes: tuple[int, ...] = (48, 192, 768)) -> dict[str, Any]:
     """The table's speed and ratios for lazy and eager spotpipe, the cold run, the Bamboo
     reproduction and the growth with cluster size; with `replay`, also the prediction error
     of a local replay of a real trace segment (see `spotpipe.sim.validate`: five runs of a
@@ -115,7 +116,7 @@ def bench_simulator(seeds: int = 10000, measured_run_dir: str | Path | None = No
     out.update(_trace_figures(cfg))
     out.update(bamboo_reproduction())
     out["cold_run_s"], out["cold_run_cpu_s"] = cold_run()
-    out["growth"] = growth()
+    out["growth"] = growth(growth_sizes)
     out["shape_cache"] = {"dir": str(itertime.cache_dir()),
                           "parent_hits": itertime.CACHE_STATS["hits"] - hits0,
                           "parent_misses": itertime.CACHE_STATS["misses"] - misses0}
