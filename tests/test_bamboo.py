@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from spotpipe.sim.bamboo import reference_config, reproduction_errors
+from spotpipe.sim.bamboo_reference import reference_config, reproduction_errors
 from spotpipe.sim.simulator import run
 from spotpipe.sim.traces import load_trace, parse_event_csv
 

@@ -171,7 +171,7 @@ def bamboo_reproduction(reference: Path = BAMBOO_REFERENCE) -> dict[str, Any]:
     """The largest relative error of the bamboo policy against Bamboo's own simulator's
     figures (performance, cost, value) on its p3 and g4dn traces, given its step table: as
     published, and with its simultaneous events taken in trace order (see tests/test_bamboo.py)."""
-    from spotpipe.sim.bamboo import reproduction_errors
+    from spotpipe.sim.bamboo_reference import reproduction_errors
 
     if not reference.exists():
         return {"bamboo_reproduction_error": None,
