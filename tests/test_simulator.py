@@ -353,3 +353,19 @@ def test_sweep_eager_rows_share_decisions_yet_equal_separate_runs():
                      record=False).throughput for s in range(3)]
         assert rows[name]["throughput"] == pytest.approx(sum(alone) / 3)
     assert rows["spotpipe_eager"]["throughput"] < rows["spotpipe"]["throughput"]
+
+
+def test_cli_value_formula_bamboo(capsys):
+    base = ["--trace", "bamboo-g4dn.csv", "--stages", "8", "--pipelines", "3", "--policy",
+            "bamboo", "--instance", "g4dn.xlarge", "--json"]
+    values = {}
+    for formula in ("samples_per_dollar", "bamboo"):
+        assert cli_run(base + ["--value-formula", formula]) == 0
+        res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"][0]
+        values[formula] = res
+    per_dollar = values["samples_per_dollar"]
+    assert per_dollar["value"] == pytest.approx(per_dollar["samples"] / per_dollar["dollars"])
+    # Bamboo's: samples/s per $/h, time-averaged while running (not samples per dollar)
+    assert values["bamboo"]["samples"] == per_dollar["samples"]
+    assert values["bamboo"]["value"] != pytest.approx(per_dollar["value"])
+    assert 0 < values["bamboo"]["value"] < per_dollar["value"]
