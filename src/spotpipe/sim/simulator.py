@@ -146,6 +146,8 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
     last_t = 0.0
     resume: TimelinePoint | None = None  # where a pause ends before the next event
     timers = hasattr(pol, "next_wakeup")  # a policy with clocks of its own (bamboo)
+    # the shadows' CPU host runs on demand for the whole job
+    fixed = cfg.shadow_host_price if policy == "spotpipe" and cfg.shadows else 0.0
     for index, (t, lost, ready, held_after, taken) in enumerate(instants):
         if timers:
             _wake(pol, job, t, False)
@@ -164,22 +166,21 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
                 timeline.append(resume)
             resume = None
             job.advance(t)
-            dollars = node_seconds * price / HOUR
+            dollars = (node_seconds * price + fixed * t) / HOUR
             timeline.append(TimelinePoint(t, held, held, pol.used_nodes(),
                                           job.throughput_now(), job.samples, dollars))
             if job.paused_until > t and job.iter_s:
                 until = job.paused_until
                 resume = TimelinePoint(until, held, held, pol.used_nodes(),
                                        cfg.model.samples_per_iteration / job.iter_s,
-                                       job.samples, dollars + held * price * (until - t) / HOUR)
+                                       job.samples,
+                                       dollars + (held * price + fixed) * (until - t) / HOUR)
     if resume is not None and resume.time_s < end:
         timeline.append(resume)
     if timers:
         _wake(pol, job, end, False)
     node_seconds += held * (end - last_t)
-    dollars = node_seconds * price / HOUR
-    if policy == "spotpipe" and cfg.shadows:  # the shadows' CPU host runs on demand
-        dollars += cfg.shadow_host_price * end / HOUR
+    dollars = (node_seconds * price + fixed * end) / HOUR
     breakdown = job.finish(end)
     if record:
         timeline.append(TimelinePoint(end, held, held, pol.used_nodes(),
