@@ -19,8 +19,8 @@ From 48 to 768 nodes (16x the nodes, 18x the events of a 3 h trace) bamboo and
 checkpoint-restart cost about 45x more per run (per event: a walk of the node list at a
 rendezvous or restart), spotpipe about 210x: its planner (`plan.decide`, about 70 % of its
 time at 24 nodes) builds and compares whole layouts at every decision. A longer trace costs
-more than its events alone (3 h -> 12 h: 2.1x the events, 3-6x the time): later events meet
-larger layouts, more standby nodes and more timers.
+more than its events alone (3 h -> 12 h: 2.1x the events, 3-6x the time; not profiled
+further).
 
 Invariants the tests check: the job never uses more nodes than the trace offers at any
 instant (used <= held == available), only held instances are billed, on-demand equals its
