@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from spotpipe.sim.bamboo import reference_config, reproduction_errors
+from spotpipe.sim.bamboo_reference import reference_config, reproduction_errors
 from spotpipe.sim.simulator import run
 from spotpipe.sim.traces import load_trace, parse_event_csv
 
@@ -63,3 +63,20 @@ def test_bamboo_rules_on_a_hand_made_trace():
     assert r.time_average_value == pytest.approx(hand["average_value"], rel=1e-3)
     assert (12, 2, True) in r.shapes and (12, 1, False) in r.shapes
     assert all(p == 12 for p, _, _ in r.shapes)  # P never changes
+
+
+def test_bench_simulator_keys():
+    from spotpipe.sim.bench import bench_simulator
+
+    out = bench_simulator(seeds=2, processes=1, growth_sizes=(48,))
+    assert 0 <= out["bamboo_reproduction_error"] < 0.06
+    assert out["bamboo_reproduction_error_ties_in_order"] < 0.02
+    assert out["cold_run_s"] > 0 and out["table_seconds"] > 0
+    for mode in ("lazy", "eager"):
+        for rate in ("0.01", "0.05", "0.1", "0.25", "0.5"):
+            row = out["by_rate"][mode][rate]
+            for key in ("throughput", "samples_per_dollar", "throughput_vs_checkpoint_restart",
+                        "value_vs_checkpoint_restart", "throughput_vs_on_demand",
+                        "value_vs_on_demand"):
+                assert row[key] > 0, (mode, rate, key)
+    assert set(out["growth"]) == {"48_nodes_3h", "48_nodes_12h"}

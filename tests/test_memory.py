@@ -127,3 +127,15 @@ def test_bad_facts_and_stage_are_refused():
         estimate_stage(4, FACTS, rules())
     with pytest.raises(ValueError, match="unknown instance"):
         instance("p9.huge")
+
+
+def test_transformer_parameters_match_spotpipes_gpt():
+    """The analytic layer sizes against the real model the runtime trains (untied head)."""
+    from spotpipe.model.gpt import GPTConfig, build_gpt
+    from spotpipe.plan.memory import TransformerShape
+
+    gpt = build_gpt(GPTConfig(vocab_size=100, block_size=32, n_layer=3, n_head=4, n_embd=48),
+                    seed=0)
+    real = [sum(p.numel() for p in layer.parameters()) for layer in gpt.layers]
+    analytic = [x.params for x in transformer_layers(TransformerShape(3, 48, 4, 32, 100), 1)]
+    assert real == analytic

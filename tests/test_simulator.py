@@ -340,3 +340,32 @@ def test_calibrated_shape_times_apply_to_every_policy(tmp_path):
     cal.write_text(json.dumps({"shape_times": [[[8, 2], 3.0]]}))
     with pytest.raises(ValueError, match=r"shape_times\[0\]"):
         calibrate_shapes(cal)
+
+
+def test_sweep_eager_rows_share_decisions_yet_equal_separate_runs():
+    cfg = gpt_cfg(num_stages=8, num_pipelines=3, redundancy="lazy")
+    sweep = run_sweep(SweepSpec(cfg, rates=(0.5,), seeds=3, hours=1, processes=1,
+                                policies=("spotpipe",), extra_redundancy=("eager",)))
+    rows = {r["policy"]: r for r in sweep["rows"]}
+    eager = gpt_cfg(num_stages=8, num_pipelines=3, redundancy="eager")
+    for name, c in (("spotpipe", cfg), ("spotpipe_eager", eager)):
+        alone = [run(bamboo_trace(0.5, 1, 24, s), "spotpipe", c, duration_s=3600.0,
+                     record=False).throughput for s in range(3)]
+        assert rows[name]["throughput"] == pytest.approx(sum(alone) / 3)
+    assert rows["spotpipe_eager"]["throughput"] < rows["spotpipe"]["throughput"]
+
+
+def test_cli_value_formula_bamboo(capsys):
+    base = ["--trace", "bamboo-g4dn.csv", "--stages", "8", "--pipelines", "3", "--policy",
+            "bamboo", "--instance", "g4dn.xlarge", "--json"]
+    values = {}
+    for formula in ("samples_per_dollar", "bamboo"):
+        assert cli_run(base + ["--value-formula", formula]) == 0
+        res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"][0]
+        values[formula] = res
+    per_dollar = values["samples_per_dollar"]
+    assert per_dollar["value"] == pytest.approx(per_dollar["samples"] / per_dollar["dollars"])
+    # Bamboo's: samples/s per $/h, time-averaged while running (not samples per dollar)
+    assert values["bamboo"]["samples"] == per_dollar["samples"]
+    assert values["bamboo"]["value"] != pytest.approx(per_dollar["value"])
+    assert 0 < values["bamboo"]["value"] < per_dollar["value"]

@@ -52,6 +52,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--shadows", action="store_true", help="spotpipe keeps CPU shadows of "
                    "every stage (a fatal failure loses one iteration; their on-demand host "
                    "is billed); without, it rolls back to the last durable checkpoint")
+    p.add_argument("--value-formula", default="samples_per_dollar",
+                   choices=("samples_per_dollar", "bamboo"),
+                   help="value: samples per dollar billed (default), or Bamboo's simulator's "
+                        "time average of samples/s per $/h while the job runs")
     p.add_argument("--victims", default="random", choices=("random", "oldest", "newest"),
                    help="which nodes leave when a count series (tick JSON, dated series) "
                         "drops: seeded by --seed (default random)")
@@ -166,7 +170,8 @@ def _prepare(args: argparse.Namespace) -> tuple[SimConfig, Any]:
     shapes = calibrate_shapes(args.calibrate) if args.calibrate else ()
     cfg = SimConfig(model_from_arg(args.model), price_of(args.instance, args.prices),
                     args.stages, args.pipelines, args.schedule, params,
-                    redundancy=args.redundancy, shadows=args.shadows, shape_times=shapes)
+                    redundancy=args.redundancy, shadows=args.shadows, shape_times=shapes,
+                    value_formula=args.value_formula)
     if args.plot:
         _check_dir(args.plot)
     if args.advise and args.table:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spotpipe.sim.traces import Trace
+from spotpipe.traces import Trace
 
 REMOVE = "remove"
 

@@ -35,7 +35,11 @@ Analytic transformer activations (`transformer_layers`) per block and micro-batc
 s b h (34 + 5 a s / h) bytes with 16-bit activations (Korthikanti et al., "Reducing Activation
 Recomputation in Large Transformer Models", MLSys '23, eq. 1, no tensor parallelism), scaled by
 dtype bytes / 2 for other precisions; the head keeps its logits (s b V in the compute dtype)
-and their fp32 softmax for the loss (s b V x 4).
+and their fp32 softmax for the loss (s b V x 4). The formula assumes attention that keeps its
+s x s scores and dropout masks; with fused attention and no dropout a block keeps less
+(spotpipe's GPT block on CPU, fp32, saved tensors measured with
+torch.autograd.graph.saved_tensors_hooks: 1.8x less at s = 128, h = 64; 2.8x less at s = 256,
+h = 128), so the analytic estimate errs on the safe side; the runtime passes measured bytes.
 
 Redundancy (Bamboo, NSDI '23; spotpipe's replicas kept exact by gradient replication):
 - none: nothing more;

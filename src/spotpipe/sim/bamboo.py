@@ -35,7 +35,6 @@ from spotpipe.sim import fit
 from spotpipe.sim.itertime import iteration_time
 from spotpipe.sim.job import Job
 from spotpipe.sim.params import SimConfig
-from spotpipe.sim.traces import Trace
 
 GLOBAL, LOCAL, CHECK = 0, 1, 2
 
@@ -63,7 +62,7 @@ class BambooPolicy:
         self.version = 0
         self._timers: list[tuple[float, int, int, int]] = []  # (t, seq, kind, version)
         self._seq = 0
-        self._steps: dict[int, float] = {}
+        self._steps: dict[int, tuple[float, float]] = {}
         self.decisions: list[tuple[float, str]] = []
         self.shapes: set[tuple[int, int, bool]] = set()  # (P, D, a node carries two stages)
 
@@ -109,7 +108,8 @@ class BambooPolicy:
         # too) slows the steps by the fallback factor until the next rendezvous
         if self.status == "running" and not self.slowed:
             self.slowed = True
-            self.job.set_iteration(self.job.iter_s * self.fallback_slowdown)
+            full, plain = self._steps[self.width]  # the whole step slows down
+            self.job.set_iteration(full * self.fallback_slowdown, plain * self.fallback_slowdown)
             self.decisions.append((t, "failover"))
         self._check_at_step_end()
 
@@ -166,7 +166,7 @@ class BambooPolicy:
         if self.width:
             self.shapes.add((self.p, self.width, False))
             self.status = "running"
-            self.job.set_iteration(self._step_s(self.width))
+            self.job.set_iteration(*self._step_s(self.width))
             self.decisions.append((t, f"rendezvous {self.width}x{self.p}"))
         else:
             self.status = "stopped"
@@ -192,57 +192,18 @@ class BambooPolicy:
         self._seq += 1
         heapq.heappush(self._timers, (t, self._seq, kind, self.version))
 
-    def _step_s(self, width: int) -> float:
+    def _step_s(self, width: int) -> tuple[float, float]:
+        """(step seconds, of which without FRC): a measured step has no split."""
         hit = self._steps.get(width)
         if hit is None:
-            shape = (self.target, width, ((),) * width)
-            hit = dict(self.cfg.shape_times).get(shape)
-            if hit is None:
-                hit = iteration_time(self.cfg.model, self.cfg.schedule, self.target, width,
-                                     ((),), self.target > 1)
+            measured = dict(self.cfg.shape_times).get((self.target, width, ((),) * width))
+            if measured is not None:
+                hit = (measured, measured)
+            else:
+                cfg = self.cfg
+                hit = (iteration_time(cfg.model, cfg.schedule, self.target, width, ((),),
+                                      self.target > 1),
+                       iteration_time(cfg.model, cfg.schedule, self.target, width, ((),),
+                                      False))
             self._steps[width] = hit
         return hit
-
-
-# -- reproducing its published figures ---------------------------------------------------
-
-def reference_config(ref: dict) -> SimConfig:
-    """The configuration of Bamboo's GPT-2 runs from the `config` of a reference file
-    (tests/fixtures/bamboo_reference.json): its step table, prices, timings and batch."""
-    from dataclasses import replace
-
-    from spotpipe.sim.models import gpt2_1_5b
-    from spotpipe.sim.params import SimParams
-    from spotpipe.sim.prices import Price
-
-    c = ref["config"]
-    p = int(c["num_stages"])
-    steps = {int(d): float(s) for d, s in c["step_s_by_pipelines"].items()}
-    model = replace(gpt2_1_5b(), micro_batch_size=1,
-                    global_microbatches=int(c["samples_per_step"]))
-    return SimConfig(model, Price("bamboo", float(c["spot_price"]), float(c["on_demand_price"])),
-                     p, max(steps),
-                     params=SimParams(boot_s=float(c["creation_s"]),
-                                      rendezvous_s=float(c["global_rendezvous_s"]),
-                                      reconfig_pause_s=float(c["local_rendezvous_s"])),
-                     shape_times=tuple(((p, d, ((),) * d), s) for d, s in sorted(steps.items())),
-                     value_formula="bamboo", memory=None)
-
-
-def reproduction_errors(ref: dict, traces: dict[str, Trace],
-                        key: str = "results") -> dict[str, dict[str, float]]:
-    """Relative error of the bamboo policy against each reference figure, per trace:
-    performance (samples/s while running), cost ($/h up to the last step), value (its
-    time-averaged samples/s per $/h)."""
-    from spotpipe.sim.simulator import run
-
-    cfg = reference_config(ref)
-    out: dict[str, dict[str, float]] = {}
-    for name, trace in traces.items():
-        want = ref[key][name]
-        r = run(trace, "bamboo", cfg, record=False)
-        got = {"average_performance": r.window_throughput,
-               "average_cost": r.window_cost_per_hour, "average_value": r.time_average_value}
-        out[name] = {k: (v - want[k]) / want[k] for k, v in got.items()}
-        out[name]["fatal_failures"] = float(r.fatal_failures - want["num_fatal_failures"])
-    return out

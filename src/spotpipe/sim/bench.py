@@ -1,50 +1,37 @@
-"""Benchmark figures of the simulator: speed of the table, value and throughput ratios, and
-how far its prediction is from a measured local replay (`spotpipe.sim.validate`).
+"""Benchmark figures of the simulator: the table's speed, value and throughput ratios of lazy
+and eager spotpipe, the cold run, the reproduction of Bamboo's own simulator, how the cost
+grows with the cluster, and how far a prediction is from a measured local replay
+(`spotpipe.sim.validate`).
 
-Configuration, checked against the Bamboo paper (NSDI '23). The seed text we have of it
-(shared/seeds/) is its abstract: 3.7x the throughput of checkpointing, 2.4x lower cost than
-on-demand, "across a variety of widely used DNN models", on preemptible instances. The
-rest of its GPT-2 set-up is taken from the simulator published with it (uclasystem/bamboo,
-project_pactum/simulation/simulator.py), which is what its simulation figures ran:
-- instances: p3.2xlarge (one V100), $3.06/h on-demand and $0.91/h spot (we: $0.918);
-- GPT-2 at P = 8 stages with a spot capacity of 24 instances, so D <= 3 pipelines. We had
-  P = 8 x D = 4 (32: the peak of the p3 trace); the bench now uses 8 x 3;
-- a granted spot instance is ready 45 s later (we had 120 s by guess): boot_s = 45;
-- a global rendezvous of 30 s and a reconfiguration of 20 s; after a takeover the pipeline
-  runs 1.5x slower until it is rebalanced; a fatal failure costs a rendezvous and no lost
-  work (its simulator keeps the step count). We keep our own runtime's figures for what
-  is spotpipe's (rendezvous 10 s, failover 5 s, reconfiguration 30 s, shadow restore 60 s;
-  the takeover slowdown comes from the merged schedule's timing) and for the baselines'
-  restart (300 s to relaunch and load a checkpoint) and checkpoint interval (30 min):
-  neither the abstract nor that simulator states them (it has no checkpoint baseline);
-- preemptions: every held node is removed with the hourly probability, as here.
+Configuration (from the simulator published with Bamboo, uclasystem/bamboo,
+project_pactum/simulation/simulator.py, and the paper's abstract in shared/seeds/):
+- instances: p3.2xlarge (one V100), $3.06/h on-demand, $0.918/h spot; a granted spot
+  instance is ready 45 s later (its simulator's creation time);
+- GPT-2 1.5B at P = 8 stages x D <= 3 pipelines (24 instances) under our memory model
+  (mixed precision, activation checkpointing per layer: `spotpipe.sim.params.DEFAULT_MEMORY`),
+  which lets spotpipe re-partition down to P = 4 and no further (a node carrying two stages
+  after a takeover must fit a 16 GB V100); Bamboo keeps P = 8 and its replica on the GPU;
+- spotpipe without shadows (a fatal failure rolls back to the last durable checkpoint, every
+  30 min); its pauses are our runtime's (rendezvous 10 s, failover 5 s, reconfiguration 30 s);
+  checkpoint-restart relaunches in 300 s;
+- bamboo is `spotpipe.sim.bamboo`: its simulator's rules and timings (global rendezvous
+  30 s, local 20 s, 1.5x slower after a takeover until the next rendezvous), with our timing
+  model's eager FRC in place of its measured step table (which exists for P = 12 only).
 
 Table: 5 hourly removal rates (0.01, 0.05, 0.10, 0.25, 0.50) x `seeds` Bamboo-style traces of
-3 h each (long enough for several preemptions at every rate but the lowest; the table's
-time grows with it). spotpipe runs lazy redundancy (replicas kept exact by gradient
-replication, no FRC: measured at 0.97 of no redundancy); Bamboo runs eager FRC as published. Ratios are taken at
-rate 0.10 (about Bamboo's measured p3 churn) and averaged over the rates, and on the real
-p3 trace (bamboo-p3.csv, Bamboo's own measured trace) replayed once.
+3 h each, every policy on each; spotpipe once with lazy and once with eager redundancy on the
+same traces (`table_seconds` covers both). `by_rate` has, per mode and rate, throughput and samples per dollar and both over
+checkpoint-restart and over on-demand.
 
-Why our ratios differ from the paper's (10,000 seeds; figures in README.md):
-- value vs on-demand = (spot price ratio 3.33) x (spot throughput / on-demand throughput) x
-  (on-demand nodes / spot nodes held). Ours is about 3.1x at 0.10 (3.2x at 0.01, 2.8x at
-  0.5), above the paper's 2.4x, for two reasons of spotpipe's own: it runs lazy redundancy
-  (replicas kept exact by gradient replication, no FRC: 0.97 of no redundancy), and after a
-  takeover it re-partitions in place at the next iteration boundary (P shrinks to the live
-  nodes) instead of running with a node that carries two stages, which made the whole
-  synchronous job 1.62x slower until a replacement booted (value was 2.4x with carriers).
-  With eager FRC (Bamboo's way) our timing model charges FRC its full cost where 1F1B's
-  bubbles cannot hold it (M = 43 micro-batches per pipeline at D = 3: bubbles are 14% of the
-  iteration, FRC a third of the compute): about 36% slower, and value drops to about 2.3x;
-  Bamboo as published (eager, carriers, global restart on a fatal failure) scores 1.9x on the
-  p3 trace. The paper measured a smaller FRC overhead on its models; we have its abstract,
-  not its measurements, so we cannot say where ours differs.
-- throughput vs checkpoint-restart depends almost entirely on the preemption rate and on
-  the baseline's restart cost (300 s) and checkpoint interval (30 min): about 1.1x at 0.01
-  (nothing to recover from), 2.0x at 0.10, 5.2x at 0.25, 12x at 0.5. The paper's 3.7x is
-  an average over models and its measured traces, not one synthetic rate; on Bamboo's p3
-  trace we get about 4.8x (Bamboo itself about 3.6x).
+Why the ratios differ from the paper (3.7x the throughput of checkpointing, 2.4x lower cost
+than on-demand): value vs on-demand = (spot price ratio 3.33) x (spot throughput / on-demand
+throughput) x (on-demand nodes / spot nodes held). Lazy redundancy costs 3 % (measured) and a
+takeover is followed by a re-partition in place, so spotpipe keeps about 3x on-demand's value
+at every rate; with eager FRC our timing model charges FRC its full cost where 1F1B's bubbles
+cannot hold it (M = 43 micro-batches per pipeline at D = 3: bubbles are 14 % of the iteration,
+FRC a third of the compute), and value drops to about 2.4x, the paper's figure.
+Throughput vs checkpoint-restart depends almost entirely on the rate and on the baseline's
+restart (300 s) and checkpoint interval (30 min): about 1.1x at 0.01, 2x at 0.10, 13x at 0.5.
 """
 
 from __future__ import annotations
@@ -79,7 +66,8 @@ def bench_config(redundancy: str = "lazy") -> SimConfig:
 
 def bench_simulator(seeds: int = 10000, measured_run_dir: str | Path | None = None,
                     processes: int = 2, replay: bool = False,
-                    work_dir: str | Path | None = None) -> dict[str, Any]:
+                    work_dir: str | Path | None = None,
+                    growth_sizes: tuple[int, ...] = (48, 192, 768)) -> dict[str, Any]:
     """The table's speed and ratios for lazy and eager spotpipe, the cold run, the Bamboo
     reproduction and the growth with cluster size; with `replay`, also the prediction error
     of a local replay of a real trace segment (see `spotpipe.sim.validate`: five runs of a
@@ -88,11 +76,11 @@ def bench_simulator(seeds: int = 10000, measured_run_dir: str | Path | None = No
 
     cfg = bench_config()
     hits0, misses0 = itertime.CACHE_STATS["hits"], itertime.CACHE_STATS["misses"]
-    sweep = run_sweep(SweepSpec(cfg, seeds=seeds, processes=processes))
-    eager = run_sweep(SweepSpec(replace(cfg, redundancy="eager"), seeds=seeds,
-                                processes=processes, policies=("spotpipe",)))
+    # one table: every policy, and spotpipe once more with eager FRC on the same traces
+    # (sharing its decisions with the lazy runs)
+    sweep = run_sweep(SweepSpec(cfg, seeds=seeds, processes=processes,
+                                extra_redundancy=("eager",)))
     rows = {(r["rate"], r["policy"]): r for r in sweep["rows"]}
-    rows.update({(r["rate"], "spotpipe_eager"): r for r in eager["rows"]})
     rates = sweep["rates"]
 
     def ratio(metric: str, a: str, b: str, rate: float) -> float:
@@ -108,7 +96,6 @@ def bench_simulator(seeds: int = 10000, measured_run_dir: str | Path | None = No
     out: dict[str, Any] = {
         "table_seconds": sweep["seconds"],
         "table_cpu_seconds": sweep["cpu_seconds"],
-        "eager_table_seconds": eager["seconds"],
         "processes": processes,
         "seeds": seeds,
         "rates": rates,
@@ -129,7 +116,7 @@ def bench_simulator(seeds: int = 10000, measured_run_dir: str | Path | None = No
     out.update(_trace_figures(cfg))
     out.update(bamboo_reproduction())
     out["cold_run_s"], out["cold_run_cpu_s"] = cold_run()
-    out["growth"] = growth()
+    out["growth"] = growth(growth_sizes)
     out["shape_cache"] = {"dir": str(itertime.cache_dir()),
                           "parent_hits": itertime.CACHE_STATS["hits"] - hits0,
                           "parent_misses": itertime.CACHE_STATS["misses"] - misses0}
@@ -184,7 +171,7 @@ def bamboo_reproduction(reference: Path = BAMBOO_REFERENCE) -> dict[str, Any]:
     """The largest relative error of the bamboo policy against Bamboo's own simulator's
     figures (performance, cost, value) on its p3 and g4dn traces, given its step table: as
     published, and with its simultaneous events taken in trace order (see tests/test_bamboo.py)."""
-    from spotpipe.sim.bamboo import reproduction_errors
+    from spotpipe.sim.bamboo_reference import reproduction_errors
 
     if not reference.exists():
         return {"bamboo_reproduction_error": None,

@@ -15,12 +15,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from spotpipe.plan.layout import uniform_partition
-from spotpipe.plan.memory import (MemoryEstimate, estimate_stage, instance, merge_facts,
-                                  refusal, stage_facts)
+from spotpipe.plan.memory import estimate_stage, instance, merge_facts, refusal, stage_facts
 from spotpipe.sim.itertime import microbatches_per_pipeline
 from spotpipe.sim.params import SimConfig
 
 _MEMO: dict[tuple, tuple[SimConfig, str | None]] = {}
+_MIN: dict[tuple, tuple[SimConfig, int]] = {}
 
 
 def layout_refusal(cfg: SimConfig, num_stages: int, num_pipelines: int, redundancy: str,
@@ -68,12 +68,12 @@ def min_stages(cfg: SimConfig, redundancy: str, replica_on_host: bool | None = N
     """The smallest depth from which every depth up to `cfg.num_stages` fits (D = 1); raises
     ValueError with the refusal when the configured depth itself does not fit."""
     target = cfg.num_stages
-    key = (id(cfg), "min", redundancy, replica_on_host)
-    hit = _MEMO.get(key)
+    key = (id(cfg), redundancy, replica_on_host)
+    hit = _MIN.get(key)
     if hit is not None and hit[0] is cfg:
-        return int(hit[1])  # type: ignore[arg-type]
+        return hit[1]
     low = _min_stages(cfg, target, redundancy, replica_on_host)
-    _MEMO[key] = (cfg, low)  # type: ignore[assignment]
+    _MIN[key] = (cfg, low)
     return low
 
 
@@ -110,19 +110,6 @@ def shadow_host_refusal(cfg: SimConfig, num_stages: int) -> str | None:
         return (f"the shadows of {num_stages} stages need {need / 2 ** 30:.2f} GiB, the shadow "
                 f"host {host.name} has {host.host_bytes / 2 ** 30:.2f} GiB")
     return None
-
-
-def estimates(cfg: SimConfig, num_stages: int, num_pipelines: int,
-              redundancy: str) -> list[MemoryEstimate]:
-    """Every stage's estimate of P x D (for reports and tests)."""
-    layers = cfg.model.layer_memory
-    assert cfg.memory is not None and layers
-    parts = uniform_partition(len(layers), num_stages)
-    rules = replace(cfg.memory, schedule=cfg.schedule, num_stages=num_stages,
-                    microbatches=microbatches_per_pipeline(cfg.model, num_pipelines),
-                    redundancy=redundancy if num_stages > 1 else "none", shadows=False)
-    return [estimate_stage(s, stage_facts(layers, parts, s, redundancy != "none"), rules)
-            for s in range(num_stages)]
 
 
 def check_policies(cfg: SimConfig, policies: "list[str] | tuple[str, ...]") -> None:

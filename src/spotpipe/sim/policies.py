@@ -5,10 +5,13 @@ A policy sees the events of one instant (nodes lost, nodes whose boot finished) 
 every instance the trace grants (an autoscaling group bills what it grants), so they pay the
 same; they differ in how much of that time turns into kept samples.
 
-- spotpipe: redundancy (FRC) slows each iteration; failover, rebalance, add/drop pipeline and
-  re-partition come from `spotpipe.plan.recovery`, the runtime's own decision; a takeover redoes only the lost stage's share
-  of the in-flight iteration; a fatal failure (two adjacent losses in every
-  pipeline) reloads from per-iteration CPU shadows, losing at most the in-flight iteration.
+- spotpipe: redundancy none | lazy | eager (lazy costs `lazy_ratio`, eager its FRC);
+  failover, rebalance, add/drop pipeline and re-partition come from `spotpipe.plan.recovery`,
+  the runtime's own decision (`Planner`, the one call into it), never below the smallest
+  depth that fits memory (`spotpipe.sim.fit`); a takeover redoes only the lost stage's share
+  of the in-flight iteration; a fatal failure (two adjacent losses in every pipeline) reloads
+  from per-iteration CPU shadows (`shadows`, losing at most the in-flight iteration, their
+  host billed) or else from the last durable checkpoint.
 - bamboo: Bamboo as its simulator has it (P fixed, carriers until a rendezvous, its fatal
   rule, global and local rendezvous); see `spotpipe.sim.bamboo`.
 - checkpoint_restart (torchrun, Varuna): no redundancy; every preemption of a node in use
@@ -110,14 +113,15 @@ def _uniform(depth: int) -> tuple[tuple[int, int], ...]:
 class Planner:
     """Runs `plan.recovery.settle` for the events of one trace instant, memoised per instant.
 
-    Layouts evolve from the events alone (recovery never looks at the job's clock), so
-    policies that share the runtime's decisions and differ only in what they cost take the
-    same decisions on the same trace. Sharing one Planner computes each decision once; the
-    memo is used only when the caller's layout is the very object the memo started from.
+    Layouts evolve from the events and the rules alone (recovery never looks at the job's
+    clock), so runs of the spotpipe policy on one trace with the same rules (lazy and eager
+    redundancy in a sweep) share one Planner and compute each decision once; the memo is
+    used only when the caller's layout is the very object the memo started from.
     """
 
     def __init__(self) -> None:
-        self._memo: dict[int, tuple[Layout, list[tuple[Layout, Decision]]]] = {}
+        self._memo: dict[int, tuple[Layout, Rules,
+                                    list[tuple[Layout, Decision]]]] = {}
         self._start: Layout | None = None
 
     def start(self, num_stages: int, num_pipelines: int) -> Layout:
@@ -131,8 +135,8 @@ class Planner:
     def plan(self, index: int, layout: Layout, lost: frozenset[str], ready: list[str],
              rules: Rules) -> list[tuple[Layout, Decision]]:
         hit = self._memo.get(index)
-        if hit is not None and hit[0] is layout:
-            return hit[1]
+        if hit is not None and hit[0] is layout and hit[1] == rules:
+            return hit[2]
         history = History(layout, _uniform(layout.num_stages))
         steps = []
         current = layout
@@ -140,7 +144,7 @@ class Planner:
             steps.append((current, outcome.decision))
             current = outcome.decision.layout
         if index >= 0:
-            self._memo[index] = (layout, steps)
+            self._memo[index] = (layout, rules, steps)
         return steps
 
 
@@ -215,8 +219,8 @@ class SpotpipePolicy(Policy):
         return self.cfg.redundancy
 
     def _set_speed(self) -> None:
-        # the speed rides on the layout object (shared by spotpipe and bamboo via the
-        # Planner, and copied by with_standby, which keeps the shape); else by shape
+        # the speed rides on the layout object (shared through the Planner, and copied by
+        # with_standby, which keeps the shape); else by shape
         layout, cfg, mode = self.layout, self.cfg, self.redundancy()
         attr = _SPEED_ATTR[mode]
         hit = layout.__dict__.get(attr)

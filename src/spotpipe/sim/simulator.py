@@ -1,9 +1,26 @@
 """Discrete-event simulator of one pipeline-parallel job on a spot cluster under a trace.
 
 The loop is event-driven, not time-stepped: the clock jumps from one trace instant to the
-next, so a 10-hour run costs as many steps as it has preemptions and grants. Between events
-the job runs at the iteration time of its current layout (cached per layout shape), which is
-why a run costs microseconds to a millisecond and a 10,000-seed table fits in a minute.
+next (and to a policy's own timers: Bamboo's rendezvous timeouts), so a 10-hour run costs as
+many steps as it has preemptions and grants. Between events the job runs at the iteration
+time of its current layout (cached per layout shape; shapes are timed by
+`spotpipe.sim.fastsched`), which is why a run costs a fraction of a millisecond to a few.
+
+How the cost grows (`spotpipe bench simulator`, key `growth`: CPU ms per run with the shapes
+already timed, GPT-2 XL at P = 8, hourly removal rate 0.10, load average 10 on 2 cores):
+
+| nodes | events (3 h / 12 h) | spotpipe | bamboo | checkpoint-restart |
+|---|---|---|---|---|
+| 48 | 61 / 139 | 2.2 / 8.9 | 0.6 / 2.2 | 0.16 / 0.65 |
+| 192 | 272 / 570 | 23 / 99 | 3.2 / 15 | 1.0 / 3.3 |
+| 768 | 1088 / 2246 | 459 / 1400 | 28 / 169 | 6.9 / 42 |
+
+From 48 to 768 nodes (16x the nodes, 18x the events of a 3 h trace) bamboo and
+checkpoint-restart cost about 45x more per run (per event: a walk of the node list at a
+rendezvous or restart), spotpipe about 210x: its planner (`plan.decide`, about 70 % of its
+time at 24 nodes) builds and compares whole layouts at every decision. A longer trace costs
+more than its events alone (3 h -> 12 h: 2.1x the events, 3-6x the time; not profiled
+further).
 
 Invariants the tests check: the job never uses more nodes than the trace offers at any
 instant (used <= held == available), only held instances are billed, on-demand equals its
@@ -99,7 +116,7 @@ class Result:
 
 def run_policies(trace: Trace, policies: list[str], cfg: SimConfig, *,
                  duration_s: float | None = None, record: bool = True) -> dict[str, Result]:
-    """Several policies on one trace; spotpipe and bamboo share their (identical) decisions."""
+    """Several policies on one trace, which is turned into instants once."""
     planner = Planner()
     end = trace.duration_s if duration_s is None else float(duration_s)
     instants = instants_of(trace, cfg.params.boot_s, end)  # policy-independent: once
@@ -131,6 +148,8 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
     last_t = 0.0
     resume: TimelinePoint | None = None  # where a pause ends before the next event
     timers = hasattr(pol, "next_wakeup")  # a policy with clocks of its own (bamboo)
+    # the shadows' CPU host runs on demand for the whole job
+    fixed = cfg.shadow_host_price if policy == "spotpipe" and cfg.shadows else 0.0
     for index, (t, lost, ready, held_after, taken) in enumerate(instants):
         if timers:
             _wake(pol, job, t, False)
@@ -149,22 +168,21 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
                 timeline.append(resume)
             resume = None
             job.advance(t)
-            dollars = node_seconds * price / HOUR
+            dollars = (node_seconds * price + fixed * t) / HOUR
             timeline.append(TimelinePoint(t, held, held, pol.used_nodes(),
                                           job.throughput_now(), job.samples, dollars))
             if job.paused_until > t and job.iter_s:
                 until = job.paused_until
                 resume = TimelinePoint(until, held, held, pol.used_nodes(),
                                        cfg.model.samples_per_iteration / job.iter_s,
-                                       job.samples, dollars + held * price * (until - t) / HOUR)
+                                       job.samples,
+                                       dollars + (held * price + fixed) * (until - t) / HOUR)
     if resume is not None and resume.time_s < end:
         timeline.append(resume)
     if timers:
         _wake(pol, job, end, False)
     node_seconds += held * (end - last_t)
-    dollars = node_seconds * price / HOUR
-    if policy == "spotpipe" and cfg.shadows:  # the shadows' CPU host runs on demand
-        dollars += cfg.shadow_host_price * end / HOUR
+    dollars = (node_seconds * price + fixed * end) / HOUR
     breakdown = job.finish(end)
     if record:
         timeline.append(TimelinePoint(end, held, held, pol.used_nodes(),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -38,6 +38,9 @@ class SweepSpec:
     add_probability: float = 0.5
     policies: tuple[str, ...] = SPOT_POLICIES + ("on_demand",)
     processes: int = 2
+    # spotpipe once more per mode here, on the same traces and sharing its decisions (rows
+    # "spotpipe_<mode>"): the planner does not look at the redundancy's speed
+    extra_redundancy: tuple[str, ...] = ()
 
 
 def _chunk(args: tuple[SweepSpec, float, int, int]) -> "dict[str, np.ndarray]":
@@ -45,18 +48,21 @@ def _chunk(args: tuple[SweepSpec, float, int, int]) -> "dict[str, np.ndarray]":
 
     spec, rate, lo, hi = args
     spot = [p for p in spec.policies if p != "on_demand"]
-    out = {p: np.zeros((hi - lo, len(METRICS))) for p in spot}
+    extra = {f"spotpipe_{m}": replace(spec.cfg, redundancy=m) for m in spec.extra_redundancy}
+    out = {p: np.zeros((hi - lo, len(METRICS))) for p in spot + list(extra)}
     nodes = spec.nodes or spec.cfg.nodes
     end = spec.hours * 3600.0
     for i, seed in enumerate(range(lo, hi)):
         trace = bamboo_trace(rate, spec.hours, nodes, seed, spec.add_probability)
         planner = Planner()
         instants = instants_of(trace, spec.cfg.params.boot_s, end)
-        for name in spot:
-            r = run(trace, name, spec.cfg, duration_s=end, record=False, planner=planner,
+        runs = [(name, name, spec.cfg) for name in spot]
+        runs += [(label, "spotpipe", cfg) for label, cfg in extra.items()]
+        for label, name, cfg in runs:
+            r = run(trace, name, cfg, duration_s=end, record=False, planner=planner,
                     instants=instants)
-            out[name][i] = (r.throughput, r.cost_per_hour, r.value, r.preemptions,
-                            r.fatal_failures)
+            out[label][i] = (r.throughput, r.cost_per_hour, r.value, r.preemptions,
+                             r.fatal_failures)
     return out
 
 
@@ -68,7 +74,8 @@ def run_sweep(spec: SweepSpec) -> dict:
     cpu0 = _cpu_seconds()
     procs = max(1, spec.processes)
     cfg = spec.cfg
-    if cfg.num_stages > 1 and (cfg.redundancy == "eager" or "bamboo" in spec.policies):
+    if cfg.num_stages > 1 and (cfg.redundancy == "eager" or "bamboo" in spec.policies
+                               or "eager" in spec.extra_redundancy):
         # every width at the configured depth, once, before forking (other shapes follow
         # takeovers or a re-partition and are timed on demand, through the shared cache)
         itertime.warm(cfg.model, cfg.schedule, cfg.num_stages,
@@ -88,7 +95,7 @@ def run_sweep(spec: SweepSpec) -> dict:
         if "on_demand" in spec.policies else None
     for rate in spec.rates:
         chunks = [p for t, p in zip(tasks, parts) if t[1] == rate]
-        for name in spec.policies:
+        for name in list(spec.policies) + [f"spotpipe_{m}" for m in spec.extra_redundancy]:
             if name == "on_demand":
                 assert ond is not None
                 vals = np.array([[ond.throughput, ond.cost_per_hour, ond.value, 0, 0]])
