@@ -461,6 +461,7 @@ class JobLoop:
         if bar is None:
             return
         bar.update(1)
-        bar.set_postfix_str(f"loss {record['loss']:.4f} | {record['samples_per_s']:.1f} samples/s"
+        loss = "nan" if record["loss"] is None else f"{record['loss']:.4f}"
+        bar.set_postfix_str(f"loss {loss} | {record['samples_per_s']:.1f} samples/s"
                             f" | nodes {record['live_nodes']}/{self.cfg.stages * self.cfg.pipelines}"
                             f" double {record.get('carriers', 0)} gen {record['generation']}")

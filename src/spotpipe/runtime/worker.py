@@ -46,7 +46,7 @@ from spotpipe.runtime.state import NodeState, build_stage_state
 from spotpipe.schedule.replay import done_from, rest_of_iteration
 from spotpipe.store import board
 from spotpipe.store.address import StoreAddress
-from spotpipe.store.mailbox import Outbox
+from spotpipe.store.mailbox import Outbox, finite
 from spotpipe.store.watchers import BoardWatcher, Heartbeat, client, watch_abort
 
 COORDINATOR = "coordinator"  # the writer name of every Decision and join answer
@@ -374,9 +374,10 @@ class Worker:
             return
         cfg = self.cfg
         self.channel.post(Metrics(
-            iter=t, loss=float(loss), samples=(t + 1) * cfg.global_batch,
+            iter=t, loss=finite(float(loss)), samples=(t + 1) * cfg.global_batch,
             time_s=self.channel.now(), iter_time_s=round(dt, 6),
-            samples_per_s=round(cfg.global_batch / dt, 3), lr=lr, grad_norm=result.grad_norm,
+            samples_per_s=round(cfg.global_batch / dt, 3), lr=lr,
+            grad_norm=finite(float(result.grad_norm)),
             live_nodes=len(self.layout.active_nodes), carriers=len(self.layout.carriers()),
             generation=self.generation,
             replica_lag=self.holding.applier.lag(t) if self.holding else None))

@@ -9,6 +9,7 @@ JSON, never unpickled, and dropped with a `record_refused` event when it does no
 
 from __future__ import annotations
 
+import math
 import time
 from datetime import timedelta
 from collections.abc import Callable, Iterator
@@ -48,7 +49,19 @@ class Outbox:
             self.post(CheckpointSaved(self.node, self.now(), iteration, stage, checksums,
                                       details))
             return
-        self.post(Event(kind, self.node, self.now(), details))
+        self.post(Event(kind, self.node, self.now(), finite(details)))
+
+
+def finite(value: Any) -> Any:
+    """`value` with every non-finite float as None: JSON has no NaN, and a record that a
+    reader refuses is a record lost (an event may well carry a NaN loss)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
 
 
 def read_mailbox(store: dist.Store, channel: Channel,
