@@ -79,7 +79,7 @@ class NodeReport:
     untouched: bool = True
     flight: int = -1
     done: tuple[Any, ...] = ()
-    clip_scale: float | None = None
+    clip_scale: float | str | None = None  # "skip": the committed step was skipped
     reason: str = ""
 
 
@@ -113,7 +113,8 @@ class Decision:
     # node -> what it finished of the iteration in flight, for nodes that keep their share
     # of it (None: every node replays the in-flight iteration whole)
     salvage: Mapping[str, tuple[Any, ...]] | None = None
-    clip_scale: float | None = None  # the committed iteration's, for a new shadow writer
+    # the committed iteration's, for a new shadow writer ("skip": its step was skipped)
+    clip_scale: float | str | None = None
     rejoin: tuple[str, ...] = ()  # counted out for state they did not receive: join again
     reason: str = ""
     message: str = ""  # a stop's one-sentence reason
@@ -183,7 +184,8 @@ class Decision:
             salvage=None if data["salvage"] is None else {
                 str(n): tuple(tuple(e) if isinstance(e, list) else e for e in done)
                 for n, done in data["salvage"].items()},
-            clip_scale=None if data["clip_scale"] is None else float(data["clip_scale"]),
+            clip_scale=(data["clip_scale"] if data["clip_scale"] in (None, "skip")
+                        else float(data["clip_scale"])),
             rejoin=tuple(str(n) for n in data["rejoin"]), reason=str(data["reason"]),
             message=str(data["message"]))
 

@@ -149,7 +149,9 @@ class Report(Message):
     committed_through: int
     stepped_through: int
     done: tuple[tuple[Any, ...], ...]  # what it finished of the iteration in flight
-    clip_scale: float | None  # the committed iteration's clipping scale
+    # the committed iteration's clipping scale; "skip" when its step was skipped on every
+    # node (non-finite gradients: the runtime's NaN scale, which JSON cannot carry)
+    clip_scale: float | str | None
     flight: int  # the iteration in flight (-1: none)
     formed: bool  # False: the last plan failed before this node's generation formed
     lacking: tuple[str, ...]  # what the plan being carried out was to give it, and did not

@@ -97,7 +97,8 @@ class Reshaper:
             progress.untouched = False
         for s in restored:
             st.own(s, *st.build_stage(s))
-        self._relink(resume, set(restored), decision.clip_scale)
+        scale = decision.clip_scale
+        self._relink(resume, set(restored), float("nan") if scale == "skip" else scale)
         received += [f"stage {s} from its shadow" for s in restored]
         after = [Transfer("stage", m.stage, decision.layout.owner(0, m.stage), m.dst)
                  for m in restores if m.pipeline != 0]

@@ -12,6 +12,7 @@ the store and the job's protocol channel, injected faults, and the boundary hook
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import threading
@@ -416,7 +417,7 @@ class Worker:
             "done": tuple(tuple(e) for e in ex.flight.done_list()) if ex.flight is not None
             else (),
             # the committed iteration's clipping scale: a new shadow writer brings it along
-            "clip_scale": ex.committed_clip_scale,
+            "clip_scale": scale_to_wire(ex.committed_clip_scale),
             "flight": ex.flight.iteration if ex.flight is not None else -1}
 
     def _decision(self, generation: int) -> Decision:
@@ -583,6 +584,11 @@ class Worker:
                        for k, v in state.module.state_dict().items()}
             save_file(tensors, str(out / f".stage{s}.safetensors.tmp"))
             os.replace(out / f".stage{s}.safetensors.tmp", out / f"stage{s}.safetensors")
+
+
+def scale_to_wire(scale: float | None) -> float | str | None:
+    """A clipping scale as a record carries it: NaN (a skipped step) is "skip"."""
+    return "skip" if scale is not None and math.isnan(scale) else scale
 
 
 def _rss_mib() -> float:
