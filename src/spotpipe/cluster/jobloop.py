@@ -37,6 +37,10 @@ from spotpipe.config import Config
 from spotpipe.plan import Layout
 
 
+class RunFilesError(RuntimeError):
+    """The launcher cannot write its own files: the job stops, naming the file."""
+
+
 @dataclass
 class RunFiles:
     """The run's output files, written by the launcher only."""
@@ -50,13 +54,19 @@ class RunFiles:
         self.metrics = open(self.out / "metrics.jsonl", "w")
         self.events = open(self.out / "events.jsonl", "w")
 
+    def _append(self, stream: TextIO, name: str, record: dict[str, Any]) -> None:
+        try:
+            stream.write(json.dumps(record) + "\n")
+            stream.flush()
+        except OSError as exc:
+            raise RunFilesError(f"cannot write {self.out / name}: {exc.strerror or exc}") \
+                from None
+
     def event(self, record: dict[str, Any]) -> None:
-        self.events.write(json.dumps(record) + "\n")
-        self.events.flush()
+        self._append(self.events, "events.jsonl", record)
 
     def metric(self, record: dict[str, Any]) -> None:
-        self.metrics.write(json.dumps(record) + "\n")
-        self.metrics.flush()
+        self._append(self.metrics, "metrics.jsonl", record)
         if self.tensorboard is not None:
             step = record["iter"]
             for key in ("loss", "samples_per_s", "lr", "grad_norm", "live_nodes"):
@@ -86,7 +96,10 @@ class JobLoop:
         self._train_start = self.t0
         self.resume = resume
         self._ckpt_parts: dict[int, dict[int, dict[str, str]]] = {}
+        self._ckpt_failed: set[int] = set()  # iterations a stage could not write: never committed
         self.checkpoint_root = Path(cfg.checkpoint.dir or out / "checkpoints")
+        self.checkpoint_key = durable.resolve_key(cfg.checkpoint.key)
+        self.notes: list[dict[str, Any]] = []  # events decided before the run started
         self._shadows: Supervisor | None = None
 
     # ------------------------------------------------------------------ where workers run
@@ -153,6 +166,8 @@ class JobLoop:
                      **self._launch_details(), "t0": self.t0,
                      **({"resumed_from": str(self.resume.path),
                          "start_iteration": self.resume.next_iteration} if self.resume else {})})
+        for note in self.notes:
+            files.event({"time_s": 0.0, "node": "launcher", **note})
         nodes = [f"node{r}" for r in range(world)]
         self.coordinator = Coordinator(
             cfg=cfg, store=store, layout=Layout.build(cfg.stages, cfg.pipelines, nodes),
@@ -223,6 +238,8 @@ class JobLoop:
                     break
         except KeyboardInterrupt:
             message = "interrupted"
+        except RunFilesError as exc:
+            message = str(exc)
         finally:
             self._stop_workers()
             if self._shadows is not None:
@@ -231,10 +248,20 @@ class JobLoop:
             if bar is not None:
                 bar.close()
             wall = time.time() - self.t0
-            files.event({"time_s": round(wall, 6), "kind": "job_" + status, "node": "launcher",
-                         **({"message": message} if message else {})})
-            files.close()
-            self._write_summary(status, message, self._last, wall)
+            try:
+                files.event({"time_s": round(wall, 6), "kind": "job_" + status,
+                             "node": "launcher", **({"message": message} if message else {})})
+            except RunFilesError:
+                pass  # the message is in the summary, if that can be written
+            try:
+                files.close()
+            except OSError:
+                pass
+            try:
+                self._write_summary(status, message, self._last, wall)
+            except OSError as exc:
+                print(f"spotpipe: cannot write {self.out / 'summary.json'}: {exc}",
+                      file=self.stream)
         if status != "completed":
             print(f"spotpipe: training failed: {message}", file=self.stream)
             return 1
@@ -288,9 +315,17 @@ class JobLoop:
             return f"workers exited after {done} of {self.cfg.iterations} iterations"
         return ""
 
+    def _checkpoint_failed(self, item: dict[str, Any], files: RunFiles) -> None:
+        """A stage of iteration t could not be written: t is never committed (the previous
+        checkpoint stays the newest; the next is tried as scheduled)."""
+        self._ckpt_failed.add(item["iteration"])
+        self._ckpt_parts.pop(item["iteration"], None)
+
     def _checkpoint_saved(self, item: dict[str, Any], files: RunFiles) -> None:
         """Commit a checkpoint once every stage of its iteration is on disk (single writer)."""
         t = item["iteration"]
+        if t in self._ckpt_failed:
+            return
         parts = self._ckpt_parts.setdefault(t, {})
         parts[item["stage"]] = item["checksums"]
         partition = self.coordinator.partition or self.spec.partition
@@ -301,8 +336,14 @@ class JobLoop:
                 "pipelines": self.cfg.pipelines, "config_digest": self.cfg.digest(),
                 "model_digest": self.cfg.model_digest(), "num_samples": self.spec.num_samples,
                 "global_batch": self.cfg.global_batch, "seed": self.cfg.seed}
-        path = durable.commit(self.checkpoint_root, t, info, checksums, self.cfg.checkpoint.keep)
         del self._ckpt_parts[t]
+        try:
+            path = durable.commit(self.checkpoint_root, t, info, checksums,
+                                  self.cfg.checkpoint.keep, self.checkpoint_key)
+        except OSError as exc:  # the disk is full or failing: the previous one stays newest
+            files.event({"time_s": self._now(), "kind": "checkpoint_failed", "node": "launcher",
+                         "iteration": t, "message": f"commit: {exc}"})
+            return
         files.event({"time_s": self._now(), "kind": "checkpoint_committed", "node": "launcher",
                      "iteration": t, "path": str(path)})
 
@@ -356,6 +397,9 @@ class JobLoop:
         elif kind == "event" and item["kind"] == "checkpoint_saved":
             files.event({k: v for k, v in item.items() if k != "checksums"})
             self._checkpoint_saved(item, files)
+        elif kind == "event" and item["kind"] == "checkpoint_failed":
+            files.event(item)
+            self._checkpoint_failed(item, files)
         elif kind == "join":
             files.event({"time_s": item.pop("time_s"), "kind": "join_requested",
                          "node": item["node"]})

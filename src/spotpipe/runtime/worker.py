@@ -96,13 +96,15 @@ class Worker:
         self.start_iteration = 0
         self.failures = 0  # failures and notices this node has recovered from
         self.checkpoints = schemes.build(schemes.SchemeContext(
-            cfg, node, run_dir, self.channel.event, store, namespace, lambda: self.failures))
+            cfg, node, run_dir, self.channel.event, store, namespace, lambda: self.failures,
+            inject=lambda phase, iteration: self.inject(phase, iteration)))
         resume = os.environ.get("SPOTPIPE_RESUME")
         if resume:
             self._restore(Path(resume))
         self.sample_log: TextIO | None = None
         self.inject = Injector(faults, node, lambda f: self.channel.event(
             "fault_injected", fault=f.kind, iteration=f.iteration, phase=f.phase))
+        self.inject.poison = self._poison_gradient
         # "{node}" in a URL is replaced by the node's name (one metadata service per host in
         # the cloud; one loopback server for all nodes in tests)
         self.notices = NoticeWatcher(aws_url=cfg.failover.aws_notice_url.replace("{node}", node),
@@ -144,6 +146,17 @@ class Worker:
         self.start_iteration = ckpt.next_iteration
         self.channel.event("restored", checkpoint=str(path), iteration=ckpt.next_iteration,
                            stages=sorted(self.stages))
+
+    def _poison_gradient(self) -> None:
+        """An injected `nan`: one gradient element of this node's first stage becomes NaN
+        (replaced, not changed in place, as the executor keeps the local gradients)."""
+        for s in sorted(self.stages):
+            for p in self.stages[s].params:
+                if p.grad is not None:
+                    poisoned = p.grad.clone()
+                    poisoned.view(-1)[0] = float("nan")
+                    p.grad = poisoned
+                    return
 
     def _checkpoint(self, iteration: int) -> None:
         """The checkpoint scheme's turn at the end of an iteration; pipeline 0's owners write
@@ -330,6 +343,9 @@ class Worker:
         if self.layout.owner(0, p - 1) != self.node:
             return
         cfg = self.cfg
+        if result.skipped_stage is not None:  # one node says it; every node skipped alike
+            self.channel.event("step_skipped", iteration=t, stage=result.skipped_stage,
+                               grad_norm=result.grad_norm, loss=float(loss))
         self.channel.metrics({
             "iter": t, "loss": float(loss), "samples": (t + 1) * cfg.global_batch,
             "time_s": self.channel.now(), "iter_time_s": round(dt, 6),

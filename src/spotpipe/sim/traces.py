@@ -147,9 +147,12 @@ def parse_event_csv(text: str, source: str = "<string>") -> Trace:
 def parse_tick_json(text: str, source: str = "<string>") -> Trace:
     """`{"metadata": {"gap_seconds": N}, "data": [n0, n1, ...]}`: count n_i from i*N."""
     try:
-        raw = json.loads(text)
+        raw = json.loads(text, parse_constant=_refuse_constant)
     except json.JSONDecodeError as exc:
         raise TraceError(source, exc.lineno, f"invalid JSON: {exc.msg}") from None
+    except _NonFinite as exc:
+        raise TraceError(source, _line_of(text, exc.args[0]),
+                         f"{exc.args[0]} is not a finite number") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("metadata"), dict):
         raise TraceError(source, 1, "expected an object with 'metadata' and 'data'")
     gap = raw["metadata"].get("gap_seconds")
@@ -218,6 +221,14 @@ def counts_to_trace(times: list[float], counts: list[int], name: str,
 
 
 # -- helpers ------------------------------------------------------------------------------
+
+class _NonFinite(ValueError):
+    """NaN or Infinity in a JSON trace (Python's json reads them by default)."""
+
+
+def _refuse_constant(name: str) -> float:
+    raise _NonFinite(name)
+
 
 def _number(text: str, source: str, lineno: int, what: str) -> float:
     try:
