@@ -17,8 +17,11 @@ from spotpipe import job
 from spotpipe.runtime.optim import build_optimizer, set_lr
 
 
-def train_reference(cfg: Config, iterations: int | None = None) -> tuple[nn.Module, list[float]]:
-    """Train the unpartitioned model; return it and the loss of every iteration."""
+def train_reference(cfg: Config, iterations: int | None = None,
+                    skip: frozenset[int] = frozenset()) -> tuple[nn.Module, list[float]]:
+    """Train the unpartitioned model; return it and the loss of every iteration. The steps of
+    the iterations in `skip` are not applied (their gradients are dropped), as
+    `training.nonfinite: skip` does."""
     torch.set_num_threads(cfg.cluster.threads_per_worker)
     layered = job.build_model(cfg)
     model = layered.to_sequential()
@@ -38,7 +41,8 @@ def train_reference(cfg: Config, iterations: int | None = None) -> tuple[nn.Modu
                 total += float(loss.detach())
         if cfg.optimizer.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
-        optimizer.step()
+        if t not in skip:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
     return model, losses
