@@ -93,26 +93,28 @@ def discard_stage(root: Path, iteration: int, stage: int) -> None:
     shutil.rmtree(iter_dir(root, iteration, partial=True) / f"stage{stage}", ignore_errors=True)
 
 
-def stage_writer(folder: Path) -> JsonMetadataWriter:
-    """DCP's storage writer for one stage folder: files fsynced, metadata as JSON."""
-    return JsonMetadataWriter(str(folder), sync_files=True)
+def stage_writer(folder: Path, sync: bool = True) -> JsonMetadataWriter:
+    """DCP's storage writer for one stage folder: files fsynced, metadata as JSON (`sync`
+    false only to measure what the fsyncs cost)."""
+    return JsonMetadataWriter(str(folder), sync_files=sync)
 
 
-def stage_checksums(folder: Path, stage: int) -> dict[str, str]:
+def stage_checksums(folder: Path, stage: int, sync: bool = True) -> dict[str, str]:
     """A written stage folder's checksums under the names the manifest uses; the folder and
     its parent are fsynced first, so that what is hashed is on the disk."""
-    fsync_path(folder)
-    fsync_path(folder.parent)
+    if sync:
+        fsync_path(folder)
+        fsync_path(folder.parent)
     return {f"stage{stage}/{k}": v for k, v in file_checksums(folder).items()}
 
 
 def save_stage(root: Path, iteration: int, stage: int, module: nn.Module,
-               optimizer: torch.optim.Optimizer) -> dict[str, str]:
+               optimizer: torch.optim.Optimizer, sync: bool = True) -> dict[str, str]:
     """Write one stage of iteration `iteration`; return its files' checksums."""
     folder = prepare_stage_folder(root, iteration, stage)
     tensors = {k: v.to("cpu") for k, v in stage_tensors(module, optimizer).items()}
-    dcp.save(tensors, storage_writer=stage_writer(folder), no_dist=True)
-    return stage_checksums(folder, stage)
+    dcp.save(tensors, storage_writer=stage_writer(folder, sync), no_dist=True)
+    return stage_checksums(folder, stage, sync)
 
 
 def _write_durably(path: Path, text: str) -> None:
