@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
-from spotpipe.checkpoint import lock, origin  # noqa: F401 (lock: used through this module)
+from spotpipe.checkpoint import lock, origin, transfer  # noqa: F401 (used through this module)
 from spotpipe.checkpoint.origin import KeyFileError, resolve_key  # noqa: F401 (re-exported)
 from spotpipe.checkpoint.dcp_json import (JsonMetadataReader, JsonMetadataWriter, MetadataError,
                                           fsync_path)
@@ -89,8 +89,13 @@ def prepare_stage_folder(root: Path, iteration: int, stage: int) -> Path:
 
 
 def discard_stage(root: Path, iteration: int, stage: int) -> None:
-    """Remove what a failed write of one stage left (it would only take space)."""
-    shutil.rmtree(iter_dir(root, iteration, partial=True) / f"stage{stage}", ignore_errors=True)
+    """Remove what a failed (or sent away) write of one stage left: it would only take space."""
+    partial = iter_dir(root, iteration, partial=True)
+    shutil.rmtree(partial / f"stage{stage}", ignore_errors=True)
+    try:
+        partial.rmdir()  # only once no stage is left in it
+    except OSError:
+        pass
 
 
 def stage_writer(folder: Path, sync: bool = True) -> JsonMetadataWriter:

@@ -72,6 +72,9 @@ class SchemeContext:
     failures: Callable[[], int] = lambda: 0  # failures this node has seen so far
     # the fault injector's hook, called as ("checkpoint", iteration) where a write starts
     inject: Callable[[str, int], None] = lambda phase, iteration: None
+    # the committing host does not see this node's checkpoint folder (spotpipe agent's probe):
+    # durable stages travel through the store (transfer.py)
+    upload: bool = False
 
     @property
     def root(self) -> Path:
@@ -210,11 +213,25 @@ class Scheme:
         self.ctx.event("checkpoint_failed", scheme=self.name, iteration=iteration, stage=stage,
                        message=message)
 
+    def _upload(self, iteration: int, stage: int, checksums: dict[str, str]) -> None:
+        """Send the stage's files to the committing host; the local copy is not the
+        checkpoint, so it goes."""
+        folder = durable.iter_dir(self.ctx.root, iteration, partial=True)
+        durable.transfer.send_stage(self.ctx.store, iteration, stage, folder, checksums)
+        durable.discard_stage(self.ctx.root, iteration, stage)
+
     def _record(self, kind: str, iteration: int, stage: int, blocked_s: float, nbytes: int,
                 counted: bool = True, done_time: float | None = None, **extra: Any) -> None:
         """One completed checkpoint of one stage; `counted` false for bytes another node
         already counted (a copy received); `done_time` (wall clock) when it completed, if
         before now."""
+        if kind == "checkpoint_saved" and self.ctx.upload:
+            try:
+                self._upload(iteration, stage, extra["checksums"])
+            except Exception as exc:  # noqa: BLE001 - the store refused: this one is lost
+                self._failed(iteration, stage, exc)
+                return
+            extra["uploaded"] = True
         if counted:
             self.bytes += nbytes
         entry = {"iteration": iteration, "stage": stage, "blocked_s": round(blocked_s, 6),

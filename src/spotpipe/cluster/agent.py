@@ -33,6 +33,7 @@ import hashlib
 import hmac
 import json
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -47,6 +48,7 @@ import torch.distributed as dist
 import yaml
 
 from spotpipe import job
+from spotpipe.checkpoint import durable
 from spotpipe.cluster.channel import WorkerChannel
 from spotpipe.cluster.coordinator import join_problem
 from spotpipe.cluster.jobloop import JobLoop, RunFiles
@@ -166,6 +168,10 @@ def _wait_get(store: dist.Store, key: str, timeout_s: float) -> bytes | None:
     except Exception:  # a timeout (the store raises its own error types)
         return None
     return store.get(key)
+
+
+def checkpoint_root(cfg: Config, out: Path) -> Path:
+    return Path(cfg.checkpoint.dir or out / "checkpoints")
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -355,10 +361,31 @@ class Coordinating:
 
     def run(self) -> int:
         store = self.address.connect(self.cfg.cluster.timeout_s)
+        root = checkpoint_root(self.cfg, self.opts.out)
+        nonce = secrets.token_hex(16)
+        try:  # this job commits the checkpoints: it holds the folder, and marks it
+            durable.lock.acquire(root, self.opts.out)
+            (root / durable.transfer.probe_name(self.opts.rdzv_id)).write_text(nonce)
+        except (durable.lock.LockHeld, OSError) as exc:
+            print(f"spotpipe agent: checkpoint.dir: {exc}", file=sys.stderr)
+            store.set(OVER, json.dumps({"status": "failed", "message": str(exc), "agents": 0}))
+            nonce = ""
         store.set(JOB, json.dumps({
             "proof": proof(self.token, f"{self.opts.rdzv_id}/job"), "spec": self.spec.to_json(),
             "t0": self.t0, "world": self.world, "config_digest": self.cfg.digest(),
-            "model_digest": self.cfg.model_digest()}))
+            "model_digest": self.cfg.model_digest(), "checkpoint_probe": nonce}))
+        if not nonce:
+            return self.code
+        try:
+            return self._run(store)
+        finally:
+            (root / durable.transfer.probe_name(self.opts.rdzv_id)).unlink(missing_ok=True)
+            durable.lock.release(root)
+
+    def _run(self, store: dist.Store) -> int:
+        root = checkpoint_root(self.cfg, self.opts.out)
+        notes = [{"kind": "checkpoint_partial_removed", "path": str(p)}
+                 for p in durable.clean_partials(root)]
         k = 0
         while len(self._slots) < self.opts.min_nodes:
             k += 1
@@ -378,6 +405,7 @@ class Coordinating:
         self._next = k + 1
         loop = AgentJobLoop(self, cfg=self.cfg, spec=self.spec, out=self.opts.out,
                             token=self.token, progress=self.opts.progress, t0=self.t0)
+        loop.notes = notes
         loop_store = self.address.connect(self.cfg.cluster.timeout_s)
         try:
             self.code = loop.run(loop_store, self.address)
@@ -462,6 +490,13 @@ class Agent:
         _write_atomic(out / "config.yaml", yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
         _write_atomic(out / "run.json", json.dumps(job_info["spec"], indent=1))
         ranks, world = answer["ranks"], int(answer["world"])
+        # does this host see the folder the coordinator commits checkpoints in? If not, the
+        # workers send their stages through the store (spotpipe.checkpoint.transfer)
+        shared = durable.transfer.sees_probe(checkpoint_root(self.cfg, out), self.opts.rdzv_id,
+                                             job_info.get("checkpoint_probe", ""))
+        WorkerChannel(store, f"agent:{socket.gethostname()}", float(job_info["t0"])).event(
+            "checkpoint_dir_probe", path=str(checkpoint_root(self.cfg, out)), shared=shared,
+            ranks=ranks)
         self._pending = len(ranks)
         supervisor = self.supervisor = Supervisor(out / "logs", self._exited)
         # a SIGTERM to the agent is the host's preemption notice: pass it on to the workers
@@ -473,6 +508,7 @@ class Agent:
                              local_world=len(ranks), address=self.address, run_dir=out,
                              t0=float(job_info["t0"]), token=self.token,
                              search_path=search_path(self.cfg), joining=bool(answer["joining"]))
+            env["SPOTPIPE_CHECKPOINT_UPLOAD"] = "0" if shared else "1"
             supervisor.spawn(node, env)
             KeyWatcher(self.address.connect(self.timeout_s), kill_key(node),
                        lambda node=node: supervisor.signal(node, signal.SIGKILL))
@@ -551,6 +587,11 @@ def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> in
         raise AgentError(f"--out {out}: the folder exists and is not empty; pass --overwrite "
                          "to replace it")
     prepared = prepare(cfg)
+    try:
+        durable.transfer.check_writable(checkpoint_root(cfg, out))
+    except OSError as exc:
+        raise AgentError(f"checkpoint.dir {checkpoint_root(cfg, out)}: cannot be written on "
+                         f"this host ({exc})") from None
     address, hosted = connect_rendezvous(opts, cfg)
     if out.exists() and overwrite:
         import shutil

@@ -326,6 +326,15 @@ class JobLoop:
         t = item["iteration"]
         if t in self._ckpt_failed:
             return
+        if item.get("uploaded"):  # from a host that does not see this checkpoint folder
+            problem = durable.transfer.receive_stage(
+                self._store, t, item["stage"], item["checksums"],
+                durable.iter_dir(self.checkpoint_root, t, partial=True))
+            if problem:
+                files.event({"time_s": self._now(), "kind": "checkpoint_failed",
+                             "node": "launcher", "iteration": t, "message": problem})
+                self._checkpoint_failed(item, files)
+                return
         parts = self._ckpt_parts.setdefault(t, {})
         parts[item["stage"]] = item["checksums"]
         partition = self.coordinator.partition or self.spec.partition

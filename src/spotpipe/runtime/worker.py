@@ -97,7 +97,8 @@ class Worker:
         self.failures = 0  # failures and notices this node has recovered from
         self.checkpoints = schemes.build(schemes.SchemeContext(
             cfg, node, run_dir, self.channel.event, store, namespace, lambda: self.failures,
-            inject=lambda phase, iteration: self.inject(phase, iteration)))
+            inject=lambda phase, iteration: self.inject(phase, iteration),
+            upload=os.environ.get("SPOTPIPE_CHECKPOINT_UPLOAD") == "1"))
         resume = os.environ.get("SPOTPIPE_RESUME")
         if resume:
             self._restore(Path(resume))
