@@ -587,17 +587,20 @@ def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> in
         raise AgentError(f"--out {out}: the folder exists and is not empty; pass --overwrite "
                          "to replace it")
     prepared = prepare(cfg)
-    try:
+    address, hosted = connect_rendezvous(opts, cfg)
+    import shutil
+
+    if out.exists() and overwrite:
+        shutil.rmtree(out)
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:  # before this agent joins: a host that cannot write its checkpoints must not
         durable.transfer.check_writable(checkpoint_root(cfg, out))
     except OSError as exc:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
         raise AgentError(f"checkpoint.dir {checkpoint_root(cfg, out)}: cannot be written on "
                          f"this host ({exc})") from None
-    address, hosted = connect_rendezvous(opts, cfg)
-    if out.exists() and overwrite:
-        import shutil
-
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
     return Agent(opts, cfg, prepared.spec, token, address, hosted).run()
 
 
