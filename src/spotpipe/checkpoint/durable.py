@@ -88,6 +88,15 @@ def prepare_stage_folder(root: Path, iteration: int, stage: int) -> Path:
     return folder
 
 
+def written_root(cfg: Any, out: Path) -> Path | None:
+    """The folder this job's durable checkpoints go to (`checkpoint.dir`, or OUT/checkpoints),
+    or None when it writes none (every: 0, or a baseline scheme, which has folders of its own)."""
+    c = cfg.checkpoint
+    if not c.every or (c.scheme not in ("durable", "dcp_async") and not cfg.shadow.enabled):
+        return None
+    return Path(c.dir or out / "checkpoints")
+
+
 def discard_stage(root: Path, iteration: int, stage: int) -> None:
     """Remove what a failed (or sent away) write of one stage left: it would only take space."""
     partial = iter_dir(root, iteration, partial=True)

@@ -170,10 +170,6 @@ def _wait_get(store: dist.Store, key: str, timeout_s: float) -> bytes | None:
     return store.get(key)
 
 
-def checkpoint_root(cfg: Config, out: Path) -> Path:
-    return Path(cfg.checkpoint.dir or out / "checkpoints")
-
-
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
@@ -361,31 +357,32 @@ class Coordinating:
 
     def run(self) -> int:
         store = self.address.connect(self.cfg.cluster.timeout_s)
-        root = checkpoint_root(self.cfg, self.opts.out)
-        nonce = secrets.token_hex(16)
+        root = durable.written_root(self.cfg, self.opts.out)
+        nonce, refused = secrets.token_hex(16), ""
         try:  # this job commits the checkpoints: it holds the folder, and marks it
-            durable.lock.acquire(root, self.opts.out)
-            (root / durable.transfer.probe_name(self.opts.rdzv_id)).write_text(nonce)
+            if root is not None:
+                durable.lock.acquire(root, self.opts.out)
+                (root / durable.transfer.probe_name(self.opts.rdzv_id)).write_text(nonce)
         except (durable.lock.LockHeld, OSError) as exc:
-            print(f"spotpipe agent: checkpoint.dir: {exc}", file=sys.stderr)
-            store.set(OVER, json.dumps({"status": "failed", "message": str(exc), "agents": 0}))
-            nonce = ""
+            refused = f"checkpoint.dir: {exc}"
+            print(f"spotpipe agent: {refused}", file=sys.stderr)
+            store.set(OVER, json.dumps({"status": "failed", "message": refused, "agents": 0}))
         store.set(JOB, json.dumps({
             "proof": proof(self.token, f"{self.opts.rdzv_id}/job"), "spec": self.spec.to_json(),
             "t0": self.t0, "world": self.world, "config_digest": self.cfg.digest(),
             "model_digest": self.cfg.model_digest(), "checkpoint_probe": nonce}))
-        if not nonce:
+        if refused:
             return self.code
         try:
-            return self._run(store)
+            return self._run(store, root)
         finally:
-            (root / durable.transfer.probe_name(self.opts.rdzv_id)).unlink(missing_ok=True)
-            durable.lock.release(root)
+            if root is not None:
+                (root / durable.transfer.probe_name(self.opts.rdzv_id)).unlink(missing_ok=True)
+                durable.lock.release(root)
 
-    def _run(self, store: dist.Store) -> int:
-        root = checkpoint_root(self.cfg, self.opts.out)
+    def _run(self, store: dist.Store, root: Path | None) -> int:
         notes = [{"kind": "checkpoint_partial_removed", "path": str(p)}
-                 for p in durable.clean_partials(root)]
+                 for p in (durable.clean_partials(root) if root is not None else [])]
         k = 0
         while len(self._slots) < self.opts.min_nodes:
             k += 1
@@ -492,11 +489,12 @@ class Agent:
         ranks, world = answer["ranks"], int(answer["world"])
         # does this host see the folder the coordinator commits checkpoints in? If not, the
         # workers send their stages through the store (spotpipe.checkpoint.transfer)
-        shared = durable.transfer.sees_probe(checkpoint_root(self.cfg, out), self.opts.rdzv_id,
-                                             job_info.get("checkpoint_probe", ""))
-        WorkerChannel(store, f"agent:{socket.gethostname()}", float(job_info["t0"])).event(
-            "checkpoint_dir_probe", path=str(checkpoint_root(self.cfg, out)), shared=shared,
-            ranks=ranks)
+        root = durable.written_root(self.cfg, out)
+        shared = root is None or durable.transfer.sees_probe(
+            root, self.opts.rdzv_id, job_info.get("checkpoint_probe", ""))
+        if root is not None:
+            WorkerChannel(store, f"agent:{socket.gethostname()}", float(job_info["t0"])).event(
+                "checkpoint_dir_probe", path=str(root), shared=shared, ranks=ranks)
         self._pending = len(ranks)
         supervisor = self.supervisor = Supervisor(out / "logs", self._exited)
         # a SIGTERM to the agent is the host's preemption notice: pass it on to the workers
@@ -594,13 +592,15 @@ def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> in
         shutil.rmtree(out)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    root = durable.written_root(cfg, out)
     try:  # before this agent joins: a host that cannot write its checkpoints must not
-        durable.transfer.check_writable(checkpoint_root(cfg, out))
+        if root is not None:
+            durable.transfer.check_writable(root)
     except OSError as exc:
         if created:
             shutil.rmtree(out, ignore_errors=True)
-        raise AgentError(f"checkpoint.dir {checkpoint_root(cfg, out)}: cannot be written on "
-                         f"this host ({exc})") from None
+        raise AgentError(f"checkpoint.dir {root}: cannot be written on this host ({exc})") \
+            from None
     return Agent(opts, cfg, prepared.spec, token, address, hosted).run()
 
 

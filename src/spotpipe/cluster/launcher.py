@@ -306,9 +306,10 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
     notes: list[dict[str, Any]] = []
     checkpoint = (check_resume(cfg, resume, key, trust_checkpoint, notes)
                   if resume is not None else None)
-    root = Path(cfg.checkpoint.dir or out / "checkpoints")
+    root = durable.written_root(cfg, out)  # one job per checkpoint folder
     try:
-        durable.lock.refuse_if_held(root)
+        if root is not None:
+            durable.lock.refuse_if_held(root)
     except durable.lock.LockHeld as exc:
         raise LaunchError(f"checkpoint.dir: {exc}") from None
     job_id = secrets.token_hex(8)
@@ -316,19 +317,21 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
     if out.exists() and overwrite:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        durable.lock.acquire(root, out)
-    except durable.lock.LockHeld as exc:
-        raise LaunchError(f"checkpoint.dir: {exc}") from None
-    notes += [{"kind": "checkpoint_partial_removed", "path": str(p)}
-              for p in durable.clean_partials(root)]
+    if root is not None:
+        try:
+            durable.lock.acquire(root, out)
+        except durable.lock.LockHeld as exc:
+            raise LaunchError(f"checkpoint.dir: {exc}") from None
+        notes += [{"kind": "checkpoint_partial_removed", "path": str(p)}
+                  for p in durable.clean_partials(root)]
     launcher = Launcher(prepared, out, progress=progress, faults=faults,
                         trace_actions=trace_actions, resume=checkpoint, joins=joins)
     launcher.notes = notes
     try:
         return launcher.run(store, address)
     finally:
-        durable.lock.release(root)
+        if root is not None:
+            durable.lock.release(root)
         if address.kind == "etcd":  # the job is over: its keys go (other jobs keep theirs)
             from spotpipe.cluster.etcd_store import EtcdStore
 
