@@ -72,3 +72,9 @@ def bench_figures(name: str, timeout: float) -> dict:
                           capture_output=True, text=True, timeout=timeout, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# manifests are signed under a per-user key when no token or checkpoint.key is given: the
+# tests use a key of their own (workers and `spotpipe` subprocesses inherit it), not ~/.config
+os.environ.setdefault("SPOTPIPE_KEY_FILE", str(Path(__import__("tempfile").gettempdir())
+                                               / f"spotpipe-test-key-{os.getpid()}"))

@@ -219,3 +219,48 @@ def test_a_lost_host_fails_over_to_the_other(tmp_path, tmp_path_factory, corpus,
     want = _trained(tmp_path_factory, cfg)
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert all(workers_running(out) == [] for out in outs)
+
+
+@pytest.mark.parametrize("folders", ["separate", "shared"])
+def test_multi_host_checkpoints_are_whole_and_resume_on_another_layout(tmp_path, corpus,
+                                                                       monkeypatch, folders):
+    """Two agents with their own --out: with the default checkpoint.dir (OUT/checkpoints,
+    not shared) the other host's stage travels through the store; with one shared folder it
+    is written in place. Either way the coordinator's checkpoint is whole, and resumes at
+    P = 1 to the agents' own final parameters."""
+    from spotpipe.checkpoint import durable
+
+    extra = {"checkpoint.every": 3}
+    if folders == "shared":
+        extra["checkpoint.dir"] = str(tmp_path / "shared")
+    cfg = _config(corpus, 8, **extra)
+    config = _write_config(cfg, tmp_path / "job.yaml")
+    outs = [tmp_path / "host_a", tmp_path / "host_b"]
+    endpoint = f"127.0.0.1:{free_port()}"
+    for code, err in _finish([_agent(config, out, "c10d", endpoint) for out in outs]):
+        assert code == 0, err[-2000:]
+    run = _coordinator_out(outs)
+    other = next(o for o in outs if o != run)
+    probes = [e for e in events(run) if e["kind"] == "checkpoint_dir_probe"]
+    root = tmp_path / "shared" if folders == "shared" else run / "checkpoints"
+    if folders == "shared":
+        assert [e["shared"] for e in probes] == [True, True]
+    else:  # the coordinator's own host sees its folder; the other host does not
+        assert sorted((e["path"], e["shared"]) for e in probes) == sorted(
+            [(str(root), True), (str(other / "checkpoints"), False)])
+    committed = [e["iteration"] for e in events(run) if e["kind"] == "checkpoint_committed"]
+    assert committed == [2, 5]
+    newest = durable.verify(root / "iter_00000005")  # every file listed, every file there
+    assert {name.split("/")[0] for name in newest.manifest["checksums"]} == {"stage0", "stage1"}
+    if folders == "separate":
+        assert not list((other / "checkpoints").glob("*iter_*"))  # nothing left behind
+        saved = [e for e in events(run) if e["kind"] == "checkpoint_saved"]
+        assert any(e.get("uploaded") for e in saved)
+    # resume on another layout, under the same token (the manifests' MAC key)
+    monkeypatch.setenv("SPOTPIPE_JOIN_TOKEN", TOKEN)
+    resumed = tmp_path / "resumed"
+    assert train(tiny_config(corpus, stages=1, pipelines=1, **{**FAST, "iterations": 8}),
+                 resumed, progress=False, resume=root / "iter_00000002") == 0
+    got = load_file(str(resumed / "final" / "model.safetensors"))
+    want = load_file(str(run / "final" / "model.safetensors"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)

@@ -25,6 +25,9 @@ def test_bench_checkpoint_quick_json():
     for b in BASELINES:
         ratio = figures[f"{b}_k1_bytes_per_iteration"] / figures[f"{b}_k10_bytes_per_iteration"]
         assert 8 <= ratio <= 12, (b, ratio)
+    for key in ("durable_blocked_s_per_checkpoint", "durable_blocked_s_per_checkpoint_nofsync",
+                "durable_mac_s_per_checkpoint", "durable_commit_s_per_checkpoint"):
+        assert positive(figures[key]), (key, figures.get(key))
     for key in ("recovery_s", "recovery_with_replay_s", "none_iter_s", "wall_s",
                 "shadow_ratio", "shadow_recovery_s"):
         assert positive(figures[key]), (key, figures.get(key))
@@ -32,6 +35,19 @@ def test_bench_checkpoint_quick_json():
     assert figures["shadow_failures"] == 2
     assert figures["shadow_lost_iterations_max"] <= 1
     assert 0 <= figures["lost_iterations_per_failure"]["shadow"] <= 1
+
+
+def test_durable_costs_are_measured_on_a_real_stage_write():
+    import math
+
+    from spotpipe.bench import durable_costs
+
+    figures = durable_costs.run(repeats=2)
+    for key in ("durable_blocked_s_per_checkpoint", "durable_blocked_s_per_checkpoint_nofsync",
+                "durable_mac_s_per_checkpoint", "durable_commit_s_per_checkpoint"):
+        assert positive(figures[key]), (key, figures[key])
+    assert math.isfinite(figures["durable_fsync_s_per_checkpoint"])  # a difference: noisy
+    assert figures["durable_stage_bytes"] > 1_000_000  # the benchmark GPT's stage, with AdamW
 
 
 def test_variants_are_the_reference_and_each_baseline_at_each_interval():

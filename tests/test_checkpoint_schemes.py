@@ -25,6 +25,8 @@ from spotpipe.runtime.digest import stage_digest
 
 from conftest import tiny_config
 
+KEY = b"k" * 32  # the MAC key of checkpoints committed directly here
+
 RUN = {"stages": 2, "iterations": 6, "checkpoint.every": 2, "logging.state_digests": True}
 
 
@@ -385,7 +387,7 @@ def test_schemes_go_on_exactly_after_a_takeover(tmp_path, corpus, scheme):
 def _committed(root: Path, iteration: int) -> Path:
     module, optimizer = _stage()
     sums = durable.save_stage(root, iteration, 0, module, optimizer)
-    return durable.commit(root, iteration, {"partition": [[0, 1]]}, sums, keep=5)
+    return durable.commit(root, iteration, {"partition": [[0, 1]]}, sums, keep=5, key=KEY)
 
 
 def test_durable_deleted_shard_and_bad_manifest_are_named(tmp_path):

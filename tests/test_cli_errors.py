@@ -119,3 +119,55 @@ def test_worker_failure_stops_the_job_and_names_the_node(tmp_path, config):
     events = (out / "events.jsonl").read_text()
     assert '"kind": "worker_failed"' in events and '"kind": "job_failed"' in events
     assert '"status": "failed"' in (out / "summary.json").read_text()
+
+
+def test_out_that_is_a_file(tmp_path, config):
+    out = tmp_path / "out"
+    out.write_text("a file")
+    result = spotpipe("train", str(config), "--out", str(out))
+    assert result.returncode == 2 and f"--out {out}: is a file, not a folder" in result.stderr
+    assert "Traceback" not in result.stderr and out.read_text() == "a file"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_time_scale_must_be_a_finite_positive_number(tmp_path, config, value):
+    result = spotpipe("train", str(config), "--out", str(tmp_path / "out"),
+                      f"--time-scale={value}")
+    assert result.returncode == 2 and "--time-scale" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_nan_in_a_trace_names_the_file_and_line(tmp_path, config):
+    trace = tmp_path / "ticks.json"
+    trace.write_text('{"metadata": {"gap_seconds": 60},\n "data": [2,\n NaN]}\n')
+    result = spotpipe("train", str(config), "--out", str(tmp_path / "out"), "--trace",
+                      str(trace))
+    assert result.returncode == 2, result.stderr
+    assert f"{trace}:3: NaN is not a finite number" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_nccl_without_cuda_is_refused_before_anything_starts(tmp_path, config):
+    out = tmp_path / "out"
+    result = spotpipe("train", str(config), "--out", str(out), "--set", "cluster.backend=nccl")
+    assert result.returncode == 2 and "cluster.backend: 'nccl' needs CUDA" in result.stderr
+    assert not out.exists()
+
+
+def test_a_missing_optional_package_is_refused_before_anything_starts(tmp_path, corpus,
+                                                                       monkeypatch):
+    import importlib.util
+
+    from spotpipe.cluster import launcher
+    from conftest import tiny_config
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(launcher.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    out = tmp_path / "out"
+    with pytest.raises(launcher.LaunchError, match="logging.tensorboard: true needs the "
+                                                    "tensorboard package"):
+        launcher.train(tiny_config(corpus, **{"logging.tensorboard": True}), out,
+                       progress=False)
+    assert not out.exists()

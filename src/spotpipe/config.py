@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -151,6 +152,16 @@ class CheckpointSection:
     # for every: auto, the mean time between failures assumed before any is seen; failures seen
     # in the run update it (interval.mtbf_estimate)
     mtbf_s: float = 3600.0
+    # a file holding the secret that signs manifests ("": derived from SPOTPIPE_JOIN_TOKEN,
+    # else a per-user key file; spotpipe.checkpoint.origin)
+    key: str = ""
+
+
+@dataclass
+class TrainingSection:
+    # a non-finite loss or global gradient norm at an iteration's commit: "stop" ends the job
+    # naming the iteration and the stage; "skip" skips that optimizer step on every node
+    nonfinite: Literal["stop", "skip"] = "stop"
 
 
 @dataclass
@@ -199,6 +210,7 @@ class Config:
     failover: FailoverSection = field(default_factory=FailoverSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     shadow: ShadowSection = field(default_factory=ShadowSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
     stages: int = 2
     pipelines: int = 1
     micro_batch_size: int = 4
@@ -261,6 +273,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        _finite_inside(value, key)
         return dict(value)
     if origin in (typing.Union, types.UnionType):
         raise TypeError("unions are not used in Config")
@@ -275,19 +288,40 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
+        return finite(float(value), key)
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
     if tp is Any:
+        _finite_inside(value, key)
         return value
     raise TypeError(f"unsupported config type {tp!r} at {key}")
+
+
+def finite(value: float, key: str) -> float:
+    """`value`, or a ConfigError naming `key`: NaN or infinity in a setting only ever ends
+    in a traceback or a run that never stops."""
+    if not math.isfinite(value):
+        raise ConfigError(f"{key}: expected a finite number, got {value}")
+    return value
+
+
+def _finite_inside(value: Any, key: str) -> None:
+    """No NaN or infinity anywhere in a free-form value (factory kwargs)."""
+    if isinstance(value, float):
+        finite(value, key)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _finite_inside(v, f"{key}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _finite_inside(v, f"{key}[{i}]")
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:

@@ -10,14 +10,17 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-PHASES = ("start", "forward", "backward", "all-reduce", "optimizer", "regroup", "transfer")
+PHASES = ("start", "forward", "backward", "all-reduce", "optimizer", "checkpoint", "regroup",
+          "transfer")
 # Phases of a recovery rather than of an iteration: they fire while the first generation that
 # resumes at or after the fault's iteration forms (`regroup`: before its process groups exist;
 # `transfer`: groups formed, before stage and replica states move, in the first such recovery
 # that moves state to or from the node). A spot node is as likely to go while the job reshapes
 # as at any other moment.
 RECOVERY_PHASES = ("regroup", "transfer")
-KINDS = ("fail", "notice", "hang")
+KINDS = ("fail", "notice", "hang", "nan", "ioerror")
+# kinds that happen at one place of the iteration: the phase is theirs, not the user's
+FIXED_PHASE = {"nan": "all-reduce", "ioerror": "checkpoint"}
 _SPEC = re.compile(r"^(?P<node>[A-Za-z0-9_.-]+)@(?P<iter>\d+)(?::(?P<phase>[a-z-]+))?$")
 
 
@@ -44,6 +47,11 @@ class Fault:
         if phase not in PHASES:
             raise FaultSpecError(f"--{kind} {text!r}: unknown phase {phase!r}; expected one of "
                                  f"{', '.join(PHASES)}")
+        if kind in FIXED_PHASE:
+            if m["phase"]:
+                raise FaultSpecError(f"--{kind.replace('ioerror', 'io-error')} {text!r}: give no "
+                                     "phase (expected NODE@ITER)")
+            phase = FIXED_PHASE[kind]
         if kind == "notice" and phase != "start":
             raise FaultSpecError(f"--notice {text!r}: a notice arrives between iterations; "
                                  "give no phase")

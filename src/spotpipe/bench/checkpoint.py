@@ -32,6 +32,10 @@ job stops), then every worker started again with `--resume`; the figure runs fro
 the first iteration completed by the restarted job (`recovery_with_replay_s` adds the lost
 iterations run again).
 
+What the durable tier's safety costs (fsync before the commit, the manifest's MAC, the
+commit's checks): `durable_*` figures, measured directly on one stage's write
+(`spotpipe.bench.durable_costs`).
+
 The CPU shadows are not a scheme inside the training loop but processes beside it (started by
 the launcher, fed over their own links), so they are measured on real local clusters
 (`spotpipe.bench.shadow`): `shadow_ratio` from the same job with and without shadows, in
@@ -52,6 +56,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spotpipe.bench import durable_costs
 from spotpipe.bench.harness import describe_setup, launch, pinned_cores, quantile
 from spotpipe.bench.pipeline import MODEL
 
@@ -201,6 +206,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                  worker_module="spotpipe.bench._checkpoint_worker", name="checkpoint")
     figures = summarize(raw, spec)
     figures.update(recovery(quick))
+    figures.update(durable_costs.run(repeats=3 if quick else 10))
     figures.update(_shadows(quick))
     figures["lost_iterations_per_failure"]["shadow"] = figures.pop(
         "shadow_lost_iterations_per_failure")

@@ -6,10 +6,14 @@ unpartitioned model's names (`3.attn.c_attn.weight`, and `optim/3.attn.c_attn.we
 so a checkpoint written at one P x D loads at any other: each new stage reads the keys of its
 layers from whichever old stage folders hold them (DCP loads only the keys asked for).
 
-Commit is atomic: stages are written into `.iter_N.partial/`, the launcher writes the manifest
-(with a SHA-256 of every file) once every stage has reported, then renames the folder. A reader
-takes the newest folder whose manifest and checksums verify, and names the file that does not.
-Nothing is unpickled: DCP's files hold tensors and DCP metadata; the manifest is JSON.
+Commit is atomic and durable: stages are written into `.iter_N.partial/` (each file and folder
+fsynced by its writer), the launcher writes the manifest (a SHA-256 of every file, and an HMAC
+under the job's key, `origin.py`) once every stage has reported, fsyncs it and the folder, then
+renames the folder and fsyncs the root. A reader takes the newest folder whose manifest and
+checksums verify, refuses any file the manifest does not list, and names the file that is
+wrong. Nothing is unpickled: DCP's metadata is JSON (`dcp_json.py`), its data files are read
+with `torch.load(weights_only=True)`, and the manifest is JSON. Retention counts only
+checkpoints that verify, so a damaged newest one never pushes out the good one before it.
 """
 
 from __future__ import annotations
@@ -24,12 +28,20 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
+from spotpipe.checkpoint import lock, origin, transfer  # noqa: F401 (used through this module)
+from spotpipe.checkpoint.origin import KeyFileError, resolve_key  # noqa: F401 (re-exported)
+from spotpipe.checkpoint.dcp_json import (JsonMetadataReader, JsonMetadataWriter, MetadataError,
+                                          fsync_path)
 from spotpipe.runtime.optim import materialise_optimizer_state  # noqa: F401 (re-exported)
 
-FORMAT_VERSION = 1
+# what a write that cannot complete raises: the OS's errors, and DCP's wrapper of them
+WRITE_ERRORS = (OSError, CheckpointException)
+FORMAT_VERSION = 2  # 1 kept DCP's pickled .metadata, which is not read any more
 MANIFEST = "manifest.json"
+_ASIDE = ".replaced"  # an older folder of the same iteration, moved aside while replaced
 
 
 class CheckpointError(RuntimeError):
@@ -76,30 +88,116 @@ def prepare_stage_folder(root: Path, iteration: int, stage: int) -> Path:
     return folder
 
 
-def save_stage(root: Path, iteration: int, stage: int, module: nn.Module,
-               optimizer: torch.optim.Optimizer) -> dict[str, str]:
-    """Write one stage of iteration `iteration`; return its files' checksums."""
-    folder = prepare_stage_folder(root, iteration, stage)
-    tensors = {k: v.to("cpu") for k, v in stage_tensors(module, optimizer).items()}
-    dcp.save(tensors, checkpoint_id=str(folder), no_dist=True)
+def written_root(cfg: Any, out: Path) -> Path | None:
+    """The folder this job's durable checkpoints go to (`checkpoint.dir`, or OUT/checkpoints),
+    or None when it writes none (every: 0, or a baseline scheme, which has folders of its own)."""
+    c = cfg.checkpoint
+    if not c.every or (c.scheme not in ("durable", "dcp_async") and not cfg.shadow.enabled):
+        return None
+    return Path(c.dir or out / "checkpoints")
+
+
+def discard_stage(root: Path, iteration: int, stage: int) -> None:
+    """Remove what a failed (or sent away) write of one stage left: it would only take space."""
+    partial = iter_dir(root, iteration, partial=True)
+    shutil.rmtree(partial / f"stage{stage}", ignore_errors=True)
+    try:
+        partial.rmdir()  # only once no stage is left in it
+    except OSError:
+        pass
+
+
+def stage_writer(folder: Path, sync: bool = True) -> JsonMetadataWriter:
+    """DCP's storage writer for one stage folder: files fsynced, metadata as JSON (`sync`
+    false only to measure what the fsyncs cost)."""
+    return JsonMetadataWriter(str(folder), sync_files=sync)
+
+
+def stage_checksums(folder: Path, stage: int, sync: bool = True) -> dict[str, str]:
+    """A written stage folder's checksums under the names the manifest uses; the folder and
+    its parent are fsynced first, so that what is hashed is on the disk."""
+    if sync:
+        fsync_path(folder)
+        fsync_path(folder.parent)
     return {f"stage{stage}/{k}": v for k, v in file_checksums(folder).items()}
 
 
+def save_stage(root: Path, iteration: int, stage: int, module: nn.Module,
+               optimizer: torch.optim.Optimizer, sync: bool = True) -> dict[str, str]:
+    """Write one stage of iteration `iteration`; return its files' checksums."""
+    folder = prepare_stage_folder(root, iteration, stage)
+    tensors = {k: v.to("cpu") for k, v in stage_tensors(module, optimizer).items()}
+    dcp.save(tensors, storage_writer=stage_writer(folder, sync), no_dist=True)
+    return stage_checksums(folder, stage, sync)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
 def commit(root: Path, iteration: int, info: dict[str, Any], checksums: dict[str, str],
-           keep: int) -> Path:
-    """Write the manifest and make the checkpoint visible; keep the newest `keep`."""
+           keep: int, key: bytes) -> Path:
+    """Write the signed manifest and make the checkpoint visible, durably; keep the newest
+    `keep` that verify. A folder of the same iteration already there (a job resumed from an
+    older checkpoint into the same folder) is replaced."""
     partial = iter_dir(root, iteration, partial=True)
-    manifest = {"format_version": FORMAT_VERSION, "iteration": iteration,
-                "next_iteration": iteration + 1, **info, "checksums": checksums}
-    tmp = partial / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, partial / MANIFEST)
+    manifest = origin.sign({"format_version": FORMAT_VERSION, "iteration": iteration,
+                            "next_iteration": iteration + 1, **info, "checksums": checksums},
+                           key)
+    _write_durably(partial / MANIFEST, json.dumps(manifest, indent=1))
     final = iter_dir(root, iteration)
+    aside = root / f".{final.name}{_ASIDE}"
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
     os.replace(partial, final)
-    committed = sorted(p for p in root.glob("iter_*") if p.is_dir())
-    for old in committed[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    fsync_path(root)
+    shutil.rmtree(aside, ignore_errors=True)
+    retain(root, keep, key)
+    for stale in root.glob(".iter_*.partial"):  # writes of earlier iterations that failed
+        if _iteration_of(stale) < iteration:
+            shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _iteration_of(folder: Path) -> int:
+    digits = "".join(c for c in folder.name if c.isdigit())
+    return int(digits) if digits else -1
+
+
+def retain(root: Path, keep: int, key: bytes | None) -> list[Path]:
+    """Delete what is older than the newest `keep` checkpoints that verify (checksums, and the
+    MAC under `key`); folders that do not verify count for nothing. Returns what was deleted."""
+    good = 0
+    deleted = []
+    for path in sorted((p for p in root.glob("iter_*") if p.is_dir()), reverse=True):
+        if good >= keep:
+            shutil.rmtree(path, ignore_errors=True)
+            deleted.append(path)
+            continue
+        try:
+            ckpt = verify(path)
+        except CheckpointError:
+            continue
+        if key is None or not ckpt.origin_problem(key):
+            good += 1
+    return deleted
+
+
+def clean_partials(root: Path) -> list[Path]:
+    """Remove folders of checkpoints that were never committed (a job that stopped while
+    writing): called at start, by the job that holds the folder's lock."""
+    found = [p for p in root.glob(".iter_*") if p.is_dir()
+             and (p.name.endswith(".partial") or p.name.endswith(_ASIDE))]
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)
+    return found
 
 
 @dataclass(frozen=True)
@@ -114,6 +212,10 @@ class Checkpoint:
     @property
     def partition(self) -> list[tuple[int, int]]:
         return [tuple(r) for r in self.manifest["partition"]]
+
+    def origin_problem(self, key: bytes) -> str:
+        """Why the manifest's MAC does not vouch for this checkpoint ("" when it does)."""
+        return origin.problem(self.manifest, key)
 
 
 def read_manifest(manifest_path: Path, version: int = FORMAT_VERSION) -> dict[str, Any]:
@@ -133,12 +235,23 @@ def read_manifest(manifest_path: Path, version: int = FORMAT_VERSION) -> dict[st
 def verify(path: Path) -> Checkpoint:
     """Read and check one checkpoint folder; raise CheckpointError naming what is wrong."""
     manifest = read_manifest(path / MANIFEST)
-    for name, digest in manifest["checksums"].items():
+    checksums = manifest.get("checksums")
+    if not isinstance(checksums, dict) or not checksums:
+        raise CheckpointError(f"{path / MANIFEST}: lists no files")
+    for name, digest in checksums.items():
         file = path / name
+        if not file.resolve().is_relative_to(path.resolve()) or name == MANIFEST:
+            raise CheckpointError(f"{path / MANIFEST}: lists {name!r}, not a file of the "
+                                  "checkpoint")
         if not file.is_file():
             raise CheckpointError(f"{file}: missing")
         if hashlib.sha256(file.read_bytes()).hexdigest() != digest:
             raise CheckpointError(f"{file}: checksum mismatch (corrupted or truncated)")
+    for file in sorted(path.rglob("*")):
+        name = str(file.relative_to(path))
+        if (file.is_file() or file.is_symlink()) and name != MANIFEST and name not in checksums:
+            raise CheckpointError(f"{file}: not listed in the manifest (not written by the job "
+                                  "that committed this checkpoint)")
     return Checkpoint(path, manifest)
 
 
@@ -177,7 +290,12 @@ def load_stage(ckpt: Checkpoint, module: nn.Module, optimizer: torch.optim.Optim
         if not keys:
             continue
         buffers = {k: torch.empty_like(v, device="cpu") for k, v in keys.items()}
-        dcp.load(buffers, checkpoint_id=str(ckpt.path / f"stage{old}"), no_dist=True)
+        try:
+            dcp.load(buffers, storage_reader=JsonMetadataReader(str(ckpt.path / f"stage{old}")),
+                     no_dist=True)
+        except (MetadataError, CheckpointException) as exc:
+            raise CheckpointError(f"{ckpt.path / f'stage{old}'}: cannot be loaded "
+                                  f"({str(exc).splitlines()[0][:300]})") from None
         with torch.no_grad():
             for k, v in buffers.items():
                 keys[k].copy_(v)

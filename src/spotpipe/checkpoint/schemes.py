@@ -9,6 +9,11 @@ this node writes (pipeline 0's owners, as for the durable tier), and records wha
   the previous asynchronous one), the figure that slows training;
 - `bytes`: bytes written to disk or sent to a peer.
 
+A checkpoint that cannot be written (a full disk, a permission, an I/O error) becomes a
+`checkpoint_failed` event and nothing else: training goes on, the launcher commits nothing of
+that iteration (the previous checkpoint stays the newest), and the next one is tried as
+scheduled.
+
 Each completed checkpoint of a stage becomes one event (`checkpoint_saved` for the durable tier,
 which the launcher commits once every stage of the iteration has reported; `checkpoint_done`
 for the baselines; `checkpoint_held` on a peer that received a copy) and one entry of
@@ -54,6 +59,8 @@ from spotpipe.protocol import keys
 from spotpipe.config import CHECKPOINT_SCHEMES, Config
 from spotpipe.runtime.hooks import Boundary  # noqa: F401 (re-exported)
 
+WRITE_ERRORS = durable.WRITE_ERRORS
+
 
 @dataclass
 class SchemeContext:
@@ -66,6 +73,11 @@ class SchemeContext:
     store: Any  # the job's store: agreed cadence, peer-copy layouts
     namespace: str = "spotpipe"
     failures: Callable[[], int] = lambda: 0  # failures this node has seen so far
+    # the fault injector's hook, called as ("checkpoint", iteration) where a write starts
+    inject: Callable[[str, int], None] = lambda phase, iteration: None
+    # the committing host does not see this node's checkpoint folder (spotpipe agent's probe):
+    # durable stages travel through the store (transfer.py)
+    upload: bool = False
 
     @property
     def root(self) -> Path:
@@ -186,11 +198,33 @@ class Scheme:
         self.poll(None, wait=True)
         self.blocked_s += time.perf_counter() - started
 
+    def _failed(self, iteration: int, stage: int, exc: BaseException) -> None:
+        """A stage's checkpoint that could not be written: an event, and training goes on."""
+        message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        self.records.append({"kind": "checkpoint_failed", "iteration": iteration,
+                             "stage": stage, "message": message})
+        self.ctx.event("checkpoint_failed", scheme=self.name, iteration=iteration, stage=stage,
+                       message=message)
+
+    def _upload(self, iteration: int, stage: int, checksums: dict[str, str]) -> None:
+        """Send the stage's files to the committing host; the local copy is not the
+        checkpoint, so it goes."""
+        folder = durable.iter_dir(self.ctx.root, iteration, partial=True)
+        durable.transfer.send_stage(self.ctx.store, iteration, stage, folder, checksums)
+        durable.discard_stage(self.ctx.root, iteration, stage)
+
     def _record(self, kind: str, iteration: int, stage: int, blocked_s: float, nbytes: int,
                 counted: bool = True, done_time: float | None = None, **extra: Any) -> None:
         """One completed checkpoint of one stage; `counted` false for bytes another node
         already counted (a copy received); `done_time` (wall clock) when it completed, if
         before now."""
+        if kind == "checkpoint_saved" and self.ctx.upload:
+            try:
+                self._upload(iteration, stage, extra["checksums"])
+            except Exception as exc:  # noqa: BLE001 - the store refused: this one is lost
+                self._failed(iteration, stage, exc)
+                return
+            extra["uploaded"] = True
         if counted:
             self.bytes += nbytes
         entry = {"iteration": iteration, "stage": stage, "blocked_s": round(blocked_s, 6),
@@ -208,7 +242,13 @@ class DurableScheme(Scheme):
     def save(self, b: Boundary) -> None:
         for s, (module, optimizer) in sorted(b.stages.items()):
             started = time.perf_counter()
-            sums = durable.save_stage(self.ctx.root, b.iteration, s, module, optimizer)
+            try:
+                self.ctx.inject("checkpoint", b.iteration)
+                sums = durable.save_stage(self.ctx.root, b.iteration, s, module, optimizer)
+            except WRITE_ERRORS as exc:
+                durable.discard_stage(self.ctx.root, b.iteration, s)
+                self._failed(b.iteration, s, exc)
+                continue
             spent = time.perf_counter() - started
             folder = durable.iter_dir(self.ctx.root, b.iteration, partial=True)
             size = sum((folder / name).stat().st_size for name in sums)
@@ -233,7 +273,12 @@ class _Background(Scheme):
         self.poll(b, wait=True)  # the next checkpoint waits for the previous one
         for s, (module, optimizer) in sorted(b.stages.items()):
             started, wall = time.perf_counter(), time.time()
-            write = self.start(b.iteration, s, module, optimizer)
+            try:
+                self.ctx.inject("checkpoint", b.iteration)
+                write = self.start(b.iteration, s, module, optimizer)
+            except WRITE_ERRORS as exc:
+                self._failed(b.iteration, s, exc)
+                continue
             job = self._thread.submit(lambda write=write: (*write(), time.time()))
             self._pending.append((b.iteration, s, time.perf_counter() - started, wall, job))
 
@@ -247,7 +292,12 @@ class _Background(Scheme):
         while self._pending and (wait or self._pending[0][4].done()):
             iteration, s, spent, started, job = self._pending.pop(0)
             waited = time.perf_counter()
-            nbytes, extra, done_time = job.result()
+            try:
+                nbytes, extra, done_time = job.result()
+            except WRITE_ERRORS as exc:
+                self.blocked_s += time.perf_counter() - waited
+                self._failed(iteration, s, exc)
+                continue
             spent += time.perf_counter() - waited
             self._record(self.kind, iteration, s, spent, nbytes, done_time=done_time,
                          persist_s=round(done_time - started, 6), **extra)
@@ -268,13 +318,13 @@ class DcpAsyncScheme(_Background):
         folder = durable.prepare_stage_folder(self.ctx.root, iteration, stage)
         # stages (copies to CPU memory) now, writes on DCP's own thread
         upload = dcp.async_save(durable.stage_tensors(module, optimizer),
-                                checkpoint_id=str(folder), no_dist=True)
+                                storage_writer=durable.stage_writer(folder), no_dist=True)
 
         def finish() -> tuple[int, dict[str, Any]]:
             upload.result()
-            sums = durable.file_checksums(folder)  # hashed here, off the training loop
-            size = sum((folder / name).stat().st_size for name in sums)
-            return size, {"checksums": {f"stage{stage}/{k}": v for k, v in sums.items()}}
+            sums = durable.stage_checksums(folder, stage)  # hashed here, off the training loop
+            size = sum((folder.parent / name).stat().st_size for name in sums)
+            return size, {"checksums": sums}
 
         return finish
 
@@ -288,8 +338,13 @@ class TorchSaveScheme(Scheme):
         for s, (module, optimizer) in sorted(b.stages.items()):
             started = time.perf_counter()
             snap = snapshot.take(s, b.iteration, module, optimizer, copy=False)
-            nbytes = snapshot.write_file(self.ctx.root, snap, self.cfg.model_digest(),
-                                         self.cfg.checkpoint.keep)
+            try:
+                self.ctx.inject("checkpoint", b.iteration)
+                nbytes = snapshot.write_file(self.ctx.root, snap, self.cfg.model_digest(),
+                                             self.cfg.checkpoint.keep)
+            except WRITE_ERRORS as exc:
+                self._failed(b.iteration, s, exc)
+                continue
             self._record("checkpoint_done", b.iteration, s, time.perf_counter() - started,
                          nbytes)
 

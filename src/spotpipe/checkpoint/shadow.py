@@ -152,7 +152,8 @@ class Shadow:
                         raise RuntimeError(f"shadow of stage {self.stage}: commit of iteration "
                                            f"{t} without its gradient (holding "
                                            f"{self.pending and self.pending[0]})")
-                    self._submit(*self.pending, scale_from_bits(bits))
+                    # arg 1: the step is skipped on every node (training.nonfinite: skip)
+                    self._submit(*self.pending, scale_from_bits(bits), skip=bool(arg))
                 elif kind == END:
                     return True
                 else:
@@ -185,18 +186,22 @@ class Shadow:
                 self.channel.event("shadow_settled", stage=self.stage, iteration=t)
             self.pending = None
 
-    def _submit(self, iteration: int, flat: torch.Tensor, scale: torch.Tensor | None) -> None:
+    def _submit(self, iteration: int, flat: torch.Tensor, scale: torch.Tensor | None,
+                skip: bool = False) -> None:
         if iteration != self.submitted + 1:
             raise RuntimeError(f"shadow of stage {self.stage}: iteration {iteration} after "
                                f"{self.submitted}")
-        if scale is not None and torch.isnan(scale):  # fp16: the step was skipped everywhere
-            mark_skipped(flat, self.num_params)
-        elif self.cfg.optimizer.grad_clip > 0:
-            if scale is None:
-                raise RuntimeError(f"shadow of stage {self.stage}: iteration {iteration} "
-                                   "committed without its clipping scale")
-            scale_flat_gradient(flat, self.num_params, scale)
-        self.applier.submit(iteration, "grad", flat)
+        if skip:  # training.nonfinite: skip: no step of this iteration anywhere
+            self.applier.submit(iteration, "none", None)
+        else:
+            if scale is not None and torch.isnan(scale):  # fp16: skipped, the scale backs off
+                mark_skipped(flat, self.num_params)
+            elif self.cfg.optimizer.grad_clip > 0:
+                if scale is None:
+                    raise RuntimeError(f"shadow of stage {self.stage}: iteration {iteration} "
+                                       "committed without its clipping scale")
+                scale_flat_gradient(flat, self.num_params, scale)
+            self.applier.submit(iteration, "grad", flat)
         self.submitted = iteration
         self.pending = None
 
@@ -207,8 +212,14 @@ class Shadow:
         every = self.cfg.checkpoint.every
         if every and (iteration + 1) % every == 0:
             started = time.perf_counter()
-            sums = durable.save_stage(self.checkpoint_root, iteration, self.stage, self.module,
-                                      self.optimizer)
+            try:
+                sums = durable.save_stage(self.checkpoint_root, iteration, self.stage,
+                                          self.module, self.optimizer)
+            except durable.WRITE_ERRORS as exc:  # an event; the shadow goes on (see schemes)
+                durable.discard_stage(self.checkpoint_root, iteration, self.stage)
+                self.channel.event("checkpoint_failed", iteration=iteration, stage=self.stage,
+                                   writer="shadow", message=f"{type(exc).__name__}: {exc}"[:300])
+                return
             self.channel.event("checkpoint_saved", iteration=iteration, stage=self.stage,
                                checksums=sums, save_s=round(time.perf_counter() - started, 6),
                                writer="shadow")

@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from spotpipe.cli.argtypes import positive_number
+
 
 def _env(flag: str, default: str | None = None) -> str | None:
     return os.environ.get("PET_" + flag.upper().replace("-", "_"), default)
@@ -39,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="this host's place among the MIN agents (default: order of arrival)")
     p.add_argument("--local-addr", "--local_addr", dest="local_addr",
                    default=_env("local_addr", ""), help="this host's address, for the record")
-    p.add_argument("--rdzv-timeout", dest="rdzv_timeout", type=float,
+    p.add_argument("--rdzv-timeout", dest="rdzv_timeout", type=positive_number,
                    default=float(_env("rdzv_timeout", "600") or 600),
                    help="seconds to wait for the other agents (default 600)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -11,6 +11,7 @@ import importlib
 import sys
 from pathlib import Path
 
+from spotpipe.cli.argtypes import positive_number
 from spotpipe.config import ConfigError, load_config
 from spotpipe.faults import FaultSpecError
 
@@ -28,6 +29,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", metavar="PATH",
                    help="resume from a durable checkpoint: a checkpoint folder, a checkpoints "
                         "folder or a run folder (its newest valid checkpoint); any P x D")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="resume from a checkpoint whose manifest has no valid MAC under this "
+                        "job's key (recorded as an event)")
     faults = p.add_argument_group("fault injection (the same paths as real failures)")
     faults.add_argument("--fail", action="append", default=[], metavar="NODE@ITER[:PHASE]",
                         help="kill NODE (SIGKILL) at iteration ITER, at the start or in PHASE "
@@ -38,12 +42,19 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                         help="send NODE a preemption notice (SIGTERM) at iteration ITER")
     faults.add_argument("--hang", action="append", default=[], metavar="NODE@ITER[:PHASE]",
                         help="make NODE stop making progress at iteration ITER")
+    faults.add_argument("--nan", action="append", default=[], metavar="NODE@ITER",
+                        help="put a NaN into one of NODE's gradients at iteration ITER, before "
+                             "the reduction (see training.nonfinite)")
+    faults.add_argument("--io-error", dest="ioerror", action="append", default=[],
+                        metavar="NODE@ITER",
+                        help="make NODE's checkpoint write at iteration ITER fail as a full "
+                             "disk does")
     faults.add_argument("--join", action="append", type=int, default=[], metavar="ITER",
                         help="start one more node when iteration ITER completes; it joins the "
                              "running job (rebalance, or a new pipeline)")
     faults.add_argument("--trace", metavar="FILE",
                         help="replay a preemption trace (event CSV, tick JSON, dated counts)")
-    faults.add_argument("--time-scale", type=float, default=60.0,
+    faults.add_argument("--time-scale", type=positive_number, default=60.0,
                         help="trace seconds per real second (default 60)")
     faults.add_argument("--trace-action", choices=["kill", "notice"], default="kill",
                         help="what a trace removal does to its worker (default kill)")
@@ -63,7 +74,8 @@ def _train(args: argparse.Namespace) -> int:
         faults, actions = _faults(args, cfg)
         code = train(cfg, Path(args.out), overwrite=args.overwrite,
                      progress=not args.no_progress, faults=faults, trace_actions=actions,
-                     resume=Path(args.resume) if args.resume else None, joins=args.join)
+                     resume=Path(args.resume) if args.resume else None, joins=args.join,
+                     trust_checkpoint=args.trust_checkpoint, config_path=Path(args.config))
     except (ConfigError, LaunchError, FaultSpecError) as exc:
         print(f"spotpipe: error: {exc}", file=sys.stderr)
         return 2
@@ -90,12 +102,12 @@ def _tell_story(out: Path) -> None:
 def _faults(args: argparse.Namespace, cfg):
     """Fault specs and trace actions, checked against the job's nodes before anything runs."""
     from spotpipe.cluster.trace_replay import replay_actions
-    from spotpipe.faults import Fault, FaultSpecError
+    from spotpipe.faults import KINDS, Fault, FaultSpecError
 
     # nodes joining with --join are named after the initial ones, in order
     nodes = [f"node{r}" for r in range(cfg.stages * cfg.pipelines + len(args.join or []))]
     faults = [Fault.parse(kind, text, nodes)
-              for kind in ("fail", "notice", "hang") for text in getattr(args, kind)]
+              for kind in KINDS for text in getattr(args, kind)]
     for f in faults:
         if f.iteration >= cfg.iterations:
             raise FaultSpecError(f"--{f.kind} {f.node}@{f.iteration}: the job runs iterations "

@@ -12,6 +12,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from spotpipe.cli.argtypes import finite_number, positive_number
 from spotpipe.sim.models import model_from_arg
 from spotpipe.sim.fit import check_policies
 from spotpipe.sim.params import SimConfig, SimParams, calibrate, calibrate_shapes
@@ -31,11 +32,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     src.add_argument("--trace", metavar="FILE", help="preemption trace (event CSV, tick JSON, "
                      "or dated count series)")
     src.add_argument("--synthetic", choices=SYNTHETIC, help="generate a trace instead")
-    p.add_argument("--rate", type=float, default=0.1,
+    p.add_argument("--rate", type=finite_number, default=0.1,
                    help="hourly preemption probability (bamboo), rate per hour (poisson)")
-    p.add_argument("--interval", type=float, default=1800.0, help="seconds between "
+    p.add_argument("--interval", type=positive_number, default=1800.0, help="seconds between "
                    "preemptions (--synthetic fixed)")
-    p.add_argument("--hours", type=float, default=None, help="simulated hours (default: the "
+    p.add_argument("--hours", type=positive_number, default=None, help="simulated hours (default: the "
                    "trace's span; 10 for a synthetic trace; 3 per run for --table)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nodes", type=int, default=0, help="synthetic cluster size (default P x D)")

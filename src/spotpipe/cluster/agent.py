@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -46,6 +47,7 @@ import torch.distributed as dist
 import yaml
 
 from spotpipe import job
+from spotpipe.checkpoint import durable
 from spotpipe.cluster.coordinator import join_problem
 from spotpipe.cluster.jobloop import JobLoop, RunFiles
 from spotpipe.cluster.launcher import LaunchError, prepare, search_path
@@ -349,11 +351,33 @@ class Coordinating:
 
     def run(self) -> int:
         store = self.address.connect(self.cfg.cluster.timeout_s)
+        root = durable.written_root(self.cfg, self.opts.out)
+        nonce, refused = secrets.token_hex(16), ""
+        try:  # this job commits the checkpoints: it holds the folder, and marks it
+            if root is not None:
+                durable.lock.acquire(root, self.opts.out)
+                (root / durable.transfer.probe_name(self.opts.rdzv_id)).write_text(nonce)
+        except (durable.lock.LockHeld, OSError) as exc:
+            refused = f"checkpoint.dir: {exc}"
+            print(f"spotpipe agent: {refused}", file=sys.stderr)
+            store.set(OVER, json.dumps({"status": "failed", "message": refused, "agents": 0}))
         store.set(JOB, json.dumps({
             "proof": proof(self.token, f"{self.opts.rdzv_id}/job"), "spec": self.spec.to_json(),
             "t0": self.t0, "instance": self.instance, "world": self.world,
             "config_digest": self.cfg.digest(),
-            "model_digest": self.cfg.model_digest()}))
+            "model_digest": self.cfg.model_digest(), "checkpoint_probe": nonce}))
+        if refused:
+            return self.code
+        try:
+            return self._run(store, root)
+        finally:
+            if root is not None:
+                (root / durable.transfer.probe_name(self.opts.rdzv_id)).unlink(missing_ok=True)
+                durable.lock.release(root)
+
+    def _run(self, store: dist.Store, root: Path | None) -> int:
+        notes = [{"kind": "checkpoint_partial_removed", "path": str(p)}
+                 for p in (durable.clean_partials(root) if root is not None else [])]
         k = 0
         while len(self._slots) < self.opts.min_nodes:
             k += 1
@@ -374,6 +398,7 @@ class Coordinating:
         loop = AgentJobLoop(self, cfg=self.cfg, spec=self.spec, out=self.opts.out,
                             token=self.token, instance=self.instance,
                             progress=self.opts.progress, t0=self.t0)
+        loop.notes = notes
         loop_store = self.address.connect(self.cfg.cluster.timeout_s)
         try:
             self.code = loop.run(loop_store, self.address)
@@ -461,6 +486,15 @@ class Agent:
         _write_atomic(out / "config.yaml", yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
         _write_atomic(out / "run.json", json.dumps(job_info["spec"], indent=1))
         ranks, world = answer["ranks"], int(answer["world"])
+        # does this host see the folder the coordinator commits checkpoints in? If not, the
+        # workers send their stages through the store (spotpipe.checkpoint.transfer)
+        root = durable.written_root(self.cfg, out)
+        shared = root is None or durable.transfer.sees_probe(
+            root, self.opts.rdzv_id, job_info.get("checkpoint_probe", ""))
+        if root is not None:
+            Outbox(store, self.channel, float(job_info["t0"])).event(
+                "checkpoint_dir_probe", path=str(root), shared=shared, ranks=ranks,
+                host=socket.gethostname())
         self._pending = len(ranks)
         supervisor = self.supervisor = Supervisor(out / "logs", self._exited)
         # a SIGTERM to the agent is the host's preemption notice: pass it on to the workers
@@ -473,6 +507,7 @@ class Agent:
                              t0=float(job_info["t0"]), token=self.token,
                              instance=self.instance, search_path=search_path(self.cfg),
                              joining=bool(answer["joining"]))
+            env["SPOTPIPE_CHECKPOINT_UPLOAD"] = "0" if shared else "1"
             supervisor.spawn(node, env)
             BoardWatcher(self.address.connect(self.timeout_s), self.channel,
                          keys.kill_board(node), Kill,
@@ -552,11 +587,21 @@ def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> in
                          "to replace it")
     prepared = prepare(cfg)
     address, hosted = connect_rendezvous(opts, cfg)
-    if out.exists() and overwrite:
-        import shutil
+    import shutil
 
+    if out.exists() and overwrite:
         shutil.rmtree(out)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    root = durable.written_root(cfg, out)
+    try:  # before this agent joins: a host that cannot write its checkpoints must not
+        if root is not None:
+            durable.transfer.check_writable(root)
+    except OSError as exc:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise AgentError(f"checkpoint.dir {root}: cannot be written on this host ({exc})") \
+            from None
     return Agent(opts, cfg, prepared.spec, token, address, hosted).run()
 
 

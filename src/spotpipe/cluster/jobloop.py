@@ -39,6 +39,10 @@ from spotpipe.config import Config
 from spotpipe.plan import Layout
 
 
+class RunFilesError(RuntimeError):
+    """The launcher cannot write its own files: the job stops, naming the file."""
+
+
 @dataclass
 class RunFiles:
     """The run's output files, written by the launcher only."""
@@ -52,13 +56,19 @@ class RunFiles:
         self.metrics = open(self.out / "metrics.jsonl", "w")
         self.events = open(self.out / "events.jsonl", "w")
 
+    def _append(self, stream: TextIO, name: str, record: dict[str, Any]) -> None:
+        try:
+            stream.write(json.dumps(record) + "\n")
+            stream.flush()
+        except OSError as exc:
+            raise RunFilesError(f"cannot write {self.out / name}: {exc.strerror or exc}") \
+                from None
+
     def event(self, record: dict[str, Any]) -> None:
-        self.events.write(json.dumps(record) + "\n")
-        self.events.flush()
+        self._append(self.events, "events.jsonl", record)
 
     def metric(self, record: dict[str, Any]) -> None:
-        self.metrics.write(json.dumps(record) + "\n")
-        self.metrics.flush()
+        self._append(self.metrics, "metrics.jsonl", record)
         if self.tensorboard is not None:
             step = record["iter"]
             for key in ("loss", "samples_per_s", "lr", "grad_norm", "live_nodes"):
@@ -92,7 +102,10 @@ class JobLoop:
         self._train_start = self.t0
         self.resume = resume
         self._ckpt_parts: dict[int, dict[int, dict[str, str]]] = {}
+        self._ckpt_failed: set[int] = set()  # iterations a stage could not write: never committed
         self.checkpoint_root = Path(cfg.checkpoint.dir or out / "checkpoints")
+        self.checkpoint_key = durable.resolve_key(cfg.checkpoint.key)
+        self.notes: list[dict[str, Any]] = []  # events decided before the run started
         self._shadows: Supervisor | None = None
 
     # ------------------------------------------------------------------ where workers run
@@ -159,6 +172,8 @@ class JobLoop:
                      **self._launch_details(), "t0": self.t0,
                      **({"resumed_from": str(self.resume.path),
                          "start_iteration": self.resume.next_iteration} if self.resume else {})})
+        for note in self.notes:
+            files.event({"time_s": 0.0, "node": "launcher", **note})
         nodes = [f"node{r}" for r in range(world)]
         self.coordinator = Coordinator(
             cfg=cfg, store=store, layout=Layout.build(cfg.stages, cfg.pipelines, nodes),
@@ -229,6 +244,8 @@ class JobLoop:
                     break
         except KeyboardInterrupt:
             message = "interrupted"
+        except RunFilesError as exc:
+            message = str(exc)
         finally:
             self._stop_workers()
             if self._shadows is not None:
@@ -237,10 +254,20 @@ class JobLoop:
             if bar is not None:
                 bar.close()
             wall = time.time() - self.t0
-            files.event({"time_s": round(wall, 6), "kind": "job_" + status, "node": "launcher",
-                         **({"message": message} if message else {})})
-            files.close()
-            self._write_summary(status, message, self._last, wall)
+            try:
+                files.event({"time_s": round(wall, 6), "kind": "job_" + status,
+                             "node": "launcher", **({"message": message} if message else {})})
+            except RunFilesError:
+                pass  # the message is in the summary, if that can be written
+            try:
+                files.close()
+            except OSError:
+                pass
+            try:
+                self._write_summary(status, message, self._last, wall)
+            except OSError as exc:
+                print(f"spotpipe: cannot write {self.out / 'summary.json'}: {exc}",
+                      file=self.stream)
         if status != "completed":
             print(f"spotpipe: training failed: {message}", file=self.stream)
             return 1
@@ -295,9 +322,26 @@ class JobLoop:
             return f"workers exited after {done} of {self.cfg.iterations} iterations"
         return ""
 
+    def _checkpoint_failed(self, item: dict[str, Any], files: RunFiles) -> None:
+        """A stage of iteration t could not be written: t is never committed (the previous
+        checkpoint stays the newest; the next is tried as scheduled)."""
+        self._ckpt_failed.add(item["iteration"])
+        self._ckpt_parts.pop(item["iteration"], None)
+
     def _checkpoint_saved(self, item: dict[str, Any], files: RunFiles) -> None:
         """Commit a checkpoint once every stage of its iteration is on disk (single writer)."""
         t = item["iteration"]
+        if t in self._ckpt_failed:
+            return
+        if item.get("uploaded"):  # from a host that does not see this checkpoint folder
+            problem = durable.transfer.receive_stage(
+                self._store, t, item["stage"], item["checksums"],
+                durable.iter_dir(self.checkpoint_root, t, partial=True))
+            if problem:
+                files.event({"time_s": self._now(), "kind": "checkpoint_failed",
+                             "node": "launcher", "iteration": t, "message": problem})
+                self._checkpoint_failed(item, files)
+                return
         parts = self._ckpt_parts.setdefault(t, {})
         parts[item["stage"]] = item["checksums"]
         partition = self.coordinator.partition or self.spec.partition
@@ -308,8 +352,14 @@ class JobLoop:
                 "pipelines": self.cfg.pipelines, "config_digest": self.cfg.digest(),
                 "model_digest": self.cfg.model_digest(), "num_samples": self.spec.num_samples,
                 "global_batch": self.cfg.global_batch, "seed": self.cfg.seed}
-        path = durable.commit(self.checkpoint_root, t, info, checksums, self.cfg.checkpoint.keep)
         del self._ckpt_parts[t]
+        try:
+            path = durable.commit(self.checkpoint_root, t, info, checksums,
+                                  self.cfg.checkpoint.keep, self.checkpoint_key)
+        except OSError as exc:  # the disk is full or failing: the previous one stays newest
+            files.event({"time_s": self._now(), "kind": "checkpoint_failed", "node": "launcher",
+                         "iteration": t, "message": f"commit: {exc}"})
+            return
         files.event({"time_s": self._now(), "kind": "checkpoint_committed", "node": "launcher",
                      "iteration": t, "path": str(path)})
 
@@ -365,8 +415,9 @@ class JobLoop:
             files.event({"time_s": message.time_s, "kind": "checkpoint_saved",
                          "node": message.node, "iteration": message.iteration,
                          "stage": message.stage, **message.details})
-            self._checkpoint_saved({"iteration": message.iteration, "stage": message.stage,
-                                    "checksums": message.checksums}, files)
+            self._checkpoint_saved({**message.details, "iteration": message.iteration,
+                                    "stage": message.stage, "checksums": message.checksums},
+                                   files)
         elif isinstance(message, JoinRequest):
             files.event({"time_s": message.time_s, "kind": "join_requested",
                          "node": message.node})
@@ -377,6 +428,8 @@ class JobLoop:
         elif isinstance(message, Event):
             record = message.record()
             files.event(record)
+            if message.kind == "checkpoint_failed":
+                self._checkpoint_failed(record, files)
             if message.kind in ("worker_error", "shadow_error"):
                 errors[message.node] = str(message.details.get("message", ""))
         else:

@@ -10,6 +10,7 @@ over hosts.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import queue
 import secrets
@@ -45,9 +46,24 @@ class Prepared:
     spec: job.RunSpec
 
 
+def check_environment(cfg: Config) -> None:
+    """What the configuration asks of this machine: found here, not inside the workers after
+    the output folder exists."""
+    if cfg.cluster.backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise LaunchError("cluster.backend: 'nccl' needs CUDA GPUs, and torch finds none on "
+                              "this machine; use 'gloo' or 'auto'")
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise LaunchError("logging.tensorboard: true needs the tensorboard package, which is "
+                          "not installed (pip install tensorboard), or set it to false")
+
+
 def prepare(cfg: Config) -> Prepared:
     """Build model and dataset once and decide the partition; turn every failure into a
     LaunchError that says what to fix."""
+    check_environment(cfg)
     for path in reversed(search_path(cfg)):
         if path not in sys.path:
             sys.path.insert(0, path)
@@ -234,14 +250,26 @@ class Launcher(JobLoop):
         self._spawn(rank, world, self._address, joining=True)
 
 
-def check_resume(cfg: Config, path: Path) -> durable.Checkpoint:
-    """The checkpoint to resume from, refused clearly if it belongs to another model."""
+def check_resume(cfg: Config, path: Path, key: bytes | None = None, trust: bool = False,
+                 notes: list[dict[str, Any]] | None = None) -> durable.Checkpoint:
+    """The checkpoint to resume from, refused clearly if it belongs to another model, or if
+    its MAC does not vouch for it under `key` (unless `trust`: then a note says so)."""
     try:
         ckpt, skipped = durable.resolve(path)
     except durable.CheckpointError as exc:
         raise LaunchError(f"--resume: {exc}") from None
     for problem in skipped:
         print(f"spotpipe: warning: skipped a bad checkpoint: {problem}", file=sys.stderr)
+    if key is not None:
+        problem = ckpt.origin_problem(key)
+        if problem and not trust:
+            raise LaunchError(f"--resume {ckpt.path}: {problem}; pass --trust-checkpoint to "
+                              "load it anyway (only a checkpoint whose origin you know)")
+        if problem and notes is not None:
+            print(f"spotpipe: warning: --trust-checkpoint: loading {ckpt.path} although {problem}",
+                  file=sys.stderr)
+            notes.append({"kind": "checkpoint_trusted", "path": str(ckpt.path),
+                          "reason": problem})
     m = ckpt.manifest
     if m.get("model_digest") != cfg.model_digest():
         raise LaunchError(f"--resume {ckpt.path}: the checkpoint is of another model or "
@@ -257,27 +285,68 @@ def check_resume(cfg: Config, path: Path) -> durable.Checkpoint:
     return ckpt
 
 
+def check_out(cfg: Config, out: Path, overwrite: bool, resume: Path | None,
+              config_path: Path | None) -> None:
+    """--out must be a folder that is new or empty, or, with --overwrite, one that holds none
+    of the job's inputs (replacing it would delete them)."""
+    if out.exists() and not out.is_dir():
+        raise LaunchError(f"--out {out}: is a file, not a folder")
+    if not (out.exists() and any(out.iterdir())):
+        return
+    if not overwrite:
+        raise LaunchError(f"--out {out}: the folder exists and is not empty; pass --overwrite "
+                          "to replace it")
+    inputs = {"--resume": resume, "the configuration": config_path,
+              "data.path": Path(cfg.data.path) if cfg.data.path else None,
+              "checkpoint.key": Path(cfg.checkpoint.key) if cfg.checkpoint.key else None}
+    where = out.resolve()
+    for what, path in inputs.items():
+        if path is not None and path.resolve().is_relative_to(where):
+            raise LaunchError(f"--out {out} --overwrite: the folder holds {what} ({path}); "
+                              "replacing it would delete it. Choose another --out")
+
+
 def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = True,
           faults: list[Fault] | None = None,
           trace_actions: list[TraceAction] | None = None, resume: Path | None = None,
-          joins: list[int] | None = None) -> int:
+          joins: list[int] | None = None, trust_checkpoint: bool = False,
+          config_path: Path | None = None) -> int:
     """Validate, bind the store, then run; raises LaunchError before writing anything."""
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise LaunchError(f"--out {out}: the folder exists and is not empty; pass --overwrite "
-                              "to replace it")
+    check_out(cfg, out, overwrite, resume, config_path)
     prepared = prepare(cfg)
-    checkpoint = check_resume(cfg, resume) if resume is not None else None
+    try:
+        key = durable.resolve_key(cfg.checkpoint.key)
+    except durable.KeyFileError as exc:
+        raise LaunchError(str(exc)) from None
+    notes: list[dict[str, Any]] = []
+    checkpoint = (check_resume(cfg, resume, key, trust_checkpoint, notes)
+                  if resume is not None else None)
+    root = durable.written_root(cfg, out)  # one job per checkpoint folder
+    try:
+        if root is not None:
+            durable.lock.refuse_if_held(root)
+    except durable.lock.LockHeld as exc:
+        raise LaunchError(f"checkpoint.dir: {exc}") from None
     job_id = secrets.token_hex(8)
     store, address = bind_store(cfg, job_id)
     if out.exists() and overwrite:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
+    if root is not None:
+        try:
+            durable.lock.acquire(root, out)
+        except durable.lock.LockHeld as exc:
+            raise LaunchError(f"checkpoint.dir: {exc}") from None
+        notes += [{"kind": "checkpoint_partial_removed", "path": str(p)}
+                  for p in durable.clean_partials(root)]
     launcher = Launcher(prepared, out, progress=progress, faults=faults,
                         trace_actions=trace_actions, resume=checkpoint, joins=joins)
+    launcher.notes = notes
     try:
         return launcher.run(store, address)
     finally:
+        if root is not None:
+            durable.lock.release(root)
         if address.kind == "etcd":  # the job is over: its keys go (other jobs keep theirs)
             from spotpipe.store.etcd import EtcdStore
 

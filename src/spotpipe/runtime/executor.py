@@ -114,6 +114,19 @@ class IterationResult:
     loss_sum: torch.Tensor | None  # this pipeline's scaled micro-batch losses (last stage)
     grad_norm: float
     leave_requested: bool
+    skipped_stage: int | None = None  # training.nonfinite: skip: the step was skipped
+
+
+class NonFiniteStop(RuntimeError):
+    """training.nonfinite: stop: the loss or the global gradient norm is not finite. Raised
+    on every node at the same iteration (the norm is all-gathered), before its commit, so no
+    step of it is applied anywhere and the newest checkpoint stays the newest."""
+
+    def __init__(self, iteration: int, stage: int) -> None:
+        super().__init__(f"non-finite loss or gradient norm at iteration {iteration} (stage "
+                         f"{stage}); training.nonfinite: stop ended the job before that "
+                         "iteration's step")
+        self.iteration, self.stage = iteration, stage
 
 
 Hook = Callable[[str, int], None]
@@ -159,6 +172,8 @@ class Executor:
         # fp16: the last reduction found a non-finite gradient somewhere (every node learns it
         # from the same gather): the step is skipped everywhere and the loss scale backs off
         self.skipped = False
+        # (iteration, first stage) whose gathered norm was not finite, from the last reduction
+        self.nonfinite: tuple[int, int] | None = None
 
     def _local(self, stage: int) -> bool:
         return self.w.node_of_stage[stage] == self.me
@@ -265,10 +280,13 @@ class Executor:
                 self.comm.wait_sends()
                 if salvageable:
                     f.keep_local_gradients(self.stages)
-                grad_norm = self.reduce_gradients(leaving(), iteration)
+                loss_bad = f.loss_sum is not None and not bool(torch.isfinite(f.loss_sum).all())
+                grad_norm = self.reduce_gradients(leaving(), iteration, loss_bad)
                 self._post_replication(iteration)
             elif op == Op.OPTIMIZER_STEP:
                 self._confirm_replication()
+                if self._skips(iteration) and self.cfg.training.nonfinite == "stop":
+                    raise NonFiniteStop(iteration, self.nonfinite[1])
                 leave = self._commit(iteration, leaving())
                 if self._flags_gathered is not None:
                     leave = leave or self._flags_gathered
@@ -281,7 +299,13 @@ class Executor:
         loss_sum = f.loss_sum
         self.kept_bytes = f.kept_bytes()
         self.flight = None
-        return IterationResult(loss_sum=loss_sum, grad_norm=grad_norm, leave_requested=leave)
+        return IterationResult(loss_sum=loss_sum, grad_norm=grad_norm, leave_requested=leave,
+                               skipped_stage=self.nonfinite[1] if self._skips(iteration)
+                               else None)
+
+    def _skips(self, iteration: int) -> bool:
+        """The reduction of `iteration` found a non-finite norm (the same on every node)."""
+        return self.nonfinite is not None and self.nonfinite[0] == iteration
 
     # ------------------------------------------------------------------ commit and step
 
@@ -308,9 +332,10 @@ class Executor:
         node could step it."""
         if self.stepped_through >= iteration:
             return
+        skip = self._skips(iteration)  # training.nonfinite: skip, alike on every node
         for s in sorted(self.stages):
             state = self.stages[s]
-            if not self.skipped:
+            if not (self.skipped or skip):
                 state.optimizer.step()
             if self.precision.scaled:
                 amp.update_scale(state.params, state.optimizer, self.skipped, self.cfg)
@@ -320,12 +345,13 @@ class Executor:
                                    **stage_digest(state.module, state.optimizer))
         self.stepped_through = iteration
         if self.shadow is not None:
-            self.shadow.commit(iteration, self.clip_scale)
+            self.shadow.commit(iteration, self.clip_scale, skip)
         if self.cfg.replica.sync == "state":
             self._exchange_state(iteration)
         elif self.holding is not None:
             flat = self._replica_recv[1] if self._replica_recv is not None else None
-            self.holding.applier.submit(iteration, "grad", flat, check=self.comm.abort.check)
+            self.holding.applier.submit(iteration, "none" if skip else "grad", flat,
+                                        check=self.comm.abort.check)
         self._replica_recv = None
 
     def _log_samples(self, iteration: int, batches: Microbatches, last: int) -> None:
@@ -411,11 +437,14 @@ class Executor:
 
     # ------------------------------------------------------------------ gradient reduction
 
-    def reduce_gradients(self, leaving: bool = False, iteration: int = -1) -> float:
+    def reduce_gradients(self, leaving: bool = False, iteration: int = -1,
+                         loss_bad: bool = False) -> float:
         """Data-parallel sum, tied-weight sum, then clipping by the global norm.
 
         The loss was divided by M * D, so a plain sum over pipelines gives the mean. With one
         pipeline no reduction runs at all, which keeps D = 1 bit-identical to one process.
+        A non-finite loss (`loss_bad`, on the last stage) makes that stage's norm NaN, so the
+        all-gathered norm says it to every node, and every node decides alike (`nonfinite`).
         """
         # gradients are replaced, never changed in place: InFlight keeps the local ones, and a
         # reduction cut short by a failure is redone from them
@@ -440,6 +469,8 @@ class Executor:
         for s in sorted(self.stages):
             like = self.stages[s].params[0] if self.stages[s].params else torch.zeros(1)
             mine.append(gradlib.local_norms([p.grad for p in self.stages[s].norm_params], like))
+        if loss_bad:
+            mine[sorted(self.stages).index(self.w.num_stages - 1)].fill_(float("nan"))
         vector = torch.cat(mine) if mine else torch.zeros(0)
         # one slot more than the norms: this node's leave/regroup flag (see _commit)
         # two slots more than the norms: found-inf (fp16), and this node's leave/regroup flag
@@ -457,6 +488,13 @@ class Executor:
         everything = torch.cat([gathered[rank][offset: offset + count]
                                 for rank, offset, count in self.w.norm_segments])
         total = gradlib.total_norm(everything)
+        self.nonfinite = None
+        # (fp16's overflows are the loss scaler's business: skipped and backed off, above)
+        if not self.skipped and not bool(torch.isfinite(total)):
+            self.nonfinite = (iteration, next(
+                (s for s, (rank, offset, count) in enumerate(self.w.norm_segments)
+                 if not bool(torch.isfinite(gathered[rank][offset: offset + count]).all())),
+                self.w.num_stages - 1))
         self.clip_scale = None
         if self.skipped:  # no step: the shadows learn it from a NaN scale with COMMIT
             self.clip_scale = torch.tensor(float("nan"))

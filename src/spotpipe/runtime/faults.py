@@ -2,11 +2,15 @@
 
 A crash is a real SIGKILL of the worker's own process, a notice a real SIGTERM (handled by the
 same handler as the cloud's), a hang a main thread that stops making progress while its
-heartbeat goes on. Nothing in the recovery path knows a fault was injected.
+heartbeat goes on. A `nan` puts a NaN into one of the node's gradients just before the
+reduction (what an overflow does); an `ioerror` makes the node's checkpoint write of that
+iteration fail as a full disk does (OSError ENOSPC, raised where the write starts). Nothing in
+the recovery path knows a fault was injected.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
@@ -22,6 +26,8 @@ class Injector:
                  announce: Callable[[Fault], None]) -> None:
         self.pending = [f for f in faults if f.node == node]
         self.announce = announce
+        # puts a NaN into one of the node's gradients (set by the worker, which owns them)
+        self.poison: Callable[[], None] = lambda: None
 
     def __call__(self, phase: str, iteration: int) -> None:
         for fault in list(self.pending):
@@ -33,6 +39,10 @@ class Injector:
                     os.kill(os.getpid(), signal.SIGKILL)
                 elif fault.kind == "notice":
                     os.kill(os.getpid(), signal.SIGTERM)
+                elif fault.kind == "nan":
+                    self.poison()
+                elif fault.kind == "ioerror":
+                    raise OSError(errno.ENOSPC, "No space left on device (injected)")
                 else:
                     threading.Event().wait()  # hung for good: only the launcher ends this
 

@@ -18,8 +18,11 @@ from spotpipe.runtime.optim import build_optimizer, set_lr
 from spotpipe.runtime.precision import Precision, loss_of, run_layers
 
 
-def train_reference(cfg: Config, iterations: int | None = None) -> tuple[nn.Module, list[float]]:
-    """Train the unpartitioned model; return it and the loss of every iteration."""
+def train_reference(cfg: Config, iterations: int | None = None,
+                    skip: frozenset[int] = frozenset()) -> tuple[nn.Module, list[float]]:
+    """Train the unpartitioned model; return it and the loss of every iteration. The steps of
+    the iterations in `skip` are not applied (their gradients are dropped), as
+    `training.nonfinite: skip` does."""
     torch.set_num_threads(cfg.cluster.threads_per_worker)
     layered = job.build_model(cfg)
     model = layered.to_sequential()
@@ -48,7 +51,8 @@ def train_reference(cfg: Config, iterations: int | None = None) -> tuple[nn.Modu
         scaler.unscale_(optimizer)
         if cfg.optimizer.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
-        scaler.step(optimizer)
+        if t not in skip:
+            scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)

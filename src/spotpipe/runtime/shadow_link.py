@@ -216,10 +216,11 @@ class ShadowWriter:
             self._finish_sends(link)
         self.spent("confirm", started)
 
-    def commit(self, iteration: int, scale: torch.Tensor | None) -> None:
+    def commit(self, iteration: int, scale: torch.Tensor | None, skip: bool = False) -> None:
+        """`skip`: the step of `iteration` is skipped on every node (a non-finite norm)."""
         started = time.perf_counter()
         for link in self.links.values():
-            h = header(COMMIT, iteration, scale=scale)
+            h = header(COMMIT, iteration, int(skip), scale=scale)
             link.sends.append((link.group.send([h], 0, 0), h))
         self.spent("commit_message", started)
 

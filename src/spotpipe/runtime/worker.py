@@ -106,6 +106,7 @@ class Worker:
         self.sample_log: TextIO | None = None
         self.inject = Injector(faults, node, lambda f: self.channel.event(
             "fault_injected", fault=f.kind, iteration=f.iteration, phase=f.phase))
+        self.inject.poison = self._poison_gradient
         # "{node}" in a URL is replaced by the node's name (one metadata service per host in
         # the cloud; one loopback server for all nodes in tests)
         self.notices = NoticeWatcher(aws_url=cfg.failover.aws_notice_url.replace("{node}", node),
@@ -166,6 +167,17 @@ class Worker:
             st.holding.applier.start_at(st.start_iteration)
         self.channel.event("restored", checkpoint=str(path), iteration=st.start_iteration,
                            stages=sorted(st.stages))
+
+    def _poison_gradient(self) -> None:
+        """An injected `nan`: one gradient element of this node's first stage becomes NaN
+        (replaced, not changed in place, as the executor keeps the local gradients)."""
+        for s in sorted(self.stages):
+            for p in self.stages[s].params:
+                if p.grad is not None:
+                    poisoned = p.grad.clone()
+                    poisoned.view(-1)[0] = float("nan")
+                    p.grad = poisoned
+                    return
 
     def _checkpoint(self, iteration: int) -> None:
         """The checkpoint scheme's turn at the end of an iteration; pipeline 0's owners write
@@ -374,6 +386,9 @@ class Worker:
         if self.layout.owner(0, p - 1) != self.node:
             return
         cfg = self.cfg
+        if result.skipped_stage is not None:  # one node says it; every node skipped alike
+            self.channel.event("step_skipped", iteration=t, stage=result.skipped_stage,
+                               grad_norm=result.grad_norm, loss=float(loss))
         self.channel.post(Metrics(
             iter=t, loss=finite(float(loss)), samples=(t + 1) * cfg.global_batch,
             time_s=self.channel.now(), iter_time_s=round(dt, 6),

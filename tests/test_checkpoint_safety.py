@@ -1,0 +1,291 @@
+"""Nothing unpickled, nothing lost: what a checkpoint folder may hold, who wrote it, and what
+happens when the disk fails (issue 13)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from spotpipe import job
+from spotpipe.checkpoint import durable, lock
+from spotpipe.checkpoint.durable import CheckpointError
+from spotpipe.cluster.launcher import LaunchError, train
+from spotpipe.runfiles import read_jsonl
+from spotpipe.runtime import node as nodelib
+
+from conftest import tiny_config
+
+KEY = b"a" * 32
+RUN = {"stages": 2, "iterations": 6, "checkpoint.every": 2}
+
+
+def _stage(seed: int = 0):
+    torch.manual_seed(seed)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1)
+    module(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    return module, optimizer
+
+
+def _commit(root: Path, iteration: int, keep: int = 5, seed: int = 0) -> Path:
+    module, optimizer = _stage(seed)
+    sums = durable.save_stage(root, iteration, 0, module, optimizer)
+    return durable.commit(root, iteration, {"partition": [[0, 1]]}, sums, keep=keep, key=KEY)
+
+
+class _Creates:
+    """Unpickling this creates `path`: what a hostile `.metadata` does."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_crafted_pickle_metadata_is_refused_and_never_unpickled(tmp_path):
+    ckpt = _commit(tmp_path / "ck", 1)
+    marker = tmp_path / "pwned"
+    evil = pickle.dumps(_Creates(marker))
+    # the craft is real: unpickling it does create the file
+    pickle.loads(evil).close()
+    assert marker.exists()
+    marker.unlink()
+    (ckpt / "stage0" / ".metadata").write_bytes(evil)
+    with pytest.raises(CheckpointError, match=r"stage0/\.metadata: not listed in the manifest"):
+        durable.verify(ckpt)
+    # even listed in the manifest (a forger rewrote it: its MAC no longer holds), loading
+    # reads the JSON metadata and never opens the pickle
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["checksums"]["stage0/.metadata"] = durable.file_checksums(ckpt)["stage0/.metadata"]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    forged = durable.verify(ckpt)
+    assert "does not match" in forged.origin_problem(KEY)
+    module, optimizer = _stage(seed=1)
+    durable.load_stage(forged, module, optimizer)
+    want, _ = _stage(seed=0)
+    assert torch.equal(module[0].weight, want[0].weight)
+    assert not marker.exists()
+
+
+def test_a_flipped_byte_in_a_file_the_manifest_does_not_list_is_found(tmp_path):
+    ckpt = _commit(tmp_path, 1)
+    extra = ckpt / "stage0" / "notes.bin"
+    extra.write_bytes(b"\x00" * 16)
+    with pytest.raises(CheckpointError, match=f"{extra}: not listed in the manifest"):
+        durable.verify(ckpt)
+    extra.unlink()
+    meta = ckpt / "stage0" / "dcp_metadata.json"  # listed: a flipped byte is a mismatch
+    data = bytearray(meta.read_bytes())
+    data[5] ^= 0x01
+    meta.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{meta}: checksum mismatch"):
+        durable.verify(ckpt)
+
+
+def test_manifest_lists_only_files_inside_the_checkpoint(tmp_path):
+    ckpt = _commit(tmp_path, 1)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["checksums"]["../elsewhere"] = "0" * 64
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="not a file of the checkpoint"):
+        durable.verify(ckpt)
+
+
+def test_mac_is_checked_under_the_key(tmp_path):
+    ckpt = durable.verify(_commit(tmp_path, 1))
+    assert ckpt.origin_problem(KEY) == ""
+    assert "does not match" in ckpt.origin_problem(b"b" * 32)
+    unsigned = {k: v for k, v in ckpt.manifest.items() if k != "mac"}
+    assert "no MAC" in durable.Checkpoint(ckpt.path, unsigned).origin_problem(KEY)
+
+
+def test_keep_one_never_deletes_the_good_one_for_a_damaged_newest(tmp_path):
+    good = _commit(tmp_path, 1, keep=1)
+    module, optimizer = _stage()
+    sums = durable.save_stage(tmp_path, 2, 0, module, optimizer)
+    shard = next((durable.iter_dir(tmp_path, 2, partial=True) / "stage0").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # damaged after it was hashed, before the commit
+    shard.write_bytes(bytes(data))
+    durable.commit(tmp_path, 2, {"partition": [[0, 1]]}, sums, keep=1, key=KEY)
+    assert good.is_dir()
+    assert durable.newest(tmp_path).path == good
+    newer = _commit(tmp_path, 3, keep=1)  # a good newer one: now the older ones go
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == [newer.name]
+
+
+def test_retention_counts_only_checkpoints_signed_under_the_key(tmp_path):
+    good = _commit(tmp_path, 1)
+    module, optimizer = _stage()
+    sums = durable.save_stage(tmp_path, 2, 0, module, optimizer)
+    durable.commit(tmp_path, 2, {"partition": [[0, 1]]}, sums, keep=5, key=b"x" * 32)
+    assert durable.retain(tmp_path, 1, KEY) == []  # the foreign newer one does not count
+    assert good.is_dir()
+
+
+def test_committing_onto_an_existing_checkpoint_folder_replaces_it(tmp_path):
+    _commit(tmp_path, 2, seed=0)
+    again = _commit(tmp_path, 2, seed=1)  # a job resumed from an earlier one, same folder
+    module, optimizer = _stage(seed=3)
+    durable.load_stage(durable.verify(again), module, optimizer)
+    want, _ = _stage(seed=1)
+    assert torch.equal(module[0].weight, want[0].weight)
+    assert [p.name for p in tmp_path.iterdir()] == [again.name]
+
+
+def test_partial_folders_are_cleaned(tmp_path):
+    _commit(tmp_path, 1)
+    module, optimizer = _stage()
+    durable.save_stage(tmp_path, 2, 0, module, optimizer)  # never committed
+    assert durable.clean_partials(tmp_path) == [durable.iter_dir(tmp_path, 2, partial=True)]
+    assert [p.name for p in tmp_path.iterdir()] == ["iter_00000001"]
+
+
+# ---------------------------------------------------------------------- jobs
+
+
+def _key_file(tmp_path: Path, name: str, fill: str) -> str:
+    path = tmp_path / name
+    path.write_text(fill * 32)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def signed(tmp_path_factory, corpus) -> tuple[Path, str]:
+    """A run whose checkpoints are signed under a key of its own."""
+    base = tmp_path_factory.mktemp("signed")
+    key = _key_file(base, "key", "s")
+    run = base / "run"
+    assert train(tiny_config(corpus, **RUN, **{"checkpoint.key": key}), run,
+                 progress=False) == 0
+    return run, key
+
+
+def test_a_checkpoint_without_a_valid_mac_is_refused_unless_trusted(tmp_path, corpus, signed):
+    run, key = signed
+    source = run / "checkpoints" / "iter_00000003"
+    other = _key_file(tmp_path, "other", "o")
+    cfg = tiny_config(corpus, **RUN, **{"checkpoint.key": other})
+    with pytest.raises(LaunchError, match="MAC does not match this job's key.*"
+                                          "--trust-checkpoint"):
+        train(cfg, tmp_path / "refused", progress=False, resume=source)
+    assert not (tmp_path / "refused").exists()
+    out = tmp_path / "trusted"
+    assert train(cfg, out, progress=False, resume=source, trust_checkpoint=True) == 0
+    trusted = [e for e in read_jsonl(out / "events.jsonl") if e["kind"] == "checkpoint_trusted"]
+    assert len(trusted) == 1 and "does not match" in trusted[0]["reason"]
+    # under its own key it resumes without being told to trust it
+    own = tmp_path / "own"
+    assert train(tiny_config(corpus, **RUN, **{"checkpoint.key": key}), own, progress=False,
+                 resume=source) == 0
+    # and to the same parameters as the run it came from
+    got = load_file(str(own / "final" / "model.safetensors"))
+    want = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert not any(e["kind"] == "checkpoint_trusted" for e in read_jsonl(own / "events.jsonl"))
+
+
+def test_overwrite_refuses_an_out_that_holds_the_inputs(tmp_path, corpus, signed):
+    run, _ = signed
+    before = sorted(str(p) for p in run.rglob("*"))
+    cfg = tiny_config(corpus, **RUN)
+    with pytest.raises(LaunchError, match="holds --resume"):
+        train(cfg, run, overwrite=True, progress=False, resume=run / "checkpoints")
+    config = run / "job.yaml"
+    with pytest.raises(LaunchError, match="holds the configuration"):
+        train(cfg, run, overwrite=True, progress=False, config_path=config)
+    data = tmp_path / "out"
+    data.mkdir()
+    shutil.copy(corpus, data / "corpus.txt")
+    with pytest.raises(LaunchError, match="holds data.path"):
+        train(tiny_config(data / "corpus.txt", **RUN), data, overwrite=True, progress=False)
+    assert sorted(str(p) for p in run.rglob("*")) == before
+    assert (data / "corpus.txt").exists()
+
+
+def test_out_that_is_a_file_is_refused(tmp_path, corpus):
+    out = tmp_path / "afile"
+    out.write_text("x")
+    with pytest.raises(LaunchError, match="is a file, not a folder"):
+        train(tiny_config(corpus, **RUN), out, progress=False)
+
+
+def test_a_second_job_on_the_same_checkpoint_dir_is_refused(tmp_path, corpus):
+    shared = tmp_path / "shared"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                              stdin=subprocess.PIPE)
+    try:
+        shared.mkdir()
+        (shared / lock.LOCK).write_text(json.dumps(
+            {"host": os.uname().nodename, "pid": holder.pid, "run": "/runs/first"}))
+        cfg = tiny_config(corpus, **{**RUN, "checkpoint.dir": str(shared)})
+        with pytest.raises(LaunchError, match=f"in use by another job \\(pid {holder.pid} on "
+                                              f".*run folder /runs/first\\)"):
+            train(cfg, tmp_path / "second", progress=False)
+        assert not (tmp_path / "second").exists()
+    finally:
+        holder.communicate(b"")
+    # its process is gone: the lock is stale and taken over
+    (shared / ".iter_00000009.partial").mkdir()
+    out = tmp_path / "third"
+    assert train(cfg, out, progress=False) == 0
+    events = read_jsonl(out / "events.jsonl")
+    assert any(e["kind"] == "checkpoint_partial_removed" for e in events)
+    assert not (shared / ".iter_00000009.partial").exists()
+    assert not (shared / lock.LOCK).exists()  # released at the end
+    assert sorted(p.name for p in shared.iterdir()) == ["iter_00000003", "iter_00000005"]
+
+
+def test_a_failed_checkpoint_write_is_an_event_and_training_goes_on(tmp_path, corpus):
+    from spotpipe.runtime.faults import Fault
+
+    cfg = tiny_config(corpus, **RUN)
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, faults=[Fault("ioerror", "node1", 3, "checkpoint")]) == 0
+    events = read_jsonl(run / "events.jsonl")
+    failed = [e for e in events if e["kind"] == "checkpoint_failed"]
+    assert [(e["iteration"], e["stage"]) for e in failed] == [(3, 1)]
+    assert "No space left on device" in failed[0]["message"]
+    committed = [e["iteration"] for e in events if e["kind"] == "checkpoint_committed"]
+    assert committed == [1, 5]  # 3 never, and the next one as scheduled
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "iter_00000001", "iter_00000005"]
+    # the checkpoint before the failed one resumes to the uninterrupted run's parameters
+    resumed = tmp_path / "resumed"
+    assert train(cfg, resumed, progress=False,
+                 resume=run / "checkpoints" / "iter_00000001") == 0
+    got = load_file(str(resumed / "final" / "model.safetensors"))
+    want = load_file(str(run / "final" / "model.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_launcher_failing_to_write_its_files_stops_the_job(tmp_path, corpus, monkeypatch):
+    from spotpipe.cluster import jobloop
+
+    real = jobloop.RunFiles.metric
+    calls = []
+
+    def full_disk(self, record):
+        calls.append(record["iter"])
+        if len(calls) == 2:  # from now on the disk is full (/dev/full: every write ENOSPC)
+            self.metrics.close()
+            self.metrics = open("/dev/full", "w")
+        real(self, record)
+
+    monkeypatch.setattr(jobloop.RunFiles, "metric", full_disk)
+    out = tmp_path / "run"
+    assert train(tiny_config(corpus, **{**RUN, "iterations": 20}), out, progress=False) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert summary["message"] == f"cannot write {out / 'metrics.jsonl'}: No space left on device"
