@@ -70,7 +70,8 @@ def main() -> int:
                         checkpoints=None)
         worker.checkpoints = registry.build(schemes.SchemeContext(
             cfg, node, run_dir, worker.channel.event, store, "spotpipe",
-            lambda: worker.failures))
+            lambda: worker.failures, inject=worker.inject,
+            upload=os.environ.get("SPOTPIPE_CHECKPOINT_UPLOAD") == "1"))
         worker.train(joining=os.environ.get("SPOTPIPE_JOIN") == "1")
     except JoinRefused as exc:
         print(f"spotpipe: {exc}", file=sys.stderr)

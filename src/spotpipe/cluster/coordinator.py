@@ -233,12 +233,17 @@ class Coordinator:
         self.store.check([keys.HEARTBEATS])  # blocks while the store is away (etcd restarting)
         now = time.monotonic()
         failover = self.cfg.failover
-        if now - before > failover.heartbeat_s:
+        if now - before > failover.heartbeat_timeout_s / 2:
+            # the store was away: beats could not arrive meanwhile, which says nothing about
+            # the nodes; judge them afresh (a busy machine's slow answer is no such stall)
             self._grace_until = now + failover.heartbeat_timeout_s
             self.liveness.restart_clocks()
             self.emit({"time_s": self.now(), "kind": "store_stalled", "node": "launcher",
                        "stalled_s": round(now - before, 3)})
         if now < self._grace_until:
+            for node in sorted(self.live - self.fenced):
+                self.liveness.read(node)  # take in new beats (and refuse stale ones)
+            self.liveness.restart_clocks()
             return
         rec = self.collecting
         if rec is not None:
