@@ -81,7 +81,7 @@ def test_two_hundred_generations_leave_nothing_behind(tmp_path, corpus, monkeypa
     crash and a joiner among them: a surviving worker's and the launcher's threads, open files
     and sockets stay under a fixed bound, the same late in the run as early."""
     monkeypatch.setenv("SPOTPIPE_TEST_REGROUP_EVERY_ITERATION", "1")
-    iters = 205
+    iters = 420  # a regroup asked during an iteration ends its generation at the next boundary
     cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy",
                       **{**FAST, "iterations": iters})
     run = tmp_path / "run"

@@ -340,8 +340,11 @@ class Coordinator:
         # their processes (a joiner, or a node a re-partition or a dropped pipeline left over)
         # until a later plan places them
         self.left |= decision.released()
+        # nodes waiting on standby that the decision runs: placed now, or given back their
+        # place by a plan rolled back (they kept their state on standby)
+        waiting = set(self.layout.standby) | set(self.joining)
         self.history = outcome.history
-        for node in sorted(decision.placed()):
+        for node in sorted(decision.placed() | (decision.layout.active_nodes & waiting)):
             self._answer(node, JoinAnswer(node, "placed", generation=g))
         self.joining = [n for n in self.joining if n not in decision.layout.all_nodes]
         self.collecting = None

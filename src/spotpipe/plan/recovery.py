@@ -221,8 +221,8 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     # plan was carried out) does not hold its place: counted out, it joins again
     lacking = {n: r.lacking for n, r in reports.items() if r.lacking}
     rolled_back = False
-    if lacking and history.before is not None and _untouched(history.before[0], reports,
-                                                             frozenset(dead)):
+    if lacking and history.before is not None and _untouched(
+            history.before[0], reports, frozenset(dead), frozenset(layout.standby)):
         layout, partition = history.before
         rolled_back = True
         # the nodes of the layout before hold their places; joiners do not
@@ -299,14 +299,15 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     return Outcome(decision, after, lost, leaving, lacking, rolled_back, refused, improve)
 
 
-def _untouched(before: Layout, reports: Mapping[str, NodeReport], dead: frozenset[str]) -> bool:
+def _untouched(before: Layout, reports: Mapping[str, NodeReport], dead: frozenset[str],
+               waiting: frozenset[str]) -> bool:
     """Whether the plan that failed while carried out can be undone: every node of the layout
-    before it is either lost or reports that nothing of the plan changed its state (a
-    re-partition exchanges all layers before any node switches over, so one cut short leaves
-    every node as it was). A burst of losses during a re-partition then costs the nodes lost,
-    not the job."""
+    before it is either lost, or put on standby by the plan (standby nodes keep their state),
+    or reports that nothing of the plan changed its state (a re-partition exchanges all layers
+    before any node switches over, so one cut short leaves every node as it was). A burst of
+    losses during a re-partition then costs the nodes lost, not the job."""
     for node in before.active_nodes:
-        if node in dead:
+        if node in dead or (node in waiting and node not in reports):
             continue
         report = reports.get(node)
         if report is None or not report.untouched:

@@ -42,7 +42,7 @@ from spotpipe.runtime.faults import Injector
 from spotpipe.runtime.hooks import Boundary, BoundaryHook, NoHook, Restore
 from spotpipe.runtime.optim import build_optimizer
 from spotpipe.runtime.reshape import Reshaper
-from spotpipe.runtime.shadow_link import ShadowWriter
+from spotpipe.runtime.shadow_link import ShadowError, ShadowWriter
 from spotpipe.runtime.state import NodeState, build_stage_state
 from spotpipe.schedule.replay import done_from, rest_of_iteration
 from spotpipe.store import board
@@ -490,18 +490,30 @@ class Worker:
             self.channel.event("rejoining", generation=decision.generation,
                                lacked=list(progress.lacking))
             self._ask_to_join()
-            return self._wait_unplaced()
+            return self._wait_unplaced(keep_state=False)
         if self.node in decision.layout.standby:  # e.g. one node more than the new depth needs
+            # it keeps its state: if the plan fails before it commits, the plan is rolled back
+            # and this node takes its old place again (the state is replaced when a later
+            # plan places it elsewhere)
             self.channel.event("standby", generation=decision.generation)
-            return self._wait_unplaced()
+            return self._wait_unplaced(keep_state=True)
         if self.node not in decision.layout.active_nodes:
             self._finish(left=True)
             return -1
         return self._apply(decision)
 
-    def _wait_unplaced(self) -> int:
-        """Drop every state and wait to be placed; -1 when the job ended first."""
-        self.state.drop_all()
+    def _wait_unplaced(self, keep_state: bool) -> int:
+        """Wait to be placed (without `keep_state`, having dropped every state); -1 when the
+        job ended first. A node that wrote shadows hands their links over first (END), so that
+        their new writers are not held until this node's links time out."""
+        if self.shadow is not None:
+            try:
+                self.shadow.close()
+            except ShadowError as exc:  # the shadow is gone too: nothing to hand over
+                self.channel.event("shadow_link_lost", reason=str(exc)[:300])
+                self.shadow.links.clear()
+        if not keep_state:
+            self.state.drop_all()
         self.reshaper.progress.lacking = []
         resume = self._await_placement()
         if resume < 0:
