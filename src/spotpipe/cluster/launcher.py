@@ -110,11 +110,12 @@ class Launcher(JobLoop):
                  stream: TextIO | None = None, faults: list[Fault] | None = None,
                  trace_actions: list[TraceAction] | None = None,
                  resume: durable.Checkpoint | None = None,
-                 joins: list[int] | None = None) -> None:
+                 joins: list[int] | None = None, t0: float | None = None,
+                 restart: int = 0) -> None:
         # every node must present the token to join (a node from another job or a stray
         # process cannot disturb this one); real clusters pass it to their agents
         super().__init__(prepared.cfg, prepared.spec, out, progress=progress, stream=stream,
-                         resume=resume, instance=new_instance_id(),
+                         resume=resume, instance=new_instance_id(), t0=t0, restart=restart,
                          token=os.environ.get("SPOTPIPE_JOIN_TOKEN") or secrets.token_hex(16))
         self.faults = list(faults or [])
         self.joins = sorted(joins or [])
@@ -249,6 +250,30 @@ def check_resume(cfg: Config, path: Path) -> durable.Checkpoint:
     return ckpt
 
 
+def _restart_point(launcher: Launcher, code: int) -> durable.Checkpoint | None:
+    """The checkpoint to restart the workers from, or None when the round is not one to
+    restart: it completed, or it failed for another reason than a loss the job could not fail
+    over (a software error would only repeat), or nothing was committed yet."""
+    coordinator = launcher.coordinator
+    if code == 0 or coordinator is None or not coordinator.stop_message:
+        return None
+    try:
+        found, _ = durable.resolve(launcher.checkpoint_root)
+    except durable.CheckpointError:
+        return None
+    return found
+
+
+def _unfired(faults: list[Fault], out: Path) -> list[Fault]:
+    """Injected faults still to come: one that fired was a machine lost once, not again in
+    the restarted round."""
+    from spotpipe.runfiles import read_jsonl
+
+    fired = {(e["node"], e["fault"], e["iteration"]) for e in read_jsonl(out / "events.jsonl")
+             if e["kind"] == "fault_injected"}
+    return [f for f in faults if (f.node, f.kind, f.iteration) not in fired]
+
+
 def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = True,
           faults: list[Fault] | None = None,
           trace_actions: list[TraceAction] | None = None, resume: Path | None = None,
@@ -268,7 +293,19 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
     launcher = Launcher(prepared, out, progress=progress, faults=faults,
                         trace_actions=trace_actions, resume=checkpoint, joins=joins)
     try:
-        return launcher.run(store, address)
+        code = launcher.run(store, address)
+        for restart in range(1, cfg.failover.restarts + 1):
+            newest = _restart_point(launcher, code)
+            if newest is None:
+                break
+            # as torchrun's agent: this process and its store stay; only the workers start
+            # again, under a new round of keys, from the newest checkpoint
+            launcher = Launcher(prepared, out, progress=progress,
+                                faults=_unfired(launcher.faults, out),
+                                resume=newest, t0=launcher.t0, restart=restart)
+            round_address = address.within(f"restart{restart}")
+            code = launcher.run(round_address.connect(cfg.cluster.timeout_s), round_address)
+        return code
     finally:
         if address.kind == "etcd":  # the job is over: its keys go (other jobs keep theirs)
             from spotpipe.store.etcd import EtcdStore
