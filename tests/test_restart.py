@@ -50,3 +50,21 @@ def test_restart_resumes_from_the_newest_checkpoint_exactly(tmp_path, corpus):
 def test_restarts_must_be_a_count(corpus):
     with pytest.raises(ConfigError, match="failover.restarts"):
         tiny_config(corpus, stages=2, **{"failover.restarts": -1})
+
+
+def test_restart_without_a_checkpoint_starts_over(tmp_path, corpus):
+    """As a torchrun script that finds no checkpoint: the workers start from iteration 0."""
+    cfg = tiny_config(corpus, stages=2, **{**FAST, "checkpoint.every": 0, "iterations": 4,
+                                           "failover.restarts": 1})
+    run = tmp_path / "run"
+    faults = [Fault.parse("fail", "node0@2:forward", ["node0", "node1"])]
+    assert train(cfg, run, progress=False, faults=faults) == 0
+    launches = [e for e in map(json.loads, open(run / "events.jsonl")) if e["kind"] == "launch"]
+    assert len(launches) == 2 and "start_iteration" not in launches[1]
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [m["iter"] for m in metrics] == [0, 1, 0, 1, 2, 3]
+    got = load_file(str(run / "final" / "model.safetensors"))
+    want, _ = reference(tiny_config(corpus, stages=2, **{**FAST, "checkpoint.every": 0,
+                                                         "iterations": 4}))
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs from the failure-free run"

@@ -122,7 +122,7 @@ def _restart_figures(kill_s: float, killed_in: int, launch: dict[str, Any],
     back = next(m for m in metrics if m["iter"] >= killed_in)
     return {"restart_pause_s": back["time_s"] - kill_s,
             "restart_first_iteration_s": metrics[0]["time_s"] - kill_s,
-            "restart_lost_iterations": killed_in - launch["start_iteration"]}
+            "restart_lost_iterations": killed_in - launch.get("start_iteration", 0)}
 
 
 def run(quick: bool = False) -> dict[str, Any]:

@@ -250,18 +250,18 @@ def check_resume(cfg: Config, path: Path) -> durable.Checkpoint:
     return ckpt
 
 
-def _restart_point(launcher: Launcher, code: int) -> durable.Checkpoint | None:
-    """The checkpoint to restart the workers from, or None when the round is not one to
-    restart: it completed, or it failed for another reason than a loss the job could not fail
-    over (a software error would only repeat), or nothing was committed yet."""
+def _restart_point(launcher: Launcher, code: int) -> tuple[bool, durable.Checkpoint | None]:
+    """Whether to restart the workers, and from which checkpoint (None: from the start, as a
+    torchrun script that finds none). Not when the round completed, or failed for another
+    reason than a loss the job could not fail over (a software error would only repeat)."""
     coordinator = launcher.coordinator
     if code == 0 or coordinator is None or not coordinator.stop_message:
-        return None
+        return False, None
     try:
         found, _ = durable.resolve(launcher.checkpoint_root)
     except durable.CheckpointError:
-        return None
-    return found
+        return True, None
+    return True, found
 
 
 def _unfired(faults: list[Fault], out: Path) -> list[Fault]:
@@ -295,8 +295,8 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
     try:
         code = launcher.run(store, address)
         for restart in range(1, cfg.failover.restarts + 1):
-            newest = _restart_point(launcher, code)
-            if newest is None:
+            again, newest = _restart_point(launcher, code)
+            if not again:
                 break
             # as torchrun's agent: this process and its store stay; only the workers start
             # again, under a new round of keys, from the newest checkpoint
