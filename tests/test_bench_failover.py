@@ -19,6 +19,7 @@ def test_bench_failover_quick_json():
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     for key in ("pause_s", "pause_iterations", "restart_pause_s", "restart_over_failover_ratio",
+                "torchrun_restart_pause_s", "torchrun_restart_over_failover_ratio",
                 "detection_s", "agreement_s", "takeover_s", "replay_s", "notice_pause_s",
                 "iteration_s"):
         assert isinstance(figures[key], (int, float)) and math.isfinite(figures[key]), key
@@ -28,3 +29,5 @@ def test_bench_failover_quick_json():
     parts = sum(figures[k] for k in ("detection_s", "agreement_s", "takeover_s", "replay_s"))
     assert parts == __import__("pytest").approx(figures["pause_s"], rel=0.05, abs=2e-3)
     assert figures["restart_lost_iterations"] >= 0
+    # both restarts lose the same iterations: the same kill, the same checkpoints
+    assert figures["torchrun_restart_lost_iterations"] == figures["restart_lost_iterations"]

@@ -52,3 +52,14 @@ def test_update_slot_and_model():
     # an update shorter than the first bubble is free; a longer one costs its excess
     assert simulate(*with_update(plain, costs, 0.5)).iteration_s == base
     assert simulate(*with_update(plain, costs, 10.0)).iteration_s > base
+
+
+def test_block_means_count_the_catching_up():
+    from spotpipe.bench.redundancy import block_means
+
+    # two blocks of 2 iterations: (1 + 3 + 0.5) / 2 and (2 + 2 + 0) / 2, by hand
+    assert block_means([1.0, 3.0, 2.0, 2.0], [0.5, 0.0], 2) == [2.25, 2.0]
+    import pytest
+
+    with pytest.raises(ValueError, match="3 iteration times for 2 blocks of 2"):
+        block_means([1.0, 2.0, 3.0], [0.0, 0.0], 2)

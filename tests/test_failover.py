@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from spotpipe.bench.checks import sample_problems
 from spotpipe.cluster.launcher import train
 from spotpipe.faults import Fault
 
@@ -55,25 +56,8 @@ def events(run: Path) -> list[dict]:
 def assert_samples_exactly_once(run: Path, cfg) -> None:
     """Each iteration consumed exactly its global batch, once, whatever the layout did
     (iterations a plan rolled back are not counted: they were replayed)."""
-    from spotpipe import job
-
-    sampler = job.build_sampler(cfg, job.build_dataset(cfg))
-    rolled_back = {ev["generation"]: ev["resume"] for ev in events(run)
-                   if ev["kind"] == "agreement"}
-    per_iter: dict[int, list[int]] = {}
-    entries = Counter()
-    for path in (run / "logs").glob("samples.*.jsonl"):
-        for line in open(path):
-            r = json.loads(line)
-            g = r["generation"]
-            if g in rolled_back and r["iter"] >= rolled_back[g]:
-                continue  # consumed by an iteration that was replayed
-            entries[(r["iter"], r["pipeline"])] += 1
-            per_iter.setdefault(r["iter"], []).extend(i for mb in r["samples"] for i in mb)
-    assert sorted(per_iter) == list(range(cfg.iterations))
-    assert all(n == 1 for n in entries.values()), f"logged twice: {entries.most_common(3)}"
-    for t, samples in per_iter.items():
-        assert sorted(samples) == sorted(sampler.indices(t)), f"iteration {t}"
+    problems = sample_problems(run, cfg)
+    assert not problems, "; ".join(problems)
 
 
 def assert_nothing_left(run: Path, port: int | None) -> None:

@@ -133,6 +133,10 @@ class FailoverSection:
     # the lost stage's work is redone (FRC outputs, BRC; Bamboo); "iteration": every node
     # replays the whole iteration (simpler, slower; a baseline for the benchmark)
     replay: str = "rest"
+    # torchrun's --max-restarts: when the job stops on a loss it cannot fail over (e.g.
+    # redundancy none), the launcher (and its store) stay up, stop every worker and start them
+    # again from the newest durable checkpoint, at most this many times (0: stop, as before)
+    restarts: int = 0
 
 
 # Checkpoint schemes (spotpipe.checkpoint.schemes registers one class per name): `durable` is
@@ -408,6 +412,9 @@ def _check(cfg: Config) -> None:
     if f.replay not in REPLAY_MODES:
         raise ConfigError(f"failover.replay: expected one of {', '.join(REPLAY_MODES)}, got "
                           f"{f.replay!r}")
+    if not isinstance(f.restarts, int) or f.restarts < 0:
+        raise ConfigError(f"failover.restarts: expected a non-negative integer, got "
+                          f"{f.restarts!r}")
     if f.heartbeat_timeout_s <= f.heartbeat_s:
         raise ConfigError(f"failover.heartbeat_timeout_s ({f.heartbeat_timeout_s}) must exceed "
                           f"failover.heartbeat_s ({f.heartbeat_s})")

@@ -11,6 +11,7 @@ import json
 import sys
 
 BENCHES = {
+    "chaos": "spotpipe.bench.chaos",
     "checkpoint": "spotpipe.bench.checkpoint",
     "failover": "spotpipe.bench.failover",
     "model": "spotpipe.bench.model",
@@ -21,17 +22,29 @@ BENCHES = {
 }
 
 
-def run_bench(name: str, *, as_json: bool = False, quick: bool = False) -> int:
+# benchmarks that take a number of faults (--faults N)
+TAKES_FAULTS = ("chaos",)
+
+
+def run_bench(name: str, *, as_json: bool = False, quick: bool = False,
+              faults: int | None = None) -> int:
     if name not in BENCHES:
         print(f"spotpipe: error: unknown benchmark {name!r}; choose one of "
               f"{', '.join(sorted(BENCHES))}", file=sys.stderr)
+        return 2
+    if faults is not None and name not in TAKES_FAULTS:
+        print(f"spotpipe: error: --faults is for {', '.join(TAKES_FAULTS)}, not {name!r}",
+              file=sys.stderr)
+        return 2
+    if faults is not None and faults < 1:
+        print(f"spotpipe: error: --faults {faults}: expected at least 1", file=sys.stderr)
         return 2
     try:
         module = importlib.import_module(BENCHES[name])
     except ImportError as exc:
         print(f"spotpipe: error: benchmark {name!r} is not available: {exc}", file=sys.stderr)
         return 2
-    figures = module.run(quick=quick)
+    figures = module.run(quick=quick, **({"faults": faults} if faults is not None else {}))
     if as_json:
         print(json.dumps(figures))
     else:

@@ -191,14 +191,25 @@ class RedundancyBench:
         return float(result.loss_sum) if result.loss_sum is not None else float("nan")
 
     def drain(self, mode: str) -> None:
-        """Let the replica catch up (untimed), so that one mode's background work never runs
-        into the next mode's block."""
+        """Let the replica catch up (untimed: only before the timed rounds)."""
         held = self.holdings[mode]
         if held is not None:
             held.applier.drain()
         dist.barrier()
 
-    def block(self, mode: str, n: int) -> list[float]:
+    def catch_up(self, mode: str) -> float:
+        """Let the replica catch up, timed on the slower rank: the updates still queued at a
+        block's end are work of that block's iterations (with max_lag 2, up to 2 of them), so
+        they count against the mode, and no mode's backlog runs into the next mode's block."""
+        dist.barrier()
+        start = time.perf_counter()
+        self.drain(mode)
+        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        return float(took.item())
+
+    def block(self, mode: str, n: int) -> tuple[list[float], float]:
+        """`n` timed iterations and the timed catching-up after them."""
         held = self.holdings[mode]
         before = held.applier.waited_s if held is not None else 0.0
         durations = timed_block(functools.partial(self.iterate, mode, traced=True), n)
@@ -207,8 +218,7 @@ class RedundancyBench:
             self.waited_in_blocks[mode] += held.applier.waited_s - before
             ex = self.executors[mode]
             self.activation_bytes[mode] = ex.kept_bytes
-        self.drain(mode)
-        return durations
+        return durations, self.catch_up(mode)
 
     # ------------------------------------------------------------------ profile
 
@@ -274,14 +284,18 @@ class RedundancyBench:
                 self.iterate(mode)
                 self.drain(mode)
         iter_times: dict[str, list[float]] = {mode: [] for mode in MODES}
+        catch_up: dict[str, list[float]] = {mode: [] for mode in MODES}
         samples = {}
         n = spec["iters_per_round"]
         for r in range(spec["rounds"]):
             k = r % len(MODES)
             for mode in MODES[k:] + MODES[:k]:  # each mode leads a third of the rounds
-                iter_times[mode] += self.block(mode, n)
+                durations, caught_up = self.block(mode, n)
+                iter_times[mode] += durations
+                catch_up[mode].append(caught_up)
             self.profile(spec["profile_reps"], samples)
         out["iter_times"] = iter_times
+        out["catch_up_s"] = catch_up
         out["profile"] = self.profiler.summary(samples, self.partition,
                                                extra=("frc", "replica_update"))
         out.update(self.figures())

@@ -10,10 +10,14 @@ paths as real failures) and reads the pauses from their events:
   the lost stage's work is redone; the full run also measures `failover.replay: iteration`,
   where every node replays the whole iteration);
 - notice: SIGTERM; the node leaves at the next iteration boundary, nothing is replayed;
-- restart baseline, as torchrun does it: the same crash without redundancy stops the job,
+- cold restart baseline: the same crash without redundancy stops the job,
   every worker is started again and loads the newest torch.distributed.checkpoint checkpoint
   (written every k iterations), and the pause runs from the kill until the restarted job has
-  again completed the iteration that was in flight.
+  again completed the iteration that was in flight (a cold restart: a new launcher, torch
+  imported again, the checkpoint verified in the launcher and in every worker);
+- torchrun-style restart, as torchrun's agent does it: the launcher and its store survive,
+  only the workers are stopped and started again from the newest checkpoint
+  (`failover.restarts`), timed in the same way. Every ratio is stated against both.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spotpipe.bench.stats import ratio_of_medians
 from spotpipe.runfiles import read_jsonl
 
 REPO_EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "gpt_tiny.yaml"
@@ -89,19 +94,35 @@ def iteration_time(run: Path, before_s: float | None = None) -> float:
 
 
 def restart_pause(first: Path, second: Path) -> dict[str, float]:
-    """Kill in `first` (no redundancy, so it stops) -> `second` (restarted from the newest
-    checkpoint) completes the iteration that was in flight."""
+    """Cold restart: kill in `first` (no redundancy, so it stops) -> `second`, a new `spotpipe
+    train` from the newest checkpoint, completes the iteration that was in flight."""
     ev1 = _jsonl(first / "events.jsonl")
     kill = next(e for e in ev1 if e["kind"] == "fault_injected")
-    kill_abs = ev1[0]["t0"] + kill["time_s"]
     ev2 = _jsonl(second / "events.jsonl")
-    t0_2 = ev2[0]["t0"]
-    metrics = _jsonl(second / "metrics.jsonl")
-    back = next(m for m in metrics if m["iter"] >= kill["iteration"])
-    first_iter = metrics[0]
-    return {"restart_pause_s": t0_2 + back["time_s"] - kill_abs,
-            "restart_first_iteration_s": t0_2 + first_iter["time_s"] - kill_abs,
-            "restart_lost_iterations": kill["iteration"] - ev2[0]["start_iteration"]}
+    # both on the second run's clock
+    return _restart_figures(ev1[0]["t0"] + kill["time_s"] - ev2[0]["t0"], kill["iteration"],
+                            ev2[0], _jsonl(second / "metrics.jsonl"))
+
+
+def torchrun_restart_pause(run: Path) -> dict[str, float]:
+    """torchrun-style restart (`failover.restarts`): in one run, the kill -> the launcher stops
+    the workers and starts them again from the newest checkpoint (its store stays up) -> the
+    iteration that was in flight is completed again."""
+    events = _jsonl(run / "events.jsonl")
+    kill = next(e for e in events if e["kind"] == "fault_injected")
+    again = next(e for e in events if e["kind"] == "launch" and e.get("restart"))
+    metrics = [m for m in _jsonl(run / "metrics.jsonl") if m["time_s"] >= again["time_s"]]
+    return _restart_figures(kill["time_s"], kill["iteration"], again, metrics)
+
+
+def _restart_figures(kill_s: float, killed_in: int, launch: dict[str, Any],
+                     metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """From the kill (`kill_s`, on the restarted round's clock) to its first completed iteration
+    and to the iteration that was in flight completed again."""
+    back = next(m for m in metrics if m["iter"] >= killed_in)
+    return {"restart_pause_s": back["time_s"] - kill_s,
+            "restart_first_iteration_s": metrics[0]["time_s"] - kill_s,
+            "restart_lost_iterations": killed_in - launch.get("start_iteration", 0)}
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -145,6 +166,12 @@ def run(quick: bool = False) -> dict[str, Any]:
     _train(second, "--stages", "4", "--set", f"iterations={iters}", "--set", "redundancy=none",
            "--resume", str(first))
     restart = restart_pause(first, second)
+    # torchrun-style: the same loss, the launcher restarts only the workers
+    torchrun = tmp / "restart-torchrun"
+    _train(torchrun, "--stages", "4", "--set", f"iterations={iters}", "--set", "redundancy=none",
+           "--set", f"checkpoint.every={k}", "--set", "failover.restarts=1",
+           "--fail", f"node1@{kill_at}:backward")
+    warm = torchrun_restart_pause(torchrun)
     it = iteration_time(crash, before_s=None)
     pause = statistics.median(p["pause_s"] for p in crashes)
     figures: dict[str, Any] = {
@@ -167,7 +194,13 @@ def run(quick: bool = False) -> dict[str, Any]:
         "restart_pause_s": round(restart["restart_pause_s"], 3),
         "restart_first_iteration_s": round(restart["restart_first_iteration_s"], 3),
         "restart_lost_iterations": restart["restart_lost_iterations"],
-        "restart_over_failover_ratio": round(restart["restart_pause_s"] / pause, 1),
+        "torchrun_restart_pause_s": round(warm["restart_pause_s"], 3),
+        "torchrun_restart_first_iteration_s": round(warm["restart_first_iteration_s"], 3),
+        "torchrun_restart_lost_iterations": warm["restart_lost_iterations"],
+        "restart_over_failover_ratio": round(ratio_of_medians(
+            [restart["restart_pause_s"]], [p["pause_s"] for p in crashes]), 1),
+        "torchrun_restart_over_failover_ratio": round(ratio_of_medians(
+            [warm["restart_pause_s"]], [p["pause_s"] for p in crashes]), 1),
         "crash_failovers": len(crashes), "notice_failovers": len(notices),
         "checkpoint_every": k,
         "config": "P=4 D=1 gloo, GPT n_layer=4 n_embd=64, micro-batch 4 x M=4, redundancy lazy; "

@@ -16,7 +16,9 @@ change to the first one completed after it, less one ordinary iteration. The res
 does what torchrun does for any change of membership: stop everything, start every worker again
 and load the newest torch.distributed.checkpoint checkpoint (written every k iterations), and is
 measured once, on the same P=2 x D=2 job, from the kill to the first iteration completed after
-the restart.
+the restart. Beside it, the torchrun-style restart (`failover.restarts`: the launcher and its
+store survive, only the workers start again from the newest checkpoint), timed the same way;
+every ratio is stated against both.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spotpipe.bench.failover import _jsonl, _train, restart_pause
+from spotpipe.bench.failover import _jsonl, _train, restart_pause, torchrun_restart_pause
+from spotpipe.bench.stats import ratio_of_medians
 
 
 def _stall(run: Path, action: str, nth: int = 0) -> dict[str, float]:
@@ -71,7 +74,18 @@ def run(quick: bool = False) -> dict[str, Any]:
            check=False)
     _train(second, *common, "--resume", str(first))
     restart = restart_pause(first, second)["restart_first_iteration_s"]
+    torchrun_run = tmp / "restart-torchrun"
+    _train(torchrun_run, *common, "--set", "checkpoint.every=10", "--set", "failover.restarts=1",
+           "--fail", "node1@16:backward")
+    torchrun = torchrun_restart_pause(torchrun_run)["restart_first_iteration_s"]
     figures: dict[str, Any] = {}
+    pauses: list[float] = []
+
+    def against_restarts(name: str, pause_s: float) -> None:
+        pauses.append(pause_s)
+        for key, baseline in (("restart", restart), ("torchrun_restart", torchrun)):
+            figures[f"{name}_{key}_ratio"] = round(baseline / max(pause_s, 1e-3), 1)
+
     for name, run_dir, action in (("rebalance", rebalance, "rebalance"),
                                   ("drop_pipeline", widths, "drop_pipeline"),
                                   ("add_pipeline", widths, "add_pipeline")):
@@ -79,16 +93,23 @@ def run(quick: bool = False) -> dict[str, Any]:
         figures[f"{name}_pause_s"] = round(s["pause_s"], 4)
         figures[f"{name}_pause_iterations"] = round(s["pause_s"] / s["iteration_s"], 2)
         figures[f"{name}_bytes_moved"] = s["bytes"]
-        figures[f"{name}_restart_ratio"] = round(restart / max(s["pause_s"], 1e-3), 1)
+        against_restarts(name, s["pause_s"])
     down, up = _stall(depth, "repartition", 0), _stall(depth, "repartition", 1)
     for name, s in (("repartition_down", down), ("repartition_up", up),
                     ("repartition", max(down, up, key=lambda x: x["pause_s"]))):
         figures[f"{name}_pause_s"] = round(s["pause_s"], 4)
         figures[f"{name}_pause_iterations"] = round(s["pause_s"] / s["iteration_s"], 2)
         figures[f"{name}_bytes_moved"] = s["bytes"]
-        figures[f"{name}_restart_ratio"] = round(restart / max(s["pause_s"], 1e-3), 1)
+        against_restarts(name, s["pause_s"])
+    changes = pauses[:-1]  # (the last is `repartition`, the slower of the two counted already)
     figures.update({
         "restart_pause_s": round(restart, 3),
+        "torchrun_restart_pause_s": round(torchrun, 3),
+        # over the median pause of the five changes
+        "restart_over_failover_ratio": round(ratio_of_medians(
+            [restart], [max(p, 1e-3) for p in changes]), 1),
+        "torchrun_restart_over_failover_ratio": round(ratio_of_medians(
+            [torchrun], [max(p, 1e-3) for p in changes]), 1),
         "config": "GPT n_layer=4 n_embd=64 (examples/gpt_tiny.yaml), micro-batch 4 x M=4, "
                   f"{iters} iterations; repartition P=4 -> 2 -> 4 at D=1; restart baseline "
                   "P=2 x D=2 with a DCP checkpoint every 10 iterations",

@@ -6,9 +6,10 @@ by side: redundancy none, lazy (a replica of the successor stage kept exact by g
 replication, whose update runs on a background thread of the same process, on the same core)
 and eager (lazy plus forward redundant computation of the replica, placed in the bubbles by
 `spotpipe.schedule.with_frc` from measured costs). The modes alternate in blocks of iterations,
-each leading in turn, and the replica catches up between blocks (untimed) so that no mode's
-background work lands in another's block. Per mode the figure is the median iteration time (the
-slower rank's); the ratios are throughput over `none`'s.
+each leading in turn, and the replica catches up at the end of each block, timed, so that no
+mode's background work lands in another's block nor falls outside the clock. Per mode the figure
+is the median over rounds of a block's seconds per iteration (the slower rank's clock, the
+catching-up included); the ratios are throughput over `none`'s.
 
 The analytic model's prediction comes from a profile taken between the rounds (per-stage
 forward, backward, optimizer step, gradient reduction, one message, and FRC: the replica's
@@ -99,11 +100,17 @@ def _costs(profile: dict[str, Any]):
     return stage_costs(profile, frc=frc_by_stage(profile["frc_s"]))
 
 
-def _round_ratios(times: dict[str, list[float]], mode: str, n: int) -> list[float]:
-    """none's over `mode`'s median iteration time within each round (back to back there)."""
-    base, other = times["none"], times[mode]
-    ratios = sorted(statistics.median(base[i:i + n]) / statistics.median(other[i:i + n])
-                    for i in range(0, len(base), n))
+def block_means(durations: list[float], catch_up: list[float], n: int) -> list[float]:
+    """Seconds per iteration of each timed block: its `n` iterations plus the replica's
+    catching-up after them (`catch_up[i]` follows block i), over `n`."""
+    if len(durations) != n * len(catch_up):
+        raise ValueError(f"{len(durations)} iteration times for {len(catch_up)} blocks of {n}")
+    return [(sum(durations[i * n:(i + 1) * n]) + c) / n for i, c in enumerate(catch_up)]
+
+
+def _round_ratios(per_block: dict[str, list[float]], mode: str) -> list[float]:
+    """none's over `mode`'s seconds per iteration within each round (back to back there)."""
+    ratios = sorted(a / b for a, b in zip(per_block["none"], per_block[mode]))
     return [round(ratios[0], 4), round(statistics.median(ratios), 4), round(ratios[-1], 4)]
 
 
@@ -116,7 +123,10 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
 
     m, b = spec["num_microbatches"], spec["micro_batch_size"]
     times = raw["iter_times"]
-    med = {mode: statistics.median(times[mode]) for mode in MODES}
+    n = spec["iters_per_round"]
+    # per mode: the median over rounds of a block's seconds per iteration, catching-up included
+    per_block = {mode: block_means(times[mode], raw["catch_up_s"][mode], n) for mode in MODES}
+    med = {mode: statistics.median(per_block[mode]) for mode in MODES}
     prof = raw["profile"]
     costs = _costs(prof)
     plain = build_schedule(spec["schedule"], 2, m)
@@ -144,14 +154,15 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     out["lazy_predicted_ratio_with_update"] = round(base_s / lazy_u, 4)
     out["eager_predicted_ratio_with_update"] = round(base_s / eager_u, 4)
     out["prototypes"] = spec["prototypes"]
-    n = spec["iters_per_round"]
     for mode in ("lazy", "eager"):
-        out[f"{mode}_ratio_rounds_min_median_max"] = _round_ratios(times, mode, n)
+        out[f"{mode}_ratio_rounds_min_median_max"] = _round_ratios(per_block, mode)
         # the fastest tenth: less sensitive to other processes taking the cores
         out[f"{mode}_ratio_q10"] = round(quantile(times["none"], 0.1)
                                          / quantile(times[mode], 0.1), 4)
     for mode in MODES:
         out[f"{mode}_iter_s"] = round(med[mode], 6)
+        out[f"{mode}_catch_up_s_per_iteration"] = round(
+            sum(raw["catch_up_s"][mode]) / len(times[mode]), 6)
         out[f"{mode}_samples_per_s"] = round(m * b / med[mode], 2)
     out["predicted_iter_s_none"] = round(eager_pred.baseline_iteration_s, 6)
     out["predicted_iter_s_eager"] = round(eager_pred.iteration_s, 6)
@@ -202,7 +213,8 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     out["config"] = (f"{describe_setup(spec, prof['partition'])}; replica thread on the same "
                      f"core; {spec['schedule']}, micro-batch {b} x M={m}; AdamW, no clipping; "
                      f"replica on cpu, sync gradient, max_lag {spec['max_lag']}; median over "
-                     f"{spec['rounds']} rounds x {n} iterations, modes interleaved")
+                     f"{spec['rounds']} rounds of {n} iterations plus the replica's catching-up "
+                     "after them (timed), modes interleaved")
     return out
 
 

@@ -48,13 +48,15 @@ class RunFiles:
     """The run's output files, written by the launcher only."""
 
     out: Path
+    append: bool = False  # a restart's round goes on with the files of the rounds before
     metrics: TextIO = field(init=False)
     events: TextIO = field(init=False)
     tensorboard: Any = None
 
     def __post_init__(self) -> None:
-        self.metrics = open(self.out / "metrics.jsonl", "w")
-        self.events = open(self.out / "events.jsonl", "w")
+        mode = "a" if self.append else "w"
+        self.metrics = open(self.out / "metrics.jsonl", mode)
+        self.events = open(self.out / "events.jsonl", mode)
 
     def _append(self, stream: TextIO, name: str, record: dict[str, Any]) -> None:
         try:
@@ -88,7 +90,7 @@ class JobLoop:
     def __init__(self, cfg: Config, spec: job.RunSpec, out: Path, *, token: str | bytes,
                  instance: str, progress: bool = True, stream: TextIO | None = None,
                  resume: durable.Checkpoint | None = None, t0: float | None = None,
-                 writer: str = "coordinator") -> None:
+                 writer: str = "coordinator", restart: int = 0) -> None:
         self.cfg = cfg
         self.spec = spec
         self.out = out
@@ -101,6 +103,7 @@ class JobLoop:
         self.t0 = time.time() if t0 is None else t0
         self._train_start = self.t0
         self.resume = resume
+        self.restart = restart  # 0, or which restart of the job this round is
         self._ckpt_parts: dict[int, dict[int, dict[str, str]]] = {}
         self._ckpt_failed: set[int] = set()  # iterations a stage could not write: never committed
         self.checkpoint_root = Path(cfg.checkpoint.dir or out / "checkpoints")
@@ -157,12 +160,14 @@ class JobLoop:
         world = cfg.stages * cfg.pipelines
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
         self._write_inputs()
-        files = self.files = RunFiles(self.out)
+        files = self.files = RunFiles(self.out, append=self.restart > 0)
         if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             files.tensorboard = SummaryWriter(str(self.out / "tensorboard"))
-        files.event({"time_s": 0.0, "kind": "launch", "node": "launcher", "stages": cfg.stages,
+        files.event({"time_s": self._now() if self.restart else 0.0, "kind": "launch",
+                     "node": "launcher",
+                     **({"restart": self.restart} if self.restart else {}), "stages": cfg.stages,
                      "repartition": (cfg.failover.repartition and not cfg.shadow.enabled
                                      and cfg.checkpoint.scheme != "gemini"),
                      "pipelines": cfg.pipelines, "partition": self.spec.partition,

@@ -134,11 +134,12 @@ class Launcher(JobLoop):
                  stream: TextIO | None = None, faults: list[Fault] | None = None,
                  trace_actions: list[TraceAction] | None = None,
                  resume: durable.Checkpoint | None = None,
-                 joins: list[int] | None = None) -> None:
+                 joins: list[int] | None = None, t0: float | None = None,
+                 restart: int = 0) -> None:
         # every node must present the token to join (a node from another job or a stray
         # process cannot disturb this one); real clusters pass it to their agents
         super().__init__(prepared.cfg, prepared.spec, out, progress=progress, stream=stream,
-                         resume=resume, instance=new_instance_id(),
+                         resume=resume, instance=new_instance_id(), t0=t0, restart=restart,
                          token=os.environ.get("SPOTPIPE_JOIN_TOKEN") or secrets.token_hex(16))
         self.faults = list(faults or [])
         self.joins = sorted(joins or [])
@@ -306,6 +307,30 @@ def check_out(cfg: Config, out: Path, overwrite: bool, resume: Path | None,
                               "replacing it would delete it. Choose another --out")
 
 
+def _restart_point(launcher: Launcher, code: int) -> tuple[bool, durable.Checkpoint | None]:
+    """Whether to restart the workers, and from which checkpoint (None: from the start, as a
+    torchrun script that finds none). Not when the round completed, or failed for another
+    reason than a loss the job could not fail over (a software error would only repeat)."""
+    coordinator = launcher.coordinator
+    if code == 0 or coordinator is None or not coordinator.stop_message:
+        return False, None
+    try:
+        found, _ = durable.resolve(launcher.checkpoint_root)
+    except durable.CheckpointError:
+        return True, None
+    return True, found
+
+
+def _unfired(faults: list[Fault], out: Path) -> list[Fault]:
+    """Injected faults still to come: one that fired was a machine lost once, not again in
+    the restarted round."""
+    from spotpipe.runfiles import read_jsonl
+
+    fired = {(e["node"], e["fault"], e["iteration"]) for e in read_jsonl(out / "events.jsonl")
+             if e["kind"] == "fault_injected"}
+    return [f for f in faults if (f.node, f.kind, f.iteration) not in fired]
+
+
 def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = True,
           faults: list[Fault] | None = None,
           trace_actions: list[TraceAction] | None = None, resume: Path | None = None,
@@ -343,7 +368,19 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
                         trace_actions=trace_actions, resume=checkpoint, joins=joins)
     launcher.notes = notes
     try:
-        return launcher.run(store, address)
+        code = launcher.run(store, address)
+        for restart in range(1, cfg.failover.restarts + 1):
+            again, newest = _restart_point(launcher, code)
+            if not again:
+                break
+            # as torchrun's agent: this process and its store stay; only the workers start
+            # again, under a new round of keys, from the newest checkpoint
+            launcher = Launcher(prepared, out, progress=progress,
+                                faults=_unfired(launcher.faults, out),
+                                resume=newest, t0=launcher.t0, restart=restart)
+            round_address = address.within(f"restart{restart}")
+            code = launcher.run(round_address.connect(cfg.cluster.timeout_s), round_address)
+        return code
     finally:
         if root is not None:
             durable.lock.release(root)

@@ -62,7 +62,7 @@ class Supervisor:
 
     def spawn(self, node: str, env: dict[str, str]) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
-        log = open(self.logs / f"{node}.log", "wb")
+        log = open(self.logs / f"{node}.log", "ab")  # (a restarted node goes on with its log)
         proc = subprocess.Popen(
             [sys.executable, "-m", self.module], env=env, stdout=log,
             stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)

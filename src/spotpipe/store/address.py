@@ -24,7 +24,8 @@ class StoreAddress:
     kind: StoreKind
     host: str
     port: int
-    prefix: str = ""  # etcd: the job's namespace (several jobs share one etcd)
+    # etcd: the job's namespace (several jobs share one etcd); either store: a restart's round
+    prefix: str = ""
 
     def connect(self, timeout_s: float) -> dist.Store:
         """A client connection (the TCPStore's server is hosted by the launcher or agent)."""
@@ -33,7 +34,14 @@ class StoreAddress:
             from spotpipe.store.etcd import EtcdStore
 
             return EtcdStore(self.host, self.port, self.prefix, timeout=timeout)
-        return dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
+        store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
+        return dist.PrefixStore(self.prefix, store) if self.prefix else store
+
+    def within(self, part: str) -> StoreAddress:
+        """The same store with keys under one more part (a restart's round, as torchrun's
+        rendezvous rounds): a fresh set of keys without a new server."""
+        return StoreAddress(self.kind, self.host, self.port,
+                            f"{self.prefix}/{part}" if self.prefix else part)
 
     def env(self) -> dict[str, str]:
         return {"MASTER_ADDR": self.host, "MASTER_PORT": str(self.port),

@@ -1,0 +1,245 @@
+"""`spotpipe bench chaos [--faults N]`: recovery as a distribution, under randomized faults.
+
+Each sample is one real local cluster (`spotpipe.cluster.launcher.train`, worker processes,
+faults injected through the same paths as real failures) with one fault drawn from a seeded
+generator: a crash (SIGKILL) at a random phase of a random iteration, a notice (SIGTERM,
+handled at the next iteration boundary) or a hang (the main thread stops; the coordinator
+fences the node after `failover.hang_timeout_s`), on P in {2, 3, 4} x D in {1, 2}, with lazy
+redundancy, eager redundancy, or CPU shadows without redundancy.
+
+Per run, from its events and metrics: the pause (from the fault to the first iteration
+completed after the recovery's plan, in seconds and in iterations of the run's own median
+iteration time) and the iterations lost (from their start or in part: the in-flight one counts
+one; a notice loses none). Every run is checked against its failure-free run
+(`spotpipe.bench.checks`): final parameters bit for bit (to float tolerance where D changed),
+every sample consumed exactly once. Per fault kind the figures are p50, p90, p99 and the
+maximum (nearest rank, `spotpipe.bench.stats`); `exact_runs` of `runs` passed every check.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from spotpipe.bench.stats import distribution
+from spotpipe.faults import Fault
+
+REPO_EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "gpt_tiny.yaml"
+KINDS = ("crash", "notice", "hang")
+DEPTHS, WIDTHS = (2, 3, 4), (1, 2)
+MODES = ("lazy", "eager", "shadows")
+PHASES = ("start", "forward", "backward", "all-reduce", "optimizer")  # of an iteration
+ITERATIONS = 8
+SEED = 15
+# small enough that up to 8 workers (+ 4 shadows) train in seconds on 2 cores
+MODEL = {"model.gpt.n_layer": 2, "model.gpt.n_embd": 32, "model.gpt.n_head": 2,
+         "model.gpt.block_size": 16, "micro_batch_size": 2, "num_microbatches": 4}
+LIVENESS = {"failover.heartbeat_s": 0.2, "failover.heartbeat_timeout_s": 2.0,
+            "failover.hang_timeout_s": 2.0}
+
+
+@dataclass(frozen=True)
+class ChaosCase:
+    """One sample: a job layout, a redundancy mode and the one fault injected into it."""
+
+    kind: str  # one of KINDS
+    stages: int
+    pipelines: int
+    mode: str  # one of MODES
+    node: str
+    iteration: int
+    phase: str = "start"
+
+    def fault(self) -> Fault:
+        return Fault("fail" if self.kind == "crash" else self.kind, self.node, self.iteration,
+                     self.phase)
+
+    def label(self) -> str:
+        at = f"{self.node}@{self.iteration}" + (f":{self.phase}" if self.kind != "notice" else "")
+        return f"{self.kind} {at} P={self.stages} D={self.pipelines} {self.mode}"
+
+
+@dataclass
+class CaseResult:
+    case: ChaosCase
+    completed: bool
+    problems: list[str]
+    pauses: list[dict[str, float]]
+
+    @property
+    def exact(self) -> bool:
+        return self.completed and not self.problems
+
+
+def draw_cases(n: int, seed: int = SEED, iterations: int = ITERATIONS) -> list[ChaosCase]:
+    """`n` faults, each uniform over kind, P, D, mode, node, iteration (one with an iteration
+    before and after it) and, for crashes and hangs, phase."""
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n):
+        kind = rng.choice(KINDS)
+        p, d, mode = rng.choice(DEPTHS), rng.choice(WIDTHS), rng.choice(MODES)
+        node = f"node{rng.randrange(p * d)}"
+        phase = "start" if kind == "notice" else rng.choice(PHASES)
+        cases.append(ChaosCase(kind, p, d, mode, node, rng.randint(1, iterations - 3), phase))
+    return cases
+
+
+def case_config(case: ChaosCase, *, failure_free: bool = False, iterations: int = ITERATIONS):
+    """The job of a case; `failure_free`: its reference (same training, no redundancy work)."""
+    from spotpipe.config import load_config
+
+    mode = "none" if failure_free or case.mode == "shadows" else case.mode
+    shadows = case.mode == "shadows" and not failure_free
+    sets = {**MODEL, **LIVENESS, "stages": case.stages, "pipelines": case.pipelines,
+            "iterations": iterations, "redundancy": mode, "shadow.enabled": shadows,
+            "logging.sample_log": True, "logging.progress": False}
+    return load_config(REPO_EXAMPLE, [f"{k}={v}" for k, v in sets.items()])
+
+
+def incidents(run: Path) -> list[dict[str, float]]:
+    """One entry per injected fault that the job recovered from: its pause and loss."""
+    from spotpipe.runfiles import read_jsonl
+
+    events, metrics = read_jsonl(run / "events.jsonl"), read_jsonl(run / "metrics.jsonl")
+    out = []
+    for start in (e for e in events if e["kind"] == "fault_injected"):
+        t0 = start["time_s"]
+        plan = next((e for e in events if e["kind"] == "plan" and e["time_s"] >= t0), None)
+        if plan is None:
+            continue
+        done = next((m for m in metrics
+                     if m["time_s"] >= plan["time_s"] and m["iter"] >= plan["resume"]), None)
+        if done is None:
+            continue
+        normal = [m["iter_time_s"] for m in metrics if m["time_s"] < t0][1:] or \
+            [m["iter_time_s"] for m in metrics]
+        in_flight = max([e["iteration"] for e in events if e["kind"] == "report"
+                         and e.get("generation") == plan["generation"] - 1],
+                        default=start["iteration"])
+        iteration_s = statistics.median(normal)
+        out.append({"pause_s": done["time_s"] - t0,
+                    "pause_iterations": (done["time_s"] - t0) / iteration_s,
+                    "iterations_lost": max(0, in_flight - plan["resume"] + 1),
+                    "iteration_s": iteration_s, "action": plan["action"]})
+    return out
+
+
+def _width_changed(run: Path) -> bool:
+    from spotpipe.runfiles import read_jsonl
+
+    return any(e["kind"] == "plan" and e["action"] in ("drop_pipeline", "add_pipeline")
+               for e in read_jsonl(run / "events.jsonl"))
+
+
+class Chaos:
+    """Runs cases under one folder, with one failure-free reference per (P, D)."""
+
+    def __init__(self, root: Path, iterations: int = ITERATIONS) -> None:
+        self.root, self.iterations = root, iterations
+        self._references: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def reference(self, case: ChaosCase) -> dict[str, Any]:
+        from safetensors.torch import load_file
+
+        from spotpipe.cluster.launcher import train
+
+        key = (case.stages, case.pipelines)
+        if key not in self._references:
+            out = self.root / f"reference-P{case.stages}-D{case.pipelines}"
+            cfg = case_config(case, failure_free=True, iterations=self.iterations)
+            if train(cfg, out, progress=False) != 0:
+                raise RuntimeError(f"bench chaos: the failure-free run {out} failed")
+            self._references[key] = load_file(str(out / "final" / "model.safetensors"))
+        return self._references[key]
+
+    def run_case(self, index: int, case: ChaosCase) -> CaseResult:
+        from safetensors.torch import load_file
+
+        from spotpipe.bench.checks import parameter_problems, sample_problems
+        from spotpipe.cluster.launcher import train
+
+        want = self.reference(case)
+        cfg = case_config(case, iterations=self.iterations)
+        run = self.root / f"run{index:03d}"
+        code = train(cfg, run, progress=False, faults=[case.fault()])
+        if code != 0:
+            return CaseResult(case, False, [f"the job failed (exit {code}; see {run})"], [])
+        got = load_file(str(run / "final" / "model.safetensors"))
+        problems = parameter_problems(got, want, exact=not _width_changed(run))
+        problems += sample_problems(run, cfg)
+        return CaseResult(case, True, problems, incidents(run))
+
+
+def summarize(results: list[CaseResult]) -> dict[str, Any]:
+    """Per fault kind the distribution of the pause and the loss; the checks' totals."""
+    out: dict[str, Any] = {"runs": len(results), "exact_runs": sum(r.exact for r in results)}
+    every = [p for r in results for p in r.pauses]
+    out["pauses"] = len(every)
+    if every:
+        whole = distribution([p["pause_iterations"] for p in every], 2)
+        out["pause_p50_iterations"], out["pause_p99_iterations"] = whole["p50"], whole["p99"]
+        out["pause_p50_s"] = distribution([p["pause_s"] for p in every])["p50"]
+        out["pause_p99_s"] = distribution([p["pause_s"] for p in every])["p99"]
+    for kind in KINDS:
+        mine = [p for r in results if r.case.kind == kind for p in r.pauses]
+        out[f"{kind}_runs"] = sum(r.case.kind == kind for r in results)
+        if not mine:
+            continue
+        for key, name, digits in (("pause_s", "pause_s", 4),
+                                  ("pause_iterations", "pause_iterations", 2),
+                                  ("iterations_lost", "iterations_lost", 2)):
+            for stat, value in distribution([p[key] for p in mine], digits).items():
+                out[f"{kind}_{name}_{stat}"] = value
+    out["not_exact"] = [f"{r.case.label()}: {'; '.join(r.problems)}" for r in results
+                        if not r.exact]
+    out["without_pause"] = [r.case.label() for r in results if r.completed and not r.pauses]
+    return out
+
+
+def run_cases(cases: list[ChaosCase], root: Path | None = None,
+              iterations: int = ITERATIONS) -> dict[str, Any]:
+    """Run `cases` (one job each) and summarize them; the runs' folder is removed unless
+    `root` is given or SPOTPIPE_BENCH_KEEP=1."""
+    keep = root is not None or os.environ.get("SPOTPIPE_BENCH_KEEP") == "1"
+    root = root or Path(tempfile.mkdtemp(prefix="spotpipe-bench-chaos-"))
+    chaos = Chaos(root, iterations)
+    results = []
+    for i, case in enumerate(cases):
+        result = chaos.run_case(i, case)
+        results.append(result)
+        pause = ", ".join(f"{p['pause_s']:.3f} s = {p['pause_iterations']:.2f} it"
+                          for p in result.pauses) or "no pause"
+        print(f"{i + 1:3d}/{len(cases)} {case.label():42s} {pause}  "
+              f"{'exact' if result.exact else 'NOT EXACT'}", flush=True)
+    out = summarize(results)
+    out["runs_folder"] = str(root) if keep else "(removed; SPOTPIPE_BENCH_KEEP=1 keeps them)"
+    if not keep:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def run(quick: bool = False, faults: int | None = None) -> dict[str, Any]:
+    n = faults if faults is not None else (3 if quick else 50)
+    if n < 1:
+        raise ValueError(f"--faults {n}: expected at least one fault")
+    started = time.time()
+    load_before = os.getloadavg()
+    out = run_cases(draw_cases(n))
+    out.update({
+        "faults": n, "seed": SEED,
+        "config": f"examples/gpt_tiny.yaml with n_layer=2 n_embd=32 block 16, micro-batch 2 x "
+                  f"M=4, {ITERATIONS} iterations; heartbeat 0.2 s, heartbeat and hang timeouts "
+                  "2 s; one fault per run",
+        "load_average_before_after": [round(load_before[0], 2),
+                                      round(os.getloadavg()[0], 2)],
+        "wall_s": round(time.time() - started, 1),
+    })
+    return out

@@ -1,0 +1,67 @@
+"""What a run with failures must show against its failure-free run, as problems found (an empty
+list when it holds): the tests assert on these and `bench chaos` counts them.
+
+- every sample of every iteration consumed exactly once (from the sample log, discounting
+  iterations a plan rolled back: they were replayed);
+- the final parameters equal the failure-free run's bit for bit, or to float tolerance where
+  the data-parallel width changed (only the order of summation differs then).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from spotpipe.runfiles import read_jsonl
+
+# where D changed: the order of summation differs, nothing else (DESIGN.md's invariants)
+RTOL, ATOL = 1e-4, 1e-6
+
+
+def sample_problems(run: Path, cfg: Any) -> list[str]:
+    """Each iteration consumed exactly its global batch, once, whatever the layout did."""
+    from spotpipe import job
+
+    sampler = job.build_sampler(cfg, job.build_dataset(cfg))
+    rolled_back = {ev["generation"]: ev["resume"] for ev in read_jsonl(run / "events.jsonl")
+                   if ev["kind"] == "agreement"}
+    per_iter: dict[int, list[int]] = {}
+    entries: Counter[tuple[int, int]] = Counter()
+    for path in sorted((run / "logs").glob("samples.*.jsonl")):
+        for line in open(path):
+            r = json.loads(line)
+            g = r["generation"]
+            if g in rolled_back and r["iter"] >= rolled_back[g]:
+                continue  # consumed by an iteration that was replayed
+            entries[(r["iter"], r["pipeline"])] += 1
+            per_iter.setdefault(r["iter"], []).extend(i for mb in r["samples"] for i in mb)
+    problems = []
+    if sorted(per_iter) != list(range(cfg.iterations)):
+        missing = sorted(set(range(cfg.iterations)) - set(per_iter))
+        problems.append(f"iterations without logged samples: {missing}")
+    twice = [(k, n) for k, n in entries.most_common(3) if n > 1]
+    if twice:
+        problems.append(f"(iteration, pipeline) logged more than once: {twice}")
+    for t, samples in sorted(per_iter.items()):
+        if sorted(samples) != sorted(sampler.indices(t)):
+            problems.append(f"iteration {t}: samples differ from its global batch")
+    return problems
+
+
+def parameter_problems(got: dict[str, Any], want: dict[str, Any], *,
+                       exact: bool = True) -> list[str]:
+    """Tensors of `got` that differ from `want` (bit for bit, or to RTOL/ATOL)."""
+    import torch
+
+    problems = [f"{key}: missing" for key in want if key not in got]
+    for key in want:
+        if key not in got:
+            continue
+        same = (torch.equal(got[key], want[key]) if exact else
+                torch.allclose(got[key], want[key], rtol=RTOL, atol=ATOL))
+        if not same:
+            diff = (got[key].double() - want[key].double()).abs().max().item()
+            problems.append(f"{key} differs from the failure-free run (max abs diff {diff:.3g})")
+    return problems

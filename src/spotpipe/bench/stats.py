@@ -1,0 +1,38 @@
+"""The few statistics the benchmarks report, pure so that tests can check them by hand:
+nearest-rank percentiles (a figure that is one of the samples, as p99 of 50 pauses should be)
+and ratios of medians (a restart's pause over a failover's, each measured several times)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank percentile: the smallest sample with at least q percent of the samples
+    at or below it (q in (0, 100])."""
+    if not values:
+        raise ValueError("percentile of no samples")
+    if not 0 < q <= 100:
+        raise ValueError(f"percentile {q}: expected 0 < q <= 100")
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def ratio_of_medians(slow: Sequence[float], fast: Sequence[float]) -> float:
+    """median(slow) / median(fast), e.g. how many failover pauses one restart costs."""
+    if not slow or not fast:
+        raise ValueError("a ratio needs samples on both sides")
+    base = statistics.median(fast)
+    if base <= 0:
+        raise ValueError(f"a ratio over a median of {base}")
+    return statistics.median(slow) / base
+
+
+def distribution(values: Sequence[float], digits: int = 4) -> dict[str, float]:
+    """p50, p90, p99 and the maximum, rounded."""
+    return {"p50": round(percentile(values, 50), digits),
+            "p90": round(percentile(values, 90), digits),
+            "p99": round(percentile(values, 99), digits),
+            "max": round(max(values), digits)}

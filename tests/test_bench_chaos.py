@@ -1,0 +1,42 @@
+"""`spotpipe bench chaos`: randomized faults on real local clusters, recovery as a
+distribution. The figures checked here can fail: one injected fault must show as exactly one
+pause in a run that matches its failure-free run bit for bit, and the draw must be seeded and
+cover what the issue names."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from spotpipe.bench.chaos import DEPTHS, KINDS, MODES, WIDTHS, ChaosCase, draw_cases, run_cases
+
+
+def test_one_injected_fault_reports_exactly_one_pause(tmp_path):
+    case = ChaosCase("crash", 2, 1, "lazy", "node1", 3, "backward")
+    out = run_cases([case], root=tmp_path, iterations=6)
+    assert out["not_exact"] == [] and out["without_pause"] == []
+    assert out["runs"] == 1 and out["exact_runs"] == 1
+    assert out["pauses"] == 1 and out["crash_runs"] == 1
+    # one sample: every percentile is that pause, which a crash cannot make shorter than zero
+    assert out["crash_pause_s_p50"] == out["crash_pause_s_p99"] == out["crash_pause_s_max"] > 0
+    assert out["crash_iterations_lost_max"] == 1  # the in-flight iteration, no more
+    assert "notice_pause_s_p50" not in out and "hang_pause_s_p50" not in out
+
+
+def test_faults_are_drawn_from_a_seed_over_the_whole_space():
+    cases = draw_cases(120, seed=3)
+    assert cases == draw_cases(120, seed=3) and cases != draw_cases(120, seed=4)
+    assert {c.kind for c in cases} == set(KINDS)
+    assert {c.stages for c in cases} == set(DEPTHS)
+    assert {c.pipelines for c in cases} == set(WIDTHS)
+    assert {c.mode for c in cases} == set(MODES)
+    for c in cases:
+        assert int(c.node.removeprefix("node")) < c.stages * c.pipelines
+        assert 1 <= c.iteration <= 5
+        assert (c.phase == "start") if c.kind == "notice" else c.phase != "regroup"
+
+
+def test_faults_flag_is_only_for_chaos():
+    proc = subprocess.run([sys.executable, "-m", "spotpipe", "bench", "pipeline", "--faults",
+                           "3"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--faults is for chaos" in proc.stderr

@@ -1,0 +1,51 @@
+"""The benchmarks' statistics and restart timings, against figures worked out by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spotpipe.bench.failover import torchrun_restart_pause
+from spotpipe.bench.stats import distribution, percentile, ratio_of_medians
+
+
+def test_ratio_of_two_known_timing_lists():
+    # medians 9.0 (of 8, 9, 30) and 0.5 (of 0.4, 0.5, 0.6, 0.5 -> 0.5)
+    assert ratio_of_medians([8.0, 30.0, 9.0], [0.4, 0.5, 0.6, 0.5]) == pytest.approx(18.0)
+    with pytest.raises(ValueError, match="samples on both sides"):
+        ratio_of_medians([], [1.0])
+
+
+def test_percentiles_of_a_known_list():
+    values = [float(v) for v in range(100, 0, -1)]  # 1..100, shuffled order does not matter
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 90) == 90.0
+    assert percentile(values, 99) == 99.0
+    assert percentile(values, 100) == 100.0
+    # nearest rank on 5 samples: p50 is the 3rd, p90 and p99 the 5th
+    assert distribution([0.3, 0.1, 0.5, 0.2, 0.4]) == {"p50": 0.3, "p90": 0.5, "p99": 0.5,
+                                                       "max": 0.5}
+    with pytest.raises(ValueError):
+        percentile([], 50)
+    with pytest.raises(ValueError):
+        percentile([1.0], 0)
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_torchrun_restart_is_timed_from_the_kill_to_the_iteration_in_flight(tmp_path):
+    _write(tmp_path / "events.jsonl", [
+        {"time_s": 0.0, "kind": "launch", "node": "launcher", "t0": 1000.0},
+        {"time_s": 5.0, "kind": "fault_injected", "node": "node1", "fault": "fail",
+         "iteration": 7, "phase": "backward"},
+        {"time_s": 6.5, "kind": "launch", "node": "launcher", "restart": 1, "t0": 1000.0,
+         "start_iteration": 5}])
+    _write(tmp_path / "metrics.jsonl", [
+        {"iter": 6, "time_s": 4.8}, {"iter": 5, "time_s": 8.0}, {"iter": 6, "time_s": 8.5},
+        {"iter": 7, "time_s": 9.25}])
+    got = torchrun_restart_pause(tmp_path)
+    assert got == {"restart_pause_s": 4.25, "restart_first_iteration_s": 3.0,
+                   "restart_lost_iterations": 2}

@@ -1,0 +1,70 @@
+"""torchrun-style restarts (`failover.restarts`): the launcher and its store stay up, the
+workers are stopped and started again from the newest durable checkpoint.
+
+The run must end with the failure-free run's parameters, bit for bit (the single-process
+reference loop), after exactly one restart from the checkpoint before the loss.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from spotpipe.cluster.launcher import train
+from spotpipe.config import ConfigError
+from spotpipe.faults import Fault
+
+from conftest import tiny_config
+from test_equivalence import reference
+
+FAST = {"failover.heartbeat_s": 0.2, "failover.heartbeat_timeout_s": 3.0,
+        "failover.hang_timeout_s": 2.0, "iterations": 6, "redundancy": "none",
+        "checkpoint.every": 2}
+
+
+def test_restart_resumes_from_the_newest_checkpoint_exactly(tmp_path, corpus):
+    cfg = tiny_config(corpus, stages=2, **FAST, **{"failover.restarts": 1})
+    run = tmp_path / "run"
+    faults = [Fault.parse("fail", "node1@3:backward", ["node0", "node1"])]
+    assert train(cfg, run, progress=False, faults=faults) == 0
+    events = [json.loads(line) for line in open(run / "events.jsonl")]
+    launches = [e for e in events if e["kind"] == "launch"]
+    assert [e.get("restart", 0) for e in launches] == [0, 1]
+    # the checkpoint after iteration 1 (every 2: iterations 1, 3, 5) is the newest before the
+    # loss in iteration 3; the restarted round starts at 2 with the same store server
+    assert launches[1]["start_iteration"] == 2
+    assert launches[1]["store"] == launches[0]["store"]
+    assert launches[1]["store_prefix"] == "restart1"
+    assert [e["kind"] for e in events].count("fault_injected") == 1  # it does not fire again
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [m["iter"] for m in metrics] == [0, 1, 2, 2, 3, 4, 5]
+    got = load_file(str(run / "final" / "model.safetensors"))
+    want, _ = reference(tiny_config(corpus, stages=2, **FAST))
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs from the failure-free run"
+
+
+def test_restarts_must_be_a_count(corpus):
+    with pytest.raises(ConfigError, match="failover.restarts"):
+        tiny_config(corpus, stages=2, **{"failover.restarts": -1})
+
+
+def test_restart_without_a_checkpoint_starts_over(tmp_path, corpus):
+    """As a torchrun script that finds no checkpoint: the workers start from iteration 0."""
+    cfg = tiny_config(corpus, stages=2, **{**FAST, "checkpoint.every": 0, "iterations": 4,
+                                           "failover.restarts": 1})
+    run = tmp_path / "run"
+    faults = [Fault.parse("fail", "node0@2:forward", ["node0", "node1"])]
+    assert train(cfg, run, progress=False, faults=faults) == 0
+    launches = [e for e in map(json.loads, open(run / "events.jsonl")) if e["kind"] == "launch"]
+    assert len(launches) == 2 and "start_iteration" not in launches[1]
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [m["iter"] for m in metrics] == [0, 1, 0, 1, 2, 3]
+    got = load_file(str(run / "final" / "model.safetensors"))
+    want, _ = reference(tiny_config(corpus, stages=2, **{**FAST, "checkpoint.every": 0,
+                                                         "iterations": 4}))
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs from the failure-free run"
