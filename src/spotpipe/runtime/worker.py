@@ -107,6 +107,8 @@ class Worker:
         # the cloud; one loopback server for all nodes in tests)
         self.notices = NoticeWatcher(aws_url=cfg.failover.aws_notice_url.replace("{node}", node),
                                      gcp_url=cfg.failover.gcp_notice_url.replace("{node}", node),
+                                     azure_url=cfg.failover.azure_notice_url.replace("{node}",
+                                                                                     node),
                                      poll_s=cfg.failover.notice_poll_s,
                                      on_notice=lambda src: self.channel.event("notice",
                                                                               source=src))
@@ -559,6 +561,8 @@ class Worker:
             self.save_final()
         self.channel.event("worker_left" if left else "worker_done", stages=sorted(self.stages),
                            cpu_s=round(time.process_time(), 3))
+        if left:
+            self.notices.acknowledge()  # Azure: the eviction may start now
 
     def save_final(self) -> None:
         """Pipeline 0's owners write their stages; the launcher merges them."""
