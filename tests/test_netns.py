@@ -113,3 +113,101 @@ def test_hosts_train_over_their_own_interfaces(cluster_factory, corpus, tmp_path
         assert {h.addr for j, h in enumerate(cluster.hosts) if j != i} <= peers, conns
     run = outs[coordinator_of(outs)]
     check_result(tmp_path_factory, cfg, run, outs)
+
+
+def running_job(cluster_factory, corpus, tmp_path, iterations: int, **extra):
+    """P = 3 x D = 1 over 3 namespaced hosts, training past iteration 5."""
+    cluster = cluster_factory(3)
+    cfg = job(corpus, 3, 1, iterations, **extra)
+    outs, procs = start(cluster, corpus, tmp_path, cfg, 3, "3:3")
+    wait_until(lambda: max(iteration(o) for o in outs) >= 5, procs, "training began")
+    return cluster, cfg, outs, procs
+
+
+def victim(outs: list[Path]) -> tuple[int, int]:
+    """(the coordinating host, a host that is not it: the last one)."""
+    c = coordinator_of(outs)
+    return c, max(i for i in range(len(outs)) if i != c)
+
+
+def plans(run: Path) -> list[str]:
+    return [e["action"] for e in events(run) if e["kind"] == "plan"]
+
+
+def test_host_lost(cluster_factory, corpus, tmp_path, tmp_path_factory):
+    """Every process of a host killed at once: no exit is reported, the coordinator fences
+    the silent node after the heartbeat timeout, fails over and re-partitions (P 3 -> 2)."""
+    cluster, cfg, outs, procs = running_job(cluster_factory, corpus, tmp_path, 150)
+    c, lost = victim(outs)
+    cluster.lose_host(lost)
+    codes = finish([procs[i] for i in range(3) if i != lost])
+    assert codes == [0, 0]
+    run = outs[c]
+    assert plans(run)[0] == "failover" and set(plans(run)) <= {"failover", "repartition"}
+    assert "agent_silent" in [e["kind"] for e in events(run)]
+    check_result(tmp_path_factory, cfg, run, outs)
+
+
+def test_short_partition_rides_through(cluster_factory, corpus, tmp_path, tmp_path_factory):
+    """A host's link down for a quarter of the heartbeat timeout: TCP retransmits, the job
+    pauses and goes on, with no failover."""
+    cluster, cfg, outs, procs = running_job(cluster_factory, corpus, tmp_path, 200)
+    c, cut = victim(outs)
+    before = iteration(outs[c])
+    cluster.link(cut, up=False)
+    time.sleep(DETECT["failover.heartbeat_timeout_s"] / 4)  # the fault's length, not a wait
+    cluster.link(cut, up=True)
+    assert iteration(outs[c]) < cfg.iterations - 1, "the job ended during the partition"
+    assert all(code == 0 for code in finish(procs))
+    run = outs[c]
+    assert plans(run) == [], "a partition shorter than the heartbeat timeout failed over"
+    assert before >= 5
+    check_result(tmp_path_factory, cfg, run, outs)
+
+
+def test_etcd_restarted(cluster_factory, corpus, tmp_path, tmp_path_factory):
+    """etcd SIGKILLed and started again on its data directory mid-run: the job rides
+    through on the same layout."""
+    cluster, cfg, outs, procs = running_job(cluster_factory, corpus, tmp_path, 150)
+    cluster.restart_etcd()
+    assert iteration(outs[coordinator_of(outs)]) < cfg.iterations - 1, "ended before"
+    assert all(code == 0 for code in finish(procs))
+    run = outs[coordinator_of(outs)]
+    assert iteration(run) == cfg.iterations - 1
+    check_result(tmp_path_factory, cfg, run, outs)
+
+
+def test_long_partition_fails_over_and_the_host_is_fenced(cluster_factory, corpus, tmp_path,
+                                                          tmp_path_factory):
+    """A host's link down past the heartbeat timeout: the coordinator fences its node and
+    fails over (then re-partitions, P 3 -> 2). When the link comes back, the node's report
+    belongs to generation 0 and is refused (when it gets to write one); its agent reads the
+    coordinator's kill record, kills the worker and, the job being full, exits with it (it does
+    not rejoin)."""
+    cluster, cfg, outs, procs = running_job(cluster_factory, corpus, tmp_path, 250)
+    c, cut = victim(outs)
+    node = next((outs[cut] / "logs").glob("node*.log")).stem  # the cut host's node
+    cluster.link(cut, up=False)
+    wait_until(lambda: "failover" in plans(outs[c]), [procs[c]], "the failover")
+    cluster.link(cut, up=True)
+    assert iteration(outs[c]) < cfg.iterations - 1, "the job ended before the link came back"
+    codes = finish(procs)
+    run = outs[c]
+    assert codes == [0, 0, 0]
+    evs = events(run)
+    assert plans(run)[0] == "failover" and set(plans(run)) <= {"failover", "repartition"}
+    fenced = [e for e in evs if e["kind"] == "node_fenced"]
+    assert [e["node"] for e in fenced] == [node] and "heartbeat" in fenced[0]["reason"]
+    # back on the network, what it wrote (a report of generation 0, when its worker got to
+    # write one before its agent killed it: a race the test does not control) is refused
+    refused = [e for e in evs if e["kind"] == "record_refused" and e["node"] == node]
+    assert all("generation 0" in e["reason"] for e in refused), refused
+    assert not any(e["kind"] in ("report", "resumed", "worker_done") and e["node"] == node
+                   and e.get("generation", 0) > 0 for e in evs)
+    assert any(e["kind"] == "agent_silent" and e["node"] == node for e in evs)
+    # and nothing of it counts: no metrics, plan or sample of a later generation from it
+    assert not (outs[cut] / "logs" / f"samples.{node}.jsonl").exists() or all(
+        json.loads(line)["generation"] == 0
+        for line in open(outs[cut] / "logs" / f"samples.{node}.jsonl"))
+    assert netns_pids(cluster.hosts[cut].name) == []  # its worker was killed, its agent left
+    check_result(tmp_path_factory, cfg, run, outs, exact=True)
