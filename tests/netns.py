@@ -46,6 +46,7 @@ from conftest import REPO
 SUBNET = "10.213.0"
 IFACE = "spnet0"
 ETCD_ADDR = f"{SUBNET}.2"
+METADATA_ADDR = f"{SUBNET}.3"
 ETCD_PORT = 2379
 PREFIX = "spt"
 CLONE_NEWNET = 0x40000000
@@ -156,6 +157,7 @@ class Cluster:
         self.namespaces: list[str] = []
         self.etcd_proc: subprocess.Popen | None = None
         self.etcd_restarts = 0
+        self.servers: list[Any] = []
         try:
             self._make()
         except BaseException:
@@ -245,6 +247,18 @@ class Cluster:
         host.procs.append(proc)
         return proc
 
+    # -- the clouds' metadata service --------------------------------------------------
+
+    def metadata(self) -> Any:
+        """tests/metadata_servers.py's server, on an address of the switch (10.213.0.3),
+        which every host reaches over its own link."""
+        from metadata_servers import MetadataServer
+
+        ip("-n", self.switch, "addr", "add", f"{METADATA_ADDR}/24", "dev", "br0")
+        server = in_netns(self.switch, lambda: MetadataServer(METADATA_ADDR))
+        self.servers.append(server)
+        return server
+
     # -- faults -------------------------------------------------------------------------
 
     def link(self, i: int, up: bool) -> None:
@@ -271,6 +285,9 @@ class Cluster:
         return found
 
     def close(self) -> None:
+        for server in self.servers:
+            server.close()
+        self.servers = []
         for name in reversed(self.namespaces):
             _kill_all(name)
         for proc in [p for h in self.hosts for p in h.procs] + (

@@ -74,11 +74,14 @@ def start(cluster, corpus, tmp_path, cfg, hosts: int, nnodes: str):
     return outs, procs
 
 
-def check_result(tmp_path_factory, cfg, run: Path, outs: list[Path], exact: bool = True):
+def check_result(tmp_path_factory, cfg, run: Path, outs: list[Path], exact: bool = True,
+                 reference=None):
+    """`reference`: the configuration to train the reference with, where `cfg` names
+    addresses that exist only inside the namespaces (the metadata service)."""
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed", summary
     got = load_file(str(run / "final" / "model.safetensors"))
-    want = _trained(tmp_path_factory, cfg)
+    want = _trained(tmp_path_factory, reference or cfg)
     for k in want:
         if exact:
             assert torch.equal(got[k], want[k]), f"{k} differs from spotpipe train"
@@ -211,3 +214,51 @@ def test_long_partition_fails_over_and_the_host_is_fenced(cluster_factory, corpu
         for line in open(outs[cut] / "logs" / f"samples.{node}.jsonl"))
     assert netns_pids(cluster.hosts[cut].name) == []  # its worker was killed, its agent left
     check_result(tmp_path_factory, cfg, run, outs, exact=True)
+
+
+@pytest.mark.parametrize("service,standby", [("aws", True), ("gcp", False), ("azure", True)])
+def test_cloud_notice_over_namespaced_hosts(cluster_factory, corpus, tmp_path, tmp_path_factory,
+                                            service, standby):
+    """The metadata service on the switch's address, as each cloud serves it; a host's node
+    gets its preemption notice. With a fourth agent waiting on standby: a hand-over, no node
+    carries two stages at any point; without: a takeover (then P 3 -> 2)."""
+    from event_tail import when_event
+
+    cluster = cluster_factory(4 if standby else 3)
+    meta = cluster.metadata()
+    cfg = job(corpus, 3, 1, 200, **{f"failover.{service}_notice_url": meta.urls()[service],
+                                    "failover.notice_poll_s": 0.1})
+    config = _write_config(cfg, tmp_path / "job.yaml")
+    cluster.start_etcd()
+    outs = [tmp_path / f"host{i}" for i in range(len(cluster.hosts))]
+    procs = [cluster.agent(i, config, outs[i], token=TOKEN, nnodes="3:4") for i in range(3)]
+    wait_until(lambda: max(iteration(o) for o in outs[:3]) >= 5, procs, "training began")
+    c, leaving_host = victim(outs[:3])
+    node = next((outs[leaving_host] / "logs").glob("node*.log")).stem
+    run = outs[c]
+    if standby:
+        import threading
+
+        placed = threading.Event()
+        stop = threading.Event()
+        tail = when_event(run, lambda e: e["kind"] == "plan" and e.get("standby"),
+                          lambda e: placed.set(), stop)
+        procs.append(cluster.agent(3, config, outs[3], token=TOKEN, nnodes="3:4"))
+        wait_until(placed.is_set, procs, "the fourth agent on standby")
+        stop.set()
+        tail.join(timeout=5)
+    assert iteration(run) < cfg.iterations - 20, "too late for a notice"
+    meta.preempt(node)
+    assert all(code == 0 for code in finish(procs))
+    evs = events(run)
+    assert [e["node"] for e in evs if e["kind"] == "notice"] == [node]
+    acted = [p for p in plans(run) if p != "keep"]
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    if standby:
+        assert acted == ["handover"]
+        assert all(m["carriers"] == 0 for m in metrics), "a node carried two stages"
+    else:
+        assert acted[0] == "failover" and set(acted) <= {"failover", "repartition"}
+    if service == "azure":
+        assert meta.acks == [(node, meta.events[node]["EventId"])]
+    check_result(tmp_path_factory, cfg, run, outs, reference=job(corpus, 3, 1, 200))
