@@ -226,12 +226,17 @@ def test_cloud_notice_over_namespaced_hosts(cluster_factory, corpus, tmp_path, t
 
     cluster = cluster_factory(4 if standby else 3)
     meta = cluster.metadata()
-    cfg = job(corpus, 3, 1, 200, **{f"failover.{service}_notice_url": meta.urls()[service],
+    cfg = job(corpus, 3, 1, 400, **{f"failover.{service}_notice_url": meta.urls()[service],
                                     "failover.notice_poll_s": 0.1})
     config = _write_config(cfg, tmp_path / "job.yaml")
     cluster.start_etcd()
     outs = [tmp_path / f"host{i}" for i in range(len(cluster.hosts))]
     procs = [cluster.agent(i, config, outs[i], token=TOKEN, nnodes="3:4") for i in range(3)]
+    if standby:  # the fourth agent comes once the job has its three (it joins the running job)
+        wait_until(lambda: sum(e["kind"] == "agent_admitted" for o in outs[:3]
+                               if (o / "events.jsonl").exists() for e in events(o)) >= 3,
+                   procs, "three agents admitted")
+        procs.append(cluster.agent(3, config, outs[3], token=TOKEN, nnodes="3:4"))
     wait_until(lambda: max(iteration(o) for o in outs[:3]) >= 5, procs, "training began")
     c, leaving_host = victim(outs[:3])
     node = next((outs[leaving_host] / "logs").glob("node*.log")).stem
@@ -243,7 +248,6 @@ def test_cloud_notice_over_namespaced_hosts(cluster_factory, corpus, tmp_path, t
         stop = threading.Event()
         tail = when_event(run, lambda e: e["kind"] == "plan" and e.get("standby"),
                           lambda e: placed.set(), stop)
-        procs.append(cluster.agent(3, config, outs[3], token=TOKEN, nnodes="3:4"))
         wait_until(placed.is_set, procs, "the fourth agent on standby")
         stop.set()
         tail.join(timeout=5)
@@ -261,4 +265,4 @@ def test_cloud_notice_over_namespaced_hosts(cluster_factory, corpus, tmp_path, t
         assert acted[0] == "failover" and set(acted) <= {"failover", "repartition"}
     if service == "azure":
         assert meta.acks == [(node, meta.events[node]["EventId"])]
-    check_result(tmp_path_factory, cfg, run, outs, reference=job(corpus, 3, 1, 200))
+    check_result(tmp_path_factory, cfg, run, outs, reference=job(corpus, 3, 1, 400))
