@@ -54,7 +54,7 @@ def _agent(config: Path, out: Path, backend: str, endpoint: str, *, token: str =
     return subprocess.Popen(
         [sys.executable, "-m", "spotpipe", "agent", str(config), "--rdzv-backend", backend,
          "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--nnodes", nnodes, "--out", str(out),
-         "--no-progress"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         "--no-progress", *(["--on-demand"] if backend == "c10d" else [])], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
@@ -180,6 +180,9 @@ def test_agent_input_errors_start_nothing(tmp_path, corpus, monkeypatch):
     assert code == 2 and "--rdzv-endpoint" in err
     code, err = run("--nnodes", "2", "--rdzv-backend", "etcd", *base)
     assert code == 2 and "--rdzv-endpoint" in err and "unreachable" in err
+    # the c10d store on this host, which nobody said is on-demand
+    code, err = run("--nnodes", "2", "--rdzv-backend", "c10d", *base)
+    assert code == 2 and "--on-demand" in err and "spot host" in err
     # torchrun-style environment variables stand in for flags
     monkeypatch.setenv("PET_NNODES", "1:4")
     monkeypatch.setenv("PET_RDZV_BACKEND", "etcd")

@@ -23,6 +23,7 @@ from spotpipe.faults import Fault
 
 from conftest import tiny_config
 from test_cli_errors import workers_running
+from metadata_servers import MetadataServer
 from test_equivalence import reference
 
 ITERS = 6
@@ -169,46 +170,12 @@ def test_without_redundancy_a_loss_stops_clearly(tmp_path, corpus, capsys):
     assert_nothing_left(run, store_port(run))
 
 
-class _Metadata:
-    """Loopback AWS and GCP metadata services: node1 is reclaimed after `notice_after` polls."""
-
-    def __init__(self, notice_after: int):
-        import http.server
-        import threading
-
-        calls = Counter()
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's naming)
-                node, service = self.path.strip("/").split("/", 1)
-                calls[(node, service)] += 1
-                noticed = node == "node1" and calls[(node, service)] > notice_after
-                if service == "aws":
-                    body = json.dumps({"action": "terminate", "time": "soon"}).encode()
-                    self.send_response(200 if noticed else 404)
-                else:
-                    assert self.headers["Metadata-Flavor"] == "Google"
-                    body = b"TRUE" if noticed else b"FALSE"
-                    self.send_response(200)
-                self.end_headers()
-                self.wfile.write(body if (noticed or service == "gcp") else b"")
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-
-
-@pytest.mark.parametrize("service", ["aws", "gcp"])
+@pytest.mark.parametrize("service", ["aws", "gcp", "azure"])
 def test_cloud_metadata_notice_is_handled_at_an_iteration_boundary(tmp_path, tmp_path_factory,
                                                                    corpus, service):
-    meta = _Metadata(notice_after=0)  # reclaimed from the start: no race with a fast run
-    url = f"http://127.0.0.1:{meta.port}/{{node}}/{service}"
+    meta = MetadataServer()  # tests/metadata_servers.py: the clouds' own endpoints
+    meta.preempt("node1")  # reclaimed from the start: no race with a fast run
+    url = meta.urls()[service]
     try:
         cfg = config(corpus, 2, 1, **{f"failover.{service}_notice_url": url,
                                       "failover.notice_poll_s": 0.2, "iterations": 30})
@@ -218,7 +185,10 @@ def test_cloud_metadata_notice_is_handled_at_an_iteration_boundary(tmp_path, tmp
         meta.close()
     evs = events(run)
     notice = [e for e in evs if e["kind"] == "notice"]
-    assert notice and notice[0]["node"] == "node1" and service.upper() in notice[0]["source"]
+    assert notice and notice[0]["node"] == "node1"
+    assert service.upper() in notice[0]["source"].upper()
+    if service == "azure":  # acknowledged once node1 had left the job
+        assert meta.acks == [("node1", meta.events["node1"]["EventId"])]
     agreement = next(e for e in evs if e["kind"] == "agreement")
     assert agreement["leaving"] == ["node1"]
     # nothing replayed: the plan resumes right after the iteration that carried the notice

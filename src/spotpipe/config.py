@@ -123,8 +123,13 @@ class FailoverSection:
     heartbeat_s: float = 0.5  # how often each worker publishes liveness and progress
     heartbeat_timeout_s: float = 5.0  # no heartbeat for this long: the node is dead
     hang_timeout_s: float = 10.0  # computing without progress for this long: hung
-    aws_notice_url: str = ""  # AWS spot instance-action endpoint to poll ("" = off)
-    gcp_notice_url: str = ""  # GCP preempted endpoint to poll ("" = off)
+    # cloud notice endpoints ("" = off; "{node}" is replaced by the node's name). AWS: the
+    # spot/instance-action URL, read through IMDSv2 (its token URL is the same host's
+    # /latest/api/token); GCP: the instance/preempted URL, long-polled; Azure: the
+    # scheduledevents URL (api-version=2020-07-01), the VM's name read from the same host
+    aws_notice_url: str = ""
+    gcp_notice_url: str = ""
+    azure_notice_url: str = ""
     notice_poll_s: float = 5.0
     # when too few nodes remain for depth P, re-partition the model onto fewer stages (false:
     # nodes carry two stages until new nodes arrive)

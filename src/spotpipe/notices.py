@@ -3,6 +3,20 @@
 The notice watcher sets a flag that the next commit shares with every node, so the job
 reshapes at an iteration boundary with nothing to replay. It is shared by the worker (which
 leaves on it) and by the tests that serve the endpoints.
+
+Each cloud is read the way it asks to be read, because the defaults of today's instances
+refuse anything else:
+- AWS: IMDSv2, a session token by PUT, then the `spot/instance-action` read with it (404 is
+  "no notice"); IMDSv1 (a plain GET) only when the PUT is refused with 403/404/405, the cases
+  where botocore falls back too. A 401 means the token expired: a new one is asked for.
+- GCP: the `preempted` value with `Metadata-Flavor: Google`, then long polls with
+  `wait_for_change=true` and the last ETag, so a change between two polls is never missed and
+  the notice arrives when the value flips, not at the next poll. An answer without the
+  `Metadata-Flavor: Google` header is not the metadata server's and is ignored.
+- Azure: Scheduled Events with `Metadata: true`; a `Preempt` event whose Resources name this
+  VM (its name from the instance metadata) is the notice. It is acknowledged (POST of its
+  EventId in StartRequests) only when the node has left the job: acknowledging lets Azure
+  evict at once, which would cut the notice window short.
 """
 
 from __future__ import annotations
@@ -10,61 +24,245 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+AWS_ACTIONS = ("terminate", "stop", "hibernate")
+
+
+@dataclass(frozen=True)
+class Notice:
+    """One cloud's notice: where it came from, and how to acknowledge it (Azure only)."""
+
+    source: str
+    acknowledge: Callable[[], None] | None = None
+
+
+class Source(Protocol):
+    name: str
+
+    def next_notice(self, stop: threading.Event, poll_s: float) -> Notice | None:
+        """Block until a notice (returned) or `stop` (None)."""
+
+
+def _request(url: str, *, method: str = "GET", headers: dict[str, str] | None = None,
+             data: bytes | None = None, timeout_s: float = 2.0) -> tuple[int, dict[str, str],
+                                                                         bytes]:
+    """(status, headers, body), with HTTP errors as statuses; URLError/OSError propagate."""
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as reply:
+            return reply.status, dict(reply.headers.items()), reply.read()
+    except urllib.error.HTTPError as err:
+        with err:
+            return err.code, dict(err.headers.items()), err.read()
+
+
+class _Polled:
+    """A source read once per polling period."""
+
+    name = ""
+
+    def check(self) -> Notice | None:
+        raise NotImplementedError
+
+    def next_notice(self, stop: threading.Event, poll_s: float) -> Notice | None:
+        while not stop.is_set():
+            try:
+                notice = self.check()
+            except (urllib.error.URLError, OSError, ValueError):
+                notice = None  # the service did not answer this time: ask again
+            if notice is not None:
+                return notice
+            stop.wait(poll_s)
+        return None
+
+
+class AwsImds(_Polled):
+    """AWS spot instance-action through IMDSv2 (IMDSv1 only where the token PUT is refused)."""
+
+    name = "AWS"
+    DEFAULT = "http://169.254.169.254/latest/meta-data/spot/instance-action"
+    TTL_S = 21600  # the longest token AWS issues
+
+    def __init__(self, url: str, timeout_s: float = 2.0) -> None:
+        self.url = url
+        self.token_url = url.split("/latest/", 1)[0] + "/latest/api/token"
+        self.timeout_s = timeout_s
+        self.token = ""
+        self.token_until = 0.0
+        self.v1 = False  # the PUT was refused: IMDSv1 is all this instance offers
+
+    def _token(self) -> str:
+        if self.v1 or (self.token and time.monotonic() < self.token_until):
+            return self.token
+        status, _, body = _request(self.token_url, method="PUT", timeout_s=self.timeout_s,
+                                   headers={"X-aws-ec2-metadata-token-ttl-seconds":
+                                            str(self.TTL_S)})
+        if status == 200:
+            self.token = body.decode().strip()
+            self.token_until = time.monotonic() + self.TTL_S - 60
+        elif status in (403, 404, 405):
+            self.v1, self.token = True, ""
+        return self.token
+
+    def check(self) -> Notice | None:
+        token = self._token()
+        if not token and not self.v1:
+            return None
+        headers = {"X-aws-ec2-metadata-token": token} if token else {}
+        status, _, body = _request(self.url, headers=headers, timeout_s=self.timeout_s)
+        if status == 401:  # the token expired or was revoked: a new one next time
+            self.token = ""
+            return None
+        if status != 200:  # 404: no interruption scheduled
+            return None
+        action = json.loads(body or b"{}").get("action")
+        if action not in AWS_ACTIONS:
+            return None
+        return Notice(f"AWS spot instance-action {action} ({self.url}"
+                      f"{', IMDSv1' if self.v1 else ''})")
+
+
+class GcpMetadata:
+    """GCP `preempted`, read once and then long-polled with wait_for_change and the ETag."""
+
+    name = "GCP"
+    DEFAULT = "http://metadata.google.internal/computeMetadata/v1/instance/preempted"
+
+    def __init__(self, url: str, timeout_s: float = 2.0, wait_s: int = 30) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+        self.wait_s = wait_s  # the longest the server holds one long poll
+        self.etag = ""
+
+    def _read(self) -> bool:
+        url = self.url
+        wait = bool(self.etag)
+        if wait:
+            sep = "&" if "?" in url else "?"
+            url += f"{sep}wait_for_change=true&last_etag={self.etag}&timeout_sec={self.wait_s}"
+        status, headers, body = _request(url, headers={"Metadata-Flavor": "Google"},
+                                         timeout_s=self.wait_s + self.timeout_s if wait
+                                         else self.timeout_s)
+        flavor = {k.lower(): v for k, v in headers.items()}.get("metadata-flavor")
+        if status != 200 or flavor != "Google":
+            raise ValueError(f"not the metadata server's answer (HTTP {status})")
+        self.etag = {k.lower(): v for k, v in headers.items()}.get("etag", "")
+        return body.strip().upper() == b"TRUE"
+
+    def next_notice(self, stop: threading.Event, poll_s: float) -> Notice | None:
+        while not stop.is_set():
+            try:
+                if self._read():
+                    return Notice(f"GCP preempted ({self.url})")
+                if not self.etag:  # a server without ETags cannot be long-polled
+                    stop.wait(poll_s)
+            except (urllib.error.URLError, OSError, ValueError):
+                self.etag = ""
+                stop.wait(poll_s)
+        return None
+
+
+class AzureScheduledEvents(_Polled):
+    """Azure Scheduled Events: a `Preempt` event for this VM."""
+
+    name = "Azure"
+    DEFAULT = "http://169.254.169.254/metadata/scheduledevents?api-version=2020-07-01"
+    NAME_PATH = "/metadata/instance/compute/name?api-version=2021-02-01&format=text"
+
+    def __init__(self, url: str, timeout_s: float = 2.0, vm_name: str = "") -> None:
+        self.url = url
+        self.name_url = url.split("/metadata/", 1)[0] + self.NAME_PATH
+        self.timeout_s = timeout_s
+        self.vm_name = vm_name
+
+    def _name(self) -> str:
+        if not self.vm_name:
+            status, _, body = _request(self.name_url, headers={"Metadata": "true"},
+                                       timeout_s=self.timeout_s)
+            if status == 200:
+                self.vm_name = body.decode().strip()
+        return self.vm_name
+
+    def check(self) -> Notice | None:
+        name = self._name()
+        if not name:
+            return None
+        status, _, body = _request(self.url, headers={"Metadata": "true"},
+                                   timeout_s=self.timeout_s)
+        if status != 200:
+            return None
+        for event in json.loads(body).get("Events", []):
+            if (event.get("EventType") == "Preempt" and name in event.get("Resources", [])
+                    and event.get("EventStatus") == "Scheduled"):
+                event_id = str(event["EventId"])
+                return Notice(f"Azure Scheduled Events Preempt {event_id} for {name} "
+                              f"(not before {event.get('NotBefore', '?')})",
+                              acknowledge=lambda: self.acknowledge(event_id))
+        return None
+
+    def acknowledge(self, event_id: str) -> None:
+        """Tell Azure this VM is ready: the eviction may start now."""
+        body = json.dumps({"StartRequests": [{"EventId": event_id}]}).encode()
+        _request(self.url, method="POST", data=body, timeout_s=self.timeout_s,
+                 headers={"Metadata": "true", "Content-Type": "application/json"})
 
 
 class NoticeWatcher:
     """SIGTERM and cloud metadata notices set `notice`; the worker leaves at the next commit."""
 
-    AWS_DEFAULT = "http://169.254.169.254/latest/meta-data/spot/instance-action"
-    GCP_DEFAULT = "http://metadata.google.internal/computeMetadata/v1/instance/preempted"
+    AWS_DEFAULT = AwsImds.DEFAULT
+    GCP_DEFAULT = GcpMetadata.DEFAULT
+    AZURE_DEFAULT = AzureScheduledEvents.DEFAULT
 
-    def __init__(self, *, aws_url: str = "", gcp_url: str = "", poll_s: float = 5.0,
-                 on_notice: Callable[[str], None] | None = None) -> None:
+    def __init__(self, *, aws_url: str = "", gcp_url: str = "", azure_url: str = "",
+                 poll_s: float = 5.0, on_notice: Callable[[str], None] | None = None,
+                 sigterm: bool = True) -> None:
         self.notice = threading.Event()
         self.source = ""
+        self._ack: Callable[[], None] | None = None
+        self._lock = threading.Lock()
         self._on_notice = on_notice
-        signal.signal(signal.SIGTERM, lambda signum, frame: self.set("SIGTERM"))
-        if aws_url or gcp_url:
-            threading.Thread(target=self._poll, args=(aws_url, gcp_url, poll_s),
-                             name="notice-watch", daemon=True).start()
+        if sigterm:
+            signal.signal(signal.SIGTERM, lambda signum, frame: self.set("SIGTERM"))
+        sources: list[Source] = []
+        if aws_url:
+            sources.append(AwsImds(aws_url))
+        if gcp_url:
+            sources.append(GcpMetadata(gcp_url))
+        if azure_url:
+            sources.append(AzureScheduledEvents(azure_url))
+        for src in sources:
+            threading.Thread(target=self._watch, args=(src, poll_s),
+                             name=f"notice-{src.name.lower()}", daemon=True).start()
 
-    def set(self, source: str) -> None:
-        if not self.notice.is_set():
-            self.source = source
+    def _watch(self, source: Source, poll_s: float) -> None:
+        notice = source.next_notice(self.notice, poll_s)
+        if notice is not None:
+            self.set(notice.source, notice.acknowledge)
+
+    def set(self, source: str, acknowledge: Callable[[], None] | None = None) -> None:
+        with self._lock:
+            if self.notice.is_set():
+                return
+            self.source, self._ack = source, acknowledge
             self.notice.set()
-            if self._on_notice is not None:
-                self._on_notice(source)
+        if self._on_notice is not None:
+            self._on_notice(source)
 
     def is_set(self) -> bool:
         return self.notice.is_set()
 
-    def _poll(self, aws_url: str, gcp_url: str, poll_s: float) -> None:
-        while not self.notice.is_set():
-            if aws_url and self._aws(aws_url):
-                self.set(f"AWS spot instance-action ({aws_url})")
-            elif gcp_url and self._gcp(gcp_url):
-                self.set(f"GCP preempted ({gcp_url})")
-            self.notice.wait(poll_s)  # the polling period of the metadata service
-
-    @staticmethod
-    def _aws(url: str) -> bool:
-        """200 with a JSON action means a notice; 404 means none."""
-        try:
-            with urllib.request.urlopen(url, timeout=2) as reply:
-                body = json.loads(reply.read() or b"{}")
-                return reply.status == 200 and body.get("action") in ("terminate", "stop",
-                                                                      "hibernate")
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
-
-    @staticmethod
-    def _gcp(url: str) -> bool:
-        request = urllib.request.Request(url, headers={"Metadata-Flavor": "Google"})
-        try:
-            with urllib.request.urlopen(request, timeout=2) as reply:
-                return reply.read().strip().upper() == b"TRUE"
-        except (urllib.error.URLError, OSError):
-            return False
+    def acknowledge(self) -> None:
+        """The node has left the job: tell the cloud it may go on (Azure), once."""
+        ack, self._ack = self._ack, None
+        if ack is not None:
+            try:
+                ack()
+            except (urllib.error.URLError, OSError):
+                pass  # the eviction comes at NotBefore anyway

@@ -44,6 +44,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rdzv-timeout", dest="rdzv_timeout", type=positive_number,
                    default=float(_env("rdzv_timeout", "600") or 600),
                    help="seconds to wait for the other agents (default 600)")
+    p.add_argument("--on-demand", dest="on_demand", action="store_true",
+                   default=(_env("on_demand", "") or "") not in ("", "0"),
+                   help="this host is on-demand (not preemptible): required of the agent that "
+                        "hosts the c10d store")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a configuration key (every agent must use the same)")
     p.add_argument("--out", default=_env("out", "runs/agent"),
@@ -69,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
                             rdzv_id=args.rdzv_id, min_nodes=low, max_nodes=high,
                             out=Path(args.out), nproc=args.nproc_per_node,
                             node_rank=args.node_rank, local_addr=args.local_addr,
-                            rdzv_timeout_s=args.rdzv_timeout, progress=not args.no_progress)
+                            rdzv_timeout_s=args.rdzv_timeout, progress=not args.no_progress,
+                            on_demand=args.on_demand)
         code = run_agent(opts, cfg, overwrite=args.overwrite)
     except (AgentError, ConfigError, LaunchError) as exc:
         print(f"spotpipe agent: error: {exc}", file=sys.stderr)

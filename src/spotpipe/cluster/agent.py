@@ -98,6 +98,7 @@ class AgentOptions:
     local_addr: str = ""
     rdzv_timeout_s: float = 600.0
     progress: bool = True
+    on_demand: bool = False  # the operator says this host is not preemptible (c10d's host)
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -147,6 +148,14 @@ def connect_rendezvous(opts: AgentOptions,
         return address, None
     hosted = None
     if _is_local(host):
+        if not opts.on_demand:
+            # the store dies with its host, and the job with the store: a c10d store may only
+            # live on a host the job cannot lose, which only the operator knows
+            raise AgentError(
+                f"--rdzv-backend c10d: this agent would host the job's store on {host}:{port}, "
+                "and a host the job may lose (a spot host) takes the store and the whole job "
+                "with it. Run this agent on an on-demand host and say so with --on-demand, or "
+                "use --rdzv-backend etcd with etcd on on-demand machines")
         try:
             hosted = host_tcp_store(host, port, timeout)
         except OSError:

@@ -41,6 +41,7 @@ from spotpipe.plan.layout import Layout, Slot
 class Action(str, Enum):
     KEEP = "keep"
     FAILOVER = "failover"
+    HANDOVER = "handover"  # a node with a notice hands its stage to a standby node
     REBALANCE = "rebalance"
     ADD_PIPELINE = "add_pipeline"
     DROP_PIPELINE = "drop_pipeline"
@@ -87,13 +88,14 @@ class Decision:
 
 def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str], *,
            min_stages: int = 1, shadows: bool = False, replicas: bool = True,
-           repartition: bool = True) -> Decision:
+           repartition: bool = True, leaving: Iterable[str] = ()) -> Decision:
     """Decide the next layout given nodes `lost` and nodes `joined` since `layout`.
 
     `min_stages` is the smallest depth at which the model still fits in the nodes' memory;
     below it the job stops. `shadows`: every stage has a CPU shadow to restore it from.
     `replicas`: nodes hold their successor's replica (redundancy is on). `repartition`: the
-    job may shrink its depth when too few nodes remain (else carriers carry on).
+    job may shrink its depth when too few nodes remain (else carriers carry on). `leaving`:
+    the nodes of `lost` that had a preemption notice and are still there at the boundary.
     """
     lost = frozenset(lost)
     joined = tuple(joined)
@@ -106,6 +108,9 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
     hit = lost & layout.active_nodes
     if not hit:
         return _grow(layout.with_standby(standby), min_stages, repartition)
+    handover = _handover(layout, hit, frozenset(leaving), standby) if replicas else None
+    if handover is not None:
+        return handover
     hit_pipes = sorted({d for d, _ in _lost_slots(layout, hit)})
     broken = [d for d in hit_pipes if not (replicas and _repairable(layout, d, lost))]
     if not broken:
@@ -151,6 +156,35 @@ def _failover(layout: Layout, lost: frozenset[str], standby: tuple[str, ...]) ->
     new = _replace(layout, mapping, standby)
     return Decision(Action.FAILOVER, new, tuple(moves),
                     f"{len(moves)} stage(s) taken over by their replica holders")
+
+
+def _handover(layout: Layout, hit: frozenset[str], leaving: frozenset[str],
+              standby: tuple[str, ...]) -> Decision | None:
+    """A planned hand-over, when every node lost is one leaving on a notice and a standby node
+    waits for each of its stages: the standby node gets the stage straight away (copied from
+    the replica its predecessor holds, which is exact at the boundary, so the leaving node
+    may vanish at any instant of it) and the replica of the next stage from that stage's
+    owner. Nobody carries two stages at any point, which a takeover followed by a rebalance
+    would. None when that is not possible (a crash among the losses, too few standby nodes,
+    a leaving node whose replica holder leaves too): then the takeover as after a crash."""
+    if not hit <= leaving:
+        return None
+    slots = _lost_slots(layout, hit)
+    if len(slots) > len(standby) or any(layout.replica_holder(d, s) in hit
+                                        or not layout.has_replica(d, s) for d, s in slots):
+        return None
+    mapping = layout.mapping
+    spare = list(standby)
+    moves: list[Move] = []
+    p = layout.num_stages
+    for d, s in slots:
+        fresh = spare.pop(0)
+        mapping[(d, s)] = fresh
+        moves.append(Move(MoveKind.COPY, d, s, layout.replica_holder(d, s), fresh))
+        moves.append(Move(MoveKind.REPLICA, d, (s + 1) % p, layout.owner(d, (s + 1) % p), fresh))
+    new = _replace(layout, mapping, tuple(spare))
+    return Decision(Action.HANDOVER, new, tuple(moves), f"{len(slots)} stage(s) of nodes with a "
+                    "notice handed to standby nodes, from their replicas")
 
 
 def _shadow_repair(layout: Layout, lost: frozenset[str], standby: tuple[str, ...],

@@ -40,7 +40,7 @@ from spotpipe.plan.transfers import Transfer, transfers
 Partition = tuple[tuple[int, int], ...]
 
 # actions a running job carries out in memory; anything else is a stop
-CARRIED_OUT = (Action.FAILOVER, Action.KEEP, Action.DROP_PIPELINE, Action.REBALANCE,
+CARRIED_OUT = (Action.FAILOVER, Action.HANDOVER, Action.KEEP, Action.DROP_PIPELINE, Action.REBALANCE,
                Action.ADD_PIPELINE, Action.RESTORE_FROM_SHADOW, Action.REPARTITION)
 
 
@@ -242,7 +242,7 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     when = f"in iteration {in_flight} (the last committed iteration is {committed})"
     hit = lost & layout.active_nodes
     state = replace(history, layout=layout, partition=partition)
-    choice, refused = _choose(state, hit, joiners, rules)
+    choice, refused = _choose(state, hit, joiners, rules, leaving)
     if refused:
         state = replace(state, repartition_refused=refused)
     total = rules.microbatches
@@ -316,12 +316,13 @@ def _untouched(before: Layout, reports: Mapping[str, NodeReport], dead: frozense
 
 
 def _choose(history: History, hit: frozenset[str], joiners: list[str],
-            rules: Rules) -> tuple[Choice, str | None]:
+            rules: Rules, leaving: frozenset[str] = frozenset()) -> tuple[Choice, str | None]:
     """`plan.decide`, less the re-partitions this job cannot make: those become KEEP, and the
     job runs on in the layout it has. Returns the reason when it is new."""
     layout = history.layout
     choice = decide(layout, hit, joiners, shadows=rules.shadows, replicas=rules.replicas,
-                    repartition=rules.repartition, min_stages=rules.min_stages)
+                    repartition=rules.repartition, min_stages=rules.min_stages,
+                    leaving=leaving)
     if choice.action != Action.REPARTITION or choice.needs_restore:
         return choice, None
     depth = choice.layout.num_stages

@@ -87,6 +87,9 @@ class Reshaper:
                     else self._migrate(moves, comm, resume))
         progress.untouched = progress.untouched and held == (
             {s: id(x) for s, x in st.stages.items()}, id(st.holding))
+        if st.holding is not None and me in st.layout.active_nodes:
+            # a kept replica may be fed by a new owner now (a hand-over to a standby node)
+            st.holding.owner = st.layout.owner(st.pipeline, st.holding.replica.index)
         exchanged = time.perf_counter()
         # shadows are fed by pipeline 0's owners: those restore from them; a lost stage of
         # another pipeline is the same state (data parallel), copied from pipeline 0's owner

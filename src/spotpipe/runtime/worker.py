@@ -111,6 +111,8 @@ class Worker:
         # the cloud; one loopback server for all nodes in tests)
         self.notices = NoticeWatcher(aws_url=cfg.failover.aws_notice_url.replace("{node}", node),
                                      gcp_url=cfg.failover.gcp_notice_url.replace("{node}", node),
+                                     azure_url=cfg.failover.azure_notice_url.replace("{node}",
+                                                                                     node),
                                      poll_s=cfg.failover.notice_poll_s,
                                      on_notice=lambda src: self.channel.event("notice",
                                                                               source=src))
@@ -593,6 +595,8 @@ class Worker:
                            rss_built_mib=self.rss_built_mib,
                            peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF)
                                               .ru_maxrss / 1024, 1))
+        if left:
+            self.notices.acknowledge()  # Azure: the eviction may start now
 
     def save_final(self) -> None:
         """Pipeline 0's owners write their stages; the launcher merges them."""

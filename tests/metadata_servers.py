@@ -1,0 +1,205 @@
+"""Loopback stand-ins for the clouds' metadata services, answering as the real ones do.
+
+One server holds any number of hosts: a path starts with `/<host>/`, and the rest is the
+cloud's own path. What each endpoint answers (status codes, bodies, headers) follows the
+providers' documentation:
+- AWS IMDSv2: PUT /latest/api/token needs X-aws-ec2-metadata-token-ttl-seconds (1..21600,
+  else 400) and returns the token as text; a GET without a valid token is 401 when IMDSv2 is
+  required (the default of current instances); spot/instance-action is 404 (an HTML page)
+  until a notice, then 200 with {"action": "terminate", "time": "...Z"}. With
+  `token_status` set (e.g. 403), the PUT is refused and plain GETs (IMDSv1) are served.
+- GCP: every request needs `Metadata-Flavor: Google` (else 403); answers carry
+  `Metadata-Flavor: Google` and an ETag; `?wait_for_change=true&last_etag=E` holds the request
+  until the value's ETag differs from E or timeout_sec passes.
+- Azure: every request needs `Metadata: true` (else 400 with a JSON error) and an
+  api-version; scheduledevents returns {"DocumentIncarnation", "Events": [...]}; a POST of
+  {"StartRequests": [{"EventId"}]} acknowledges an event (recorded in `acks`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import threading
+import urllib.parse
+import uuid
+from collections import Counter
+from email.utils import formatdate
+
+NOT_FOUND_HTML = (b'<?xml version="1.0" encoding="iso-8859-1"?>\n<!DOCTYPE html>\n<html><head>'
+                  b"<title>404 - Not Found</title></head><body><h1>404 - Not Found</h1>"
+                  b"</body></html>\n")
+
+
+class MetadataServer:
+    """AWS, GCP and Azure metadata endpoints for named hosts, on one loopback port."""
+
+    def __init__(self, host: str = "127.0.0.1", *, token_status: int = 200) -> None:
+        self.token_status = token_status
+        self.preempted: set[str] = set()
+        self.tokens: set[str] = set()
+        self.calls: Counter = Counter()  # (host, what) -> count
+        self.acks: list[tuple[str, str]] = []  # (host, EventId)
+        self.events: dict[str, dict] = {}  # host -> its Azure event
+        self.changed = threading.Condition()
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_PUT(self) -> None:  # noqa: N802 (http.server's naming)
+                owner._put(self)
+
+            def do_GET(self) -> None:  # noqa: N802
+                owner._get(self)
+
+            def do_POST(self) -> None:  # noqa: N802
+                owner._post(self)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer((host, 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.base = f"http://{host}:{self.port}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    # -- what tests use -----------------------------------------------------------------
+
+    def urls(self, host: str = "{node}") -> dict[str, str]:
+        """The failover.* notice URLs for `host` ("{node}": each node its own host)."""
+        b = f"{self.base}/{host}"
+        return {"aws": f"{b}/latest/meta-data/spot/instance-action",
+                "gcp": f"{b}/computeMetadata/v1/instance/preempted",
+                "azure": f"{b}/metadata/scheduledevents?api-version=2020-07-01"}
+
+    def preempt(self, host: str) -> None:
+        with self.changed:
+            self.preempted.add(host)
+            self.events[host] = {
+                "EventId": str(uuid.uuid4()).upper(), "EventStatus": "Scheduled",
+                "EventType": "Preempt", "ResourceType": "VirtualMachine",
+                "Resources": [self.vm_name(host)], "NotBefore": formatdate(usegmt=True),
+                "Description": "", "EventSource": "Platform", "DurationInSeconds": -1}
+            self.changed.notify_all()
+
+    @staticmethod
+    def vm_name(host: str) -> str:
+        return f"vm-{host}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(timeout=5)
+
+    # -- the endpoints ------------------------------------------------------------------
+
+    @staticmethod
+    def _split(req) -> tuple[str, str, dict[str, list[str]]]:
+        parts = urllib.parse.urlsplit(req.path)
+        host, _, rest = parts.path.lstrip("/").partition("/")
+        return host, "/" + rest, urllib.parse.parse_qs(parts.query)
+
+    @staticmethod
+    def _reply(req, status: int, body: bytes, ctype: str = "text/plain",
+               headers: dict[str, str] | None = None) -> None:
+        req.send_response(status)
+        req.send_header("Content-Type", ctype)
+        req.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            req.send_header(k, v)
+        req.end_headers()
+        req.wfile.write(body)
+
+    def _put(self, req) -> None:
+        host, path, _ = self._split(req)
+        if path != "/latest/api/token":
+            return self._reply(req, 403, b"")
+        self.calls[(host, "aws-token")] += 1
+        if self.token_status != 200:
+            return self._reply(req, self.token_status, b"")
+        ttl = req.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
+        if ttl is None or not ttl.isdigit() or not 1 <= int(ttl) <= 21600:
+            return self._reply(req, 400, b"")
+        token = uuid.uuid4().hex
+        self.tokens.add(token)
+        self._reply(req, 200, token.encode(),
+                    headers={"X-aws-ec2-metadata-token-ttl-seconds": ttl})
+
+    def _get(self, req) -> None:
+        host, path, query = self._split(req)
+        if path.startswith("/latest/"):
+            return self._aws(req, host, path)
+        if path.startswith("/computeMetadata/"):
+            return self._gcp(req, host, path, query)
+        if path.startswith("/metadata/"):
+            return self._azure(req, host, path, query)
+        self._reply(req, 404, NOT_FOUND_HTML, "text/html")
+
+    def _aws(self, req, host: str, path: str) -> None:
+        token = req.headers.get("X-aws-ec2-metadata-token")
+        v2_required = self.token_status == 200
+        if (token is not None and token not in self.tokens) or (token is None and v2_required):
+            return self._reply(req, 401, b"")
+        if path != "/latest/meta-data/spot/instance-action":
+            return self._reply(req, 404, NOT_FOUND_HTML, "text/html")
+        self.calls[(host, "aws")] += 1
+        if host not in self.preempted:
+            return self._reply(req, 404, NOT_FOUND_HTML, "text/html")
+        body = json.dumps({"action": "terminate", "time": "2026-12-01T09:00:00Z"}).encode()
+        self._reply(req, 200, body, "application/json")
+
+    def _gcp(self, req, host: str, path: str, query: dict[str, list[str]]) -> None:
+        if req.headers.get("Metadata-Flavor") != "Google":
+            return self._reply(req, 403, b"Missing required header: Metadata-Flavor\n",
+                               "text/html")
+        if path != "/computeMetadata/v1/instance/preempted":
+            return self._reply(req, 404, NOT_FOUND_HTML, "text/html")
+        self.calls[(host, "gcp")] += 1
+        etag = lambda: hashlib.md5(str(host in self.preempted).encode()).hexdigest()[:16]
+        if query.get("wait_for_change") == ["true"]:
+            last = query.get("last_etag", [""])[0]
+            limit = float(query.get("timeout_sec", ["300"])[0])
+            with self.changed:
+                self.calls[(host, "gcp-wait")] += 1
+                self.changed.notify_all()  # (tests wait for a long poll to be held)
+                self.changed.wait_for(lambda: etag() != last, timeout=limit)
+        value = b"TRUE" if host in self.preempted else b"FALSE"
+        self._reply(req, 200, value, "application/text",
+                    {"Metadata-Flavor": "Google", "ETag": etag()})
+
+    def _azure(self, req, host: str, path: str, query: dict[str, list[str]]) -> None:
+        if req.headers.get("Metadata") != "true":
+            return self._reply(req, 400, json.dumps(
+                {"error": "Bad request. Required metadata header not specified"}).encode(),
+                "application/json")
+        if "api-version" not in query:
+            return self._reply(req, 400, json.dumps(
+                {"error": "Bad request. api-version was not specified in the request"}).encode(),
+                "application/json")
+        if path == "/metadata/instance/compute/name":
+            return self._reply(req, 200, self.vm_name(host).encode())
+        if path != "/metadata/scheduledevents":
+            return self._reply(req, 404, json.dumps({"error": "Not found"}).encode(),
+                               "application/json")
+        self.calls[(host, "azure")] += 1
+        events = [self.events[host]] if host in self.events else []
+        body = json.dumps({"DocumentIncarnation": len(events), "Events": events}).encode()
+        self._reply(req, 200, body, "application/json")
+
+    def _post(self, req) -> None:
+        host, path, _ = self._split(req)
+        data = req.rfile.read(int(req.headers.get("Content-Length", 0)))
+        if req.headers.get("Metadata") != "true" or path != "/metadata/scheduledevents":
+            return self._reply(req, 400, b"{}", "application/json")
+        try:
+            starts = json.loads(data)["StartRequests"]
+            ids = [str(s["EventId"]) for s in starts]
+        except (ValueError, KeyError, TypeError):
+            return self._reply(req, 400, b"{}", "application/json")
+        for event_id in ids:
+            self.acks.append((host, event_id))
+        self._reply(req, 200, b"", "application/json")

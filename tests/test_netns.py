@@ -1,0 +1,268 @@
+"""Agents on hosts that really are separate (tests/netns.py: one network namespace per host,
+etcd in its own), with faults at the network level.
+
+Each run is checked against `spotpipe train` of the same configuration (bit for bit where D
+does not change), every sample consumed exactly once, and nothing left behind (namespaces,
+links, processes: the cluster fixture asserts it at teardown).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from netns import SUBNET, cluster_factory, netns_pids  # noqa: F401 (the fixture)
+from test_agent import LENIENT, _trained, _write_config
+from test_failover import assert_samples_exactly_once, events
+
+from conftest import tiny_config
+
+TOKEN = "sesame"
+DETECT = {"failover.heartbeat_s": 0.2, "failover.heartbeat_timeout_s": 4.0,
+          "failover.hang_timeout_s": 30.0, "logging.sample_log": True}
+
+
+def job(corpus, stages: int, pipelines: int, iterations: int, **extra):
+    return tiny_config(corpus, stages=stages, pipelines=pipelines, redundancy="lazy",
+                       **{**DETECT, "iterations": iterations, **extra})
+
+
+def iteration(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return json.loads(lines[-1])["iter"] if lines else -1
+
+
+def wait_until(condition, procs, what: str, timeout_s: float = 300.0) -> None:
+    """Poll a real condition (files the agents write) while every agent runs."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert all(p.poll() is None for p in procs), f"an agent ended before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def finish(procs, timeout_s: float = 600.0) -> list[int]:
+    return [p.wait(timeout=timeout_s) for p in procs]
+
+
+def coordinator_of(outs: list[Path]) -> int:
+    found = [i for i, o in enumerate(outs) if (o / "events.jsonl").exists()]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def gather_samples(outs: list[Path], run: Path) -> None:
+    """Each host's sample log into the run folder, as one would copy them from machines."""
+    for out in outs:
+        if out != run:
+            for log in (out / "logs").glob("samples.*.jsonl"):
+                (run / "logs" / log.name).write_bytes(log.read_bytes())
+
+
+def start(cluster, corpus, tmp_path, cfg, hosts: int, nnodes: str):
+    config = _write_config(cfg, tmp_path / "job.yaml")
+    cluster.start_etcd()
+    outs = [tmp_path / f"host{i}" for i in range(hosts)]
+    procs = [cluster.agent(i, config, outs[i], token=TOKEN, nnodes=nnodes)
+             for i in range(hosts)]
+    return outs, procs
+
+
+def check_result(tmp_path_factory, cfg, run: Path, outs: list[Path], exact: bool = True,
+                 reference=None):
+    """`reference`: the configuration to train the reference with, where `cfg` names
+    addresses that exist only inside the namespaces (the metadata service)."""
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed", summary
+    got = load_file(str(run / "final" / "model.safetensors"))
+    want = _trained(tmp_path_factory, reference or cfg)
+    for k in want:
+        if exact:
+            assert torch.equal(got[k], want[k]), f"{k} differs from spotpipe train"
+        else:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6)
+    gather_samples(outs, run)
+    assert_samples_exactly_once(run, cfg)
+
+
+def test_hosts_train_over_their_own_interfaces(cluster_factory, corpus, tmp_path,
+                                               tmp_path_factory):
+    """P = 3 x D = 1 over 3 namespaced hosts: the workers' gloo pairs and their store
+    connections use the host's interface address, never loopback."""
+    cluster = cluster_factory(3)
+    cfg = job(corpus, 3, 1, 60, **LENIENT)
+    outs, procs = start(cluster, corpus, tmp_path, cfg, 3, "3:3")
+    wait_until(lambda: max(iteration(o) for o in outs) >= 3, procs, "training began")
+    seen = {}
+    for i, host in enumerate(cluster.hosts):
+        agent_pid = procs[i].pid
+        workers = set(netns_pids(host.name)) - {agent_pid}
+        assert workers, f"no worker on {host.name}"
+        seen[i] = cluster.gloo_sockets(i, workers)
+    assert all(code == 0 for code in finish(procs))
+    for i, conns in seen.items():
+        addr = cluster.hosts[i].addr
+        assert conns, f"host {i}'s worker has no connection"
+        assert all(local == addr for local, _ in conns), conns
+        assert all(peer.startswith(SUBNET + ".") for _, peer in conns), conns
+        # gloo: the worker is connected to both other hosts' workers directly
+        peers = {peer for _, peer in conns}
+        assert {h.addr for j, h in enumerate(cluster.hosts) if j != i} <= peers, conns
+    run = outs[coordinator_of(outs)]
+    check_result(tmp_path_factory, cfg, run, outs)
+
+
+def running_job(cluster_factory, corpus, tmp_path, iterations: int, **extra):
+    """P = 3 x D = 1 over 3 namespaced hosts, training past iteration 5."""
+    cluster = cluster_factory(3)
+    cfg = job(corpus, 3, 1, iterations, **extra)
+    outs, procs = start(cluster, corpus, tmp_path, cfg, 3, "3:3")
+    wait_until(lambda: max(iteration(o) for o in outs) >= 5, procs, "training began")
+    return cluster, cfg, outs, procs
+
+
+def victim(outs: list[Path]) -> tuple[int, int]:
+    """(the coordinating host, a host that is not it: the last one)."""
+    c = coordinator_of(outs)
+    return c, max(i for i in range(len(outs)) if i != c)
+
+
+def plans(run: Path) -> list[str]:
+    return [e["action"] for e in events(run) if e["kind"] == "plan"]
+
+
+def test_host_lost(cluster_factory, corpus, tmp_path, tmp_path_factory):
+    """Every process of a host killed at once: no exit is reported, the coordinator fences
+    the silent node after the heartbeat timeout, fails over and re-partitions (P 3 -> 2)."""
+    cluster, cfg, outs, procs = running_job(cluster_factory, corpus, tmp_path, 150)
+    c, lost = victim(outs)
+    cluster.lose_host(lost)
+    codes = finish([procs[i] for i in range(3) if i != lost])
+    assert codes == [0, 0]
+    run = outs[c]
+    assert plans(run)[0] == "failover" and set(plans(run)) <= {"failover", "repartition"}
+    assert "agent_silent" in [e["kind"] for e in events(run)]
+    check_result(tmp_path_factory, cfg, run, outs)
+
+
+def test_short_partition_rides_through(cluster_factory, corpus, tmp_path, tmp_path_factory):
+    """A host's link down for a quarter of the heartbeat timeout: TCP retransmits, the job
+    pauses and goes on, with no failover."""
+    cluster, cfg, outs, procs = running_job(cluster_factory, corpus, tmp_path, 200)
+    c, cut = victim(outs)
+    before = iteration(outs[c])
+    cluster.link(cut, up=False)
+    time.sleep(DETECT["failover.heartbeat_timeout_s"] / 4)  # the fault's length, not a wait
+    cluster.link(cut, up=True)
+    assert iteration(outs[c]) < cfg.iterations - 1, "the job ended during the partition"
+    assert all(code == 0 for code in finish(procs))
+    run = outs[c]
+    assert plans(run) == [], "a partition shorter than the heartbeat timeout failed over"
+    assert before >= 5
+    check_result(tmp_path_factory, cfg, run, outs)
+
+
+def test_etcd_restarted(cluster_factory, corpus, tmp_path, tmp_path_factory):
+    """etcd SIGKILLed and started again on its data directory mid-run: the job rides
+    through on the same layout."""
+    cluster, cfg, outs, procs = running_job(cluster_factory, corpus, tmp_path, 150)
+    cluster.restart_etcd()
+    assert iteration(outs[coordinator_of(outs)]) < cfg.iterations - 1, "ended before"
+    assert all(code == 0 for code in finish(procs))
+    run = outs[coordinator_of(outs)]
+    assert iteration(run) == cfg.iterations - 1
+    check_result(tmp_path_factory, cfg, run, outs)
+
+
+def test_long_partition_fails_over_and_the_host_is_fenced(cluster_factory, corpus, tmp_path,
+                                                          tmp_path_factory):
+    """A host's link down past the heartbeat timeout: the coordinator fences its node and
+    fails over (then re-partitions, P 3 -> 2). When the link comes back, the node's report
+    belongs to generation 0 and is refused (when it gets to write one); its agent reads the
+    coordinator's kill record, kills the worker and, the job being full, exits with it (it does
+    not rejoin)."""
+    cluster, cfg, outs, procs = running_job(cluster_factory, corpus, tmp_path, 250)
+    c, cut = victim(outs)
+    node = next((outs[cut] / "logs").glob("node*.log")).stem  # the cut host's node
+    cluster.link(cut, up=False)
+    wait_until(lambda: "failover" in plans(outs[c]), [procs[c]], "the failover")
+    cluster.link(cut, up=True)
+    assert iteration(outs[c]) < cfg.iterations - 1, "the job ended before the link came back"
+    codes = finish(procs)
+    run = outs[c]
+    assert codes == [0, 0, 0]
+    evs = events(run)
+    assert plans(run)[0] == "failover" and set(plans(run)) <= {"failover", "repartition"}
+    fenced = [e for e in evs if e["kind"] == "node_fenced"]
+    assert [e["node"] for e in fenced] == [node] and "heartbeat" in fenced[0]["reason"]
+    # back on the network, what it wrote (a report of generation 0, when its worker got to
+    # write one before its agent killed it: a race the test does not control) is refused
+    refused = [e for e in evs if e["kind"] == "record_refused" and e["node"] == node]
+    assert all("generation 0" in e["reason"] for e in refused), refused
+    assert not any(e["kind"] in ("report", "resumed", "worker_done") and e["node"] == node
+                   and e.get("generation", 0) > 0 for e in evs)
+    assert any(e["kind"] == "agent_silent" and e["node"] == node for e in evs)
+    # and nothing of it counts: no metrics, plan or sample of a later generation from it
+    assert not (outs[cut] / "logs" / f"samples.{node}.jsonl").exists() or all(
+        json.loads(line)["generation"] == 0
+        for line in open(outs[cut] / "logs" / f"samples.{node}.jsonl"))
+    assert netns_pids(cluster.hosts[cut].name) == []  # its worker was killed, its agent left
+    check_result(tmp_path_factory, cfg, run, outs, exact=True)
+
+
+@pytest.mark.parametrize("service,standby", [("aws", True), ("gcp", False), ("azure", True)])
+def test_cloud_notice_over_namespaced_hosts(cluster_factory, corpus, tmp_path, tmp_path_factory,
+                                            service, standby):
+    """The metadata service on the switch's address, as each cloud serves it; a host's node
+    gets its preemption notice. With a fourth agent waiting on standby: a hand-over, no node
+    carries two stages at any point; without: a takeover (then P 3 -> 2)."""
+    from event_tail import when_event
+
+    cluster = cluster_factory(4 if standby else 3)
+    meta = cluster.metadata()
+    cfg = job(corpus, 3, 1, 400, **{f"failover.{service}_notice_url": meta.urls()[service],
+                                    "failover.notice_poll_s": 0.1})
+    config = _write_config(cfg, tmp_path / "job.yaml")
+    cluster.start_etcd()
+    outs = [tmp_path / f"host{i}" for i in range(len(cluster.hosts))]
+    procs = [cluster.agent(i, config, outs[i], token=TOKEN, nnodes="3:4") for i in range(3)]
+    if standby:  # the fourth agent comes once the job has its three (it joins the running job)
+        wait_until(lambda: sum(e["kind"] == "agent_admitted" for o in outs[:3]
+                               if (o / "events.jsonl").exists() for e in events(o)) >= 3,
+                   procs, "three agents admitted")
+        procs.append(cluster.agent(3, config, outs[3], token=TOKEN, nnodes="3:4"))
+    wait_until(lambda: max(iteration(o) for o in outs[:3]) >= 5, procs, "training began")
+    c, leaving_host = victim(outs[:3])
+    node = next((outs[leaving_host] / "logs").glob("node*.log")).stem
+    run = outs[c]
+    if standby:
+        import threading
+
+        placed = threading.Event()
+        stop = threading.Event()
+        tail = when_event(run, lambda e: e["kind"] == "plan" and e.get("standby"),
+                          lambda e: placed.set(), stop)
+        wait_until(placed.is_set, procs, "the fourth agent on standby")
+        stop.set()
+        tail.join(timeout=5)
+    assert iteration(run) < cfg.iterations - 20, "too late for a notice"
+    meta.preempt(node)
+    assert all(code == 0 for code in finish(procs))
+    evs = events(run)
+    assert [e["node"] for e in evs if e["kind"] == "notice"] == [node]
+    acted = [p for p in plans(run) if p != "keep"]
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    if standby:
+        assert acted == ["handover"]
+        assert all(m["carriers"] == 0 for m in metrics), "a node carried two stages"
+    else:
+        assert acted[0] == "failover" and set(acted) <= {"failover", "repartition"}
+    if service == "azure":
+        assert meta.acks == [(node, meta.events[node]["EventId"])]
+    check_result(tmp_path_factory, cfg, run, outs, reference=job(corpus, 3, 1, 400))

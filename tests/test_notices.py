@@ -1,0 +1,139 @@
+"""Cloud preemption notices read the way each cloud serves them (tests/metadata_servers.py).
+
+Each client is checked against a server that refuses what the real endpoint refuses: AWS
+without an IMDSv2 token (401), GCP without `Metadata-Flavor: Google` (403), Azure without
+`Metadata: true` (400); so a client that reads them the old way finds no notice and fails.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from spotpipe.notices import AwsImds, AzureScheduledEvents, GcpMetadata, NoticeWatcher
+
+from metadata_servers import MetadataServer
+
+
+@pytest.fixture
+def meta():
+    server = MetadataServer()
+    yield server
+    server.close()
+
+
+def status(url: str, headers: dict | None = None, method: str = "GET") -> int:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {},
+                                                           method=method), timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_servers_refuse_what_the_clouds_refuse(meta):
+    urls = meta.urls("h1")
+    assert status(urls["aws"]) == 401  # IMDSv2 required: no token, no answer
+    assert status(urls["aws"].replace("meta-data/spot/instance-action", "api/token"),
+                  method="PUT") == 400  # a token needs its TTL header
+    assert status(urls["gcp"]) == 403
+    assert status(urls["azure"]) == 400
+    assert status(urls["azure"].split("?")[0], {"Metadata": "true"}) == 400  # no api-version
+
+
+def test_aws_imdsv2_token_then_instance_action(meta):
+    aws = AwsImds(meta.urls("h1")["aws"])
+    assert aws.check() is None and aws.check() is None  # 404: no interruption scheduled
+    assert meta.calls[("h1", "aws")] == 2
+    assert meta.calls[("h1", "aws-token")] == 1  # the session token is reused
+    meta.preempt("h1")
+    notice = aws.check()
+    assert notice is not None and "terminate" in notice.source and "IMDSv1" not in notice.source
+    meta.tokens.clear()  # the token expired on the server: 401, then a new token
+    assert aws.check() is None
+    assert aws.check() is not None and meta.calls[("h1", "aws-token")] == 2
+
+
+@pytest.mark.parametrize("refused", [403, 405])
+def test_aws_falls_back_to_imdsv1_only_when_the_token_put_is_refused(refused):
+    server = MetadataServer(token_status=refused)
+    try:
+        aws = AwsImds(server.urls("h1")["aws"])
+        assert aws.check() is None
+        server.preempt("h1")
+        notice = aws.check()
+        assert notice is not None and "IMDSv1" in notice.source
+    finally:
+        server.close()
+
+
+def test_aws_a_failing_token_service_is_no_fallback():
+    server = MetadataServer(token_status=503)
+    try:
+        aws = AwsImds(server.urls("h1")["aws"])
+        server.preempt("h1")
+        assert aws.check() is None and not aws.v1  # asked again next time, never as v1
+        assert server.calls[("h1", "aws")] == 0
+    finally:
+        server.close()
+
+
+def test_gcp_long_poll_delivers_the_flip_without_polling(meta):
+    gcp = GcpMetadata(meta.urls("h1")["gcp"], wait_s=30)
+    stop = threading.Event()
+    got: list = []
+    # a polling period far longer than the test: only the long poll can deliver the notice
+    thread = threading.Thread(target=lambda: got.append(gcp.next_notice(stop, 300.0)))
+    thread.start()
+    with meta.changed:
+        assert meta.changed.wait_for(lambda: meta.calls[("h1", "gcp-wait")] >= 1, timeout=10)
+    meta.preempt("h1")
+    thread.join(timeout=10)
+    stop.set()
+    assert not thread.is_alive()
+    assert got and got[0] is not None and "GCP preempted" in got[0].source
+    assert meta.calls[("h1", "gcp")] == 2  # one read, one long poll that the flip ended
+
+
+def test_gcp_ignores_an_answer_that_is_not_the_metadata_servers(meta):
+    # the AWS path answers without Metadata-Flavor: Google: not a notice, however it reads
+    gcp = GcpMetadata(meta.urls("h1")["gcp"].replace("computeMetadata/v1/instance/preempted",
+                                                     "nothing"))
+    with pytest.raises(ValueError):
+        gcp._read()
+
+
+def test_azure_preempt_for_this_vm_and_its_acknowledgement(meta):
+    az = AzureScheduledEvents(meta.urls("h1")["azure"])
+    assert az.check() is None
+    meta.preempt("h2")  # another VM's event
+    meta.events["h1"] = dict(meta.events["h2"])  # listed on h1's endpoint, naming vm-h2
+    assert az.check() is None
+    del meta.events["h1"]
+    meta.preempt("h1")
+    event_id = meta.events["h1"]["EventId"]
+    notice = az.check()
+    assert notice is not None and event_id in notice.source and "vm-h1" in notice.source
+    assert meta.acks == []  # not acknowledged before the node has left
+    notice.acknowledge()
+    assert meta.acks == [("h1", event_id)]
+
+
+def test_watcher_sets_once_and_acknowledges_azure_once(meta):
+    seen: list[str] = []
+    ready = threading.Event()
+    watcher = NoticeWatcher(azure_url=meta.urls("h1")["azure"], poll_s=0.05, sigterm=False,
+                            on_notice=lambda s: (seen.append(s), ready.set()))
+    meta.preempt("h1")
+    assert ready.wait(10)
+    assert watcher.is_set() and len(seen) == 1 and "Azure" in watcher.source
+    watcher.acknowledge()
+    watcher.acknowledge()
+    assert meta.acks == [("h1", meta.events["h1"]["EventId"])]
+    body = json.loads(urllib.request.urlopen(urllib.request.Request(
+        meta.urls("h1")["azure"], headers={"Metadata": "true"}), timeout=5).read())
+    assert body["Events"][0]["EventType"] == "Preempt"
