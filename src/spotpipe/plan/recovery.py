@@ -95,6 +95,10 @@ class History:
     futile: int = 0  # failed plans in a row with no node lost in between
     lost_before: frozenset[str] = frozenset()
     repartition_refused: str | None = None  # said once, then remembered
+    # the choice already made for this layout with nothing lost (the `improve` check), so
+    # that the boundary decision after it does not make it again (a cache, not state)
+    next_choice: "tuple[Layout, Choice, str | None] | None" = field(
+        default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -242,7 +246,12 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     when = f"in iteration {in_flight} (the last committed iteration is {committed})"
     hit = lost & layout.active_nodes
     state = replace(history, layout=layout, partition=partition)
-    choice, refused = _choose(state, hit, joiners, rules, leaving)
+    cached = history.next_choice
+    if (cached is not None and cached[0] is layout and not hit and not joiners
+            and not leaving):
+        choice, refused = cached[1], cached[2]
+    else:
+        choice, refused = _choose(state, hit, joiners, rules, leaving)
     if refused:
         state = replace(state, repartition_refused=refused)
     total = rules.microbatches
@@ -250,7 +259,9 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
         choice = Choice(Action.KEEP, layout.with_standby(tuple(layout.standby) + tuple(joiners)),
                         (), f"{total} micro-batches do not split over "
                         f"{choice.layout.num_pipelines} pipelines; the new nodes wait on standby")
-    named = _named(layout, hit, lacking)
+    def named() -> str:
+        return _named(layout, hit, lacking)
+
     message = _stop_reason(choice, rules, layout, hit, lost, reports, futile, named, when)
     if message and rules.restarts and futile < rules.max_futile:
         # restarted from the newest checkpoint on the survivors (see Rules.restarts)
@@ -259,7 +270,7 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
         choice = restart(layout, survivors + [n for n in joiners if n not in survivors],
                          rules.min_stages, [])
         message = "" if choice.action != Action.STOP else (
-            f"lost {named} {when}: {choice.reason}")
+            f"lost {named()} {when}: {choice.reason}")
     base = dict(generation=history.generation + 1, resume=resume, previous_layout=layout,
                 previous_partition=partition, rejoin=tuple(sorted(
                     n for n in lacking if n not in choice.layout.active_nodes)))
@@ -294,8 +305,9 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     after = History(choice.layout, new_partition, history.generation + 1,
                     before=(layout, partition), resumed_at=resume, futile=futile,
                     lost_before=lost, repartition_refused=state.repartition_refused)
-    improve = _choose(after, frozenset(), [], rules)[0].action not in (Action.KEEP,
-                                                                        Action.ADD_PIPELINE)
+    upcoming, upcoming_refused = _choose(after, frozenset(), [], rules)
+    after = replace(after, next_choice=(after.layout, upcoming, upcoming_refused))
+    improve = upcoming.action not in (Action.KEEP, Action.ADD_PIPELINE)
     return Outcome(decision, after, lost, leaving, lacking, rolled_back, refused, improve)
 
 
@@ -376,17 +388,17 @@ def _adjacent(layout: Layout, lost: frozenset[str]) -> bool:
 
 def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[str],
                  lost: frozenset[str], reports: Mapping[str, NodeReport], futile: int,
-                 named: str, when: str) -> str:
+                 named: Callable[[], str], when: str) -> str:
     """Why the job stops, in one sentence, or "" when it goes on."""
     if futile >= rules.max_futile:
         reasons = "; ".join(sorted({r.reason for r in reports.values()}))
         return (f"the job could not re-form {when}: the last {futile} plans failed while they "
                 f"were carried out, with no node lost in between ({reasons}); stopping")[:2000]
     if not rules.replicas and not rules.shadows and hit:
-        return (f"lost {named} {when}; redundancy is off, so no other node holds their stages "
+        return (f"lost {named()} {when}; redundancy is off, so no other node holds their stages "
                 "(set redundancy: lazy or eager), and no checkpoint is available")
     if choice.action == Action.DROP_PIPELINE and rules.microbatches % choice.layout.num_pipelines:
-        return (f"lost {named} {when}: adjacent stages of one pipeline; dropping that pipeline "
+        return (f"lost {named()} {when}: adjacent stages of one pipeline; dropping that pipeline "
                 f"would leave {choice.layout.num_pipelines} pipelines, over which the "
                 f"{rules.microbatches} micro-batches of an iteration do not split evenly; "
                 "stopping")
@@ -396,7 +408,7 @@ def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[st
         return ""
     if choice.action not in CARRIED_OUT or restart:
         survivors = len(layout.active_nodes - lost) + len(layout.standby)
-        return (f"lost {named} {when}: "
+        return (f"lost {named()} {when}: "
                 + ("adjacent stages of one pipeline, so no replica of one of them survives; "
                    if _adjacent(layout, lost) else "")
                 + f"no layout of the {survivors} surviving node(s) can hold the job's state "
@@ -427,7 +439,10 @@ def settle(history: History, rules: Rules, *, lost: Iterable[str] = (),
                 for n in sorted(h.layout.active_nodes - lost)}
 
     outcomes = [recover(history, reports(history, leaving), joiners, rules, dead=lost)]
-    while outcomes[-1].improve and not outcomes[-1].decision.stopped:
+    # (a sequence of boundary decisions converges in a few steps; the cap only guards the
+    # simulator against a planner that would not converge)
+    while (outcomes[-1].improve and not outcomes[-1].decision.stopped
+           and len(outcomes) < 8):
         after = outcomes[-1].history
         outcomes.append(recover(after, reports(after, frozenset()), [], rules))
     return outcomes
