@@ -143,7 +143,7 @@ def test_nan_in_a_trace_names_the_file_and_line(tmp_path, config):
     result = spotpipe("train", str(config), "--out", str(tmp_path / "out"), "--trace",
                       str(trace))
     assert result.returncode == 2, result.stderr
-    assert f"{trace}:3: NaN is not a finite number" in result.stderr
+    assert f"{trace}:3: NaN is not a count" in result.stderr  # the file, the line, the value
     assert not (tmp_path / "out").exists()
 
 

@@ -192,6 +192,7 @@ def bench_worker(cfg: Any, rank: int, run_dir: Any, *, namespace: str) -> Any:
 
     from spotpipe import job
     from spotpipe.model import partition
+    from spotpipe.checkpoint import registry, schemes
     from spotpipe.protocol import Channel, job_key
     from spotpipe.runtime.worker import Worker
     from spotpipe.store.address import StoreAddress
@@ -207,6 +208,10 @@ def bench_worker(cfg: Any, rank: int, run_dir: Any, *, namespace: str) -> Any:
     worker = Worker(cfg, spec, run_dir, f"node{rank}", store, time.time(), [],
                     address=StoreAddress("tcp", host, port), channel=channel,
                     namespace=namespace)
+    # the checkpoint scheme, as the worker's entry point gives it (spotpipe.cli.worker)
+    worker.checkpoints = registry.build(schemes.SchemeContext(
+        cfg, worker.node, run_dir, worker.channel.event, store, namespace,
+        lambda: worker.failures, inject=worker.inject))
     worker.heartbeat.stop()
     worker._form()
     return worker
