@@ -121,11 +121,19 @@ def test_forged_records_are_refused_and_the_job_is_undisturbed(tmp_path, tmp_pat
     # a valid record (node0's own heartbeat) replayed where it does not belong: the mailbox
     valid = store.get(keys.heartbeat("node0"))
     board.post(store, keys.MAILBOX, valid, count_key=keys.MAILBOX_COUNT)
-    # a stale heartbeat: node0's valid beat written back once newer ones arrived, until the
+    # a stale heartbeat: node0's valid beat written back over a newer one, once per beat and
+    # half a period after it (an overwrite at once, again and again, would hide every beat and
+    # fence node0: a store writer can always deny service, but must not steer), until the
     # coordinator says it refused one (a real condition: its event)
-    _wait_for(lambda: store.get(keys.heartbeat("node0")) != valid, 30, "a newer beat")
+    period = cfg.failover.heartbeat_s
+    newest = valid
 
     def stale_refused() -> bool:
+        nonlocal newest
+        _wait_for(lambda: store.get(keys.heartbeat("node0")) not in (newest, valid), 30,
+                  "a newer beat")
+        newest = store.get(keys.heartbeat("node0"))
+        time.sleep(period / 2)  # where in the beat's period the replay lands, not a wait
         store.set(keys.heartbeat("node0"), valid)
         return any("heartbeat: a replay" in e["reason"] for e in _refusals(run))
 
