@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from spotpipe.checkpoint.fsync import fsync_path
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
@@ -37,16 +38,6 @@ _DTYPES = {str(dt).removeprefix("torch."): dt for dt in (
 
 class MetadataError(ValueError):
     """JSON metadata that does not describe a DCP folder of plain tensors."""
-
-
-def fsync_path(path: Path) -> None:
-    """Flush a file's or a directory's entry to the disk (a rename is durable only once its
-    directory is)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def metadata_to_json(md: Metadata) -> dict[str, Any]:

@@ -27,18 +27,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
 from spotpipe.checkpoint import lock, origin, transfer  # noqa: F401 (used through this module)
 from spotpipe.checkpoint.origin import KeyFileError, resolve_key  # noqa: F401 (re-exported)
-from spotpipe.checkpoint.dcp_json import (JsonMetadataReader, JsonMetadataWriter, MetadataError,
-                                          fsync_path)
+from spotpipe.checkpoint.fsync import fsync_path
 from spotpipe.runtime.optim import materialise_optimizer_state  # noqa: F401 (re-exported)
 
-# what a write that cannot complete raises: the OS's errors, and DCP's wrapper of them
-WRITE_ERRORS = (OSError, CheckpointException)
+
+class WriteError(OSError):
+    """A DCP write that could not complete (DCP wraps the OS's error in its own exception,
+    which is not imported until a checkpoint is written: see `fsync.py`)."""
+
+
+# what a write that cannot complete raises: the OS's errors, and DCP's, as a WriteError
+WRITE_ERRORS = (OSError,)
 FORMAT_VERSION = 2  # 1 kept DCP's pickled .metadata, which is not read any more
 MANIFEST = "manifest.json"
 _ASIDE = ".replaced"  # an older folder of the same iteration, moved aside while replaced
@@ -107,10 +110,23 @@ def discard_stage(root: Path, iteration: int, stage: int) -> None:
         pass
 
 
-def stage_writer(folder: Path, sync: bool = True) -> JsonMetadataWriter:
+def stage_writer(folder: Path, sync: bool = True) -> Any:
     """DCP's storage writer for one stage folder: files fsynced, metadata as JSON (`sync`
     false only to measure what the fsyncs cost)."""
+    from spotpipe.checkpoint.dcp_json import JsonMetadataWriter
+
     return JsonMetadataWriter(str(folder), sync_files=sync)
+
+
+def dcp_save(tensors: dict[str, torch.Tensor], folder: Path, sync: bool = True) -> None:
+    """DCP's save into one stage folder, its failure a WriteError."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.save(tensors, storage_writer=stage_writer(folder, sync), no_dist=True)
+    except CheckpointException as exc:
+        raise WriteError(f"{folder}: {str(exc).splitlines()[0][:300]}") from exc
 
 
 def stage_checksums(folder: Path, stage: int, sync: bool = True) -> dict[str, str]:
@@ -127,7 +143,7 @@ def save_stage(root: Path, iteration: int, stage: int, module: nn.Module,
     """Write one stage of iteration `iteration`; return its files' checksums."""
     folder = prepare_stage_folder(root, iteration, stage)
     tensors = {k: v.to("cpu") for k, v in stage_tensors(module, optimizer).items()}
-    dcp.save(tensors, storage_writer=stage_writer(folder, sync), no_dist=True)
+    dcp_save(tensors, folder, sync)
     return stage_checksums(folder, stage, sync)
 
 
@@ -290,6 +306,11 @@ def load_stage(ckpt: Checkpoint, module: nn.Module, optimizer: torch.optim.Optim
         if not keys:
             continue
         buffers = {k: torch.empty_like(v, device="cpu") for k, v in keys.items()}
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from spotpipe.checkpoint.dcp_json import JsonMetadataReader, MetadataError
+
         try:
             dcp.load(buffers, storage_reader=JsonMetadataReader(str(ckpt.path / f"stage{old}")),
                      no_dist=True)

@@ -50,7 +50,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from spotpipe.checkpoint import durable, snapshot
@@ -315,13 +314,19 @@ class DcpAsyncScheme(_Background):
 
     def start(self, iteration: int, stage: int, module: nn.Module,
               optimizer: torch.optim.Optimizer) -> Callable[[], tuple[int, dict[str, Any]]]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
         folder = durable.prepare_stage_folder(self.ctx.root, iteration, stage)
         # stages (copies to CPU memory) now, writes on DCP's own thread
         upload = dcp.async_save(durable.stage_tensors(module, optimizer),
                                 storage_writer=durable.stage_writer(folder), no_dist=True)
 
         def finish() -> tuple[int, dict[str, Any]]:
-            upload.result()
+            try:
+                upload.result()
+            except CheckpointException as exc:
+                raise durable.WriteError(f"{folder}: {str(exc).splitlines()[0][:300]}") from exc
             sums = durable.stage_checksums(folder, stage)  # hashed here, off the training loop
             size = sum((folder.parent / name).stat().st_size for name in sums)
             return size, {"checksums": sums}

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from spotpipe.checkpoint.dcp_json import fsync_path
+from spotpipe.checkpoint.fsync import fsync_path
 
 CHUNK = 512 * 1024
 
