@@ -207,7 +207,10 @@ def memory_report(cfg: Config, layers: list[LayerMemory],
 
 
 def _mib(b: float) -> str:
-    return f"{b / 2 ** 20:.1f} MiB"
+    """MiB to a tenth, or to a thousandth below 1 MiB (a tiny stage, such as one holding only
+    the final norm, must not read as needing nothing)."""
+    mib = b / 2 ** 20
+    return f"{mib:.1f} MiB" if mib >= 1 else f"{mib:.3f} MiB"
 
 
 def balanced_under_memory(cfg: Config, model: LayeredModel, sample: torch.Tensor,
