@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from spotpipe.sim.bench import bench_config
-from spotpipe.sim.simulator import run_policies
+from spotpipe.sim.planmemo import settle_steps
+from spotpipe.sim.policies import Planner
+from spotpipe.sim.simulator import run, run_policies
 from spotpipe.sim.synthetic import bamboo_trace
 from spotpipe.sim.traces import load_trace
 
@@ -92,6 +94,50 @@ def test_outputs_equal_the_recorded_figures(key, recorded):
     want = recorded[key]
     for policy in POLICIES:
         assert got[policy] == want[policy], f"{key}: {policy} differs from the recorded run"
+
+
+class _Recording(Planner):
+    """The simulator's planner (one per trace, as the simulator makes them), keeping every
+    call and what it answered."""
+
+    def __init__(self, calls: list[tuple]) -> None:
+        super().__init__(memo=True)
+        self.calls = calls
+
+    def plan(self, index, layout, lost, ready, rules):
+        steps = super().plan(index, layout, lost, ready, rules)
+        self.calls.append((layout, lost, list(ready), rules, steps))
+        return steps
+
+
+@pytest.mark.parametrize("cfg_name", ["lazy", "lazy_shadows", "none", "p12x2_lazy"])
+def test_the_shape_memo_decides_as_the_planner_does(cfg_name):
+    """Every decision the memo gave back (renamed from another situation of the same shape)
+    is the one `settle` makes for these very nodes, field by field."""
+    cfg = _configs()[cfg_name]
+    calls: list[tuple] = []
+    hits = 0
+    for rate in (0.1, 0.5):
+        for seed in range(12):
+            trace = bamboo_trace(rate, 3.0, cfg.nodes, 100 + seed)
+            run(trace, "spotpipe", cfg, record=False, planner=_Recording(calls))
+    for layout, lost, ready, rules, steps in calls:
+        want = settle_steps(layout, lost, ready, rules, memo=False)
+        assert [(b.to_json(), d.to_json()) for b, d in steps] == \
+            [(b.to_json(), d.to_json()) for b, d in want], (layout.to_json(), lost, ready)
+        hits += any(d.layout is not w.layout for (_, d), (_, w) in zip(steps, want))
+    assert len(calls) > 200 and hits > 100  # the memo was used, and checked
+
+
+def test_results_with_and_without_the_memo_are_equal():
+    cfg = _configs()["lazy_shadows"]
+    for seed in range(6):
+        trace = bamboo_trace(0.25, 3.0, cfg.nodes, 200 + seed)
+        on = run(trace, "spotpipe", cfg, planner=Planner(memo=True))
+        off = run(trace, "spotpipe", cfg, planner=Planner(memo=False))
+        assert (on.samples, on.dollars, on.breakdown, on.shapes) == \
+            (off.samples, off.dollars, off.breakdown, off.shapes)
+        assert [vars(p) for p in on.timeline] == [vars(p) for p in off.timeline]
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--record"]:

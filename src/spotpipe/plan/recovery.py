@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any, Iterable
 
 from spotpipe.plan.layout import Layout
@@ -422,6 +423,14 @@ def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[st
     return ""
 
 
+@lru_cache(maxsize=4096)
+def _boundary_report(node: str, committed: int, leaving: bool) -> NodeReport:
+    """A node's report at a boundary with nothing in flight (immutable, so shared: the
+    simulator's planner makes tens of them per event)."""
+    return NodeReport(node, iteration=committed + 1, committed_through=committed,
+                      leaving=leaving)
+
+
 # Boundary decisions settle by construction (see `plan.policy._grow`: each one strictly lowers
 # the layout's distance from its fixed point), within 4 steps of an event; `settle` raises
 # past this many, which would be a planner bug, rather than cut the sequence short.
@@ -443,8 +452,7 @@ def settle(history: History, rules: Rules, *, lost: Iterable[str] = (),
     done = history.resumed_at - 1 if committed is None else committed
 
     def reports(h: History, going: frozenset[str]) -> dict[str, NodeReport]:
-        return {n: NodeReport(n, iteration=done + 1, committed_through=done,
-                              leaving=n in going)
+        return {n: _boundary_report(n, done, n in going)
                 for n in sorted(h.layout.active_nodes - lost)}
 
     outcomes = [recover(history, reports(history, leaving), joiners, rules, dead=lost,
