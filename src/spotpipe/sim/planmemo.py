@@ -86,7 +86,7 @@ def settle_steps(layout: Layout, lost: frozenset[str], ready: list[str], rules: 
             table.clear()
         table[key] = tuple((d, _shape(d.layout, number), tuple(
             (m.kind, m.pipeline, m.stage, _num(m.src, number), _num(m.dst, number))
-            for m in d.moves)) for _, d in steps)
+            for m in d.moves), d.needs_restore, d.layout.shape_key()) for _, d in steps)
     return steps
 
 
@@ -141,16 +141,37 @@ def _renamed(stored: tuple, layout: Layout, names: list[str],
         kept = tuple(n for n in layout.standby if n not in lost)
         if len(kept) != len(layout.standby):
             previous = layout.with_standby(kept)
-    for d, (p, width, owners, standby, target, cap), moves in stored:
+    for d, (p, width, owners, standby, target, cap), moves, restore, shape in stored:
         mapping = dict(zip(_slots(p, width), map(names.__getitem__, owners)))
         new = Layout._trusted(p, width, mapping, tuple(map(names.__getitem__, standby)),
                               target, cap)
-        moved = tuple(Move(kind, pipe, stage, src if src.__class__ is str else names[src],
-                           dst if dst.__class__ is str else names[dst])
-                      for kind, pipe, stage, src, dst in moves)
+        object.__setattr__(new, "_shape", shape)  # (`Layout.shape_key`'s cache)
         # (a copy with three fields changed: dataclasses.replace re-runs every field's init)
-        copy = object.__new__(Decision)
-        copy.__dict__.update(d.__dict__, layout=new, previous_layout=previous, moves=moved)
+        copy = object.__new__(_Renamed)
+        copy.__dict__.update(d.__dict__, layout=new, previous_layout=previous,
+                             _moves=moves, _names=names, _restore=restore)
+        del copy.__dict__["moves"]
         steps.append((before, copy))
         before = previous = new
     return steps
+
+
+class _Renamed(Decision):
+    """A stored decision renamed onto other nodes. Its moves are renamed when first read:
+    the simulator reads only `needs_restore`, known from the stored decision, and a
+    re-partition has a move per slot."""
+
+    @property  # type: ignore[override]
+    def moves(self) -> tuple[Move, ...]:
+        got = self.__dict__.get("_moved")
+        if got is None:
+            names = self._names  # type: ignore[attr-defined]
+            got = tuple(Move(kind, pipe, stage, src if src.__class__ is str else names[src],
+                             dst if dst.__class__ is str else names[dst])
+                        for kind, pipe, stage, src, dst in self._moves)  # type: ignore
+            self.__dict__["_moved"] = got
+        return got
+
+    @property
+    def needs_restore(self) -> bool:
+        return self._restore  # type: ignore[attr-defined]
