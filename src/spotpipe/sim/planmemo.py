@@ -19,6 +19,7 @@ those is never stored (`_nameless`), and is computed afresh each time.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from functools import lru_cache
 
 from spotpipe.plan import Action, Layout
@@ -61,7 +62,7 @@ def _slots(depth: int, width: int) -> tuple[tuple[int, int], ...]:
     return tuple((d, s) for d in range(width) for s in range(depth))
 
 
-def settle_steps(layout: Layout, lost: frozenset[str], ready: list[str], rules: Rules,
+def settle_steps(layout: Layout, lost: Collection[str], ready: list[str], rules: Rules,
                  memo: bool = True) -> Steps:
     """(layout before, decision) for each decision `settle` makes at this instant."""
     if not memo:
@@ -90,7 +91,7 @@ def settle_steps(layout: Layout, lost: frozenset[str], ready: list[str], rules: 
     return steps
 
 
-def _settle(layout: Layout, lost: frozenset[str], ready: list[str], rules: Rules) -> Steps:
+def _settle(layout: Layout, lost: Collection[str], ready: list[str], rules: Rules) -> Steps:
     history = History(layout, tuple((s, s + 1) for s in range(layout.num_stages)))
     steps: Steps = []
     current = layout
@@ -132,7 +133,7 @@ def _nameless(steps: Steps) -> bool:
 
 
 def _renamed(stored: tuple, layout: Layout, names: list[str],
-             lost: frozenset[str]) -> Steps:
+             lost: Collection[str]) -> Steps:
     steps: Steps = []
     before = layout
     # (the first decision starts from the layout less its lost standby nodes, as `recover`)
@@ -159,19 +160,25 @@ def _renamed(stored: tuple, layout: Layout, names: list[str],
 class _Renamed(Decision):
     """A stored decision renamed onto other nodes. Its moves are renamed when first read:
     the simulator reads only `needs_restore`, known from the stored decision, and a
-    re-partition has a move per slot."""
+    re-partition has a move per slot. (As a dataclass it equals only another `_Renamed`;
+    compare `to_json()` with a plain Decision.)"""
 
-    @property  # type: ignore[override]
-    def moves(self) -> tuple[Move, ...]:
+    def _get_moves(self) -> tuple[Move, ...]:
         got = self.__dict__.get("_moved")
         if got is None:
-            names = self._names  # type: ignore[attr-defined]
+            names = self.__dict__["_names"]
             got = tuple(Move(kind, pipe, stage, src if src.__class__ is str else names[src],
                              dst if dst.__class__ is str else names[dst])
-                        for kind, pipe, stage, src, dst in self._moves)  # type: ignore
+                        for kind, pipe, stage, src, dst in self.__dict__["_moves"])
             self.__dict__["_moved"] = got
         return got
 
+    def _set_moves(self, moves: tuple[Move, ...]) -> None:  # (dataclasses.replace's init)
+        self.__dict__["_moved"] = tuple(moves)
+
+    moves = property(_get_moves, _set_moves)  # type: ignore[assignment]
+
     @property
     def needs_restore(self) -> bool:
-        return self._restore  # type: ignore[attr-defined]
+        known = self.__dict__.get("_restore")
+        return Decision.needs_restore.fget(self) if known is None else known  # type: ignore
