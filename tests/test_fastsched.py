@@ -41,5 +41,24 @@ def test_merged_schedules_match(owners):
         ref = merged_schedule(kind, 6, owners)
         assert fastsched.merged_schedule(kind, 6, owners) == ref
         assert fastsched.iteration_s(ref, costs) == simulate(ref, costs).iteration_s
+        # timed straight from the compiled global order, without building the streams
+        assert fastsched.merged_iteration_s(kind, 6, owners, costs) == \
+            simulate(ref, costs).iteration_s
     with pytest.raises(ValueError, match="cover"):
         fastsched.merged_schedule("1f1b", 2, [[0], [2]])
+    with pytest.raises(ValueError, match="cover"):
+        fastsched.merged_iteration_s("1f1b", 2, [[0], [2]], costs)
+
+
+def test_merged_timing_matches_on_random_owners():
+    """Random carriers of a deeper pipeline, random costs: the same seconds, to the bit."""
+    rng = random.Random(7)
+    for _ in range(30):
+        p, m = rng.randint(2, 9), rng.randint(1, 12)
+        cuts = sorted(rng.sample(range(1, p), rng.randint(0, p - 1)))
+        groups = [list(range(a, b)) for a, b in zip([0] + cuts, cuts + [p])]
+        costs = costs_for(2, p, rng)
+        for kind in ("1f1b", "gpipe"):
+            ref = merged_schedule(kind, m, groups)
+            assert fastsched.merged_iteration_s(kind, m, groups, costs) == \
+                simulate(ref, costs).iteration_s, (kind, m, groups)

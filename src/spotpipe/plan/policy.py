@@ -249,6 +249,13 @@ def restart(layout: Layout, nodes: list[str], min_stages: int,
 # -- growth -------------------------------------------------------------------------------
 
 def _grow(layout: Layout, min_stages: int, repartition: bool = True) -> Decision:
+    """The boundary decision: nothing lost, maybe nodes waiting. Called again after each
+    change (`plan.recovery.settle`), it reaches KEEP (or ADD_PIPELINE, which ends a settle)
+    by construction, in at most three steps: a restart leaves pipelines and no carrier; a
+    REBALANCE gives every carrier's stages but one to standby nodes while they last, so it
+    leaves either no carrier or no standby node, and is never followed by another; a
+    REPARTITION leaves no carrier, so neither a rebalance nor a re-partition down can
+    follow it, and one up needs more nodes than the one down left (depth x D > nodes)."""
     if layout.num_pipelines == 0:
         if not layout.standby:
             return Decision(Action.STOP, layout, (), "no nodes")
@@ -293,12 +300,18 @@ def _rebalance(layout: Layout) -> Decision:
 
 
 def _extra_stages(layout: Layout, node: str, slots: list[Slot]) -> list[Slot]:
-    """The stages a carrier took over: those whose predecessor it also owns, first kept."""
+    """The stages a carrier hands to standby nodes, in the order it hands them, so that it
+    keeps exactly one: first those it took over (whose predecessor it also owns), then the
+    first stages of its other runs. A stage restored from a shadow onto the nearest live
+    node (`_shadow_repair`) need not be adjacent to that node's own, and a carrier of two
+    stages apart has nothing "taken over": handing it only the taken-over ones left it a
+    carrier, and the next boundary made an empty REBALANCE again, for ever."""
     own = set(slots)
     extra = [(d, s) for d, s in slots if (d, (s - 1) % layout.num_stages) in own]
     if len(extra) == len(slots):  # the carrier owns the whole ring: keep the first stage
         extra = extra[1:]
-    return extra
+    runs = [slot for slot in slots if slot not in extra]  # the first stage of each run
+    return extra + runs[1:]
 
 
 def _repartition(layout: Layout, depth: int, why: str) -> Decision:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any, Iterable
 
 from spotpipe.plan.layout import Layout
@@ -213,11 +214,13 @@ def _partition(data: Iterable[Iterable[int]]) -> Partition:
 
 
 def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterable[str],
-            rules: Rules, *, dead: Iterable[str] = ()) -> Outcome:
+            rules: Rules, *, dead: Iterable[str] = (), with_transfers: bool = True) -> Outcome:
     """Decide what the job does after generation `history.generation` ended.
 
     `reports` are the survivors' (every live node has reported); `dead` the nodes known lost
-    (exited, fenced); `joiners` accepted nodes not placed yet, in arrival order."""
+    (exited, fenced); `joiners` accepted nodes not placed yet, in arrival order.
+    `with_transfers=False` leaves `Decision.transfers` empty: nothing else depends on them,
+    and the simulator, which moves no state, need not pay for them."""
     joiners = list(joiners)
     layout, partition = history.layout, history.partition
     leaving = frozenset(n for n, r in reports.items() if r.leaving)
@@ -287,7 +290,8 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     copies = [(m.stage, m.src, m.dst) for m in choice.moves if m.kind == MoveKind.COPY]
     # (a re-partition moves layers, not states; a restart loads every state from the
     # checkpoint: neither has stage transfers)
-    moved = (() if choice.action in (Action.REPARTITION, Action.RESTORE_FROM_CHECKPOINT) else
+    moved = (() if not with_transfers
+             or choice.action in (Action.REPARTITION, Action.RESTORE_FROM_CHECKPOINT) else
              tuple(transfers(layout, choice.layout, copies, promoted, rules.replicas)))
     continues = (_continues_in_flight(choice, layout, rules)
                  and all(r.formed for r in reports.values()))
@@ -419,9 +423,23 @@ def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[st
     return ""
 
 
+@lru_cache(maxsize=4096)
+def _boundary_report(node: str, committed: int, leaving: bool) -> NodeReport:
+    """A node's report at a boundary with nothing in flight (immutable, so shared: the
+    simulator's planner makes tens of them per event)."""
+    return NodeReport(node, iteration=committed + 1, committed_through=committed,
+                      leaving=leaving)
+
+
+# Boundary decisions settle by construction (see `plan.policy._grow`: each one strictly lowers
+# the layout's distance from its fixed point), within 4 steps of an event; `settle` raises
+# past this many, which would be a planner bug, rather than cut the sequence short.
+SETTLE_CAP = 8
+
+
 def settle(history: History, rules: Rules, *, lost: Iterable[str] = (),
            leaving: Iterable[str] = (), joiners: Iterable[str] = (),
-           committed: int | None = None) -> list[Outcome]:
+           committed: int | None = None, with_transfers: bool = True) -> list[Outcome]:
     """The decisions a running job makes for one event and at the boundaries after it, until
     its layout cannot improve further: one `recover` for the event (nodes `lost`, nodes
     `leaving` on a notice, `joiners`), then one per boundary while the last outcome says the
@@ -430,19 +448,23 @@ def settle(history: History, rules: Rules, *, lost: Iterable[str] = (),
 
     Every live node reports having committed `committed` (default: one before the iteration
     the job last resumed at, i.e. nothing in flight is kept)."""
-    lost, leaving = frozenset(lost), frozenset(leaving)
+    lost, leaving, joiners = frozenset(lost), frozenset(leaving), tuple(joiners)
     done = history.resumed_at - 1 if committed is None else committed
 
     def reports(h: History, going: frozenset[str]) -> dict[str, NodeReport]:
-        return {n: NodeReport(n, iteration=done + 1, committed_through=done,
-                              leaving=n in going)
+        return {n: _boundary_report(n, done, n in going)
                 for n in sorted(h.layout.active_nodes - lost)}
 
-    outcomes = [recover(history, reports(history, leaving), joiners, rules, dead=lost)]
-    # (a sequence of boundary decisions converges in a few steps; the cap only guards the
-    # simulator against a planner that would not converge)
-    while (outcomes[-1].improve and not outcomes[-1].decision.stopped
-           and len(outcomes) < 8):
+    outcomes = [recover(history, reports(history, leaving), joiners, rules, dead=lost,
+                        with_transfers=with_transfers)]
+    while outcomes[-1].improve and not outcomes[-1].decision.stopped:
+        if len(outcomes) >= SETTLE_CAP:
+            steps = ", ".join(o.decision.action.value for o in outcomes)
+            raise RuntimeError(
+                f"the planner did not settle in {SETTLE_CAP} decisions after one event "
+                f"(lost {sorted(lost)}, leaving {sorted(leaving)}, joiners {list(joiners)}, "
+                f"from {history.layout.to_json()}): {steps}")
         after = outcomes[-1].history
-        outcomes.append(recover(after, reports(after, frozenset()), [], rules))
+        outcomes.append(recover(after, reports(after, frozenset()), [], rules,
+                                with_transfers=with_transfers))
     return outcomes

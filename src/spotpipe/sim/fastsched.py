@@ -10,9 +10,10 @@ placements at M = 32..128). Most insertions need no re-timing at all:
   so its wait at the barrier); nothing before the barrier moves;
 - only an FRC that overflows the wait before a receive shifts later work, and waits only
   shrink as work is added, so that happens at most once per receive with a wait.
-The replay itself runs over precompiled integer instructions. Merged schedules (after a
-takeover) reuse one global order per (kind, P, M) instead of replaying the base schedule for
-every merged shape.
+The replay itself runs over precompiled integer instructions, compiled once per schedule.
+Merged schedules (after a takeover) reuse one global order per (kind, P, M) instead of
+replaying the base schedule for every merged shape, and the simulator times them straight
+from that order compiled (`merged_iteration_s`), without building their streams.
 
 Cost (one p3.2xlarge GPT-2 run on the p3 trace: `python -m spotpipe.sim.fastsched`): see
 the README's simulator section.
@@ -131,11 +132,41 @@ class _Replay:
         self.barrier = at_barrier
 
 
+def _aligned(recv: dict[int, tuple[float, float]], n: int) -> list:
+    out: list = [None] * n
+    for i, v in recv.items():
+        out[i] = v
+    return out
+
+
+# compiled streams of the schedules timed lately, by identity (the schedule is kept with
+# them, so its id cannot be reused): the simulator times each placed or plain schedule once
+# per width, and the compile costs as much as a replay
+_COMPILED: dict[int, tuple[Schedule, list[list[tuple[int, int, int]]], int]] = {}
+
+
+def _code_of(schedule: Schedule) -> tuple[list[list[tuple[int, int, int]]], int]:
+    hit = _COMPILED.get(id(schedule))
+    if hit is None or hit[0] is not schedule:
+        if len(_COMPILED) >= 256:
+            _COMPILED.clear()
+        chans = _Channels()
+        code = [_compile(s, chans) for s in schedule.streams]
+        hit = _COMPILED[id(schedule)] = (schedule, code, len(chans.ids))
+    return hit[1], hit[2]
+
+
 def iteration_s(schedule: Schedule, costs: StageCosts) -> float:
     """`spotpipe.schedule.simulate(schedule, costs).iteration_s`, faster."""
-    chans = _Channels()
-    code = [_compile(s, chans) for s in schedule.streams]
-    return max(_Replay(code, len(chans.ids), costs).finish)
+    code, n_channels = _code_of(schedule)
+    return max(_Replay(code, n_channels, costs).finish)
+
+
+@lru_cache(maxsize=64)
+def base_schedule(kind: str, num_stages: int, num_microbatches: int) -> Schedule:
+    """`build_schedule`, once per (kind, P, M): plain timing, FRC placement and merged
+    streams all start from it."""
+    return build_schedule(kind, num_stages, num_microbatches)
 
 
 def with_frc(schedule: Schedule, costs: StageCosts) -> Schedule:
@@ -153,7 +184,9 @@ def with_frc(schedule: Schedule, costs: StageCosts) -> Schedule:
         cost = frc_cost(replica)
         stream, ops = streams[actor], code[actor]
         replay = _Replay(code, n_ch, costs)
-        recv = dict(replay.recv[actor])  # position -> (arrival, clock before)
+        # per position of `ops`: (arrival, clock before) of a receive, None for the rest; a
+        # list kept aligned with `ops` (an insertion shifts both)
+        recv = _aligned(replay.recv[actor], len(ops))
         barrier = dict(replay.barrier)
         bar_pos = next(i for i, x in enumerate(ops) if x[0] == ALLRED)
         forward_at: dict[int, int] = {}  # mb -> position of this node's first forward of it
@@ -187,23 +220,21 @@ def with_frc(schedule: Schedule, costs: StageCosts) -> Schedule:
             at = fit if fit >= 0 else best if best >= 0 else last
             stream.insert(at, Instr(Op.FRC_FORWARD, replica, mb))
             ops.insert(at, (FRC, replica, -1))
+            recv.insert(at, None)
             for k in range(mb + 1, m):  # forwards still to be found move with the insertion
                 if forward_at.get(k, -1) >= at:
                     forward_at[k] += 1
             prev = at + 1
             bar_pos += 1
-            shifted = {(i + 1 if i >= at else i): v for i, v in recv.items()}
             if at == bar_pos - 1 and ops[bar_pos][0] == ALLRED:
                 barrier[actor] += cost  # only this node's arrival at the barrier moves
-                recv = shifted
                 continue
-            t, clk = recv[at]
+            t, clk = recv[at + 1]  # the receive the FRC went before
             if clk + cost <= t:  # the wait absorbs it: every clock stays as it was
-                shifted[at + 1] = (t, clk + cost)
-                recv = shifted
+                recv[at + 1] = (t, clk + cost)
                 continue
             replay = _Replay(code, n_ch, costs)
-            recv = dict(replay.recv[actor])
+            recv = _aligned(replay.recv[actor], len(ops))
             barrier = dict(replay.barrier)
     return Schedule(schedule.kind, p, m, tuple(tuple(s) for s in streams), schedule.owners,
                     replicas=tuple((replica_of(a, p),) for a in range(p)))
@@ -211,7 +242,42 @@ def with_frc(schedule: Schedule, costs: StageCosts) -> Schedule:
 
 @lru_cache(maxsize=64)
 def _global_order(kind: str, num_stages: int, num_microbatches: int) -> tuple[Instr, ...]:
-    return tuple(global_order(build_schedule(kind, num_stages, num_microbatches)))
+    return tuple(global_order(base_schedule(kind, num_stages, num_microbatches)))
+
+
+@lru_cache(maxsize=64)
+def _compiled_order(kind: str, num_stages: int, num_microbatches: int
+                    ) -> tuple[tuple[tuple[int, int, int], ...], int]:
+    """The base schedule's global order less its all-reduce and optimizer steps, compiled
+    once: every merged shape's streams are slices of it."""
+    order = [ins for ins in _global_order(kind, num_stages, num_microbatches)
+             if ins.op not in (Op.ALL_REDUCE, Op.OPTIMIZER_STEP)]
+    chans = _Channels()
+    return tuple(_compile(order, chans)), len(chans.ids)
+
+
+def merged_iteration_s(kind: str, num_microbatches: int, owners: Sequence[Sequence[int]],
+                       costs: StageCosts) -> float:
+    """`iteration_s(merged_schedule(kind, M, owners), costs)` without building the streams:
+    each actor's compiled stream is the compiled global order's instructions of its stages
+    (a channel's number does not change any time)."""
+    stages = sorted(s for own in owners for s in own)
+    p = len(stages)
+    if stages != list(range(p)):
+        raise ValueError(f"owners {list(owners)} must cover stages 0..{p - 1} exactly once")
+    order, n_channels = _compiled_order(kind, p, num_microbatches)
+    actor_of = [0] * p
+    for a, own in enumerate(owners):
+        for s in own:
+            actor_of[s] = a
+    code: list[list[tuple[int, int, int]]] = [[] for _ in owners]
+    appends = [c.append for c in code]
+    for ins in order:
+        appends[actor_of[ins[1]]](ins)
+    for a, own in enumerate(owners):
+        first = min(own)
+        code[a] += [(ALLRED, first, -1), (OPT, first, -1)]
+    return max(_Replay(code, n_channels, costs).finish)
 
 
 def merged_schedule(kind: str, num_microbatches: int,

@@ -31,8 +31,8 @@ from math import ceil
 from pathlib import Path
 
 from spotpipe.plan.layout import uniform_partition
-from spotpipe.schedule import Schedule, StageCosts, build_schedule
-from spotpipe.sim.fastsched import iteration_s, merged_schedule, with_frc
+from spotpipe.schedule import Schedule, StageCosts
+from spotpipe.sim.fastsched import base_schedule, iteration_s, merged_iteration_s, with_frc
 from spotpipe.sim.models import ModelCosts
 
 # (kind, P, M, placement sizes) -> schedule with FRC placed; filled lazily or by warm-up
@@ -76,7 +76,7 @@ def placed_schedule(key: tuple) -> Schedule:
     if sched is None:
         kind, p, m, sizes = key
         costs = StageCosts(sizes, tuple(2.0 * s for s in sizes))
-        sched = _PLACED[key] = with_frc(build_schedule(kind, p, m), costs)
+        sched = _PLACED[key] = with_frc(base_schedule(kind, p, m), costs)
     return sched
 
 
@@ -133,17 +133,17 @@ def _compute_pipeline_time(model: ModelCosts, kind: str, num_stages: int, num_pi
     fwd, bwd, byt = stage_costs(model, num_stages)
     actors = _actors(num_stages, merged)
     m = microbatches_per_pipeline(model, num_pipelines)
-    if len(actors) < num_stages:
-        sched = merged_schedule(kind, m, actors)
-    elif redundant and num_stages > 1:
-        sched = placed_schedule(placement_key(model, kind, num_stages, num_pipelines))
-    else:
-        sched = build_schedule(kind, num_stages, m)
     biggest = max(sum(byt[s] for s in a) for a in actors)
     ring = 2.0 * (num_pipelines - 1) / num_pipelines if num_pipelines > 1 else 0.0
     costs = StageCosts(fwd, bwd, comm=model.activation_bytes / model.network_bytes_s,
                        all_reduce=ring * biggest / model.network_bytes_s,
                        optimizer=biggest * model.optimizer_s_per_byte)
+    if len(actors) < num_stages:  # (the merged streams, timed without building them)
+        return merged_iteration_s(kind, m, actors, costs)
+    if redundant and num_stages > 1:
+        sched = placed_schedule(placement_key(model, kind, num_stages, num_pipelines))
+    else:
+        sched = base_schedule(kind, num_stages, m)
     return iteration_s(sched, costs)
 
 

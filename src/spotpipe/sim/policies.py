@@ -27,12 +27,13 @@ import math
 from dataclasses import dataclass
 
 from spotpipe.plan import Action, Layout
-from spotpipe.plan.recovery import Decision, History, Rules, settle
+from spotpipe.plan.recovery import Decision, Rules
 from spotpipe.sim import fit
 from spotpipe.sim.bamboo import BambooPolicy
 from spotpipe.sim.itertime import iteration_time
 from spotpipe.sim.job import Job
 from spotpipe.sim.params import SimConfig
+from spotpipe.sim.planmemo import settle_steps, shared_rules
 
 
 class Policy:
@@ -111,7 +112,8 @@ def _uniform(depth: int) -> tuple[tuple[int, int], ...]:
 
 
 class Planner:
-    """Runs `plan.recovery.settle` for the events of one trace instant, memoised per instant.
+    """Runs `plan.recovery.settle` for the events of one trace instant, memoised per instant
+    and by the situation's shape (`spotpipe.sim.planmemo`; `memo=False` turns that off).
 
     Layouts evolve from the events and the rules alone (recovery never looks at the job's
     clock), so runs of the spotpipe policy on one trace with the same rules (lazy and eager
@@ -119,10 +121,11 @@ class Planner:
     used only when the caller's layout is the very object the memo started from.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, memo: bool = True) -> None:
         self._memo: dict[int, tuple[Layout, Rules,
                                     list[tuple[Layout, Decision]]]] = {}
         self._start: Layout | None = None
+        self.memo = memo
 
     def start(self, num_stages: int, num_pipelines: int) -> Layout:
         """The empty layout before the first nodes boot (shared, so the memo can match)."""
@@ -135,14 +138,9 @@ class Planner:
     def plan(self, index: int, layout: Layout, lost: frozenset[str], ready: list[str],
              rules: Rules) -> list[tuple[Layout, Decision]]:
         hit = self._memo.get(index)
-        if hit is not None and hit[0] is layout and hit[1] == rules:
+        if hit is not None and hit[0] is layout and (hit[1] is rules or hit[1] == rules):
             return hit[2]
-        history = History(layout, _uniform(layout.num_stages))
-        steps = []
-        current = layout
-        for outcome in settle(history, rules, lost=lost, joiners=ready):
-            steps.append((current, outcome.decision))
-            current = outcome.decision.layout
+        steps = settle_steps(layout, lost, ready, rules, self.memo)
         if index >= 0:
             self._memo[index] = (layout, rules, steps)
         return steps
@@ -163,7 +161,7 @@ class SpotpipePolicy(Policy):
         self.planner = planner or Planner()
         self.layout = self.planner.start(cfg.num_stages, cfg.num_pipelines)
         self.decisions: list[tuple[float, Action]] = []
-        self.rules = recovery_rules(cfg, self.redundancy())
+        self.rules = shared_rules(recovery_rules(cfg, self.redundancy()))
         self.shapes: set[tuple[int, int, bool]] = set()  # (P, D, a node carries two stages)
 
     def used_nodes(self) -> int:

@@ -6,21 +6,24 @@ many steps as it has preemptions and grants. Between events the job runs at the 
 time of its current layout (cached per layout shape; shapes are timed by
 `spotpipe.sim.fastsched`), which is why a run costs a fraction of a millisecond to a few.
 
-How the cost grows (`spotpipe bench simulator`, key `growth`: CPU ms per run with the shapes
-already timed, GPT-2 XL at P = 8, hourly removal rate 0.10, load average 10 on 2 cores):
+How the cost grows (`spotpipe bench simulator --json`, key `growth`; `sim.bench.growth`: CPU
+ms of one run per policy, GPT-2 XL at P = 8 and D = nodes / 8, hourly removal rate 0.10, the
+shapes already timed and the planner's memo filled by another seed's run; load average 8-11
+on 2 shared cores, so +-30 %):
 
 | nodes | events (3 h / 12 h) | spotpipe | bamboo | checkpoint-restart |
 |---|---|---|---|---|
-| 48 | 61 / 139 | 2.2 / 8.9 | 0.6 / 2.2 | 0.16 / 0.65 |
-| 192 | 272 / 570 | 23 / 99 | 3.2 / 15 | 1.0 / 3.3 |
-| 768 | 1088 / 2246 | 459 / 1400 | 28 / 169 | 6.9 / 42 |
+| 48 | 61 / 139 | 5.1 / 35 | 0.65 / 1.9 | 0.24 / 0.62 |
+| 192 | 272 / 570 | 89 / 232 | 6.3 / 13 | 1.8 / 3.3 |
+| 768 | 1088 / 2246 | 988 / 2427 | 28 / 169 | 7.4 / 32 |
 
-From 48 to 768 nodes (16x the nodes, 18x the events of a 3 h trace) bamboo and
-checkpoint-restart cost about 45x more per run (per event: a walk of the node list at a
-rendezvous or restart), spotpipe about 210x: its planner (`plan.decide`, about 70 % of its
-time at 24 nodes) builds and compares whole layouts at every decision. A longer trace costs
-more than its events alone (3 h -> 12 h: 2.1x the events, 3-6x the time; not profiled
-further).
+From 48 to 768 nodes (16x the nodes, 18x the events of a 3 h trace) checkpoint-restart costs
+about 30x more per run and bamboo 40x (per event: a walk of the node list at a rendezvous or
+restart), spotpipe about 190x, i.e. per event about linear in the nodes: its planner
+(`plan.recovery.settle`) builds whole layouts at every decision, and its memo
+(`spotpipe.sim.planmemo`), which answers nine in ten decisions of a 24-node table from
+situations seen before, rarely meets the same slot map twice among 96 pipelines. A longer
+trace costs a little more than its events (3 h -> 12 h: 2.1x the events, 2.5-3x the time).
 
 Invariants the tests check: the job never uses more nodes than the trace offers at any
 instant (used <= held == available), only held instances are billed, on-demand equals its

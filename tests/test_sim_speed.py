@@ -1,0 +1,145 @@
+"""The simulator's speed-ups change no figure: its outputs on Bamboo's p3 and g4dn traces and on
+synthetic seeds, for every policy and redundancy level, with and without shadows, equal the
+figures recorded from the code before them (`tests/fixtures/sim_outputs.json`, written by
+`python tests/test_sim_speed.py --record` at commit 0ea6e42, before any speed-up), to the
+last bit; and the planner's memo gives the same decisions as no memo.
+
+Rerecord only for a change meant to alter the simulator's figures, and say so in its commit.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from spotpipe.sim.bench import bench_config
+from spotpipe.sim.planmemo import settle_steps
+from spotpipe.sim.policies import Planner
+from spotpipe.sim.simulator import run, run_policies
+from spotpipe.sim.synthetic import bamboo_trace
+from spotpipe.sim.traces import load_trace
+
+FIXTURE = Path(__file__).parent / "fixtures" / "sim_outputs.json"
+POLICIES = ["spotpipe", "bamboo", "checkpoint_restart", "on_demand"]
+SYNTHETIC = [(rate, seed) for rate in (0.05, 0.25, 0.5) for seed in range(4)]
+
+
+def _configs() -> dict[str, object]:
+    lazy = bench_config("lazy")
+    return {"lazy": lazy, "eager": bench_config("eager"), "none": bench_config("none"),
+            "lazy_shadows": replace(lazy, shadows=True),
+            "eager_shadows": replace(bench_config("eager"), shadows=True),
+            "p12x2_lazy": replace(lazy, num_stages=12, num_pipelines=2)}
+
+
+def _figures(trace, cfg, hours: float | None = None) -> dict[str, dict]:
+    duration = None if hours is None else hours * 3600.0
+    out = {}
+    for name, r in run_policies(trace, POLICIES, cfg, duration_s=duration).items():
+        out[name] = {"samples": r.samples, "dollars": r.dollars, "preemptions": r.preemptions,
+                     "fatal_failures": r.fatal_failures, "breakdown": r.breakdown,
+                     "run_window": list(r.run_window), "value_integral": r.value_integral,
+                     "shapes": sorted(list(s) for s in r.shapes),
+                     # (every point of the timeline, by digest: the figures above say
+                     # where a difference is)
+                     "timeline": _digest([[p.time_s, p.used, p.throughput, p.samples,
+                                           p.dollars] for p in r.timeline])}
+    return out
+
+
+def _digest(data) -> str:
+    return hashlib.sha256(json.dumps(data).encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def _cases() -> list[tuple]:
+    return list(_generate())
+
+
+def _generate():
+    traces = {name: load_trace(f"bamboo-{name}.csv") for name in ("p3", "g4dn")}
+    for cfg_name, cfg in _configs().items():
+        for name, trace in traces.items():
+            yield f"{name}/{cfg_name}", trace, cfg, None
+    lazy, shadows = _configs()["lazy"], _configs()["lazy_shadows"]
+    for rate, seed in SYNTHETIC:
+        trace = bamboo_trace(rate, 3.0, lazy.nodes, seed)
+        yield f"synthetic-{rate}-{seed}/lazy", trace, lazy, 3.0
+        yield f"synthetic-{rate}-{seed}/lazy_shadows", trace, shadows, 3.0
+
+
+def _outputs() -> dict[str, dict]:
+    return {key: _figures(trace, cfg, hours) for key, trace, cfg, hours in _cases()}
+
+
+def _json(data):
+    return json.loads(json.dumps(data))  # (tuples become lists, as in the fixture)
+
+
+@pytest.fixture(scope="module")
+def recorded() -> dict:
+    return json.loads(FIXTURE.read_text())
+
+
+@pytest.mark.parametrize("key", [k for k, *_ in _cases()])
+def test_outputs_equal_the_recorded_figures(key, recorded):
+    _, trace, cfg, hours = next(c for c in _cases() if c[0] == key)
+    got = _json(_figures(trace, cfg, hours))
+    want = recorded[key]
+    for policy in POLICIES:
+        assert got[policy] == want[policy], f"{key}: {policy} differs from the recorded run"
+
+
+class _Recording(Planner):
+    """The simulator's planner (one per trace, as the simulator makes them), keeping every
+    call and what it answered."""
+
+    def __init__(self, calls: list[tuple]) -> None:
+        super().__init__(memo=True)
+        self.calls = calls
+
+    def plan(self, index, layout, lost, ready, rules):
+        steps = super().plan(index, layout, lost, ready, rules)
+        self.calls.append((layout, lost, list(ready), rules, steps))
+        return steps
+
+
+@pytest.mark.parametrize("cfg_name", ["lazy", "lazy_shadows", "none", "p12x2_lazy"])
+def test_the_shape_memo_decides_as_the_planner_does(cfg_name):
+    """Every decision the memo gave back (renamed from another situation of the same shape)
+    is the one `settle` makes for these very nodes, field by field."""
+    cfg = _configs()[cfg_name]
+    calls: list[tuple] = []
+    hits = 0
+    for rate in (0.1, 0.5):
+        for seed in range(12):
+            trace = bamboo_trace(rate, 3.0, cfg.nodes, 100 + seed)
+            run(trace, "spotpipe", cfg, record=False, planner=_Recording(calls))
+    for layout, lost, ready, rules, steps in calls:
+        want = settle_steps(layout, lost, ready, rules, memo=False)
+        assert [(b.to_json(), d.to_json()) for b, d in steps] == \
+            [(b.to_json(), d.to_json()) for b, d in want], (layout.to_json(), lost, ready)
+        hits += any(d.layout is not w.layout for (_, d), (_, w) in zip(steps, want))
+    assert len(calls) > 200 and hits > 100  # the memo was used, and checked
+
+
+def test_results_with_and_without_the_memo_are_equal():
+    cfg = _configs()["lazy_shadows"]
+    for seed in range(6):
+        trace = bamboo_trace(0.25, 3.0, cfg.nodes, 200 + seed)
+        on = run(trace, "spotpipe", cfg, planner=Planner(memo=True))
+        off = run(trace, "spotpipe", cfg, planner=Planner(memo=False))
+        assert (on.samples, on.dollars, on.breakdown, on.shapes) == \
+            (off.samples, off.dollars, off.breakdown, off.shapes)
+        assert [vars(p) for p in on.timeline] == [vars(p) for p in off.timeline]
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
+    FIXTURE.write_text(json.dumps(_outputs(), sort_keys=True) + "\n")
+    print(f"wrote {FIXTURE}")
