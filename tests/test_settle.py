@@ -145,20 +145,33 @@ def test_settle_reaches_a_fixed_point_from_any_layout(seed):
         assert len(outcomes) <= MOST_STEPS, where
 
 
-@pytest.mark.xfail(raises=IndexError, strict=True, reason="known, not a convergence bug: "
-                   "a shadow repair that restores stage 0 and gives the restored stage 4 the "
-                   "replica of stage 0 finds no live node that held stage 0 before "
-                   "(plan.transfers looks only at the old layout; the runtime moves replicas "
-                   "before it restores stages)")
-def test_a_replica_of_a_restored_stage_has_a_source():
-    """Found by the walk above: three of five stages lost at once (0, 3, 4), shadows on."""
+def test_a_replica_of_a_restored_stage_comes_from_its_restorer_after_the_restore():
+    """Found by the walk above: three of five stages lost at once (0, 3, 4), shadows on. No
+    survivor owned stage 0, so the replica of stage 0 (held by stage 4's new owner) comes from
+    the node that restores stage 0 from its shadow, once it has (`after_restores`); it used to
+    be an IndexError in `plan.transfers`, which would have crashed the coordinator."""
+    from spotpipe.plan.transfers import REPLICA, after_restores
+
     nodes = [f"j{i}" for i in range(51, 58)]
     layout = Layout.build(5, 1, nodes)
     rules = Rules(replicas=True, shadows=True, repartition=False, replay_rest=True,
                   microbatches=8, partition_for=_uniform, min_stages=3, restarts=True)
     outcomes = settle(History(layout, _uniform(5)), rules, lost={"j55"},
                       leaving={"j51", "j54"}, joiners=["j58"])
-    assert outcomes[0].decision.action == Action.RESTORE_FROM_SHADOW
+    decision = outcomes[0].decision
+    assert decision.action == Action.RESTORE_FROM_SHADOW
+    new = decision.layout
+    restored = {m.stage for m in decision.moves if m.kind.value == "restore" and m.pipeline == 0}
+    assert restored >= {0}
+    # the node that now owns stage 4 holds stage 0's replica (the ring wraps), sent by stage
+    # 0's new owner, which restores it: after the restores, and only that one
+    holder = new.owner(0, 4)
+    late = after_restores(decision.transfers, layout, restored)
+    assert (REPLICA, 0, new.owner(0, 0), holder) in {(t.kind, t.stage, t.src, t.dst)
+                                                     for t in late}
+    for t in decision.transfers:
+        if t not in late:  # every earlier transfer's source holds the state before the change
+            assert t.src in {n for (_, s), n in layout.mapping.items() if s == t.stage}, t
 
 
 def test_the_cap_raises_instead_of_cutting_a_sequence_short(monkeypatch):

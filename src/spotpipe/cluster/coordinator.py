@@ -368,6 +368,7 @@ def _plan_event(now: float, generation: int, d: Decision) -> dict[str, Any]:
             "action": d.action.value, "resume": d.resume,
             "moves": [{"kind": m.kind.value, "pipeline": m.pipeline, "stage": m.stage,
                        "src": m.src, "dst": m.dst} for m in d.moves],
+            "transfers": [t.to_json() for t in d.transfers],
             "stages": d.layout.num_stages, "standby": list(d.layout.standby),
             "partition": [list(r) for r in d.partition],
             "previous_partition": [list(r) for r in d.previous_partition],

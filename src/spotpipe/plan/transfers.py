@@ -2,7 +2,8 @@
 
 Part of a Decision: every node carries out the same list, so nobody announces anything. A
 replica comes from a node that owned its stage before the change (all data-parallel owners of
-a stage hold identical state), preferring the receiver itself.
+a stage hold identical state), preferring the receiver itself; the replica of a stage that no
+survivor owned comes from the node that restores it from its shadow, after the restore.
 """
 
 from __future__ import annotations
@@ -55,6 +56,17 @@ def transfers(old: Layout, new: Layout, copies: Iterable[tuple[int, str, str]],
         if had == want:
             continue
         sources = sorted(n for (d, s), n in old.mapping.items() if s == want and n in alive)
+        if not sources:
+            # no owner of the stage survived: the change restores it from its shadow, and
+            # its new owner in pipeline 0 sends the replica once it has (see `after_restores`)
+            sources = [new.owner(0, want)]
         src = node if node in sources else sources[0]
         out.append(Transfer(REPLICA, want, src, node))
     return out
+
+
+def after_restores(moves: Iterable[Transfer], old: Layout, restored: set[int]) -> list[Transfer]:
+    """The replica transfers of `moves` whose source holds the state only once it has restored
+    it from its shadow: stages in `restored` that the source did not own before."""
+    return [t for t in moves if t.kind == REPLICA and t.stage in restored
+            and t.src not in {n for (_, s), n in old.mapping.items() if s == t.stage}]

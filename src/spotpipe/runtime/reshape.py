@@ -16,7 +16,7 @@ from typing import Any
 
 from spotpipe.plan import MoveKind, held_replica, layer_plan
 from spotpipe.plan.recovery import Decision
-from spotpipe.plan.transfers import Transfer
+from spotpipe.plan.transfers import Transfer, after_restores
 from spotpipe.protocol import Channel, Mark, Refused, keys
 from spotpipe.runtime import migrate
 from spotpipe.runtime import node as nodelib
@@ -79,7 +79,11 @@ class Reshaper:
         self.inject("regroup", resume)
         comm = open_comm()
         formed = time.perf_counter()
-        moves = list(decision.transfers)
+        # the replica of a stage restored from its shadow is sent once its restorer holds it
+        late = after_restores(decision.transfers, old, {m.stage for m in decision.moves
+                                                        if m.kind == MoveKind.RESTORE
+                                                        and m.pipeline == 0})
+        moves = [t for t in decision.transfers if t not in late]
         if repartition or progress.lacking or any(me in (t.src, t.dst) for t in moves):
             self.inject("transfer", resume)  # (only a plan that moves this node's state)
         held = ({s: id(x) for s, x in st.stages.items()}, id(st.holding))
@@ -104,7 +108,7 @@ class Reshaper:
         self._relink(resume, set(restored), float("nan") if scale == "skip" else scale)
         received += [f"stage {s} from its shadow" for s in restored]
         after = [Transfer("stage", m.stage, decision.layout.owner(0, m.stage), m.dst)
-                 for m in restores if m.pipeline != 0]
+                 for m in restores if m.pipeline != 0] + late
         if after:
             progress.untouched = False
             before = progress.bytes_received
