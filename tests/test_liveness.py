@@ -120,3 +120,34 @@ def test_two_hundred_generations_leave_nothing_behind(tmp_path, corpus, monkeypa
             high_late = max(c[i] for c in late)
             assert high_late <= high_early + 4, (who, what, high_early, high_late)
             assert high_late < 200, (who, what, high_late)
+
+
+def test_only_a_busy_node_can_be_hung_and_a_finishing_one_beats_on():
+    """A node saving its final model (longer than the hang timeout, for a real model) says
+    "finishing" and is judged only on its beats; the same beats saying "busy" are a hang. The
+    clock is the test's own, so nothing here waits."""
+    from torch.distributed import HashStore
+
+    from spotpipe.cluster.liveness import Liveness
+    from spotpipe.protocol import Channel, Heartbeat, keys
+    from spotpipe.protocol.auth import job_key
+
+    key = job_key(b"token", "inst")
+    store, now = HashStore(), [0.0]
+    liveness = Liveness(store, Channel(key, "coordinator"), lambda w, r: None,
+                        clock=lambda: now[0])
+    writers = {state: Channel(key, f"n-{state}") for state in ("busy", "finishing")}
+    for step in range(40):  # 40 beats, 0.5 s apart, all at iteration 5, instruction 32
+        now[0] = step * 0.5
+        verdicts = {}
+        for state, channel in writers.items():
+            store.set(keys.heartbeat(channel.writer),
+                      channel.seal(Heartbeat(channel.writer, state, 1, 5, 32)))
+            verdicts[state] = liveness.verdict(channel.writer, heartbeat_timeout_s=3.0,
+                                               hang_timeout_s=2.0)
+        assert verdicts["finishing"] is None, (step, verdicts)
+        if now[0] > 2.0:
+            assert verdicts["busy"] and verdicts["busy"].startswith("hung"), (step, verdicts)
+    # and beats that stop are a death, finishing or not
+    now[0] += 3.5
+    assert liveness.verdict("n-finishing", 3.0, 2.0).startswith("no heartbeat")

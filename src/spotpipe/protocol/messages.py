@@ -243,7 +243,7 @@ class Heartbeat(Message):
 
     TYPE: ClassVar[str] = "heartbeat"
     node: str
-    state: str  # starting | busy | waiting
+    state: str  # starting | busy | waiting | finishing (only busy can be hung)
     generation: int
     iteration: int = -1
     position: int = 0

@@ -193,6 +193,9 @@ class Worker:
         ex = self.executor
         if ex is None:
             return {"state": "starting", "generation": self.generation}
+        if self._finishing:  # the final save and the shadows' last writes are no hang
+            return {"state": "finishing", "generation": self.generation,
+                    "iteration": ex.iteration, "position": ex.position}
         busy = (not ex.comm.waiter.waiting and not self._recovering
                 and not (self.shadow is not None and self.shadow.waiting)
                 and not (self.holding is not None and self.holding.applier.waiting))
@@ -203,6 +206,7 @@ class Worker:
         self.channel.event("record_refused", writer=why.writer, reason=why.reason[:300])
 
     _recovering = False
+    _finishing = False
     _comm: Comm | None = None  # the newest generation's groups
     rest: list | None = None  # after a takeover: the rest of the in-flight iteration
 
@@ -570,8 +574,11 @@ class Worker:
             frc_ready=frc, last_stage=self.layout.num_stages - 1)
 
     def _finish(self, left: bool = False) -> None:
+        # the beats go on until the end, saying "finishing": a final save longer than the hang
+        # timeout (a real model's) must not be fenced as a hang, nor one longer than the
+        # heartbeat timeout as a death
+        self._finishing = True
         self.checkpoints.close()
-        self.heartbeat.stop()
         if self.shadow is not None:
             self.shadow.close()  # the next writer (or nobody, at the end) takes over the links
             if self.shadow.writer_s or self.shadow.waited_s:
@@ -590,6 +597,7 @@ class Worker:
             self.digests.close()
         if not left:
             self.save_final()
+        self.heartbeat.stop()
         self.channel.event("worker_left" if left else "worker_done", stages=sorted(self.stages),
                            cpu_s=round(time.process_time(), 3),
                            rss_built_mib=self.rss_built_mib,
