@@ -41,11 +41,13 @@ def test_clock_skew_neither_fences_nor_hides_a_node(tmp_path, tmp_path_factory, 
 
 def test_a_starved_replica_update_does_not_hide_an_abort(tmp_path, tmp_path_factory, corpus,
                                                          monkeypatch):
-    """node0's replica updates are held back 1 s each (an idle-priority thread without CPU)
+    """node0's replica updates are held back 2 s each (an idle-priority thread without CPU)
     while replica.max_lag makes node0 wait for them, longer than the hang timeout: node0 is
     waiting, not hung, so it is not fenced; and when node1 crashes, it answers the abort."""
-    monkeypatch.setenv("SPOTPIPE_TEST_REPLICA_DELAY", "node0=1.0")
-    extra = {"replica.max_lag": 1, "failover.hang_timeout_s": 0.6, "iterations": 6}
+    # (a hang timeout long enough that a busy worker on a loaded 2-core machine is not hung,
+    # and still shorter than each held-back update)
+    monkeypatch.setenv("SPOTPIPE_TEST_REPLICA_DELAY", "node0=2.0")
+    extra = {"replica.max_lag": 1, "failover.hang_timeout_s": 1.2, "iterations": 6}
     cfg = config(corpus, 2, 1, **extra)
     run = tmp_path / "run"
     assert train(cfg, run, progress=False, faults=[Fault("fail", "node1", 4)]) == 0

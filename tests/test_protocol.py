@@ -92,7 +92,7 @@ def test_forged_records_are_refused_and_the_job_is_undisturbed(tmp_path, tmp_pat
     not belong: each is refused with an event; the job (one real crash at iteration 40) ends
     bit-identical to the run without failures."""
     monkeypatch.setenv("SPOTPIPE_JOIN_TOKEN", "sesame")
-    iters = 80
+    iters = 400  # long enough for the replays below to meet a coordinator read (see there)
     cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy",
                       **{**FAST, "iterations": iters, "logging.sample_log": True})
     run = tmp_path / "run"
@@ -124,7 +124,8 @@ def test_forged_records_are_refused_and_the_job_is_undisturbed(tmp_path, tmp_pat
     # a stale heartbeat: node0's valid beat written back over a newer one, once per beat and
     # half a period after it (an overwrite at once, again and again, would hide every beat and
     # fence node0: a store writer can always deny service, but must not steer), until the
-    # coordinator says it refused one (a real condition: its event)
+    # coordinator says it refused one (a real condition: its event). The coordinator reads
+    # once per period, so about every other replay is read: the job runs for many periods.
     period = cfg.failover.heartbeat_s
     newest = valid
 
