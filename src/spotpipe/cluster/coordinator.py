@@ -26,8 +26,9 @@ from spotpipe.cluster.liveness import Liveness
 from spotpipe.config import Config
 from spotpipe.plan import Layout
 from spotpipe.plan.recovery import (Decision, History, NodeReport, Outcome, Rules, recover)
-from spotpipe.protocol import (Abort, Channel, DecisionRecord, JoinAnswer, JoinRequest, Regroup,
-                               Report, keys)
+from spotpipe.cluster import succession
+from spotpipe.protocol import (Abort, Channel, CoordinatorState, DecisionRecord, JoinAnswer,
+                               JoinRequest, Regroup, Report, keys)
 from spotpipe.store import board
 
 
@@ -134,6 +135,39 @@ class Coordinator:
         self._refusals.add((writer, reason))
         self.emit({"time_s": self.now(), "kind": "record_refused", "node": writer,
                    "reason": reason[:300]})
+
+    # ------------------------------------------------------------------ succession
+
+    def books(self) -> dict[str, Any]:
+        """This coordinator's part of a `CoordinatorState`: what lives only in its memory."""
+        rec = self.collecting
+        return {
+            "generation": self.generation,
+            "history": {**succession.history_to_json(self.history),
+                        "partitions": succession.partitions_to_json(self._partitions)},
+            "dead": tuple(sorted(self.dead)), "finished": tuple(sorted(self.finished)),
+            "fenced": tuple(sorted(self.fenced)), "left": tuple(sorted(self.left)),
+            "joining": tuple(self.joining), "over": self.over,
+            "stop_message": self.stop_message, "regroup_asked": self._regroup_asked,
+            "collecting": None if rec is None else {
+                "generation": rec.generation, "started_s": rec.started_s,
+                "reasons": list(rec.reasons),
+                "reports": [r.to_json() for r in rec.reports.values()]}}
+
+    def restore(self, state: CoordinatorState) -> None:
+        """Take up a predecessor's books. Liveness starts afresh: beats are timed on this
+        coordinator's clock from their next arrival, so no node is fenced for the time the
+        office was vacant."""
+        self.history = succession.history_from_json(state.history)
+        self._partitions = succession.partitions_from_json(state.history.get("partitions", {}))
+        self.dead, self.finished = set(state.dead), set(state.finished)
+        self.fenced, self.left = set(state.fenced), set(state.left)
+        self.joining, self.over = list(state.joining), state.over
+        self.stop_message, self._regroup_asked = state.stop_message, state.regroup_asked
+        rec = state.collecting
+        self.collecting = None if rec is None else Collecting(
+            int(rec["generation"]), float(rec["started_s"]), [str(r) for r in rec["reasons"]],
+            {r["node"]: Report.from_json(r) for r in rec["reports"]})
 
     # ------------------------------------------------------------------ inputs
 
