@@ -266,3 +266,67 @@ def test_cloud_notice_over_namespaced_hosts(cluster_factory, corpus, tmp_path, t
     if service == "azure":
         assert meta.acks == [(node, meta.events[node]["EventId"])]
     check_result(tmp_path_factory, cfg, run, outs, reference=job(corpus, 3, 1, 400))
+
+
+def _worker_pids(cluster, hosts: list[int], procs) -> dict[int, set[int]]:
+    """The processes of each host's namespace other than its agent (`ip netns exec` execs
+    the agent in place, so the agent's pid is the Popen's)."""
+    return {i: set(netns_pids(cluster.hosts[i].name)) - {procs[i].pid} for i in hosts}
+
+
+def _etcd_keys(cluster, host: int, prefix: str) -> int:
+    from datetime import timedelta
+
+    from netns import ETCD_ADDR, ETCD_PORT, in_netns
+    from spotpipe.store.etcd import EtcdStore
+
+    return in_netns(cluster.hosts[host].name, lambda: EtcdStore(
+        ETCD_ADDR, ETCD_PORT, prefix, timeout=timedelta(seconds=10)).num_keys())
+
+
+def test_coordinating_host_lost(cluster_factory, corpus, tmp_path, tmp_path_factory):
+    """Every process of the coordinating host killed at once (its agent, the coordinator and
+    its worker): its lease expires, another agent is elected, takes up the books from the
+    store and carries on; the lost host's node is an ordinary host loss (failover, P 3 -> 2).
+    No worker restarts, the run's files continue whole on the new coordinator's host (every
+    iteration's metrics once, the predecessor's events first), the final model matches
+    `spotpipe train` bit for bit, every sample is consumed once, and the job's etcd prefix is
+    gone at the end."""
+    cluster, cfg, outs, procs = running_job(cluster_factory, corpus, tmp_path, 150)
+    c = coordinator_of(outs)
+    others = [i for i in range(3) if i != c]
+    before = _worker_pids(cluster, others, procs)
+    assert all(before.values()), before
+    t0 = next(e for e in events(outs[c]) if e["kind"] == "launch")["t0"]
+    lost_at = time.time()
+    cluster.lose_host(c)
+
+    def successor() -> int | None:
+        found = [i for i in others if (outs[i] / "events.jsonl").exists()
+                 and any(e["kind"] == "coordinator_takeover" for e in events(outs[i]))]
+        return found[0] if found else None
+
+    others_procs = [procs[i] for i in others]
+    wait_until(lambda: successor() is not None, others_procs, "a takeover", 120)
+    new = successor()
+    run = outs[new]
+    resumed = iteration(run)
+    wait_until(lambda: iteration(run) > resumed + 3, others_procs, "training after it")
+    assert _worker_pids(cluster, others, procs) == before, "a worker was restarted"
+    assert finish(others_procs) == [0, 0]
+    evs = events(run)
+    kinds = [e["kind"] for e in evs]
+    assert kinds[0] == "launch" and kinds.count("launch") == 1  # the predecessor's lines first
+    takeover = evs[kinds.index("coordinator_takeover")]
+    lost_node = next((outs[c] / "logs").glob("node*.log")).stem
+    assert takeover["predecessor_nodes"] == [lost_node]
+    assert any(e["kind"] == "agent_lost" and e["node"] == lost_node for e in evs)
+    assert plans(run)[0] == "failover" and set(plans(run)) <= {"failover", "repartition"}
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [m["iter"] for m in metrics] == list(range(cfg.iterations))
+    check_result(tmp_path_factory, cfg, run, outs)
+    assert _etcd_keys(cluster, others[0], "/spotpipe/jobs/job1") == 0, "the job's keys stayed"
+    after = next(m for m in metrics if t0 + m["time_s"] > lost_at)
+    print(f"coordinator takeover: host lost -> iteration {after['iter']} committed "
+          f"{t0 + after['time_s'] - lost_at:.2f} s later (lease TTL "
+          f"{cfg.failover.heartbeat_timeout_s:.0f} s)")
