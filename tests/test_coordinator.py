@@ -113,3 +113,41 @@ def _boundary(coord: Coordinator, node: str) -> Report:
     return _make(coord, node, boundary=True, iteration=6, committed_through=6,
                  stepped_through=6, formed=True,
                  reason="the layout changes at this iteration boundary")
+
+
+def test_a_successor_from_the_books_decides_as_the_coordinator_would(corpus):
+    """The coordinator's books (`books`, sealed as a CoordinatorState and opened again, as a
+    successor on another host reads them) taken in the middle of an agreement: a fresh
+    coordinator restored from them and given the last report publishes the same Decision as
+    the coordinator that was never interrupted, and ends with the same books."""
+    from spotpipe.cluster import succession
+    from spotpipe.protocol import CoordinatorState
+
+    cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy")
+    nodes = ["node0", "node1", "node2", "node3"]
+
+    def make() -> Coordinator:
+        return Coordinator(cfg=cfg, store=dist.HashStore(), layout=Layout.build(2, 2, nodes),
+                           kill=lambda node: None, emit=lambda e: None, now=lambda: 0.0,
+                           channel=Channel(KEY, "coordinator"), partition=[(0, 2), (2, 4)])
+
+    original = make()
+    original.node_exited("node3", -9)
+    _report(original, "node0", formed=True, committed_through=4, flight=5)
+    _report(original, "node1", formed=True, committed_through=4, flight=5)
+    assert original.collecting is not None and original.generation == 0
+    books = original.books()
+    assert succession.history_from_json(books["history"]) == original.history
+    fields = dict(books, cursor=7, journal=2, last_metrics=None, exited={"node3": -9},
+                  checkpoints={}, admission={}, time_s=1.0)
+    blob = Channel(KEY, "coordinator").seal(CoordinatorState(**fields), 0)
+    opened = Channel(KEY, "agent2").open(blob, expect=CoordinatorState, writers={"coordinator"})
+    successor = make()
+    successor.restore(opened.message)
+    assert successor.books() == books
+    last = _make(original, "node2", formed=True, committed_through=4, flight=5)
+    original.report(last, "node2")
+    successor.report(last, "node2")
+    want, got = _plan(original, 0), _plan(successor, 0)
+    assert want["action"] == "failover" and got == want
+    assert successor.books() == original.books()

@@ -180,14 +180,14 @@ def test_etcd_restarted(cluster_factory, corpus, tmp_path, tmp_path_factory):
     check_result(tmp_path_factory, cfg, run, outs)
 
 
-def test_long_partition_fails_over_and_the_host_is_fenced(cluster_factory, corpus, tmp_path,
-                                                          tmp_path_factory):
+def test_long_partition_fails_over_and_the_host_rejoins(cluster_factory, corpus, tmp_path,
+                                                        tmp_path_factory):
     """A host's link down past the heartbeat timeout: the coordinator fences its node and
     fails over (then re-partitions, P 3 -> 2). When the link comes back, the node's report
     belongs to generation 0 and is refused (when it gets to write one); its agent reads the
-    coordinator's kill record, kills the worker and, the job being full, exits with it (it does
-    not rejoin)."""
-    cluster, cfg, outs, procs = running_job(cluster_factory, corpus, tmp_path, 250)
+    coordinator's kill record, kills the worker, and comes again in its own place (the job
+    has --nnodes 3:3): a new node, which joins the running job and is placed (P 2 -> 3)."""
+    cluster, cfg, outs, procs = running_job(cluster_factory, corpus, tmp_path, 400)
     c, cut = victim(outs)
     node = next((outs[cut] / "logs").glob("node*.log")).stem  # the cut host's node
     cluster.link(cut, up=False)
@@ -198,7 +198,10 @@ def test_long_partition_fails_over_and_the_host_is_fenced(cluster_factory, corpu
     run = outs[c]
     assert codes == [0, 0, 0]
     evs = events(run)
-    assert plans(run)[0] == "failover" and set(plans(run)) <= {"failover", "repartition"}
+    # failover, P 3 -> 2, then (the new node placed) P 2 -> 3 again
+    assert plans(run)[:2] == ["failover", "repartition"]
+    assert set(plans(run)) <= {"failover", "repartition", "keep"}
+    assert [e["stages"] for e in evs if e["kind"] == "plan"][-1] == 3
     fenced = [e for e in evs if e["kind"] == "node_fenced"]
     assert [e["node"] for e in fenced] == [node] and "heartbeat" in fenced[0]["reason"]
     # back on the network, what it wrote (a report of generation 0, when its worker got to
@@ -208,6 +211,16 @@ def test_long_partition_fails_over_and_the_host_is_fenced(cluster_factory, corpu
     assert not any(e["kind"] in ("report", "resumed", "worker_done") and e["node"] == node
                    and e.get("generation", 0) > 0 for e in evs)
     assert any(e["kind"] == "agent_silent" and e["node"] == node for e in evs)
+    # back on the network, its agent came again as a new agent, in its own place
+    again = [e for e in evs if e["kind"] == "agent_admitted" and e.get("rejoin_of")]
+    assert len(again) == 1 and again[0]["joining"], again
+    new = f"node{again[0]['ranks'][0]}"
+    assert new != node and (outs[cut] / "logs" / f"{new}.log").exists()
+    assert any(e["kind"] == "join_accepted" and e["node"] == new for e in evs)
+    assert any(e["kind"] == "worker_ready" and e["node"] == new and e["joined"] for e in evs)
+    assert any(e["kind"] == "repartitioned" and e["node"] == new and e["depth"] == 3
+               for e in evs), f"{new} was never placed"
+    assert any(e["kind"] == "worker_done" and e["node"] == new for e in evs)
     # and nothing of it counts: no metrics, plan or sample of a later generation from it
     assert not (outs[cut] / "logs" / f"samples.{node}.jsonl").exists() or all(
         json.loads(line)["generation"] == 0

@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import secrets
 import signal
 import socket
@@ -241,6 +242,7 @@ class AgentJobLoop(JobLoop):
         self.rdzv.go(inbox)
         state = self.takeover
         assert state is not None
+        self._marked = state.cursor  # (the predecessor marked what its books took in)
         lost = self.rdzv.predecessor_nodes()
         self.files.event({"time_s": self._now(), "kind": "coordinator_takeover",
                           "node": f"agent{self.rdzv.me}",
@@ -424,13 +426,20 @@ class Coordinating:
         if info.get("nproc") != self.opts.nproc:
             return (f"it runs {info.get('nproc')} nodes per agent, the job "
                     f"{self.opts.nproc} (--nproc-per-node)")
-        if len(self._admitted) >= self.opts.max_nodes:
+        # an agent whose node was fenced (cut off, then back) comes again in its own place
+        again = 1 if self._rejoin_of(info) is not None else 0
+        if len(self._admitted) - again >= self.opts.max_nodes:
             return f"the job has its maximum of {self.opts.max_nodes} agents (--nnodes)"
         rank = int(info.get("node_rank", -1))
         if not late and rank >= 0 and (rank >= self.opts.min_nodes or rank in self._slots):
             return (f"--node-rank {rank} is taken or beyond the {self.opts.min_nodes} agents "
                     "the job starts with")
         return None
+
+    def _rejoin_of(self, info: dict[str, Any]) -> int | None:
+        """The admitted agent that this arrival says it was (its node was fenced), or None."""
+        k = info.get("rejoin_of")
+        return k if isinstance(k, int) and k in self._admitted else None
 
     def _admit(self, store: dist.Store, k: int, info: dict[str, Any], late: bool) -> None:
         problem = self._problem(k, info, late)
@@ -449,13 +458,17 @@ class Coordinating:
             self._slots[slot] = k
             first = slot * n
         ranks = list(range(first, first + n))
+        before = self._rejoin_of(info) if late else None
         with self._lock:
+            if before is not None:
+                self._admitted.remove(before)
             self._admitted.append(k)
             self._agent_nodes[k] = [f"node{r}" for r in ranks]
             self._nodes.extend(f"node{r}" for r in ranks)
         store.set(assign_key(k), json.dumps({"ranks": ranks, "joining": late,
                                              "world": self.world}))
-        self._event({"kind": "agent_admitted", "node": name, "ranks": ranks, "joining": late})
+        self._event({"kind": "agent_admitted", "node": name, "ranks": ranks, "joining": late,
+                     **({"rejoin_of": f"agent{before}"} if before is not None else {})})
 
     def _admit_late(self) -> None:
         store = self.address.connect(self.cfg.cluster.timeout_s)
@@ -587,11 +600,7 @@ class Agent:
     def run(self) -> int:
         opts = self.opts
         store = self.address.connect(self.timeout_s)
-        me = store.add(ARRIVALS, 1)
-        store.set(agent_key(me), json.dumps({
-            "host": socket.gethostname(), "local_addr": opts.local_addr, "nproc": opts.nproc,
-            "node_rank": opts.node_rank, "proof": proof(self.token, f"{opts.rdzv_id}/agent/{me}"),
-            "model_digest": self.cfg.model_digest(), "config_digest": self.cfg.digest()}))
+        me = self._arrive(store)
         self.me = me
         self.coordinating: Coordinating | None = None
         self.thread: threading.Thread | None = None
@@ -639,6 +648,17 @@ class Agent:
             code = 1 if self.coordinating.deposed() else self.coordinating.code
         return code
 
+    def _arrive(self, store: dist.Store, rejoin_of: int | None = None) -> int:
+        """Take an arrival number and say what this agent brings; the number."""
+        opts = self.opts
+        me = store.add(ARRIVALS, 1)
+        store.set(agent_key(me), json.dumps({
+            "host": socket.gethostname(), "local_addr": opts.local_addr, "nproc": opts.nproc,
+            "node_rank": opts.node_rank, "proof": proof(self.token, f"{opts.rdzv_id}/agent/{me}"),
+            "model_digest": self.cfg.model_digest(), "config_digest": self.cfg.digest(),
+            **({"rejoin_of": rejoin_of} if rejoin_of is not None else {})}))
+        return me
+
     def _coordinate(self, coordinating: Coordinating) -> None:
         self.coordinating = coordinating
         self.thread = threading.Thread(target=coordinating.run, name="coordinator", daemon=True)
@@ -681,6 +701,9 @@ class Agent:
             seen = leadership.wait_vacant(OVER, slice_s)
             if seen == OVER:
                 return
+            if seen == "vacant" and self.coordinating is not None:
+                leadership.deposed.wait(slice_s)  # its own lease gone: deposed at the next renewal
+                continue
             if seen == "vacant" and self.coordinating is None and leadership.campaign():
                 if not self._succeed(store, job_info):
                     return
@@ -702,24 +725,18 @@ class Agent:
                 "checkpoint_dir_probe", path=str(root), shared=shared, ranks=ranks,
                 host=socket.gethostname())
         self._pending = len(ranks)
+        self._fenced: set[str] = set()
+        self._job_info, self._shared = job_info, shared
         supervisor = self.supervisor = Supervisor(out / "logs", self._exited)
         # a SIGTERM to the agent is the host's preemption notice: pass it on to the workers
         signal.signal(signal.SIGTERM, lambda *_: [supervisor.signal(n, signal.SIGTERM)
                                                   for n in list(supervisor.procs)])
-        for local, rank in enumerate(ranks):
-            node = f"node{rank}"
-            env = worker_env(self.cfg, rank=rank, world=world, local_rank=local,
-                             local_world=len(ranks), address=self.address, run_dir=out,
-                             t0=float(job_info["t0"]), token=self.token,
-                             instance=self.instance, search_path=search_path(self.cfg),
-                             joining=bool(answer["joining"]))
-            env["SPOTPIPE_CHECKPOINT_UPLOAD"] = "0" if shared else "1"
-            supervisor.spawn(node, env)
-            BoardWatcher(self.address.connect(self.timeout_s), self.channel,
-                         keys.kill_board(node), Kill,
-                         lambda _, node=node: supervisor.signal(node, signal.SIGKILL))
-        self.say(f"started {', '.join(f'node{r}' for r in ranks)}"
-                 + (" (joining the running job)" if answer["joining"] else ""))
+        self._spawn(ranks, world, bool(answer["joining"]))
+        # later workers (a fenced node's agent joining again) are started by one thread that
+        # lives as long as the agent: a worker dies with the thread that started it
+        # (PR_SET_PDEATHSIG), and the exit callbacks' threads end at once
+        self._spawns: queue.Queue[tuple[list[int], int]] = queue.Queue()
+        threading.Thread(target=self._spawner, name="spawner", daemon=True).start()
         self._wait_over(store, job_info)
         supervisor.stop_all()
         self._exits_done.wait(self.timeout_s)
@@ -753,8 +770,57 @@ class Agent:
         self.say(f"job failed: {over.get('message', '')}")
         return 1
 
+    def _spawn(self, ranks: list[int], world: int, joining: bool) -> None:
+        """Start this host's workers for `ranks`, each with a watcher of its kill board."""
+        for local, rank in enumerate(ranks):
+            node = f"node{rank}"
+            env = worker_env(self.cfg, rank=rank, world=world, local_rank=local,
+                             local_world=len(ranks), address=self.address, run_dir=self.opts.out,
+                             t0=float(self._job_info["t0"]), token=self.token,
+                             instance=self.instance, search_path=search_path(self.cfg),
+                             joining=joining)
+            env["SPOTPIPE_CHECKPOINT_UPLOAD"] = "0" if self._shared else "1"
+            self.supervisor.spawn(node, env)
+            BoardWatcher(self.address.connect(self.timeout_s), self.channel,
+                         keys.kill_board(node), Kill, lambda _, node=node: self._kill(node))
+        self.say(f"started {', '.join(f'node{r}' for r in ranks)}"
+                 + (" (joining the running job)" if joining else ""))
+
+    def _spawner(self) -> None:
+        while True:
+            ranks, world = self._spawns.get()
+            self._spawn(ranks, world, joining=True)
+
+    def _kill(self, node: str) -> None:
+        """The coordinator fenced `node` (hung, or cut off past the heartbeat timeout)."""
+        self._fenced.add(node)
+        self.supervisor.signal(node, signal.SIGKILL)
+
+    def _rejoin(self, node: str) -> None:
+        """`node` was fenced while this host lives (a partition that healed): the job moved on
+        without it, so its state is stale; come again as a new agent, whose fresh node joins
+        the running job like any late one (placed when a layout has room for it)."""
+        try:
+            store = self.address.connect(self.timeout_s)
+            if store.check([OVER]):
+                return
+            me = self._arrive(store, rejoin_of=self.me)
+            raw = _wait_get(store, assign_key(me), self.opts.rdzv_timeout_s)
+            answer = json.loads(raw) if raw is not None else {"refused": "no answer"}
+            if "refused" in answer:
+                self.say(f"{node} was fenced; not admitted again: {answer['refused']}")
+                return
+            self.me = me
+            with self._lock:
+                self._pending += len(answer["ranks"])
+            self.say(f"{node} was fenced by the job; this host joins again as agent {me}")
+            self._spawns.put((answer["ranks"], int(answer["world"])))
+        except Exception as exc:  # the store is gone: the job is over already
+            self.say(f"could not join again after {node} was fenced: {exc}")
+
     def _exited(self, node: str, code: int) -> None:
-        """A worker of this host exited: hand over its final files, then tell the job."""
+        """A worker of this host exited: hand over its final files, then tell the job (and
+        join again if the job fenced it)."""
         try:
             store = self.address.connect(self.timeout_s)
             if code == 0:
@@ -762,6 +828,8 @@ class Agent:
             Outbox(store, self.channel, 0.0).post(Exit(node, code))
         except Exception as exc:  # the store is gone: the job is over already
             self.say(f"could not report the exit of {node}: {exc}")
+        if node in self._fenced:
+            self._rejoin(node)
         with self._lock:
             self._pending -= 1
             if self._pending <= 0:
