@@ -208,6 +208,11 @@ def test_long_partition_fails_over_and_the_host_rejoins(cluster_factory, corpus,
     # write one before its agent killed it: a race the test does not control) is refused
     refused = [e for e in evs if e["kind"] == "record_refused" and e["node"] == node]
     assert all("generation 0" in e["reason"] for e in refused), refused
+    # and its agent's record of the kill, stale when it arrives (the node was counted out
+    # while its agent was cut off), is refused for certain, naming the node
+    late = [e for e in evs if e["kind"] == "record_refused" and f"exit record for {node}"
+            in e["reason"]]
+    assert len(late) == 1 and late[0]["node"].startswith("agent"), late
     assert not any(e["kind"] in ("report", "resumed", "worker_done") and e["node"] == node
                    and e.get("generation", 0) > 0 for e in evs)
     assert any(e["kind"] == "agent_silent" and e["node"] == node for e in evs)

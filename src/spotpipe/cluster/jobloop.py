@@ -269,7 +269,16 @@ class JobLoop:
                     self.coordinator.tick()
                 if what == "record" and isinstance(item.message, Exit):  # from an agent
                     self._received += 1
-                    what, item = "exit", (item.message.node, item.message.code)
+                    node = item.message.node
+                    if node in exited:
+                        # counted out already, its agent silent past the timeout: the agent
+                        # was cut off and is back; the record is stale, and changes nothing
+                        self.coordinator.refused(
+                            item.writer, f"a late exit record for {node} (code "
+                            f"{item.message.code}), which the job counted out already")
+                        what = "stale"
+                    else:
+                        what, item = "exit", (node, item.message.code)
                 if what == "event":  # from a helper thread of this process
                     files.event(item)
                 elif what in ("record", "refused"):
