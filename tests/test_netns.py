@@ -302,14 +302,16 @@ def _etcd_keys(cluster, host: int, prefix: str) -> int:
         ETCD_ADDR, ETCD_PORT, prefix, timeout=timedelta(seconds=10)).num_keys())
 
 
-def test_coordinating_host_lost(cluster_factory, corpus, tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("fault", ["killed", "cut off"])
+def test_coordinating_host_lost(cluster_factory, corpus, tmp_path, tmp_path_factory, fault):
     """Every process of the coordinating host killed at once (its agent, the coordinator and
-    its worker): its lease expires, another agent is elected, takes up the books from the
-    store and carries on; the lost host's node is an ordinary host loss (failover, P 3 -> 2).
-    No worker restarts, the run's files continue whole on the new coordinator's host (every
-    iteration's metrics once, the predecessor's events first), the final model matches
-    `spotpipe train` bit for bit, every sample is consumed once, and the job's etcd prefix is
-    gone at the end."""
+    its worker), or its link cut until a successor is elected: its lease expires, another
+    agent is elected, takes up the books from the store and carries on; the lost host's node
+    is an ordinary host loss (failover, P 3 -> 2). No worker restarts, the run's files
+    continue whole on the new coordinator's host (every iteration's metrics once, the
+    predecessor's events first), the final model matches `spotpipe train` bit for bit, every
+    sample is consumed once, and the job's etcd prefix is gone at the end. Cut off, the old
+    coordinator comes back deposed: it acts no more, and its agent leaves (exit 1)."""
     cluster, cfg, outs, procs = running_job(cluster_factory, corpus, tmp_path, 150)
     c = coordinator_of(outs)
     others = [i for i in range(3) if i != c]
@@ -317,7 +319,10 @@ def test_coordinating_host_lost(cluster_factory, corpus, tmp_path, tmp_path_fact
     assert all(before.values()), before
     t0 = next(e for e in events(outs[c]) if e["kind"] == "launch")["t0"]
     lost_at = time.time()
-    cluster.lose_host(c)
+    if fault == "killed":
+        cluster.lose_host(c)
+    else:
+        cluster.link(c, up=False)
 
     def successor() -> int | None:
         found = [i for i in others if (outs[i] / "events.jsonl").exists()
@@ -327,6 +332,11 @@ def test_coordinating_host_lost(cluster_factory, corpus, tmp_path, tmp_path_fact
     others_procs = [procs[i] for i in others]
     wait_until(lambda: successor() is not None, others_procs, "a takeover", 120)
     new = successor()
+    if fault == "cut off":
+        cluster.link(c, up=True)
+        assert procs[c].wait(timeout=300) == 1  # deposed: it left the job
+        said = (outs[c].parent / f"{outs[c].name}.stderr").read_text()
+        assert "successor coordinates" in said, said
     run = outs[new]
     resumed = iteration(run)
     wait_until(lambda: iteration(run) > resumed + 3, others_procs, "training after it")

@@ -231,7 +231,13 @@ class AgentJobLoop(JobLoop):
             CoordinatorState(**books, journal=self._journal, time_s=self._now()), g))
         # etcd bounds a transaction's operations (128 by default): the rest next turn
         marks, reads = mailbox.read_marks(self._marked + 1, min(cursor, self._marked + 100))
-        self._store.multi_set(names + marks, values + reads)  # type: ignore[arg-type]
+        # only while this agent still holds the office: a deposed coordinator that reaches
+        # the store again must not overwrite its successor's books
+        if not self._store.multi_set_if(  # type: ignore[attr-defined]
+                keys.LEADER, str(self.rdzv.me), names + marks, values + reads):
+            self.rdzv.depose()
+            raise Deposed("this agent no longer holds the coordinator's office (another agent "
+                          "was elected while it was cut off); its successor coordinates")
         self._marked += len(marks)
         self._persisted = books
 
@@ -285,6 +291,8 @@ class AgentJobLoop(JobLoop):
         self._kill_due[node] = time.time() + self.cfg.failover.heartbeat_timeout_s
 
     def _each_turn(self, files: RunFiles) -> None:
+        if self.rdzv.persistent and not self.rdzv.still_leader():
+            self.rdzv.depose()  # (before this turn fences, kills or publishes anything)
         if self.rdzv.deposed():
             raise Deposed("this agent lost the coordinator's lease (cut off from etcd for "
                           "longer than its TTL); a successor coordinates the job")
@@ -378,6 +386,15 @@ class Coordinating:
 
     def deposed(self) -> bool:
         return self.leadership is not None and self.leadership.deposed.is_set()
+
+    def still_leader(self) -> bool:
+        """Whether the leader key still names this agent (one read: a coordinator that was cut
+        off may come back before its keep-alive learns that its lease is gone)."""
+        return self.leadership is not None and self.leadership.leader() == str(self.me)
+
+    def depose(self) -> None:
+        if self.leadership is not None:
+            self.leadership.deposed.set()
 
     def nodes(self) -> list[str]:
         with self._lock:

@@ -203,6 +203,18 @@ class EtcdStore(dist.Store):
             _, found = self._range(wanted)
         return [found[k] for k in wanted]
 
+    def multi_set_if(self, guard: str, holds: str | bytes, keys: list[str],
+                     values: list[str | bytes]) -> bool:
+        """`multi_set` in one transaction only while key `guard` holds `holds` (a leader
+        writing its books only while it still holds the office); whether it was written."""
+        expected = holds.encode() if isinstance(holds, str) else holds
+        reply = self._retry("multi_set_if", lambda: self._txn({
+            "compare": [{"key": _encode(self._key(guard)), "target": "VALUE",
+                         "result": "EQUAL", "value": _encode(expected)}],
+            "success": [{"request_put": {"key": _encode(self._key(k)), "value": _encode(v)}}
+                        for k, v in zip(keys, values)], "failure": []}))
+        return bool(reply.get("succeeded"))
+
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         self._retry("multi_set", lambda: self._txn({"compare": [], "success": [
             {"request_put": {"key": _encode(self._key(k)), "value": _encode(v)}}
