@@ -151,3 +151,36 @@ def test_a_successor_from_the_books_decides_as_the_coordinator_would(corpus):
     want, got = _plan(original, 0), _plan(successor, 0)
     assert want["action"] == "failover" and got == want
     assert successor.books() == original.books()
+
+
+def test_books_older_than_the_published_plan_stop_the_job(corpus):
+    """The coordinator published its Decision and was lost before it saved its books: the
+    successor (same store) sees a plan its books do not know, and stops the job with a clear
+    message, as a stop Decision on the board of the generation the workers are in."""
+    from spotpipe.protocol import CoordinatorState
+
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy")
+    store = dist.HashStore()
+
+    def make() -> Coordinator:
+        return Coordinator(cfg=cfg, store=store, layout=Layout.build(2, 1, ["node0", "node1"]),
+                           kill=lambda node: None, emit=lambda e: None, now=lambda: 0.0,
+                           channel=Channel(KEY, "coordinator"), partition=[(0, 2), (2, 4)])
+
+    original = make()
+    fresh = make()
+    fresh.restore(CoordinatorState(**original.books(), cursor=0, journal=0, last_metrics=None,
+                                   exited={}, checkpoints={}, admission={}, time_s=0.0))
+    assert not fresh.decided_after_books()  # nothing published since the books: go on
+    books = dict(original.books(), cursor=3, journal=1, last_metrics=None, exited={},
+                 checkpoints={}, admission={}, time_s=0.0)
+    for node in ("node0", "node1"):  # a boundary change: generation 0 ends with a plan
+        _report(original, node, boundary=True, committed_through=5, iteration=5)
+    assert _plan(original, 0)["action"] != "stop" and original.generation == 1
+    successor = make()
+    successor.restore(CoordinatorState(**books))
+    assert successor.generation == 0
+    assert successor.decided_after_books()
+    assert "before it saved its books" in successor.stop_message
+    stop = _plan(successor, 1)
+    assert stop["action"] == "stop" and stop["message"] == successor.stop_message

@@ -249,6 +249,8 @@ class AgentJobLoop(JobLoop):
         state = self.takeover
         assert state is not None
         self._marked = state.cursor  # (the predecessor marked what its books took in)
+        if self.coordinator.decided_after_books():
+            return
         lost = self.rdzv.predecessor_nodes()
         self.files.event({"time_s": self._now(), "kind": "coordinator_takeover",
                           "node": f"agent{self.rdzv.me}",

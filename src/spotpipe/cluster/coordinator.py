@@ -25,6 +25,7 @@ import torch.distributed as dist
 from spotpipe.cluster.liveness import Liveness
 from spotpipe.config import Config
 from spotpipe.plan import Layout
+from spotpipe.plan.policy import Action
 from spotpipe.plan.recovery import (Decision, History, NodeReport, Outcome, Rules, recover)
 from spotpipe.cluster import succession
 from spotpipe.protocol import (Abort, Channel, CoordinatorState, DecisionRecord, JoinAnswer,
@@ -168,6 +169,47 @@ class Coordinator:
         self.collecting = None if rec is None else Collecting(
             int(rec["generation"]), float(rec["started_s"]), [str(r) for r in rec["reasons"]],
             {r["node"]: Report.from_json(r) for r in rec["reports"]})
+
+    def decided_after_books(self) -> bool:
+        """Whether the predecessor published the Decision of the books' generation after it
+        last saved them (it died in between: a few milliseconds of one turn). The workers
+        follow that Decision, which these books know nothing of, so no successor can go on
+        exactly: the job is stopped with a clear message instead (a stop Decision for the
+        generation the workers are in), and the newest checkpoint stays the way back."""
+        g = self.generation
+        found: Decision | None = None
+        index = 1
+        while found is None and self.store.check([keys.board_slot(keys.decision_board(g),
+                                                                  index)]):
+            try:
+                opened = self.channel.open(
+                    self.store.get(keys.board_slot(keys.decision_board(g), index)),
+                    expect=DecisionRecord, writers={self.channel.writer})
+                assert isinstance(opened.message, DecisionRecord)
+                found = Decision.from_json(opened.message.decision)
+            except Exception:  # (Refused, or a record that does not parse: not a decision)
+                pass
+            index += 1
+        if found is None:
+            return False
+        message = (f"the coordinator was lost after it published the plan of generation {g} "
+                   "and before it saved its books; its successor cannot go on exactly "
+                   "(resume from the newest checkpoint)")
+        self.emit({"time_s": self.now(), "kind": "books_stale", "node": "launcher",
+                   "generation": g, "message": message})
+        self.stop_message = found.message if found.stopped else message
+        if not found.stopped:
+            nxt = found.generation
+            stop = Decision(Action.STOP, generation=nxt + 1, resume=found.resume,
+                            layout=found.layout, previous_layout=found.layout,
+                            partition=found.partition, previous_partition=found.partition,
+                            message=message)
+            board.publish(self.store, self.channel, keys.abort_board(nxt), Abort(nxt, message),
+                          nxt)
+            board.publish(self.store, self.channel, keys.decision_board(nxt),
+                          DecisionRecord(nxt, stop.to_json()), nxt)
+        self.collecting = None
+        return True
 
     # ------------------------------------------------------------------ inputs
 
