@@ -830,6 +830,8 @@ class Agent:
                 self.say(f"{node} was fenced; not admitted again: {answer['refused']}")
                 return
             self.me = me
+            if self.leadership is not None and not self.leadership.leading:
+                self.leadership.me = str(me)  # (a candidate under its current number)
             with self._lock:
                 self._pending += len(answer["ranks"])
             self.say(f"{node} was fenced by the job; this host joins again as agent {me}")
