@@ -1,7 +1,7 @@
 """Failover pause when a host is lost: agents on namespaced hosts (tests/netns.py) against the
 same agents on loopback. Not a test (pytest does not collect it); run as root:
 
-    PYTHONPATH=$PWD/src:$PWD/tests python tests/bench_netns_pause.py [REPEATS]
+    PYTHONPATH=$PWD/src:$PWD/tests python tests/bench_netns_pause.py [REPEATS] [--coordinator]
 
 Each run: P = 3 x D = 1, three agents on etcd; past iteration 10 every process of a host
 that does not coordinate is SIGKILLed at once (netns: `ip netns pids`; loopback: the agent's
@@ -9,6 +9,12 @@ process group, its worker included). The pause is from the kill to the first ite
 completed after the takeover, on the coordinator's clock (its launch event's t0); its parts
 are detection (kill to the first failure event), agreement (to the plan) and takeover.
 Prints one JSON object as its last line.
+
+`--coordinator` measures the coordinator's takeover instead, on namespaced hosts only: every
+process of the coordinating host (its agent, the coordinator, its worker) is SIGKILLed; the
+figure is from the kill to the first iteration completed after it, read from the successor's
+run folder, with its parts: election (kill to the successor's `coordinator_takeover`: the
+lease expiring is most of it) and recovery (from there to that iteration).
 """
 
 from __future__ import annotations
@@ -45,6 +51,22 @@ def _pause(run: Path, kill_wall: float) -> dict[str, float]:
             "agreement_s": plan["time_s"] - detect, "takeover_s": done["time_s"] - plan["time_s"]}
 
 
+def _takeover(outs: list[Path], kill_wall: float) -> dict[str, float]:
+    for out in outs:
+        path = out / "events.jsonl"
+        events = [json.loads(line) for line in open(path)] if path.exists() else []
+        took = [e for e in events if e["kind"] == "coordinator_takeover"]
+        if took:
+            break
+    else:
+        raise RuntimeError("no agent took over")
+    metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    t_kill = kill_wall - events[0]["t0"]
+    done = next(m for m in metrics if m["time_s"] >= t_kill)
+    return {"pause_s": done["time_s"] - t_kill, "election_s": took[0]["time_s"] - t_kill,
+            "recovery_s": done["time_s"] - took[0]["time_s"]}
+
+
 def _agents(config: Path, outs: list[Path], endpoint: str, wrap) -> list[subprocess.Popen]:
     procs = []
     for i, out in enumerate(outs):
@@ -65,7 +87,7 @@ def one(mode: str, tmp: Path, corpus: Path) -> dict[str, float]:
     tmp.mkdir(parents=True)
     config = _write_config(cfg, tmp / "job.yaml")
     outs = [tmp / f"host{i}" for i in range(3)]
-    if mode == "netns":
+    if mode in ("netns", "coordinator"):
         cluster = Cluster(3, tmp)
         cluster.start_etcd()
         procs = [cluster.agent(i, config, outs[i], token="sesame", nnodes="3:3")
@@ -79,7 +101,7 @@ def one(mode: str, tmp: Path, corpus: Path) -> dict[str, float]:
         while max(iteration(o) for o in outs) < 10:
             time.sleep(0.05)
         c = coordinator_of(outs)
-        lost = max(i for i in range(3) if i != c)
+        lost = c if mode == "coordinator" else max(i for i in range(3) if i != c)
         kill_wall = time.time()
         if cluster is not None:
             cluster.lose_host(lost)
@@ -88,6 +110,8 @@ def one(mode: str, tmp: Path, corpus: Path) -> dict[str, float]:
         for i, p in enumerate(procs):
             if i != lost:
                 p.wait(timeout=900)
+        if mode == "coordinator":
+            return _takeover(outs, kill_wall)
         return _pause(outs[c], kill_wall)
     finally:
         if cluster is not None:
@@ -101,11 +125,12 @@ def one(mode: str, tmp: Path, corpus: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    args = [a for a in sys.argv[1:] if a != "--coordinator"]
+    repeats = int(args[0]) if args else 2
     root = Path(tempfile.mkdtemp(prefix="netns-pause-"))
     corpus = ensure_demo_corpus(root / "corpus.txt")
     result: dict[str, object] = {"load_before": os.getloadavg()[0]}
-    for mode in ("loopback", "netns"):
+    for mode in (("coordinator",) if "--coordinator" in sys.argv else ("loopback", "netns")):
         runs = [one(mode, root / f"{mode}{k}", corpus) for k in range(repeats)]
         for key in runs[0]:
             result[f"{mode}_{key}"] = round(statistics.median(r[key] for r in runs), 3)

@@ -113,3 +113,74 @@ def _boundary(coord: Coordinator, node: str) -> Report:
     return _make(coord, node, boundary=True, iteration=6, committed_through=6,
                  stepped_through=6, formed=True,
                  reason="the layout changes at this iteration boundary")
+
+
+def test_a_successor_from_the_books_decides_as_the_coordinator_would(corpus):
+    """The coordinator's books (`books`, sealed as a CoordinatorState and opened again, as a
+    successor on another host reads them) taken in the middle of an agreement: a fresh
+    coordinator restored from them and given the last report publishes the same Decision as
+    the coordinator that was never interrupted, and ends with the same books."""
+    from spotpipe.cluster import succession
+    from spotpipe.protocol import CoordinatorState
+
+    cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy")
+    nodes = ["node0", "node1", "node2", "node3"]
+
+    def make() -> Coordinator:
+        return Coordinator(cfg=cfg, store=dist.HashStore(), layout=Layout.build(2, 2, nodes),
+                           kill=lambda node: None, emit=lambda e: None, now=lambda: 0.0,
+                           channel=Channel(KEY, "coordinator"), partition=[(0, 2), (2, 4)])
+
+    original = make()
+    original.node_exited("node3", -9)
+    _report(original, "node0", formed=True, committed_through=4, flight=5)
+    _report(original, "node1", formed=True, committed_through=4, flight=5)
+    assert original.collecting is not None and original.generation == 0
+    books = original.books()
+    assert succession.history_from_json(books["history"]) == original.history
+    fields = dict(books, cursor=7, journal=2, last_metrics=None, exited={"node3": -9},
+                  checkpoints={}, admission={}, time_s=1.0)
+    blob = Channel(KEY, "coordinator").seal(CoordinatorState(**fields), 0)
+    opened = Channel(KEY, "agent2").open(blob, expect=CoordinatorState, writers={"coordinator"})
+    successor = make()
+    successor.restore(opened.message)
+    assert successor.books() == books
+    last = _make(original, "node2", formed=True, committed_through=4, flight=5)
+    original.report(last, "node2")
+    successor.report(last, "node2")
+    want, got = _plan(original, 0), _plan(successor, 0)
+    assert want["action"] == "failover" and got == want
+    assert successor.books() == original.books()
+
+
+def test_books_older_than_the_published_plan_stop_the_job(corpus):
+    """The coordinator published its Decision and was lost before it saved its books: the
+    successor (same store) sees a plan its books do not know, and stops the job with a clear
+    message, as a stop Decision on the board of the generation the workers are in."""
+    from spotpipe.protocol import CoordinatorState
+
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy")
+    store = dist.HashStore()
+
+    def make() -> Coordinator:
+        return Coordinator(cfg=cfg, store=store, layout=Layout.build(2, 1, ["node0", "node1"]),
+                           kill=lambda node: None, emit=lambda e: None, now=lambda: 0.0,
+                           channel=Channel(KEY, "coordinator"), partition=[(0, 2), (2, 4)])
+
+    original = make()
+    fresh = make()
+    fresh.restore(CoordinatorState(**original.books(), cursor=0, journal=0, last_metrics=None,
+                                   exited={}, checkpoints={}, admission={}, time_s=0.0))
+    assert not fresh.decided_after_books()  # nothing published since the books: go on
+    books = dict(original.books(), cursor=3, journal=1, last_metrics=None, exited={},
+                 checkpoints={}, admission={}, time_s=0.0)
+    for node in ("node0", "node1"):  # a boundary change: generation 0 ends with a plan
+        _report(original, node, boundary=True, committed_through=5, iteration=5)
+    assert _plan(original, 0)["action"] != "stop" and original.generation == 1
+    successor = make()
+    successor.restore(CoordinatorState(**books))
+    assert successor.generation == 0
+    assert successor.decided_after_books()
+    assert "before it saved its books" in successor.stop_message
+    stop = _plan(successor, 1)
+    assert stop["action"] == "stop" and stop["message"] == successor.stop_message

@@ -99,6 +99,30 @@ def test_store_survives_an_etcd_restart(etcd):
     store.delete_prefix()
 
 
+def test_leader_election_under_a_lease(etcd):
+    """etcd's election recipe (store.leader): one agent wins the put-if-absent under its
+    lease, the other loses and watches; when the winner stops renewing (its host lost), etcd
+    expires the lease, the key goes, the watcher wakes and wins; the old leader then finds
+    its lease gone (deposed)."""
+    from spotpipe.protocol import keys
+    from spotpipe.store.leader import Leadership
+
+    a = Leadership(_store(etcd, "/el"), "1", ttl_s=2)
+    b = Leadership(_store(etcd, "/el"), "2", ttl_s=2)
+    assert a.campaign() and a.leader() == "1"
+    assert not b.campaign() and b.leader() == "1"
+    assert b.wait_vacant("over", 1.0) is None  # renewed: the office stays taken
+    a._stop.set()  # the leader's host is gone: nothing renews its lease
+    assert b.wait_vacant("over", 30.0) == "vacant"
+    assert b.campaign() and b.leader() == "2"
+    assert not a.store.keep_alive(a._lease)  # the old leader would learn it is deposed
+    store = _store(etcd, "/el")
+    store.set("over", "1")
+    assert b.wait_vacant("over", 5.0) == "over"
+    b.resign()
+    assert not store.check([keys.LEADER])  # resigning deletes the key with the lease
+
+
 def test_unreachable_etcd_is_refused_before_anything_starts(tmp_path, corpus):
     from etcd_server import free_port
 

@@ -180,14 +180,14 @@ def test_etcd_restarted(cluster_factory, corpus, tmp_path, tmp_path_factory):
     check_result(tmp_path_factory, cfg, run, outs)
 
 
-def test_long_partition_fails_over_and_the_host_is_fenced(cluster_factory, corpus, tmp_path,
-                                                          tmp_path_factory):
+def test_long_partition_fails_over_and_the_host_rejoins(cluster_factory, corpus, tmp_path,
+                                                        tmp_path_factory):
     """A host's link down past the heartbeat timeout: the coordinator fences its node and
     fails over (then re-partitions, P 3 -> 2). When the link comes back, the node's report
     belongs to generation 0 and is refused (when it gets to write one); its agent reads the
-    coordinator's kill record, kills the worker and, the job being full, exits with it (it does
-    not rejoin)."""
-    cluster, cfg, outs, procs = running_job(cluster_factory, corpus, tmp_path, 250)
+    coordinator's kill record, kills the worker, and comes again in its own place (the job
+    has --nnodes 3:3): a new node, which joins the running job and is placed (P 2 -> 3)."""
+    cluster, cfg, outs, procs = running_job(cluster_factory, corpus, tmp_path, 400)
     c, cut = victim(outs)
     node = next((outs[cut] / "logs").glob("node*.log")).stem  # the cut host's node
     cluster.link(cut, up=False)
@@ -198,16 +198,34 @@ def test_long_partition_fails_over_and_the_host_is_fenced(cluster_factory, corpu
     run = outs[c]
     assert codes == [0, 0, 0]
     evs = events(run)
-    assert plans(run)[0] == "failover" and set(plans(run)) <= {"failover", "repartition"}
+    # failover, P 3 -> 2, then (the new node placed) P 2 -> 3 again
+    assert plans(run)[:2] == ["failover", "repartition"]
+    assert set(plans(run)) <= {"failover", "repartition", "keep"}
+    assert [e["stages"] for e in evs if e["kind"] == "plan"][-1] == 3
     fenced = [e for e in evs if e["kind"] == "node_fenced"]
     assert [e["node"] for e in fenced] == [node] and "heartbeat" in fenced[0]["reason"]
     # back on the network, what it wrote (a report of generation 0, when its worker got to
     # write one before its agent killed it: a race the test does not control) is refused
     refused = [e for e in evs if e["kind"] == "record_refused" and e["node"] == node]
     assert all("generation 0" in e["reason"] for e in refused), refused
+    # and its agent's record of the kill, stale when it arrives (the node was counted out
+    # while its agent was cut off), is refused for certain, naming the node
+    late = [e for e in evs if e["kind"] == "record_refused" and f"exit record for {node}"
+            in e["reason"]]
+    assert len(late) == 1 and late[0]["node"].startswith("agent"), late
     assert not any(e["kind"] in ("report", "resumed", "worker_done") and e["node"] == node
                    and e.get("generation", 0) > 0 for e in evs)
     assert any(e["kind"] == "agent_silent" and e["node"] == node for e in evs)
+    # back on the network, its agent came again as a new agent, in its own place
+    again = [e for e in evs if e["kind"] == "agent_admitted" and e.get("rejoin_of")]
+    assert len(again) == 1 and again[0]["joining"], again
+    new = f"node{again[0]['ranks'][0]}"
+    assert new != node and (outs[cut] / "logs" / f"{new}.log").exists()
+    assert any(e["kind"] == "join_accepted" and e["node"] == new for e in evs)
+    assert any(e["kind"] == "worker_ready" and e["node"] == new and e["joined"] for e in evs)
+    assert any(e["kind"] == "repartitioned" and e["node"] == new and e["depth"] == 3
+               for e in evs), f"{new} was never placed"
+    assert any(e["kind"] == "worker_done" and e["node"] == new for e in evs)
     # and nothing of it counts: no metrics, plan or sample of a later generation from it
     assert not (outs[cut] / "logs" / f"samples.{node}.jsonl").exists() or all(
         json.loads(line)["generation"] == 0
@@ -266,3 +284,77 @@ def test_cloud_notice_over_namespaced_hosts(cluster_factory, corpus, tmp_path, t
     if service == "azure":
         assert meta.acks == [(node, meta.events[node]["EventId"])]
     check_result(tmp_path_factory, cfg, run, outs, reference=job(corpus, 3, 1, 400))
+
+
+def _worker_pids(cluster, hosts: list[int], procs) -> dict[int, set[int]]:
+    """The processes of each host's namespace other than its agent (`ip netns exec` execs
+    the agent in place, so the agent's pid is the Popen's)."""
+    return {i: set(netns_pids(cluster.hosts[i].name)) - {procs[i].pid} for i in hosts}
+
+
+def _etcd_keys(cluster, host: int, prefix: str) -> int:
+    from datetime import timedelta
+
+    from netns import ETCD_ADDR, ETCD_PORT, in_netns
+    from spotpipe.store.etcd import EtcdStore
+
+    return in_netns(cluster.hosts[host].name, lambda: EtcdStore(
+        ETCD_ADDR, ETCD_PORT, prefix, timeout=timedelta(seconds=10)).num_keys())
+
+
+@pytest.mark.parametrize("fault", ["killed", "cut off"])
+def test_coordinating_host_lost(cluster_factory, corpus, tmp_path, tmp_path_factory, fault):
+    """Every process of the coordinating host killed at once (its agent, the coordinator and
+    its worker), or its link cut until a successor is elected: its lease expires, another
+    agent is elected, takes up the books from the store and carries on; the lost host's node
+    is an ordinary host loss (failover, P 3 -> 2). No worker restarts, the run's files
+    continue whole on the new coordinator's host (every iteration's metrics once, the
+    predecessor's events first), the final model matches `spotpipe train` bit for bit, every
+    sample is consumed once, and the job's etcd prefix is gone at the end. Cut off, the old
+    coordinator comes back deposed: it acts no more, and its agent leaves (exit 1)."""
+    cluster, cfg, outs, procs = running_job(cluster_factory, corpus, tmp_path, 150)
+    c = coordinator_of(outs)
+    others = [i for i in range(3) if i != c]
+    before = _worker_pids(cluster, others, procs)
+    assert all(before.values()), before
+    t0 = next(e for e in events(outs[c]) if e["kind"] == "launch")["t0"]
+    lost_at = time.time()
+    if fault == "killed":
+        cluster.lose_host(c)
+    else:
+        cluster.link(c, up=False)
+
+    def successor() -> int | None:
+        found = [i for i in others if (outs[i] / "events.jsonl").exists()
+                 and any(e["kind"] == "coordinator_takeover" for e in events(outs[i]))]
+        return found[0] if found else None
+
+    others_procs = [procs[i] for i in others]
+    wait_until(lambda: successor() is not None, others_procs, "a takeover", 120)
+    new = successor()
+    if fault == "cut off":
+        cluster.link(c, up=True)
+        assert procs[c].wait(timeout=300) == 1  # deposed: it left the job
+        said = (outs[c].parent / f"{outs[c].name}.stderr").read_text()
+        assert "successor coordinates" in said, said
+    run = outs[new]
+    resumed = iteration(run)
+    wait_until(lambda: iteration(run) > resumed + 3, others_procs, "training after it")
+    assert _worker_pids(cluster, others, procs) == before, "a worker was restarted"
+    assert finish(others_procs) == [0, 0]
+    evs = events(run)
+    kinds = [e["kind"] for e in evs]
+    assert kinds[0] == "launch" and kinds.count("launch") == 1  # the predecessor's lines first
+    takeover = evs[kinds.index("coordinator_takeover")]
+    lost_node = next((outs[c] / "logs").glob("node*.log")).stem
+    assert takeover["predecessor_nodes"] == [lost_node]
+    assert any(e["kind"] == "agent_lost" and e["node"] == lost_node for e in evs)
+    assert plans(run)[0] == "failover" and set(plans(run)) <= {"failover", "repartition"}
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [m["iter"] for m in metrics] == list(range(cfg.iterations))
+    check_result(tmp_path_factory, cfg, run, outs)
+    assert _etcd_keys(cluster, others[0], "/spotpipe/jobs/job1") == 0, "the job's keys stayed"
+    after = next(m for m in metrics if t0 + m["time_s"] > lost_at)
+    print(f"coordinator takeover: host lost -> iteration {after['iter']} committed "
+          f"{t0 + after['time_s'] - lost_at:.2f} s later (lease TTL "
+          f"{cfg.failover.heartbeat_timeout_s:.0f} s)")

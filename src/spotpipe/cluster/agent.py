@@ -12,11 +12,22 @@ Rendezvous, under `spotpipe/rdzv/` in the job's store:
 1. Each agent takes an arrival number (an atomic add) and publishes what it brings: its nodes,
    an HMAC of the join token (SPOTPIPE_JOIN_TOKEN, a shared secret; the token itself never
    enters the store) and the digests of its model and configuration.
-2. The first agent to win a compare-and-set runs the coordinator: it publishes the job (its
+2. The first agent to win the election runs the coordinator: it publishes the job (its
    partition, clock, and an HMAC proving it holds the token), admits agents in arrival order
    with the same checks a joining worker gets (`coordinator.join_problem`), and once MIN agents
    are in, runs the same `JobLoop` as `spotpipe train`. Agents arriving later, up to MAX, join
-   the running job through the joining-node path (a new pipeline, a rebalance).
+   the running job through the joining-node path (a new pipeline, a rebalance). With etcd the
+   election is etcd's own recipe (`spotpipe.store.leader`: a leader key created under a lease
+   of about the heartbeat timeout, kept alive by the leader); with c10d, a compare-and-set
+   (the store's host must be on-demand anyway, see `connect_rendezvous`).
+4. With etcd the coordinator is not a single point of failure. Every other agent watches the
+   leader key; the coordinator keeps its books in the store at the end of every turn (a
+   sealed `CoordinatorState` and the new lines of the run's files, `spotpipe.cluster
+   .succession`). When its host is lost, etcd expires its lease within the TTL, the first
+   agent to take the vacant office reads the books and carries on: the run's files continue
+   in its own --out (the predecessor's lines first), the predecessor's nodes count as lost
+   (its host went with it: an ordinary failover), and no worker restarts (workers talk only
+   to the store). Whichever coordinator ends the job deletes its etcd prefix.
 3. An agent refused (wrong token, another model or configuration, the job full) says why and
    exits 2; nothing of the job changes. An agent that sees the job's proof fail (a job of
    another team under the same id) refuses it in turn.
@@ -32,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import secrets
 import signal
 import socket
@@ -49,14 +61,15 @@ import yaml
 from spotpipe import job
 from spotpipe.checkpoint import durable
 from spotpipe.cluster.coordinator import join_problem
-from spotpipe.cluster.jobloop import JobLoop, RunFiles
+from spotpipe.cluster.jobloop import Deposed, JobLoop, RunFiles
 from spotpipe.cluster.launcher import LaunchError, prepare, search_path
 from spotpipe.cluster.supervisor import Supervisor, worker_env
 from spotpipe.config import Config, parse_endpoint
-from spotpipe.protocol import (Channel, Exit, Kill, job_key, keys, new_instance_id, proof,
-                               same_secret)
-from spotpipe.store import board
+from spotpipe.protocol import (Channel, CoordinatorState, Exit, Journal, Kill, Refused, job_key,
+                               keys, new_instance_id, proof, same_secret)
+from spotpipe.store import board, mailbox
 from spotpipe.store.address import StoreAddress, host_tcp_store, job_prefix
+from spotpipe.store.leader import Leadership, lease_ttl
 from spotpipe.store.mailbox import Outbox
 from spotpipe.store.watchers import BoardWatcher
 
@@ -188,6 +201,72 @@ class AgentJobLoop(JobLoop):
         super().__init__(**kwargs)
         self.rdzv = coordinator
         self._kill_due: dict[str, float] = {}
+        self._persisted: dict[str, Any] | None = None  # the books last written to the store
+        self._marked = 0  # mailbox slots marked read (only once the books have taken them in)
+
+    @property
+    def _tombstone_on_read(self) -> bool:
+        return not self.rdzv.persistent
+
+    def _persist(self, files: RunFiles) -> None:
+        """Keep the books in the store: the new lines of the run's files (a Journal record),
+        the state (overwritten) and the read marks of the slots it has taken in, in one
+        transaction, so a successor sees all of a turn or none of it."""
+        if not self.rdzv.persistent:
+            return
+        metrics, lines = files.take()
+        books = {**self._books(), "admission": self.rdzv.admission()}
+        cursor = books["cursor"]
+        if not (metrics or lines) and books == self._persisted and self._marked >= cursor:
+            return
+        g = self.coordinator.generation
+        names: list[str] = []
+        values: list[bytes] = []
+        if metrics or lines:
+            self._journal += 1
+            names.append(keys.journal(self._journal))
+            values.append(self.channel.seal(Journal(tuple(metrics), tuple(lines)), g))
+        names.append(keys.COORDINATOR_STATE)
+        values.append(self.channel.seal(
+            CoordinatorState(**books, journal=self._journal, time_s=self._now()), g))
+        # etcd bounds a transaction's operations (128 by default): the rest next turn
+        marks, reads = mailbox.read_marks(self._marked + 1, min(cursor, self._marked + 100))
+        # only while this agent still holds the office: a deposed coordinator that reaches
+        # the store again must not overwrite its successor's books
+        if not self._store.multi_set_if(  # type: ignore[attr-defined]
+                keys.LEADER, str(self.rdzv.me), names + marks, values + reads):
+            self.rdzv.depose()
+            raise Deposed("this agent no longer holds the coordinator's office (another agent "
+                          "was elected while it was cut off); its successor coordinates")
+        self._marked += len(marks)
+        self._persisted = books
+
+    def _resume_nodes(self, inbox: Any) -> None:
+        """Taking over: the nodes run on under their agents. The predecessor's own nodes went
+        with its host (or are cut off with it): they are lost, as in any host loss; nodes it
+        had fenced are asked to be killed again (its wait for their exits went with it)."""
+        self.rdzv.go(inbox)
+        state = self.takeover
+        assert state is not None
+        self._marked = state.cursor  # (the predecessor marked what its books took in)
+        if self.coordinator.decided_after_books():
+            return
+        lost = self.rdzv.predecessor_nodes()
+        self.files.event({"time_s": self._now(), "kind": "coordinator_takeover",
+                          "node": f"agent{self.rdzv.me}",
+                          "predecessor": f"agent{state.admission.get('me')}",
+                          "generation": self.coordinator.generation, "cursor": state.cursor,
+                          "books_age_s": round(self._now() - state.time_s, 6),
+                          "predecessor_nodes": lost})
+        for node in lost:
+            if node in self._exited or node in self.coordinator.dead:
+                continue
+            self.files.event({"time_s": self._now(), "kind": "agent_lost", "node": node,
+                              "reason": "its agent coordinated and lost its lease"})
+            self.rdzv.silent(node)
+            inbox.put(("exit", (node, -int(signal.SIGKILL))))
+        for node in sorted(self.coordinator.fenced - set(self._exited) - set(lost)):
+            self._kill(node)
 
     def _write_inputs(self) -> None:
         # the local agent writes the same files into the same folder at the same time
@@ -214,6 +293,11 @@ class AgentJobLoop(JobLoop):
         self._kill_due[node] = time.time() + self.cfg.failover.heartbeat_timeout_s
 
     def _each_turn(self, files: RunFiles) -> None:
+        if self.rdzv.persistent and not self.rdzv.still_leader():
+            self.rdzv.depose()  # (before this turn fences, kills or publishes anything)
+        if self.rdzv.deposed():
+            raise Deposed("this agent lost the coordinator's lease (cut off from etcd for "
+                          "longer than its TTL); a successor coordinates the job")
         now = time.time()
         for node, due in list(self._kill_due.items()):
             if node in self._exited:
@@ -250,8 +334,13 @@ class Coordinating:
     """The elected agent's side of the rendezvous: admit agents, then run the job's loop."""
 
     def __init__(self, opts: AgentOptions, cfg: Config, spec: job.RunSpec, token: str,
-                 address: StoreAddress) -> None:
+                 address: StoreAddress, me: int = 0,
+                 leadership: Leadership | None = None) -> None:
         self.opts, self.cfg, self.spec, self.token, self.address = opts, cfg, spec, token, address
+        self.me = me  # this agent's arrival number
+        self.leadership = leadership  # etcd: the office, held under a lease
+        self.persistent = leadership is not None  # the books go to the store (succession)
+        self.takeover: CoordinatorState | None = None
         self.world = cfg.stages * cfg.pipelines
         self._lock = threading.Lock()
         self._nodes: list[str] = []
@@ -264,6 +353,50 @@ class Coordinating:
         self.t0 = time.time()
         self.instance = new_instance_id()  # the job's key is derived from it and the token
         self.code = 1
+        self._next = 1
+
+    @classmethod
+    def successor(cls, opts: AgentOptions, cfg: Config, token: str, address: StoreAddress,
+                  me: int, leadership: Leadership, job_info: dict[str, Any],
+                  state: CoordinatorState) -> "Coordinating":
+        """The coordinator that takes over a running job from its predecessor's books."""
+        self = cls(opts, cfg, job.RunSpec.from_json(job_info["spec"]), token, address, me,
+                   leadership)
+        self.instance, self.t0 = str(job_info["instance"]), float(job_info["t0"])
+        self.takeover = state
+        a = state.admission
+        self._nodes = [str(n) for n in a["nodes"]]
+        self._admitted = [int(k) for k in a["admitted"]]
+        self._agent_nodes = {int(k): [str(n) for n in v] for k, v in a["agent_nodes"].items()}
+        self._silent = {str(n) for n in a["silent"]}
+        self._slots = {int(s): int(k) for s, k in a["slots"].items()}
+        self._next = int(a["next"])
+        return self
+
+    def admission(self) -> dict[str, Any]:
+        """The admission books, for a successor (part of its CoordinatorState)."""
+        with self._lock:
+            return {"me": self.me, "nodes": list(self._nodes), "admitted": list(self._admitted),
+                    "agent_nodes": {str(k): v for k, v in self._agent_nodes.items()},
+                    "silent": sorted(self._silent),
+                    "slots": {str(s): k for s, k in self._slots.items()}, "next": self._next}
+
+    def predecessor_nodes(self) -> list[str]:
+        """The nodes of the agent that coordinated before this one."""
+        assert self.takeover is not None
+        return list(self._agent_nodes.get(int(self.takeover.admission.get("me", 0)), []))
+
+    def deposed(self) -> bool:
+        return self.leadership is not None and self.leadership.deposed.is_set()
+
+    def still_leader(self) -> bool:
+        """Whether the leader key still names this agent (one read: a coordinator that was cut
+        off may come back before its keep-alive learns that its lease is gone)."""
+        return self.leadership is not None and self.leadership.leader() == str(self.me)
+
+    def depose(self) -> None:
+        if self.leadership is not None:
+            self.leadership.deposed.set()
 
     def nodes(self) -> list[str]:
         with self._lock:
@@ -312,13 +445,20 @@ class Coordinating:
         if info.get("nproc") != self.opts.nproc:
             return (f"it runs {info.get('nproc')} nodes per agent, the job "
                     f"{self.opts.nproc} (--nproc-per-node)")
-        if len(self._admitted) >= self.opts.max_nodes:
+        # an agent whose node was fenced (cut off, then back) comes again in its own place
+        again = 1 if self._rejoin_of(info) is not None else 0
+        if len(self._admitted) - again >= self.opts.max_nodes:
             return f"the job has its maximum of {self.opts.max_nodes} agents (--nnodes)"
         rank = int(info.get("node_rank", -1))
         if not late and rank >= 0 and (rank >= self.opts.min_nodes or rank in self._slots):
             return (f"--node-rank {rank} is taken or beyond the {self.opts.min_nodes} agents "
                     "the job starts with")
         return None
+
+    def _rejoin_of(self, info: dict[str, Any]) -> int | None:
+        """The admitted agent that this arrival says it was (its node was fenced), or None."""
+        k = info.get("rejoin_of")
+        return k if isinstance(k, int) and k in self._admitted else None
 
     def _admit(self, store: dist.Store, k: int, info: dict[str, Any], late: bool) -> None:
         problem = self._problem(k, info, late)
@@ -337,28 +477,40 @@ class Coordinating:
             self._slots[slot] = k
             first = slot * n
         ranks = list(range(first, first + n))
+        before = self._rejoin_of(info) if late else None
         with self._lock:
+            if before is not None:
+                self._admitted.remove(before)
             self._admitted.append(k)
             self._agent_nodes[k] = [f"node{r}" for r in ranks]
             self._nodes.extend(f"node{r}" for r in ranks)
         store.set(assign_key(k), json.dumps({"ranks": ranks, "joining": late,
                                              "world": self.world}))
-        self._event({"kind": "agent_admitted", "node": name, "ranks": ranks, "joining": late})
+        self._event({"kind": "agent_admitted", "node": name, "ranks": ranks, "joining": late,
+                     **({"rejoin_of": f"agent{before}"} if before is not None else {})})
 
     def _admit_late(self) -> None:
         store = self.address.connect(self.cfg.cluster.timeout_s)
-        k = self._next
         while True:
+            k = self._next
             raw = _wait_get(store, agent_key(k), 7 * 86400.0)
-            if raw is None:
+            if raw is None or self.deposed():
                 return
             info = json.loads(raw)
             if info.get("closed"):  # the coordinator's own marker: the job is over
                 return
-            self._admit(store, k, info, late=True)
-            k += 1
+            if store.check([assign_key(k)]):  # answered by a predecessor already
+                answer = json.loads(store.get(assign_key(k)))
+                self._event({"kind": "agent_answered_before", "node": f"agent{k}",
+                             **({"ranks": answer["ranks"]} if "ranks" in answer else {})})
+            else:
+                self._admit(store, k, info, late=True)
+            with self._lock:
+                self._next = k + 1
 
     def run(self) -> int:
+        if self.takeover is not None:
+            return self._take_over()
         store = self.address.connect(self.cfg.cluster.timeout_s)
         root = durable.written_root(self.cfg, self.opts.out)
         nonce, refused = secrets.token_hex(16), ""
@@ -412,19 +564,40 @@ class Coordinating:
         try:
             self.code = loop.run(loop_store, self.address)
         finally:
-            # wake the admission thread: a marker in the next arrival slot it will read
-            close = store.add(ARRIVALS, 1)
-            store.set(agent_key(close), json.dumps({"closed": True}))
-            for j in range(1, close):  # agents still waiting for an answer get one
-                if not store.check([assign_key(j)]):
-                    store.set(assign_key(j), json.dumps(
-                        {"refused": f"job {self.opts.rdzv_id} is over"}))
-            summary = json.loads((self.opts.out / "summary.json").read_text()) \
-                if (self.opts.out / "summary.json").exists() else {}
-            store.set(OVER, json.dumps({"status": summary.get("status", "failed"),
-                                        "message": summary.get("message", ""),
-                                        "agents": self.answering()}))
+            self._close(store)
         return self.code
+
+    def _take_over(self) -> int:
+        """Go on with the job from the predecessor's books (the job's files continue in this
+        agent's --out). Checkpoints are committed here from now on only where this host sees
+        the checkpoint folder the workers write to (a shared `checkpoint.dir`)."""
+        store = self.address.connect(self.cfg.cluster.timeout_s)
+        loop = AgentJobLoop(self, cfg=self.cfg, spec=self.spec, out=self.opts.out,
+                            token=self.token, instance=self.instance,
+                            progress=self.opts.progress, t0=self.t0)
+        loop.takeover = self.takeover
+        try:
+            self.code = loop.run(self.address.connect(self.cfg.cluster.timeout_s), self.address)
+        finally:
+            self._close(store)
+        return self.code
+
+    def _close(self, store: dist.Store) -> None:
+        """The job is over (unless this coordinator was deposed: then its successor ends it)."""
+        if self.deposed():
+            return
+        # wake the admission thread: a marker in the next arrival slot it will read
+        close = store.add(ARRIVALS, 1)
+        store.set(agent_key(close), json.dumps({"closed": True}))
+        for j in range(1, close):  # agents still waiting for an answer get one
+            if not store.check([assign_key(j)]):
+                store.set(assign_key(j), json.dumps(
+                    {"refused": f"job {self.opts.rdzv_id} is over"}))
+        summary = json.loads((self.opts.out / "summary.json").read_text()) \
+            if (self.opts.out / "summary.json").exists() else {}
+        store.set(OVER, json.dumps({"status": summary.get("status", "failed"),
+                                    "message": summary.get("message", ""),
+                                    "agents": self.answering()}))
 
 
 # ---------------------------------------------------------------------- every agent
@@ -446,18 +619,25 @@ class Agent:
     def run(self) -> int:
         opts = self.opts
         store = self.address.connect(self.timeout_s)
-        me = store.add(ARRIVALS, 1)
-        store.set(agent_key(me), json.dumps({
-            "host": socket.gethostname(), "local_addr": opts.local_addr, "nproc": opts.nproc,
-            "node_rank": opts.node_rank, "proof": proof(self.token, f"{opts.rdzv_id}/agent/{me}"),
-            "model_digest": self.cfg.model_digest(), "config_digest": self.cfg.digest()}))
-        coordinating: Coordinating | None = None
-        thread = None
-        if store.compare_set(COORDINATOR, "", str(me)) == str(me).encode():
-            coordinating = Coordinating(opts, self.cfg, self.spec, self.token, self.address)
-            thread = threading.Thread(target=coordinating.run, name="coordinator", daemon=True)
-            thread.start()
+        me = self._arrive(store)
+        self.me = me
+        self.coordinating: Coordinating | None = None
+        self.thread: threading.Thread | None = None
+        self.leadership = None
+        if self.address.kind == "etcd":
+            self.leadership = Leadership(store, str(me), lease_ttl(
+                self.cfg.failover.heartbeat_timeout_s))  # type: ignore[arg-type]
+            won = self.leadership.campaign() and not store.check([JOB])
+        else:
+            won = store.compare_set(COORDINATOR, "", str(me)) == str(me).encode()
+        if won:
+            self._coordinate(Coordinating(opts, self.cfg, self.spec, self.token, self.address,
+                                          me, self.leadership))
             self.say(f"agent {me} coordinates job {opts.rdzv_id}")
+        elif self.leadership is not None and self.leadership.leading:
+            # the office was vacant but the job exists: its coordinator was lost before this
+            # agent arrived; take over once admitted (below, in _work)
+            self.leadership.resign()
         raw = _wait_get(store, JOB, opts.rdzv_timeout_s)
         if raw is None:
             self.say(f"no job appeared at the rendezvous within {opts.rdzv_timeout_s:.0f} s")
@@ -481,14 +661,73 @@ class Agent:
             return 2
         self.channel = Channel(job_key(self.token, str(job_info["instance"])), f"agent{me}")
         self.instance = str(job_info["instance"])
-        code = self._work(store, job_info, answer, coordinating is not None)
-        if thread is not None and coordinating is not None:
-            thread.join()
-            code = coordinating.code
+        code = self._work(store, job_info, answer)
+        if self.thread is not None and self.coordinating is not None:
+            self.thread.join()
+            code = 1 if self.coordinating.deposed() else self.coordinating.code
         return code
 
-    def _work(self, store: dist.Store, job_info: dict[str, Any], answer: dict[str, Any],
-              coordinating: bool) -> int:
+    def _arrive(self, store: dist.Store, rejoin_of: int | None = None) -> int:
+        """Take an arrival number and say what this agent brings; the number."""
+        opts = self.opts
+        me = store.add(ARRIVALS, 1)
+        store.set(agent_key(me), json.dumps({
+            "host": socket.gethostname(), "local_addr": opts.local_addr, "nproc": opts.nproc,
+            "node_rank": opts.node_rank, "proof": proof(self.token, f"{opts.rdzv_id}/agent/{me}"),
+            "model_digest": self.cfg.model_digest(), "config_digest": self.cfg.digest(),
+            **({"rejoin_of": rejoin_of} if rejoin_of is not None else {})}))
+        return me
+
+    def _coordinate(self, coordinating: Coordinating) -> None:
+        self.coordinating = coordinating
+        self.thread = threading.Thread(target=coordinating.run, name="coordinator", daemon=True)
+        self.thread.start()
+
+    def _succeed(self, store: dist.Store, job_info: dict[str, Any]) -> bool:
+        """This agent won the vacant office: take over from the predecessor's books; False
+        when there are none that open (then the job cannot go on, and is ended)."""
+        try:
+            opened = self.channel.open(store.get(keys.COORDINATOR_STATE) if store.check(
+                [keys.COORDINATOR_STATE]) else b"", expect=CoordinatorState,
+                writers={"coordinator"})
+        except Refused as why:
+            message = (f"the coordinator was lost and its books cannot be read ({why.reason});"
+                       " the job cannot go on")
+            self.say(message)
+            store.set(OVER, json.dumps({"status": "failed", "message": message, "agents": 0}))
+            return False
+        assert isinstance(opened.message, CoordinatorState) and self.leadership is not None
+        self.say(f"agent {self.me} takes over as the coordinator of job {self.opts.rdzv_id}")
+        self._coordinate(Coordinating.successor(
+            self.opts, self.cfg, self.token, self.address, self.me, self.leadership, job_info,
+            opened.message))
+        return True
+
+    def _wait_over(self, store: dist.Store, job_info: dict[str, Any]) -> None:
+        """Wait for the job's end while watching the coordinator's office: when it falls
+        vacant (its host lost), campaign, and take over if elected. A leader that finds itself
+        deposed leaves (its workers with it: the successor counts its host lost)."""
+        leadership = self.leadership
+        if leadership is None:  # c10d: the store's host is on-demand; so is the coordinator
+            store.wait([OVER], timedelta(days=7))
+            return
+        slice_s = float(leadership.ttl_s)
+        while True:
+            if leadership.deposed.is_set():
+                self.say("lost the coordinator's lease (cut off from etcd for longer than its "
+                         "TTL): a successor coordinates; this host leaves the job")
+                return
+            seen = leadership.wait_vacant(OVER, slice_s)
+            if seen == OVER:
+                return
+            if seen == "vacant" and self.coordinating is not None:
+                leadership.deposed.wait(slice_s)  # its own lease gone: deposed at the next renewal
+                continue
+            if seen == "vacant" and self.coordinating is None and leadership.campaign():
+                if not self._succeed(store, job_info):
+                    return
+
+    def _work(self, store: dist.Store, job_info: dict[str, Any], answer: dict[str, Any]) -> int:
         """Run this host's workers until the job is over; the job's outcome as exit code."""
         out = self.opts.out
         (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -505,31 +744,32 @@ class Agent:
                 "checkpoint_dir_probe", path=str(root), shared=shared, ranks=ranks,
                 host=socket.gethostname())
         self._pending = len(ranks)
+        self._fenced: set[str] = set()
+        self._job_info, self._shared = job_info, shared
         supervisor = self.supervisor = Supervisor(out / "logs", self._exited)
         # a SIGTERM to the agent is the host's preemption notice: pass it on to the workers
         signal.signal(signal.SIGTERM, lambda *_: [supervisor.signal(n, signal.SIGTERM)
                                                   for n in list(supervisor.procs)])
-        for local, rank in enumerate(ranks):
-            node = f"node{rank}"
-            env = worker_env(self.cfg, rank=rank, world=world, local_rank=local,
-                             local_world=len(ranks), address=self.address, run_dir=out,
-                             t0=float(job_info["t0"]), token=self.token,
-                             instance=self.instance, search_path=search_path(self.cfg),
-                             joining=bool(answer["joining"]))
-            env["SPOTPIPE_CHECKPOINT_UPLOAD"] = "0" if shared else "1"
-            supervisor.spawn(node, env)
-            BoardWatcher(self.address.connect(self.timeout_s), self.channel,
-                         keys.kill_board(node), Kill,
-                         lambda _, node=node: supervisor.signal(node, signal.SIGKILL))
-        self.say(f"started {', '.join(f'node{r}' for r in ranks)}"
-                 + (" (joining the running job)" if answer["joining"] else ""))
-        store.wait([OVER], timedelta(days=7))
+        self._spawn(ranks, world, bool(answer["joining"]))
+        # later workers (a fenced node's agent joining again) are started by one thread that
+        # lives as long as the agent: a worker dies with the thread that started it
+        # (PR_SET_PDEATHSIG), and the exit callbacks' threads end at once
+        self._spawns: queue.Queue[tuple[list[int], int]] = queue.Queue()
+        threading.Thread(target=self._spawner, name="spawner", daemon=True).start()
+        self._wait_over(store, job_info)
         supervisor.stop_all()
         self._exits_done.wait(self.timeout_s)
+        if not store.check([OVER]):  # deposed: the job goes on without this host
+            return 1
         over = json.loads(store.get(OVER))
-        if store.add(LEFT, 1) >= int(over.get("agents", 0)):
+        coordinating = self.coordinating is not None
+        last = store.add(LEFT, 1) >= int(over.get("agents", 0))
+        if last:
             store.set(ALL_LEFT, "1")
-        if self.hosted is not None or coordinating:
+        if last and self.leadership is not None and self.leadership.leader() is None:
+            # the coordinator that ended the job is gone since: the last agent out cleans up
+            store.delete_prefix()  # type: ignore[attr-defined]
+        elif self.hosted is not None or coordinating:
             # the store's host stays until every agent has read the end; the coordinator
             # then removes the job's keys from etcd (other jobs keep theirs)
             try:
@@ -540,6 +780,8 @@ class Agent:
                 from spotpipe.store.etcd import EtcdStore
 
                 if isinstance(store, EtcdStore):
+                    if self.leadership is not None:
+                        self.leadership.resign()
                     store.delete_prefix()
         if over.get("status") == "completed":
             self.say("job completed; results in the coordinator's --out")
@@ -547,8 +789,59 @@ class Agent:
         self.say(f"job failed: {over.get('message', '')}")
         return 1
 
+    def _spawn(self, ranks: list[int], world: int, joining: bool) -> None:
+        """Start this host's workers for `ranks`, each with a watcher of its kill board."""
+        for local, rank in enumerate(ranks):
+            node = f"node{rank}"
+            env = worker_env(self.cfg, rank=rank, world=world, local_rank=local,
+                             local_world=len(ranks), address=self.address, run_dir=self.opts.out,
+                             t0=float(self._job_info["t0"]), token=self.token,
+                             instance=self.instance, search_path=search_path(self.cfg),
+                             joining=joining)
+            env["SPOTPIPE_CHECKPOINT_UPLOAD"] = "0" if self._shared else "1"
+            self.supervisor.spawn(node, env)
+            BoardWatcher(self.address.connect(self.timeout_s), self.channel,
+                         keys.kill_board(node), Kill, lambda _, node=node: self._kill(node))
+        self.say(f"started {', '.join(f'node{r}' for r in ranks)}"
+                 + (" (joining the running job)" if joining else ""))
+
+    def _spawner(self) -> None:
+        while True:
+            ranks, world = self._spawns.get()
+            self._spawn(ranks, world, joining=True)
+
+    def _kill(self, node: str) -> None:
+        """The coordinator fenced `node` (hung, or cut off past the heartbeat timeout)."""
+        self._fenced.add(node)
+        self.supervisor.signal(node, signal.SIGKILL)
+
+    def _rejoin(self, node: str) -> None:
+        """`node` was fenced while this host lives (a partition that healed): the job moved on
+        without it, so its state is stale; come again as a new agent, whose fresh node joins
+        the running job like any late one (placed when a layout has room for it)."""
+        try:
+            store = self.address.connect(self.timeout_s)
+            if store.check([OVER]):
+                return
+            me = self._arrive(store, rejoin_of=self.me)
+            raw = _wait_get(store, assign_key(me), self.opts.rdzv_timeout_s)
+            answer = json.loads(raw) if raw is not None else {"refused": "no answer"}
+            if "refused" in answer:
+                self.say(f"{node} was fenced; not admitted again: {answer['refused']}")
+                return
+            self.me = me
+            if self.leadership is not None and not self.leadership.leading:
+                self.leadership.me = str(me)  # (a candidate under its current number)
+            with self._lock:
+                self._pending += len(answer["ranks"])
+            self.say(f"{node} was fenced by the job; this host joins again as agent {me}")
+            self._spawns.put((answer["ranks"], int(answer["world"])))
+        except Exception as exc:  # the store is gone: the job is over already
+            self.say(f"could not join again after {node} was fenced: {exc}")
+
     def _exited(self, node: str, code: int) -> None:
-        """A worker of this host exited: hand over its final files, then tell the job."""
+        """A worker of this host exited: hand over its final files, then tell the job (and
+        join again if the job fenced it)."""
         try:
             store = self.address.connect(self.timeout_s)
             if code == 0:
@@ -556,6 +849,8 @@ class Agent:
             Outbox(store, self.channel, 0.0).post(Exit(node, code))
         except Exception as exc:  # the store is gone: the job is over already
             self.say(f"could not report the exit of {node}: {exc}")
+        if node in self._fenced:
+            self._rejoin(node)
         with self._lock:
             self._pending -= 1
             if self._pending <= 0:

@@ -25,9 +25,11 @@ import torch.distributed as dist
 from spotpipe.cluster.liveness import Liveness
 from spotpipe.config import Config
 from spotpipe.plan import Layout
+from spotpipe.plan.policy import Action
 from spotpipe.plan.recovery import (Decision, History, NodeReport, Outcome, Rules, recover)
-from spotpipe.protocol import (Abort, Channel, DecisionRecord, JoinAnswer, JoinRequest, Regroup,
-                               Report, keys)
+from spotpipe.cluster import succession
+from spotpipe.protocol import (Abort, Channel, CoordinatorState, DecisionRecord, JoinAnswer,
+                               JoinRequest, Regroup, Report, keys)
 from spotpipe.store import board
 
 
@@ -134,6 +136,80 @@ class Coordinator:
         self._refusals.add((writer, reason))
         self.emit({"time_s": self.now(), "kind": "record_refused", "node": writer,
                    "reason": reason[:300]})
+
+    # ------------------------------------------------------------------ succession
+
+    def books(self) -> dict[str, Any]:
+        """This coordinator's part of a `CoordinatorState`: what lives only in its memory."""
+        rec = self.collecting
+        return {
+            "generation": self.generation,
+            "history": {**succession.history_to_json(self.history),
+                        "partitions": succession.partitions_to_json(self._partitions)},
+            "dead": tuple(sorted(self.dead)), "finished": tuple(sorted(self.finished)),
+            "fenced": tuple(sorted(self.fenced)), "left": tuple(sorted(self.left)),
+            "joining": tuple(self.joining), "over": self.over,
+            "stop_message": self.stop_message, "regroup_asked": self._regroup_asked,
+            "collecting": None if rec is None else {
+                "generation": rec.generation, "started_s": rec.started_s,
+                "reasons": list(rec.reasons),
+                "reports": [r.to_json() for r in rec.reports.values()]}}
+
+    def restore(self, state: CoordinatorState) -> None:
+        """Take up a predecessor's books. Liveness starts afresh: beats are timed on this
+        coordinator's clock from their next arrival, so no node is fenced for the time the
+        office was vacant."""
+        self.history = succession.history_from_json(state.history)
+        self._partitions = succession.partitions_from_json(state.history.get("partitions", {}))
+        self.dead, self.finished = set(state.dead), set(state.finished)
+        self.fenced, self.left = set(state.fenced), set(state.left)
+        self.joining, self.over = list(state.joining), state.over
+        self.stop_message, self._regroup_asked = state.stop_message, state.regroup_asked
+        rec = state.collecting
+        self.collecting = None if rec is None else Collecting(
+            int(rec["generation"]), float(rec["started_s"]), [str(r) for r in rec["reasons"]],
+            {r["node"]: Report.from_json(r) for r in rec["reports"]})
+
+    def decided_after_books(self) -> bool:
+        """Whether the predecessor published the Decision of the books' generation after it
+        last saved them (it died in between: a few milliseconds of one turn). The workers
+        follow that Decision, which these books know nothing of, so no successor can go on
+        exactly: the job is stopped with a clear message instead (a stop Decision for the
+        generation the workers are in), and the newest checkpoint stays the way back."""
+        g = self.generation
+        found: Decision | None = None
+        index = 1
+        while found is None and self.store.check([keys.board_slot(keys.decision_board(g),
+                                                                  index)]):
+            try:
+                opened = self.channel.open(
+                    self.store.get(keys.board_slot(keys.decision_board(g), index)),
+                    expect=DecisionRecord, writers={self.channel.writer})
+                assert isinstance(opened.message, DecisionRecord)
+                found = Decision.from_json(opened.message.decision)
+            except Exception:  # (Refused, or a record that does not parse: not a decision)
+                pass
+            index += 1
+        if found is None:
+            return False
+        message = (f"the coordinator was lost after it published the plan of generation {g} "
+                   "and before it saved its books; its successor cannot go on exactly "
+                   "(resume from the newest checkpoint)")
+        self.emit({"time_s": self.now(), "kind": "books_stale", "node": "launcher",
+                   "generation": g, "message": message})
+        self.stop_message = found.message if found.stopped else message
+        if not found.stopped:
+            nxt = found.generation
+            stop = Decision(Action.STOP, generation=nxt + 1, resume=found.resume,
+                            layout=found.layout, previous_layout=found.layout,
+                            partition=found.partition, previous_partition=found.partition,
+                            message=message)
+            board.publish(self.store, self.channel, keys.abort_board(nxt), Abort(nxt, message),
+                          nxt)
+            board.publish(self.store, self.channel, keys.decision_board(nxt),
+                          DecisionRecord(nxt, stop.to_json()), nxt)
+        self.collecting = None
+        return True
 
     # ------------------------------------------------------------------ inputs
 

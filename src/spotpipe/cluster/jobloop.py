@@ -30,8 +30,9 @@ from safetensors.torch import load_file, save_file
 from spotpipe import job
 from spotpipe.checkpoint import durable
 from spotpipe.cluster.coordinator import Coordinator
-from spotpipe.protocol import (Channel, CheckpointSaved, Close, Event, Exit, JoinRequest, Metrics,
-                               Opened, Refused, Report, job_key)
+from spotpipe.protocol import (Channel, CheckpointSaved, Close, CoordinatorState, Event, Exit,
+                               JoinRequest, Journal, Metrics, Opened, Refused, Report, job_key,
+                               keys)
 from spotpipe.store import mailbox
 from spotpipe.store.address import StoreAddress
 from spotpipe.cluster.supervisor import Supervisor, search_path, worker_env
@@ -43,6 +44,10 @@ class RunFilesError(RuntimeError):
     """The launcher cannot write its own files: the job stops, naming the file."""
 
 
+class Deposed(RuntimeError):
+    """This coordinator lost its office (its lease expired): a successor may be acting."""
+
+
 @dataclass
 class RunFiles:
     """The run's output files, written by the launcher only."""
@@ -52,6 +57,10 @@ class RunFiles:
     metrics: TextIO = field(init=False)
     events: TextIO = field(init=False)
     tensorboard: Any = None
+    # keep the lines written since the last `take`, for a successor (the journal)
+    journaled: bool = False
+    _new: tuple[list[dict[str, Any]], list[dict[str, Any]]] = field(
+        init=False, default_factory=lambda: ([], []))
 
     def __post_init__(self) -> None:
         mode = "a" if self.append else "w"
@@ -68,14 +77,30 @@ class RunFiles:
 
     def event(self, record: dict[str, Any]) -> None:
         self._append(self.events, "events.jsonl", record)
+        if self.journaled:
+            self._new[1].append(record)
 
     def metric(self, record: dict[str, Any]) -> None:
         self._append(self.metrics, "metrics.jsonl", record)
+        if self.journaled:
+            self._new[0].append(record)
         if self.tensorboard is not None:
             step = record["iter"]
             for key in ("loss", "samples_per_s", "lr", "grad_norm", "live_nodes"):
                 if key in record:
                     self.tensorboard.add_scalar(key, record[key], step)
+
+    def take(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The lines written since the last call (metrics, events)."""
+        new, self._new = self._new, ([], [])
+        return new
+
+    def replay(self, journal: Journal) -> None:
+        """A predecessor's lines, written again here (not journaled twice)."""
+        for record in journal.metrics:
+            self._append(self.metrics, "metrics.jsonl", record)
+        for record in journal.events:
+            self._append(self.events, "events.jsonl", record)
 
     def close(self) -> None:
         self.metrics.close()
@@ -110,6 +135,9 @@ class JobLoop:
         self.checkpoint_key = durable.resolve_key(cfg.checkpoint.key)
         self.notes: list[dict[str, Any]] = []  # events decided before the run started
         self._shadows: Supervisor | None = None
+        # a predecessor's books: this loop takes over a running job instead of starting one
+        self.takeover: CoordinatorState | None = None
+        self._journal = 0  # journal records written (or replayed) so far
 
     # ------------------------------------------------------------------ where workers run
 
@@ -149,6 +177,19 @@ class JobLoop:
         """Bring the final stage files into this run folder; a problem, or "" when done."""
         return ""
 
+    def _persist(self, files: RunFiles) -> None:
+        """End of a turn: keep what a successor needs in the store (agent jobs on etcd)."""
+
+    def _resume_nodes(self, inbox: "queue.Queue[tuple[str, Any]]") -> None:
+        """Taking over: the nodes run already; only their exits are to come through `inbox`."""
+        raise NotImplementedError
+
+    @property
+    def _tombstone_on_read(self) -> bool:
+        """Whether the mailbox reader marks a slot read as it reads it; a loop that keeps its
+        books in the store marks slots only once its saved state has taken them in."""
+        return True
+
     # ------------------------------------------------------------------ the loop
 
     def _write_inputs(self) -> None:
@@ -160,11 +201,31 @@ class JobLoop:
         world = cfg.stages * cfg.pipelines
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
         self._write_inputs()
-        files = self.files = RunFiles(self.out, append=self.restart > 0)
+        files = self.files = RunFiles(self.out, append=self.restart > 0,
+                                      journaled=not self._tombstone_on_read)
         if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             files.tensorboard = SummaryWriter(str(self.out / "tensorboard"))
+        if self.takeover is None:
+            self._launch_event(files, address)
+        nodes = [f"node{r}" for r in range(world)]
+        self.coordinator = Coordinator(
+            cfg=cfg, store=store, layout=Layout.build(cfg.stages, cfg.pipelines, nodes),
+            kill=self._kill, emit=files.event, now=self._now, channel=self.channel,
+            partition=self.spec.partition, partition_for=self._partition_for)
+        inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._inbox, self._address, self._store = inbox, address, store
+        self._exited: dict[str, int] = {}
+        self._last: dict[str, Any] | None = None
+        self._received = 0
+        if self.takeover is not None:
+            self._restore(files, self.takeover)
+        self._watch_mailbox(address, inbox, start=self._received + 1)
+        return self._loop(files, inbox, store, address)
+
+    def _launch_event(self, files: RunFiles, address: StoreAddress) -> None:
+        cfg = self.cfg
         files.event({"time_s": self._now() if self.restart else 0.0, "kind": "launch",
                      "node": "launcher",
                      **({"restart": self.restart} if self.restart else {}), "stages": cfg.stages,
@@ -179,25 +240,22 @@ class JobLoop:
                          "start_iteration": self.resume.next_iteration} if self.resume else {})})
         for note in self.notes:
             files.event({"time_s": 0.0, "node": "launcher", **note})
-        nodes = [f"node{r}" for r in range(world)]
-        self.coordinator = Coordinator(
-            cfg=cfg, store=store, layout=Layout.build(cfg.stages, cfg.pipelines, nodes),
-            kill=self._kill, emit=files.event, now=self._now, channel=self.channel,
-            partition=self.spec.partition, partition_for=self._partition_for)
-        inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._inbox, self._address, self._store = inbox, address, store
-        self._exited: dict[str, int] = {}
-        self._watch_mailbox(address, inbox)
+
+    def _loop(self, files: RunFiles, inbox: "queue.Queue[tuple[str, Any]]", store: dist.Store,
+              address: StoreAddress) -> int:
+        cfg = self.cfg
         bar = self._bar = self._progress_bar()
         status, message = "failed", ""
-        self._last: dict[str, Any] | None = None
-        self._received = 0
+        deposed = False
         errors: dict[str, str] = {}
         self._shadow_exited: dict[str, int] = {}
         try:
-            if cfg.shadow.enabled:
+            if cfg.shadow.enabled and self.takeover is None:
                 self._spawn_shadows(address, inbox)
-            self._start_nodes(address, inbox)
+            if self.takeover is None:
+                self._start_nodes(address, inbox)
+            else:
+                self._resume_nodes(inbox)
             exited = self._exited
             last_tick = time.time()
             while True:
@@ -211,7 +269,16 @@ class JobLoop:
                     self.coordinator.tick()
                 if what == "record" and isinstance(item.message, Exit):  # from an agent
                     self._received += 1
-                    what, item = "exit", (item.message.node, item.message.code)
+                    node = item.message.node
+                    if node in exited:
+                        # counted out already, its agent silent past the timeout: the agent
+                        # was cut off and is back; the record is stale, and changes nothing
+                        self.coordinator.refused(
+                            item.writer, f"a late exit record for {node} (code "
+                            f"{item.message.code}), which the job counted out already")
+                        what = "stale"
+                    else:
+                        what, item = "exit", (node, item.message.code)
                 if what == "event":  # from a helper thread of this process
                     files.event(item)
                 elif what in ("record", "refused"):
@@ -247,17 +314,25 @@ class JobLoop:
                 elif what == "mailbox_closed":
                     message = f"lost the store: {item}"
                     break
+                self._persist(files)
         except KeyboardInterrupt:
             message = "interrupted"
         except RunFilesError as exc:
             message = str(exc)
+        except Deposed as exc:
+            message, deposed = str(exc), True
         finally:
             self._stop_workers()
             if self._shadows is not None:
                 self._shadows.stop_all()
-            self._close_mailbox(store)
+            if not deposed:  # (a successor reads this mailbox on: no closing record in it)
+                self._close_mailbox(store)
             if bar is not None:
                 bar.close()
+            if deposed:
+                print(f"spotpipe: {message}", file=self.stream)
+                files.close()
+                return 1
             wall = time.time() - self.t0
             try:
                 files.event({"time_s": round(wall, 6), "kind": "job_" + status,
@@ -452,15 +527,48 @@ class JobLoop:
             self.coordinator.release_standby()
         self._on_metrics(item, files)
 
+    def _restore(self, files: RunFiles, state: CoordinatorState) -> None:
+        """Take over from a predecessor's books: its run-file lines first (the files continue
+        here whole), then its coordinator's state and this loop's."""
+        for index in range(1, state.journal + 1):
+            try:
+                opened = self.channel.open(self._store.get(keys.journal(index)),
+                                           expect=Journal, writers={self.channel.writer})
+            except Refused as why:
+                self.coordinator.refused(why.writer, f"journal {index}: {why.reason}")
+                continue
+            assert isinstance(opened.message, Journal)
+            files.replay(opened.message)
+        self._journal = state.journal
+        self.coordinator.restore(state)
+        self._last = state.last_metrics
+        self._exited = dict(state.exited)
+        self._received = state.cursor
+        parts = state.checkpoints.get("parts", {})
+        self._ckpt_parts = {int(t): {int(s): dict(c) for s, c in stages.items()}
+                            for t, stages in parts.items()}
+        self._ckpt_failed = {int(t) for t in state.checkpoints.get("failed", [])}
+
+    def _books(self) -> dict[str, Any]:
+        """This loop's part of a CoordinatorState, with the coordinator's."""
+        return {**self.coordinator.books(), "cursor": self._received,
+                "last_metrics": self._last, "exited": dict(self._exited),
+                "checkpoints": {"parts": {str(t): {str(s): c for s, c in stages.items()}
+                                          for t, stages in self._ckpt_parts.items()},
+                                "failed": sorted(self._ckpt_failed)}}
+
     def _watch_mailbox(self, address: StoreAddress,
-                       inbox: "queue.Queue[tuple[str, Any]]") -> None:
+                       inbox: "queue.Queue[tuple[str, Any]]", start: int = 1) -> None:
         client = address.connect(self.cfg.cluster.timeout_s)
+        me = self.channel.sealer.incarnation
 
         def pump() -> None:
             try:
                 for opened in mailbox.read_mailbox(
-                        client, self.channel, lambda why: inbox.put(("refused", why))):
-                    if isinstance(opened.message, Close) and opened.writer == self.channel.writer:
+                        client, self.channel, lambda why: inbox.put(("refused", why)),
+                        start=start, tombstone=self._tombstone_on_read):
+                    if isinstance(opened.message, Close) and opened.writer == \
+                            self.channel.writer and opened.sealed.incarnation == me:
                         return
                     inbox.put(("record", opened))
             except Exception as exc:  # the store went away: only at shutdown, or a real fault

@@ -9,12 +9,12 @@ from spotpipe.protocol.auth import (Refused, ReplayGuard, Sealed, Sealer, job_ke
                                     new_instance_id, proof, same_secret, token_bytes,
                                     token_from_env, unseal)
 from spotpipe.protocol.channel import Channel, Opened, channel_from_env
-from spotpipe.protocol.messages import (Abort, CheckpointSaved, Close, DecisionRecord, Event,
-                                        Exit, Heartbeat, JoinAnswer, JoinRequest, Kill, Mark, Message,
+from spotpipe.protocol.messages import (Abort, CheckpointSaved, Close, CoordinatorState,
+                                        DecisionRecord, Event, Exit, Journal, Heartbeat, JoinAnswer, JoinRequest, Kill, Mark, Message,
                                         MessageError, Metrics, Regroup, Report, parse)
 
-__all__ = ["Abort", "Channel", "channel_from_env", "CheckpointSaved", "Close", "DecisionRecord", "Event", "Exit",
-           "Heartbeat", "JoinAnswer", "JoinRequest", "Kill", "Mark", "Message", "MessageError",
+__all__ = ["Abort", "Channel", "channel_from_env", "CheckpointSaved", "Close", "CoordinatorState", "DecisionRecord", "Event", "Exit",
+           "Heartbeat", "JoinAnswer", "JoinRequest", "Journal", "Kill", "Mark", "Message", "MessageError",
            "Metrics", "Opened", "Refused", "Regroup", "Report", "ReplayGuard", "Sealed",
            "Sealer", "job_key", "keys", "new_instance_id", "parse", "proof", "same_secret",
            "token_bytes", "token_from_env", "unseal"]

@@ -18,6 +18,10 @@ HEARTBEATS = f"{ROOT}/hb"
 # written once at launch, read by every node to derive the job's key (not a secret)
 INSTANCE = f"{ROOT}/instance"
 RDZV = f"{ROOT}/rdzv"
+# the elected coordinator: its agent's number, under an etcd lease that its agent keeps alive
+LEADER = f"{RDZV}/leader"
+# the coordinator's books, for a successor (a sealed CoordinatorState, overwritten each turn)
+COORDINATOR_STATE = f"{ROOT}/coordinator/state"
 
 
 def mailbox_slot(index: int) -> str:
@@ -105,3 +109,8 @@ def kill_board(node: str) -> str:
 def final_part(stage: int, part: str) -> str:
     """A final stage file in transit to the coordinating agent's host."""
     return f"{ROOT}/final/{stage}/{part}"
+
+
+def journal(index: int) -> str:
+    """The coordinator's `index`-th batch of run-file lines (from 1), for a successor."""
+    return f"{ROOT}/coordinator/journal/{index}"

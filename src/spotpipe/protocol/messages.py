@@ -309,9 +309,55 @@ class Mark(Message):
     what: str
 
 
+# --------------------------------------------------------------------- coordinator -> successor
+
+@dataclass(frozen=True)
+class CoordinatorState(Message):
+    """What a successor needs to go on coordinating where the coordinator left off.
+
+    The coordinator's books live in its process; when its host is lost, another agent wins
+    the election and rebuilds them from the newest of these records (written, together with
+    the run files' new lines and the mailbox slots it covers, in one store transaction at the
+    end of every turn that changed something). `cursor` is how many mailbox slots the state
+    has taken in: the successor reads on from the next one, so a record read but not yet
+    taken in when the coordinator died is read again. Structured fields are JSON whose owner
+    parses them (`spotpipe.cluster.succession`)."""
+
+    TYPE: ClassVar[str] = "coordinator_state"
+    cursor: int  # mailbox slots taken in (the successor reads on from cursor + 1)
+    journal: int  # journal records written so far (the run files' lines)
+    generation: int
+    history: dict[str, Any]  # plan.recovery.History
+    dead: tuple[str, ...]
+    finished: tuple[str, ...]
+    fenced: tuple[str, ...]
+    left: tuple[str, ...]
+    joining: tuple[str, ...]
+    over: bool
+    stop_message: str | None
+    regroup_asked: int
+    collecting: dict[str, Any] | None  # agreement in progress: generation, reasons, reports
+    last_metrics: dict[str, Any] | None
+    exited: dict[str, int]
+    checkpoints: dict[str, Any]  # stages of uncommitted checkpoints, failed iterations
+    admission: dict[str, Any]  # the agents admitted and their nodes
+    time_s: float
+
+
+@dataclass(frozen=True)
+class Journal(Message):
+    """Lines the coordinator appended to the run's files in one turn (metrics.jsonl,
+    events.jsonl): a successor on another host writes them again before its own, so the run's
+    files continue on its host whole."""
+
+    TYPE: ClassVar[str] = "journal"
+    metrics: tuple[dict[str, Any], ...]
+    events: tuple[dict[str, Any], ...]
+
+
 MESSAGES: dict[str, type[Message]] = {m.TYPE: m for m in (
     Report, JoinRequest, Metrics, Event, CheckpointSaved, Exit, Close, Heartbeat, Abort,
-    Regroup, DecisionRecord, JoinAnswer, Kill, Mark)}
+    Regroup, DecisionRecord, JoinAnswer, Kill, Mark, CoordinatorState, Journal)}
 
 
 def parse(type_: str, version: int, body: Any) -> Message:

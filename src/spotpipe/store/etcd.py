@@ -203,6 +203,18 @@ class EtcdStore(dist.Store):
             _, found = self._range(wanted)
         return [found[k] for k in wanted]
 
+    def multi_set_if(self, guard: str, holds: str | bytes, keys: list[str],
+                     values: list[str | bytes]) -> bool:
+        """`multi_set` in one transaction only while key `guard` holds `holds` (a leader
+        writing its books only while it still holds the office); whether it was written."""
+        expected = holds.encode() if isinstance(holds, str) else holds
+        reply = self._retry("multi_set_if", lambda: self._txn({
+            "compare": [{"key": _encode(self._key(guard)), "target": "VALUE",
+                         "result": "EQUAL", "value": _encode(expected)}],
+            "success": [{"request_put": {"key": _encode(self._key(k)), "value": _encode(v)}}
+                        for k, v in zip(keys, values)], "failure": []}))
+        return bool(reply.get("succeeded"))
+
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         self._retry("multi_set", lambda: self._txn({"compare": [], "success": [
             {"request_put": {"key": _encode(self._key(k)), "value": _encode(v)}}
@@ -234,11 +246,14 @@ class EtcdStore(dist.Store):
                 # back or the reconnect deadline passes
                 continue
 
-    def _watch_once(self, key: bytes, start_revision: int, limit_s: float) -> None:
-        """Return at the first change of `key` at or after `start_revision`, or after about
-        `limit_s` seconds without one (a read timeout on the event stream)."""
+    def _watch_once(self, key: bytes, start_revision: int, limit_s: float,
+                    range_end: bytes | None = None) -> None:
+        """Return at the first change of `key` (or of any key up to `range_end`) at or after
+        `start_revision`, or after about `limit_s` seconds without one (a read timeout on the
+        event stream)."""
         client = self._client()
-        body = {"create_request": {"key": _encode(key), "start_revision": start_revision}}
+        body = {"create_request": {"key": _encode(key), "start_revision": start_revision,
+                                   **({"range_end": _encode(range_end)} if range_end else {})}}
         with client.session.post(client.get_url("/watch"), json=body, stream=True,
                                  timeout=(5, max(0.05, limit_s))) as reply:
             if reply.status_code != 200:
@@ -256,6 +271,63 @@ class EtcdStore(dist.Store):
                 if "timed out" in str(exc).lower():
                     return
                 raise
+
+    def wait_until(self, keys: list[str], done: Callable[[dict[str, bytes]], bool],
+                   timeout_s: float) -> dict[str, bytes] | None:
+        """Block until `done(values)` holds for the values of those of `keys` that exist (a
+        key deleted counts as a change too, which `wait` cannot see); the values then, or
+        None after `timeout_s`. Watches the key range that spans `keys` (no polling)."""
+        wanted = {self._key(k): k for k in keys}
+        low = min(wanted)
+        high = _increment_last_byte(max(wanted))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            revision, found = self._range(list(wanted))
+            values = {wanted[k]: v for k, v in found.items()}
+            if done(values):
+                return values
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            try:
+                self._watch_once(low, revision + 1, min(remaining, _WATCH_SLICE_S), high)
+            except _RETRYABLE:
+                continue
+
+    # ------------------------------------------------------------------ leases (election)
+
+    def grant_lease(self, ttl_s: int) -> int:
+        """A new lease of `ttl_s` seconds; its id."""
+        reply = self._retry("lease grant", lambda: self._client().post(
+            self._client().get_url("/lease/grant"), json={"TTL": int(ttl_s), "ID": 0}))
+        return int(reply["ID"])
+
+    def keep_alive(self, lease: int) -> bool:
+        """Renew the lease; False when it has expired already (its keys are gone)."""
+        reply = self._retry("lease keep-alive", lambda: self._client().post(
+            self._client().get_url("/lease/keepalive"), json={"ID": lease}))
+        return int(reply.get("result", {}).get("TTL", -1)) > 0
+
+    def revoke_lease(self, lease: int) -> None:
+        """End the lease now: its keys are deleted (a resignation)."""
+        self._retry("lease revoke", lambda: self._client().post(
+            self._client().get_url("/kv/lease/revoke"), json={"ID": lease}))
+
+    def create_leased(self, key: str, value: str | bytes, lease: int) -> bytes:
+        """Put `value` under `key`, attached to `lease`, only if the key does not exist (etcd's
+        election: the key goes with the lease); the value the key holds afterwards."""
+        k = self._key(key)
+        data = value.encode() if isinstance(value, str) else value
+        reply = self._retry("create", lambda: self._txn({
+            "compare": [{"key": _encode(k), "target": "CREATE", "result": "EQUAL",
+                         "create_revision": 0}],
+            "success": [{"request_put": {"key": _encode(k), "value": _encode(data),
+                                         "lease": lease}}],
+            "failure": [{"request_range": {"key": _encode(k)}}]}))
+        if reply.get("succeeded"):
+            return data
+        kvs = reply["responses"][0].get("response_range", {}).get("kvs", [])
+        return _decode(kvs[0].get("value", "")) if kvs else b""
 
     # ------------------------------------------------------------------ housekeeping
 

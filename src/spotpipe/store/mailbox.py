@@ -66,26 +66,37 @@ def finite(value: Any) -> Any:
 
 def read_mailbox(store: dist.Store, channel: Channel,
                  on_refused: Callable[[Refused], None],
-                 timeout_s: float = 86400.0) -> Iterator[Opened]:
-    """Yield the mailbox's records in order as they arrive, blocking between them; a record
-    that does not open (no key, malformed, a replay) goes to `on_refused` instead.
+                 timeout_s: float = 86400.0, *, start: int = 1,
+                 tombstone: bool = True) -> Iterator[Opened]:
+    """Yield the mailbox's records in order as they arrive from slot `start` on, blocking
+    between them; a record that does not open (no key, malformed, a replay) goes to
+    `on_refused` instead.
 
     Give it a store client of its own: a client blocked in wait() cannot serve other calls.
-    Each slot is overwritten once read (a tombstone, not a deletion: see `board.post`)."""
+    Each slot is overwritten once read (a tombstone, not a deletion: see `board.post`), unless
+    `tombstone` is False: then the reader's owner marks slots (`mark_read`) once it has kept
+    what they changed, so that a successor can read them again."""
     guard = ReplayGuard()
-    index = 0
+    index = start - 1
     while True:
         index += 1
         key = keys.mailbox_slot(index)
         store.wait([key], timedelta(seconds=timeout_s))
         blob = store.get(key)
-        store.set(key, board.READ)
+        if tombstone:
+            store.set(key, board.READ)
         try:
             opened = channel.open(blob, guard=guard)
         except Refused as why:
             on_refused(why)
             continue
         yield opened
+
+
+def read_marks(first: int, last: int) -> tuple[list[str], list[bytes]]:
+    """The keys and values that mark mailbox slots `first`..`last` read (for a multi_set)."""
+    slots = [keys.mailbox_slot(i) for i in range(first, last + 1)]
+    return slots, [board.READ] * len(slots)
 
 
 def posted(store: dist.Store) -> int:
