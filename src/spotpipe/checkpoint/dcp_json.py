@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from spotpipe.checkpoint.fsync import fsync_path
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
+
+from spotpipe.checkpoint.fsync import fsync_path
 
 METADATA = "dcp_metadata.json"
 FORMAT = "spotpipe-dcp-json/1"

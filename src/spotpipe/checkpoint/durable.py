@@ -126,7 +126,12 @@ def dcp_save(tensors: dict[str, torch.Tensor], folder: Path, sync: bool = True) 
     try:
         dcp.save(tensors, storage_writer=stage_writer(folder, sync), no_dist=True)
     except CheckpointException as exc:
-        raise WriteError(f"{folder}: {str(exc).splitlines()[0][:300]}") from exc
+        raise write_error(folder, exc) from exc
+
+
+def write_error(folder: Path, exc: Exception) -> WriteError:
+    """DCP's failure to write `folder`, as the WriteError the schemes catch."""
+    return WriteError(f"{folder}: {str(exc).splitlines()[0][:300]}")
 
 
 def stage_checksums(folder: Path, stage: int, sync: bool = True) -> dict[str, str]:
@@ -298,6 +303,11 @@ def resolve(path: Path) -> tuple[Checkpoint, list[str]]:
 def load_stage(ckpt: Checkpoint, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Fill `module` (layers `layers` of the model) and its optimizer from the checkpoint,
     reading from every old stage folder that holds some of those layers."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from spotpipe.checkpoint.dcp_json import JsonMetadataReader, MetadataError
+
     wanted = stage_tensors(module, materialise_optimizer_state(module, optimizer))
     for old, (start, end) in enumerate(ckpt.partition):
         keys = {k: v for k, v in wanted.items()
@@ -306,11 +316,6 @@ def load_stage(ckpt: Checkpoint, module: nn.Module, optimizer: torch.optim.Optim
         if not keys:
             continue
         buffers = {k: torch.empty_like(v, device="cpu") for k, v in keys.items()}
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        from spotpipe.checkpoint.dcp_json import JsonMetadataReader, MetadataError
-
         try:
             dcp.load(buffers, storage_reader=JsonMetadataReader(str(ckpt.path / f"stage{old}")),
                      no_dist=True)

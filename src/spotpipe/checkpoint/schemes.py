@@ -326,7 +326,7 @@ class DcpAsyncScheme(_Background):
             try:
                 upload.result()
             except CheckpointException as exc:
-                raise durable.WriteError(f"{folder}: {str(exc).splitlines()[0][:300]}") from exc
+                raise durable.write_error(folder, exc) from exc
             sums = durable.stage_checksums(folder, stage)  # hashed here, off the training loop
             size = sum((folder.parent / name).stat().st_size for name in sums)
             return size, {"checksums": sums}
