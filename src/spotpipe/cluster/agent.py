@@ -185,7 +185,9 @@ def _wait_get(store: dist.Store, key: str, timeout_s: float) -> bytes | None:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # the coordinating thread and its own agent write the same files at the same time: the
+    # temporary name is the writer's (process and thread), not only the process's
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
 
@@ -353,6 +355,7 @@ class Coordinating:
         self.t0 = time.time()
         self.instance = new_instance_id()  # the job's key is derived from it and the token
         self.code = 1
+        self._crash = ""  # why the coordinator's loop raised, for the agents' end message
         self._next = 1
 
     @classmethod
@@ -563,6 +566,9 @@ class Coordinating:
         loop_store = self.address.connect(self.cfg.cluster.timeout_s)
         try:
             self.code = loop.run(loop_store, self.address)
+        except BaseException as exc:
+            self._crash = f"the coordinator failed: {type(exc).__name__}: {exc}"
+            raise
         finally:
             self._close(store)
         return self.code
@@ -578,6 +584,9 @@ class Coordinating:
         loop.takeover = self.takeover
         try:
             self.code = loop.run(self.address.connect(self.cfg.cluster.timeout_s), self.address)
+        except BaseException as exc:
+            self._crash = f"the coordinator failed: {type(exc).__name__}: {exc}"
+            raise
         finally:
             self._close(store)
         return self.code
@@ -596,7 +605,7 @@ class Coordinating:
         summary = json.loads((self.opts.out / "summary.json").read_text()) \
             if (self.opts.out / "summary.json").exists() else {}
         store.set(OVER, json.dumps({"status": summary.get("status", "failed"),
-                                    "message": summary.get("message", ""),
+                                    "message": summary.get("message", "") or self._crash,
                                     "agents": self.answering()}))
 
 
