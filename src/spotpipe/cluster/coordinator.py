@@ -401,12 +401,12 @@ class Coordinator:
         g = rec.generation
         board.publish(self.store, self.channel, keys.decision_board(g),
                       DecisionRecord(g, decision.to_json()), g)
+        self.emit(_plan_event(self.now(), g, decision))  # (the nodes have it from here on)
         # the generation is over: close its boards, so every watcher of it ends (a change at a
         # boundary aborted no one, and a regroup may never have been asked for)
         self._abort("the generation ended")
         board.publish(self.store, self.channel, keys.regroup_board(g),
                       Regroup(g, "the generation ended"), g)
-        self.emit(_plan_event(self.now(), g, decision))
         self.left |= outcome.leaving
         if decision.stopped:
             self.stop_message = decision.message
