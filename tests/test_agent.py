@@ -120,6 +120,21 @@ def test_stranger_agents_are_refused_and_the_job_completes(tmp_path, tmp_path_fa
     while not training() and all(a.poll() is None for a in agents):
         time.sleep(0.05)
     assert all(a.poll() is None for a in agents), "the job ended before the stranger came"
+    # a process with the store's address but not the token takes two arrival numbers: one
+    # slot gets bytes that are no record, the other a closing marker of its own (which would
+    # end admission); neither may crash or close the coordinator's admission
+    from datetime import timedelta
+
+    from spotpipe.protocol import ArrivalsClosed, keys, plain, vouch
+    from spotpipe.store.address import job_prefix
+    from spotpipe.store.etcd import EtcdStore
+
+    host, port = etcd.endpoint.rsplit(":", 1)
+    forger = EtcdStore(host, int(port), job_prefix("job1"), timeout=timedelta(seconds=30))
+    junk, marker = forger.add(keys.ARRIVALS, 1), forger.add(keys.ARRIVALS, 1)
+    forger.set(keys.arrival(junk), b"\xff not a record")
+    forger.set(keys.arrival(marker), plain(vouch(ArrivalsClosed(), "not the token",
+                                                 f"job1/{keys.arrival(marker)}")))
     text = config.read_text()
     other_model = tmp_path / "other_model.yaml"
     other_model.write_text(text.replace("n_embd: 32", "n_embd: 16"))
@@ -142,6 +157,9 @@ def test_stranger_agents_are_refused_and_the_job_completes(tmp_path, tmp_path_fa
     assert len(reasons) == 3 and any("join token" in r for r in reasons)
     assert any("another model" in r for r in reasons)
     assert any("another configuration" in r for r in reasons)
+    forged = {e["writer"]: e["reason"] for e in events(run) if e["kind"] == "record_refused"}
+    assert "not a JSON record" in forged[f"agent{junk}"], forged
+    assert "closing marker without the job's proof" in forged[f"agent{marker}"], forged
     assert [e for e in events(run) if e["kind"] == "plan"] == []  # the job was undisturbed
     got = load_file(str(run / "final" / "model.safetensors"))
     want = _trained(tmp_path_factory, cfg)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -15,8 +16,10 @@ from safetensors.torch import load_file
 
 from spotpipe.cluster.launcher import train
 from spotpipe.faults import Fault
-from spotpipe.protocol import (Abort, Channel, DecisionRecord, Exit, Heartbeat, MessageError,
-                               Refused, Report, ReplayGuard, job_key, keys, parse, same_secret)
+from spotpipe.protocol import (Abort, AgentArrival, ArrivalsClosed, Assignment, Channel,
+                               DecisionRecord, Exit, Heartbeat, JobOver, MessageError, Refused,
+                               Report, ReplayGuard, from_plain, job_key, keys, parse, plain,
+                               same_secret, vouch, vouched)
 from spotpipe.store import board
 
 from conftest import tiny_config
@@ -66,6 +69,27 @@ def test_seals_bind_key_writer_generation_and_sequence():
     with pytest.raises(Refused, match="may not write"):
         Channel(key, "node0").open(blob, writers={"coordinator"})
     assert same_secret("sésame", "sésame".encode()) and not same_secret(b"a", b"b")
+
+
+def test_rendezvous_records_are_typed_and_vouched_for_by_the_token():
+    """The agents' rendezvous travels unsealed (no job key exists yet): each record is typed,
+    and those a party acts on carry a proof that binds the token, the key and the body."""
+    key = "job1/spotpipe/rdzv/assign/3"
+    answer = vouch(Assignment(ranks=(2, 3), world=4), "sesame", key)
+    blob = plain(answer)
+    assert from_plain(blob, Assignment) == answer and b"sesame" not in blob
+    assert vouched(answer, "sesame", key)
+    assert not vouched(answer, "guess", key)  # another token
+    assert not vouched(answer, "sesame", "job1/spotpipe/rdzv/assign/4")  # another agent's slot
+    assert not vouched(replace(answer, ranks=(0, 1)), "sesame", key)  # the body changed
+    for bad, why in ((b"\xff", "not a JSON record"), (b"[1]", "no type or version"),
+                     (plain(JobOver("failed")), "'job_over' record where assignment belongs"),
+                     (json.dumps({"type": "assignment", "ver": 1, "body": {"ranks": "x"}}),
+                      "assignment.ranks: expected a list")):
+        with pytest.raises(MessageError, match=why):
+            from_plain(bad, Assignment)
+    arrival = AgentArrival("host", 1, -1, "", "m", "c")
+    assert from_plain(plain(arrival), AgentArrival, ArrivalsClosed) == arrival
 
 
 def _store_of(run) -> dist.TCPStore:

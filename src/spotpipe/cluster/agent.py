@@ -9,9 +9,12 @@ to the endpoint's address only, loopback unless configured otherwise).
 
 Rendezvous, under `spotpipe/rdzv/` in the job's store:
 
-1. Each agent takes an arrival number (an atomic add) and publishes what it brings: its nodes,
-   an HMAC of the join token (SPOTPIPE_JOIN_TOKEN, a shared secret; the token itself never
-   enters the store) and the digests of its model and configuration.
+1. Each agent takes an arrival number (an atomic add) and publishes what it brings: its nodes
+   and the digests of its model and configuration. Every rendezvous record is a typed
+   `spotpipe.protocol` message, unsealed (no job key exists yet) but vouched for: an HMAC
+   under the join token (SPOTPIPE_JOIN_TOKEN, a shared secret that never enters the store)
+   over its key and body, which its reader checks; a record that is not one is refused with
+   an event, never read as a dict.
 2. The first agent to win the election runs the coordinator: it publishes the job (its
    partition, clock, and an HMAC proving it holds the token), admits agents in arrival order
    with the same checks a joining worker gets (`coordinator.join_problem`), and once MIN agents
@@ -65,33 +68,20 @@ from spotpipe.cluster.jobloop import Deposed, JobLoop, RunFiles
 from spotpipe.cluster.launcher import LaunchError, prepare, search_path
 from spotpipe.cluster.supervisor import Supervisor, worker_env
 from spotpipe.config import Config, parse_endpoint
-from spotpipe.protocol import (Channel, CoordinatorState, Exit, Journal, Kill, Refused, job_key,
-                               keys, new_instance_id, proof, same_secret)
+from spotpipe.protocol import (AgentArrival, ArrivalsClosed, Assignment, Channel,
+                               CoordinatorState, Exit, FinalFile, JobOver, JobPosted, Journal,
+                               Kill, Message, MessageError, Refused, from_plain, job_key, keys,
+                               new_instance_id, plain, vouch, vouched)
 from spotpipe.store import board, mailbox
 from spotpipe.store.address import StoreAddress, host_tcp_store, job_prefix
 from spotpipe.store.leader import Leadership, lease_ttl
 from spotpipe.store.mailbox import Outbox
 from spotpipe.store.watchers import BoardWatcher
 
-RDZV = keys.RDZV
-ARRIVALS = f"{RDZV}/arrivals"
-COORDINATOR = f"{RDZV}/coordinator"
-JOB = f"{RDZV}/job"
-OVER = f"{RDZV}/over"
-LEFT = f"{RDZV}/left"
-ALL_LEFT = f"{RDZV}/left/all"
+ARRIVALS, COORDINATOR, JOB, OVER = keys.ARRIVALS, keys.COORDINATOR, keys.JOB, keys.OVER
+LEFT, ALL_LEFT = keys.LEFT, keys.ALL_LEFT
+agent_key, assign_key, final_key = keys.arrival, keys.assignment, keys.final_part
 CHUNK = 512 * 1024  # etcd refuses requests over 1.5 MiB; base64 makes 512 KiB about 683 KiB
-
-
-def agent_key(k: int) -> str:
-    return f"{RDZV}/agent/{k}"
-
-
-def assign_key(k: int) -> str:
-    return f"{RDZV}/assign/{k}"
-
-
-final_key = keys.final_part
 
 
 class AgentError(RuntimeError):
@@ -182,6 +172,18 @@ def _wait_get(store: dist.Store, key: str, timeout_s: float) -> bytes | None:
     except Exception:  # a timeout (the store raises its own error types)
         return None
     return store.get(key)
+
+
+def _read(store: dist.Store, key: str, *expect: type[Message]) -> Message:
+    """The rendezvous record at `key`, typed; MessageError when it is not one of `expect`
+    (anything with the store's address can write there: its reader says so and goes on)."""
+    return from_plain(store.get(key), *expect)
+
+
+def _over(store: dist.Store, token: str, rdzv_id: str, status: str, message: str,
+          agents: int) -> None:
+    store.set(OVER, plain(vouch(JobOver(status, message, agents), token, f"{rdzv_id}/{OVER}")))
+    # (the key the proof covers is what `Coordinating._key` and `Agent._key` give for OVER)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -320,14 +322,20 @@ class AgentJobLoop(JobLoop):
         for s in range(self._stage_count()):
             if not self._store.check([final_key(s, "meta")]):
                 return f"the final parameters of stage {s} never arrived from its agent"
-            meta = json.loads(self._store.get(final_key(s, "meta")))
-            data = b"".join(self._store.get(final_key(s, str(i))) for i in range(meta["parts"]))
-            if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            try:
+                meta = _read(self._store, final_key(s, "meta"), FinalFile)
+                if not vouched(meta, self.token, self.rdzv._key(final_key(s, "meta"))):
+                    raise MessageError("it lacks the job's proof")
+            except MessageError as exc:
+                return f"the final parameters of stage {s} arrived unreadable ({exc})"
+            assert isinstance(meta, FinalFile)
+            data = b"".join(self._store.get(final_key(s, str(i))) for i in range(meta.parts))
+            if hashlib.sha256(data).hexdigest() != meta.sha256:
                 return f"the final parameters of stage {s} arrived damaged (checksum differs)"
             tmp = final / f".stage{s}.safetensors.recv"
             tmp.write_bytes(data)
             os.replace(tmp, final / f"stage{s}.safetensors")
-            for i in range(meta["parts"]):
+            for i in range(meta.parts):
                 self._store.delete_key(final_key(s, str(i)))
         return ""
 
@@ -360,12 +368,12 @@ class Coordinating:
 
     @classmethod
     def successor(cls, opts: AgentOptions, cfg: Config, token: str, address: StoreAddress,
-                  me: int, leadership: Leadership, job_info: dict[str, Any],
+                  me: int, leadership: Leadership, posted: JobPosted,
                   state: CoordinatorState) -> "Coordinating":
         """The coordinator that takes over a running job from its predecessor's books."""
-        self = cls(opts, cfg, job.RunSpec.from_json(job_info["spec"]), token, address, me,
+        self = cls(opts, cfg, job.RunSpec.from_json(posted.spec), token, address, me,
                    leadership)
-        self.instance, self.t0 = str(job_info["instance"]), float(job_info["t0"])
+        self.instance, self.t0 = posted.instance, posted.t0
         self.takeover = state
         a = state.admission
         self._nodes = [str(n) for n in a["nodes"]]
@@ -439,43 +447,66 @@ class Coordinating:
 
     # ------------------------------------------------------------------ admission
 
-    def _problem(self, k: int, info: dict[str, Any], late: bool) -> str | None:
-        problem = join_problem(self.cfg, token_ok=same_secret(
-            str(info.get("proof", "")), proof(self.token, f"{self.opts.rdzv_id}/agent/{k}")),
-            model_digest=info.get("model_digest"), config_digest=info.get("config_digest"))
+    def _key(self, key: str) -> str:
+        """What a rendezvous record's proof covers: the job's id and the record's key."""
+        return f"{self.opts.rdzv_id}/{key}"
+
+    def _answer(self, store: dist.Store, k: int, answer: Assignment) -> None:
+        store.set(assign_key(k), plain(vouch(answer, self.token, self._key(assign_key(k)))))
+
+    def _arrival(self, store: dist.Store, k: int) -> AgentArrival | ArrivalsClosed | None:
+        """The `k`-th arrival; None (refused with an event, and answered) when it is not one,
+        or a closing marker this coordinator did not write."""
+        try:
+            found = _read(store, agent_key(k), AgentArrival, ArrivalsClosed)
+            if isinstance(found, ArrivalsClosed) and not vouched(found, self.token,
+                                                                 self._key(agent_key(k))):
+                raise MessageError("a closing marker without the job's proof")
+        except MessageError as exc:
+            reason = f"arrival {k}: {exc}"
+            self._event({"kind": "record_refused", "node": "launcher",
+                         "writer": f"agent{k}", "reason": reason})
+            self._answer(store, k, Assignment(refused=f"agent{k} refused by the job: {reason}"))
+            return None
+        assert isinstance(found, (AgentArrival, ArrivalsClosed))
+        return found
+
+    def _problem(self, k: int, info: AgentArrival, late: bool) -> str | None:
+        problem = join_problem(
+            self.cfg, token_ok=vouched(info, self.token, self._key(agent_key(k))),
+            model_digest=info.model_digest, config_digest=info.config_digest)
         if problem:
             return problem
-        if info.get("nproc") != self.opts.nproc:
-            return (f"it runs {info.get('nproc')} nodes per agent, the job "
+        if info.nproc != self.opts.nproc:
+            return (f"it runs {info.nproc} nodes per agent, the job "
                     f"{self.opts.nproc} (--nproc-per-node)")
         # an agent whose node was fenced (cut off, then back) comes again in its own place
         again = 1 if self._rejoin_of(info) is not None else 0
         if len(self._admitted) - again >= self.opts.max_nodes:
             return f"the job has its maximum of {self.opts.max_nodes} agents (--nnodes)"
-        rank = int(info.get("node_rank", -1))
+        rank = info.node_rank
         if not late and rank >= 0 and (rank >= self.opts.min_nodes or rank in self._slots):
             return (f"--node-rank {rank} is taken or beyond the {self.opts.min_nodes} agents "
                     "the job starts with")
         return None
 
-    def _rejoin_of(self, info: dict[str, Any]) -> int | None:
+    def _rejoin_of(self, info: AgentArrival) -> int | None:
         """The admitted agent that this arrival says it was (its node was fenced), or None."""
-        k = info.get("rejoin_of")
-        return k if isinstance(k, int) and k in self._admitted else None
+        k = info.rejoin_of
+        return k if k is not None and k in self._admitted else None
 
-    def _admit(self, store: dist.Store, k: int, info: dict[str, Any], late: bool) -> None:
+    def _admit(self, store: dist.Store, k: int, info: AgentArrival, late: bool) -> None:
         problem = self._problem(k, info, late)
-        name = f"agent{k}@{info.get('host', '?')}"
+        name = f"agent{k}@{info.host[:100]}"
         if problem:
-            store.set(assign_key(k), json.dumps(
-                {"refused": f"{name} refused by the job: {problem}"}))
+            self._answer(store, k, Assignment(refused=f"{name} refused by the job: {problem}"))
             self._event({"kind": "join_refused", "node": name, "reason": problem})
             return
         n = self.opts.nproc
         if late:
             first = len(self._nodes)
         else:
-            rank = int(info.get("node_rank", -1))
+            rank = info.node_rank
             slot = rank if rank >= 0 else min(set(range(self.opts.min_nodes)) - set(self._slots))
             self._slots[slot] = k
             first = slot * n
@@ -487,8 +518,7 @@ class Coordinating:
             self._admitted.append(k)
             self._agent_nodes[k] = [f"node{r}" for r in ranks]
             self._nodes.extend(f"node{r}" for r in ranks)
-        store.set(assign_key(k), json.dumps({"ranks": ranks, "joining": late,
-                                             "world": self.world}))
+        self._answer(store, k, Assignment(ranks=tuple(ranks), world=self.world, joining=late))
         self._event({"kind": "agent_admitted", "node": name, "ranks": ranks, "joining": late,
                      **({"rejoin_of": f"agent{before}"} if before is not None else {})})
 
@@ -499,15 +529,14 @@ class Coordinating:
             raw = _wait_get(store, agent_key(k), 7 * 86400.0)
             if raw is None or self.deposed():
                 return
-            info = json.loads(raw)
-            if info.get("closed"):  # the coordinator's own marker: the job is over
-                return
             if store.check([assign_key(k)]):  # answered by a predecessor already
-                answer = json.loads(store.get(assign_key(k)))
-                self._event({"kind": "agent_answered_before", "node": f"agent{k}",
-                             **({"ranks": answer["ranks"]} if "ranks" in answer else {})})
+                self._event({"kind": "agent_answered_before", "node": f"agent{k}"})
             else:
-                self._admit(store, k, info, late=True)
+                info = self._arrival(store, k)
+                if isinstance(info, ArrivalsClosed):  # this coordinator's: the job is over
+                    return
+                if info is not None:
+                    self._admit(store, k, info, late=True)
             with self._lock:
                 self._next = k + 1
 
@@ -524,12 +553,12 @@ class Coordinating:
         except (durable.lock.LockHeld, OSError) as exc:
             refused = f"checkpoint.dir: {exc}"
             print(f"spotpipe agent: {refused}", file=sys.stderr)
-            store.set(OVER, json.dumps({"status": "failed", "message": refused, "agents": 0}))
-        store.set(JOB, json.dumps({
-            "proof": proof(self.token, f"{self.opts.rdzv_id}/job"), "spec": self.spec.to_json(),
-            "t0": self.t0, "instance": self.instance, "world": self.world,
-            "config_digest": self.cfg.digest(),
-            "model_digest": self.cfg.model_digest(), "checkpoint_probe": nonce}))
+            _over(store, self.token, self.opts.rdzv_id, "failed", refused, 0)
+        store.set(JOB, plain(vouch(JobPosted(
+            proof="", spec=self.spec.to_json(), t0=self.t0, instance=self.instance,
+            world=self.world, config_digest=self.cfg.digest(),
+            model_digest=self.cfg.model_digest(), checkpoint_probe=nonce),
+            self.token, self._key(JOB))))
         if refused:
             return self.code
         try:
@@ -551,13 +580,14 @@ class Coordinating:
                            f"arrived within {self.opts.rdzv_timeout_s:.0f} s (--rdzv-timeout)")
                 for j in range(1, k):
                     if not store.check([assign_key(j)]):
-                        store.set(assign_key(j), json.dumps({"refused": message}))
+                        self._answer(store, j, Assignment(refused=message))
                 print(f"spotpipe agent: {message}", file=sys.stderr)
-                store.set(OVER, json.dumps({"status": "failed", "message": message,
-                                            "agents": 0}))
+                _over(store, self.token, self.opts.rdzv_id, "failed", message, 0)
                 self.code = 1
                 return self.code
-            self._admit(store, k, json.loads(raw), late=False)
+            info = self._arrival(store, k)
+            if isinstance(info, AgentArrival):
+                self._admit(store, k, info, late=False)
         self._next = k + 1
         loop = AgentJobLoop(self, cfg=self.cfg, spec=self.spec, out=self.opts.out,
                             token=self.token, instance=self.instance,
@@ -597,16 +627,15 @@ class Coordinating:
             return
         # wake the admission thread: a marker in the next arrival slot it will read
         close = store.add(ARRIVALS, 1)
-        store.set(agent_key(close), json.dumps({"closed": True}))
+        store.set(agent_key(close), plain(vouch(ArrivalsClosed(), self.token,
+                                                self._key(agent_key(close)))))
         for j in range(1, close):  # agents still waiting for an answer get one
             if not store.check([assign_key(j)]):
-                store.set(assign_key(j), json.dumps(
-                    {"refused": f"job {self.opts.rdzv_id} is over"}))
+                self._answer(store, j, Assignment(refused=f"job {self.opts.rdzv_id} is over"))
         summary = json.loads((self.opts.out / "summary.json").read_text()) \
             if (self.opts.out / "summary.json").exists() else {}
-        store.set(OVER, json.dumps({"status": summary.get("status", "failed"),
-                                    "message": summary.get("message", "") or self._crash,
-                                    "agents": self.answering()}))
+        _over(store, self.token, self.opts.rdzv_id, summary.get("status", "failed"),
+              summary.get("message", "") or self._crash, self.answering())
 
 
 # ---------------------------------------------------------------------- every agent
@@ -647,52 +676,86 @@ class Agent:
             # the office was vacant but the job exists: its coordinator was lost before this
             # agent arrived; take over once admitted (below, in _work)
             self.leadership.resign()
-        raw = _wait_get(store, JOB, opts.rdzv_timeout_s)
-        if raw is None:
+        if _wait_get(store, JOB, opts.rdzv_timeout_s) is None:
             self.say(f"no job appeared at the rendezvous within {opts.rdzv_timeout_s:.0f} s")
             return 1
-        job_info = json.loads(raw)
-        if not same_secret(str(job_info.get("proof", "")),
-                           proof(self.token, f"{opts.rdzv_id}/job")):
+        try:
+            posted = _read(store, JOB, JobPosted)
+        except MessageError as exc:
+            self.say(f"refused: the job record at this rendezvous (--rdzv-id {opts.rdzv_id}) "
+                     f"is not a spotpipe job's ({exc}); this agent did not join it")
+            return 2
+        assert isinstance(posted, JobPosted)
+        if not vouched(posted, self.token, self._key(JOB)):
             self.say(f"refused: the job at this rendezvous (--rdzv-id {opts.rdzv_id}) was not "
                      "started with this SPOTPIPE_JOIN_TOKEN; this agent did not join it")
             return 2
         if store.check([OVER]):
             self.say(f"job {opts.rdzv_id} is over already")
             return 1
-        raw = _wait_get(store, assign_key(me), opts.rdzv_timeout_s)
-        if raw is None:
-            self.say(f"not admitted within {opts.rdzv_timeout_s:.0f} s (--rdzv-timeout)")
+        answer = self._assignment(store, me)
+        if answer is None:
             return 1
-        answer = json.loads(raw)
-        if "refused" in answer:
-            self.say(answer["refused"])
+        if answer.refused:
+            self.say(answer.refused)
             return 2
-        self.channel = Channel(job_key(self.token, str(job_info["instance"])), f"agent{me}")
-        self.instance = str(job_info["instance"])
-        code = self._work(store, job_info, answer)
+        self.channel = Channel(job_key(self.token, posted.instance), f"agent{me}")
+        self.instance = posted.instance
+        code = self._work(store, posted, answer)
         if self.thread is not None and self.coordinating is not None:
             self.thread.join()
             code = 1 if self.coordinating.deposed() else self.coordinating.code
         return code
 
+    def _key(self, key: str) -> str:
+        return f"{self.opts.rdzv_id}/{key}"  # (as Coordinating._key)
+
     def _arrive(self, store: dist.Store, rejoin_of: int | None = None) -> int:
         """Take an arrival number and say what this agent brings; the number."""
         opts = self.opts
         me = store.add(ARRIVALS, 1)
-        store.set(agent_key(me), json.dumps({
-            "host": socket.gethostname(), "local_addr": opts.local_addr, "nproc": opts.nproc,
-            "node_rank": opts.node_rank, "proof": proof(self.token, f"{opts.rdzv_id}/agent/{me}"),
-            "model_digest": self.cfg.model_digest(), "config_digest": self.cfg.digest(),
-            **({"rejoin_of": rejoin_of} if rejoin_of is not None else {})}))
+        store.set(agent_key(me), plain(vouch(AgentArrival(
+            host=socket.gethostname(), nproc=opts.nproc, node_rank=opts.node_rank, proof="",
+            model_digest=self.cfg.model_digest(), config_digest=self.cfg.digest(),
+            local_addr=opts.local_addr, rejoin_of=rejoin_of), self.token,
+            self._key(agent_key(me)))))
         return me
+
+    def _assignment(self, store: dist.Store, me: int) -> Assignment | None:
+        """The coordinator's answer to arrival `me`; None (said) when none comes in time. An
+        answer without the job's proof is a refusal that says so: someone without the token
+        wrote into this job's rendezvous."""
+        if _wait_get(store, assign_key(me), self.opts.rdzv_timeout_s) is None:
+            self.say(f"not admitted within {self.opts.rdzv_timeout_s:.0f} s (--rdzv-timeout)")
+            return None
+        try:
+            answer = _read(store, assign_key(me), Assignment)
+            if not vouched(answer, self.token, self._key(assign_key(me))):
+                raise MessageError("it lacks the job's proof")
+        except MessageError as exc:
+            return Assignment(refused=f"the answer to this agent's arrival ({me}) is not the "
+                                      f"coordinator's: {exc}; something without the join "
+                                      "token writes into this rendezvous")
+        assert isinstance(answer, Assignment)
+        return answer
+
+    def _job_over(self, store: dist.Store) -> JobOver:
+        """The job's end; a record without the job's proof reads as a failure saying so."""
+        try:
+            over = _read(store, OVER, JobOver)
+            if vouched(over, self.token, self._key(OVER)):
+                assert isinstance(over, JobOver)
+                return over
+            raise MessageError("without the job's proof")
+        except MessageError as exc:
+            return JobOver("failed", f"the job's end record is not the coordinator's ({exc})")
 
     def _coordinate(self, coordinating: Coordinating) -> None:
         self.coordinating = coordinating
         self.thread = threading.Thread(target=coordinating.run, name="coordinator", daemon=True)
         self.thread.start()
 
-    def _succeed(self, store: dist.Store, job_info: dict[str, Any]) -> bool:
+    def _succeed(self, store: dist.Store, posted: JobPosted) -> bool:
         """This agent won the vacant office: take over from the predecessor's books; False
         when there are none that open (then the job cannot go on, and is ended)."""
         try:
@@ -703,16 +766,16 @@ class Agent:
             message = (f"the coordinator was lost and its books cannot be read ({why.reason});"
                        " the job cannot go on")
             self.say(message)
-            store.set(OVER, json.dumps({"status": "failed", "message": message, "agents": 0}))
+            _over(store, self.token, self.opts.rdzv_id, "failed", message, 0)
             return False
         assert isinstance(opened.message, CoordinatorState) and self.leadership is not None
         self.say(f"agent {self.me} takes over as the coordinator of job {self.opts.rdzv_id}")
         self._coordinate(Coordinating.successor(
-            self.opts, self.cfg, self.token, self.address, self.me, self.leadership, job_info,
+            self.opts, self.cfg, self.token, self.address, self.me, self.leadership, posted,
             opened.message))
         return True
 
-    def _wait_over(self, store: dist.Store, job_info: dict[str, Any]) -> None:
+    def _wait_over(self, store: dist.Store, posted: JobPosted) -> None:
         """Wait for the job's end while watching the coordinator's office: when it falls
         vacant (its host lost), campaign, and take over if elected. A leader that finds itself
         deposed leaves (its workers with it: the successor counts its host lost)."""
@@ -733,46 +796,46 @@ class Agent:
                 leadership.deposed.wait(slice_s)  # its own lease gone: deposed at the next renewal
                 continue
             if seen == "vacant" and self.coordinating is None and leadership.campaign():
-                if not self._succeed(store, job_info):
+                if not self._succeed(store, posted):
                     return
 
-    def _work(self, store: dist.Store, job_info: dict[str, Any], answer: dict[str, Any]) -> int:
+    def _work(self, store: dist.Store, posted: JobPosted, answer: Assignment) -> int:
         """Run this host's workers until the job is over; the job's outcome as exit code."""
         out = self.opts.out
         (out / "logs").mkdir(parents=True, exist_ok=True)
         _write_atomic(out / "config.yaml", yaml.safe_dump(self.cfg.to_dict(), sort_keys=False))
-        _write_atomic(out / "run.json", json.dumps(job_info["spec"], indent=1))
-        ranks, world = answer["ranks"], int(answer["world"])
+        _write_atomic(out / "run.json", json.dumps(posted.spec, indent=1))
+        ranks, world = list(answer.ranks), answer.world
         # does this host see the folder the coordinator commits checkpoints in? If not, the
         # workers send their stages through the store (spotpipe.checkpoint.transfer)
         root = durable.written_root(self.cfg, out)
         shared = root is None or durable.transfer.sees_probe(
-            root, self.opts.rdzv_id, job_info.get("checkpoint_probe", ""))
+            root, self.opts.rdzv_id, posted.checkpoint_probe)
         if root is not None:
-            Outbox(store, self.channel, float(job_info["t0"])).event(
+            Outbox(store, self.channel, posted.t0).event(
                 "checkpoint_dir_probe", path=str(root), shared=shared, ranks=ranks,
                 host=socket.gethostname())
         self._pending = len(ranks)
         self._fenced: set[str] = set()
-        self._job_info, self._shared = job_info, shared
+        self._posted, self._shared = posted, shared
         supervisor = self.supervisor = Supervisor(out / "logs", self._exited)
         # a SIGTERM to the agent is the host's preemption notice: pass it on to the workers
         signal.signal(signal.SIGTERM, lambda *_: [supervisor.signal(n, signal.SIGTERM)
                                                   for n in list(supervisor.procs)])
-        self._spawn(ranks, world, bool(answer["joining"]))
+        self._spawn(ranks, world, answer.joining)
         # later workers (a fenced node's agent joining again) are started by one thread that
         # lives as long as the agent: a worker dies with the thread that started it
         # (PR_SET_PDEATHSIG), and the exit callbacks' threads end at once
         self._spawns: queue.Queue[tuple[list[int], int]] = queue.Queue()
         threading.Thread(target=self._spawner, name="spawner", daemon=True).start()
-        self._wait_over(store, job_info)
+        self._wait_over(store, posted)
         supervisor.stop_all()
         self._exits_done.wait(self.timeout_s)
         if not store.check([OVER]):  # deposed: the job goes on without this host
             return 1
-        over = json.loads(store.get(OVER))
+        over = self._job_over(store)
         coordinating = self.coordinating is not None
-        last = store.add(LEFT, 1) >= int(over.get("agents", 0))
+        last = store.add(LEFT, 1) >= over.agents
         if last:
             store.set(ALL_LEFT, "1")
         if last and self.leadership is not None and self.leadership.leader() is None:
@@ -792,10 +855,10 @@ class Agent:
                     if self.leadership is not None:
                         self.leadership.resign()
                     store.delete_prefix()
-        if over.get("status") == "completed":
+        if over.status == "completed":
             self.say("job completed; results in the coordinator's --out")
             return 0
-        self.say(f"job failed: {over.get('message', '')}")
+        self.say(f"job failed: {over.message}")
         return 1
 
     def _spawn(self, ranks: list[int], world: int, joining: bool) -> None:
@@ -804,7 +867,7 @@ class Agent:
             node = f"node{rank}"
             env = worker_env(self.cfg, rank=rank, world=world, local_rank=local,
                              local_world=len(ranks), address=self.address, run_dir=self.opts.out,
-                             t0=float(self._job_info["t0"]), token=self.token,
+                             t0=self._posted.t0, token=self.token,
                              instance=self.instance, search_path=search_path(self.cfg),
                              joining=joining)
             env["SPOTPIPE_CHECKPOINT_UPLOAD"] = "0" if self._shared else "1"
@@ -833,18 +896,17 @@ class Agent:
             if store.check([OVER]):
                 return
             me = self._arrive(store, rejoin_of=self.me)
-            raw = _wait_get(store, assign_key(me), self.opts.rdzv_timeout_s)
-            answer = json.loads(raw) if raw is not None else {"refused": "no answer"}
-            if "refused" in answer:
-                self.say(f"{node} was fenced; not admitted again: {answer['refused']}")
+            answer = self._assignment(store, me) or Assignment(refused="no answer")
+            if answer.refused:
+                self.say(f"{node} was fenced; not admitted again: {answer.refused}")
                 return
             self.me = me
             if self.leadership is not None and not self.leadership.leading:
                 self.leadership.me = str(me)  # (a candidate under its current number)
             with self._lock:
-                self._pending += len(answer["ranks"])
+                self._pending += len(answer.ranks)
             self.say(f"{node} was fenced by the job; this host joins again as agent {me}")
-            self._spawns.put((answer["ranks"], int(answer["world"])))
+            self._spawns.put((list(answer.ranks), answer.world))
         except Exception as exc:  # the store is gone: the job is over already
             self.say(f"could not join again after {node} was fenced: {exc}")
 
@@ -872,8 +934,9 @@ class Agent:
             parts = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)] or [b""]
             for i, part in enumerate(parts):
                 store.set(final_key(s, str(i)), part)
-            store.set(final_key(s, "meta"), json.dumps(
-                {"parts": len(parts), "sha256": hashlib.sha256(data).hexdigest()}))
+            meta = FinalFile(len(parts), hashlib.sha256(data).hexdigest())
+            store.set(final_key(s, "meta"), plain(vouch(meta, self.token,
+                                                        self._key(final_key(s, "meta")))))
 
 
 def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> int:

@@ -22,6 +22,13 @@ RDZV = f"{ROOT}/rdzv"
 LEADER = f"{RDZV}/leader"
 # the coordinator's books, for a successor (a sealed CoordinatorState, overwritten each turn)
 COORDINATOR_STATE = f"{ROOT}/coordinator/state"
+# the agents' rendezvous (`spotpipe.cluster.agent`): plain records (see protocol.messages)
+ARRIVALS = f"{RDZV}/arrivals"  # a counter: each agent takes the next arrival number
+COORDINATOR = f"{RDZV}/coordinator"  # c10d: the elected agent's number (compare-and-set)
+JOB = f"{RDZV}/job"  # the job, as the coordinating agent posted it (JobPosted)
+OVER = f"{RDZV}/over"  # the job's end (JobOver)
+LEFT = f"{RDZV}/left"  # a counter: agents that read the end
+ALL_LEFT = f"{RDZV}/left/all"  # set by the last of them
 
 
 def mailbox_slot(index: int) -> str:
@@ -99,6 +106,16 @@ def checkpoint_next_at(namespace: str) -> str:
 
 def checkpoint_layout(namespace: str, stage: int) -> str:
     return f"{namespace}/checkpoint/layout/{stage}"
+
+
+def arrival(k: int) -> str:
+    """What the `k`-th arriving agent brings (AgentArrival; ArrivalsClosed once the job ends)."""
+    return f"{RDZV}/agent/{k}"
+
+
+def assignment(k: int) -> str:
+    """The answer to the `k`-th arrival (Assignment)."""
+    return f"{RDZV}/assign/{k}"
 
 
 def kill_board(node: str) -> str:

@@ -11,11 +11,14 @@ here as JSON shapes and parsed by the layer that owns them (`spotpipe.plan.recov
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
+
+from spotpipe.protocol.auth import proof, same_secret
 
 JSON = Any  # a JSON value: checked as such, interpreted by its owner
 
@@ -355,9 +358,129 @@ class Journal(Message):
     events: tuple[dict[str, Any], ...]
 
 
+# --------------------------------------------------------------------- the agents' rendezvous
+#
+# Written before the job's key exists (an agent arrives before the coordinator has published
+# the job's instance id), so these travel unsealed, as `plain` records; each that a party acts
+# on carries a proof of the token instead (`auth.proof`), checked by its reader.
+
+@dataclass(frozen=True)
+class AgentArrival(Message):
+    """What an arriving agent brings: its host and nodes, and proofs instead of secrets."""
+
+    TYPE: ClassVar[str] = "agent_arrival"
+    host: str
+    nproc: int
+    node_rank: int  # -1: any free slot
+    proof: str  # see `vouch`
+    model_digest: str
+    config_digest: str
+    local_addr: str | None = None
+    rejoin_of: int | None = None  # the arrival number this agent had before it was fenced
+
+
+@dataclass(frozen=True)
+class ArrivalsClosed(Message):
+    """The coordinating agent's marker in the next arrival slot: the job is over (it wakes the
+    admission thread, which waits on that slot)."""
+
+    TYPE: ClassVar[str] = "arrivals_closed"
+    proof: str = ""
+
+
+@dataclass(frozen=True)
+class JobPosted(Message):
+    """The job as the coordinating agent publishes it for every agent."""
+
+    TYPE: ClassVar[str] = "job_posted"
+    proof: str  # see `vouch`: this job holds the same token
+    spec: dict[str, Any]  # job.RunSpec
+    t0: float
+    instance: str
+    world: int
+    config_digest: str
+    model_digest: str
+    checkpoint_probe: str = ""
+
+
+@dataclass(frozen=True)
+class Assignment(Message):
+    """The coordinating agent's answer to an arrival: its ranks, or why it is refused."""
+
+    TYPE: ClassVar[str] = "assignment"
+    ranks: tuple[int, ...] = ()
+    world: int = 0
+    joining: bool = False
+    refused: str = ""  # non-empty: refused, and why
+    proof: str = ""
+
+
+@dataclass(frozen=True)
+class JobOver(Message):
+    """The job's end, for every agent: how it ended, and how many agents should confirm."""
+
+    TYPE: ClassVar[str] = "job_over"
+    status: str  # completed | failed
+    message: str = ""
+    agents: int = 0
+    proof: str = ""
+
+
+@dataclass(frozen=True)
+class FinalFile(Message):
+    """A final stage file in transit through the store: its parts and checksum."""
+
+    TYPE: ClassVar[str] = "final_file"
+    parts: int
+    sha256: str
+    proof: str = ""  # see `vouch` (the checksum is the parts' own: a forger would make both)
+
+
 MESSAGES: dict[str, type[Message]] = {m.TYPE: m for m in (
     Report, JoinRequest, Metrics, Event, CheckpointSaved, Exit, Close, Heartbeat, Abort,
-    Regroup, DecisionRecord, JoinAnswer, Kill, Mark, CoordinatorState, Journal)}
+    Regroup, DecisionRecord, JoinAnswer, Kill, Mark, CoordinatorState, Journal,
+    AgentArrival, ArrivalsClosed, JobPosted, Assignment, JobOver, FinalFile)}
+
+
+def plain(message: Message) -> bytes:
+    """An unsealed record (the rendezvous's): type, version and body, as JSON."""
+    return json.dumps({"type": message.TYPE, "ver": message.VERSION,
+                       "body": message.to_json()}, allow_nan=False).encode()
+
+
+def vouch(message: M, token: str | bytes, key: str) -> M:
+    """`message` with its `proof` set: an HMAC under the token over the store key it goes to
+    and its body, so that a reader holding the token tells it from a forgery, or from a
+    genuine record copied to another key (another arrival's slot, another job's id)."""
+    return dataclasses.replace(message, proof=_proof_of(message, token, key))  # type: ignore
+
+
+def vouched(message: Message, token: str | bytes, key: str) -> bool:
+    """Whether `message` carries the proof `vouch` gives it (constant time)."""
+    return same_secret(str(getattr(message, "proof", "")), _proof_of(message, token, key))
+
+
+def _proof_of(message: Message, token: str | bytes, key: str) -> str:
+    body = {k: v for k, v in message.to_json().items() if k != "proof"}
+    return proof(token, key + "\n" + message.TYPE + "\n" + json.dumps(
+        body, sort_keys=True, separators=(",", ":")))
+
+
+def from_plain(blob: bytes | str, *expect: type[Message]) -> Message:
+    """The message in an unsealed record, if it is one of `expect`; MessageError (naming what
+    is wrong) for anything else: not JSON, another type, a field missing or mistyped."""
+    try:
+        fields = json.loads(blob)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MessageError(f"not a JSON record ({type(exc).__name__})") from None
+    if not isinstance(fields, dict) or not isinstance(fields.get("type"), str) \
+            or not isinstance(fields.get("ver"), int):
+        raise MessageError("not a spotpipe record (no type or version)")
+    cls = MESSAGES.get(fields["type"])
+    if cls is None or (expect and cls not in expect):
+        wanted = " or ".join(m.TYPE for m in expect)
+        raise MessageError(f"a {fields['type'][:40]!r} record where {wanted} belongs")
+    return cls.from_json(fields.get("body"), fields["ver"])
 
 
 def parse(type_: str, version: int, body: Any) -> Message:
