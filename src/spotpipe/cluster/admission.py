@@ -1,0 +1,323 @@
+"""The elected agent's side of the rendezvous: admit agents, run the job's loop, end it."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from spotpipe import job
+from spotpipe.checkpoint import durable
+from spotpipe.cluster.agent_loop import AgentJobLoop
+from spotpipe.cluster.coordinator import join_problem
+from spotpipe.cluster.rendezvous import (ARRIVALS, JOB, AgentOptions, agent_key, assign_key,
+                                         post_over, read_record, wait_get)
+from spotpipe.config import Config
+from spotpipe.protocol import (AgentArrival, ArrivalsClosed, Assignment, CoordinatorState,
+                               JobPosted, MessageError, new_instance_id, plain, vouch, vouched)
+from spotpipe.store.address import StoreAddress
+from spotpipe.store.leader import Leadership
+
+
+class Coordinating:
+    """The elected agent's side of the rendezvous: admit agents, then run the job's loop."""
+
+    def __init__(self, opts: AgentOptions, cfg: Config, spec: job.RunSpec, token: str,
+                 address: StoreAddress, me: int = 0,
+                 leadership: Leadership | None = None) -> None:
+        self.opts, self.cfg, self.spec, self.token, self.address = opts, cfg, spec, token, address
+        self.me = me  # this agent's arrival number
+        self.leadership = leadership  # etcd: the office, held under a lease
+        self.persistent = leadership is not None  # the books go to the store (succession)
+        self.takeover: CoordinatorState | None = None
+        self.world = cfg.stages * cfg.pipelines
+        self._lock = threading.Lock()
+        self._nodes: list[str] = []
+        self._admitted: list[int] = []
+        self._agent_nodes: dict[int, list[str]] = {}
+        self._silent: set[str] = set()  # nodes whose agent never reported their end
+        self._slots: dict[int, int] = {}  # slot (node rank / nproc) -> agent
+        self._events: list[dict[str, Any]] = []
+        self._inbox: Any = None
+        self.t0 = time.time()
+        self.instance = new_instance_id()  # the job's key is derived from it and the token
+        self.code = 1
+        self._crash = ""  # why the coordinator's loop raised, for the agents' end message
+        self._next = 1
+
+    @classmethod
+    def successor(cls, opts: AgentOptions, cfg: Config, token: str, address: StoreAddress,
+                  me: int, leadership: Leadership, posted: JobPosted,
+                  state: CoordinatorState) -> "Coordinating":
+        """The coordinator that takes over a running job from its predecessor's books."""
+        self = cls(opts, cfg, job.RunSpec.from_json(posted.spec), token, address, me,
+                   leadership)
+        self.instance, self.t0 = posted.instance, posted.t0
+        self.takeover = state
+        a = state.admission
+        self._nodes = [str(n) for n in a["nodes"]]
+        self._admitted = [int(k) for k in a["admitted"]]
+        self._agent_nodes = {int(k): [str(n) for n in v] for k, v in a["agent_nodes"].items()}
+        self._silent = {str(n) for n in a["silent"]}
+        self._slots = {int(s): int(k) for s, k in a["slots"].items()}
+        self._next = int(a["next"])
+        return self
+
+    def admission(self) -> dict[str, Any]:
+        """The admission books, for a successor (part of its CoordinatorState)."""
+        with self._lock:
+            return {"me": self.me, "nodes": list(self._nodes), "admitted": list(self._admitted),
+                    "agent_nodes": {str(k): v for k, v in self._agent_nodes.items()},
+                    "silent": sorted(self._silent),
+                    "slots": {str(s): k for s, k in self._slots.items()}, "next": self._next}
+
+    def predecessor_nodes(self) -> list[str]:
+        """The nodes of the agent that coordinated before this one."""
+        assert self.takeover is not None
+        return list(self._agent_nodes.get(int(self.takeover.admission.get("me", 0)), []))
+
+    def deposed(self) -> bool:
+        return self.leadership is not None and self.leadership.deposed.is_set()
+
+    def still_leader(self) -> bool:
+        """Whether the leader key still names this agent (one read: a coordinator that was cut
+        off may come back before its keep-alive learns that its lease is gone)."""
+        return self.leadership is not None and self.leadership.leader() == str(self.me)
+
+    def depose(self) -> None:
+        if self.leadership is not None:
+            self.leadership.deposed.set()
+
+    def nodes(self) -> list[str]:
+        with self._lock:
+            return list(self._nodes)
+
+    def admitted_count(self) -> int:
+        with self._lock:
+            return len(self._admitted)
+
+    def silent(self, node: str) -> None:
+        with self._lock:
+            self._silent.add(node)
+
+    def answering(self) -> int:
+        """Admitted agents that may still confirm the end: not all of their nodes went silent
+        (an agent whose host is gone never will)."""
+        with self._lock:
+            return sum(1 for k in self._admitted
+                       if not set(self._agent_nodes.get(k, [])) <= self._silent)
+
+    def _event(self, record: dict[str, Any]) -> None:
+        record = {"time_s": round(time.time() - self.t0, 6), **record}
+        with self._lock:
+            if self._inbox is None:
+                self._events.append(record)
+                return
+        self._inbox.put(("event", record))
+
+    def go(self, inbox: Any) -> None:
+        """The loop has started: events go to it from now on; late agents may join."""
+        with self._lock:
+            self._inbox = inbox
+            pending, self._events = self._events, []
+        for record in pending:
+            inbox.put(("event", record))
+        threading.Thread(target=self._admit_late, name="admission", daemon=True).start()
+
+    # ------------------------------------------------------------------ admission
+
+    def rdzv_key(self, key: str) -> str:
+        """What a rendezvous record's proof covers: the job's id and the record's key."""
+        return f"{self.opts.rdzv_id}/{key}"
+
+    def _answer(self, store: dist.Store, k: int, answer: Assignment) -> None:
+        store.set(assign_key(k), plain(vouch(answer, self.token, self.rdzv_key(assign_key(k)))))
+
+    def _arrival(self, store: dist.Store, k: int) -> AgentArrival | ArrivalsClosed | None:
+        """The `k`-th arrival; None (refused with an event, and answered) when it is not one,
+        or a closing marker this coordinator did not write."""
+        try:
+            found = read_record(store, agent_key(k), AgentArrival, ArrivalsClosed)
+            if isinstance(found, ArrivalsClosed) and not vouched(found, self.token,
+                                                                 self.rdzv_key(agent_key(k))):
+                raise MessageError("a closing marker without the job's proof")
+        except MessageError as exc:
+            reason = f"arrival {k}: {exc}"
+            self._event({"kind": "record_refused", "node": "launcher",
+                         "writer": f"agent{k}", "reason": reason})
+            self._answer(store, k, Assignment(refused=f"agent{k} refused by the job: {reason}"))
+            return None
+        assert isinstance(found, (AgentArrival, ArrivalsClosed))
+        return found
+
+    def _problem(self, k: int, info: AgentArrival, late: bool) -> str | None:
+        problem = join_problem(
+            self.cfg, token_ok=vouched(info, self.token, self.rdzv_key(agent_key(k))),
+            model_digest=info.model_digest, config_digest=info.config_digest)
+        if problem:
+            return problem
+        if info.nproc != self.opts.nproc:
+            return (f"it runs {info.nproc} nodes per agent, the job "
+                    f"{self.opts.nproc} (--nproc-per-node)")
+        # an agent whose node was fenced (cut off, then back) comes again in its own place
+        again = 1 if self._rejoin_of(info) is not None else 0
+        if len(self._admitted) - again >= self.opts.max_nodes:
+            return f"the job has its maximum of {self.opts.max_nodes} agents (--nnodes)"
+        rank = info.node_rank
+        if not late and rank >= 0 and (rank >= self.opts.min_nodes or rank in self._slots):
+            return (f"--node-rank {rank} is taken or beyond the {self.opts.min_nodes} agents "
+                    "the job starts with")
+        return None
+
+    def _rejoin_of(self, info: AgentArrival) -> int | None:
+        """The admitted agent that this arrival says it was (its node was fenced), or None."""
+        k = info.rejoin_of
+        return k if k is not None and k in self._admitted else None
+
+    def _admit(self, store: dist.Store, k: int, info: AgentArrival, late: bool) -> None:
+        problem = self._problem(k, info, late)
+        name = f"agent{k}@{info.host[:100]}"
+        if problem:
+            self._answer(store, k, Assignment(refused=f"{name} refused by the job: {problem}"))
+            self._event({"kind": "join_refused", "node": name, "reason": problem})
+            return
+        n = self.opts.nproc
+        if late:
+            first = len(self._nodes)
+        else:
+            rank = info.node_rank
+            slot = rank if rank >= 0 else min(set(range(self.opts.min_nodes)) - set(self._slots))
+            self._slots[slot] = k
+            first = slot * n
+        ranks = list(range(first, first + n))
+        before = self._rejoin_of(info) if late else None
+        with self._lock:
+            if before is not None:
+                self._admitted.remove(before)
+            self._admitted.append(k)
+            self._agent_nodes[k] = [f"node{r}" for r in ranks]
+            self._nodes.extend(f"node{r}" for r in ranks)
+        self._answer(store, k, Assignment(ranks=tuple(ranks), world=self.world, joining=late))
+        self._event({"kind": "agent_admitted", "node": name, "ranks": ranks, "joining": late,
+                     **({"rejoin_of": f"agent{before}"} if before is not None else {})})
+
+    def _admit_late(self) -> None:
+        store = self.address.connect(self.cfg.cluster.timeout_s)
+        while True:
+            k = self._next
+            raw = wait_get(store, agent_key(k), 7 * 86400.0)
+            if raw is None or self.deposed():
+                return
+            if store.check([assign_key(k)]):  # answered by a predecessor already
+                self._event({"kind": "agent_answered_before", "node": f"agent{k}"})
+            else:
+                info = self._arrival(store, k)
+                if isinstance(info, ArrivalsClosed):  # this coordinator's: the job is over
+                    return
+                if info is not None:
+                    self._admit(store, k, info, late=True)
+            with self._lock:
+                self._next = k + 1
+
+    def run(self) -> int:
+        if self.takeover is not None:
+            return self._take_over()
+        store = self.address.connect(self.cfg.cluster.timeout_s)
+        root = durable.written_root(self.cfg, self.opts.out)
+        nonce, refused = secrets.token_hex(16), ""
+        try:  # this job commits the checkpoints: it holds the folder, and marks it
+            if root is not None:
+                durable.lock.acquire(root, self.opts.out)
+                (root / durable.transfer.probe_name(self.opts.rdzv_id)).write_text(nonce)
+        except (durable.lock.LockHeld, OSError) as exc:
+            refused = f"checkpoint.dir: {exc}"
+            print(f"spotpipe agent: {refused}", file=sys.stderr)
+            post_over(store, self.token, self.opts.rdzv_id, "failed", refused, 0)
+        store.set(JOB, plain(vouch(JobPosted(
+            proof="", spec=self.spec.to_json(), t0=self.t0, instance=self.instance,
+            world=self.world, config_digest=self.cfg.digest(),
+            model_digest=self.cfg.model_digest(), checkpoint_probe=nonce),
+            self.token, self.rdzv_key(JOB))))
+        if refused:
+            return self.code
+        try:
+            return self._run(store, root)
+        finally:
+            if root is not None:
+                (root / durable.transfer.probe_name(self.opts.rdzv_id)).unlink(missing_ok=True)
+                durable.lock.release(root)
+
+    def _run(self, store: dist.Store, root: Path | None) -> int:
+        notes = [{"kind": "checkpoint_partial_removed", "path": str(p)}
+                 for p in (durable.clean_partials(root) if root is not None else [])]
+        k = 0
+        while len(self._slots) < self.opts.min_nodes:
+            k += 1
+            raw = wait_get(store, agent_key(k), self.opts.rdzv_timeout_s)
+            if raw is None:
+                message = (f"rendezvous: {len(self._slots)} of {self.opts.min_nodes} agents "
+                           f"arrived within {self.opts.rdzv_timeout_s:.0f} s (--rdzv-timeout)")
+                for j in range(1, k):
+                    if not store.check([assign_key(j)]):
+                        self._answer(store, j, Assignment(refused=message))
+                print(f"spotpipe agent: {message}", file=sys.stderr)
+                post_over(store, self.token, self.opts.rdzv_id, "failed", message, 0)
+                self.code = 1
+                return self.code
+            info = self._arrival(store, k)
+            if isinstance(info, AgentArrival):
+                self._admit(store, k, info, late=False)
+        self._next = k + 1
+        loop = AgentJobLoop(self, cfg=self.cfg, spec=self.spec, out=self.opts.out,
+                            token=self.token, instance=self.instance,
+                            progress=self.opts.progress, t0=self.t0)
+        loop.notes = notes
+        loop_store = self.address.connect(self.cfg.cluster.timeout_s)
+        try:
+            self.code = loop.run(loop_store, self.address)
+        except BaseException as exc:
+            self._crash = f"the coordinator failed: {type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self._close(store)
+        return self.code
+
+    def _take_over(self) -> int:
+        """Go on with the job from the predecessor's books (the job's files continue in this
+        agent's --out). Checkpoints are committed here from now on only where this host sees
+        the checkpoint folder the workers write to (a shared `checkpoint.dir`)."""
+        store = self.address.connect(self.cfg.cluster.timeout_s)
+        loop = AgentJobLoop(self, cfg=self.cfg, spec=self.spec, out=self.opts.out,
+                            token=self.token, instance=self.instance,
+                            progress=self.opts.progress, t0=self.t0)
+        loop.takeover = self.takeover
+        try:
+            self.code = loop.run(self.address.connect(self.cfg.cluster.timeout_s), self.address)
+        except BaseException as exc:
+            self._crash = f"the coordinator failed: {type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self._close(store)
+        return self.code
+
+    def _close(self, store: dist.Store) -> None:
+        """The job is over (unless this coordinator was deposed: then its successor ends it)."""
+        if self.deposed():
+            return
+        # wake the admission thread: a marker in the next arrival slot it will read
+        close = store.add(ARRIVALS, 1)
+        store.set(agent_key(close), plain(vouch(ArrivalsClosed(), self.token,
+                                                self.rdzv_key(agent_key(close)))))
+        for j in range(1, close):  # agents still waiting for an answer get one
+            if not store.check([assign_key(j)]):
+                self._answer(store, j, Assignment(refused=f"job {self.opts.rdzv_id} is over"))
+        summary = json.loads((self.opts.out / "summary.json").read_text()) \
+            if (self.opts.out / "summary.json").exists() else {}
+        post_over(store, self.token, self.opts.rdzv_id, summary.get("status", "failed"),
+              summary.get("message", "") or self._crash, self.answering())

@@ -1,0 +1,182 @@
+"""The coordinator's job loop when its workers run under agents on other hosts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import time
+from typing import Any, Protocol
+
+import yaml
+
+from spotpipe.cluster.jobloop import Deposed, JobLoop, RunFiles
+from spotpipe.cluster.rendezvous import AgentOptions, final_key, read_record, write_atomic
+from spotpipe.protocol import (CoordinatorState, FinalFile, Journal, Kill, MessageError, keys,
+                               vouched)
+from spotpipe.store import board, mailbox
+from spotpipe.store.address import StoreAddress
+
+
+class Office(Protocol):
+    """What the loop needs of the elected agent (`spotpipe.cluster.admission.Coordinating`):
+    its admission books, and whether it still holds the coordinator's office."""
+
+    me: int
+    opts: AgentOptions
+    persistent: bool  # etcd: the books go to the store, for a successor
+
+    def go(self, inbox: Any) -> None: ...
+    def nodes(self) -> list[str]: ...
+    def admitted_count(self) -> int: ...
+    def admission(self) -> dict[str, Any]: ...
+    def predecessor_nodes(self) -> list[str]: ...
+    def silent(self, node: str) -> None: ...
+    def deposed(self) -> bool: ...
+    def still_leader(self) -> bool: ...
+    def depose(self) -> None: ...
+    def rdzv_key(self, key: str) -> str: ...
+
+
+class AgentJobLoop(JobLoop):
+    """The coordinator's loop when the workers run under agents on other hosts: exits arrive
+    as mailbox records, kills go through the store, the final model through the store."""
+
+    def __init__(self, coordinator: Office, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.rdzv = coordinator
+        self._kill_due: dict[str, float] = {}
+        self._persisted: dict[str, Any] | None = None  # the books last written to the store
+        self._marked = 0  # mailbox slots marked read (only once the books have taken them in)
+
+    @property
+    def _tombstone_on_read(self) -> bool:
+        return not self.rdzv.persistent
+
+    def _persist(self, files: RunFiles) -> None:
+        """Keep the books in the store: the new lines of the run's files (a Journal record),
+        the state (overwritten) and the read marks of the slots it has taken in, in one
+        transaction, so a successor sees all of a turn or none of it."""
+        if not self.rdzv.persistent:
+            return
+        metrics, lines = files.take()
+        books = {**self._books(), "admission": self.rdzv.admission()}
+        cursor = books["cursor"]
+        if not (metrics or lines) and books == self._persisted and self._marked >= cursor:
+            return
+        g = self.coordinator.generation
+        names: list[str] = []
+        values: list[bytes] = []
+        if metrics or lines:
+            self._journal += 1
+            names.append(keys.journal(self._journal))
+            values.append(self.channel.seal(Journal(tuple(metrics), tuple(lines)), g))
+        names.append(keys.COORDINATOR_STATE)
+        values.append(self.channel.seal(
+            CoordinatorState(**books, journal=self._journal, time_s=self._now()), g))
+        # etcd bounds a transaction's operations (128 by default): the rest next turn
+        marks, reads = mailbox.read_marks(self._marked + 1, min(cursor, self._marked + 100))
+        # only while this agent still holds the office: a deposed coordinator that reaches
+        # the store again must not overwrite its successor's books
+        if not self._store.multi_set_if(  # type: ignore[attr-defined]
+                keys.LEADER, str(self.rdzv.me), names + marks, values + reads):
+            self.rdzv.depose()
+            raise Deposed("this agent no longer holds the coordinator's office (another agent "
+                          "was elected while it was cut off); its successor coordinates")
+        self._marked += len(marks)
+        self._persisted = books
+
+    def _resume_nodes(self, inbox: Any) -> None:
+        """Taking over: the nodes run on under their agents. The predecessor's own nodes went
+        with its host (or are cut off with it): they are lost, as in any host loss; nodes it
+        had fenced are asked to be killed again (its wait for their exits went with it)."""
+        self.rdzv.go(inbox)
+        state = self.takeover
+        assert state is not None
+        self._marked = state.cursor  # (the predecessor marked what its books took in)
+        if self.coordinator.decided_after_books():
+            return
+        lost = self.rdzv.predecessor_nodes()
+        self.files.event({"time_s": self._now(), "kind": "coordinator_takeover",
+                          "node": f"agent{self.rdzv.me}",
+                          "predecessor": f"agent{state.admission.get('me')}",
+                          "generation": self.coordinator.generation, "cursor": state.cursor,
+                          "books_age_s": round(self._now() - state.time_s, 6),
+                          "predecessor_nodes": lost})
+        for node in lost:
+            if node in self._exited or node in self.coordinator.dead:
+                continue
+            self.files.event({"time_s": self._now(), "kind": "agent_lost", "node": node,
+                              "reason": "its agent coordinated and lost its lease"})
+            self.rdzv.silent(node)
+            inbox.put(("exit", (node, -int(signal.SIGKILL))))
+        for node in sorted(self.coordinator.fenced - set(self._exited) - set(lost)):
+            self._kill(node)
+
+    def _write_inputs(self) -> None:
+        # the local agent writes the same files into the same folder at the same time
+        write_atomic(self.out / "config.yaml", yaml.safe_dump(self.cfg.to_dict(),
+                                                               sort_keys=False))
+        write_atomic(self.out / "run.json", json.dumps(self.spec.to_json(), indent=1))
+
+    def _start_nodes(self, address: StoreAddress, inbox: Any) -> None:
+        self.rdzv.go(inbox)
+
+    def _started(self) -> list[str]:
+        return self.rdzv.nodes()
+
+    def _launch_details(self) -> dict[str, Any]:
+        return {"rdzv_id": self.rdzv.opts.rdzv_id, "agents": self.rdzv.admitted_count()}
+
+    def _kill(self, node: str) -> None:
+        """Ask the node's agent to kill it; a node whose agent is gone with its host never
+        reports an exit, so it counts as exited once the heartbeat timeout passes again."""
+        if node in self._exited or node in self._kill_due:
+            return
+        board.publish(self._store, self.channel, keys.kill_board(node),
+                      Kill(node, "fenced by the coordinator"), self.coordinator.generation)
+        self._kill_due[node] = time.time() + self.cfg.failover.heartbeat_timeout_s
+
+    def _each_turn(self, files: RunFiles) -> None:
+        if self.rdzv.persistent and not self.rdzv.still_leader():
+            self.rdzv.depose()  # (before this turn fences, kills or publishes anything)
+        if self.rdzv.deposed():
+            raise Deposed("this agent lost the coordinator's lease (cut off from etcd for "
+                          "longer than its TTL); a successor coordinates the job")
+        now = time.time()
+        for node, due in list(self._kill_due.items()):
+            if node in self._exited:
+                del self._kill_due[node]
+            elif now >= due:
+                del self._kill_due[node]
+                files.event({"time_s": self._now(), "kind": "agent_silent", "node": node,
+                             "reason": "killed by the coordinator, no exit reported"})
+                self.rdzv.silent(node)
+                self._inbox.put(("exit", (node, -int(signal.SIGKILL))))
+
+    def _gather_final(self) -> str:
+        last = self._last
+        if self.coordinator.stop_message or last is None or last["iter"] + 1 < self.cfg.iterations:
+            return ""  # the run did not finish; _completion_problem says why
+        final = self.out / "final"
+        final.mkdir(exist_ok=True)
+        for s in range(self._stage_count()):
+            if not self._store.check([final_key(s, "meta")]):
+                return f"the final parameters of stage {s} never arrived from its agent"
+            try:
+                meta = read_record(self._store, final_key(s, "meta"), FinalFile)
+                if not vouched(meta, self.token, self.rdzv.rdzv_key(final_key(s, "meta"))):
+                    raise MessageError("it lacks the job's proof")
+            except MessageError as exc:
+                return f"the final parameters of stage {s} arrived unreadable ({exc})"
+            assert isinstance(meta, FinalFile)
+            data = b"".join(self._store.get(final_key(s, str(i))) for i in range(meta.parts))
+            if hashlib.sha256(data).hexdigest() != meta.sha256:
+                return f"the final parameters of stage {s} arrived damaged (checksum differs)"
+            tmp = final / f".stage{s}.safetensors.recv"
+            tmp.write_bytes(data)
+            os.replace(tmp, final / f"stage{s}.safetensors")
+            for i in range(meta.parts):
+                self._store.delete_key(final_key(s, str(i)))
+        return ""

@@ -1,0 +1,134 @@
+"""The agents' rendezvous: options, the store it meets at, and its records' helpers.
+
+Shared by every agent (`spotpipe.cluster.agent`) and the one elected to coordinate
+(`spotpipe.cluster.admission`); the protocol of the rendezvous is described in `agent`."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from spotpipe.config import Config, parse_endpoint
+from spotpipe.protocol import JobOver, Message, from_plain, keys, plain, vouch
+from spotpipe.store.address import StoreAddress, host_tcp_store, job_prefix
+
+ARRIVALS, COORDINATOR, JOB, OVER = keys.ARRIVALS, keys.COORDINATOR, keys.JOB, keys.OVER
+LEFT, ALL_LEFT = keys.LEFT, keys.ALL_LEFT
+agent_key, assign_key, final_key = keys.arrival, keys.assignment, keys.final_part
+CHUNK = 512 * 1024  # etcd refuses requests over 1.5 MiB; base64 makes 512 KiB about 683 KiB
+
+
+class AgentError(RuntimeError):
+    """Bad flags or an unusable rendezvous; nothing was started (exit 2)."""
+
+
+@dataclass
+class AgentOptions:
+    backend: str  # "etcd" or "c10d"
+    endpoint: str  # host:port
+    rdzv_id: str
+    min_nodes: int
+    max_nodes: int
+    out: Path
+    nproc: int = 1
+    node_rank: int = -1  # -1: by arrival
+    local_addr: str = ""
+    rdzv_timeout_s: float = 600.0
+    progress: bool = True
+    on_demand: bool = False  # the operator says this host is not preemptible (c10d's host)
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """'N' or 'MIN:MAX', as torchrun's --nnodes."""
+    lo, _, hi = text.partition(":")
+    try:
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise AgentError(f"--nnodes {text!r}: expected N or MIN:MAX") from None
+    if not 1 <= low <= high:
+        raise AgentError(f"--nnodes {text!r}: expected 1 <= MIN <= MAX")
+    return low, high
+
+
+def _is_local(host: str) -> bool:
+    """Whether `host` names an address of this machine (then it can be bound)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((addr[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def connect_rendezvous(opts: AgentOptions,
+                       cfg: Config) -> tuple[StoreAddress, dist.Store | None]:
+    """The job's store address, and the TCPStore this agent hosts (c10d, endpoint here)."""
+    try:
+        host, port = parse_endpoint(opts.endpoint)
+    except ValueError as exc:
+        raise AgentError(f"--rdzv-endpoint: {exc}") from None
+    timeout = timedelta(seconds=cfg.cluster.timeout_s)
+    if opts.backend == "etcd":
+        from spotpipe.store.etcd import EtcdStore, EtcdStoreError
+
+        address = StoreAddress("etcd", host, port, job_prefix(opts.rdzv_id))
+        try:
+            EtcdStore(host, port, address.prefix, timeout=timeout, reconnect_s=5.0).reachable()
+        except EtcdStoreError as exc:
+            raise AgentError(f"--rdzv-endpoint: {exc}") from None
+        return address, None
+    hosted = None
+    if _is_local(host):
+        if not opts.on_demand:
+            # the store dies with its host, and the job with the store: a c10d store may only
+            # live on a host the job cannot lose, which only the operator knows
+            raise AgentError(
+                f"--rdzv-backend c10d: this agent would host the job's store on {host}:{port}, "
+                "and a host the job may lose (a spot host) takes the store and the whole job "
+                "with it. Run this agent on an on-demand host and say so with --on-demand, or "
+                "use --rdzv-backend etcd with etcd on on-demand machines")
+        try:
+            hosted = host_tcp_store(host, port, timeout)
+        except OSError:
+            hosted = None  # another agent of this host hosts it
+    return StoreAddress("tcp", host, port), hosted
+
+
+def wait_get(store: dist.Store, key: str, timeout_s: float) -> bytes | None:
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except Exception:  # a timeout (the store raises its own error types)
+        return None
+    return store.get(key)
+
+
+def read_record(store: dist.Store, key: str, *expect: type[Message]) -> Message:
+    """The rendezvous record at `key`, typed; MessageError when it is not one of `expect`
+    (anything with the store's address can write there: its reader says so and goes on)."""
+    return from_plain(store.get(key), *expect)
+
+
+def post_over(store: dist.Store, token: str, rdzv_id: str, status: str, message: str,
+          agents: int) -> None:
+    store.set(OVER, plain(vouch(JobOver(status, message, agents), token, f"{rdzv_id}/{OVER}")))
+    # (the proof covers the key that `rdzv_key` of Coordinating and Agent give for OVER)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    # the coordinating thread and its own agent write the same files at the same time: the
+    # temporary name is the writer's (process and thread), not only the process's
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
