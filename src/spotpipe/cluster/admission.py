@@ -274,29 +274,26 @@ class Coordinating:
             if isinstance(info, AgentArrival):
                 self._admit(store, k, info, late=False)
         self._next = k + 1
-        loop = AgentJobLoop(self, cfg=self.cfg, spec=self.spec, out=self.opts.out,
-                            token=self.token, instance=self.instance,
-                            progress=self.opts.progress, t0=self.t0)
+        loop = self._loop()
         loop.notes = notes
-        loop_store = self.address.connect(self.cfg.cluster.timeout_s)
-        try:
-            self.code = loop.run(loop_store, self.address)
-        except BaseException as exc:
-            self._crash = f"the coordinator failed: {type(exc).__name__}: {exc}"
-            raise
-        finally:
-            self._close(store)
-        return self.code
+        return self._run_loop(loop, store)
 
     def _take_over(self) -> int:
         """Go on with the job from the predecessor's books (the job's files continue in this
         agent's --out). Checkpoints are committed here from now on only where this host sees
         the checkpoint folder the workers write to (a shared `checkpoint.dir`)."""
-        store = self.address.connect(self.cfg.cluster.timeout_s)
-        loop = AgentJobLoop(self, cfg=self.cfg, spec=self.spec, out=self.opts.out,
+        loop = self._loop()
+        loop.takeover = self.takeover
+        return self._run_loop(loop, self.address.connect(self.cfg.cluster.timeout_s))
+
+    def _loop(self) -> AgentJobLoop:
+        return AgentJobLoop(self, cfg=self.cfg, spec=self.spec, out=self.opts.out,
                             token=self.token, instance=self.instance,
                             progress=self.opts.progress, t0=self.t0)
-        loop.takeover = self.takeover
+
+    def _run_loop(self, loop: AgentJobLoop, store: dist.Store) -> int:
+        """Run the job's loop on a connection of its own; then end the rendezvous, with the
+        loop's error as the job's end message if it raised."""
         try:
             self.code = loop.run(self.address.connect(self.cfg.cluster.timeout_s), self.address)
         except BaseException as exc:
