@@ -152,6 +152,26 @@ def test_partial_folders_are_cleaned(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["iter_00000001"]
 
 
+def test_a_peers_discard_between_folder_and_stage_does_not_fail_the_write(tmp_path,
+                                                                           monkeypatch):
+    """Seen in CI: stage 1's write failed, and its `discard_stage` removed the still empty
+    partial folder between stage 0's making of it and of its own folder in it; stage 0's
+    write then failed too (FileNotFoundError), for no fault of its own."""
+    partial = durable.iter_dir(tmp_path, 3, partial=True)
+    real_mkdir = Path.mkdir
+    raced = []
+
+    def mkdir(self, *args, **kwargs):
+        real_mkdir(self, *args, **kwargs)
+        if self == partial and not raced:  # the peer's discard, at the worst instant
+            raced.append(True)
+            durable.discard_stage(tmp_path, 3, 1)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    folder = durable.prepare_stage_folder(tmp_path, 3, 0)
+    assert raced and folder.is_dir() and folder.parent == partial
+
+
 # ---------------------------------------------------------------------- jobs
 
 

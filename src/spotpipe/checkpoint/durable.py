@@ -87,7 +87,16 @@ def prepare_stage_folder(root: Path, iteration: int, stage: int) -> Path:
     folder = iter_dir(root, iteration, partial=True) / f"stage{stage}"
     if folder.exists():
         shutil.rmtree(folder)
-    folder.mkdir(parents=True)
+    for attempt in range(8):
+        try:
+            folder.mkdir(parents=True)
+            return folder
+        except FileNotFoundError:
+            # a peer whose write of this iteration failed removed the partial folder while it
+            # was empty, between our making it and our stage's folder in it (`discard_stage`):
+            # make both again (each round, a peer can do that once: there are few peers)
+            if attempt == 7:
+                raise
     return folder
 
 
