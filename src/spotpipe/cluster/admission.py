@@ -17,7 +17,7 @@ from spotpipe.checkpoint import durable
 from spotpipe.cluster.agent_loop import AgentJobLoop
 from spotpipe.cluster.coordinator import join_problem
 from spotpipe.cluster.rendezvous import (ARRIVALS, JOB, AgentOptions, agent_key, assign_key,
-                                         post_over, read_record, wait_get)
+                                         post_over, proof_key, read_record, wait_get)
 from spotpipe.config import Config
 from spotpipe.protocol import (AgentArrival, ArrivalsClosed, Assignment, CoordinatorState,
                                JobPosted, MessageError, new_instance_id, plain, vouch, vouched)
@@ -133,8 +133,7 @@ class Coordinating:
     # ------------------------------------------------------------------ admission
 
     def rdzv_key(self, key: str) -> str:
-        """What a rendezvous record's proof covers: the job's id and the record's key."""
-        return f"{self.opts.rdzv_id}/{key}"
+        return proof_key(self.opts.rdzv_id, key)
 
     def _answer(self, store: dist.Store, k: int, answer: Assignment) -> None:
         store.set(assign_key(k), plain(vouch(answer, self.token, self.rdzv_key(assign_key(k)))))

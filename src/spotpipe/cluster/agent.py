@@ -63,7 +63,8 @@ from spotpipe.cluster.launcher import LaunchError, prepare, search_path
 from spotpipe.cluster.rendezvous import (ALL_LEFT, ARRIVALS, CHUNK, COORDINATOR, JOB, LEFT, OVER,
                                          AgentError, AgentOptions, agent_key, assign_key,
                                          connect_rendezvous, final_key, parse_nnodes, post_over,
-                                         read_record, wait_get, write_atomic)
+                                         proof_key, read_record, read_vouched, wait_get,
+                                         write_atomic)
 from spotpipe.cluster.supervisor import Supervisor, worker_env
 from spotpipe.config import Config
 from spotpipe.protocol import (AgentArrival, Assignment, Channel, CoordinatorState, Exit,
@@ -144,7 +145,7 @@ class Agent:
         return code
 
     def rdzv_key(self, key: str) -> str:
-        return f"{self.opts.rdzv_id}/{key}"  # (as Coordinating.rdzv_key)
+        return proof_key(self.opts.rdzv_id, key)
 
     def _arrive(self, store: dist.Store, rejoin_of: int | None = None) -> int:
         """Take an arrival number and say what this agent brings; the number."""
@@ -165,9 +166,8 @@ class Agent:
             self.say(f"not admitted within {self.opts.rdzv_timeout_s:.0f} s (--rdzv-timeout)")
             return None
         try:
-            answer = read_record(store, assign_key(me), Assignment)
-            if not vouched(answer, self.token, self.rdzv_key(assign_key(me))):
-                raise MessageError("it lacks the job's proof")
+            answer = read_vouched(store, assign_key(me), self.token, self.opts.rdzv_id,
+                                  Assignment)
         except MessageError as exc:
             return Assignment(refused=f"the answer to this agent's arrival ({me}) is not the "
                                       f"coordinator's: {exc}; something without the join "
@@ -178,13 +178,11 @@ class Agent:
     def _job_over(self, store: dist.Store) -> JobOver:
         """The job's end; a record without the job's proof reads as a failure saying so."""
         try:
-            over = read_record(store, OVER, JobOver)
-            if vouched(over, self.token, self.rdzv_key(OVER)):
-                assert isinstance(over, JobOver)
-                return over
-            raise MessageError("without the job's proof")
+            over = read_vouched(store, OVER, self.token, self.opts.rdzv_id, JobOver)
         except MessageError as exc:
             return JobOver("failed", f"the job's end record is not the coordinator's ({exc})")
+        assert isinstance(over, JobOver)
+        return over
 
     def _coordinate(self, coordinating: Coordinating) -> None:
         self.coordinating = coordinating

@@ -12,9 +12,8 @@ from typing import Any, Protocol
 import yaml
 
 from spotpipe.cluster.jobloop import Deposed, JobLoop, RunFiles
-from spotpipe.cluster.rendezvous import AgentOptions, final_key, read_record, write_atomic
-from spotpipe.protocol import (CoordinatorState, FinalFile, Journal, Kill, MessageError, keys,
-                               vouched)
+from spotpipe.cluster.rendezvous import AgentOptions, final_key, read_vouched, write_atomic
+from spotpipe.protocol import CoordinatorState, FinalFile, Journal, Kill, MessageError, keys
 from spotpipe.store import board, mailbox
 from spotpipe.store.address import StoreAddress
 
@@ -36,7 +35,6 @@ class Office(Protocol):
     def deposed(self) -> bool: ...
     def still_leader(self) -> bool: ...
     def depose(self) -> None: ...
-    def rdzv_key(self, key: str) -> str: ...
 
 
 class AgentJobLoop(JobLoop):
@@ -165,9 +163,8 @@ class AgentJobLoop(JobLoop):
             if not self._store.check([final_key(s, "meta")]):
                 return f"the final parameters of stage {s} never arrived from its agent"
             try:
-                meta = read_record(self._store, final_key(s, "meta"), FinalFile)
-                if not vouched(meta, self.token, self.rdzv.rdzv_key(final_key(s, "meta"))):
-                    raise MessageError("it lacks the job's proof")
+                meta = read_vouched(self._store, final_key(s, "meta"), self.token,
+                                    self.rdzv.opts.rdzv_id, FinalFile)
             except MessageError as exc:
                 return f"the final parameters of stage {s} arrived unreadable ({exc})"
             assert isinstance(meta, FinalFile)

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from spotpipe.config import Config, parse_endpoint
-from spotpipe.protocol import JobOver, Message, from_plain, keys, plain, vouch
+from spotpipe.protocol import (JobOver, Message, MessageError, from_plain, keys, plain, vouch,
+                               vouched)
 from spotpipe.store.address import StoreAddress, host_tcp_store, job_prefix
 
 ARRIVALS, COORDINATOR, JOB, OVER = keys.ARRIVALS, keys.COORDINATOR, keys.JOB, keys.OVER
@@ -120,10 +121,24 @@ def read_record(store: dist.Store, key: str, *expect: type[Message]) -> Message:
     return from_plain(store.get(key), *expect)
 
 
+def proof_key(rdzv_id: str, key: str) -> str:
+    """What a rendezvous record's proof covers: the job's id and the record's key."""
+    return f"{rdzv_id}/{key}"
+
+
+def read_vouched(store: dist.Store, key: str, token: str, rdzv_id: str,
+                 *expect: type[Message]) -> Message:
+    """`read_record`, and MessageError as well when the record lacks the job's proof."""
+    message = read_record(store, key, *expect)
+    if not vouched(message, token, proof_key(rdzv_id, key)):
+        raise MessageError("it lacks the job's proof")
+    return message
+
+
 def post_over(store: dist.Store, token: str, rdzv_id: str, status: str, message: str,
-          agents: int) -> None:
-    store.set(OVER, plain(vouch(JobOver(status, message, agents), token, f"{rdzv_id}/{OVER}")))
-    # (the proof covers the key that `rdzv_key` of Coordinating and Agent give for OVER)
+              agents: int) -> None:
+    store.set(OVER, plain(vouch(JobOver(status, message, agents), token,
+                                proof_key(rdzv_id, OVER))))
 
 
 def write_atomic(path: Path, text: str) -> None:
