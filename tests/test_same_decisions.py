@@ -84,11 +84,17 @@ def _sim_planner(shadows: bool):
 
 
 def _planned(planner: Planner, layout: Layout, rules, lost=(), ready=()) -> tuple[list, Layout]:
-    steps = planner.plan(-1, layout, frozenset(lost), list(ready), rules)
-    shapes = []
-    for _, d in steps:
-        shapes.append(_shape(d.to_json()))
-    return shapes, steps[-1][1].layout if steps else layout
+    """The simulator's transition for this event (from its numbered situation), as layouts."""
+    machine = planner.machine(rules)
+    situation, names = machine.situation(layout)
+    number = {n: i for i, n in enumerate(names)}
+    move, after, _ = planner.plan(-1, machine, situation, names,
+                                  frozenset(number[n] for n in lost), list(ready))
+    outer = names + list(ready)
+    shapes = [_shape({"action": step.action.value,
+                      "layout": step.after.layout([outer[i] for i in step.sources]).to_json()})
+              for step in move.steps]
+    return shapes, move.after.layout(after)
 
 
 @pytest.mark.parametrize("shadows", [False, True], ids=["replicas", "replicas+shadows"])

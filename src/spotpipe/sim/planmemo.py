@@ -1,45 +1,48 @@
-"""The simulator's planner decisions, memoised by the shape of the situation, not node names.
+"""The simulator's recovery decisions as a machine over situations, with nodes as numbers.
 
 `plan.recovery.settle` is a pure function of (layout, nodes lost, nodes joining, rules), and
 for most situations it looks at the nodes only as slots: which slots one node owns, which
 slots are lost, how many wait on standby and in which order. Two situations that differ only
-in the nodes' names then get the same decisions, renamed. A 10,000-seed table meets the same
-few thousand situations again and again (a node of pipeline 1, stage 4 lost with two nodes
-on standby...), each under fresh names, so the decisions are kept under a key that
-numbers the nodes by where they stand: the owners in slot order, then the standby nodes,
-then the joiners in arrival order. On a hit the stored decisions are renamed back.
+in the nodes' names then get the same decisions. A 10,000-seed table meets the same few
+thousand situations again and again (a node of pipeline 1, stage 4 lost with two nodes on
+standby...), each under fresh names.
 
-That is exact only for decisions that compare no two names. The planner sorts names in a few
-places: a restart of a running job (survivors in name order; a first start places the
-waiting nodes in their order), a dropped pipeline (its freed nodes in name
-order), a rebalance of two or more carriers (carriers in name order) and a re-partition
-refused into a KEEP (the waiting nodes in name order). A settle that went through any of
-those is never stored (`_nameless`), and is computed afresh each time.
+So the spotpipe policy keeps its layout as a `Situation` (the layout with its nodes numbered
+by where they stand: the owners in slot order, then the standby nodes) beside the list of
+the names those numbers stand for. A `Transition` (situation, numbers lost, how many nodes
+join) -> (the decisions, the next situation, where each of its numbers comes from) is
+computed once per process from the real layout, and every later trace that meets it replays
+it as list indexing: no layout is built, no name is renamed. This is what makes the table's
+10,000 seeds per rate cheap; the planner itself runs only on a situation seen for the first
+time.
+
+That is exact only for transitions that compare no two names. The planner sorts names in a
+few places: a restart of a running job (survivors in name order; a first start places the
+waiting nodes in their order), a dropped pipeline (its freed nodes in name order), a
+rebalance of two or more carriers (carriers in name order) and a re-partition refused into a
+KEEP (the waiting nodes in name order). A transition that went through any of those is never
+stored (`_nameless`), and is computed afresh, from the real layout, each time it is met.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from spotpipe.plan import Action, Layout
-from spotpipe.plan.policy import PEERS, SHADOW, Move
 from spotpipe.plan.recovery import Decision, History, Rules, settle
 
 Steps = list[tuple[Layout, Decision]]
-# a layout with nodes numbered: (P, D, the owner of each slot in slot order, standby, target,
-# max pipelines)
-_Shape = tuple[int, int, tuple[int, ...], tuple[int, ...], int, "int | None"]
-# per (interned) rules: canonical key -> the decisions with nodes numbered; shared by every run
-# of a process (a sweep makes a Planner per seed). Bounded: cleared when full.
-_TABLES: dict[int, tuple[Rules, dict[tuple, tuple]]] = {}
-_RULES: dict[Rules, Rules] = {}
-MEMO_LIMIT = 200_000
-_SPECIAL = (PEERS, SHADOW)
+# a situation's identity: (P, D, the number owning each slot in slot order, how many wait on
+# standby, target depth, max pipelines)
+_Key = tuple[int, int, tuple[int, ...], int, int, "int | None"]
+MEMO_LIMIT = 200_000  # situations per rules, then the table starts afresh
 # actions whose layouts depend on no comparison of names (see the module doc)
 _SAFE = frozenset({Action.FAILOVER, Action.HANDOVER, Action.REBALANCE, Action.ADD_PIPELINE,
                    Action.REPARTITION, Action.RESTORE_FROM_SHADOW, Action.KEEP})
 _RESTART = (Action.RESTORE_FROM_CHECKPOINT, Action.REPARTITION)
+_RULES: dict[Rules, Rules] = {}
 
 
 def shared_rules(rules: Rules) -> Rules:
@@ -47,51 +50,146 @@ def shared_rules(rules: Rules) -> Rules:
     return _RULES.setdefault(rules, rules)
 
 
-def _table(rules: Rules) -> dict[tuple, tuple]:
-    entry = _TABLES.get(id(rules))
-    if entry is None or entry[0] is not rules:
-        rules = shared_rules(rules)
-        entry = _TABLES.get(id(rules))
-        if entry is None:
-            entry = _TABLES[id(rules)] = (rules, {})
-    return entry[1]
-
-
 @lru_cache(maxsize=None)
 def _slots(depth: int, width: int) -> tuple[tuple[int, int], ...]:
     return tuple((d, s) for d in range(width) for s in range(depth))
 
 
-def settle_steps(layout: Layout, lost: Collection[str], ready: list[str], rules: Rules,
-                 memo: bool = True) -> Steps:
-    """(layout before, decision) for each decision `settle` makes at this instant."""
-    if not memo:
-        return _settle(layout, lost, ready, rules)
-    # nodes numbered by where they stand: owners in slot order, standby, joiners
-    owners = list(map(layout._map.__getitem__, _slots(layout.num_stages,
-                                                      layout.num_pipelines)))
-    names = list(dict.fromkeys(owners + list(layout.standby) + list(ready)))
-    number = {n: i for i, n in enumerate(names)}
-    if any(n not in number for n in lost):
-        return _settle(layout, lost, ready, rules)
-    key = (layout.num_stages, layout.num_pipelines, tuple(map(number.__getitem__, owners)),
-           len(layout.standby), frozenset(map(number.__getitem__, lost)),
-           tuple(map(number.__getitem__, ready)), layout.target_stages, layout.max_pipelines)
-    table = _table(rules)
-    stored = table.get(key)
-    if stored is not None:
-        return _renamed(stored, layout, names, lost)
-    steps = _settle(layout, lost, ready, rules)
-    if _nameless(steps):
-        if len(table) >= MEMO_LIMIT:
-            table.clear()
-        table[key] = tuple((d, _shape(d.layout, number), tuple(
-            (m.kind, m.pipeline, m.stage, _num(m.src, number), _num(m.dst, number))
-            for m in d.moves), d.needs_restore, d.layout.shape_key()) for _, d in steps)
-    return steps
+@dataclass(eq=False)
+class Situation:
+    """A layout with its nodes numbered: 0 .. active-1 own stages (first seen in slot order),
+    active .. size-1 wait on standby, in their order. Interned per rules (`Machine`), so
+    situations compare by identity and carry what the policy asks of them."""
+
+    key: _Key
+    shape: tuple  # `Layout.shape_key()`: what the iteration time depends on
+    active: int  # nodes running stages
+    size: int  # numbered nodes: active and standby
+    # (lost numbers, joiners) -> the transition, for those that compare no names
+    transitions: dict[tuple[frozenset[int], int], "Transition"] = field(default_factory=dict)
+    # redundancy mode -> (the config, (iteration s, plain iteration s)): the policy's cache
+    speeds: dict[str, tuple] = field(default_factory=dict)
+
+    @property
+    def num_stages(self) -> int:
+        return self.key[0]
+
+    @property
+    def num_pipelines(self) -> int:
+        return self.key[1]
+
+    @property
+    def has_carriers(self) -> bool:
+        return self.active < self.key[0] * self.key[1]
+
+    def layout(self, names: list[str]) -> Layout:
+        """The real layout, with number i standing for `names[i]`."""
+        p, width, owners, _, target, cap = self.key
+        mapping = dict(zip(_slots(p, width), map(names.__getitem__, owners)))
+        return Layout._trusted(p, width, mapping, tuple(names[self.active:self.size]),
+                               target, cap)
 
 
-def _settle(layout: Layout, lost: Collection[str], ready: list[str], rules: Rules) -> Steps:
+@dataclass(frozen=True)
+class Step:
+    """One decision of a transition, as the simulator's ledger needs it."""
+
+    action: Action
+    needs_restore: bool
+    was_running: bool  # the layout before it had pipelines
+    after: Situation
+    # number i of `after` is number sources[i] of the situation before the transition, its
+    # joiners numbered after it (for rebuilding the layouts; the replay needs only the last)
+    sources: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Transition:
+    steps: tuple[Step, ...]
+    after: Situation
+    sources: tuple[int, ...]  # as `Step.sources`, for `after`
+    stored: bool  # kept on the situation (it compares no names)
+
+    def names_after(self, names: list[str], ready: list[str]) -> list[str]:
+        if not ready:
+            return list(map(names.__getitem__, self.sources))
+        return list(map((names + ready).__getitem__, self.sources))
+
+
+class Machine:
+    """The situations met under one `Rules`, and the transitions between them."""
+
+    def __init__(self, rules: Rules, memo: bool = True) -> None:
+        self.rules = rules
+        self.memo = memo
+        self._situations: dict[_Key, Situation] = {}
+
+    def situation(self, layout: Layout) -> tuple[Situation, list[str]]:
+        """The situation of a real layout, and the names its numbers stand for."""
+        p, width = layout.num_stages, layout.num_pipelines
+        owners = list(map(layout._map.__getitem__, _slots(p, width)))
+        names = list(dict.fromkeys(owners))
+        active = len(names)
+        names += layout.standby
+        number = {n: i for i, n in enumerate(names)}
+        key = (p, width, tuple(map(number.__getitem__, owners)), len(layout.standby),
+               layout.target_stages, layout.max_pipelines)
+        known = self._situations.get(key)
+        if known is None:
+            if len(self._situations) >= MEMO_LIMIT:
+                self._situations.clear()
+            known = self._situations[key] = Situation(key, layout.shape_key(), active,
+                                                      len(names))
+        return known, names
+
+    def start(self, num_stages: int, num_pipelines: int) -> Situation:
+        """The empty layout before the first nodes boot."""
+        return self.situation(Layout.from_mapping(num_stages, 0, {}, (),
+                                                  max_pipelines=num_pipelines))[0]
+
+    def transition(self, situation: Situation, names: list[str], lost: frozenset[int],
+                   ready: list[str]) -> Transition:
+        """What `settle` does to this situation when the nodes numbered `lost` go and `ready`
+        join; from the table when it was met before under any names."""
+        known = situation.transitions.get((lost, len(ready)))
+        if known is not None:
+            return known
+        before = situation.layout(names)
+        lost_names = frozenset(map(names.__getitem__, lost))
+        outer = names + ready
+        position = {n: i for i, n in enumerate(outer)}
+        steps = []
+        after, sources = situation, tuple(range(situation.size))
+        decided = settle_steps(before, lost_names, ready, self.rules)
+        for prior, d in decided:
+            after, after_names = self.situation(d.layout)
+            sources = tuple(map(position.__getitem__, after_names))
+            steps.append(Step(d.action, d.needs_restore, prior.num_pipelines > 0, after,
+                              sources))
+        stored = (self.memo and len(position) == len(outer)  # (a joiner already numbered)
+                  and _nameless(decided))
+        made = Transition(tuple(steps), after, sources, stored)
+        if stored:
+            situation.transitions[(lost, len(ready))] = made
+        return made
+
+
+_MACHINES: dict[tuple[int, bool], tuple[Rules, Machine]] = {}
+
+
+def machine_for(rules: Rules, memo: bool = True) -> Machine:
+    """The process's machine for these rules (a sweep makes a policy per seed; they share it)."""
+    rules = shared_rules(rules)
+    entry = _MACHINES.get((id(rules), memo))
+    if entry is None or entry[0] is not rules:
+        entry = _MACHINES[(id(rules), memo)] = (rules, Machine(rules, memo))
+    return entry[1]
+
+
+def settle_steps(layout: Layout, lost: Collection[str], ready: list[str],
+                 rules: Rules) -> Steps:
+    """(layout before, decision) for each decision `settle` makes at this instant: the
+    reference the machine's transitions are made from."""
     history = History(layout, tuple((s, s + 1) for s in range(layout.num_stages)))
     steps: Steps = []
     current = layout
@@ -100,19 +198,6 @@ def _settle(layout: Layout, lost: Collection[str], ready: list[str], rules: Rule
         steps.append((current, outcome.decision))
         current = outcome.decision.layout
     return steps
-
-
-def _num(node: str, number: dict[str, int]) -> "int | str":
-    return node if node in _SPECIAL else number[node]
-
-
-def _shape(layout: Layout, number: dict[str, int]) -> _Shape:
-    own = layout._map
-    return (layout.num_stages, layout.num_pipelines,
-            tuple(number[own[slot]] for slot in _slots(layout.num_stages,
-                                                       layout.num_pipelines)),
-            tuple(number[n] for n in layout.standby), layout.target_stages,
-            layout.max_pipelines)
 
 
 def _nameless(steps: Steps) -> bool:
@@ -130,55 +215,3 @@ def _nameless(steps: Steps) -> bool:
                 and len(d.layout.standby) > 1):
             return False
     return True
-
-
-def _renamed(stored: tuple, layout: Layout, names: list[str],
-             lost: Collection[str]) -> Steps:
-    steps: Steps = []
-    before = layout
-    # (the first decision starts from the layout less its lost standby nodes, as `recover`)
-    previous = layout
-    if lost and layout.standby:
-        kept = tuple(n for n in layout.standby if n not in lost)
-        if len(kept) != len(layout.standby):
-            previous = layout.with_standby(kept)
-    for d, (p, width, owners, standby, target, cap), moves, restore, shape in stored:
-        mapping = dict(zip(_slots(p, width), map(names.__getitem__, owners)))
-        new = Layout._trusted(p, width, mapping, tuple(map(names.__getitem__, standby)),
-                              target, cap)
-        object.__setattr__(new, "_shape", shape)  # (`Layout.shape_key`'s cache)
-        # (a copy with three fields changed: dataclasses.replace re-runs every field's init)
-        copy = object.__new__(_Renamed)
-        copy.__dict__.update(d.__dict__, layout=new, previous_layout=previous,
-                             _moves=moves, _names=names, _restore=restore)
-        del copy.__dict__["moves"]
-        steps.append((before, copy))
-        before = previous = new
-    return steps
-
-
-class _Renamed(Decision):
-    """A stored decision renamed onto other nodes. Its moves are renamed when first read:
-    the simulator reads only `needs_restore`, known from the stored decision, and a
-    re-partition has a move per slot. (As a dataclass it equals only another `_Renamed`;
-    compare `to_json()` with a plain Decision.)"""
-
-    def _get_moves(self) -> tuple[Move, ...]:
-        got = self.__dict__.get("_moved")
-        if got is None:
-            names = self.__dict__["_names"]
-            got = tuple(Move(kind, pipe, stage, src if src.__class__ is str else names[src],
-                             dst if dst.__class__ is str else names[dst])
-                        for kind, pipe, stage, src, dst in self.__dict__["_moves"])
-            self.__dict__["_moved"] = got
-        return got
-
-    def _set_moves(self, moves: tuple[Move, ...]) -> None:  # (dataclasses.replace's init)
-        self.__dict__["_moved"] = tuple(moves)
-
-    moves = property(_get_moves, _set_moves)  # type: ignore[assignment]
-
-    @property
-    def needs_restore(self) -> bool:
-        known = self.__dict__.get("_restore")
-        return Decision.needs_restore.fget(self) if known is None else known  # type: ignore

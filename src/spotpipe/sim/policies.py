@@ -24,16 +24,19 @@ same; they differ in how much of that time turns into kept samples.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from spotpipe.plan import Action, Layout
-from spotpipe.plan.recovery import Decision, Rules
+from spotpipe.plan.recovery import Rules
 from spotpipe.sim import fit
 from spotpipe.sim.bamboo import BambooPolicy
 from spotpipe.sim.itertime import iteration_time
 from spotpipe.sim.job import Job
 from spotpipe.sim.params import SimConfig
-from spotpipe.sim.planmemo import settle_steps, shared_rules
+from spotpipe.sim.planmemo import (Machine, Situation, Step, Transition, machine_for,
+                                   shared_rules)
+
+
+_NOTHING: frozenset[int] = frozenset()
 
 
 class Policy:
@@ -70,9 +73,6 @@ def _speed_memo(cfg: SimConfig, redundancy: str) -> dict[tuple, tuple[float, flo
         entry = _SPEEDS[(id(cfg), redundancy)] = (
             cfg, {shape: (t, t) for shape, t in cfg.shape_times})
     return entry[1]
-
-
-_SPEED_ATTR = {m: "_sim_speed_" + m for m in ("none", "lazy", "eager")}
 
 
 def _iteration_time(cfg: SimConfig, p: int, width: int, merged: tuple[tuple[int, ...], ...],
@@ -112,38 +112,44 @@ def _uniform(depth: int) -> tuple[tuple[int, int], ...]:
 
 
 class Planner:
-    """Runs `plan.recovery.settle` for the events of one trace instant, memoised per instant
-    and by the situation's shape (`spotpipe.sim.planmemo`; `memo=False` turns that off).
+    """The spotpipe policy's decisions on one trace: `planmemo.Machine` transitions,
+    memoised per instant.
 
     Layouts evolve from the events and the rules alone (recovery never looks at the job's
     clock), so runs of the spotpipe policy on one trace with the same rules (lazy and eager
-    redundancy in a sweep) share one Planner and compute each decision once; the memo is
-    used only when the caller's layout is the very object the memo started from.
+    redundancy in a sweep) share one Planner and take each instant's transition once; the
+    memo is used only when the caller stands where the memo started from (the very
+    situation and names objects). `memo=False` recomputes every transition from the real
+    layout (the reference the tests hold the machine to).
     """
 
     def __init__(self, memo: bool = True) -> None:
-        self._memo: dict[int, tuple[Layout, Rules,
-                                    list[tuple[Layout, Decision]]]] = {}
-        self._start: Layout | None = None
         self.memo = memo
+        self._instants: dict[int, tuple[Situation, list[str], Machine, Transition,
+                                        list[str], dict[str, int]]] = {}
+        self._empty: list[str] = []  # the names of every run's empty start (shared)
 
-    def start(self, num_stages: int, num_pipelines: int) -> Layout:
+    def machine(self, rules: Rules) -> Machine:
+        return machine_for(rules, self.memo)
+
+    def start(self, machine: Machine, num_stages: int,
+              num_pipelines: int) -> tuple[Situation, list[str], dict[str, int]]:
         """The empty layout before the first nodes boot (shared, so the memo can match)."""
-        s = self._start
-        if s is None or (s.num_stages, s.max_pipelines) != (num_stages, num_pipelines):
-            s = self._start = Layout.from_mapping(num_stages, 0, {}, (),
-                                                  max_pipelines=num_pipelines)
-        return s
+        return machine.start(num_stages, num_pipelines), self._empty, {}
 
-    def plan(self, index: int, layout: Layout, lost: frozenset[str], ready: list[str],
-             rules: Rules) -> list[tuple[Layout, Decision]]:
-        hit = self._memo.get(index)
-        if hit is not None and hit[0] is layout and (hit[1] is rules or hit[1] == rules):
-            return hit[2]
-        steps = settle_steps(layout, lost, ready, rules, self.memo)
+    def plan(self, index: int, machine: Machine, situation: Situation, names: list[str],
+             lost: frozenset[int], ready: list[str]
+             ) -> tuple[Transition, list[str], dict[str, int]]:
+        """The transition for instant number `index`, and the names and numbering after it."""
+        hit = self._instants.get(index)
+        if hit is not None and hit[0] is situation and hit[1] is names and hit[2] is machine:
+            return hit[3], hit[4], hit[5]
+        move = machine.transition(situation, names, lost, ready)
+        after = move.names_after(names, ready)
+        number = {n: i for i, n in enumerate(after)}
         if index >= 0:
-            self._memo[index] = (layout, rules, steps)
-        return steps
+            self._instants[index] = (situation, names, machine, move, after, number)
+        return move, after, number
 
 
 class SpotpipePolicy(Policy):
@@ -159,42 +165,52 @@ class SpotpipePolicy(Policy):
     def __init__(self, cfg: SimConfig, job: Job, planner: "Planner | None" = None) -> None:
         super().__init__(cfg, job)
         self.planner = planner or Planner()
-        self.layout = self.planner.start(cfg.num_stages, cfg.num_pipelines)
-        self.decisions: list[tuple[float, Action]] = []
         self.rules = shared_rules(recovery_rules(cfg, self.redundancy()))
+        self.machine = self.planner.machine(self.rules)
+        # where the job stands: a numbered layout, the names of its numbers, and back
+        self.situation, self.names, self.number = self.planner.start(
+            self.machine, cfg.num_stages, cfg.num_pipelines)
+        self.decisions: list[tuple[float, Action]] = []
         self.shapes: set[tuple[int, int, bool]] = set()  # (P, D, a node carries two stages)
+        self._mode = self.redundancy()
+
+    @property
+    def layout(self) -> Layout:
+        return self.situation.layout(self.names)
 
     def used_nodes(self) -> int:
-        return len(self.layout.active_nodes)
+        return self.situation.active
 
     def on_events(self, t: float, lost: tuple[str, ...], ready: list[str],
                   index: int = -1) -> None:
+        gone = _NOTHING
         if lost:
-            layout = self.layout
-            lost = frozenset(n for n in lost if n in layout.active_nodes
-                             or n in layout.standby)
-        if not lost and not ready:
+            number = self.number
+            gone = frozenset([number[n] for n in lost if n in number])
+        if not gone and not ready:
             return
-        for before, d in self.planner.plan(index, self.layout, lost, ready, self.rules):
-            self.layout = d.layout
-            if d.action != Action.KEEP:
-                self.decisions.append((t, d.action))
-                self._apply(d, before)
-        lay = self.layout
-        if lay.num_pipelines:
-            self.shapes.add((lay.num_stages, lay.num_pipelines, lay.has_carriers))
+        move, self.names, self.number = self.planner.plan(
+            index, self.machine, self.situation, self.names, gone, ready)
+        for step in move.steps:
+            self.situation = step.after
+            if step.action != Action.KEEP:
+                self.decisions.append((t, step.action))
+                self._apply(step)
+        self.situation = now = move.after
+        if now.num_pipelines:
+            self.shapes.add((now.num_stages, now.num_pipelines, now.has_carriers))
 
-    def _apply(self, d: Decision, before: Layout) -> None:
+    def _apply(self, step: Step) -> None:
         job, p = self.job, self.cfg.params
-        was_running = before.num_pipelines > 0
-        if d.action == Action.STOP:
-            if was_running:
+        action = step.action
+        if action == Action.STOP:
+            if step.was_running:
                 self.fatal_failures += 1
                 self._roll_back()
             job.set_iteration(None)
             return
-        if d.needs_restore:
-            if was_running:
+        if step.needs_restore:
+            if step.was_running:
                 self.fatal_failures += 1
                 self._roll_back()
                 job.pause(self._restore_pause(), self.restore_bucket)
@@ -202,33 +218,28 @@ class SpotpipePolicy(Policy):
                 job.pause(self._restore_pause(), self.restore_bucket)
             else:  # the job's first start
                 job.pause(p.rendezvous_s, "idle")
-        elif d.action in (Action.FAILOVER, Action.DROP_PIPELINE):
+        elif action in (Action.FAILOVER, Action.DROP_PIPELINE):
             job.lose_in_flight("recovering", self.takeover_redo
-                               if d.action == Action.FAILOVER else 1.0)
-            job.pause(p.pause_s if d.action == Action.FAILOVER else p.reconfig_pause_s,
+                               if action == Action.FAILOVER else 1.0)
+            job.pause(p.pause_s if action == Action.FAILOVER else p.reconfig_pause_s,
                       "recovering")
         else:  # REBALANCE, ADD_PIPELINE, REPARTITION without loss: at an iteration boundary
             job.pause(p.reconfig_pause_s, "recovering")
-        self._set_speed()
+        self._set_speed(step.after)
 
     def redundancy(self) -> str:
         """spotpipe runs the configured redundancy (lazy: replicas kept exact by gradient
         replication, no extra compute; eager: plus FRC in the bubbles)."""
         return self.cfg.redundancy
 
-    def _set_speed(self) -> None:
-        # the speed rides on the layout object (shared through the Planner, and copied by
-        # with_standby, which keeps the shape); else by shape
-        layout, cfg, mode = self.layout, self.cfg, self.redundancy()
-        attr = _SPEED_ATTR[mode]
-        hit = layout.__dict__.get(attr)
+    def _set_speed(self, situation: Situation) -> None:
+        # the speed rides on the situation (shared by every run of the process), else by shape
+        cfg, mode = self.cfg, self._mode
+        hit = situation.speeds.get(mode)
         if hit is not None and hit[0] is cfg:
             self.job.set_iteration(*hit[1])
             return
-        # no carrier: the plain shape, without walking the owners (most layouts, and the
-        # commonest lookups of a sweep)
-        key = layout.shape_key() if layout.has_carriers else (
-            layout.num_stages, layout.num_pipelines, ((),) * layout.num_pipelines)
+        key = situation.shape
         speeds = _speed_memo(cfg, mode)
         speed = speeds.get(key)
         if speed is None:
@@ -244,7 +255,7 @@ class SpotpipePolicy(Policy):
             else:
                 full = plain
             speed = speeds[key] = (full, min(plain, full))
-        object.__setattr__(layout, attr, (cfg, speed))
+        situation.speeds[mode] = (cfg, speed)
         self.job.set_iteration(*speed)
 
     def _roll_back(self) -> None:
