@@ -71,16 +71,24 @@ class Trace:
         self.victims = victims  # how a count series chose who leaves (None: events name them)
         last = self.events[-1].time_s if self.events else 0.0
         self.duration_s = float(duration_s) if duration_s is not None else last
-        self._times: list[float] = []
-        self._counts: list[int] = []
-        n = 0
-        for ev in self.events:
-            n += 1 if ev.kind == ADD else -1
-            if self._times and self._times[-1] == ev.time_s:
-                self._counts[-1] = n
-            else:
-                self._times.append(ev.time_s)
-                self._counts.append(n)
+        self._series: tuple[list[float], list[int]] | None = None
+
+    def _steps(self) -> tuple[list[float], list[int]]:
+        """The availability step function, built on first use (a sweep makes tens of
+        thousands of traces and asks none of them)."""
+        if self._series is None:
+            times: list[float] = []
+            counts: list[int] = []
+            n = 0
+            for ev in self.events:
+                n += 1 if ev.kind == ADD else -1
+                if times and times[-1] == ev.time_s:
+                    counts[-1] = n
+                else:
+                    times.append(ev.time_s)
+                    counts.append(n)
+            self._series = times, counts
+        return self._series
 
     def __len__(self) -> int:
         return len(self.events)
@@ -90,8 +98,9 @@ class Trace:
 
     def nodes_available_at(self, t: float) -> int:
         """How many nodes the trace offers at time t (events at t already applied)."""
-        i = bisect.bisect_right(self._times, t)
-        return self._counts[i - 1] if i else 0
+        times, counts = self._steps()
+        i = bisect.bisect_right(times, t)
+        return counts[i - 1] if i else 0
 
     def nodes_at(self, t: float) -> frozenset[str]:
         """Which nodes the trace offers at time t."""
@@ -104,11 +113,12 @@ class Trace:
 
     def step_series(self) -> tuple[list[float], list[int]]:
         """(times, counts): the availability step function, one point per distinct time."""
-        return list(self._times), list(self._counts)
+        times, counts = self._steps()
+        return list(times), list(counts)
 
     @property
     def peak_nodes(self) -> int:
-        return max(self._counts, default=0)
+        return max(self._steps()[1], default=0)
 
     @property
     def removals(self) -> int:

@@ -223,7 +223,10 @@ def _drop(layout: Layout, lost: frozenset[str], standby: tuple[str, ...], broken
         for s in range(layout.num_stages):
             mapping[(new_d, s)] = layout.owner(d, s)
         moves += _takeovers(layout, d, lost, new_d, mapping)
-    freed = sorted({layout.owner(d, s) for d in broken for s in range(layout.num_stages)} - lost)
+    # (in slot order, not name order: a decision that compares no names is one the simulator
+    # can replay for other nodes in the same places, `sim.planmemo`)
+    freed = [n for n in dict.fromkeys(layout.owner(d, s) for d in broken
+                                      for s in range(layout.num_stages)) if n not in lost]
     new = _replace(layout, mapping, standby + tuple(freed), len(alive_pipes))
     return Decision(Action.DROP_PIPELINE, new, tuple(moves),
                     f"pipeline(s) {broken} lost adjacent stages; dropped, global batch kept",
@@ -285,7 +288,8 @@ def _rebalance(layout: Layout) -> Decision:
     mapping = layout.mapping
     standby = list(layout.standby)
     moves: list[Move] = []
-    for node, slots in sorted(layout.carriers().items()):
+    # carriers by their first stage (not by name, as `_drop` frees nodes)
+    for node, slots in sorted(layout.carriers().items(), key=lambda item: item[1][0]):
         for d, s in _extra_stages(layout, node, slots):
             if not standby:
                 break

@@ -29,6 +29,7 @@ Its value formula (the time average of samples/s per $/h over the time the job r
 from __future__ import annotations
 
 import heapq
+from functools import lru_cache
 from math import inf
 
 from spotpipe.sim import fit
@@ -54,6 +55,12 @@ def _step_memo(cfg: SimConfig) -> dict[int, tuple[float, float]]:
     return entry[1]
 
 
+@lru_cache(maxsize=None)
+def _slots(width: int, depth: int) -> tuple[tuple[tuple[int, int]], ...]:
+    """Each slot of a rendezvous's layout, in the order members take them."""
+    return tuple(((d, s),) for d in range(width) for s in range(depth))
+
+
 class BambooPolicy:
     name = "bamboo"
     fallback_slowdown = 1.5
@@ -72,11 +79,14 @@ class BambooPolicy:
         self.nodes: dict[str, list[tuple[int, int]]] = {}  # ready nodes -> coordinates
         self.members: list[str] = []
         self.waiting = 0
+        self.carriers = 0  # nodes of `nodes` that carry two stages
         self.slowed = False
         self.stepping = False  # steps run (also during a rendezvous a fatal failure started)
         self.version = 0
         self._timers: list[tuple[float, int, int, int]] = []  # (t, seq, kind, version)
         self._seq = 0
+        self.wakeup = inf  # when the next timer is due (the simulator's loop reads it)
+        self._check: tuple[float, int] | None = None  # the step-end check pending last
         self._steps = _step_memo(cfg)
         self.decisions: list[tuple[float, str]] = []
         self.shapes: set[tuple[int, int, bool]] = set()  # (P, D, a node carries two stages)
@@ -86,10 +96,12 @@ class BambooPolicy:
         return sum(1 for c in self.nodes.values() if c) if self.status == "running" else 0
 
     def next_wakeup(self) -> float:
-        return self._timers[0][0] if self._timers else inf
+        return self.wakeup
 
     def on_wakeup(self, t: float) -> None:
-        _, _, kind, version = heapq.heappop(self._timers)
+        timers = self._timers
+        _, _, kind, version = heapq.heappop(timers)
+        self.wakeup = timers[0][0] if timers else inf
         if kind == CHECK:
             if version == self.version and self.stepping:
                 self._step_end(t)
@@ -107,6 +119,7 @@ class BambooPolicy:
     def _remove(self, t: float, name: str) -> None:
         coords = self.nodes.pop(name, [])  # a rendezvous member: noticed at its timeout
         if len(coords) > 1:
+            self.carriers -= 1
             return self._fatal(t)
         if coords:
             d, s = coords[0]
@@ -116,6 +129,7 @@ class BambooPolicy:
                     if len(other) > 1:  # the heir already carries two stages
                         return self._fatal(t)
                     other.append(coords[0])
+                    self.carriers += 1
                     if self.status == "running":
                         self.shapes.add((self.p, self.width, True))
                     break
@@ -161,16 +175,20 @@ class BambooPolicy:
         return p.rendezvous_s if kind == GLOBAL else p.reconfig_pause_s
 
     def _rendezvous_timeout(self, t: float, kind: int) -> None:
-        if any(n not in self.nodes for n in self.members):
+        members = self.members
+        if not self.nodes.keys() >= set(members):  # one of them was lost meanwhile
             self.members = list(self.nodes)
             self._timer(t + self._timeout(kind), kind)
             return
-        n = len(self.members)
+        n = len(members)
         self.p = self.target if n >= self.target else 0
         self.width = n // self.target if self.p else 0
-        slots = [(d, s) for d in range(self.width) for s in range(self.p)]
-        for i, name in enumerate(self.members):
-            self.nodes[name] = [slots[i]] if i < len(slots) else []
+        slots = _slots(self.width, self.p)
+        # members are the nodes known when it started: each gets its slot, the rest wait
+        # (as lists: a takeover appends its second stage to the heir's)
+        self.nodes.update(zip(members, map(list, slots)))
+        self.nodes.update((name, []) for name in members[len(slots):])
+        self.carriers = 0
         self.waiting = n - len(slots)
         self.slowed = False
         self.version += 1
@@ -188,7 +206,7 @@ class BambooPolicy:
             self.job.set_iteration(None)
 
     def _step_end(self, t: float) -> None:
-        carriers = sum(1 for c in self.nodes.values() if len(c) > 1)
+        carriers = self.carriers
         active = self.p * self.width - carriers
         reconfigure = (
             (carriers > 0 and self.waiting >= carriers)
@@ -200,12 +218,16 @@ class BambooPolicy:
 
     def _check_at_step_end(self) -> None:
         when = self.job.next_iteration_end()
-        if when is not None:
+        # several events within one step ask for the same check: it is made once (a second
+        # check at the same time and version finds what the first found)
+        if when is not None and (when, self.version) != self._check:
+            self._check = (when, self.version)
             self._timer(when, CHECK)
 
     def _timer(self, t: float, kind: int) -> None:
         self._seq += 1
         heapq.heappush(self._timers, (t, self._seq, kind, self.version))
+        self.wakeup = self._timers[0][0]
 
     def _step_s(self, width: int) -> tuple[float, float]:
         """(step seconds, of which without FRC): a measured step has no split."""

@@ -18,9 +18,9 @@ time.
 
 That is exact only for transitions that compare no two names. The planner sorts names in a
 few places: a restart of a running job (survivors in name order; a first start places the
-waiting nodes in their order), a dropped pipeline (its freed nodes in name order), a
-rebalance of two or more carriers (carriers in name order) and a re-partition refused into a
-KEEP (the waiting nodes in name order). A transition that went through any of those is never
+waiting nodes in their order) and a re-partition refused into a KEEP (the waiting nodes in
+name order). (A dropped pipeline's freed nodes and the carriers a rebalance relieves go in
+slot order, for this reason.) A transition that went through any of those is never
 stored (`_nameless`), and is computed afresh, from the real layout, each time it is met.
 """
 
@@ -40,7 +40,8 @@ _Key = tuple[int, int, tuple[int, ...], int, int, "int | None"]
 MEMO_LIMIT = 200_000  # situations per rules, then the table starts afresh
 # actions whose layouts depend on no comparison of names (see the module doc)
 _SAFE = frozenset({Action.FAILOVER, Action.HANDOVER, Action.REBALANCE, Action.ADD_PIPELINE,
-                   Action.REPARTITION, Action.RESTORE_FROM_SHADOW, Action.KEEP})
+                   Action.DROP_PIPELINE, Action.REPARTITION, Action.RESTORE_FROM_SHADOW,
+                   Action.KEEP})
 _RESTART = (Action.RESTORE_FROM_CHECKPOINT, Action.REPARTITION)
 _RULES: dict[Rules, Rules] = {}
 
@@ -123,6 +124,7 @@ class Machine:
         self.rules = rules
         self.memo = memo
         self._situations: dict[_Key, Situation] = {}
+        self._starts: dict[tuple[int, int], Situation] = {}
 
     def situation(self, layout: Layout) -> tuple[Situation, list[str]]:
         """The situation of a real layout, and the names its numbers stand for."""
@@ -138,14 +140,18 @@ class Machine:
         if known is None:
             if len(self._situations) >= MEMO_LIMIT:
                 self._situations.clear()
+                self._starts.clear()
             known = self._situations[key] = Situation(key, layout.shape_key(), active,
                                                       len(names))
         return known, names
 
     def start(self, num_stages: int, num_pipelines: int) -> Situation:
         """The empty layout before the first nodes boot."""
-        return self.situation(Layout.from_mapping(num_stages, 0, {}, (),
-                                                  max_pipelines=num_pipelines))[0]
+        known = self._starts.get((num_stages, num_pipelines))
+        if known is None:
+            known = self._starts[(num_stages, num_pipelines)] = self.situation(
+                Layout.from_mapping(num_stages, 0, {}, (), max_pipelines=num_pipelines))[0]
+        return known
 
     def transition(self, situation: Situation, names: list[str], lost: frozenset[int],
                    ready: list[str]) -> Transition:
@@ -208,8 +214,6 @@ def _nameless(steps: Steps) -> bool:
         # (a start from nothing places the waiting nodes in their order: no names compared)
         if (d.action not in _SAFE or d.needs_restore) and not (
                 before.num_pipelines == 0 and d.action in _RESTART):
-            return False
-        if d.action == Action.REBALANCE and len(before.carriers()) > 1:
             return False
         if (d.action == Action.KEEP and d.reason.startswith("cannot re-partition")
                 and len(d.layout.standby) > 1):

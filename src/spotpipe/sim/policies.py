@@ -107,6 +107,21 @@ def recovery_rules(cfg: SimConfig, redundancy: str) -> Rules:
                  restarts=True)
 
 
+_RULES_OF: dict[tuple[int, str], tuple[SimConfig, Rules]] = {}
+
+
+def _rules_of(cfg: SimConfig, redundancy: str) -> Rules:
+    """`recovery_rules`, once per config object (a sweep makes a policy per seed, and building
+    and interning the rules costs more than a quiet run's events)."""
+    hit = _RULES_OF.get((id(cfg), redundancy))
+    if hit is None or hit[0] is not cfg:
+        if len(_RULES_OF) >= 256:
+            _RULES_OF.clear()
+        hit = _RULES_OF[(id(cfg), redundancy)] = (
+            cfg, shared_rules(recovery_rules(cfg, redundancy)))
+    return hit[1]
+
+
 def _uniform(depth: int) -> tuple[tuple[int, int], ...]:
     return tuple((s, s + 1) for s in range(depth))
 
@@ -165,7 +180,7 @@ class SpotpipePolicy(Policy):
     def __init__(self, cfg: SimConfig, job: Job, planner: "Planner | None" = None) -> None:
         super().__init__(cfg, job)
         self.planner = planner or Planner()
-        self.rules = shared_rules(recovery_rules(cfg, self.redundancy()))
+        self.rules = _rules_of(cfg, self.redundancy())
         self.machine = self.planner.machine(self.rules)
         # where the job stands: a numbered layout, the names of its numbers, and back
         self.situation, self.names, self.number = self.planner.start(

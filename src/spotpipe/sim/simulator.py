@@ -150,11 +150,11 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
     preemptions = 0
     last_t = 0.0
     resume: TimelinePoint | None = None  # where a pause ends before the next event
-    timers = hasattr(pol, "next_wakeup")  # a policy with clocks of its own (bamboo)
+    timers = hasattr(pol, "wakeup")  # a policy with clocks of its own (bamboo)
     # the shadows' CPU host runs on demand for the whole job
     fixed = cfg.shadow_host_price if policy == "spotpipe" and cfg.shadows else 0.0
     for index, (t, lost, ready, held_after, taken) in enumerate(instants):
-        if timers:
+        if timers and pol.wakeup < t:
             _wake(pol, job, t, False)
         node_seconds += held * (t - last_t)
         last_t = t
@@ -164,7 +164,7 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
         preemptions += taken
         if lost or ready:
             pol.on_events(t, lost, ready, index)
-        if timers:
+        if timers and pol.wakeup <= t:
             _wake(pol, job, t, True)  # after the trace's events of the same instant
         if record:
             if resume is not None and resume.time_s < t:
@@ -199,7 +199,7 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
 def _wake(pol, job: Job, t: float, inclusive: bool) -> None:
     """Fire the policy's own timers due before t (or at t, after t's events)."""
     while True:
-        w = pol.next_wakeup()
+        w = pol.wakeup
         if w > t or (w == t and not inclusive):
             return
         job.advance(w)
