@@ -51,35 +51,44 @@ class Job:
 
     # -- time passes ----------------------------------------------------------------------
     def advance(self, t: float) -> None:
-        dt = t - self.t
+        # (the simulator's innermost call, several times per event of every run: written
+        # with conditionals, not min/max, and the attributes read once)
+        now = self.t
+        dt = t - now
         if dt <= 0:
             return
-        paused = min(dt, max(0.0, self.paused_until - self.t))
-        if paused:
+        paused = self.paused_until - now
+        if paused > 0:
+            if paused > dt:
+                paused = dt
             self.buckets[self.pause_bucket] += paused
-        run = dt - paused
-        self.dollars += self.cost_rate * dt / 3600.0
+            run = dt - paused
+        else:
+            run = dt
+        cost_rate = self.cost_rate
+        self.dollars += cost_rate * dt / 3600.0
         self.t = t
         if run <= 0:
             return
-        if self.iter_s is None:
+        iter_s = self.iter_s
+        if iter_s is None:
             self.buckets[self.idle_bucket] += run
             return
         if self.first_run_s is None:
             self.first_run_s = t - run
         self.last_run_s = t
         self.dollars_at_last_run = self.dollars
-        if self.cost_rate > 0:
-            self.value_integral += run * self.samples_per_iteration / self.iter_s \
-                / self.cost_rate
-        self.iters += run / self.iter_s
-        share = self.plain_s / self.iter_s
-        self.pending[0] += run * share
-        self.pending[1] += run * (1.0 - share)
+        if cost_rate > 0:
+            self.value_integral += run * self.samples_per_iteration / iter_s / cost_rate
+        self.iters += run / iter_s
+        share = self.plain_s / iter_s
+        pending = self.pending
+        pending[0] += run * share
+        pending[1] += run * (1.0 - share)
         self.run_since_ckpt += run
         if self.run_since_ckpt >= self.interval:
             left = self.run_since_ckpt % self.interval  # run time since the newest checkpoint
-            self.kept_iters = self.iters - left / self.iter_s
+            self.kept_iters = self.iters - left / iter_s
             self._commit(left * share, left * (1.0 - share))
             self.run_since_ckpt = left
 
@@ -109,11 +118,12 @@ class Job:
         left = math.floor(self.iters + 1e-9) + 1 - self.iters
         if left > 1.0 - 1e-9:  # one just ended: its end is now (after this instant's events)
             left = 0.0
-        return max(self.t, self.paused_until) + left * self.iter_s
+        start = self.paused_until if self.paused_until > self.t else self.t
+        return start + left * self.iter_s
 
     def pause(self, seconds: float, bucket: str) -> None:
         """Stop computing for `seconds` from now (or from the end of a pause under way)."""
-        start = max(self.t, self.paused_until)
+        start = self.paused_until if self.paused_until > self.t else self.t
         # one label per pause: an extended pause is counted under the newest reason
         self.paused_until = start + seconds
         self.pause_bucket = bucket
@@ -132,7 +142,8 @@ class Job:
         self.pending[1] -= seconds * (1.0 - share)
         self.buckets[bucket] += seconds
         self.iters -= lost
-        self.kept_iters = min(self.kept_iters, whole)
+        if whole < self.kept_iters:
+            self.kept_iters = whole
 
     def roll_back_to_checkpoint(self, bucket: str) -> None:
         """Everything since the last durable checkpoint is lost and redone later."""

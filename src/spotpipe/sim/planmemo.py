@@ -70,6 +70,12 @@ class Situation:
     transitions: dict[tuple[frozenset[int], int], "Transition"] = field(default_factory=dict)
     # redundancy mode -> (the config, (iteration s, plain iteration s)): the policy's cache
     speeds: dict[str, tuple] = field(default_factory=dict)
+    # (P, D, a node carries two stages) while pipelines run, else None
+    summary: tuple[int, int, bool] | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        p, width = self.key[0], self.key[1]
+        self.summary = (p, width, self.active < p * width) if width else None
 
     @property
     def num_stages(self) -> int:
@@ -110,6 +116,11 @@ class Transition:
     after: Situation
     sources: tuple[int, ...]  # as `Step.sources`, for `after`
     stored: bool  # kept on the situation (it compares no names)
+    acts: tuple[Step, ...] = field(init=False)  # the steps that change something (not KEEP)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "acts", tuple(s for s in self.steps
+                                               if s.action != Action.KEEP))
 
     def names_after(self, names: list[str], ready: list[str]) -> list[str]:
         if not ready:

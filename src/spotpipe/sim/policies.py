@@ -37,6 +37,8 @@ from spotpipe.sim.planmemo import (Machine, Situation, Step, Transition, machine
 
 
 _NOTHING: frozenset[int] = frozenset()
+# (module constants: an Enum member's lookup costs more than the comparison, per event)
+_STOP, _FAILOVER, _DROP = Action.STOP, Action.FAILOVER, Action.DROP_PIPELINE
 
 
 class Policy:
@@ -206,19 +208,17 @@ class SpotpipePolicy(Policy):
             return
         move, self.names, self.number = self.planner.plan(
             index, self.machine, self.situation, self.names, gone, ready)
-        for step in move.steps:
-            self.situation = step.after
-            if step.action != Action.KEEP:
-                self.decisions.append((t, step.action))
-                self._apply(step)
+        for step in move.acts:
+            self.decisions.append((t, step.action))
+            self._apply(step)
         self.situation = now = move.after
-        if now.num_pipelines:
-            self.shapes.add((now.num_stages, now.num_pipelines, now.has_carriers))
+        if now.summary is not None:
+            self.shapes.add(now.summary)
 
     def _apply(self, step: Step) -> None:
         job, p = self.job, self.cfg.params
         action = step.action
-        if action == Action.STOP:
+        if action is _STOP:
             if step.was_running:
                 self.fatal_failures += 1
                 self._roll_back()
@@ -233,11 +233,12 @@ class SpotpipePolicy(Policy):
                 job.pause(self._restore_pause(), self.restore_bucket)
             else:  # the job's first start
                 job.pause(p.rendezvous_s, "idle")
-        elif action in (Action.FAILOVER, Action.DROP_PIPELINE):
-            job.lose_in_flight("recovering", self.takeover_redo
-                               if action == Action.FAILOVER else 1.0)
-            job.pause(p.pause_s if action == Action.FAILOVER else p.reconfig_pause_s,
-                      "recovering")
+        elif action is _FAILOVER:
+            job.lose_in_flight("recovering", self.takeover_redo)
+            job.pause(p.pause_s, "recovering")
+        elif action is _DROP:
+            job.lose_in_flight("recovering", 1.0)
+            job.pause(p.reconfig_pause_s, "recovering")
         else:  # REBALANCE, ADD_PIPELINE, REPARTITION without loss: at an iteration boundary
             job.pause(p.reconfig_pause_s, "recovering")
         self._set_speed(step.after)

@@ -129,11 +129,12 @@ def run_policies(trace: Trace, policies: list[str], cfg: SimConfig, *,
 
 def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None = None,
         record: bool = True, planner: Planner | None = None,
-        instants: list | None = None) -> Result:
+        instants: Instants | None = None) -> Result:
     """Simulate `policy` on `trace` for `duration_s` (default: the trace's span).
 
-    `instants` (from `instants_of`) may be passed in when several policies run on one trace:
-    what the trace does to the instances held is the same for every spot policy.
+    `instants` (from `instants_of`, for this `duration_s`) may be passed in when several
+    policies run on one trace: what the trace does to the instances held is the same for
+    every spot policy.
     """
     end = trace.duration_s if duration_s is None else float(duration_s)
     if policy == "on_demand":
@@ -143,34 +144,31 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
     pol = make_policy(policy, cfg, job, planner)
     price = cfg.price.spot
     timeline: list[TimelinePoint] = []
-    if instants is None:
+    if instants is None or instants.end != end:
         instants = instants_of(trace, cfg.params.boot_s, end)
     held = 0
-    node_seconds = 0.0
-    preemptions = 0
+    node_seconds = 0.0  # (only the timeline needs it as it goes)
     last_t = 0.0
     resume: TimelinePoint | None = None  # where a pause ends before the next event
     timers = hasattr(pol, "wakeup")  # a policy with clocks of its own (bamboo)
     # the shadows' CPU host runs on demand for the whole job
     fixed = cfg.shadow_host_price if policy == "spotpipe" and cfg.shadows else 0.0
-    for index, (t, lost, ready, held_after, taken) in enumerate(instants):
+    for index, (t, lost, ready, held_after) in enumerate(instants.points):
         if timers and pol.wakeup < t:
             _wake(pol, job, t, False)
-        node_seconds += held * (t - last_t)
-        last_t = t
         job.advance(t)
         job.cost_rate = held_after * price
-        held = held_after
-        preemptions += taken
         if lost or ready:
             pol.on_events(t, lost, ready, index)
         if timers and pol.wakeup <= t:
             _wake(pol, job, t, True)  # after the trace's events of the same instant
         if record:
+            node_seconds += held * (t - last_t)
+            last_t = t
+            held = held_after
             if resume is not None and resume.time_s < t:
                 timeline.append(resume)
             resume = None
-            job.advance(t)
             dollars = (node_seconds * price + fixed * t) / HOUR
             timeline.append(TimelinePoint(t, held, held, pol.used_nodes(),
                                           job.throughput_now(), job.samples, dollars))
@@ -184,14 +182,14 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
         timeline.append(resume)
     if timers:
         _wake(pol, job, end, False)
-    node_seconds += held * (end - last_t)
-    dollars = (node_seconds * price + fixed * end) / HOUR
+    held = instants.held_at_end
+    dollars = (instants.node_seconds * price + fixed * end) / HOUR
     breakdown = job.finish(end)
     if record:
         timeline.append(TimelinePoint(end, held, held, pol.used_nodes(),
                                       job.throughput_now(), job.samples, dollars))
     window = (job.first_run_s, job.last_run_s) if job.first_run_s is not None else (0.0, 0.0)
-    return Result(policy, end, job.samples, dollars, preemptions, pol.fatal_failures,
+    return Result(policy, end, job.samples, dollars, instants.preemptions, pol.fatal_failures,
                   breakdown, timeline, window, job.dollars_at_last_run, job.value_integral,
                   cfg.value_formula, frozenset(pol.shapes))
 
@@ -206,20 +204,34 @@ def _wake(pol, job: Job, t: float, inclusive: bool) -> None:
         pol.on_wakeup(w)
 
 
-def instants_of(trace: Trace, boot_s: float, end: float) -> list[tuple]:
-    """What the trace does to the instances held, once per trace, for every spot policy:
-    per instant (t, lost, ready, held, taken): the held nodes removed (in trace order), the
-    nodes whose boot completed (in trace order), how many instances are held (billed) after
-    it, and how many held instances were taken away. Events at `end` are applied, so the
-    last state is exact; a sweep calls this once per trace, hence the hand-made merge of
-    the trace with its boot completions (both sorted by time)."""
-    out: list[tuple] = []
+@dataclass(frozen=True)
+class Instants:
+    """What the trace does to the instances held, once per trace, for every spot policy."""
+
+    end: float
+    # per instant (t, lost, ready, held): the held nodes removed (in trace order), the nodes
+    # whose boot completed (in trace order), how many instances are held (billed) after it
+    points: list[tuple[float, tuple[str, ...], list[str], int]]
+    preemptions: int  # held instances taken away
+    node_seconds: float  # instance-seconds held from 0 to `end`
+    held_at_end: int
+
+
+def instants_of(trace: Trace, boot_s: float, end: float) -> Instants:
+    """The trace's instants up to `end`; events at `end` are applied, so the last state is
+    exact. A sweep calls this once per trace, hence the hand-made merge of the trace with
+    its boot completions (both sorted by time)."""
+    out: list[tuple[float, tuple[str, ...], list[str], int]] = []
     held: set[str] = set()
     booting: set[str] = set()
     events = trace.events
     boots = [(ev.time_s + boot_s, ev.node) for ev in events if ev.kind == ADD]
     i = j = 0
     n_ev, n_boot = len(events), len(boots)
+    preemptions = 0
+    node_seconds = 0.0
+    last_t = 0.0
+    count = 0
     while i < n_ev or j < n_boot:
         t = events[i].time_s if i < n_ev else math.inf
         if j < n_boot and boots[j][0] < t:
@@ -240,14 +252,19 @@ def instants_of(trace: Trace, boot_s: float, end: float) -> list[tuple]:
         if lost:
             held.difference_update(lost)
             booting.difference_update(lost)
+            preemptions += len(lost)
         if adds:
             held.update(adds)
             booting.update(adds)
         ready = [n for n in readies if n in booting]
         if ready:
             booting.difference_update(ready)
-        out.append((t, lost, ready, len(held), len(lost)))
-    return out
+        node_seconds += count * (t - last_t)
+        last_t = t
+        count = len(held)
+        out.append((t, lost, ready, count))
+    node_seconds += count * (end - last_t)
+    return Instants(end, out, preemptions, node_seconds, count)
 
 
 def on_demand_closed_form(cfg: SimConfig, duration_s: float) -> dict[str, float]:
