@@ -88,7 +88,7 @@ def _planned(planner: Planner, layout: Layout, rules, lost=(), ready=()) -> tupl
     machine = planner.machine(rules)
     situation, names = machine.situation(layout)
     number = {n: i for i, n in enumerate(names)}
-    move, after, _ = planner.plan(-1, machine, situation, names,
+    move, after = planner.plan(-1, machine, situation, names,
                                   frozenset(number[n] for n in lost), list(ready))
     outer = names + list(ready)
     shapes = [_shape({"action": step.action.value,

@@ -88,7 +88,6 @@ class BambooPolicy:
         self.wakeup = inf  # when the next timer is due (the simulator's loop reads it)
         self._check: tuple[float, int] | None = None  # the step-end check pending last
         self._steps = _step_memo(cfg)
-        self.decisions: list[tuple[float, str]] = []
         self.shapes: set[tuple[int, int, bool]] = set()  # (P, D, a node carries two stages)
 
     # -- what the simulator asks ------------------------------------------------------------
@@ -139,7 +138,6 @@ class BambooPolicy:
             self.slowed = True
             full, plain = self._steps[self.width]  # the whole step slows down
             self.job.set_iteration(full * self.fallback_slowdown, plain * self.fallback_slowdown)
-            self.decisions.append((t, "failover"))
         self._check_at_step_end()
 
     def _ready(self, t: float, name: str) -> None:
@@ -156,7 +154,6 @@ class BambooPolicy:
         """As its simulator has it: the steps already scheduled go on until the global
         rendezvous completes (or a step's end starts a local one)."""
         self.fatal_failures += 1
-        self.decisions.append((t, "fatal"))
         self._start_rendezvous(t, GLOBAL)
         self._check_at_step_end()
 
@@ -200,7 +197,6 @@ class BambooPolicy:
             self.shapes.add((self.p, self.width, False))
             self.status = "running"
             self.job.set_iteration(*self._step_s(self.width))
-            self.decisions.append((t, f"rendezvous {self.width}x{self.p}"))
         else:
             self.status = "stopped"
             self.job.set_iteration(None)

@@ -143,30 +143,28 @@ class Planner:
     def __init__(self, memo: bool = True) -> None:
         self.memo = memo
         self._instants: dict[int, tuple[Situation, list[str], Machine, Transition,
-                                        list[str], dict[str, int]]] = {}
+                                        list[str]]] = {}
         self._empty: list[str] = []  # the names of every run's empty start (shared)
 
     def machine(self, rules: Rules) -> Machine:
         return machine_for(rules, self.memo)
 
     def start(self, machine: Machine, num_stages: int,
-              num_pipelines: int) -> tuple[Situation, list[str], dict[str, int]]:
+              num_pipelines: int) -> tuple[Situation, list[str]]:
         """The empty layout before the first nodes boot (shared, so the memo can match)."""
-        return machine.start(num_stages, num_pipelines), self._empty, {}
+        return machine.start(num_stages, num_pipelines), self._empty
 
     def plan(self, index: int, machine: Machine, situation: Situation, names: list[str],
-             lost: frozenset[int], ready: list[str]
-             ) -> tuple[Transition, list[str], dict[str, int]]:
-        """The transition for instant number `index`, and the names and numbering after it."""
+             lost: frozenset[int], ready: list[str]) -> tuple[Transition, list[str]]:
+        """The transition for instant number `index`, and the names after it."""
         hit = self._instants.get(index)
         if hit is not None and hit[0] is situation and hit[1] is names and hit[2] is machine:
-            return hit[3], hit[4], hit[5]
+            return hit[3], hit[4]
         move = machine.transition(situation, names, lost, ready)
         after = move.names_after(names, ready)
-        number = {n: i for i, n in enumerate(after)}
         if index >= 0:
-            self._instants[index] = (situation, names, machine, move, after, number)
-        return move, after, number
+            self._instants[index] = (situation, names, machine, move, after)
+        return move, after
 
 
 class SpotpipePolicy(Policy):
@@ -184,10 +182,9 @@ class SpotpipePolicy(Policy):
         self.planner = planner or Planner()
         self.rules = _rules_of(cfg, self.redundancy())
         self.machine = self.planner.machine(self.rules)
-        # where the job stands: a numbered layout, the names of its numbers, and back
-        self.situation, self.names, self.number = self.planner.start(
+        # where the job stands: a numbered layout and the names of its numbers
+        self.situation, self.names = self.planner.start(
             self.machine, cfg.num_stages, cfg.num_pipelines)
-        self.decisions: list[tuple[float, Action]] = []
         self.shapes: set[tuple[int, int, bool]] = set()  # (P, D, a node carries two stages)
         self._mode = self.redundancy()
 
@@ -201,15 +198,14 @@ class SpotpipePolicy(Policy):
     def on_events(self, t: float, lost: tuple[str, ...], ready: list[str],
                   index: int = -1) -> None:
         gone = _NOTHING
-        if lost:
-            number = self.number
-            gone = frozenset([number[n] for n in lost if n in number])
+        if lost:  # (a scan of a few dozen names costs less than keeping a dict of them)
+            names = self.names
+            gone = frozenset([names.index(n) for n in lost if n in names])
         if not gone and not ready:
             return
-        move, self.names, self.number = self.planner.plan(
+        move, self.names = self.planner.plan(
             index, self.machine, self.situation, self.names, gone, ready)
         for step in move.acts:
-            self.decisions.append((t, step.action))
             self._apply(step)
         self.situation = now = move.after
         if now.summary is not None:

@@ -36,7 +36,6 @@ import math
 from dataclasses import dataclass, field
 
 from spotpipe.sim import fit
-from spotpipe.sim.itertime import iteration_time
 from spotpipe.sim.job import Job
 from spotpipe.sim.params import SimConfig
 from spotpipe.sim.policies import (Planner, checkpoint_interval, make_policy,

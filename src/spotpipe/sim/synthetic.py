@@ -17,6 +17,7 @@ deterministic across platforms for a given seed.
 from __future__ import annotations
 
 import random
+from functools import lru_cache
 
 from spotpipe.sim.traces import ADD, REMOVE, Event, Trace
 
@@ -39,8 +40,7 @@ def bamboo_trace(rate: float, hours: float, nodes: int, seed: int,
         raise ValueError(f"add_probability must be in [0, 1], got {add_probability}")
     rng = random.Random(seed)
     rnd = rng.random
-    events = [Event(0.0, ADD, f"n{i}") for i in range(nodes)]
-    held = [f"n{i}" for i in range(nodes)]
+    events, held = _full_start(nodes)
     next_id = nodes
     end = hours * HOUR
     h = 0
@@ -68,6 +68,18 @@ def bamboo_trace(rate: float, hours: float, nodes: int, seed: int,
         held = keep
         h += 1
     return Trace(events, f"bamboo(rate={rate},seed={seed})", end)
+
+
+@lru_cache(maxsize=16)
+def _start_events(nodes: int) -> tuple[tuple[Event, ...], tuple[str, ...]]:
+    return tuple(Event(0.0, ADD, f"n{i}") for i in range(nodes)), \
+        tuple(f"n{i}" for i in range(nodes))
+
+
+def _full_start(nodes: int) -> tuple[list[Event], list[str]]:
+    """The cluster's first grants (events are immutable: a sweep's traces share them)."""
+    events, names = _start_events(nodes)
+    return list(events), list(names)
 
 
 def poisson_trace(rate: float, hours: float, nodes: int, seed: int,

@@ -34,7 +34,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
