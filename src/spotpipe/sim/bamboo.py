@@ -56,9 +56,9 @@ def _step_memo(cfg: SimConfig) -> dict[int, tuple[float, float]]:
 
 
 @lru_cache(maxsize=None)
-def _slots(width: int, depth: int) -> tuple[tuple[tuple[int, int]], ...]:
+def _slots(width: int, depth: int) -> tuple[tuple[int, int], ...]:
     """Each slot of a rendezvous's layout, in the order members take them."""
-    return tuple(((d, s),) for d in range(width) for s in range(depth))
+    return tuple((d, s) for d in range(width) for s in range(depth))
 
 
 class BambooPolicy:
@@ -77,6 +77,7 @@ class BambooPolicy:
         self.width = 0
         self.status = "stopped"  # stopped | rendezvous | running
         self.nodes: dict[str, list[tuple[int, int]]] = {}  # ready nodes -> coordinates
+        self.owner: dict[tuple[int, int], str] = {}  # coordinate -> the node that ran it last
         self.members: list[str] = []
         self.waiting = 0
         self.carriers = 0  # nodes of `nodes` that carry two stages
@@ -123,15 +124,17 @@ class BambooPolicy:
         if coords:
             d, s = coords[0]
             want = (d, s - 1 if s > 0 else self.p - 1)
-            for other in self.nodes.values():
-                if want in other:
-                    if len(other) > 1:  # the heir already carries two stages
-                        return self._fatal(t)
-                    other.append(coords[0])
-                    self.carriers += 1
-                    if self.status == "running":
-                        self.shapes.add((self.p, self.width, True))
-                    break
+            heir = self.owner.get(want)
+            # (the node that ran `want` last may be gone, or back under the same name)
+            other = self.nodes.get(heir) if heir is not None else None
+            if other is not None and want in other:
+                if len(other) > 1:  # the heir already carries two stages
+                    return self._fatal(t)
+                other.append(coords[0])
+                self.owner[coords[0]] = heir
+                self.carriers += 1
+                if self.status == "running":
+                    self.shapes.add((self.p, self.width, True))
         # as its simulator has it: any preemption while running (a waiting or booting node's
         # too) slows the steps by the fallback factor until the next rendezvous
         if self.status == "running" and not self.slowed:
@@ -183,10 +186,17 @@ class BambooPolicy:
         slots = _slots(self.width, self.p)
         # members are the nodes known when it started: each gets its slot, the rest wait
         # (as lists: a takeover appends its second stage to the heir's)
-        self.nodes.update(zip(members, map(list, slots)))
-        self.nodes.update((name, []) for name in members[len(slots):])
+        nodes = self.nodes
+        for name, slot in zip(members, slots):
+            nodes[name] = [slot]
+        placed = len(slots)
+        for name in members[placed:]:
+            nodes[name] = []
+        # (updated, not replaced: a timeout that finds no members keeps the old layout's
+        # coordinates, as its simulator does)
+        self.owner.update(zip(slots, members))
         self.carriers = 0
-        self.waiting = n - len(slots)
+        self.waiting = n - placed
         self.slowed = False
         self.version += 1
         self.members = []
