@@ -87,9 +87,7 @@ def _planned(planner: Planner, layout: Layout, rules, lost=(), ready=()) -> tupl
     """The simulator's transition for this event (from its numbered situation), as layouts."""
     machine = planner.machine(rules)
     situation, names = machine.situation(layout)
-    number = {n: i for i, n in enumerate(names)}
-    move, after = planner.plan(-1, machine, situation, names,
-                                  frozenset(number[n] for n in lost), list(ready))
+    move, after = planner.plan(-1, machine, situation, names, tuple(lost), list(ready))
     outer = names + list(ready)
     shapes = [_shape({"action": step.action.value,
                       "layout": step.after.layout([outer[i] for i in step.sources]).to_json()})

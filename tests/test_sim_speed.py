@@ -108,8 +108,9 @@ class _Recording(Planner):
 
     def plan(self, index, machine, situation, names, lost, ready):
         got = super().plan(index, machine, situation, names, lost, ready)
-        self.calls.append((situation.layout(names), frozenset(names[i] for i in lost),
-                           list(ready), machine.rules, got[0], list(names)))
+        if got is not None:
+            self.calls.append((situation.layout(names), frozenset(lost) & set(names),
+                               list(ready), machine.rules, got[0], list(names)))
         return got
 
 

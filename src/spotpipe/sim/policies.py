@@ -142,8 +142,8 @@ class Planner:
 
     def __init__(self, memo: bool = True) -> None:
         self.memo = memo
-        self._instants: dict[int, tuple[Situation, list[str], Machine, Transition,
-                                        list[str]]] = {}
+        self._instants: dict[int, tuple[Situation, list[str], Machine,
+                                        tuple[Transition, list[str]] | None]] = {}
         self._empty: list[str] = []  # the names of every run's empty start (shared)
 
     def machine(self, rules: Rules) -> Machine:
@@ -155,16 +155,22 @@ class Planner:
         return machine.start(num_stages, num_pipelines), self._empty
 
     def plan(self, index: int, machine: Machine, situation: Situation, names: list[str],
-             lost: frozenset[int], ready: list[str]) -> tuple[Transition, list[str]]:
-        """The transition for instant number `index`, and the names after it."""
+             lost: tuple[str, ...], ready: list[str]) -> tuple[Transition, list[str]] | None:
+        """The transition for instant number `index` (nodes `lost`, those of them that stand
+        in the layout, and `ready`), and the names after it; None when no node of the
+        layout is lost and none joins."""
         hit = self._instants.get(index)
         if hit is not None and hit[0] is situation and hit[1] is names and hit[2] is machine:
-            return hit[3], hit[4]
-        move = machine.transition(situation, names, lost, ready)
-        after = move.names_after(names, ready)
+            return hit[3]
+        # (a scan of a few dozen names costs less than keeping a dict of them)
+        gone = frozenset([names.index(n) for n in lost if n in names]) if lost else _NOTHING
+        out = None
+        if gone or ready:
+            move = machine.transition(situation, names, gone, ready)
+            out = move, move.names_after(names, ready)
         if index >= 0:
-            self._instants[index] = (situation, names, machine, move, after)
-        return move, after
+            self._instants[index] = (situation, names, machine, out)
+        return out
 
 
 class SpotpipePolicy(Policy):
@@ -197,14 +203,11 @@ class SpotpipePolicy(Policy):
 
     def on_events(self, t: float, lost: tuple[str, ...], ready: list[str],
                   index: int = -1) -> None:
-        gone = _NOTHING
-        if lost:  # (a scan of a few dozen names costs less than keeping a dict of them)
-            names = self.names
-            gone = frozenset([names.index(n) for n in lost if n in names])
-        if not gone and not ready:
+        planned = self.planner.plan(index, self.machine, self.situation, self.names, lost,
+                                    ready)
+        if planned is None:
             return
-        move, self.names = self.planner.plan(
-            index, self.machine, self.situation, self.names, gone, ready)
+        move, self.names = planned
         for step in move.acts:
             self._apply(step)
         self.situation = now = move.after
