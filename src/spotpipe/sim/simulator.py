@@ -8,22 +8,23 @@ time of its current layout (cached per layout shape; shapes are timed by
 
 How the cost grows (`spotpipe bench simulator --json`, key `growth`; `sim.bench.growth`: CPU
 ms of one run per policy, GPT-2 XL at P = 8 and D = nodes / 8, hourly removal rate 0.10, the
-shapes already timed and the planner's memo filled by another seed's run; load average 8-11
-on 2 shared cores, so +-30 %):
+shapes already timed and the planner's memo filled by another seed's run; load average 1-3
+on 2 shared cores, whose speed drifts by +-20 % from minute to minute):
 
 | nodes | events (3 h / 12 h) | spotpipe | bamboo | checkpoint-restart |
 |---|---|---|---|---|
-| 48 | 61 / 139 | 5.1 / 35 | 0.65 / 1.9 | 0.24 / 0.62 |
-| 192 | 272 / 570 | 89 / 232 | 6.3 / 13 | 1.8 / 3.3 |
-| 768 | 1088 / 2246 | 988 / 2427 | 28 / 169 | 7.4 / 32 |
+| 48 | 61 / 139 | 7.5 / 20 | 0.49 / 2.6 | 0.32 / 0.97 |
+| 192 | 272 / 570 | 75 / 193 | 3.5 / 19 | 1.5 / 5.9 |
+| 768 | 1088 / 2246 | 1478 / 2740 | 32 / 72 | 14 / 45 |
 
 From 48 to 768 nodes (16x the nodes, 18x the events of a 3 h trace) checkpoint-restart costs
-about 30x more per run and bamboo 40x (per event: a walk of the node list at a rendezvous or
-restart), spotpipe about 190x, i.e. per event about linear in the nodes: its planner
-(`plan.recovery.settle`) builds whole layouts at every decision, and its memo
-(`spotpipe.sim.planmemo`), which answers nine in ten decisions of a 24-node table from
-situations seen before, rarely meets the same slot map twice among 96 pipelines. A longer
-trace costs a little more than its events (3 h -> 12 h: 2.1x the events, 2.5-3x the time).
+about 40x more per run and bamboo 65x (per event: a walk of the node list at a rendezvous or
+restart), spotpipe about 200x, i.e. per event about linear in the nodes: its planner
+(`plan.recovery.settle`) builds whole layouts at every decision it has not met before, and
+its memo (`spotpipe.sim.planmemo`), which replays nearly every transition of a 24-node table
+from situations seen before, rarely meets the same slot map twice among 96 pipelines. A
+longer trace costs a little more than its events (3 h -> 12 h: 2.1x the events, 1.9-3x the
+time).
 
 Invariants the tests check: the job never uses more nodes than the trace offers at any
 instant (used <= held == available), only held instances are billed, on-demand equals its
