@@ -349,3 +349,25 @@ def test_without_repartition_carriers_carry_on():
     assert after.has_carriers
     assert decide(after, set(), []).action == Action.REPARTITION
     assert decide(after, set(), [], repartition=False).action == Action.KEEP
+
+
+def test_a_dropped_pipeline_frees_its_nodes_in_slot_order_not_name_order():
+    """Ties are broken by where nodes stand, never by their names: the simulator replays a
+    decision for other nodes in the same places (`sim.planmemo`), which is exact only if
+    the names played no part."""
+    lay = Layout.from_mapping(4, 2, {**{(0, s): f"n{s}" for s in range(4)},
+                                     **{(1, s): n for s, n in enumerate("zyxw")}})
+    d = decide(lay, {"y", "x"}, [])  # adjacent stages 1 and 2 of pipeline 1
+    assert d.action == Action.DROP_PIPELINE
+    assert d.layout.standby == ("z", "w")  # stage 0's owner first, though "w" < "z"
+
+
+def test_a_rebalance_relieves_carriers_by_their_first_stage_not_their_names():
+    lay = Layout.from_mapping(4, 2, {**{(0, s): n for s, n in enumerate("pqrs")},
+                                     **{(1, s): n for s, n in enumerate("abcd")}})
+    after = decide(lay, {"q", "b"}, []).layout  # p and a each carry two stages
+    assert after.carriers() == {"p": [(0, 0), (0, 1)], "a": [(1, 0), (1, 1)]}
+    d = decide(after, set(), ["x"])  # one standby node for two carriers
+    assert d.action == Action.REBALANCE
+    assert d.layout.owner(0, 1) == "x"  # pipeline 0's carrier first, though "a" < "p"
+    assert d.layout.carriers() == {"a": [(1, 0), (1, 1)]}
