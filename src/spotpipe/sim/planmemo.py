@@ -112,6 +112,9 @@ class Step:
 
 @dataclass(frozen=True)
 class Transition:
+    """What one instant's events do to a situation: `settle`'s decisions, with the nodes as
+    numbers, so that any run standing in the same situation can replay them."""
+
     steps: tuple[Step, ...]
     after: Situation
     sources: tuple[int, ...]  # as `Step.sources`, for `after`
@@ -123,6 +126,7 @@ class Transition:
                                                if s.action != Action.KEEP))
 
     def names_after(self, names: list[str], ready: list[str]) -> list[str]:
+        """The names of the next situation's numbers, from this one's and the joiners'."""
         if not ready:
             return list(map(names.__getitem__, self.sources))
         return list(map((names + ready).__getitem__, self.sources))
