@@ -354,12 +354,29 @@ class Agent:
             Outbox(store, self.channel, 0.0).post(Exit(node, code))
         except Exception as exc:  # the store is gone: the job is over already
             self.say(f"could not report the exit of {node}: {exc}")
-        if node in self._fenced:
+        if node in self._fenced or self._was_fenced(node):
             self._rejoin(node)
         with self._lock:
             self._pending -= 1
             if self._pending <= 0:
                 self._exits_done.set()
+
+    def _was_fenced(self, node: str) -> bool:
+        """Whether the coordinator posted a kill for `node`. A fenced worker back on the network
+        can see that the job went on without it and leave by itself (exit code 0) before this
+        agent's watcher of its kill board, cut off too, delivers the kill: it was fenced all
+        the same, and the host must come again (seen in a partition that healed)."""
+        try:
+            store = self.address.connect(self.timeout_s)
+            slot = keys.board_slot(keys.kill_board(node), 1)
+            if not store.check([slot]):
+                return False
+            self.channel.open(store.get(slot), expect=Kill)
+            return True
+        except (Refused, MessageError):  # not the job's kill: nothing to act on
+            return False
+        except Exception:  # the store is gone: the job is over already
+            return False
 
     def _upload_final(self, store: dist.Store) -> None:
         for path in sorted((self.opts.out / "final").glob("stage*.safetensors")):
