@@ -347,6 +347,7 @@ class Agent:
     def _exited(self, node: str, code: int) -> None:
         """A worker of this host exited: hand over its final files, then tell the job (and
         join again if the job fenced it)."""
+        store = None
         try:
             store = self.address.connect(self.timeout_s)
             if code == 0:
@@ -354,20 +355,19 @@ class Agent:
             Outbox(store, self.channel, 0.0).post(Exit(node, code))
         except Exception as exc:  # the store is gone: the job is over already
             self.say(f"could not report the exit of {node}: {exc}")
-        if node in self._fenced or self._was_fenced(node):
+        if node in self._fenced or (store is not None and self._was_fenced(store, node)):
             self._rejoin(node)
         with self._lock:
             self._pending -= 1
             if self._pending <= 0:
                 self._exits_done.set()
 
-    def _was_fenced(self, node: str) -> bool:
+    def _was_fenced(self, store: dist.Store, node: str) -> bool:
         """Whether the coordinator posted a kill for `node`. A fenced worker back on the network
         can see that the job went on without it and leave by itself (exit code 0) before this
         agent's watcher of its kill board, cut off too, delivers the kill: it was fenced all
         the same, and the host must come again (seen in a partition that healed)."""
         try:
-            store = self.address.connect(self.timeout_s)
             slot = keys.board_slot(keys.kill_board(node), 1)
             if not store.check([slot]):
                 return False
