@@ -35,24 +35,19 @@ from math import inf
 from spotpipe.sim import fit
 from spotpipe.sim.itertime import iteration_time
 from spotpipe.sim.job import Job
+from spotpipe.sim.memo import PerObject
 from spotpipe.sim.params import SimConfig
 
 GLOBAL, LOCAL, CHECK = 0, 1, 2
 
 
-# per config object (kept in the entry, so its id cannot be reused): width -> (step s, of
-# which without FRC). A sweep runs the policy on thousands of traces of one config, and
-# timing a width hashes the whole model
-_STEPS: dict[int, tuple[SimConfig, dict[int, tuple[float, float]]]] = {}
+# per config object: width -> (step s, of which without FRC). A sweep runs the policy on
+# thousands of traces of one config, and timing a width hashes the whole model
+_STEPS: PerObject[dict[int, tuple[float, float]]] = PerObject()
 
 
 def _step_memo(cfg: SimConfig) -> dict[int, tuple[float, float]]:
-    entry = _STEPS.get(id(cfg))
-    if entry is None or entry[0] is not cfg:
-        if len(_STEPS) >= 256:
-            _STEPS.clear()
-        entry = _STEPS[id(cfg)] = (cfg, {})
-    return entry[1]
+    return _STEPS.get(cfg, None, dict)
 
 
 @lru_cache(maxsize=None)

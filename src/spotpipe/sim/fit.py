@@ -17,22 +17,20 @@ from dataclasses import replace
 from spotpipe.plan.layout import uniform_partition
 from spotpipe.plan.memory import estimate_stage, instance, merge_facts, refusal, stage_facts
 from spotpipe.sim.itertime import microbatches_per_pipeline
+from spotpipe.sim.memo import PerObject
 from spotpipe.sim.params import SimConfig
 
-_MEMO: dict[tuple, tuple[SimConfig, str | None]] = {}
-_MIN: dict[tuple, tuple[SimConfig, int]] = {}
+# per config object: refusals per (P, D, redundancy, replica placement); smallest depths
+_REFUSALS: PerObject[str | None] = PerObject(limit=4096)
+_MIN: PerObject[int] = PerObject()
 
 
 def layout_refusal(cfg: SimConfig, num_stages: int, num_pipelines: int, redundancy: str,
                    replica_on_host: bool | None = None) -> str | None:
     """Why P x D does not fit (one line naming the stage and the figures), or None."""
-    key = (id(cfg), num_stages, num_pipelines, redundancy, replica_on_host)
-    hit = _MEMO.get(key)
-    if hit is not None and hit[0] is cfg:
-        return hit[1]
-    why = _refusal(cfg, num_stages, num_pipelines, redundancy, replica_on_host)
-    _MEMO[key] = (cfg, why)
-    return why
+    return _REFUSALS.get(cfg, (num_stages, num_pipelines, redundancy, replica_on_host),
+                         lambda: _refusal(cfg, num_stages, num_pipelines, redundancy,
+                                          replica_on_host))
 
 
 def _refusal(cfg: SimConfig, p: int, d: int, redundancy: str,
@@ -67,14 +65,8 @@ def _refusal(cfg: SimConfig, p: int, d: int, redundancy: str,
 def min_stages(cfg: SimConfig, redundancy: str, replica_on_host: bool | None = None) -> int:
     """The smallest depth from which every depth up to `cfg.num_stages` fits (D = 1); raises
     ValueError with the refusal when the configured depth itself does not fit."""
-    target = cfg.num_stages
-    key = (id(cfg), redundancy, replica_on_host)
-    hit = _MIN.get(key)
-    if hit is not None and hit[0] is cfg:
-        return hit[1]
-    low = _min_stages(cfg, target, redundancy, replica_on_host)
-    _MIN[key] = (cfg, low)
-    return low
+    return _MIN.get(cfg, (redundancy, replica_on_host),
+                    lambda: _min_stages(cfg, cfg.num_stages, redundancy, replica_on_host))
 
 
 def _min_stages(cfg: SimConfig, target: int, redundancy: str,

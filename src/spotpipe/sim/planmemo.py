@@ -32,6 +32,7 @@ from functools import lru_cache
 
 from spotpipe.plan import Action, Layout
 from spotpipe.plan.recovery import Decision, History, Rules, settle
+from spotpipe.sim.memo import PerObject
 
 Steps = list[tuple[Layout, Decision]]
 # a situation's identity: (P, D, the number owning each slot in slot order, how many wait on
@@ -195,16 +196,13 @@ class Machine:
         return made
 
 
-_MACHINES: dict[tuple[int, bool], tuple[Rules, Machine]] = {}
+_MACHINES: PerObject[Machine] = PerObject()
 
 
 def machine_for(rules: Rules, memo: bool = True) -> Machine:
     """The process's machine for these rules (a sweep makes a policy per seed; they share it)."""
     rules = shared_rules(rules)
-    entry = _MACHINES.get((id(rules), memo))
-    if entry is None or entry[0] is not rules:
-        entry = _MACHINES[(id(rules), memo)] = (rules, Machine(rules, memo))
-    return entry[1]
+    return _MACHINES.get(rules, memo, lambda: Machine(rules, memo))
 
 
 def settle_steps(layout: Layout, lost: Collection[str], ready: list[str],

@@ -31,6 +31,7 @@ from spotpipe.sim import fit
 from spotpipe.sim.bamboo import BambooPolicy
 from spotpipe.sim.itertime import iteration_time
 from spotpipe.sim.job import Job
+from spotpipe.sim.memo import PerObject
 from spotpipe.sim.params import SimConfig
 from spotpipe.sim.planmemo import (Machine, Situation, Step, Transition, machine_for,
                                    shared_rules)
@@ -60,21 +61,14 @@ class Policy:
         raise NotImplementedError
 
 
-_SPEEDS: dict[tuple[int, str], tuple[SimConfig, dict[tuple, tuple[float, float]]]] = {}
+_SPEEDS: PerObject[dict[tuple, tuple[float, float]]] = PerObject()
 
 
 def _speed_memo(cfg: SimConfig, redundancy: str) -> dict[tuple, tuple[float, float]]:
-    """(iteration s, plain iteration s) per layout shape, per config object and redundancy.
-
-    Keyed by the config's identity (kept alive in the entry, so the id cannot be reused):
-    hashing the model's per-layer tuples on every lookup would cost more than the lookup.
-    """
-    entry = _SPEEDS.get((id(cfg), redundancy))
-    if entry is None or entry[0] is not cfg:
-        # measured shapes (a profile of the cluster) take precedence over the timing model
-        entry = _SPEEDS[(id(cfg), redundancy)] = (
-            cfg, {shape: (t, t) for shape, t in cfg.shape_times})
-    return entry[1]
+    """(iteration s, plain iteration s) per layout shape, per config object and redundancy;
+    measured shapes (a profile of the cluster) take precedence over the timing model."""
+    return _SPEEDS.get(cfg, redundancy,
+                       lambda: {shape: (t, t) for shape, t in cfg.shape_times})
 
 
 def _iteration_time(cfg: SimConfig, p: int, width: int, merged: tuple[tuple[int, ...], ...],
@@ -109,19 +103,14 @@ def recovery_rules(cfg: SimConfig, redundancy: str) -> Rules:
                  restarts=True)
 
 
-_RULES_OF: dict[tuple[int, str], tuple[SimConfig, Rules]] = {}
+_RULES_OF: PerObject[Rules] = PerObject()
 
 
 def _rules_of(cfg: SimConfig, redundancy: str) -> Rules:
     """`recovery_rules`, once per config object (a sweep makes a policy per seed, and building
     and interning the rules costs more than a quiet run's events)."""
-    hit = _RULES_OF.get((id(cfg), redundancy))
-    if hit is None or hit[0] is not cfg:
-        if len(_RULES_OF) >= 256:
-            _RULES_OF.clear()
-        hit = _RULES_OF[(id(cfg), redundancy)] = (
-            cfg, shared_rules(recovery_rules(cfg, redundancy)))
-    return hit[1]
+    return _RULES_OF.get(cfg, redundancy,
+                         lambda: shared_rules(recovery_rules(cfg, redundancy)))
 
 
 def _uniform(depth: int) -> tuple[tuple[int, int], ...]:
