@@ -29,8 +29,7 @@ def layout_refusal(cfg: SimConfig, num_stages: int, num_pipelines: int, redundan
                    replica_on_host: bool | None = None) -> str | None:
     """Why P x D does not fit (one line naming the stage and the figures), or None."""
     return _REFUSALS.get(cfg, (num_stages, num_pipelines, redundancy, replica_on_host),
-                         lambda: _refusal(cfg, num_stages, num_pipelines, redundancy,
-                                          replica_on_host))
+                         _refusal, cfg, num_stages, num_pipelines, redundancy, replica_on_host)
 
 
 def _refusal(cfg: SimConfig, p: int, d: int, redundancy: str,
@@ -66,7 +65,7 @@ def min_stages(cfg: SimConfig, redundancy: str, replica_on_host: bool | None = N
     """The smallest depth from which every depth up to `cfg.num_stages` fits (D = 1); raises
     ValueError with the refusal when the configured depth itself does not fit."""
     return _MIN.get(cfg, (redundancy, replica_on_host),
-                    lambda: _min_stages(cfg, cfg.num_stages, redundancy, replica_on_host))
+                    _min_stages, cfg, cfg.num_stages, redundancy, replica_on_host)
 
 
 def _min_stages(cfg: SimConfig, target: int, redundancy: str,

@@ -11,7 +11,7 @@ cannot be reused by another object while the entry lives, and a hit is checked b
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 V = TypeVar("V")
 
@@ -24,12 +24,13 @@ class PerObject(Generic[V]):
         self.limit = limit
         self._entries: dict[tuple[int, Hashable], tuple[object, V]] = {}
 
-    def get(self, obj: object, key: Hashable, make: Callable[[], V]) -> V:
-        """The value for (obj, key), made by `make()` the first time."""
+    def get(self, obj: object, key: Hashable, make: Callable[..., V], *args: Any) -> V:
+        """The value for (obj, key), made by `make(*args)` the first time (arguments, not a
+        closure: the lookups sit on paths a sweep takes per seed)."""
         entry = self._entries.get((id(obj), key))
         if entry is not None and entry[0] is obj:
             return entry[1]
-        value = make()
+        value = make(*args)
         if len(self._entries) >= self.limit:
             self._entries.clear()
         self._entries[(id(obj), key)] = (obj, value)

@@ -200,9 +200,16 @@ _MACHINES: PerObject[Machine] = PerObject()
 
 
 def machine_for(rules: Rules, memo: bool = True) -> Machine:
-    """The process's machine for these rules (a sweep makes a policy per seed; they share it)."""
-    rules = shared_rules(rules)
-    return _MACHINES.get(rules, memo, lambda: Machine(rules, memo))
+    """The process's machine for these rules (a sweep makes a policy per seed; they share it).
+
+    Rules equal to shared ones get the shared rules' machine; the policies pass the shared
+    object itself, whose machine is found by identity without hashing the rules' fields."""
+    return _MACHINES.get(rules, memo, _shared_machine, rules, memo)
+
+
+def _shared_machine(rules: Rules, memo: bool) -> Machine:
+    shared = shared_rules(rules)
+    return _MACHINES.get(shared, memo, Machine, shared, memo)
 
 
 def settle_steps(layout: Layout, lost: Collection[str], ready: list[str],

@@ -67,8 +67,11 @@ _SPEEDS: PerObject[dict[tuple, tuple[float, float]]] = PerObject()
 def _speed_memo(cfg: SimConfig, redundancy: str) -> dict[tuple, tuple[float, float]]:
     """(iteration s, plain iteration s) per layout shape, per config object and redundancy;
     measured shapes (a profile of the cluster) take precedence over the timing model."""
-    return _SPEEDS.get(cfg, redundancy,
-                       lambda: {shape: (t, t) for shape, t in cfg.shape_times})
+    return _SPEEDS.get(cfg, redundancy, _measured_speeds, cfg)
+
+
+def _measured_speeds(cfg: SimConfig) -> dict[tuple, tuple[float, float]]:
+    return {shape: (t, t) for shape, t in cfg.shape_times}
 
 
 def _iteration_time(cfg: SimConfig, p: int, width: int, merged: tuple[tuple[int, ...], ...],
@@ -109,8 +112,11 @@ _RULES_OF: PerObject[Rules] = PerObject()
 def _rules_of(cfg: SimConfig, redundancy: str) -> Rules:
     """`recovery_rules`, once per config object (a sweep makes a policy per seed, and building
     and interning the rules costs more than a quiet run's events)."""
-    return _RULES_OF.get(cfg, redundancy,
-                         lambda: shared_rules(recovery_rules(cfg, redundancy)))
+    return _RULES_OF.get(cfg, redundancy, _shared_recovery_rules, cfg, redundancy)
+
+
+def _shared_recovery_rules(cfg: SimConfig, redundancy: str) -> Rules:
+    return shared_rules(recovery_rules(cfg, redundancy))
 
 
 def _uniform(depth: int) -> tuple[tuple[int, int], ...]:
