@@ -373,9 +373,9 @@ class Agent:
                 return False
             self.channel.open(store.get(slot), expect=Kill)
             return True
-        except (Refused, MessageError):  # not the job's kill: nothing to act on
-            return False
-        except Exception:  # the store is gone: the job is over already
+        except Exception:
+            # a record that is not the job's kill (refused), or the store gone (the job is
+            # over already): nothing to act on either way
             return False
 
     def _upload_final(self, store: dist.Store) -> None:
