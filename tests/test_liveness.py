@@ -71,11 +71,19 @@ def _counts(pid: int) -> tuple[int, int, int]:
     return threads, len(fds), sockets
 
 
+def _environ(pid: str) -> str:
+    """A process's environment; empty when it exited after `ps` listed it (a crashed worker)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _worker_pids(run) -> list[int]:
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [int(line.split()[0]) for line in ps.splitlines()
-            if "spotpipe.cli.worker" in line and str(run) in open(
-                f"/proc/{line.split()[0]}/environ", "rb").read().decode(errors="replace")]
+            if "spotpipe.cli.worker" in line and str(run) in _environ(line.split()[0])]
 
 
 def test_two_hundred_generations_leave_nothing_behind(tmp_path, corpus, monkeypatch):
