@@ -15,7 +15,8 @@ KEYS = ["ratio_1f1b", "ratio_gpipe", "model_error",
         "spotpipe_1f1b_samples_per_s", "torch_1f1b_samples_per_s",
         "spotpipe_gpipe_samples_per_s", "torch_gpipe_samples_per_s",
         "predicted_iter_s_1f1b", "measured_iter_s_1f1b",
-        "predicted_iter_s_gpipe", "measured_iter_s_gpipe", "rounds"]
+        "predicted_iter_s_gpipe", "measured_iter_s_gpipe", "rounds",
+        "limit_ratio_1f1b", "limit_ratio_gpipe"]
 
 
 def test_bench_pipeline_quick_json():
@@ -30,3 +31,41 @@ def test_bench_pipeline_quick_json():
     assert isinstance(figures["config"], str) and figures["config"]
     # both systems start from the same weights on the same micro-batches: same first loss
     assert figures["first_loss_abs_diff"] < 1e-4
+    # the op table: every stage's ops and outside_ops add up to its gap from the model
+    for kind in ("1f1b", "gpipe"):
+        gap = figures[f"gap_by_operation_{kind}"]
+        for stage in range(2):
+            parts = sum(row[stage] for op, row in gap.items() if op != "total")
+            assert abs(parts - gap["total"][stage]) < 1e-4, (kind, stage, gap)
+        assert figures[f"op_s_per_iteration_{kind}"]["forward"][0] > 0
+
+
+def test_predicted_op_seconds_match_a_timeline_worked_by_hand():
+    # 1F1B, P=2, M=2, forward 1 s, backward 2 s, free messages, reduction 0.5 s, step 0.25 s.
+    # Stage 0: F0 [0,1], F1 [1,2], waits for grad 0 until 4, B0 [4,6], waits for grad 1 until
+    # 7, B1 [7,9], reduction [9,9.5], step [9.5,9.75].
+    # Stage 1: waits for act 0 until 1, F0 [1,2], B0 [2,4], F1 [4,5], B1 [5,7], waits at the
+    # barrier until 9, reduction, step: the same 9.75 s.
+    from spotpipe.bench.pipeline import gap_by_operation, predicted_op_seconds
+
+    profile = {"forward_s": [1.0, 1.0], "backward_s": [2.0, 2.0], "comm_s": 0.0,
+               "reduce_s": [0.5, 0.5], "optimizer_s": [0.25, 0.25]}
+    ops = predicted_op_seconds(profile, "1f1b", 2)
+    assert ops["forward"] == [2.0, 2.0]
+    assert ops["backward"] == [4.0, 4.0]
+    assert ops["recv_grad"] == [3.0, 0.0]
+    assert ops["recv_act"] == [0.0, 1.0]
+    assert ops["send_act"] == [0.0, 0.0] and ops["send_grad"] == [0.0, 0.0]
+    assert ops["all_reduce"] == [0.5, 2.5]
+    assert ops["optimizer_step"] == [0.25, 0.25]
+
+    # measured: stage 1's forwards 0.5 s slower in all, and 0.25 s of its clock outside the
+    # instructions; stage 0 as the model has it
+    measured = {k: list(v) for k, v in ops.items()}
+    measured["forward"][1] += 0.5
+    measured["iteration"] = [9.75, 9.75 + 0.5 + 0.25]
+    gap = gap_by_operation(measured, ops)
+    assert gap["forward"] == [0.0, 0.5]
+    assert gap["backward"] == [0.0, 0.0]
+    assert gap["outside_ops"] == [0.0, 0.25]
+    assert gap["total"] == [0.0, 0.75]

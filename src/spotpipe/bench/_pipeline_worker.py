@@ -15,14 +15,15 @@ import copy
 import functools
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from spotpipe.bench.harness import (StageProfiler, bench_config, bench_worker, timed_block,
-                                    worker_main)
+from spotpipe.bench.harness import (StageProfiler, TracedStream, bench_config, bench_worker,
+                                    gather_op_seconds, timed_block, worker_main)
 
 SPOTPIPE, TORCH = "spotpipe", "torch"
 
@@ -52,6 +53,11 @@ class Bench:
         self.partition = [tuple(r) for r in self.worker.spec.partition]
         self.streams = {k: build_schedule(k, world, m).streams[rank] for k in spec["schedules"]}
         self.iteration = 0
+        # seconds per op kind of spotpipe's timed iterations, per schedule (`TracedStream`),
+        # and how many iterations they cover: where the time goes against the model
+        self.op_s: dict[str, dict[str, float]] = {k: {} for k in spec["schedules"]}
+        self.traced = dict.fromkeys(spec["schedules"], 0)
+        self.tracing = False
 
         # torch.distributed.pipelining: its own copy of the same initial weights
         self.torch_module = copy.deepcopy(self.state.module)
@@ -77,8 +83,16 @@ class Bench:
 
     def spotpipe_iter(self, kind: str) -> float:
         t = self.iteration
+        start = time.perf_counter()
         self.executor.set_lr(t)
-        result = self.executor.run(self.streams[kind], self.mbs, t)
+        stream = self.streams[kind]
+        if self.tracing:
+            stream = TracedStream(stream, self.op_s[kind])
+        result = self.executor.run(stream, self.mbs, t)
+        if self.tracing:
+            totals = self.op_s[kind]
+            totals["iteration"] = totals.get("iteration", 0.0) + time.perf_counter() - start
+            self.traced[kind] += 1
         self.iteration = t + 1
         return float(result.loss_sum) if result.loss_sum is not None else float("nan")
 
@@ -123,6 +137,7 @@ class Bench:
         times: dict[str, list[float]] = {f"{s}_{k}": [] for s in (SPOTPIPE, TORCH) for k in kinds}
         n = spec["iters_per_round"]
         samples: dict[str, list[float]] = {}
+        self.tracing = True  # one clock read per instruction: nothing the timing can see
         for r in range(spec["rounds"]):
             order = (SPOTPIPE, TORCH) if r % 2 == 0 else (TORCH, SPOTPIPE)
             for kind in kinds:
@@ -132,6 +147,9 @@ class Bench:
             # the profile steps the spotpipe state's optimizer on profiling gradients: harmless
             # for timing, and the two systems' weights have diverged since iteration 0 anyway
             self.profiler.profile(spec["profile_reps"], samples)
+        self.tracing = False
+        out["op_s"] = {k: gather_op_seconds(self.op_s[k], self.traced[k], self.world)
+                       for k in kinds}
         out["iter_times"] = times
         out["profile"] = self.profiler.summary(samples, self.partition)
         return out

@@ -23,30 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spotpipe.bench.harness import (StageProfiler, bench_config, bench_worker, stage_costs, times,
-                                    timed_block, worker_main)
+from spotpipe.bench.harness import (StageProfiler, TracedStream, bench_config, bench_worker,
+                                    gather_op_seconds, stage_costs, times, timed_block,
+                                    worker_main)
 from spotpipe.bench.redundancy import MODES, frc_by_stage, update_slot
-
-
-class TracedStream:
-    """An instruction stream that clocks each instruction as the executor runs it: the executor
-    takes the next instruction only once the previous one is done, so the time between two
-    takes is the previous instruction's (a receive's includes its wait). Seconds per op kind
-    accumulate in `totals`; nothing in the runtime is patched."""
-
-    def __init__(self, stream: Sequence[Any], totals: dict[str, float]) -> None:
-        self.stream, self.totals = stream, totals
-
-    def __len__(self) -> int:
-        return len(self.stream)
-
-    def __iter__(self) -> Iterator[Any]:
-        last = time.perf_counter()
-        for ins in self.stream:
-            yield ins
-            now = time.perf_counter()
-            self.totals[ins.op.value] = self.totals.get(ins.op.value, 0.0) + now - last
-            last = now
 
 
 def _inline(applier: Any) -> None:
@@ -346,17 +326,9 @@ class RedundancyBench:
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         out["lazy_eager_states_identical"] = bool(flags.item() == 1.0)
         # per-instruction trace: seconds per timed iteration by op kind, per node
-        from spotpipe.schedule import Op
-
-        kinds = [op.value for op in Op]
         for mode in MODES:
-            row = torch.tensor([self.op_s[mode].get(k, 0.0) / max(1, self.timed[mode])
-                                for k in kinds], dtype=torch.float64)
-            rows = [torch.empty_like(row) for _ in range(self.world)]
-            dist.all_gather(rows, row)
-            out[f"{mode}_op_s"] = {k: [r[i] for r in map(torch.Tensor.tolist, rows)]
-                                   for i, k in enumerate(kinds)
-                                   if any(r[i] for r in map(torch.Tensor.tolist, rows))}
+            out[f"{mode}_op_s"] = gather_op_seconds(self.op_s[mode], self.timed[mode],
+                                                    self.world)
         out["iterations"] = dict(self.iteration)
         return out
 

@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -242,6 +242,46 @@ def timed_block(iterate: Callable[[], Any], n: int) -> list[float]:
     durations = torch.tensor([b - a for a, b in itertools.pairwise(stamps)], dtype=torch.float64)
     dist.all_reduce(durations, op=dist.ReduceOp.MAX)  # the slower rank's clock
     return durations.tolist()
+
+
+class TracedStream:
+    """An instruction stream that clocks each instruction as the executor runs it: the executor
+    takes the next instruction only once the previous one is done, so the time between two
+    takes is the previous instruction's (a receive's includes its wait). Seconds per op kind
+    accumulate in `totals`; nothing in the runtime is patched."""
+
+    def __init__(self, stream: Sequence[Any], totals: dict[str, float]) -> None:
+        self.stream, self.totals = stream, totals
+
+    def __len__(self) -> int:
+        return len(self.stream)
+
+    def __iter__(self) -> Iterator[Any]:
+        last = time.perf_counter()
+        for ins in self.stream:
+            yield ins
+            now = time.perf_counter()
+            self.totals[ins.op.value] = self.totals.get(ins.op.value, 0.0) + now - last
+            last = now
+
+
+def gather_op_seconds(totals: dict[str, float], iterations: int,
+                      world: int) -> dict[str, list[float]]:
+    """`TracedStream` totals as seconds per iteration, gathered from every rank: op kind ->
+    one figure per rank (kinds that no rank ran are left out). An ``iteration`` total, the
+    caller's own clock around each traced iteration, is gathered too where one was kept."""
+    import torch
+    import torch.distributed as dist
+
+    from spotpipe.schedule import Op
+
+    kinds = [op.value for op in Op] + ["iteration"]
+    row = torch.tensor([totals.get(k, 0.0) / max(1, iterations) for k in kinds],
+                       dtype=torch.float64)
+    rows = [torch.empty_like(row) for _ in range(world)]
+    dist.all_gather(rows, row)
+    table = [r.tolist() for r in rows]
+    return {k: [r[i] for r in table] for i, k in enumerate(kinds) if any(r[i] for r in table)}
 
 
 class StageProfiler:

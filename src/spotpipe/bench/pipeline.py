@@ -11,6 +11,15 @@ The same processes then profile what the analytic model needs (per-stage forward
 of one micro-batch, optimizer step, gradient reduction, one activation message) and
 `spotpipe.schedule.timing.simulate` predicts spotpipe's iteration time from it; `model_error`
 is |predicted - measured| / measured for 1F1B (`model_error_gpipe` for GPipe).
+
+Where the time goes: spotpipe's timed iterations are clocked instruction by instruction
+(`harness.TracedStream`), and `op_s_per_iteration_KIND` sets each stage's seconds per op kind
+beside what the model gives them (`predicted_op_seconds`: compute at the profiled costs, a
+receive or the barrier at the wait the schedule implies, a send at nothing). Their difference,
+`gap_by_operation_KIND`, splits the distance from the model's iteration by operation
+(``outside_ops``: the executor's own work between instructions and around the stream).
+`limit_ratio_KIND` is torch's iteration over the model's: the ratio spotpipe would reach if it
+added nothing to the profiled compute, for this partition and schedule.
 """
 
 from __future__ import annotations
@@ -48,6 +57,43 @@ def predict(profile: dict[str, Any], kind: str, num_microbatches: int) -> float:
                     stage_costs(profile)).iteration_s
 
 
+def predicted_op_seconds(profile: dict[str, Any], kind: str,
+                         num_microbatches: int) -> dict[str, list[float]]:
+    """Per op kind, per stage: the seconds the analytic model spends on it in one iteration."""
+    from spotpipe.schedule import Op, build_schedule
+    from spotpipe.schedule.timing import simulate_waits
+
+    stages = len(profile["forward_s"])
+    schedule = build_schedule(kind, stages, num_microbatches)
+    costs = stage_costs(profile)
+    waits = simulate_waits(schedule, costs)
+    own = {Op.FORWARD: lambda s: costs.forward[s], Op.BACKWARD: lambda s: costs.backward[s],
+           Op.ALL_REDUCE: lambda s: costs.all_reduce, Op.OPTIMIZER_STEP: lambda s: costs.optimizer}
+    out: dict[str, list[float]] = {}
+    for actor, stream in enumerate(schedule.streams):
+        for pos, ins in enumerate(stream):
+            cost = own[ins.op](ins.stage) if ins.op in own else 0.0
+            row = out.setdefault(ins.op.value, [0.0] * schedule.num_actors)
+            row[actor] += cost + waits[actor].get(pos, 0.0)
+    return out
+
+
+def gap_by_operation(measured: dict[str, list[float]],
+                     predicted: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Measured minus predicted seconds per iteration, per op kind and stage; ``outside_ops``
+    is each stage's clock around the iteration less its instructions, and ``total`` that clock
+    less the model's iteration (the ops' gaps and ``outside_ops`` add up to it)."""
+    ops = [k for k in measured if k != "iteration"]
+    width = len(measured["iteration"])
+    gap = {k: [m - p for m, p in zip(measured[k], predicted.get(k, [0.0] * width))]
+           for k in ops}
+    gap["outside_ops"] = [measured["iteration"][a] - sum(measured[k][a] for k in ops)
+                          for a in range(width)]
+    model_iteration = max(sum(row[a] for row in predicted.values()) for a in range(width))
+    gap["total"] = [measured["iteration"][a] - model_iteration for a in range(width)]
+    return gap
+
+
 def _round_ratios(raw: dict[str, Any], kind: str, spec: dict[str, Any]) -> list[float]:
     """The ratio within each round (the two systems ran back to back there): its spread shows
     how much of a ratio's distance from 1.0 is the machine's noise."""
@@ -80,6 +126,12 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
         out[f"torch_iter_s_{kind}"] = round(th, 6)
         out[f"predicted_iter_s_{kind}"] = round(pred, 6)
         out[f"model_error_{kind}"] = round(errors[kind], 4)
+        out[f"limit_ratio_{kind}"] = round(th / pred, 4)
+        measured_ops = raw["op_s"][kind]
+        predicted_ops = predicted_op_seconds(raw["profile"], kind, m)
+        out[f"op_s_per_iteration_{kind}"] = _rounded(measured_ops)
+        out[f"op_s_predicted_{kind}"] = _rounded(predicted_ops)
+        out[f"gap_by_operation_{kind}"] = _rounded(gap_by_operation(measured_ops, predicted_ops))
     out["model_error"] = out.get("model_error_1f1b", max(errors.values()))
     out["model_error_is"] = "1f1b"
     prof = raw["profile"]
@@ -100,6 +152,31 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _rounded(table: dict[str, list[float]]) -> dict[str, list[float]]:
+    return {k: [round(v, 6) for v in row] for k, row in table.items()}
+
+
+def format_gap(out: dict[str, Any], kind: str) -> str:
+    """The op table of one schedule: measured and model seconds per iteration per stage (ms)."""
+    measured, model = out[f"op_s_per_iteration_{kind}"], out[f"op_s_predicted_{kind}"]
+    gap = out[f"gap_by_operation_{kind}"]
+    width = len(measured["iteration"])
+    head = "  ".join(f"{'stage ' + str(a) + ' meas/model/gap':>26s}" for a in range(width))
+    lines = [f"{kind}: ms per iteration  {head}"]
+    for op in list(gap):
+        cells = []
+        for a in range(width):
+            meas = measured.get(op, measured["iteration"] if op == "total" else None)
+            pred = model.get(op)
+            cells.append(f"{_ms(meas, a):>8s} {_ms(pred, a):>8s} {gap[op][a] * 1e3:+8.2f}")
+        lines.append(f"  {op:18s} " + "  ".join(f"{c:>26s}" for c in cells))
+    return "\n".join(lines)
+
+
+def _ms(row: list[float] | None, a: int) -> str:
+    return "-" if row is None else f"{row[a] * 1e3:.2f}"
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     spec = _spec(quick)
     out = launch_and_summarize(spec, 120 if quick else 600, name="pipeline",
@@ -112,4 +189,7 @@ def run(quick: bool = False) -> dict[str, Any]:
               f"{out[f'torch_{kind}_samples_per_s']:9.1f} {out[f'ratio_{kind}']:6.3f} "
               f"{out[f'measured_iter_s_{kind}']:9.4f} {out[f'predicted_iter_s_{kind}']:9.4f} "
               f"{out[f'model_error_{kind}']:6.3f}")
+    for kind in spec["schedules"]:
+        print(format_gap(out, kind))
+        print(f"  limit: torch's iteration over the model's = {out[f'limit_ratio_{kind}']:.3f}")
     return out
