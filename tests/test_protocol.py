@@ -145,21 +145,25 @@ def test_forged_records_are_refused_and_the_job_is_undisturbed(tmp_path, tmp_pat
     # a valid record (node0's own heartbeat) replayed where it does not belong: the mailbox
     valid = store.get(keys.heartbeat("node0"))
     board.post(store, keys.MAILBOX, valid, count_key=keys.MAILBOX_COUNT)
-    # a stale heartbeat: node0's valid beat written back over a newer one, once per beat and
-    # half a period after it (an overwrite at once, again and again, would hide every beat and
-    # fence node0: a store writer can always deny service, but must not steer), until the
-    # coordinator says it refused one (a real condition: its event). The coordinator reads
-    # once per period, so about every other replay is read: the job runs for many periods.
+    # a stale heartbeat: node0's valid beat written back over a newer one just after it, so
+    # that it stands for most of a beat's period, whatever the phase of the coordinator's
+    # reads; only after every third beat, so that the coordinator still sees the real beats
+    # (a replay over every beat would hide them all and fence node0: a store writer can always
+    # deny service, but must not steer). Until the coordinator says it refused one (a real
+    # condition: its event).
     period = cfg.failover.heartbeat_s
     newest = valid
+    beats = 0
 
     def stale_refused() -> bool:
-        nonlocal newest
+        nonlocal newest, beats
         _wait_for(lambda: store.get(keys.heartbeat("node0")) not in (newest, valid), 30,
                   "a newer beat")
         newest = store.get(keys.heartbeat("node0"))
-        time.sleep(period / 2)  # where in the beat's period the replay lands, not a wait
-        store.set(keys.heartbeat("node0"), valid)
+        beats += 1
+        if beats % 3 == 0:
+            time.sleep(period / 40)  # where in the beat's period the replay lands, not a wait
+            store.set(keys.heartbeat("node0"), valid)
         return any("heartbeat: a replay" in e["reason"] for e in _refusals(run))
 
     _wait_for(stale_refused, 60, "the stale heartbeat's refusal")

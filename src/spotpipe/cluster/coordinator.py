@@ -29,7 +29,7 @@ from spotpipe.plan.policy import Action
 from spotpipe.plan.recovery import (Decision, History, NodeReport, Outcome, Rules, recover)
 from spotpipe.cluster import succession
 from spotpipe.protocol import (Abort, Channel, CoordinatorState, DecisionRecord, JoinAnswer,
-                               JoinRequest, Regroup, Report, keys)
+                               JoinRequest, Regroup, Report, Stalled, keys)
 from spotpipe.store import board
 
 
@@ -243,6 +243,24 @@ class Coordinator:
         assert self.collecting is not None
         self.collecting.reports[report.node] = report
         self._maybe_decide()
+
+    def stalled(self, stall: Stalled, writer: str) -> None:
+        """A node says its main thread has computed at one instruction for the hang timeout
+        (`spotpipe.runtime.stall`): fence it now, as the heartbeat check would a beat or two
+        later. Only the node itself may say so; a stall of an earlier generation is over."""
+        if writer != stall.node:
+            self.refused(writer, f"a stall report for {stall.node}")
+            return
+        if stall.generation > self.generation:
+            self.refused(writer, f"a stall report of generation {stall.generation}; the job is "
+                                 f"in generation {self.generation}")
+            return
+        if stall.generation < self.generation or stall.node not in self.live \
+                or stall.node in self.fenced:
+            return
+        self._fence(stall.node, f"hung: no progress for {stall.still_s:.1f} s at iteration "
+                                f"{stall.iteration}, instruction {stall.position} (its own "
+                                f"report)")
 
     def join(self, request: JoinRequest, writer: str) -> None:
         """A node asks to join: check it, then reshape at the next iteration boundary. Its

@@ -31,8 +31,8 @@ from spotpipe import job
 from spotpipe.checkpoint import durable
 from spotpipe.cluster.coordinator import Coordinator
 from spotpipe.protocol import (Channel, CheckpointSaved, Close, CoordinatorState, Event, Exit,
-                               JoinRequest, Journal, Metrics, Opened, Refused, Report, job_key,
-                               keys)
+                               JoinRequest, Journal, Metrics, Opened, Refused, Report, Stalled,
+                               job_key, keys)
 from spotpipe.store import mailbox
 from spotpipe.store.address import StoreAddress
 from spotpipe.cluster.supervisor import Supervisor, search_path, worker_env
@@ -540,6 +540,9 @@ class JobLoop:
         elif isinstance(message, Report):
             files.event({"kind": "report", **message.to_json()})
             self.coordinator.report(message, writer)
+        elif isinstance(message, Stalled):
+            files.event({"kind": "stall_reported", **message.to_json()})
+            self.coordinator.stalled(message, writer)
         elif isinstance(message, Event):
             record = message.record()
             files.event(record)

@@ -252,6 +252,24 @@ class Heartbeat(Message):
     position: int = 0
 
 
+@dataclass(frozen=True)
+class Stalled(Message):
+    """A node's own word that its main thread has computed at one instruction, without
+    waiting on anything, for `still_s` seconds (its hang timeout), measured on its own clock
+    from the moment the instruction began. It comes through the mailbox, which the coordinator
+    reads as records arrive, so a hang is acted on at the timeout itself rather than at the
+    next beat and check; the coordinator's own judgement from heartbeats remains for a node
+    that cannot say so. It can fence only its writer."""
+
+    TYPE: ClassVar[str] = "stalled"
+    node: str
+    generation: int
+    iteration: int
+    position: int
+    still_s: float
+    time_s: float
+
+
 # --------------------------------------------------------------------- coordinator -> nodes
 
 @dataclass(frozen=True)
@@ -437,7 +455,7 @@ class FinalFile(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {m.TYPE: m for m in (
-    Report, JoinRequest, Metrics, Event, CheckpointSaved, Exit, Close, Heartbeat, Abort,
+    Report, JoinRequest, Metrics, Event, CheckpointSaved, Exit, Close, Heartbeat, Stalled, Abort,
     Regroup, DecisionRecord, JoinAnswer, Kill, Mark, CoordinatorState, Journal,
     AgentArrival, ArrivalsClosed, JobPosted, Assignment, JobOver, FinalFile)}
 

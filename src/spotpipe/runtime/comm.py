@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -84,6 +85,7 @@ class Waiter:
         self.abort = abort
         self.waiting = False  # the main thread is blocked on a peer (read by the heartbeat)
         self.handoffs = 0  # calls handed to the thread (each costs two thread switches)
+        self.idle_at = time.monotonic()  # when the main thread's last wait ended
         self._queue: queue.Queue[tuple[Callable[[], Any], str, threading.Event,
                                        list[str]]] = queue.Queue()
         threading.Thread(target=self._loop, name="comm-waiter", daemon=True).start()
@@ -119,6 +121,7 @@ class Waiter:
         try:
             self.abort.wait(done)
         finally:
+            self.idle_at = time.monotonic()
             self.waiting = False
         if errors:
             raise PeerFailure(errors[0])

@@ -163,6 +163,10 @@ class Executor:
         # progress, read by the heartbeat thread and reported at recovery
         self.iteration = -1
         self.position = 0
+        # when the current instruction began (monotonic), stamped before `position` moves, so
+        # that a reader of both never sees a new position with an old stamp (the node's own
+        # hang watch, `spotpipe.runtime.stall`)
+        self.position_at = time.monotonic()
         self.committed_through = -1
         self.stepped_through = -1
         self._replica_recv: tuple[Any, torch.Tensor] | None = None
@@ -199,6 +203,7 @@ class Executor:
         keep = self.holding is not None and self.cfg.redundancy != "none"
         salvageable = self.cfg.redundancy != "none"
         for pos, ins in enumerate(stream):
+            self.position_at = time.monotonic()
             self.position = pos
             op, s, mb = ins.op, ins.stage, ins.mb
             phase = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.BRC_BACKWARD: "backward",

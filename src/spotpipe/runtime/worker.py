@@ -33,7 +33,7 @@ from spotpipe.notices import NoticeWatcher
 from spotpipe.plan import Layout
 from spotpipe.plan.recovery import Decision
 from spotpipe.protocol import (Abort, Channel, DecisionRecord, JoinAnswer, JoinRequest, Metrics,
-                               Refused, Regroup, Report, keys)
+                               Refused, Regroup, Report, Stalled, keys)
 from spotpipe.runtime import node as nodelib
 from spotpipe.runtime.comm import AbortSignal, Comm, PeerFailure
 from spotpipe.runtime.digest import DigestLog
@@ -43,6 +43,7 @@ from spotpipe.runtime.hooks import Boundary, BoundaryHook, NoHook, Restore
 from spotpipe.runtime.optim import build_optimizer
 from spotpipe.runtime.reshape import Reshaper
 from spotpipe.runtime.shadow_link import ShadowError, ShadowWriter
+from spotpipe.runtime.stall import StallWatch, Still
 from spotpipe.runtime.state import NodeState, build_stage_state
 from spotpipe.schedule.replay import done_from, rest_of_iteration
 from spotpipe.store import board
@@ -125,10 +126,16 @@ class Worker:
                                  refused=self._refused)
         self._watchers: list[BoardWatcher] = []
         self._answers = 1  # the next slot of this node's join board to read
-        self.heartbeat = Heartbeat(client(address, timeout), channel, node,
-                                   cfg.failover.heartbeat_s, self._progress,
-                                   on_trouble=lambda why: self.channel.event(
-                                       "heartbeat_trouble", reason=why))
+        beats = client(address, timeout)
+        # the node's own hang watch runs on the heartbeat's thread and posts on its connection
+        stalls = Outbox(beats, channel, t0, lambda: self.state.generation)
+        watch = StallWatch(cfg.failover.hang_timeout_s, cfg.failover.heartbeat_s, self._still,
+                           lambda still, secs: stalls.post(Stalled(
+                               node, still.generation, still.iteration, still.position,
+                               round(secs, 6), stalls.now())))
+        self.heartbeat = Heartbeat(beats, channel, node, cfg.failover.heartbeat_s,
+                                   self._progress, on_trouble=lambda why: self.channel.event(
+                                       "heartbeat_trouble", reason=why), watch=watch.look)
 
     # ------------------------------------------------------------------ state
 
@@ -201,6 +208,16 @@ class Worker:
                 and not (self.holding is not None and self.holding.applier.waiting))
         return {"state": "busy" if busy else "waiting", "generation": self.generation,
                 "iteration": ex.iteration, "position": ex.position}
+
+    def _still(self) -> Still | None:
+        """Where the main thread computes, and since when, for the hang watch; None while it
+        waits on something or does not compute (read in the order the stamps are written)."""
+        ex = self.executor
+        if ex is None or self._progress()["state"] != "busy":
+            return None
+        generation, iteration, position = self.generation, ex.iteration, ex.position
+        return Still(generation, iteration, position,
+                     max(ex.position_at, ex.comm.waiter.idle_at))
 
     def _refused(self, why: Refused) -> None:
         self.channel.event("record_refused", writer=why.writer, reason=why.reason[:300])

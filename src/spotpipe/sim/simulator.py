@@ -17,6 +17,10 @@ on 2 shared cores, whose speed drifts by +-20 % from minute to minute):
 | 192 | 272 / 570 | 75 / 193 | 3.5 / 19 | 1.5 / 5.9 |
 | 768 | 1088 / 2246 | 1478 / 2740 | 32 / 72 | 14 / 45 |
 
+On 2026-12-02's machine (a VM 2.5x faster, load under 1): 48 nodes 2.4 / 6.7, 0.24 / 1.1,
+0.09 / 0.37 ms; 192 nodes 24 / 51, 1.2 / 5.0, 0.49 / 1.8 ms; 768 nodes 485 / 1217, 11 / 40,
+4.2 / 17 ms (spotpipe, bamboo, checkpoint-restart; 3 h / 12 h): the same growth.
+
 From 48 to 768 nodes (16x the nodes, 18x the events of a 3 h trace) checkpoint-restart costs
 about 40x more per run and bamboo 65x (per event: a walk of the node list at a rendezvous or
 restart), spotpipe about 200x, i.e. per event about linear in the nodes: its planner

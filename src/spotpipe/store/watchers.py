@@ -37,10 +37,14 @@ class Heartbeat:
 
     def __init__(self, store: dist.Store, channel: Channel, node: str, interval_s: float,
                  progress: Callable[[], dict[str, Any]],
-                 on_trouble: Callable[[str], None] | None = None) -> None:
+                 on_trouble: Callable[[str], None] | None = None,
+                 watch: Callable[[], float] | None = None) -> None:
         self.store, self.channel, self.node = store, channel, node
         self.interval_s, self.progress = interval_s, progress
         self._on_trouble = on_trouble
+        # called after each beat (`spotpipe.runtime.stall.StallWatch.look`): the seconds until
+        # it wants to be called again, which can bring the next beat forward
+        self._watch = watch
         self._stop = threading.Event()
         self.failures = 0  # beats that could not be written, in a row
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
@@ -60,7 +64,13 @@ class Heartbeat:
                         self._on_trouble(f"heartbeats failing: {type(exc).__name__}: {exc}")
                     except Exception:  # the same store is away: the event cannot go either
                         pass
-            self._stop.wait(self.interval_s)  # the beat's period, not a synchronisation
+            wait = self.interval_s
+            if self._watch is not None:
+                try:
+                    wait = max(0.0, min(wait, self._watch()))
+                except Exception:  # its report could not go (the store away): next beat
+                    pass
+            self._stop.wait(wait)  # the beat's period, not a synchronisation
 
     def stop(self) -> None:
         self._stop.set()

@@ -1,0 +1,130 @@
+"""The node's own hang watch (`spotpipe.runtime.stall`) on a hand-driven clock, and the
+coordinator's handling of its report (an in-memory store, no processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from spotpipe.cluster.coordinator import Coordinator
+from spotpipe.plan import Layout
+from spotpipe.protocol import Channel, Stalled, job_key
+from spotpipe.runtime.stall import StallWatch, Still
+
+from conftest import tiny_config
+
+
+class Node:
+    """What the watch reads: the main thread's place (None while it waits) on a clock the
+    test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.still: Still | None = None
+        self.reports: list[tuple[Still, float]] = []
+
+    def watch(self, timeout_s: float = 2.0, poll_s: float = 0.2) -> StallWatch:
+        return StallWatch(timeout_s, poll_s, lambda: self.still,
+                          lambda s, secs: self.reports.append((s, secs)), clock=lambda: self.now)
+
+
+def test_a_stall_is_reported_at_the_timeout_itself_and_once():
+    node = Node()
+    watch = node.watch()
+    node.still = Still(0, 5, 3, since=10.0)
+    node.now = 10.05
+    assert watch.look() == pytest.approx(0.2)  # the beat's period while far from the timeout
+    node.now = 11.9
+    assert watch.look() == pytest.approx(0.1)  # the next look is brought forward to 12.0
+    assert node.reports == []
+    node.now = 12.0
+    assert watch.look() == pytest.approx(0.2)
+    assert node.reports == [(Still(0, 5, 3, 10.0), pytest.approx(2.0))]
+    node.now = 12.5
+    watch.look()
+    assert len(node.reports) == 1  # the same stall is not reported again
+
+
+def test_progress_or_a_wait_starts_the_count_again():
+    node = Node()
+    watch = node.watch()
+    node.still = Still(0, 5, 3, since=0.0)
+    node.now = 1.9
+    watch.look()
+    node.still = Still(0, 5, 4, since=1.95)  # the next instruction began
+    node.now = 2.5
+    assert watch.look() == pytest.approx(0.2)
+    assert node.reports == []
+    node.still = None  # waiting on a peer, seen by a look
+    node.now = 3.0
+    watch.look()
+    # busy again at the same instruction with an old stamp (a wait the stamps do not cover):
+    # the stall counts from the look that saw the wait, never from before it
+    node.still = Still(0, 5, 4, since=1.95)
+    node.now = 4.9
+    assert watch.look() == pytest.approx(0.1)
+    assert node.reports == []
+    node.now = 5.0
+    watch.look()
+    assert node.reports == [(Still(0, 5, 4, 3.0), pytest.approx(2.0))]
+
+
+def test_a_report_that_cannot_go_is_tried_again():
+    node = Node()
+    failures = []
+
+    def report(still: Still, secs: float) -> None:
+        if not failures:
+            failures.append(still)
+            raise ConnectionError("store away")
+        node.reports.append((still, secs))
+
+    watch = StallWatch(2.0, 0.2, lambda: node.still, report, clock=lambda: node.now)
+    node.still = Still(1, 0, 0, since=0.0)
+    node.now = 2.0
+    with pytest.raises(ConnectionError):
+        watch.look()
+    node.now = 2.2
+    watch.look()
+    assert len(node.reports) == 1 and node.reports[0][1] == pytest.approx(2.2)
+
+
+def _coordinator(corpus) -> tuple[Coordinator, list[dict], list[str]]:
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy")
+    emitted: list[dict] = []
+    killed: list[str] = []
+    coord = Coordinator(cfg=cfg, store=dist.HashStore(),
+                        layout=Layout.build(2, 1, ["node0", "node1"]), kill=killed.append,
+                        emit=emitted.append, now=lambda: 0.0,
+                        channel=Channel(job_key(b"sesame", "test"), "coordinator"),
+                        partition=[(0, 1), (1, 2)])
+    return coord, emitted, killed
+
+
+def _stall(coord: Coordinator, node: str, **extra) -> Stalled:
+    fields = dict(node=node, generation=coord.generation, iteration=7, position=4,
+                  still_s=2.0, time_s=1.0)
+    fields.update(extra)
+    return Stalled(**fields)
+
+
+def test_the_coordinator_fences_a_node_on_its_own_stall_report(corpus):
+    coord, emitted, killed = _coordinator(corpus)
+    coord.stalled(_stall(coord, "node1"), "node1")
+    assert killed == ["node1"] and "node1" in coord.fenced
+    fenced = [e for e in emitted if e["kind"] == "node_fenced"]
+    assert len(fenced) == 1 and fenced[0]["node"] == "node1"
+    assert "hung: no progress for 2.0 s at iteration 7, instruction 4" in fenced[0]["reason"]
+
+
+def test_a_stall_report_fences_only_its_writer_and_only_in_its_generation(corpus):
+    coord, emitted, killed = _coordinator(corpus)
+    coord.stalled(_stall(coord, "node1"), "node0")  # node0 cannot have node1 fenced
+    coord.stalled(_stall(coord, "node1", generation=coord.generation + 1), "node1")
+    assert killed == []
+    refusals = [e for e in emitted if e["kind"] == "record_refused"]
+    assert len(refusals) == 2
+    assert "a stall report for node1" in refusals[0]["reason"]
+    assert "generation" in refusals[1]["reason"]
+    coord.stalled(_stall(coord, "node3"), "node3")  # not in the job: nothing to fence
+    assert killed == [] and not coord.fenced
