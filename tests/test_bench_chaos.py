@@ -40,3 +40,20 @@ def test_faults_flag_is_only_for_chaos():
     proc = subprocess.run([sys.executable, "-m", "spotpipe", "bench", "pipeline", "--faults",
                            "3"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--faults is for chaos" in proc.stderr
+
+
+def test_parameters_compare_bit_for_bit_or_by_norm_where_the_width_changed():
+    import torch
+
+    from spotpipe.bench.checks import parameter_problems
+
+    want = {"w": torch.tensor([1.0, -2.0, 0.5, 3.0]), "b": torch.tensor([0.0, 0.02, -0.01])}
+    # one element near zero 1.5e-6 off: too far element-wise, 4e-5 of the tensor's norm
+    close = {"w": want["w"].clone(), "b": want["b"] + torch.tensor([1.5e-6, 0.0, 0.0])}
+    assert parameter_problems(close, want, exact=False) == []
+    assert parameter_problems(close, want, exact=True) == [
+        "b differs from the failure-free run (max abs diff 1.5e-06, 6.71e-05 of its norm)"]
+    # a sample lost moves a tensor by far more than 1e-4 of its norm
+    far = {"w": want["w"] * 1.001, "b": want["b"]}
+    assert [p.split(" ")[0] for p in parameter_problems(far, want, exact=False)] == ["w"]
+    assert parameter_problems({"w": want["w"]}, want, exact=False) == ["b: missing"]
