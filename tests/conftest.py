@@ -78,3 +78,14 @@ def bench_figures(name: str, timeout: float) -> dict:
 # tests use a key of their own (workers and `spotpipe` subprocesses inherit it), not ~/.config
 os.environ.setdefault("SPOTPIPE_KEY_FILE", str(Path(__import__("tempfile").gettempdir())
                                                / f"spotpipe-test-key-{os.getpid()}"))
+
+
+def assert_close_where_width_changed(got: dict, want: dict) -> None:
+    """Final parameters of a run whose data-parallel width changed against its failure-free
+    run: per tensor within 1e-4 of its norm (`spotpipe.bench.checks.parameter_problems`), not
+    element by element, since AdamW moves a coordinate with a zero gradient (an attention key
+    bias) on the summation order's rounding noise alone."""
+    from spotpipe.bench.checks import parameter_problems
+
+    problems = parameter_problems(got, want, exact=False)
+    assert not problems, problems
