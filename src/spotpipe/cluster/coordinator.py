@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from spotpipe.cluster.liveness import Liveness
+from spotpipe.cluster.liveness import Liveness, hung
 from spotpipe.config import Config
 from spotpipe.plan import Layout
 from spotpipe.plan.policy import Action
@@ -258,9 +258,8 @@ class Coordinator:
         if stall.generation < self.generation or stall.node not in self.live \
                 or stall.node in self.fenced:
             return
-        self._fence(stall.node, f"hung: no progress for {stall.still_s:.1f} s at iteration "
-                                f"{stall.iteration}, instruction {stall.position} (its own "
-                                f"report)")
+        self._fence(stall.node, hung(stall.still_s, stall.iteration, stall.position)
+                    + " (its own report)")
 
     def join(self, request: JoinRequest, writer: str) -> None:
         """A node asks to join: check it, then reshape at the next iteration boundary. Its

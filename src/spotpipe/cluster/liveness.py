@@ -89,6 +89,10 @@ class Liveness:
         if age > heartbeat_timeout_s:
             return f"no heartbeat for {age:.1f} s"
         if now - seen.since > hang_timeout_s:
-            return (f"hung: no progress for {now - seen.since:.1f} s at iteration "
-                    f"{seen.beat.iteration}, instruction {seen.beat.position}")
+            return hung(now - seen.since, seen.beat.iteration, seen.beat.position)
         return None
+
+
+def hung(still_s: float, iteration: int, position: int) -> str:
+    """Why a node is fenced as hung (the beats' judgement and the node's own `Stalled`)."""
+    return f"hung: no progress for {still_s:.1f} s at iteration {iteration}, instruction {position}"
