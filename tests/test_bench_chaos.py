@@ -8,7 +8,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from spotpipe.bench.chaos import DEPTHS, KINDS, MODES, WIDTHS, ChaosCase, draw_cases, run_cases
+from spotpipe.bench.chaos import (DEPTHS, KINDS, MODES, WIDTHS, CaseResult, ChaosCase, draw_cases,
+                                  run_cases, summarize)
 
 
 def test_one_injected_fault_reports_exactly_one_pause(tmp_path):
@@ -20,6 +21,8 @@ def test_one_injected_fault_reports_exactly_one_pause(tmp_path):
     # one sample: every percentile is that pause, which a crash cannot make shorter than zero
     assert out["crash_pause_s_p50"] == out["crash_pause_s_p99"] == out["crash_pause_s_max"] > 0
     assert out["crash_iterations_lost_max"] == 1  # the in-flight iteration, no more
+    # a crash is detected by design at once: its whole pause is past the detection
+    assert out["past_detection_p99_iterations"] == out["crash_pause_iterations_p99"]
     assert "notice_pause_s_p50" not in out and "hang_pause_s_p50" not in out
 
 
@@ -57,3 +60,26 @@ def test_parameters_compare_bit_for_bit_or_by_norm_where_the_width_changed():
     far = {"w": want["w"] * 1.001, "b": want["b"]}
     assert [p.split(" ")[0] for p in parameter_problems(far, want, exact=False)] == ["w"]
     assert parameter_problems({"w": want["w"]}, want, exact=False) == ["b: missing"]
+
+
+def test_the_pause_past_detection_is_judged_on_its_p99():
+    """Hand-made pauses: a hang's pause counts past its timeout; the target (2 iterations
+    past the detection) is judged on the nearest-rank p99 over every fault."""
+    def result(kind, *pauses):
+        case = ChaosCase(kind, 2, 1, "lazy", "node1", 3, "forward")
+        return CaseResult(case, True, [], [
+            {"pause_s": s, "pause_iterations": s / 0.05, "past_detection_iterations": past,
+             "iterations_lost": 1, "iteration_s": 0.05} for s, past in pauses])
+
+    results = [result("crash", (0.08, 1.6)), result("crash", (0.09, 1.8)),
+               result("hang", (2.09, 1.8))]
+    out = summarize(results)
+    assert out["pauses"] == 3
+    assert out["past_detection_p50_iterations"] == 1.8
+    assert out["past_detection_p99_iterations"] == 1.8
+    assert out["hang_past_detection_iterations_max"] == 1.8
+    assert out["pause_p99_iterations"] == round(2.09 / 0.05, 2)  # the whole pause, timeout in
+    assert out["pause_p99_within_target"] is True
+    out = summarize(results + [result("hang", (2.2, 4.0))])
+    assert out["past_detection_p99_iterations"] == 4.0
+    assert out["pause_p99_within_target"] is False

@@ -319,7 +319,7 @@ class Agent:
     def _kill(self, node: str) -> None:
         """The coordinator fenced `node` (hung, or cut off past the heartbeat timeout)."""
         self._fenced.add(node)
-        self.supervisor.signal(node, signal.SIGKILL)
+        self.supervisor.kill(node)
 
     def _rejoin(self, node: str) -> None:
         """`node` was fenced while this host lives (a partition that healed): the job moved on

@@ -177,7 +177,7 @@ class Launcher(JobLoop):
 
     def _kill(self, node: str) -> None:
         if node not in self._exited:
-            self.supervisor.signal(node, signal.SIGKILL)
+            self.supervisor.kill(node)
 
     def _stop_workers(self) -> None:
         if hasattr(self, "supervisor"):

@@ -3,7 +3,8 @@
 The local launcher runs every node of a job on this machine; a node agent (`spotpipe agent`)
 runs the nodes of its own host. Both start workers the same way and learn of an exit through
 a callback (a thread waits on each process: Popen.poll is unreliable while another thread
-waits on the same child).
+waits on the same child). A process this supervisor kills is reported at the moment it can no
+longer act (`spotpipe.cluster.proc`), before the kernel's teardown ends in its reap.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from spotpipe.cluster.proc import killed_past_acting
 from spotpipe.store.address import StoreAddress
 from spotpipe.config import Config
 from spotpipe.faults import Fault
@@ -50,6 +52,24 @@ def worker_env(cfg: Config, *, rank: int, world: int, local_rank: int, local_wor
                 .rstrip(os.pathsep))
 
 
+class _Exit:
+    """One process's exit, told once: by the waiter at the reap, or earlier by `kill`'s
+    watch when the process can no longer act."""
+
+    def __init__(self, tell: Callable[[int], None]) -> None:
+        self.tell = tell
+        self.reaped = threading.Event()
+        self._told = False
+        self._lock = threading.Lock()
+
+    def report(self, code: int) -> None:
+        with self._lock:
+            if self._told:
+                return
+            self._told = True
+        self.tell(code)
+
+
 class Supervisor:
     """The worker processes this process started, by node name."""
 
@@ -59,6 +79,7 @@ class Supervisor:
         self.on_exit = on_exit
         self.module = module  # what the processes run (workers; or the CPU shadows)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._exits: dict[str, _Exit] = {}
 
     def spawn(self, node: str, env: dict[str, str]) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -68,8 +89,14 @@ class Supervisor:
             stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         log.close()
         self.procs[node] = proc
-        threading.Thread(target=lambda: self.on_exit(node, proc.wait()),
-                         name=f"wait-{node}", daemon=True).start()
+        exit_ = self._exits[node] = _Exit(lambda code: self.on_exit(node, code))
+
+        def wait() -> None:
+            code = proc.wait()
+            exit_.reaped.set()
+            exit_.report(code)
+
+        threading.Thread(target=wait, name=f"wait-{node}", daemon=True).start()
 
     def signal(self, node: str, signum: int) -> bool:
         """Send a signal to a node's process if it still runs; whether it was sent."""
@@ -80,6 +107,24 @@ class Supervisor:
             os.kill(proc.pid, signum)
         except ProcessLookupError:
             return False
+        return True
+
+    def kill(self, node: str, poll_s: float = 0.001) -> bool:
+        """SIGKILL a node's process and report its exit (code -9) as soon as it can no longer
+        act, instead of at its reap; whether the kill was sent."""
+        proc, exit_ = self.procs.get(node), self._exits.get(node)
+        if proc is None or exit_ is None or not self.signal(node, signal.SIGKILL):
+            return False
+
+        def watch() -> None:
+            # polled: the kernel offers no event for this moment (spotpipe.cluster.proc); the
+            # reap ends the watch in any case, and then the waiter reports
+            while not exit_.reaped.wait(poll_s):
+                if killed_past_acting(proc.pid):
+                    exit_.report(-signal.SIGKILL)
+                    return
+
+        threading.Thread(target=watch, name=f"killed-{node}", daemon=True).start()
         return True
 
     def stop_all(self, grace_s: float = 10.0) -> None:

@@ -1,0 +1,52 @@
+"""What Linux's /proc says of a process we killed: whether it can still act.
+
+A SIGKILLed worker is reaped only after the kernel has freed its memory, 20-55 ms for a Python
+process holding torch on our VMs, and only then are its sockets closed. A fenced (hung) node
+is killed by this host's supervisor, which knows it sent the kill; waiting for the reap makes
+every survivor wait out that teardown before the job can agree on the failover.
+
+The process can do nothing more once every one of its threads has entered the kernel's exit
+path: the kernel sets PF_EXITING on a thread when it leaves its last system call for good (a
+system call in progress when the signal came, a write to disk say, has ended by then), no
+thread can be created once a fatal signal is pending, and what follows is the kernel's own
+clean-up (memory, then the open files). The exit code confirms that it is our kill that ends
+the process, not an exit of its own in the same instant (whose code the reaper must report).
+No notification exists for this moment (pidfd and waitid report the reap), so it is polled.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+PF_EXITING = 0x4  # include/linux/sched.h
+_FLAGS, _EXIT_CODE = 6, 49  # fields 9 and 52 of proc_pid_stat(5), counted after "(comm)"
+
+
+def _stat_fields(path: str) -> list[bytes] | None:
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return text[text.rindex(b")") + 2:].split()  # comm may hold spaces and parentheses
+
+
+def killed_past_acting(pid: int) -> bool:
+    """Whether process `pid` is ending by SIGKILL with every thread past its last system call.
+    False for a process that still runs, that ends by exiting itself, or that is gone (reaped:
+    its reaper knows how it ended)."""
+    leader = _stat_fields(f"/proc/{pid}/stat")
+    if leader is None:
+        return False
+    if len(leader) <= _EXIT_CODE or int(leader[_EXIT_CODE]) != signal.SIGKILL:
+        return False
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return False
+    for tid in threads:
+        fields = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
+        if fields is not None and not int(fields[_FLAGS]) & PF_EXITING:
+            return False
+    return True

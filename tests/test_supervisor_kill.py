@@ -1,0 +1,111 @@
+"""A node the supervisor kills is reported gone once it can no longer act, before its reap;
+a node that ends by itself is reported by its reaper with its own exit code; once each."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from spotpipe.cluster.proc import killed_past_acting
+from spotpipe.cluster.supervisor import Supervisor
+
+# Two threads that never stop writing: a counter each, in a file both processes map.
+SPINNER = """
+import mmap, os, struct, sys, threading
+f = open(os.environ["SPIN_FILE"], "r+b")
+m = mmap.mmap(f.fileno(), 16)
+def spin(slot):
+    n = 0
+    while True:
+        n += 1
+        m[8 * slot:8 * slot + 8] = struct.pack("q", n)
+threading.Thread(target=spin, args=(1,), daemon=True).start()
+spin(0)
+"""
+
+
+def _until(condition, what: str, limit_s: float = 30.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.001)
+
+
+def _state(pid: int) -> str:
+    text = Path(f"/proc/{pid}/stat").read_bytes()
+    return text[text.rindex(b")") + 2:].split()[0].decode()
+
+
+def test_a_killed_node_is_reported_once_when_it_can_no_longer_act(tmp_path: Path) -> None:
+    spin_file = tmp_path / "spin"
+    spin_file.write_bytes(bytes(16))
+    (tmp_path / "spinner.py").write_text(SPINNER)
+    counts = mmap.mmap(os.open(spin_file, os.O_RDWR), 16)
+
+    def read() -> tuple[int, int]:
+        return struct.unpack("qq", counts[:16])  # type: ignore[return-value]
+
+    exits: list[tuple[str, int, tuple[int, int]]] = []
+    told = threading.Event()
+
+    def on_exit(node: str, code: int) -> None:
+        exits.append((node, code, read()))
+        told.set()
+
+    sup = Supervisor(tmp_path / "logs", on_exit, module="spinner")
+    env = dict(os.environ, SPIN_FILE=str(spin_file), PYTHONPATH=str(tmp_path))
+    sup.spawn("node0", env)
+    proc = sup.procs["node0"]
+    _until(lambda: min(read()) > 1000, "both threads to spin")
+    assert not killed_past_acting(proc.pid)
+
+    assert sup.kill("node0")
+    assert told.wait(30)
+    node, code, at_report = exits[0]
+    assert (node, code) == ("node0", -signal.SIGKILL)
+    # no thread wrote after the report: the process could no longer act
+    proc.wait(30)
+    _until(lambda: sup._exits["node0"].reaped.is_set(), "the waiter to see the reap")
+    assert read() == at_report
+    assert len(exits) == 1, exits  # the reap is not told again
+    assert not sup.kill("node0")  # gone: nothing to kill
+
+
+def test_proc_tells_a_kill_from_an_exit_of_its_own() -> None:
+    own = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(1)"])
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        _until(lambda: _state(own.pid) == "Z", "the exiting child to become a zombie")
+        assert not killed_past_acting(own.pid)  # ended by itself: its reaper reports its code
+        assert not killed_past_acting(killed.pid)  # running
+        os.kill(killed.pid, signal.SIGKILL)
+        _until(lambda: killed_past_acting(killed.pid), "the killed child to be past acting")
+    finally:
+        own.wait()
+        killed.kill()
+        killed.wait()
+    assert (own.returncode, killed.returncode) == (1, -signal.SIGKILL)
+    assert not killed_past_acting(killed.pid)  # reaped: the reaper knows
+
+
+@pytest.mark.parametrize("code", [0, 1, 3])
+def test_a_node_that_ends_by_itself_is_reported_with_its_code(tmp_path: Path,
+                                                              code: int) -> None:
+    (tmp_path / "ender.py").write_text(f"import sys; sys.exit({code})")
+    got: list[int] = []
+    told = threading.Event()
+    sup = Supervisor(tmp_path / "logs", lambda node, c: (got.append(c), told.set()),
+                     module="ender")
+    sup.spawn("node0", dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert told.wait(30)
+    assert got == [code]
