@@ -21,8 +21,11 @@ def test_one_injected_fault_reports_exactly_one_pause(tmp_path):
     # one sample: every percentile is that pause, which a crash cannot make shorter than zero
     assert out["crash_pause_s_p50"] == out["crash_pause_s_p99"] == out["crash_pause_s_max"] > 0
     assert out["crash_iterations_lost_max"] == 1  # the in-flight iteration, no more
-    # a crash is detected by design at once: its whole pause is past the detection
-    assert out["past_detection_p99_iterations"] == out["crash_pause_iterations_p99"]
+    # a crash has no detection timeout: its whole pause is past it; the job knew of it
+    # before it resumed, and knowing takes a while (the kernel's teardown of the process)
+    assert out["past_timeout_p99_iterations"] == out["crash_pause_iterations_p99"]
+    assert 0 < out["crash_detection_s_max"] < out["crash_pause_s_max"]
+    assert 0 < out["past_detection_p99_iterations"] < out["past_timeout_p99_iterations"]
     assert "notice_pause_s_p50" not in out and "hang_pause_s_p50" not in out
 
 
@@ -62,24 +65,26 @@ def test_parameters_compare_bit_for_bit_or_by_norm_where_the_width_changed():
     assert parameter_problems({"w": want["w"]}, want, exact=False) == ["b: missing"]
 
 
-def test_the_pause_past_detection_is_judged_on_its_p99():
+def test_the_pause_past_the_timeout_is_judged_on_its_p99():
     """Hand-made pauses: a hang's pause counts past its timeout; the target (2 iterations
-    past the detection) is judged on the nearest-rank p99 over every fault."""
+    past the detection timeout) is judged on the nearest-rank p99 over every fault."""
     def result(kind, *pauses):
         case = ChaosCase(kind, 2, 1, "lazy", "node1", 3, "forward")
         return CaseResult(case, True, [], [
-            {"pause_s": s, "pause_iterations": s / 0.05, "past_detection_iterations": past,
+            {"pause_s": s, "pause_iterations": s / 0.05, "past_timeout_iterations": past,
+             "detection_s": 0.03, "past_detection_iterations": past - 0.6,
              "iterations_lost": 1, "iteration_s": 0.05} for s, past in pauses])
 
     results = [result("crash", (0.08, 1.6)), result("crash", (0.09, 1.8)),
                result("hang", (2.09, 1.8))]
     out = summarize(results)
     assert out["pauses"] == 3
-    assert out["past_detection_p50_iterations"] == 1.8
-    assert out["past_detection_p99_iterations"] == 1.8
-    assert out["hang_past_detection_iterations_max"] == 1.8
+    assert out["past_timeout_p50_iterations"] == 1.8
+    assert out["past_timeout_p99_iterations"] == 1.8
+    assert out["past_detection_p50_iterations"] == 1.2
+    assert out["hang_past_timeout_iterations_max"] == 1.8
     assert out["pause_p99_iterations"] == round(2.09 / 0.05, 2)  # the whole pause, timeout in
     assert out["pause_p99_within_target"] is True
     out = summarize(results + [result("hang", (2.2, 4.0))])
-    assert out["past_detection_p99_iterations"] == 4.0
+    assert out["past_timeout_p99_iterations"] == 4.0
     assert out["pause_p99_within_target"] is False
