@@ -49,3 +49,19 @@ def test_torchrun_restart_is_timed_from_the_kill_to_the_iteration_in_flight(tmp_
     got = torchrun_restart_pause(tmp_path)
     assert got == {"restart_pause_s": 4.25, "restart_first_iteration_s": 3.0,
                    "restart_lost_iterations": 2}
+
+
+def test_every_bench_records_the_load_average(tmp_path, monkeypatch, capsys):
+    """`spotpipe bench` adds the load average before and after to any bench's figures."""
+    import sys
+
+    from spotpipe import bench
+
+    (tmp_path / "fake_bench.py").write_text("def run(quick=False):\n    return {'x': 1}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(bench.BENCHES, "fake", "fake_bench")
+    assert bench.run_bench("fake", as_json=True) == 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    before, after = figures["load_average_before_after"]
+    assert figures["x"] == 1 and before >= 0 and after >= 0
+    sys.modules.pop("fake_bench", None)

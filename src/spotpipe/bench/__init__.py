@@ -2,12 +2,15 @@
 
 Every benchmark prints a human-readable table while it runs and, with --json, one JSON object
 of named figures as the last line of stdout, which is what scripts and issue notes rely on.
+Every figure set carries the machine's load average before and after the run
+(`load_average_before_after`): on shared cores, timings mean little without it.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 
 BENCHES = {
@@ -44,7 +47,10 @@ def run_bench(name: str, *, as_json: bool = False, quick: bool = False,
     except ImportError as exc:
         print(f"spotpipe: error: benchmark {name!r} is not available: {exc}", file=sys.stderr)
         return 2
+    load_before = os.getloadavg()[0]
     figures = module.run(quick=quick, **({"faults": faults} if faults is not None else {}))
+    figures.setdefault("load_average_before_after",
+                       [round(load_before, 2), round(os.getloadavg()[0], 2)])
     if as_json:
         print(json.dumps(figures))
     else:
