@@ -109,3 +109,30 @@ def test_a_node_that_ends_by_itself_is_reported_with_its_code(tmp_path: Path,
     sup.spawn("node0", dict(os.environ, PYTHONPATH=str(tmp_path)))
     assert told.wait(30)
     assert got == [code]
+
+
+def test_workers_ask_for_huge_pages_unless_the_user_chose(monkeypatch) -> None:
+    from spotpipe.cluster.supervisor import huge_page_tunables
+
+    assert huge_page_tunables(None) == "glibc.malloc.hugetlb=1"
+    assert huge_page_tunables("") == "glibc.malloc.hugetlb=1"
+    assert huge_page_tunables("glibc.malloc.hugetlb=0") == "glibc.malloc.hugetlb=0"
+    assert huge_page_tunables("glibc.malloc.arena_max=2") == \
+        "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+
+
+def test_the_tunable_gives_a_worker_huge_pages() -> None:
+    """What the tunable is for: a tensor's memory in transparent huge pages (where the kernel
+    offers them on request, as on the machines this project runs on)."""
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("this kernel gives no transparent huge pages")
+    from spotpipe.cluster.supervisor import huge_page_tunables
+
+    code = ("import torch; x = torch.ones(16 * 2**20); "
+            "print([l.split()[1] for l in open('/proc/self/smaps_rollup') "
+            "if l.startswith('AnonHugePages')][0])")
+    env = dict(os.environ, GLIBC_TUNABLES=huge_page_tunables(None))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert int(out.stdout.strip()) >= 32 * 1024  # kB: most of the tensor's 64 MiB

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
+from spotpipe.cluster.supervisor import huge_page_tunables
+
 # the profiler's ping, on a tag no runtime message kind uses (kinds are tag // 1024)
 _PING_TAG = 15 * 1024
 
@@ -59,7 +61,10 @@ def launch(spec: dict[str, Any], world: int, deadline_s: float, *, worker_module
         logs = [files.enter_context(tempfile.TemporaryFile()) for _ in range(world)]
         try:
             for rank in range(world):
+                # the environment of spotpipe's workers (malloc in huge pages), which the
+                # engines compared in these processes share
                 env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
+                           GLIBC_TUNABLES=huge_page_tunables(os.environ.get("GLIBC_TUNABLES")),
                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
                            SPOTPIPE_BENCH_SPEC=json.dumps(spec), OMP_NUM_THREADS="1",
                            TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"))
