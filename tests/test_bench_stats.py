@@ -7,7 +7,7 @@ import json
 import pytest
 
 from spotpipe.bench.failover import torchrun_restart_pause
-from spotpipe.bench.stats import distribution, percentile, ratio_of_medians
+from spotpipe.bench.stats import distribution, median_of_runs, percentile, ratio_of_medians
 
 
 def test_ratio_of_two_known_timing_lists():
@@ -65,3 +65,41 @@ def test_every_bench_records_the_load_average(tmp_path, monkeypatch, capsys):
     before, after = figures["load_average_before_after"]
     assert figures["x"] == 1 and before >= 0 and after >= 0
     sys.modules.pop("fake_bench", None)
+
+
+def test_runs_combine_into_medians_of_their_numbers():
+    runs = [{"ratio": 0.95, "n": 3, "ok": True, "label": "a", "spread": [1, 2]},
+            {"ratio": 1.05, "n": 5, "ok": False, "label": "b", "spread": [3, 4]},
+            {"ratio": 0.99, "n": 4, "ok": True, "label": "c", "spread": [5, 6]}]
+    out = median_of_runs(runs)
+    assert out["ratio"] == 0.99 and out["n"] == 4  # the middle of each, by hand
+    assert out["per_run"] == {"ratio": [0.95, 1.05, 0.99], "n": [3, 5, 4]}
+    # flags, text and lists are not averaged: the first run's
+    assert (out["ok"], out["label"], out["spread"]) == (True, "a", [1, 2])
+    assert out["runs_combined"] == 3
+    # a figure that one run lacks or gave as NaN is not a median of numbers
+    out = median_of_runs([{"x": 1.0}, {"x": float("nan")}])
+    assert out["x"] == 1.0 and out["per_run"] == {}
+    with pytest.raises(ValueError):
+        median_of_runs([])
+
+
+def test_repeat_runs_a_bench_several_times(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from spotpipe import bench
+
+    (tmp_path / "counting_bench.py").write_text(
+        "calls = []\n"
+        "def run(quick=False):\n"
+        "    calls.append(1)\n"
+        "    return {'x': [5.0, 1.0, 3.0][len(calls) - 1]}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(bench.BENCHES, "counting", "counting_bench")
+    assert bench.run_bench("counting", as_json=True, repeat=3) == 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert figures["x"] == 3.0 and figures["per_run"]["x"] == [5.0, 1.0, 3.0]
+    assert figures["runs_combined"] == 3 and len(figures["load_average_before_after"]) == 2
+    assert bench.run_bench("counting", as_json=True, repeat=0) == 2
+    assert "--repeat 0" in capsys.readouterr().err
+    sys.modules.pop("counting_bench", None)

@@ -3,7 +3,9 @@
 Every benchmark prints a human-readable table while it runs and, with --json, one JSON object
 of named figures as the last line of stdout, which is what scripts and issue notes rely on.
 Every figure set carries the machine's load average before and after the run
-(`load_average_before_after`): on shared cores, timings mean little without it.
+(`load_average_before_after`): on shared cores, timings mean little without it. `--repeat N`
+runs the bench N times, one after the other, and reports each numeric figure's median over
+the runs (`bench.stats.median_of_runs`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import importlib
 import json
 import os
 import sys
+
+from spotpipe.bench.stats import median_of_runs
 
 BENCHES = {
     "chaos": "spotpipe.bench.chaos",
@@ -30,7 +34,7 @@ TAKES_FAULTS = ("chaos",)
 
 
 def run_bench(name: str, *, as_json: bool = False, quick: bool = False,
-              faults: int | None = None) -> int:
+              faults: int | None = None, repeat: int = 1) -> int:
     if name not in BENCHES:
         print(f"spotpipe: error: unknown benchmark {name!r}; choose one of "
               f"{', '.join(sorted(BENCHES))}", file=sys.stderr)
@@ -42,15 +46,23 @@ def run_bench(name: str, *, as_json: bool = False, quick: bool = False,
     if faults is not None and faults < 1:
         print(f"spotpipe: error: --faults {faults}: expected at least 1", file=sys.stderr)
         return 2
+    if repeat < 1:
+        print(f"spotpipe: error: --repeat {repeat}: expected at least 1", file=sys.stderr)
+        return 2
     try:
         module = importlib.import_module(BENCHES[name])
     except ImportError as exc:
         print(f"spotpipe: error: benchmark {name!r} is not available: {exc}", file=sys.stderr)
         return 2
     load_before = os.getloadavg()[0]
-    figures = module.run(quick=quick, **({"faults": faults} if faults is not None else {}))
-    figures.setdefault("load_average_before_after",
-                       [round(load_before, 2), round(os.getloadavg()[0], 2)])
+    runs = [module.run(quick=quick, **({"faults": faults} if faults is not None else {}))
+            for _ in range(repeat)]
+    figures = runs[0] if repeat == 1 else median_of_runs(runs)
+    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    if repeat > 1:
+        figures["load_average_before_after"] = load  # over all the runs, not the first's
+    else:
+        figures.setdefault("load_average_before_after", load)
     if as_json:
         print(json.dumps(figures))
     else:

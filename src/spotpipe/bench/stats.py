@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -36,3 +37,30 @@ def distribution(values: Sequence[float], digits: int = 4) -> dict[str, float]:
             "p90": round(percentile(values, 90), digits),
             "p99": round(percentile(values, 99), digits),
             "max": round(max(values), digits)}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
+def median_of_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One figure set from several runs of a bench: each figure that every run gave as a
+    finite number is the median over the runs, with the runs' own values under `per_run`;
+    any other figure (text, lists, flags) is the first run's. On shared cores one run's ratio
+    moves by several percent from run to run; the median of a few does not."""
+    if not runs:
+        raise ValueError("a median of no runs")
+    first = runs[0]
+    out: dict[str, Any] = {}
+    per_run: dict[str, list[Any]] = {}
+    for key, value in first.items():
+        values = [run.get(key) for run in runs]
+        if all(_number(v) for v in values):
+            out[key] = statistics.median(values)
+            per_run[key] = values
+        else:
+            out[key] = value
+    out["runs_combined"] = len(runs)
+    out["per_run"] = per_run
+    return out

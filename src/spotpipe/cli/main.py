@@ -130,13 +130,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the figures as one JSON line")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (for smoke tests)")
     p.add_argument("--faults", type=int, metavar="N", help="bench chaos: how many faults")
+    p.add_argument("--repeat", type=int, metavar="N", default=1,
+                   help="run the bench N times; each figure is the median over the runs")
     p.set_defaults(func=_bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
     from spotpipe.bench import run_bench
 
-    return run_bench(args.name, as_json=args.json, quick=args.quick, faults=args.faults)
+    return run_bench(args.name, as_json=args.json, quick=args.quick, faults=args.faults,
+                     repeat=args.repeat)
 
 
 def _optional(sub: argparse._SubParsersAction, module: str) -> None:
