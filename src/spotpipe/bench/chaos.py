@@ -105,7 +105,7 @@ def case_config(case: ChaosCase, *, failure_free: bool = False, iterations: int 
     return load_config(REPO_EXAMPLE, [f"{k}={v}" for k, v in sets.items()])
 
 
-def timeout_s(case: ChaosCase) -> float:
+def detection_timeout_s(case: ChaosCase) -> float:
     """How long the fault takes to detect by design: a hang is one only after the hang
     timeout; a crash or a notice is one at once."""
     return LIVENESS["failover.hang_timeout_s"] if case.kind == "hang" else 0.0
@@ -190,7 +190,7 @@ class Chaos:
         got = load_file(str(run / "final" / "model.safetensors"))
         problems = parameter_problems(got, want, exact=not _width_changed(run))
         problems += sample_problems(run, cfg)
-        return CaseResult(case, True, problems, incidents(run, timeout_s(case)))
+        return CaseResult(case, True, problems, incidents(run, detection_timeout_s(case)))
 
 
 def summarize(results: list[CaseResult]) -> dict[str, Any]:
