@@ -257,15 +257,12 @@ def run(quick: bool = False, faults: int | None = None) -> dict[str, Any]:
     if n < 1:
         raise ValueError(f"--faults {n}: expected at least one fault")
     started = time.time()
-    load_before = os.getloadavg()
-    out = run_cases(draw_cases(n))
+    out = run_cases(draw_cases(n))  # (`spotpipe bench` adds the load average)
     out.update({
         "faults": n, "seed": SEED,
         "config": f"examples/gpt_tiny.yaml with n_layer=2 n_embd=32 block 16, micro-batch 2 x "
                   f"M=4, {ITERATIONS} iterations; heartbeat 0.2 s, heartbeat and hang timeouts "
                   "2 s; one fault per run",
-        "load_average_before_after": [round(load_before[0], 2),
-                                      round(os.getloadavg()[0], 2)],
         "wall_s": round(time.time() - started, 1),
     })
     return out
