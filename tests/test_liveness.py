@@ -80,10 +80,12 @@ def _environ(pid: str) -> str:
         return ""
 
 
-def _worker_pids(run) -> list[int]:
+def _worker_pid(run, node: str) -> int | None:
+    """A worker by the name its fork has in ps (`spotpipe.cluster.forkserver`), of this run."""
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in ps.splitlines()
-            if "spotpipe.cli.worker" in line and str(run) in _environ(line.split()[0])]
+    return next((int(line.split()[0]) for line in ps.splitlines()
+                 if line.endswith(f"spotpipe.cli.worker [{node}]")
+                 and str(run) in _environ(line.split()[0])), None)
 
 
 def test_two_hundred_generations_leave_nothing_behind(tmp_path, corpus, monkeypatch):
@@ -110,12 +112,11 @@ def test_two_hundred_generations_leave_nothing_behind(tmp_path, corpus, monkeypa
 
     while job.is_alive():
         g = generation()
-        pids = _worker_pids(run) if g >= 0 else []
+        node0 = _worker_pid(run, "node0") if g >= 0 else None
         try:
-            node0 = next(p for p in pids if b"RANK=0\x00" in open(f"/proc/{p}/environ",
-                                                                  "rb").read())
-            samples["worker"].append((g, _counts(node0)))
-        except (StopIteration, OSError):
+            if node0 is not None:
+                samples["worker"].append((g, _counts(node0)))
+        except OSError:
             pass
         samples["launcher"].append((g, _counts(os.getpid())))
         job.join(timeout=0.25)  # the sampling period; the loop ends when the job does

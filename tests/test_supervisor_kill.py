@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from spotpipe.cluster.forkserver import ForkServer
 from spotpipe.cluster.proc import killed_past_acting
-from spotpipe.cluster.supervisor import Supervisor
+from spotpipe.cluster.supervisor import FreshInterpreters, Starter, Supervisor
 
 # Two threads that never stop writing: a counter each, in a file both processes map.
 SPINNER = """
@@ -33,6 +34,14 @@ spin(0)
 """
 
 
+@pytest.fixture(params=["fresh", "forked"])
+def starter(request, tmp_path: Path) -> Starter:
+    """Both ways a supervisor starts its processes: fresh interpreters, forks of a server."""
+    if request.param == "fresh":
+        return FreshInterpreters()
+    return ForkServer([], tmp_path / "logs" / "forkserver.log")
+
+
 def _until(condition, what: str, limit_s: float = 30.0) -> None:
     deadline = time.monotonic() + limit_s
     while not condition():
@@ -46,7 +55,8 @@ def _state(pid: int) -> str:
     return text[text.rindex(b")") + 2:].split()[0].decode()
 
 
-def test_a_killed_node_is_reported_once_when_it_can_no_longer_act(tmp_path: Path) -> None:
+def test_a_killed_node_is_reported_once_when_it_can_no_longer_act(tmp_path: Path,
+                                                                   starter: Starter) -> None:
     spin_file = tmp_path / "spin"
     spin_file.write_bytes(bytes(16))
     (tmp_path / "spinner.py").write_text(SPINNER)
@@ -62,7 +72,7 @@ def test_a_killed_node_is_reported_once_when_it_can_no_longer_act(tmp_path: Path
         exits.append((node, code, read()))
         told.set()
 
-    sup = Supervisor(tmp_path / "logs", on_exit, module="spinner")
+    sup = Supervisor(tmp_path / "logs", on_exit, module="spinner", starter=starter)
     env = dict(os.environ, SPIN_FILE=str(spin_file), PYTHONPATH=str(tmp_path))
     sup.spawn("node0", env)
     proc = sup.procs["node0"]
@@ -79,6 +89,7 @@ def test_a_killed_node_is_reported_once_when_it_can_no_longer_act(tmp_path: Path
     assert read() == at_report
     assert len(exits) == 1, exits  # the reap is not told again
     assert not sup.kill("node0")  # gone: nothing to kill
+    sup.stop_all()
 
 
 def test_proc_tells_a_kill_from_an_exit_of_its_own() -> None:
@@ -99,16 +110,17 @@ def test_proc_tells_a_kill_from_an_exit_of_its_own() -> None:
 
 
 @pytest.mark.parametrize("code", [0, 1, 3])
-def test_a_node_that_ends_by_itself_is_reported_with_its_code(tmp_path: Path,
-                                                              code: int) -> None:
+def test_a_node_that_ends_by_itself_is_reported_with_its_code(tmp_path: Path, code: int,
+                                                              starter: Starter) -> None:
     (tmp_path / "ender.py").write_text(f"import sys; sys.exit({code})")
     got: list[int] = []
     told = threading.Event()
     sup = Supervisor(tmp_path / "logs", lambda node, c: (got.append(c), told.set()),
-                     module="ender")
+                     module="ender", starter=starter)
     sup.spawn("node0", dict(os.environ, PYTHONPATH=str(tmp_path)))
     assert told.wait(30)
     assert got == [code]
+    sup.stop_all()
 
 
 def test_workers_ask_for_huge_pages_unless_the_user_chose(monkeypatch) -> None:

@@ -194,6 +194,9 @@ class ClusterSection:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_s: float = 120.0  # store and collective timeout
     threads_per_worker: int = 1  # torch intra-op threads in each worker
+    # workers start as forks of a process that imported torch once (spotpipe.cluster.forkserver)
+    # rather than as fresh interpreters that each import it (3 s of CPU apiece)
+    fork_server: bool = True
     # memory one stage may use, GiB (0: the GPU's memory; on CPU the host's RAM shared by the
     # workers started on it): the launch refuses a stage whose estimate exceeds it
     device_memory_gb: float = 0.0

@@ -18,7 +18,8 @@ and load the newest torch.distributed.checkpoint checkpoint (written every k ite
 measured once, on the same P=2 x D=2 job, from the kill to the first iteration completed after
 the restart. Beside it, the torchrun-style restart (`failover.restarts`: the launcher and its
 store survive, only the workers start again from the newest checkpoint), timed the same way;
-every ratio is stated against both.
+every ratio is stated against both. Both baselines' workers are fresh interpreters, as
+torchrun's are (`cluster.fork_server=false`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spotpipe.bench.failover import _jsonl, _train, restart_pause, torchrun_restart_pause
+from spotpipe.bench.failover import (FRESH, _jsonl, _train, restart_pause,
+                                     torchrun_restart_pause)
 from spotpipe.bench.stats import ratio_of_medians
 
 
@@ -69,7 +71,7 @@ def run(quick: bool = False) -> dict[str, Any]:
            "--join", "20", "--join", "20")
     first, second = tmp / "restart-1", tmp / "restart-2"
     common = ["--stages", "2", "--pipelines", "2", "--set", f"iterations={iters}",
-              "--set", "redundancy=none", "--set", "optimizer.name=sgd"]
+              "--set", "redundancy=none", "--set", "optimizer.name=sgd", *FRESH]
     _train(first, *common, "--set", "checkpoint.every=10", "--fail", "node1@16:backward",
            check=False)
     _train(second, *common, "--resume", str(first))

@@ -62,8 +62,6 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from spotpipe.cluster.launcher import LaunchError, train
-
     overrides = list(args.overrides)
     if args.stages is not None:
         overrides.append(f"stages={args.stages}")
@@ -72,6 +70,15 @@ def _train(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, overrides)
         faults, actions = _faults(args, cfg)
+    except (ConfigError, FaultSpecError) as exc:
+        print(f"spotpipe: error: {exc}", file=sys.stderr)
+        return 2
+    from spotpipe.cluster.supervisor import prestart
+
+    prestart(cfg)  # the workers' fork server imports torch while this process does
+    from spotpipe.cluster.launcher import LaunchError, train
+
+    try:
         code = train(cfg, Path(args.out), overwrite=args.overwrite,
                      progress=not args.no_progress, faults=faults, trace_actions=actions,
                      resume=Path(args.resume) if args.resume else None, joins=args.join,

@@ -35,7 +35,7 @@ from spotpipe.protocol import (Channel, CheckpointSaved, Close, CoordinatorState
                                job_key, keys)
 from spotpipe.store import mailbox
 from spotpipe.store.address import StoreAddress
-from spotpipe.cluster.supervisor import Supervisor, search_path, worker_env
+from spotpipe.cluster.supervisor import Supervisor, search_path, starter, worker_env
 from spotpipe.config import Config
 from spotpipe.plan import Layout
 
@@ -360,9 +360,10 @@ class JobLoop:
                        inbox: "queue.Queue[tuple[str, Any]]") -> None:
         """The CPU shadows, one per stage, run here, next to the store: on the host that is
         not preempted (see spotpipe.checkpoint.shadow)."""
-        self._shadows = Supervisor(self.out / "logs",
+        logs, module = self.out / "logs", "spotpipe.checkpoint.shadow"
+        self._shadows = Supervisor(logs,
                                    lambda name, code: inbox.put(("shadow_exit", (name, code))),
-                                   module="spotpipe.checkpoint.shadow")
+                                   module=module, starter=starter(self.cfg, module, logs))
         for stage in range(self.cfg.stages):
             env = worker_env(self.cfg, rank=0, world=1, local_rank=0, local_world=1,
                              address=address, run_dir=self.out, t0=self.t0, token=self.token,

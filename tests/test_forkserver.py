@@ -1,0 +1,217 @@
+"""Workers forked from a server that imported their modules once: each runs as `python -m`
+would run it (its own environment, log, exit code), nothing is imported again, and no
+process outlives the supervisor that started it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from spotpipe.cluster.forkserver import (Exited, ForkServer, SharedForkServer, Spawn, Spawned,
+                                         decode, encode, start_key)
+from spotpipe.cluster.supervisor import FreshInterpreters, Supervisor, starter
+from spotpipe.config import Config
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _until(condition, what: str, limit_s: float = 60.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_bytes()
+    except FileNotFoundError:
+        return False
+    return text[text.rindex(b")") + 2:].split()[0] != b"Z"
+
+
+class Exits:
+    def __init__(self) -> None:
+        self.codes: dict[str, int] = {}
+        self.changed = threading.Condition()
+
+    def __call__(self, node: str, code: int) -> None:
+        with self.changed:
+            self.codes[node] = code
+            self.changed.notify_all()
+
+    def wait_for(self, nodes: set[str], limit_s: float = 60.0) -> dict[str, int]:
+        with self.changed:
+            assert self.changed.wait_for(lambda: nodes <= set(self.codes), limit_s), self.codes
+            return dict(self.codes)
+
+
+def test_messages_print_and_parse_back() -> None:
+    for message in (Spawn("m", "/tmp/x.log", "python -m m [n]", "/tmp", {"A": "1"}),
+                    Spawned(12), Exited(12, -9)):
+        assert decode(encode(message)) == message
+        assert encode(message).endswith(b"\n") and encode(message).count(b"\n") == 1
+
+
+def test_children_run_their_module_with_their_own_environment_log_and_code(
+        tmp_path: Path) -> None:
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    # imported by the server: it records who imported it, once per import
+    (lib / "heavy.py").write_text(textwrap.dedent("""
+        import os
+        IMPORTED_BY = os.getpid()
+        with open(os.environ["IMPORTS"], "a") as f:
+            f.write(f"{IMPORTED_BY}\\n")
+    """))
+    (lib / "job.py").write_text(textwrap.dedent("""
+        import os, sys
+        import heavy
+        print("out", os.environ["NODE"], os.environ.get("ONLY_IN_SERVER"), heavy.IMPORTED_BY,
+              os.getpid(), flush=True)
+        print("err", os.environ["NODE"], file=sys.stderr, flush=True)
+        if os.environ["NODE"] == "boom":
+            raise ValueError("the job failed")
+        sys.exit(int(os.environ["CODE"]))
+    """))
+    imports = tmp_path / "imports"
+    exits = Exits()
+    base = dict(os.environ, PYTHONPATH=os.pathsep.join([str(lib), SRC]), IMPORTS=str(imports))
+    server = ForkServer(["heavy"], tmp_path / "logs" / "forkserver.log")
+    sup = Supervisor(tmp_path / "logs", exits, module="job", starter=server)
+    # the server starts in the first child's environment; a later child does not inherit it
+    sup.spawn("a", dict(base, NODE="a", CODE="0", ONLY_IN_SERVER="x"))
+    sup.spawn("b", dict(base, NODE="b", CODE="3"))
+    sup.spawn("boom", dict(base, NODE="boom", CODE="0"))
+    assert exits.wait_for({"a", "b", "boom"}) == {"a": 0, "b": 3, "boom": 1}
+    sup.stop_all()
+
+    importers = imports.read_text().split()
+    assert len(importers) == 1  # imported once, by the server, never by a child
+    server_pid = int(importers[0])
+    for node, seen in (("a", "x"), ("b", "None")):
+        out, err = (tmp_path / "logs" / f"{node}.log").read_text().splitlines()
+        word, name, only, imported_by, pid = out.split()
+        assert (word, name, only, int(imported_by)) == ("out", node, seen, server_pid)
+        assert int(pid) not in (server_pid, os.getpid())
+        assert err == f"err {node}"
+    boom = (tmp_path / "logs" / "boom.log").read_text()
+    assert "ValueError: the job failed" in boom and "Traceback" in boom
+
+
+def test_a_server_lost_takes_its_children_and_says_so(tmp_path: Path) -> None:
+    (tmp_path / "sleeper.py").write_text("import time\ntime.sleep(600)\n")
+    exits = Exits()
+    server = ForkServer([], tmp_path / "logs" / "forkserver.log")
+    sup = Supervisor(tmp_path / "logs", exits, module="sleeper", starter=server)
+    sup.spawn("node0", dict(os.environ, PYTHONPATH=str(tmp_path)))
+    child = sup.procs["node0"].pid
+    assert _alive(child)
+    assert server._server is not None
+    server._server.kill()
+    assert exits.wait_for({"node0"}) == {"node0": -signal.SIGKILL}
+    _until(lambda: not _alive(child), "the orphaned child to die")
+    with pytest.raises(RuntimeError, match="fork server has ended"):
+        sup.spawn("node1", dict(os.environ, PYTHONPATH=str(tmp_path)))
+
+
+def test_no_process_outlives_its_supervisor(tmp_path: Path) -> None:
+    """The supervisor's process dies (SIGKILL: nothing of it runs): its server and every
+    worker forked from it die too."""
+    (tmp_path / "sleeper.py").write_text(textwrap.dedent("""
+        import os, time
+        with open(os.environ["PIDS"], "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        time.sleep(600)
+    """))
+    pids = tmp_path / "pids"
+    program = textwrap.dedent("""
+        import os, sys, time
+        from pathlib import Path
+        from spotpipe.cluster.forkserver import ForkServer
+        from spotpipe.cluster.supervisor import Supervisor
+        folder, pids = Path(sys.argv[1]), sys.argv[2]
+        sup = Supervisor(folder / "logs", lambda *a: None, module="sleeper",
+                         starter=ForkServer([], folder / "logs" / "fs.log"))
+        env = dict(os.environ, PYTHONPATH=str(folder), PIDS=pids)
+        sup.spawn("node0", env)
+        sup.spawn("node1", env)
+        print(sup.starter._server.pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", program, str(tmp_path), str(pids)],
+                              stdout=subprocess.PIPE,
+                              env=dict(os.environ, PYTHONPATH=SRC))
+    try:
+        assert parent.stdout is not None
+        server = int(parent.stdout.readline())
+        _until(lambda: pids.exists() and len(pids.read_text().split()) == 2, "both workers")
+        workers = [int(p) for p in pids.read_text().split()]
+        assert all(_alive(p) for p in [server, *workers])
+        # in ps, each worker has its own name
+        names = sorted(Path(f"/proc/{p}/cmdline").read_bytes().rstrip(b"\0").decode()
+                       for p in workers)
+        assert names == ["python -m sleeper [node0]", "python -m sleeper [node1]"]
+    finally:
+        parent.kill()
+        parent.wait()
+    for pid in [server, *workers]:
+        _until(lambda: not _alive(pid), f"process {pid} to die with the supervisor")
+
+
+def test_the_config_chooses_how_workers_start(tmp_path: Path) -> None:
+    cfg = Config()
+    assert cfg.cluster.fork_server  # the default: forks of this process's server
+    made = starter(cfg, "spotpipe.cli.worker", tmp_path)
+    assert isinstance(made, SharedForkServer) and made.preload == ["spotpipe.cli.worker"]
+    cfg.cluster.fork_server = False  # as torchrun: each worker a fresh interpreter
+    assert isinstance(starter(cfg, "spotpipe.cli.worker", tmp_path), FreshInterpreters)
+
+
+def test_jobs_in_one_process_share_a_server_yet_start_as_fresh_ones_would(
+        tmp_path: Path, monkeypatch) -> None:
+    """Two jobs one after the other, from different working folders and with different
+    PYTHONPATHs: the second's child is forked at once from the first's server (the preload
+    imported once), and each child has its own working folder and sys.path, as `python -m`
+    would give it; a different start-time environment gets a server of its own."""
+    lib, one, two = tmp_path / "lib", tmp_path / "one", tmp_path / "two"
+    for folder in (lib, one, two):
+        folder.mkdir()
+    (lib / "heavy.py").write_text(textwrap.dedent("""
+        import os
+        with open(os.environ["IMPORTS"], "a") as f:
+            f.write(f"{os.getpid()}\\n")
+    """))
+    (one / "job.py").write_text(textwrap.dedent("""
+        import json, os, sys
+        import heavy
+        print(json.dumps({"cwd": os.getcwd(), "path": sys.path[:3]}))
+    """))
+    (two / "job.py").write_text((one / "job.py").read_text())
+    imports = tmp_path / "imports"
+    monkeypatch.setenv("IMPORTS", str(imports))
+    for job in (one, two):
+        monkeypatch.chdir(job)
+        exits = Exits()
+        sup = Supervisor(tmp_path / f"logs-{job.name}", exits, module="job",
+                         starter=SharedForkServer(["heavy"], tmp_path / "forkserver.log"))
+        pythonpath = os.pathsep.join([str(job), str(lib), SRC])
+        sup.spawn("node0", dict(os.environ, PYTHONPATH=pythonpath, TAG=str(tmp_path)))
+        assert exits.wait_for({"node0"}) == {"node0": 0}
+        sup.stop_all()
+        seen = json.loads((tmp_path / f"logs-{job.name}" / "node0.log").read_text())
+        assert seen == {"cwd": str(job), "path": [str(job), str(job), str(lib)]}
+    assert len(imports.read_text().split()) == 1  # one server for both jobs
+    other = dict(os.environ, OMP_NUM_THREADS="3")
+    assert start_key(["heavy"], other) != start_key(["heavy"], dict(os.environ))
