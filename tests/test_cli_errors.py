@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from procs import workers_of
 
 BASE = """
 model: {kind: gpt, gpt: {block_size: 16, n_layer: 2, n_head: 2, n_embd: 32}}
@@ -29,10 +30,7 @@ def spotpipe(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
 
 
 def workers_running(out: Path) -> list[str]:
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if "spotpipe.cli.worker" in line
-            and str(out) in open(f"/proc/{line.split()[0]}/environ", "rb").read().decode(
-                errors="replace")] if ps else []
+    return sorted(workers_of(out))
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import threading
 import time
 
@@ -15,6 +14,7 @@ from spotpipe.cluster.launcher import train
 from spotpipe.faults import Fault
 
 from conftest import tiny_config
+from procs import workers_of
 from test_failover import (FAST, assert_samples_exactly_once, config, events, failure_free)
 
 
@@ -71,23 +71,6 @@ def _counts(pid: int) -> tuple[int, int, int]:
     return threads, len(fds), sockets
 
 
-def _environ(pid: str) -> str:
-    """A process's environment; empty when it exited after `ps` listed it (a crashed worker)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _worker_pid(run, node: str) -> int | None:
-    """A worker by the name its fork has in ps (`spotpipe.cluster.forkserver`), of this run."""
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return next((int(line.split()[0]) for line in ps.splitlines()
-                 if line.endswith(f"spotpipe.cli.worker [{node}]")
-                 and str(run) in _environ(line.split()[0])), None)
-
-
 def test_two_hundred_generations_leave_nothing_behind(tmp_path, corpus, monkeypatch):
     """Every iteration ends its generation (a regroup at each boundary), 200 times, with a
     crash and a joiner among them: a surviving worker's and the launcher's threads, open files
@@ -112,7 +95,7 @@ def test_two_hundred_generations_leave_nothing_behind(tmp_path, corpus, monkeypa
 
     while job.is_alive():
         g = generation()
-        node0 = _worker_pid(run, "node0") if g >= 0 else None
+        node0 = workers_of(run).get("node0") if g >= 0 else None
         try:
             if node0 is not None:
                 samples["worker"].append((g, _counts(node0)))

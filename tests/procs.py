@@ -1,0 +1,25 @@
+"""Which processes are a run's workers, as a person would tell: by the log their output goes
+to (`OUT/logs/nodeN.log`), whether each is a fresh interpreter or a fork of the fork server."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def workers_of(out: Path) -> dict[str, int]:
+    """Node name -> pid of each running worker process of the run in `out`."""
+    logs = out.resolve() / "logs"
+    found: dict[str, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            target = Path(os.readlink(f"/proc/{entry}/fd/1"))
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if (target.parent == logs and target.name.startswith("node")
+                and b"spotpipe.cli.worker" in cmdline):
+            found[target.stem] = int(entry)
+    return found
