@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -21,15 +20,9 @@ from spotpipe.cluster.forkserver import (Exited, ForkServer, SharedForkServer, S
 from spotpipe.cluster.supervisor import FreshInterpreters, Supervisor, starter
 from spotpipe.config import Config
 
+from procs import until
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
-
-
-def _until(condition, what: str, limit_s: float = 60.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
 
 
 def _alive(pid: int) -> bool:
@@ -121,7 +114,7 @@ def test_a_server_lost_takes_its_children_and_says_so(tmp_path: Path) -> None:
     assert server._server is not None
     server._server.kill()
     assert exits.wait_for({"node0"}) == {"node0": -signal.SIGKILL}
-    _until(lambda: not _alive(child), "the orphaned child to die")
+    until(lambda: not _alive(child), "the orphaned child to die")
     with pytest.raises(RuntimeError, match="fork server has ended"):
         sup.spawn("node1", dict(os.environ, PYTHONPATH=str(tmp_path)))
 
@@ -156,7 +149,7 @@ def test_no_process_outlives_its_supervisor(tmp_path: Path) -> None:
     try:
         assert parent.stdout is not None
         server = int(parent.stdout.readline())
-        _until(lambda: pids.exists() and len(pids.read_text().split()) == 2, "both workers")
+        until(lambda: pids.exists() and len(pids.read_text().split()) == 2, "both workers")
         workers = [int(p) for p in pids.read_text().split()]
         assert all(_alive(p) for p in [server, *workers])
         # in ps, each worker has its own name
@@ -167,7 +160,7 @@ def test_no_process_outlives_its_supervisor(tmp_path: Path) -> None:
         parent.kill()
         parent.wait()
     for pid in [server, *workers]:
-        _until(lambda: not _alive(pid), f"process {pid} to die with the supervisor")
+        until(lambda: not _alive(pid), f"process {pid} to die with the supervisor")
 
 
 def test_the_config_chooses_how_workers_start(tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,8 @@ import pytest
 from spotpipe.cluster.forkserver import ForkServer
 from spotpipe.cluster.proc import killed_past_acting
 from spotpipe.cluster.supervisor import FreshInterpreters, Starter, Supervisor
+
+from procs import until
 
 # Two threads that never stop writing: a counter each, in a file both processes map.
 SPINNER = """
@@ -40,14 +41,6 @@ def starter(request, tmp_path: Path) -> Starter:
     if request.param == "fresh":
         return FreshInterpreters()
     return ForkServer([], tmp_path / "logs" / "forkserver.log")
-
-
-def _until(condition, what: str, limit_s: float = 30.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.001)
 
 
 def _state(pid: int) -> str:
@@ -76,7 +69,7 @@ def test_a_killed_node_is_reported_once_when_it_can_no_longer_act(tmp_path: Path
     env = dict(os.environ, SPIN_FILE=str(spin_file), PYTHONPATH=str(tmp_path))
     sup.spawn("node0", env)
     proc = sup.procs["node0"]
-    _until(lambda: min(read()) > 1000, "both threads to spin")
+    until(lambda: min(read()) > 1000, "both threads to spin")
     assert not killed_past_acting(proc.pid)
 
     assert sup.kill("node0")
@@ -85,7 +78,7 @@ def test_a_killed_node_is_reported_once_when_it_can_no_longer_act(tmp_path: Path
     assert (node, code) == ("node0", -signal.SIGKILL)
     # no thread wrote after the report: the process could no longer act
     proc.wait(30)
-    _until(lambda: sup._exits["node0"].reaped.is_set(), "the waiter to see the reap")
+    until(lambda: sup._exits["node0"].reaped.is_set(), "the waiter to see the reap")
     assert read() == at_report
     assert len(exits) == 1, exits  # the reap is not told again
     assert not sup.kill("node0")  # gone: nothing to kill
@@ -96,11 +89,11 @@ def test_proc_tells_a_kill_from_an_exit_of_its_own() -> None:
     own = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(1)"])
     killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        _until(lambda: _state(own.pid) == "Z", "the exiting child to become a zombie")
+        until(lambda: _state(own.pid) == "Z", "the exiting child to become a zombie")
         assert not killed_past_acting(own.pid)  # ended by itself: its reaper reports its code
         assert not killed_past_acting(killed.pid)  # running
         os.kill(killed.pid, signal.SIGKILL)
-        _until(lambda: killed_past_acting(killed.pid), "the killed child to be past acting")
+        until(lambda: killed_past_acting(killed.pid), "the killed child to be past acting")
     finally:
         own.wait()
         killed.kill()

@@ -186,6 +186,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         _train(forked, *restarts)
         forked_pause = torchrun_restart_pause(forked)["restart_pause_s"]
         variants["forked_restart_pause_s"] = round(forked_pause, 3)
+        variants["forked_restart_over_failover_ratio"] = round(ratio_of_medians(
+            [forked_pause], [p["pause_s"] for p in crashes]), 1)
     it = iteration_time(crash, before_s=None)
     pause = statistics.median(p["pause_s"] for p in crashes)
     figures: dict[str, Any] = {
@@ -215,9 +217,6 @@ def run(quick: bool = False) -> dict[str, Any]:
             [restart["restart_pause_s"]], [p["pause_s"] for p in crashes]), 1),
         "torchrun_restart_over_failover_ratio": round(ratio_of_medians(
             [warm["restart_pause_s"]], [p["pause_s"] for p in crashes]), 1),
-        **({"forked_restart_over_failover_ratio": round(ratio_of_medians(
-            [variants["forked_restart_pause_s"]], [p["pause_s"] for p in crashes]), 1)}
-           if "forked_restart_pause_s" in variants else {}),
         "crash_failovers": len(crashes), "notice_failovers": len(notices),
         "checkpoint_every": k,
         "config": "P=4 D=1 gloo, GPT n_layer=4 n_embd=64, micro-batch 4 x M=4, redundancy lazy; "

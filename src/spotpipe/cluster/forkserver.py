@@ -7,9 +7,10 @@ of it, ready in milliseconds, with the same modules and nothing run yet.
 
 Why our own and not multiprocessing's forkserver: that one is a single server per parent
 process, started with whatever environment the parent had at the time, whose children
-re-import the parent's `__main__` and run a pickled callable. Ours belongs to one
-`Supervisor`, so it dies with it; starts in the workers' environment, because glibc's tunables
-and OpenMP read theirs when a process starts; and runs a module as `python -m` runs it.
+re-import the parent's `__main__` and run a pickled callable. Ours is one per start-time
+environment (`start_key`), started in the workers' own, because glibc's tunables and OpenMP
+read theirs when a process starts; it dies with the process that started it; and it runs a
+module as `python -m` runs it.
 
 Safe to fork because the server never runs torch: no thread pool has started, no device is
 initialised, and the one thread it runs is the one that forks. Messages travel as JSON lines:
