@@ -47,14 +47,25 @@ def _trained(tmp_path_factory, cfg) -> dict:
     return _TRAINED[key]
 
 
+# An agent whose interpreter has imported torch and spotpipe's agent, then waits for a line on
+# its stdin before it runs `spotpipe agent`: the test opens the gate at the moment it chooses,
+# and the agent then acts within a second instead of after its imports. Its stdin closed
+# without a line (the test ended first), it exits 3 without acting.
+GATED = ("import sys; import spotpipe.cluster.agent; from spotpipe.cli.main import main; "
+         "raise SystemExit(main(sys.argv[1:]) if sys.stdin.readline() else 3)")
+
+
 def _agent(config: Path, out: Path, backend: str, endpoint: str, *, token: str = TOKEN,
-           job: str = "job1", nnodes: str = "2:3") -> subprocess.Popen:
+           job: str = "job1", nnodes: str = "2:3", gated: bool = False) -> subprocess.Popen:
     env = dict(os.environ, SPOTPIPE_JOIN_TOKEN=token,
                PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
+    start = ["-c", GATED] if gated else ["-m", "spotpipe"]
     return subprocess.Popen(
-        [sys.executable, "-m", "spotpipe", "agent", str(config), "--rdzv-backend", backend,
+        [sys.executable, *start, "agent", str(config), "--rdzv-backend", backend,
          "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--nnodes", nnodes, "--out", str(out),
-         "--no-progress", *(["--on-demand"] if backend == "c10d" else [])], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         "--no-progress", *(["--on-demand"] if backend == "c10d" else [])], env=env,
+        stdin=subprocess.PIPE if gated else None, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
 
 
 def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
@@ -108,8 +119,21 @@ def test_agents_train_like_spotpipe_train(tmp_path, tmp_path_factory, corpus, ba
 
 def test_stranger_agents_are_refused_and_the_job_completes(tmp_path, tmp_path_factory, corpus,
                                                            etcd):
-    cfg = _config(corpus, 1000, **LENIENT)
+    cfg = _config(corpus, 150, **LENIENT)
     config = _write_config(cfg, tmp_path / "job.yaml")
+    text = config.read_text()
+    other_model = tmp_path / "other_model.yaml"
+    other_model.write_text(text.replace("n_embd: 32", "n_embd: 16"))
+    other_config = tmp_path / "other_config.yaml"
+    other_config.write_text(text.replace("seed: 1", "seed: 7"))
+    # the strangers start with the job but come only once it trains (the gate, see GATED):
+    # their imports are done by then, so the job need only outlast their refusal
+    strangers = {
+        "token": _agent(config, tmp_path / "s_token", "etcd", etcd.endpoint, token="nope",
+                        gated=True),
+        "model": _agent(other_model, tmp_path / "s_model", "etcd", etcd.endpoint, gated=True),
+        "config": _agent(other_config, tmp_path / "s_config", "etcd", etcd.endpoint,
+                         gated=True)}
     outs = [tmp_path / "host_a", tmp_path / "host_b"]
     agents = [_agent(config, out, "etcd", etcd.endpoint) for out in outs]
 
@@ -135,15 +159,10 @@ def test_stranger_agents_are_refused_and_the_job_completes(tmp_path, tmp_path_fa
     forger.set(keys.arrival(junk), b"\xff not a record")
     forger.set(keys.arrival(marker), plain(vouch(ArrivalsClosed(), "not the token",
                                                  f"job1/{keys.arrival(marker)}")))
-    text = config.read_text()
-    other_model = tmp_path / "other_model.yaml"
-    other_model.write_text(text.replace("n_embd: 32", "n_embd: 16"))
-    other_config = tmp_path / "other_config.yaml"
-    other_config.write_text(text.replace("seed: 1", "seed: 7"))
-    strangers = {
-        "token": _agent(config, tmp_path / "s_token", "etcd", etcd.endpoint, token="nope"),
-        "model": _agent(other_model, tmp_path / "s_model", "etcd", etcd.endpoint),
-        "config": _agent(other_config, tmp_path / "s_config", "etcd", etcd.endpoint)}
+    for stranger in strangers.values():
+        assert stranger.poll() is None and stranger.stdin is not None
+        stranger.stdin.write("go\n")
+        stranger.stdin.flush()
     answers = dict(zip(strangers, _finish(list(strangers.values()))))
     for what, (code, err) in answers.items():
         assert code == 2 and "refused" in err, (what, err[-2000:])

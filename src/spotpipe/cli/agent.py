@@ -57,13 +57,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+REQUIRED = ("rdzv_endpoint", "rdzv_id", "nnodes")
+
+
 def run(args: argparse.Namespace) -> int:
-    from spotpipe.cluster.agent import AgentError, AgentOptions, parse_nnodes, run_agent
-    from spotpipe.cluster.launcher import LaunchError
     from spotpipe.config import ConfigError, load_config
 
+    if all(getattr(args, flag) for flag in REQUIRED):
+        _prestart(args)
+    from spotpipe.cluster.agent import AgentError, AgentOptions, parse_nnodes, run_agent
+    from spotpipe.cluster.launcher import LaunchError
+
     try:
-        for flag in ("rdzv_endpoint", "rdzv_id", "nnodes"):
+        for flag in REQUIRED:
             if not getattr(args, flag):
                 raise AgentError(f"--{flag.replace('_', '-')} is required (or "
                                  f"PET_{flag.upper()} in the environment)")
@@ -89,3 +95,17 @@ def run(args: argparse.Namespace) -> int:
     sys.stderr.flush()
     # threads blocked in store waits must not run interpreter teardown (see worker.py)
     os._exit(code)
+
+
+def _prestart(args: argparse.Namespace) -> None:
+    """Start the workers' fork server before this process imports torch, so that the two
+    imports overlap (as `spotpipe train` does). A bad configuration is left to `run`, which
+    reports it in the order of its checks."""
+    from spotpipe.cluster.supervisor import prestart
+    from spotpipe.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError:
+        return
+    prestart(cfg)
