@@ -17,7 +17,7 @@ import pytest
 
 from spotpipe.cluster.forkserver import (Exited, ForkServer, SharedForkServer, Spawn, Spawned,
                                          decode, encode, start_key)
-from spotpipe.cluster.supervisor import FreshInterpreters, Supervisor, starter
+from spotpipe.cluster.supervisor import FreshInterpreters, Supervisor, preload, starter
 from spotpipe.config import Config
 
 from procs import until
@@ -170,6 +170,48 @@ def test_the_config_chooses_how_workers_start(tmp_path: Path) -> None:
     assert isinstance(made, SharedForkServer) and made.preload == ["spotpipe.cli.worker"]
     cfg.cluster.fork_server = False  # as torchrun: each worker a fresh interpreter
     assert isinstance(starter(cfg, "spotpipe.cli.worker", tmp_path), FreshInterpreters)
+
+
+def test_a_transformers_model_has_the_library_preloaded(tmp_path: Path) -> None:
+    """With `model.kind: hf` the server imports transformers and the model family's module
+    once, instead of every worker on its own; the family comes from the type or from the
+    folder's config.json."""
+    cfg = Config()
+    cfg.model.kind = "hf"
+    cfg.model.hf.config = "gpt2"
+    made = starter(cfg, "spotpipe.cli.worker", tmp_path)
+    assert isinstance(made, SharedForkServer)
+    assert made.preload[0] == "spotpipe.cli.worker"
+    assert {"transformers.modeling_utils", "transformers.models.gpt2.modeling_gpt2"} <= \
+        set(made.preload)
+    folder = tmp_path / "llama-like"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    cfg.model.hf.config = str(folder)
+    assert "transformers.models.qwen2.modeling_qwen2" in preload(cfg, "spotpipe.cli.worker")
+    (folder / "config.json").write_text("not json")  # the worker will say what is wrong
+    assert not any(m.startswith("transformers.models.")
+                   for m in preload(cfg, "spotpipe.cli.worker"))
+    # the shadows and a GPT need nothing more than their own module
+    assert preload(cfg, "spotpipe.checkpoint.shadow") == ["spotpipe.checkpoint.shadow"]
+    cfg.model.kind = "gpt"
+    assert preload(cfg, "spotpipe.cli.worker") == ["spotpipe.cli.worker"]
+
+
+def test_a_preload_that_does_not_import_is_named_and_skipped(tmp_path: Path) -> None:
+    """Only the module the children run must import; a missing extra (transformers not
+    installed) leaves its import to the child, which reports it itself."""
+    (tmp_path / "job.py").write_text("import present\nprint('ran')\n")
+    (tmp_path / "present.py").write_text("")
+    exits = Exits()
+    log = tmp_path / "logs" / "forkserver.log"
+    server = ForkServer(["present", "no_such_module_of_spotpipe_tests"], log)
+    sup = Supervisor(tmp_path / "logs", exits, module="job", starter=server)
+    sup.spawn("node0", dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert exits.wait_for({"node0"}) == {"node0": 0}
+    sup.stop_all()
+    assert (tmp_path / "logs" / "node0.log").read_text().split() == ["ran"]
+    assert "not preloaded: no_such_module_of_spotpipe_tests" in log.read_text()
 
 
 def test_jobs_in_one_process_share_a_server_yet_start_as_fresh_ones_would(

@@ -145,14 +145,23 @@ def _folders(pythonpath: str) -> list[str]:
 
 
 def serve(preload: Sequence[str]) -> None:
-    """The server's loop: import `preload`, then fork on each request and report each exit.
+    """The server's loop: import `preload` (the first module must import; the others are
+    only a head start), then fork on each request and report each exit.
     Ends when its stdin closes (the supervisor is done or gone); children still running
     then die with it (PR_SET_PDEATHSIG)."""
     # what each child's sys.path keeps: not the server's working folder nor its PYTHONPATH
     own = set(_folders(os.environ.get("PYTHONPATH", "")))
     base_path = [p for p in sys.path[1:] if p not in own]
-    for module in preload:
-        importlib.import_module(module)
+    for i, module in enumerate(preload):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            if i == 0:  # what the children run: nothing can start without it
+                raise
+            # the rest only speed the children up; one that needs it imports it itself, and
+            # says what is missing
+            print(f"spotpipe fork server: not preloaded: {module} ({exc})", file=sys.stderr,
+                  flush=True)
     # a fork's name in ps is written over the server's command line, never over its environment
     # (which /proc/PID/environ shows: the first worker's, as the server started with it)
     os.environ["SPT_NOENV"] = "1"

@@ -63,8 +63,42 @@ def starter(cfg: Config, module: str, logs: Path) -> Starter:
     """The job's way to start `module`'s processes: forks of this process's server that
     imported it, unless the config asks for fresh interpreters."""
     if cfg.cluster.fork_server:
-        return SharedForkServer([module], logs / f"forkserver-{module.rsplit('.', 1)[-1]}.log")
+        return SharedForkServer(preload(cfg, module),
+                                logs / f"forkserver-{module.rsplit('.', 1)[-1]}.log")
     return FreshInterpreters()
+
+
+WORKER = "spotpipe.cli.worker"
+# transformers' own import is most of a worker's start with a transformers model: 7-8 s of CPU
+# for `transformers.modeling_utils` alone on our 2-core VMs, paid by every worker unless the
+# server pays it once
+TRANSFORMERS = ("transformers", "transformers.modeling_utils", "transformers.masking_utils",
+                "spotpipe.model.hf")
+TRANSFORMERS_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")  # spotpipe.model.hf's
+
+
+def preload(cfg: Config, module: str) -> list[str]:
+    """What the fork server imports before it forks `module`'s processes: the module, and for
+    a transformers model the library and the model family's module as well."""
+    if module != WORKER or cfg.model.kind != "hf":
+        return [module]
+    family = _transformers_model_type(cfg.model.hf.config)
+    return [module, *TRANSFORMERS] + (
+        [f"transformers.models.{family}.modeling_{family}"]
+        if family in TRANSFORMERS_FAMILIES else [])
+
+
+def _transformers_model_type(spec: str) -> str:
+    """The model type a `model.hf.config` names: the type itself, or a folder's config.json's
+    `model_type` ("" when it cannot be read: the worker then reports the problem)."""
+    folder = Path(spec)
+    if not folder.is_dir():
+        return spec
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type", "")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return model_type if isinstance(model_type, str) else ""
 
 
 def huge_page_tunables(current: str | None) -> str:
@@ -96,10 +130,9 @@ def prestart(cfg: Config, logs: Path | None = None) -> None:
     the first iteration's start."""
     if not cfg.cluster.fork_server:
         return
-    modules = ["spotpipe.cli.worker"] + (["spotpipe.checkpoint.shadow"] if cfg.shadow.enabled
-                                         else [])
+    modules = [WORKER] + (["spotpipe.checkpoint.shadow"] if cfg.shadow.enabled else [])
     for module in modules:
-        SharedForkServer([module], logs).prestart(start_env(cfg, search_path(cfg)))
+        SharedForkServer(preload(cfg, module), logs).prestart(start_env(cfg, search_path(cfg)))
 
 
 def worker_env(cfg: Config, *, rank: int, world: int, local_rank: int, local_world: int,
