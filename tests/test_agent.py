@@ -119,7 +119,7 @@ def test_agents_train_like_spotpipe_train(tmp_path, tmp_path_factory, corpus, ba
 
 def test_stranger_agents_are_refused_and_the_job_completes(tmp_path, tmp_path_factory, corpus,
                                                            etcd):
-    cfg = _config(corpus, 150, **LENIENT)
+    cfg = _config(corpus, 200, **LENIENT)
     config = _write_config(cfg, tmp_path / "job.yaml")
     text = config.read_text()
     other_model = tmp_path / "other_model.yaml"
