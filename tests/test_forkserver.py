@@ -250,3 +250,35 @@ def test_jobs_in_one_process_share_a_server_yet_start_as_fresh_ones_would(
     assert len(imports.read_text().split()) == 1  # one server for both jobs
     other = dict(os.environ, OMP_NUM_THREADS="3")
     assert start_key(["heavy"], other) != start_key(["heavy"], dict(os.environ))
+
+
+# Runs a spotpipe command with `supervisor.prestart` replaced by one that says whether torch
+# was imported when it was called (the command then stops on the bad input it was given).
+_PRESTART_PROBE = textwrap.dedent("""
+    import sys
+    import spotpipe.cluster.supervisor as supervisor
+    def probe(cfg, logs=None):
+        print("prestart: torch imported:", "torch" in sys.modules, flush=True)
+    supervisor.prestart = probe
+    from spotpipe.cli.main import main
+    raise SystemExit(main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.parametrize("command", ["train", "agent"])
+def test_commands_start_the_fork_server_before_they_import_torch(tmp_path: Path,
+                                                                  command: str) -> None:
+    """So that the server's import of torch overlaps the command's own."""
+    config = str(Path(__file__).resolve().parents[1] / "examples" / "gpt_tiny.yaml")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "something").write_text("")  # not empty, no --overwrite: train stops there
+    args = {"train": ["train", config, "--out", str(out), "--no-progress"],
+            # MIN above MAX: the agent stops there
+            "agent": ["agent", config, "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "j",
+                      "--nnodes", "3:2", "--out", str(out)]}[command]
+    done = subprocess.run([sys.executable, "-c", _PRESTART_PROBE, *args], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=SRC))
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stdout.splitlines()[0] == "prestart: torch imported: False", done.stdout
+    assert "error" in done.stderr
