@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections import defaultdict
 
 import pytest
@@ -92,3 +93,44 @@ def test_tied_embeddings_with_redundancy(tmp_path, corpus):
 def test_redundancy_needs_two_stages(corpus):
     with pytest.raises(ConfigError, match="needs stages >= 2"):
         tiny_config(corpus, stages=1, redundancy="eager")
+
+
+def test_a_replica_the_node_waits_on_runs_at_normal_priority():
+    """The replica's thread runs at idle priority while the node has work of its own; while
+    the node waits on it, at normal priority: an idle-priority thread gets the core only when
+    no other process wants it, so with more processes than cores the node would wait until
+    every other one blocks."""
+    import os
+    import threading
+    from types import SimpleNamespace
+
+    from spotpipe.config import Config
+    from spotpipe.runtime.replica import ReplicaApplier
+
+    entered, release = threading.Event(), threading.Event()
+    seen: list[int] = []
+
+    class Held(ReplicaApplier):
+        def _apply_gradient(self, iteration, flat):
+            entered.set()
+            assert release.wait(60)
+            seen.append(os.sched_getscheduler(0))  # the policy the update itself ran at
+
+    applier = Held(SimpleNamespace(index=0), Config(), None, max_lag=None)
+    applier.submit(0, "grad", None)
+    assert entered.wait(60)
+    thread = applier._native_id
+    if thread is None:
+        pytest.skip("this system does not let a thread take idle priority")
+    assert os.sched_getscheduler(thread) == os.SCHED_IDLE  # the node has not waited yet
+    waiter = threading.Thread(target=applier.wait_applied, args=(0,))
+    waiter.start()
+    deadline = time.monotonic() + 60
+    while os.sched_getscheduler(thread) != os.SCHED_OTHER:  # the node now waits on it
+        assert time.monotonic() < deadline, "the replica's priority was never raised"
+        time.sleep(0.001)
+    release.set()
+    waiter.join(60)
+    assert not waiter.is_alive() and seen == [os.SCHED_OTHER]
+    assert os.sched_getscheduler(thread) == os.SCHED_IDLE  # back once the wait is over
+    applier.close()

@@ -144,6 +144,7 @@ class ReplicaApplier:
         self.waited_s = 0.0
         self.waiting = False  # the caller is held back by this replica (read by heartbeats)
         self.max_lag_seen = 0
+        self._native_id: int | None = None  # the thread's, once it runs at idle priority
         self._thread = threading.Thread(target=self._loop, name="replica", daemon=True)
         self._thread.start()
 
@@ -177,6 +178,7 @@ class ReplicaApplier:
         can be seconds behind, and a node waiting on it must still answer a failure."""
         start = time.perf_counter()
         self.waiting = True
+        self._priority(idle=False)
         try:
             with self._cond:
                 while self._applied < iteration and self._error is None:
@@ -186,6 +188,7 @@ class ReplicaApplier:
                         check()
                         self._cond.wait(0.05)
         finally:
+            self._priority(idle=True)
             self.waiting = False
         self.waited_s += time.perf_counter() - start
         self.raise_if_failed()
@@ -206,15 +209,31 @@ class ReplicaApplier:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join()
+        self._native_id = None  # (a thread id the kernel may give to another thread)
         self.raise_if_failed()
 
     # ------------------------------------------------------------------ background thread
 
+    def _priority(self, idle: bool) -> None:
+        """The thread's CPU priority: idle while the node has work of its own, normal while
+        the node waits on it (`wait_applied`). An idle-priority thread that the node waits
+        for gets the core only when nothing else wants it: with more processes than cores,
+        the node would wait until every other process blocks (a priority inversion)."""
+        if self._native_id is None:
+            return
+        try:
+            os.sched_setscheduler(self._native_id, os.SCHED_IDLE if idle else os.SCHED_OTHER,
+                                  os.sched_param(0))
+        except (AttributeError, OSError):  # not Linux, or not permitted: leave it
+            pass
+
     def _loop(self) -> None:
         # Lowest CPU priority: the replica's step should only use time the node would idle,
-        # never delay the node's own work (measured by `spotpipe bench redundancy`).
+        # never delay the node's own work (measured by `spotpipe bench redundancy`); raised
+        # while the node waits on it (`_priority`)
         try:
             os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+            self._native_id = threading.get_native_id()
         except (AttributeError, OSError):  # not Linux, or not permitted: normal priority
             pass
         try:
