@@ -192,6 +192,10 @@ def test_a_transformers_model_has_the_library_preloaded(tmp_path: Path) -> None:
     (folder / "config.json").write_text("not json")  # the worker will say what is wrong
     assert not any(m.startswith("transformers.models.")
                    for m in preload(cfg, "spotpipe.cli.worker"))
+    from spotpipe.cluster.supervisor import TRANSFORMERS_FAMILIES
+    from spotpipe.model.hf import FAMILIES
+    # written twice, since the supervisor stays free of torch: the lists must agree
+    assert set(TRANSFORMERS_FAMILIES) == set(FAMILIES)
     # the shadows and a GPT need nothing more than their own module
     assert preload(cfg, "spotpipe.checkpoint.shadow") == ["spotpipe.checkpoint.shadow"]
     cfg.model.kind = "gpt"

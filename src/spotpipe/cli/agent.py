@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from spotpipe.cli.argtypes import positive_number
+from spotpipe.config import Config
 
 
 def _env(flag: str, default: str | None = None) -> str | None:
@@ -63,8 +64,7 @@ REQUIRED = ("rdzv_endpoint", "rdzv_id", "nnodes")
 def run(args: argparse.Namespace) -> int:
     from spotpipe.config import ConfigError, load_config
 
-    if all(getattr(args, flag) for flag in REQUIRED):
-        _prestart(args)
+    early = _prestart(args) if all(getattr(args, flag) for flag in REQUIRED) else None
     from spotpipe.cluster.agent import AgentError, AgentOptions, parse_nnodes, run_agent
     from spotpipe.cluster.launcher import LaunchError
 
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
                 raise AgentError(f"--{flag.replace('_', '-')} is required (or "
                                  f"PET_{flag.upper()} in the environment)")
         low, high = parse_nnodes(args.nnodes)
-        cfg = load_config(args.config, args.overrides)
+        cfg = early if early is not None else load_config(args.config, args.overrides)
         opts = AgentOptions(backend=args.rdzv_backend, endpoint=args.rdzv_endpoint,
                             rdzv_id=args.rdzv_id, min_nodes=low, max_nodes=high,
                             out=Path(args.out), nproc=args.nproc_per_node,
@@ -97,15 +97,16 @@ def run(args: argparse.Namespace) -> int:
     os._exit(code)
 
 
-def _prestart(args: argparse.Namespace) -> None:
+def _prestart(args: argparse.Namespace) -> Config | None:
     """Start the workers' fork server before this process imports torch, so that the two
-    imports overlap (as `spotpipe train` does). A bad configuration is left to `run`, which
-    reports it in the order of its checks."""
+    imports overlap (as `spotpipe train` does); the configuration it read. A bad one is left
+    to `run`, which reports it in the order of its checks."""
     from spotpipe.cluster.supervisor import prestart
     from spotpipe.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError:
-        return
+        return None
     prestart(cfg)
+    return cfg

@@ -214,28 +214,28 @@ class ReplicaApplier:
 
     # ------------------------------------------------------------------ background thread
 
-    def _priority(self, idle: bool) -> None:
+    def _priority(self, idle: bool) -> bool:
         """The thread's CPU priority: idle while the node has work of its own, normal while
-        the node waits on it (`wait_applied`). An idle-priority thread that the node waits
-        for gets the core only when nothing else wants it: with more processes than cores,
-        the node would wait until every other process blocks (a priority inversion)."""
+        the node waits on it (`wait_applied`); whether it was set. An idle-priority thread
+        that the node waits for gets the core only when nothing else wants it: with more
+        processes than cores, the node would wait until every other process blocks (a
+        priority inversion)."""
         if self._native_id is None:
-            return
+            return False
         try:
             os.sched_setscheduler(self._native_id, os.SCHED_IDLE if idle else os.SCHED_OTHER,
                                   os.sched_param(0))
         except (AttributeError, OSError):  # not Linux, or not permitted: leave it
-            pass
+            return False
+        return True
 
     def _loop(self) -> None:
         # Lowest CPU priority: the replica's step should only use time the node would idle,
         # never delay the node's own work (measured by `spotpipe bench redundancy`); raised
-        # while the node waits on it (`_priority`)
-        try:
-            os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
-            self._native_id = threading.get_native_id()
-        except (AttributeError, OSError):  # not Linux, or not permitted: normal priority
-            pass
+        # while the node waits on it. Where idle priority is refused, it stays normal.
+        self._native_id = threading.get_native_id()
+        if not self._priority(idle=True):
+            self._native_id = None
         try:
             while (item := self._queue.get()) is not None:
                 iteration, kind, flat = item
