@@ -72,7 +72,8 @@ def test_the_pause_past_the_timeout_is_judged_on_its_p99():
         case = ChaosCase(kind, 2, 1, "lazy", "node1", 3, "forward")
         return CaseResult(case, True, [], [
             {"pause_s": s, "pause_iterations": s / 0.05, "past_timeout_iterations": past,
-             "detection_s": 0.03, "past_detection_iterations": past - 0.6,
+             "detection_s": 0.03, "wait_by_design_s": 2.0 if kind == "hang" else 0.0,
+             "past_detection_iterations": past - 0.6,
              "iterations_lost": 1, "iteration_s": 0.05} for s, past in pauses])
 
     results = [result("crash", (0.08, 1.6)), result("crash", (0.09, 1.8)),
@@ -88,3 +89,32 @@ def test_the_pause_past_the_timeout_is_judged_on_its_p99():
     out = summarize(results + [result("hang", (2.2, 4.0))])
     assert out["past_timeout_p99_iterations"] == 4.0
     assert out["pause_p99_within_target"] is False
+
+
+def test_a_notice_waits_for_its_boundary_by_design(tmp_path):
+    """A notice is acted on at the next iteration boundary: the iteration in flight runs on
+    and is kept, so the pause past the fault's wait starts where that iteration completed.
+    The figures are worked by hand from a made-up run."""
+    import json
+
+    from spotpipe.bench.chaos import incidents
+
+    def lines(name, records):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    lines("metrics.jsonl", [{"iter": i, "time_s": 10.0 + 0.05 * (i - 3), "iter_time_s": 0.05}
+                            for i in range(4)]  # iterations 0-3, 50 ms each, 3 done at 10.0
+          + [{"iter": 4, "time_s": 10.06, "iter_time_s": 0.05},    # in flight at the notice
+             {"iter": 5, "time_s": 10.18, "iter_time_s": 0.07}])  # first after the plan
+    lines("events.jsonl", [
+        {"kind": "fault_injected", "time_s": 10.01, "iteration": 4},
+        {"kind": "report", "time_s": 10.065, "iteration": 4, "generation": 0},
+        {"kind": "failure_detected", "time_s": 10.07},
+        {"kind": "plan", "time_s": 10.09, "generation": 1, "resume": 5, "action": "failover"}])
+    (notice,) = incidents(tmp_path, at_boundary=True)
+    assert round(notice["pause_s"], 6) == 0.17 and round(notice["pause_iterations"], 6) == 3.4
+    assert round(notice["wait_by_design_s"], 6) == 0.05  # 10.01 -> 10.06
+    assert round(notice["past_timeout_iterations"], 6) == 2.4  # 10.06 -> 10.18: 0.12 s
+    assert notice["iterations_lost"] == 0  # iteration 4 was kept
+    (crash,) = incidents(tmp_path)  # read as a crash: no wait by design
+    assert crash["wait_by_design_s"] == 0.0 and round(crash["past_timeout_iterations"], 6) == 3.4

@@ -134,3 +134,46 @@ def test_a_replica_the_node_waits_on_runs_at_normal_priority():
     assert not waiter.is_alive() and seen == [os.SCHED_OTHER]
     assert os.sched_getscheduler(thread) == os.SCHED_IDLE  # back once the wait is over
     applier.close()
+
+
+def test_a_backlog_at_the_writers_limit_raises_the_applier_before_anyone_waits():
+    """A CPU shadow's writer (another process) waits once the shadow's backlog reaches
+    `shadow.max_lag`, and cannot raise the shadow's thread itself: from that backlog on the
+    applier runs at normal priority, and back at idle once it falls below."""
+    import os
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    from spotpipe.config import Config
+    from spotpipe.runtime.replica import ReplicaApplier
+
+    entered, release = threading.Event(), threading.Event()
+    seen: dict[int, int] = {}
+    clipped: list[torch.Tensor] = []
+
+    class Held(ReplicaApplier):
+        def _apply_gradient(self, iteration, flat):
+            if iteration == 0:
+                entered.set()
+                assert release.wait(60)
+            seen[iteration] = os.sched_getscheduler(0)
+            clipped.append(flat.clone())
+
+    applier = Held(SimpleNamespace(index=0, params=[None]), Config(), None, max_lag=None,
+                   urgent_lag=2)
+    grad = torch.tensor([1.0, 2.0, 1.0])  # two values and one parameter's flag
+    applier.submit(0, "grad", grad.clone(), scale=torch.tensor(0.5))
+    assert entered.wait(60)
+    thread = applier._native_id
+    if thread is None:
+        pytest.skip("this system does not let a thread take idle priority")
+    assert os.sched_getscheduler(thread) == os.SCHED_IDLE  # backlog 1: below the limit
+    applier.submit(1, "grad", grad.clone())  # backlog 2: the writer's next gradient would wait
+    assert os.sched_getscheduler(thread) == os.SCHED_OTHER
+    release.set()
+    applier.close()  # (not `drain`: a caller's wait raises the priority too)
+    assert seen == {0: os.SCHED_OTHER, 1: os.SCHED_IDLE}  # 1 ran with a backlog of 1
+    # the clipping scale is applied on the applier's thread, to the values and not the flags
+    assert clipped[0].tolist() == [0.5, 1.0, 1.0] and clipped[1].tolist() == [1.0, 2.0, 1.0]

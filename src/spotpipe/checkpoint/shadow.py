@@ -9,11 +9,13 @@ serves that state when two adjacent stages are lost (no replica survives), and w
 durable checkpoints (every `checkpoint.every` iterations), so workers never stop to save.
 
 Started by the launcher, one process per stage, with the worker's environment plus
-SPOTPIPE_SHADOW_STAGE. The whole process runs at the lowest priority (SCHED_IDLE), so where it
-shares a host with workers it uses only CPU time that training leaves idle; the receive of the
-next gradient is always posted ahead, so a writer's send (which it confirms before it commits)
-completes without this process being scheduled. The optimizer steps run on a background thread
-(the replica applier); if they fall `shadow.max_lag` iterations behind, the writer waits.
+SPOTPIPE_SHADOW_STAGE. The optimizer steps (and the durable saves) run on a background thread
+(the replica applier) at the lowest priority (SCHED_IDLE), so where the shadow shares a host
+with workers it uses only CPU time that training leaves idle; if they fall `shadow.max_lag`
+iterations behind, the writer waits, so from that backlog on the thread runs at normal
+priority. The thread that receives stays at normal priority: it is nearly always blocked, and
+the receive of the next gradient is posted ahead, so a writer's send (which it confirms before
+it commits) completes without waiting for a free core.
 """
 
 from __future__ import annotations
@@ -39,8 +41,7 @@ from spotpipe.config import Config, load_config
 from spotpipe.runtime.state import flatten
 from spotpipe.runtime import node as nodelib
 from spotpipe.runtime.digest import DigestLog
-from spotpipe.runtime.replica import (ReplicaApplier, ReplicaStage, mark_skipped,
-                                      scale_flat_gradient)
+from spotpipe.runtime.replica import ReplicaApplier, ReplicaStage, mark_skipped
 from spotpipe.runtime.shadow_link import (ACK, COMMIT, END, GRAD, GRAD_TAG, HELLO, applied_key,
                                           header, latest_key, link_key, pair_group,
                                           scale_from_bits)
@@ -77,8 +78,10 @@ class Shadow:
         self.pending: tuple[int, torch.Tensor] | None = None  # received, not yet committed
         self.digests = (DigestLog(run_dir / "logs" / f"digests.{self.name}.jsonl")
                         if cfg.logging.state_digests else None)
+        # the writer waits once the backlog reaches shadow.max_lag: from there on the
+        # applier runs at normal priority (see `main`)
         self.applier = ReplicaApplier(replica, cfg, self.digests, role="shadow", max_lag=None,
-                                      on_applied=self._applied)
+                                      urgent_lag=cfg.shadow.max_lag, on_applied=self._applied)
         self.applier.start_at(self.submitted + 1)
         self.max_lag_seen = 0
         self.links = 0
@@ -194,14 +197,15 @@ class Shadow:
         if skip:  # training.nonfinite: skip: no step of this iteration anywhere
             self.applier.submit(iteration, "none", None)
         else:
+            clip = None
             if scale is not None and torch.isnan(scale):  # fp16: skipped, the scale backs off
                 mark_skipped(flat, self.num_params)
             elif self.cfg.optimizer.grad_clip > 0:
                 if scale is None:
                     raise RuntimeError(f"shadow of stage {self.stage}: iteration {iteration} "
                                        "committed without its clipping scale")
-                scale_flat_gradient(flat, self.num_params, scale)
-            self.applier.submit(iteration, "grad", flat)
+                clip = scale  # applied on the applier's thread, at its priority
+            self.applier.submit(iteration, "grad", flat, scale=clip)
         self.submitted = iteration
         self.pending = None
 
@@ -230,11 +234,12 @@ def main() -> int:
     t0 = float(os.environ.get("SPOTPIPE_T0", time.time()))
     stage = int(os.environ["SPOTPIPE_SHADOW_STAGE"])
     cfg = load_config(os.environ.get("SPOTPIPE_CONFIG") or run_dir / "config.yaml")
+    # Only the applier's thread (the optimizer steps and the durable saves: the shadow's CPU
+    # work) runs at idle priority, and at normal priority once its backlog reaches the
+    # writer's shadow.max_lag. This thread and gloo's stay at normal priority: they only move
+    # messages, and a writer's send completes only once this thread has posted the receive,
+    # so at idle priority on a busy host every writer's commit would wait for a free core.
     torch.set_num_threads(1)
-    try:  # the whole process, and the threads it starts, only on CPU that training leaves idle
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):  # not Linux, or not permitted: normal priority
-        pass
     spec = job.RunSpec.from_json(json.loads((run_dir / "run.json").read_text()))
     store = StoreAddress.from_env().connect(cfg.cluster.timeout_s)
     channel = Outbox(store, channel_from_env(f"shadow{stage}"), t0)

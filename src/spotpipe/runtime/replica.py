@@ -125,9 +125,13 @@ class ReplicaApplier:
 
     def __init__(self, replica: ReplicaStage, cfg: Config, digests: DigestLog | None, *,
                  role: str = "replica", max_lag: int | None = -1,
+                 urgent_lag: int | None = None,
                  on_applied: Callable[[int], None] | None = None) -> None:
         """`max_lag`: how far behind `submit` lets it fall before the caller waits (-1: the
-        configured `replica.max_lag`; None: never wait). `on_applied(t)` runs on the
+        configured `replica.max_lag`; None: never wait). `urgent_lag`: from this backlog on
+        (submitted less applied) the thread runs at normal priority, before anyone waits: a
+        CPU shadow's writer, in another process, waits once the backlog reaches its
+        `shadow.max_lag`, and cannot raise this thread itself. `on_applied(t)` runs on the
         background thread after iteration t is applied (a CPU shadow marks it, and writes
         its durable checkpoints there)."""
         self.replica = replica
@@ -135,8 +139,10 @@ class ReplicaApplier:
         self.digests = digests
         self.role = role
         self.max_lag = cfg.replica.max_lag if max_lag == -1 else max_lag
+        self.urgent_lag = urgent_lag
         self.on_applied = on_applied
-        self._queue: queue.Queue[tuple[int, str, torch.Tensor | None] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[int, str, torch.Tensor | None, torch.Tensor | None]
+                                 | None] = queue.Queue()
         self._cond = threading.Condition()
         self._applied = -1
         self._submitted = -1
@@ -145,6 +151,7 @@ class ReplicaApplier:
         self.waiting = False  # the caller is held back by this replica (read by heartbeats)
         self.max_lag_seen = 0
         self._native_id: int | None = None  # the thread's, once it runs at idle priority
+        self._idle: bool | None = None  # the priority it runs at (None: not set yet)
         self._thread = threading.Thread(target=self._loop, name="replica", daemon=True)
         self._thread.start()
 
@@ -159,16 +166,19 @@ class ReplicaApplier:
             self._applied = self._submitted = iteration - 1
 
     def submit(self, iteration: int, kind: str, flat: torch.Tensor | None,
-               check: Callable[[], None] | None = None) -> None:
+               check: Callable[[], None] | None = None, *,
+               scale: torch.Tensor | None = None) -> None:
         """kind: "grad" (apply an optimizer step), "state" (load a full copy), "none".
         `check` as for `wait_applied`: a node held back by a slow replica still answers an
-        abort (otherwise it looks hung and is fenced)."""
+        abort (otherwise it looks hung and is fenced). `scale`: a "grad" still to be clipped
+        (`scale_flat_gradient`), on this thread rather than the caller's."""
         self.raise_if_failed()
         with self._cond:
             self._submitted = iteration
             lag = iteration - self._applied
+            self._reprioritize()
         self.max_lag_seen = max(self.max_lag_seen, lag)
-        self._queue.put((iteration, kind, flat))
+        self._queue.put((iteration, kind, flat, scale))
         if self.max_lag is not None and lag > self.max_lag:  # the documented policy: wait
             self.wait_applied(iteration - self.max_lag, check)
 
@@ -177,8 +187,9 @@ class ReplicaApplier:
         leave the wait (an abort): the applier runs at idle priority, so on a busy machine it
         can be seconds behind, and a node waiting on it must still answer a failure."""
         start = time.perf_counter()
-        self.waiting = True
-        self._priority(idle=False)
+        with self._cond:
+            self.waiting = True
+            self._reprioritize()
         try:
             with self._cond:
                 while self._applied < iteration and self._error is None:
@@ -188,8 +199,9 @@ class ReplicaApplier:
                         check()
                         self._cond.wait(0.05)
         finally:
-            self._priority(idle=True)
-            self.waiting = False
+            with self._cond:
+                self.waiting = False
+                self._reprioritize()
         self.waited_s += time.perf_counter() - start
         self.raise_if_failed()
 
@@ -214,12 +226,20 @@ class ReplicaApplier:
 
     # ------------------------------------------------------------------ background thread
 
-    def _priority(self, idle: bool) -> bool:
-        """The thread's CPU priority: idle while the node has work of its own, normal while
-        the node waits on it (`wait_applied`); whether it was set. An idle-priority thread
-        that the node waits for gets the core only when nothing else wants it: with more
-        processes than cores, the node would wait until every other process blocks (a
+    def _reprioritize(self) -> None:
+        """Under `_cond`: idle while nobody waits on the replica, normal while the node waits
+        on it (`wait_applied`) or the backlog reaches `urgent_lag`. An idle-priority thread
+        that someone waits for gets the core only when nothing else wants it: with more
+        processes than cores, the waiter would wait until every other process blocks (a
         priority inversion)."""
+        urgent = self.urgent_lag is not None and \
+            self._submitted - self._applied >= self.urgent_lag
+        idle = not (self.waiting or urgent)
+        if idle != self._idle and self._priority(idle):
+            self._idle = idle
+
+    def _priority(self, idle: bool) -> bool:
+        """Set the thread's CPU priority; whether it took."""
         if self._native_id is None:
             return False
         try:
@@ -234,14 +254,19 @@ class ReplicaApplier:
         # never delay the node's own work (measured by `spotpipe bench redundancy`); raised
         # while the node waits on it. Where idle priority is refused, it stays normal.
         self._native_id = threading.get_native_id()
-        if not self._priority(idle=True):
-            self._native_id = None
+        with self._cond:
+            if not self._priority(idle=True):
+                self._native_id = None
+            self._idle = True
+            self._reprioritize()  # someone may wait already
         try:
             while (item := self._queue.get()) is not None:
-                iteration, kind, flat = item
+                iteration, kind, flat, scale = item
                 if DELAY_S and self.role == "replica":
                     time.sleep(DELAY_S)  # an injected starvation (see DELAY_S), not a wait
                 if kind == "grad":
+                    if scale is not None:
+                        scale_flat_gradient(flat, len(self.replica.params), scale)
                     self._apply_gradient(iteration, flat)
                 elif kind == "state":
                     self._load_state(flat)
@@ -252,6 +277,7 @@ class ReplicaApplier:
                     self.on_applied(iteration)
                 with self._cond:
                     self._applied = iteration
+                    self._reprioritize()
                     self._cond.notify_all()
         except BaseException as exc:  # surfaced to the main thread at its next call
             with self._cond:
