@@ -218,6 +218,27 @@ def test_a_preload_that_does_not_import_is_named_and_skipped(tmp_path: Path) -> 
     assert "not preloaded: no_such_module_of_spotpipe_tests" in log.read_text()
 
 
+def test_what_a_preload_prints_goes_to_the_log_not_into_the_messages(tmp_path: Path) -> None:
+    """The server's messages travel on its stdout: a preloaded module that prints there, from
+    Python or straight to fd 1 as C code would, must not break them."""
+    (tmp_path / "job.py").write_text("import noisy\nprint('ran')\n")
+    (tmp_path / "noisy.py").write_text(
+        "import os\nprint('hello from python')\nos.write(1, b'{not json from C}\\n')\n")
+    exits = Exits()
+    log = tmp_path / "logs" / "forkserver.log"
+    server = ForkServer(["noisy"], log)
+    sup = Supervisor(tmp_path / "logs", exits, module="job", starter=server)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    sup.spawn("node0", env)
+    sup.spawn("node1", env)
+    assert exits.wait_for({"node0", "node1"}) == {"node0": 0, "node1": 0}
+    sup.stop_all()
+    for node in ("node0", "node1"):
+        assert (tmp_path / "logs" / f"{node}.log").read_text().split() == ["ran"]
+    said = log.read_text()
+    assert "hello from python" in said and "{not json from C}" in said
+
+
 def test_jobs_in_one_process_share_a_server_yet_start_as_fresh_ones_would(
         tmp_path: Path, monkeypatch) -> None:
     """Two jobs one after the other, from different working folders and with different

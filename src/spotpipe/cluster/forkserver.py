@@ -14,8 +14,9 @@ module as `python -m` runs it.
 
 Safe to fork because the server never runs torch: no thread pool has started, no device is
 initialised, and the one thread it runs is the one that forks. Messages travel as JSON lines:
-requests (`Spawn`) on the server's stdin; `Spawned` and `Exited` on its stdout, in the order
-that the server saw them, so a child's `Spawned` always comes before its `Exited`.
+requests (`Spawn`) on the server's stdin; `Spawned` and `Exited` on its stdout (which nothing
+else writes to: the server's own fd 1 goes to its log), in the order that the server saw them,
+so a child's `Spawned` always comes before its `Exited`.
 """
 
 from __future__ import annotations
@@ -149,6 +150,10 @@ def serve(preload: Sequence[str]) -> None:
     only a head start), then fork on each request and report each exit.
     Ends when its stdin closes (the supervisor is done or gone); children still running
     then die with it (PR_SET_PDEATHSIG)."""
+    # the messages go out on a copy of fd 1, and fd 1 itself to the server's log (its stderr):
+    # what a preloaded module prints, from Python or from C, cannot corrupt a message
+    channel = os.dup(1)
+    os.dup2(2, 1)
     # what each child's sys.path keeps: not the server's working folder nor its PYTHONPATH
     own = set(_folders(os.environ.get("PYTHONPATH", "")))
     base_path = [p for p in sys.path[1:] if p not in own]
@@ -162,6 +167,7 @@ def serve(preload: Sequence[str]) -> None:
             # says what is missing
             print(f"spotpipe fork server: not preloaded: {module} ({exc})", file=sys.stderr,
                   flush=True)
+    sys.stdout.flush()  # (not into a child's log, after a fork)
     # a fork's name in ps is written over the server's command line, never over its environment
     # (which /proc/PID/environ shows: the first worker's, as the server started with it)
     os.environ["SPT_NOENV"] = "1"
@@ -188,7 +194,7 @@ def serve(preload: Sequence[str]) -> None:
                 break
             if pid == 0:
                 break
-            os.write(1, encode(Exited(pid, os.waitstatus_to_exitcode(status))))
+            os.write(channel, encode(Exited(pid, os.waitstatus_to_exitcode(status))))
         if 0 not in ready:
             continue
         chunk = os.read(0, 1 << 16)
@@ -202,8 +208,8 @@ def serve(preload: Sequence[str]) -> None:
                 raise TypeError(f"fork server: a {type(request).__name__} is not a request")
             pid = os.fork()
             if pid == 0:
-                _child(request, me, (0, 1, wake_r, wake_w), base_path)
-            os.write(1, encode(Spawned(pid)))
+                _child(request, me, (0, channel, wake_r, wake_w), base_path)
+            os.write(channel, encode(Spawned(pid)))
 
 
 # --- the supervisor's side ---------------------------------------------------------------------
@@ -261,6 +267,7 @@ class ForkServer:
         self._waiting: deque[ForkedChild] = deque()  # sent, not yet forked
         self._children: dict[int, ForkedChild] = {}
         self._gone = False
+        self._garbled = ""  # a line from the server that was not a message
 
     def start(self, module: str, env: dict[str, str], log: Path, name: str) -> ForkedChild:
         child = ForkedChild(module)
@@ -326,7 +333,13 @@ class ForkServer:
                 launched.set()
             assert self._server.stdout is not None
             for line in self._server.stdout:
-                self._receive(decode(line))
+                try:
+                    message = decode(line)
+                except (ValueError, KeyError, TypeError):  # not ours: nothing can be trusted
+                    self._garbled = line[:200].decode(errors="replace")
+                    self._server.kill()
+                    break
+                self._receive(message)
             self._server.wait()
             self._lost()
 
@@ -357,7 +370,8 @@ class ForkServer:
             waiting, self._waiting = list(self._waiting), deque()
             children, self._children = dict(self._children), {}
         for child in waiting:
-            child._error = "it ended first"
+            child._error = (f"it wrote {self._garbled!r} where a message belongs"
+                            if self._garbled else "it ended first")
             child._forked.set()
         for pid, child in children.items():
             try:
