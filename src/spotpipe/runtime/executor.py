@@ -6,10 +6,11 @@ stream to run, on which layout, and what to do when a peer disappears are decide
 (plan, worker): a failure surfaces here as a `PeerFailure` from any wait, and the iteration is
 simply abandoned.
 
-Each iteration ends with a commit: the node confirms it holds the gradients its replica needs,
-then one tiny all-reduce over all nodes (which also carries preemption notices) marks the
-iteration committed everywhere. Optimizer steps happen only after it, so after any failure the
-survivors either all complete the iteration or all replay it.
+Each iteration ends with a commit: the node confirms it holds the gradients its replica (and
+its shadows) need, then the all-gather of the gradient norms, which every node takes part in
+anyway and which also carries preemption notices, marks the iteration committed everywhere.
+Optimizer steps happen only after it, so after any failure the survivors either all complete
+the iteration or all replay it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from spotpipe.runtime.digest import DigestLog, stage_digest, tensors_digest
 from spotpipe.runtime.optim import set_lr
 from spotpipe.runtime import precision as amp
 from spotpipe.runtime.replica import (ReplicaApplier, ReplicaStage, flatten_grads,
-                                      flatten_state)
+                                      flatten_state, mark_skipped)
 from spotpipe.runtime.shadow_link import ShadowWriter
 from spotpipe.runtime.state import Holding, StageState  # noqa: F401 (re-exported)
 from spotpipe.schedule import Instr, Op
@@ -169,6 +170,9 @@ class Executor:
         self.position_at = time.monotonic()
         self.committed_through = -1
         self.stepped_through = -1
+        # the iteration whose norm gather this node completed (the commit's facts: the
+        # clipping scale, a skipped step), which `step` can take from a Decision instead
+        self.gathered_through = -1
         self._replica_recv: tuple[Any, torch.Tensor] | None = None
         self._flags_gathered: bool | None = None
         self._replica_sends: list[tuple[Any, torch.Tensor]] = []
@@ -287,14 +291,10 @@ class Executor:
                     f.keep_local_gradients(self.stages)
                 loss_bad = f.loss_sum is not None and not bool(torch.isfinite(f.loss_sum).all())
                 grad_norm = self.reduce_gradients(leaving(), iteration, loss_bad)
-                self._post_replication(iteration)
             elif op == Op.OPTIMIZER_STEP:
-                self._confirm_replication()
                 if self._skips(iteration) and self.cfg.training.nonfinite == "stop":
                     raise NonFiniteStop(iteration, self.nonfinite[1])
-                leave = self._commit(iteration, leaving())
-                if self._flags_gathered is not None:
-                    leave = leave or self._flags_gathered
+                leave = self._commit(iteration, leaving()) or bool(self._flags_gathered)
                 self.hook("optimizer", iteration)
                 self.step(iteration)
             else:
@@ -317,10 +317,10 @@ class Executor:
     def _commit(self, iteration: int, leaving: bool) -> bool:
         """Every node holds final gradients (and its replica's) for `iteration`: commit.
 
-        Without redundancy there is no replica to wait for, and the gradient-norm all-gather
-        that every node just took part in already says that everyone holds final gradients
-        (shadows had theirs confirmed before it); the flags rode on it, so no second
-        collective runs."""
+        The gradient-norm all-gather that every node just took part in already says so: each
+        node confirmed its replica's and its shadows' gradients before it, and the leave flags
+        rode on it (`_flags_gathered`), so no second collective runs. Only a stream without a
+        reduction (nothing gathered) commits with an all-reduce of its own."""
         leave = False  # with the gather as the commit, the caller reads its flags
         if self._flags_gathered is None:
             flag = torch.tensor([1.0 if leaving else 0.0], device=self.comm.device)
@@ -330,13 +330,17 @@ class Executor:
         self.committed_clip_scale = None if self.clip_scale is None else float(self.clip_scale)
         return leave
 
-    def step(self, iteration: int) -> None:
+    def step(self, iteration: int, committed_scale: float | str | None = None) -> None:
         """Apply the committed iteration to owned stages and hand the replica its update.
 
         Also called during recovery, when the iteration was committed elsewhere before this
-        node could step it."""
+        node could step it; `committed_scale` is then the Decision's record of the commit's
+        clipping scale ("skip": the step was skipped), for a node whose own gather was cut
+        short while others completed theirs."""
         if self.stepped_through >= iteration:
             return
+        if self.gathered_through != iteration:
+            self._adopt_commit(iteration, committed_scale)
         skip = self._skips(iteration)  # training.nonfinite: skip, alike on every node
         for s in sorted(self.stages):
             state = self.stages[s]
@@ -355,9 +359,32 @@ class Executor:
             self._exchange_state(iteration)
         elif self.holding is not None:
             flat = self._replica_recv[1] if self._replica_recv is not None else None
+            if flat is not None and self.skipped:  # fp16's skipped step: only the back-off
+                mark_skipped(flat, len(self.holding.replica.params))
+            # the owner's gradient came before clipping: the applier clips it as the owner did
+            clip = (self.clip_scale if self.clip_scale is not None and not self.skipped
+                    else None)
             self.holding.applier.submit(iteration, "none" if skip else "grad", flat,
-                                        check=self.comm.abort.check)
+                                        check=self.comm.abort.check, scale=clip)
         self._replica_recv = None
+
+    def _adopt_commit(self, iteration: int, scale: float | str | None) -> None:
+        """What the norm gather of `iteration` would have told this node, from the record of a
+        node that completed it: the gradients here are reduced but not yet clipped (the
+        gather is the last thing the reduction does before clipping)."""
+        self.skipped, self.nonfinite, self.clip_scale = False, None, None
+        if scale == "skip":
+            if self.precision.scaled:
+                self.skipped = True
+                self.clip_scale = torch.tensor(float("nan"))
+            else:  # a non-finite norm, skipped alike everywhere (which stage: not recorded)
+                self.nonfinite = (iteration, self.w.num_stages - 1)
+        elif scale is not None:
+            self.clip_scale = torch.tensor(float(scale), dtype=torch.float32)
+            params = [p for st in self.stages.values() for p in st.params if p.grad is not None]
+            for p, g in zip(params, gradlib.clipped([p.grad for p in params], self.clip_scale)):
+                p.grad = g
+        self.gathered_through = iteration
 
     def _log_samples(self, iteration: int, batches: Microbatches, last: int) -> None:
         if self.sample_log is not None and last in self.stages:
@@ -399,12 +426,17 @@ class Executor:
             self.shadow.post_grad(iteration, s, flat)
         self.shadow.confirm()
 
-    def _post_replication(self, iteration: int) -> None:
+    def _post_replication(self) -> None:
+        """Ship the (reduced, unclipped) gradients to the replicas' holders, and post the
+        receive of the one this node holds; `_confirm_replication` waits for both before the
+        norm gather, so that the gather can be the commit (as for the shadows). Whether the
+        step is skipped and the clipping scale come out of that gather, which the holder takes
+        part in too, so nothing else has to travel."""
         self._replica_sends = []
         if self.cfg.replica.sync != "gradient":
             return
         for s, holder in sorted(self.w.replica_holder.items()):
-            flat = flatten_grads(self.stages[s].params, skipped=self.skipped)
+            flat = flatten_grads(self.stages[s].params)
             self._replica_sends.append((self.comm.post_send(flat, holder, tag(REPLICA, s)), flat))
         if self.holding is not None:
             buffer = torch.empty(self.holding.replica.grad_message_size(),
@@ -470,6 +502,9 @@ class Executor:
             # commit (Checkmate sends what is not a gradient alongside): the confirm is done
             # before the norm gather, so that the gather can stay the commit
             self._post_shadows(iteration)
+        if iteration >= 0:  # (not for the bench's profiling of a reduction)
+            self._post_replication()
+            self._confirm_replication()
         mine = []
         for s in sorted(self.stages):
             like = self.stages[s].params[0] if self.stages[s].params else torch.zeros(1)
@@ -485,11 +520,11 @@ class Executor:
         padded[-2] = 1.0 if found_inf else 0.0
         padded[-1] = 1.0 if leaving else 0.0
         gathered = self.comm.all_gather(padded)
+        self.gathered_through = iteration
         self.skipped = any(float(g[-2]) > 0 for g in gathered)
-        # the commit may ride on this gather only when nothing must be confirmed first: no
-        # replica to feed (shadows had their gradients confirmed before the gather)
-        self._flags_gathered = (any(float(g[-1]) > 0 for g in gathered)
-                                if self.cfg.redundancy == "none" else None)
+        # the commit rides on this gather: the replica's and the shadows' gradients were
+        # confirmed before it
+        self._flags_gathered = any(float(g[-1]) > 0 for g in gathered)
         everything = torch.cat([gathered[rank][offset: offset + count]
                                 for rank, offset, count in self.w.norm_segments])
         total = gradlib.total_norm(everything)

@@ -1,15 +1,17 @@
 """Replicas kept exact by gradient replication (Checkmate's idea applied to Bamboo's replicas).
 
-After the gradient reduction a stage's gradient is final: the data-parallel sum, the tied-weight
-sum and the clipping scale are all in it. The owner ships exactly that to the node holding its
-replica, which applies the same optimizer (same class, hyperparameters, step count and LR) to
-its copy. The same update on the same state gives the same bits, so the replica is exact after
-every iteration, while only the gradient's bytes travel (a third of fp32 Adam's state).
+After the data-parallel and tied-weight sums a stage's gradient is final but for the clipping
+scale, which the all-gather of the norms gives every node alike. The owner ships that gradient
+to the node holding its replica, which clips it by the same scale, with the same kernel, and
+applies the same optimizer (same class, hyperparameters, step count and LR) to its copy. The
+same update on the same state gives the same bits, so the replica is exact after every
+iteration, while only the gradient's bytes travel (a third of fp32 Adam's state).
 
-The transfer is posted by the executor right after the reduction; its arrival is confirmed
-before the iteration commits (so a committed iteration can always be completed on the replica,
-whoever dies next), and the optimizer step on the replica runs on a background thread
-(`ReplicaApplier`), off the critical path unless it falls `max_lag` iterations behind.
+The transfer is posted by the executor before the norm gather and its arrival confirmed before
+it, so that the gather is the commit (a committed iteration can always be completed on the
+replica, whoever dies next) and no collective of its own is needed; the optimizer step on the
+replica runs on a background thread (`ReplicaApplier`), off the critical path unless it falls
+`max_lag` iterations behind.
 """
 
 from __future__ import annotations

@@ -500,7 +500,7 @@ class Worker:
         resume = decision.resume
         # finish the committed iteration; drop the one in flight, unless the plan continues it
         if ex is not None and ex.stepped_through < resume - 1:
-            ex.step(resume - 1)
+            ex.step(resume - 1, decision.clip_scale)
         salvage = (decision.salvage is not None and flight is not None
                    and flight.iteration == resume)
         if salvage:
