@@ -61,6 +61,10 @@ def test_shadow_equals_the_owner_after_every_iteration(tmp_path, corpus, stages,
     done = [e for e in events(run) if e["kind"] == "shadow_done"]
     assert sorted(e["stage"] for e in done) == list(range(stages))
     assert all(e["iteration"] == cfg.iterations - 1 for e in done)
+    # the receiving thread moved messages at the lowest weight, not at idle priority (beside
+    # CPU-bound processes an idle one could not open its links) and not at the workers' weight
+    # (a message's wake-up would preempt a co-located writer)
+    assert all(e["receiver_nice"] == 19 for e in done), done
     # shadows change nothing in training
     got = load_file(str(run / "final" / "model.safetensors"))
     plain = tmp_path / "plain"

@@ -57,6 +57,14 @@ class LinkBroken(Exception):
     """The writer went away mid-link (it crashed); the next writer opens a new link."""
 
 
+def _nice() -> int | None:
+    """The calling thread's nice value (None where it cannot be read)."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except (AttributeError, OSError):
+        return None
+
+
 class Shadow:
     def __init__(self, cfg: Config, spec: job.RunSpec, run_dir: Path, stage: int,
                  store: dist.Store, t0: float, namespace: str = "spotpipe") -> None:
@@ -124,7 +132,8 @@ class Shadow:
         self.applier.close()
         self.channel.event("shadow_done", stage=self.stage, iteration=self.applied,
                            max_lag=self.max_lag_seen, links=self.links,
-                           cpu_s=round(time.process_time(), 3))  # what the shadow costs a host
+                           cpu_s=round(time.process_time(), 3),  # what the shadow costs a host
+                           receiver_nice=_nice())
 
     # ------------------------------------------------------------------ one link
 
