@@ -73,7 +73,7 @@ def test_the_pause_past_the_timeout_is_judged_on_its_p99():
         return CaseResult(case, True, [], [
             {"pause_s": s, "pause_iterations": s / 0.05, "past_timeout_iterations": past,
              "detection_s": 0.03, "wait_by_design_s": 2.0 if kind == "hang" else 0.0,
-             "past_detection_iterations": past - 0.6,
+             "past_detection_iterations": past - 0.6, "past_detection_s": (past - 0.6) * 0.05,
              "iterations_lost": 1, "iteration_s": 0.05} for s, past in pauses])
 
     results = [result("crash", (0.08, 1.6)), result("crash", (0.09, 1.8)),
@@ -83,6 +83,8 @@ def test_the_pause_past_the_timeout_is_judged_on_its_p99():
     assert out["past_timeout_p50_iterations"] == 1.8
     assert out["past_timeout_p99_iterations"] == 1.8
     assert out["past_detection_p50_iterations"] == 1.2
+    assert out["past_detection_p99_s"] == round(1.2 * 0.05, 4)  # 1.0, 1.2, 1.2 iterations
+    assert out["crash_past_detection_s_max"] == round(1.2 * 0.05, 4)
     assert out["hang_past_timeout_iterations_max"] == 1.8
     assert out["pause_p99_iterations"] == round(2.09 / 0.05, 2)  # the whole pause, timeout in
     assert out["pause_p99_within_target"] is True
@@ -116,5 +118,6 @@ def test_a_notice_waits_for_its_boundary_by_design(tmp_path):
     assert round(notice["wait_by_design_s"], 6) == 0.05  # 10.01 -> 10.06
     assert round(notice["past_timeout_iterations"], 6) == 2.4  # 10.06 -> 10.18: 0.12 s
     assert notice["iterations_lost"] == 0  # iteration 4 was kept
+    assert round(notice["past_detection_s"], 6) == 0.11  # detected 10.07, done 10.18
     (crash,) = incidents(tmp_path)  # read as a crash: no wait by design
     assert crash["wait_by_design_s"] == 0.0 and round(crash["past_timeout_iterations"], 6) == 3.4

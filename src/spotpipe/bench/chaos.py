@@ -9,7 +9,8 @@ redundancy, eager redundancy, or CPU shadows without redundancy.
 
 Per run, from its events and metrics: the pause (from the fault to the first iteration
 completed after the recovery's plan, in seconds and in iterations of the run's own median
-iteration time) and the iterations lost (from their start or in part: the in-flight one counts
+iteration time; past the job's detection of the fault also in seconds, which does not scale
+with the model's iteration) and the iterations lost (from their start or in part: the in-flight one counts
 one; a notice loses none). Beside it, the part of the pause past the fault's wait by design,
 which the issue's target bounds: a hang is one only after `failover.hang_timeout_s`, and a
 notice is acted on at the next iteration boundary (the iteration in flight runs on at full
@@ -152,6 +153,8 @@ def incidents(run: Path, timeout_s: float = 0.0,
                     "past_timeout_iterations": (done["time_s"] - t0 - timeout_s) / iteration_s,
                     "detection_s": detected - t0,
                     "past_detection_iterations": (done["time_s"] - detected) / iteration_s,
+                    # the same in seconds: what recovery costs whatever the model's iteration
+                    "past_detection_s": done["time_s"] - detected,
                     "iterations_lost": max(0, in_flight - plan["resume"] + 1),
                     "iteration_s": iteration_s, "action": plan["action"]})
     return out
@@ -215,6 +218,8 @@ def summarize(results: list[CaseResult]) -> dict[str, Any]:
         out["pause_p50_iterations"], out["pause_p99_iterations"] = whole["p50"], whole["p99"]
         out["pause_p50_s"] = distribution([p["pause_s"] for p in every])["p50"]
         out["pause_p99_s"] = distribution([p["pause_s"] for p in every])["p99"]
+        recovery = distribution([p["past_detection_s"] for p in every])
+        out["past_detection_p50_s"], out["past_detection_p99_s"] = recovery["p50"], recovery["p99"]
         for name in ("past_timeout", "past_detection"):
             past = distribution([p[f"{name}_iterations"] for p in every], 2)
             for stat in ("p50", "p99", "max"):
@@ -234,6 +239,7 @@ def summarize(results: list[CaseResult]) -> dict[str, Any]:
                                   ("wait_by_design_s", "wait_by_design_s", 4),
                                   ("past_detection_iterations", "past_detection_iterations",
                                    2),
+                                  ("past_detection_s", "past_detection_s", 4),
                                   ("iterations_lost", "iterations_lost", 2)):
             for stat, value in distribution([p[key] for p in mine], digits).items():
                 out[f"{kind}_{name}_{stat}"] = value
