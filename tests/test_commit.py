@@ -104,3 +104,60 @@ def test_a_skipped_commit_is_skipped_by_a_node_that_missed_the_gather():
         assert torch.equal(got, want)
     ex.holding.applier.close()
 
+
+
+class RecordingComm:
+    """The communication an executor asks for, in order; node1 answers as a peer would."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.generation, self.device = 0, torch.device("cpu")
+        self.abort = SimpleNamespace(check=lambda: None)
+        self.data_parallel: dict = {}
+
+    def post_send(self, tensor, node, tag_):
+        self.calls.append(f"post_send->{node}")
+        return ("send", node)
+
+    def post_recv(self, tensor, node, tag_):
+        self.calls.append(f"post_recv<-{node}")
+        tensor.zero_()  # the peer's gradient: zeros (every parameter present, see the flags)
+        tensor[-1:] = 1.0
+        return ("recv", node)
+
+    def wait(self, work):
+        self.calls.append(f"wait:{work[0]}")
+
+    def wait_sends(self):
+        self.calls.append("wait_sends")
+
+    def all_gather(self, tensor):
+        self.calls.append("all_gather")
+        return [tensor.clone(), torch.zeros_like(tensor)]
+
+    def all_reduce(self, tensor):
+        self.calls.append("all_reduce")
+
+
+def test_the_replicas_gradients_are_confirmed_before_the_gather_that_commits():
+    """The gather may be the commit only if every node holds its replica's gradient when it
+    enters it; and then redundancy needs no collective of its own."""
+    from spotpipe.runtime.executor import Microbatches
+    from spotpipe.schedule import Instr, Op
+
+    cfg = _cfg()
+    own, other = torch.nn.Linear(6, 5), torch.nn.Linear(5, 1)
+    ex = _executor(cfg, own, other)
+    comm = ex.comm = RecordingComm()
+    n = len(list(own.parameters()))
+    ex.w.norm_segments = [(0, 0, n), (1, 0, 1)]
+    ex.w.norm_width = n
+    _grads(own, 1)
+    stream = [Instr(Op.ALL_REDUCE, 0), Instr(Op.OPTIMIZER_STEP, 0)]
+    ex.run(stream, Microbatches(inputs=[], targets=[]), 0)
+    ex.holding.applier.drain()
+    assert comm.calls == ["wait_sends", "post_send->node1", "post_recv<-node1", "wait:recv",
+                          "wait:send", "all_gather"]
+    assert ex.committed_through == 0 and ex.stepped_through == 0
+    assert ex.holding.applier.applied == 0  # the replica took its step from the gradient
+    ex.holding.applier.close()
