@@ -175,7 +175,6 @@ class Executor:
         self.gathered_through = -1
         self._replica_recv: tuple[Any, torch.Tensor] | None = None
         self._flags_gathered: bool | None = None
-        self._replica_sends: list[tuple[Any, torch.Tensor]] = []
         self.precision = amp.Precision.of(cfg)
         # fp16: the last reduction found a non-finite gradient somewhere (every node learns it
         # from the same gather): the step is skipped everywhere and the loss scale backs off
@@ -362,8 +361,7 @@ class Executor:
             if flat is not None and self.skipped:  # fp16's skipped step: only the back-off
                 mark_skipped(flat, len(self.holding.replica.params))
             # the owner's gradient came before clipping: the applier clips it as the owner did
-            clip = (self.clip_scale if self.clip_scale is not None and not self.skipped
-                    else None)
+            clip = None if self.skipped else self.clip_scale
             self.holding.applier.submit(iteration, "none" if skip else "grad", flat,
                                         check=self.comm.abort.check, scale=clip)
         self._replica_recv = None
@@ -381,10 +379,14 @@ class Executor:
                 self.nonfinite = (iteration, self.w.num_stages - 1)
         elif scale is not None:
             self.clip_scale = torch.tensor(float(scale), dtype=torch.float32)
-            params = [p for st in self.stages.values() for p in st.params if p.grad is not None]
-            for p, g in zip(params, gradlib.clipped([p.grad for p in params], self.clip_scale)):
-                p.grad = g
+            self._clip()
         self.gathered_through = iteration
+
+    def _clip(self) -> None:
+        """Replace the owned gradients by themselves times `clip_scale` (out of place)."""
+        params = [p for st in self.stages.values() for p in st.params if p.grad is not None]
+        for p, g in zip(params, gradlib.clipped([p.grad for p in params], self.clip_scale)):
+            p.grad = g
 
     def _log_samples(self, iteration: int, batches: Microbatches, last: int) -> None:
         if self.sample_log is not None and last in self.stages:
@@ -403,7 +405,6 @@ class Executor:
     def abandon_messages(self) -> None:
         """Forget messages posted on the failed generation's groups; the work stays."""
         self._replica_recv = None
-        self._replica_sends = []
         if self.flight is not None:
             self.flight.local.clear()  # hand-offs are redone with the sends that made them
             self.flight.restore_local_gradients(self.stages)
@@ -426,31 +427,26 @@ class Executor:
             self.shadow.post_grad(iteration, s, flat)
         self.shadow.confirm()
 
-    def _post_replication(self) -> None:
-        """Ship the (reduced, unclipped) gradients to the replicas' holders, and post the
-        receive of the one this node holds; `_confirm_replication` waits for both before the
-        norm gather, so that the gather can be the commit (as for the shadows). Whether the
-        step is skipped and the clipping scale come out of that gather, which the holder takes
-        part in too, so nothing else has to travel."""
-        self._replica_sends = []
+    def _replicate(self) -> None:
+        """Ship the (reduced, unclipped) gradients to the replicas' holders and receive the one
+        this node holds, both confirmed before the norm gather, so that the gather can be the
+        commit (as for the shadows). Whether the step is skipped and the clipping scale come
+        out of that gather, which the holder takes part in too, so nothing else travels."""
         if self.cfg.replica.sync != "gradient":
             return
+        sends = []
         for s, holder in sorted(self.w.replica_holder.items()):
             flat = flatten_grads(self.stages[s].params)
-            self._replica_sends.append((self.comm.post_send(flat, holder, tag(REPLICA, s)), flat))
+            sends.append((self.comm.post_send(flat, holder, tag(REPLICA, s)), flat))
         if self.holding is not None:
             buffer = torch.empty(self.holding.replica.grad_message_size(),
                                  device=self.comm.device)
             work = self.comm.post_recv(buffer, self.holding.owner,
                                        tag(REPLICA, self.holding.replica.index))
             self._replica_recv = (work, buffer)
-
-    def _confirm_replication(self) -> None:
-        if self._replica_recv is not None:
-            self.comm.wait(self._replica_recv[0])
-        for work, _ in self._replica_sends:
             self.comm.wait(work)
-        self._replica_sends = []
+        for work, _ in sends:
+            self.comm.wait(work)
 
     def _exchange_state(self, iteration: int) -> None:
         """Baseline `replica.sync: state`: a full copy every k iterations, on the critical path."""
@@ -503,8 +499,7 @@ class Executor:
             # before the norm gather, so that the gather can stay the commit
             self._post_shadows(iteration)
         if iteration >= 0:  # (not for the bench's profiling of a reduction)
-            self._post_replication()
-            self._confirm_replication()
+            self._replicate()
         mine = []
         for s in sorted(self.stages):
             like = self.stages[s].params[0] if self.stages[s].params else torch.zeros(1)
@@ -540,10 +535,7 @@ class Executor:
             self.clip_scale = torch.tensor(float("nan"))
         elif self.cfg.optimizer.grad_clip > 0:
             self.clip_scale = gradlib.clip_scale(total, self.cfg.optimizer.grad_clip)
-            params = [p for st in self.stages.values() for p in st.params if p.grad is not None]
-            scaled = gradlib.clipped([p.grad for p in params], self.clip_scale)
-            for p, g in zip(params, scaled):
-                p.grad = g
+            self._clip()
         return float(total)
 
     def _unscale(self) -> bool:

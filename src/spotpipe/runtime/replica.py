@@ -65,18 +65,16 @@ class ReplicaStage:
         return n + (n if cfg.optimizer.momentum else 0)
 
 
-def flatten_grads(params: list[nn.Parameter], skipped: bool = False) -> torch.Tensor:
+def flatten_grads(params: list[nn.Parameter]) -> torch.Tensor:
     """All gradients in one buffer, then one presence flag per parameter (a parameter the loss
-    did not reach has no gradient, and the optimizer must skip it on both sides). fp16: a
-    step skipped for a non-finite gradient has every flag -1 (`mark_skipped`)."""
+    did not reach has no gradient, and the optimizer must skip it on both sides). fp16: the
+    receiver marks a step skipped for a non-finite gradient (`mark_skipped`) once the norm
+    gather has said so."""
     parts = [p.grad.reshape(-1) if p.grad is not None
              else torch.zeros(p.numel(), device=p.device, dtype=p.dtype) for p in params]
     flags = torch.tensor([p.grad is not None for p in params], dtype=params[0].dtype,
                          device=params[0].device)
-    flat = torch.cat(parts + [flags])
-    if skipped:
-        mark_skipped(flat, len(params))
-    return flat
+    return torch.cat(parts + [flags])
 
 
 def mark_skipped(flat: torch.Tensor, num_params: int) -> None:
