@@ -128,6 +128,9 @@ class RecordingComm:
     def wait(self, work):
         self.calls.append(f"wait:{work[0]}")
 
+    def wait_all(self, works):
+        self.calls.append("wait:" + ",".join(w[0] for w in works))
+
     def wait_sends(self):
         self.calls.append("wait_sends")
 
@@ -156,8 +159,8 @@ def test_the_replicas_gradients_are_confirmed_before_the_gather_that_commits():
     stream = [Instr(Op.ALL_REDUCE, 0), Instr(Op.OPTIMIZER_STEP, 0)]
     ex.run(stream, Microbatches(inputs=[], targets=[]), 0)
     ex.holding.applier.drain()
-    assert comm.calls == ["wait_sends", "post_send->node1", "post_recv<-node1", "wait:recv",
-                          "wait:send", "all_gather"]
+    assert comm.calls == ["wait_sends", "post_send->node1", "post_recv<-node1", "wait:recv,send",
+                          "all_gather"]
     assert ex.committed_through == 0 and ex.stepped_through == 0
     assert ex.holding.applier.applied == 0  # the replica took its step from the gradient
     ex.holding.applier.close()

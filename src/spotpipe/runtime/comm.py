@@ -275,13 +275,16 @@ class Comm:
     def wait(self, work: Any) -> None:
         self.waiter.wait(work)
 
+    def wait_all(self, works: Sequence[Any]) -> None:
+        """Complete `works` in order, in one hand-off to the waiter's thread."""
+        self.waiter.call(lambda: [work.wait() for work in works], "communication failed")
+
     def wait_sends(self) -> None:
         """Complete every send posted so far, in one hand-off to the waiter's thread rather
         than one per send (an iteration of 1F1B posts M of them)."""
-        pending, self._pending = self._pending, []
+        pending, self._pending = self._pending, []  # (the tensors stay alive meanwhile)
         if pending:
-            self.waiter.call(lambda: [work.wait() for work, _ in pending],
-                             "communication failed")
+            self.wait_all([work for work, _ in pending])
 
     # ------------------------------------------------------------------ collectives
 
