@@ -74,7 +74,8 @@ def test_the_pause_past_the_timeout_is_judged_on_its_p99():
             {"pause_s": s, "pause_iterations": s / 0.05, "past_timeout_iterations": past,
              "detection_s": 0.03, "wait_by_design_s": 2.0 if kind == "hang" else 0.0,
              "past_detection_iterations": past - 0.6, "past_detection_s": (past - 0.6) * 0.05,
-             "iterations_lost": 1, "iteration_s": 0.05} for s, past in pauses])
+             "iterations_lost": 1, "iteration_s": 0.05, "agreement_s": 0.005,
+             "regroup_s": 0.007, "replay_s": 0.03, "slowdown": 1.5} for s, past in pauses])
 
     results = [result("crash", (0.08, 1.6)), result("crash", (0.09, 1.8)),
                result("hang", (2.09, 1.8))]
@@ -121,3 +122,39 @@ def test_a_notice_waits_for_its_boundary_by_design(tmp_path):
     assert round(notice["past_detection_s"], 6) == 0.11  # detected 10.07, done 10.18
     (crash,) = incidents(tmp_path)  # read as a crash: no wait by design
     assert crash["wait_by_design_s"] == 0.0 and round(crash["past_timeout_iterations"], 6) == 3.4
+
+
+def test_the_pause_past_detection_is_split_into_its_parts(tmp_path):
+    """A crash in a made-up run, worked by hand: detection, the Decision, the slowest node's
+    regroup, the replay to the first completed iteration, and the new layout's slowdown."""
+    import json
+
+    from spotpipe.bench.chaos import incidents
+
+    def lines(name, records):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    lines("metrics.jsonl", [{"iter": i, "time_s": 10.0 + 0.04 * (i - 3), "iter_time_s": 0.04}
+                            for i in range(4)]  # 40 ms each, iteration 3 done at 10.0
+          + [{"iter": 4, "time_s": 10.2, "iter_time_s": 0.11},   # replayed, the first after
+             {"iter": 5, "time_s": 10.27, "iter_time_s": 0.07},  # the new layout's speed
+             {"iter": 6, "time_s": 10.34, "iter_time_s": 0.07}])
+    lines("events.jsonl", [
+        {"kind": "fault_injected", "time_s": 10.01, "iteration": 4},
+        {"kind": "failure_detected", "time_s": 10.03},
+        {"kind": "report", "time_s": 10.031, "iteration": 4, "generation": 0},
+        {"kind": "plan", "time_s": 10.036, "generation": 1, "resume": 4, "action": "failover"},
+        {"kind": "takeover", "time_s": 10.041, "generation": 1},
+        {"kind": "regrouped", "time_s": 10.046, "generation": 1},   # the slowest node
+        {"kind": "regrouped", "time_s": 10.5, "generation": 2}])   # a later generation's
+    (crash,) = incidents(tmp_path)
+    assert round(crash["detection_s"], 6) == 0.02
+    assert round(crash["agreement_s"], 6) == 0.006
+    assert round(crash["regroup_s"], 6) == 0.01
+    assert round(crash["replay_s"], 6) == 0.154  # 10.046 -> 10.2
+    # the parts add up to the pause past detection, and that to the pause
+    parts = crash["agreement_s"] + crash["regroup_s"] + crash["replay_s"]
+    assert round(parts, 6) == round(crash["past_detection_s"], 6) == 0.17
+    assert round(crash["pause_s"], 6) == 0.19 and round(crash["pause_iterations"], 6) == 4.75
+    assert round(crash["slowdown"], 6) == 1.75  # 70 ms after, 40 ms before
+    assert crash["iterations_lost"] == 1

@@ -14,7 +14,11 @@ with the model's iteration) and the iterations lost (from their start or in part
 one; a notice loses none). Beside it, the part of the pause past the fault's wait by design,
 which the issue's target bounds: a hang is one only after `failover.hang_timeout_s`, and a
 notice is acted on at the next iteration boundary (the iteration in flight runs on at full
-speed and is kept), so for a notice the pause past its wait starts at that boundary. Every run is checked against its failure-free run
+speed and is kept), so for a notice the pause past its wait starts at that boundary. The pause past
+the job's detection is split into its parts: the agreement (detection to the Decision), the
+regroup (to the last node running in the new generation) and the replay (to the first
+iteration completed), beside the new layout's slowdown (its iteration time over the old one's),
+which bounds the replay from below: after a crash in a P=2 job one node runs both stages. Every run is checked against its failure-free run
 (`spotpipe.bench.checks`): final parameters bit for bit (to float tolerance where D changed),
 every sample consumed exactly once. Per fault kind the figures are p50, p90, p99 and the
 maximum (nearest rank, `spotpipe.bench.stats`); `exact_runs` of `runs` passed every check.
@@ -45,6 +49,8 @@ SEED = 15
 # small enough that up to 8 workers (+ 4 shadows) train in seconds on 2 cores
 MODEL = {"model.gpt.n_layer": 2, "model.gpt.n_embd": 32, "model.gpt.n_head": 2,
          "model.gpt.block_size": 16, "micro_batch_size": 2, "num_microbatches": 4}
+# what a node reports once it runs in the Decision's generation
+REGROUP_EVENTS = ("takeover", "migrated", "regrouped", "repartitioned")
 TARGET_PAST_TIMEOUT = 2.0  # iterations past the detection timeout, for the p99 pause
 LIVENESS = {"failover.heartbeat_s": 0.2, "failover.heartbeat_timeout_s": 2.0,
             "failover.hang_timeout_s": 2.0}
@@ -143,6 +149,13 @@ def incidents(run: Path, timeout_s: float = 0.0,
                          and e.get("generation") == plan["generation"] - 1],
                         default=start["iteration"])
         iteration_s = statistics.median(normal)
+        # every node has formed the new generation (the slowest one's event)
+        regrouped = max((e["time_s"] for e in events if e["kind"] in REGROUP_EVENTS
+                         and e.get("generation") == plan["generation"]),
+                        default=plan["time_s"])
+        # the new layout's own speed (one node running two stages after a takeover is slower)
+        later = [m["iter_time_s"] for m in metrics if m["time_s"] > done["time_s"]]
+        after_s = statistics.median(later) if later else done["iter_time_s"]
         if at_boundary:  # the boundary: iteration resume - 1 completed, after the notice
             boundary = next((m["time_s"] for m in metrics if m["iter"] == plan["resume"] - 1
                              and m["time_s"] >= t0), t0)
@@ -156,6 +169,13 @@ def incidents(run: Path, timeout_s: float = 0.0,
                     # the same in seconds: what recovery costs whatever the model's iteration
                     "past_detection_s": done["time_s"] - detected,
                     "iterations_lost": max(0, in_flight - plan["resume"] + 1),
+                    # the pause past detection in its parts: the Decision, every node in the
+                    # new generation, then the rest of the lost iteration and the first one
+                    # of the new layout, at its speed (`slowdown`: its iteration over the old)
+                    "agreement_s": plan["time_s"] - detected,
+                    "regroup_s": regrouped - plan["time_s"],
+                    "replay_s": done["time_s"] - regrouped,
+                    "slowdown": after_s / iteration_s,
                     "iteration_s": iteration_s, "action": plan["action"]})
     return out
 
@@ -240,6 +260,10 @@ def summarize(results: list[CaseResult]) -> dict[str, Any]:
                                   ("past_detection_iterations", "past_detection_iterations",
                                    2),
                                   ("past_detection_s", "past_detection_s", 4),
+                                  ("agreement_s", "agreement_s", 4),
+                                  ("regroup_s", "regroup_s", 4),
+                                  ("replay_s", "replay_s", 4),
+                                  ("slowdown", "slowdown", 2),
                                   ("iterations_lost", "iterations_lost", 2)):
             for stat, value in distribution([p[key] for p in mine], digits).items():
                 out[f"{kind}_{name}_{stat}"] = value
@@ -260,9 +284,12 @@ def run_cases(cases: list[ChaosCase], root: Path | None = None,
     for i, case in enumerate(cases):
         result = chaos.run_case(i, case)
         results.append(result)
-        pause = ", ".join(f"{p['pause_s']:.3f} s = {p['pause_iterations']:.2f} it"
+        pause = ", ".join(f"{p['pause_s']:.3f} s = {p['pause_iterations']:.2f} it (detection "
+                          f"{p['detection_s'] * 1e3:.0f} ms, agreement "
+                          f"{p['agreement_s'] * 1e3:.0f}, regroup {p['regroup_s'] * 1e3:.0f}, "
+                          f"replay {p['replay_s'] * 1e3:.0f}; new layout x{p['slowdown']:.2f})"
                           for p in result.pauses) or "no pause"
-        print(f"{i + 1:3d}/{len(cases)} {case.label():42s} {pause}  "
+        print(f"{i + 1:3d}/{len(cases)} {case.label():36s} {pause}  "
               f"{'exact' if result.exact else 'NOT EXACT'}", flush=True)
     out = summarize(results)
     out["runs_folder"] = str(root) if keep else "(removed; SPOTPIPE_BENCH_KEEP=1 keeps them)"
