@@ -136,6 +136,34 @@ def test_a_replica_the_node_waits_on_runs_at_normal_priority():
     applier.close()
 
 
+def test_closing_waits_for_the_applier_at_normal_priority():
+    """A takeover closes the replica's applier and waits for its thread to end: at idle
+    priority on a busy core that thread would get the core last (1.2 ms of a takeover's
+    regroup here), so the close raises it first."""
+    import os
+    from types import SimpleNamespace
+
+    from spotpipe.config import Config
+    from spotpipe.runtime.replica import ReplicaApplier
+
+    at_exit: list[int] = []
+
+    class Recorded(ReplicaApplier):
+        def _loop(self):
+            super()._loop()
+            at_exit.append(os.sched_getscheduler(0))
+
+    applier = Recorded(SimpleNamespace(index=0, params=[None]), Config(), None, max_lag=None)
+    applier.submit(0, "none", None)
+    with applier._cond:  # the thread runs, at idle priority, and went back to waiting
+        assert applier._cond.wait_for(lambda: applier._applied >= 0, timeout=60)
+    if applier._native_id is None:
+        pytest.skip("this system does not let a thread take idle priority")
+    assert os.sched_getscheduler(applier._native_id) == os.SCHED_IDLE
+    applier.close()
+    assert at_exit == [os.SCHED_OTHER] and not applier.waiting
+
+
 def test_a_backlog_at_the_writers_limit_raises_the_applier_before_anyone_waits():
     """A CPU shadow's writer (another process) waits once the shadow's backlog reaches
     `shadow.max_lag`, and cannot raise the shadow's thread itself: from that backlog on the
@@ -173,7 +201,10 @@ def test_a_backlog_at_the_writers_limit_raises_the_applier_before_anyone_waits()
     applier.submit(1, "grad", grad.clone())  # backlog 2: the writer's next gradient would wait
     assert os.sched_getscheduler(thread) == os.SCHED_OTHER
     release.set()
-    applier.close()  # (not `drain`: a caller's wait raises the priority too)
+    # (not `drain` nor `close`: a caller's wait raises the priority too)
+    with applier._cond:
+        assert applier._cond.wait_for(lambda: applier._applied >= 1, timeout=60)
+    applier.close()
     assert seen == {0: os.SCHED_OTHER, 1: os.SCHED_IDLE}  # 1 ran with a backlog of 1
     # the clipping scale is applied on the applier's thread, to the values and not the flags
     assert clipped[0].tolist() == [0.5, 1.0, 1.0] and clipped[1].tolist() == [1.0, 2.0, 1.0]

@@ -49,7 +49,8 @@ from spotpipe.schedule.replay import done_from, rest_of_iteration
 from spotpipe.store import board
 from spotpipe.store.address import StoreAddress
 from spotpipe.store.mailbox import Outbox, finite
-from spotpipe.store.watchers import BoardWatcher, Heartbeat, client, watch_abort
+from spotpipe.store.watchers import (BoardWatcher, Heartbeat, SpareConnections, client,
+                                     watch_abort)
 
 COORDINATOR = "coordinator"  # the writer name of every Decision and join answer
 
@@ -125,6 +126,8 @@ class Worker:
                                  shadow=self.shadow, digests=self.digests, inject=self.inject,
                                  refused=self._refused)
         self._watchers: list[BoardWatcher] = []
+        # a generation's connections, opened while the job trains (see SpareConnections)
+        self.spares = SpareConnections(address, timeout)
         self._answers = 1  # the next slot of this node's join board to read
         beats = client(address, timeout)
         # the node's own hang watch runs on the heartbeat's thread and posts on its connection
@@ -239,16 +242,16 @@ class Worker:
         abort = AbortSignal()
         self.regroup = threading.Event()
         self._watchers = [
-            watch_abort(client(self.address, timeout), self.protocol, self.generation, abort,
+            watch_abort(self.spares.take(), self.protocol, self.generation, abort,
                         self._refused),
-            BoardWatcher(client(self.address, timeout), self.protocol,
+            BoardWatcher(self.spares.take(), self.protocol,
                          keys.regroup_board(self.generation), Regroup,
                          lambda _: self.regroup.set(), self._refused)]
         if self._comm is not None:  # the last generation's (or a plan's that failed)
             self._comm.close()
             self._comm = None
         # the groups form over a connection of their own (see Comm._form_groups)
-        self._comm = Comm(store=client(self.address, timeout),
+        self._comm = Comm(store=self.spares.take(),
                           generation=self.generation, nodes=nodes, me=self.node,
                           namespace=self.namespace,
                           stage_members=nodelib.stage_members(self.layout), backend=self.backend,
@@ -383,6 +386,7 @@ class Worker:
                                 leaving=lambda: self.notices.is_set() or self.regroup.is_set())
                 self._report(t, result, lr, time.perf_counter() - t_start)
                 self._checkpoint(t)
+                self.spares.refill()  # (after the iteration: off a regroup's critical path)
                 if resumed_at is not None:
                     self.channel.event("resumed", generation=self.generation, iteration=t,
                                        pause_end_s=self.channel.now())
@@ -566,11 +570,11 @@ class Worker:
                            promoted=carried.promoted, received=carried.received, resume=resume,
                            bytes_received=self.reshaper.progress.bytes_received,
                            regroup_s=round(time.perf_counter() - started, 6), **rest,
+                           groups_s=round(carried.groups_s, 6),
+                           exchange_s=round(carried.exchange_s, 6),
                            **({"depth": decision.layout.num_stages,
                                "layers": [list(self.state.partition[s]) for s in
-                                          sorted(self.stages)],
-                               "groups_s": round(carried.groups_s, 6),
-                               "exchange_s": round(carried.exchange_s, 6)}
+                                          sorted(self.stages)]}
                               if repartition else {}))
         return resume
 
@@ -614,6 +618,7 @@ class Worker:
             self.digests.close()
         if not left:
             self.save_final()
+        self.spares.close()
         self.heartbeat.stop()
         self.channel.event("worker_left" if left else "worker_done", stages=sorted(self.stages),
                            cpu_s=round(time.process_time(), 3),
