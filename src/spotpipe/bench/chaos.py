@@ -10,15 +10,16 @@ redundancy, eager redundancy, or CPU shadows without redundancy.
 Per run, from its events and metrics: the pause (from the fault to the first iteration
 completed after the recovery's plan, in seconds and in iterations of the run's own median
 iteration time; past the job's detection of the fault also in seconds, which does not scale
-with the model's iteration) and the iterations lost (from their start or in part: the in-flight one counts
-one; a notice loses none). Beside it, the part of the pause past the fault's wait by design,
-which the issue's target bounds: a hang is one only after `failover.hang_timeout_s`, and a
-notice is acted on at the next iteration boundary (the iteration in flight runs on at full
-speed and is kept), so for a notice the pause past its wait starts at that boundary. The pause past
-the job's detection is split into its parts: the agreement (detection to the Decision), the
-regroup (to the last node running in the new generation) and the replay (to the first
-iteration completed), beside the new layout's slowdown (its iteration time over the old one's),
-which bounds the replay from below: after a crash in a P=2 job one node runs both stages. Every run is checked against its failure-free run
+with the model's iteration) and the iterations lost (from their start or in part: the
+in-flight one counts one; a notice loses none). Beside it, the part of the pause past the
+fault's wait by design, which the issue's target bounds: a hang is one only after
+`failover.hang_timeout_s`, and a notice is acted on at the next iteration boundary (the
+iteration in flight runs on at full speed and is kept), so for a notice the pause past its wait
+starts at that boundary. The pause past the job's detection is split into its parts: the
+agreement (detection to the Decision), the regroup (to the last node running in the new
+generation) and the replay (to the first iteration completed), beside the new layout's
+slowdown (its iteration time over the old one's), which bounds the replay from below: after a
+crash in a P=2 job one node runs both stages. Every run is checked against its failure-free run
 (`spotpipe.bench.checks`): final parameters bit for bit (to float tolerance where D changed),
 every sample consumed exactly once. Per fault kind the figures are p50, p90, p99 and the
 maximum (nearest rank, `spotpipe.bench.stats`); `exact_runs` of `runs` passed every check.
@@ -236,8 +237,8 @@ def summarize(results: list[CaseResult]) -> dict[str, Any]:
     if every:
         whole = distribution([p["pause_iterations"] for p in every], 2)
         out["pause_p50_iterations"], out["pause_p99_iterations"] = whole["p50"], whole["p99"]
-        out["pause_p50_s"] = distribution([p["pause_s"] for p in every])["p50"]
-        out["pause_p99_s"] = distribution([p["pause_s"] for p in every])["p99"]
+        seconds = distribution([p["pause_s"] for p in every])
+        out["pause_p50_s"], out["pause_p99_s"] = seconds["p50"], seconds["p99"]
         recovery = distribution([p["past_detection_s"] for p in every])
         out["past_detection_p50_s"], out["past_detection_p99_s"] = recovery["p50"], recovery["p99"]
         for name in ("past_timeout", "past_detection"):

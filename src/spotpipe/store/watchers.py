@@ -1,4 +1,5 @@
-"""A node's threads that talk to the store: the heartbeat and the board watchers.
+"""A node's threads that talk to the store: the heartbeat, the board watchers, and the one
+that keeps the next generation's connections ready (`SpareConnections`).
 
 Each has its own store connection (a client blocked in `wait` cannot serve other calls):
 
@@ -45,7 +46,7 @@ class SpareConnections:
         self.address, self.timeout_s, self.keep = address, timeout_s, keep
         self._ready: list[dist.Store] = []
         self._cond = threading.Condition()
-        self._wanted = threading.Event()
+        self._wanted = False  # `refill` asked, and the thread has not filled up since
         self._stopped = False
         self._thread: threading.Thread | None = None
 
@@ -63,7 +64,8 @@ class SpareConnections:
                 self._thread = threading.Thread(target=self._fill, name="spare-store",
                                                 daemon=True)
                 self._thread.start()
-        self._wanted.set()
+            self._wanted = True
+            self._cond.notify_all()
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Whether `keep` connections are ready within `timeout_s`."""
@@ -74,27 +76,28 @@ class SpareConnections:
         with self._cond:
             self._stopped = True
             self._ready.clear()
-        self._wanted.set()
+            self._cond.notify_all()
 
     def _fill(self) -> None:
         while True:
-            self._wanted.wait()
-            self._wanted.clear()
-            while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopped or self._wanted)
+                if self._stopped:
+                    return
+                if len(self._ready) >= self.keep:
+                    self._wanted = False
+                    continue
+            try:
+                store = client(self.address, self.timeout_s)
+            except Exception:  # unreachable for now: `take` connects (and fails) itself
                 with self._cond:
-                    if self._stopped or len(self._ready) >= self.keep:
-                        break
-                try:
-                    store = client(self.address, self.timeout_s)
-                except Exception:  # unreachable for now: `take` connects (and fails) itself
-                    break
-                with self._cond:
-                    if self._stopped:
-                        return
-                    self._ready.append(store)
-                    self._cond.notify_all()
-            if self._stopped:
-                return
+                    self._wanted = False
+                continue
+            with self._cond:
+                if self._stopped:
+                    return
+                self._ready.append(store)
+                self._cond.notify_all()
 
 
 class Heartbeat:
