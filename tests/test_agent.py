@@ -21,10 +21,9 @@ from spotpipe.cluster.launcher import train
 from conftest import REPO, tiny_config
 from etcd_server import free_port
 from test_cli_errors import workers_running
-from test_failover import FAST, assert_samples_exactly_once, events
+from test_failover import FAST, assert_samples_exactly_once, events, failure_free
 
 TOKEN = "sesame"
-_TRAINED: dict = {}
 
 
 def _config(corpus, iterations: int, **extra):
@@ -38,13 +37,10 @@ LENIENT = {"failover.heartbeat_timeout_s": 30.0, "failover.hang_timeout_s": 30.0
 
 
 def _trained(tmp_path_factory, cfg) -> dict:
-    """Final parameters of `spotpipe train` for the same configuration (run once)."""
-    key = cfg.digest()
-    if key not in _TRAINED:
-        out = tmp_path_factory.mktemp("train") / "run"
-        assert train(cfg, out, progress=False) == 0
-        _TRAINED[key] = load_file(str(out / "final" / "model.safetensors"))
-    return _TRAINED[key]
+    """Final parameters of the same job without failures: for one pipeline (every job here)
+    the plain single-process loop, which `spotpipe train` reproduces bit for bit
+    (tests/test_equivalence.py), and which shares no code with the agents under test."""
+    return failure_free(tmp_path_factory, cfg)
 
 
 # An agent whose interpreter has imported torch and spotpipe's agent, then waits for a line on
@@ -231,7 +227,7 @@ def test_agent_input_errors_start_nothing(tmp_path, corpus, monkeypatch):
 def test_a_lost_host_fails_over_to_the_other(tmp_path, tmp_path_factory, corpus, etcd):
     """SIGKILL one agent (its host is gone, its worker dies with it): no exit is ever reported,
     so the coordinator fences the silent node after the heartbeat timeout and fails over; the
-    job completes with the same parameters as `spotpipe train`."""
+    job completes with the same parameters as the single-process loop."""
     cfg = _config(corpus, 300)
     config = _write_config(cfg, tmp_path / "job.yaml")
     outs = [tmp_path / "host_a", tmp_path / "host_b"]

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from spotpipe.cluster.launcher import train
 from spotpipe.faults import Fault
+from spotpipe.store.watchers import KEEP, OPENERS
 
 from conftest import tiny_config
 from procs import workers_of
@@ -115,7 +116,10 @@ def test_two_hundred_generations_leave_nothing_behind(tmp_path, corpus, monkeypa
         for i, what in enumerate(("threads", "open files", "sockets")):
             high_early = max(c[i] for c in early)
             high_late = max(c[i] for c in late)
-            assert high_late <= high_early + 4, (who, what, high_early, high_late)
+            # a worker's spare store connections (ready ones, and one being opened on each
+            # opener) come and go with the generations' timing, within a bound of their own
+            slack = 4 + (KEEP + OPENERS if who == "worker" and i else 0)
+            assert high_late <= high_early + slack, (who, what, high_early, high_late)
             assert high_late < 200, (who, what, high_late)
 
 

@@ -1,9 +1,10 @@
 """Agents on hosts that really are separate (tests/netns.py: one network namespace per host,
 etcd in its own), with faults at the network level.
 
-Each run is checked against `spotpipe train` of the same configuration (bit for bit where D
-does not change), every sample consumed exactly once, and nothing left behind (namespaces,
-links, processes: the cluster fixture asserts it at teardown).
+Each run is checked against the plain single-process loop of the same configuration (bit for
+bit where D does not change, as `spotpipe train` is), every sample consumed exactly once, and
+nothing left behind (namespaces, links, processes: the cluster fixture asserts it at
+teardown).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def check_result(tmp_path_factory, cfg, run: Path, outs: list[Path], exact: bool
     want = _trained(tmp_path_factory, reference or cfg)
     if exact:
         for k in want:
-            assert torch.equal(got[k], want[k]), f"{k} differs from spotpipe train"
+            assert torch.equal(got[k], want[k]), f"{k} differs from the single-process loop"
     else:
         assert_close_where_width_changed(got, want)
     gather_samples(outs, run)
@@ -309,9 +310,9 @@ def test_coordinating_host_lost(cluster_factory, corpus, tmp_path, tmp_path_fact
     agent is elected, takes up the books from the store and carries on; the lost host's node
     is an ordinary host loss (failover, P 3 -> 2). No worker restarts, the run's files
     continue whole on the new coordinator's host (every iteration's metrics once, the
-    predecessor's events first), the final model matches `spotpipe train` bit for bit, every
-    sample is consumed once, and the job's etcd prefix is gone at the end. Cut off, the old
-    coordinator comes back deposed: it acts no more, and its agent leaves (exit 1)."""
+    predecessor's events first), the final model matches the single-process loop bit for bit,
+    every sample is consumed once, and the job's etcd prefix is gone at the end. Cut off, the
+    old coordinator comes back deposed: it acts no more, and its agent leaves (exit 1)."""
     cluster, cfg, outs, procs = running_job(cluster_factory, corpus, tmp_path, 150)
     c = coordinator_of(outs)
     others = [i for i in range(3) if i != c]

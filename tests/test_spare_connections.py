@@ -34,3 +34,37 @@ def test_spares_are_opened_when_asked_and_taken_before_connecting():
     assert spares._ready == []
     spares.refill()
     assert spares._ready == []
+
+
+def test_a_slow_connection_holds_up_only_itself(monkeypatch):
+    """torch's TCPStore client looks up the name of the store's address on every connection,
+    and a resolver that drops the query holds that one for 5 s: the others are opened
+    meanwhile, and the slow one joins them when it comes."""
+    import threading
+
+    from spotpipe.store import watchers
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30),
+                           wait_for_workers=False)
+    address = StoreAddress("tcp", "127.0.0.1", server.port)
+    release, first = threading.Event(), threading.Event()
+    real = watchers.client
+
+    def connect(addr, timeout_s):
+        if not first.is_set():  # the first connection asked for stalls until released
+            first.set()
+            assert release.wait(30)
+        return real(addr, timeout_s)
+
+    monkeypatch.setattr(watchers, "client", connect)
+    spares = SpareConnections(address, 30.0, keep=4, openers=2)
+    spares.refill()
+    assert first.wait(30)
+    assert spares.wait_ready(30, count=3)  # opened beside the stalled one
+    assert len(spares._ready) == 3
+    release.set()
+    assert spares.wait_ready(30)
+    assert len(spares._ready) == 4
+    spares.refill()  # full: nothing more is opened
+    assert spares._owed == 0 and len(spares._ready) == 4
+    spares.close()

@@ -241,12 +241,14 @@ class Worker:
             watcher.close()
         abort = AbortSignal()
         self.regroup = threading.Event()
+        # their connections come back when the generation's boards close, for the next one
         self._watchers = [
             watch_abort(self.spares.take(), self.protocol, self.generation, abort,
-                        self._refused),
+                        self._refused, done=self.spares.give_back),
             BoardWatcher(self.spares.take(), self.protocol,
                          keys.regroup_board(self.generation), Regroup,
-                         lambda _: self.regroup.set(), self._refused)]
+                         lambda _: self.regroup.set(), self._refused,
+                         done=self.spares.give_back)]
         if self._comm is not None:  # the last generation's (or a plan's that failed)
             self._comm.close()
             self._comm = None

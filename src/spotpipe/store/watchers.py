@@ -1,5 +1,5 @@
-"""A node's threads that talk to the store: the heartbeat, the board watchers, and the one
-that keeps the next generation's connections ready (`SpareConnections`).
+"""A node's threads that talk to the store: the heartbeat, the board watchers, and those that
+keep the next generations' connections ready (`SpareConnections`).
 
 Each has its own store connection (a client blocked in `wait` cannot serve other calls):
 
@@ -11,7 +11,7 @@ Each has its own store connection (a client blocked in `wait` cannot serve other
 
 Watchers end when their generation does: the coordinator closes every board of a generation
 it ends (an abort record, a regroup record), so threads and connections do not pile up over
-hundreds of generations (tests/test_protocol_liveness.py counts them).
+hundreds of generations (tests/test_liveness.py counts them).
 """
 
 from __future__ import annotations
@@ -33,44 +33,69 @@ def client(address: StoreAddress, timeout_s: float) -> dist.Store:
     return address.connect(timeout_s)
 
 
+KEEP, OPENERS = 6, 3  # SpareConnections' defaults (see there)
+
+
 class SpareConnections:
     """Store connections opened ahead of need.
 
     A node opens three connections of its own for each generation (two board watchers and
     its groups' rendezvous), and a failover's regroup is on the job's critical path: they took
-    2-3 ms of a takeover's 5-6 ms on this machine. A background thread opens the next ones
-    when asked (`refill`, once the job trains again), so a regroup takes ready ones. Should
-    the store be unreachable then, `take` connects itself and reports it as before."""
+    2-3 ms of a takeover's 5-6 ms on this machine. Threads open the next ones when asked
+    (`refill`, once the job trains again), so a regroup takes ready ones. Should the store be
+    unreachable then, `take` connects itself and reports it as before.
 
-    def __init__(self, address: StoreAddress, timeout_s: float, keep: int = 3) -> None:
-        self.address, self.timeout_s, self.keep = address, timeout_s, keep
+    Six are kept, two regroups' worth: a failover is often followed at once by the
+    re-partition it calls for, before an iteration has completed to ask for more. And each
+    is opened on one of several threads: torch's TCPStore client looks up the name of the
+    store's address on every connection it makes (for its log lines), and a resolver that
+    drops the query holds that connection for glibc's 5 s retry (one connection in 25 on our
+    VMs, where the lookup of a v4-mapped loopback address goes to DNS). One slow connection
+    then holds up only itself, not the regroup's or the ones behind it."""
+
+    def __init__(self, address: StoreAddress, timeout_s: float, keep: int = KEEP,
+                 openers: int = OPENERS) -> None:
+        self.address, self.timeout_s, self.keep, self.openers = address, timeout_s, keep, openers
         self._ready: list[dist.Store] = []
         self._cond = threading.Condition()
-        self._wanted = False  # `refill` asked, and the thread has not filled up since
+        self._owed = 0  # connections `refill` asked for that no opener has started on
+        self._opening = 0
         self._stopped = False
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def take(self) -> dist.Store:
         with self._cond:
             store = self._ready.pop() if self._ready else None
         return store if store is not None else client(self.address, self.timeout_s)
 
-    def refill(self) -> None:
-        """Open connections up to `keep`, on the thread (started on first use)."""
+    def give_back(self, store: dist.Store) -> None:
+        """A connection its user is done with, idle (a watcher whose board closed): kept for
+        the next `take` when fewer than `keep` are ready, else dropped (closed)."""
         with self._cond:
-            if self._stopped or len(self._ready) >= self.keep:
+            if not self._stopped and len(self._ready) < self.keep:
+                self._ready.append(store)
+                self._cond.notify_all()
+
+    def refill(self) -> None:
+        """Open connections up to `keep`, on the openers (started on first use)."""
+        with self._cond:
+            if self._stopped:
                 return
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._fill, name="spare-store",
-                                                daemon=True)
-                self._thread.start()
-            self._wanted = True
+            self._owed = max(0, self.keep - len(self._ready) - self._opening)
+            if not self._owed:
+                return
+            if not self._threads:
+                self._threads = [threading.Thread(target=self._open, name="spare-store",
+                                                  daemon=True) for _ in range(self.openers)]
+                for thread in self._threads:
+                    thread.start()
             self._cond.notify_all()
 
-    def wait_ready(self, timeout_s: float) -> bool:
-        """Whether `keep` connections are ready within `timeout_s`."""
+    def wait_ready(self, timeout_s: float, count: int | None = None) -> bool:
+        """Whether `count` connections (`keep` unless given) are ready within `timeout_s`."""
+        want = self.keep if count is None else count
         with self._cond:
-            return self._cond.wait_for(lambda: len(self._ready) >= self.keep, timeout_s)
+            return self._cond.wait_for(lambda: len(self._ready) >= want, timeout_s)
 
     def close(self) -> None:
         with self._cond:
@@ -78,25 +103,24 @@ class SpareConnections:
             self._ready.clear()
             self._cond.notify_all()
 
-    def _fill(self) -> None:
+    def _open(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopped or self._wanted)
+                self._cond.wait_for(lambda: self._stopped or self._owed > 0)
                 if self._stopped:
                     return
-                if len(self._ready) >= self.keep:
-                    self._wanted = False
-                    continue
+                self._owed -= 1
+                self._opening += 1
             try:
-                store = client(self.address, self.timeout_s)
+                store: dist.Store | None = client(self.address, self.timeout_s)
             except Exception:  # unreachable for now: `take` connects (and fails) itself
-                with self._cond:
-                    self._wanted = False
-                continue
+                store = None
             with self._cond:
-                if self._stopped:
-                    return
-                self._ready.append(store)
+                self._opening -= 1
+                if store is None:
+                    self._owed = 0
+                elif not self._stopped:
+                    self._ready.append(store)
                 self._cond.notify_all()
 
 
@@ -145,11 +169,16 @@ class Heartbeat:
 
 
 class BoardWatcher:
-    """Calls `then(message)` once, for the first record of `board` that opens as `expect`."""
+    """Calls `then(message)` once, for the first record of `board` that opens as `expect`.
+
+    `done(store)`, if given, gets the connection back once the record came: nothing waits on
+    it any more, so the next generation's watcher can use it (`SpareConnections.give_back`)
+    instead of opening one. A wait that failed keeps its connection (it may be broken)."""
 
     def __init__(self, store: dist.Store, channel: Channel, board_key: str,
                  expect: type[Message], then: Callable[[Message], None],
-                 on_refused: Callable[[Refused], None] | None = None) -> None:
+                 on_refused: Callable[[Refused], None] | None = None,
+                 done: Callable[[dist.Store], None] | None = None) -> None:
         self.store = store
         self._closed = threading.Event()
 
@@ -162,6 +191,8 @@ class BoardWatcher:
                 return
             if not self._closed.is_set():
                 then(opened.message)
+            if done is not None:
+                done(store)
 
         self._thread = threading.Thread(target=watch, name=f"watch-{board_key}", daemon=True)
         self._thread.start()
@@ -175,7 +206,9 @@ class BoardWatcher:
 
 
 def watch_abort(store: dist.Store, channel: Channel, generation: int, abort: AbortSignal,
-                on_refused: Callable[[Refused], None] | None = None) -> BoardWatcher:
+                on_refused: Callable[[Refused], None] | None = None,
+                done: Callable[[dist.Store], None] | None = None) -> BoardWatcher:
     """Trigger `abort` on the generation's first genuine abort record."""
     return BoardWatcher(store, channel, keys.abort_board(generation), Abort,
-                        lambda m: abort.trigger(m.reason), on_refused)  # type: ignore[attr-defined]
+                        lambda m: abort.trigger(m.reason),  # type: ignore[attr-defined]
+                        on_refused, done)
