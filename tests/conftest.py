@@ -76,8 +76,14 @@ def bench_figures(name: str, timeout: float) -> dict:
 
 # manifests are signed under a per-user key when no token or checkpoint.key is given: the
 # tests use a key of their own (workers and `spotpipe` subprocesses inherit it), not ~/.config
-os.environ.setdefault("SPOTPIPE_KEY_FILE", str(Path(__import__("tempfile").gettempdir())
-                                               / f"spotpipe-test-key-{os.getpid()}"))
+_TEST_KEY = Path(__import__("tempfile").gettempdir()) / f"spotpipe-test-key-{os.getpid()}"
+os.environ.setdefault("SPOTPIPE_KEY_FILE", str(_TEST_KEY))
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """The session's own key goes with it (one per run was left in /tmp)."""
+    if os.environ.get("SPOTPIPE_KEY_FILE") == str(_TEST_KEY):
+        _TEST_KEY.unlink(missing_ok=True)
 
 
 def assert_close_where_width_changed(got: dict, want: dict) -> None:
