@@ -39,18 +39,19 @@ KEEP, OPENERS = 6, 3  # SpareConnections' defaults (see there)
 class SpareConnections:
     """Store connections opened ahead of need.
 
-    A node opens three connections of its own for each generation (two board watchers and
-    its groups' rendezvous), and a failover's regroup is on the job's critical path: they took
-    2-3 ms of a takeover's 5-6 ms on this machine. Threads open the next ones when asked
-    (`refill`, once the job trains again), so a regroup takes ready ones. Should the store be
-    unreachable then, `take` connects itself and reports it as before.
+    A node needs three connections of its own for each generation (two board watchers and
+    its groups' rendezvous), and a failover's regroup is on the job's critical path: opening
+    them took 2-3 ms of a takeover's 5-6 ms on this machine. The watchers give theirs back
+    when their boards close (`give_back`); threads open the rest when asked (`refill`, once
+    the job trains again), so a regroup takes ready ones. Should the store be unreachable
+    then, `take` connects itself and reports it as before.
 
     Six are kept, two regroups' worth: a failover is often followed at once by the
     re-partition it calls for, before an iteration has completed to ask for more. And each
     is opened on one of several threads: torch's TCPStore client looks up the name of the
     store's address on every connection it makes (for its log lines), and a resolver that
-    drops the query holds that connection for glibc's 5 s retry (one connection in 25 on our
-    VMs, where the lookup of a v4-mapped loopback address goes to DNS). One slow connection
+    drops the query holds that connection for glibc's 5 s retry (about one connection in 50
+    on our VMs, where the lookup of a v4-mapped loopback address goes to DNS). One slow connection
     then holds up only itself, not the regroup's or the ones behind it."""
 
     def __init__(self, address: StoreAddress, timeout_s: float, keep: int = KEEP,
