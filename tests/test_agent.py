@@ -36,13 +36,6 @@ def _config(corpus, iterations: int, **extra):
 LENIENT = {"failover.heartbeat_timeout_s": 30.0, "failover.hang_timeout_s": 30.0}
 
 
-def _trained(tmp_path_factory, cfg) -> dict:
-    """Final parameters of the same job without failures: for one pipeline (every job here)
-    the plain single-process loop, which `spotpipe train` reproduces bit for bit
-    (tests/test_equivalence.py), and which shares no code with the agents under test."""
-    return failure_free(tmp_path_factory, cfg)
-
-
 # An agent whose interpreter has imported torch and spotpipe's agent, then waits for a line on
 # its stdin before it runs `spotpipe agent`: the test opens the gate at the moment it chooses,
 # and the agent then acts within a second instead of after its imports. Its stdin closed
@@ -103,7 +96,7 @@ def test_agents_train_like_spotpipe_train(tmp_path, tmp_path_factory, corpus, ba
     admitted = [e for e in events(run) if e["kind"] == "agent_admitted"]
     assert sorted(r for e in admitted for r in e["ranks"]) == [0, 1]
     got = load_file(str(run / "final" / "model.safetensors"))
-    want = _trained(tmp_path_factory, cfg)
+    want = failure_free(tmp_path_factory, cfg)  # D = 1: the single-process loop
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
     # each host ran its own worker and kept its log; no process is left
@@ -177,7 +170,7 @@ def test_stranger_agents_are_refused_and_the_job_completes(tmp_path, tmp_path_fa
     assert "closing marker without the job's proof" in forged[f"agent{marker}"], forged
     assert [e for e in events(run) if e["kind"] == "plan"] == []  # the job was undisturbed
     got = load_file(str(run / "final" / "model.safetensors"))
-    want = _trained(tmp_path_factory, cfg)
+    want = failure_free(tmp_path_factory, cfg)  # D = 1: the single-process loop
     assert all(torch.equal(got[k], want[k]) for k in want)
     for out in outs:  # gather the hosts' sample logs, as one would from real machines
         for log in (out / "logs").glob("samples.*.jsonl"):
@@ -252,7 +245,7 @@ def test_a_lost_host_fails_over_to_the_other(tmp_path, tmp_path_factory, corpus,
     assert "agent_silent" in kinds and "takeover" in kinds
     assert [e["action"] for e in events(run) if e["kind"] == "plan"] == ["failover"]
     got = load_file(str(run / "final" / "model.safetensors"))
-    want = _trained(tmp_path_factory, cfg)
+    want = failure_free(tmp_path_factory, cfg)  # D = 1: the single-process loop
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert all(workers_running(out) == [] for out in outs)
 

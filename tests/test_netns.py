@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from netns import SUBNET, cluster_factory, netns_pids  # noqa: F401 (the fixture)
-from test_agent import LENIENT, _trained, _write_config
-from test_failover import assert_samples_exactly_once, events
+from test_agent import LENIENT, _write_config
+from test_failover import assert_samples_exactly_once, events, failure_free
 
 from conftest import assert_close_where_width_changed, tiny_config
 
@@ -82,7 +82,7 @@ def check_result(tmp_path_factory, cfg, run: Path, outs: list[Path], exact: bool
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed", summary
     got = load_file(str(run / "final" / "model.safetensors"))
-    want = _trained(tmp_path_factory, reference or cfg)
+    want = failure_free(tmp_path_factory, reference or cfg)
     if exact:
         for k in want:
             assert torch.equal(got[k], want[k]), f"{k} differs from the single-process loop"

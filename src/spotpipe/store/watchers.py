@@ -51,8 +51,8 @@ class SpareConnections:
     is opened on one of several threads: torch's TCPStore client looks up the name of the
     store's address on every connection it makes (for its log lines), and a resolver that
     drops the query holds that connection for glibc's 5 s retry (about one connection in 50
-    on our VMs, where the lookup of a v4-mapped loopback address goes to DNS). One slow connection
-    then holds up only itself, not the regroup's or the ones behind it."""
+    on our VMs, where the lookup of a v4-mapped loopback address goes to DNS). One slow
+    connection then holds up only itself, not the regroup's or the ones behind it."""
 
     def __init__(self, address: StoreAddress, timeout_s: float, keep: int = KEEP,
                  openers: int = OPENERS) -> None:
