@@ -167,7 +167,7 @@ def test_the_config_chooses_how_workers_start(tmp_path: Path) -> None:
     cfg = Config()
     assert cfg.cluster.fork_server  # the default: forks of this process's server
     made = starter(cfg, "spotpipe.cli.worker", tmp_path)
-    assert isinstance(made, SharedForkServer) and made.preload == ["spotpipe.cli.worker"]
+    assert isinstance(made, SharedForkServer) and made.preload[0] == "spotpipe.cli.worker"
     cfg.cluster.fork_server = False  # as torchrun: each worker a fresh interpreter
     assert isinstance(starter(cfg, "spotpipe.cli.worker", tmp_path), FreshInterpreters)
 
@@ -196,10 +196,37 @@ def test_a_transformers_model_has_the_library_preloaded(tmp_path: Path) -> None:
     from spotpipe.model.hf import FAMILIES
     # written twice, since the supervisor stays free of torch: the lists must agree
     assert set(TRANSFORMERS_FAMILIES) == set(FAMILIES)
-    # the shadows and a GPT need nothing more than their own module
-    assert preload(cfg, "spotpipe.checkpoint.shadow") == ["spotpipe.checkpoint.shadow"]
-    cfg.model.kind = "gpt"
-    assert preload(cfg, "spotpipe.cli.worker") == ["spotpipe.cli.worker"]
+    # the shadows and a GPT need no transformers
+    for module in ("spotpipe.checkpoint.shadow", "spotpipe.cli.worker"):
+        cfg.model.kind = "gpt" if module.endswith("worker") else "hf"
+        assert not any(m.startswith("transformers") for m in preload(cfg, module)), module
+
+
+@pytest.mark.parametrize("module", ["spotpipe.cli.worker", "spotpipe.checkpoint.shadow"])
+def test_a_forked_child_builds_its_optimizer_without_importing(tmp_path: Path,
+                                                               module: str) -> None:
+    """A worker or shadow forked from its server imports nothing more to build its stage's
+    optimizer (torch.optim imports torch._dynamo at its first optimizer: 1.5 s of CPU per
+    process on our VMs, when each child paid it)."""
+    (tmp_path / "child.py").write_text(textwrap.dedent("""
+        import sys
+        import torch
+        from spotpipe.config import Config
+        from spotpipe.runtime.optim import build_optimizer
+        before = set(sys.modules)
+        for name in ("adamw", "sgd"):
+            cfg = Config()
+            cfg.optimizer.name = name
+            build_optimizer([torch.nn.Parameter(torch.zeros(3))], cfg)
+        print(sorted(set(sys.modules) - before))
+    """))
+    exits = Exits()
+    server = ForkServer([*preload(Config(), module)], tmp_path / "logs" / "forkserver.log")
+    sup = Supervisor(tmp_path / "logs", exits, module="child", starter=server)
+    sup.spawn("node0", dict(os.environ, PYTHONPATH=f"{tmp_path}:{SRC}"))
+    assert exits.wait_for({"node0"}) == {"node0": 0}
+    sup.stop_all()
+    assert (tmp_path / "logs" / "node0.log").read_text().split() == ["[]"]
 
 
 def test_a_preload_that_does_not_import_is_named_and_skipped(tmp_path: Path) -> None:

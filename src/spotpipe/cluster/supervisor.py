@@ -77,13 +77,23 @@ TRANSFORMERS = ("transformers", "transformers.modeling_utils", "transformers.mas
 TRANSFORMERS_FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")  # spotpipe.model.hf's
 
 
+SHADOW = "spotpipe.checkpoint.shadow"
+# torch.optim's Optimizer.__init__ imports torch._dynamo at its first call (the
+# `_disable_dynamo` wrapper): 1.5 s of CPU on our 2-core VMs, which every worker and shadow
+# paid after its fork, as it built its stage's optimizer, unless the server pays it once
+OPTIMIZER = ("torch._dynamo",)
+
+
 def preload(cfg: Config, module: str) -> list[str]:
-    """What the fork server imports before it forks `module`'s processes: the module, and for
-    a transformers model the library and the model family's module as well."""
-    if module != WORKER or cfg.model.kind != "hf":
+    """What the fork server imports before it forks `module`'s processes: the module, what
+    building an optimizer imports, and for a transformers model the library and the model
+    family's module as well."""
+    if module not in (WORKER, SHADOW):
         return [module]
+    if module != WORKER or cfg.model.kind != "hf":
+        return [module, *OPTIMIZER]
     family = _transformers_model_type(cfg.model.hf.config)
-    return [module, *TRANSFORMERS] + (
+    return [module, *OPTIMIZER, *TRANSFORMERS] + (
         [f"transformers.models.{family}.modeling_{family}"]
         if family in TRANSFORMERS_FAMILIES else [])
 
