@@ -202,14 +202,17 @@ def test_a_transformers_model_has_the_library_preloaded(tmp_path: Path) -> None:
         assert not any(m.startswith("transformers") for m in preload(cfg, module)), module
 
 
-@pytest.mark.parametrize("module", ["spotpipe.cli.worker", "spotpipe.checkpoint.shadow"])
-def test_a_forked_child_builds_its_optimizer_without_importing(tmp_path: Path,
-                                                               module: str) -> None:
+@pytest.mark.parametrize("module,every", [("spotpipe.cli.worker", 0),
+                                          ("spotpipe.checkpoint.shadow", 5)])
+def test_a_forked_child_builds_its_optimizer_and_saves_without_importing(
+        tmp_path: Path, module: str, every: int) -> None:
     """A worker or shadow forked from its server imports nothing more to build its stage's
-    optimizer (torch.optim imports torch._dynamo at its first optimizer: 1.5 s of CPU per
-    process on our VMs, when each child paid it)."""
-    (tmp_path / "child.py").write_text(textwrap.dedent("""
+    optimizer, nor, in a job that writes checkpoints, to save one (torch.optim imports
+    torch._dynamo at its first optimizer, DCP is imported at the first save: 1.5 s and up to
+    2 s of CPU per process on our VMs, when each child paid them)."""
+    (tmp_path / "child.py").write_text(textwrap.dedent(f"""
         import sys
+        from pathlib import Path
         import torch
         from spotpipe.config import Config
         from spotpipe.runtime.optim import build_optimizer
@@ -218,15 +221,22 @@ def test_a_forked_child_builds_its_optimizer_without_importing(tmp_path: Path,
             cfg = Config()
             cfg.optimizer.name = name
             build_optimizer([torch.nn.Parameter(torch.zeros(3))], cfg)
-        print(sorted(set(sys.modules) - before))
+        if {every}:
+            from spotpipe.checkpoint.durable import dcp_save
+            dcp_save({{"w": torch.zeros(3)}}, Path({str(tmp_path / "ckpt")!r}))
+        print("imported:", sorted(set(sys.modules) - before))
     """))
+    cfg = Config()
+    cfg.checkpoint.every = every
     exits = Exits()
-    server = ForkServer([*preload(Config(), module)], tmp_path / "logs" / "forkserver.log")
+    server = ForkServer(preload(cfg, module), tmp_path / "logs" / "forkserver.log")
     sup = Supervisor(tmp_path / "logs", exits, module="child", starter=server)
     sup.spawn("node0", dict(os.environ, PYTHONPATH=f"{tmp_path}:{SRC}"))
     assert exits.wait_for({"node0"}) == {"node0": 0}
     sup.stop_all()
-    assert (tmp_path / "logs" / "node0.log").read_text().split() == ["[]"]
+    said = (tmp_path / "logs" / "node0.log").read_text().splitlines()
+    assert [line for line in said if line.startswith("imported:")] == ["imported: []"], said
+    assert (tmp_path / "ckpt").exists() == bool(every)
 
 
 def test_a_preload_that_does_not_import_is_named_and_skipped(tmp_path: Path) -> None:

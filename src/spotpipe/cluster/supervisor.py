@@ -82,18 +82,22 @@ SHADOW = "spotpipe.checkpoint.shadow"
 # `_disable_dynamo` wrapper): 1.5 s of CPU on our 2-core VMs, which every worker and shadow
 # paid after its fork, as it built its stage's optimizer, unless the server pays it once
 OPTIMIZER = ("torch._dynamo",)
+# a job that writes checkpoints: DCP's package, imported at a stage's first save (0.5-2 s)
+CHECKPOINTS = ("torch.distributed.checkpoint", "spotpipe.checkpoint.dcp_json",
+               "torch.utils.serialization")
 
 
 def preload(cfg: Config, module: str) -> list[str]:
     """What the fork server imports before it forks `module`'s processes: the module, what
-    building an optimizer imports, and for a transformers model the library and the model
-    family's module as well."""
+    building an optimizer and (in a job that writes them) saving a checkpoint import, and for
+    a transformers model the library and the model family's module as well."""
     if module not in (WORKER, SHADOW):
         return [module]
+    common = [module, *OPTIMIZER, *(CHECKPOINTS if cfg.checkpoint.every else ())]
     if module != WORKER or cfg.model.kind != "hf":
-        return [module, *OPTIMIZER]
+        return common
     family = _transformers_model_type(cfg.model.hf.config)
-    return [module, *OPTIMIZER, *TRANSFORMERS] + (
+    return [*common, *TRANSFORMERS] + (
         [f"transformers.models.{family}.modeling_{family}"]
         if family in TRANSFORMERS_FAMILIES else [])
 
