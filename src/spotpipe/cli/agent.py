@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 from spotpipe.cli.argtypes import positive_number
-from spotpipe.config import Config
 
 
 def _env(flag: str, default: str | None = None) -> str | None:
@@ -62,27 +61,38 @@ REQUIRED = ("rdzv_endpoint", "rdzv_id", "nnodes")
 
 
 def run(args: argparse.Namespace) -> int:
+    from spotpipe.cluster.agent_options import AgentError, AgentOptions, check_options, \
+        parse_nnodes
     from spotpipe.config import ConfigError, load_config
 
-    early = _prestart(args) if all(getattr(args, flag) for flag in REQUIRED) else None
-    from spotpipe.cluster.agent import AgentError, AgentOptions, parse_nnodes, run_agent
-    from spotpipe.cluster.launcher import LaunchError
-
-    try:
+    try:  # every check that needs no torch, before anything starts (see agent_options)
         for flag in REQUIRED:
             if not getattr(args, flag):
                 raise AgentError(f"--{flag.replace('_', '-')} is required (or "
                                  f"PET_{flag.upper()} in the environment)")
         low, high = parse_nnodes(args.nnodes)
-        cfg = early if early is not None else load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides)
         opts = AgentOptions(backend=args.rdzv_backend, endpoint=args.rdzv_endpoint,
                             rdzv_id=args.rdzv_id, min_nodes=low, max_nodes=high,
                             out=Path(args.out), nproc=args.nproc_per_node,
                             node_rank=args.node_rank, local_addr=args.local_addr,
                             rdzv_timeout_s=args.rdzv_timeout, progress=not args.no_progress,
                             on_demand=args.on_demand)
+        check_options(opts, cfg, overwrite=args.overwrite)
+    except (AgentError, ConfigError) as exc:
+        print(f"spotpipe agent: error: {exc}", file=sys.stderr)
+        return 2
+    from spotpipe.cluster.supervisor import prestart
+
+    # the workers' fork server starts before this process imports torch, so that the two
+    # imports overlap (as `spotpipe train` does)
+    prestart(cfg)
+    from spotpipe.cluster.agent import run_agent
+    from spotpipe.cluster.launcher import LaunchError
+
+    try:
         code = run_agent(opts, cfg, overwrite=args.overwrite)
-    except (AgentError, ConfigError, LaunchError) as exc:
+    except (AgentError, LaunchError) as exc:
         print(f"spotpipe agent: error: {exc}", file=sys.stderr)
         code = 2
     except Exception as exc:  # the rendezvous store went away, or a bug: say so, exit 1
@@ -95,18 +105,3 @@ def run(args: argparse.Namespace) -> int:
     sys.stderr.flush()
     # threads blocked in store waits must not run interpreter teardown (see worker.py)
     os._exit(code)
-
-
-def _prestart(args: argparse.Namespace) -> Config | None:
-    """Start the workers' fork server before this process imports torch, so that the two
-    imports overlap (as `spotpipe train` does); the configuration it read. A bad one is left
-    to `run`, which reports it in the order of its checks."""
-    from spotpipe.cluster.supervisor import prestart
-    from spotpipe.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError:
-        return None
-    prestart(cfg)
-    return cfg

@@ -16,8 +16,9 @@ from spotpipe import job
 from spotpipe.checkpoint import durable
 from spotpipe.cluster.agent_loop import AgentJobLoop
 from spotpipe.cluster.coordinator import join_problem
-from spotpipe.cluster.rendezvous import (ARRIVALS, JOB, AgentOptions, agent_key, assign_key,
-                                         post_over, proof_key, read_record, wait_get)
+from spotpipe.cluster.agent_options import AgentOptions
+from spotpipe.cluster.rendezvous import (ARRIVALS, JOB, agent_key, assign_key, post_over,
+                                         proof_key, read_record, wait_get)
 from spotpipe.config import Config
 from spotpipe.protocol import (AgentArrival, ArrivalsClosed, Assignment, CoordinatorState,
                                JobPosted, MessageError, new_instance_id, plain, vouch, vouched)

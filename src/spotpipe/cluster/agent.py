@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import queue
 import signal
 import socket
@@ -59,12 +58,13 @@ import yaml
 from spotpipe import job
 from spotpipe.checkpoint import durable
 from spotpipe.cluster.admission import Coordinating
+from spotpipe.cluster.agent_options import (AgentError, AgentOptions, check_options,
+                                            parse_nnodes)
 from spotpipe.cluster.launcher import LaunchError, prepare, search_path
 from spotpipe.cluster.rendezvous import (ALL_LEFT, ARRIVALS, CHUNK, COORDINATOR, JOB, LEFT, OVER,
-                                         AgentError, AgentOptions, agent_key, assign_key,
-                                         connect_rendezvous, final_key, parse_nnodes, post_over,
-                                         proof_key, read_record, read_vouched, wait_get,
-                                         write_atomic)
+                                         agent_key, assign_key, connect_rendezvous, final_key,
+                                         post_over, proof_key, read_record, read_vouched,
+                                         wait_get, write_atomic)
 from spotpipe.cluster.supervisor import Supervisor, starter, worker_env
 from spotpipe.config import Config
 from spotpipe.protocol import (AgentArrival, Assignment, Channel, CoordinatorState, Exit,
@@ -394,26 +394,8 @@ class Agent:
 
 def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> int:
     """Validate, meet the other agents, run; AgentError/LaunchError before anything starts."""
-    token = os.environ.get("SPOTPIPE_JOIN_TOKEN", "")  # (str; any bytes, see protocol.auth)
-    if not token:
-        raise AgentError("SPOTPIPE_JOIN_TOKEN: set it to the job's shared secret on every host "
-                         "(a node without it is refused)")
-    if opts.backend not in ("etcd", "c10d"):
-        raise AgentError(f"--rdzv-backend {opts.backend!r}: expected etcd or c10d")
-    if opts.nproc < 1:
-        raise AgentError(f"--nproc-per-node {opts.nproc}: expected >= 1")
-    world = cfg.stages * cfg.pipelines
-    if opts.min_nodes * opts.nproc != world:
-        raise AgentError(
-            f"--nnodes {opts.min_nodes}:{opts.max_nodes}: the job starts with stages x pipelines"
-            f" = {cfg.stages} x {cfg.pipelines} = {world} nodes, so MIN x --nproc-per-node "
-            f"({opts.min_nodes} x {opts.nproc}) must be {world}; agents beyond MIN join later")
-    if opts.node_rank >= opts.min_nodes:
-        raise AgentError(f"--node-rank {opts.node_rank}: expected 0..{opts.min_nodes - 1}")
-    out = opts.out = opts.out.resolve()  # workers get it in their environment
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise AgentError(f"--out {out}: the folder exists and is not empty; pass --overwrite "
-                         "to replace it")
+    token = check_options(opts, cfg, overwrite)
+    out = opts.out
     prepared = prepare(cfg)
     address, hosted = connect_rendezvous(opts, cfg)
     import shutil

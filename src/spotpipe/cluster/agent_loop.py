@@ -12,7 +12,8 @@ from typing import Any, Protocol
 import yaml
 
 from spotpipe.cluster.jobloop import Deposed, JobLoop, RunFiles
-from spotpipe.cluster.rendezvous import AgentOptions, final_key, read_vouched, write_atomic
+from spotpipe.cluster.agent_options import AgentOptions
+from spotpipe.cluster.rendezvous import final_key, read_vouched, write_atomic
 from spotpipe.protocol import CoordinatorState, FinalFile, Journal, Kill, MessageError, keys
 from spotpipe.store import board, mailbox
 from spotpipe.store.address import StoreAddress

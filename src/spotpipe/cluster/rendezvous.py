@@ -6,14 +6,13 @@ Shared by every agent (`spotpipe.cluster.agent`) and the one elected to coordina
 from __future__ import annotations
 
 import os
-import socket
 import threading
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
+from spotpipe.cluster.agent_options import AgentError, AgentOptions, is_local
 from spotpipe.config import Config, parse_endpoint
 from spotpipe.protocol import (JobOver, Message, MessageError, from_plain, keys, plain, vouch,
                                vouched)
@@ -23,54 +22,6 @@ ARRIVALS, COORDINATOR, JOB, OVER = keys.ARRIVALS, keys.COORDINATOR, keys.JOB, ke
 LEFT, ALL_LEFT = keys.LEFT, keys.ALL_LEFT
 agent_key, assign_key, final_key = keys.arrival, keys.assignment, keys.final_part
 CHUNK = 512 * 1024  # etcd refuses requests over 1.5 MiB; base64 makes 512 KiB about 683 KiB
-
-
-class AgentError(RuntimeError):
-    """Bad flags or an unusable rendezvous; nothing was started (exit 2)."""
-
-
-@dataclass
-class AgentOptions:
-    backend: str  # "etcd" or "c10d"
-    endpoint: str  # host:port
-    rdzv_id: str
-    min_nodes: int
-    max_nodes: int
-    out: Path
-    nproc: int = 1
-    node_rank: int = -1  # -1: by arrival
-    local_addr: str = ""
-    rdzv_timeout_s: float = 600.0
-    progress: bool = True
-    on_demand: bool = False  # the operator says this host is not preemptible (c10d's host)
-
-
-def parse_nnodes(text: str) -> tuple[int, int]:
-    """'N' or 'MIN:MAX', as torchrun's --nnodes."""
-    lo, _, hi = text.partition(":")
-    try:
-        low, high = int(lo), int(hi or lo)
-    except ValueError:
-        raise AgentError(f"--nnodes {text!r}: expected N or MIN:MAX") from None
-    if not 1 <= low <= high:
-        raise AgentError(f"--nnodes {text!r}: expected 1 <= MIN <= MAX")
-    return low, high
-
-
-def _is_local(host: str) -> bool:
-    """Whether `host` names an address of this machine (then it can be bound)."""
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    for family, _, _, _, addr in infos:
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((addr[0], 0))
-                return True
-            except OSError:
-                continue
-    return False
 
 
 def connect_rendezvous(opts: AgentOptions,
@@ -91,15 +42,7 @@ def connect_rendezvous(opts: AgentOptions,
             raise AgentError(f"--rdzv-endpoint: {exc}") from None
         return address, None
     hosted = None
-    if _is_local(host):
-        if not opts.on_demand:
-            # the store dies with its host, and the job with the store: a c10d store may only
-            # live on a host the job cannot lose, which only the operator knows
-            raise AgentError(
-                f"--rdzv-backend c10d: this agent would host the job's store on {host}:{port}, "
-                "and a host the job may lose (a spot host) takes the store and the whole job "
-                "with it. Run this agent on an on-demand host and say so with --on-demand, or "
-                "use --rdzv-backend etcd with etcd on on-demand machines")
+    if is_local(host):  # (an on-demand host: `check_options`)
         try:
             hosted = host_tcp_store(host, port, timeout)
         except OSError:
