@@ -141,7 +141,9 @@ def plans(run: Path) -> list[str]:
 def test_host_lost(cluster_factory, corpus, tmp_path, tmp_path_factory):
     """Every process of a host killed at once: no exit is reported, the coordinator fences
     the silent node after the heartbeat timeout, fails over and re-partitions (P 3 -> 2)."""
-    cluster, cfg, outs, procs = running_job(cluster_factory, corpus, tmp_path, 150)
+    # the host goes at iteration 5 or so and nothing completes until the failover: 60 leave
+    # the job long enough to re-partition after it
+    cluster, cfg, outs, procs = running_job(cluster_factory, corpus, tmp_path, 60)
     c, lost = victim(outs)
     cluster.lose_host(lost)
     codes = finish([procs[i] for i in range(3) if i != lost])
@@ -155,7 +157,8 @@ def test_host_lost(cluster_factory, corpus, tmp_path, tmp_path_factory):
 def test_short_partition_rides_through(cluster_factory, corpus, tmp_path, tmp_path_factory):
     """A host's link down for a quarter of the heartbeat timeout: TCP retransmits, the job
     pauses and goes on, with no failover."""
-    cluster, cfg, outs, procs = running_job(cluster_factory, corpus, tmp_path, 200)
+    # (no iteration completes while the host is cut off: 80 leave the cut ample room)
+    cluster, cfg, outs, procs = running_job(cluster_factory, corpus, tmp_path, 80)
     c, cut = victim(outs)
     before = iteration(outs[c])
     cluster.link(cut, up=False)
@@ -247,8 +250,10 @@ def test_cloud_notice_over_namespaced_hosts(cluster_factory, corpus, tmp_path, t
 
     cluster = cluster_factory(4 if standby else 3)
     meta = cluster.metadata()
-    cfg = job(corpus, 3, 1, 400, **{f"failover.{service}_notice_url": meta.urls()[service],
-                                    "failover.notice_poll_s": 0.1})
+    # with a standby, the job trains on while the fourth agent joins and is placed
+    iterations = 400 if standby else 120
+    cfg = job(corpus, 3, 1, iterations, **{f"failover.{service}_notice_url":
+                                           meta.urls()[service], "failover.notice_poll_s": 0.1})
     config = _write_config(cfg, tmp_path / "job.yaml")
     cluster.start_etcd()
     outs = [tmp_path / f"host{i}" for i in range(len(cluster.hosts))]
@@ -286,7 +291,7 @@ def test_cloud_notice_over_namespaced_hosts(cluster_factory, corpus, tmp_path, t
         assert acted[0] == "failover" and set(acted) <= {"failover", "repartition"}
     if service == "azure":
         assert meta.acks == [(node, meta.events[node]["EventId"])]
-    check_result(tmp_path_factory, cfg, run, outs, reference=job(corpus, 3, 1, 400))
+    check_result(tmp_path_factory, cfg, run, outs, reference=job(corpus, 3, 1, iterations))
 
 
 def _worker_pids(cluster, hosts: list[int], procs) -> dict[int, set[int]]:
