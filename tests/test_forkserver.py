@@ -336,11 +336,26 @@ def test_commands_start_the_fork_server_before_they_import_torch(tmp_path: Path,
     out.mkdir()
     (out / "something").write_text("")  # not empty, no --overwrite: train stops there
     args = {"train": ["train", config, "--out", str(out), "--no-progress"],
-            # MIN above MAX: the agent stops there
-            "agent": ["agent", config, "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "j",
-                      "--nnodes", "3:2", "--out", str(out)]}[command]
-    done = subprocess.run([sys.executable, "-c", _PRESTART_PROBE, *args], capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=SRC))
+            # flags that fit the job; nothing listens on the endpoint: the agent stops there
+            "agent": ["agent", config, "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                      "127.0.0.1:1", "--rdzv-id", "j", "--nnodes", "2",
+                      "--out", str(tmp_path / "agent-out")]}[command]
+    done = _probe(args)
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stdout.splitlines()[0] == "prestart: torch imported: False", done.stdout
     assert "error" in done.stderr
+
+
+def test_an_agent_with_bad_flags_starts_no_server(tmp_path: Path) -> None:
+    """Flags that cannot work are named before the fork server starts (nor torch imported)."""
+    config = str(Path(__file__).resolve().parents[1] / "examples" / "gpt_tiny.yaml")
+    done = _probe(["agent", config, "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "j",
+                   "--nnodes", "3:2", "--out", str(tmp_path / "out")])  # MIN above MAX
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "prestart" not in done.stdout and "--nnodes '3:2'" in done.stderr, done.stderr
+
+
+def _probe(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _PRESTART_PROBE, *args], capture_output=True,
+                          text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=SRC, SPOTPIPE_JOIN_TOKEN="t"))
