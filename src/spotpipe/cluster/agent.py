@@ -65,7 +65,7 @@ from spotpipe.cluster.rendezvous import (ALL_LEFT, ARRIVALS, CHUNK, COORDINATOR,
                                          agent_key, assign_key, connect_rendezvous, final_key,
                                          post_over, proof_key, read_record, read_vouched,
                                          wait_get, write_atomic)
-from spotpipe.cluster.supervisor import Supervisor, starter, worker_env
+from spotpipe.cluster.supervisor import WORKER, Supervisor, starter, worker_env
 from spotpipe.config import Config
 from spotpipe.protocol import (AgentArrival, Assignment, Channel, CoordinatorState, Exit,
                                FinalFile, JobOver, JobPosted, Kill, MessageError, Refused,
@@ -253,8 +253,7 @@ class Agent:
         self._fenced: set[str] = set()
         self._posted, self._shared = posted, shared
         supervisor = self.supervisor = Supervisor(
-            out / "logs", self._exited, starter=starter(self.cfg, "spotpipe.cli.worker",
-                                                        out / "logs"))
+            out / "logs", self._exited, starter=starter(self.cfg, WORKER, out / "logs"))
         # a SIGTERM to the agent is the host's preemption notice: pass it on to the workers
         signal.signal(signal.SIGTERM, lambda *_: [supervisor.signal(n, signal.SIGTERM)
                                                   for n in list(supervisor.procs)])

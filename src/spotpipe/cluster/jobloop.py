@@ -35,7 +35,8 @@ from spotpipe.protocol import (Channel, CheckpointSaved, Close, CoordinatorState
                                job_key, keys)
 from spotpipe.store import mailbox
 from spotpipe.store.address import StoreAddress
-from spotpipe.cluster.supervisor import Supervisor, search_path, starter, worker_env
+from spotpipe.cluster.supervisor import (SHADOW, Supervisor, search_path, starter,
+                                         worker_env)
 from spotpipe.config import Config
 from spotpipe.plan import Layout
 
@@ -360,7 +361,7 @@ class JobLoop:
                        inbox: "queue.Queue[tuple[str, Any]]") -> None:
         """The CPU shadows, one per stage, run here, next to the store: on the host that is
         not preempted (see spotpipe.checkpoint.shadow)."""
-        logs, module = self.out / "logs", "spotpipe.checkpoint.shadow"
+        logs, module = self.out / "logs", SHADOW
         self._shadows = Supervisor(logs,
                                    lambda name, code: inbox.put(("shadow_exit", (name, code))),
                                    module=module, starter=starter(self.cfg, module, logs))

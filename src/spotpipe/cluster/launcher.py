@@ -30,7 +30,7 @@ from spotpipe.config import Config, parse_endpoint
 from spotpipe.cluster.jobloop import JobLoop, RunFiles
 from spotpipe.protocol import keys, new_instance_id
 from spotpipe.store.address import StoreAddress, host_tcp_store, job_prefix
-from spotpipe.cluster.supervisor import Supervisor, search_path, starter, worker_env
+from spotpipe.cluster.supervisor import WORKER, Supervisor, search_path, starter, worker_env
 from spotpipe.cluster.trace_replay import Action as TraceAction
 from spotpipe.faults import Fault
 from spotpipe import job
@@ -160,7 +160,7 @@ class Launcher(JobLoop):
                      inbox: "queue.Queue[tuple[str, Any]]") -> None:
         logs = self.out / "logs"
         self.supervisor = Supervisor(logs, lambda node, code: inbox.put(("exit", (node, code))),
-                                     starter=starter(self.cfg, "spotpipe.cli.worker", logs))
+                                     starter=starter(self.cfg, WORKER, logs))
         world = self.cfg.stages * self.cfg.pipelines
         for rank in range(world):
             self._spawn(rank, world, address)
