@@ -219,6 +219,31 @@ def test_auto_cadence_agrees_on_the_slowest_node_and_publishes_it(corpus):
     assert failing.k < k
 
 
+def test_a_cadence_record_written_without_the_key_is_not_followed(corpus):
+    """The agreed next checkpoint lives in the store, sealed (store/sealed.py): a late node
+    reads the genuine one; one written over it without the job's key is refused (an event)
+    and the node starts afresh instead of checkpointing where the forger says."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from spotpipe.store.sealed import SealedStore
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))
+    refused = []
+    store = SealedStore(server, b"k" * 32, on_refused=refused.append)
+    cfg = tiny_config(corpus, **{"checkpoint.every": "auto", "checkpoint.mtbf_s": 10.0})
+    cadence = Cadence(cfg, lambda: 0, store, "ns")
+    cadence.due(1)
+    cadence.checkpointed(1, 0.01, _Comm([[0.2, 0.1, 0.0]]))
+    assert Cadence(cfg, lambda: 0, store, "ns").due(cadence.next_at)
+    server.set("ns/checkpoint/next_at", "1000000")
+    late = Cadence(cfg, lambda: 0, store, "ns")
+    assert late.due(1) and late.next_at == 1  # its own first checkpoint, not the forger's
+    assert len(refused) == 1 and "ns/checkpoint/next_at: no seal" in str(refused[0])
+
+
 def test_fixed_cadence(corpus):
     cadence = Cadence(tiny_config(corpus, **{"checkpoint.every": 3}), lambda: 0, _Store(), "ns")
     assert [t for t in range(10) if cadence.due(t)] == [2, 5, 8]

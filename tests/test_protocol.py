@@ -105,6 +105,21 @@ def _wait_for(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.02)
 
 
+def _training(tmp_path, corpus, pipelines: int, iterations: int, crash: str):
+    """A P = 2 job (lazy redundancy) training on a thread, `crash` killed at iteration 40;
+    returns once it has completed an iteration."""
+    cfg = tiny_config(corpus, stages=2, pipelines=pipelines, redundancy="lazy",
+                      **{**FAST, "iterations": iterations, "logging.sample_log": True})
+    run = tmp_path / "run"
+    result: dict = {}
+    job = threading.Thread(target=lambda: result.update(code=train(
+        cfg, run, progress=False, faults=[Fault("fail", crash, 40)])))
+    job.start()
+    _wait_for(lambda: (run / "metrics.jsonl").exists()
+              and (run / "metrics.jsonl").read_text().strip(), 120, "the job to train")
+    return cfg, run, job, result
+
+
 def _refusals(run) -> list[dict]:
     return [e for e in events(run) if e["kind"] == "record_refused"]
 
@@ -117,15 +132,7 @@ def test_forged_records_are_refused_and_the_job_is_undisturbed(tmp_path, tmp_pat
     bit-identical to the run without failures."""
     monkeypatch.setenv("SPOTPIPE_JOIN_TOKEN", "sesame")
     iters = 400  # long enough for the replays below to meet a coordinator read (see there)
-    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy",
-                      **{**FAST, "iterations": iters, "logging.sample_log": True})
-    run = tmp_path / "run"
-    result: dict = {}
-    job = threading.Thread(target=lambda: result.update(code=train(
-        cfg, run, progress=False, faults=[Fault("fail", "node1", 40)])))
-    job.start()
-    _wait_for(lambda: (run / "metrics.jsonl").exists()
-              and (run / "metrics.jsonl").read_text().strip(), 120, "the job to train")
+    cfg, run, job, result = _training(tmp_path, corpus, 1, iters, "node1")
     store = _store_of(run)
     forger = Channel(job_key(b"a guess", "any"), "node0")  # a key, but not the job's
     # a fake exit: unsealed, and sealed under the wrong key
@@ -187,3 +194,42 @@ def test_forged_records_are_refused_and_the_job_is_undisturbed(tmp_path, tmp_pat
     for path in run.rglob("*"):
         if path.is_file():
             assert b"sesame" not in path.read_bytes(), path
+
+
+def test_squatted_group_addresses_are_refused_and_the_job_is_undisturbed(tmp_path,
+                                                                         tmp_path_factory,
+                                                                         corpus, monkeypatch):
+    """A process with the store's address but not the token writes an address of its own for
+    every rank of the next generations' process groups (world and data-parallel) before they
+    form. The groups form with the genuine addresses (gloo would otherwise connect to the
+    forger's), every rendezvous record in the store is sealed, and the job (one real crash at
+    iteration 40, P = 2 x D = 2) ends bit-identical to the run without failures."""
+    from spotpipe.store.sealed import TAG
+
+    monkeypatch.setenv("SPOTPIPE_JOIN_TOKEN", "sesame")
+    cfg, run, job, result = _training(tmp_path, corpus, 2, 120, "node3")
+    store = _store_of(run)
+    forged = b"forged: the forger's own gloo address"
+    squatted = [f"spotpipe/gen{g}/{group}/0/{r}" for g in (1, 2)
+                for group in ("world", "dp0", "dp1") for r in range(4)]
+    for key in squatted:
+        store.set(key, forged)
+    _wait_for(lambda: any(e["kind"] == "plan" for e in events(run)), 120, "the failover")
+    # the survivors formed generation 1 over the squatted keys: what stands there now is theirs
+    _wait_for(lambda: store.check(["spotpipe/gen1/world/0/2"])
+              and store.get("spotpipe/gen1/world/0/2") != forged, 120, "generation 1's groups")
+    formed = [k for k in squatted if k.startswith("spotpipe/gen1/") and store.get(k) != forged]
+    assert {"spotpipe/gen1/world/0/0", "spotpipe/gen1/world/0/1",
+            "spotpipe/gen1/world/0/2"} <= set(formed), formed
+    assert all(store.get(k).startswith(TAG) for k in formed)
+    job.join()
+    assert result["code"] == 0
+    assert [e["action"] for e in events(run) if e["kind"] == "plan"][0] == "failover"
+    # a survivor that read a squatted address before its rank wrote over it said so
+    for refusal in _refusals(run):
+        assert "no seal" in refusal["reason"] and "/gen" in refusal["reason"], refusal
+    assert "node_fenced" not in [e["kind"] for e in events(run)]
+    assert_samples_exactly_once(run, cfg)
+    want = failure_free(tmp_path_factory, cfg)
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -215,7 +215,7 @@ def bench_worker(cfg: Any, rank: int, run_dir: Any, *, namespace: str) -> Any:
                     namespace=namespace)
     # the checkpoint scheme, as the worker's entry point gives it (spotpipe.cli.worker)
     worker.checkpoints = registry.build(schemes.SchemeContext(
-        cfg, worker.node, run_dir, worker.channel.event, store, namespace,
+        cfg, worker.node, run_dir, worker.channel.event, worker.sealed, namespace,
         lambda: worker.failures, inject=worker.inject))
     worker.heartbeat.stop()
     worker._form()

@@ -57,6 +57,7 @@ from spotpipe.checkpoint.interval import interval_iterations, mtbf_estimate
 from spotpipe.protocol import keys
 from spotpipe.config import CHECKPOINT_SCHEMES, Config
 from spotpipe.runtime.hooks import Boundary  # noqa: F401 (re-exported)
+from spotpipe.protocol.auth import Refused
 
 WRITE_ERRORS = durable.WRITE_ERRORS
 
@@ -69,7 +70,7 @@ class SchemeContext:
     node: str
     run_dir: Path
     event: Callable[..., None]  # (kind, **fields) -> one line of events.jsonl
-    store: Any  # the job's store: agreed cadence, peer-copy layouts
+    store: Any  # the job's store, sealed (store/sealed.py): agreed cadence, peer-copy layouts
     namespace: str = "spotpipe"
     failures: Callable[[], int] = lambda: 0  # failures this node has seen so far
     # the fault injector's hook, called as ("checkpoint", iteration) where a write starts
@@ -124,7 +125,10 @@ class Cadence:
         if not self.auto:
             return self.every > 0 and (iteration + 1) % self.every == 0
         if self.next_at is None:
-            stored = self.store.check([self.key]) and self.store.get(self.key)
+            try:
+                stored = self.store.check([self.key]) and self.store.get(self.key)
+            except Refused:  # not the job's record (an event says so): start afresh
+                stored = b""
             self.next_at = int(stored) if stored else self.first_at
         return iteration >= self.next_at
 

@@ -38,6 +38,7 @@ from spotpipe.checkpoint import durable
 from spotpipe.protocol import channel_from_env
 from spotpipe.store.address import StoreAddress
 from spotpipe.store.mailbox import Outbox
+from spotpipe.store.sealed import SealedStore
 from spotpipe.config import Config, load_config
 from spotpipe.runtime.state import flatten
 from spotpipe.runtime import node as nodelib
@@ -71,7 +72,11 @@ class Shadow:
         self.cfg, self.run_dir, self.stage = cfg, run_dir, stage
         self.store, self.namespace = store, namespace
         self.name = f"shadow{stage}"
-        self.channel = Outbox(store, channel_from_env(self.name), t0)
+        protocol = channel_from_env(self.name)
+        self.channel = Outbox(store, protocol, t0)
+        # the links and marks are not protocol messages: sealed all the same (store/sealed.py)
+        self.sealed = SealedStore(store, protocol.key, on_refused=lambda why: self.channel.event(
+            "record_refused", writer=why.writer, reason=why.reason[:300]))
         model = job.build_model(cfg)
         state = nodelib.build_stage_state(model, spec.partition, stage, cfg, torch.device("cpu"))
         self.module, self.optimizer = state.module, state.optimizer
@@ -118,8 +123,10 @@ class Shadow:
             self.links += 1
             key = link_key(self.namespace, self.stage, self.links)
             self.store.wait([key], timedelta(days=7))
-            info = json.loads(self.store.get(key))
-            group = pair_group(self.store, self.namespace, self.stage, self.links, 0,
+            # (a record squatted ahead of the writer waits for the writer's, as long)
+            rendezvous = self.sealed.rendezvous(timedelta(days=7).total_seconds())
+            info = json.loads(rendezvous.get(key))
+            group = pair_group(rendezvous, self.namespace, self.stage, self.links, 0,
                                self.cfg.cluster.timeout_s)
             try:
                 ended = self._serve(group)
@@ -230,8 +237,8 @@ class Shadow:
 
     def _applied(self, iteration: int) -> None:
         """On the applier's thread, after iteration `iteration`'s step."""
-        self.store.set(applied_key(self.namespace, self.stage, iteration), "")
-        self.store.set(latest_key(self.namespace, self.stage), str(iteration))
+        self.sealed.set(applied_key(self.namespace, self.stage, iteration), "")
+        self.sealed.set(latest_key(self.namespace, self.stage), str(iteration))
         every = self.cfg.checkpoint.every
         if every and (iteration + 1) % every == 0:
             started = time.perf_counter()

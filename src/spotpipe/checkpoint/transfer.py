@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from spotpipe.checkpoint.fsync import fsync_path
+from spotpipe.protocol.auth import Refused
 
 CHUNK = 512 * 1024
 
@@ -29,7 +30,7 @@ def _key(iteration: int, stage: int, part: str) -> str:
 def send_stage(store: Any, iteration: int, stage: int, folder: Path,
                checksums: dict[str, str]) -> int:
     """Put the files of one written stage (`checksums`' names, relative to the iteration's
-    folder `folder`) into the store; return the bytes sent."""
+    folder `folder`) into the store (sealed: `store/sealed.py`); return the bytes sent."""
     files, sent = [], 0
     for index, name in enumerate(sorted(checksums)):
         data = (folder / name).read_bytes()
@@ -46,11 +47,16 @@ def receive_stage(store: Any, iteration: int, stage: int, checksums: dict[str, s
                   folder: Path) -> str:
     """Write the stage's files from the store into `folder` (the iteration's uncommitted
     folder), each checked against `checksums`; "" when whole, else what is wrong. The pieces
-    are removed from the store either way."""
+    are removed from the store either way. `store` is sealed (`store/sealed.py`): a record
+    written without the job's key is what is wrong, never a crash."""
     meta_key = _key(iteration, stage, "meta")
     if not store.check([meta_key]):
         return f"the files of stage {stage} never arrived through the store"
-    files = json.loads(store.get(meta_key))["files"]
+    try:
+        files = json.loads(store.get(meta_key))["files"]
+    except Refused as why:
+        store.delete_key(meta_key)
+        return f"the files of stage {stage}: {why}"
     problem = ""
     if sorted(name for name, _ in files) != sorted(checksums):
         problem = f"stage {stage} sent other files than it reported"
@@ -59,11 +65,15 @@ def receive_stage(store: Any, iteration: int, stage: int, checksums: dict[str, s
     for index, (name, parts) in enumerate(files):
         keys = [_key(iteration, stage, f"{index}.{i}") for i in range(parts)]
         if not problem:
-            data = b"".join(store.get(k) for k in keys)
-            if hashlib.sha256(data).hexdigest() != checksums.get(name):
-                problem = f"{name} arrived damaged (checksum differs)"
+            try:
+                data = b"".join(store.get(k) for k in keys)
+            except Refused as why:
+                problem = str(why)
             else:
-                _write(folder / name, data)
+                if hashlib.sha256(data).hexdigest() != checksums.get(name):
+                    problem = f"{name} arrived damaged (checksum differs)"
+                else:
+                    _write(folder / name, data)
         for k in keys:
             store.delete_key(k)
     store.delete_key(meta_key)

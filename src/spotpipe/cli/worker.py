@@ -69,7 +69,7 @@ def main() -> int:
                         channel=channel, restore=restore_from,
                         checkpoints=None)
         worker.checkpoints = registry.build(schemes.SchemeContext(
-            cfg, node, run_dir, worker.channel.event, store, "spotpipe",
+            cfg, node, run_dir, worker.channel.event, worker.sealed, "spotpipe",
             lambda: worker.failures, inject=worker.inject,
             upload=os.environ.get("SPOTPIPE_CHECKPOINT_UPLOAD") == "1"))
         worker.train(joining=os.environ.get("SPOTPIPE_JOIN") == "1")

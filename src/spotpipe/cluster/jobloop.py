@@ -39,6 +39,7 @@ from spotpipe.cluster.supervisor import (SHADOW, Supervisor, search_path, starte
                                          worker_env)
 from spotpipe.config import Config
 from spotpipe.plan import Layout
+from spotpipe.store.sealed import SealedStore
 
 
 class RunFilesError(RuntimeError):
@@ -419,8 +420,10 @@ class JobLoop:
         if t in self._ckpt_failed:
             return
         if item.get("uploaded"):  # from a host that does not see this checkpoint folder
+            sealed = SealedStore(self._store, self.channel.key, on_refused=lambda why:
+                                 self.coordinator.refused(why.writer, why.reason))
             problem = durable.transfer.receive_stage(
-                self._store, t, item["stage"], item["checksums"],
+                sealed, t, item["stage"], item["checksums"],
                 durable.iter_dir(self.checkpoint_root, t, partial=True))
             if problem:
                 files.event({"time_s": self._now(), "kind": "checkpoint_failed",

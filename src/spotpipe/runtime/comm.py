@@ -30,7 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spotpipe.protocol.auth import Refused
 from spotpipe.store.abort import AbortSignal, PeerFailure  # noqa: F401 (re-exported)
+from spotpipe.store.sealed import SealedStore
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 _HEADER = 10  # ndim, dtype code, up to 8 dims
@@ -143,9 +145,14 @@ class Comm:
     owning stage s across pipelines (its data-parallel group), in pipeline order.
     """
 
-    def __init__(self, *, store: dist.Store, generation: int, nodes: Sequence[str], me: str,
-                 stage_members: dict[int, list[str]], backend: str, device: torch.device,
-                 timeout_s: float, abort: AbortSignal, namespace: str = "spotpipe") -> None:
+    def __init__(self, *, store: dist.Store, key: bytes, generation: int, nodes: Sequence[str],
+                 me: str, stage_members: dict[int, list[str]], backend: str,
+                 device: torch.device, timeout_s: float, abort: AbortSignal,
+                 namespace: str = "spotpipe",
+                 on_refused: Callable[[Refused], None] | None = None) -> None:
+        """`key`: the job's; the groups' rendezvous records are sealed under it
+        (store/sealed.py), so that nobody without it can slip an address of theirs into a
+        group. `on_refused` hears of every record there that does not verify."""
         self.generation = generation
         self.nodes = list(nodes)
         self.me = me
@@ -156,8 +163,11 @@ class Comm:
         self.world: Any = None
         self.data_parallel: dict[int, tuple[Any, int]] = {}
         self._store = store  # the generation's own connection (see _form_groups, wait_keys)
-        self._form_groups(store, f"{namespace}/gen{generation}", stage_members, backend,
-                          timedelta(seconds=timeout_s))
+        # (referenced as long as the groups may use it: they hold only its C++ side)
+        self._sealed: SealedStore | None = SealedStore(store, key, wait_genuine_s=timeout_s,
+                                                       on_refused=on_refused)
+        self._form_groups(self._sealed, f"{namespace}/gen{generation}", stage_members,
+                          backend, timedelta(seconds=timeout_s))
         self._shapes: dict[tuple[str, int, int], tuple[torch.Size, torch.dtype]] = {}
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._early: dict[tuple[str, int, int], tuple[Any, torch.Tensor]] = {}
@@ -191,8 +201,8 @@ class Comm:
         """The generation is over: stop its waiter thread and park its groups for release."""
         self.waiter.stop()
         groups = [self.world] + [g for g, _ in self.data_parallel.values()]
-        _REAPER.park([g for g in groups + [self._store] if g is not None])
-        self.world, self.data_parallel, self._store = None, {}, None
+        _REAPER.park([g for g in groups + [self._sealed, self._store] if g is not None])
+        self.world, self.data_parallel, self._store, self._sealed = None, {}, None, None
         self._pending.clear()
         self._early.clear()
 

@@ -23,6 +23,7 @@ from spotpipe.runtime import node as nodelib
 from spotpipe.runtime.comm import Comm, PeerFailure
 from spotpipe.runtime.shadow_link import ShadowWriter
 from spotpipe.runtime.state import NodeState
+from spotpipe.store.sealed import SealedStore
 
 
 @dataclass
@@ -45,11 +46,13 @@ class Carried:
 
 
 class Reshaper:
-    def __init__(self, state: NodeState, *, store: Any, namespace: str, channel: Channel,
-                 shadow: ShadowWriter | None, digests: Any, inject: Callable[[str, int], None],
+    def __init__(self, state: NodeState, *, store: Any, sealed: SealedStore, namespace: str,
+                 channel: Channel, shadow: ShadowWriter | None, digests: Any,
+                 inject: Callable[[str, int], None],
                  refused: Callable[[Refused], None]) -> None:
         self.state = state
         self.store = store
+        self.sealed = sealed  # the layer metadata's (not protocol messages)
         self.namespace = namespace
         self.channel = channel
         self.shadow = shadow
@@ -199,7 +202,8 @@ class Reshaper:
             st.partition = current
         moves = layer_plan(old, st.layout, old_partition, new_partition, redundancy)
         self.progress.bytes_received = migrate.exchange_layers(
-            moves, me, comm, self.store, keys.layers_prefix(self.namespace, st.generation),
+            moves, me, comm, self.sealed.rendezvous(st.cfg.cluster.timeout_s),
+            keys.layers_prefix(self.namespace, st.generation),
             st.model, have=migrate.state_index(held),
             want=migrate.state_index(list(owned.values()) + ([replica] if replica else [])),
             timeout_s=st.cfg.cluster.timeout_s)

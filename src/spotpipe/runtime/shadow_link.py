@@ -47,6 +47,8 @@ from spotpipe.runtime.state import flatten, unflatten
 from spotpipe.protocol import keys
 from spotpipe.runtime.digest import optimizer_tensors
 from spotpipe.runtime.optim import materialise_optimizer_state
+from spotpipe.protocol.auth import Refused
+from spotpipe.store.sealed import SealedStore
 
 HELLO, ACK, GRAD, COMMIT, END = 1, 2, 3, 4, 5
 GRAD_TAG = 1  # headers travel under tag 0
@@ -71,8 +73,9 @@ def latest_key(namespace: str, stage: int) -> str:
     return keys.shadow_applied(namespace, stage, "latest")
 
 
-def pair_group(store: dist.Store, namespace: str, stage: int, number: int, rank: int,
+def pair_group(store: SealedStore, namespace: str, stage: int, number: int, rank: int,
                timeout_s: float) -> Any:
+    """The link's gloo pair, its rendezvous sealed (`store` must outlive the group)."""
     prefix = keys.shadow_groups(namespace, stage, number)
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2,
                                  timedelta(seconds=timeout_s))
@@ -118,14 +121,16 @@ class _Link:
     number: int
     group: Any
     applied: int  # the newest iteration known applied by the shadow
+    store: SealedStore  # the group's rendezvous (referenced while the group lives)
     sends: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
 
 
 class ShadowWriter:
     """This node's links to the shadows of the stages it writes."""
 
-    def __init__(self, store: dist.Store, namespace: str, node: str, *, max_lag: int,
+    def __init__(self, store: SealedStore, namespace: str, node: str, *, max_lag: int,
                  timeout_s: float) -> None:
+        """`store`: the job's, sealed (the links and the shadows' marks are records too)."""
         self.store, self.namespace, self.node = store, namespace, node
         self.max_lag, self.timeout_s = max_lag, timeout_s
         self.links: dict[int, _Link] = {}
@@ -162,12 +167,13 @@ class ShadowWriter:
         number = self.store.add(links_key(self.namespace, stage), 1)
         self.store.set(link_key(self.namespace, stage, number),
                        json.dumps({"node": self.node, "resume": resume}))
-        group = pair_group(self.store, self.namespace, stage, number, 1, self.timeout_s)
+        rendezvous = self.store.rendezvous(self.timeout_s)
+        group = pair_group(rendezvous, self.namespace, stage, number, 1, self.timeout_s)
         group.send([header(HELLO, resume, int(want_state), scale)], 0, 0).wait()
         ack = torch.empty(_HEADER, dtype=torch.int64)
         group.recv([ack], 0, 0).wait()
         applied = int(ack[1])
-        link = _Link(stage, number, group, applied)
+        link = _Link(stage, number, group, applied, rendezvous)
         if applied != resume - 1:
             raise ShadowError(f"the shadow of stage {stage} holds iteration {applied}, but the "
                               f"job resumes at iteration {resume}")
@@ -191,13 +197,17 @@ class ShadowWriter:
         if behind > link.applied:  # the shadow marks each iteration it applies in the store
             latest = latest_key(self.namespace, stage)
             if self.store.check([latest]):
-                link.applied = max(link.applied, int(self.store.get(latest)))
+                try:
+                    link.applied = max(link.applied, int(self.store.get(latest)))
+                except Refused:  # (an event says so) the per-iteration marks still tell
+                    pass
         if behind > link.applied:  # the documented policy: the writer waits
             waited = time.perf_counter()
             self.waiting = True
             try:
-                self.store.wait([applied_key(self.namespace, stage, behind)],
-                                timedelta(seconds=self.timeout_s))
+                mark = applied_key(self.namespace, stage, behind)
+                self.store.wait([mark], timedelta(seconds=self.timeout_s))
+                link.store.get(mark)  # a genuine mark, not one put there ahead of the shadow
             finally:
                 self.waiting = False
             link.applied = behind

@@ -49,6 +49,7 @@ from spotpipe.schedule.replay import done_from, rest_of_iteration
 from spotpipe.store import board
 from spotpipe.store.address import StoreAddress
 from spotpipe.store.mailbox import Outbox, finite
+from spotpipe.store.sealed import SealedStore
 from spotpipe.store.watchers import (BoardWatcher, Heartbeat, SpareConnections, client,
                                      watch_abort)
 
@@ -81,6 +82,9 @@ class Worker:
         self.t0 = t0
         self.protocol = channel
         self.channel = Outbox(store, channel, t0, lambda: self.state.generation)
+        # the records that are not protocol messages (layer metadata, shadow links and marks,
+        # a scheme's cadence): sealed under the job's key all the same (store/sealed.py)
+        self.sealed = SealedStore(store, channel.key, on_refused=self._refused)
         self.backend = job.resolve_backend(cfg)
         self.device = job.device_for(self.backend, int(os.environ.get("LOCAL_RANK", 0)))
         if self.device.type == "cuda":
@@ -120,9 +124,10 @@ class Worker:
                                                                               source=src))
         timeout = cfg.cluster.timeout_s
         self.executor: Executor | None = None
-        self.shadow = (ShadowWriter(store, namespace, node, max_lag=cfg.shadow.max_lag,
+        self.shadow = (ShadowWriter(self.sealed, namespace, node, max_lag=cfg.shadow.max_lag,
                                     timeout_s=timeout) if cfg.shadow.enabled else None)
-        self.reshaper = Reshaper(st, store=store, namespace=namespace, channel=channel,
+        self.reshaper = Reshaper(st, store=store, sealed=self.sealed, namespace=namespace,
+                                 channel=channel,
                                  shadow=self.shadow, digests=self.digests, inject=self.inject,
                                  refused=self._refused)
         self._watchers: list[BoardWatcher] = []
@@ -253,8 +258,8 @@ class Worker:
             self._comm.close()
             self._comm = None
         # the groups form over a connection of their own (see Comm._form_groups)
-        self._comm = Comm(store=self.spares.take(),
-                          generation=self.generation, nodes=nodes, me=self.node,
+        self._comm = Comm(store=self.spares.take(), key=self.protocol.key,
+                          on_refused=self._refused, generation=self.generation, nodes=nodes, me=self.node,
                           namespace=self.namespace,
                           stage_members=nodelib.stage_members(self.layout), backend=self.backend,
                           device=self.device, timeout_s=timeout, abort=abort)

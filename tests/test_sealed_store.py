@@ -1,0 +1,150 @@
+"""The sealed store: values that are not protocol messages (torch's rendezvous of process
+groups, layer metadata, shadow marks) carry a MAC under the job's key that binds their key.
+
+A gloo group forms through it; an address squatted ahead of its rank is refused and the genuine
+one taken when it comes; one written over the genuine address stops the group with an error
+naming the key, never a connection to the forger's address.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from spotpipe.protocol.auth import Refused
+from spotpipe.store.sealed import SealedStore, open_value, seal_value
+
+KEY = b"k" * 32
+
+
+@pytest.fixture
+def server():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    yield store
+
+
+def connect(server) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                         timeout=timedelta(seconds=30))
+
+
+def test_a_value_opens_only_under_its_own_key_and_the_jobs_key():
+    blob = seal_value(KEY, "gen1/world/0/1", b"\x00address")
+    assert open_value(KEY, "gen1/world/0/1", blob) == b"\x00address"
+    with pytest.raises(Refused, match="gen1/world/0/0: bad seal"):
+        open_value(KEY, "gen1/world/0/0", blob)  # another rank's key
+    with pytest.raises(Refused, match="bad seal"):
+        open_value(b"j" * 32, "gen1/world/0/1", blob)  # another job
+    with pytest.raises(Refused, match="gen1/world/0/1: no seal"):
+        open_value(KEY, "gen1/world/0/1", b"\x00address")
+    tampered = blob[:-1] + b"X"
+    with pytest.raises(Refused, match="bad seal"):
+        open_value(KEY, "gen1/world/0/1", tampered)
+    # a key name cannot run into its value: the length is part of what the MAC covers
+    assert seal_value(KEY, "a/b", b"c") != seal_value(KEY, "a/", b"bc")
+
+
+def test_records_round_trip_and_an_unsealed_one_is_refused_at_once(server):
+    refused: list[Refused] = []
+    sealed = SealedStore(connect(server), KEY, on_refused=refused.append)
+    sealed.set("layers/node0/node1", '{"n": 3}')
+    assert sealed.get("layers/node0/node1") == b'{"n": 3}'
+    assert server.get("layers/node0/node1").startswith(b"spotpipe-seal/1")
+    server.set("layers/node2/node1", '{"n": 300000000}')  # written without the key
+    with pytest.raises(Refused, match="layers/node2/node1: no seal"):
+        sealed.get("layers/node2/node1")
+    assert len(refused) == 1
+    assert sealed.check(["layers/node0/node1"]) and not sealed.check(["nothing"])
+
+
+def _form(server, rank: int, size: int, out: dict, timeout_s: float = 30.0,
+          wait_genuine_s: float = 30.0, on_refused=None) -> None:
+    try:
+        sealed = SealedStore(connect(server), KEY, wait_genuine_s=wait_genuine_s,
+                             on_refused=on_refused)
+        group = dist.ProcessGroupGloo(dist.PrefixStore("gen1/world", sealed), rank, size,
+                                      timedelta(seconds=timeout_s))
+        t = torch.full((4,), float(rank + 1))
+        group.allreduce([t]).wait()
+        out[rank] = t
+        out[f"keep{rank}"] = (sealed, group)  # (the store must outlive the group's use)
+    except Exception as exc:  # reported to the test's thread
+        out[f"error{rank}"] = exc
+
+
+def test_a_gloo_group_forms_and_reduces_through_the_sealed_store(server):
+    out: dict = {}
+    threads = [threading.Thread(target=_form, args=(server, r, 3, out)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(torch.equal(out[r], torch.full((4,), 6.0)) for r in range(3)), out
+    # what the store holds for a rank's address is sealed, not the address itself
+    assert server.get("gen1/world/0/0").startswith(b"spotpipe-seal/1")
+
+
+def test_an_address_squatted_ahead_of_its_rank_is_refused_and_the_genuine_one_taken(server):
+    """Rank 0 comes first and finds a forged address for rank 1 (an attacker who read the
+    generation from the store); rank 1 comes once rank 0 has refused it, and overwrites it."""
+    server.set("gen1/world/0/1", b"forged: connect to 10.9.9.9 instead")
+    out: dict = {}
+    refused: list[Refused] = []
+    seen = threading.Event()
+
+    def on_refused(why: Refused) -> None:
+        refused.append(why)
+        seen.set()
+
+    first = threading.Thread(target=_form, args=(server, 0, 2, out),
+                             kwargs={"on_refused": on_refused})
+    first.start()
+    assert seen.wait(60), out  # rank 1 starts once rank 0 has refused the squatter
+    assert "gen1/world/0/1: no seal" in str(refused[0])
+    second = threading.Thread(target=_form, args=(server, 1, 2, out))
+    second.start()
+    first.join(60)
+    second.join(60)
+    assert torch.equal(out[0], torch.full((4,), 3.0)) and torch.equal(out[1], out[0]), out
+
+
+def test_an_address_written_over_the_genuine_one_stops_the_group_naming_the_key(server):
+    out: dict = {}
+    second = threading.Thread(target=_form, args=(server, 1, 2, out), kwargs={"timeout_s": 3})
+    second.start()
+    server.wait(["gen1/world/0/1"])  # rank 1 has published its address
+    genuine = server.get("gen1/world/0/1")
+    # the genuine record copied from another key would not verify either
+    server.set("gen1/world/0/1", genuine[:-3] + b"evil")
+    _form(server, 0, 2, out, timeout_s=3, wait_genuine_s=0.5)
+    second.join(60)
+    assert 0 not in out, "rank 0 connected to an address it could not verify"
+    assert isinstance(out["error0"], Exception)
+    assert "gen1/world/0/1" in str(out["error0"]) and "genuine" in str(out["error0"])
+
+
+def test_stage_files_through_the_store_arrive_only_when_sealed(server, tmp_path):
+    """The committing host takes a stage's files from the store (transfer.py): sealed ones
+    arrive whole; a forged file list is what is wrong with the checkpoint, not a crash."""
+    import hashlib
+
+    from spotpipe.checkpoint import transfer
+
+    (tmp_path / "sent").mkdir()
+    (tmp_path / "sent" / "shard.bin").write_bytes(b"x" * 1000)
+    checksums = {"shard.bin": hashlib.sha256(b"x" * 1000).hexdigest()}
+    sealed = SealedStore(connect(server), KEY)
+    transfer.send_stage(sealed, 9, 1, tmp_path / "sent", checksums)
+    assert transfer.receive_stage(sealed, 9, 1, checksums, tmp_path / "got") == ""
+    assert (tmp_path / "got" / "shard.bin").read_bytes() == b"x" * 1000
+    transfer.send_stage(sealed, 19, 1, tmp_path / "sent", checksums)
+    server.set("spotpipe/checkpoint/files/19/1/meta", '{"files": [["shard.bin", 100000000]]}')
+    problem = transfer.receive_stage(sealed, 19, 1, checksums, tmp_path / "got19")
+    assert "spotpipe/checkpoint/files/19/1/meta: no seal" in problem, problem
+    assert not (tmp_path / "got19").exists()
+    assert not sealed.check(["spotpipe/checkpoint/files/19/1/meta"])  # removed all the same
