@@ -196,10 +196,32 @@ def test_a_transformers_model_has_the_library_preloaded(tmp_path: Path) -> None:
     from spotpipe.model.hf import FAMILIES
     # written twice, since the supervisor stays free of torch: the lists must agree
     assert set(TRANSFORMERS_FAMILIES) == set(FAMILIES)
-    # the shadows and a GPT need no transformers
+    # a shadow builds the model too: it forks from the same server, transformers and all
+    cfg.model.hf.config = "gpt2"
+    cfg.shadow.enabled = True
+    assert preload(cfg, "spotpipe.checkpoint.shadow") == preload(cfg, "spotpipe.cli.worker")
+    # a GPT needs no transformers
+    cfg.model.kind = "gpt"
     for module in ("spotpipe.checkpoint.shadow", "spotpipe.cli.worker"):
-        cfg.model.kind = "gpt" if module.endswith("worker") else "hf"
         assert not any(m.startswith("transformers") for m in preload(cfg, module)), module
+
+
+def test_a_jobs_workers_and_shadows_fork_from_one_server(tmp_path: Path) -> None:
+    """One server per job, not one for the workers and one for the shadows: each imported
+    torch and the rest (3-5 s of CPU on our VMs)."""
+    from spotpipe.cluster.forkserver import start_key
+    from spotpipe.cluster.supervisor import SHADOW, WORKER, search_path, start_env
+
+    cfg = Config()
+    cfg.shadow.enabled = True
+    env = start_env(cfg, search_path(cfg))
+    workers, shadows = starter(cfg, WORKER, tmp_path), starter(cfg, SHADOW, tmp_path)
+    assert isinstance(workers, SharedForkServer) and isinstance(shadows, SharedForkServer)
+    # (the key under which this process keeps its servers)
+    assert start_key(workers.preload, env) == start_key(shadows.preload, env)
+    assert preload(cfg, WORKER)[:2] == [WORKER, SHADOW]
+    cfg.shadow.enabled = False  # a job without shadows preloads none of theirs
+    assert SHADOW not in preload(cfg, WORKER)
 
 
 @pytest.mark.parametrize("module,every", [("spotpipe.cli.worker", 0),

@@ -88,13 +88,18 @@ CHECKPOINTS = ("torch.distributed.checkpoint", "spotpipe.checkpoint.dcp_json",
 
 
 def preload(cfg: Config, module: str) -> list[str]:
-    """What the fork server imports before it forks `module`'s processes: the module, what
-    building an optimizer and (in a job that writes them) saving a checkpoint import, and for
-    a transformers model the library and the model family's module as well."""
+    """What the fork server imports before it forks `module`'s processes. A job's workers and
+    its shadows fork from one server: the list is the same for both (and so is the server's
+    key, `forkserver.start_key`), where two servers each imported torch and the rest, 3-5 s of
+    CPU more per job with shadows. It holds the modules they run, what building an optimizer
+    and (in a job that writes them) saving a checkpoint import, and for a transformers model
+    the library and the model family's module, which a shadow needs as much as a worker: both
+    build the model."""
     if module not in (WORKER, SHADOW):
         return [module]
-    common = [module, *OPTIMIZER, *(CHECKPOINTS if cfg.checkpoint.every else ())]
-    if module != WORKER or cfg.model.kind != "hf":
+    runs = [WORKER, *([SHADOW] if cfg.shadow.enabled or module == SHADOW else [])]
+    common = [*runs, *OPTIMIZER, *(CHECKPOINTS if cfg.checkpoint.every else ())]
+    if cfg.model.kind != "hf":
         return common
     family = _transformers_model_type(cfg.model.hf.config)
     return [*common, *TRANSFORMERS] + (
@@ -144,9 +149,8 @@ def prestart(cfg: Config, logs: Path | None = None) -> None:
     the first iteration's start."""
     if not cfg.cluster.fork_server:
         return
-    modules = [WORKER] + (["spotpipe.checkpoint.shadow"] if cfg.shadow.enabled else [])
-    for module in modules:
-        SharedForkServer(preload(cfg, module), logs).prestart(start_env(cfg, search_path(cfg)))
+    # (the shadows' server is the workers', see `preload`)
+    SharedForkServer(preload(cfg, WORKER), logs).prestart(start_env(cfg, search_path(cfg)))
 
 
 def worker_env(cfg: Config, *, rank: int, world: int, local_rank: int, local_world: int,
