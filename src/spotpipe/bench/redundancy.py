@@ -5,7 +5,8 @@ pipeline's bubbles are real idle time on the core), train the same GPT stages th
 by side: redundancy none, lazy (a replica of the successor stage kept exact by gradient
 replication, whose update runs on a background thread of the same process, on the same core)
 and eager (lazy plus forward redundant computation of the replica, placed in the bubbles by
-`spotpipe.schedule.with_frc` from measured costs). The modes alternate in blocks of iterations,
+`spotpipe.schedule.with_frc` from costs measured once the processes are warm, after
+the warm-up). The modes alternate in blocks of iterations,
 each leading in turn, and the replica catches up at the end of each block, timed, so that no
 mode's background work lands in another's block nor falls outside the clock. Per mode the figure
 is the median over rounds of a block's seconds per iteration (the slower rank's clock, the
@@ -132,8 +133,9 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     plain = build_schedule(spec["schedule"], 2, m)
     eager_pred = predict(plain, costs, "eager")
     lazy_pred = predict(plain, costs, "lazy")
-    # the stream that ran was placed from the first profile; time it with the final one too
-    executed = with_frc(plain, _costs(raw["initial_profile"]))
+    # the stream that ran was placed from the profile after the warm-up; time it with the
+    # final one too
+    executed = with_frc(plain, _costs(raw["placement_profile"]))
     executed_ratio = simulate(plain, costs).iteration_s / simulate(executed, costs).iteration_s
 
     # the model with the replica's update as a step in the first bubble (what the runtime would
