@@ -127,9 +127,8 @@ class Worker:
         self.shadow = (ShadowWriter(self.sealed, namespace, node, max_lag=cfg.shadow.max_lag,
                                     timeout_s=timeout) if cfg.shadow.enabled else None)
         self.reshaper = Reshaper(st, store=store, sealed=self.sealed, namespace=namespace,
-                                 channel=channel,
-                                 shadow=self.shadow, digests=self.digests, inject=self.inject,
-                                 refused=self._refused)
+                                 channel=channel, shadow=self.shadow, digests=self.digests,
+                                 inject=self.inject, refused=self._refused)
         self._watchers: list[BoardWatcher] = []
         # a generation's connections, opened while the job trains (see SpareConnections)
         self.spares = SpareConnections(address, timeout)
@@ -259,8 +258,8 @@ class Worker:
             self._comm = None
         # the groups form over a connection of their own (see Comm._form_groups)
         self._comm = Comm(store=self.spares.take(), key=self.protocol.key,
-                          on_refused=self._refused, generation=self.generation, nodes=nodes, me=self.node,
-                          namespace=self.namespace,
+                          on_refused=self._refused, generation=self.generation, nodes=nodes,
+                          me=self.node, namespace=self.namespace,
                           stage_members=nodelib.stage_members(self.layout), backend=self.backend,
                           device=self.device, timeout_s=timeout, abort=abort)
         return self._comm
