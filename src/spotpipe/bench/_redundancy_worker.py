@@ -264,8 +264,9 @@ class RedundancyBench:
                 self.iterate(mode)
                 self.drain(mode)
         # FRC placed again from a profile of the warm processes: the first one, taken after a
-        # single iteration, is of cold caches and allocator, and a placement from it cost 2-3
-        # points by the model's own timing of the stream (`eager_predicted_ratio_executed_stream`)
+        # single iteration, is of cold caches and allocator, and a placement from it cost up to
+        # 12 points by the model's own timing of the stream that ran
+        # (`eager_predicted_ratio_executed_stream`)
         samples = {}
         self.profile(spec["profile_reps"], samples)
         warm = self.profiler.summary(samples, self.partition, extra=("frc", "replica_update"))

@@ -5,10 +5,10 @@ pipeline's bubbles are real idle time on the core), train the same GPT stages th
 by side: redundancy none, lazy (a replica of the successor stage kept exact by gradient
 replication, whose update runs on a background thread of the same process, on the same core)
 and eager (lazy plus forward redundant computation of the replica, placed in the bubbles by
-`spotpipe.schedule.with_frc` from costs measured once the processes are warm, after
-the warm-up). The modes alternate in blocks of iterations,
-each leading in turn, and the replica catches up at the end of each block, timed, so that no
-mode's background work lands in another's block nor falls outside the clock. Per mode the figure
+`spotpipe.schedule.with_frc` from costs measured once the processes are warm, after the
+warm-up). The modes alternate in blocks of iterations, each leading in turn, and the replica
+catches up at the end of each block, timed, so that no mode's background work lands in
+another's block nor falls outside the clock. Per mode the figure
 is the median over rounds of a block's seconds per iteration (the slower rank's clock, the
 catching-up included); the ratios are throughput over `none`'s.
 

@@ -220,6 +220,9 @@ class JobLoop:
             partition=self.spec.partition, partition_for=self._partition_for)
         inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._inbox, self._address, self._store = inbox, address, store
+        # stage files uploaded by hosts that do not see the checkpoint folder (transfer.py)
+        self._sealed = SealedStore(store, self.channel.key, on_refused=lambda why:
+                                   self.coordinator.refused(why.writer, why.reason))
         self._exited: dict[str, int] = {}
         self._last: dict[str, Any] | None = None
         self._received = 0
@@ -420,10 +423,8 @@ class JobLoop:
         if t in self._ckpt_failed:
             return
         if item.get("uploaded"):  # from a host that does not see this checkpoint folder
-            sealed = SealedStore(self._store, self.channel.key, on_refused=lambda why:
-                                 self.coordinator.refused(why.writer, why.reason))
             problem = durable.transfer.receive_stage(
-                sealed, t, item["stage"], item["checksums"],
+                self._sealed, t, item["stage"], item["checksums"],
                 durable.iter_dir(self.checkpoint_root, t, partial=True))
             if problem:
                 files.event({"time_s": self._now(), "kind": "checkpoint_failed",
