@@ -16,7 +16,8 @@ KEYS = ["ratio_1f1b", "ratio_gpipe", "model_error",
         "spotpipe_gpipe_samples_per_s", "torch_gpipe_samples_per_s",
         "predicted_iter_s_1f1b", "measured_iter_s_1f1b",
         "predicted_iter_s_gpipe", "measured_iter_s_gpipe", "rounds",
-        "limit_ratio_1f1b", "limit_ratio_gpipe"]
+        "limit_ratio_1f1b", "limit_ratio_gpipe", "bound_iter_s", "bound_ratio_1f1b",
+        "bound_ratio_gpipe"]
 
 
 def test_bench_pipeline_quick_json():
@@ -69,3 +70,24 @@ def test_predicted_op_seconds_match_a_timeline_worked_by_hand():
     assert gap["backward"] == [0.0, 0.0]
     assert gap["outside_ops"] == [0.0, 0.25]
     assert gap["total"] == [0.0, 0.75]
+
+
+def test_no_schedule_passes_the_bound_worked_by_hand():
+    # forward (1, 2) s, backward (2, 3) s, messages 0.5 s, M = 4, reduction 0.25, step 0.125.
+    # Stage 0 works 4 x 3 = 12 s from 0; stage 1 waits for micro-batch 0's forward and its
+    # message (1.5 s), then works 4 x 5 = 20 s: 21.5 s, then the reduction and the step.
+    from spotpipe.bench.pipeline import bound
+    from spotpipe.schedule import (StageCosts, any_schedule_bound, build_schedule, simulate,
+                                   with_frc)
+
+    profile = {"forward_s": [1.0, 2.0], "backward_s": [2.0, 3.0], "comm_s": 0.5,
+               "reduce_s": [0.25, 0.1], "optimizer_s": [0.125, 0.0]}
+    assert bound(profile, 4) == 21.875
+    # every schedule the runtime builds stays at or above it, FRC in the bubbles included
+    costs = StageCosts((1.0, 2.0, 1.5), (2.0, 3.0, 2.5), comm=0.5, all_reduce=0.25,
+                       optimizer=0.125)
+    floor = any_schedule_bound(costs, 4)
+    for kind in ("1f1b", "gpipe"):
+        plain = build_schedule(kind, 3, 4)
+        assert simulate(plain, costs).iteration_s >= floor
+        assert simulate(with_frc(plain, costs), costs).iteration_s >= floor

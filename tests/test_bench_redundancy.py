@@ -18,7 +18,8 @@ from conftest import bench_figures, positive
 KEYS = ["lazy_ratio", "eager_ratio", "eager_predicted_ratio", "lazy_predicted_ratio",
         "replica_memory_multiple", "none_iter_s", "lazy_iter_s", "eager_iter_s",
         "predicted_iter_s_none", "predicted_iter_s_eager", "gradient_over_state_bytes",
-        "eager_predicted_ratio_with_update", "rounds", "wall_s"]
+        "eager_predicted_ratio_with_update", "rounds", "wall_s",
+        "lazy_predicted_ratio_in_run_costs", "eager_predicted_ratio_in_run_costs"]
 PER_NODE = ["replica_memory_multiple_per_node", "gradient_bytes_per_iteration", "state_bytes",
             "replica_activation_bytes_eager", "profile_frc_s_by_stage",
             "profile_replica_update_s"]
@@ -63,3 +64,31 @@ def test_block_means_count_the_catching_up():
 
     with pytest.raises(ValueError, match="3 iteration times for 2 blocks of 2"):
         block_means([1.0, 2.0, 3.0], [0.0, 0.0], 2)
+
+
+def test_in_run_costs_are_the_traced_seconds_per_micro_batch():
+    from spotpipe.bench.redundancy import in_run_costs
+
+    # per iteration, M = 8: node 0 spent 8 s forward, 16 s backward, 4 s on FRC of stage 1;
+    # node 1 16, 24 and 8 s (its FRC is of stage 0); messages and reduction as profiled
+    op_s = {"forward": [8.0, 16.0], "backward": [16.0, 24.0], "frc_forward": [4.0, 8.0],
+            "optimizer_step": [0.25, 0.5], "recv_grad": [3.0, 0.0]}
+    profile = {"forward_s": [9.0, 9.0], "backward_s": [9.0, 9.0], "comm_s": 0.125,
+               "reduce_s": [0.75, 0.5], "optimizer_s": [9.0, 9.0]}
+    costs = in_run_costs(op_s, profile, 8)
+    assert costs.forward == (1.0, 2.0) and costs.backward == (2.0, 3.0)
+    assert costs.frc == (1.0, 0.5)
+    assert (costs.comm, costs.all_reduce, costs.optimizer) == (0.125, 0.75, 0.5)
+    assert in_run_costs({k: v for k, v in op_s.items() if k != "frc_forward"},
+                        profile, 8).frc is None
+
+
+def test_the_executed_streams_come_back_as_the_schedule_that_ran():
+    from spotpipe.bench.redundancy import executed_schedule
+    from spotpipe.schedule import with_frc
+
+    plain = build_schedule("1f1b", 3, 4)
+    placed = with_frc(plain, StageCosts((1.0, 2.0, 1.5), (2.0, 4.0, 3.0), comm=0.1))
+    reported = [[[i.op.value, i.stage, i.mb, i.peer] for i in stream]
+                for stream in placed.streams]
+    assert executed_schedule(plain, reported) == placed

@@ -152,3 +152,33 @@ def test_stage_files_through_the_store_arrive_only_when_sealed(server, tmp_path)
     assert "spotpipe/checkpoint/files/19/1/meta: no seal" in problem, problem
     assert not (tmp_path / "got19").exists()
     assert not sealed.check(["spotpipe/checkpoint/files/19/1/meta"])  # removed all the same
+
+
+class _CountingStore(dist.Store):
+    """A store that counts the reads that reach it (what a squatter costs the real store)."""
+
+    def __init__(self, inner: dist.Store) -> None:
+        super().__init__()
+        self.inner, self.reads = inner, 0
+        self.set_timeout(inner.timeout)
+
+    def get(self, key: str) -> bytes:
+        self.reads += 1
+        return bytes(self.inner.get(key))
+
+
+def test_a_standing_squatter_is_read_with_a_growing_interval(server):
+    # a squatter that never goes: the reader gives up after wait_genuine_s, having read the
+    # store at intervals doubling from 2 ms to 100 ms: 2+4+...+64 ms is 126 ms, then one read
+    # per 100 ms, so at most about 11 reads in 0.6 s (300 at a fixed 2 ms)
+    server.set("gen1/world/0/1", b"\x00squatter")
+    counting = _CountingStore(connect(server))
+    sealed = SealedStore(counting, KEY, wait_genuine_s=0.6)
+    with pytest.raises(Refused, match="no genuine value within 0.6 s"):
+        sealed.get("gen1/world/0/1")
+    assert counting.reads <= 13, counting.reads
+    # and a genuine value that comes at once is still taken at once (the first interval)
+    server.set("gen1/world/0/2", b"\x00squatter")
+    threading.Timer(0.01, lambda: connect(server).set(
+        "gen1/world/0/2", seal_value(KEY, "gen1/world/0/2", b"genuine"))).start()
+    assert SealedStore(connect(server), KEY, wait_genuine_s=5).get("gen1/world/0/2") == b"genuine"

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from spotpipe.bench.harness import (StageProfiler, TracedStream, bench_config, bench_worker,
-                                    gather_op_seconds, stage_costs, times, timed_block,
+                                    gather_op_seconds, times, timed_block,
                                     worker_main)
-from spotpipe.bench.redundancy import MODES, frc_by_stage, update_slot
+from spotpipe.bench.redundancy import MODES, update_slot
 
 
 def _inline(applier: Any) -> None:
@@ -133,10 +133,9 @@ class RedundancyBench:
                 _inline(self.holdings[mode].applier)
         self.partition = [tuple(r) for r in self.workers["none"].spec.partition]
         self.plain = build_schedule(spec["schedule"], world, cfg.num_microbatches)
-        # eager's stream is placed by measured costs once the first profile is in (the worker's
-        # own placement, by parameter counts, is `workers["eager"].stream`)
-        self.streams = {"none": self.workers["none"].stream,
-                        "lazy": self.workers["lazy"].stream}
+        # every mode runs the runtime's own stream; eager's has FRC where the runtime places
+        # it (`runtime.node.node_schedule`, from parameter counts: no measurement to be noisy)
+        self.streams = {mode: w.stream for mode, w in self.workers.items()}
         self.iteration = dict.fromkeys(MODES, 0)
         # the bench's one global batch, in iteration 0's micro-batches, every iteration; the
         # eager worker's also carry the inputs to the last stage (FRC of its replica of stage 0)
@@ -242,40 +241,21 @@ class RedundancyBench:
     # ------------------------------------------------------------------ the measurement
 
     def measure(self) -> dict[str, Any]:
-        from spotpipe.schedule import with_frc
-
         spec = self.spec
-        out: dict[str, Any] = {}
-        first = {mode: self.iterate(mode) for mode in ("none", "lazy")}
-        for mode in ("none", "lazy"):
+        out: dict[str, Any] = {"eager_streams": self.eager_streams()}
+        # iteration 0 of every mode trains on the same batch from the same weights
+        first = {}
+        for mode in MODES:
+            first[mode] = self.iterate(mode)
             self.drain(mode)
-        samples: dict[str, list[float]] = {}
-        self.profile(spec["profile_reps"], samples)
-        initial = self.profiler.summary(samples, self.partition, extra=("frc", "replica_update"))
-        out["initial_profile"] = initial
-        costs = stage_costs(initial, frc=frc_by_stage(initial["frc_s"]))
-        self.streams["eager"] = with_frc(self.plain, costs).streams[self.rank]
-        # eager's iteration 0 trains on the same batch as the others' did
-        first["eager"] = self.iterate("eager")
-        self.drain("eager")
         out["first_loss"] = first
         for _ in range(spec["warmup"] - 1):
             for mode in MODES:
                 self.iterate(mode)
                 self.drain(mode)
-        # FRC placed again from a profile of the warm processes: the first one, taken after a
-        # single iteration, is of cold caches and allocator, and a placement from it cost up to
-        # 12 points by the model's own timing of the stream that ran
-        # (`eager_predicted_ratio_executed_stream`)
-        samples = {}
-        self.profile(spec["profile_reps"], samples)
-        warm = self.profiler.summary(samples, self.partition, extra=("frc", "replica_update"))
-        out["placement_profile"] = warm
-        self.streams["eager"] = with_frc(self.plain, stage_costs(
-            warm, frc=frc_by_stage(warm["frc_s"]))).streams[self.rank]
         iter_times: dict[str, list[float]] = {mode: [] for mode in MODES}
         catch_up: dict[str, list[float]] = {mode: [] for mode in MODES}
-        samples = {}
+        samples: dict[str, list[float]] = {}
         n = spec["iters_per_round"]
         for r in range(spec["rounds"]):
             k = r % len(MODES)
@@ -290,6 +270,17 @@ class RedundancyBench:
                                                extra=("frc", "replica_update"))
         out.update(self.figures())
         return out
+
+    def eager_streams(self) -> list[list[list[Any]]]:
+        """Every node's eager stream as the runtime places it, in stage order (for the model
+        to time the placement that ran): [op, stage, mb, peer] per instruction."""
+        from spotpipe.runtime import node as nodelib
+
+        w = self.workers["eager"]
+        owners = [w.layout.owner(0, s) for s in range(w.layout.num_stages)]
+        return [[[i.op.value, i.stage, i.mb, i.peer]
+                 for i in nodelib.node_schedule(w.cfg, w.layout, n, w.model, w.spec.partition)]
+                for n in owners]
 
     def figures(self) -> dict[str, Any]:
         """Memory, bytes shipped, lag, and exactness, per node (gathered on every rank)."""

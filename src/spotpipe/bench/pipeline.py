@@ -19,7 +19,9 @@ receive or the barrier at the wait the schedule implies, a send at nothing). The
 `gap_by_operation_KIND`, splits the distance from the model's iteration by operation
 (``outside_ops``: the executor's own work between instructions and around the stream).
 `limit_ratio_KIND` is torch's iteration over the model's: the ratio spotpipe would reach if it
-added nothing to the profiled compute, for this partition and schedule.
+added nothing to the profiled compute, for this partition and schedule. `bound_ratio_KIND` is
+torch's iteration over `schedule.timing.any_schedule_bound`: what no schedule of this partition
+could pass, however it ordered, split or deferred the work (zero-bubble's B/W split included).
 """
 
 from __future__ import annotations
@@ -55,6 +57,13 @@ def predict(profile: dict[str, Any], kind: str, num_microbatches: int) -> float:
     stages = len(profile["forward_s"])
     return simulate(build_schedule(kind, stages, num_microbatches),
                     stage_costs(profile)).iteration_s
+
+
+def bound(profile: dict[str, Any], num_microbatches: int) -> float:
+    """The iteration no schedule of this partition can beat, from the profile."""
+    from spotpipe.schedule import any_schedule_bound
+
+    return any_schedule_bound(stage_costs(profile), num_microbatches)
 
 
 def predicted_op_seconds(profile: dict[str, Any], kind: str,
@@ -109,6 +118,8 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     batch = m * b
     out: dict[str, Any] = {}
     errors = {}
+    floor = bound(raw["profile"], m)
+    out["bound_iter_s"] = round(floor, 6)
     for kind in spec["schedules"]:
         sp = statistics.median(raw["iter_times"][f"spotpipe_{kind}"])
         th = statistics.median(raw["iter_times"][f"torch_{kind}"])
@@ -127,6 +138,7 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
         out[f"predicted_iter_s_{kind}"] = round(pred, 6)
         out[f"model_error_{kind}"] = round(errors[kind], 4)
         out[f"limit_ratio_{kind}"] = round(th / pred, 4)
+        out[f"bound_ratio_{kind}"] = round(th / floor, 4)
         measured_ops = raw["op_s"][kind]
         predicted_ops = predicted_op_seconds(raw["profile"], kind, m)
         out[f"op_s_per_iteration_{kind}"] = _rounded(measured_ops)
@@ -191,5 +203,6 @@ def run(quick: bool = False) -> dict[str, Any]:
               f"{out[f'model_error_{kind}']:6.3f}")
     for kind in spec["schedules"]:
         print(format_gap(out, kind))
-        print(f"  limit: torch's iteration over the model's = {out[f'limit_ratio_{kind}']:.3f}")
+        print(f"  limit: torch's iteration over the model's = {out[f'limit_ratio_{kind}']:.3f}; "
+              f"over any schedule's bound = {out[f'bound_ratio_{kind}']:.3f}")
     return out

@@ -4,9 +4,9 @@ Two processes (P = 2, D = 1), each pinned to its own core with one torch thread,
 pipeline's bubbles are real idle time on the core), train the same GPT stages three times side
 by side: redundancy none, lazy (a replica of the successor stage kept exact by gradient
 replication, whose update runs on a background thread of the same process, on the same core)
-and eager (lazy plus forward redundant computation of the replica, placed in the bubbles by
-`spotpipe.schedule.with_frc` from costs measured once the processes are warm, after the
-warm-up). The modes alternate in blocks of iterations, each leading in turn, and the replica
+and eager (lazy plus forward redundant computation of the replica, in the bubbles where the
+runtime places it: `runtime.node.node_schedule`, by `spotpipe.schedule.with_frc` from parameter
+counts). The modes alternate in blocks of iterations, each leading in turn, and the replica
 catches up at the end of each block, timed, so that no mode's background work lands in
 another's block nor falls outside the clock. Per mode the figure
 is the median over rounds of a block's seconds per iteration (the slower rank's clock, the
@@ -15,7 +15,13 @@ catching-up included); the ratios are throughput over `none`'s.
 The analytic model's prediction comes from a profile taken between the rounds (per-stage
 forward, backward, optimizer step, gradient reduction, one message, and FRC: the replica's
 forward of one micro-batch without grad): `spotpipe.schedule.predict(..., "eager")`.
-`eager_gap_pp` is the measured eager ratio minus the predicted one, in percentage points.
+`eager_gap_pp` is the measured eager ratio minus the predicted one, in percentage points. The
+prediction places FRC from the profile itself (the best the greedy placement finds for those
+costs); `eager_predicted_ratio_executed_stream` times the runtime's placement, which ran, with
+the same profile. (Placing from a profile instead, as this bench once did, made the figure swing
+by up to 10 points: a placement fitted to one noisy profile can be far from the best for the
+costs of the iterations that follow, where the parameter counts' placement stays within about a
+point of the best for every profile measured here.)
 
 Memory: the replica's parameters and optimizer state over the node's own stage's, per node; the
 activations kept per iteration for a takeover (the node's outputs, and FRC outputs in eager
@@ -97,8 +103,41 @@ def with_update(schedule: Any, costs: Any, update_s: float) -> tuple[Any, Any]:
     return replace(schedule, streams=streams), replace(costs, frc=frc)
 
 
+def executed_schedule(plain: Any, streams: list[list[list[Any]]]) -> Any:
+    """The schedule whose streams the nodes ran, from the [op, stage, mb, peer] lists the
+    worker reports."""
+    from dataclasses import replace
+
+    from spotpipe.schedule import Instr, Op, replica_of
+
+    p = plain.num_stages
+    return replace(plain, streams=tuple(tuple(Instr(Op(op), stage, mb, peer)
+                                              for op, stage, mb, peer in stream)
+                                        for stream in streams),
+                   replicas=tuple((replica_of(a, p),) for a in range(p)))
+
+
 def _costs(profile: dict[str, Any]):
     return stage_costs(profile, frc=frc_by_stage(profile["frc_s"]))
+
+
+def in_run_costs(op_s: dict[str, list[float]], profile: dict[str, Any], m: int):
+    """The model's costs as the ops took them inside the timed iterations (`TracedStream`'s
+    seconds per iteration over M; node r runs stage r and FRC of stage r + 1), messages and
+    the reduction as profiled. The profile times each op back to back on warm caches; inside
+    an iteration the same op runs after others (and in eager mode beside the replica's
+    weights), and on this machine it takes 10-25% longer there. Timing the stream that ran
+    with these costs separates that from what the placement and the executor add."""
+    from dataclasses import replace
+
+    def per_mb(op: str) -> tuple[float, ...]:
+        return tuple(v / m for v in op_s[op])
+
+    costs = replace(stage_costs(profile), forward=per_mb("forward"),
+                    backward=per_mb("backward"), optimizer=max(op_s["optimizer_step"]))
+    if "frc_forward" in op_s:
+        costs = replace(costs, frc=frc_by_stage(list(per_mb("frc_forward"))))
+    return costs
 
 
 def block_means(durations: list[float], catch_up: list[float], n: int) -> list[float]:
@@ -133,9 +172,7 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     plain = build_schedule(spec["schedule"], 2, m)
     eager_pred = predict(plain, costs, "eager")
     lazy_pred = predict(plain, costs, "lazy")
-    # the stream that ran was placed from the profile after the warm-up; time it with the
-    # final one too
-    executed = with_frc(plain, _costs(raw["placement_profile"]))
+    executed = executed_schedule(plain, raw["eager_streams"])
     executed_ratio = simulate(plain, costs).iteration_s / simulate(executed, costs).iteration_s
 
     # the model with the replica's update as a step in the first bubble (what the runtime would
@@ -153,6 +190,15 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     out["eager_gap_pp"] = round(100 * (out["eager_ratio"] - out["eager_predicted_ratio"]), 2)
     out["lazy_gap_pp"] = round(100 * (out["lazy_ratio"] - out["lazy_predicted_ratio"]), 2)
     out["eager_predicted_ratio_executed_stream"] = round(executed_ratio, 4)
+    # the same streams timed with each mode's ops at their cost inside its own iterations:
+    # what is left of the gap against these is the placement's and the executor's
+    none_in_run = simulate(plain, in_run_costs(raw["none_op_s"], prof, m)).iteration_s
+    for mode, stream in (("lazy", plain), ("eager", executed)):
+        in_run = none_in_run / simulate(stream, in_run_costs(raw[f"{mode}_op_s"], prof,
+                                                              m)).iteration_s
+        out[f"{mode}_predicted_ratio_in_run_costs"] = round(in_run, 4)
+        out[f"{mode}_gap_pp_in_run_costs"] = round(
+            100 * (out[f"{mode}_ratio"] - out[f"{mode}_predicted_ratio_in_run_costs"]), 2)
     out["lazy_predicted_ratio_with_update"] = round(base_s / lazy_u, 4)
     out["eager_predicted_ratio_with_update"] = round(base_s / eager_u, 4)
     out["prototypes"] = spec["prototypes"]
@@ -230,7 +276,8 @@ def run(quick: bool = False) -> dict[str, Any]:
           f"{1.0:6.3f} {1.0:9.3f}")
     for mode in ("lazy", "eager"):
         print(f"{mode:6s} {out[f'{mode}_iter_s']:8.4f} {out[f'{mode}_samples_per_s']:10.1f} "
-              f"{out[f'{mode}_ratio']:6.3f} {out[f'{mode}_predicted_ratio']:9.3f}")
+              f"{out[f'{mode}_ratio']:6.3f} {out[f'{mode}_predicted_ratio']:9.3f} "
+              f"(ops at their in-run cost: {out[f'{mode}_predicted_ratio_in_run_costs']:.3f})")
     print(f"replica memory: {out['replica_memory_multiple_per_node']} x own stage; gradient "
           f"bytes {out['gradient_bytes_per_iteration']} vs state {out['state_bytes']}")
     return out

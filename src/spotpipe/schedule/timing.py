@@ -119,6 +119,19 @@ def simulate_waits(schedule: Schedule, costs: StageCosts) -> list[dict[int, floa
     return _run(schedule, costs)[2]
 
 
+def any_schedule_bound(costs: StageCosts, num_microbatches: int) -> float:
+    """A lower bound on the iteration of every synchronous schedule of these costs, however
+    it orders, splits or defers the work (1F1B, GPipe, zero-bubble's B/W split alike): stage s
+    cannot start before the first micro-batch's forward has crossed the stages before it, then
+    runs all of its own forwards and backwards, and the reduction and the step come after the
+    last stage is done. What an engine for this partition could reach at best, which is why
+    the pipeline bench states torch's iteration over it."""
+    p, m = len(costs.forward), num_microbatches
+    busiest = max(sum(costs.forward[j] + costs.comm for j in range(s))
+                  + m * (costs.forward[s] + costs.backward[s]) for s in range(p))
+    return busiest + costs.all_reduce + costs.optimizer
+
+
 def closed_form_bubble(num_stages: int, num_microbatches: int) -> float:
     """(P-1)/(M+P-1): the textbook bubble of GPipe and 1F1B with uniform stages, free comm."""
     return (num_stages - 1) / (num_microbatches + num_stages - 1)

@@ -72,7 +72,7 @@ class SealedStore(dist.Store):
     def __init__(self, inner: dist.Store, job_key: bytes, *,
                  wait_genuine_s: float | None = None,
                  on_refused: Callable[[Refused], None] | None = None,
-                 poll_s: float = 0.002) -> None:
+                 poll_s: float = 0.002, max_poll_s: float = 0.1) -> None:
         super().__init__()  # the pybind trampoline needs it
         if not job_key:
             raise ValueError("a sealed store needs the job's key")
@@ -81,13 +81,14 @@ class SealedStore(dist.Store):
         self._key = job_key
         self.wait_genuine_s = wait_genuine_s
         self.on_refused = on_refused
-        self.poll_s = poll_s
+        self.poll_s, self.max_poll_s = poll_s, max_poll_s
 
     def rendezvous(self, wait_genuine_s: float) -> "SealedStore":
         """The same store, for keys whose writer may come after a squatter (`get` waits up to
         `wait_genuine_s` for the genuine value)."""
         return SealedStore(self.inner, self._key, wait_genuine_s=wait_genuine_s,
-                           on_refused=self.on_refused, poll_s=self.poll_s)
+                           on_refused=self.on_refused, poll_s=self.poll_s,
+                           max_poll_s=self.max_poll_s)
 
     def set(self, key: str, value: str | bytes) -> None:
         self.inner.set(key, seal_value(self._key, key, value))
@@ -102,10 +103,14 @@ class SealedStore(dist.Store):
                 raise
         # a rendezvous: the writer may not have come yet, and overwrites the squatter when it
         # does. The store has no "wait for a change", hence the polling, bounded like gloo's
-        # own wait for the key
+        # own wait for the key. The interval doubles up to `max_poll_s`: a writer that comes
+        # at once is seen within milliseconds, and a squatter that stands costs the store a
+        # few requests a second per reader, not hundreds
         deadline = time.monotonic() + self.wait_genuine_s
+        interval = self.poll_s
         while time.monotonic() < deadline:
-            time.sleep(self.poll_s)
+            time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+            interval = min(2 * interval, self.max_poll_s)
             again = bytes(self.inner.get(key))
             if again == blob:
                 continue
