@@ -17,6 +17,7 @@ from spotpipe.model import (
     build_gpt,
     build_stage,
     build_user_model,
+    compute_weights,
     load_factory,
     parameter_counts,
     partition,
@@ -160,6 +161,18 @@ def test_parameter_partition_on_gpt() -> None:
     assert max(sums) == min(
         max(sum(counts[:k]), sum(counts[k:])) for k in range(1, model.num_layers)
     )
+
+
+def test_compute_weights_count_what_a_layer_multiplies_by() -> None:
+    # vocab 32, h 16, 3 blocks, biases: a block is 12h^2 + 13h = 3280 (ln 2h, qkv 3h^2 + 3h,
+    # proj h^2 + h, ln 2h, fc 4h^2 + 4h, proj 4h^2 + h); the embedding's two tables (32 x 16
+    # tokens, 8 x 16 positions) are looked up: 0; the head is ln_f (2h) and the 32 x 16 matmul
+    for tie in (False, True):
+        model = build_gpt(GPTConfig(vocab_size=32, block_size=8, n_layer=3, n_head=2, n_embd=16,
+                                    tie_embeddings=tie), seed=0)
+        assert compute_weights(model) == [0, 3280, 3280, 3280, 32 + 512]
+    # plain counts put the tables on the first layer (the untied model's head holds its own)
+    assert parameter_counts(build_gpt(TINY, seed=0))[0] == 32 * 16 + 8 * 16
 
 
 def test_time_partition_profiles_and_restores_grads() -> None:

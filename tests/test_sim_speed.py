@@ -3,7 +3,9 @@ synthetic seeds, for every policy and redundancy level, with and without shadows
 figures recorded from the code before them (`tests/fixtures/sim_outputs.json`, written by
 `python tests/test_sim_speed.py --record` at commit 0ea6e42, before any speed-up, and once
 more when the planner's tie-breaks went from name order to slot order: a dropped
-pipeline's freed nodes and the carriers a rebalance relieves), to the last bit; and the
+pipeline's freed nodes and the carriers a rebalance relieves, and once more when FRC placement
+went from parameter counts to the parameters each layer multiplies by,
+`model.compute_weights`), to the last bit; and the
 planner's memo gives the same decisions as no memo.
 
 Rerecord only for a change meant to alter the simulator's figures, and say so in its commit.

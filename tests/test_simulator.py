@@ -369,3 +369,20 @@ def test_cli_value_formula_bamboo(capsys):
     assert values["bamboo"]["samples"] == per_dollar["samples"]
     assert values["bamboo"]["value"] != pytest.approx(per_dollar["value"])
     assert 0 < values["bamboo"]["value"] < per_dollar["value"]
+
+
+def test_the_simulators_frc_placement_sees_what_the_runtimes_does():
+    # the runtime places FRC by `model.compute_weights`; the simulator's transformer preset
+    # carries the same figures per layer, so both place FRC alike for the same model
+    from spotpipe.model import GPTConfig, build_gpt, compute_weights
+    from spotpipe.sim.itertime import placement_sizes
+    from spotpipe.sim.models import transformer
+
+    real = build_gpt(GPTConfig(vocab_size=32, block_size=8, n_layer=3, n_head=2, n_embd=16,
+                               tie_embeddings=True), seed=0)
+    costs = transformer("tiny", layers=3, hidden=16, seq=8, vocab=32, micro_batch=1,
+                        global_batch=4, heads=2)
+    assert list(costs.placement_weights) == compute_weights(real)
+    # per stage, as the runtime sums them (uniform partition, 5 layers on 2 stages: 3 + 2)
+    weights = compute_weights(real)
+    assert placement_sizes(costs, 2) == (float(sum(weights[:3])), float(sum(weights[3:])))

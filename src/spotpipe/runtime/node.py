@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from spotpipe.config import Config
-from spotpipe.model import LayeredModel, build_stage
+from spotpipe.model import LayeredModel, build_stage, compute_weights
 from spotpipe.model.ties import cross_stage_tied, norm_param_names
 from spotpipe.plan import Layout
 from spotpipe.plan import held_replica as plan_held_replica
@@ -88,9 +88,10 @@ def node_schedule(cfg: Config, layout: Layout, node: str, model: LayeredModel,
                   partition: list[tuple[int, int]]) -> list:
     """This node's stream: the plain schedule, merged after takeovers, FRC when eager.
 
-    FRC placement needs per-stage costs: parameter counts stand in for forward cost (backward
-    taken as twice that), which is what decides how many FRCs fit a bubble when stages are
-    unequal. After a takeover FRC stops until the layout is rebalanced: the node that holds
+    FRC placement needs per-stage costs: the parameters each stage multiplies by stand in for
+    its forward cost (`model.compute_weights`: an embedding's table is looked up, a tied head's
+    weight is multiplied; backward taken as twice that), which is what decides how many FRCs
+    fit a bubble when stages are unequal. After a takeover FRC stops until the layout is rebalanced: the node that holds
     the replica of a merged pair's successor no longer exists.
     """
     d = pipeline_of(layout, node)
@@ -103,8 +104,8 @@ def node_schedule(cfg: Config, layout: Layout, node: str, model: LayeredModel,
     if all(len(stages) == 1 for stages in actors):
         schedule: Schedule = build_schedule(cfg.schedule, p, microbatches(cfg, layout))
         if cfg.redundancy == "eager":
-            sizes = [max(1, sum(x.numel() for i in range(a, b)
-                                for x in model.layers[i].parameters())) for a, b in partition]
+            weights = compute_weights(model)
+            sizes = [max(1, sum(weights[a:b])) for a, b in partition]
             costs = StageCosts(tuple(float(n) for n in sizes), tuple(2.0 * n for n in sizes))
             schedule = with_frc(schedule, costs)
     else:

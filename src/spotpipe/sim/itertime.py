@@ -6,7 +6,8 @@ pipeline the streams are built exactly as `spotpipe.runtime.node.node_schedule` 
 
 - every node runs one stage: `build_schedule(kind, P, M)`, and with eager redundancy
   `with_frc(schedule, placement_costs)`, where the placement costs are what the runtime uses
-  (parameter counts of each stage as its forward cost, twice that as backward, no comm);
+  (the parameters each stage multiplies by as its forward cost, twice that as backward, no
+  comm);
 - some node carries two stages after a takeover: `merged_schedule(kind, M, actors)` with the
   actors' stages sorted and the actors ordered by their first stage, and no FRC anywhere in
   that pipeline (the runtime stops FRC until the layout is rebalanced);
@@ -57,11 +58,15 @@ def microbatches_per_pipeline(model: ModelCosts, num_pipelines: int) -> int:
 
 
 def placement_sizes(model: ModelCosts, num_stages: int) -> tuple[float, ...]:
-    """The runtime's FRC placement costs: parameters per stage (at least 1), as floats.
+    """The runtime's FRC placement costs: per stage, the parameters its layers multiply by
+    (`ModelCosts.placement_weights`, at least 1), as floats.
 
-    `param_bytes` are fp16 gradient bytes (2 per parameter); placement is invariant to scale,
-    so bytes / 2 reproduces the runtime's parameter counts.
+    A model without them (a measured profile) counts its parameters: `param_bytes` are fp16
+    gradient bytes (2 per parameter), and placement is invariant to scale.
     """
+    if model.placement_weights:
+        parts = uniform_partition(model.num_layers, num_stages)
+        return tuple(float(max(1.0, sum(model.placement_weights[a:b]))) for a, b in parts)
     return tuple(float(max(1.0, b / 2.0)) for b in stage_costs(model, num_stages)[2])
 
 

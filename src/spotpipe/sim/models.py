@@ -42,6 +42,9 @@ class ModelCosts:
     # per layer: parameters, activation bytes kept and sent (`spotpipe.plan.memory`); empty:
     # unknown (a profile without them), and no layout is refused for memory
     layer_memory: tuple[LayerMemory, ...] = ()
+    # per layer, the runtime's stand-in for compute where FRC is placed (the parameters a
+    # layer multiplies by: `spotpipe.model.compute_weights`); empty: its parameters
+    placement_weights: tuple[float, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -63,11 +66,15 @@ def transformer(name: str, *, layers: int, hidden: int, seq: int, vocab: int,
     head_flops = 2 * seq * hidden * vocab * micro_batch
     fwd = [0.0] + [block_flops / EFFECTIVE_FLOPS] * layers + [head_flops / EFFECTIVE_FLOPS]
     params = [vocab * hidden] + [12 * hidden ** 2 + 13 * hidden] * layers + [2 * hidden]
+    # what the runtime's FRC placement sees: the embedding table is looked up (nothing), the
+    # head multiplies by the tied vocab x h table (and its layer norm's 2h)
+    multiplied = [0] + params[1:-1] + [vocab * hidden + 2 * hidden]
     return ModelCosts(
         name=name,
         forward_s=tuple(fwd),
         backward_s=tuple(2 * f for f in fwd),
         param_bytes=tuple(2.0 * p for p in params),
+        placement_weights=tuple(float(p) for p in multiplied),
         activation_bytes=2.0 * micro_batch * seq * hidden,
         micro_batch_size=micro_batch,
         global_microbatches=global_batch // micro_batch,
