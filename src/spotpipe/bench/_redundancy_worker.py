@@ -134,7 +134,8 @@ class RedundancyBench:
         self.partition = [tuple(r) for r in self.workers["none"].spec.partition]
         self.plain = build_schedule(spec["schedule"], world, cfg.num_microbatches)
         # every mode runs the runtime's own stream; eager's has FRC where the runtime places
-        # it (`runtime.node.node_schedule`, from parameter counts: no measurement to be noisy)
+        # it (`runtime.node.node_schedule`, from `model.compute_weights`: no measurement to be
+        # noisy)
         self.streams = {mode: w.stream for mode, w in self.workers.items()}
         self.iteration = dict.fromkeys(MODES, 0)
         # the bench's one global batch, in iteration 0's micro-batches, every iteration; the

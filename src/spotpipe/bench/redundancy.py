@@ -5,8 +5,8 @@ pipeline's bubbles are real idle time on the core), train the same GPT stages th
 by side: redundancy none, lazy (a replica of the successor stage kept exact by gradient
 replication, whose update runs on a background thread of the same process, on the same core)
 and eager (lazy plus forward redundant computation of the replica, in the bubbles where the
-runtime places it: `runtime.node.node_schedule`, by `spotpipe.schedule.with_frc` from parameter
-counts). The modes alternate in blocks of iterations, each leading in turn, and the replica
+runtime places it: `runtime.node.node_schedule`, by `spotpipe.schedule.with_frc` from the
+parameters each stage multiplies by, `model.compute_weights`). The modes alternate in blocks of iterations, each leading in turn, and the replica
 catches up at the end of each block, timed, so that no mode's background work lands in
 another's block nor falls outside the clock. Per mode the figure
 is the median over rounds of a block's seconds per iteration (the slower rank's clock, the
@@ -20,8 +20,8 @@ prediction places FRC from the profile itself (the best the greedy placement fin
 costs); `eager_predicted_ratio_executed_stream` times the runtime's placement, which ran, with
 the same profile. (Placing from a profile instead, as this bench once did, made the figure swing
 by up to 10 points: a placement fitted to one noisy profile can be far from the best for the
-costs of the iterations that follow, where the parameter counts' placement stays within about a
-point of the best for every profile measured here.)
+costs of the iterations that follow, where the runtime's placement, from no measurement at all,
+stays within a point of the best for every profile measured here.)
 
 Memory: the replica's parameters and optimizer state over the node's own stage's, per node; the
 activations kept per iteration for a takeover (the node's outputs, and FRC outputs in eager
