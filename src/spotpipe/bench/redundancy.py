@@ -6,11 +6,11 @@ by side: redundancy none, lazy (a replica of the successor stage kept exact by g
 replication, whose update runs on a background thread of the same process, on the same core)
 and eager (lazy plus forward redundant computation of the replica, in the bubbles where the
 runtime places it: `runtime.node.node_schedule`, by `spotpipe.schedule.with_frc` from the
-parameters each stage multiplies by, `model.compute_weights`). The modes alternate in blocks of iterations, each leading in turn, and the replica
-catches up at the end of each block, timed, so that no mode's background work lands in
-another's block nor falls outside the clock. Per mode the figure
-is the median over rounds of a block's seconds per iteration (the slower rank's clock, the
-catching-up included); the ratios are throughput over `none`'s.
+parameters each stage multiplies by, `model.compute_weights`). The modes alternate in blocks of
+iterations, each leading in turn, and the replica catches up at the end of each block, timed,
+so that no mode's background work lands in another's block nor falls outside the clock. Per
+mode the figure is the median over rounds of a block's seconds per iteration (the slower rank's
+clock, the catching-up included); the ratios are throughput over `none`'s.
 
 The analytic model's prediction comes from a profile taken between the rounds (per-stage
 forward, backward, optimizer step, gradient reduction, one message, and FRC: the replica's

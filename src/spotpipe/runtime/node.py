@@ -91,8 +91,8 @@ def node_schedule(cfg: Config, layout: Layout, node: str, model: LayeredModel,
     FRC placement needs per-stage costs: the parameters each stage multiplies by stand in for
     its forward cost (`model.compute_weights`: an embedding's table is looked up, a tied head's
     weight is multiplied; backward taken as twice that), which is what decides how many FRCs
-    fit a bubble when stages are unequal. After a takeover FRC stops until the layout is rebalanced: the node that holds
-    the replica of a merged pair's successor no longer exists.
+    fit a bubble when stages are unequal. After a takeover FRC stops until the layout is
+    rebalanced: the node that holds the replica of a merged pair's successor no longer exists.
     """
     d = pipeline_of(layout, node)
     p = layout.num_stages
