@@ -173,6 +173,12 @@ def test_compute_weights_count_what_a_layer_multiplies_by() -> None:
         assert compute_weights(model) == [0, 3280, 3280, 3280, 32 + 512]
     # plain counts put the tables on the first layer (the untied model's head holds its own)
     assert parameter_counts(build_gpt(TINY, seed=0))[0] == 32 * 16 + 8 * 16
+    # a bag of embeddings is a lookup too; a layer's own raw parameter is multiplied
+    bag = nn.Sequential(nn.EmbeddingBag(10, 4), nn.Linear(4, 3))
+    own = nn.Linear(4, 3)
+    own.register_parameter("scale", nn.Parameter(torch.ones(3)))
+    model = LayeredModel([bag, own], loss_fn=lambda y, t: (y - t).pow(2).mean())
+    assert compute_weights(model) == [4 * 3 + 3, 4 * 3 + 3 + 3]
 
 
 def test_time_partition_profiles_and_restores_grads() -> None:

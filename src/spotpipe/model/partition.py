@@ -117,14 +117,16 @@ def parameter_counts(model: LayeredModel) -> list[int]:
 
 def compute_weights(model: LayeredModel) -> list[int]:
     """Per layer, the parameters its forward multiplies by: every module's own parameters
-    except an embedding's table, which is looked up, not multiplied. A tied output head counts
-    its (shared) weight, because that is where the matmul happens.
+    except an embedding's table (`nn.Embedding`, `nn.EmbeddingBag`), which is looked up, not
+    multiplied. A tied output head counts its (shared) weight, because that is where the
+    matmul happens.
 
     A stand-in for a layer's compute where nothing has been measured (FRC placement): plain
     parameter counts put a language model's embedding table (often the largest tensor it has)
     on the first stage's clock and a tied head's vocabulary-sized matmul on nobody's.
     """
-    return [sum(p.numel() for m in layer.modules() if not isinstance(m, nn.Embedding)
+    lookups = (nn.Embedding, nn.EmbeddingBag)
+    return [sum(p.numel() for m in layer.modules() if not isinstance(m, lookups)
                 for p in m.parameters(recurse=False))
             for layer in model.layers]
 
