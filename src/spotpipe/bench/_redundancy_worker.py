@@ -111,8 +111,6 @@ def _gather_digests(digest: str, world: int) -> list[str]:
 
 class RedundancyBench:
     def __init__(self, spec: dict[str, Any], rank: int, world: int, run_dir: Path) -> None:
-        from spotpipe.schedule import build_schedule
-
         self.spec, self.rank, self.world = spec, rank, world
         self.last = rank == world - 1
         cfgs = {mode: bench_config(spec, redundancy=mode, schedule=spec["schedule"],
@@ -132,7 +130,6 @@ class RedundancyBench:
             if "inline-replica-update" in spec.get("prototypes", ()):
                 _inline(self.holdings[mode].applier)
         self.partition = [tuple(r) for r in self.workers["none"].spec.partition]
-        self.plain = build_schedule(spec["schedule"], world, cfg.num_microbatches)
         # every mode runs the runtime's own stream; eager's has FRC where the runtime places
         # it (`runtime.node.node_schedule`, from `model.compute_weights`: no measurement to be
         # noisy)
