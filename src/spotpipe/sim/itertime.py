@@ -46,11 +46,13 @@ _TIMES: dict[tuple, float] = {}
 def stage_costs(model: ModelCosts, num_stages: int) -> tuple[tuple[float, ...], tuple[float, ...],
                                                             tuple[float, ...]]:
     """Per-stage forward, backward seconds and gradient bytes, layers split uniformly."""
-    parts = uniform_partition(model.num_layers, num_stages)
-    fwd = tuple(sum(model.forward_s[a:b]) for a, b in parts)
-    bwd = tuple(sum(model.backward_s[a:b]) for a, b in parts)
-    byt = tuple(sum(model.param_bytes[a:b]) for a, b in parts)
-    return fwd, bwd, byt
+    return (_stage_sums(model.forward_s, num_stages), _stage_sums(model.backward_s, num_stages),
+            _stage_sums(model.param_bytes, num_stages))
+
+
+def _stage_sums(per_layer: tuple[float, ...], num_stages: int) -> tuple[float, ...]:
+    """`per_layer` summed over each stage of the uniform split the simulator assumes."""
+    return tuple(sum(per_layer[a:b]) for a, b in uniform_partition(len(per_layer), num_stages))
 
 
 def microbatches_per_pipeline(model: ModelCosts, num_pipelines: int) -> int:
@@ -65,8 +67,7 @@ def placement_sizes(model: ModelCosts, num_stages: int) -> tuple[float, ...]:
     gradient bytes (2 per parameter), and placement is invariant to scale.
     """
     if model.placement_weights:
-        parts = uniform_partition(model.num_layers, num_stages)
-        return tuple(float(max(1.0, sum(model.placement_weights[a:b]))) for a, b in parts)
+        return tuple(float(max(1.0, w)) for w in _stage_sums(model.placement_weights, num_stages))
     return tuple(float(max(1.0, b / 2.0)) for b in stage_costs(model, num_stages)[2])
 
 
