@@ -152,6 +152,37 @@ def test_stage_files_through_the_store_arrive_only_when_sealed(server, tmp_path)
     assert "spotpipe/checkpoint/files/19/1/meta: no seal" in problem, problem
     assert not (tmp_path / "got19").exists()
     assert not sealed.check(["spotpipe/checkpoint/files/19/1/meta"])  # removed all the same
+    # and so are the genuine pieces the forged list stood in front of
+    assert not sealed.check(["spotpipe/checkpoint/files/19/1/0.0"])
+
+
+def test_a_refused_file_list_leaves_no_piece_of_the_stage_in_the_store(server, tmp_path):
+    """Two files, one of them in three pieces: after a forged list, none of the four pieces
+    stays behind (a stage's pieces are up to its size in bytes)."""
+    import hashlib
+
+    from spotpipe.checkpoint import transfer
+
+    (tmp_path / "sent").mkdir()
+    blobs = {"a.bin": b"a" * (2 * transfer.CHUNK + 5), "b.bin": b"b" * 10}
+    for name, data in blobs.items():
+        (tmp_path / "sent" / name).write_bytes(data)
+    checksums = {n: hashlib.sha256(d).hexdigest() for n, d in blobs.items()}
+    sealed = SealedStore(connect(server), KEY)
+    transfer.send_stage(sealed, 7, 2, tmp_path / "sent", checksums)
+    pieces = [f"spotpipe/checkpoint/files/7/2/{k}" for k in ("0.0", "0.1", "0.2", "1.0")]
+    assert sealed.check(pieces)
+    server.set("spotpipe/checkpoint/files/7/2/meta", '{"files": []}')
+    problem = transfer.receive_stage(sealed, 7, 2, checksums, tmp_path / "got")
+    assert "no seal" in problem, problem
+    assert [k for k in pieces if sealed.check([k])] == []
+    assert not (tmp_path / "got").exists()
+    # a list deleted before the committing host read it: the same
+    transfer.send_stage(sealed, 8, 2, tmp_path / "sent", checksums)
+    server.delete_key("spotpipe/checkpoint/files/8/2/meta")
+    problem = transfer.receive_stage(sealed, 8, 2, checksums, tmp_path / "got8")
+    assert "never arrived" in problem, problem
+    assert [k for k in pieces if sealed.check([k.replace("/7/", "/8/")])] == []
 
 
 class _CountingStore(dist.Store):

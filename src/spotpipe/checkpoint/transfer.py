@@ -51,10 +51,12 @@ def receive_stage(store: Any, iteration: int, stage: int, checksums: dict[str, s
     written without the job's key is what is wrong, never a crash."""
     meta_key = _key(iteration, stage, "meta")
     if not store.check([meta_key]):
+        _remove_parts(store, iteration, stage, len(checksums))
         return f"the files of stage {stage} never arrived through the store"
     try:
         files = json.loads(store.get(meta_key))["files"]
     except Refused as why:
+        _remove_parts(store, iteration, stage, len(checksums))
         store.delete_key(meta_key)
         return f"the files of stage {stage}: {why}"
     problem = ""
@@ -78,6 +80,19 @@ def receive_stage(store: Any, iteration: int, stage: int, checksums: dict[str, s
             store.delete_key(k)
     store.delete_key(meta_key)
     return problem
+
+
+def _remove_parts(store: Any, iteration: int, stage: int, files: int) -> None:
+    """Remove the pieces of a stage whose file list is missing or did not verify: the worker
+    put `files` files (as many as it reported checksums for), each in consecutive pieces from
+    0, so each file's pieces are those present from 0 on. Without this, a forged or deleted
+    list would leave the genuine pieces (up to a stage's size) in the store for the rest of
+    the job."""
+    for index in range(files):
+        i = 0
+        while store.check([_key(iteration, stage, f"{index}.{i}")]):
+            store.delete_key(_key(iteration, stage, f"{index}.{i}"))
+            i += 1
 
 
 def _write(path: Path, data: bytes) -> None:
