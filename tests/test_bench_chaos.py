@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from spotpipe.bench.chaos import (DEPTHS, KINDS, MODES, WIDTHS, CaseResult, ChaosCase, draw_cases,
                                   run_cases, summarize)
@@ -40,6 +41,27 @@ def test_faults_are_drawn_from_a_seed_over_the_whole_space():
         assert int(c.node.removeprefix("node")) < c.stages * c.pipelines
         assert 1 <= c.iteration <= 5
         assert (c.phase == "start") if c.kind == "notice" else c.phase != "regroup"
+
+
+def test_the_headline_model_is_the_benches_gpt_and_the_tiny_one_stays_beside_it():
+    """The pause's target is in iterations: the full bench runs the GPT that `bench pipeline`
+    and `bench redundancy` run (their figures and this one's describe one model), and the tiny
+    model beside it; an unknown model name is refused before any run."""
+    import pytest
+
+    from spotpipe.bench import chaos
+    from spotpipe.bench.pipeline import MODEL, _spec
+
+    case = ChaosCase("crash", 2, 1, "lazy", "node0", 3)
+    gpt = chaos.case_config(case, model="gpt")
+    assert {k: getattr(gpt.model.gpt, k) for k in MODEL} == MODEL
+    spec = _spec(quick=False)
+    assert (gpt.micro_batch_size, gpt.num_microbatches) == (spec["micro_batch_size"],
+                                                            spec["num_microbatches"])
+    tiny = chaos.case_config(case)  # what run_cases runs unless told otherwise
+    assert (tiny.model.gpt.n_embd, tiny.model.gpt.n_layer) == (32, 2)
+    with pytest.raises(ValueError, match="unknown model 'huge'"):
+        chaos.Chaos(Path("/nonexistent"), model="huge")
 
 
 def test_faults_flag_is_only_for_chaos():

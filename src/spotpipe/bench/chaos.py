@@ -23,6 +23,11 @@ crash in a P=2 job one node runs both stages. Every run is checked against its f
 (`spotpipe.bench.checks`): final parameters bit for bit (to float tolerance where D changed),
 every sample consumed exactly once. Per fault kind the figures are p50, p90, p99 and the
 maximum (nearest rank, `spotpipe.bench.stats`); `exact_runs` of `runs` passed every check.
+
+The full bench draws the faults once and runs them on two models (MODELS): the GPT of `bench
+pipeline` and `bench redundancy`, whose figures are the headline, then a tiny one, reported
+under "tiny". Recovery's own costs (detection, agreement, regroup) are much the same in seconds
+on both; in iterations, the tiny model's short iterations make them look several times larger.
 """
 
 from __future__ import annotations
@@ -47,9 +52,20 @@ MODES = ("lazy", "eager", "shadows")
 PHASES = ("start", "forward", "backward", "all-reduce", "optimizer")  # of an iteration
 ITERATIONS = 8
 SEED = 15
-# small enough that up to 8 workers (+ 4 shadows) train in seconds on 2 cores
-MODEL = {"model.gpt.n_layer": 2, "model.gpt.n_embd": 32, "model.gpt.n_head": 2,
-         "model.gpt.block_size": 16, "micro_batch_size": 2, "num_microbatches": 4}
+# The pause's target is in iterations, and what recovery costs is mostly fixed in seconds
+# (the kernel's teardown of a killed process, the agreement, forming the new groups: tens of
+# ms here, whatever the model), so the figure in iterations depends on how long an iteration
+# is. Two models, both run by the full bench: "gpt", the GPT of `bench pipeline` and `bench
+# redundancy` (the headline figures; 0.2-0.6 s per iteration here, with up to 12 processes on
+# 2 cores: still under real training's seconds), and "tiny", small enough that up to 8 workers
+# (+ 4 shadows) train in seconds on 2 cores (20-100 ms per iteration: the fixed costs are
+# about one iteration there).
+MODELS = {
+    "gpt": {"model.gpt.n_layer": 4, "model.gpt.n_embd": 128, "model.gpt.n_head": 4,
+            "model.gpt.block_size": 64, "micro_batch_size": 4, "num_microbatches": 8},
+    "tiny": {"model.gpt.n_layer": 2, "model.gpt.n_embd": 32, "model.gpt.n_head": 2,
+             "model.gpt.block_size": 16, "micro_batch_size": 2, "num_microbatches": 4},
+}
 # what a node reports once it runs in the Decision's generation
 REGROUP_EVENTS = ("takeover", "migrated", "regrouped", "repartitioned")
 TARGET_PAST_TIMEOUT = 2.0  # iterations past the detection timeout, for the p99 pause
@@ -104,13 +120,15 @@ def draw_cases(n: int, seed: int = SEED, iterations: int = ITERATIONS) -> list[C
     return cases
 
 
-def case_config(case: ChaosCase, *, failure_free: bool = False, iterations: int = ITERATIONS):
-    """The job of a case; `failure_free`: its reference (same training, no redundancy work)."""
+def case_config(case: ChaosCase, *, failure_free: bool = False, iterations: int = ITERATIONS,
+                model: str = "tiny"):
+    """The job of a case on `model` (one of MODELS); `failure_free`: its reference (same
+    training, no redundancy work)."""
     from spotpipe.config import load_config
 
     mode = "none" if failure_free or case.mode == "shadows" else case.mode
     shadows = case.mode == "shadows" and not failure_free
-    sets = {**MODEL, **LIVENESS, "stages": case.stages, "pipelines": case.pipelines,
+    sets = {**MODELS[model], **LIVENESS, "stages": case.stages, "pipelines": case.pipelines,
             "iterations": iterations, "redundancy": mode, "shadow.enabled": shadows,
             "logging.sample_log": True, "logging.progress": False}
     return load_config(REPO_EXAMPLE, [f"{k}={v}" for k, v in sets.items()])
@@ -191,8 +209,11 @@ def _width_changed(run: Path) -> bool:
 class Chaos:
     """Runs cases under one folder, with one failure-free reference per (P, D)."""
 
-    def __init__(self, root: Path, iterations: int = ITERATIONS) -> None:
-        self.root, self.iterations = root, iterations
+    def __init__(self, root: Path, iterations: int = ITERATIONS, model: str = "tiny") -> None:
+        if model not in MODELS:
+            raise ValueError(f"bench chaos: unknown model {model!r}; expected one of "
+                             f"{sorted(MODELS)}")
+        self.root, self.iterations, self.model = root, iterations, model
         self._references: dict[tuple[int, int], dict[str, Any]] = {}
 
     def reference(self, case: ChaosCase) -> dict[str, Any]:
@@ -203,7 +224,8 @@ class Chaos:
         key = (case.stages, case.pipelines)
         if key not in self._references:
             out = self.root / f"reference-P{case.stages}-D{case.pipelines}"
-            cfg = case_config(case, failure_free=True, iterations=self.iterations)
+            cfg = case_config(case, failure_free=True, iterations=self.iterations,
+                              model=self.model)
             if train(cfg, out, progress=False) != 0:
                 raise RuntimeError(f"bench chaos: the failure-free run {out} failed")
             self._references[key] = load_file(str(out / "final" / "model.safetensors"))
@@ -216,7 +238,7 @@ class Chaos:
         from spotpipe.cluster.launcher import train
 
         want = self.reference(case)
-        cfg = case_config(case, iterations=self.iterations)
+        cfg = case_config(case, iterations=self.iterations, model=self.model)
         run = self.root / f"run{index:03d}"
         code = train(cfg, run, progress=False, faults=[case.fault()])
         if code != 0:
@@ -275,23 +297,14 @@ def summarize(results: list[CaseResult]) -> dict[str, Any]:
 
 
 def run_cases(cases: list[ChaosCase], root: Path | None = None,
-              iterations: int = ITERATIONS) -> dict[str, Any]:
-    """Run `cases` (one job each) and summarize them; the runs' folder is removed unless
-    `root` is given or SPOTPIPE_BENCH_KEEP=1."""
+              iterations: int = ITERATIONS, model: str = "tiny") -> dict[str, Any]:
+    """Run `cases` (one job each, on `model`) and summarize them; the runs' folder is removed
+    unless `root` is given or SPOTPIPE_BENCH_KEEP=1."""
     keep = root is not None or os.environ.get("SPOTPIPE_BENCH_KEEP") == "1"
-    root = root or Path(tempfile.mkdtemp(prefix="spotpipe-bench-chaos-"))
-    chaos = Chaos(root, iterations)
-    results = []
-    for i, case in enumerate(cases):
-        result = chaos.run_case(i, case)
-        results.append(result)
-        pause = ", ".join(f"{p['pause_s']:.3f} s = {p['pause_iterations']:.2f} it (detection "
-                          f"{p['detection_s'] * 1e3:.0f} ms, agreement "
-                          f"{p['agreement_s'] * 1e3:.0f}, regroup {p['regroup_s'] * 1e3:.0f}, "
-                          f"replay {p['replay_s'] * 1e3:.0f}; new layout x{p['slowdown']:.2f})"
-                          for p in result.pauses) or "no pause"
-        print(f"{i + 1:3d}/{len(cases)} {case.label():36s} {pause}  "
-              f"{'exact' if result.exact else 'NOT EXACT'}", flush=True)
+    root = root or Path(tempfile.mkdtemp(prefix=f"spotpipe-bench-chaos-{model}-"))
+    chaos = Chaos(root, iterations, model)
+    # (a run that raises keeps the folder: its error names a run in it)
+    results = [_run_and_print(chaos, i, case, len(cases)) for i, case in enumerate(cases)]
     out = summarize(results)
     out["runs_folder"] = str(root) if keep else "(removed; SPOTPIPE_BENCH_KEEP=1 keeps them)"
     if not keep:
@@ -299,17 +312,44 @@ def run_cases(cases: list[ChaosCase], root: Path | None = None,
     return out
 
 
+def _run_and_print(chaos: Chaos, i: int, case: ChaosCase, n: int) -> CaseResult:
+    result = chaos.run_case(i, case)
+    pause = ", ".join(f"{p['pause_s']:.3f} s = {p['pause_iterations']:.2f} it (detection "
+                      f"{p['detection_s'] * 1e3:.0f} ms, agreement "
+                      f"{p['agreement_s'] * 1e3:.0f}, regroup {p['regroup_s'] * 1e3:.0f}, "
+                      f"replay {p['replay_s'] * 1e3:.0f}; new layout x{p['slowdown']:.2f})"
+                      for p in result.pauses) or "no pause"
+    print(f"{chaos.model:4s} {i + 1:3d}/{n} {case.label():36s} {pause}  "
+          f"{'exact' if result.exact else 'NOT EXACT'}", flush=True)
+    return result
+
+
+def _describe(model: str) -> str:
+    m = MODELS[model]
+    return (f"n_layer={m['model.gpt.n_layer']} n_embd={m['model.gpt.n_embd']} block "
+            f"{m['model.gpt.block_size']}, micro-batch {m['micro_batch_size']} x "
+            f"M={m['num_microbatches']}")
+
+
 def run(quick: bool = False, faults: int | None = None) -> dict[str, Any]:
+    """The same seeded faults on each model of MODELS ("gpt" first: its figures are the
+    headline; "tiny"'s are under the key "tiny"). `quick` runs the tiny model only."""
     n = faults if faults is not None else (3 if quick else 50)
     if n < 1:
         raise ValueError(f"--faults {n}: expected at least one fault")
     started = time.time()
-    out = run_cases(draw_cases(n))  # (`spotpipe bench` adds the load average)
+    cases = draw_cases(n)
+    models = ["tiny"] if quick else ["gpt", "tiny"]
+    summaries = {model: run_cases(cases, model=model) for model in models}
+    out = summaries[models[0]]  # (`spotpipe bench` adds the load average)
+    if len(models) > 1:
+        out["tiny"] = summaries["tiny"]
     out.update({
-        "faults": n, "seed": SEED,
-        "config": f"examples/gpt_tiny.yaml with n_layer=2 n_embd=32 block 16, micro-batch 2 x "
-                  f"M=4, {ITERATIONS} iterations; heartbeat 0.2 s, heartbeat and hang timeouts "
-                  "2 s; one fault per run",
+        "faults": n, "seed": SEED, "model": models[0],
+        "config": "examples/gpt_tiny.yaml with "
+                  + "; ".join(f"{m}: {_describe(m)}" for m in models) + "; "
+                  f"{ITERATIONS} iterations; heartbeat 0.2 s, heartbeat and hang timeouts 2 s; "
+                  "one fault per run",
         "wall_s": round(time.time() - started, 1),
     })
     return out
