@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from spotpipe.bench.pipeline import MICROBATCHES as PIPELINE_MICROBATCHES
 from spotpipe.bench.pipeline import MODEL as PIPELINE_GPT
 from spotpipe.bench.stats import distribution
 from spotpipe.faults import Fault
@@ -62,8 +63,7 @@ SEED = 15
 # (+ 4 shadows) train in seconds on 2 cores (20-100 ms per iteration: the fixed costs are
 # about one iteration there).
 MODELS = {
-    "gpt": {**{f"model.gpt.{k}": v for k, v in PIPELINE_GPT.items()},
-            "micro_batch_size": 4, "num_microbatches": 8},
+    "gpt": {**{f"model.gpt.{k}": v for k, v in PIPELINE_GPT.items()}, **PIPELINE_MICROBATCHES},
     "tiny": {"model.gpt.n_layer": 2, "model.gpt.n_embd": 32, "model.gpt.n_head": 2,
              "model.gpt.block_size": 16, "micro_batch_size": 2, "num_microbatches": 4},
 }

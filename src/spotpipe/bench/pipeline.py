@@ -38,11 +38,12 @@ FULL = {"warmup": 3, "rounds": 10, "iters_per_round": 5, "profile_reps": 3}
 QUICK = {"warmup": 1, "rounds": 2, "iters_per_round": 2, "profile_reps": 2}
 MODEL = {"vocab_size": 256, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 128,
          "dropout": 0.0, "bias": True, "tie_embeddings": False}
+MICROBATCHES = {"micro_batch_size": 4, "num_microbatches": 8}  # of one iteration of MODEL
 
 
 def _spec(quick: bool) -> dict[str, Any]:
     spec: dict[str, Any] = dict(QUICK if quick else FULL)
-    spec.update(gpt=dict(MODEL), micro_batch_size=4, num_microbatches=8, seed=0,
+    spec.update(gpt=dict(MODEL), **MICROBATCHES, seed=0,
                 schedules=list(SCHEDULES), timeout_s=120.0,
                 # one core per stage when there are enough; otherwise let the OS place them
                 cores=pinned_cores(2))

@@ -36,7 +36,7 @@ from typing import Any
 
 from spotpipe.bench.harness import (describe_setup, launch_and_summarize, pinned_cores,
                                     quantile, stage_costs)
-from spotpipe.bench.pipeline import MODEL
+from spotpipe.bench.pipeline import MICROBATCHES, MODEL
 
 MODES = ("none", "lazy", "eager")
 FULL = {"warmup": 3, "rounds": 12, "iters_per_round": 5, "profile_reps": 3}
@@ -61,7 +61,7 @@ def _prototypes() -> list[str]:
 
 def _spec(quick: bool) -> dict[str, Any]:
     spec: dict[str, Any] = dict(QUICK if quick else FULL)
-    spec.update(gpt=dict(MODEL), micro_batch_size=4, num_microbatches=8, seed=0,
+    spec.update(gpt=dict(MODEL), **MICROBATCHES, seed=0,
                 schedule="1f1b", max_lag=2, timeout_s=120.0, cores=pinned_cores(2),
                 prototypes=_prototypes())
     return spec

@@ -90,8 +90,8 @@ def _remove_parts(store: Any, iteration: int, stage: int, files: int) -> None:
     the job."""
     for index in range(files):
         i = 0
-        while store.check([_key(iteration, stage, f"{index}.{i}")]):
-            store.delete_key(_key(iteration, stage, f"{index}.{i}"))
+        while store.check([key := _key(iteration, stage, f"{index}.{i}")]):
+            store.delete_key(key)
             i += 1
 
 
