@@ -33,6 +33,13 @@ def connect(server, timeout_s: float = 30.0) -> dist.TCPStore:
                          timeout=timedelta(seconds=timeout_s))
 
 
+def landed(server, key: str) -> None:
+    """Wait until `key`, set through another connection, is in the store: a TCPStore client's
+    set does not wait for the server, so a write over or a delete of it through `server` could
+    otherwise reach the store first and be undone by it."""
+    server.get(key)
+
+
 def test_a_value_opens_only_under_its_own_key_and_the_jobs_key():
     blob = seal_value(KEY, "gen1/world/0/1", b"\x00address")
     assert open_value(KEY, "gen1/world/0/1", blob) == b"\x00address"
@@ -147,6 +154,7 @@ def test_stage_files_through_the_store_arrive_only_when_sealed(server, tmp_path)
     assert transfer.receive_stage(sealed, 9, 1, checksums, tmp_path / "got") == ""
     assert (tmp_path / "got" / "shard.bin").read_bytes() == b"x" * 1000
     transfer.send_stage(sealed, 19, 1, tmp_path / "sent", checksums)
+    landed(server, "spotpipe/checkpoint/files/19/1/meta")
     server.set("spotpipe/checkpoint/files/19/1/meta", '{"files": [["shard.bin", 100000000]]}')
     problem = transfer.receive_stage(sealed, 19, 1, checksums, tmp_path / "got19")
     assert "spotpipe/checkpoint/files/19/1/meta: no seal" in problem, problem
@@ -172,6 +180,7 @@ def test_a_refused_file_list_leaves_no_piece_of_the_stage_in_the_store(server, t
     transfer.send_stage(sealed, 7, 2, tmp_path / "sent", checksums)
     pieces = [f"spotpipe/checkpoint/files/7/2/{k}" for k in ("0.0", "0.1", "0.2", "1.0")]
     assert sealed.check(pieces)
+    landed(server, "spotpipe/checkpoint/files/7/2/meta")
     server.set("spotpipe/checkpoint/files/7/2/meta", '{"files": []}')
     problem = transfer.receive_stage(sealed, 7, 2, checksums, tmp_path / "got")
     assert "no seal" in problem, problem
@@ -179,6 +188,7 @@ def test_a_refused_file_list_leaves_no_piece_of_the_stage_in_the_store(server, t
     assert not (tmp_path / "got").exists()
     # a list deleted before the committing host read it: the same
     transfer.send_stage(sealed, 8, 2, tmp_path / "sent", checksums)
+    landed(server, "spotpipe/checkpoint/files/8/2/meta")
     server.delete_key("spotpipe/checkpoint/files/8/2/meta")
     problem = transfer.receive_stage(sealed, 8, 2, checksums, tmp_path / "got8")
     assert "never arrived" in problem, problem
