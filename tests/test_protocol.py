@@ -214,6 +214,7 @@ def test_squatted_group_addresses_are_refused_and_the_job_is_undisturbed(tmp_pat
                 for group in ("world", "dp0", "dp1") for r in range(4)]
     for key in squatted:
         store.set(key, forged)
+    assert store.check(squatted)  # landed (a set does not wait for the server)
     _wait_for(lambda: any(e["kind"] == "plan" for e in events(run)), 120, "the failover")
     # the survivors formed generation 1 over the squatted keys: what stands there now is theirs
     _wait_for(lambda: store.check(["spotpipe/gen1/world/0/2"])

@@ -40,6 +40,13 @@ def landed(server, key: str) -> None:
     server.get(key)
 
 
+def forge(server, key: str, value: bytes | str) -> None:
+    """Write `value` over `key` through `server` and wait until the store holds it (a set does
+    not wait for the server: a read through another connection could come first)."""
+    server.set(key, value)
+    assert server.get(key) == (value.encode() if isinstance(value, str) else value)
+
+
 def test_a_value_opens_only_under_its_own_key_and_the_jobs_key():
     blob = seal_value(KEY, "gen1/world/0/1", b"\x00address")
     assert open_value(KEY, "gen1/world/0/1", blob) == b"\x00address"
@@ -62,7 +69,7 @@ def test_records_round_trip_and_an_unsealed_one_is_refused_at_once(server):
     sealed.set("layers/node0/node1", '{"n": 3}')
     assert sealed.get("layers/node0/node1") == b'{"n": 3}'
     assert server.get("layers/node0/node1").startswith(b"spotpipe-seal/1")
-    server.set("layers/node2/node1", '{"n": 300000000}')  # written without the key
+    forge(server, "layers/node2/node1", '{"n": 300000000}')  # written without the key
     with pytest.raises(Refused, match="layers/node2/node1: no seal"):
         sealed.get("layers/node2/node1")
     assert len(refused) == 1
@@ -99,7 +106,7 @@ def test_a_gloo_group_forms_and_reduces_through_the_sealed_store(server):
 def test_an_address_squatted_ahead_of_its_rank_is_refused_and_the_genuine_one_taken(server):
     """Rank 0 comes first and finds a forged address for rank 1 (an attacker who read the
     generation from the store); rank 1 comes once rank 0 has refused it, and overwrites it."""
-    server.set("gen1/world/0/1", b"forged: connect to 10.9.9.9 instead")
+    forge(server, "gen1/world/0/1", b"forged: connect to 10.9.9.9 instead")
     out: dict = {}
     refused: list[Refused] = []
     seen = threading.Event()
@@ -128,7 +135,7 @@ def test_an_address_written_over_the_genuine_one_stops_the_group_naming_the_key(
     server.wait(["gen1/world/0/1"])  # rank 1 has published its address
     genuine = server.get("gen1/world/0/1")
     # the genuine record copied from another key would not verify either
-    server.set("gen1/world/0/1", genuine[:-3] + b"evil")
+    forge(server, "gen1/world/0/1", genuine[:-3] + b"evil")
     _form(server, 0, 2, out, timeout_s=3, wait_genuine_s=0.5)
     second.join(60)
     # neither rank connects to the address it cannot verify (gloo reads every rank's key,
@@ -155,7 +162,7 @@ def test_stage_files_through_the_store_arrive_only_when_sealed(server, tmp_path)
     assert (tmp_path / "got" / "shard.bin").read_bytes() == b"x" * 1000
     transfer.send_stage(sealed, 19, 1, tmp_path / "sent", checksums)
     landed(server, "spotpipe/checkpoint/files/19/1/meta")
-    server.set("spotpipe/checkpoint/files/19/1/meta", '{"files": [["shard.bin", 100000000]]}')
+    forge(server, "spotpipe/checkpoint/files/19/1/meta", '{"files": [["shard.bin", 100000000]]}')
     problem = transfer.receive_stage(sealed, 19, 1, checksums, tmp_path / "got19")
     assert "spotpipe/checkpoint/files/19/1/meta: no seal" in problem, problem
     assert not (tmp_path / "got19").exists()
@@ -181,7 +188,7 @@ def test_a_refused_file_list_leaves_no_piece_of_the_stage_in_the_store(server, t
     pieces = [f"spotpipe/checkpoint/files/7/2/{k}" for k in ("0.0", "0.1", "0.2", "1.0")]
     assert sealed.check(pieces)
     landed(server, "spotpipe/checkpoint/files/7/2/meta")
-    server.set("spotpipe/checkpoint/files/7/2/meta", '{"files": []}')
+    forge(server, "spotpipe/checkpoint/files/7/2/meta", '{"files": []}')
     problem = transfer.receive_stage(sealed, 7, 2, checksums, tmp_path / "got")
     assert "no seal" in problem, problem
     assert [k for k in pieces if sealed.check([k])] == []
@@ -212,14 +219,14 @@ def test_a_standing_squatter_is_read_with_a_growing_interval(server):
     # a squatter that never goes: the reader gives up after wait_genuine_s, having read the
     # store at intervals doubling from 2 ms to 100 ms: 2+4+...+64 ms is 126 ms, then one read
     # per 100 ms, so at most about 11 reads in 0.6 s (300 at a fixed 2 ms)
-    server.set("gen1/world/0/1", b"\x00squatter")
+    forge(server, "gen1/world/0/1", b"\x00squatter")
     counting = _CountingStore(connect(server))
     sealed = SealedStore(counting, KEY, wait_genuine_s=0.6)
     with pytest.raises(Refused, match="no genuine value within 0.6 s"):
         sealed.get("gen1/world/0/1")
     assert counting.reads <= 13, counting.reads
     # and a genuine value that comes at once is still taken at once (the first interval)
-    server.set("gen1/world/0/2", b"\x00squatter")
+    forge(server, "gen1/world/0/2", b"\x00squatter")
     threading.Timer(0.01, lambda: connect(server).set(
         "gen1/world/0/2", seal_value(KEY, "gen1/world/0/2", b"genuine"))).start()
     assert SealedStore(connect(server), KEY, wait_genuine_s=5).get("gen1/world/0/2") == b"genuine"

@@ -410,6 +410,13 @@ class StageProfiler:
         return out
 
 
+def _post(store: Any, key: str, value: str) -> None:
+    """Set `key` and wait for the store to hold it: a TCPStore client's set does not wait for
+    the server, and the parent reads through its own connection once this process exits."""
+    store.set(key, value)
+    store.check([key])
+
+
 def worker_main(measure: Callable[[dict[str, Any], int, int], dict[str, Any]]) -> int:
     """A benchmark worker's process: pin, join the group, run `measure(spec, rank, world)`; the
     last rank posts the result. Nothing is printed on stdout."""
@@ -429,11 +436,11 @@ def worker_main(measure: Callable[[dict[str, Any], int, int], dict[str, Any]]) -
                                 world_size=world, timeout=timedelta(seconds=spec["timeout_s"]))
         result = measure(spec, rank, world)
         if rank == world - 1:  # the last stage holds the losses; times and profile are global
-            store.set("bench/result", json.dumps(result))
+            _post(store, "bench/result", json.dumps(result))
         dist.barrier()
     except Exception as exc:  # noqa: BLE001 - any failure is reported to the parent
         traceback.print_exc()
-        store.set(f"bench/error/{rank}", f"{type(exc).__name__}: {exc}")
+        _post(store, f"bench/error/{rank}", f"{type(exc).__name__}: {exc}")
         return 1
     finally:
         if dist.is_initialized():

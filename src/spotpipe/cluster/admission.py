@@ -46,6 +46,7 @@ class Coordinating:
         self._slots: dict[int, int] = {}  # slot (node rank / nproc) -> agent
         self._events: list[dict[str, Any]] = []
         self._inbox: Any = None
+        self._late: threading.Thread | None = None  # admits agents while the job runs
         self.t0 = time.time()
         self.instance = new_instance_id()  # the job's key is derived from it and the token
         self.code = 1
@@ -129,7 +130,8 @@ class Coordinating:
             pending, self._events = self._events, []
         for record in pending:
             inbox.put(("event", record))
-        threading.Thread(target=self._admit_late, name="admission", daemon=True).start()
+        self._late = threading.Thread(target=self._admit_late, name="admission", daemon=True)
+        self._late.start()
 
     # ------------------------------------------------------------------ admission
 
@@ -311,6 +313,12 @@ class Coordinating:
         close = store.add(ARRIVALS, 1)
         store.set(agent_key(close), plain(vouch(ArrivalsClosed(), self.token,
                                                 self.rdzv_key(agent_key(close)))))
+        # the admission thread answers every arrival before the marker, then stops: only then
+        # are the unanswered ones known (two writers could otherwise both answer one agent,
+        # admitted by one and refused by the other; and its answers go through a connection
+        # of its own, which a check here is not ordered with until it has read the marker)
+        if self._late is not None:
+            self._late.join(self.cfg.cluster.timeout_s)
         for j in range(1, close):  # agents still waiting for an answer get one
             if not store.check([assign_key(j)]):
                 self._answer(store, j, Assignment(refused=f"job {self.opts.rdzv_id} is over"))
