@@ -17,7 +17,8 @@ KEYS = ["ratio_1f1b", "ratio_gpipe", "model_error",
         "predicted_iter_s_1f1b", "measured_iter_s_1f1b",
         "predicted_iter_s_gpipe", "measured_iter_s_gpipe", "rounds",
         "limit_ratio_1f1b", "limit_ratio_gpipe", "bound_iter_s", "bound_ratio_1f1b",
-        "bound_ratio_gpipe"]
+        "bound_ratio_gpipe", "ran_bound_iter_s_1f1b", "ran_bound_ratio_1f1b",
+        "ran_bound_iter_s_gpipe", "ran_bound_ratio_gpipe"]
 
 
 def test_bench_pipeline_quick_json():
@@ -91,3 +92,22 @@ def test_no_schedule_passes_the_bound_worked_by_hand():
         plain = build_schedule(kind, 3, 4)
         assert simulate(plain, costs).iteration_s >= floor
         assert simulate(with_frc(plain, costs), costs).iteration_s >= floor
+
+
+def test_the_bound_at_the_speed_the_stages_ran_worked_by_hand():
+    # the profile says forward (1, 2) s and backward (2, 3) s; in the pipeline, over M = 4
+    # micro-batches, stage 0's forwards took 6 s in all and its backwards 10 s, stage 1's 4 s
+    # and 8 s, the steps 0.5 and 0.25 s. Per micro-batch: forward (1.5, 1), backward (2.5, 2).
+    # Stage 0: 4 x 4 = 16 s; stage 1: its wait for micro-batch 0 (1.5 + 0.5 s), then
+    # 4 x 3 = 12 s: 14 s. The busier, 16 s, plus the reduction (0.25) and the slower step (0.5)
+    from spotpipe.bench.pipeline import as_ran, bound
+
+    profile = {"forward_s": [1.0, 2.0], "backward_s": [2.0, 3.0], "comm_s": 0.5,
+               "reduce_s": [0.25, 0.1], "optimizer_s": [0.125, 0.0]}
+    measured = {"forward": [6.0, 4.0], "backward": [10.0, 8.0], "optimizer_step": [0.5, 0.25],
+                "recv_act": [0.0, 3.0], "iteration": [20.0, 20.0]}
+    ran = as_ran(profile, measured, 4)
+    assert ran["forward_s"] == [1.5, 1.0] and ran["backward_s"] == [2.5, 2.0]
+    assert ran["comm_s"] == 0.5 and ran["reduce_s"] == [0.25, 0.1]  # as profiled
+    assert bound(ran, 4) == 16.75
+    assert profile["forward_s"] == [1.0, 2.0]  # the profile itself is left as it was
