@@ -175,3 +175,61 @@ def test_shadows_write_checkpoints_that_resume_onto_another_depth(tmp_path, corp
     got = load_file(str(resumed / "final" / "model.safetensors"))
     want, _ = reference(tiny_config(corpus, pipelines=1, **{**SAVE, "checkpoint.every": 0}))
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_shadow_between_writers_marks_what_it_applies(tmp_path, corpus, monkeypatch):
+    # Between two writers the shadow's main thread waits for the next link; its applier goes
+    # on stepping the backlog, and a writer's max_lag wait reads the marks it sets. Were the
+    # wait on the applier's connection, those marks would queue behind it until a writer came
+    # (a TCPStore client serves one request at a time).
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from spotpipe import job
+    from spotpipe.checkpoint.shadow import Shadow
+    from spotpipe.protocol.auth import new_instance_id
+    from spotpipe.runtime.shadow_link import applied_key, link_key
+
+    monkeypatch.setenv("SPOTPIPE_JOIN_TOKEN", "t")
+    monkeypatch.setenv("SPOTPIPE_INSTANCE", new_instance_id())
+    cfg = tiny_config(corpus, **{"shadow.enabled": "true"})
+    model = job.build_model(cfg)
+    spec = job.RunSpec(job.compute_partition(cfg, model, job.build_dataset(cfg)), 64)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def connect():
+        return dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                             timeout=timedelta(seconds=30))
+
+    class Waiting:
+        """The link connection, telling when the shadow's main thread waits on it."""
+
+        def __init__(self, inner):
+            self.inner, self.entered = inner, threading.Event()
+
+        def wait(self, keys, timeout):
+            self.entered.set()
+            return self.inner.wait(keys, timeout)
+
+    links = Waiting(connect())
+    shadow = Shadow(cfg, spec, tmp_path, 0, connect(), 0.0, link_store=links)
+    ended: list[BaseException] = []
+
+    def run():
+        try:
+            shadow.run()
+        except BaseException as exc:  # the record below ends it
+            ended.append(exc)
+
+    waiter = threading.Thread(target=run, daemon=True)
+    waiter.start()
+    assert links.entered.wait(timeout=30)  # waiting for its first writer
+    shadow._submit(0, torch.ones(shadow.grad_size), torch.tensor(1.0))
+    # the mark lands while no writer has come
+    server.wait([applied_key("spotpipe", 0, 0)], timedelta(seconds=20))
+    # no writer will come: a sealed record that does not parse ends the shadow
+    shadow.sealed.set(link_key("spotpipe", 0, 1), "not json")
+    waiter.join(timeout=30)
+    assert not waiter.is_alive() and isinstance(ended[0], ValueError)

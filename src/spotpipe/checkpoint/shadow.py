@@ -68,9 +68,15 @@ def _nice() -> int | None:
 
 class Shadow:
     def __init__(self, cfg: Config, spec: job.RunSpec, run_dir: Path, stage: int,
-                 store: dist.Store, t0: float, namespace: str = "spotpipe") -> None:
+                 store: dist.Store, t0: float, namespace: str = "spotpipe",
+                 link_store: dist.Store | None = None) -> None:
         self.cfg, self.run_dir, self.stage = cfg, run_dir, stage
         self.store, self.namespace = store, namespace
+        # The wait for the next writer's link gets a connection of its own: a TCPStore
+        # client serves one request at a time, so on the shared one the applier's marks and
+        # checkpoint events would queue behind that wait until a writer came (measured: a
+        # set behind another thread's wait returns only when the wait does).
+        self.link_store = link_store if link_store is not None else store
         self.name = f"shadow{stage}"
         protocol = channel_from_env(self.name)
         self.channel = Outbox(store, protocol, t0)
@@ -122,7 +128,7 @@ class Shadow:
         while True:
             self.links += 1
             key = link_key(self.namespace, self.stage, self.links)
-            self.store.wait([key], timedelta(days=7))
+            self.link_store.wait([key], timedelta(days=7))
             # (a record squatted ahead of the writer waits for the writer's, as long)
             rendezvous = self.sealed.rendezvous(timedelta(days=7).total_seconds())
             info = json.loads(rendezvous.get(key))
@@ -267,10 +273,12 @@ def main() -> int:
     # so at idle priority on a busy host every writer's commit would wait for a free core.
     torch.set_num_threads(1)
     spec = job.RunSpec.from_json(json.loads((run_dir / "run.json").read_text()))
-    store = StoreAddress.from_env().connect(cfg.cluster.timeout_s)
+    address = StoreAddress.from_env()
+    store = address.connect(cfg.cluster.timeout_s)
     channel = Outbox(store, channel_from_env(f"shadow{stage}"), t0)
     try:
-        Shadow(cfg, spec, run_dir, stage, store, t0).run()
+        Shadow(cfg, spec, run_dir, stage, store, t0,
+               link_store=address.connect(cfg.cluster.timeout_s)).run()
     except Exception as exc:
         traceback.print_exc()
         channel.event("shadow_error", stage=stage, message=f"{type(exc).__name__}: {exc}")
