@@ -93,7 +93,7 @@ def as_ran(profile: dict[str, Any], measured: dict[str, list[float]],
     """`profile` with each stage's forward, backward and step at what they took in spotpipe's
     timed iterations (`measured`: seconds per iteration per op kind, as `TracedStream` gathers
     them). The profile times each stage alone; in the pipeline a stage computes beside its
-    messages and the other engine's state, and the two differ by 10-25 % here, in either
+    messages and the other engine's state, and the two differ by 2-25 % here, in either
     direction. The bound of these costs is what no schedule passes at the speed the stages
     actually computed: the limit of an engine that changes the order of the work, not the
     work."""

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -277,8 +278,13 @@ def main() -> int:
     store = address.connect(cfg.cluster.timeout_s)
     channel = Outbox(store, channel_from_env(f"shadow{stage}"), t0)
     try:
-        Shadow(cfg, spec, run_dir, stage, store, t0,
-               link_store=address.connect(cfg.cluster.timeout_s)).run()
+        with ThreadPoolExecutor(max_workers=1) as opener:
+            # the links' connection opens while the stage is built: a connection can take
+            # seconds where the resolver drops a lookup (README, "Not yet")
+            links = opener.submit(address.connect, cfg.cluster.timeout_s)
+            shadow = Shadow(cfg, spec, run_dir, stage, store, t0)
+            shadow.link_store = links.result()
+        shadow.run()
     except Exception as exc:
         traceback.print_exc()
         channel.event("shadow_error", stage=stage, message=f"{type(exc).__name__}: {exc}")
