@@ -116,6 +116,30 @@ def test_the_pause_past_the_timeout_is_judged_on_its_p99():
     assert out["pause_p99_within_target"] is False
 
 
+def test_the_regroup_is_told_by_the_workers_sharing_the_machine():
+    """Hand-made regroups: medians per worker count (P x D), whatever the fault or mode."""
+    from spotpipe.bench.chaos import regroup_by_workers
+
+    def result(kind, stages, pipelines, mode, *regroups):
+        case = ChaosCase(kind, stages, pipelines, mode, "node1", 3, "forward")
+        return CaseResult(case, True, [], [
+            {"pause_s": 0.1, "pause_iterations": 2.0, "past_timeout_iterations": 2.0,
+             "detection_s": 0.03, "wait_by_design_s": 0.0, "past_detection_iterations": 1.4,
+             "past_detection_s": 0.07, "iterations_lost": 1, "iteration_s": 0.05,
+             "agreement_s": 0.005, "regroup_s": r, "replay_s": 0.03, "slowdown": 1.0}
+            for r in regroups])
+
+    results = [result("crash", 2, 1, "lazy", 0.004), result("notice", 2, 1, "eager", 0.006),
+               result("hang", 4, 2, "lazy", 0.060), result("crash", 4, 2, "shadows", 0.040),
+               result("crash", 8, 1, "lazy", 0.050), result("crash", 2, 2, "lazy", 0.015),
+               result("crash", 3, 1, "lazy")]  # (no pause: counts nowhere)
+    assert regroup_by_workers(results) == {2: 0.005, 4: 0.015, 8: 0.05}
+    out = summarize(results)
+    assert (out["regroup_s_p50_2_workers"], out["regroup_s_p50_4_workers"],
+            out["regroup_s_p50_8_workers"]) == (0.005, 0.015, 0.05)
+    assert "regroup_s_p50_3_workers" not in out
+
+
 def test_a_notice_waits_for_its_boundary_by_design(tmp_path):
     """A notice is acted on at the next iteration boundary: the iteration in flight runs on
     and is kept, so the pause past the fault's wait starts where that iteration completed.

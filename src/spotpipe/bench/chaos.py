@@ -291,10 +291,25 @@ def summarize(results: list[CaseResult]) -> dict[str, Any]:
                                   ("iterations_lost", "iterations_lost", 2)):
             for stat, value in distribution([p[key] for p in mine], digits).items():
                 out[f"{kind}_{name}_{stat}"] = value
+    out.update({f"regroup_s_p50_{workers}_workers": value
+                for workers, value in regroup_by_workers(results).items()})
     out["not_exact"] = [f"{r.case.label()}: {'; '.join(r.problems)}" for r in results
                         if not r.exact]
     out["without_pause"] = [r.case.label() for r in results if r.completed and not r.pauses]
     return out
+
+
+def regroup_by_workers(results: list[CaseResult]) -> dict[int, float]:
+    """The median regroup (Decision to the last node running the new layout), by the job's
+    worker count at launch (P x D), over every fault kind and mode. On one machine the
+    workers share its cores and each runs its part of the regroup in turn, so this is where
+    a local run's regroup differs from a cluster's, where every node has a host of its own."""
+    by: dict[int, list[float]] = {}
+    for r in results:
+        for p in r.pauses:
+            by.setdefault(r.case.stages * r.case.pipelines, []).append(p["regroup_s"])
+    return {workers: round(statistics.median(values), 4)
+            for workers, values in sorted(by.items())}
 
 
 def run_cases(cases: list[ChaosCase], root: Path | None = None,
@@ -307,6 +322,8 @@ def run_cases(cases: list[ChaosCase], root: Path | None = None,
     # (a run that raises keeps the folder: its error names a run in it)
     results = [_run_and_print(chaos, i, case, len(cases)) for i, case in enumerate(cases)]
     out = summarize(results)
+    print(f"{model}: regroup median by workers (P x D): " + ", ".join(
+        f"{w}: {v * 1e3:.0f} ms" for w, v in regroup_by_workers(results).items()), flush=True)
     out["runs_folder"] = str(root) if keep else "(removed; SPOTPIPE_BENCH_KEEP=1 keeps them)"
     if not keep:
         shutil.rmtree(root, ignore_errors=True)
