@@ -184,3 +184,38 @@ def test_books_older_than_the_published_plan_stop_the_job(corpus):
     assert "before it saved its books" in successor.stop_message
     stop = _plan(successor, 1)
     assert stop["action"] == "stop" and stop["message"] == successor.stop_message
+
+
+def test_a_spare_node_lost_leaves_training_untouched(corpus):
+    """A node on standby since before the last plan, or accepted to join and not placed yet,
+    holds no stage: its exit aborts nothing and starts no agreement, and no later plan
+    places it. One that the last plan put on standby may still be sending layers to the
+    others: its exit aborts the generation, as any loss."""
+    import json
+
+    coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
+    _with_standby(coord, ("node2",))
+    coord.joining = ["node3"]
+    g = coord.generation
+    coord.node_exited("node2", -9)
+    coord.node_exited("node3", 0)  # a joiner going before it was placed
+    assert [(e["kind"], e["node"]) for e in emitted] == [("standby_lost", "node2"),
+                                                           ("standby_lost", "node3")]
+    assert coord.collecting is None and coord.generation == g and coord.joining == []
+    assert not coord.store.check([keys.board_slot(keys.abort_board(g), 1)])
+    coord.node_exited("node1", -9)  # then a real loss: node0 takes over, nobody is placed
+    _report(coord, "node0")
+    plan = _plan(coord, g)
+    assert plan["action"] == "failover"
+    assert "node2" not in json.dumps(plan) and "node3" not in json.dumps(plan)
+
+
+def test_a_node_the_last_plan_put_on_standby_is_a_loss_like_any(corpus):
+    coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
+    _with_standby(coord, ("node2",))
+    coord.history = dataclasses.replace(coord.history, before=(
+        Layout.build(2, 1, ["node0", "node2"]), coord.history.partition))
+    g = coord.generation
+    coord.node_exited("node2", -9)
+    assert [e["kind"] for e in emitted] == ["node_lost", "failure_detected"]
+    assert coord.store.check([keys.board_slot(keys.abort_board(g), 1)])

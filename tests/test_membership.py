@@ -170,3 +170,46 @@ def test_trace_additions_join_the_job(tmp_path, tmp_path_factory, corpus):
                                                       **{**FAST, "iterations": 300}))
     got = load_file(str(run / "final" / "model.safetensors"))
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_standby_node_lost_costs_training_nothing(tmp_path, tmp_path_factory, corpus):
+    """A joiner with no place in the layout waits on standby; killed there, it is counted out
+    without a plan: no abort, no agreement, no new generation, and the run ends bit-identical
+    to the failure-free one."""
+    import signal
+
+    from event_tail import when_event
+    from procs import until, workers_of
+
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy",
+                      **{**FAST, "iterations": 40})
+    run = tmp_path / "run"
+    stop, killed = threading.Event(), []
+
+    def kill(_plan: dict) -> None:
+        until(lambda: "node2" in workers_of(run), "node2's process")
+        os.kill(workers_of(run)["node2"], signal.SIGKILL)
+        killed.append(time.time())
+
+    tail = when_event(run, lambda e: e["kind"] == "plan" and "node2" in e.get("standby", []),
+                      kill, stop)
+    try:
+        assert train(cfg, run, progress=False, joins=[5]) == 0
+    finally:
+        stop.set()
+        tail.join(timeout=5)
+    assert killed, "node2 was never put on standby"
+    evs = events(run)
+    lost = [i for i, e in enumerate(evs) if e["kind"] == "standby_lost"]
+    assert [evs[i]["node"] for i in lost] == ["node2"]
+    after = {e["kind"] for e in evs[lost[0]:]}
+    assert not after & {"failure_detected", "agreement", "plan", "node_lost"}, after
+    assert [e["action"] for e in evs if e["kind"] == "plan"] == ["keep"]  # the placement
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [m["iter"] for m in metrics] == list(range(40))
+    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=2, pipelines=1,
+                                                      **{**FAST, "iterations": 40}))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert_samples_exactly_once(run, cfg)
+    assert_nothing_left(run, store_port(run))

@@ -214,7 +214,8 @@ class Coordinator:
     # ------------------------------------------------------------------ inputs
 
     def node_exited(self, node: str, code: int) -> None:
-        if code == 0 and (node in self.left or self.collecting is None):
+        spare = self._spare(node)
+        if code == 0 and (node in self.left or self.collecting is None) and not spare:
             if node in self.layout.active_nodes:
                 self.finished.add(node)
             return
@@ -222,10 +223,26 @@ class Coordinator:
             return
         self.dead.add(node)
         self.liveness.forget(node)
+        if spare and self.collecting is None:
+            # it holds no stage and takes no part in the last plan: training goes on
+            # untouched (no abort, no regroup), and no plan places it (`recover` counts the
+            # dead out of the spares; the joiners here)
+            self.joining = [n for n in self.joining if n != node]
+            self.emit({"time_s": self.now(), "kind": "standby_lost", "node": node,
+                       "returncode": code, "generation": self.generation})
+            return
         self.emit({"time_s": self.now(), "kind": "node_lost", "node": node, "returncode": code,
                    "generation": self.generation})
         self._begin(f"{node} exited with code {code}")
         self._maybe_decide()
+
+    def _spare(self, node: str) -> bool:
+        """Waiting to be placed (on standby, accepted to join, or asking to) since before the
+        last plan, so that plan moves nothing to or from it, and not let go by a plan or at
+        the end. A node the last plan put on standby may still be sending its layers."""
+        before = self.history.before[0].active_nodes if self.history.before else ()
+        return (node not in self.left and node not in self.layout.active_nodes
+                and node not in before)
 
     def report(self, report: Report, writer: str) -> None:
         if writer != report.node:

@@ -29,6 +29,9 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
             lines.append(f"{at}  {node}: refused ({ev['reason']})")
         elif kind == "node_lost":
             lines.append(f"{at}  {node}: lost (exit code {ev['returncode']})")
+        elif kind == "standby_lost":
+            lines.append(f"{at}  {node}: lost while waiting to be placed (exit code "
+                         f"{ev['returncode']}); training goes on as it was")
         elif kind == "node_fenced":
             lines.append(f"{at}  {node}: fenced, {ev['reason']}")
         elif kind == "notice":
