@@ -190,3 +190,24 @@ def test_the_cap_raises_instead_of_cutting_a_sequence_short(monkeypatch):
                   microbatches=2, partition_for=_uniform)
     with pytest.raises(RuntimeError, match="did not settle"):
         settle(History(layout, _uniform(2)), rules, lost={"a"})
+
+
+def test_spares_form_again_the_pipeline_a_drop_took_away():
+    """Two adjacent stages lost drop their pipeline; the nodes waiting on standby then form
+    pipelines at the next boundaries, as many as they make up and the micro-batches split
+    over (worked by hand: 4 spares at P = 2 make two; M = 6 takes D = 3, M = 4 not)."""
+    layout = Layout.build(2, 2, ["n0", "n1", "n2", "n3"]).with_standby(("s0", "s1", "s2", "s3"))
+
+    def after_losing_pipeline_0(microbatches: int) -> tuple[list[str], Layout]:
+        rules = Rules(replicas=True, shadows=False, repartition=True, replay_rest=True,
+                      microbatches=microbatches)
+        out = settle(History(layout, _uniform(2)), rules, lost=["n0", "n1"],
+                     with_transfers=False)
+        return [o.decision.action.value for o in out], out[-1].decision.layout
+
+    actions, after = after_losing_pipeline_0(6)
+    assert actions == ["drop_pipeline", "add_pipeline", "add_pipeline"]
+    assert after.num_pipelines == 3 and not after.standby
+    actions, after = after_losing_pipeline_0(4)
+    assert actions == ["drop_pipeline", "add_pipeline"]
+    assert after.num_pipelines == 2 and len(after.standby) == 2

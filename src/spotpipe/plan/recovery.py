@@ -311,7 +311,11 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
                     lost_before=lost, repartition_refused=state.repartition_refused)
     upcoming, upcoming_refused = _choose(after, frozenset(), [], rules)
     after = replace(after, next_choice=(after.layout, upcoming, upcoming_refused))
-    improve = upcoming.action not in (Action.KEEP, Action.ADD_PIPELINE)
+    # a pipeline the spares can form is an improvement too (after a drop, with nodes waiting),
+    # unless the micro-batches do not split over it: then it is refused above, every time
+    improve = upcoming.action is not Action.KEEP and not (
+        upcoming.action is Action.ADD_PIPELINE
+        and rules.microbatches % upcoming.layout.num_pipelines)
     return Outcome(decision, after, lost, leaving, lacking, rolled_back, refused, improve)
 
 
@@ -432,8 +436,9 @@ def _boundary_report(node: str, committed: int, leaving: bool) -> NodeReport:
 
 
 # Boundary decisions settle by construction (see `plan.policy._grow`: each one strictly lowers
-# the layout's distance from its fixed point), within 4 steps of an event; `settle` raises
-# past this many, which would be a planner bug, rather than cut the sequence short.
+# the layout's distance from its fixed point), within 4 steps of an event and one more per
+# pipeline the spares form; `settle` raises past this many (plus those), which would be a
+# planner bug, rather than cut the sequence short.
 SETTLE_CAP = 8
 
 
@@ -457,11 +462,14 @@ def settle(history: History, rules: Rules, *, lost: Iterable[str] = (),
 
     outcomes = [recover(history, reports(history, leaving), joiners, rules, dead=lost,
                         with_transfers=with_transfers)]
+    # (each pipeline the spares form is one decision more: at most one per P of them)
+    cap = SETTLE_CAP + (len(history.layout.standby) + len(joiners)) // max(
+        1, history.layout.num_stages)
     while outcomes[-1].improve and not outcomes[-1].decision.stopped:
-        if len(outcomes) >= SETTLE_CAP:
+        if len(outcomes) >= cap:
             steps = ", ".join(o.decision.action.value for o in outcomes)
             raise RuntimeError(
-                f"the planner did not settle in {SETTLE_CAP} decisions after one event "
+                f"the planner did not settle in {cap} decisions after one event "
                 f"(lost {sorted(lost)}, leaving {sorted(leaving)}, joiners {list(joiners)}, "
                 f"from {history.layout.to_json()}): {steps}")
         after = outcomes[-1].history
