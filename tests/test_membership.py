@@ -213,3 +213,33 @@ def test_a_standby_node_lost_costs_training_nothing(tmp_path, tmp_path_factory, 
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert_samples_exactly_once(run, cfg)
     assert_nothing_left(run, store_port(run))
+
+
+def test_spares_form_again_the_pipeline_a_drop_took_away(tmp_path, tmp_path_factory, corpus):
+    """Two joiners wait on standby (4 micro-batches do not split over 3 pipelines); when both
+    stages of pipeline 0 are lost, it is dropped, and at the next boundary the two spares
+    form a pipeline again, with no node joining in between."""
+    cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
+                      **{**FAST, **SGD, "iterations": 40})
+    nodes = [f"node{r}" for r in range(4)]
+    faults = [Fault.parse("fail", "node0@12:backward", nodes),
+              Fault.parse("fail", "node1@12:backward", nodes)]
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, faults=faults, joins=[3, 3]) == 0
+    evs = events(run)
+    plans = [e for e in evs if e["kind"] == "plan"]
+    actions = [p["action"] for p in plans]
+    assert "drop_pipeline" in actions, actions
+    drop = actions.index("drop_pipeline")
+    assert actions[drop + 1:] == ["add_pipeline"], actions
+    assert sorted(plans[drop]["standby"]) == ["node4", "node5"]
+    assert not [e for e in evs[evs.index(plans[drop]):] if e["kind"] == "join_accepted"]
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    widths = [m["live_nodes"] for m in metrics]
+    assert widths[0] == 4 and 2 in widths and widths[-1] == 4, widths
+    assert_samples_exactly_once(run, cfg)
+    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=2, pipelines=2,
+                                                      **{**FAST, **SGD, "iterations": 40}))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert_close_where_width_changed(got, want)  # D changed twice: other summation orders
+    assert_nothing_left(run, store_port(run))
