@@ -75,15 +75,23 @@ def test_pipelines_go_two_one_two(tmp_path, tmp_path_factory, corpus):
     check_pipelines_two_one_two(tmp_path, tmp_path_factory, corpus)
 
 
+def _two_by_two(corpus, **store):
+    """P = 2 x D = 2, lazy, SGD, 40 iterations; `store` selects the store."""
+    return tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
+                       **{**FAST, **SGD, "iterations": 40, **store})
+
+
+def _pipeline_0_lost(iteration: int) -> list[Fault]:
+    """Both stages of pipeline 0 (node0, node1) killed in `iteration`'s backward."""
+    nodes = [f"node{r}" for r in range(4)]
+    return [Fault.parse("fail", f"{n}@{iteration}:backward", nodes) for n in nodes[:2]]
+
+
 def check_pipelines_two_one_two(tmp_path, tmp_path_factory, corpus, **store) -> None:
     """The D = 2 -> 1 -> 2 run and its checks; `store` selects the store (test_etcd.py)."""
-    cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
-                      **{**FAST, **SGD, "iterations": 40, **store})
-    nodes = [f"node{r}" for r in range(4)]
-    faults = [Fault.parse("fail", "node0@3:backward", nodes),
-              Fault.parse("fail", "node1@3:backward", nodes)]
+    cfg = _two_by_two(corpus, **store)
     run = tmp_path / "run"
-    assert train(cfg, run, progress=False, faults=faults, joins=[5, 5]) == 0
+    assert train(cfg, run, progress=False, faults=_pipeline_0_lost(3), joins=[5, 5]) == 0
     plans = [e["action"] for e in events(run) if e["kind"] == "plan"]
     assert "drop_pipeline" in plans and plans[-1] == "add_pipeline"
     metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
@@ -219,13 +227,9 @@ def test_spares_form_again_the_pipeline_a_drop_took_away(tmp_path, tmp_path_fact
     """Two joiners wait on standby (4 micro-batches do not split over 3 pipelines); when both
     stages of pipeline 0 are lost, it is dropped, and at the next boundary the two spares
     form a pipeline again, with no node joining in between."""
-    cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
-                      **{**FAST, **SGD, "iterations": 40})
-    nodes = [f"node{r}" for r in range(4)]
-    faults = [Fault.parse("fail", "node0@12:backward", nodes),
-              Fault.parse("fail", "node1@12:backward", nodes)]
+    cfg = _two_by_two(corpus)
     run = tmp_path / "run"
-    assert train(cfg, run, progress=False, faults=faults, joins=[3, 3]) == 0
+    assert train(cfg, run, progress=False, faults=_pipeline_0_lost(12), joins=[3, 3]) == 0
     evs = events(run)
     plans = [e for e in evs if e["kind"] == "plan"]
     actions = [p["action"] for p in plans]

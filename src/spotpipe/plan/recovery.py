@@ -257,10 +257,9 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
         choice, refused = _choose(state, hit, joiners, rules, leaving)
     if refused:
         state = replace(state, repartition_refused=refused)
-    total = rules.microbatches
-    if choice.action == Action.ADD_PIPELINE and total % choice.layout.num_pipelines:
+    if choice.action == Action.ADD_PIPELINE and not _splits(rules, choice.layout):
         choice = Choice(Action.KEEP, layout.with_standby(tuple(layout.standby) + tuple(joiners)),
-                        (), f"{total} micro-batches do not split over "
+                        (), f"{rules.microbatches} micro-batches do not split over "
                         f"{choice.layout.num_pipelines} pipelines; the new nodes wait on standby")
     def named() -> str:
         return _named(layout, hit, lacking)
@@ -314,8 +313,7 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     # a pipeline the spares can form is an improvement too (after a drop, with nodes waiting),
     # unless the micro-batches do not split over it: then it is refused above, every time
     improve = upcoming.action is not Action.KEEP and not (
-        upcoming.action is Action.ADD_PIPELINE
-        and rules.microbatches % upcoming.layout.num_pipelines)
+        upcoming.action is Action.ADD_PIPELINE and not _splits(rules, upcoming.layout))
     return Outcome(decision, after, lost, leaving, lacking, rolled_back, refused, improve)
 
 
@@ -405,7 +403,7 @@ def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[st
     if not rules.replicas and not rules.shadows and hit:
         return (f"lost {named()} {when}; redundancy is off, so no other node holds their stages "
                 "(set redundancy: lazy or eager), and no checkpoint is available")
-    if choice.action == Action.DROP_PIPELINE and rules.microbatches % choice.layout.num_pipelines:
+    if choice.action == Action.DROP_PIPELINE and not _splits(rules, choice.layout):
         return (f"lost {named()} {when}: adjacent stages of one pipeline; dropping that pipeline "
                 f"would leave {choice.layout.num_pipelines} pipelines, over which the "
                 f"{rules.microbatches} micro-batches of an iteration do not split evenly; "
@@ -433,6 +431,12 @@ def _boundary_report(node: str, committed: int, leaving: bool) -> NodeReport:
     simulator's planner makes tens of them per event)."""
     return NodeReport(node, iteration=committed + 1, committed_through=committed,
                       leaving=leaving)
+
+
+def _splits(rules: Rules, layout: Layout) -> bool:
+    """Whether an iteration's micro-batches split evenly over the layout's pipelines (each
+    pipeline takes its share of the same global batch, so they must)."""
+    return rules.microbatches % layout.num_pipelines == 0
 
 
 # Boundary decisions settle by construction (see `plan.policy._grow`: each one strictly lowers
