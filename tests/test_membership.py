@@ -247,3 +247,34 @@ def test_spares_form_again_the_pipeline_a_drop_took_away(tmp_path, tmp_path_fact
     got = load_file(str(run / "final" / "model.safetensors"))
     assert_close_where_width_changed(got, want)  # D changed twice: other summation orders
     assert_nothing_left(run, store_port(run))
+
+
+def test_a_drop_keeps_a_width_the_batch_splits_over_and_spares_form_two_pipelines(
+        tmp_path, tmp_path_factory, corpus):
+    """P = 2 x D = 4 with 8 micro-batches; both stages of pipeline 0 are lost. Three pipelines
+    would not split the batch (this used to stop the job): pipelines 1 and 2 run on, pipeline
+    3's nodes wait on standby. Two nodes join later: with the two waiting they form pipelines
+    2 and 3 in one decision (D = 3 would not split the batch either)."""
+    cfg = tiny_config(corpus, stages=2, pipelines=4, redundancy="lazy", num_microbatches=2,
+                      **{**FAST, **SGD, "iterations": 24})
+    run = tmp_path / "run"
+    nodes = [f"node{r}" for r in range(8)]
+    faults = [Fault.parse("fail", f"{n}@5:backward", nodes) for n in nodes[:2]]
+    assert train(cfg, run, progress=False, faults=faults, joins=[12, 12]) == 0
+    plans = [e for e in events(run) if e["kind"] == "plan"]
+    actions = [p["action"] for p in plans]
+    drop = actions.index("drop_pipeline")
+    assert sorted(plans[drop]["standby"]) == ["node6", "node7"], plans[drop]
+    add = actions.index("add_pipeline")
+    assert add > drop and actions[add + 1:] == [], actions
+    assert sorted(plans[add]["standby"]) == [], plans[add]
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    widths = [m["live_nodes"] for m in metrics]
+    assert widths[0] == 8 and 4 in widths and widths[-1] == 8, widths
+    assert 6 not in widths, widths  # never three pipelines
+    assert_samples_exactly_once(run, cfg)
+    want = failure_free(tmp_path_factory, tiny_config(
+        corpus, stages=2, pipelines=4, num_microbatches=2, **{**FAST, **SGD, "iterations": 24}))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert_close_where_width_changed(got, want)
+    assert_nothing_left(run, store_port(run))

@@ -371,3 +371,62 @@ def test_a_rebalance_relieves_carriers_by_their_first_stage_not_their_names():
     assert d.action == Action.REBALANCE
     assert d.layout.owner(0, 1) == "x"  # pipeline 0's carrier first, though "a" < "p"
     assert d.layout.carriers() == {"a": [(1, 0), (1, 1)]}
+
+
+def test_growth_reaches_the_next_width_the_micro_batches_split_over_at_once():
+    """8 micro-batches split over 1, 2, 4 or 8 pipelines, not 3: at D = 2 with four spares,
+    two pipelines form in one decision; with two spares, nothing (D = 3 would not run)."""
+    lay = Layout.build(2, 2, nodes("n", 4))
+    d = decide(lay, set(), nodes("s", 4), microbatches=8)
+    assert d.action == Action.ADD_PIPELINE
+    assert d.layout.grid == (("n0", "n1"), ("n2", "n3"), ("s0", "s1"), ("s2", "s3"))
+    assert d.layout.standby == ()
+    copies = {(m.pipeline, m.stage, m.src, m.dst) for m in d.moves if m.kind == MoveKind.COPY}
+    assert copies == {(2, 0, "n0", "s0"), (2, 1, "n1", "s1"), (3, 0, "n2", "s2"),
+                      (3, 1, "n3", "s3")}
+    d = decide(lay, set(), nodes("s", 3), microbatches=8)
+    assert d.action == Action.KEEP and d.layout.standby == ("s0", "s1", "s2")
+    # without the batch's constraint: as many as the spares make up
+    assert decide(lay, set(), nodes("s", 3)).layout.num_pipelines == 3
+
+
+def test_spares_form_every_pipeline_they_can_in_one_decision_copied_from_each_pipeline():
+    """D = 2, eight spares at P = 2, 12 micro-batches: D = 6 in one decision (one pause, where
+    it used to take four); the new pipelines copy from pipelines 0 and 1 in turn."""
+    lay = Layout.build(2, 2, nodes("n", 4))
+    d = decide(lay, set(), nodes("s", 8), microbatches=12)
+    assert d.action == Action.ADD_PIPELINE and d.layout.num_pipelines == 6
+    assert d.reason == "standby nodes form pipelines 2-5"
+    copies = sorted((m.pipeline, m.stage, m.src) for m in d.moves if m.kind == MoveKind.COPY)
+    assert copies == [(2, 0, "n0"), (2, 1, "n1"), (3, 0, "n2"), (3, 1, "n3"),
+                      (4, 0, "n0"), (4, 1, "n1"), (5, 0, "n2"), (5, 1, "n3")]
+    # 16 micro-batches split over 4 pipelines, not 5 or 6: two form, four spares wait
+    d = decide(lay, set(), nodes("s", 8), microbatches=16)
+    assert d.layout.num_pipelines == 4 and d.layout.standby == tuple(nodes("s", 8)[4:])
+
+
+def test_a_drop_keeps_the_widest_split_and_puts_a_whole_pipeline_on_standby():
+    """D = 4 with 8 micro-batches; pipeline 0 loses adjacent stages. Three pipelines would not
+    split the batch (this used to stop the job): two are kept, the third goes to standby.
+    Pipeline 2 lost a stage too (a takeover), so it is the one set aside, not pipeline 3."""
+    lay = Layout.build(2, 4, nodes("n", 8))
+    d = decide(lay, {"n0", "n1", "n4"}, [], microbatches=8)
+    assert d.action == Action.DROP_PIPELINE
+    assert d.layout.grid == (("n2", "n3"), ("n6", "n7"))
+    assert set(d.layout.standby) == {"n5"}
+    assert d.lost_pipelines == (0, 2)
+    assert not [m for m in d.moves if m.kind == MoveKind.PROMOTE]
+    assert "micro-batches split over 2 pipelines, not 3" in d.reason
+    # nothing lost elsewhere: the last pipeline is the one set aside
+    d = decide(lay, {"n0", "n1"}, [], microbatches=8)
+    assert d.layout.grid == (("n2", "n3"), ("n4", "n5")) and set(d.layout.standby) == {"n6", "n7"}
+
+
+def test_a_restart_runs_as_many_pipelines_as_the_micro_batches_split_over():
+    """Everything lost but six nodes on standby, P = 2, 8 micro-batches: D = 2 (three
+    pipelines would not split the batch), two nodes wait."""
+    lay = Layout.build(2, 2, nodes("n", 4)).with_standby(tuple(nodes("s", 6)))
+    d = decide(lay, set(nodes("n", 4)), [], shadows=True, microbatches=8)
+    assert d.action == Action.RESTORE_FROM_CHECKPOINT
+    assert d.layout.num_pipelines == 2 and len(d.layout.standby) == 2
+    assert decide(lay, set(nodes("n", 4)), [], shadows=True).layout.num_pipelines == 3

@@ -194,7 +194,7 @@ def test_the_cap_raises_instead_of_cutting_a_sequence_short(monkeypatch):
 
 def test_spares_form_again_the_pipeline_a_drop_took_away():
     """Two adjacent stages lost drop their pipeline; the nodes waiting on standby then form
-    pipelines at the next boundaries, as many as they make up and the micro-batches split
+    pipelines at the next boundary, as many as they make up and the micro-batches split
     over (worked by hand: 4 spares at P = 2 make two; M = 6 takes D = 3, M = 4 not)."""
     layout = Layout.build(2, 2, ["n0", "n1", "n2", "n3"]).with_standby(("s0", "s1", "s2", "s3"))
 
@@ -206,8 +206,21 @@ def test_spares_form_again_the_pipeline_a_drop_took_away():
         return [o.decision.action.value for o in out], out[-1].decision.layout
 
     actions, after = after_losing_pipeline_0(6)
-    assert actions == ["drop_pipeline", "add_pipeline", "add_pipeline"]
+    assert actions == ["drop_pipeline", "add_pipeline"]
     assert after.num_pipelines == 3 and not after.standby
     actions, after = after_losing_pipeline_0(4)
     assert actions == ["drop_pipeline", "add_pipeline"]
     assert after.num_pipelines == 2 and len(after.standby) == 2
+
+
+def test_thirty_spares_grow_a_job_to_the_widest_split_of_its_batch_at_once():
+    """P = 2, D = 1, 64 micro-batches, 30 spares: D = 16 in one decision (before, one pipeline
+    per decision, and the job stopped growing at D = 2, since D = 3 does not split 64)."""
+    layout = Layout.build(2, 1, ["n0", "n1"])
+    rules = Rules(replicas=True, shadows=False, repartition=True, replay_rest=True,
+                  microbatches=64, partition_for=_uniform)
+    out = settle(History(layout, _uniform(2)), rules, joiners=[f"s{i}" for i in range(30)],
+                 with_transfers=False)
+    assert [(o.decision.action, o.decision.layout.num_pipelines) for o in out] == [
+        (Action.ADD_PIPELINE, 16)]
+    assert not out[-1].improve and out[-1].decision.layout.standby == ()

@@ -19,6 +19,7 @@ from spotpipe.sim.synthetic import bamboo_trace
 from spotpipe.sim.traces import find_trace, load_trace, parse_event_csv
 
 SPOT = ["spotpipe", "bamboo", "checkpoint_restart"]
+BATCH = 384  # sequences per iteration of the GPT-2 1.5B preset (96 micro-batches of 4)
 
 
 def gpt_cfg(**kw) -> SimConfig:
@@ -60,7 +61,7 @@ def test_on_demand_equals_closed_form():
     r = run(bamboo_trace(0.5, hours, 16, 0), "on_demand", cfg, duration_s=hours * 3600)
     it = iteration_time(cfg.model, cfg.schedule, 8, 2, ((),), False)
     start = cfg.params.boot_s + cfg.params.rendezvous_s
-    assert r.samples == pytest.approx((hours * 3600 - start) / it * 512)
+    assert r.samples == pytest.approx((hours * 3600 - start) / it * BATCH)
     assert r.dollars == pytest.approx(16 * 3.06 * hours)
     assert r.cost_per_hour == pytest.approx(16 * 3.06)
     assert r.preemptions == 0 and r.fatal_failures == 0
@@ -74,8 +75,8 @@ def test_spot_without_preemptions_runs_at_redundant_speed():
     red = iteration_time(cfg.model, "1f1b", 8, 4, ((),), True)
     plain = iteration_time(cfg.model, "1f1b", 8, 4, ((),), False)
     running = 2 * 3600 - cfg.params.boot_s - cfg.params.rendezvous_s
-    assert results["spotpipe"].samples == pytest.approx(running / red * 512)
-    assert results["checkpoint_restart"].samples == pytest.approx(running / plain * 512)
+    assert results["spotpipe"].samples == pytest.approx(running / red * BATCH)
+    assert results["checkpoint_restart"].samples == pytest.approx(running / plain * BATCH)
     assert results["spotpipe"].breakdown["redundant"] == pytest.approx(running * (1 - plain / red))
     assert red > plain  # FRC does not fit entirely in the bubbles
 
@@ -100,9 +101,9 @@ def test_spotpipe_runs_its_redundancy_bamboo_eager_as_published():
     plain = iteration_time(lazy.model, "1f1b", 8, 4, ((),), False)
     eager = iteration_time(lazy.model, "1f1b", 8, 4, ((),), True)
     running = 2 * 3600 - lazy.params.boot_s - lazy.params.rendezvous_s
-    assert res["spotpipe"].samples == pytest.approx(running / (plain / 0.95) * 512)
+    assert res["spotpipe"].samples == pytest.approx(running / (plain / 0.95) * BATCH)
     assert res["spotpipe"].breakdown["redundant"] == pytest.approx(running * 0.05)
-    assert res["bamboo"].samples == pytest.approx(running / eager * 512)
+    assert res["bamboo"].samples == pytest.approx(running / eager * BATCH)
     # a sweep runs bamboo on its own then, and gets the same as alone
     sweep = run_sweep(SweepSpec(lazy, rates=(0.5,), seeds=3, hours=1, processes=1,
                                 policies=("spotpipe", "bamboo")))
@@ -120,7 +121,7 @@ def test_measured_shape_times_replace_the_timing_model():
                   shape_times=(((4, 2, ((), ())), 2.0),))
     r = run(trace, "spotpipe", cfg)
     running = 3600 - cfg.params.boot_s - cfg.params.rendezvous_s
-    assert r.samples == pytest.approx(running / 2.0 * 512)
+    assert r.samples == pytest.approx(running / 2.0 * BATCH)
     with pytest.raises(ValueError, match="shape_times"):
         gpt_cfg(shape_times=(((8, 4, ((),) * 4), 0.0),))
 
@@ -248,7 +249,7 @@ def cli_run(argv: list[str]) -> int:
 def test_cli_json_last_line_and_plot(tmp_path, capsys):
     out = tmp_path / "plots"
     assert cli_run(["--trace", str(find_trace("bamboo-g4dn.csv")), "--stages", "8",
-                    "--pipelines", "3", "--instance", "g4dn.xlarge", "--json",
+                    "--pipelines", "2", "--instance", "g4dn.xlarge", "--json",
                     "--plot", str(out)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     data = json.loads(last)
@@ -272,6 +273,7 @@ def test_cli_synthetic_and_table(tmp_path, capsys):
 @pytest.mark.parametrize("argv,words", [
     (["--trace", "/nonexistent/trace.csv"], "cannot read"),
     (["--stages", "0"], "--stages"),
+    (["--pipelines", "5"], "96 micro-batches per iteration do not split over 5 pipelines"),
     (["--model", "gpt5"], "unknown model"),
     (["--instance", "z9.huge"], "unknown instance"),
     (["--table", "--rates", "0.1,2"], "--rates"),
@@ -336,7 +338,7 @@ def test_calibrated_shape_times_apply_to_every_policy(tmp_path):
     trace = bamboo_trace(0.0, 1, 16, 0)
     cr = run(trace, "checkpoint_restart", cfg)
     running = 3600 - cfg.params.boot_s - cfg.params.rendezvous_s
-    assert cr.samples == pytest.approx(running / 3.0 * 512)
+    assert cr.samples == pytest.approx(running / 3.0 * BATCH)
     cal.write_text(json.dumps({"shape_times": [[[8, 2], 3.0]]}))
     with pytest.raises(ValueError, match=r"shape_times\[0\]"):
         calibrate_shapes(cal)
@@ -356,7 +358,7 @@ def test_sweep_eager_rows_share_decisions_yet_equal_separate_runs():
 
 
 def test_cli_value_formula_bamboo(capsys):
-    base = ["--trace", "bamboo-g4dn.csv", "--stages", "8", "--pipelines", "3", "--policy",
+    base = ["--trace", "bamboo-g4dn.csv", "--stages", "8", "--pipelines", "2", "--policy",
             "bamboo", "--instance", "g4dn.xlarge", "--json"]
     values = {}
     for formula in ("samples_per_dollar", "bamboo"):

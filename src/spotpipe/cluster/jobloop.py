@@ -239,6 +239,7 @@ class JobLoop:
                      "repartition": (cfg.failover.repartition and not cfg.shadow.enabled
                                      and cfg.checkpoint.scheme != "gemini"),
                      "pipelines": cfg.pipelines, "partition": self.spec.partition,
+                     "microbatches": cfg.num_microbatches * cfg.pipelines,
                      "redundancy": cfg.redundancy, "store": f"{address.host}:{address.port}",
                      "store_kind": address.kind, "instance": self.instance,
                      **({"store_prefix": address.prefix} if address.prefix else {}),

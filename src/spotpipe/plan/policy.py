@@ -27,6 +27,14 @@ Order of preference, and why:
    (ADD_PIPELINE), in that order: redundancy protects the work already running, extra
    pipelines only add throughput. A re-partition keeps D, so the micro-batches of an
    iteration split over the pipelines as before.
+
+Every pipeline takes an equal share of the same global batch, so the number of pipelines D
+must divide the iteration's micro-batches (`microbatches`, when the caller gives it). Growth
+therefore forms, in one decision, as many pipelines as the standby nodes make up and the batch
+splits over (with 8 micro-batches at P = 2 and D = 4: four at once from 8 spares, none from
+4, since 6 pipelines would not split the batch), and a drop or a restart keeps the largest such D the survivors allow, putting
+the nodes of the pipelines left over on standby: D = 1 always divides, so no loss stops a job
+over the batch's split alone.
 """
 
 from __future__ import annotations
@@ -88,7 +96,8 @@ class Decision:
 
 def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str], *,
            min_stages: int = 1, shadows: bool = False, replicas: bool = True,
-           repartition: bool = True, leaving: Iterable[str] = ()) -> Decision:
+           repartition: bool = True, leaving: Iterable[str] = (),
+           microbatches: int | None = None) -> Decision:
     """Decide the next layout given nodes `lost` and nodes `joined` since `layout`.
 
     `min_stages` is the smallest depth at which the model still fits in the nodes' memory;
@@ -96,7 +105,10 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
     `replicas`: nodes hold their successor's replica (redundancy is on). `repartition`: the
     job may shrink its depth when too few nodes remain (else carriers carry on). `leaving`:
     the nodes of `lost` that had a preemption notice and are still there at the boundary.
+    `microbatches`: of one iteration over every pipeline; only a number of pipelines that
+    divides it is planned (None: any).
     """
+    widths = _Widths(microbatches)
     lost = frozenset(lost)
     joined = tuple(joined)
     if not lost and not joined:  # the "anything else to do?" call after each decision
@@ -107,7 +119,7 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
                          and n not in layout.active_nodes)
     hit = lost & layout.active_nodes
     if not hit:
-        return _grow(layout.with_standby(standby), min_stages, repartition)
+        return _grow(layout.with_standby(standby), min_stages, repartition, widths)
     handover = _handover(layout, hit, frozenset(leaving), standby) if replicas else None
     if handover is not None:
         return handover
@@ -117,12 +129,27 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
         return _failover(layout, lost, standby)
     alive_pipes = [d for d in range(layout.num_pipelines) if d not in broken]
     if alive_pipes:
-        return _drop(layout, lost, standby, broken, alive_pipes)
+        return _drop(layout, lost, standby, broken, alive_pipes, widths)
     if shadows and all(set(n for (d_, _), n in layout.mapping.items() if d_ == d) - lost
                        for d in broken):
         return _shadow_repair(layout, lost, standby, replicas)
     survivors = sorted(layout.active_nodes - lost) + list(standby)
-    return restart(layout, survivors, min_stages, broken)
+    return restart(layout, survivors, min_stages, broken, microbatches)
+
+
+@dataclass(frozen=True)
+class _Widths:
+    """Which numbers of pipelines the iteration's micro-batches split over evenly."""
+
+    microbatches: int | None
+
+    def fits(self, width: int) -> bool:
+        return self.microbatches is None or self.microbatches % width == 0
+
+    def at_most(self, width: int) -> int:
+        """The largest fitting width up to `width` (0 for 0; 1 always fits)."""
+        return next((w for w in range(width, 0, -1) if self.fits(w)), 0)
+
 
 
 # -- losses -------------------------------------------------------------------------------
@@ -216,10 +243,16 @@ def _shadow_repair(layout: Layout, lost: frozenset[str], standby: tuple[str, ...
 
 
 def _drop(layout: Layout, lost: frozenset[str], standby: tuple[str, ...], broken: list[int],
-          alive_pipes: list[int]) -> Decision:
+          alive_pipes: list[int], widths: _Widths) -> Decision:
+    """Drop the broken pipelines, and as many whole ones more as the batch's split needs:
+    those with the most lost stages go first (each would need a takeover), then the last."""
+    keep = widths.at_most(len(alive_pipes))
+    hits = {d: sum(1 for d_, _ in _lost_slots(layout, lost) if d_ == d) for d in alive_pipes}
+    kept = sorted(sorted(alive_pipes, key=lambda d: (hits[d], d))[:keep])
+    broken = sorted(set(broken) | (set(alive_pipes) - set(kept)))
     mapping: dict[Slot, str] = {}
     moves: list[Move] = []
-    for new_d, d in enumerate(alive_pipes):
+    for new_d, d in enumerate(kept):
         for s in range(layout.num_stages):
             mapping[(new_d, s)] = layout.owner(d, s)
         moves += _takeovers(layout, d, lost, new_d, mapping)
@@ -227,22 +260,27 @@ def _drop(layout: Layout, lost: frozenset[str], standby: tuple[str, ...], broken
     # can replay for other nodes in the same places, `sim.planmemo`)
     freed = [n for n in dict.fromkeys(layout.owner(d, s) for d in broken
                                       for s in range(layout.num_stages)) if n not in lost]
-    new = _replace(layout, mapping, standby + tuple(freed), len(alive_pipes))
+    new = _replace(layout, mapping, standby + tuple(freed), len(kept))
+    extra = sorted(set(alive_pipes) - set(kept))
+    why = (f"; pipeline(s) {extra} to standby, since the {widths.microbatches} micro-batches "
+           f"split over {keep} pipelines, not {len(alive_pipes)}" if extra else "")
+    lost_adjacent = [d for d in broken if d not in extra]
     return Decision(Action.DROP_PIPELINE, new, tuple(moves),
-                    f"pipeline(s) {broken} lost adjacent stages; dropped, global batch kept",
-                    tuple(broken))
+                    f"pipeline(s) {lost_adjacent} lost adjacent stages; dropped, global batch "
+                    f"kept{why}", tuple(broken))
 
 
 def restart(layout: Layout, nodes: list[str], min_stages: int,
-            broken: list[int]) -> Decision:
+            broken: list[int], microbatches: int | None = None) -> Decision:
     """Every pipeline is broken: rebuild from the shadows (or the newest checkpoint) at the
-    deepest depth that fits on `nodes`."""
+    deepest depth that fits on `nodes`, with as many pipelines as they hold and the
+    `microbatches` split over."""
     depth = min(layout.target_stages, len(nodes))
     if depth < max(1, min_stages):
         empty = _empty(layout, nodes)
         return Decision(Action.STOP, empty, (), f"{len(nodes)} node(s) left, the model needs "
                         f"at least {max(1, min_stages)}", tuple(broken))
-    new = _fresh(layout, depth, nodes)
+    new = _fresh(layout, depth, nodes, _Widths(microbatches))
     moves = tuple(Move(MoveKind.RESTORE, d, s, SHADOW, n) for (d, s), n in sorted(new.owners))
     action = Action.RESTORE_FROM_CHECKPOINT if depth == layout.num_stages else Action.REPARTITION
     return Decision(action, new, moves, f"no pipeline can be repaired from memory; restored "
@@ -251,7 +289,7 @@ def restart(layout: Layout, nodes: list[str], min_stages: int,
 
 # -- growth -------------------------------------------------------------------------------
 
-def _grow(layout: Layout, min_stages: int, repartition: bool = True) -> Decision:
+def _grow(layout: Layout, min_stages: int, repartition: bool, widths: _Widths) -> Decision:
     """The boundary decision: nothing lost, maybe nodes waiting. Called again after each
     change (`plan.recovery.settle`), it reaches KEEP (or ADD_PIPELINE, which ends a settle)
     by construction, in at most three steps: a restart leaves pipelines and no carrier; a
@@ -262,7 +300,7 @@ def _grow(layout: Layout, min_stages: int, repartition: bool = True) -> Decision
     if layout.num_pipelines == 0:
         if not layout.standby:
             return Decision(Action.STOP, layout, (), "no nodes")
-        return restart(layout, list(layout.standby), min_stages, [])
+        return restart(layout, list(layout.standby), min_stages, [], widths.microbatches)
     if layout.has_carriers and layout.standby:
         return _rebalance(layout)
     if layout.has_carriers and repartition:
@@ -277,10 +315,12 @@ def _grow(layout: Layout, min_stages: int, repartition: bool = True) -> Decision
             and total >= layout.target_stages * layout.num_pipelines):
         return _repartition(layout, layout.target_stages, f"back to the configured depth "
                             f"P={layout.target_stages}")
-    cap = layout.max_pipelines
-    if (len(layout.standby) >= layout.num_stages and not layout.has_carriers
-            and (cap is None or layout.num_pipelines < cap)):
-        return _add_pipeline(layout)
+    most = layout.num_pipelines + len(layout.standby) // layout.num_stages
+    if layout.max_pipelines is not None:
+        most = min(most, layout.max_pipelines)
+    width = widths.at_most(most)
+    if width > layout.num_pipelines and not layout.has_carriers:
+        return _add_pipelines(layout, width)
     return Decision(Action.KEEP, layout, (), "nothing to change")
 
 
@@ -353,18 +393,26 @@ def spread(old_stages: list[int], old_depth: int, new_depth: int) -> list[int]:
     return out
 
 
-def _add_pipeline(layout: Layout) -> Decision:
+def _add_pipelines(layout: Layout, width: int) -> Decision:
+    """Standby nodes form pipelines up to `width` in one decision (one pause, not one per
+    pipeline). Every data-parallel owner of a stage holds the same state, so the copies
+    come from the running pipelines in turn, not all from pipeline 0's nodes."""
     mapping = layout.mapping
-    p, d_new = layout.num_stages, layout.num_pipelines
+    p, running = layout.num_stages, layout.num_pipelines
     standby = list(layout.standby)
     moves: list[Move] = []
-    for s in range(p):
-        fresh = standby.pop(0)
-        mapping[(d_new, s)] = fresh
-        moves.append(Move(MoveKind.COPY, d_new, s, layout.owner(0, s), fresh))
-        moves.append(Move(MoveKind.REPLICA, d_new, (s + 1) % p, layout.owner(0, s + 1), fresh))
-    new = _replace(layout, mapping, tuple(standby), d_new + 1)
-    return Decision(Action.ADD_PIPELINE, new, tuple(moves), f"standby nodes form pipeline {d_new}")
+    added = range(running, width)
+    for d_new in added:
+        src = d_new % running
+        for s in range(p):
+            fresh = standby.pop(0)
+            mapping[(d_new, s)] = fresh
+            moves.append(Move(MoveKind.COPY, d_new, s, layout.owner(src, s), fresh))
+            moves.append(Move(MoveKind.REPLICA, d_new, (s + 1) % p, layout.owner(src, s + 1),
+                              fresh))
+    new = _replace(layout, mapping, tuple(standby), width)
+    named = f"pipeline {added[0]}" if len(added) == 1 else f"pipelines {added[0]}-{added[-1]}"
+    return Decision(Action.ADD_PIPELINE, new, tuple(moves), f"standby nodes form {named}")
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -378,10 +426,11 @@ def _replace(layout: Layout, mapping: dict[Slot, str], standby: tuple[str, ...],
                            layout.max_pipelines)
 
 
-def _fresh(layout: Layout, depth: int, nodes: list[str]) -> Layout:
+def _fresh(layout: Layout, depth: int, nodes: list[str], widths: _Widths) -> Layout:
     width = len(nodes) // depth
     if layout.max_pipelines is not None:
         width = min(width, layout.max_pipelines)
+    width = widths.at_most(width)
     return Layout.build(depth, width, nodes, target_stages=layout.target_stages,
                         max_pipelines=layout.max_pipelines)
 

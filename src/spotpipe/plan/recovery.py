@@ -257,10 +257,6 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
         choice, refused = _choose(state, hit, joiners, rules, leaving)
     if refused:
         state = replace(state, repartition_refused=refused)
-    if choice.action == Action.ADD_PIPELINE and not _splits(rules, choice.layout):
-        choice = Choice(Action.KEEP, layout.with_standby(tuple(layout.standby) + tuple(joiners)),
-                        (), f"{rules.microbatches} micro-batches do not split over "
-                        f"{choice.layout.num_pipelines} pipelines; the new nodes wait on standby")
     def named() -> str:
         return _named(layout, hit, lacking)
 
@@ -270,7 +266,7 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
         survivors = sorted(layout.active_nodes - lost) + [n for n in layout.standby
                                                            if n not in lost]
         choice = restart(layout, survivors + [n for n in joiners if n not in survivors],
-                         rules.min_stages, [])
+                         rules.min_stages, [], rules.microbatches)
         message = "" if choice.action != Action.STOP else (
             f"lost {named()} {when}: {choice.reason}")
     base = dict(generation=history.generation + 1, resume=resume, previous_layout=layout,
@@ -310,10 +306,8 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
                     lost_before=lost, repartition_refused=state.repartition_refused)
     upcoming, upcoming_refused = _choose(after, frozenset(), [], rules)
     after = replace(after, next_choice=(after.layout, upcoming, upcoming_refused))
-    # a pipeline the spares can form is an improvement too (after a drop, with nodes waiting),
-    # unless the micro-batches do not split over it: then it is refused above, every time
-    improve = upcoming.action is not Action.KEEP and not (
-        upcoming.action is Action.ADD_PIPELINE and not _splits(rules, upcoming.layout))
+    # (pipelines the spares can form are an improvement too: after a drop, with nodes waiting)
+    improve = upcoming.action is not Action.KEEP
     return Outcome(decision, after, lost, leaving, lacking, rolled_back, refused, improve)
 
 
@@ -340,7 +334,7 @@ def _choose(history: History, hit: frozenset[str], joiners: list[str],
     layout = history.layout
     choice = decide(layout, hit, joiners, shadows=rules.shadows, replicas=rules.replicas,
                     repartition=rules.repartition, min_stages=rules.min_stages,
-                    leaving=leaving)
+                    leaving=leaving, microbatches=rules.microbatches)
     if choice.action != Action.REPARTITION or choice.needs_restore:
         return choice, None
     depth = choice.layout.num_stages
@@ -403,11 +397,6 @@ def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[st
     if not rules.replicas and not rules.shadows and hit:
         return (f"lost {named()} {when}; redundancy is off, so no other node holds their stages "
                 "(set redundancy: lazy or eager), and no checkpoint is available")
-    if choice.action == Action.DROP_PIPELINE and not _splits(rules, choice.layout):
-        return (f"lost {named()} {when}: adjacent stages of one pipeline; dropping that pipeline "
-                f"would leave {choice.layout.num_pipelines} pipelines, over which the "
-                f"{rules.microbatches} micro-batches of an iteration do not split evenly; "
-                "stopping")
     restart = choice.action == Action.RESTORE_FROM_CHECKPOINT or (
         choice.action == Action.REPARTITION and choice.needs_restore)
     if restart and rules.restarts:
@@ -431,12 +420,6 @@ def _boundary_report(node: str, committed: int, leaving: bool) -> NodeReport:
     simulator's planner makes tens of them per event)."""
     return NodeReport(node, iteration=committed + 1, committed_through=committed,
                       leaving=leaving)
-
-
-def _splits(rules: Rules, layout: Layout) -> bool:
-    """Whether an iteration's micro-batches split evenly over the layout's pipelines (each
-    pipeline takes its share of the same global batch, so they must)."""
-    return rules.microbatches % layout.num_pipelines == 0
 
 
 # Boundary decisions settle by construction (see `plan.policy._grow`: each one strictly lowers

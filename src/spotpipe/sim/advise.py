@@ -82,6 +82,8 @@ def candidates(cfg: SimConfig, trace: Trace, depths: Sequence[int] = DEPTHS,
         if p > cfg.model.num_layers or p > peak:
             continue
         for d in range(1, peak // p + 1):
+            if cfg.model.global_microbatches % d:  # the batch does not split over d
+                continue
             out.append(Candidate("on_demand", p, d))
             for red in ("none", "lazy", "eager"):
                 if p == 1 and red != "none":

@@ -7,7 +7,8 @@ Configuration (from the simulator published with Bamboo, uclasystem/bamboo,
 project_pactum/simulation/simulator.py, and the paper's abstract in shared/seeds/):
 - instances: p3.2xlarge (one V100), $3.06/h on-demand, $0.918/h spot; a granted spot
   instance is ready 45 s later (its simulator's creation time);
-- GPT-2 1.5B at P = 8 stages x D <= 3 pipelines (24 instances) under our memory model
+- GPT-2 1.5B (384 sequences per iteration, which split over 3 pipelines) at P = 8 stages x
+  D <= 3 pipelines (24 instances) under our memory model
   (mixed precision, activation checkpointing per layer: `spotpipe.sim.params.DEFAULT_MEMORY`),
   which lets spotpipe re-partition down to P = 4 and no further (a node carrying two stages
   after a takeover must fit a 16 GB V100); Bamboo keeps P = 8 and its replica on the GPU;
@@ -28,7 +29,7 @@ than on-demand): value vs on-demand = (spot price ratio 3.33) x (spot throughput
 throughput) x (on-demand nodes / spot nodes held). Lazy redundancy costs 3 % (measured) and a
 takeover is followed by a re-partition in place, so spotpipe keeps about 3x on-demand's value
 at every rate; with eager FRC our timing model charges FRC its full cost where 1F1B's bubbles
-cannot hold it (M = 43 micro-batches per pipeline at D = 3: bubbles are 14 % of the iteration,
+cannot hold it (M = 32 micro-batches per pipeline at D = 3: bubbles are 18 % of the iteration,
 FRC a third of the compute), and value drops to about 2.4x, the paper's figure.
 Throughput vs checkpoint-restart depends almost entirely on the rate and on the baseline's
 restart (300 s) and checkpoint interval (30 min): about 1.1x at 0.01, 2x at 0.10, 13x at 0.5.

@@ -86,14 +86,16 @@ def transformer(name: str, *, layers: int, hidden: int, seq: int, vocab: int,
 
 
 def gpt2_1_5b() -> ModelCosts:
-    """GPT-2 XL (1.5B): 48 blocks, h=1600, seq 1024, vocab 50257; micro-batch 4, batch 512.
+    """GPT-2 XL (1.5B): 48 blocks, h=1600, seq 1024, vocab 50257; micro-batch 4, batch 384.
 
-    Batch 512 sequences is the order Bamboo trains GPT-2 with; with mixed precision and
-    activation checkpointing per layer (the simulator's default memory rules) the memory
-    model fits it on 16 GB V100s from P = 4 (plain stages) or more with redundancy.
+    Batch 384 sequences is the order Bamboo trains GPT-2 with, and its 96 micro-batches split
+    evenly over 1, 2, 3, 4, 6, 8, 12, ... pipelines, as the runtime requires (512 would not
+    split over 3); with mixed precision and activation checkpointing per layer (the
+    simulator's default memory rules) the memory model fits it on 16 GB V100s from P = 4
+    (plain stages) or more with redundancy.
     """
     return transformer("gpt2-1.5b", layers=48, hidden=1600, seq=1024, vocab=50257,
-                       micro_batch=4, global_batch=512, heads=25)
+                       micro_batch=4, global_batch=384, heads=25)
 
 
 def bert_large() -> ModelCosts:

@@ -185,6 +185,11 @@ class SimConfig:
         if self.num_stages < 1 or self.num_pipelines < 1:
             raise ValueError(f"need at least one stage and one pipeline, got P={self.num_stages}, "
                              f"D={self.num_pipelines}")
+        if self.model.global_microbatches % self.num_pipelines:
+            raise ValueError(f"{self.model.name}'s {self.model.global_microbatches} micro-batches "
+                             f"per iteration do not split over {self.num_pipelines} pipelines "
+                             "(each takes an equal share, as in the runtime); choose a number "
+                             "of pipelines that divides them")
         if self.num_stages > self.model.num_layers:
             raise ValueError(f"{self.model.name} has {self.model.num_layers} layers, cannot run "
                              f"{self.num_stages} stages")

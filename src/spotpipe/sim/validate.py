@@ -155,6 +155,7 @@ def generation_shapes(events: list[dict]) -> dict[int, tuple]:
         raise ValueError("events.jsonl has no launch event")
     p, d = int(launch["stages"]), int(launch["pipelines"])
     repartition = bool(launch.get("repartition", True))
+    microbatches = launch.get("microbatches")  # (absent from runs before it was recorded)
     shapes = {0: Layout.build(p, d, [f"node{i}" for i in range(p * d)]).shape_key()}
     lost_by_gen = {int(e["generation"]): set(e.get("lost", ())) for e in events
                    if e.get("kind") == "agreement"}
@@ -166,7 +167,8 @@ def generation_shapes(events: list[dict]) -> dict[int, tuple]:
         # the agreement of the generation before this plan names who was lost
         lost = frozenset(lost_by_gen.get(gen - 1, ())) & layout.active_nodes
         for _ in range(8):
-            dec = decide(layout, lost, (), repartition=repartition)
+            dec = decide(layout, lost, (), repartition=repartition,
+                         microbatches=None if microbatches is None else int(microbatches))
             layout, lost = dec.layout, frozenset()
             if dec.action in (Action.KEEP, Action.STOP):
                 break
