@@ -30,7 +30,8 @@ throughput) x (on-demand nodes / spot nodes held). Lazy redundancy costs 3 % (me
 takeover is followed by a re-partition in place, so spotpipe keeps about 3x on-demand's value
 at every rate; with eager FRC our timing model charges FRC its full cost where 1F1B's bubbles
 cannot hold it (M = 32 micro-batches per pipeline at D = 3: bubbles are 18 % of the iteration,
-FRC a third of the compute), and value drops to about 2.4x, the paper's figure.
+FRC a third of the compute, which FRC placed by the parameters each layer multiplies by
+partly fits), and value drops to 2.6-2.9x (the paper: 2.4x).
 Throughput vs checkpoint-restart depends almost entirely on the rate and on the baseline's
 restart (300 s) and checkpoint interval (30 min): about 1.1x at 0.01, 2x at 0.10, 13x at 0.5.
 """
