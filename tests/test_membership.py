@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -180,33 +181,37 @@ def test_trace_additions_join_the_job(tmp_path, tmp_path_factory, corpus):
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_a_standby_node_lost_costs_training_nothing(tmp_path, tmp_path_factory, corpus):
-    """A joiner with no place in the layout waits on standby; killed there, it is counted out
-    without a plan: no abort, no agreement, no new generation, and the run ends bit-identical
-    to the failure-free one."""
-    import signal
-
+def _signalled_on_standby(cfg, run, signum: int) -> bool:
+    """Train `cfg` (P = 2 x D = 1) with node2 joining at iteration 5, and send it `signum`
+    once a plan puts it on standby; whether it was sent."""
     from event_tail import when_event
     from procs import until, workers_of
 
-    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy",
-                      **{**FAST, "iterations": 40})
-    run = tmp_path / "run"
-    stop, killed = threading.Event(), []
+    stop, sent = threading.Event(), []
 
-    def kill(_plan: dict) -> None:
+    def send(_plan: dict) -> None:
         until(lambda: "node2" in workers_of(run), "node2's process")
-        os.kill(workers_of(run)["node2"], signal.SIGKILL)
-        killed.append(time.time())
+        os.kill(workers_of(run)["node2"], signum)
+        sent.append(signum)
 
     tail = when_event(run, lambda e: e["kind"] == "plan" and "node2" in e.get("standby", []),
-                      kill, stop)
+                      send, stop)
     try:
         assert train(cfg, run, progress=False, joins=[5]) == 0
     finally:
         stop.set()
         tail.join(timeout=5)
-    assert killed, "node2 was never put on standby"
+    return bool(sent)
+
+
+def test_a_standby_node_lost_costs_training_nothing(tmp_path, tmp_path_factory, corpus):
+    """A joiner with no place in the layout waits on standby; killed there, it is counted out
+    without a plan: no abort, no agreement, no new generation, and the run ends bit-identical
+    to the failure-free one."""
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy",
+                      **{**FAST, "iterations": 40})
+    run = tmp_path / "run"
+    assert _signalled_on_standby(cfg, run, signal.SIGKILL), "node2 was never put on standby"
     evs = events(run)
     lost = [i for i, e in enumerate(evs) if e["kind"] == "standby_lost"]
     assert [evs[i]["node"] for i in lost] == ["node2"]
@@ -277,4 +282,30 @@ def test_a_drop_keeps_a_width_the_batch_splits_over_and_spares_form_two_pipeline
         corpus, stages=2, pipelines=4, num_microbatches=2, **{**FAST, **SGD, "iterations": 24}))
     got = load_file(str(run / "final" / "model.safetensors"))
     assert_close_where_width_changed(got, want)
+    assert_nothing_left(run, store_port(run))
+
+
+def test_a_standby_node_with_a_notice_leaves_at_once(tmp_path, tmp_path_factory, corpus):
+    """A joiner waiting on standby gets SIGTERM (a preemption notice): it leaves while the job
+    trains, so no plan can place a node about to go, and training goes on untouched. Before,
+    the node waited for its answer inside the store's C++ wait, where Python runs no signal
+    handler: the notice was handled only when the job ended and answered "finished"."""
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy",
+                      **{**FAST, "iterations": 100})
+    run = tmp_path / "run"
+    assert _signalled_on_standby(cfg, run, signal.SIGTERM), "node2 was never put on standby"
+    evs = events(run)
+    kinds = [(e["kind"], e.get("node")) for e in evs]
+    assert ("notice", "node2") in kinds and ("leaving_standby", "node2") in kinds, kinds
+    lost = [e for e in evs if e["kind"] == "standby_lost"]
+    assert [(e["node"], e["returncode"]) for e in lost] == [("node2", 0)]
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [m["iter"] for m in metrics] == list(range(100))
+    assert lost[0]["time_s"] < metrics[-1]["time_s"]  # it left while the job trained
+    assert [e["action"] for e in evs if e["kind"] == "plan"] == ["keep"]  # the placement
+    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=2, pipelines=1,
+                                                      **{**FAST, "iterations": 100}))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert_samples_exactly_once(run, cfg)
     assert_nothing_left(run, store_port(run))

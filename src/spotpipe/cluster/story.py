@@ -10,12 +10,13 @@ _START = ("fault_injected", "node_lost", "node_fenced", "notice", "trace_kill", 
 def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]:
     lines = []
     incident: float | None = None
+    started_by = ""  # the node whose event started the incident
     resumed_gens: set[int] = set()
     for ev in events:
         kind, t, node = ev["kind"], ev["time_s"], ev.get("node", "")
         at = f"  {t:8.2f}s"
         if kind in _START and incident is None:
-            incident = t
+            incident, started_by = t, node
         if kind == "fault_injected":
             what = {"fail": "crash (SIGKILL)", "notice": "preemption notice (SIGTERM)",
                     "hang": "hang"}[ev["fault"]]
@@ -36,6 +37,11 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
             lines.append(f"{at}  {node}: fenced, {ev['reason']}")
         elif kind == "notice":
             lines.append(f"{at}  {node}: preemption notice from {ev['source']}")
+        elif kind == "leaving_standby":
+            lines.append(f"{at}  {node}: leaves on its notice while waiting to be placed; "
+                         "training goes on as it was")
+            if started_by == node:  # its notice paused nothing
+                incident = None
         elif kind == "standby":
             lines.append(f"{at}  {node}: waits on standby (no place for it in the layout)")
         elif kind == "rejoining":

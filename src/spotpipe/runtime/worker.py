@@ -50,10 +50,14 @@ from spotpipe.store import board
 from spotpipe.store.address import StoreAddress
 from spotpipe.store.mailbox import Outbox, finite
 from spotpipe.store.sealed import SealedStore
-from spotpipe.store.watchers import (BoardWatcher, Heartbeat, SpareConnections, client,
-                                     watch_abort)
+from spotpipe.store.watchers import (BoardReader, BoardWatcher, Heartbeat, SpareConnections,
+                                     client, watch_abort)
 
 COORDINATOR = "coordinator"  # the writer name of every Decision and join answer
+# how often a node waiting on standby looks at its notices: a SIGTERM's handler only sets a
+# flag (taking a lock there could deadlock against the code it interrupted), so the wait
+# returns now and then to read it; a notice gives a node 30 s (AWS: 2 min) to go
+NOTICE_CHECK_S = 0.25
 
 
 class Leave(Exception):
@@ -132,7 +136,7 @@ class Worker:
         self._watchers: list[BoardWatcher] = []
         # a generation's connections, opened while the job trains (see SpareConnections)
         self.spares = SpareConnections(address, timeout)
-        self._answers = 1  # the next slot of this node's join board to read
+        self._answers: BoardReader | None = None  # this node's join answers, once it waits
         beats = client(address, timeout)
         # the node's own hang watch runs on the heartbeat's thread and posts on its connection
         stalls = Outbox(beats, channel, t0, lambda: self.state.generation)
@@ -327,15 +331,27 @@ class Worker:
                                       self.cfg.model_digest()))
 
     def _await_placement(self) -> int:
-        """Wait on standby until a Decision places this node (-1: the job ended first). Answers
-        are read in order from this node's board, so a node placed, put on standby and placed
-        again waits for its new answer."""
+        """Wait on standby until a Decision places this node (-1: the job ended first, or a
+        preemption notice came while it waited). Answers are read in order from this node's
+        board, so a node placed, put on standby and placed again waits for its new answer."""
         self._recovering = True
-        for index, opened in board.read(
-                self.store, keys.join_board(self.node), self.protocol, start=self._answers,
-                on_refused=self._unreadable_answer, timeout_s=7 * 86400,
-                expect=JoinAnswer, writers={COORDINATOR}):
-            self._answers = index + 1
+        if self._answers is None:  # one reader for the node's life, reading ahead in order
+            self._answers = BoardReader(self.spares.take(), self.protocol,
+                                        keys.join_board(self.node), expect=JoinAnswer,
+                                        writers={COORDINATOR})
+        while True:
+            item = self._answers.next(NOTICE_CHECK_S)
+            if item is None:
+                if self.notices.is_set():
+                    # nothing here to hand over: leave now, so that no plan places a node
+                    # about to go (the coordinator counts a waiting node's exit out
+                    # without a plan)
+                    self.channel.event("leaving_standby", source=self.notices.source)
+                    return -1
+                continue
+            index, opened = item
+            if isinstance(opened, Refused):
+                self._unreadable_answer(opened, index)
             answer = opened.message
             assert isinstance(answer, JoinAnswer)
             if answer.outcome == "refused":
@@ -350,12 +366,10 @@ class Worker:
             except PeerFailure as why:  # a peer lost while this node was being placed
                 self.formed = False
                 return self.recover(why)
-        raise AssertionError("unreachable")
 
     def _unreadable_answer(self, why: Refused, index: int) -> None:
         """An answer on this node's join board that does not open under its key: the job runs
         under another token (a forger could say the same; either way this node cannot join)."""
-        self._answers = index + 1
         self._refused(why)
         said = why.claimed.get("body")
         message = said.get("message") if isinstance(said, dict) else None
@@ -368,6 +382,7 @@ class Worker:
         if joining:
             if self.join() < 0:
                 self.heartbeat.stop()
+                self.notices.acknowledge()  # Azure: a notice's eviction may start now
                 return
         else:
             self._form()

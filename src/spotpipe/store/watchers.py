@@ -7,7 +7,9 @@ Each has its own store connection (a client blocked in `wait` cannot serve other
   (heartbeats stop) from a hung one (heartbeats go on, progress does not, the main thread is
   not waiting on a peer). It survives store errors: it retries, and says so once in an event;
 - a board watcher blocks on a board (a generation's abort, its regroup request) and calls
-  back on the first record that opens under the job's key; a forged record is skipped.
+  back on the first record that opens under the job's key; a forged record is skipped;
+- a board reader reads a board the node's main thread waits on (its join answers) and hands
+  the records over, so that the main thread never blocks in the store's C++ wait.
 
 Watchers end when their generation does: the coordinator closes every board of a generation
 it ends (an abort record, a regroup record), so threads and connections do not pile up over
@@ -16,13 +18,14 @@ hundreds of generations (tests/test_liveness.py counts them).
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
-from spotpipe.protocol import Abort, Channel, Heartbeat as Beat, Message, Refused, keys
+from spotpipe.protocol import Abort, Channel, Heartbeat as Beat, Message, Opened, Refused, keys
 from spotpipe.store import board
 from spotpipe.store.abort import AbortSignal
 from spotpipe.store.address import StoreAddress
@@ -213,3 +216,47 @@ def watch_abort(store: dist.Store, channel: Channel, generation: int, abort: Abo
     return BoardWatcher(store, channel, keys.abort_board(generation), Abort,
                         lambda m: abort.trigger(m.reason),  # type: ignore[attr-defined]
                         on_refused, done)
+
+
+class BoardReader:
+    """`board.read` on a thread and a store connection of its own, record by record.
+
+    For a board the main thread waits on for long (a standby node's join answers, for days):
+    Python runs a signal handler (SIGTERM, a preemption notice) only when the main thread is
+    between bytecodes, never while it is blocked in the store's C++ wait, and a client
+    blocked there serves no one else (the node's events, posted from other threads, would
+    queue behind it). Here the thread blocks, and the main thread takes records with `next`,
+    returning now and then to look at its notices.
+    """
+
+    def __init__(self, store: dist.Store, channel: Channel, board_key: str, *, start: int = 1,
+                 **checks: object) -> None:
+        # (slot, what it held, or None with what ended the reading)
+        self._items: queue.Queue[tuple[int, Opened | Refused | None, Exception | None]] = (
+            queue.Queue())
+
+        def read() -> None:
+            try:
+                for index, opened in board.read(
+                        store, board_key, channel, start=start, timeout_s=7 * 86400,
+                        on_refused=lambda why, index: self._items.put((index, why, None)),
+                        **checks):
+                    self._items.put((index, opened, None))
+            except Exception as exc:  # the store gone (the job is over) or the wait timed out
+                self._items.put((-1, None, exc))
+
+        self._store = store  # (kept referenced as long as the thread may use it)
+        threading.Thread(target=read, name=f"read-{board_key}", daemon=True).start()
+
+    def next(self, timeout_s: float) -> tuple[int, Opened | Refused] | None:
+        """The next slot and what it held (a record, or why it did not open), or None if
+        nothing came within `timeout_s`. Raises what ended the reading."""
+        try:
+            index, item, ended = self._items.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+        if item is None:
+            self._items.put((index, item, ended))  # every later call says the same
+            assert ended is not None
+            raise ended
+        return index, item
