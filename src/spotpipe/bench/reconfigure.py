@@ -6,6 +6,10 @@ Real local clusters (`spotpipe train` subprocesses), changes driven through the 
   back (stage and replicas move peer to peer);
 - drop_pipeline: P=2, D=2; both nodes of pipeline 0 crash, the job goes on with one pipeline;
 - add_pipeline: then two nodes join and form a second pipeline again;
+- drop_to_split and add_pipelines: P=2, D=4 (16 micro-batches); both nodes of pipeline 0
+  crash, and since 16 do not split over 3 pipelines, pipeline 3 goes to standby with them
+  (D=2); then two nodes join and, with pipeline 3's two, form two pipelines in one change
+  (D=4 again). Reported beside the others, not in the median the restart ratios divide;
 - repartition: P=4, D=1; two non-adjacent nodes crash, their predecessors carry two stages
   each, and the job re-partitions onto the two nodes left (P=2, layers and optimizer state
   move peer to peer); then two nodes join and it re-partitions back to P=4. Both changes are
@@ -65,6 +69,11 @@ def run(quick: bool = False) -> dict[str, Any]:
            "--set", "redundancy=lazy", "--set", "optimizer.name=sgd",
            "--fail", "node0@10:backward", "--fail", "node1@10:backward",
            "--join", "20", "--join", "20")
+    wide = tmp / "wide"
+    _train(wide, "--stages", "2", "--pipelines", "4", "--set", f"iterations={iters}",
+           "--set", "redundancy=lazy", "--set", "optimizer.name=sgd",
+           "--fail", "node0@10:backward", "--fail", "node1@10:backward",
+           "--join", "20", "--join", "20")
     depth = tmp / "depth"
     _train(depth, "--stages", "4", "--set", f"iterations={iters}", "--set", "redundancy=lazy",
            "--fail", "node1@10:backward", "--fail", "node3@10:backward",
@@ -83,19 +92,22 @@ def run(quick: bool = False) -> dict[str, Any]:
     figures: dict[str, Any] = {}
     pauses: list[float] = []
 
-    def against_restarts(name: str, pause_s: float) -> None:
-        pauses.append(pause_s)
+    def against_restarts(name: str, pause_s: float, counted: bool = True) -> None:
+        if counted:
+            pauses.append(pause_s)
         for key, baseline in (("restart", restart), ("torchrun_restart", torchrun)):
             figures[f"{name}_{key}_ratio"] = round(baseline / max(pause_s, 1e-3), 1)
 
     for name, run_dir, action in (("rebalance", rebalance, "rebalance"),
                                   ("drop_pipeline", widths, "drop_pipeline"),
-                                  ("add_pipeline", widths, "add_pipeline")):
+                                  ("add_pipeline", widths, "add_pipeline"),
+                                  ("drop_to_split", wide, "drop_pipeline"),
+                                  ("add_pipelines", wide, "add_pipeline")):
         s = _stall(run_dir, action)
         figures[f"{name}_pause_s"] = round(s["pause_s"], 4)
         figures[f"{name}_pause_iterations"] = round(s["pause_s"] / s["iteration_s"], 2)
         figures[f"{name}_bytes_moved"] = s["bytes"]
-        against_restarts(name, s["pause_s"])
+        against_restarts(name, s["pause_s"], counted=run_dir is not wide)
     down, up = _stall(depth, "repartition", 0), _stall(depth, "repartition", 1)
     for name, s in (("repartition_down", down), ("repartition_up", up),
                     ("repartition", max(down, up, key=lambda x: x["pause_s"]))):
@@ -113,7 +125,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         "torchrun_restart_over_failover_ratio": round(ratio_of_medians(
             [torchrun], [max(p, 1e-3) for p in changes]), 1),
         "config": "GPT n_layer=4 n_embd=64 (examples/gpt_tiny.yaml), micro-batch 4 x M=4, "
-                  f"{iters} iterations; repartition P=4 -> 2 -> 4 at D=1; restart baseline "
+                  f"{iters} iterations; drop_to_split and add_pipelines P=2 x D=4 -> 2 -> 4; "
+                  "repartition P=4 -> 2 -> 4 at D=1; restart baseline "
                   "P=2 x D=2 with a DCP checkpoint every 10 iterations",
         "wall_s": round(time.time() - started, 1),
     })
