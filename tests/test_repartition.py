@@ -152,3 +152,29 @@ def test_a_parameter_of_another_shape_is_refused():
     want = migrate.state_index([(module, torch.optim.SGD(module.parameters(), lr=0.1))])
     with pytest.raises(RuntimeError, match="0.weight"):
         migrate.install("0.weight", torch.zeros(3, 2), {}, want)
+
+
+def test_the_partitions_profiled_ahead_are_done_before_the_launcher_returns(
+        tmp_path, corpus, monkeypatch):
+    """The launcher profiles the other depths' partitions on a thread while the job trains.
+    A job that ended first used to return with that thread still inside torch (profiling a
+    real model takes seconds), and the interpreter's exit then aborted the process (exit code
+    134 after `spotpipe train examples/gpt2_small.yaml --set iterations=1`, `partition:
+    time`). Here the profiling outlasts the job (a slow stand-in: 4 s per depth, the job about
+    1 s): the launcher returns only once the thread is gone."""
+    import threading
+    import time
+
+    from spotpipe import job
+
+    real = job.partition_at_depth
+
+    def slow(*args, **kwargs):
+        time.sleep(4.0)  # a real model's profiling, not a synchronisation
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(job, "partition_at_depth", slow)
+    cfg = tiny_config(corpus, stages=3, pipelines=1, redundancy="lazy",
+                      **{**FAST, "iterations": 3})
+    assert train(cfg, tmp_path / "run", progress=False) == 0
+    assert not [t for t in threading.enumerate() if t.name == "partitions"]

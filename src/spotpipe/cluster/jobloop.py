@@ -130,6 +130,7 @@ class JobLoop:
         self.t0 = time.time() if t0 is None else t0
         self._partitions: dict[int, Any] = {}  # depth -> layer ranges, or why it failed
         self._partition_lock = threading.Lock()
+        self._partitions_stop = threading.Event()
         self._train_start = self.t0
         self.resume = resume
         self.restart = restart  # 0, or which restart of the job this round is
@@ -332,6 +333,7 @@ class JobLoop:
             message, deposed = str(exc), True
         finally:
             self._stop_workers()
+            self._end_precompute()
             if self._shadows is not None:
                 self._shadows.stop_all()
             if not deposed:  # (a successor reads this mailbox on: no closing record in it)
@@ -483,6 +485,8 @@ class JobLoop:
 
         def run() -> None:
             for depth in range(self.cfg.stages - 1, 1, -1):
+                if self._partitions_stop.is_set():
+                    break
                 try:
                     self._partition_for(depth)
                 except Exception:  # memoised: the decision that needs it gives the reason
@@ -490,9 +494,21 @@ class JobLoop:
             with self._partition_lock:
                 self._partition_inputs = None
 
-        threading.Thread(target=run, name="partitions", daemon=True).start()
+        self._partitions_thread = threading.Thread(target=run, name="partitions", daemon=True)
+        self._partitions_thread.start()
+
+    def _end_precompute(self) -> None:
+        """The job is over: let the partitions' thread finish the depth it profiles and go.
+        Left running, it would be inside torch when the interpreter exits, and a real model
+        takes seconds per depth: torch then aborts the process (std::terminate, exit code
+        134) after a job that succeeded (GPT-2 small, P = 4, `partition: time`, one
+        iteration)."""
+        self._partitions_stop.set()
+        if self._partitions_thread is not None:
+            self._partitions_thread.join()
 
     _partition_inputs: tuple[Any, Any] | None = None
+    _partitions_thread: threading.Thread | None = None
 
     def _stage_count(self) -> int:
         """Stages of the job as it ended (a re-partition changes the depth)."""
