@@ -7,6 +7,7 @@ state agrees on its layout: parameters first, then the optimizer's tensors in th
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -119,12 +120,29 @@ class NodeState:
     def build_stage(self, stage: int, device: torch.device | None = None) -> tuple[
             nn.Module, torch.optim.Optimizer]:
         """A fresh copy of stage `stage` of the current partition: stages share no Parameter
-        with the node's model or with each other."""
+        with the node's model or with each other. Layers the model no longer holds values
+        for (`release_unheld`) come as NaN: every caller loads the stage's state next (from
+        a peer, a shadow or a checkpoint), and one that did not would fail loudly."""
         import copy
 
         start, end = self.partition[stage]
-        module = copy.deepcopy(build_stage(self.model, start, end)).to(device or self.device)
+        module = copy.deepcopy(build_stage(self.model, start, end))
+        target = device or self.device
+        _swap_parameters([module], lambda p: p.is_meta, lambda p: torch.full(
+            p.shape, float("nan"), dtype=p.dtype, device=target) if p.is_floating_point()
+            else torch.zeros(p.shape, dtype=p.dtype, device=target))
+        module = module.to(target)
         return module, build_optimizer(module.parameters(), self.cfg)
+
+    def release_unheld(self) -> None:
+        """Let go of the values of every layer this node does not own: the node's model is
+        only the template that later stages are built from (shapes, buffers, names), and
+        those get their state from elsewhere, so a worker's memory after start is its
+        stages, its replica and the model's buffers, not the whole model. (The owned stages
+        share their layers with the model, so those stay.)"""
+        owned = {id(p) for x in self.stages.values() for p in x.module.parameters()}
+        _swap_parameters(self.model.layers, lambda p: id(p) not in owned and not p.is_meta,
+                         lambda p: torch.empty_like(p, device="meta"))
 
     def own(self, stage: int, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.stages[stage] = stage_state_from(self.model, self.partition, stage, module,
@@ -149,3 +167,19 @@ class NodeState:
         """Standby: the plan that places the node again sends it whatever it will run."""
         self.drop_replica()
         self.stages = {}
+
+
+def _swap_parameters(modules: Iterable[nn.Module], which: Callable[[nn.Parameter], bool],
+                     make: Callable[[nn.Parameter], torch.Tensor]) -> None:
+    """Replace each parameter of `modules` that `which(p)` selects by a new one holding
+    `make(p)`, the same new one wherever the old was shared, across all of them (tied weights
+    stay tied, also between layers)."""
+    # (old, new) by the old one's id; holding the old one keeps its id from being reused
+    swapped: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+    for sub in (m for module in modules for m in module.modules()):
+        for name, p in list(sub._parameters.items()):
+            if p is None or not (id(p) in swapped or which(p)):
+                continue
+            if id(p) not in swapped:
+                swapped[id(p)] = (p, nn.Parameter(make(p), requires_grad=p.requires_grad))
+            sub._parameters[name] = swapped[id(p)][1]

@@ -105,7 +105,8 @@ class Worker:
         for s in nodelib.owned_stages(layout, node):
             st.stages[s] = build_stage_state(self.model, st.partition, s, cfg, self.device)
         self._build_holding()
-        self.rss_built_mib = _rss_mib()  # model, stages and replica built, nothing run yet
+        st.release_unheld()
+        self.rss_built_mib = _rss_mib()  # stages and replica built, nothing run yet
         self.failures = 0  # failures and notices this node has recovered from
         self.checkpoints: BoundaryHook = checkpoints or NoHook()
         resume = os.environ.get("SPOTPIPE_RESUME")
