@@ -32,9 +32,9 @@ Every pipeline takes an equal share of the same global batch, so the number of p
 must divide the iteration's micro-batches (`microbatches`, when the caller gives it). Growth
 therefore forms, in one decision, as many pipelines as the standby nodes make up and the batch
 splits over (with 8 micro-batches at P = 2 and D = 4: four at once from 8 spares, none from
-4, since 6 pipelines would not split the batch), and a drop or a restart keeps the largest such D the survivors allow, putting
-the nodes of the pipelines left over on standby: D = 1 always divides, so no loss stops a job
-over the batch's split alone.
+4, since 6 pipelines would not split the batch), and a drop or a restart keeps the largest
+such D the survivors allow, putting the nodes of the pipelines left over on standby: D = 1
+always divides, so no loss stops a job over the batch's split alone.
 """
 
 from __future__ import annotations
@@ -149,7 +149,6 @@ class _Widths:
     def at_most(self, width: int) -> int:
         """The largest fitting width up to `width` (0 for 0; 1 always fits)."""
         return next((w for w in range(width, 0, -1) if self.fits(w)), 0)
-
 
 
 # -- losses -------------------------------------------------------------------------------

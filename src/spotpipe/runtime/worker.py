@@ -19,7 +19,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import torch
 import torch.distributed as dist
@@ -368,7 +368,7 @@ class Worker:
                 self.formed = False
                 return self.recover(why)
 
-    def _unreadable_answer(self, why: Refused, index: int) -> None:
+    def _unreadable_answer(self, why: Refused, index: int) -> NoReturn:
         """An answer on this node's join board that does not open under its key: the job runs
         under another token (a forger could say the same; either way this node cannot join)."""
         self._refused(why)
