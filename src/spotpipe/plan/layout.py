@@ -220,6 +220,13 @@ class Layout:
         return key
 
 
+def splits_evenly(microbatches: int, pipelines: int) -> bool:
+    """Whether an iteration's micro-batches split evenly over `pipelines`: each pipeline takes
+    an equal share of the same global batch, so the runtime runs no other number of them, and
+    the planner and the simulator plan none."""
+    return microbatches % pipelines == 0
+
+
 def uniform_partition(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     """Split layers 0..L-1 into P contiguous [start, end) ranges, sizes differing by <= 1."""
     if num_stages < 1 or num_layers < num_stages:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterable
 
-from spotpipe.plan.layout import Layout, Slot
+from spotpipe.plan.layout import Layout, Slot, splits_evenly
 
 
 class Action(str, Enum):
@@ -144,7 +144,7 @@ class _Widths:
     microbatches: int | None
 
     def fits(self, width: int) -> bool:
-        return self.microbatches is None or self.microbatches % width == 0
+        return self.microbatches is None or splits_evenly(self.microbatches, width)
 
     def at_most(self, width: int) -> int:
         """The largest fitting width up to `width` (0 for 0; 1 always fits)."""
@@ -290,12 +290,13 @@ def restart(layout: Layout, nodes: list[str], min_stages: int,
 
 def _grow(layout: Layout, min_stages: int, repartition: bool, widths: _Widths) -> Decision:
     """The boundary decision: nothing lost, maybe nodes waiting. Called again after each
-    change (`plan.recovery.settle`), it reaches KEEP (or ADD_PIPELINE, which ends a settle)
-    by construction, in at most three steps: a restart leaves pipelines and no carrier; a
-    REBALANCE gives every carrier's stages but one to standby nodes while they last, so it
-    leaves either no carrier or no standby node, and is never followed by another; a
-    REPARTITION leaves no carrier, so neither a rebalance nor a re-partition down can
-    follow it, and one up needs more nodes than the one down left (depth x D > nodes)."""
+    change (`plan.recovery.settle`), it reaches KEEP by construction, in at most four steps:
+    a restart leaves pipelines and no carrier; a REBALANCE gives every carrier's stages but
+    one to standby nodes while they last, so it leaves either no carrier or no standby node,
+    and is never followed by another; a REPARTITION leaves no carrier, so neither a
+    rebalance nor a re-partition down can follow it, and one up needs more nodes than the one
+    down left (depth x D > nodes); an ADD_PIPELINE forms every pipeline the spares and the
+    batch allow, so none follows it."""
     if layout.num_pipelines == 0:
         if not layout.standby:
             return Decision(Action.STOP, layout, (), "no nodes")

@@ -423,9 +423,9 @@ def _boundary_report(node: str, committed: int, leaving: bool) -> NodeReport:
 
 
 # Boundary decisions settle by construction (see `plan.policy._grow`: each one strictly lowers
-# the layout's distance from its fixed point), within 4 steps of an event and one more per
-# pipeline the spares form; `settle` raises past this many (plus those), which would be a
-# planner bug, rather than cut the sequence short.
+# the layout's distance from its fixed point), within 4 steps of an event (the spares form
+# every pipeline they can in one); `settle` raises past this many, which would be a planner
+# bug, rather than cut the sequence short.
 SETTLE_CAP = 8
 
 
@@ -449,14 +449,11 @@ def settle(history: History, rules: Rules, *, lost: Iterable[str] = (),
 
     outcomes = [recover(history, reports(history, leaving), joiners, rules, dead=lost,
                         with_transfers=with_transfers)]
-    # (each pipeline the spares form is one decision more: at most one per P of them)
-    cap = SETTLE_CAP + (len(history.layout.standby) + len(joiners)) // max(
-        1, history.layout.num_stages)
     while outcomes[-1].improve and not outcomes[-1].decision.stopped:
-        if len(outcomes) >= cap:
+        if len(outcomes) >= SETTLE_CAP:
             steps = ", ".join(o.decision.action.value for o in outcomes)
             raise RuntimeError(
-                f"the planner did not settle in {cap} decisions after one event "
+                f"the planner did not settle in {SETTLE_CAP} decisions after one event "
                 f"(lost {sorted(lost)}, leaving {sorted(leaving)}, joiners {list(joiners)}, "
                 f"from {history.layout.to_json()}): {steps}")
         after = outcomes[-1].history

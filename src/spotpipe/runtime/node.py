@@ -13,7 +13,7 @@ import torch
 from spotpipe.config import Config
 from spotpipe.model import LayeredModel, build_stage, compute_weights
 from spotpipe.model.ties import cross_stage_tied, norm_param_names
-from spotpipe.plan import Layout
+from spotpipe.plan import Layout, splits_evenly
 from spotpipe.plan import held_replica as plan_held_replica
 from spotpipe.runtime.executor import Wiring
 from spotpipe.runtime.state import build_stage_state, stage_state_from  # noqa: F401
@@ -25,7 +25,7 @@ def microbatches(cfg: Config, layout: Layout) -> int:
     """Micro-batches per pipeline in `layout`: the global batch stays the configured one when
     pipelines are dropped, so each remaining pipeline accumulates over more micro-batches."""
     total = cfg.num_microbatches * cfg.pipelines
-    if total % layout.num_pipelines:
+    if not splits_evenly(total, layout.num_pipelines):
         raise ValueError(f"{total} micro-batches per iteration do not split over "
                          f"{layout.num_pipelines} pipelines")
     return total // layout.num_pipelines

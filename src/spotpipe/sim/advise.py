@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from spotpipe.plan import splits_evenly
 from spotpipe.sim import fit
 from spotpipe.sim.params import SimConfig
 from spotpipe.sim.simulator import Result, run
@@ -82,7 +83,7 @@ def candidates(cfg: SimConfig, trace: Trace, depths: Sequence[int] = DEPTHS,
         if p > cfg.model.num_layers or p > peak:
             continue
         for d in range(1, peak // p + 1):
-            if cfg.model.global_microbatches % d:  # the batch does not split over d
+            if not splits_evenly(cfg.model.global_microbatches, d):
                 continue
             out.append(Candidate("on_demand", p, d))
             for red in ("none", "lazy", "eager"):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from spotpipe.plan.layout import splits_evenly
 from spotpipe.plan.memory import GIB, MemoryRules
 
 if TYPE_CHECKING:
@@ -185,7 +186,7 @@ class SimConfig:
         if self.num_stages < 1 or self.num_pipelines < 1:
             raise ValueError(f"need at least one stage and one pipeline, got P={self.num_stages}, "
                              f"D={self.num_pipelines}")
-        if self.model.global_microbatches % self.num_pipelines:
+        if not splits_evenly(self.model.global_microbatches, self.num_pipelines):
             raise ValueError(f"{self.model.name}'s {self.model.global_microbatches} micro-batches "
                              f"per iteration do not split over {self.num_pipelines} pipelines "
                              "(each takes an equal share, as in the runtime); choose a number "
