@@ -67,7 +67,7 @@ def test_estimates_are_printed_and_a_stage_that_cannot_fit_is_refused(corpus, ca
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("memory")]
     assert [line.split()[2] for line in lines] == ["0", "1"]
     assert all(" of " in line and "host RAM / 2 workers" in line for line in lines)
-    layers = job.layer_memory(cfg, job.build_model(cfg), job.build_dataset(cfg))
+    layers = job.profile_model(cfg, job.build_model(cfg), job.build_dataset(cfg)).memory
     need = [e.device_bytes + e.host_bytes
             for e in job.memory_estimates(cfg, layers, prepared.spec.partition)]
     tight = tiny_config(corpus, stages=2, **{"cluster.device_memory_gb": need[0] * 0.9 / 2**30})
@@ -101,7 +101,7 @@ def test_balanced_partition_keeps_every_stage_under_the_bound(corpus):
     # stage 0; the bound is the smallest largest-stage need of any partition (brute force)
     cfg = tiny_config(corpus, stages=3, **{"model.gpt.n_layer": 6})
     model, data = job.build_model(cfg), job.build_dataset(cfg)
-    layers = job.layer_memory(cfg, model, data)
+    layers = job.profile_model(cfg, model, data).memory
 
     def worst(ranges):
         return max(e.device_bytes + e.host_bytes
@@ -109,9 +109,9 @@ def test_balanced_partition_keeps_every_stage_under_the_bound(corpus):
     n = len(layers)
     bound = min(worst(list(zip((0,) + c, c + (n,))))
                 for c in itertools.combinations(range(1, n), 2))
-    assert worst(job.compute_partition(cfg, model, data)) > bound  # uniform does not fit
+    assert worst(job.compute_partition(cfg, job.profile_model(cfg, model, data))) > bound  # uniform does not fit
     tight = tiny_config(corpus, stages=3, **{"model.gpt.n_layer": 6,
                                              "model.partition": "balanced",
                                              "cluster.device_memory_gb": bound * 1.000001 / 2**30})
-    got = job.compute_partition(tight, model, data)
+    got = job.compute_partition(tight, job.profile_model(tight, model, data))
     assert worst(got) <= bound * 1.000001, got

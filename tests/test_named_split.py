@@ -47,7 +47,8 @@ def test_units_are_the_models_own_modules_and_run_as_its_forward():
 def test_split_points_train_exactly_like_the_unsplit_model(tmp_path):
     cfg = load_config(REPO / "examples" / "titan_llama.yaml", SMALL)
     model = job.build_model(cfg)
-    assert job.compute_partition(cfg, model, job.build_dataset(cfg)) == [(0, 3), (3, 6)]
+    profile = job.profile_model(cfg, model, job.build_dataset(cfg))
+    assert job.compute_partition(cfg, profile) == [(0, 3), (3, 6)]
     run = tmp_path / "run"
     assert train(cfg, run, progress=False) == 0
     got = load_file(str(run / "final" / "model.safetensors"))
@@ -77,7 +78,7 @@ def test_bad_split_points_are_refused_by_name():
     cfg = load_config(REPO / "examples" / "titan_llama.yaml", SMALL + ["model.split_points=[layers.9]"])
     model, data = job.build_model(cfg), job.build_dataset(cfg)
     with pytest.raises(PartitionError, match=r"'layers.9' is not a layer.*layers.0"):
-        job.compute_partition(cfg, model, data)
+        job.compute_partition(cfg, job.profile_model(cfg, model, data))
     cfg = load_config(REPO / "examples" / "titan_llama.yaml", SMALL + ["stages=3"])
     with pytest.raises(PartitionError, match="make 2 stages, the job has 3"):
-        job.compute_partition(cfg, model, data)
+        job.compute_partition(cfg, job.profile_model(cfg, model, data))

@@ -154,27 +154,32 @@ def test_a_parameter_of_another_shape_is_refused():
         migrate.install("0.weight", torch.zeros(3, 2), {}, want)
 
 
-def test_the_partitions_profiled_ahead_are_done_before_the_launcher_returns(
-        tmp_path, corpus, monkeypatch):
-    """The launcher profiles the other depths' partitions on a thread while the job trains.
-    A job that ended first used to return with that thread still inside torch (profiling a
-    real model takes seconds), and the interpreter's exit then aborted the process (exit code
-    134 after `spotpipe train examples/gpt2_small.yaml --set iterations=1`, `partition:
-    time`). Here the profiling outlasts the job (a slow stand-in: 4 s per depth, the job about
-    1 s): the launcher returns only once the thread is gone."""
-    import threading
-    import time
-
+def test_a_repartition_cuts_the_profile_measured_at_launch(tmp_path, corpus, monkeypatch):
+    """The layers are profiled once, at launch, and a re-partition to another depth is cut
+    from that profile (it travels in run.json) instead of building and profiling the model
+    again. Before, the launcher profiled every other depth on a thread while the job trained
+    (one profiling run per depth, each with its own noise, and a thread that a job ending
+    first had to wait for). Stand-in layer times [1, 1, 1, 5]: at P = 2 the balanced cut is
+    layers 0-2 | 3 (largest stage 5), where equal layer counts would give 0-1 | 2-3 (6)."""
     from spotpipe import job
 
-    real = job.partition_at_depth
+    calls = []
 
-    def slow(*args, **kwargs):
-        time.sleep(4.0)  # a real model's profiling, not a synchronisation
-        return real(*args, **kwargs)
+    def profiled(model, sample, **kwargs):
+        calls.append(model.num_layers)
+        return [1.0, 1.0, 1.0, 5.0]
 
-    monkeypatch.setattr(job, "partition_at_depth", slow)
+    monkeypatch.setattr(job, "profile_layer_times", profiled)
     cfg = tiny_config(corpus, stages=3, pipelines=1, redundancy="lazy",
-                      **{**FAST, "iterations": 3})
-    assert train(cfg, tmp_path / "run", progress=False) == 0
-    assert not [t for t in threading.enumerate() if t.name == "partitions"]
+                      **{**FAST, "iterations": 8, "model.partition": "time"})
+    nodes = [f"node{r}" for r in range(3)]
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False,
+                 faults=[Fault.parse("fail", "node1@2:backward", nodes)]) == 0
+    assert calls == [4]  # once, at launch, for every depth
+    spec = json.loads((run / "run.json").read_text())
+    assert spec["profile"]["times"] == [1.0, 1.0, 1.0, 5.0]
+    assert _depths(run) == [2]
+    done = [e for e in events(run) if e["kind"] == "repartitioned"]
+    assert sorted(tuple(map(tuple, e["layers"])) for e in done) == [((0, 3),), ((3, 4),)]
+    assert_samples_exactly_once(run, cfg)

@@ -196,7 +196,8 @@ def test_a_shadow_between_writers_marks_what_it_applies(tmp_path, corpus, monkey
     monkeypatch.setenv("SPOTPIPE_INSTANCE", new_instance_id())
     cfg = tiny_config(corpus, **{"shadow.enabled": "true"})
     model = job.build_model(cfg)
-    spec = job.RunSpec(job.compute_partition(cfg, model, job.build_dataset(cfg)), 64)
+    profile = job.profile_model(cfg, model, job.build_dataset(cfg))
+    spec = job.RunSpec(job.compute_partition(cfg, profile), 64, profile)
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
     def connect():

@@ -10,19 +10,21 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from spotpipe.config import Config
 from spotpipe.data import GlobalSampler, TextDataset, TokenFileDataset, collate, load_user_dataset
-from spotpipe.model import (GPTConfig, LayeredModel, PartitionError, build_gpt, build_user_model,
-                            partition)
-from spotpipe.model.named import SplitError, split_points_map
+from spotpipe.model import GPTConfig, LayeredModel, PartitionError, build_gpt, build_user_model
 from spotpipe.model.measure import profile_layer_memory
-from spotpipe.model.partition import balanced_partition, bounded_partition, profile_layer_times
+from spotpipe.model.named import SplitError, split_points_map
+from spotpipe.model.partition import (METHODS, balanced_partition, bounded_partition,
+                                      explicit_partition, parameter_counts, profile_layer_times,
+                                      uniform_partition)
 from spotpipe.model.precision import Precision
-from spotpipe.model.ties import cross_stage_tied
+from spotpipe.plan.profile import LayerProfile, cross_stage_tied
 from spotpipe.plan.memory import (GIB, LayerMemory, MemoryEstimate, MemoryRules, StageFacts,
                                   estimate_stage, stage_facts)
 
@@ -55,29 +57,54 @@ def build_sampler(cfg: Config, dataset: Any) -> GlobalSampler:
     return GlobalSampler(len(dataset), cfg.global_batch, cfg.seed)
 
 
-def compute_partition(cfg: Config, model: LayeredModel, dataset: Any,
+def profile_model(cfg: Config, model: LayeredModel, dataset: Any) -> LayerProfile:
+    """The layer profile every partition of this job is cut from (plan/profile.py): measured
+    once, at launch. Times are profiled only for the methods that balance them."""
+    sample, _ = collate(dataset, list(range(cfg.micro_batch_size)))
+    precision = Precision.of(cfg)
+    times = None
+    if cfg.model.partition in ("time", "balanced") and not cfg.model.split_points:
+        times = tuple(profile_layer_times(model, sample, precision=precision))
+    return LayerProfile(names=tuple(model.layer_names), params=tuple(parameter_counts(model)),
+                        memory=tuple(profile_layer_memory(model, sample, precision)),
+                        times=times, tied=tuple(model.tied))
+
+
+def compute_partition(cfg: Config, profile: LayerProfile,
                       num_stages: int | None = None) -> list[tuple[int, int]]:
+    """The layer ranges of the configured method at `num_stages` (the configured depth by
+    default): a pure function of the profile, so every depth comes from one measurement."""
     p = num_stages or cfg.stages
+    n = profile.num_layers
     if cfg.model.split_points:
         if len(cfg.model.split_points) + 1 != p:
             raise PartitionError(f"model.split_points {cfg.model.split_points} make "
                                  f"{len(cfg.model.split_points) + 1} stages, the job has {p}")
         try:
-            stage_of = split_points_map(model.layer_names, list(cfg.model.split_points))
+            stage_of = split_points_map(list(profile.names), list(cfg.model.split_points))
         except SplitError as exc:
             raise PartitionError(str(exc)) from None
-        return partition(model, p, "explicit", explicit=stage_of)
-    sample = None
-    if cfg.model.partition in ("time", "balanced"):
-        sample, _ = collate(dataset, list(range(cfg.micro_batch_size)))
-    if cfg.model.partition == "balanced":
-        return balanced_under_memory(cfg, model, sample, p)
-    ranges = partition(model, p, cfg.model.partition,
-                       explicit=list(cfg.model.stage_of_layer) or None, sample_input=sample)
-    return [(int(a), int(b)) for a, b in ranges]
+        return explicit_partition(stage_of, p, n)
+    method = cfg.model.partition
+    if method == "uniform":
+        return uniform_partition(n, p)
+    if method == "parameters":
+        return balanced_partition(profile.params, p)
+    if method in ("time", "balanced"):
+        if profile.times is None:
+            raise PartitionError(f"partition method {method!r} needs the layers' profiled "
+                                 "times, and the profile has none")
+        if method == "balanced":
+            return balanced_under_memory(cfg, profile, p)
+        return balanced_partition(profile.times, p)
+    if method == "explicit":
+        if not cfg.model.stage_of_layer:
+            raise PartitionError("partition method 'explicit' needs the explicit stage map")
+        return explicit_partition(list(cfg.model.stage_of_layer), p, n)
+    raise PartitionError(f"unknown partition method {method!r}; expected one of {METHODS}")
 
 
-def partition_at_depth(cfg: Config, model: LayeredModel, dataset: Any,
+def partition_at_depth(cfg: Config, profile: LayerProfile,
                        depth: int) -> list[tuple[int, int]]:
     """The partition a re-partition to `depth` stages uses: the configured method, as at
     launch. An explicit map names the stage of every layer for the configured depth only."""
@@ -90,19 +117,20 @@ def partition_at_depth(cfg: Config, model: LayeredModel, dataset: Any,
             f"model.partition is explicit: model.stage_of_layer places the layers on "
             f"{cfg.stages} stages and cannot be derived for {depth}; use uniform, parameters or "
             "time to let the job change its depth")
-    ranges = compute_partition(cfg, model, dataset, depth)
-    name = misplaced_tie(model, ranges)
+    ranges = compute_partition(cfg, profile, depth)
+    name = misplaced_tie(profile.tied, ranges)
     if name:
         raise PartitionError(f"tied parameter {name} would be split across stages at P={depth} "
                              "but is on neither the first nor the last stage")
     return ranges
 
 
-def misplaced_tie(model: LayeredModel, ranges: list[tuple[int, int]]) -> str | None:
+def misplaced_tie(tied: tuple[tuple[str, str], ...] | list[tuple[str, str]],
+                  ranges: list[tuple[int, int]]) -> str | None:
     """A tied parameter split across stages away from the first and last stage, if any: the
     runtime keeps only first/last ties (like GPT's embedding and head) in sync."""
     last = len(ranges) - 1
-    for name in sorted(cross_stage_tied(model, ranges)):
+    for name in sorted(cross_stage_tied(tied, ranges)):
         layer = int(name.split(".", 1)[0])
         if not (ranges[0][0] <= layer < ranges[0][1] or ranges[last][0] <= layer < ranges[last][1]):
             return name
@@ -111,17 +139,40 @@ def misplaced_tie(model: LayeredModel, ranges: list[tuple[int, int]]) -> str | N
 
 @dataclass(frozen=True)
 class RunSpec:
-    """Everything a worker needs beyond the config: decided once by the launcher."""
+    """Everything a worker needs beyond the config: decided once by the launcher. The
+    profile lets whoever coordinates cut the model at another depth without building it."""
 
     partition: list[tuple[int, int]]
     num_samples: int
+    profile: LayerProfile
 
     def to_json(self) -> dict[str, Any]:
-        return {"partition": [list(r) for r in self.partition], "num_samples": self.num_samples}
+        return {"partition": [list(r) for r in self.partition], "num_samples": self.num_samples,
+                "profile": self.profile.to_json()}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "RunSpec":
-        return cls([tuple(r) for r in data["partition"]], int(data["num_samples"]))
+    def from_json(cls, data: Any) -> "RunSpec":
+        """Checked field by field (it comes from a file or a store record): ValueError naming
+        the field that is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError("run spec: not an object")
+        profile = LayerProfile.from_json(data.get("profile"))
+        rows = data.get("partition")
+        if not isinstance(rows, list) or not rows or not all(
+                isinstance(r, list) and len(r) == 2 and all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in r) for r in rows):
+            raise ValueError(f"run spec: partition is not a list of [start, end] layer "
+                             f"ranges: {rows!r}")
+        partition = [(int(a), int(b)) for a, b in rows]
+        ends = [0] + [b for _, b in partition]
+        if [a for a, _ in partition] != ends[:-1] or ends[-1] != profile.num_layers or any(
+                a >= b for a, b in partition):
+            raise ValueError(f"run spec: partition {rows} does not cover the profile's "
+                             f"{profile.num_layers} layers in order")
+        samples = data.get("num_samples")
+        if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+            raise ValueError(f"run spec: num_samples is not a positive count: {samples!r}")
+        return cls(partition, samples, profile)
 
 
 def device_for(backend: str, local_rank: int) -> torch.device:
@@ -150,11 +201,6 @@ def memory_rules(cfg: Config, num_stages: int) -> MemoryRules:
                        offload_frc=cfg.replica.offload_frc)
 
 
-def layer_memory(cfg: Config, model: LayeredModel, dataset: Any) -> list[LayerMemory]:
-    sample, _ = collate(dataset, list(range(cfg.micro_batch_size)))
-    return profile_layer_memory(model, sample, Precision.of(cfg))
-
-
 @dataclass(frozen=True)
 class DeviceMemory:
     """What one stage may use: bytes, where the figure comes from, and whether device and
@@ -177,7 +223,7 @@ def device_memory(cfg: Config) -> DeviceMemory:
     return DeviceMemory(pages * size / workers, f"host RAM / {workers} workers", True)
 
 
-def memory_estimates(cfg: Config, layers: list[LayerMemory],
+def memory_estimates(cfg: Config, layers: Sequence[LayerMemory],
                      ranges: list[tuple[int, int]]) -> list[MemoryEstimate]:
     rules = memory_rules(cfg, len(ranges))
     return [estimate_stage(s, stage_facts(layers, ranges, s, redundancy=rules.redundancy
@@ -188,7 +234,7 @@ def _needed(estimate: MemoryEstimate, mem: DeviceMemory) -> float:
     return estimate.device_bytes + (estimate.host_bytes if mem.shared_with_host else 0.0)
 
 
-def memory_report(cfg: Config, layers: list[LayerMemory],
+def memory_report(cfg: Config, layers: Sequence[LayerMemory],
                   ranges: list[tuple[int, int]]) -> tuple[list[str], str | None]:
     """One line per stage (estimate next to the memory), and the refusal of the first stage
     that does not fit (None when all do)."""
@@ -213,13 +259,12 @@ def _mib(b: float) -> str:
     return f"{mib:.1f} MiB" if mib >= 1 else f"{mib:.3f} MiB"
 
 
-def balanced_under_memory(cfg: Config, model: LayeredModel, sample: torch.Tensor,
+def balanced_under_memory(cfg: Config, profile: LayerProfile,
                           num_stages: int) -> list[tuple[int, int]]:
     """Profiled time balanced under the memory bound; the time-balanced partition when no
     partition fits (the launch then refuses it, naming the stage)."""
-    precision = Precision.of(cfg)
-    times = profile_layer_times(model, sample, precision=precision)
-    layers = profile_layer_memory(model, sample, precision)
+    assert profile.times is not None
+    layers = profile.memory
     rules = memory_rules(cfg, num_stages)
     mem = device_memory(cfg)
 
@@ -232,4 +277,5 @@ def balanced_under_memory(cfg: Config, model: LayeredModel, sample: torch.Tensor
                            input_bytes=layers[start - 1].output_bytes if start else 0.0)
         return _needed(estimate_stage(stage, facts, rules), mem) <= mem.bytes
 
-    return bounded_partition(times, num_stages, fits) or balanced_partition(times, num_stages)
+    return (bounded_partition(profile.times, num_stages, fits)
+            or balanced_partition(profile.times, num_stages))

@@ -196,7 +196,6 @@ def bench_worker(cfg: Any, rank: int, run_dir: Any, *, namespace: str) -> Any:
     import torch.distributed as dist
 
     from spotpipe import job
-    from spotpipe.model import partition
     from spotpipe.checkpoint import registry, schemes
     from spotpipe.protocol import Channel, job_key
     from spotpipe.runtime.worker import Worker
@@ -206,8 +205,8 @@ def bench_worker(cfg: Any, rank: int, run_dir: Any, *, namespace: str) -> Any:
     store = dist.TCPStore(host, port, is_master=False,
                           timeout=timedelta(seconds=cfg.cluster.timeout_s))
     model = job.build_model(cfg)
-    ranges = [(int(a), int(e)) for a, e in partition(model, cfg.stages, cfg.model.partition)]
-    spec = job.RunSpec(ranges, cfg.global_batch)
+    profile = job.profile_model(cfg, model, job.build_dataset(cfg))
+    spec = job.RunSpec(job.compute_partition(cfg, profile), cfg.global_batch, profile)
     # no coordinator runs: a key of the benchmark's own seals what the worker writes
     channel = Channel(job_key(b"bench", namespace), f"node{rank}")
     worker = Worker(cfg, spec, run_dir, f"node{rank}", store, time.time(), [],

@@ -128,9 +128,6 @@ class JobLoop:
         self.progress = progress and cfg.logging.progress
         self.stream = stream if stream is not None else sys.stderr
         self.t0 = time.time() if t0 is None else t0
-        self._partitions: dict[int, Any] = {}  # depth -> layer ranges, or why it failed
-        self._partition_lock = threading.Lock()
-        self._partitions_stop = threading.Event()
         self._train_start = self.t0
         self.resume = resume
         self.restart = restart  # 0, or which restart of the job this round is
@@ -265,7 +262,6 @@ class JobLoop:
                 self._start_nodes(address, inbox)
             else:
                 self._resume_nodes(inbox)
-            self._precompute_partitions()
             exited = self._exited
             last_tick = time.time()
             while True:
@@ -333,7 +329,6 @@ class JobLoop:
             message, deposed = str(exc), True
         finally:
             self._stop_workers()
-            self._end_precompute()
             if self._shadows is not None:
                 self._shadows.stop_all()
             if not deposed:  # (a successor reads this mailbox on: no closing record in it)
@@ -456,59 +451,10 @@ class JobLoop:
                      "iteration": t, "path": str(path)})
 
     def _partition_for(self, depth: int) -> list[tuple[int, int]]:
-        """The partition at another depth, decided here once for every worker (as at launch:
-        profiling is noisy, so the workers must not each compute their own). Memoised, its
-        failure included; usually computed ahead, at launch (`_precompute_partitions`)."""
-        with self._partition_lock:
-            if depth not in self._partitions:
-                try:
-                    if self._partition_inputs is None:
-                        self._partition_inputs = (job.build_model(self.cfg),
-                                                  job.build_dataset(self.cfg))
-                    self._partitions[depth] = job.partition_at_depth(
-                        self.cfg, *self._partition_inputs, depth)
-                except Exception as exc:  # raised again to each caller (the rules' reason)
-                    self._partitions[depth] = exc
-            found = self._partitions[depth]
-        if isinstance(found, Exception):
-            raise found
-        return found
-
-    def _precompute_partitions(self) -> None:
-        """Compute the partitions a re-partition may ask for while the job trains, not in
-        the failover's agreement: building the model and profiling it took 14-24 ms of a
-        tiny GPT's 0.15 s pause (seconds for a real model). Deepest first, the likeliest
-        next depth; the model is dropped once all are known."""
-        rules = self.coordinator.rules
-        if not rules.repartition or rules.repartition_blocked or self.cfg.stages <= 2:
-            return
-
-        def run() -> None:
-            for depth in range(self.cfg.stages - 1, 1, -1):
-                if self._partitions_stop.is_set():
-                    break
-                try:
-                    self._partition_for(depth)
-                except Exception:  # memoised: the decision that needs it gives the reason
-                    pass
-            with self._partition_lock:
-                self._partition_inputs = None
-
-        self._partitions_thread = threading.Thread(target=run, name="partitions", daemon=True)
-        self._partitions_thread.start()
-
-    def _end_precompute(self) -> None:
-        """The job is over: let the partitions' thread finish the depth it profiles and go.
-        Left running, it would be inside torch when the interpreter exits, and a real model
-        takes seconds per depth: torch then aborts the process (std::terminate, exit code
-        134) after a job that succeeded (GPT-2 small, P = 4, `partition: time`, one
-        iteration)."""
-        self._partitions_stop.set()
-        if self._partitions_thread is not None:
-            self._partitions_thread.join()
-
-    _partition_inputs: tuple[Any, Any] | None = None
-    _partitions_thread: threading.Thread | None = None
+        """The partition at another depth, cut from the layer profile measured at launch (in
+        the run spec): instant, the model is not built again, and every depth comes from the
+        same measurement (the coordinator keeps each answer, so all nodes get the same)."""
+        return job.partition_at_depth(self.cfg, self.spec.profile, depth)
 
     def _stage_count(self) -> int:
         """Stages of the job as it ended (a re-partition changes the depth)."""

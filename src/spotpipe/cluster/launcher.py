@@ -81,24 +81,25 @@ def prepare(cfg: Config) -> Prepared:
             f"(micro_batch_size {cfg.micro_batch_size} x num_microbatches "
             f"{cfg.num_microbatches} x pipelines {cfg.pipelines})")
     try:
-        partition = job.compute_partition(cfg, model, dataset)
+        profile = job.profile_model(cfg, model, dataset)
+    except Exception as exc:
+        raise LaunchError(f"model: cannot profile its layers on one micro-batch: {exc}") from None
+    try:
+        partition = job.compute_partition(cfg, profile)
     except Exception as exc:
         key = "model.stage_of_layer" if cfg.model.partition == "explicit" else "model.partition"
         raise LaunchError(f"{key}: {exc}") from None
-    try:
-        lines, refused = job.memory_report(cfg, job.layer_memory(cfg, model, dataset), partition)
-    except Exception as exc:
-        raise LaunchError(f"model: cannot estimate the stages' memory: {exc}") from None
+    lines, refused = job.memory_report(cfg, profile.memory, partition)
     for line in lines:
         print(line, file=sys.stderr)
     if refused:
         raise LaunchError(f"memory: {refused}")
-    name = job.misplaced_tie(model, partition)
+    name = job.misplaced_tie(profile.tied, partition)
     if name:
         raise LaunchError(f"model: tied parameter {name} is split across stages but is on "
                           "neither the first nor the last stage; only ties between the first "
                           "and last stage (like GPT's embedding and head) are kept in sync")
-    return Prepared(cfg, job.RunSpec(partition, len(dataset)))
+    return Prepared(cfg, job.RunSpec(partition, len(dataset), profile))
 
 
 def bind_store(cfg: Config, job_id: str) -> tuple[dist.Store, StoreAddress]:

@@ -6,16 +6,13 @@ Pure functions of (model, partition): every process computes the same answer wit
 from __future__ import annotations
 
 from spotpipe.model.layered import LayeredModel
+from spotpipe.plan.profile import cross_stage_tied as plan_cross_stage_tied
 
 
 def cross_stage_tied(model: LayeredModel, partition: list[tuple[int, int]]) -> set[str]:
-    """Names of tied parameters whose partner lives on another stage: their gradients must be
-    summed across stages (ties within one stage are one Parameter already)."""
-    def stage_of(name: str) -> int:
-        layer = int(name.split(".", 1)[0])
-        return next(s for s, (a, b) in enumerate(partition) if a <= layer < b)
-
-    return {n for a, b in model.tied if stage_of(a) != stage_of(b) for n in (a, b)}
+    """Names of tied parameters whose partner lives on another stage (`plan.profile`'s rule,
+    on the model's pairs)."""
+    return plan_cross_stage_tied(model.tied, partition)
 
 
 def norm_param_names(model: LayeredModel, partition: list[tuple[int, int]]) -> list[list[str]]:
