@@ -350,9 +350,14 @@ def test_coordinating_host_lost(cluster_factory, corpus, tmp_path, tmp_path_fact
         said = (outs[c].parent / f"{outs[c].name}.stderr").read_text()
         assert "successor coordinates" in said, said
     wait_until(lambda: iteration(run) > resumed + 3, others_procs, "training after it")
-    assert _worker_pids(cluster, others, procs) == before, "a worker was restarted"
+    # no process but the ones from before (the job may have ended meanwhile: fewer is fine),
+    # and each surviving node became ready once (a restarted worker would say so again)
+    now = _worker_pids(cluster, others, procs)
+    assert all(now[i] <= before[i] for i in others), ("a worker was restarted", before, now)
     assert finish(others_procs) == [0, 0]
     evs = events(run)
+    ready = [e["node"] for e in evs if e["kind"] == "worker_ready"]
+    assert sorted(ready) == sorted(set(ready)) and len(ready) == 3, ready
     kinds = [e["kind"] for e in evs]
     assert kinds[0] == "launch" and kinds.count("launch") == 1  # the predecessor's lines first
     takeover = evs[kinds.index("coordinator_takeover")]

@@ -10,14 +10,16 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from spotpipe.config import Config
 from spotpipe.data import GlobalSampler, TextDataset, TokenFileDataset, collate, load_user_dataset
-from spotpipe.model import GPTConfig, LayeredModel, PartitionError, build_gpt, build_user_model
+from spotpipe.model import (GPTConfig, LayeredModel, PartitionError, build_gpt, build_user_model,
+                            template)
 from spotpipe.model.measure import profile_layer_memory
 from spotpipe.model.named import SplitError, split_points_map
 from spotpipe.model.partition import (METHODS, balanced_partition, bounded_partition,
@@ -38,6 +40,41 @@ def build_model(cfg: Config) -> LayeredModel:
         h = cfg.model.hf
         return split_hf(*build_hf_model(h.config, dict(h.overrides), h.weights, cfg.seed))
     return build_user_model(cfg.model.factory, dict(cfg.model.factory_kwargs), seed=cfg.seed)
+
+
+def model_identity(cfg: Config) -> str:
+    """What the initial weights depend on: the model (its digest) and the seed."""
+    return f"{cfg.model_digest()}/seed{cfg.seed}"
+
+
+def build_model_holding(cfg: Config, run_dir: Path,
+                        layers: Iterable[int]) -> tuple[LayeredModel, str]:
+    """The model with values for `layers` only (the rest on the meta device), read from the
+    initial weights this host's launcher or agent wrote (model/template.py): a worker's memory
+    never holds the whole model. The file is only a shortcut to what the seed builds: where
+    it is missing, written for another model (a node that comes to join with the wrong
+    model, which the job then refuses), or does not fit, or where the model cannot be built
+    on the meta device (a factory that computes with its tensors while it builds), the model
+    is built whole, to the same values. The second value says which it was, for the
+    worker's events."""
+    path = run_dir / template.INITIAL_FILE
+    if not path.is_file():
+        return build_model(cfg), "whole: no initial weights file"
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg)
+    except Exception as exc:  # the factory needs real tensors
+        return build_model(cfg), f"whole: the model does not build on the meta device " \
+                                 f"({_first_line(exc)})"
+    try:
+        template.load_held(model, path, model_identity(cfg), layers)
+    except template.InitialFileError as exc:
+        return build_model(cfg), f"whole: {_first_line(exc)}"
+    return model, "held layers from the initial weights file"
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:300]
 
 
 def block_size(cfg: Config) -> int:

@@ -7,11 +7,12 @@ bf16 with one node (stage 2) killed in the forward of an iteration (lazy redunda
 predecessor takes the stage over from its replica). Throughput is the median of the
 iterations after the first two (warm-up), samples over iteration time. Memory: the estimate
 is `spotpipe.plan.memory`'s, the one printed at launch, from the layers' measured facts; the
-RSS is each worker process's peak (`ru_maxrss`) and its RSS once the model, its stage and its
-replica are built (`rss_built_mib`): every worker builds the whole model before it keeps its
-stage (the layers it does not own stay referenced), which the estimate of a stage does not
-count, so the figure to compare with the estimate is peak - built plus the stage's own
-weights. `--quick` runs a 2-layer, 256-wide GPT-2 instead, for the test suite.
+RSS is each worker process's peak (`ru_maxrss`) and its RSS once its stage and its replica are
+built (`rss_built_mib`; each worker reads only the layers it holds from the launcher's initial
+weights), which includes the interpreter, torch and transformers (hundreds of MiB) that the
+estimate of a stage does not count, so the figure to compare with the estimate is peak - built
+plus the stage's own weights. `--quick` runs a 2-layer, 256-wide GPT-2 instead, for the test
+suite.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ class Shadow:
         # the links and marks are not protocol messages: sealed all the same (store/sealed.py)
         self.sealed = SealedStore(store, protocol.key, on_refused=lambda why: self.channel.event(
             "record_refused", writer=why.writer, reason=why.reason[:300]))
-        model = job.build_model(cfg)
+        model, _ = job.build_model_holding(cfg, run_dir, range(*spec.partition[stage]))
         state = nodelib.build_stage_state(model, spec.partition, stage, cfg, torch.device("cpu"))
         self.module, self.optimizer = state.module, state.optimizer
         replica = ReplicaStage(stage, self.module, self.optimizer, torch.device("cpu"))

@@ -67,6 +67,7 @@ from spotpipe.cluster.rendezvous import (ALL_LEFT, ARRIVALS, CHUNK, COORDINATOR,
                                          wait_get, write_atomic)
 from spotpipe.cluster.supervisor import WORKER, Supervisor, starter, worker_env
 from spotpipe.config import Config
+from spotpipe.model import template
 from spotpipe.protocol import (AgentArrival, Assignment, Channel, CoordinatorState, Exit,
                                FinalFile, JobOver, JobPosted, Kill, MessageError, Refused,
                                job_key, keys, plain, vouch, vouched)
@@ -412,7 +413,11 @@ def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> in
             shutil.rmtree(out, ignore_errors=True)
         raise AgentError(f"checkpoint.dir {root}: cannot be written on this host ({exc})") \
             from None
-    return Agent(opts, cfg, prepared.spec, token, address, hosted).run()
+    prepared.write_initial(out)
+    try:
+        return Agent(opts, cfg, prepared.spec, token, address, hosted).run()
+    finally:  # (reproducible from the seed, and as large as the model)
+        (out / template.INITIAL_FILE).unlink(missing_ok=True)
 
 
 __all__ = ["AgentError", "AgentOptions", "LaunchError", "parse_nnodes", "run_agent"]

@@ -18,7 +18,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
@@ -34,6 +34,7 @@ from spotpipe.cluster.supervisor import WORKER, Supervisor, search_path, starter
 from spotpipe.cluster.trace_replay import Action as TraceAction
 from spotpipe.faults import Fault
 from spotpipe import job
+from spotpipe.model import LayeredModel, template
 
 
 class LaunchError(RuntimeError):
@@ -42,8 +43,20 @@ class LaunchError(RuntimeError):
 
 @dataclass
 class Prepared:
+    """The checked job. `model`, the one this process built to check it, is kept only until
+    its tensors are written to the run folder (`write_initial`)."""
+
     cfg: Config
     spec: job.RunSpec
+    model: LayeredModel | None = field(default=None, repr=False, compare=False)
+
+    def write_initial(self, out: Path) -> None:
+        """The initial weights, for this host's workers to read only the layers they hold
+        (model/template.py); then the model goes."""
+        if self.model is not None:
+            template.save_initial(self.model, out / template.INITIAL_FILE,
+                                  job.model_identity(self.cfg))
+            self.model = None
 
 
 def check_environment(cfg: Config) -> None:
@@ -99,7 +112,7 @@ def prepare(cfg: Config) -> Prepared:
         raise LaunchError(f"model: tied parameter {name} is split across stages but is on "
                           "neither the first nor the last stage; only ties between the first "
                           "and last stage (like GPT's embedding and head) are kept in sync")
-    return Prepared(cfg, job.RunSpec(partition, len(dataset), profile))
+    return Prepared(cfg, job.RunSpec(partition, len(dataset), profile), model)
 
 
 def bind_store(cfg: Config, job_id: str) -> tuple[dist.Store, StoreAddress]:
@@ -359,6 +372,7 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
     if out.exists() and overwrite:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
+    prepared.write_initial(out)
     if root is not None:
         try:
             durable.lock.acquire(root, out)
@@ -384,6 +398,8 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
             code = launcher.run(round_address.connect(cfg.cluster.timeout_s), round_address)
         return code
     finally:
+        # (reproducible from the seed, and as large as the model: the run's result is final/)
+        (out / template.INITIAL_FILE).unlink(missing_ok=True)
         if root is not None:
             durable.lock.release(root)
         if address.kind == "etcd":  # the job is over: its keys go (other jobs keep theirs)

@@ -29,9 +29,10 @@ class LayerProfile:
     """Per layer of a layer-list model, in order.
 
     `names` are the layers' names in the model they came from (for `model.split_points`), or
-    empty when the model gives none. `times` (median forward+backward seconds on one micro-batch) is measured only for the
-    partition methods that use it (`time`, `balanced`), None otherwise. `tied` lists the pairs
-    of parameter names that are one tensor (the model's `tied`).
+    empty when the model gives none. `times` (median forward+backward seconds on one
+    micro-batch) is measured only for the partition methods that use it (`time`, `balanced`),
+    None otherwise. `tied` lists the pairs of parameter names that are one tensor (the model's
+    `tied`).
     """
 
     names: tuple[str, ...]

@@ -16,6 +16,7 @@ from torch import nn
 from spotpipe.config import Config
 from spotpipe.plan import Layout
 from spotpipe.model import LayeredModel, build_stage
+from spotpipe.model.template import swap_tensors
 from spotpipe.model.ties import cross_stage_tied, norm_param_names
 from spotpipe.runtime.digest import optimizer_tensors
 from spotpipe.runtime.optim import build_optimizer, materialise_optimizer_state
@@ -172,14 +173,6 @@ class NodeState:
 def _swap_parameters(modules: Iterable[nn.Module], which: Callable[[nn.Parameter], bool],
                      make: Callable[[nn.Parameter], torch.Tensor]) -> None:
     """Replace each parameter of `modules` that `which(p)` selects by a new one holding
-    `make(p)`, the same new one wherever the old was shared, across all of them (tied weights
-    stay tied, also between layers)."""
-    # (old, new) by the old one's id; holding the old one keeps its id from being reused
-    swapped: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
-    for sub in (m for module in modules for m in module.modules()):
-        for name, p in list(sub._parameters.items()):
-            if p is None or not (id(p) in swapped or which(p)):
-                continue
-            if id(p) not in swapped:
-                swapped[id(p)] = (p, nn.Parameter(make(p), requires_grad=p.requires_grad))
-            sub._parameters[name] = swapped[id(p)][1]
+    `make(p)`, the same new one wherever the old was shared (tied weights stay tied)."""
+    swap_tensors(modules, "_parameters", which,  # type: ignore[arg-type]
+                 lambda p: nn.Parameter(make(p), requires_grad=p.requires_grad))

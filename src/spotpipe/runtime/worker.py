@@ -31,6 +31,7 @@ from spotpipe.data import collate
 from spotpipe.faults import Fault
 from spotpipe.notices import NoticeWatcher
 from spotpipe.plan import Layout
+from spotpipe.plan.layers import node_layers
 from spotpipe.plan.recovery import Decision
 from spotpipe.protocol import (Abort, Channel, DecisionRecord, JoinAnswer, JoinRequest, Metrics,
                                Refused, Regroup, Report, Stalled, keys)
@@ -93,11 +94,12 @@ class Worker:
         self.device = job.device_for(self.backend, int(os.environ.get("LOCAL_RANK", 0)))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.model = job.build_model(cfg)
-        self.dataset = job.build_dataset(cfg)
-        self.sampler = job.build_sampler(cfg, self.dataset)
         layout = Layout.build(cfg.stages, cfg.pipelines,
                               [f"node{r}" for r in range(cfg.stages * cfg.pipelines)])
+        self.model, self.built = job.build_model_holding(cfg, run_dir, node_layers(
+            layout, list(spec.partition), node, redundancy=cfg.redundancy != "none"))
+        self.dataset = job.build_dataset(cfg)
+        self.sampler = job.build_sampler(cfg, self.dataset)
         self.digests = (DigestLog(run_dir / "logs" / f"digests.{node}.jsonl")
                         if cfg.logging.state_digests else None)
         self.state = NodeState(cfg, self.model, self.device, node, layout, list(spec.partition))
@@ -107,6 +109,7 @@ class Worker:
         self._build_holding()
         st.release_unheld()
         self.rss_built_mib = _rss_mib()  # stages and replica built, nothing run yet
+        self.peak_built_mib = _peak_rss_mib()  # the start's high-water mark
         self.failures = 0  # failures and notices this node has recovered from
         self.checkpoints: BoundaryHook = checkpoints or NoHook()
         resume = os.environ.get("SPOTPIPE_RESUME")
@@ -393,7 +396,7 @@ class Worker:
         self.channel.event("worker_ready", pipeline=self.state.pipeline,
                            stages=sorted(self.stages),
                            layers=[list(self.state.partition[s]) for s in sorted(self.stages)],
-                           joined=joining)
+                           joined=joining, built=self.built)
         t = self.state.start_iteration
         resumed_at: float | None = None
         while t < cfg.iterations:
@@ -645,8 +648,8 @@ class Worker:
         self.channel.event("worker_left" if left else "worker_done", stages=sorted(self.stages),
                            cpu_s=round(time.process_time(), 3),
                            rss_built_mib=self.rss_built_mib,
-                           peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF)
-                                              .ru_maxrss / 1024, 1))
+                           peak_built_mib=self.peak_built_mib, built=self.built,
+                           peak_rss_mib=_peak_rss_mib())
         if left:
             self.notices.acknowledge()  # Azure: the eviction may start now
 
@@ -672,6 +675,10 @@ class Worker:
 def scale_to_wire(scale: float | None) -> float | str | None:
     """A clipping scale as a record carries it: NaN (a skipped step) is "skip"."""
     return "skip" if scale is not None and math.isnan(scale) else scale
+
+
+def _peak_rss_mib() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def _rss_mib() -> float:
