@@ -5,6 +5,7 @@ without the whole model in any worker's memory."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,3 +99,25 @@ def test_a_job_s_workers_read_their_layers_and_the_file_goes_at_the_end(tmp_path
     assert len(ready) == 2
     assert {e["built"] for e in ready} == {"held layers from the initial weights file"}
     assert not (run / INITIAL_FILE).exists()
+
+
+@pytest.mark.parametrize("factory, why", [
+    ("shifted", "layer 1 keeps a tensor outside its state: offset"),
+    ("weighted_loss", "the loss (_WeightedMSE) holds tensors"),
+])
+def test_a_model_with_tensors_outside_its_layers_state_is_built_whole(tmp_path, corpus,
+                                                                      monkeypatch, factory, why):
+    """A tensor the file cannot carry (a plain attribute, a loss module's buffer) would stay
+    on the meta device: such a model is built whole, and trains exactly as before."""
+    monkeypatch.chdir(Path(__file__).parent)  # (factories import from the working folder)
+    cfg = tiny_config(corpus, stages=2, **{
+        "model.kind": "factory", "model.factory": f"fixtures.user_models:{factory}",
+        "data.kind": "factory", "data.factory": "fixtures.user_models:regression"})
+    _written(tmp_path, cfg)
+    model, how = job.build_model_holding(cfg, tmp_path, {0})
+    assert how == f"whole: {why}"
+    assert not any(p.is_meta for p in model.to_sequential().parameters())
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False) == 0
+    ready = [json.loads(line) for line in open(run / "events.jsonl")]
+    assert {e["built"] for e in ready if e["kind"] == "worker_ready"} == {f"whole: {why}"}

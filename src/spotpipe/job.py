@@ -66,6 +66,9 @@ def build_model_holding(cfg: Config, run_dir: Path,
     except Exception as exc:  # the factory needs real tensors
         return build_model(cfg), f"whole: the model does not build on the meta device " \
                                  f"({_first_line(exc)})"
+    outside = template.meta_outside_state(model)
+    if outside:
+        return build_model(cfg), f"whole: {outside}"
     try:
         template.load_held(model, path, model_identity(cfg), layers)
     except template.InitialFileError as exc:

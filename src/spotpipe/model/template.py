@@ -92,6 +92,34 @@ def load_held(model: LayeredModel, path: Path, identity: str, layers: Iterable[i
               lambda b: read(f"buffer:{buffers[id(b)]}", b))
 
 
+def meta_outside_state(model: LayeredModel) -> str | None:
+    """Where a model built on the meta device holds a meta tensor that the file cannot fill:
+    a plain tensor attribute of a layer's module (not a parameter or buffer, so not in any
+    state), or any tensor of a loss module. Such a model must be built whole; None when
+    there is none."""
+    def plain(module: nn.Module) -> str | None:
+        for name, value in vars(module).items():
+            values = value if isinstance(value, (list, tuple)) else \
+                list(value.values()) if isinstance(value, dict) and not name.startswith("_") \
+                else [value]
+            if any(isinstance(v, torch.Tensor) and v.is_meta for v in values):
+                return name
+        return None
+
+    for i, layer in enumerate(model.layers):
+        for sub_name, sub in layer.named_modules():
+            found = plain(sub)
+            if found:
+                where = f"{sub_name}." if sub_name else ""
+                return f"layer {i} keeps a tensor outside its state: {where}{found}"
+    if isinstance(model.loss_fn, nn.Module):
+        loss = model.loss_fn
+        if any(t.is_meta for t in [*loss.parameters(), *loss.buffers()]) or any(
+                plain(m) for m in loss.modules()):
+            return f"the loss ({type(loss).__name__}) holds tensors"
+    return None
+
+
 def swap_tensors(modules: Iterable[nn.Module], slot: str, which: Callable[[torch.Tensor], bool],
           make: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Replace each tensor in the `slot` dict (`_parameters` or `_buffers`) of every submodule
