@@ -136,3 +136,43 @@ def test_incompatible_format_version_is_refused(tmp_path, saved):
     manifest.write_text(json.dumps(data))
     with pytest.raises(durable.CheckpointError, match="format version 99 is not supported"):
         durable.verify(root / "iter_00000005")
+
+
+def test_a_failure_is_handled_while_a_commit_is_still_running(tmp_path, corpus, monkeypatch):
+    """Commits (manifest, rename, retention hashing every kept checkpoint: seconds per GB) run
+    off the coordinator's loop. Here the first commit holds until the job has recovered from
+    a failure that comes after it: with the commit on the loop, nothing would be handled
+    meanwhile (the loop would be inside it) and the hold would end at its limit, unseen."""
+    import threading
+    import time
+
+    real = durable.commit
+    run = tmp_path / "run"
+    seen: list[str] = []
+
+    def held(root, iteration, *args, **kwargs):
+        if not seen:
+            limit = time.monotonic() + 60
+            while time.monotonic() < limit and not seen:  # a real condition, polled
+                lines = (run / "events.jsonl").read_text().splitlines()
+                if any(json.loads(line)["kind"] == "resumed" for line in lines):
+                    seen.append(threading.current_thread().name)
+                time.sleep(0.05)
+            seen.append("released")
+        return real(root, iteration, *args, **kwargs)
+
+    monkeypatch.setattr(durable, "commit", held)
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy",
+                      **{**SAVE, "iterations": 12, "failover.heartbeat_s": 0.2})
+    from spotpipe.faults import Fault
+
+    fault = Fault.parse("fail", "node1@7:backward", ["node0", "node1"])
+    assert train(cfg, run, progress=False, faults=[fault]) == 0
+    assert seen[:1] == ["checkpoint-commit"], "the job did not recover while the commit ran"
+    evs = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    committed = [e["iteration"] for e in evs if e["kind"] == "checkpoint_committed"]
+    assert sorted(committed) == [2, 5, 8, 11][:len(committed)] and 2 in committed
+    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == \
+        [f"iter_{t:08d}" for t in sorted(committed)[-cfg.checkpoint.keep:]]
+    for path in (run / "checkpoints").iterdir():
+        durable.verify(path)

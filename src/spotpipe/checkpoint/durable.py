@@ -18,7 +18,6 @@ checkpoints that verify, so a damaged newest one never pushes out the good one b
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -31,7 +30,7 @@ from torch import nn
 
 from spotpipe.checkpoint import lock, origin, transfer  # noqa: F401 (used through this module)
 from spotpipe.checkpoint.origin import KeyFileError, resolve_key  # noqa: F401 (re-exported)
-from spotpipe.checkpoint.fsync import fsync_path
+from spotpipe.checkpoint.fsync import fsync_path, sha256_file
 from spotpipe.runtime.optim import materialise_optimizer_state  # noqa: F401 (re-exported)
 
 
@@ -78,7 +77,7 @@ def file_checksums(folder: Path) -> dict[str, str]:
     out = {}
     for path in sorted(folder.rglob("*")):
         if path.is_file():
-            out[str(path.relative_to(folder))] = hashlib.sha256(path.read_bytes()).hexdigest()
+            out[str(path.relative_to(folder))] = sha256_file(path)
     return out
 
 
@@ -275,7 +274,7 @@ def verify(path: Path) -> Checkpoint:
                                   "checkpoint")
         if not file.is_file():
             raise CheckpointError(f"{file}: missing")
-        if hashlib.sha256(file.read_bytes()).hexdigest() != digest:
+        if sha256_file(file) != digest:
             raise CheckpointError(f"{file}: checksum mismatch (corrupted or truncated)")
     for file in sorted(path.rglob("*")):
         name = str(file.relative_to(path))

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -28,6 +27,7 @@ from torch import nn
 
 from spotpipe.checkpoint import durable
 from spotpipe.checkpoint.durable import CheckpointError
+from spotpipe.checkpoint.fsync import sha256_file
 from spotpipe.runtime.digest import tensors_digest
 
 FORMAT_VERSION = 1
@@ -116,7 +116,7 @@ def write_file(folder: Path, snapshot: Snapshot, model_digest: str, keep: int) -
                 "stage": snapshot.stage, "model_digest": model_digest,
                 "params": snapshot.params, "tensors": snapshot.tensors}, tmp)
     os.replace(tmp, path)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = sha256_file(path)
     side = path.with_suffix(SIDECAR)
     side_tmp = side.with_name(side.name + ".tmp")
     side_tmp.write_text(json.dumps({"format_version": FORMAT_VERSION, "sha256": digest,
@@ -134,7 +134,7 @@ def read_file(path: Path, model_digest: str | None = None) -> Snapshot:
     meta = durable.read_manifest(path.with_suffix(SIDECAR), FORMAT_VERSION)
     if not path.is_file():
         raise CheckpointError(f"{path}: missing")
-    if hashlib.sha256(path.read_bytes()).hexdigest() != meta.get("sha256"):
+    if sha256_file(path) != meta.get("sha256"):
         raise CheckpointError(f"{path}: checksum mismatch (corrupted or truncated)")
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from spotpipe import job
 from spotpipe.checkpoint import durable
+from spotpipe.cluster.committer import Committed, Committer
 from spotpipe.cluster.coordinator import Coordinator
 from spotpipe.protocol import (Channel, CheckpointSaved, Close, CoordinatorState, Event, Exit,
                                JoinRequest, Journal, Metrics, Opened, Refused, Report, Stalled,
@@ -135,6 +136,8 @@ class JobLoop:
         self._ckpt_failed: set[int] = set()  # iterations a stage could not write: never committed
         self.checkpoint_root = Path(cfg.checkpoint.dir or out / "checkpoints")
         self.checkpoint_key = durable.resolve_key(cfg.checkpoint.key)
+        self.committer = Committer(self.checkpoint_root, cfg.checkpoint.keep,
+                                   self.checkpoint_key, self._now)
         self.notes: list[dict[str, Any]] = []  # events decided before the run started
         self._shadows: Supervisor | None = None
         # a predecessor's books: this loop takes over a running job instead of starting one
@@ -270,6 +273,7 @@ class JobLoop:
                 except queue.Empty:
                     what, item = "tick", None
                 self._each_turn(files)
+                self._record_commits(files, self.committer.finished())
                 if time.time() - last_tick >= cfg.failover.heartbeat_s:
                     last_tick = time.time()
                     self.coordinator.tick()
@@ -329,6 +333,10 @@ class JobLoop:
             message, deposed = str(exc), True
         finally:
             self._stop_workers()
+            try:
+                self._record_commits(files, self.committer.close())
+            except RunFilesError:
+                pass  # (the job's own outcome is reported below)
             if self._shadows is not None:
                 self._shadows.stop_all()
             if not deposed:  # (a successor reads this mailbox on: no closing record in it)
@@ -440,15 +448,16 @@ class JobLoop:
                 "model_digest": self.cfg.model_digest(), "num_samples": self.spec.num_samples,
                 "global_batch": self.cfg.global_batch, "seed": self.cfg.seed}
         del self._ckpt_parts[t]
-        try:
-            path = durable.commit(self.checkpoint_root, t, info, checksums,
-                                  self.cfg.checkpoint.keep, self.checkpoint_key)
-        except OSError as exc:  # the disk is full or failing: the previous one stays newest
-            files.event({"time_s": self._now(), "kind": "checkpoint_failed", "node": "launcher",
-                         "iteration": t, "message": f"commit: {exc}"})
-            return
-        files.event({"time_s": self._now(), "kind": "checkpoint_committed", "node": "launcher",
-                     "iteration": t, "path": str(path)})
+        self.committer.submit(t, info, checksums)  # (committed off this loop: committer.py)
+
+    def _record_commits(self, files: RunFiles, done: list[Committed]) -> None:
+        for c in done:
+            if c.path is None:  # the disk is full or failing: the previous one stays newest
+                files.event({"time_s": c.time_s, "kind": "checkpoint_failed",
+                             "node": "launcher", "iteration": c.iteration, "message": c.error})
+            else:
+                files.event({"time_s": c.time_s, "kind": "checkpoint_committed",
+                             "node": "launcher", "iteration": c.iteration, "path": str(c.path)})
 
     def _partition_for(self, depth: int) -> list[tuple[int, int]]:
         """The partition at another depth, cut from the layer profile measured at launch (in

@@ -1,0 +1,82 @@
+"""Durable checkpoints committed off the coordinator's loop.
+
+A commit writes the signed manifest, renames the folder into place and applies retention,
+which hashes every checkpoint it keeps (so that a damaged one never pushes out a good one):
+seconds per commit for a model of a few GB (SHA-256 runs at about 0.8 GB/s here), tens of
+seconds for a large one. On the loop that also reads the workers' reports, every failure in
+that time waited for the commit before its recovery began. So commits run here, in order, on
+one thread of their own; the loop hands each over when its stages are on disk and writes the
+outcomes as events on its next turn, and waits for the ones still running when the job ends
+(a restart reads the newest committed checkpoint).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from spotpipe.checkpoint import durable
+
+
+@dataclass(frozen=True)
+class Committed:
+    """The outcome of one commit: its folder, or why it failed (the previous one stays)."""
+
+    iteration: int
+    time_s: float
+    path: Path | None = None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class _Commit:
+    iteration: int
+    info: dict[str, Any]
+    checksums: dict[str, str]
+
+
+class Committer:
+    """One thread committing the checkpoints it is handed, oldest first."""
+
+    def __init__(self, root: Path, keep: int, key: bytes, now: Callable[[], float]) -> None:
+        self.root, self.keep, self.key, self.now = root, keep, key, now
+        self._queue: queue.Queue[_Commit | None] = queue.Queue()
+        self._done: list[Committed] = []
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, iteration: int, info: dict[str, Any], checksums: dict[str, str]) -> None:
+        if self._thread is None:  # (a job that never checkpoints starts no thread)
+            self._thread = threading.Thread(target=self._run, name="checkpoint-commit",
+                                            daemon=True)
+            self._thread.start()
+        self._queue.put(_Commit(iteration, info, checksums))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                path = durable.commit(self.root, item.iteration, item.info, item.checksums,
+                                      self.keep, self.key)
+                result = Committed(item.iteration, self.now(), path=path)
+            except OSError as exc:  # the disk is full or failing
+                result = Committed(item.iteration, self.now(), error=f"commit: {exc}")
+            with self._lock:
+                self._done.append(result)
+
+    def finished(self) -> list[Committed]:
+        """The commits done since the last call, in order."""
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def close(self) -> list[Committed]:
+        """Wait for every commit handed over; the ones not yet taken by `finished`."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        return self.finished()
