@@ -121,3 +121,25 @@ def test_a_model_with_tensors_outside_its_layers_state_is_built_whole(tmp_path, 
     assert train(cfg, run, progress=False) == 0
     ready = [json.loads(line) for line in open(run / "events.jsonl")]
     assert {e["built"] for e in ready if e["kind"] == "worker_ready"} == {f"whole: {why}"}
+
+
+def test_a_disk_that_cannot_take_the_file_costs_only_the_shortcut(tmp_path, corpus,
+                                                                  monkeypatch):
+    import errno
+
+    from spotpipe.model import template
+
+    def full(model, path, identity):
+        path.with_name(path.name + ".partial").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(template, "save_initial", full)
+    cfg = tiny_config(corpus, stages=2)
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False) == 0
+    evs = [json.loads(line) for line in open(run / "events.jsonl")]
+    note = [e for e in evs if e["kind"] == "initial_weights_not_written"]
+    assert len(note) == 1 and "No space left on device" in note[0]["message"]
+    assert {e["built"] for e in evs if e["kind"] == "worker_ready"} == \
+        {"whole: no initial weights file"}
+    assert not list(run.glob("initial*"))

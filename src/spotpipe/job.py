@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +26,9 @@ from spotpipe.model.partition import (METHODS, balanced_partition, bounded_parti
                                       explicit_partition, parameter_counts, profile_layer_times,
                                       uniform_partition)
 from spotpipe.model.precision import Precision
-from spotpipe.plan.profile import LayerProfile, cross_stage_tied
 from spotpipe.plan.memory import (GIB, LayerMemory, MemoryEstimate, MemoryRules, StageFacts,
                                   estimate_stage, stage_facts)
+from spotpipe.plan.profile import LayerProfile, cross_stage_tied
 
 
 def build_model(cfg: Config) -> LayeredModel:

@@ -413,7 +413,9 @@ def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> in
             shutil.rmtree(out, ignore_errors=True)
         raise AgentError(f"checkpoint.dir {root}: cannot be written on this host ({exc})") \
             from None
-    prepared.write_initial(out)
+    for note in prepared.write_initial(out):
+        print(f"spotpipe agent: the initial weights were not written ({note['message']}): "
+              "this host's workers build the whole model", file=sys.stderr)
     try:
         return Agent(opts, cfg, prepared.spec, token, address, hosted).run()
     finally:  # (reproducible from the seed, and as large as the model)

@@ -50,13 +50,22 @@ class Prepared:
     spec: job.RunSpec
     model: LayeredModel | None = field(default=None, repr=False, compare=False)
 
-    def write_initial(self, out: Path) -> None:
+    def write_initial(self, out: Path) -> list[dict[str, Any]]:
         """The initial weights, for this host's workers to read only the layers they hold
-        (model/template.py); then the model goes."""
-        if self.model is not None:
-            template.save_initial(self.model, out / template.INITIAL_FILE,
-                                  job.model_identity(self.cfg))
+        (model/template.py); then the model goes. A disk that cannot take them costs only
+        that: the workers build the model whole, and the note returned says why."""
+        if self.model is None:
+            return []
+        path = out / template.INITIAL_FILE
+        try:
+            template.save_initial(self.model, path, job.model_identity(self.cfg))
+        except OSError as exc:
+            path.with_name(path.name + ".partial").unlink(missing_ok=True)
+            return [{"kind": "initial_weights_not_written", "path": str(path),
+                     "message": str(exc)[:300]}]
+        finally:
             self.model = None
+        return []
 
 
 def check_environment(cfg: Config) -> None:
@@ -372,7 +381,7 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
     if out.exists() and overwrite:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    prepared.write_initial(out)
+    notes += prepared.write_initial(out)
     if root is not None:
         try:
             durable.lock.acquire(root, out)
