@@ -3,10 +3,12 @@
 A commit writes the signed manifest, renames the folder into place and applies retention,
 which hashes every checkpoint it keeps (so that a damaged one never pushes out a good one):
 seconds per commit for a model of a few GB (SHA-256 runs at about 0.8 GB/s here), tens of
-seconds for a large one. On the loop that also reads the workers' reports, every failure in
-that time waited for the commit before its recovery began. So commits run here, in order, on
-one thread of their own; the loop hands each over when its stages are on disk and writes the
-outcomes as events on its next turn, and waits for the ones still running when the job ends
+seconds for a large one; a stage uploaded through the store by a host that does not see the
+checkpoint folder is read back, hashed and written first (seconds per GB as well). On the loop
+that also reads the workers' reports, every failure in that time waited for them before its
+recovery began. So they run here, in order, on one thread of their own: the loop hands over
+each upload as it is reported and each commit when its stages are on disk, writes the
+outcomes as events on its next turn, and waits for what is still running when the job ends
 (a restart reads the newest committed checkpoint).
 """
 
@@ -39,25 +41,52 @@ class _Commit:
     checksums: dict[str, str]
 
 
+@dataclass(frozen=True)
+class _Step:
+    """Work an iteration's commit needs first (an uploaded stage to receive): it returns what
+    is wrong, "" when done; a problem means the iteration is never committed."""
+
+    iteration: int
+    run: Callable[[], str]
+
+
 class Committer:
     """One thread committing the checkpoints it is handed, oldest first."""
 
     def __init__(self, root: Path, keep: int, key: bytes, now: Callable[[], float]) -> None:
         self.root, self.keep, self.key, self.now = root, keep, key, now
-        self._queue: queue.Queue[_Commit | None] = queue.Queue()
+        self._queue: queue.Queue[_Commit | _Step | None] = queue.Queue()
+        self._failed: set[int] = set()  # iterations whose step failed (this thread's only)
         self._done: list[Committed] = []
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def submit(self, iteration: int, info: dict[str, Any], checksums: dict[str, str]) -> None:
+        """Commit `iteration` once what was handed over before it is done."""
+        self._put(_Commit(iteration, info, checksums))
+
+    def submit_step(self, iteration: int, run: Callable[[], str]) -> None:
+        """Run `run` before `iteration`'s commit; a problem it returns fails the iteration."""
+        self._put(_Step(iteration, run))
+
+    def _put(self, item: _Commit | _Step) -> None:
         if self._thread is None:  # (a job that never checkpoints starts no thread)
             self._thread = threading.Thread(target=self._run, name="checkpoint-commit",
                                             daemon=True)
             self._thread.start()
-        self._queue.put(_Commit(iteration, info, checksums))
+        self._queue.put(item)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
+            if item.iteration in self._failed:
+                continue  # said once, by the step that failed
+            if isinstance(item, _Step):
+                problem = item.run()
+                if problem:
+                    self._failed.add(item.iteration)
+                    with self._lock:
+                        self._done.append(Committed(item.iteration, self.now(), error=problem))
+                continue
             try:
                 path = durable.commit(self.root, item.iteration, item.info, item.checksums,
                                       self.keep, self.key)

@@ -13,6 +13,7 @@ each agent supervising its own host) and tells the loop of their exits, either d
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -221,9 +222,6 @@ class JobLoop:
             partition=self.spec.partition, partition_for=self._partition_for)
         inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._inbox, self._address, self._store = inbox, address, store
-        # stage files uploaded by hosts that do not see the checkpoint folder (transfer.py)
-        self._sealed = SealedStore(store, self.channel.key, on_refused=lambda why:
-                                   self.coordinator.refused(why.writer, why.reason))
         self._exited: dict[str, int] = {}
         self._last: dict[str, Any] | None = None
         self._received = 0
@@ -291,6 +289,8 @@ class JobLoop:
                         what, item = "exit", (node, item.message.code)
                 if what == "event":  # from a helper thread of this process
                     files.event(item)
+                elif what == "refused_upload":  # from the committer's thread
+                    self.coordinator.refused(*item)
                 elif what in ("record", "refused"):
                     self._handle_record(what, item, files, errors)
                 elif what == "exit":
@@ -429,14 +429,9 @@ class JobLoop:
         if t in self._ckpt_failed:
             return
         if item.get("uploaded"):  # from a host that does not see this checkpoint folder
-            problem = durable.transfer.receive_stage(
-                self._sealed, t, item["stage"], item["checksums"],
-                durable.iter_dir(self.checkpoint_root, t, partial=True))
-            if problem:
-                files.event({"time_s": self._now(), "kind": "checkpoint_failed",
-                             "node": "launcher", "iteration": t, "message": problem})
-                self._checkpoint_failed(item, files)
-                return
+            self.committer.submit_step(t, functools.partial(
+                durable.transfer.receive_stage, self._uploads(), t, item["stage"],
+                item["checksums"], durable.iter_dir(self.checkpoint_root, t, partial=True)))
         parts = self._ckpt_parts.setdefault(t, {})
         parts[item["stage"]] = item["checksums"]
         partition = self.coordinator.partition or self.spec.partition
@@ -449,6 +444,19 @@ class JobLoop:
                 "global_batch": self.cfg.global_batch, "seed": self.cfg.seed}
         del self._ckpt_parts[t]
         self.committer.submit(t, info, checksums)  # (committed off this loop: committer.py)
+
+    def _uploads(self) -> SealedStore:
+        """The committer's own connection to the store, for stage files uploaded by hosts that
+        do not see the checkpoint folder (transfer.py); opened at the first upload. A record
+        there that does not verify is reported through the loop, like any other."""
+        if self._upload_store is None:
+            inbox = self._inbox
+            self._upload_store = SealedStore(
+                self._address.connect(self.cfg.cluster.timeout_s), self.channel.key,
+                on_refused=lambda why: inbox.put(("refused_upload", (why.writer, why.reason))))
+        return self._upload_store
+
+    _upload_store: SealedStore | None = None
 
     def _record_commits(self, files: RunFiles, done: list[Committed]) -> None:
         for c in done:

@@ -1,0 +1,63 @@
+"""The committer: checkpoints committed in order on a thread of their own, each after the
+steps handed over before it (an uploaded stage to receive); a failed step fails only its
+iteration."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+from spotpipe.checkpoint import durable
+from spotpipe.cluster.committer import Committer
+
+KEY = b"k" * 32
+
+
+def _written(root: Path, iteration: int) -> dict[str, str]:
+    """One stage's file in the iteration's uncommitted folder; its checksums."""
+    folder = durable.iter_dir(root, iteration, partial=True) / "stage0"
+    folder.mkdir(parents=True)
+    data = f"iteration {iteration}".encode()
+    (folder / "x.bin").write_bytes(data)
+    return {"stage0/x.bin": hashlib.sha256(data).hexdigest()}
+
+
+def test_commits_in_order_and_a_failed_step_fails_only_its_iteration(tmp_path):
+    root = tmp_path / "ckpt"
+    committer = Committer(root, keep=5, key=KEY, now=lambda: 1.5)
+    ran: list[str] = []
+    for t in (1, 2, 3):
+        checksums = _written(root, t)
+        committer.submit_step(t, lambda t=t: ran.append(f"step {t}") or
+                              ("it arrived damaged" if t == 2 else ""))
+        committer.submit(t, {"stages": 1}, checksums)
+    done = committer.close()
+    assert ran == ["step 1", "step 2", "step 3"]
+    assert [(c.iteration, c.path is not None, c.error) for c in done] == [
+        (1, True, ""), (2, False, "it arrived damaged"), (3, True, "")]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("iter_")) == \
+        ["iter_00000001", "iter_00000003"]
+    assert durable.verify(root / "iter_00000003").manifest["iteration"] == 3
+    assert all(c.time_s == 1.5 for c in done)
+
+
+def test_the_caller_does_not_wait_for_a_commit(tmp_path):
+    """submit returns at once; `finished` has nothing until the commit is done; `close`
+    waits for it."""
+    root = tmp_path / "ckpt"
+    committer = Committer(root, keep=2, key=KEY, now=lambda: 0.0)
+    release = threading.Event()
+    committer.submit_step(1, lambda: "" if release.wait(30) else "never released")
+    committer.submit(1, {"stages": 1}, _written(root, 1))
+    assert committer.finished() == []  # the step holds the thread; the caller went on
+    release.set()
+    done = committer.close()
+    assert [(c.iteration, c.error) for c in done] == [(1, "")]
+    assert (root / "iter_00000001").is_dir()
+
+
+def test_a_job_without_checkpoints_starts_no_thread(tmp_path):
+    committer = Committer(tmp_path, keep=2, key=KEY, now=lambda: 0.0)
+    before = {t.name for t in threading.enumerate()}
+    assert committer.close() == [] and "checkpoint-commit" not in before
