@@ -22,9 +22,8 @@ from spotpipe.model import (GPTConfig, LayeredModel, PartitionError, build_gpt, 
                             template)
 from spotpipe.model.measure import profile_layer_memory
 from spotpipe.model.named import SplitError, split_points_map
-from spotpipe.model.partition import (METHODS, balanced_partition, bounded_partition,
-                                      explicit_partition, parameter_counts, profile_layer_times,
-                                      uniform_partition)
+from spotpipe.model.partition import (balanced_partition, bounded_partition, cut,
+                                      explicit_partition, parameter_counts, profile_layer_times)
 from spotpipe.model.precision import Precision
 from spotpipe.plan.memory import (GIB, LayerMemory, MemoryEstimate, MemoryRules, StageFacts,
                                   estimate_stage, stage_facts)
@@ -126,22 +125,13 @@ def compute_partition(cfg: Config, profile: LayerProfile,
             raise PartitionError(str(exc)) from None
         return explicit_partition(stage_of, p, n)
     method = cfg.model.partition
-    if method == "uniform":
-        return uniform_partition(n, p)
-    if method == "parameters":
-        return balanced_partition(profile.params, p)
-    if method in ("time", "balanced"):
+    if method == "balanced":
         if profile.times is None:
-            raise PartitionError(f"partition method {method!r} needs the layers' profiled "
+            raise PartitionError("partition method 'balanced' needs the layers' profiled "
                                  "times, and the profile has none")
-        if method == "balanced":
-            return balanced_under_memory(cfg, profile, p)
-        return balanced_partition(profile.times, p)
-    if method == "explicit":
-        if not cfg.model.stage_of_layer:
-            raise PartitionError("partition method 'explicit' needs the explicit stage map")
-        return explicit_partition(list(cfg.model.stage_of_layer), p, n)
-    raise PartitionError(f"unknown partition method {method!r}; expected one of {METHODS}")
+        return balanced_under_memory(cfg, profile, p)
+    return cut(method, n, p, params=profile.params, times=profile.times,
+               explicit=list(cfg.model.stage_of_layer) or None)
 
 
 def partition_at_depth(cfg: Config, profile: LayerProfile,

@@ -197,6 +197,28 @@ def explicit_partition(
     return bounds
 
 
+def cut(method: str, num_layers: int, num_stages: int, *,
+        params: Sequence[float] | None = None, times: Sequence[float] | None = None,
+        explicit: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """The ranges of `method` from per-layer figures already known (the launch's profile, or
+    the model itself in `partition`): the one dispatch both use."""
+    if method == "uniform":
+        return uniform_partition(num_layers, num_stages)
+    if method == "parameters":
+        assert params is not None
+        return balanced_partition(params, num_stages)
+    if method == "time":
+        if times is None:
+            raise PartitionError("partition method 'time' needs the layers' profiled times")
+        _check_counts(num_layers, num_stages)
+        return balanced_partition(times, num_stages)
+    if method == "explicit":
+        if not explicit:
+            raise PartitionError("partition method 'explicit' needs the explicit stage map")
+        return explicit_partition(explicit, num_stages, num_layers)
+    raise PartitionError(f"unknown partition method {method!r}; expected one of {METHODS}")
+
+
 def partition(
     model: LayeredModel,
     num_stages: int,
@@ -211,21 +233,13 @@ def partition(
     balance profiled forward+backward time on ``sample_input``; ``explicit``: ``explicit`` is
     the stage index of each layer (see :func:`explicit_partition`).
     """
-    n = model.num_layers
-    if method == "uniform":
-        return uniform_partition(n, num_stages)
-    if method == "parameters":
-        return balanced_partition(parameter_counts(model), num_stages)
-    if method == "time":
-        if sample_input is None:
-            raise PartitionError("partition method 'time' needs a sample_input to profile")
-        _check_counts(n, num_stages)
-        return balanced_partition(profile_layer_times(model, sample_input), num_stages)
-    if method == "explicit":
-        if explicit is None:
-            raise PartitionError("partition method 'explicit' needs the explicit stage map")
-        return explicit_partition(explicit, num_stages, n)
-    raise PartitionError(f"unknown partition method {method!r}; expected one of {METHODS}")
+    if method == "time" and sample_input is None:
+        raise PartitionError("partition method 'time' needs a sample_input to profile")
+    return cut(method, model.num_layers, num_stages,
+               params=parameter_counts(model) if method == "parameters" else None,
+               times=profile_layer_times(model, sample_input)
+               if method == "time" and sample_input is not None else None,
+               explicit=explicit)
 
 
 def build_stage(model: LayeredModel, start: int, end: int) -> nn.Sequential:
