@@ -34,3 +34,20 @@ def test_reshaping_events_are_told():
     assert "node2 restores stage 1 of pipeline 0 from its CPU shadow" in text
     assert "training resumed at iteration 5 after a 0.60 s pause" in text
     assert "node6: arrived after the last iteration" in text
+
+
+def test_a_worker_that_built_the_whole_model_is_told_once_per_reason():
+    why = "whole: layer 1 keeps a tensor outside its state: offset"
+    events = [{"kind": "worker_ready", "time_s": 0.3, "node": f"node{i}", "built": why}
+              for i in range(3)]
+    events += [{"kind": "worker_ready", "time_s": 0.3, "node": "node3",
+                "built": "held layers from the initial weights file"}]
+    lines = describe(events, {"status": "completed", "iterations": 2, "samples": 8,
+                              "wall_s": 1.0})
+    told = [line for line in lines if "built the whole model" in line]
+    assert told == ["      0.30s  node0: built the whole model, not only its layers (layer 1 "
+                    "keeps a tensor outside its state: offset)"]
+    disk = describe([{"kind": "initial_weights_not_written", "time_s": 0.0, "node": "launcher",
+                      "message": "No space left on device"}], {"status": "completed"})
+    assert any("initial weights were not written (No space left on device): every worker "
+               "builds the whole model" in line for line in disk)

@@ -12,6 +12,7 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
     incident: float | None = None
     started_by = ""  # the node whose event started the incident
     resumed_gens: set[int] = set()
+    built_whole: set[str] = set()  # reasons told already (every worker may give the same)
     for ev in events:
         kind, t, node = ev["kind"], ev["time_s"], ev.get("node", "")
         at = f"  {t:8.2f}s"
@@ -42,6 +43,15 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
                          "training goes on as it was")
             if started_by == node:  # its notice paused nothing
                 incident = None
+        elif kind == "initial_weights_not_written":
+            lines.append(f"{at}  the initial weights were not written ({ev['message']}): "
+                         "every worker builds the whole model")
+        elif kind == "worker_ready" and str(ev.get("built", "")).startswith("whole: ") and \
+                ev["built"] != "whole: no initial weights file" and \
+                ev["built"] not in built_whole:
+            built_whole.add(ev["built"])
+            lines.append(f"{at}  {node}: built the whole model, not only its layers "
+                         f"({ev['built'][len('whole: '):]})")
         elif kind == "standby":
             lines.append(f"{at}  {node}: waits on standby (no place for it in the layout)")
         elif kind == "rejoining":
