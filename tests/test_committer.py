@@ -61,3 +61,19 @@ def test_a_job_without_checkpoints_starts_no_thread(tmp_path):
     committer = Committer(tmp_path, keep=2, key=KEY, now=lambda: 0.0)
     before = {t.name for t in threading.enumerate()}
     assert committer.close() == [] and "checkpoint-commit" not in before
+
+
+def test_a_deposed_coordinator_drops_the_commits_not_yet_started(tmp_path):
+    """Its successor commits from now on: the commit under way ends, the rest never run."""
+    root = tmp_path / "ckpt"
+    committer = Committer(root, keep=5, key=KEY, now=lambda: 0.0)
+    started, release = threading.Event(), threading.Event()
+    committer.submit_step(1, lambda: "" if started.set() or release.wait(30) else "stuck")
+    committer.submit(1, {"stages": 1}, _written(root, 1))
+    committer.submit(2, {"stages": 1}, _written(root, 2))
+    assert started.wait(30)  # the thread is inside iteration 1's step
+    committer.drop_pending()  # (abandon() is this, then close())
+    release.set()
+    done = committer.close()
+    assert done == []  # iteration 1's commit and iteration 2 were dropped with the queue
+    assert not any(p.name.startswith("iter_") for p in root.iterdir())

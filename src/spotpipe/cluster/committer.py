@@ -102,6 +102,20 @@ class Committer:
             done, self._done = self._done, []
         return done
 
+    def abandon(self) -> list[Committed]:
+        """This coordinator was deposed: its successor commits from now on (two writers in
+        one folder would race), so what has not started is dropped; the one under way ends."""
+        self.drop_pending()
+        return self.close()
+
+    def drop_pending(self) -> None:
+        """Forget every receive and commit handed over that has not started."""
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+
     def close(self) -> list[Committed]:
         """Wait for every commit handed over; the ones not yet taken by `finished`."""
         if self._thread is not None:

@@ -334,7 +334,8 @@ class JobLoop:
         finally:
             self._stop_workers()
             try:
-                self._record_commits(files, self.committer.close())
+                self._record_commits(files, self.committer.abandon() if deposed
+                                     else self.committer.close())
             except RunFilesError:
                 pass  # (the job's own outcome is reported below)
             if self._shadows is not None:
