@@ -46,6 +46,10 @@ def model_identity(cfg: Config) -> str:
     return f"{cfg.model_digest()}/seed{cfg.seed}"
 
 
+HELD = "held layers from the initial weights file"  # what `build_model_holding` says
+NO_INITIAL_FILE = "whole: no initial weights file"
+
+
 def build_model_holding(cfg: Config, run_dir: Path,
                         layers: Iterable[int]) -> tuple[LayeredModel, str]:
     """The model with values for `layers` only (the rest on the meta device), read from the
@@ -58,7 +62,7 @@ def build_model_holding(cfg: Config, run_dir: Path,
     worker's events."""
     path = run_dir / template.INITIAL_FILE
     if not path.is_file():
-        return build_model(cfg), "whole: no initial weights file"
+        return build_model(cfg), NO_INITIAL_FILE
     try:
         with torch.device("meta"):
             model = build_model(cfg)
@@ -72,7 +76,7 @@ def build_model_holding(cfg: Config, run_dir: Path,
         template.load_held(model, path, model_identity(cfg), layers)
     except template.InitialFileError as exc:
         return build_model(cfg), f"whole: {_first_line(exc)}"
-    return model, "held layers from the initial weights file"
+    return model, HELD
 
 
 def _first_line(exc: BaseException) -> str:

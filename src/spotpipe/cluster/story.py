@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from spotpipe.job import NO_INITIAL_FILE
+
 _START = ("fault_injected", "node_lost", "node_fenced", "notice", "trace_kill", "trace_notice")
 
 
@@ -47,7 +49,7 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
             lines.append(f"{at}  the initial weights were not written ({ev['message']}): "
                          "every worker builds the whole model")
         elif kind == "worker_ready" and str(ev.get("built", "")).startswith("whole: ") and \
-                ev["built"] != "whole: no initial weights file" and \
+                ev["built"] != NO_INITIAL_FILE and \
                 ev["built"] not in built_whole:
             built_whole.add(ev["built"])
             lines.append(f"{at}  {node}: built the whole model, not only its layers "

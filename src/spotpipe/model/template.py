@@ -11,9 +11,9 @@ plus every buffer (small, and a template's layers must be copyable into any stag
 The values are the very bytes the whole build gives, so training is bit for bit the same.
 
 The file is checked against the job (its metadata names the model digest and seed) and tensor
-by tensor against the template, so a stale or foreign file stops the worker with a message
-naming the file and the tensor instead of training something else. It is safetensors, never
-pickle: reading it runs no code.
+by tensor against the template: a stale or foreign file raises InitialFileError naming the file
+and the tensor, and the worker builds the model whole instead (`job.build_model_holding`), never
+training on something else. It is safetensors, never pickle: reading it runs no code.
 """
 
 from __future__ import annotations
@@ -84,12 +84,13 @@ def load_held(model: LayeredModel, path: Path, identity: str, layers: Iterable[i
             return value
 
         swap_tensors(model.layers, "_parameters", lambda p: id(p) in wanted,
-              lambda p: nn.Parameter(read(names[id(p)], p), requires_grad=p.requires_grad))
+                     lambda p: nn.Parameter(read(names[id(p)], p),
+                                            requires_grad=p.requires_grad))
         buffers: dict[int, str] = {}  # a shared buffer (one rotary module) is stored once
         for name, b in model.to_sequential().named_buffers(remove_duplicate=False):
             buffers.setdefault(id(b), name)
         swap_tensors(model.layers, "_buffers", lambda b: b.is_meta,
-              lambda b: read(f"buffer:{buffers[id(b)]}", b))
+                     lambda b: read(f"buffer:{buffers[id(b)]}", b))
 
 
 def meta_outside_state(model: LayeredModel) -> str | None:
@@ -99,9 +100,13 @@ def meta_outside_state(model: LayeredModel) -> str | None:
     there is none."""
     def plain(module: nn.Module) -> str | None:
         for name, value in vars(module).items():
-            values = value if isinstance(value, (list, tuple)) else \
-                list(value.values()) if isinstance(value, dict) and not name.startswith("_") \
-                else [value]
+            # a module's own tables (`_parameters`, `_buffers`, hooks) are its state
+            if isinstance(value, dict):
+                values = [] if name.startswith("_") else list(value.values())
+            elif isinstance(value, (list, tuple)):
+                values = list(value)
+            else:
+                values = [value]
             if any(isinstance(v, torch.Tensor) and v.is_meta for v in values):
                 return name
         return None
@@ -121,7 +126,7 @@ def meta_outside_state(model: LayeredModel) -> str | None:
 
 
 def swap_tensors(modules: Iterable[nn.Module], slot: str, which: Callable[[torch.Tensor], bool],
-          make: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                 make: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Replace each tensor in the `slot` dict (`_parameters` or `_buffers`) of every submodule
     that `which` selects by `make(old)`, the same new one wherever the old one was shared."""
     swapped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
