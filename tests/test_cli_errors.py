@@ -169,3 +169,80 @@ def test_a_missing_optional_package_is_refused_before_anything_starts(tmp_path, 
         launcher.train(tiny_config(corpus, **{"logging.tensorboard": True}), out,
                        progress=False)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("requested,gpus,workers,want", [
+    ("gloo", 8, 2, ("gloo", False)),
+    ("auto", 0, 4, ("gloo", False)),
+    ("auto", 4, 4, ("nccl", False)),
+    ("auto", 8, 3, ("nccl", False)),
+    ("auto", 1, 2, ("gloo", True)),  # NCCL would refuse two ranks on the one GPU
+    ("nccl", 2, 2, ("nccl", False)),
+])
+def test_the_backend_takes_nccl_only_with_a_gpu_for_every_worker(requested, gpus, workers,
+                                                                   want):
+    from spotpipe import job
+
+    backend, why = job.choose_backend(requested, gpus, workers)
+    assert (backend, bool(why)) == want
+    if why:
+        assert f"{gpus} GPU" in why and f"{workers} workers" in why
+
+
+@pytest.mark.parametrize("gpus,workers,words", [(0, 1, "torch finds none"),
+                                                (1, 2, "each of the 2 workers"),
+                                                (3, 8, "torch finds 3")])
+def test_nccl_without_a_gpu_for_every_worker_names_the_counts(gpus, workers, words):
+    from spotpipe import job
+
+    with pytest.raises(ValueError, match="cluster.backend: 'nccl' needs") as caught:
+        job.choose_backend("nccl", gpus, workers)
+    assert words in str(caught.value)
+
+
+def test_the_workers_read_the_backend_the_launch_decided(corpus):
+    """`auto` is decided once, where the job starts, and written into the configuration the
+    workers read, so that no two processes of a job can decide it differently."""
+    from conftest import tiny_config
+    from spotpipe.cluster.launcher import prepare
+
+    prepared = prepare(tiny_config(corpus, stages=2), workers_here=2)
+    assert prepared.cfg.cluster.backend == ("nccl" if __import__("torch").cuda.device_count()
+                                            >= 2 else "gloo")
+
+
+def test_eager_replicas_on_the_cpu_of_a_gpu_job_are_refused(corpus, monkeypatch):
+    """The replica's forward (FRC) would run on the CPU, whose bf16 and fp32 products differ
+    from a GPU's (23 and 45090 of 49152 elements on an H200: spotpipe bench gpu)."""
+    from conftest import tiny_config
+    from spotpipe import job
+    from spotpipe.cluster.launcher import LaunchError, check_environment
+
+    monkeypatch.setattr(job, "cuda_gpus", lambda: 2)
+    with pytest.raises(LaunchError, match="replica.device: 'cpu' with redundancy: eager"):
+        check_environment(tiny_config(corpus, stages=2, redundancy="eager"), 2)
+    for extra in ({"redundancy": "lazy"}, {"redundancy": "eager", "replica.device": "device"},
+                  {"redundancy": "eager", "cluster.backend": "gloo"}):
+        assert check_environment(tiny_config(corpus, stages=2, **extra), 2).cluster.backend \
+            == ("gloo" if "cluster.backend" in extra else "nccl")
+
+
+def test_cpu_copies_of_gpu_stages_step_with_the_portable_kernel(corpus, monkeypatch):
+    import torch
+
+    from conftest import tiny_config
+    from spotpipe import job
+    from spotpipe.runtime.optim import PortableAdamW, build_optimizer, optimizer_kernel
+
+    monkeypatch.setattr(job, "cuda_gpus", lambda: 4)
+    cases = [({"shadow.enabled": True}, "portable"), ({"redundancy": "lazy"}, "portable"),
+             ({"redundancy": "lazy", "replica.device": "device"}, "fused"),
+             ({"shadow.enabled": True, "cluster.backend": "gloo"}, "fused"),
+             ({"shadow.enabled": True, "optimizer.kernel": "fused"}, "fused"),
+             ({"optimizer.kernel": "portable"}, "portable")]
+    for extra, want in cases:
+        cfg = tiny_config(corpus, stages=2, **extra)
+        assert optimizer_kernel(cfg) == want, extra
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    assert isinstance(build_optimizer(params, tiny_config(corpus, stages=2, redundancy="lazy")),
+                      PortableAdamW)

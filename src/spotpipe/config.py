@@ -87,6 +87,9 @@ class OptimizerSection:
     eps: float = 1e-8
     momentum: float = 0.0
     grad_clip: float = 1.0  # max global L2 norm; 0 disables clipping
+    # the update's kernel: "fused" (torch's), "portable" (the same bits on CPU and GPU, for
+    # CPU shadows and replicas of GPU stages), "auto" (portable exactly then)
+    kernel: Literal["auto", "fused", "portable"] = "auto"
 
 
 @dataclass

@@ -215,10 +215,48 @@ def device_for(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def choose_backend(requested: str, gpus: int, workers_here: int) -> tuple[str, str]:
+    """The backend for `workers_here` workers on a host with `gpus` CUDA GPUs, and a line
+    for the user when `auto` chose the CPU although there are GPUs (else "").
+
+    NCCL refuses two ranks of one communicator on the same GPU ("Duplicate GPU detected"), so
+    it needs a GPU per worker; `auto` takes NCCL only then, and says why when it does not,
+    instead of letting every worker fail inside NCCL's initialisation."""
+    if requested == "gloo":
+        return "gloo", ""
+    if requested == "nccl":
+        if gpus == 0:
+            raise ValueError("cluster.backend: 'nccl' needs CUDA GPUs, and torch finds none on "
+                             "this machine; use 'gloo' or 'auto'")
+        if gpus < workers_here:
+            raise ValueError(f"cluster.backend: 'nccl' needs a GPU for each of the "
+                             f"{workers_here} workers on this host, and torch finds {gpus} "
+                             "(NCCL refuses two ranks on one GPU); use fewer stages x "
+                             "pipelines per host, or 'gloo'")
+        return "nccl", ""
+    if gpus == 0:
+        return "gloo", ""
+    if gpus < workers_here:
+        return "gloo", (f"cluster.backend auto: gloo on the CPU, since this host has {gpus} "
+                        f"GPU{'s' if gpus > 1 else ''} for {workers_here} workers and NCCL "
+                        "needs one per worker")
+    return "nccl", ""
+
+
+def cuda_gpus() -> int:
+    """The GPUs torch sees, counted through NVML where it can (`torch.cuda.device_count`),
+    which leaves CUDA uninitialised: a process that forks workers must not initialise it."""
+    return torch.cuda.device_count() if torch.backends.cuda.is_built() else 0
+
+
 def resolve_backend(cfg: Config) -> str:
+    """The configured backend. The launcher decides `auto` (`choose_backend`, from the workers
+    of its host) and writes the decision into the configuration every worker reads, so a
+    worker finds it decided; `auto` here is for code that runs outside a job (the reference
+    loop, tests), decided for all the job's workers on this host."""
     if cfg.cluster.backend != "auto":
         return cfg.cluster.backend
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return choose_backend("auto", cuda_gpus(), cfg.stages * cfg.pipelines)[0]
 
 
 # --------------------------------------------------------------------------- memory

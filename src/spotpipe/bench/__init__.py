@@ -21,6 +21,7 @@ BENCHES = {
     "chaos": "spotpipe.bench.chaos",
     "checkpoint": "spotpipe.bench.checkpoint",
     "failover": "spotpipe.bench.failover",
+    "gpu": "spotpipe.bench.gpu",
     "model": "spotpipe.bench.model",
     "pipeline": "spotpipe.bench.pipeline",
     "reconfigure": "spotpipe.bench.reconfigure",
@@ -55,8 +56,12 @@ def run_bench(name: str, *, as_json: bool = False, quick: bool = False,
         print(f"spotpipe: error: benchmark {name!r} is not available: {exc}", file=sys.stderr)
         return 2
     load_before = os.getloadavg()[0]
-    runs = [module.run(quick=quick, **({"faults": faults} if faults is not None else {}))
-            for _ in range(repeat)]
+    try:
+        runs = [module.run(quick=quick, **({"faults": faults} if faults is not None else {}))
+                for _ in range(repeat)]
+    except RuntimeError as exc:  # a job that failed, a machine without what the bench needs
+        print(f"spotpipe: error: bench {name}: {exc}", file=sys.stderr)
+        return 1
     figures = runs[0] if repeat == 1 else median_of_runs(runs)
     # over all the runs, set here only (no bench records its own)
     figures["load_average_before_after"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]

@@ -396,7 +396,7 @@ def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> in
     """Validate, meet the other agents, run; AgentError/LaunchError before anything starts."""
     token = check_options(opts, cfg, overwrite)
     out = opts.out
-    prepared = prepare(cfg)
+    prepared = prepare(cfg, opts.nproc)
     address, hosted = connect_rendezvous(opts, cfg)
     import shutil
 
@@ -417,7 +417,7 @@ def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> in
         print(f"spotpipe agent: the initial weights were not written ({note['message']}): "
               "this host's workers build the whole model", file=sys.stderr)
     try:
-        return Agent(opts, cfg, prepared.spec, token, address, hosted).run()
+        return Agent(opts, prepared.cfg, prepared.spec, token, address, hosted).run()
     finally:  # (reproducible from the seed, and as large as the model)
         (out / template.INITIAL_FILE).unlink(missing_ok=True)
 

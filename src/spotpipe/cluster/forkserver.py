@@ -157,6 +157,9 @@ def serve(preload: Sequence[str]) -> None:
     # what each child's sys.path keeps: not the server's working folder nor its PYTHONPATH
     own = set(_folders(os.environ.get("PYTHONPATH", "")))
     base_path = [p for p in sys.path[1:] if p not in own]
+    # torch.cuda.is_available(), which a preloaded module may call, then asks NVML instead of
+    # initialising CUDA, which no forked child could use after that
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     for i, module in enumerate(preload):
         try:
             importlib.import_module(module)

@@ -10,6 +10,7 @@ over hosts.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import queue
@@ -68,24 +69,33 @@ class Prepared:
         return []
 
 
-def check_environment(cfg: Config) -> None:
+def check_environment(cfg: Config, workers_here: int) -> Config:
     """What the configuration asks of this machine: found here, not inside the workers after
-    the output folder exists."""
-    if cfg.cluster.backend == "nccl":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise LaunchError("cluster.backend: 'nccl' needs CUDA GPUs, and torch finds none on "
-                              "this machine; use 'gloo' or 'auto'")
+    the output folder exists. Returns the configuration with `cluster.backend` decided (no
+    longer `auto`), which every worker of this host reads."""
+    try:
+        backend, why = job.choose_backend(cfg.cluster.backend, job.cuda_gpus(), workers_here)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+    if why:
+        print(f"spotpipe: {why}", file=sys.stderr)
+    if backend == "nccl" and cfg.redundancy == "eager" and cfg.replica.device == "cpu":
+        raise LaunchError("replica.device: 'cpu' with redundancy: eager on GPUs: the replica's "
+                          "forward (FRC) would run on the CPU, whose products differ from the "
+                          "GPU's in the last bits, so a takeover would not be exact; use "
+                          "replica.device: device (or redundancy: lazy)")
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise LaunchError("logging.tensorboard: true needs the tensorboard package, which is "
                           "not installed (pip install tensorboard), or set it to false")
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, backend=backend))
 
 
-def prepare(cfg: Config) -> Prepared:
-    """Build model and dataset once and decide the partition; turn every failure into a
-    LaunchError that says what to fix."""
-    check_environment(cfg)
+def prepare(cfg: Config, workers_here: int | None = None) -> Prepared:
+    """Build model and dataset once and decide the backend and the partition; turn every
+    failure into a LaunchError that says what to fix. `workers_here`: the workers this host
+    starts (default: all the job's, as `spotpipe train` does)."""
+    cfg = check_environment(cfg, cfg.stages * cfg.pipelines if workers_here is None
+                            else workers_here)
     for path in reversed(search_path(cfg)):
         if path not in sys.path:
             sys.path.insert(0, path)
@@ -362,7 +372,7 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
           config_path: Path | None = None) -> int:
     """Validate, bind the store, then run; raises LaunchError before writing anything."""
     check_out(cfg, out, overwrite, resume, config_path)
-    prepared = prepare(cfg)
+    prepared = prepare(cfg, cfg.stages * cfg.pipelines + len(joins or []))
     try:
         key = durable.resolve_key(cfg.checkpoint.key)
     except durable.KeyFileError as exc:

@@ -16,6 +16,7 @@ the runtime keeps the copies on the first and last stage equal.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,17 +85,32 @@ class Block(nn.Module):
         self.config = config
 
     def forward(self, h: Tensor) -> Tensor:
-        from transformers.masking_utils import create_causal_mask
-
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
-                                  cache=None, position_ids=position_ids)
+        mask = causal_mask(self.config, h, position_ids)
         extra = {}
         if self.rotary is not None:
             extra["position_embeddings"] = self.rotary(h, position_ids=position_ids)
         out = self.block(h, attention_mask=mask, position_ids=position_ids, use_cache=False,
                          **extra)
         return out[0] if isinstance(out, tuple) else out
+
+
+def causal_mask(config: Any, h: Tensor, position_ids: Tensor) -> Any:
+    """transformers' own causal mask for a block's input without a cache. Its keyword names
+    changed within 5.x (5.0: `input_embeds`, `cache_position`, `past_key_values`; 5.17:
+    `inputs_embeds`, `past_key_values`; 5.25: `cache`), so they are read off its signature."""
+    from transformers.masking_utils import create_causal_mask
+
+    names = inspect.signature(create_causal_mask).parameters
+    kwargs: dict[str, Any] = {"config": config, "attention_mask": None,
+                              "position_ids": position_ids}
+    kwargs["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = h
+    for name in ("cache", "past_key_values"):
+        if name in names:
+            kwargs[name] = None
+    if "cache_position" in names:
+        kwargs["cache_position"] = position_ids[0]
+    return create_causal_mask(**kwargs)
 
 
 def load_config(spec: str, overrides: dict[str, Any]) -> Any:

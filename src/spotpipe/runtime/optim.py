@@ -25,8 +25,26 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: Config) -> torch.
     return optimizer
 
 
+def optimizer_kernel(cfg: Config) -> str:
+    """`optimizer.kernel` decided: "portable" where a CPU copy (a shadow, a replica with
+    `replica.device: cpu`) applies the updates of a stage trained on GPUs, "fused" elsewhere.
+    Every process decides alike: the backend is settled at launch and is in the config."""
+    kernel = cfg.optimizer.kernel
+    if kernel != "auto":
+        return kernel
+    from spotpipe import job
+
+    cpu_copies = cfg.shadow.enabled or (cfg.redundancy != "none" and cfg.replica.device == "cpu")
+    return "portable" if cpu_copies and job.resolve_backend(cfg) == "nccl" else "fused"
+
+
 def _optimizer(params: list[torch.nn.Parameter], cfg: Config) -> torch.optim.Optimizer:
     o = cfg.optimizer
+    if optimizer_kernel(cfg) == "portable":
+        if o.name == "adamw":
+            return PortableAdamW(params, lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps,
+                                 weight_decay=o.weight_decay)
+        return PortableSGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
     if o.name == "adamw":
         # fused: one kernel that updates each tensor on its own, so partitioned and
         # unpartitioned steps match bitwise whatever the grouping of tensors into stages (as
@@ -36,6 +54,109 @@ def _optimizer(params: list[torch.nn.Parameter], cfg: Config) -> torch.optim.Opt
                                  weight_decay=o.weight_decay, fused=True)
     return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
                            foreach=False)
+
+
+class PortableAdamW(torch.optim.AdamW):
+    """AdamW whose step gives the same bits on the CPU and on a GPU.
+
+    torch's fused and per-tensor AdamW gave other bits on an H200 than on the CPU from the
+    same state and gradients (`spotpipe bench gpu`): their kernels contract multiplies and
+    adds into fused multiply-adds differently, and CUDA's float32 square root and division
+    are not the CPU's. A CPU shadow or replica applying a GPU owner's gradients with them
+    drifts from its owner. Here every operation is one that IEEE 754 rounds once, each its own
+    kernel: float32 multiplies, adds and divisions, and a square root that is correctly
+    rounded on every device (`rounded_sqrt`); every constant is computed in Python's double.
+    It keeps AdamW's state layout (step on the CPU, exp_avg, exp_avg_sq), so
+    checkpoints, replicas and shadows read it as AdamW's; the cost is a dozen passes over the
+    state where the fused kernel makes one."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float,
+                 betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         foreach=False, fused=False)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            lr, (beta1, beta2) = group["lr"], group["betas"]
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p,
+                                                           memory_format=torch.preserve_format)
+                state["step"] += 1
+            grads = [p.grad for p in params]
+            m = [self.state[p]["exp_avg"] for p in params]
+            v = [self.state[p]["exp_avg_sq"] for p in params]
+            torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
+            torch._foreach_mul_(m, beta1)
+            torch._foreach_add_(m, torch._foreach_mul(grads, 1.0 - beta1))
+            squares = torch._foreach_mul(grads, grads)
+            torch._foreach_mul_(squares, 1.0 - beta2)
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_add_(v, squares)
+            for p, avg, avg_sq in zip(params, m, v):  # one tensor's float64 copies at a time
+                t = float(self.state[p]["step"])
+                denom = rounded_sqrt(avg_sq).mul_(1.0 / math.sqrt(1.0 - beta2 ** t))
+                update = torch.div(avg, denom.add_(group["eps"]))
+                p.sub_(update.mul_(lr / (1.0 - beta1 ** t)))
+        return loss
+
+
+def rounded_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root of a float32 tensor, on any device.
+
+    torch's CPU square root is not (it goes through MKL's vector math: 179392 of a million
+    float32 results differ from numpy's, which is the processor's correctly rounded sqrtps),
+    CUDA's is. A float64 root rounded to float32 is within one step of the right answer; it
+    is then moved to the neighbour whose square brackets x, a test that float64 makes
+    exactly (the midpoints between float32 neighbours have 25 significant bits, their squares
+    50)."""
+    r = x.double().sqrt().to(torch.float32)
+    down = torch.nextafter(r, torch.zeros_like(r))
+    up = torch.nextafter(r, torch.full_like(r, math.inf))
+    wide = x.double()
+    low = (r.double() + down.double()) * 0.5
+    high = (r.double() + up.double()) * 0.5
+    r = torch.where(wide < low * low, down, r)
+    return torch.where(wide > high * high, up, r)
+
+
+class PortableSGD(torch.optim.SGD):
+    """SGD (momentum, weight decay, no dampening) in operations rounded once each, as
+    `PortableAdamW`: torch's kernels add `alpha * b` with a fused multiply-add on the GPU."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float, momentum: float,
+                 weight_decay: float) -> None:
+        super().__init__(params, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                         foreach=False)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                d = p.grad
+                if group["weight_decay"]:
+                    d = d + p * group["weight_decay"]
+                if group["momentum"]:
+                    state = self.state[p]
+                    buf = state.get("momentum_buffer")
+                    if buf is None:
+                        buf = state["momentum_buffer"] = d.detach().clone()
+                    else:
+                        buf.mul_(group["momentum"]).add_(d)
+                    d = buf
+                p.sub_(d * group["lr"])
+        return loss
 
 
 def lr_factor(cfg: Config, step: int) -> float:

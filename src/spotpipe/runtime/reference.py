@@ -19,20 +19,22 @@ from spotpipe.runtime.precision import Precision, loss_of, run_layers
 
 
 def train_reference(cfg: Config, iterations: int | None = None,
-                    skip: frozenset[int] = frozenset()) -> tuple[nn.Module, list[float]]:
-    """Train the unpartitioned model; return it and the loss of every iteration. The steps of
-    the iterations in `skip` are not applied (their gradients are dropped), as
+                    skip: frozenset[int] = frozenset(),
+                    device: torch.device | str = "cpu") -> tuple[nn.Module, list[float]]:
+    """Train the unpartitioned model on `device`; return it and the loss of every iteration.
+    The steps of the iterations in `skip` are not applied (their gradients are dropped), as
     `training.nonfinite: skip` does."""
     torch.set_num_threads(cfg.cluster.threads_per_worker)
+    device = torch.device(device)
     layered = job.build_model(cfg)
-    model = layered.to_sequential()
+    model = layered.to_sequential().to(device)
     dataset = job.build_dataset(cfg)
     sampler = job.build_sampler(cfg, dataset)
     optimizer = build_optimizer(model.parameters(), cfg)
     precision = Precision.of(cfg)
     ls = cfg.loss_scale
     # fp16: torch's own scaler, which the pipeline's must reproduce
-    scaler = torch.amp.GradScaler("cpu", init_scale=ls.init, growth_factor=ls.growth_factor,
+    scaler = torch.amp.GradScaler(device.type, init_scale=ls.init, growth_factor=ls.growth_factor,
                                   backoff_factor=ls.backoff_factor,
                                   growth_interval=ls.growth_interval,
                                   enabled=precision.scaled)
@@ -43,7 +45,7 @@ def train_reference(cfg: Config, iterations: int | None = None,
         total = 0.0
         for pipeline in range(d):
             for idx in sampler.pipeline_microbatches(t, pipeline, d, m):
-                x, y = collate(dataset, idx)
+                x, y = (t.to(device) for t in collate(dataset, idx))
                 loss = loss_of(layered.loss_fn, run_layers(model, x, precision), y,
                                precision) / (m * d)
                 scaler.scale(loss).backward()

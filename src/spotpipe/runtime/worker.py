@@ -649,7 +649,7 @@ class Worker:
                            cpu_s=round(time.process_time(), 3),
                            rss_built_mib=self.rss_built_mib,
                            peak_built_mib=self.peak_built_mib, built=self.built,
-                           peak_rss_mib=_peak_rss_mib())
+                           peak_rss_mib=_peak_rss_mib(), **_device_peak(self.device))
         if left:
             self.notices.acknowledge()  # Azure: the eviction may start now
 
@@ -675,6 +675,15 @@ class Worker:
 def scale_to_wire(scale: float | None) -> float | str | None:
     """A clipping scale as a record carries it: NaN (a skipped step) is "skip"."""
     return "skip" if scale is not None and math.isnan(scale) else scale
+
+
+def _device_peak(device: torch.device) -> dict[str, float]:
+    """On a GPU, the allocator's high-water mark (what the launch's memory estimate predicts:
+    the RSS of a GPU worker says nothing of its stage)."""
+    if device.type != "cuda":
+        return {}
+    return {"peak_device_mib": round(torch.cuda.max_memory_allocated(device) / 2 ** 20, 1),
+            "peak_reserved_mib": round(torch.cuda.max_memory_reserved(device) / 2 ** 20, 1)}
 
 
 def _peak_rss_mib() -> float:
