@@ -62,7 +62,7 @@ def test_the_run_spec_travels_and_comes_back_equal():
     (lambda d: d["profile"]["times"].__setitem__(2, math.nan), "times[2]"),
     (lambda d: d["profile"]["times"].__setitem__(0, -1.0), "times[0]"),
     (lambda d: d["profile"]["params"].__setitem__(1, "40"), "params[1]"),
-    (lambda d: d["profile"]["memory"].__setitem__(3, [1, 2]), "memory[3]"),
+    (lambda d: d["profile"]["memory"].__setitem__(3, [1, 2, 3]), "memory[3]"),
     (lambda d: d["profile"]["times"].pop(), "times has 3 entries for 4 layers"),
     (lambda d: d["profile"].pop("params"), "params is missing"),
     (lambda d: d["profile"]["tied"].append(["a"]), "tied[1]"),

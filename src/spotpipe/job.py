@@ -103,13 +103,13 @@ def build_sampler(cfg: Config, dataset: Any) -> GlobalSampler:
 def profile_model(cfg: Config, model: LayeredModel, dataset: Any) -> LayerProfile:
     """The layer profile every partition of this job is cut from (plan/profile.py): measured
     once, at launch. Times are profiled only for the methods that balance them."""
-    sample, _ = collate(dataset, list(range(cfg.micro_batch_size)))
+    sample, target = collate(dataset, list(range(cfg.micro_batch_size)))
     precision = Precision.of(cfg)
     times = None
     if cfg.model.partition in ("time", "balanced") and not cfg.model.split_points:
         times = tuple(profile_layer_times(model, sample, precision=precision))
     return LayerProfile(names=tuple(model.layer_names), params=tuple(parameter_counts(model)),
-                        memory=tuple(profile_layer_memory(model, sample, precision)),
+                        memory=tuple(profile_layer_memory(model, sample, precision, target)),
                         times=times, tied=tuple(model.tied))
 
 

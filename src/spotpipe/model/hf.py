@@ -105,9 +105,8 @@ def causal_mask(config: Any, h: Tensor, position_ids: Tensor) -> Any:
     kwargs: dict[str, Any] = {"config": config, "attention_mask": None,
                               "position_ids": position_ids}
     kwargs["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = h
-    for name in ("cache", "past_key_values"):
-        if name in names:
-            kwargs[name] = None
+    # (5.25 still takes `past_key_values`, deprecated, and warns when both are given)
+    kwargs["cache" if "cache" in names else "past_key_values"] = None
     if "cache_position" in names:
         kwargs["cache_position"] = position_ids[0]
     return create_causal_mask(**kwargs)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from spotpipe.model.layered import LayeredModel
-from spotpipe.model.precision import Precision, run_layers
+from spotpipe.model.precision import Precision, loss_of, run_layers
 from spotpipe.plan.memory import LayerMemory
 
 
@@ -22,10 +24,57 @@ def _storage_key(t: Tensor) -> tuple[int, int]:
     return s.data_ptr(), s.nbytes()
 
 
+class _Allocated(TorchDispatchMode):
+    """Bytes of the tensors the operations under it create, each storage once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+        self._seen: set[tuple[int, int]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor) and t.device.type != "meta":
+                key = _storage_key(t)
+                if key not in self._seen:
+                    self._seen.add(key)
+                    self.bytes += key[1]
+        return out
+
+
+def _loss_memory(model: LayeredModel, output: Tensor, target: Tensor, precision: Precision,
+                 params: set[tuple[int, int]]) -> tuple[int, int]:
+    """What the loss keeps for the backward (the log-softmax of the logits, in fp32), and
+    what its backward creates: the gradients with respect to it and to the logits, which
+    exist together at the last stage's backward and are as large as the logits in fp32."""
+    seen: set[tuple[int, int]] = set()
+    kept = 0
+
+    def pack(t: Tensor) -> Tensor:
+        nonlocal kept
+        key = _storage_key(t)
+        if key not in seen and key not in params:
+            seen.add(key)
+            kept += key[1]
+        return t
+
+    y = output.detach().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_of(model.loss_fn, y, target, Precision(precision.name))
+    created = _Allocated()
+    with created:
+        torch.autograd.grad(loss, y)
+    return kept, created.bytes
+
+
 def profile_layer_memory(model: LayeredModel, sample_input: Tensor,
-                         precision: Precision = Precision()) -> list[LayerMemory]:
-    """LayerMemory of every layer on `sample_input` (one micro-batch); gradients, the RNG and
-    the model are left as they were (nothing is stepped, no backward runs)."""
+                         precision: Precision = Precision(),
+                         target: Tensor | None = None) -> list[LayerMemory]:
+    """LayerMemory of every layer on `sample_input` (one micro-batch); with `target`, the
+    last layer's facts count its loss too (what the loss keeps, and its backward's working
+    memory). Gradients, the RNG and the model are left as they were (nothing is stepped; the
+    loss's backward runs to a detached copy of the logits only)."""
     out: list[LayerMemory] = []
     params = {_storage_key(p) for p in model.to_sequential().parameters()}
     x = sample_input
@@ -50,4 +99,9 @@ def profile_layer_memory(model: LayeredModel, sample_input: Tensor,
             n = sum(p.numel() for p in layer.parameters())
             out.append(LayerMemory(n, float(kept), float(y.numel() * y.element_size())))
             x = y.detach()
+        if target is not None and out and x.is_floating_point():
+            kept, working = _loss_memory(model, x, target, precision, params)
+            last = out[-1]
+            out[-1] = LayerMemory(last.params, last.activation_bytes + kept, last.output_bytes,
+                                  float(working))
     return out

@@ -56,6 +56,12 @@ gradient it receives and the optimizer state: (4 + 4 + optimizer) N, in the memo
 host the shadows run on (the launcher's or agent's, not a preemptible node: `shadow_host`).
 Reserve: `device_reserve_bytes` of every device (CUDA context and allocator slack; about
 0.5-1 GiB in practice) is not available to the stage.
+Backward's working memory (`transient_bytes`, measured by the runtime, zero in the analytic
+model): what one micro-batch's backward allocates beyond what its forward kept, once per
+stage. For the last stage it is the loss's: the gradients with respect to the log-softmax and
+to the logits, each as large as the logits in fp32 (GPT-2 small, 8 x 512 tokens: 1.5 GiB,
+which the estimate missed against `torch.cuda.max_memory_allocated` on an H200 before it was
+counted, with the loss's own saved tensors: 0.78 of the measured peak in fp32).
 Not counted: temporary buffers of one kernel, communication buffers (small against the
 above at these sizes), fragmentation beyond the reserve.
 """
@@ -91,6 +97,7 @@ class StageFacts:
     replica_params: int = 0
     replica_boundary_bytes: float = 0.0
     input_bytes: float | None = None
+    transient_bytes: float = 0.0
 
     @property
     def stage_input_bytes(self) -> float:
@@ -98,7 +105,7 @@ class StageFacts:
 
     def __post_init__(self) -> None:
         for name in ("params", "activation_bytes", "boundary_bytes", "replica_params",
-                     "replica_boundary_bytes", "stage_input_bytes"):
+                     "replica_boundary_bytes", "stage_input_bytes", "transient_bytes"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"StageFacts.{name} must be >= 0, got {value!r}")
@@ -190,6 +197,7 @@ def estimate_stage(stage: int, facts: StageFacts, rules: MemoryRules) -> MemoryE
     n = facts.params
     parts = [MemoryPart(name, "device", float(b * n)) for name, b in per.items()]
     parts.append(MemoryPart("activations", "device", _activations(stage, facts, rules)))
+    parts.append(MemoryPart("backward_working", "device", float(facts.transient_bytes)))
     m = rules.microbatches
     if rules.redundancy != "none" and rules.num_stages > 1:
         r = facts.replica_params
@@ -250,11 +258,15 @@ def _gib(b: float) -> str:
 @dataclass(frozen=True)
 class LayerMemory:
     """One layer of a layer-list model: parameters, bytes kept for backward per
-    micro-batch, bytes of its output per micro-batch."""
+    micro-batch, bytes of its output per micro-batch, and the working memory of one
+    micro-batch's backward beyond what is kept (`transient_bytes`, needed by one micro-batch
+    at a time; measured for the last layer, whose loss's gradients are as large as the
+    logits in fp32, twice over)."""
 
     params: int
     activation_bytes: float
     output_bytes: float
+    transient_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -315,7 +327,8 @@ def stage_facts(layers: Sequence[LayerMemory], stages: Sequence[tuple[int, int]]
         layers=len(own),
         replica_params=sum(x.params for x in replica),
         replica_boundary_bytes=replica[-1].output_bytes if replica else 0.0,
-        input_bytes=layers[start - 1].output_bytes if start > 0 else 0.0)
+        input_bytes=layers[start - 1].output_bytes if start > 0 else 0.0,
+        transient_bytes=max(x.transient_bytes for x in own))
 
 
 def merge_facts(first: StageFacts, second: StageFacts) -> StageFacts:
@@ -324,7 +337,8 @@ def merge_facts(first: StageFacts, second: StageFacts) -> StageFacts:
     return StageFacts(first.params + second.params,
                       first.activation_bytes + second.activation_bytes,
                       second.boundary_bytes, first.layers + second.layers,
-                      input_bytes=first.stage_input_bytes)
+                      input_bytes=first.stage_input_bytes,
+                      transient_bytes=max(first.transient_bytes, second.transient_bytes))
 
 
 # -- instance presets (device memory per GPU, host memory per instance) --------------------
