@@ -24,6 +24,27 @@ def _storage_key(t: Tensor) -> tuple[int, int]:
     return s.data_ptr(), s.nbytes()
 
 
+class _Kept(torch.autograd.graph.saved_tensors_hooks):
+    """Bytes autograd saves for the backward under it, each storage once, parameters not
+    at all (they are counted as weights)."""
+
+    def __init__(self, params: set[tuple[int, int]]) -> None:
+        self.bytes = 0
+        self._seen = set(params)
+        super().__init__(self._pack, lambda t: t)
+
+    def __enter__(self) -> "_Kept":  # (the base class returns None)
+        super().__enter__()
+        return self
+
+    def _pack(self, t: Tensor) -> Tensor:
+        key = _storage_key(t)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.bytes += key[1]
+        return t
+
+
 class _Allocated(TorchDispatchMode):
     """Bytes of the tensors the operations under it create, each storage once."""
 
@@ -48,24 +69,12 @@ def _loss_memory(model: LayeredModel, output: Tensor, target: Tensor, precision:
     """What the loss keeps for the backward (the log-softmax of the logits, in fp32), and
     what its backward creates: the gradients with respect to it and to the logits, which
     exist together at the last stage's backward and are as large as the logits in fp32."""
-    seen: set[tuple[int, int]] = set()
-    kept = 0
-
-    def pack(t: Tensor) -> Tensor:
-        nonlocal kept
-        key = _storage_key(t)
-        if key not in seen and key not in params:
-            seen.add(key)
-            kept += key[1]
-        return t
-
     y = output.detach().requires_grad_(True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with _Kept(params) as kept:
         loss = loss_of(model.loss_fn, y, target, Precision(precision.name))
-    created = _Allocated()
-    with created:
+    with _Allocated() as created:
         torch.autograd.grad(loss, y)
-    return kept, created.bytes
+    return kept.bytes, created.bytes
 
 
 def profile_layer_memory(model: LayeredModel, sample_input: Tensor,
@@ -80,28 +89,17 @@ def profile_layer_memory(model: LayeredModel, sample_input: Tensor,
     x = sample_input
     with torch.random.fork_rng(devices=[]):
         for layer in model.layers:
-            seen: set[tuple[int, int]] = set()
-            kept = 0
-
-            def pack(t: Tensor) -> Tensor:
-                nonlocal kept
-                key = _storage_key(t)
-                if key not in seen and key not in params:
-                    seen.add(key)
-                    kept += key[1]
-                return t
-
             inp = x.detach()
             if inp.is_floating_point():
                 inp.requires_grad_(True)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with _Kept(params) as kept:
                 y = run_layers(nn.Sequential(layer), inp, Precision(precision.name))
             n = sum(p.numel() for p in layer.parameters())
-            out.append(LayerMemory(n, float(kept), float(y.numel() * y.element_size())))
+            out.append(LayerMemory(n, float(kept.bytes), float(y.numel() * y.element_size())))
             x = y.detach()
         if target is not None and out and x.is_floating_point():
-            kept, working = _loss_memory(model, x, target, precision, params)
+            kept_bytes, working = _loss_memory(model, x, target, precision, params)
             last = out[-1]
-            out[-1] = LayerMemory(last.params, last.activation_bytes + kept, last.output_bytes,
-                                  float(working))
+            out[-1] = LayerMemory(last.params, last.activation_bytes + kept_bytes,
+                                  last.output_bytes, float(working))
     return out
