@@ -246,3 +246,11 @@ def test_cpu_copies_of_gpu_stages_step_with_the_portable_kernel(corpus, monkeypa
     params = [torch.nn.Parameter(torch.zeros(2))]
     assert isinstance(build_optimizer(params, tiny_config(corpus, stages=2, redundancy="lazy")),
                       PortableAdamW)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_bench_gpu_without_a_gpu_says_so():
+    result = spotpipe("bench", "gpu", "--json")
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("spotpipe: error: bench gpu: it needs a CUDA GPU, and "
+                                     "torch finds none on this machine")
