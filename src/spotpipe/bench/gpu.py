@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from spotpipe.bench.model import EXAMPLE, _estimates
+from spotpipe.bench.model import EXAMPLE, launch_estimates
 from spotpipe.runfiles import read_jsonl
 from spotpipe.runtime.optim import PortableAdamW, PortableSGD, rounded_sqrt
 
@@ -187,7 +187,7 @@ def _train_on_gpu(out: Path, precision: str, iterations: int, extra: list[str]
     metrics = read_jsonl(out / "metrics.jsonl")
     steady = metrics[2:] or metrics
     done = [e for e in read_jsonl(out / "events.jsonl") if e["kind"] == "worker_done"]
-    estimate = _estimates(result.stderr).get(0)
+    estimate = launch_estimates(result.stderr).get(0)
     peak = done[0].get("peak_device_mib") if done else None
     return {"samples_per_s": round(statistics.median(m["samples_per_s"] for m in steady), 1),
             "iteration_s": round(statistics.median(m["iter_time_s"] for m in steady), 4),

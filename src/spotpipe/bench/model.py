@@ -49,7 +49,7 @@ def _throughput(run: Path) -> tuple[float, float]:
     return statistics.median(m["samples_per_s"] for m in steady), it
 
 
-def _estimates(stderr: str) -> dict[int, float]:
+def launch_estimates(stderr: str) -> dict[int, float]:
     """Stage -> estimated MiB, from the lines the launch prints."""
     out = {}
     for line in stderr.splitlines():
@@ -80,7 +80,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             sps, it = _throughput(out)
             figures[f"{precision}_samples_per_s"] = round(sps, 3)
             figures[f"{precision}_iteration_s"] = round(it, 3)
-            est, rss = _estimates(proc.stderr), _rss(out)
+            est, rss = launch_estimates(proc.stderr), _rss(out)
             figures[f"{precision}_memory_per_stage"] = [
                 {"stage": s, "estimate_mib": est.get(s), **rss.get(s, {})} for s in sorted(est)]
             print(f"{precision}: {sps:.3f} samples/s, {it:.2f} s per iteration", flush=True)
