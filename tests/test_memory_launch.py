@@ -56,6 +56,25 @@ def test_the_last_layer_counts_its_loss_and_the_loss_backward():
         assert low.transient_bytes >= 2 * logits
 
 
+def test_a_tied_tensor_counts_once_on_a_stage_that_holds_both_ends():
+    """GPT's embedding and head are one tensor in one process (P = 1) and a copy on each of
+    the first and last stage otherwise."""
+    from spotpipe.plan.memory import stage_facts
+
+    vocab, width = 50, 8
+    emb, mid, head = nn.Embedding(vocab, width), nn.Linear(width, width), nn.Linear(width, vocab,
+                                                                                   bias=False)
+    head.weight = emb.weight
+    model = LayeredModel([emb, mid, head], lambda out, y: out.float().mean())
+    layers = profile_layer_memory(model, torch.randint(0, vocab, (2, 4)))
+    assert (layers[2].tied_params, layers[2].tied_to) == (vocab * width, 0)
+    assert layers[1].tied_to == -1 and layers[0].tied_to == -1
+    whole = stage_facts(layers, [(0, 3)], 0)
+    assert whole.params == vocab * width + width * width + width  # by hand, the tensor once
+    split = [stage_facts(layers, [(0, 2), (2, 3)], s, redundancy=False) for s in (0, 1)]
+    assert split[0].params + split[1].params == 2 * vocab * width + width * width + width
+
+
 def test_bounded_partition_is_the_best_that_fits():
     rng = random.Random(3)
     for _ in range(30):

@@ -9,6 +9,8 @@ parameters not at all (they are counted as weights).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -86,20 +88,27 @@ def profile_layer_memory(model: LayeredModel, sample_input: Tensor,
     loss's backward runs to a detached copy of the logits only)."""
     out: list[LayerMemory] = []
     params = {_storage_key(p) for p in model.to_sequential().parameters()}
+    owner: dict[tuple[int, int], int] = {}  # a parameter's storage -> the first layer using it
     x = sample_input
     with torch.random.fork_rng(devices=[]):
-        for layer in model.layers:
+        for i, layer in enumerate(model.layers):
             inp = x.detach()
             if inp.is_floating_point():
                 inp.requires_grad_(True)
             with _Kept(params) as kept:
                 y = run_layers(nn.Sequential(layer), inp, Precision(precision.name))
             n = sum(p.numel() for p in layer.parameters())
-            out.append(LayerMemory(n, float(kept.bytes), float(y.numel() * y.element_size())))
+            tied_to, tied = -1, 0
+            for p in layer.parameters():
+                first = owner.setdefault(_storage_key(p), i)
+                if first != i and tied_to in (-1, first):  # (one partner layer is counted)
+                    tied_to, tied = first, tied + p.numel()
+            out.append(LayerMemory(n, float(kept.bytes), float(y.numel() * y.element_size()),
+                                   tied_params=tied, tied_to=tied_to))
             x = y.detach()
         if target is not None and out and x.is_floating_point():
             kept_bytes, working = _loss_memory(model, x, target, precision, params)
             last = out[-1]
-            out[-1] = LayerMemory(last.params, last.activation_bytes + kept_bytes,
-                                  last.output_bytes, float(working))
+            out[-1] = dataclasses.replace(last, activation_bytes=last.activation_bytes
+                                          + kept_bytes, transient_bytes=float(working))
     return out

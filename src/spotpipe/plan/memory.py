@@ -267,6 +267,10 @@ class LayerMemory:
     activation_bytes: float
     output_bytes: float
     transient_bytes: float = 0.0
+    # parameters this layer shares with an earlier layer (`tied_to`; -1: none), such as GPT's
+    # head and embedding: one tensor where a stage holds both layers, two copies otherwise
+    tied_params: int = 0
+    tied_to: int = -1
 
 
 @dataclass(frozen=True)
@@ -320,8 +324,9 @@ def stage_facts(layers: Sequence[LayerMemory], stages: Sequence[tuple[int, int]]
     if redundancy and len(stages) > 1:
         rs, re_ = stages[(stage + 1) % len(stages)]
         replica = layers[rs:re_]
+    shared = sum(x.tied_params for x in own if start <= x.tied_to < end)
     return StageFacts(
-        params=sum(x.params for x in own),
+        params=sum(x.params for x in own) - shared,
         activation_bytes=sum(x.activation_bytes for x in own),
         boundary_bytes=own[-1].output_bytes,
         layers=len(own),
