@@ -61,6 +61,26 @@ def test_the_portable_kernels_compute_torchs_update(name):
         assert key in a.state[ours[0]] and a.state[ours[0]][key].shape == value.shape
 
 
+def test_the_pieces_change_no_bits(monkeypatch):
+    """The update runs piece by piece (cache-sized on the CPU, bounded on a GPU); every
+    operation is elementwise, so any piece size gives the same state."""
+    from spotpipe.runtime import optim
+
+    def run(piece):
+        monkeypatch.setitem(optim.PIECE, "cpu", piece)
+        gen = torch.Generator().manual_seed(4)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(1000,), (31, 7)]]
+        opt = PortableAdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        for _ in range(5):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+            opt.step()
+        return [t.clone() for p in params for t in (p, *opt.state[p].values())]
+
+    whole, pieces = run(1 << 30), run(7)
+    assert all(torch.equal(a, b) for a, b in zip(whole, pieces))
+
+
 def test_a_job_with_the_portable_kernel_is_the_loop_with_it(tmp_path, corpus):
     """Shadows and a replica step with it, a failover takes over from the replica, and the
     job ends on the plain loop's bits with the same kernel."""

@@ -104,21 +104,26 @@ class PortableAdamW(torch.optim.AdamW):
         return loss
 
 
-_PIECE = 1 << 16  # elements: a piece's dozen temporaries stay in a core's cache
+# elements per piece: on the CPU a piece's dozen temporaries stay in a core's cache; on a GPU
+# a piece is large enough that one kernel per operation fills the device, and bounds the
+# temporaries of the square root's float64 correction (about 60 bytes an element) under 1 GiB
+PIECE = {"cpu": 1 << 16}
+DEVICE_PIECE = 1 << 24
 
 
 def _pieces(*tensors: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
-    """Equal-shaped tensors in matching flat pieces on the CPU, whole elsewhere. Each
-    operation of the portable update is elementwise, so the pieces change no bits; on the CPU
-    they keep its temporaries in the cache (a dozen fresh tensors of the parameter's size,
-    each faulting its pages in, made the update 80x slower than the fused kernel on GPT-2
-    small); on a GPU one kernel per operation over the whole tensor is what is fast."""
-    if tensors[0].device.type != "cpu" or not all(t.is_contiguous() for t in tensors):
+    """Equal-shaped tensors in matching flat pieces. Each operation of the portable update is
+    elementwise, so the pieces change no bits. On the CPU they keep its temporaries in the
+    cache (a dozen fresh tensors of the parameter's size, each faulting its pages in, made
+    the update 80x slower than the fused kernel on GPT-2 small); on a GPU they bound the
+    temporaries, which for a large embedding would otherwise be tens of GiB."""
+    if not all(t.is_contiguous() for t in tensors):
         yield tensors
         return
+    size = PIECE.get(tensors[0].device.type, DEVICE_PIECE)
     flat = [t.view(-1) for t in tensors]
-    for start in range(0, flat[0].numel(), _PIECE):
-        yield tuple(f[start:start + _PIECE] for f in flat)
+    for start in range(0, flat[0].numel(), size):
+        yield tuple(f[start:start + size] for f in flat)
 
 
 def rounded_sqrt(x: torch.Tensor) -> torch.Tensor:
