@@ -44,7 +44,7 @@ def main() -> None:
             runs[name].append(round(step_seconds(make), 4))
     figures = {"params": sum(torch.Size(s).numel() for s in SHAPES),
                "threads": torch.get_num_threads(),
-               "step_s": {name: statistics.median(v) for name, v in runs.items()},
+               "step_s": {name: round(statistics.median(v), 4) for name, v in runs.items()},
                "runs": runs,
                "portable_over_fused": round(statistics.median(runs["portable"])
                                             / statistics.median(runs["fused"]), 2),
