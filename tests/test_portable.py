@@ -61,7 +61,8 @@ def test_the_portable_kernels_compute_torchs_update(name):
         assert key in a.state[ours[0]] and a.state[ours[0]][key].shape == value.shape
 
 
-def test_the_pieces_change_no_bits(monkeypatch):
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_the_pieces_change_no_bits(monkeypatch, name):
     """The update runs piece by piece (cache-sized on the CPU, bounded on a GPU); every
     operation is elementwise, so any piece size gives the same state."""
     from spotpipe.runtime import optim
@@ -70,7 +71,9 @@ def test_the_pieces_change_no_bits(monkeypatch):
         monkeypatch.setitem(optim.PIECE, "cpu", piece)
         gen = torch.Generator().manual_seed(4)
         params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(1000,), (31, 7)]]
-        opt = PortableAdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        opt = (PortableAdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+               if name == "adamw" else PortableSGD(params, lr=1e-2, momentum=0.9,
+                                                   weight_decay=0.1))
         for _ in range(5):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=gen) * 1e-3

@@ -158,7 +158,8 @@ def corrected_sqrt(x: torch.Tensor) -> torch.Tensor:
 
 class PortableSGD(torch.optim.SGD):
     """SGD (momentum, weight decay, no dampening) in operations rounded once each, as
-    `PortableAdamW`: torch's kernels add `alpha * b` with a fused multiply-add on the GPU."""
+    `PortableAdamW`, and in its pieces: torch's kernels add `alpha * b` with a fused
+    multiply-add on the GPU."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float, momentum: float,
                  weight_decay: float) -> None:
@@ -169,21 +170,24 @@ class PortableSGD(torch.optim.SGD):
     def step(self, closure=None):  # type: ignore[override]
         loss = closure() if closure is not None else None
         for group in self.param_groups:
+            lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                d = p.grad
-                if group["weight_decay"]:
-                    d = d + p * group["weight_decay"]
-                if group["momentum"]:
-                    state = self.state[p]
-                    buf = state.get("momentum_buffer")
-                    if buf is None:
-                        buf = state["momentum_buffer"] = d.detach().clone()
-                    else:
-                        buf.mul_(group["momentum"]).add_(d)
-                    d = buf
-                p.sub_(d * group["lr"])
+                state = self.state[p]
+                first = momentum and state.get("momentum_buffer") is None
+                if first:  # torch's first step takes the direction itself as the buffer
+                    state["momentum_buffer"] = torch.empty_like(p)
+                buf = state.get("momentum_buffer", p)  # (p: unused without momentum)
+                for w, g, b in _pieces(p, p.grad, buf):
+                    d = g + w * decay if decay else g
+                    if momentum:
+                        if first:
+                            b.copy_(d)
+                        else:
+                            b.mul_(momentum).add_(d)
+                        d = b
+                    w.sub_(d * lr)
         return loss
 
 
