@@ -21,16 +21,13 @@ Needs a CUDA GPU; `--quick` steps smaller tensors and trains fewer iterations.
 from __future__ import annotations
 
 import math
-import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from spotpipe.bench.model import EXAMPLE, launch_estimates
+from spotpipe.bench.model import launch_estimates, throughput, train_example
 from spotpipe.runfiles import read_jsonl
 from spotpipe.runtime.optim import PortableAdamW, PortableSGD, rounded_sqrt
 
@@ -123,14 +120,17 @@ def matmul_bits(device: torch.device) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(64, 768, generator=gen), torch.randn(768, 768, generator=gen)
     out = {}
-    torch.backends.cuda.matmul.allow_tf32 = False
-    for name, dtype in (("fp32", None), ("bf16_autocast", torch.bfloat16)):
-        results = []
-        for dev in (torch.device("cpu"), device):
-            with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
-                results.append((x.to(dev) @ w.to(dev)).float().cpu())
-        a, b = results
-        out[name] = {"elements_differ": int((a != b).sum()), "elements": a.numel()}
+    tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
+    try:
+        for name, dtype in (("fp32", None), ("bf16_autocast", torch.bfloat16)):
+            results = []
+            for dev in (torch.device("cpu"), device):
+                with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
+                    results.append((x.to(dev) @ w.to(dev)).float().cpu())
+            a, b = results
+            out[name] = {"elements_differ": int((a != b).sum()), "elements": a.numel()}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     return out
 
 
@@ -176,25 +176,19 @@ def two_ranks_one_gpu(timeout_s: float = 120.0) -> dict[str, Any]:
 
 def _train_on_gpu(out: Path, precision: str, iterations: int, extra: list[str]
                   ) -> dict[str, Any]:
-    args = [sys.executable, "-m", "spotpipe", "train", str(EXAMPLE), "--out", str(out),
-            "--overwrite", "--no-progress", "--set", "stages=1", "--set", "redundancy=none",
-            "--set", f"precision={precision}", "--set", f"iterations={iterations}",
-            "--set", "cluster.backend=nccl", *extra]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=900)
-    if result.returncode != 0:
-        raise RuntimeError(f"{precision} job failed ({result.returncode}): "
-                           f"{result.stderr[-2000:]}")
-    metrics = read_jsonl(out / "metrics.jsonl")
-    steady = metrics[2:] or metrics
+    result = train_example(out, ["--set", "stages=1", "--set", "redundancy=none",
+                                 "--set", f"precision={precision}",
+                                 "--set", f"iterations={iterations}",
+                                 "--set", "cluster.backend=nccl", *extra])
+    samples_per_s, iteration_s = throughput(out)
     done = [e for e in read_jsonl(out / "events.jsonl") if e["kind"] == "worker_done"]
     estimate = launch_estimates(result.stderr).get(0)
     peak = done[0].get("peak_device_mib") if done else None
-    return {"samples_per_s": round(statistics.median(m["samples_per_s"] for m in steady), 1),
-            "iteration_s": round(statistics.median(m["iter_time_s"] for m in steady), 4),
+    return {"samples_per_s": round(samples_per_s, 1), "iteration_s": round(iteration_s, 4),
             "estimate_mib": estimate, "peak_device_mib": peak,
             "peak_reserved_mib": done[0].get("peak_reserved_mib") if done else None,
             "estimate_over_peak": (round(estimate / peak, 3) if estimate and peak else None),
-            "final_loss": metrics[-1]["loss"]}
+            "final_loss": read_jsonl(out / "metrics.jsonl")[-1]["loss"]}
 
 
 def run(quick: bool = False) -> dict[str, Any]:

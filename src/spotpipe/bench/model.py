@@ -33,7 +33,7 @@ QUICK = ["--set", "model.hf.overrides={n_layer: 2, n_embd: 64, n_head: 2, vocab_
          "resid_pdrop: 0.0, embd_pdrop: 0.0, attn_pdrop: 0.0}", "--set", "iterations=6"]
 
 
-def _train(out: Path, args: list[str]) -> subprocess.CompletedProcess:
+def train_example(out: Path, args: list[str]) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, "-m", "spotpipe", "train", str(EXAMPLE),
                              "--out", str(out), "--overwrite", "--no-progress", *args],
                             capture_output=True, text=True, timeout=1800)
@@ -42,7 +42,7 @@ def _train(out: Path, args: list[str]) -> subprocess.CompletedProcess:
     return result
 
 
-def _throughput(run: Path) -> tuple[float, float]:
+def throughput(run: Path) -> tuple[float, float]:
     metrics = read_jsonl(run / "metrics.jsonl")
     steady = metrics[2:] or metrics
     it = statistics.median(m["iter_time_s"] for m in steady)
@@ -75,9 +75,9 @@ def run(quick: bool = False) -> dict[str, Any]:
         root = Path(tmp)
         for precision in ("fp32", "bf16"):
             out = root / precision
-            proc = _train(out, extra + ["--set", f"precision={precision}",
+            proc = train_example(out, extra + ["--set", f"precision={precision}",
                                         "--set", "redundancy=none"])
-            sps, it = _throughput(out)
+            sps, it = throughput(out)
             figures[f"{precision}_samples_per_s"] = round(sps, 3)
             figures[f"{precision}_iteration_s"] = round(it, 3)
             est, rss = launch_estimates(proc.stderr), _rss(out)
@@ -89,10 +89,10 @@ def run(quick: bool = False) -> dict[str, Any]:
         figures["bf16_over_fp32"] = round(figures["bf16_samples_per_s"]
                                           / figures["fp32_samples_per_s"], 3)
         out = root / "failover"
-        _train(out, extra + ["--set", "precision=bf16", "--set", "redundancy=lazy",
+        train_example(out, extra + ["--set", "precision=bf16", "--set", "redundancy=lazy",
                              "--fail", "node2@3:forward"])
         pauses = failover_pauses(out)
-        _, it = _throughput(out)
+        _, it = throughput(out)
         if pauses:
             pause = pauses[0]
             figures["failover_pause_s"] = round(pause["pause_s"], 3)

@@ -222,6 +222,7 @@ class JobLoop:
             partition=self.spec.partition, partition_for=self._partition_for)
         inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._inbox, self._address, self._store = inbox, address, store
+        self._upload_store: SealedStore | None = None  # (opened at the first upload)
         self._exited: dict[str, int] = {}
         self._last: dict[str, Any] | None = None
         self._received = 0
@@ -456,8 +457,6 @@ class JobLoop:
                 self._address.connect(self.cfg.cluster.timeout_s), self.channel.key,
                 on_refused=lambda why: inbox.put(("refused_upload", (why.writer, why.reason))))
         return self._upload_store
-
-    _upload_store: SealedStore | None = None
 
     def _record_commits(self, files: RunFiles, done: list[Committed]) -> None:
         for c in done:

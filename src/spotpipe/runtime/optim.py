@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
+from spotpipe import job
 from spotpipe.config import Config
 from spotpipe.runtime.precision import init_loss_scale
 
@@ -33,8 +34,6 @@ def optimizer_kernel(cfg: Config) -> str:
     kernel = cfg.optimizer.kernel
     if kernel != "auto":
         return kernel
-    from spotpipe import job
-
     cpu_copies = cfg.shadow.enabled or (cfg.redundancy != "none" and cfg.replica.device == "cpu")
     return "portable" if cpu_copies and job.resolve_backend(cfg) == "nccl" else "fused"
 
