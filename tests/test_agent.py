@@ -157,7 +157,8 @@ def test_stranger_agents_are_refused_and_the_job_completes(tmp_path, tmp_path_fa
         assert code == 2 and "refused" in err, (what, err[-2000:])
     assert "SPOTPIPE_JOIN_TOKEN" in answers["token"][1]
     assert "another model" in answers["model"][1]
-    assert "another configuration" in answers["config"][1]
+    assert "(model.gpt.n_embd differs)" in answers["model"][1]  # named, not only counted
+    assert "another configuration (seed differs)" in answers["config"][1]
     for code, err in _finish(agents):
         assert code == 0, err[-2000:]
     run = _coordinator_out(outs)

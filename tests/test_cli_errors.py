@@ -211,6 +211,36 @@ def test_the_workers_read_the_backend_the_launch_decided(corpus):
                                             >= 2 else "gloo")
 
 
+def test_a_host_that_settled_auto_otherwise_is_refused_by_name(corpus):
+    """Two hosts of one agent job decide `auto` from what each has: one with a GPU per worker
+    takes NCCL, one without takes gloo, and their configurations differ. The refusal names the
+    key and says how to make the hosts agree, instead of "another configuration"."""
+    import dataclasses
+
+    from conftest import tiny_config
+    from spotpipe.cluster.coordinator import join_problem
+
+    job = tiny_config(corpus, stages=2)
+    job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, backend="nccl"))
+    host = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, backend="gloo"))
+    problem = join_problem(job, token_ok=True, model_digest=host.model_digest(),
+                           config_digest=host.digest(), config_keys=host.key_digests())
+    assert problem == ("it runs another configuration (cluster.backend differs; "
+                       "cluster.backend is settled on each host from its GPUs when it is "
+                       "'auto' (here: nccl); set it to one value in every host's "
+                       "configuration)")
+    two = dataclasses.replace(host, seed=host.seed + 1)
+    problem = join_problem(job, token_ok=True, model_digest=two.model_digest(),
+                           config_digest=two.digest(), config_keys=two.key_digests())
+    assert problem is not None and problem.startswith(
+        "it runs another configuration (cluster.backend, seed differ;")
+    # a node of an older build sends no per-key digests: the refusal stays the plain one
+    assert join_problem(job, token_ok=True, model_digest=two.model_digest(),
+                        config_digest=two.digest()) == "it runs another configuration"
+    assert join_problem(job, token_ok=True, model_digest=job.model_digest(),
+                        config_digest=job.digest(), config_keys=job.key_digests()) is None
+
+
 def test_eager_replicas_on_the_cpu_of_a_gpu_job_are_refused(corpus, monkeypatch):
     """The replica's forward (FRC) would run on the CPU, whose bf16 and fp32 products differ
     from a GPU's (23 and 45090 of 49152 elements on an H200: spotpipe bench gpu)."""

@@ -149,8 +149,8 @@ def test_strangers_are_refused_and_the_job_is_undisturbed(tmp_path, tmp_path_fac
         assert answer.returncode == 2, (what, answer.stderr[-500:])
         assert "refused by the job" in answer.stderr, answer.stderr[-500:]
     assert "did not present this job's join token" in answers["token"].stderr
-    assert "another model" in answers["model"].stderr
-    assert "another configuration" in answers["config"].stderr
+    assert "another model or optimizer (model.gpt.n_embd differs)" in answers["model"].stderr
+    assert "another configuration (seed differs)" in answers["config"].stderr
     refused = [e for e in events(run) if e["kind"] == "join_refused"]
     assert sorted(e["node"] for e in refused) == ["node91", "node92", "node93"]
     want = failure_free(tmp_path_factory, tiny_config(corpus, stages=2, pipelines=1,

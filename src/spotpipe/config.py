@@ -256,6 +256,35 @@ class Config:
         blob = json.dumps(self.to_dict(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
+    def key_digests(self) -> dict[str, str]:
+        """A short hash of each key's value, by dotted key. A node that joins carries these
+        beside `digest()`, so that a refusal can name the keys that differ without the
+        values themselves travelling (arrival records are readable by anyone on the store)."""
+        return {key: hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:8]
+                for key, value in _flatten(self.to_dict())}
+
+
+# keys that `auto` settles on each host from what that host has, so two hosts of one job can
+# settle them differently (job.choose_backend, runtime.optim.optimizer_kernel)
+HOST_DECIDED = {"cluster.backend": "its GPUs", "optimizer.kernel": "its backend"}
+
+
+def differing_keys(cfg: Config, theirs: dict[str, str]) -> list[str]:
+    """The dotted keys whose values differ between `cfg` and a node's `key_digests()`
+    (keys only one side knows count as differing: another build of spotpipe)."""
+    mine = cfg.key_digests()
+    return sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out += _flatten(value, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
+
 
 # --------------------------------------------------------------------------- generic mapping
 

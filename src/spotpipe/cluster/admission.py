@@ -161,7 +161,8 @@ class Coordinating:
     def _problem(self, k: int, info: AgentArrival, late: bool) -> str | None:
         problem = join_problem(
             self.cfg, token_ok=vouched(info, self.token, self.rdzv_key(agent_key(k))),
-            model_digest=info.model_digest, config_digest=info.config_digest)
+            model_digest=info.model_digest, config_digest=info.config_digest,
+            config_keys=info.config_keys)
         if problem:
             return problem
         if info.nproc != self.opts.nproc:

@@ -155,7 +155,8 @@ class Agent:
         store.set(agent_key(me), plain(vouch(AgentArrival(
             host=socket.gethostname(), nproc=opts.nproc, node_rank=opts.node_rank, proof="",
             model_digest=self.cfg.model_digest(), config_digest=self.cfg.digest(),
-            local_addr=opts.local_addr, rejoin_of=rejoin_of), self.token,
+            local_addr=opts.local_addr, rejoin_of=rejoin_of,
+            config_keys=self.cfg.key_digests()), self.token,
             self.rdzv_key(agent_key(me)))))
         return me
 

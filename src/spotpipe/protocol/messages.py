@@ -174,6 +174,7 @@ class JoinRequest(Message):
     time_s: float
     config_digest: str
     model_digest: str
+    config_keys: dict[str, str] = field(default_factory=dict)  # Config.key_digests()
 
 
 @dataclass(frozen=True)
@@ -395,6 +396,7 @@ class AgentArrival(Message):
     config_digest: str
     local_addr: str | None = None
     rejoin_of: int | None = None  # the arrival number this agent had before it was fenced
+    config_keys: dict[str, str] = field(default_factory=dict)  # Config.key_digests()
 
 
 @dataclass(frozen=True)

@@ -332,7 +332,7 @@ class Worker:
 
     def _ask_to_join(self) -> None:
         self.channel.post(JoinRequest(self.node, self.channel.now(), self.cfg.digest(),
-                                      self.cfg.model_digest()))
+                                      self.cfg.model_digest(), self.cfg.key_digests()))
 
     def _await_placement(self) -> int:
         """Wait on standby until a Decision places this node (-1: the job ended first, or a
