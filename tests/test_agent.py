@@ -285,7 +285,10 @@ def test_multi_host_checkpoints_are_whole_and_resume_on_another_layout(tmp_path,
     if folders == "separate":
         assert not list((other / "checkpoints").glob("*iter_*"))  # nothing left behind
         saved = [e for e in events(run) if e["kind"] == "checkpoint_saved"]
-        assert any(e.get("uploaded") for e in saved)
+        uploaded = [e for e in saved if e.get("uploaded")]
+        # sent by the uploader thread, then reported: every iteration's stage, with its time
+        assert sorted(e["iteration"] for e in uploaded) == [2, 5]
+        assert all(e["upload_s"] > 0 for e in uploaded)
     # resume on another layout, under the same token (the manifests' MAC key)
     monkeypatch.setenv("SPOTPIPE_JOIN_TOKEN", TOKEN)
     resumed = tmp_path / "resumed"

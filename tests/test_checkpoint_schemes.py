@@ -457,3 +457,65 @@ def test_shadows_take_the_durable_tier_over(corpus):
     with pytest.raises(ConfigError, match="checkpoint.every: 'auto' is not supported with "
                                           "shadow.enabled"):
         tiny_config(corpus, **{"checkpoint.every": "auto", "shadow.enabled": True})
+
+
+class _GatedStore(_Store):
+    """A store whose writes wait until the test opens the gate (a slow link to the committing
+    host), or fail (a store that refuses)."""
+
+    def __init__(self, fail: bool = False):
+        super().__init__()
+        import threading
+
+        self.gate, self.fail, self.writing = threading.Event(), fail, threading.Event()
+
+    def set(self, key, value):
+        self.writing.set()
+        self.gate.wait()
+        if self.fail and len(self):  # (the first piece goes: a failure half-way)
+            raise RuntimeError("the store refused the piece")
+        super().set(key, value)
+
+    def delete_key(self, key):
+        return self.pop(key, None) is not None
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_an_upload_runs_beside_training_and_is_reported_once_sent(tmp_path, corpus, fail):
+    """A host that does not see the committing host's folder sends its stage through the store
+    on the uploader's thread: the loop goes on meanwhile, and the stage is reported (and so
+    committed) only once it has all gone, then removed here. A store that refuses makes it a
+    checkpoint_failed, never a saved one."""
+    from spotpipe.checkpoint import registry, schemes, transfer
+    from spotpipe.runtime.hooks import Boundary
+
+    cfg = tiny_config(corpus, **{"checkpoint.every": 2, "checkpoint.dir": str(tmp_path / "c")})
+    said: list[tuple[str, dict]] = []
+    store = _GatedStore(fail)
+    ctx = schemes.SchemeContext(cfg, "node1", tmp_path, lambda kind, **f: said.append((kind, f)),
+                                _Store(), upload=True, upload_store=lambda: store)
+    scheme = registry.build(ctx)
+    module, optimizer = _stage()
+    assert scheme.cadence.due(1) and not scheme.cadence.due(2)
+    scheme.after_iteration(Boundary(1, {1: (module, optimizer)}, None, None))
+    assert store.writing.wait(30)  # the upload is under way, held at its first piece...
+    scheme.after_iteration(Boundary(2, {1: (module, optimizer)}, None, None))  # ...the loop not
+    assert [k for k, _ in said] == []
+    partial = durable.iter_dir(tmp_path / "c", 1, partial=True)
+    assert (partial / "stage1").is_dir()
+    store.gate.set()
+    scheme.close()
+    assert not (partial / "stage1").exists()  # sent (or given up): not kept here
+    if fail:
+        assert [(k, f["iteration"], f["stage"]) for k, f in said] == \
+            [("checkpoint_failed", 1, 1)]
+        assert "the store refused the piece" in said[0][1]["message"]
+        assert not [k for k in store if "/files/" in k]  # nothing left in the store either
+        return
+    [(kind, fields)] = said
+    assert (kind, fields["iteration"], fields["stage"], fields["uploaded"]) == \
+        ("checkpoint_saved", 1, 1, True)
+    got = tmp_path / "got"
+    assert transfer.receive_stage(store, 1, 1, fields["checksums"], got) == ""
+    assert durable.stage_checksums(got / "stage1", 1) == fields["checksums"]
+    assert not [k for k in store if "/files/" in k]  # taken out of the store

@@ -76,8 +76,10 @@ class SchemeContext:
     # the fault injector's hook, called as ("checkpoint", iteration) where a write starts
     inject: Callable[[str, int], None] = lambda phase, iteration: None
     # the committing host does not see this node's checkpoint folder (spotpipe agent's probe):
-    # durable stages travel through the store (transfer.py)
+    # durable stages travel through the store (transfer.py), on a connection of the uploader's
+    # own that `upload_store` opens (None: `store`)
     upload: bool = False
+    upload_store: Callable[[], Any] | None = None
 
     @property
     def root(self) -> Path:
@@ -173,6 +175,7 @@ class Scheme:
         self.blocked_s = 0.0  # total seconds the loop waited in this scheme
         self.bytes = 0  # total bytes written or sent
         self.checkpoints = 0  # boundaries at which this node checkpointed
+        self.uploads = Uploader(ctx) if ctx.upload else None
 
     def after_iteration(self, b: Boundary) -> None:
         if self.name == "none" or not self.cadence.enabled:
@@ -181,6 +184,7 @@ class Scheme:
         self.cadence.tick(started)
         self.poll(b, wait=False)
         due = self.cadence.due(b.iteration)
+        self._report_uploads(wait=due)  # the next checkpoint waits for the previous upload
         if due:
             self.save(b)
             self.checkpoints += 1
@@ -199,6 +203,9 @@ class Scheme:
         """Finish what is in flight (the worker is done)."""
         started = time.perf_counter()
         self.poll(None, wait=True)
+        self._report_uploads(wait=True)
+        if self.uploads is not None:
+            self.uploads.close()
         self.blocked_s += time.perf_counter() - started
 
     def _failed(self, iteration: int, stage: int, exc: BaseException) -> None:
@@ -209,25 +216,28 @@ class Scheme:
         self.ctx.event("checkpoint_failed", scheme=self.name, iteration=iteration, stage=stage,
                        message=message)
 
-    def _upload(self, iteration: int, stage: int, checksums: dict[str, str]) -> None:
-        """Send the stage's files to the committing host; the local copy is not the
-        checkpoint, so it goes."""
-        folder = durable.iter_dir(self.ctx.root, iteration, partial=True)
-        durable.transfer.send_stage(self.ctx.store, iteration, stage, folder, checksums)
-        durable.discard_stage(self.ctx.root, iteration, stage)
+    def _report_uploads(self, wait: bool) -> None:
+        """Report the stages whose upload has finished (all of them, if `wait`)."""
+        if self.uploads is None:
+            return
+        for sent in self.uploads.finished(wait):
+            if sent.error is not None:  # the store refused: this one is lost
+                self._failed(sent.iteration, sent.stage, sent.error)
+            else:
+                self._record(*sent.record, **sent.extra, uploaded=True,
+                             upload_s=round(sent.seconds, 6))
 
     def _record(self, kind: str, iteration: int, stage: int, blocked_s: float, nbytes: int,
                 counted: bool = True, done_time: float | None = None, **extra: Any) -> None:
         """One completed checkpoint of one stage; `counted` false for bytes another node
         already counted (a copy received); `done_time` (wall clock) when it completed, if
-        before now."""
-        if kind == "checkpoint_saved" and self.ctx.upload:
-            try:
-                self._upload(iteration, stage, extra["checksums"])
-            except Exception as exc:  # noqa: BLE001 - the store refused: this one is lost
-                self._failed(iteration, stage, exc)
-                return
-            extra["uploaded"] = True
+        before now. A durable stage that must travel to the committing host is reported once
+        it has (`Uploader`)."""
+        if kind == "checkpoint_saved" and self.uploads is not None and "uploaded" not in extra:
+            self.uploads.submit(Upload(iteration, stage, extra["checksums"],
+                                       (kind, iteration, stage, blocked_s, nbytes, counted,
+                                        done_time), extra))
+            return
         if counted:
             self.bytes += nbytes
         entry = {"iteration": iteration, "stage": stage, "blocked_s": round(blocked_s, 6),
@@ -235,6 +245,63 @@ class Scheme:
         self.records.append({"kind": kind, **entry})
         fields = {k: v for k, v in entry.items() if k != "done_time"}
         self.ctx.event(kind, scheme=self.name, k=self.cadence.k, **fields)
+
+
+@dataclass
+class Upload:
+    """One written stage on its way to the committing host, and the report it waits to give."""
+
+    iteration: int
+    stage: int
+    checksums: dict[str, str]
+    record: tuple[Any, ...]  # `Scheme._record`'s positional arguments
+    extra: dict[str, Any]
+    seconds: float = 0.0
+    error: BaseException | None = None
+
+
+class Uploader:
+    """Sends written stages to the committing host (transfer.py) on a thread of its own, one
+    after the other, while training goes on: a stage through the store takes seconds per GB,
+    which the loop used to wait for. The thread has its own store connection, since a store
+    client serialises its calls and the loop's own must not queue behind a stage's pieces.
+    A stage is reported, and so committed, only once all of it has gone; the local copy is
+    not the checkpoint, so it is removed then."""
+
+    def __init__(self, ctx: SchemeContext) -> None:
+        self.ctx = ctx
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-upload")
+        self._pending: list[tuple[Upload, Future]] = []
+        self._store: Any = None
+
+    def submit(self, upload: Upload) -> None:
+        self._pending.append((upload, self._pool.submit(self._send, upload)))
+
+    def finished(self, wait: bool) -> list[Upload]:
+        """The uploads done, in submission order (all, if `wait`)."""
+        out = []
+        while self._pending and (wait or self._pending[0][1].done()):
+            upload, job = self._pending.pop(0)
+            job.result()  # (_send keeps its errors in the upload)
+            out.append(upload)
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _send(self, upload: Upload) -> None:
+        started = time.perf_counter()
+        try:
+            if self._store is None:
+                opener = self.ctx.upload_store
+                self._store = opener() if opener is not None else self.ctx.store
+            folder = durable.iter_dir(self.ctx.root, upload.iteration, partial=True)
+            durable.transfer.send_stage(self._store, upload.iteration, upload.stage, folder,
+                                        upload.checksums)
+        except Exception as exc:  # noqa: BLE001 - reported by the loop as checkpoint_failed
+            upload.error = exc
+        durable.discard_stage(self.ctx.root, upload.iteration, upload.stage)  # sent or lost
+        upload.seconds = time.perf_counter() - started
 
 
 class DurableScheme(Scheme):

@@ -3,10 +3,15 @@
 Under `spotpipe agent`, the coordinating agent commits every checkpoint in its own
 `checkpoint.dir`. When another host does not see that folder (the probe each agent makes at
 start says so), its workers write their stage as usual, then put each file into the store in
-pieces (etcd refuses requests over 1.5 MiB) before they report the stage; the coordinator takes
-the pieces, checks each file's SHA-256 against the checksums the worker reported, writes and
-fsyncs them into the uncommitted folder, and only then counts the stage. A file that is missing
-or damaged fails the whole checkpoint: nothing of that iteration is committed.
+pieces (etcd refuses requests over 1.5 MiB) before they report the stage (on a thread of their
+own: `schemes.Uploader`); the coordinator takes the pieces, checks each file's SHA-256 against
+the checksums the worker reported, writes and fsyncs them into the uncommitted folder, and only
+then counts the stage. A file that is missing or damaged fails the whole checkpoint: nothing of
+that iteration is committed.
+
+Both ends handle one piece at a time (read from disk, or written and hashed as it comes, and
+taken out of the store at once), so neither holds a stage in memory: a stage is GBs for real
+models. The store holds a stage's pieces from the upload until the coordinator has taken them.
 """
 
 from __future__ import annotations
@@ -14,13 +19,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from spotpipe.checkpoint.fsync import fsync_path
 from spotpipe.protocol.auth import Refused
 
-CHUNK = 512 * 1024
+CHUNK = 512 * 1024  # etcd refuses requests over 1.5 MiB; base64 makes 512 KiB about 683 KiB
 
 
 def _key(iteration: int, stage: int, part: str) -> str:
@@ -30,25 +36,66 @@ def _key(iteration: int, stage: int, part: str) -> str:
 def send_stage(store: Any, iteration: int, stage: int, folder: Path,
                checksums: dict[str, str]) -> int:
     """Put the files of one written stage (`checksums`' names, relative to the iteration's
-    folder `folder`) into the store (sealed: `store/sealed.py`); return the bytes sent."""
-    files, sent = [], 0
-    for index, name in enumerate(sorted(checksums)):
-        data = (folder / name).read_bytes()
-        parts = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)] or [b""]
-        for i, part in enumerate(parts):
-            store.set(_key(iteration, stage, f"{index}.{i}"), part)
-        files.append([name, len(parts)])
-        sent += len(data)
-    store.set(_key(iteration, stage, "meta"), json.dumps({"files": files}))
+    folder `folder`) into the store (sealed: `store/sealed.py`); return the bytes sent. Each
+    file is read one piece at a time, so the sender holds a piece, not the stage."""
+    files, sent, written = [], 0, []
+    try:
+        for index, name in enumerate(sorted(checksums)):
+            parts = 0
+            for part in read_pieces(folder / name):
+                written.append(_key(iteration, stage, f"{index}.{parts}"))
+                store.set(written[-1], part)
+                parts += 1
+                sent += len(part)
+            files.append([name, parts])
+        store.set(_key(iteration, stage, "meta"), json.dumps({"files": files}))
+    except BaseException:
+        # nobody will take an unreported stage's pieces: take back what went (if the store
+        # still answers), instead of leaving up to a stage's bytes there for the whole job
+        for key in written:
+            try:
+                store.delete_key(key)
+            except Exception:  # noqa: BLE001 - the error that ended the upload is the one
+                break
+        raise
     return sent
+
+
+def read_pieces(path: Path) -> Iterator[bytes]:
+    """The file in pieces of at most CHUNK bytes (one empty piece for an empty file)."""
+    with open(path, "rb") as f:
+        part = f.read(CHUNK)
+        yield part
+        while part := f.read(CHUNK):
+            yield part
+
+
+def write_pieces(path: Path, pieces: Iterable[bytes], sha256: str) -> str:
+    """Write `pieces` to `path` as they come, hashing them on the way, and fsync it; "" when
+    the bytes have the SHA-256 `sha256`, else what is wrong (the file is then removed). The
+    receiver holds a piece at a time, not the file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for part in pieces:
+            digest.update(part)
+            f.write(part)
+        f.flush()
+        os.fsync(f.fileno())
+    if digest.hexdigest() != sha256:
+        path.unlink(missing_ok=True)
+        return f"{path.name} arrived damaged (checksum differs)"
+    fsync_path(path.parent)
+    return ""
 
 
 def receive_stage(store: Any, iteration: int, stage: int, checksums: dict[str, str],
                   folder: Path) -> str:
     """Write the stage's files from the store into `folder` (the iteration's uncommitted
     folder), each checked against `checksums`; "" when whole, else what is wrong. The pieces
-    are removed from the store either way. `store` is sealed (`store/sealed.py`): a record
-    written without the job's key is what is wrong, never a crash."""
+    are removed from the store either way, each as soon as it is written. `store` is sealed
+    (`store/sealed.py`): a record written without the job's key is what is wrong, never a
+    crash."""
     meta_key = _key(iteration, stage, "meta")
     if not store.check([meta_key]):
         _remove_parts(store, iteration, stage, len(checksums))
@@ -68,18 +115,22 @@ def receive_stage(store: Any, iteration: int, stage: int, checksums: dict[str, s
         keys = [_key(iteration, stage, f"{index}.{i}") for i in range(parts)]
         if not problem:
             try:
-                data = b"".join(store.get(k) for k in keys)
+                problem = write_pieces(folder / name, _taken(store, keys), checksums[name])
             except Refused as why:
+                (folder / name).unlink(missing_ok=True)
                 problem = str(why)
-            else:
-                if hashlib.sha256(data).hexdigest() != checksums.get(name):
-                    problem = f"{name} arrived damaged (checksum differs)"
-                else:
-                    _write(folder / name, data)
-        for k in keys:
+        for k in keys:  # (those not taken: after a problem)
             store.delete_key(k)
     store.delete_key(meta_key)
     return problem
+
+
+def _taken(store: Any, keys: list[str]) -> Iterator[bytes]:
+    """Each key's value, removed from the store once read."""
+    for k in keys:
+        part = store.get(k)
+        store.delete_key(k)
+        yield part
 
 
 def _remove_parts(store: Any, iteration: int, stage: int, files: int) -> None:
@@ -93,15 +144,6 @@ def _remove_parts(store: Any, iteration: int, stage: int, files: int) -> None:
         while store.check([key := _key(iteration, stage, f"{index}.{i}")]):
             store.delete_key(key)
             i += 1
-
-
-def _write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_path(path.parent)
 
 
 # ---------------------------------------------------------------------- is the folder shared?

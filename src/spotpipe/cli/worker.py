@@ -35,6 +35,7 @@ from spotpipe.runtime.hooks import StagePair
 from spotpipe.runtime.worker import JobStopped, JoinRefused, Worker
 from spotpipe.store.address import StoreAddress
 from spotpipe.store.mailbox import Outbox
+from spotpipe.store.sealed import SealedStore
 
 
 def restore_from(path: Path, pairs: list[StagePair]) -> int:
@@ -71,7 +72,9 @@ def main() -> int:
         worker.checkpoints = registry.build(schemes.SchemeContext(
             cfg, node, run_dir, worker.channel.event, worker.sealed, "spotpipe",
             lambda: worker.failures, inject=worker.inject,
-            upload=os.environ.get("SPOTPIPE_CHECKPOINT_UPLOAD") == "1"))
+            upload=os.environ.get("SPOTPIPE_CHECKPOINT_UPLOAD") == "1",
+            upload_store=lambda: SealedStore(address.connect(cfg.cluster.timeout_s),
+                                             channel.key)))
         worker.train(joining=os.environ.get("SPOTPIPE_JOIN") == "1")
     except JoinRefused as exc:
         print(f"spotpipe: {exc}", file=sys.stderr)

@@ -61,7 +61,7 @@ from spotpipe.cluster.admission import Coordinating
 from spotpipe.cluster.agent_options import (AgentError, AgentOptions, check_options,
                                             parse_nnodes)
 from spotpipe.cluster.launcher import LaunchError, prepare, search_path
-from spotpipe.cluster.rendezvous import (ALL_LEFT, ARRIVALS, CHUNK, COORDINATOR, JOB, LEFT, OVER,
+from spotpipe.cluster.rendezvous import (ALL_LEFT, ARRIVALS, COORDINATOR, JOB, LEFT, OVER,
                                          agent_key, assign_key, connect_rendezvous, final_key,
                                          post_over, proof_key, read_record, read_vouched,
                                          wait_get, write_atomic)
@@ -384,11 +384,12 @@ class Agent:
     def _upload_final(self, store: dist.Store) -> None:
         for path in sorted((self.opts.out / "final").glob("stage*.safetensors")):
             s = int(path.name[len("stage"):-len(".safetensors")])
-            data = path.read_bytes()
-            parts = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)] or [b""]
-            for i, part in enumerate(parts):
-                store.set(final_key(s, str(i)), part)
-            meta = FinalFile(len(parts), hashlib.sha256(data).hexdigest())
+            digest, parts = hashlib.sha256(), 0
+            for part in durable.transfer.read_pieces(path):  # (a piece at a time: a stage may be GBs)
+                store.set(final_key(s, str(parts)), part)
+                digest.update(part)
+                parts += 1
+            meta = FinalFile(parts, digest.hexdigest())
             store.set(final_key(s, "meta"), plain(vouch(meta, self.token,
                                                         self.rdzv_key(final_key(s, "meta")))))
 

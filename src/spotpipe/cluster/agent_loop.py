@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -11,6 +10,7 @@ from typing import Any, Protocol
 
 import yaml
 
+from spotpipe.checkpoint import transfer
 from spotpipe.cluster.jobloop import Deposed, JobLoop, RunFiles
 from spotpipe.cluster.agent_options import AgentOptions
 from spotpipe.cluster.rendezvous import final_key, read_vouched, write_atomic
@@ -169,12 +169,12 @@ class AgentJobLoop(JobLoop):
             except MessageError as exc:
                 return f"the final parameters of stage {s} arrived unreadable ({exc})"
             assert isinstance(meta, FinalFile)
-            data = b"".join(self._store.get(final_key(s, str(i))) for i in range(meta.parts))
-            if hashlib.sha256(data).hexdigest() != meta.sha256:
-                return f"the final parameters of stage {s} arrived damaged (checksum differs)"
             tmp = final / f".stage{s}.safetensors.recv"
-            tmp.write_bytes(data)
-            os.replace(tmp, final / f"stage{s}.safetensors")
+            pieces = (self._store.get(final_key(s, str(i))) for i in range(meta.parts))
+            damaged = transfer.write_pieces(tmp, pieces, meta.sha256)  # a piece at a time
             for i in range(meta.parts):
                 self._store.delete_key(final_key(s, str(i)))
+            if damaged:
+                return f"the final parameters of stage {s} arrived damaged (checksum differs)"
+            os.replace(tmp, final / f"stage{s}.safetensors")
         return ""

@@ -21,7 +21,6 @@ from spotpipe.store.address import StoreAddress, host_tcp_store, job_prefix
 ARRIVALS, COORDINATOR, JOB, OVER = keys.ARRIVALS, keys.COORDINATOR, keys.JOB, keys.OVER
 LEFT, ALL_LEFT = keys.LEFT, keys.ALL_LEFT
 agent_key, assign_key, final_key = keys.arrival, keys.assignment, keys.final_part
-CHUNK = 512 * 1024  # etcd refuses requests over 1.5 MiB; base64 makes 512 KiB about 683 KiB
 
 
 def connect_rendezvous(opts: AgentOptions,
