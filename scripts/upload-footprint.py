@@ -1,6 +1,7 @@
 """Memory and time of one durable stage carried through the job's store (checkpoint/transfer.py),
 as a host that does not see the checkpoint folder sends it: the sender's and the receiver's peak
-memory over their start, and the store server's, each in a process of its own.
+memory over their start, and the store server's peak (what it holds of the stage), each in a
+process of its own.
 
     python scripts/upload-footprint.py [--mb 256]
 
@@ -52,7 +53,7 @@ def _send(port, folder, checksums, out) -> None:
 
     store = _store(port)
     start_rss, t = _rss_mib(), time.perf_counter()
-    transfer.send_stage(store, 1, 0, Path(folder), checksums)
+    transfer.send_stage(store, 1, 0, Path(folder), checksums, timeout_s=300)
     out.put({"send_s": time.perf_counter() - t, "send_peak_over_start_mib": _rss_mib() - start_rss})
 
 
@@ -61,7 +62,7 @@ def _receive(port, checksums, dest, out) -> None:
 
     store = _store(port)
     start_rss, t = _rss_mib(), time.perf_counter()
-    problem = transfer.receive_stage(store, 1, 0, checksums, Path(dest))
+    problem = transfer.receive_stage(store, 1, 0, checksums, Path(dest), timeout_s=300)
     out.put({"receive_s": time.perf_counter() - t, "problem": problem,
              "receive_peak_over_start_mib": _rss_mib() - start_rss})
 
@@ -82,14 +83,15 @@ def main() -> None:
         server = ctx.Process(target=_server, args=(port_q, done))
         server.start()
         port = port_q.get()
+        # both at once, as in a job: the receiver starts on the sender's announcement, and
+        # the sender waits for it at each window (transfer.WINDOW pieces in the store)
         sender = ctx.Process(target=_send, args=(port, str(folder), checksums, out))
-        sender.start()
-        sender.join()
-        figures = out.get()
         receiver = ctx.Process(target=_receive, args=(port, checksums, f"{tmp}/got", out))
+        sender.start()
         receiver.start()
+        sender.join()
         receiver.join()
-        figures.update(out.get())
+        figures = {**out.get(), **out.get()}
         done.set()
         figures["store_server_peak_mib"] = port_q.get()
         server.join()

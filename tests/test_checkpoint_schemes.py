@@ -459,63 +459,80 @@ def test_shadows_take_the_durable_tier_over(corpus):
         tiny_config(corpus, **{"checkpoint.every": "auto", "shadow.enabled": True})
 
 
-class _GatedStore(_Store):
-    """A store whose writes wait until the test opens the gate (a slow link to the committing
-    host), or fail (a store that refuses)."""
+class _FailingStore:
+    """A sealed store whose writes fail after the first (a store lost half-way)."""
 
-    def __init__(self, fail: bool = False):
-        super().__init__()
-        import threading
-
-        self.gate, self.fail, self.writing = threading.Event(), fail, threading.Event()
+    def __init__(self, inner):
+        self.inner, self.writes = inner, 0
 
     def set(self, key, value):
-        self.writing.set()
-        self.gate.wait()
-        if self.fail and len(self):  # (the first piece goes: a failure half-way)
+        self.writes += 1
+        if self.writes > 2:  # (the file list and a first piece go)
             raise RuntimeError("the store refused the piece")
-        super().set(key, value)
+        self.inner.set(key, value)
 
-    def delete_key(self, key):
-        return self.pop(key, None) is not None
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 @pytest.mark.parametrize("fail", [False, True])
-def test_an_upload_runs_beside_training_and_is_reported_once_sent(tmp_path, corpus, fail):
+def test_an_upload_runs_beside_training_and_is_reported_once_taken(tmp_path, corpus, fail):
     """A host that does not see the committing host's folder sends its stage through the store
-    on the uploader's thread: the loop goes on meanwhile, and the stage is reported (and so
-    committed) only once it has all gone, then removed here. A store that refuses makes it a
-    checkpoint_failed, never a saved one."""
+    on the uploader's thread: the loop announces it (`checkpoint_upload`, on which the
+    committing host starts taking it) and goes on while it travels; the stage is reported (and
+    so committed) only once all of it has been taken, then removed here. A store that fails
+    makes it a checkpoint_failed, never a saved one, and leaves nothing in the store."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
     from spotpipe.checkpoint import registry, schemes, transfer
     from spotpipe.runtime.hooks import Boundary
+    from spotpipe.store.sealed import SealedStore
 
-    cfg = tiny_config(corpus, **{"checkpoint.every": 2, "checkpoint.dir": str(tmp_path / "c")})
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))
+    store = SealedStore(server, b"k" * 32)
+    cfg = tiny_config(corpus, **{"checkpoint.every": 2, "checkpoint.dir": str(tmp_path / "c"),
+                                 "cluster.timeout_s": 30.0})
     said: list[tuple[str, dict]] = []
-    store = _GatedStore(fail)
+
+    def connect():  # the uploader's own connection (a client blocked in a wait serves no one)
+        own = SealedStore(dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                        timeout=timedelta(seconds=30)), b"k" * 32)
+        return _FailingStore(own) if fail else own
     ctx = schemes.SchemeContext(cfg, "node1", tmp_path, lambda kind, **f: said.append((kind, f)),
-                                _Store(), upload=True, upload_store=lambda: store)
+                                _Store(), upload=True, upload_store=connect)
     scheme = registry.build(ctx)
     module, optimizer = _stage()
     assert scheme.cadence.due(1) and not scheme.cadence.due(2)
     scheme.after_iteration(Boundary(1, {1: (module, optimizer)}, None, None))
-    assert store.writing.wait(30)  # the upload is under way, held at its first piece...
-    scheme.after_iteration(Boundary(2, {1: (module, optimizer)}, None, None))  # ...the loop not
-    assert [k for k, _ in said] == []
+    [(kind, announced)] = said
+    assert (kind, announced["iteration"], announced["stage"]) == ("checkpoint_upload", 1, 1)
     partial = durable.iter_dir(tmp_path / "c", 1, partial=True)
-    assert (partial / "stage1").is_dir()
-    store.gate.set()
+    if not fail:
+        # nobody takes the pieces yet: the sender waits (its file list is out), the loop not
+        server.wait([transfer.Stream(1, 1).meta], timedelta(seconds=30))
+        scheme.after_iteration(Boundary(2, {1: (module, optimizer)}, None, None))
+        assert len(said) == 1 and (partial / "stage1").is_dir()
+        got = tmp_path / "got"
+        assert transfer.receive_stage(store, 1, 1, announced["checksums"], got,
+                                      timeout_s=30) == ""
+        assert durable.stage_checksums(got / "stage1", 1) == announced["checksums"]
     scheme.close()
     assert not (partial / "stage1").exists()  # sent (or given up): not kept here
+    left = [k for k in ("meta", "verdict", "0", "1", "ack0") if
+            server.check([transfer.Stream(1, 1).key(k)])]
     if fail:
-        assert [(k, f["iteration"], f["stage"]) for k, f in said] == \
+        assert [(k, f["iteration"], f["stage"]) for k, f in said[1:]] == \
             [("checkpoint_failed", 1, 1)]
-        assert "the store refused the piece" in said[0][1]["message"]
-        assert not [k for k in store if "/files/" in k]  # nothing left in the store either
+        assert "the store refused the piece" in said[1][1]["message"]
+        # the list and the piece that went are taken back (the stop the sender would leave
+        # for a receiver in the next piece's place is refused too, by this failing store)
+        assert left == [], left
         return
-    [(kind, fields)] = said
+    assert left == []
+    [(kind, fields)] = said[1:]
     assert (kind, fields["iteration"], fields["stage"], fields["uploaded"]) == \
         ("checkpoint_saved", 1, 1, True)
-    got = tmp_path / "got"
-    assert transfer.receive_stage(store, 1, 1, fields["checksums"], got) == ""
-    assert durable.stage_checksums(got / "stage1", 1) == fields["checksums"]
-    assert not [k for k in store if "/files/" in k]  # taken out of the store
+    assert fields["checksums"] == announced["checksums"]

@@ -146,9 +146,35 @@ def test_an_address_written_over_the_genuine_one_stops_the_group_naming_the_key(
         assert "no genuine value" in str(out[f"error{rank}"]), out
 
 
+def _sending(sealed, iteration, stage, folder, checksums, **kw):
+    """`transfer.send_stage` on a thread of its own (it waits for the receiver); a dict that
+    gets its bytes sent, or its error."""
+    from spotpipe.checkpoint import transfer
+
+    out: dict = {}
+
+    def send():
+        try:
+            out["sent"] = transfer.send_stage(sealed, iteration, stage, folder, checksums,
+                                              timeout_s=kw.pop("timeout_s", 30.0), **kw)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            out["error"] = exc
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    out["thread"] = thread
+    return out
+
+
+def _pieces_left(server, iteration, stage, upto=64) -> list[str]:
+    base = f"spotpipe/checkpoint/files/{iteration}/{stage}/"
+    names = ["meta", "verdict"] + [str(i) for i in range(upto)] + [f"ack{i}" for i in range(upto)]
+    return [n for n in names if server.check([base + n])]
+
+
 def test_stage_files_through_the_store_arrive_only_when_sealed(server, tmp_path):
     """The committing host takes a stage's files from the store (transfer.py): sealed ones
-    arrive whole; a forged file list is what is wrong with the checkpoint, not a crash."""
+    arrive whole, and the sender hears so; a forged file list is what is wrong with the
+    checkpoint, not a crash, and the sender hears that too."""
     import hashlib
 
     from spotpipe.checkpoint import transfer
@@ -157,49 +183,125 @@ def test_stage_files_through_the_store_arrive_only_when_sealed(server, tmp_path)
     (tmp_path / "sent" / "shard.bin").write_bytes(b"x" * 1000)
     checksums = {"shard.bin": hashlib.sha256(b"x" * 1000).hexdigest()}
     sealed = SealedStore(connect(server), KEY)
-    transfer.send_stage(sealed, 9, 1, tmp_path / "sent", checksums)
-    assert transfer.receive_stage(sealed, 9, 1, checksums, tmp_path / "got") == ""
+    sending = _sending(SealedStore(connect(server), KEY), 9, 1, tmp_path / "sent", checksums)
+    assert transfer.receive_stage(sealed, 9, 1, checksums, tmp_path / "got", timeout_s=30) == ""
+    sending["thread"].join(30)
+    assert sending.get("sent") == 1000, sending
     assert (tmp_path / "got" / "shard.bin").read_bytes() == b"x" * 1000
-    transfer.send_stage(sealed, 19, 1, tmp_path / "sent", checksums)
-    landed(server, "spotpipe/checkpoint/files/19/1/meta")
-    forge(server, "spotpipe/checkpoint/files/19/1/meta", '{"files": [["shard.bin", 100000000]]}')
-    problem = transfer.receive_stage(sealed, 19, 1, checksums, tmp_path / "got19")
-    assert "spotpipe/checkpoint/files/19/1/meta: no seal" in problem, problem
+    assert _pieces_left(server, 9, 1) == []
+    landed_meta = "spotpipe/checkpoint/files/19/1/meta"
+    forge(server, landed_meta, '{"files": [["shard.bin", 100000000]]}')  # before the sender
+    problem = transfer.receive_stage(sealed, 19, 1, checksums, tmp_path / "got19", timeout_s=30)
+    assert f"{landed_meta}: no seal" in problem, problem
     assert not (tmp_path / "got19").exists()
-    assert not sealed.check(["spotpipe/checkpoint/files/19/1/meta"])  # removed all the same
-    # and so are the genuine pieces the forged list stood in front of
-    assert not sealed.check(["spotpipe/checkpoint/files/19/1/0.0"])
+    # a sender that comes after the forger's list hears the refusal, and takes back its piece
+    sending = _sending(SealedStore(connect(server), KEY), 19, 1, tmp_path / "sent", checksums)
+    sending["thread"].join(30)
+    assert isinstance(sending.get("error"), transfer.UploadRefused), sending
+    assert "no seal" in str(sending["error"])
+    assert _pieces_left(server, 19, 1) == []
 
 
-def test_a_refused_file_list_leaves_no_piece_of_the_stage_in_the_store(server, tmp_path):
-    """Two files, one of them in three pieces: after a forged list, none of the four pieces
-    stays behind (a stage's pieces are up to its size in bytes)."""
+@pytest.mark.parametrize("forged", ["list", "piece"])
+def test_a_refused_stage_leaves_nothing_in_the_store(server, tmp_path, monkeypatch, forged):
+    """Two files, one of them in many pieces: after a forged list or a forged piece, the
+    sender hears why, and none of the stage's pieces, acknowledgements or verdict stays behind
+    (a stage is up to GBs)."""
     import hashlib
 
     from spotpipe.checkpoint import transfer
 
+    monkeypatch.setattr(transfer, "CHUNK", 64)
     (tmp_path / "sent").mkdir()
-    blobs = {"a.bin": b"a" * (2 * transfer.CHUNK + 5), "b.bin": b"b" * 10}
+    blobs = {"a.bin": b"a" * (20 * 64 + 5), "b.bin": b"b" * 10}
     for name, data in blobs.items():
         (tmp_path / "sent" / name).write_bytes(data)
     checksums = {n: hashlib.sha256(d).hexdigest() for n, d in blobs.items()}
     sealed = SealedStore(connect(server), KEY)
-    transfer.send_stage(sealed, 7, 2, tmp_path / "sent", checksums)
-    pieces = [f"spotpipe/checkpoint/files/7/2/{k}" for k in ("0.0", "0.1", "0.2", "1.0")]
-    assert sealed.check(pieces)
-    landed(server, "spotpipe/checkpoint/files/7/2/meta")
-    forge(server, "spotpipe/checkpoint/files/7/2/meta", '{"files": []}')
-    problem = transfer.receive_stage(sealed, 7, 2, checksums, tmp_path / "got")
+    sending = _sending(SealedStore(connect(server), KEY), 7, 2, tmp_path / "sent", checksums,
+                       window=4)
+    landed(server, "spotpipe/checkpoint/files/7/2/3")  # the window is full: the sender waits
+    if forged == "list":
+        forge(server, "spotpipe/checkpoint/files/7/2/meta", '{"files": []}')
+    else:
+        forge(server, "spotpipe/checkpoint/files/7/2/2", b"D" + b"z" * 64)
+    problem = transfer.receive_stage(sealed, 7, 2, checksums, tmp_path / "got", timeout_s=30)
     assert "no seal" in problem, problem
-    assert [k for k in pieces if sealed.check([k])] == []
-    assert not (tmp_path / "got").exists()
-    # a list deleted before the committing host read it: the same
-    transfer.send_stage(sealed, 8, 2, tmp_path / "sent", checksums)
-    landed(server, "spotpipe/checkpoint/files/8/2/meta")
-    server.delete_key("spotpipe/checkpoint/files/8/2/meta")
-    problem = transfer.receive_stage(sealed, 8, 2, checksums, tmp_path / "got8")
-    assert "never arrived" in problem, problem
-    assert [k for k in pieces if sealed.check([k.replace("/7/", "/8/")])] == []
+    sending["thread"].join(30)
+    assert not sending["thread"].is_alive()
+    assert isinstance(sending.get("error"), transfer.UploadRefused), sending
+    assert "no seal" in str(sending["error"])
+    assert _pieces_left(server, 7, 2) == []
+    assert not list((tmp_path / "got").glob("*.bin")) if (tmp_path / "got").exists() else True
+
+
+def test_the_store_holds_a_window_of_a_stage_not_the_stage(server, tmp_path, monkeypatch):
+    """Piece n goes only once piece n - window has been taken: with nobody taking, the sender
+    stops at the window; the receiver then takes all of it."""
+    import hashlib
+
+    from spotpipe.checkpoint import transfer
+
+    monkeypatch.setattr(transfer, "CHUNK", 100)
+    data = bytes(range(256)) * 20  # 52 pieces
+    (tmp_path / "sent").mkdir()
+    (tmp_path / "sent" / "big.bin").write_bytes(data)
+    checksums = {"big.bin": hashlib.sha256(data).hexdigest()}
+    sending = _sending(SealedStore(connect(server), KEY), 3, 0, tmp_path / "sent", checksums,
+                       window=5)
+    landed(server, "spotpipe/checkpoint/files/3/0/4")
+    # (the sender writes piece 5 only after the acknowledgement of piece 0, which nobody gave)
+    assert _pieces_left(server, 3, 0) == ["meta", "0", "1", "2", "3", "4"]
+    assert sending["thread"].is_alive()
+    got = tmp_path / "got"
+    assert transfer.receive_stage(SealedStore(connect(server), KEY), 3, 0, checksums, got,
+                                  timeout_s=30, window=5) == ""
+    sending["thread"].join(30)
+    assert sending.get("sent") == len(data), sending
+    assert (got / "big.bin").read_bytes() == data
+    assert _pieces_left(server, 3, 0) == []
+
+
+@pytest.mark.parametrize("how", ["sender gives up", "sender lost"])
+def test_a_receiver_ends_when_its_sender_is_gone(server, tmp_path, monkeypatch, how):
+    """A sender that stops half-way leaves a stop where its next piece would be; one that
+    dies leaves nothing, and the coordinator's loop, which counts it lost, puts the stop there
+    (`Receiving.lose`). Either way the receiver ends at once, not at its timeout."""
+    import hashlib
+    import time
+
+    from spotpipe.checkpoint import transfer
+
+    monkeypatch.setattr(transfer, "CHUNK", 100)
+    data = b"q" * 2000
+    (tmp_path / "sent").mkdir()
+    (tmp_path / "sent" / "s.bin").write_bytes(data)
+    checksums = {"s.bin": hashlib.sha256(data).hexdigest()}
+    sealed = SealedStore(connect(server), KEY)
+    receiving = transfer.Receiving()
+    receiving.start("node3")
+    result: dict = {}
+    receiver = threading.Thread(target=lambda: result.update(problem=transfer.receive_stage(
+        SealedStore(connect(server), KEY), 4, 1, checksums, tmp_path / "got", timeout_s=600,
+        window=4, node="node3", receiving=receiving)), daemon=True)
+    receiver.start()
+    s = transfer.Stream(4, 1)
+    sealed.set(s.meta, '{"files": [["s.bin", 20]]}')
+    for n in range(3):  # three pieces of twenty, then the sender stops
+        sealed.set(s.piece(n), b"D" + b"q" * 100)
+    landed(server, s.ack(2))
+    started = time.monotonic()
+    if how == "sender gives up":
+        transfer._take_back(sealed, s, 3, 4, "the sender gave up: disk error")
+        want = "disk error"
+    else:
+        receiving.lose("node3", sealed)
+        want = "node3 was lost while it sent its stage"
+    receiver.join(60)
+    assert not receiver.is_alive() and time.monotonic() - started < 60
+    assert want in result["problem"], result
+    assert _pieces_left(server, 4, 1) == []
+    assert not (tmp_path / "got" / "s.bin").exists()
 
 
 class _CountingStore(dist.Store):

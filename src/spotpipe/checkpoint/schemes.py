@@ -234,6 +234,9 @@ class Scheme:
         before now. A durable stage that must travel to the committing host is reported once
         it has (`Uploader`)."""
         if kind == "checkpoint_saved" and self.uploads is not None and "uploaded" not in extra:
+            # the committing host starts taking the pieces on this (transfer.py)
+            self.ctx.event("checkpoint_upload", iteration=iteration, stage=stage,
+                           checksums=extra["checksums"])
             self.uploads.submit(Upload(iteration, stage, extra["checksums"],
                                        (kind, iteration, stage, blocked_s, nbytes, counted,
                                         done_time), extra))
@@ -265,8 +268,9 @@ class Uploader:
     after the other, while training goes on: a stage through the store takes seconds per GB,
     which the loop used to wait for. The thread has its own store connection, since a store
     client serialises its calls and the loop's own must not queue behind a stage's pieces.
-    A stage is reported, and so committed, only once all of it has gone; the local copy is
-    not the checkpoint, so it is removed then."""
+    The loop announces each stage (`checkpoint_upload`, which starts the committing host's
+    receive) and reports it, and so lets it be committed, once all of it has been taken;
+    the local copy is not the checkpoint, so it is removed then."""
 
     def __init__(self, ctx: SchemeContext) -> None:
         self.ctx = ctx
@@ -297,9 +301,12 @@ class Uploader:
                 self._store = opener() if opener is not None else self.ctx.store
             folder = durable.iter_dir(self.ctx.root, upload.iteration, partial=True)
             durable.transfer.send_stage(self._store, upload.iteration, upload.stage, folder,
-                                        upload.checksums)
+                                        upload.checksums,
+                                        timeout_s=self.ctx.cfg.cluster.timeout_s)
         except Exception as exc:  # noqa: BLE001 - reported by the loop as checkpoint_failed
             upload.error = exc
+            if self.ctx.upload_store is not None:
+                self._store = None  # (a connection whose wait timed out: the next one is new)
         durable.discard_stage(self.ctx.root, upload.iteration, upload.stage)  # sent or lost
         upload.seconds = time.perf_counter() - started
 

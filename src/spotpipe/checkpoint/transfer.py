@@ -2,24 +2,30 @@
 
 Under `spotpipe agent`, the coordinating agent commits every checkpoint in its own
 `checkpoint.dir`. When another host does not see that folder (the probe each agent makes at
-start says so), its workers write their stage as usual, then put each file into the store in
-pieces (etcd refuses requests over 1.5 MiB) before they report the stage (on a thread of their
-own: `schemes.Uploader`); the coordinator takes the pieces, checks each file's SHA-256 against
-the checksums the worker reported, writes and fsyncs them into the uncommitted folder, and only
-then counts the stage. A file that is missing or damaged fails the whole checkpoint: nothing of
-that iteration is committed.
+start says so), its workers write their stage as usual, announce it (`StageUpload`) and stream
+its files through the store in pieces (etcd refuses requests over 1.5 MiB), on a thread of
+their own (`schemes.Uploader`). The coordinator's committer takes the pieces as they come,
+checks each file's SHA-256 against the checksums the worker announced, writes and fsyncs them
+into the uncommitted folder, and gives its verdict; the worker reports the stage
+(`CheckpointSaved`) once it has heard it. A file that is missing or damaged fails the whole
+checkpoint: nothing of that iteration is committed.
 
-Both ends handle one piece at a time (read from disk, or written and hashed as it comes, and
-taken out of the store at once), so neither holds a stage in memory: a stage is GBs for real
-models. The store holds a stage's pieces from the upload until the coordinator has taken them.
+Flow control: the sender puts piece n only once the receiver has taken piece n - WINDOW, so
+the store holds WINDOW pieces of a stage, and each end one piece in memory: a stage is GBs for
+real models, and a TCPStore keeps its keys in its host's memory. Whichever end stops early
+says so where the other waits next (a stop in place of the next piece, or of the next
+acknowledgement), and the coordinator's loop puts one there for a sender it counts lost
+(`Receiving`), so that nobody waits out `cluster.timeout_s` for a peer that is gone.
 """
-
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,38 +33,112 @@ from spotpipe.checkpoint.fsync import fsync_path
 from spotpipe.protocol.auth import Refused
 
 CHUNK = 512 * 1024  # etcd refuses requests over 1.5 MiB; base64 makes 512 KiB about 683 KiB
+WINDOW = 8  # pieces of one stage in the store at once (4 MiB), whatever the stage's size
+DATA, STOP = b"D", b"X"  # a piece's first byte: its bytes follow, or why the stream ends
 
 
-def _key(iteration: int, stage: int, part: str) -> str:
-    return f"spotpipe/checkpoint/files/{iteration}/{stage}/{part}"
+class UploadRefused(RuntimeError):
+    """The committing host did not take a stage (its reason)."""
+
+
+class _Ended(Exception):
+    """The stream ends before its last piece: the sender gave up, was lost, or is too late."""
+
+
+@dataclass(frozen=True)
+class Stream:
+    """The store keys of one stage on its way: its file list, its pieces in order across the
+    files, the receiver's acknowledgements and its verdict."""
+
+    iteration: int
+    stage: int
+
+    def key(self, part: str) -> str:
+        return f"spotpipe/checkpoint/files/{self.iteration}/{self.stage}/{part}"
+
+    @property
+    def meta(self) -> str:
+        return self.key("meta")
+
+    @property
+    def verdict(self) -> str:
+        return self.key("verdict")
+
+    def piece(self, n: int) -> str:
+        return self.key(str(n))
+
+    def ack(self, n: int) -> str:
+        return self.key(f"ack{n}")
+
+
+def pieces_of(size: int) -> int:
+    """How many pieces a file of `size` bytes travels in (an empty file: one empty piece)."""
+    return max(1, -(-size // CHUNK))
 
 
 def send_stage(store: Any, iteration: int, stage: int, folder: Path,
-               checksums: dict[str, str]) -> int:
-    """Put the files of one written stage (`checksums`' names, relative to the iteration's
-    folder `folder`) into the store (sealed: `store/sealed.py`); return the bytes sent. Each
-    file is read one piece at a time, so the sender holds a piece, not the stage."""
-    files, sent, written = [], 0, []
+               checksums: dict[str, str], *, timeout_s: float, window: int = WINDOW) -> int:
+    """Send the files of one written stage (`checksums`' names, relative to the iteration's
+    folder `folder`) through the store (sealed: `store/sealed.py`); return the bytes sent once
+    the committing host has written and checked all of them (`receive_stage`), or raise
+    UploadRefused with its reason.
+
+    Each file is read a piece at a time, and piece n goes only once the receiver has taken
+    piece n - `window`: the store holds `window` pieces of the stage, not the stage (a TCPStore
+    keeps its keys in its host's memory; etcd has a quota), and neither end holds more than a
+    piece. The receiver starts when the worker's `StageUpload` reaches the coordinator, and
+    every one it is told of runs, so a sender waits at most `timeout_s` for each piece's turn."""
+    s = Stream(iteration, stage)
+    timeout = timedelta(seconds=timeout_s)
+    files = [(name, pieces_of((folder / name).stat().st_size)) for name in sorted(checksums)]
+    store.set(s.meta, json.dumps({"files": [list(f) for f in files]}))
+    n = sent = 0
     try:
-        for index, name in enumerate(sorted(checksums)):
-            parts = 0
+        for name, parts in files:
+            count = 0
             for part in read_pieces(folder / name):
-                written.append(_key(iteration, stage, f"{index}.{parts}"))
-                store.set(written[-1], part)
-                parts += 1
-                sent += len(part)
-            files.append([name, parts])
-        store.set(_key(iteration, stage, "meta"), json.dumps({"files": files}))
-    except BaseException:
-        # nobody will take an unreported stage's pieces: take back what went (if the store
-        # still answers), instead of leaving up to a stage's bytes there for the whole job
-        for key in written:
-            try:
-                store.delete_key(key)
-            except Exception:  # noqa: BLE001 - the error that ended the upload is the one
-                break
+                if count == parts:
+                    raise OSError(f"{name} grew while it was sent")
+                if n >= window:
+                    _acknowledged(store, s, n - window, timeout)
+                store.set(s.piece(n), DATA + part)
+                n, count, sent = n + 1, count + 1, sent + len(part)
+            if count != parts:
+                raise OSError(f"{name} shrank while it was sent")
+        store.wait([s.verdict], timeout)
+        verdict = store.get(s.verdict).decode(errors="replace")
+    except BaseException as exc:
+        # (a stop from the receiver: it has ended, and no stop of ours is read)
+        _take_back(store, s, n, window, None if isinstance(exc, UploadRefused) else
+                   f"the sender gave up: {exc}"[:300])
         raise
+    if verdict:  # (what the receiver did not take, if it refused before the end)
+        _take_back(store, s, n, window, None)
+        raise UploadRefused(verdict)
+    for key in [s.ack(i) for i in range(max(0, n - window), n)] + [s.verdict]:
+        store.delete_key(key)
     return sent
+
+
+def _acknowledged(store: Any, s: Stream, n: int, timeout: timedelta) -> None:
+    store.wait([s.ack(n)], timeout)
+    answer = store.get(s.ack(n))
+    if answer.startswith(STOP):
+        raise UploadRefused(answer[1:].decode(errors="replace"))
+
+
+def _take_back(store: Any, s: Stream, n: int, window: int, why: str | None) -> None:
+    """A sender that stops early removes what it put (the receiver may have taken some) and,
+    with `why`, leaves a stop in the next piece's place, so that a receiver waiting for it
+    ends now instead of at its timeout. Best effort: the store may be what failed."""
+    try:  # (pieces before n - window were taken: piece n - 1 went after their acknowledgement)
+        for key in [s.meta, s.verdict] + [s.piece(i) for i in range(max(0, n - window), n)] + \
+                [s.ack(i) for i in range(max(0, n - 2 * window), n + 1)]:
+            store.delete_key(key)
+        if why is not None:
+            store.set(s.piece(n), STOP + why.encode())
+    except Exception:  # noqa: BLE001 - the error that stopped the upload is the one to report
+        pass
 
 
 def read_pieces(path: Path) -> Iterator[bytes]:
@@ -70,80 +150,208 @@ def read_pieces(path: Path) -> Iterator[bytes]:
             yield part
 
 
-def write_pieces(path: Path, pieces: Iterable[bytes], sha256: str) -> str:
-    """Write `pieces` to `path` as they come, hashing them on the way, and fsync it; "" when
-    the bytes have the SHA-256 `sha256`, else what is wrong (the file is then removed). The
+class FileWriter:
+    """A file written as its pieces come, hashed on the way and fsynced at the end: the
     receiver holds a piece at a time, not the file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
-    with open(path, "wb") as f:
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self._file, self._digest = path, open(path, "wb"), hashlib.sha256()
+
+    def write(self, part: bytes) -> None:
+        self._digest.update(part)
+        self._file.write(part)
+
+    def close(self, sha256: str) -> str:
+        """"" when the bytes have the SHA-256 `sha256`, else what is wrong (the file removed)."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        if self._digest.hexdigest() != sha256:
+            self.path.unlink(missing_ok=True)
+            return f"{self.path.name} arrived damaged (checksum differs)"
+        fsync_path(self.path.parent)
+        return ""
+
+    def discard(self) -> None:
+        self._file.close()
+        self.path.unlink(missing_ok=True)
+
+
+def write_pieces(path: Path, pieces: Iterable[bytes], sha256: str) -> str:
+    """Write `pieces` to `path` (FileWriter); "" when whole, else what is wrong."""
+    out = FileWriter(path)
+    try:
         for part in pieces:
-            digest.update(part)
-            f.write(part)
-        f.flush()
-        os.fsync(f.fileno())
-    if digest.hexdigest() != sha256:
-        path.unlink(missing_ok=True)
-        return f"{path.name} arrived damaged (checksum differs)"
-    fsync_path(path.parent)
-    return ""
+            out.write(part)
+    except BaseException:
+        out.discard()
+        raise
+    return out.close(sha256)
+
+
+class Receiving:
+    """Which piece the committing host waits for, by sending node, so that the coordinator's
+    loop can end the wait when it counts that node lost: a sender that died mid-stage would
+    otherwise hold the committer (and every commit after it) for `cluster.timeout_s`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[str, str] = {}  # node -> the piece's key
+        self._lost: set[str] = set()
+
+    def start(self, node: str) -> None:
+        """`node` sends a stage (again: a node lost before may come back under its name)."""
+        with self._lock:
+            self._lost.discard(node)
+
+    def waiting(self, node: str, key: str) -> bool:
+        """About to wait for `key` from `node`; False when `node` is lost already."""
+        with self._lock:
+            if node in self._lost:
+                return False
+            self._waiting[node] = key
+            return True
+
+    def lose(self, node: str, store: Any) -> None:
+        """`node` is gone: a stop in place of the piece awaited from it (sealed `store`)."""
+        with self._lock:
+            if node in self._lost:
+                return
+            self._lost.add(node)
+            key = self._waiting.pop(node, None)
+            if key is not None:
+                store.set(key, STOP + f"{node} was lost while it sent its stage".encode())
+
+    def done(self, node: str) -> None:
+        with self._lock:
+            self._waiting.pop(node, None)
 
 
 def receive_stage(store: Any, iteration: int, stage: int, checksums: dict[str, str],
-                  folder: Path) -> str:
+                  folder: Path, *, timeout_s: float, window: int = WINDOW, node: str = "",
+                  receiving: Receiving | None = None) -> str:
     """Write the stage's files from the store into `folder` (the iteration's uncommitted
-    folder), each checked against `checksums`; "" when whole, else what is wrong. The pieces
-    are removed from the store either way, each as soon as it is written. `store` is sealed
-    (`store/sealed.py`): a record written without the job's key is what is wrong, never a
-    crash."""
-    meta_key = _key(iteration, stage, "meta")
-    if not store.check([meta_key]):
-        _remove_parts(store, iteration, stage, len(checksums))
-        return f"the files of stage {stage} never arrived through the store"
+    folder) as their pieces come, each file checked against `checksums`; "" when whole, else
+    what is wrong. Each piece is taken out of the store and acknowledged at once (the sender
+    waits for that, `send_stage`), also after a problem, so that the sender is never left
+    waiting: it hears the verdict. `store` is sealed (`store/sealed.py`): a record written
+    without the job's key is what is wrong, never a crash."""
+    s = Stream(iteration, stage)
+    timeout = timedelta(seconds=timeout_s)
+    taken = 0
+    out: FileWriter | None = None
     try:
-        files = json.loads(store.get(meta_key))["files"]
-    except Refused as why:
-        _remove_parts(store, iteration, stage, len(checksums))
-        store.delete_key(meta_key)
-        return f"the files of stage {stage}: {why}"
-    problem = ""
-    if sorted(name for name, _ in files) != sorted(checksums):
-        problem = f"stage {stage} sent other files than it reported"
-    elif any(Path(name).is_absolute() or ".." in Path(name).parts for name, _ in files):
-        problem = f"stage {stage} sent a file outside its folder"
-    for index, (name, parts) in enumerate(files):
-        keys = [_key(iteration, stage, f"{index}.{i}") for i in range(parts)]
-        if not problem:
-            try:
-                problem = write_pieces(folder / name, _taken(store, keys), checksums[name])
-            except Refused as why:
-                (folder / name).unlink(missing_ok=True)
-                problem = str(why)
-        for k in keys:  # (those not taken: after a problem)
-            store.delete_key(k)
-    store.delete_key(meta_key)
+        _arrived(store, s.meta, timeout, node, receiving)
+        _no_longer_waiting(node, receiving)  # (the sender is there: it wrote its list first)
+        files = _file_list(store, s, stage, checksums)
+        problem = ""
+        for name, parts in files:
+            out = FileWriter(folder / name) if not problem else None
+            for _ in range(parts):
+                try:
+                    part = _take(store, s, taken, window, timeout, node, receiving)
+                except Refused as why:
+                    problem, part = problem or str(why), None
+                taken += 1
+                if out is not None and part is None:
+                    out.discard()
+                    out = None
+                elif out is not None:
+                    out.write(part)  # type: ignore[arg-type]
+            if out is not None:
+                problem, out = out.close(checksums[name]), None
+    except UploadRefused as why:  # the file list: told to the sender at its next wait
+        _refuse(store, s, taken, window, str(why))
+        return str(why)
+    except _Ended as why:  # the sender is gone, or gave up: nobody waits for a verdict
+        for key in [s.meta] + [s.ack(i) for i in range(max(0, taken - window), taken)] + \
+                [s.piece(i) for i in range(taken, taken + window)]:
+            store.delete_key(key)
+        return str(why)
+    except Exception as exc:  # noqa: BLE001 - the store failed: this stage is not whole
+        return f"the files of stage {stage}: {str(exc).splitlines()[0][:300]}"
+    finally:
+        if out is not None:  # ended half-way through a file: no file of the checkpoint
+            out.discard()
+        if receiving is not None:
+            receiving.done(node)
+    store.delete_key(s.meta)
+    store.set(s.verdict, problem)
     return problem
 
 
-def _taken(store: Any, keys: list[str]) -> Iterator[bytes]:
-    """Each key's value, removed from the store once read."""
-    for k in keys:
-        part = store.get(k)
-        store.delete_key(k)
-        yield part
+def _file_list(store: Any, s: Stream, stage: int,
+               checksums: dict[str, str]) -> list[tuple[str, int]]:
+    try:
+        body = json.loads(store.get(s.meta))
+        files = [(str(name), int(parts)) for name, parts in body["files"]]
+    except Refused as why:
+        raise UploadRefused(f"the files of stage {stage}: {why}") from None
+    except (ValueError, KeyError, TypeError):
+        raise UploadRefused(f"the files of stage {stage}: an unreadable file list") from None
+    if sorted(name for name, _ in files) != sorted(checksums):
+        raise UploadRefused(f"stage {stage} sent other files than it reported")
+    if any(Path(name).is_absolute() or ".." in Path(name).parts for name, _ in files):
+        raise UploadRefused(f"stage {stage} sent a file outside its folder")
+    if any(parts < 1 for _, parts in files):
+        raise UploadRefused(f"stage {stage}: a file in no pieces")
+    return files
 
 
-def _remove_parts(store: Any, iteration: int, stage: int, files: int) -> None:
-    """Remove the pieces of a stage whose file list is missing or did not verify: the worker
-    put `files` files (as many as it reported checksums for), each in consecutive pieces from
-    0, so each file's pieces are those present from 0 on. Without this, a forged or deleted
-    list would leave the genuine pieces (up to a stage's size) in the store for the rest of
-    the job."""
-    for index in range(files):
-        i = 0
-        while store.check([key := _key(iteration, stage, f"{index}.{i}")]):
-            store.delete_key(key)
-            i += 1
+def _arrived(store: Any, key: str, timeout: timedelta, node: str,
+             receiving: Receiving | None) -> None:
+    if receiving is not None and not receiving.waiting(node, key):
+        raise _Ended(f"{node} was lost while it sent its stage")
+    try:
+        store.wait([key], timeout)
+    except Exception as exc:  # noqa: BLE001 - a timeout, or the store gone
+        raise _Ended(f"{key} did not arrive ({str(exc).splitlines()[0][:200]})") from None
+
+
+def _take(store: Any, s: Stream, n: int, window: int, timeout: timedelta, node: str,
+          receiving: Receiving | None) -> bytes:
+    """Piece n's bytes, taken out of the store and acknowledged (Refused: not sealed)."""
+    key = s.piece(n)
+    _arrived(store, key, timeout, node, receiving)
+    try:
+        raw = store.get(key)
+    except Refused:
+        _no_longer_waiting(node, receiving)
+        store.delete_key(key)
+        _acknowledge(store, s, n, window)  # (the sender goes on, and hears the verdict)
+        raise
+    _no_longer_waiting(node, receiving)
+    store.delete_key(key)
+    if raw.startswith(STOP):
+        raise _Ended(raw[1:].decode(errors="replace"))
+    _acknowledge(store, s, n, window)
+    if not raw.startswith(DATA):
+        raise Refused(f"{key}: not a piece of a stage")
+    return raw[1:]
+
+
+def _no_longer_waiting(node: str, receiving: Receiving | None) -> None:
+    """Between reading a piece and removing it: a stop the loop writes up to here lands on
+    the piece and goes with it; from here on the loop writes none for it (`Receiving`)."""
+    if receiving is not None:
+        receiving.done(node)
+
+
+def _acknowledge(store: Any, s: Stream, n: int, window: int) -> None:
+    store.set(s.ack(n), DATA)
+    if n >= window:  # (the sender has read it: it wrote piece n after it)
+        store.delete_key(s.ack(n - window))
+
+
+def _refuse(store: Any, s: Stream, taken: int, window: int, why: str) -> None:
+    """Stop the sender at its next wait (the acknowledgement of piece `taken`, or the verdict)
+    and remove what it put that this end did not take: with the window, pieces up to
+    `taken + window`."""
+    store.set(s.ack(taken), STOP + why.encode())
+    store.set(s.verdict, why)
+    for key in [s.meta] + [s.piece(i) for i in range(taken, taken + window)]:
+        store.delete_key(key)
 
 
 # ---------------------------------------------------------------------- is the folder shared?

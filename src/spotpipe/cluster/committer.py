@@ -4,11 +4,11 @@ A commit writes the signed manifest, renames the folder into place and applies r
 which hashes every checkpoint it keeps (so that a damaged one never pushes out a good one):
 seconds per commit for a model of a few GB (SHA-256 runs at about 0.8 GB/s here), tens of
 seconds for a large one; a stage uploaded through the store by a host that does not see the
-checkpoint folder is read back, hashed and written first (seconds per GB as well). On the loop
-that also reads the workers' reports, every failure in that time waited for them before its
-recovery began. So they run here, in order, on one thread of their own: the loop hands over
-each upload as it is reported and each commit when its stages are on disk, writes the
-outcomes as events on its next turn, and waits for what is still running when the job ends
+checkpoint folder is taken piece by piece, hashed and written first (seconds per GB as well).
+On the loop that also reads the workers' reports, every failure in that time waited for them
+before its recovery began. So they run here, in order, on one thread of their own: the loop
+hands over each upload as it is announced and each commit when its stages are on disk, writes
+the outcomes as events on its next turn, and waits for what is still running when the job ends
 (a restart reads the newest committed checkpoint).
 """
 
@@ -48,6 +48,7 @@ class _Step:
 
     iteration: int
     run: Callable[[], str]
+    always: bool = False  # runs even once its iteration has failed (a sender waits on it)
 
 
 class Committer:
@@ -65,9 +66,11 @@ class Committer:
         """Commit `iteration` once what was handed over before it is done."""
         self._put(_Commit(iteration, info, checksums))
 
-    def submit_step(self, iteration: int, run: Callable[[], str]) -> None:
-        """Run `run` before `iteration`'s commit; a problem it returns fails the iteration."""
-        self._put(_Step(iteration, run))
+    def submit_step(self, iteration: int, run: Callable[[], str], always: bool = False) -> None:
+        """Run `run` before `iteration`'s commit; a problem it returns fails the iteration.
+        With `always`, it runs even when the iteration has failed already (an upload's
+        receive: its sender waits for each piece to be taken)."""
+        self._put(_Step(iteration, run, always))
 
     def _put(self, item: _Commit | _Step) -> None:
         if self._thread is None:  # (a job that never checkpoints starts no thread)
@@ -78,11 +81,12 @@ class Committer:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            if item.iteration in self._failed:
+            failed = item.iteration in self._failed
+            if failed and not (isinstance(item, _Step) and item.always):
                 continue  # said once, by the step that failed
             if isinstance(item, _Step):
                 problem = item.run()
-                if problem:
+                if problem and not failed:
                     self._failed.add(item.iteration)
                     with self._lock:
                         self._done.append(Committed(item.iteration, self.now(), error=problem))

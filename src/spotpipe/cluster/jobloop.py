@@ -33,8 +33,8 @@ from spotpipe.checkpoint import durable
 from spotpipe.cluster.committer import Committed, Committer
 from spotpipe.cluster.coordinator import Coordinator
 from spotpipe.protocol import (Channel, CheckpointSaved, Close, CoordinatorState, Event, Exit,
-                               JoinRequest, Journal, Metrics, Opened, Refused, Report, Stalled,
-                               job_key, keys)
+                               JoinRequest, Journal, Metrics, Opened, Refused, Report, StageUpload,
+                               Stalled, job_key, keys)
 from spotpipe.store import mailbox
 from spotpipe.store.address import StoreAddress
 from spotpipe.cluster.supervisor import (SHADOW, Supervisor, search_path, starter,
@@ -222,7 +222,9 @@ class JobLoop:
             partition=self.spec.partition, partition_for=self._partition_for)
         inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._inbox, self._address, self._store = inbox, address, store
-        self._upload_store: SealedStore | None = None  # (opened at the first upload)
+        self._receiving = durable.transfer.Receiving()  # uploads the committer takes
+        self._sealed_here = SealedStore(store, self.channel.key)  # (this loop's connection)
+        self._senders_lost: set[str] = set()
         self._exited: dict[str, int] = {}
         self._last: dict[str, Any] | None = None
         self._received = 0
@@ -272,6 +274,7 @@ class JobLoop:
                 except queue.Empty:
                     what, item = "tick", None
                 self._each_turn(files)
+                self._lost_senders()
                 self._record_commits(files, self.committer.finished())
                 if time.time() - last_tick >= cfg.failover.heartbeat_s:
                     last_tick = time.time()
@@ -430,10 +433,8 @@ class JobLoop:
         t = item["iteration"]
         if t in self._ckpt_failed:
             return
-        if item.get("uploaded"):  # from a host that does not see this checkpoint folder
-            self.committer.submit_step(t, functools.partial(
-                durable.transfer.receive_stage, self._uploads(), t, item["stage"],
-                item["checksums"], durable.iter_dir(self.checkpoint_root, t, partial=True)))
+        # (a stage uploaded by a host that does not see this folder was taken by the
+        # committer before this report came: `_stage_upload`)
         parts = self._ckpt_parts.setdefault(t, {})
         parts[item["stage"]] = item["checksums"]
         partition = self.coordinator.partition or self.spec.partition
@@ -447,16 +448,36 @@ class JobLoop:
         del self._ckpt_parts[t]
         self.committer.submit(t, info, checksums)  # (committed off this loop: committer.py)
 
-    def _uploads(self) -> SealedStore:
-        """The committer's own connection to the store, for stage files uploaded by hosts that
-        do not see the checkpoint folder (transfer.py); opened at the first upload. A record
-        there that does not verify is reported through the loop, like any other."""
-        if self._upload_store is None:
-            inbox = self._inbox
-            self._upload_store = SealedStore(
-                self._address.connect(self.cfg.cluster.timeout_s), self.channel.key,
-                on_refused=lambda why: inbox.put(("refused_upload", (why.writer, why.reason))))
-        return self._upload_store
+    def _stage_upload(self, message: StageUpload) -> None:
+        """A host that does not see this checkpoint folder sends a stage through the store:
+        the committer takes its pieces as they come (transfer.py), even for an iteration that
+        failed meanwhile, since the sender waits for each piece to be taken."""
+        t, node = message.iteration, message.node
+        if node not in self.coordinator.dead:  # (a sender counted gone already ends at once)
+            self._receiving.start(node)
+            self._senders_lost.discard(node)
+        folder = durable.iter_dir(self.checkpoint_root, t, partial=True)
+        self.committer.submit_step(t, functools.partial(
+            self._receive, t, message.stage, message.checksums, folder, node), always=True)
+
+    def _receive(self, t: int, stage: int, checksums: dict[str, str], folder: Path,
+                 node: str) -> str:
+        """On the committer's thread, over a connection of its own for this stage (a store
+        client serialises its calls, and a wait that timed out may leave it unusable). A
+        record there that does not verify is reported through the loop, like any other."""
+        inbox = self._inbox
+        store = SealedStore(
+            self._address.connect(self.cfg.cluster.timeout_s), self.channel.key,
+            on_refused=lambda why: inbox.put(("refused_upload", (why.writer, why.reason))))
+        return durable.transfer.receive_stage(store, t, stage, checksums, folder,
+                                              timeout_s=self.cfg.cluster.timeout_s, node=node,
+                                              receiving=self._receiving)
+
+    def _lost_senders(self) -> None:
+        """End the committer's wait for pieces from a node the coordinator counts gone."""
+        for node in self.coordinator.dead - self._senders_lost:
+            self._senders_lost.add(node)
+            self._receiving.lose(node, self._sealed_here)
 
     def _record_commits(self, files: RunFiles, done: list[Committed]) -> None:
         for c in done:
@@ -519,6 +540,11 @@ class JobLoop:
             self._checkpoint_saved({**message.details, "iteration": message.iteration,
                                     "stage": message.stage, "checksums": message.checksums},
                                    files)
+        elif isinstance(message, StageUpload):
+            files.event({"time_s": message.time_s, "kind": "checkpoint_upload",
+                         "node": message.node, "iteration": message.iteration,
+                         "stage": message.stage})
+            self._stage_upload(message)
         elif isinstance(message, JoinRequest):
             files.event({"time_s": message.time_s, "kind": "join_requested",
                          "node": message.node})

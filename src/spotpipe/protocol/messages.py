@@ -225,6 +225,20 @@ class CheckpointSaved(Message):
 
 
 @dataclass(frozen=True)
+class StageUpload(Message):
+    """A stage of a durable checkpoint is on its way through the store (its host does not see
+    the committing host's folder): take its pieces as they come (`checkpoint/transfer.py`).
+    Its `CheckpointSaved` follows once all of it has been taken."""
+
+    TYPE: ClassVar[str] = "stage_upload"
+    node: str
+    time_s: float
+    iteration: int
+    stage: int
+    checksums: dict[str, str]
+
+
+@dataclass(frozen=True)
 class Exit(Message):
     """A worker process ended, as its host's agent saw it."""
 
@@ -457,7 +471,7 @@ class FinalFile(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {m.TYPE: m for m in (
-    Report, JoinRequest, Metrics, Event, CheckpointSaved, Exit, Close, Heartbeat, Stalled, Abort,
+    Report, JoinRequest, Metrics, Event, CheckpointSaved, StageUpload, Exit, Close, Heartbeat, Stalled, Abort,
     Regroup, DecisionRecord, JoinAnswer, Kill, Mark, CoordinatorState, Journal,
     AgentArrival, ArrivalsClosed, JobPosted, Assignment, JobOver, FinalFile)}
 

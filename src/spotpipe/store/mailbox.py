@@ -17,7 +17,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from spotpipe.protocol import Channel, CheckpointSaved, Event, Message, Opened, Refused, ReplayGuard, keys
+from spotpipe.protocol import (Channel, CheckpointSaved, Event, Message, Opened, Refused,
+                               ReplayGuard, StageUpload, keys)
 from spotpipe.store import board
 
 
@@ -48,6 +49,10 @@ class Outbox:
             checksums = details.pop("checksums")
             self.post(CheckpointSaved(self.node, self.now(), iteration, stage, checksums,
                                       details))
+            return
+        if kind == "checkpoint_upload":  # a stage on its way: the launcher takes its pieces
+            self.post(StageUpload(self.node, self.now(), details["iteration"], details["stage"],
+                                  details["checksums"]))
             return
         self.post(Event(kind, self.node, self.now(), finite(details)))
 
