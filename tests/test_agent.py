@@ -45,14 +45,15 @@ GATED = ("import sys; import spotpipe.cluster.agent; from spotpipe.cli.main impo
 
 
 def _agent(config: Path, out: Path, backend: str, endpoint: str, *, token: str = TOKEN,
-           job: str = "job1", nnodes: str = "2:3", gated: bool = False) -> subprocess.Popen:
+           job: str = "job1", nnodes: str = "2:3", gated: bool = False,
+           extra: tuple[str, ...] = ()) -> subprocess.Popen:
     env = dict(os.environ, SPOTPIPE_JOIN_TOKEN=token,
                PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
     start = ["-c", GATED] if gated else ["-m", "spotpipe"]
     return subprocess.Popen(
         [sys.executable, *start, "agent", str(config), "--rdzv-backend", backend,
          "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--nnodes", nnodes, "--out", str(out),
-         "--no-progress", *(["--on-demand"] if backend == "c10d" else [])], env=env,
+         "--no-progress", *(["--on-demand"] if backend == "c10d" else []), *extra], env=env,
         stdin=subprocess.PIPE if gated else None, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
 
@@ -249,6 +250,37 @@ def test_a_lost_host_fails_over_to_the_other(tmp_path, tmp_path_factory, corpus,
     want = failure_free(tmp_path_factory, cfg)  # D = 1: the single-process loop
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert all(workers_running(out) == [] for out in outs)
+
+
+def test_a_node_lost_while_it_uploads_its_stage_fails_only_that_checkpoint(
+        tmp_path, tmp_path_factory, corpus):
+    """node1's host does not see the coordinator's checkpoint folder, and node1 dies right
+    after it announced its stage of iteration 2 (`--fail node1@2:upload`, given to both agents:
+    only the host running node1 acts on it). The committer, waiting for that stage's pieces,
+    hears of the loss from the coordinator's loop instead of waiting out cluster.timeout_s
+    (300 s here): iteration 2 is never committed, the job fails over and commits iteration 5,
+    and its parameters are the single-process loop's."""
+    cfg = _config(corpus, 8, **{"checkpoint.every": 3, "cluster.timeout_s": 300.0})
+    config = _write_config(cfg, tmp_path / "job.yaml")
+    outs = [tmp_path / "host_a", tmp_path / "host_b"]
+    endpoint = f"127.0.0.1:{free_port()}"
+    for code, err in _finish([_agent(config, out, "c10d", endpoint,
+                                     extra=("--fail", "node1@2:upload")) for out in outs]):
+        assert code == 0, err[-2000:]
+    run = _coordinator_out(outs)
+    ev = events(run)
+    announced = [e for e in ev if e["kind"] == "checkpoint_upload"]
+    assert [(e["node"], e["iteration"]) for e in announced] == [("node1", 2)]
+    failed = [e for e in ev if e["kind"] == "checkpoint_failed"]
+    assert [(e["iteration"], e["message"]) for e in failed] == \
+        [(2, "node1 was lost while it sent its stage")]
+    assert [e["iteration"] for e in ev if e["kind"] == "checkpoint_committed"] == [5]
+    # not held for the 300 s timeout: the job's whole run took a fraction of it
+    assert max(e["time_s"] for e in ev) < 150, max(e["time_s"] for e in ev)
+    assert "takeover" in [e["kind"] for e in ev]
+    got = load_file(str(run / "final" / "model.safetensors"))
+    want = failure_free(tmp_path_factory, cfg)  # D = 1: the single-process loop
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 @pytest.mark.parametrize("folders", ["separate", "shared"])

@@ -79,7 +79,9 @@ def test_records_round_trip_and_an_unsealed_one_is_refused_at_once(server):
 def _form(server, rank: int, size: int, out: dict, timeout_s: float = 30.0,
           wait_genuine_s: float = 30.0, on_refused=None) -> None:
     try:
-        sealed = SealedStore(connect(server, timeout_s), KEY, wait_genuine_s=wait_genuine_s,
+        # (the connection keeps the default timeout: `timeout_s` bounds the group's forming,
+        # and a loaded machine may take seconds to connect a client)
+        sealed = SealedStore(connect(server), KEY, wait_genuine_s=wait_genuine_s,
                              on_refused=on_refused)
         group = dist.ProcessGroupGloo(dist.PrefixStore("gen1/world", sealed), rank, size,
                                       timedelta(seconds=timeout_s))

@@ -10,8 +10,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-PHASES = ("start", "forward", "backward", "all-reduce", "optimizer", "checkpoint", "regroup",
-          "transfer")
+PHASES = ("start", "forward", "backward", "all-reduce", "optimizer", "checkpoint", "upload",
+          "regroup", "transfer")
+# `upload`: right after a node announces a checkpoint stage it sends through the store (its host
+# does not see the committing host's folder), before the first piece goes
 # Phases of a recovery rather than of an iteration: they fire while the first generation that
 # resumes at or after the fault's iteration forms (`regroup`: before its process groups exist;
 # `transfer`: groups formed, before stage and replica states move, in the first such recovery

@@ -237,6 +237,7 @@ class Scheme:
             # the committing host starts taking the pieces on this (transfer.py)
             self.ctx.event("checkpoint_upload", iteration=iteration, stage=stage,
                            checksums=extra["checksums"])
+            self.ctx.inject("upload", iteration)  # (announced, nothing sent yet)
             self.uploads.submit(Upload(iteration, stage, extra["checksums"],
                                        (kind, iteration, stage, blocked_s, nbytes, counted,
                                         done_time), extra))

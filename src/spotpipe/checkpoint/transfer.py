@@ -284,7 +284,10 @@ def receive_stage(store: Any, iteration: int, stage: int, checksums: dict[str, s
 def _file_list(store: Any, s: Stream, stage: int,
                checksums: dict[str, str]) -> list[tuple[str, int]]:
     try:
-        body = json.loads(store.get(s.meta))
+        raw = store.get(s.meta)
+        if raw.startswith(STOP):  # the loop's, for a sender lost before its list came
+            raise _Ended(raw[1:].decode(errors="replace"))
+        body = json.loads(raw)
         files = [(str(name), int(parts)) for name, parts in body["files"]]
     except Refused as why:
         raise UploadRefused(f"the files of stage {stage}: {why}") from None

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from spotpipe.cli.argtypes import positive_number
+from spotpipe.cli.argtypes import add_fault_flags, positive_number
 
 
 def _env(flag: str, default: str | None = None) -> str | None:
@@ -54,16 +54,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="output folder (the coordinating agent writes the run's files here)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    faults = p.add_argument_group(
+        "fault injection into this host's workers (the same paths as real failures; a fault "
+        "for a node another host runs does nothing here)")
+    add_fault_flags(faults)
     p.set_defaults(func=run)
 
 
 REQUIRED = ("rdzv_endpoint", "rdzv_id", "nnodes")
+FAULT_KINDS = ("fail", "notice", "hang")
 
 
 def run(args: argparse.Namespace) -> int:
     from spotpipe.cluster.agent_options import AgentError, AgentOptions, check_options, \
         parse_nnodes
     from spotpipe.config import ConfigError, load_config
+    from spotpipe.faults import Fault, FaultSpecError
 
     try:  # every check that needs no torch, before anything starts (see agent_options)
         for flag in REQUIRED:
@@ -77,9 +83,11 @@ def run(args: argparse.Namespace) -> int:
                             out=Path(args.out), nproc=args.nproc_per_node,
                             node_rank=args.node_rank, local_addr=args.local_addr,
                             rdzv_timeout_s=args.rdzv_timeout, progress=not args.no_progress,
-                            on_demand=args.on_demand)
+                            on_demand=args.on_demand,
+                            faults=tuple(Fault.parse(kind, text) for kind in FAULT_KINDS
+                                         for text in getattr(args, kind)))
         check_options(opts, cfg, overwrite=args.overwrite)
-    except (AgentError, ConfigError) as exc:
+    except (AgentError, ConfigError, FaultSpecError) as exc:
         print(f"spotpipe agent: error: {exc}", file=sys.stderr)
         return 2
     from spotpipe.cluster.supervisor import prestart

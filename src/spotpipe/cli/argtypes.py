@@ -1,5 +1,6 @@
-"""Argument types for numbers on the command line: argparse's `float` takes 'nan' and 'inf',
-which end in a traceback or a run that never stops; these refuse them, naming the flag."""
+"""Argument types and flags the commands share. Numbers: argparse's `float` takes 'nan' and
+'inf', which end in a traceback or a run that never stops; these refuse them, naming the flag.
+Faults: `spotpipe train` and `spotpipe agent` inject the same ones."""
 
 from __future__ import annotations
 
@@ -22,3 +23,20 @@ def positive_number(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
     return value
+
+
+
+def add_fault_flags(group: argparse._ArgumentGroup) -> None:
+    """`--fail`, `--notice` and `--hang`, the faults `spotpipe train` and `spotpipe agent`
+    both inject (parsed by `spotpipe.faults.Fault.parse`)."""
+    group.add_argument(
+        "--fail", action="append", default=[], metavar="NODE@ITER[:PHASE]",
+        help="kill NODE (SIGKILL) at iteration ITER, at the start or in PHASE (forward, "
+             "backward, all-reduce, optimizer, checkpoint; upload: once NODE has announced a "
+             "checkpoint stage it sends through the store; or regroup, transfer: while the "
+             "first recovery resuming at ITER or later forms its groups or moves the node's "
+             "state)")
+    group.add_argument("--notice", action="append", default=[], metavar="NODE@ITER",
+                       help="send NODE a preemption notice (SIGTERM) at iteration ITER")
+    group.add_argument("--hang", action="append", default=[], metavar="NODE@ITER[:PHASE]",
+                       help="make NODE stop making progress at iteration ITER")

@@ -11,7 +11,7 @@ import importlib
 import sys
 from pathlib import Path
 
-from spotpipe.cli.argtypes import positive_number
+from spotpipe.cli.argtypes import add_fault_flags, positive_number
 from spotpipe.config import ConfigError, load_config
 from spotpipe.faults import FaultSpecError
 
@@ -33,15 +33,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="resume from a checkpoint whose manifest has no valid MAC under this "
                         "job's key (recorded as an event)")
     faults = p.add_argument_group("fault injection (the same paths as real failures)")
-    faults.add_argument("--fail", action="append", default=[], metavar="NODE@ITER[:PHASE]",
-                        help="kill NODE (SIGKILL) at iteration ITER, at the start or in PHASE "
-                             "(forward, backward, all-reduce, optimizer; or regroup, "
-                             "transfer: while the first recovery resuming at ITER or later "
-                             "forms its groups or moves the node's state)")
-    faults.add_argument("--notice", action="append", default=[], metavar="NODE@ITER",
-                        help="send NODE a preemption notice (SIGTERM) at iteration ITER")
-    faults.add_argument("--hang", action="append", default=[], metavar="NODE@ITER[:PHASE]",
-                        help="make NODE stop making progress at iteration ITER")
+    add_fault_flags(faults)
     faults.add_argument("--nan", action="append", default=[], metavar="NODE@ITER",
                         help="put a NaN into one of NODE's gradients at iteration ITER, before "
                              "the reduction (see training.nonfinite)")

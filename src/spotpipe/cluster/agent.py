@@ -306,7 +306,7 @@ class Agent:
                              local_world=len(ranks), address=self.address, run_dir=self.opts.out,
                              t0=self._posted.t0, token=self.token,
                              instance=self.instance, search_path=search_path(self.cfg),
-                             joining=joining)
+                             faults=self.opts.faults, joining=joining)
             env["SPOTPIPE_CHECKPOINT_UPLOAD"] = "0" if self._shared else "1"
             self.supervisor.spawn(node, env)
             BoardWatcher(self.address.connect(self.timeout_s), self.channel,

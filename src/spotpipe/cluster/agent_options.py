@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spotpipe.config import Config, parse_endpoint
+from spotpipe.faults import Fault
 
 
 class AgentError(RuntimeError):
@@ -32,6 +33,7 @@ class AgentOptions:
     rdzv_timeout_s: float = 600.0
     progress: bool = True
     on_demand: bool = False  # the operator says this host is not preemptible (c10d's host)
+    faults: tuple[Fault, ...] = ()  # injected into the workers this agent starts (by node name)
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -81,6 +83,14 @@ def check_options(opts: AgentOptions, cfg: Config, overwrite: bool = False) -> s
             f"({opts.min_nodes} x {opts.nproc}) must be {world}; agents beyond MIN join later")
     if opts.node_rank >= opts.min_nodes:
         raise AgentError(f"--node-rank {opts.node_rank}: expected 0..{opts.min_nodes - 1}")
+    most = opts.max_nodes * opts.nproc  # nodes are named by rank, joiners after the first
+    for f in opts.faults:
+        if not f.node.startswith("node") or not f.node[4:].isdigit() or int(f.node[4:]) >= most:
+            raise AgentError(f"--{f.kind} {f.node}@{f.iteration}: no node {f.node!r}; the "
+                             f"job's nodes are node0..node{most - 1}")
+        if f.iteration >= cfg.iterations:
+            raise AgentError(f"--{f.kind} {f.node}@{f.iteration}: the job runs iterations "
+                             f"0..{cfg.iterations - 1}")
     out = opts.out = opts.out.resolve()
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise AgentError(f"--out {out}: the folder exists and is not empty; pass --overwrite "
