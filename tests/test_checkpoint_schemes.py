@@ -512,7 +512,7 @@ def test_an_upload_runs_beside_training_and_is_reported_once_taken(tmp_path, cor
     partial = durable.iter_dir(tmp_path / "c", 1, partial=True)
     if not fail:
         # nobody takes the pieces yet: the sender waits (its file list is out), the loop not
-        server.wait([transfer.Stream(1, 1).meta], timedelta(seconds=30))
+        server.wait([transfer.Stream.checkpoint(1, 1).meta], timedelta(seconds=30))
         scheme.after_iteration(Boundary(2, {1: (module, optimizer)}, None, None))
         assert len(said) == 1 and (partial / "stage1").is_dir()
         got = tmp_path / "got"
@@ -522,7 +522,7 @@ def test_an_upload_runs_beside_training_and_is_reported_once_taken(tmp_path, cor
     scheme.close()
     assert not (partial / "stage1").exists()  # sent (or given up): not kept here
     left = [k for k in ("meta", "verdict", "0", "1", "ack0") if
-            server.check([transfer.Stream(1, 1).key(k)])]
+            server.check([transfer.Stream.checkpoint(1, 1).key(k)])]
     if fail:
         assert [(k, f["iteration"], f["stage"]) for k, f in said[1:]] == \
             [("checkpoint_failed", 1, 1)]

@@ -287,7 +287,7 @@ def test_a_receiver_ends_when_its_sender_is_gone(server, tmp_path, monkeypatch, 
         SealedStore(connect(server), KEY), 4, 1, checksums, tmp_path / "got", timeout_s=600,
         window=4, node="node3", receiving=receiving)), daemon=True)
     receiver.start()
-    s = transfer.Stream(4, 1)
+    s = transfer.Stream.checkpoint(4, 1)
     sealed.set(s.meta, '{"files": [["s.bin", 20]]}')
     for n in range(3):  # three pieces of twenty, then the sender stops
         sealed.set(s.piece(n), b"D" + b"q" * 100)

@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -47,14 +47,23 @@ class _Ended(Exception):
 
 @dataclass(frozen=True)
 class Stream:
-    """The store keys of one stage on its way: its file list, its pieces in order across the
-    files, the receiver's acknowledgements and its verdict."""
+    """The store keys of one stage's files on their way: their list, their pieces in order
+    across the files, the receiver's acknowledgements and its verdict."""
 
-    iteration: int
+    base: str
     stage: int
 
+    @classmethod
+    def checkpoint(cls, iteration: int, stage: int) -> "Stream":
+        return cls(f"spotpipe/checkpoint/files/{iteration}", stage)
+
+    @classmethod
+    def final(cls, stage: int) -> "Stream":
+        """The run's final parameters of one stage, for the coordinating agent's `--out`."""
+        return cls("spotpipe/final", stage)
+
     def key(self, part: str) -> str:
-        return f"spotpipe/checkpoint/files/{self.iteration}/{self.stage}/{part}"
+        return f"{self.base}/{self.stage}/{part}"
 
     @property
     def meta(self) -> str:
@@ -78,6 +87,21 @@ def pieces_of(size: int) -> int:
 
 def send_stage(store: Any, iteration: int, stage: int, folder: Path,
                checksums: dict[str, str], *, timeout_s: float, window: int = WINDOW) -> int:
+    """`send` of one stage of the checkpoint of `iteration`."""
+    return send(store, Stream.checkpoint(iteration, stage), folder, checksums,
+                timeout_s=timeout_s, window=window)
+
+
+def receive_stage(store: Any, iteration: int, stage: int, checksums: dict[str, str],
+                  folder: Path, *, timeout_s: float, window: int = WINDOW, node: str = "",
+                  receiving: Receiving | None = None) -> str:
+    """`receive` of one stage of the checkpoint of `iteration`."""
+    return receive(store, Stream.checkpoint(iteration, stage), checksums, folder,
+                   timeout_s=timeout_s, window=window, node=node, receiving=receiving)
+
+
+def send(store: Any, s: Stream, folder: Path, checksums: dict[str, str], *,
+         timeout_s: float, window: int = WINDOW) -> int:
     """Send the files of one written stage (`checksums`' names, relative to the iteration's
     folder `folder`) through the store (sealed: `store/sealed.py`); return the bytes sent once
     the committing host has written and checked all of them (`receive_stage`), or raise
@@ -88,7 +112,6 @@ def send_stage(store: Any, iteration: int, stage: int, folder: Path,
     keeps its keys in its host's memory; etcd has a quota), and neither end holds more than a
     piece. The receiver starts when the worker's `StageUpload` reaches the coordinator, and
     every one it is told of runs, so a sender waits at most `timeout_s` for each piece's turn."""
-    s = Stream(iteration, stage)
     timeout = timedelta(seconds=timeout_s)
     files = [(name, pieces_of((folder / name).stat().st_size)) for name in sorted(checksums)]
     store.set(s.meta, json.dumps({"files": [list(f) for f in files]}))
@@ -178,18 +201,6 @@ class FileWriter:
         self.path.unlink(missing_ok=True)
 
 
-def write_pieces(path: Path, pieces: Iterable[bytes], sha256: str) -> str:
-    """Write `pieces` to `path` (FileWriter); "" when whole, else what is wrong."""
-    out = FileWriter(path)
-    try:
-        for part in pieces:
-            out.write(part)
-    except BaseException:
-        out.discard()
-        raise
-    return out.close(sha256)
-
-
 class Receiving:
     """Which piece the committing host waits for, by sending node, so that the coordinator's
     loop can end the wait when it counts that node lost: a sender that died mid-stage would
@@ -228,16 +239,16 @@ class Receiving:
             self._waiting.pop(node, None)
 
 
-def receive_stage(store: Any, iteration: int, stage: int, checksums: dict[str, str],
-                  folder: Path, *, timeout_s: float, window: int = WINDOW, node: str = "",
-                  receiving: Receiving | None = None) -> str:
+def receive(store: Any, s: Stream, checksums: dict[str, str], folder: Path, *,
+            timeout_s: float, window: int = WINDOW, node: str = "",
+            receiving: Receiving | None = None) -> str:
     """Write the stage's files from the store into `folder` (the iteration's uncommitted
     folder) as their pieces come, each file checked against `checksums`; "" when whole, else
     what is wrong. Each piece is taken out of the store and acknowledged at once (the sender
     waits for that, `send_stage`), also after a problem, so that the sender is never left
     waiting: it hears the verdict. `store` is sealed (`store/sealed.py`): a record written
     without the job's key is what is wrong, never a crash."""
-    s = Stream(iteration, stage)
+    stage = s.stage
     timeout = timedelta(seconds=timeout_s)
     taken = 0
     out: FileWriter | None = None

@@ -43,7 +43,6 @@ coordinator's --out gets the whole model even without a shared filesystem.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import queue
 import signal
@@ -57,23 +56,24 @@ import yaml
 
 from spotpipe import job
 from spotpipe.checkpoint import durable
+from spotpipe.checkpoint.fsync import sha256_file
 from spotpipe.cluster.admission import Coordinating
 from spotpipe.cluster.agent_options import (AgentError, AgentOptions, check_options,
                                             parse_nnodes)
 from spotpipe.cluster.launcher import LaunchError, prepare, search_path
 from spotpipe.cluster.rendezvous import (ALL_LEFT, ARRIVALS, COORDINATOR, JOB, LEFT, OVER,
-                                         agent_key, assign_key, connect_rendezvous, final_key,
-                                         post_over, proof_key, read_record, read_vouched,
+                                         agent_key, assign_key, connect_rendezvous, post_over, proof_key, read_record, read_vouched,
                                          wait_get, write_atomic)
 from spotpipe.cluster.supervisor import WORKER, Supervisor, starter, worker_env
 from spotpipe.config import Config
 from spotpipe.model import template
 from spotpipe.protocol import (AgentArrival, Assignment, Channel, CoordinatorState, Exit,
-                               FinalFile, JobOver, JobPosted, Kill, MessageError, Refused,
+                               FinalUpload, JobOver, JobPosted, Kill, MessageError, Refused,
                                job_key, keys, plain, vouch, vouched)
 from spotpipe.store.address import StoreAddress
 from spotpipe.store.leader import Leadership, lease_ttl
 from spotpipe.store.mailbox import Outbox
+from spotpipe.store.sealed import SealedStore
 from spotpipe.store.watchers import BoardWatcher
 
 __all__ = ["Agent", "AgentError", "AgentOptions", "parse_nnodes", "run_agent"]
@@ -354,7 +354,7 @@ class Agent:
         try:
             store = self.address.connect(self.timeout_s)
             if code == 0:
-                self._upload_final(store)
+                self._upload_final(store, node)
             Outbox(store, self.channel, 0.0).post(Exit(node, code))
         except Exception as exc:  # the store is gone: the job is over already
             self.say(f"could not report the exit of {node}: {exc}")
@@ -381,17 +381,22 @@ class Agent:
             # over already): nothing to act on either way
             return False
 
-    def _upload_final(self, store: dist.Store) -> None:
+    def _upload_final(self, store: dist.Store, node: str) -> None:
+        """Send the final stage files this host's workers wrote to the coordinating agent,
+        each announced, then streamed under flow control (transfer.py); one that does not go
+        is said here, and the coordinator's completion check names it."""
+        sealed = SealedStore(store, self.channel.key)
+        outbox = Outbox(store, self.channel, 0.0)
         for path in sorted((self.opts.out / "final").glob("stage*.safetensors")):
             s = int(path.name[len("stage"):-len(".safetensors")])
-            digest, parts = hashlib.sha256(), 0
-            for part in durable.transfer.read_pieces(path):  # (a piece at a time: a stage may be GBs)
-                store.set(final_key(s, str(parts)), part)
-                digest.update(part)
-                parts += 1
-            meta = FinalFile(parts, digest.hexdigest())
-            store.set(final_key(s, "meta"), plain(vouch(meta, self.token,
-                                                        self.rdzv_key(final_key(s, "meta")))))
+            sha = sha256_file(path)
+            outbox.post(FinalUpload(node, s, sha))
+            try:
+                durable.transfer.send(sealed, durable.transfer.Stream.final(s), path.parent,
+                                      {path.name: sha}, timeout_s=self.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - said; the job's end names the stage
+                self.say(f"the final parameters of stage {s} did not reach the coordinator: "
+                         f"{exc}")
 
 
 def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> int:

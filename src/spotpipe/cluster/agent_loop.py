@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import yaml
@@ -13,8 +15,9 @@ import yaml
 from spotpipe.checkpoint import transfer
 from spotpipe.cluster.jobloop import Deposed, JobLoop, RunFiles
 from spotpipe.cluster.agent_options import AgentOptions
-from spotpipe.cluster.rendezvous import final_key, read_vouched, write_atomic
-from spotpipe.protocol import CoordinatorState, FinalFile, Journal, Kill, MessageError, keys
+from spotpipe.cluster.rendezvous import write_atomic
+from spotpipe.protocol import CoordinatorState, FinalUpload, Journal, Kill, keys
+from spotpipe.store.sealed import SealedStore
 from spotpipe.store import board, mailbox
 from spotpipe.store.address import StoreAddress
 
@@ -48,6 +51,9 @@ class AgentJobLoop(JobLoop):
         self._kill_due: dict[str, float] = {}
         self._persisted: dict[str, Any] | None = None  # the books last written to the store
         self._marked = 0  # mailbox slots marked read (only once the books have taken them in)
+        # the final stage files on their way from the agents (`_final_upload`), by stage
+        self._finals: dict[int, Future[str]] = {}
+        self._finals_thread = ThreadPoolExecutor(1, thread_name_prefix="final-receive")
 
     @property
     def _tombstone_on_read(self) -> bool:
@@ -154,27 +160,36 @@ class AgentJobLoop(JobLoop):
                 self.rdzv.silent(node)
                 self._inbox.put(("exit", (node, -int(signal.SIGKILL))))
 
+    def _final_upload(self, message: FinalUpload, writer: str) -> None:
+        """An agent sends a stage's final parameters: take its pieces as they come, on a
+        thread of their own and a store connection of their own (the agent waits for each
+        piece to be taken), into `final/.incoming` until the run is known complete."""
+        incoming = self.out / "final" / ".incoming"
+        name = f"stage{message.stage}.safetensors"
+
+        def receive() -> str:
+            inbox = self._inbox
+            store = SealedStore(
+                self._address.connect(self.cfg.cluster.timeout_s), self.channel.key,
+                on_refused=lambda why: inbox.put(("refused_upload", (why.writer, why.reason))))
+            return transfer.receive(store, transfer.Stream.final(message.stage),
+                                    {name: message.sha256}, incoming,
+                                    timeout_s=self.cfg.cluster.timeout_s, node=message.node,
+                                    receiving=self._receiving)
+        self._finals[message.stage] = self._finals_thread.submit(receive)
+
     def _gather_final(self) -> str:
         last = self._last
         if self.coordinator.stop_message or last is None or last["iter"] + 1 < self.cfg.iterations:
             return ""  # the run did not finish; _completion_problem says why
         final = self.out / "final"
-        final.mkdir(exist_ok=True)
         for s in range(self._stage_count()):
-            if not self._store.check([final_key(s, "meta")]):
+            if s not in self._finals:
                 return f"the final parameters of stage {s} never arrived from its agent"
-            try:
-                meta = read_vouched(self._store, final_key(s, "meta"), self.token,
-                                    self.rdzv.opts.rdzv_id, FinalFile)
-            except MessageError as exc:
-                return f"the final parameters of stage {s} arrived unreadable ({exc})"
-            assert isinstance(meta, FinalFile)
-            tmp = final / f".stage{s}.safetensors.recv"
-            pieces = (self._store.get(final_key(s, str(i))) for i in range(meta.parts))
-            damaged = transfer.write_pieces(tmp, pieces, meta.sha256)  # a piece at a time
-            for i in range(meta.parts):
-                self._store.delete_key(final_key(s, str(i)))
-            if damaged:
-                return f"the final parameters of stage {s} arrived damaged (checksum differs)"
-            os.replace(tmp, final / f"stage{s}.safetensors")
+            problem = self._finals[s].result()  # (done: its agent posted its exit after it)
+            if problem:
+                return f"the final parameters of stage {s} did not arrive whole: {problem}"
+            os.replace(final / ".incoming" / f"stage{s}.safetensors",
+                       final / f"stage{s}.safetensors")
+        shutil.rmtree(final / ".incoming", ignore_errors=True)  # (a stage sent twice)
         return ""

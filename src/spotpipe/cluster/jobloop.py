@@ -33,8 +33,8 @@ from spotpipe.checkpoint import durable
 from spotpipe.cluster.committer import Committed, Committer
 from spotpipe.cluster.coordinator import Coordinator
 from spotpipe.protocol import (Channel, CheckpointSaved, Close, CoordinatorState, Event, Exit,
-                               JoinRequest, Journal, Metrics, Opened, Refused, Report, StageUpload,
-                               Stalled, job_key, keys)
+                               FinalUpload, JoinRequest, Journal, Metrics, Opened, Refused,
+                               Report, StageUpload, Stalled, job_key, keys)
 from spotpipe.store import mailbox
 from spotpipe.store.address import StoreAddress
 from spotpipe.cluster.supervisor import (SHADOW, Supervisor, search_path, starter,
@@ -182,6 +182,11 @@ class JobLoop:
     def _gather_final(self) -> str:
         """Bring the final stage files into this run folder; a problem, or "" when done."""
         return ""
+
+    def _final_upload(self, message: FinalUpload, writer: str) -> None:
+        """An agent's final stage file on its way (agent jobs only: here the workers write
+        into this run folder themselves)."""
+        self.coordinator.refused(writer, "a final_upload record in a job without agents")
 
     def _persist(self, files: RunFiles) -> None:
         """End of a turn: keep what a successor needs in the store (agent jobs on etcd)."""
@@ -540,6 +545,8 @@ class JobLoop:
             self._checkpoint_saved({**message.details, "iteration": message.iteration,
                                     "stage": message.stage, "checksums": message.checksums},
                                    files)
+        elif isinstance(message, FinalUpload):
+            self._final_upload(message, writer)
         elif isinstance(message, StageUpload):
             files.event({"time_s": message.time_s, "kind": "checkpoint_upload",
                          "node": message.node, "iteration": message.iteration,

@@ -20,7 +20,7 @@ from spotpipe.store.address import StoreAddress, host_tcp_store, job_prefix
 
 ARRIVALS, COORDINATOR, JOB, OVER = keys.ARRIVALS, keys.COORDINATOR, keys.JOB, keys.OVER
 LEFT, ALL_LEFT = keys.LEFT, keys.ALL_LEFT
-agent_key, assign_key, final_key = keys.arrival, keys.assignment, keys.final_part
+agent_key, assign_key = keys.arrival, keys.assignment
 
 
 def connect_rendezvous(opts: AgentOptions,

@@ -10,12 +10,12 @@ from spotpipe.protocol.auth import (Refused, ReplayGuard, Sealed, Sealer, job_ke
                                     token_from_env, unseal)
 from spotpipe.protocol.channel import Channel, Opened, channel_from_env
 from spotpipe.protocol.messages import (Abort, AgentArrival, ArrivalsClosed, Assignment,
-                                        CheckpointSaved, FinalFile, JobOver, JobPosted, Close, CoordinatorState,
+                                        CheckpointSaved, FinalUpload, JobOver, JobPosted, Close, CoordinatorState,
                                         DecisionRecord, Event, Exit, Journal, Heartbeat, JoinAnswer, JoinRequest, Kill, Mark, Message,
                                         MessageError, Metrics, Regroup, Report, StageUpload, Stalled, from_plain, parse,
                                         plain, vouch, vouched)
 
-__all__ = ["Abort", "AgentArrival", "ArrivalsClosed", "Assignment", "FinalFile", "JobOver",
+__all__ = ["Abort", "AgentArrival", "ArrivalsClosed", "Assignment", "FinalUpload", "JobOver",
            "JobPosted", "from_plain", "plain", "vouch", "vouched", "Channel", "channel_from_env", "CheckpointSaved", "Close", "CoordinatorState", "DecisionRecord", "Event", "Exit",
            "Heartbeat", "JoinAnswer", "JoinRequest", "Journal", "Kill", "Mark", "Message", "MessageError",
            "Metrics", "Opened", "Refused", "Regroup", "Report", "ReplayGuard", "Sealed",

@@ -123,11 +123,6 @@ def kill_board(node: str) -> str:
     return f"{RDZV}/kill/{node}"
 
 
-def final_part(stage: int, part: str) -> str:
-    """A final stage file in transit to the coordinating agent's host."""
-    return f"{ROOT}/final/{stage}/{part}"
-
-
 def journal(index: int) -> str:
     """The coordinator's `index`-th batch of run-file lines (from 1), for a successor."""
     return f"{ROOT}/coordinator/journal/{index}"

@@ -461,19 +461,21 @@ class JobOver(Message):
 
 
 @dataclass(frozen=True)
-class FinalFile(Message):
-    """A final stage file in transit through the store: its parts and checksum."""
+class FinalUpload(Message):
+    """An agent sends a stage's final parameters, as its worker wrote them, to the coordinating
+    agent's `--out` through the store (`checkpoint/transfer.py`, `Stream.final`): take its
+    pieces as they come. Its `Exit` follows once they have been taken."""
 
-    TYPE: ClassVar[str] = "final_file"
-    parts: int
+    TYPE: ClassVar[str] = "final_upload"
+    node: str  # the agent's node whose worker wrote it
+    stage: int
     sha256: str
-    proof: str = ""  # see `vouch` (the checksum is the parts' own: a forger would make both)
 
 
 MESSAGES: dict[str, type[Message]] = {m.TYPE: m for m in (
     Report, JoinRequest, Metrics, Event, CheckpointSaved, StageUpload, Exit, Close, Heartbeat, Stalled, Abort,
     Regroup, DecisionRecord, JoinAnswer, Kill, Mark, CoordinatorState, Journal,
-    AgentArrival, ArrivalsClosed, JobPosted, Assignment, JobOver, FinalFile)}
+    AgentArrival, ArrivalsClosed, JobPosted, Assignment, JobOver, FinalUpload)}
 
 
 def plain(message: Message) -> bytes:
