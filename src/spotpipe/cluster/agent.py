@@ -62,8 +62,9 @@ from spotpipe.cluster.agent_options import (AgentError, AgentOptions, check_opti
                                             parse_nnodes)
 from spotpipe.cluster.launcher import LaunchError, prepare, search_path
 from spotpipe.cluster.rendezvous import (ALL_LEFT, ARRIVALS, COORDINATOR, JOB, LEFT, OVER,
-                                         agent_key, assign_key, connect_rendezvous, post_over, proof_key, read_record, read_vouched,
-                                         wait_get, write_atomic)
+                                         agent_key, assign_key, connect_rendezvous, post_over,
+                                         proof_key, read_record, read_vouched, wait_get,
+                                         write_atomic)
 from spotpipe.cluster.supervisor import WORKER, Supervisor, starter, worker_env
 from spotpipe.config import Config
 from spotpipe.model import template

@@ -17,9 +17,9 @@ from spotpipe.cluster.jobloop import Deposed, JobLoop, RunFiles
 from spotpipe.cluster.agent_options import AgentOptions
 from spotpipe.cluster.rendezvous import write_atomic
 from spotpipe.protocol import CoordinatorState, FinalUpload, Journal, Kill, keys
-from spotpipe.store.sealed import SealedStore
 from spotpipe.store import board, mailbox
 from spotpipe.store.address import StoreAddress
+from spotpipe.store.sealed import SealedStore
 
 
 class Office(Protocol):

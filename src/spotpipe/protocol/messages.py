@@ -473,8 +473,8 @@ class FinalUpload(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {m.TYPE: m for m in (
-    Report, JoinRequest, Metrics, Event, CheckpointSaved, StageUpload, Exit, Close, Heartbeat, Stalled, Abort,
-    Regroup, DecisionRecord, JoinAnswer, Kill, Mark, CoordinatorState, Journal,
+    Report, JoinRequest, Metrics, Event, CheckpointSaved, StageUpload, Exit, Close, Heartbeat,
+    Stalled, Abort, Regroup, DecisionRecord, JoinAnswer, Kill, Mark, CoordinatorState, Journal,
     AgentArrival, ArrivalsClosed, JobPosted, Assignment, JobOver, FinalUpload)}
 
 
