@@ -334,3 +334,29 @@ def test_a_standing_squatter_is_read_with_a_growing_interval(server):
     threading.Timer(0.01, lambda: connect(server).set(
         "gen1/world/0/2", seal_value(KEY, "gen1/world/0/2", b"genuine"))).start()
     assert SealedStore(connect(server), KEY, wait_genuine_s=5).get("gen1/world/0/2") == b"genuine"
+
+
+def test_a_receiver_that_cannot_write_stops_its_sender(server, tmp_path, monkeypatch):
+    """The committing host's disk fails (here: the folder is a file): the receive says so, and
+    the sender hears it at its next wait instead of waiting out its timeout (600 s here)."""
+    import hashlib
+    import time
+
+    from spotpipe.checkpoint import transfer
+
+    monkeypatch.setattr(transfer, "CHUNK", 100)
+    data = b"w" * 3000
+    (tmp_path / "sent").mkdir()
+    (tmp_path / "sent" / "w.bin").write_bytes(data)
+    checksums = {"w.bin": hashlib.sha256(data).hexdigest()}
+    sending = _sending(SealedStore(connect(server), KEY), 6, 0, tmp_path / "sent", checksums,
+                       window=4, timeout_s=600)
+    (tmp_path / "not_a_folder").write_text("")
+    started = time.monotonic()
+    problem = transfer.receive_stage(SealedStore(connect(server), KEY), 6, 0, checksums,
+                                     tmp_path / "not_a_folder", timeout_s=30, window=4)
+    assert "the files of stage 0:" in problem, problem
+    sending["thread"].join(60)
+    assert not sending["thread"].is_alive() and time.monotonic() - started < 60
+    assert isinstance(sending.get("error"), transfer.UploadRefused), sending
+    assert _pieces_left(server, 6, 0) == []

@@ -280,8 +280,13 @@ def receive(store: Any, s: Stream, checksums: dict[str, str], folder: Path, *,
                 [s.piece(i) for i in range(taken, taken + window)]:
             store.delete_key(key)
         return str(why)
-    except Exception as exc:  # noqa: BLE001 - the store failed: this stage is not whole
-        return f"the files of stage {stage}: {str(exc).splitlines()[0][:300]}"
+    except Exception as exc:  # noqa: BLE001 - the store or this disk failed: not whole
+        why = f"the files of stage {stage}: {str(exc).splitlines()[0][:300]}"
+        try:  # (a full disk here: the sender stops at its next wait instead of its timeout)
+            _refuse(store, s, taken, window, why)
+        except Exception:  # noqa: BLE001 - the store itself is what failed
+            pass
+        return why
     finally:
         if out is not None:  # ended half-way through a file: no file of the checkpoint
             out.discard()
