@@ -281,7 +281,6 @@ def test_a_receiver_ends_when_its_sender_is_gone(server, tmp_path, monkeypatch, 
     checksums = {"s.bin": hashlib.sha256(data).hexdigest()}
     sealed = SealedStore(connect(server), KEY)
     receiving = transfer.Receiving()
-    receiving.start("node3")
     result: dict = {}
     receiver = threading.Thread(target=lambda: result.update(problem=transfer.receive_stage(
         SealedStore(connect(server), KEY), 4, 1, checksums, tmp_path / "got", timeout_s=600,

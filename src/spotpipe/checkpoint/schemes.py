@@ -41,6 +41,7 @@ config name.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -224,8 +225,7 @@ class Scheme:
             if sent.error is not None:  # the store refused: this one is lost
                 self._failed(sent.iteration, sent.stage, sent.error)
             else:
-                self._record(*sent.record, **sent.extra, uploaded=True,
-                             upload_s=round(sent.seconds, 6))
+                sent.report(uploaded=True, upload_s=round(sent.seconds, 6))
 
     def _record(self, kind: str, iteration: int, stage: int, blocked_s: float, nbytes: int,
                 counted: bool = True, done_time: float | None = None, **extra: Any) -> None:
@@ -233,15 +233,19 @@ class Scheme:
         already counted (a copy received); `done_time` (wall clock) when it completed, if
         before now. A durable stage that must travel to the committing host is reported once
         it has (`Uploader`)."""
-        if kind == "checkpoint_saved" and self.uploads is not None and "uploaded" not in extra:
-            # the committing host starts taking the pieces on this (transfer.py)
-            self.ctx.event("checkpoint_upload", iteration=iteration, stage=stage,
-                           checksums=extra["checksums"])
-            self.ctx.inject("upload", iteration)  # (announced, nothing sent yet)
-            self.uploads.submit(Upload(iteration, stage, extra["checksums"],
-                                       (kind, iteration, stage, blocked_s, nbytes, counted,
-                                        done_time), extra))
+        report = functools.partial(self._record_now, kind, iteration, stage, blocked_s, nbytes,
+                                   counted, done_time, **extra)
+        if kind != "checkpoint_saved" or self.uploads is None:
+            report()
             return
+        # the committing host starts taking the pieces on this (transfer.py)
+        self.ctx.event("checkpoint_upload", iteration=iteration, stage=stage,
+                       checksums=extra["checksums"])
+        self.ctx.inject("upload", iteration)  # (announced, nothing sent yet)
+        self.uploads.submit(Upload(iteration, stage, extra["checksums"], report))
+
+    def _record_now(self, kind: str, iteration: int, stage: int, blocked_s: float,
+                    nbytes: int, counted: bool, done_time: float | None, **extra: Any) -> None:
         if counted:
             self.bytes += nbytes
         entry = {"iteration": iteration, "stage": stage, "blocked_s": round(blocked_s, 6),
@@ -258,8 +262,7 @@ class Upload:
     iteration: int
     stage: int
     checksums: dict[str, str]
-    record: tuple[Any, ...]  # `Scheme._record`'s positional arguments
-    extra: dict[str, Any]
+    report: Callable[..., None]  # the scheme's event and record, given the upload's fields
     seconds: float = 0.0
     error: BaseException | None = None
 

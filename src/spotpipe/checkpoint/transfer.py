@@ -211,11 +211,6 @@ class Receiving:
         self._waiting: dict[str, str] = {}  # node -> the piece's key
         self._lost: set[str] = set()
 
-    def start(self, node: str) -> None:
-        """`node` sends a stage (again: a node lost before may come back under its name)."""
-        with self._lock:
-            self._lost.discard(node)
-
     def waiting(self, node: str, key: str) -> bool:
         """About to wait for `key` from `node`; False when `node` is lost already."""
         with self._lock:

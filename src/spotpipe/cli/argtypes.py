@@ -25,7 +25,6 @@ def positive_number(text: str) -> float:
     return value
 
 
-
 def add_fault_flags(group: argparse._ArgumentGroup) -> None:
     """`--fail`, `--notice` and `--hang`, the faults `spotpipe train` and `spotpipe agent`
     both inject (parsed by `spotpipe.faults.Fault.parse`)."""

@@ -19,7 +19,6 @@ from spotpipe.cluster.rendezvous import write_atomic
 from spotpipe.protocol import CoordinatorState, FinalUpload, Journal, Kill, keys
 from spotpipe.store import board, mailbox
 from spotpipe.store.address import StoreAddress
-from spotpipe.store.sealed import SealedStore
 
 
 class Office(Protocol):
@@ -167,16 +166,12 @@ class AgentJobLoop(JobLoop):
         incoming = self.out / "final" / ".incoming"
         name = f"stage{message.stage}.safetensors"
 
-        def receive() -> str:
-            inbox = self._inbox
-            store = SealedStore(
-                self._address.connect(self.cfg.cluster.timeout_s), self.channel.key,
-                on_refused=lambda why: inbox.put(("refused_upload", (why.writer, why.reason))))
-            return transfer.receive(store, transfer.Stream.final(message.stage),
-                                    {name: message.sha256}, incoming,
-                                    timeout_s=self.cfg.cluster.timeout_s, node=message.node,
-                                    receiving=self._receiving)
-        self._finals[message.stage] = self._finals_thread.submit(receive)
+        self._finals[message.stage] = self._finals_thread.submit(
+            lambda: transfer.receive(self._upload_connection(),
+                                     transfer.Stream.final(message.stage),
+                                     {name: message.sha256}, incoming,
+                                     timeout_s=self.cfg.cluster.timeout_s, node=message.node,
+                                     receiving=self._receiving))
 
     def _gather_final(self) -> str:
         last = self._last

@@ -13,7 +13,6 @@ each agent supervising its own host) and tells the loop of their exits, either d
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import queue
@@ -229,7 +228,6 @@ class JobLoop:
         self._inbox, self._address, self._store = inbox, address, store
         self._receiving = durable.transfer.Receiving()  # uploads the committer takes
         self._sealed_here = SealedStore(store, self.channel.key)  # (this loop's connection)
-        self._senders_lost: set[str] = set()
         self._exited: dict[str, int] = {}
         self._last: dict[str, Any] | None = None
         self._received = 0
@@ -457,31 +455,25 @@ class JobLoop:
         """A host that does not see this checkpoint folder sends a stage through the store:
         the committer takes its pieces as they come (transfer.py), even for an iteration that
         failed meanwhile, since the sender waits for each piece to be taken."""
-        t, node = message.iteration, message.node
-        if node not in self.coordinator.dead:  # (a sender counted gone already ends at once)
-            self._receiving.start(node)
-            self._senders_lost.discard(node)
+        t = message.iteration
         folder = durable.iter_dir(self.checkpoint_root, t, partial=True)
-        self.committer.submit_step(t, functools.partial(
-            self._receive, t, message.stage, message.checksums, folder, node), always=True)
+        self.committer.submit_step(t, lambda: durable.transfer.receive_stage(
+            self._upload_connection(), t, message.stage, message.checksums, folder,
+            timeout_s=self.cfg.cluster.timeout_s, node=message.node,
+            receiving=self._receiving), always=True)
 
-    def _receive(self, t: int, stage: int, checksums: dict[str, str], folder: Path,
-                 node: str) -> str:
-        """On the committer's thread, over a connection of its own for this stage (a store
-        client serialises its calls, and a wait that timed out may leave it unusable). A
-        record there that does not verify is reported through the loop, like any other."""
+    def _upload_connection(self) -> SealedStore:
+        """A store connection of its own for one upload's receive (a store client serialises
+        its calls, and a wait that timed out may leave it unusable). A record there that does
+        not verify is reported through the loop, like any other."""
         inbox = self._inbox
-        store = SealedStore(
+        return SealedStore(
             self._address.connect(self.cfg.cluster.timeout_s), self.channel.key,
             on_refused=lambda why: inbox.put(("refused_upload", (why.writer, why.reason))))
-        return durable.transfer.receive_stage(store, t, stage, checksums, folder,
-                                              timeout_s=self.cfg.cluster.timeout_s, node=node,
-                                              receiving=self._receiving)
 
     def _lost_senders(self) -> None:
         """End the committer's wait for pieces from a node the coordinator counts gone."""
-        for node in self.coordinator.dead - self._senders_lost:
-            self._senders_lost.add(node)
+        for node in self.coordinator.dead:  # (`lose` acts once per node)
             self._receiving.lose(node, self._sealed_here)
 
     def _record_commits(self, files: RunFiles, done: list[Committed]) -> None:
