@@ -15,7 +15,9 @@ are needed here, so this module owns them:
   main thread waits on an event that either the operation's completion or an abort sets.
 
 A receiver also learns a tensor's shape from a small header sent on first use of a channel;
-later messages reuse it, since in a pipeline each boundary's shape is fixed for a run.
+later messages reuse it, since in a pipeline each boundary's shape is fixed for a run. The
+header also says how the channel's messages travel: through the process group, or, between two
+CPU workers of one host, through shared memory (runtime/local_link.py, which says why).
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ import torch
 import torch.distributed as dist
 
 from spotpipe.protocol.auth import Refused
+from spotpipe.runtime import local_link
 from spotpipe.store.abort import AbortSignal, PeerFailure  # noqa: F401 (re-exported)
 from spotpipe.store.sealed import SealedStore
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
-_HEADER = 10  # ndim, dtype code, up to 8 dims
+_HEADER = 11  # ndim, dtype code, transport, up to 8 dims
+_GROUP, _LOCAL = 0, 1  # transports
+_LOCAL_BYTES = 256 << 20  # a local channel's ring holds at most this (and at least 2 messages)
 
 # message kinds; the tag is kind * 1024 + source stage, so every channel has its own tag
 ACT, GRAD, REPLICA, TIED = 0, 1, 2, 3
@@ -113,6 +118,12 @@ class Waiter:
     def wait(self, work: Any) -> None:
         self.call(work.wait, "communication failed")
 
+    def blocked(self, waiting: bool) -> None:
+        """The main thread waits on a peer itself (a local link's poll), or stopped."""
+        self.waiting = waiting
+        if not waiting:
+            self.idle_at = time.monotonic()
+
     def call(self, call: Callable[[], Any], failure: str) -> None:
         """`call()`; PeerFailure (`failure`: the error) if it fails or the abort comes first."""
         self.abort.check()
@@ -148,11 +159,13 @@ class Comm:
     def __init__(self, *, store: dist.Store, key: bytes, generation: int, nodes: Sequence[str],
                  me: str, stage_members: dict[int, list[str]], backend: str,
                  device: torch.device, timeout_s: float, abort: AbortSignal,
-                 namespace: str = "spotpipe",
+                 namespace: str = "spotpipe", local_slots: int = 0,
                  on_refused: Callable[[Refused], None] | None = None) -> None:
         """`key`: the job's; the groups' rendezvous records are sealed under it
         (store/sealed.py), so that nobody without it can slip an address of theirs into a
-        group. `on_refused` hears of every record there that does not verify."""
+        group. `on_refused` hears of every record there that does not verify.
+        `local_slots`: messages a local link buffers per channel (0: no local links); the
+        most a schedule sends on one channel before its receiver takes them."""
         self.generation = generation
         self.nodes = list(nodes)
         self.me = me
@@ -166,6 +179,15 @@ class Comm:
         # (referenced as long as the groups may use it: they hold only its C++ side)
         self._sealed: SealedStore | None = SealedStore(store, key, wait_genuine_s=timeout_s,
                                                        on_refused=on_refused)
+        # the listener exists before the groups form, so before any peer can send to it
+        self._key, self._namespace, self._local_slots = key, namespace, local_slots
+        self._listener = None
+        if local_slots > 0 and device.type == "cpu":
+            self._listener = local_link.Listener(
+                key, local_link.address(key, namespace, generation, me),
+                lambda why: on_refused(Refused(why, writer="a local process"))
+                if on_refused is not None else None)
+        self._links: dict[tuple[str, int, int], Any] = {}
         self._form_groups(self._sealed, f"{namespace}/gen{generation}", stage_members,
                           backend, timedelta(seconds=timeout_s))
         self._shapes: dict[tuple[str, int, int], tuple[torch.Size, torch.dtype]] = {}
@@ -200,6 +222,13 @@ class Comm:
     def close(self) -> None:
         """The generation is over: stop its waiter thread and park its groups for release."""
         self.waiter.stop()
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        self.abort.release()
         groups = [self.world] + [g for g, _ in self.data_parallel.values()]
         _REAPER.park([g for g in groups + [self._sealed, self._store] if g is not None])
         self.world, self.data_parallel, self._store, self._sealed = None, {}, None, None
@@ -227,23 +256,43 @@ class Comm:
     # ------------------------------------------------------------------ point to point
 
     def send(self, tensor: torch.Tensor, node: str, tag_: int) -> None:
-        """Asynchronous; completed by `wait_sends` (at the latest before the reduction)."""
+        """Asynchronous; completed by `wait_sends` (at the latest before the reduction). On a
+        local link the tensor is copied out before this returns."""
         self.abort.check()
         dst = self.nodes.index(node)
         tensor = tensor.detach().contiguous()
         key = ("send", dst, tag_)
         if key not in self._shapes:
-            if tensor.dim() > _HEADER - 2:
+            if tensor.dim() > _HEADER - 3:
                 raise ValueError(f"cannot send a {tensor.dim()}-d tensor between stages "
-                                 f"(at most {_HEADER - 2} dimensions)")
+                                 f"(at most {_HEADER - 3} dimensions)")
+            link = self._connect(node, tag_, tensor)
             header = torch.zeros(_HEADER, dtype=torch.int64)
             header[0] = tensor.dim()
             header[1] = _DTYPES.index(tensor.dtype)
-            header[2: 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+            header[2] = _GROUP if link is None else _LOCAL
+            header[3: 3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
             header = header.to(self.device)
             self._pending.append((self._post(self.world.send, [header], dst, tag_), header))
             self._shapes[key] = (tensor.shape, tensor.dtype)
-        self._pending.append((self._post(self.world.send, [tensor], dst, tag_), tensor))
+        link = self._links.get(key)
+        if link is not None:
+            self._local(link.send, tensor)
+        else:
+            self._pending.append((self._post(self.world.send, [tensor], dst, tag_), tensor))
+
+    def _connect(self, node: str, tag_: int, tensor: torch.Tensor) -> Any:
+        """A local link for the channel to `node` if it runs on this host, else None."""
+        if self._listener is None:
+            return None
+        nbytes = max(1, tensor.numel() * tensor.element_size())
+        slots = max(2, min(self._local_slots, _LOCAL_BYTES // nbytes))
+        link = local_link.Sender.connect(
+            self._key, local_link.address(self._key, self._namespace, self.generation, node),
+            local_link.channel_name(self.me, node, tag_), slots, nbytes)
+        if link is not None:
+            self._links[("send", self.nodes.index(node), tag_)] = link
+        return link
 
     def recv(self, node: str, tag_: int) -> torch.Tensor:
         """The next tensor on this channel.
@@ -260,7 +309,17 @@ class Comm:
             header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
             self.waiter.wait(self._post(self.world.recv, [header], src, tag_))
             h = header.tolist()
-            self._shapes[key] = (torch.Size(h[2: 2 + h[0]]), _DTYPES[h[1]])
+            self._shapes[key] = (torch.Size(h[3: 3 + h[0]]), _DTYPES[h[1]])
+            if h[2] == _LOCAL:
+                if self._listener is None:
+                    raise PeerFailure(f"communication failed: {node} offered a local link "
+                                      "to a node without one")
+                self._links[key] = self._local(self._listener.accept,
+                                               local_link.channel_name(node, self.me, tag_))
+        link = self._links.get(key)
+        if link is not None:
+            shape, dtype = self._shapes[key]
+            return self._local(link.recv, torch.empty(shape, dtype=dtype))
         posted = self._early.pop(key, None)
         if posted is None:
             posted = self._post_data_recv(key, src, tag_)
@@ -268,6 +327,15 @@ class Comm:
         self.waiter.wait(work)
         self._early[key] = self._post_data_recv(key, src, tag_)
         return out
+
+    def _local(self, op: Callable[..., Any], *args: Any) -> Any:
+        """A local link's operation, its waits ended by the abort; its failure is the
+        generation's, as a process group's is (Waiter)."""
+        try:
+            return op(*args, self.abort, self.waiter.blocked)
+        except PeerFailure as exc:
+            self.abort.trigger(str(exc))
+            raise
 
     def _post_data_recv(self, key: tuple[str, int, int], src: int,
                         tag_: int) -> tuple[Any, torch.Tensor]:

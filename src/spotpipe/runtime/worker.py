@@ -269,7 +269,9 @@ class Worker:
                           on_refused=self._refused, generation=self.generation, nodes=nodes,
                           me=self.node, namespace=self.namespace,
                           stage_members=nodelib.stage_members(self.layout), backend=self.backend,
-                          device=self.device, timeout_s=timeout, abort=abort)
+                          device=self.device, timeout_s=timeout, abort=abort,
+                          # a channel carries at most an iteration's micro-batches unread
+                          local_slots=2 * self.cfg.num_microbatches * self.cfg.pipelines)
         return self._comm
 
     def _form(self, comm: Comm | None = None) -> None:

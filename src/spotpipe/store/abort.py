@@ -8,6 +8,7 @@ signal without importing the runtime.
 
 from __future__ import annotations
 
+import os
 import threading
 
 
@@ -21,15 +22,37 @@ class AbortSignal:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waiting: set[threading.Event] = set()
+        self._pipe: tuple[int, int] | None = None
         self.reason: str | None = None
 
     def trigger(self, reason: str) -> None:
         with self._lock:
             if self.reason is None:
                 self.reason = reason
+                if self._pipe is not None:
+                    os.write(self._pipe[1], b"!")
             waiting = list(self._waiting)
         for event in waiting:
             event.set()
+
+    def wakeup_fd(self) -> int:
+        """A descriptor that turns readable at the abort, for waits that `select` on sockets
+        (runtime/local_link.py) rather than block on an Event."""
+        with self._lock:
+            if self._pipe is None:
+                self._pipe = os.pipe()
+                if self.reason is not None:
+                    os.write(self._pipe[1], b"!")
+            return self._pipe[0]
+
+    def release(self) -> None:
+        """Close the descriptor of `wakeup_fd` (the generation is over); a later trigger
+        still records its reason."""
+        with self._lock:
+            pipe, self._pipe = self._pipe, None
+        if pipe is not None:
+            os.close(pipe[0])
+            os.close(pipe[1])
 
     @property
     def is_set(self) -> bool:

@@ -1,0 +1,252 @@
+"""Point-to-point between two workers of one host through shared memory.
+
+Why our own transport: gloo moves a tensor between two processes of one machine over loopback
+TCP. Each message costs the sender a socket write of the whole tensor (0.2-0.25 ms for the
+bench GPT's 128 KiB activations) and the receiver a read plus two thread switches (the wait
+runs on `comm.Waiter`'s thread so that an abort can end it), and gloo's I/O thread competes with
+the stage's compute on its core. A pipeline of one host pays that for every activation and
+every gradient. torch.distributed has no shared-memory transport for CPU tensors, so pipeline
+channels between co-located workers use this one:
+
+- The sender maps a ring of `slots` buffers in a memfd, passes the memfd to the receiver over a
+  Unix socket once, and then per message copies the tensor into the next buffer and writes one
+  byte on the socket. The receiver waits for that byte, copies the buffer out and writes one
+  byte back, which frees the buffer. A message costs two memcpys and two one-byte syscalls.
+- Every wait is a `poll` on the socket and the generation's abort (`AbortSignal.wakeup_fd`)
+  on the calling thread: no helper thread is needed, and an abort, a peer that exits (the
+  socket closes: PeerFailure, as a broken gloo connection gives) or a hung peer (the
+  coordinator's abort) ends it as it ends gloo's waits.
+- A sender blocks only when `slots` messages of one channel are unread. Pipeline schedules send
+  at most one iteration's micro-batches on a channel before its receiver reads them, and the
+  runtime sizes `slots` to that, so the block is a bound on memory, not a step of the schedule.
+
+Who is local: each `Listener` binds an abstract Unix socket whose name is an HMAC of the job's
+key, the generation and the node. A sender that can connect to its receiver's name is on the
+same host (and network namespace); one that cannot uses the process group. Names nobody
+without the key can compute cannot be squatted, and the receiver still checks each
+connection's hello (an HMAC of the channel under the key) before it maps anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import mmap
+import os
+import select
+import socket
+import struct
+from collections.abc import Callable
+
+import torch
+
+from spotpipe.store.abort import AbortSignal, PeerFailure
+
+_HELLO = struct.Struct("!32sII")  # channel name, slots, slot bytes
+_MAC = 32
+_MAX_READ = 4096  # notification bytes read at once (each one message)
+
+
+def address(key: bytes, namespace: str, generation: int, node: str) -> bytes:
+    """The abstract socket name a node of a generation listens on (see the module doc)."""
+    digest = hmac.new(key, f"local-link/{namespace}/gen{generation}/{node}".encode(),
+                      hashlib.sha256).hexdigest()[:40]
+    return b"\0spotpipe-" + digest.encode()
+
+
+def _mac(key: bytes, channel: bytes, slots: int, nbytes: int) -> bytes:
+    return hmac.new(key, b"local-link-hello" + _HELLO.pack(channel, slots, nbytes),
+                    hashlib.sha256).digest()
+
+
+def _wait_readable(sock: socket.socket, abort: AbortSignal,
+                   blocked: Callable[[bool], None]) -> None:
+    """Until `sock` has data (or its peer closed it); PeerFailure if the abort comes first.
+    (poll, not select: a worker's descriptors can number past select's 1024.)"""
+    abort.check()
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    if poller.poll(0):
+        return
+    poller.register(abort.wakeup_fd(), select.POLLIN)
+    blocked(True)
+    try:
+        while True:
+            ready = {fd for fd, _ in poller.poll()}
+            abort.check()
+            if sock.fileno() in ready:
+                return
+    finally:
+        blocked(False)
+
+
+def _lost(peer: str, exc: OSError | None = None) -> PeerFailure:
+    """A broken link, named as gloo's broken connections are (a reset is a close: a peer that
+    exits with our bytes unread resets the connection instead of closing it)."""
+    if exc is None or isinstance(exc, (ConnectionResetError, BrokenPipeError)):
+        return PeerFailure(f"communication failed: local link closed by {peer}")
+    return PeerFailure(f"communication failed: local link to {peer}: {exc}")
+
+
+def _read(conn: socket.socket, peer: str, wait: bool = True) -> int:
+    """How many one-byte notes have come (each a message, or a freed slot); without `wait`,
+    0 if none has."""
+    try:
+        data = conn.recv(_MAX_READ, 0 if wait else socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return 0
+    except OSError as exc:
+        raise _lost(peer, exc) from None
+    if not data:
+        raise _lost(peer)
+    return len(data)
+
+
+def _ring(fd: int, slots: int, nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+    memory = mmap.mmap(fd, slots * nbytes)
+    return memory, torch.frombuffer(memory, dtype=torch.uint8).view(slots, nbytes)
+
+
+class Listener:
+    """The socket a node's local senders connect to, for one generation; connections are
+    taken when a receive first needs them (`accept`)."""
+
+    def __init__(self, key: bytes, name: bytes, on_refused: Callable[[str], None]) -> None:
+        self.key, self.on_refused = key, on_refused
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(name)
+        self.sock.listen(64)
+        self._arrived: dict[bytes, tuple[socket.socket, int, int, int]] = {}
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn, fd, _, _ in self._arrived.values():
+            conn.close()
+            os.close(fd)
+        self._arrived.clear()
+
+    def accept(self, channel: bytes, abort: AbortSignal,
+               blocked: Callable[[bool], None]) -> Receiver:
+        """The receiving end of `channel`, once its sender's connection has arrived."""
+        while channel not in self._arrived:
+            _wait_readable(self.sock, abort, blocked)
+            conn, _ = self.sock.accept()
+            self._hello(conn, abort, blocked)
+        conn, fd, slots, nbytes = self._arrived.pop(channel)
+        try:
+            return Receiver(conn, fd, slots, nbytes)
+        finally:
+            os.close(fd)  # the mapping keeps the memory
+
+    def _refuse(self, conn: socket.socket, reason: str) -> None:
+        conn.close()
+        self.on_refused(reason)
+
+    def _hello(self, conn: socket.socket, abort: AbortSignal,
+               blocked: Callable[[bool], None]) -> None:
+        _wait_readable(conn, abort, blocked)
+        try:
+            data, fds, _, _ = socket.recv_fds(conn, _HELLO.size + _MAC, 1)
+        except OSError as exc:
+            self._refuse(conn, f"a local connection failed: {exc}")
+            return
+        if len(data) != _HELLO.size + _MAC or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            self._refuse(conn, "a local connection sent no valid hello")
+            return
+        channel, slots, nbytes = _HELLO.unpack(data[:_HELLO.size])
+        if not hmac.compare_digest(data[_HELLO.size:], _mac(self.key, channel, slots, nbytes)):
+            os.close(fds[0])
+            self._refuse(conn, "a local connection's hello did not verify under the job's key")
+            return
+        if channel in self._arrived or os.fstat(fds[0]).st_size < slots * nbytes:
+            os.close(fds[0])  # (a channel connects once per generation)
+            self._refuse(conn, "a local connection repeated a channel or sent too little memory")
+            return
+        self._arrived[channel] = (conn, fds[0], slots, nbytes)
+
+
+class Sender:
+    """The sending end of one channel: a ring of `slots` buffers of `nbytes` in shared memory."""
+
+    def __init__(self, conn: socket.socket, fd: int, slots: int, nbytes: int) -> None:
+        self.conn, self.slots = conn, slots
+        self._memory, self.ring = _ring(fd, slots, nbytes)
+        self.sent = self.freed = 0
+
+    @classmethod
+    def connect(cls, key: bytes, name: bytes, channel: bytes, slots: int,
+                nbytes: int) -> Sender | None:
+        """A channel to the listener `name`, or None if nobody listens there from this host."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(name)
+        except OSError:  # not on this host (or network namespace): the process group carries it
+            conn.close()
+            return None
+        fd = os.memfd_create("spotpipe-link", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, slots * nbytes)
+            sender = cls(conn, fd, slots, nbytes)
+            socket.send_fds(conn, [_HELLO.pack(channel, slots, nbytes)
+                                   + _mac(key, channel, slots, nbytes)], [fd])
+        except BaseException:
+            conn.close()
+            raise
+        finally:
+            os.close(fd)  # the mapping and the receiver's copy keep the memory
+        return sender
+
+    def send(self, tensor: torch.Tensor, abort: AbortSignal,
+             blocked: Callable[[bool], None]) -> None:
+        self.freed += _read(self.conn, "its receiver", wait=False)
+        while self.sent - self.freed >= self.slots:
+            _wait_readable(self.conn, abort, blocked)
+            self.freed += _read(self.conn, "its receiver")
+        slot = self.ring[self.sent % self.slots]
+        slot.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        try:
+            self.conn.send(b"\1")
+        except OSError as exc:
+            raise _lost("its receiver", exc) from None
+        self.sent += 1
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class Receiver:
+    """The receiving end of one channel (made by `Listener.accept`)."""
+
+    def __init__(self, conn: socket.socket, fd: int, slots: int, nbytes: int) -> None:
+        self.conn, self.slots, self.nbytes = conn, slots, nbytes
+        self._memory, self.ring = _ring(fd, slots, nbytes)
+        self.received = self.ready = 0
+
+    def recv(self, out: torch.Tensor, abort: AbortSignal,
+             blocked: Callable[[bool], None]) -> torch.Tensor:
+        """The next message, copied into `out` (whose size must be the channel's)."""
+        if out.numel() * out.element_size() > self.nbytes:
+            raise ValueError(f"a {out.numel() * out.element_size()}-byte message on a channel "
+                             f"of {self.nbytes}-byte buffers")
+        while self.ready == 0:
+            _wait_readable(self.conn, abort, blocked)
+            self.ready += _read(self.conn, "its sender")
+        slot = self.ring[self.received % self.slots]
+        out.copy_(slot[:out.numel() * out.element_size()].view(out.dtype).view(out.shape))
+        self.ready -= 1
+        self.received += 1
+        try:
+            self.conn.send(b"\1")
+        except OSError:  # the sender is gone after its last message: that one is whole, and
+            pass  # the next receive hears of the loss
+        return out
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def channel_name(src: str, dst: str, tag: int) -> bytes:
+    """The channel's name in hellos: fixed width, so that hellos have one size."""
+    return hashlib.sha256(f"{src}->{dst}#{tag}".encode()).digest()

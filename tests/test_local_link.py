@@ -1,0 +1,187 @@
+"""Local links: pipeline channels between two CPU workers of one host through shared memory
+(spotpipe.runtime.local_link, used by Comm.send/recv).
+
+Checked against the tensors sent (copied before sending), not against the link's own view:
+messages arrive in order and intact across more messages than the ring has slots; a peer
+that exits, an abort and a stranger's hello each end or refuse what they should; and Comm
+takes the link between two nodes of one host but the process group where there is none.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from spotpipe.runtime import local_link
+from spotpipe.runtime.comm import Comm
+from spotpipe.store.abort import AbortSignal, PeerFailure
+
+KEY = b"k" * 32
+CHANNEL = local_link.channel_name("node0", "node1", 7)
+
+
+def _name(node: str = "node1", generation: int = 0) -> bytes:
+    return local_link.address(KEY, "test", generation, node)
+
+
+def _messages(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(4, 16, 8, generator=g) for _ in range(n)]
+
+
+class _Blocked:
+    """Records the waits a link reports (the heartbeat's `waiting`)."""
+
+    def __init__(self) -> None:
+        self.calls: list[bool] = []
+
+    def __call__(self, waiting: bool) -> None:
+        self.calls.append(waiting)
+
+
+def _send_all(n: int, slots: int, name: bytes) -> None:
+    sender = local_link.Sender.connect(KEY, name, CHANNEL, slots, 4 * 16 * 8 * 4)
+    assert sender is not None
+    for message in _messages(n):
+        sender.send(message, AbortSignal(), lambda _: None)
+    sender.close()
+
+
+def test_messages_arrive_in_order_and_intact_through_a_ring_smaller_than_the_stream():
+    listener = local_link.Listener(KEY, _name(), lambda why: None)
+    child = mp.get_context("fork").Process(target=_send_all, args=(50, 3, _name()))
+    child.start()
+    blocked = _Blocked()
+    receiver = listener.accept(CHANNEL, AbortSignal(), blocked)
+    got = [receiver.recv(torch.empty(4, 16, 8), AbortSignal(), blocked).clone()
+           for _ in range(50)]
+    child.join(30)
+    assert child.exitcode == 0
+    assert all(torch.equal(a, b) for a, b in zip(got, _messages(50), strict=True))
+    # then the sender is gone: the next receive fails at once instead of waiting
+    with pytest.raises(PeerFailure, match="closed by its sender"):
+        receiver.recv(torch.empty(4, 16, 8), AbortSignal(), blocked)
+    assert blocked.calls.count(True) == blocked.calls.count(False)  # every wait ended
+    listener.close()
+
+
+def _send_then_hang(name: bytes, ready: mp.Event) -> None:
+    sender = local_link.Sender.connect(KEY, name, CHANNEL, 2, 4)
+    sender.send(torch.ones(1), AbortSignal(), lambda _: None)
+    ready.set()
+    time.sleep(120)  # killed by the test
+
+
+def test_a_peer_killed_mid_stream_ends_the_wait_and_an_abort_ends_a_hung_one():
+    listener = local_link.Listener(KEY, _name(), lambda why: None)
+    ready = mp.get_context("fork").Event()
+    child = mp.get_context("fork").Process(target=_send_then_hang, args=(_name(), ready))
+    child.start()
+    assert ready.wait(30)
+    receiver = listener.accept(CHANNEL, AbortSignal(), lambda _: None)
+    assert receiver.recv(torch.empty(1), AbortSignal(), lambda _: None).item() == 1.0
+
+    # a hung peer: the coordinator's abort ends the wait, with its reason
+    abort, blocked = AbortSignal(), _Blocked()
+    threading.Timer(0.2, abort.trigger, args=("node0 stalled",)).start()
+    with pytest.raises(PeerFailure, match="node0 stalled"):
+        receiver.recv(torch.empty(1), abort, blocked)
+    assert blocked.calls == [True, False]
+
+    # a killed one: its socket closes, and the wait ends without any abort
+    waiter = threading.Timer(0.2, os.kill, args=(child.pid, signal.SIGKILL))
+    waiter.start()
+    with pytest.raises(PeerFailure, match="closed by its sender"):
+        receiver.recv(torch.empty(1), AbortSignal(), lambda _: None)
+    child.join(30)
+    listener.close()
+
+
+def test_a_full_ring_holds_the_sender_until_its_receiver_reads_and_an_abort_ends_that_too():
+    listener = local_link.Listener(KEY, _name(), lambda why: None)
+    sender = local_link.Sender.connect(KEY, _name(), CHANNEL, 2, 4)
+    receiver = listener.accept(CHANNEL, AbortSignal(), lambda _: None)
+    sender.send(torch.tensor([1.0]), AbortSignal(), lambda _: None)
+    sender.send(torch.tensor([2.0]), AbortSignal(), lambda _: None)
+    abort = AbortSignal()
+    threading.Timer(0.2, abort.trigger, args=("regroup",)).start()
+    with pytest.raises(PeerFailure, match="regroup"):  # two unread in two slots
+        sender.send(torch.tensor([3.0]), abort, lambda _: None)
+    # once one is read, the slot it held takes the next message
+    assert receiver.recv(torch.empty(1), AbortSignal(), lambda _: None).item() == 1.0
+    sender.send(torch.tensor([3.0]), AbortSignal(), lambda _: None)
+    assert [receiver.recv(torch.empty(1), AbortSignal(), lambda _: None).item()
+            for _ in range(2)] == [2.0, 3.0]
+    sender.close(), receiver.close(), listener.close()
+
+
+def test_a_hello_not_under_the_jobs_key_is_refused_and_the_genuine_one_taken():
+    refused: list[str] = []
+    listener = local_link.Listener(KEY, _name(), refused.append)
+    # a stranger who learnt the name: a hello under another key, with memory of its own
+    stranger = local_link.Sender.connect(b"x" * 32, _name(), CHANNEL, 2, 4)
+    # one under the key that claims more memory than it passes (mapping it would fault)
+    short = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    short.connect(_name())
+    fd = os.memfd_create("short")
+    os.ftruncate(fd, 4)
+    hello = local_link._HELLO.pack(CHANNEL, 2, 1 << 20)
+    socket.send_fds(short, [hello + local_link._mac(KEY, CHANNEL, 2, 1 << 20)], [fd])
+    os.close(fd)
+    genuine = local_link.Sender.connect(KEY, _name(), CHANNEL, 2, 4)
+    genuine.send(torch.tensor([5.0]), AbortSignal(), lambda _: None)
+    receiver = listener.accept(CHANNEL, AbortSignal(), lambda _: None)
+    assert receiver.recv(torch.empty(1), AbortSignal(), lambda _: None).item() == 5.0
+    assert refused == ["a local connection's hello did not verify under the job's key",
+                       "a local connection repeated a channel or sent too little memory"]
+    for end in (stranger, genuine, receiver, listener):
+        end.close()
+    short.close()
+
+
+def test_nobody_listening_on_this_host_means_no_link():
+    assert local_link.Sender.connect(KEY, _name("node9"), CHANNEL, 2, 4) is None
+
+
+def _comm(store_port: int, me: str, local_slots: int, out: dict) -> None:
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
+                          timeout=timedelta(seconds=30))
+    comm = Comm(store=store, key=KEY, generation=local_slots, nodes=["node0", "node1"], me=me,
+                stage_members={}, backend="gloo", device=torch.device("cpu"), timeout_s=30,
+                abort=AbortSignal(), namespace="test", local_slots=local_slots)
+    try:
+        if me == "node0":
+            for message in _messages(12):
+                comm.send(message, "node1", 5)
+            comm.wait_sends()
+        else:
+            out["got"] = [comm.recv("node0", 5) for _ in range(12)]
+            out["links"] = [type(link).__name__ for link in comm._links.values()]
+        comm.all_reduce(torch.zeros(1))  # both ends done before either closes
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("local_slots", [4, 0])
+def test_comm_takes_the_local_link_between_nodes_of_one_host_and_the_group_otherwise(
+        local_slots):
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))
+    out: dict = {}
+    threads = [threading.Thread(target=_comm, args=(server.port, me, local_slots, out))
+               for me in ("node0", "node1")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(torch.equal(a, b) for a, b in zip(out["got"], _messages(12), strict=True))
+    assert out["links"] == (["Receiver"] if local_slots else [])
