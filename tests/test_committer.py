@@ -77,3 +77,33 @@ def test_a_deposed_coordinator_drops_the_commits_not_yet_started(tmp_path):
     done = committer.close()
     assert done == []  # iteration 1's commit and iteration 2 were dropped with the queue
     assert not any(p.name.startswith("iter_") for p in root.iterdir())
+
+
+def test_uploads_are_taken_side_by_side_and_the_commit_waits_for_all_of_them(tmp_path):
+    """A slow host's stage does not hold another host's: the second receive runs while the
+    first still waits for its sender, and the iteration commits only once both are in."""
+    root = tmp_path / "ckpt"
+    committer = Committer(root, keep=2, key=KEY, now=lambda: 0.0)
+    slow_started, fast_done, release = threading.Event(), threading.Event(), threading.Event()
+    committer.submit_step(1, lambda: "" if slow_started.set() or release.wait(30) else "stuck")
+    committer.submit_step(1, lambda: "" if fast_done.set() is None else "")
+    committer.submit(1, {"stages": 1}, _written(root, 1))
+    assert slow_started.wait(30) and fast_done.wait(30)  # the second ran; the first waits
+    assert committer.finished() == [] and not (root / "iter_00000001").exists()
+    release.set()
+    assert [(c.iteration, c.error) for c in committer.close()] == [(1, "")]
+    assert (root / "iter_00000001").is_dir()
+
+
+def test_a_step_that_raises_fails_its_iteration_naming_the_error(tmp_path):
+    root = tmp_path / "ckpt"
+    committer = Committer(root, keep=2, key=KEY, now=lambda: 0.0)
+
+    def broken() -> str:
+        raise OSError("No space left on device")
+
+    committer.submit_step(1, broken)
+    committer.submit(1, {"stages": 1}, _written(root, 1))
+    committer.submit(2, {"stages": 1}, _written(root, 2))
+    assert [(c.iteration, c.error) for c in committer.close()] == [
+        (1, "OSError: No space left on device"), (2, "")]

@@ -6,10 +6,12 @@ seconds per commit for a model of a few GB (SHA-256 runs at about 0.8 GB/s here)
 seconds for a large one; a stage uploaded through the store by a host that does not see the
 checkpoint folder is taken piece by piece, hashed and written first (seconds per GB as well).
 On the loop that also reads the workers' reports, every failure in that time waited for them
-before its recovery began. So they run here, in order, on one thread of their own: the loop
-hands over each upload as it is announced and each commit when its stages are on disk, writes
-the outcomes as events on its next turn, and waits for what is still running when the job ends
-(a restart reads the newest committed checkpoint).
+before its recovery began. So they run here: the loop hands over each upload as it is announced
+and each commit when its stages are on disk, writes the outcomes as events on its next turn,
+and waits for what is still running when the job ends (a restart reads the newest committed
+checkpoint). Commits run in order on one thread of their own; uploads are taken at once, each
+on a thread of a pool, since every host streams its stage at the same time and a slow host
+must not hold the others' pieces (each sender waits for its pieces to be taken).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,12 +46,15 @@ class _Commit:
 
 @dataclass(frozen=True)
 class _Step:
-    """Work an iteration's commit needs first (an uploaded stage to receive): it returns what
-    is wrong, "" when done; a problem means the iteration is never committed."""
+    """Work an iteration's commit needs first (an uploaded stage to receive), under way on the
+    pool: it returns what is wrong, "" when done; a problem means the iteration is never
+    committed."""
 
     iteration: int
-    run: Callable[[], str]
-    always: bool = False  # runs even once its iteration has failed (a sender waits on it)
+    result: Future[str]
+
+
+UPLOADS_AT_ONCE = 16  # receives under way together (each mostly waits for its sender)
 
 
 class Committer:
@@ -61,16 +67,19 @@ class Committer:
         self._done: list[Committed] = []
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None
 
     def submit(self, iteration: int, info: dict[str, Any], checksums: dict[str, str]) -> None:
         """Commit `iteration` once what was handed over before it is done."""
         self._put(_Commit(iteration, info, checksums))
 
-    def submit_step(self, iteration: int, run: Callable[[], str], always: bool = False) -> None:
-        """Run `run` before `iteration`'s commit; a problem it returns fails the iteration.
-        With `always`, it runs even when the iteration has failed already (an upload's
-        receive: its sender waits for each piece to be taken)."""
-        self._put(_Step(iteration, run, always))
+    def submit_step(self, iteration: int, run: Callable[[], str]) -> None:
+        """Start `run` now, beside the others; `iteration`'s commit waits for it, and a
+        problem it returns fails the iteration. It runs even when the iteration has failed
+        already (an upload's receive: its sender waits for each piece to be taken)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(UPLOADS_AT_ONCE, thread_name_prefix="upload")
+        self._put(_Step(iteration, self._pool.submit(_problem_of, run)))
 
     def _put(self, item: _Commit | _Step) -> None:
         if self._thread is None:  # (a job that never checkpoints starts no thread)
@@ -82,15 +91,15 @@ class Committer:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             failed = item.iteration in self._failed
-            if failed and not (isinstance(item, _Step) and item.always):
-                continue  # said once, by the step that failed
             if isinstance(item, _Step):
-                problem = item.run()
+                problem = item.result.result()
                 if problem and not failed:
                     self._failed.add(item.iteration)
                     with self._lock:
                         self._done.append(Committed(item.iteration, self.now(), error=problem))
                 continue
+            if failed:
+                continue  # said once, by the step that failed
             try:
                 path = durable.commit(self.root, item.iteration, item.info, item.checksums,
                                       self.keep, self.key)
@@ -108,12 +117,14 @@ class Committer:
 
     def abandon(self) -> list[Committed]:
         """This coordinator was deposed: its successor commits from now on (two writers in
-        one folder would race), so what has not started is dropped; the one under way ends."""
+        one folder would race), so the commits not started are dropped; the one under way
+        ends, and so do the receives (their senders wait on them; what they wrote is never
+        committed here, and a successor commits only stage files whose hashes match)."""
         self.drop_pending()
         return self.close()
 
     def drop_pending(self) -> None:
-        """Forget every receive and commit handed over that has not started."""
+        """Forget every commit handed over that has not started (receives under way go on)."""
         while True:
             try:
                 self._queue.get_nowait()
@@ -126,4 +137,15 @@ class Committer:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         return self.finished()
+
+
+def _problem_of(run: Callable[[], str]) -> str:
+    """What `run` returns, or the error it raised (a step's failure, not the committer's)."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 (the iteration fails, the job goes on)
+        return f"{type(exc).__name__}: {exc}"

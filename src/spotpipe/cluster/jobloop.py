@@ -460,7 +460,7 @@ class JobLoop:
         self.committer.submit_step(t, lambda: durable.transfer.receive_stage(
             self._upload_connection(), t, message.stage, message.checksums, folder,
             timeout_s=self.cfg.cluster.timeout_s, node=message.node,
-            receiving=self._receiving), always=True)
+            receiving=self._receiving))
 
     def _upload_connection(self) -> SealedStore:
         """A store connection of its own for one upload's receive (a store client serialises
