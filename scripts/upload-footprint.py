@@ -4,9 +4,13 @@ memory over their start, and the store server's peak (what it holds of the stage
 process of its own.
 
     python scripts/upload-footprint.py [--mb 256]
+    python scripts/upload-footprint.py --side-by-side [--mb 128]
 
 Prints one JSON line. The stage is one file of random bytes (a DCP stage file's size), its
-SHA-256 the checksum the worker would report."""
+SHA-256 the checksum the worker would report. With --side-by-side, two hosts' stages instead,
+sent at once and received by the coordinator's committer (cluster/committer.py), each sender,
+the store server and the committing side in processes of their own: how long each sender took
+and how long to the commit (run it with PYTHONPATH=OTHER/src to compare committers)."""
 
 from __future__ import annotations
 
@@ -67,10 +71,74 @@ def _receive(port, checksums, dest, out) -> None:
              "receive_peak_over_start_mib": _rss_mib() - start_rss})
 
 
+def _send_at_once(port, stage, folder, checksums, start, out) -> None:
+    from spotpipe.checkpoint import transfer
+
+    store = _store(port)
+    start.wait()
+    t = time.perf_counter()
+    transfer.send_stage(store, 1, stage, Path(folder), checksums, timeout_s=300)
+    out.put((f"send_s_stage{stage}", time.perf_counter() - t))
+
+
+def _commit(port, stages, root, start, out) -> None:
+    from spotpipe.checkpoint import durable, transfer
+    from spotpipe.cluster.committer import Committer
+
+    committer = Committer(Path(root), keep=2, key=KEY, now=time.time)
+    folder = durable.iter_dir(Path(root), 1, partial=True)
+    stores = {s: _store(port) for s in stages}
+    start.wait()
+    t = time.perf_counter()
+    for s, checksums in stages.items():  # announced together, as two hosts' StageUploads are
+        committer.submit_step(1, lambda s=s, c=checksums: transfer.receive_stage(
+            stores[s], 1, s, c, folder, timeout_s=300))
+    committer.submit(1, {"stages": len(stages)},
+                     {k: v for c in stages.values() for k, v in c.items()})
+    done = committer.close()
+    out.put(("commit_s", time.perf_counter() - t))
+    out.put(("committed", [c.path is not None for c in done] == [True]))
+
+
+def side_by_side(args) -> None:
+    """Two hosts' stages at once into the committer: the senders' times and the commit's."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        stages = {}
+        for s in (0, 1):
+            folder = Path(tmp) / f"host{s}" / f"stage{s}"
+            folder.mkdir(parents=True)
+            data = os.urandom(args.mb << 20)
+            (folder / "data.distcp").write_bytes(data)
+            stages[s] = {f"stage{s}/data.distcp": hashlib.sha256(data).hexdigest()}
+        port_q, done, out = ctx.Queue(), ctx.Event(), ctx.Queue()
+        start = ctx.Barrier(3)  # the two senders and the committing side, each connected
+        server = ctx.Process(target=_server, args=(port_q, done))
+        server.start()
+        port = port_q.get()
+        procs = [ctx.Process(target=_send_at_once, args=(port, s, str(Path(tmp) / f"host{s}"),
+                                                 stages[s], start, out)) for s in stages]
+        procs.append(ctx.Process(target=_commit, args=(port, stages, f"{tmp}/ckpt", start, out)))
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        figures = dict(out.get() for _ in range(4))
+        done.set()
+        server.join()
+    figures["mb_per_stage"] = args.mb
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                      for k, v in figures.items()}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mb", type=int, default=256)
+    parser.add_argument("--side-by-side", action="store_true")
     args = parser.parse_args()
+    if args.side_by_side:
+        side_by_side(args)
+        return
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "sent"
