@@ -107,3 +107,15 @@ def test_a_step_that_raises_fails_its_iteration_naming_the_error(tmp_path):
     committer.submit(2, {"stages": 1}, _written(root, 2))
     assert [(c.iteration, c.error) for c in committer.close()] == [
         (1, "OSError: No space left on device"), (2, "")]
+
+
+def test_a_commit_whose_stage_files_are_missing_fails_naming_one(tmp_path):
+    """The checksums come from the workers' reports; a stage whose file never reached this
+    folder (sent to a coordinator deposed since) must not be committed as if it had."""
+    root = tmp_path / "ckpt"
+    committer = Committer(root, keep=2, key=KEY, now=lambda: 0.0)
+    checksums = _written(root, 1)
+    committer.submit(1, {"stages": 2}, {**checksums, "stage1/x.bin": "0" * 64})
+    [done] = committer.close()
+    assert done.path is None and "stage1/x.bin" in done.error and "not in" in done.error
+    assert not (root / "iter_00000001").exists()

@@ -174,8 +174,14 @@ def commit(root: Path, iteration: int, info: dict[str, Any], checksums: dict[str
            keep: int, key: bytes) -> Path:
     """Write the signed manifest and make the checkpoint visible, durably; keep the newest
     `keep` that verify. A folder of the same iteration already there (a job resumed from an
-    older checkpoint into the same folder) is replaced."""
+    older checkpoint into the same folder) is replaced. A stage file the checksums list but
+    the folder lacks (its host sent it to a coordinator deposed since, whose successor does not
+    see that coordinator's folder) fails the commit: FileNotFoundError, naming it."""
     partial = iter_dir(root, iteration, partial=True)
+    missing = sorted(rel for rel in checksums if not (partial / rel).is_file())
+    if missing:
+        raise FileNotFoundError(f"checkpoint {iteration}: {len(missing)} stage file(s) listed "
+                                f"but not in {partial}, e.g. {missing[0]}")
     manifest = origin.sign({"format_version": FORMAT_VERSION, "iteration": iteration,
                             "next_iteration": iteration + 1, **info, "checksums": checksums},
                            key)
