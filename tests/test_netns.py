@@ -234,7 +234,11 @@ def test_long_partition_fails_over_and_the_host_rejoins(cluster_factory, corpus,
     assert not (outs[cut] / "logs" / f"samples.{node}.jsonl").exists() or all(
         json.loads(line)["generation"] == 0
         for line in open(outs[cut] / "logs" / f"samples.{node}.jsonl"))
-    assert netns_pids(cluster.hosts[cut].name) == []  # its worker was killed, its agent left
+    # its worker was killed, its agent left: the agent counts a killed worker gone once it can
+    # no longer act, and may exit while the kernel still tears the worker down (seen once
+    # under a loaded full run), so what is checked is that the namespace empties
+    wait_until(lambda: netns_pids(cluster.hosts[cut].name) == [], [],
+               "the cut host's processes to end", timeout_s=60)
     check_result(tmp_path_factory, cfg, run, outs, exact=True)
 
 
