@@ -166,14 +166,14 @@ def _comm(store_port: int, me: str, local_slots: int, out: dict) -> None:
         else:
             out["got"] = [comm.recv("node0", 5) for _ in range(12)]
             out["links"] = [type(link).__name__ for link in comm._links.values()]
+            out["local_off"] = comm.local_off
         comm.all_reduce(torch.zeros(1))  # both ends done before either closes
     finally:
         comm.close()
 
 
-@pytest.mark.parametrize("local_slots", [4, 0])
-def test_comm_takes_the_local_link_between_nodes_of_one_host_and_the_group_otherwise(
-        local_slots):
+def _pair(local_slots: int) -> dict:
+    """node0 sends 12 messages to node1, each a Comm on a thread of its own; what node1 got."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=30))
     out: dict = {}
@@ -183,5 +183,23 @@ def test_comm_takes_the_local_link_between_nodes_of_one_host_and_the_group_other
         t.start()
     for t in threads:
         t.join(60)
+    return out
+
+
+@pytest.mark.parametrize("local_slots", [4, 0])
+def test_comm_takes_the_local_link_between_nodes_of_one_host_and_the_group_otherwise(
+        local_slots):
+    out = _pair(local_slots)
     assert all(torch.equal(a, b) for a, b in zip(out["got"], _messages(12), strict=True))
     assert out["links"] == (["Receiver"] if local_slots else [])
+
+
+def test_a_node_that_cannot_listen_sends_through_the_group_and_says_why(monkeypatch):
+    def no_sockets(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(local_link, "Listener", no_sockets)
+    out = _pair(4)
+    assert all(torch.equal(a, b) for a, b in zip(out["got"], _messages(12), strict=True))
+    assert out["links"] == []
+    assert out["local_off"] == "cannot listen for local links: [Errno 1] Operation not permitted"

@@ -182,11 +182,15 @@ class Comm:
         # the listener exists before the groups form, so before any peer can send to it
         self._key, self._namespace, self._local_slots = key, namespace, local_slots
         self._listener = None
+        self.local_off: str | None = None  # why this node has no local links, if it has none
         if local_slots > 0 and device.type == "cpu":
-            self._listener = local_link.Listener(
-                key, local_link.address(key, namespace, generation, me),
-                lambda why: on_refused(Refused(why, writer="a local process"))
-                if on_refused is not None else None)
+            try:
+                self._listener = local_link.Listener(
+                    key, local_link.address(key, namespace, generation, me),
+                    lambda why: on_refused(Refused(why, writer="a local process"))
+                    if on_refused is not None else None)
+            except OSError as exc:  # no Unix sockets here (a sandbox): peers use the group
+                self.local_off = f"cannot listen for local links: {exc}"
         self._links: dict[tuple[str, int, int], Any] = {}
         self._form_groups(self._sealed, f"{namespace}/gen{generation}", stage_members,
                           backend, timedelta(seconds=timeout_s))

@@ -182,7 +182,11 @@ class Sender:
         except OSError:  # not on this host (or network namespace): the process group carries it
             conn.close()
             return None
-        fd = os.memfd_create("spotpipe-link", os.MFD_CLOEXEC)
+        try:
+            fd = os.memfd_create("spotpipe-link", os.MFD_CLOEXEC)
+        except OSError:  # no memfd here: the listener drops the connection without a hello
+            conn.close()
+            return None
         try:
             os.ftruncate(fd, slots * nbytes)
             sender = cls(conn, fd, slots, nbytes)

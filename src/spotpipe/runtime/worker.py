@@ -239,6 +239,7 @@ class Worker:
 
     _recovering = False
     _finishing = False
+    _said_local_off = False
     _comm: Comm | None = None  # the newest generation's groups
     rest: list | None = None  # after a takeover: the rest of the in-flight iteration
 
@@ -272,6 +273,9 @@ class Worker:
                           device=self.device, timeout_s=timeout, abort=abort,
                           # a channel carries at most an iteration's micro-batches unread
                           local_slots=2 * self.cfg.num_microbatches * self.cfg.pipelines)
+        if self._comm.local_off and not self._said_local_off:  # (said once, not per generation)
+            self._said_local_off = True
+            self.channel.event("local_links_off", reason=self._comm.local_off[:300])
         return self._comm
 
     def _form(self, comm: Comm | None = None) -> None:
