@@ -90,12 +90,17 @@ def test_a_peer_killed_mid_stream_ends_the_wait_and_an_abort_ends_a_hung_one():
     receiver = listener.accept(CHANNEL, AbortSignal(), lambda _: None)
     assert receiver.recv(torch.empty(1), AbortSignal(), lambda _: None).item() == 1.0
 
-    # a hung peer: the coordinator's abort ends the wait, with its reason
-    abort, blocked = AbortSignal(), _Blocked()
-    threading.Timer(0.2, abort.trigger, args=("node0 stalled",)).start()
+    # a hung peer: the coordinator's abort, once the receiver waits, ends the wait
+    abort, calls = AbortSignal(), []
+
+    def blocked(waiting: bool) -> None:
+        calls.append(waiting)
+        if waiting:
+            threading.Thread(target=abort.trigger, args=("node0 stalled",)).start()
+
     with pytest.raises(PeerFailure, match="node0 stalled"):
         receiver.recv(torch.empty(1), abort, blocked)
-    assert blocked.calls == [True, False]
+    assert calls == [True, False]
 
     # a killed one: its socket closes, and the wait ends without any abort
     waiter = threading.Timer(0.2, os.kill, args=(child.pid, signal.SIGKILL))
