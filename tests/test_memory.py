@@ -66,6 +66,26 @@ def test_redundancy_and_shadows():
     assert reserve.device_bytes == 16_004_000 + GIB
 
 
+def test_local_links_count_the_rings_a_stage_sends_on():
+    """CPU runs: a stage makes the ring of each channel it sends on, `link_slots` messages of
+    the channel's size (its activation forward, its input's gradient back), capped at 256 MiB
+    and never under 2 messages."""
+    facts = StageFacts(params=N, activation_bytes=1000, boundary_bytes=100, layers=4,
+                       input_bytes=300)
+    ring = lambda s, **kw: estimate_stage(s, facts, rules(link_slots=16, **kw)).breakdown()
+    assert ring(0)["host:link_buffers"] == 16 * 100  # activations to stage 1 only
+    assert ring(1)["host:link_buffers"] == 16 * 100 + 16 * 300  # and gradients to stage 0
+    assert ring(3)["host:link_buffers"] == 16 * 300  # the last stage sends gradients only
+    assert "host:link_buffers" not in ring(0, num_stages=1)  # nothing to send to
+    big = StageFacts(params=N, activation_bytes=1, boundary_bytes=100 * 2 ** 20, layers=1)
+    capped = estimate_stage(0, big, rules(link_slots=16)).breakdown()["host:link_buffers"]
+    assert capped == 2 * 100 * 2 ** 20  # 256 MiB holds 2 of these (the floor is 2 anyway)
+    mid = StageFacts(params=N, activation_bytes=1, boundary_bytes=64 * 2 ** 20, layers=1)
+    assert estimate_stage(0, mid, rules(link_slots=16)).breakdown()["host:link_buffers"] == \
+        4 * 64 * 2 ** 20  # 256 MiB / 64 MiB
+    assert "host:link_buffers" not in estimate_stage(0, FACTS, rules()).breakdown()
+
+
 def test_gpt2_xl_does_not_fit_one_16gb_gpu_but_fits_eight_stages():
     shape = GPT2["gpt2-1.5b"]
     layers = transformer_layers(shape, micro_batch=4, precision="fp16")

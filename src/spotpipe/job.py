@@ -270,7 +270,14 @@ def memory_rules(cfg: Config, num_stages: int) -> MemoryRules:
                        activation_checkpointing=cfg.model.activation_checkpointing,
                        shadows=cfg.shadow.enabled,
                        replica_on_host=cfg.replica.device == "cpu",
-                       offload_frc=cfg.replica.offload_frc)
+                       offload_frc=cfg.replica.offload_frc,
+                       link_slots=link_slots(cfg) if resolve_backend(cfg) != "nccl" else 0)
+
+
+def link_slots(cfg: Config) -> int:
+    """Messages a local link buffers per channel: a channel carries at most one iteration's
+    micro-batches unread (all of them once pipelines are dropped), twice that for slack."""
+    return 2 * cfg.num_microbatches * cfg.pipelines
 
 
 @dataclass(frozen=True)

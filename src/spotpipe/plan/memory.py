@@ -54,6 +54,10 @@ Redundancy (Bamboo, NSDI '23; spotpipe's replicas kept exact by gradient replica
 Shadows (`shadows`): a CPU process per stage holds every iteration's state: fp32 weights, the
 gradient it receives and the optimizer state: (4 + 4 + optimizer) N, in the memory of the
 host the shadows run on (the launcher's or agent's, not a preemptible node: `shadow_host`).
+Local links (`link_slots`, CPU runs; runtime/local_link.py): a worker makes the shared-memory
+ring of every pipeline channel it sends on, `link_ring_slots` messages of the channel's size:
+the activation to the next stage (`boundary_bytes`) and the gradient to the previous one
+(`stage_input_bytes`), in the host's memory.
 Reserve: `device_reserve_bytes` of every device (CUDA context and allocator slack; about
 0.5-1 GiB in practice) is not available to the stage.
 Backward's working memory (`transient_bytes`, measured by the runtime, zero in the analytic
@@ -73,6 +77,7 @@ from typing import Sequence
 
 GIB = 1024 ** 3
 
+LINK_RING_CAP = 256 * 1024 ** 2  # a local link's ring holds at most this, and 2 messages at least
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
 SCHEDULES = ("1f1b", "gpipe")
@@ -128,6 +133,7 @@ class MemoryRules:
     replica_on_host: bool = True  # the runtime's `replica.device: cpu`
     offload_frc: bool = False  # the runtime's `replica.offload_frc`
     device_reserve_bytes: float = 0.0
+    link_slots: int = 0  # messages a local link buffers per channel (0: no local links)
 
     def __post_init__(self) -> None:
         for name, allowed in (("precision", COMPUTE_BYTES), ("optimizer", OPTIMIZER_BYTES),
@@ -181,6 +187,12 @@ def in_flight(schedule: str, num_stages: int, stage: int, microbatches: int) -> 
     raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
 
 
+def link_ring_slots(message_bytes: float, slots: int) -> int:
+    """Buffers of a local link's ring for messages of `message_bytes`: `slots`, as far as
+    LINK_RING_CAP allows, and never fewer than 2 (one being read, one being written)."""
+    return max(2, min(slots, int(LINK_RING_CAP // max(1.0, message_bytes))))
+
+
 def state_bytes_per_param(precision: str, optimizer: str) -> dict[str, int]:
     """Bytes per parameter of an owned stage: weights (compute copy + master), gradients,
     optimizer state."""
@@ -214,6 +226,11 @@ def estimate_stage(stage: int, facts: StageFacts, rules: MemoryRules) -> MemoryE
     if rules.shadows:
         parts.append(MemoryPart("shadow", "shadow_host",
                                 float((4 + 4 + OPTIMIZER_BYTES[rules.optimizer]) * n)))
+    if rules.link_slots and rules.num_stages > 1:
+        sent = ([facts.boundary_bytes] if stage < rules.num_stages - 1 else []) \
+            + ([facts.stage_input_bytes] if stage > 0 else [])
+        parts.append(MemoryPart("link_buffers", "host", float(sum(
+            link_ring_slots(b, rules.link_slots) * b for b in sent))))
     if rules.device_reserve_bytes:
         parts.append(MemoryPart("reserve", "device", float(rules.device_reserve_bytes)))
     return MemoryEstimate(stage, tuple(p for p in parts if p.bytes))

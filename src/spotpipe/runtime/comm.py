@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spotpipe.plan.memory import link_ring_slots
 from spotpipe.protocol.auth import Refused
 from spotpipe.runtime import local_link
 from spotpipe.store.abort import AbortSignal, PeerFailure  # noqa: F401 (re-exported)
@@ -40,7 +41,6 @@ from spotpipe.store.sealed import SealedStore
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 _HEADER = 11  # ndim, dtype code, transport, up to 8 dims
 _GROUP, _LOCAL = 0, 1  # transports
-_LOCAL_BYTES = 256 << 20  # a local channel's ring holds at most this (and at least 2 messages)
 
 # message kinds; the tag is kind * 1024 + source stage, so every channel has its own tag
 ACT, GRAD, REPLICA, TIED = 0, 1, 2, 3
@@ -290,7 +290,7 @@ class Comm:
         if self._listener is None:
             return None
         nbytes = max(1, tensor.numel() * tensor.element_size())
-        slots = max(2, min(self._local_slots, _LOCAL_BYTES // nbytes))
+        slots = link_ring_slots(nbytes, self._local_slots)  # (what the launch's estimate counts)
         link = local_link.Sender.connect(
             self._key, local_link.address(self._key, self._namespace, self.generation, node),
             local_link.channel_name(self.me, node, tag_), slots, nbytes)

@@ -271,8 +271,7 @@ class Worker:
                           me=self.node, namespace=self.namespace,
                           stage_members=nodelib.stage_members(self.layout), backend=self.backend,
                           device=self.device, timeout_s=timeout, abort=abort,
-                          # a channel carries at most an iteration's micro-batches unread
-                          local_slots=2 * self.cfg.num_microbatches * self.cfg.pipelines)
+                          local_slots=job.link_slots(self.cfg))
         if self._comm.local_off and not self._said_local_off:  # (said once, not per generation)
             self._said_local_off = True
             self.channel.event("local_links_off", reason=self._comm.local_off[:300])
