@@ -142,15 +142,26 @@ def test_a_hello_not_under_the_jobs_key_is_refused_and_the_genuine_one_taken():
     hello = local_link._HELLO.pack(CHANNEL, 2, 1 << 20)
     socket.send_fds(short, [hello + local_link._mac(KEY, CHANNEL, 2, 1 << 20)], [fd])
     os.close(fd)
+    # and one of the right size that its sender could still shrink under the mapping
+    unsealed = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    unsealed.connect(_name())
+    fd = os.memfd_create("unsealed")
+    os.ftruncate(fd, 8)
+    socket.send_fds(unsealed, [local_link._HELLO.pack(CHANNEL, 2, 4)
+                               + local_link._mac(KEY, CHANNEL, 2, 4)], [fd])
+    os.close(fd)
     genuine = local_link.Sender.connect(KEY, _name(), CHANNEL, 2, 4)
     genuine.send(torch.tensor([5.0]), AbortSignal(), lambda _: None)
     receiver = listener.accept(CHANNEL, AbortSignal(), lambda _: None)
     assert receiver.recv(torch.empty(1), AbortSignal(), lambda _: None).item() == 5.0
+    too_small = ("a local connection repeated a channel or sent memory that is too small or "
+                 "could shrink")
     assert refused == ["a local connection's hello did not verify under the job's key",
-                       "a local connection repeated a channel or sent too little memory"]
+                       too_small, too_small]
     for end in (stranger, genuine, receiver, listener):
         end.close()
     short.close()
+    unsealed.close()
 
 
 def test_nobody_listening_on_this_host_means_no_link():

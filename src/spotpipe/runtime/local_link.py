@@ -24,11 +24,13 @@ Who is local: each `Listener` binds an abstract Unix socket whose name is an HMA
 key, the generation and the node. A sender that can connect to its receiver's name is on the
 same host (and network namespace); one that cannot uses the process group. Names nobody
 without the key can compute cannot be squatted, and the receiver still checks each
-connection's hello (an HMAC of the channel under the key) before it maps anything.
+connection's hello (an HMAC of the channel under the key), and that the memory is as large as
+the hello says and sealed against shrinking, before it maps anything.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import hmac
 import mmap
@@ -45,6 +47,9 @@ from spotpipe.store.abort import AbortSignal, PeerFailure
 _HELLO = struct.Struct("!32sII")  # channel name, slots, slot bytes
 _MAC = 32
 _MAX_READ = 4096  # notification bytes read at once (each one message)
+# the ring's size is fixed for good before the receiver maps it: memory that its sender could
+# shrink under the mapping would kill the reader with SIGBUS instead of a PeerFailure
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def address(key: bytes, namespace: str, generation: int, node: str) -> bytes:
@@ -157,9 +162,11 @@ class Listener:
             os.close(fds[0])
             self._refuse(conn, "a local connection's hello did not verify under the job's key")
             return
-        if channel in self._arrived or os.fstat(fds[0]).st_size < slots * nbytes:
+        if channel in self._arrived or os.fstat(fds[0]).st_size < slots * nbytes \
+                or fcntl.fcntl(fds[0], fcntl.F_GET_SEALS) & _SEALS != _SEALS:
             os.close(fds[0])  # (a channel connects once per generation)
-            self._refuse(conn, "a local connection repeated a channel or sent too little memory")
+            self._refuse(conn, "a local connection repeated a channel or sent memory that is "
+                               "too small or could shrink")
             return
         self._arrived[channel] = (conn, fds[0], slots, nbytes)
 
@@ -183,12 +190,13 @@ class Sender:
             conn.close()
             return None
         try:
-            fd = os.memfd_create("spotpipe-link", os.MFD_CLOEXEC)
+            fd = os.memfd_create("spotpipe-link", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError:  # no memfd here: the listener drops the connection without a hello
             conn.close()
             return None
         try:
             os.ftruncate(fd, slots * nbytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
             sender = cls(conn, fd, slots, nbytes)
             socket.send_fds(conn, [_HELLO.pack(channel, slots, nbytes)
                                    + _mac(key, channel, slots, nbytes)], [fd])
