@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from spotpipe.cli.argtypes import add_fault_flags, positive_number
+from spotpipe.cli.argtypes import FAULT_FLAGS, add_fault_flags, positive_number
 
 
 def _env(flag: str, default: str | None = None) -> str | None:
@@ -62,7 +62,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 REQUIRED = ("rdzv_endpoint", "rdzv_id", "nnodes")
-FAULT_KINDS = ("fail", "notice", "hang")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
                             node_rank=args.node_rank, local_addr=args.local_addr,
                             rdzv_timeout_s=args.rdzv_timeout, progress=not args.no_progress,
                             on_demand=args.on_demand,
-                            faults=tuple(Fault.parse(kind, text) for kind in FAULT_KINDS
+                            faults=tuple(Fault.parse(kind, text) for kind in FAULT_FLAGS
                                          for text in getattr(args, kind)))
         check_options(opts, cfg, overwrite=args.overwrite)
     except (AgentError, ConfigError, FaultSpecError) as exc:

@@ -25,6 +25,9 @@ def positive_number(text: str) -> float:
     return value
 
 
+FAULT_FLAGS = ("fail", "notice", "hang")  # the flags below, by `spotpipe.faults` kind
+
+
 def add_fault_flags(group: argparse._ArgumentGroup) -> None:
     """`--fail`, `--notice` and `--hang`, the faults `spotpipe train` and `spotpipe agent`
     both inject (parsed by `spotpipe.faults.Fault.parse`)."""

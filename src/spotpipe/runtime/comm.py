@@ -271,6 +271,8 @@ class Comm:
                 raise ValueError(f"cannot send a {tensor.dim()}-d tensor between stages "
                                  f"(at most {_HEADER - 3} dimensions)")
             link = self._connect(node, tag_, tensor)
+            if link is not None:
+                self._links[key] = link
             header = torch.zeros(_HEADER, dtype=torch.int64)
             header[0] = tensor.dim()
             header[1] = _DTYPES.index(tensor.dtype)
@@ -291,12 +293,9 @@ class Comm:
             return None
         nbytes = max(1, tensor.numel() * tensor.element_size())
         slots = link_ring_slots(nbytes, self._local_slots)  # (what the launch's estimate counts)
-        link = local_link.Sender.connect(
+        return local_link.Sender.connect(
             self._key, local_link.address(self._key, self._namespace, self.generation, node),
             local_link.channel_name(self.me, node, tag_), slots, nbytes)
-        if link is not None:
-            self._links[("send", self.nodes.index(node), tag_)] = link
-        return link
 
     def recv(self, node: str, tag_: int) -> torch.Tensor:
         """The next tensor on this channel.
