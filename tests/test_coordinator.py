@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from spotpipe.cluster.coordinator import Coordinator
 from spotpipe.plan import Layout
-from spotpipe.protocol import Channel, DecisionRecord, Report, job_key, keys
+from spotpipe.protocol import (Channel, DecisionRecord, Notice, Prepare, Regroup, Report, job_key,
+                               keys)
 from spotpipe.store import board
 
 KEY = job_key(b"sesame", "test")
@@ -219,3 +220,86 @@ def test_a_node_the_last_plan_put_on_standby_is_a_loss_like_any(corpus):
     coord.node_exited("node2", -9)
     assert [e["kind"] for e in emitted] == ["node_lost", "failure_detected"]
     assert coord.store.check([keys.board_slot(keys.abort_board(g), 1)])
+
+
+# ---------------------------------------------------------------------- groups formed ahead
+
+def _record(coord: Coordinator, generation: int) -> DecisionRecord:
+    opened = board.first(coord.store, keys.decision_board(generation), Channel(KEY, "node0"),
+                         on_refused=lambda why, _: None, timeout_s=5, expect=DecisionRecord)
+    return opened.message
+
+
+def _regroup_board(coord: Coordinator, generation: int, count: int) -> list:
+    """The first `count` records of a generation's regroup board, as a node's watcher reads
+    them."""
+    got = []
+    for _, opened in board.read(coord.store, keys.regroup_board(generation),
+                                Channel(KEY, "node0"), on_refused=lambda why, _: None,
+                                timeout_s=5, expect=(Prepare, Regroup)):
+        got.append(opened.message)
+        if len(got) == count:
+            return got
+    raise AssertionError("unreachable")
+
+
+def _at_boundary(coord: Coordinator, leaving: str, nodes: list[str]) -> None:
+    for node in nodes:
+        _report(coord, node, boundary=True, formed=True, committed_through=5, iteration=6,
+                leaving=node == leaving, reason="a notice")
+
+
+def test_a_notice_has_the_next_layouts_groups_formed_ahead_and_the_plan_takes_them(corpus):
+    """node1 of P = 3 has a notice: before the boundary, the coordinator posts the layout the
+    planner gives its departure (node0 carries stage 1 from its replica); the boundary's
+    Decision has that layout and says the nodes take the groups formed for it."""
+    coord, emitted = _coordinator(corpus, 3, ["node0", "node1", "node2"])
+    coord.noticed(Notice("node1", 0, "SIGTERM", 1.0), "node1")
+    coord.noticed(Notice("node1", 0, "SIGTERM", 1.1), "node1")  # said twice: prepared once
+    [prepare] = [e for e in emitted if e["kind"] == "groups_prepared"]
+    assert prepare["generation"] == 1 and prepare["nodes"] == ["node0", "node2"]
+    _at_boundary(coord, "node1", ["node0", "node1", "node2"])
+    record = _record(coord, 0)
+    prepared = _regroup_board(coord, 0, 1)[0]
+    assert isinstance(prepared, Prepare) and prepared.generation == 0
+    assert record.decision["action"] == "failover" and record.prepared
+    assert Layout.from_json(record.decision["layout"]) == Layout.from_json(prepared.layout)
+    assert Layout.from_json(prepared.layout).owner(0, 1) == "node0"
+
+
+def test_groups_formed_ahead_are_not_taken_when_the_layout_changed_meanwhile(corpus):
+    """A loss before the boundary changes the plan: its Decision says to form fresh groups."""
+    coord, _ = _coordinator(corpus, 4, ["node0", "node1", "node2", "node3"])
+    coord.noticed(Notice("node1", 0, "SIGTERM", 1.0), "node1")
+    coord.node_exited("node3", -9)  # a loss as well: node2 carries stage 3 too
+    for node in ("node0", "node1", "node2"):
+        _report(coord, node, formed=True, committed_through=5, leaving=node == "node1")
+    record = _record(coord, 0)
+    assert record.decision["action"] == "failover"
+    assert Layout.from_json(record.decision["layout"]).owner(0, 3) == "node2"
+    assert not record.prepared
+
+
+def test_a_notice_only_from_its_own_node_and_generation(corpus):
+    coord, emitted = _coordinator(corpus, 3, ["node0", "node1", "node2"])
+    coord.noticed(Notice("node1", 0, "SIGTERM", 1.0), "node2")  # node2 speaking for node1
+    coord.noticed(Notice("node1", 3, "SIGTERM", 1.0), "node1")  # another generation's
+    assert not [e for e in emitted if e["kind"] == "groups_prepared"]
+    assert [e for e in emitted if e["kind"] == "record_refused"]
+
+
+def test_the_plan_after_a_failover_is_prepared_before_its_regroup_is_asked(corpus):
+    """After a failover the layout can improve (a re-partition to P = 2): its groups are
+    prepared on the new generation's regroup board before the request that ends the nodes'
+    watch of it, and the re-partition at the next boundary takes them."""
+    coord, _ = _coordinator(corpus, 3, ["node0", "node1", "node2"])
+    coord.node_exited("node1", -9)
+    for node in ("node0", "node2"):
+        _report(coord, node, formed=True, committed_through=5, flight=6)
+    assert _record(coord, 0).decision["action"] == "failover"
+    first, second = _regroup_board(coord, 1, 2)
+    assert isinstance(first, Prepare) and isinstance(second, Regroup)
+    _at_boundary(coord, "", ["node0", "node2"])
+    record = _record(coord, 1)
+    assert record.decision["action"] == "repartition" and record.prepared
+    assert Layout.from_json(record.decision["layout"]) == Layout.from_json(first.layout)

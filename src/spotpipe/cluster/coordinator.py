@@ -26,10 +26,11 @@ from spotpipe.cluster.liveness import Liveness, hung
 from spotpipe.config import HOST_DECIDED, Config, differing_keys
 from spotpipe.plan import Layout
 from spotpipe.plan.policy import Action
-from spotpipe.plan.recovery import (Decision, History, NodeReport, Outcome, Rules, recover)
+from spotpipe.plan.recovery import (CARRIED_OUT, Decision, History, NodeReport, Outcome, Rules,
+                                    recover, settle)
 from spotpipe.cluster import succession
 from spotpipe.protocol import (Abort, Channel, CoordinatorState, DecisionRecord, JoinAnswer,
-                               JoinRequest, Regroup, Report, Stalled, keys)
+                               JoinRequest, Notice, Prepare, Regroup, Report, Stalled, keys)
 from spotpipe.store import board
 
 
@@ -127,6 +128,10 @@ class Coordinator:
         self._grace_until = 0.0  # no fencing before this time (the store was away)
         self._refusals: set[tuple[str, str]] = set()
         self._regroup_asked = -1  # the generation whose regroup was asked for
+        # the layout of the next generation that nodes were asked to form groups for ahead of
+        # the boundary, with the generation that asked (`noticed`)
+        self._prepared: tuple[int, Layout] | None = None
+        self._noticed = -1  # the generation a notice was last prepared for
 
     # ------------------------------------------------------------------ views
 
@@ -283,6 +288,42 @@ class Coordinator:
         assert self.collecting is not None
         self.collecting.reports[report.node] = report
         self._maybe_decide()
+
+    def noticed(self, notice: Notice, writer: str) -> None:
+        """A node will leave at the next iteration boundary: have the nodes that stay form
+        the next generation's groups now (`_prepare`), for the layout the planner gives that
+        departure, by the same call the boundary's agreement makes. Once per generation."""
+        if writer != notice.node:
+            self.refused(writer, f"a notice for {notice.node}")
+            return
+        g = self.generation
+        if (notice.generation != g or self.collecting is not None or self.over
+                or notice.node not in self.layout.active_nodes or notice.node in self.fenced
+                or self._noticed == g):
+            return
+        self._noticed = g
+        try:
+            outcome = settle(self.history, self.rules, leaving=[notice.node],
+                             joiners=self.joining, with_transfers=False)[0]
+        except (ValueError, RuntimeError):  # no plan to prepare; the boundary's will say why
+            return
+        if notice.node not in outcome.decision.layout.active_nodes:
+            self._prepare(g, outcome.decision, f"{notice.node} leaves on a notice")
+
+    def _prepare(self, g: int, decision: Decision, why: str) -> None:
+        """Ask the nodes of generation `g` to form the groups of `decision`'s layout while
+        they train (`Prepare`, see `runtime.early_groups`): the Decision that ends `g` takes
+        them if its layout is this one (`_publish`). Only a layout among the nodes training
+        now: a standby node it would place is not watching this generation's boards."""
+        if decision.stopped or decision.action not in CARRIED_OUT \
+                or not decision.layout.active_nodes <= self.layout.active_nodes:
+            return
+        self._prepared = (g, decision.layout)
+        board.publish(self.store, self.channel, keys.regroup_board(g),
+                      Prepare(g, decision.layout.to_json()), g)
+        self.emit({"time_s": self.now(), "kind": "groups_prepared", "node": "launcher",
+                   "generation": g + 1, "reason": why,
+                   "nodes": sorted(decision.layout.active_nodes)})
 
     def stalled(self, stall: Stalled, writer: str) -> None:
         """A node says its main thread has computed at one instruction for the hang timeout
@@ -457,9 +498,14 @@ class Coordinator:
                    "agreement_s": round(agreed - rec.started_s, 6),
                    "action": decision.action.value})
         g = rec.generation
+        # the nodes take the groups they formed ahead only when this is the layout they formed
+        # them for (every node reads the same answer here, so all meet in one set of groups)
+        prepared = (self._prepared is not None and self._prepared[0] == g
+                    and not decision.stopped and decision.layout == self._prepared[1])
         board.publish(self.store, self.channel, keys.decision_board(g),
-                      DecisionRecord(g, decision.to_json()), g)
-        self.emit(_plan_event(self.now(), g, decision))  # (the nodes have it from here on)
+                      DecisionRecord(g, decision.to_json(), prepared=prepared), g)
+        # (the nodes have it from here on)
+        self.emit({**_plan_event(self.now(), g, decision), "early_groups": prepared})
         # the generation is over: close its boards, so every watcher of it ends (a change at a
         # boundary aborted no one, and a regroup may never have been asked for)
         self._abort("the generation ended")
@@ -483,6 +529,15 @@ class Coordinator:
         self.joining = [n for n in self.joining if n not in decision.layout.all_nodes]
         self.collecting = None
         if outcome.improve:
+            # the next plan is known now (nothing happened yet): its groups can form while the
+            # job trains (prepared before the request, whose record ends the nodes' watch)
+            try:
+                following = settle(self.history, self.rules, joiners=self.joining,
+                                   with_transfers=False)[0].decision
+            except (ValueError, RuntimeError):  # the boundary's plan will say why
+                following = None
+            if following is not None:
+                self._prepare(self.generation, following, "the layout can improve further")
             self.request_regroup("the layout can improve further")
 
 

@@ -32,7 +32,7 @@ from spotpipe.checkpoint import durable
 from spotpipe.cluster.committer import Committed, Committer
 from spotpipe.cluster.coordinator import Coordinator
 from spotpipe.protocol import (Channel, CheckpointSaved, Close, CoordinatorState, Event, Exit,
-                               FinalUpload, JoinRequest, Journal, Metrics, Opened, Refused,
+                               FinalUpload, JoinRequest, Journal, Metrics, Notice, Opened, Refused,
                                Report, StageUpload, Stalled, job_key, keys)
 from spotpipe.store import mailbox
 from spotpipe.store.address import StoreAddress
@@ -554,6 +554,10 @@ class JobLoop:
         elif isinstance(message, Stalled):
             files.event({"kind": "stall_reported", **message.to_json()})
             self.coordinator.stalled(message, writer)
+        elif isinstance(message, Notice):
+            files.event({"time_s": message.time_s, "kind": "notice", "node": message.node,
+                         "source": message.source, "generation": message.generation})
+            self.coordinator.noticed(message, writer)
         elif isinstance(message, Event):
             record = message.record()
             files.event(record)

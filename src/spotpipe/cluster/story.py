@@ -69,7 +69,8 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
                 lines.append(f"{at}  plan: stop. {ev['message']}")
                 continue
             lines.append(f"{at}  plan for generation {ev['generation']}: {ev['action']}; "
-                         + "; ".join(_moves(ev)) + f"; resume at iteration {ev['resume']}")
+                         + "; ".join(_moves(ev)) + f"; resume at iteration {ev['resume']}"
+                         + ("; its groups were formed ahead" if ev.get("early_groups") else ""))
         elif kind == "resumed" and ev["generation"] not in resumed_gens:
             resumed_gens.add(ev["generation"])
             pause = f" after a {t - incident:.2f} s pause" if incident is not None else ""

@@ -197,6 +197,20 @@ class Metrics(Message):
 
 
 @dataclass(frozen=True)
+class Notice(Message):
+    """A node got a preemption notice (`source`: the signal or the cloud's service) during
+    `generation`; it leaves at the next iteration boundary. Sent at once, not at that boundary,
+    so that the coordinator can have the next generation's groups formed meanwhile
+    (`Prepare`)."""
+
+    TYPE: ClassVar[str] = "notice"
+    node: str
+    generation: int
+    source: str
+    time_s: float
+
+
+@dataclass(frozen=True)
 class Event(Message):
     """A cluster event for events.jsonl: `kind`, `node`, `time_s`, and free details (JSON)."""
 
@@ -306,6 +320,19 @@ class Regroup(Message):
 
 
 @dataclass(frozen=True)
+class Prepare(Message):
+    """Form the groups of `layout` (`plan.Layout` as JSON) for generation `generation + 1`
+    now, while generation `generation`'s iteration in flight runs: the layout the job takes
+    when the nodes with a notice leave at the boundary, as the planner decides it (posted on
+    the generation's regroup board). A guess, not an order: the nodes take these groups only
+    if the Decision says so (`DecisionRecord.prepared`)."""
+
+    TYPE: ClassVar[str] = "prepare"
+    generation: int
+    layout: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class DecisionRecord(Message):
     """The coordinator's Decision for the generation it ends (`plan.recovery.Decision` as JSON:
     the plan layer parses it, so the wire and the planner share one definition)."""
@@ -313,6 +340,9 @@ class DecisionRecord(Message):
     TYPE: ClassVar[str] = "decision"
     generation: int
     decision: dict[str, Any]
+    # the Decision's layout is the one the generation's `Prepare` named: its nodes take the
+    # groups they formed for it (every one of them, so that all meet in the same groups)
+    prepared: bool = False
 
 
 @dataclass(frozen=True)
@@ -473,8 +503,8 @@ class FinalUpload(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {m.TYPE: m for m in (
-    Report, JoinRequest, Metrics, Event, CheckpointSaved, StageUpload, Exit, Close, Heartbeat,
-    Stalled, Abort, Regroup, DecisionRecord, JoinAnswer, Kill, Mark, CoordinatorState, Journal,
+    Report, JoinRequest, Metrics, Notice, Event, CheckpointSaved, StageUpload, Exit, Close, Heartbeat,
+    Stalled, Abort, Regroup, Prepare, DecisionRecord, JoinAnswer, Kill, Mark, CoordinatorState, Journal,
     AgentArrival, ArrivalsClosed, JobPosted, Assignment, JobOver, FinalUpload)}
 
 

@@ -34,10 +34,11 @@ from spotpipe.plan import Layout
 from spotpipe.plan.layers import node_layers
 from spotpipe.plan.recovery import Decision
 from spotpipe.protocol import (Abort, Channel, DecisionRecord, JoinAnswer, JoinRequest, Metrics,
-                               Refused, Regroup, Report, Stalled, keys)
+                               Notice, Prepare, Refused, Regroup, Report, Stalled, keys)
 from spotpipe.runtime import node as nodelib
 from spotpipe.runtime.comm import AbortSignal, Comm, PeerFailure
 from spotpipe.runtime.digest import DigestLog
+from spotpipe.runtime.early_groups import EarlyGroups, layout_digest
 from spotpipe.runtime.executor import Executor, Microbatches
 from spotpipe.runtime.faults import Injector
 from spotpipe.runtime.hooks import Boundary, BoundaryHook, NoHook, Restore
@@ -128,8 +129,14 @@ class Worker:
                                      azure_url=cfg.failover.azure_notice_url.replace("{node}",
                                                                                      node),
                                      poll_s=cfg.failover.notice_poll_s,
-                                     on_notice=lambda src: self.channel.event("notice",
-                                                                              source=src))
+                                     on_notice=lambda src: self.channel.post(Notice(
+                                         node, self.state.generation, src,
+                                         self.channel.now())))
+        # the next generation's groups, when a notice lets the job form them ahead
+        # (under a store prefix of their own per layout: a preparation replaced by another
+        # for the same generation leaves rendezvous records that the other must not read)
+        self.early = EarlyGroups(lambda g, layout, abort: self._new_comm(
+            g, layout, abort, f"{namespace}/early/{layout_digest(layout)}"))
         timeout = cfg.cluster.timeout_s
         self.executor: Executor | None = None
         self.shadow = (ShadowWriter(self.sealed, namespace, node, max_lag=cfg.shadow.max_lag,
@@ -243,39 +250,65 @@ class Worker:
     _comm: Comm | None = None  # the newest generation's groups
     rest: list | None = None  # after a takeover: the rest of the in-flight iteration
 
-    def _open_comm(self) -> Comm:
-        """The generation's process groups among the nodes of the current layout."""
-        nodes = sorted(self.layout.active_nodes, key=lambda n: int(n[4:]) if n[4:].isdigit()
-                       else n)
+    def _open_comm(self, prepared: bool = False) -> Comm:
+        """The generation's process groups among the nodes of the current layout: the ones
+        formed ahead for it when the Decision says `prepared` (`runtime.early_groups`),
+        else formed now."""
         timeout = self.cfg.cluster.timeout_s
         # each watcher blocks in its own store connection (a waiting client serves no one
         # else); both end with the generation, whose boards the coordinator closes
         for watcher in self._watchers:
             watcher.close()
-        abort = AbortSignal()
+        abort = (self.early.abort_for(self.generation, self.layout) if prepared
+                 else AbortSignal())
         self.regroup = threading.Event()
         # their connections come back when the generation's boards close, for the next one
         self._watchers = [
             watch_abort(self.spares.take(), self.protocol, self.generation, abort,
                         self._refused, done=self.spares.give_back),
             BoardWatcher(self.spares.take(), self.protocol,
-                         keys.regroup_board(self.generation), Regroup,
-                         lambda _: self.regroup.set(), self._refused,
-                         done=self.spares.give_back)]
+                         keys.regroup_board(self.generation), (Regroup, Prepare),
+                         self._on_regroup_board, self._refused, done=self.spares.give_back,
+                         writers={COORDINATOR})]
         if self._comm is not None:  # the last generation's (or a plan's that failed)
             self._comm.close()
             self._comm = None
-        # the groups form over a connection of their own (see Comm._form_groups)
-        self._comm = Comm(store=self.spares.take(), key=self.protocol.key,
-                          on_refused=self._refused, generation=self.generation, nodes=nodes,
-                          me=self.node, namespace=self.namespace,
-                          stage_members=nodelib.stage_members(self.layout), backend=self.backend,
-                          device=self.device, timeout_s=timeout, abort=abort,
-                          local_slots=job.link_slots(self.cfg))
+        if prepared:
+            self._comm = self.early.take(self.generation, self.layout)
+        else:
+            self._comm = self._new_comm(self.generation, self.layout, abort, self.namespace)
         if self._comm.local_off and not self._said_local_off:  # (said once, not per generation)
             self._said_local_off = True
             self.channel.event("local_links_off", reason=self._comm.local_off[:300])
         return self._comm
+
+    def _new_comm(self, generation: int, layout: Layout, abort: AbortSignal,
+                  namespace: str) -> Comm:
+        """Form the groups of `layout` for `generation` (over a store connection of their
+        own, see Comm._form_groups)."""
+        nodes = sorted(layout.active_nodes, key=lambda n: int(n[4:]) if n[4:].isdigit() else n)
+        return Comm(store=self.spares.take(), key=self.protocol.key,
+                    on_refused=self._refused, generation=generation, nodes=nodes,
+                    me=self.node, namespace=namespace,
+                    stage_members=nodelib.stage_members(layout), backend=self.backend,
+                    device=self.device, timeout_s=self.cfg.cluster.timeout_s, abort=abort,
+                    local_slots=job.link_slots(self.cfg))
+
+    def _on_regroup_board(self, message: Any) -> bool:
+        """A record of this generation's regroup board: a `Regroup` ends the generation at
+        the next boundary (and the watch); a `Prepare` starts forming the next generation's
+        groups while this one trains (and the watch goes on)."""
+        if isinstance(message, Prepare):
+            try:
+                layout = Layout.from_json(message.layout)
+            except (KeyError, TypeError, ValueError) as exc:
+                self._refused(Refused(f"a preparation that does not parse: {exc}", COORDINATOR))
+                return True
+            if message.generation == self.generation and self.node in layout.active_nodes:
+                self.early.start(message.generation + 1, layout)
+            return True
+        self.regroup.set()
+        return False
 
     def _form(self, comm: Comm | None = None) -> None:
         """Start a generation: groups among the live nodes, the wiring, the stream."""
@@ -367,11 +400,11 @@ class Worker:
                 raise JoinRefused(answer.message)
             if answer.outcome == "finished":
                 return -1
-            decision = self._decision(answer.generation)
+            decision, prepared = self._decision(answer.generation)
             self.state.layout = decision.previous_layout
             self.state.start_iteration = decision.resume
             try:
-                return self._apply(decision)
+                return self._apply(decision, prepared)
             except PeerFailure as why:  # a peer lost while this node was being placed
                 self.formed = False
                 return self.recover(why)
@@ -492,9 +525,10 @@ class Worker:
             "clip_scale": scale_to_wire(ex.committed_clip_scale),
             "flight": ex.flight.iteration if ex.flight is not None else -1}
 
-    def _decision(self, generation: int) -> Decision:
+    def _decision(self, generation: int) -> tuple[Decision, bool]:
         """The coordinator's Decision for `generation`: the first record of its board that
-        opens and parses (a forged one is skipped with an event)."""
+        opens and parses (a forged one is skipped with an event), and whether its nodes take
+        the groups formed ahead for it (`DecisionRecord.prepared`)."""
         for _, opened in board.read(
                 self.store, keys.decision_board(generation), self.protocol,
                 on_refused=lambda why, _: self._refused(why),
@@ -503,7 +537,7 @@ class Worker:
             record = opened.message
             assert isinstance(record, DecisionRecord)
             try:
-                return Decision.from_json(record.decision)
+                return Decision.from_json(record.decision), record.prepared
             except (KeyError, TypeError, ValueError) as exc:
                 self._refused(Refused(f"a decision that does not parse: {exc}", opened.writer))
         raise AssertionError("unreachable")
@@ -528,7 +562,10 @@ class Worker:
             formed=self.formed, lacking=tuple(progress.lacking), untouched=progress.untouched,
             leaving=leaving, reason=str(why)[:300], time_s=self.channel.now()))
         self.formed = True
-        decision = self._decision(g)
+        decision, prepared = self._decision(g)
+        if not prepared:
+            self.early.discard(f"the plan for generation {decision.generation} did not take "
+                               f"the groups formed ahead")
         if decision.stopped:
             raise JobStopped(decision.message)
         resume = decision.resume
@@ -557,7 +594,7 @@ class Worker:
         if self.node not in decision.layout.active_nodes:
             self._finish(left=True)
             return -1
-        return self._apply(decision)
+        return self._apply(decision, prepared)
 
     def _wait_unplaced(self, keep_state: bool) -> int:
         """Wait to be placed (without `keep_state`, having dropped every state); -1 when the
@@ -577,11 +614,12 @@ class Worker:
             self._finish(left=True)
         return resume
 
-    def _apply(self, decision: Decision) -> int:
-        """Carry out a Decision in memory, then start the new generation."""
+    def _apply(self, decision: Decision, prepared: bool = False) -> int:
+        """Carry out a Decision in memory, then start the new generation (over the groups
+        formed ahead for it when `prepared`)."""
         started = time.perf_counter()
         resume = decision.resume
-        comm, carried = self.reshaper.carry_out(decision, self._open_comm)
+        comm, carried = self.reshaper.carry_out(decision, lambda: self._open_comm(prepared))
         # kept only when `recover` took the Decision to continue it (a joiner has none)
         flight = self.executor.flight if self.executor is not None else None
         self._form(comm)
@@ -600,7 +638,7 @@ class Worker:
                            promoted=carried.promoted, received=carried.received, resume=resume,
                            bytes_received=self.reshaper.progress.bytes_received,
                            regroup_s=round(time.perf_counter() - started, 6), **rest,
-                           groups_s=round(carried.groups_s, 6),
+                           groups_s=round(carried.groups_s, 6), early_groups=prepared,
                            exchange_s=round(carried.exchange_s, 6),
                            **({"depth": decision.layout.num_stages,
                                "layers": [list(self.state.partition[s]) for s in

@@ -173,28 +173,38 @@ class Heartbeat:
 
 
 class BoardWatcher:
-    """Calls `then(message)` once, for the first record of `board` that opens as `expect`.
+    """Calls `then(message)` for the first record of `board` that opens as `expect`, and for
+    the records after it while `then` returns True (the regroup board carries a `Prepare`
+    before the `Regroup` that ends the watch); `writers` limits whose records count.
 
-    `done(store)`, if given, gets the connection back once the record came: nothing waits on
-    it any more, so the next generation's watcher can use it (`SpareConnections.give_back`)
-    instead of opening one. A wait that failed keeps its connection (it may be broken)."""
+    `done(store)`, if given, gets the connection back once the watch ends on a record:
+    nothing waits on it any more, so the next generation's watcher can use it
+    (`SpareConnections.give_back`) instead of opening one. A wait that failed keeps its
+    connection (it may be broken)."""
 
     def __init__(self, store: dist.Store, channel: Channel, board_key: str,
-                 expect: type[Message], then: Callable[[Message], None],
+                 expect: type[Message] | tuple[type[Message], ...],
+                 then: Callable[[Message], bool | None],
                  on_refused: Callable[[Refused], None] | None = None,
-                 done: Callable[[dist.Store], None] | None = None) -> None:
+                 done: Callable[[dist.Store], None] | None = None,
+                 writers: set[str] | None = None) -> None:
         self.store = store
         self._closed = threading.Event()
+        checks: dict[str, object] = {"expect": expect}
+        if writers is not None:
+            checks["writers"] = writers
 
         def watch() -> None:
-            try:
-                opened = board.first(store, board_key, channel, expect=expect,
-                                     on_refused=lambda why, _: on_refused and on_refused(why),
-                                     timeout_s=7 * 86400)
-            except Exception:  # closed (the generation ended) or the store gone (job over)
-                return
-            if not self._closed.is_set():
-                then(opened.message)
+            records = board.read(store, board_key, channel, timeout_s=7 * 86400,
+                                 on_refused=lambda why, _: on_refused and on_refused(why),
+                                 **checks)
+            while True:
+                try:
+                    _, opened = next(records)
+                except Exception:  # closed (the generation ended) or the store gone (job over)
+                    return
+                if self._closed.is_set() or not then(opened.message):
+                    break
             if done is not None:
                 done(store)
 

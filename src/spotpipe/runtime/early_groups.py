@@ -1,0 +1,152 @@
+"""The next generation's process groups, formed while the current generation still trains.
+
+A preemption notice says which node will leave, an iteration (and, in the clouds, 30 s to 2
+min) before it goes; the coordinator's planner then knows the layout the job will take at the
+boundary and says so (`protocol.Prepare`). Forming that layout's groups is most of a regroup
+(a full mesh of connections among the generation's nodes: 5-40 ms among CPU workers here, and
+seconds for NCCL communicators on GPUs), so the nodes form them on a thread of their own while
+the iteration in flight runs, and the regroup at the boundary only takes them.
+
+A preparation is a guess: another failure before the boundary changes the layout. Whether the
+nodes take the groups is therefore the Decision's to say (`DecisionRecord.prepared`), the
+same answer for every node, so that all of them meet in one set of groups: the early ones,
+under a store prefix and local-link names of their own, or fresh ones formed as usual. A node
+whose watcher had not yet seen the `Prepare` when the Decision says "prepared" starts forming
+then (`EarlyGroups.take`), and the others wait for it there as they would in any formation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from spotpipe.plan import Layout
+from spotpipe.store.abort import AbortSignal, PeerFailure
+
+# Forms a generation's groups: (generation, layout, the abort that ends the formation) -> Comm
+Form = Callable[[int, Layout, AbortSignal], Any]
+
+
+def layout_digest(layout: Layout) -> str:
+    """A short name for a layout, the same on every node (the groups' store prefix)."""
+    text = json.dumps(layout.to_json(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class _Forming:
+    """One formation on its own thread; `result` waits for it."""
+
+    def __init__(self, generation: int, layout: Layout, form: Form) -> None:
+        self.generation, self.layout = generation, layout
+        self.abort = AbortSignal()
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._comm: Any = None
+        self._error: BaseException | None = None
+        self._cancelled = False
+        threading.Thread(target=self._run, args=(form,), name="early-groups",
+                         daemon=True).start()
+
+    def _run(self, form: Form) -> None:
+        try:
+            comm = form(self.generation, self.layout, self.abort)
+        except BaseException as exc:  # a peer lost meanwhile, or cancelled: said at `result`
+            with self._lock:
+                self._error = exc
+            self._done.set()
+            return
+        with self._lock:
+            late = self._cancelled
+            if not late:
+                self._comm = comm
+        if late:  # nobody will take them
+            comm.close()
+        self._done.set()
+
+    def matches(self, generation: int, layout: Layout) -> bool:
+        return self.generation == generation and self.layout == layout
+
+    def cancel(self, why: str) -> None:
+        """Nobody will take these groups: end the formation (the members waiting on this
+        node in it see their own abort or timeout) and close what formed."""
+        with self._lock:
+            self._cancelled = True
+            comm, self._comm = self._comm, None
+        self.abort.trigger(why)
+        if comm is not None:
+            comm.close()
+
+    def result(self) -> Any:
+        """The formed groups; PeerFailure if they could not form. Ended, like any formation,
+        by the abort of the generation they are for (`self.abort`, which the caller's
+        watcher triggers)."""
+        try:
+            self.abort.wait(self._done)
+        except PeerFailure:  # what forms after this is nobody's
+            self.cancel(self.abort.reason or "aborted")
+            raise
+        with self._lock:
+            error, comm = self._error, self._comm
+            self._comm = None
+        if error is not None:
+            if isinstance(error, PeerFailure):
+                raise error
+            raise PeerFailure(f"forming the prepared groups failed: {error}"[:300]) from error
+        return comm
+
+
+class EarlyGroups:
+    """The formations ahead of the job, one per generation: a notice's for the next one, and
+    (right after a plan that the layout can improve on) the plan after it."""
+
+    def __init__(self, form: Form) -> None:
+        self._form = form
+        self._lock = threading.Lock()
+        self._forming: dict[int, _Forming] = {}
+
+    def start(self, generation: int, layout: Layout) -> None:
+        """Form the groups of `layout` for `generation` on a thread (nothing if they are on
+        their way already; another layout's for the same generation is cancelled)."""
+        with self._lock:
+            old = self._forming.get(generation)
+            if old is not None and old.matches(generation, layout):
+                return
+            self._forming[generation] = _Forming(generation, layout, self._form)
+        if old is not None:
+            old.cancel("a newer preparation replaced it")
+
+    def abort_for(self, generation: int, layout: Layout) -> AbortSignal:
+        """The abort that ends the formation of these groups (started now if it was not):
+        the caller's watcher of the generation's abort board triggers it before `take`
+        waits, as for groups formed at the regroup."""
+        self.start(generation, layout)
+        with self._lock:
+            return self._forming[generation].abort
+
+    def take(self, generation: int, layout: Layout) -> Any:
+        """The groups of `layout` for `generation`: formed, still forming (waited for), or
+        started now. PeerFailure if they cannot form. Older preparations are dropped."""
+        self.start(generation, layout)
+        with self._lock:
+            forming = self._forming.pop(generation)
+            older = [self._forming.pop(g) for g in sorted(self._forming) if g < generation]
+        for old in older:
+            old.cancel(f"generation {generation} began")
+        return forming.result()
+
+    def discard(self, why: str) -> None:
+        """A plan did not take the prepared groups: end and close every preparation (those
+        for later generations built on its layout)."""
+        with self._lock:
+            gone, self._forming = list(self._forming.values()), {}
+        for forming in gone:
+            forming.cancel(why)
+
+    @property
+    def pending(self) -> dict[int, Layout]:
+        """The layouts of the formations under way or done and not taken, by generation."""
+        with self._lock:
+            return {g: f.layout for g, f in self._forming.items()}

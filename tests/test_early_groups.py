@@ -1,0 +1,146 @@
+"""Groups formed ahead of a generation (`spotpipe.runtime.early_groups`): taken when the
+Decision says so, cancelled otherwise, and never handed out for another layout or generation.
+The formation is a stand-in here (`_Former`), gated by events: what is checked is which
+formations run, which are closed, and what `take` returns or raises."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from spotpipe.plan import Layout
+from spotpipe.runtime.early_groups import EarlyGroups, layout_digest
+from spotpipe.store.abort import AbortSignal, PeerFailure
+
+A = Layout.build(2, 1, ["node0", "node2"])
+B = Layout.build(2, 1, ["node2", "node0"])  # the same nodes, other stages: another layout
+
+
+class _Groups:
+    def __init__(self, generation: int, layout: Layout) -> None:
+        self.generation, self.layout = generation, layout
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Former:
+    """Forms `_Groups` once `release` lets it (or fails as told); ends at the abort."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls: list[tuple[int, Layout]] = []
+        self.made: list[_Groups] = []
+        self.fail: str | None = None
+        self.aborts: list[AbortSignal] = []
+
+    def __call__(self, generation: int, layout: Layout, abort: AbortSignal) -> _Groups:
+        self.calls.append((generation, layout))
+        self.aborts.append(abort)
+        abort.wait(self.release)  # PeerFailure at the abort, as Comm's formation
+        if self.fail:
+            raise PeerFailure(self.fail)
+        groups = _Groups(generation, layout)
+        self.made.append(groups)
+        return groups
+
+
+def test_taken_groups_are_the_ones_formed_ahead():
+    former = _Former()
+    early = EarlyGroups(former)
+    early.start(1, A)
+    early.start(1, A)  # the same preparation read twice: one formation
+    former.release.set()
+    groups = early.take(1, A)
+    assert (groups.generation, groups.layout) == (1, A) and not groups.closed
+    assert former.calls == [(1, A)]
+    assert early.pending == {}
+
+
+def test_a_node_that_missed_the_preparation_forms_when_it_takes():
+    former = _Former()
+    former.release.set()
+    groups = EarlyGroups(former).take(3, B)
+    assert former.calls == [(3, B)] and groups.layout == B
+
+
+def test_another_layout_for_the_same_generation_replaces_the_first():
+    former = _Former()
+    early = EarlyGroups(former)
+    early.start(1, A)
+    early.start(1, B)
+    assert former.aborts[0].is_set  # the first formation is ended...
+    former.release.set()
+    assert early.take(1, B).layout == B  # ...and the one taken is the second's
+    assert [layout for _, layout in former.calls] == [A, B]
+
+
+def test_a_formation_that_ends_after_it_was_cancelled_is_closed():
+    started, release, closed = threading.Event(), threading.Event(), threading.Event()
+
+    class Closing(_Groups):
+        def close(self) -> None:
+            closed.set()
+
+    def form(generation: int, layout: Layout, abort: AbortSignal) -> _Groups:
+        started.set()
+        release.wait()  # (deaf to the abort: a formation that completes anyway)
+        return Closing(generation, layout)
+
+    early = EarlyGroups(form)
+    early.start(1, A)
+    assert started.wait(10)
+    early.discard("the plan took other groups")
+    release.set()
+    assert closed.wait(10), "groups formed after the cancel were not closed"
+
+
+def test_taking_a_generation_drops_older_preparations_and_keeps_later_ones():
+    former = _Former()
+    early = EarlyGroups(former)
+    early.start(1, A)
+    early.start(2, B)  # the plan after the next one, prepared meanwhile
+    early.start(0, B)  # an old one
+    former.release.set()
+    assert early.take(1, A).generation == 1
+    assert early.pending == {2: B}
+    assert former.aborts[2].is_set  # generation 0's, cancelled
+    assert early.take(2, B).generation == 2
+
+
+def test_a_failed_formation_raises_at_take():
+    former = _Former()
+    former.fail = "connection reset by peer"
+    former.release.set()
+    early = EarlyGroups(former)
+    early.start(1, A)
+    with pytest.raises(PeerFailure, match="connection reset"):
+        early.take(1, A)
+
+
+def test_the_generations_abort_ends_the_wait_for_a_formation():
+    """A peer lost while the groups form: the generation's abort watcher triggers the abort
+    that `abort_for` gave it, and `take` raises instead of waiting out the formation."""
+    former = _Former()  # never released: the formation would wait for a dead peer
+    early = EarlyGroups(former)
+    abort = early.abort_for(1, A)
+    threading.Timer(0.05, abort.trigger, args=("node3 lost",)).start()
+    with pytest.raises(PeerFailure, match="node3 lost"):
+        early.take(1, A)
+    assert early.pending == {}
+
+
+def test_discard_ends_every_preparation():
+    former = _Former()
+    early = EarlyGroups(former)
+    early.start(1, A)
+    early.start(2, B)
+    early.discard("the plan did not take them")
+    assert all(abort.is_set for abort in former.aborts) and early.pending == {}
+
+
+def test_layout_digests_name_layouts_not_objects():
+    assert layout_digest(A) == layout_digest(Layout.build(2, 1, ["node0", "node2"]))
+    assert layout_digest(A) != layout_digest(B)
