@@ -132,9 +132,10 @@ class Worker:
                                      on_notice=lambda src: self.channel.post(Notice(
                                          node, self.state.generation, src,
                                          self.channel.now())))
-        # the next generation's groups, when a notice lets the job form them ahead
-        # (under a store prefix of their own per layout: a preparation replaced by another
-        # for the same generation leaves rendezvous records that the other must not read)
+        # the next generation's groups, when the job knows its layout ahead (a notice, a plan
+        # that the layout can improve on), under a store prefix of their own per layout: a
+        # preparation replaced by another for the same generation leaves rendezvous records
+        # that the other must not read
         self.early = EarlyGroups(lambda g, layout, abort: self._new_comm(
             g, layout, abort, f"{namespace}/early/{layout_digest(layout)}"))
         timeout = cfg.cluster.timeout_s
@@ -254,7 +255,6 @@ class Worker:
         """The generation's process groups among the nodes of the current layout: the ones
         formed ahead for it when the Decision says `prepared` (`runtime.early_groups`),
         else formed now."""
-        timeout = self.cfg.cluster.timeout_s
         # each watcher blocks in its own store connection (a waiting client serves no one
         # else); both end with the generation, whose boards the coordinator closes
         for watcher in self._watchers:
@@ -608,6 +608,7 @@ class Worker:
                 self.shadow.links.clear()
         if not keep_state:
             self.state.drop_all()
+        self.early.discard("the node waits to be placed")
         self.reshaper.progress.lacking = []
         resume = self._await_placement()
         if resume < 0:
@@ -667,6 +668,7 @@ class Worker:
         # timeout (a real model's) must not be fenced as a hang, nor one longer than the
         # heartbeat timeout as a death
         self._finishing = True
+        self.early.discard("the node is done")
         self.checkpoints.close()
         if self.shadow is not None:
             self.shadow.close()  # the next writer (or nobody, at the end) takes over the links
