@@ -234,3 +234,35 @@ def test_a_shadow_between_writers_marks_what_it_applies(tmp_path, corpus, monkey
     shadow.sealed.set(link_key("spotpipe", 0, 1), "not json")
     waiter.join(timeout=30)
     assert not waiter.is_alive() and isinstance(ended[0], ValueError)
+
+
+class _GoneWriter:
+    """A pair group whose peer has gone: gloo raises when an operation is posted (the
+    connection closed between two messages) or when it is waited for."""
+
+    def __init__(self, at: str) -> None:
+        self.at = at
+
+    def recv(self, tensors, rank, tag):
+        if self.at == "post":
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+        return self
+
+    def wait(self):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:589] Read error: Connection reset")
+
+
+@pytest.mark.parametrize("at", ["post", "wait"])
+def test_a_writer_gone_between_messages_breaks_the_link_not_the_shadow(at):
+    """The shadow posts the next gradient's receive ahead; a writer killed between two
+    messages makes gloo raise right at that post. Both ways are a broken link (the shadow
+    waits for the next writer), never the shadow's failure (which failed the job: a CI run's
+    adjacent-P4 case above)."""
+    from types import SimpleNamespace
+
+    from spotpipe.checkpoint.shadow import LinkBroken, Shadow
+
+    me = SimpleNamespace(grad_size=4)
+    with pytest.raises(LinkBroken, match="Connection"):
+        work, buffer = Shadow._post_gradient(me, _GoneWriter(at))  # type: ignore[arg-type]
+        Shadow._wait(me, work, buffer)  # type: ignore[arg-type]

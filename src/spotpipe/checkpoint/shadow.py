@@ -26,10 +26,11 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -55,8 +56,22 @@ from spotpipe.runtime.shadow_link import (ACK, COMMIT, END, GRAD, GRAD_TAG, HELL
 _UNMATCHED: list[Any] = []
 
 
+T = TypeVar("T")
+
+
 class LinkBroken(Exception):
     """The writer went away mid-link (it crashed); the next writer opens a new link."""
+
+
+def _on_link(call: Callable[[], T]) -> T:
+    """`call()`, an operation on the link to the writer. A writer that is gone makes gloo
+    raise, when the operation waits or already when it is posted (the connection closed
+    between two messages): either way the link is broken, and the shadow waits for the next
+    writer (LinkBroken) rather than failing the job."""
+    try:
+        return call()
+    except RuntimeError as exc:
+        raise LinkBroken(str(exc).splitlines()[0]) from None
 
 
 def _nice() -> int | None:
@@ -152,10 +167,7 @@ class Shadow:
     # ------------------------------------------------------------------ one link
 
     def _recv(self, group: object, tensor: torch.Tensor) -> torch.Tensor:
-        try:
-            group.recv([tensor], 1, 0).wait()  # type: ignore[attr-defined]
-        except RuntimeError as exc:
-            raise LinkBroken(str(exc).splitlines()[0]) from None
+        _on_link(lambda: group.recv([tensor], 1, 0).wait())  # type: ignore[attr-defined]
         return tensor
 
     def _serve(self, group: object) -> bool:
@@ -167,10 +179,11 @@ class Shadow:
                                                 torch.empty(4, dtype=torch.int64)).tolist()
                 if kind == HELLO:
                     self._settle(resume=t, scale=scale_from_bits(bits))
-                    group.send([header(ACK, self.applied)], 1, 0).wait()  # type: ignore[attr-defined]
+                    _on_link(lambda: group.send(  # type: ignore[attr-defined]
+                        [header(ACK, self.applied)], 1, 0).wait())
                     if arg:
                         flat = flatten(self.module, self.optimizer)
-                        group.send([flat], 1, 0).wait()  # type: ignore[attr-defined]
+                        _on_link(lambda: group.send([flat], 1, 0).wait())  # type: ignore[attr-defined]
                         self.channel.event("shadow_restored", stage=self.stage,
                                            iteration=self.applied,
                                            bytes=flat.numel() * flat.element_size())
@@ -201,13 +214,10 @@ class Shadow:
 
     def _post_gradient(self, group: Any) -> tuple[Any, torch.Tensor]:
         buffer = torch.empty(self.grad_size)
-        return group.recv([buffer], 1, GRAD_TAG), buffer
+        return _on_link(lambda: group.recv([buffer], 1, GRAD_TAG)), buffer
 
     def _wait(self, work: Any, tensor: torch.Tensor) -> torch.Tensor:
-        try:
-            work.wait()
-        except RuntimeError as exc:
-            raise LinkBroken(str(exc).splitlines()[0]) from None
+        _on_link(work.wait)
         return tensor
 
     def _settle(self, resume: int, scale: torch.Tensor | None) -> None:
