@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from spotpipe.cluster.coordinator import Coordinator
 from spotpipe.plan import Layout
-from spotpipe.protocol import (Channel, DecisionRecord, Notice, Prepare, Regroup, Report, job_key,
-                               keys)
+from spotpipe.protocol import (Channel, DecisionRecord, JoinRequest, Notice, Prepare, Regroup,
+                               Report, job_key, keys)
 from spotpipe.store import board
 
 KEY = job_key(b"sesame", "test")
@@ -302,4 +302,27 @@ def test_the_plan_after_a_failover_is_prepared_before_its_regroup_is_asked(corpu
     _at_boundary(coord, "", ["node0", "node2"])
     record = _record(coord, 1)
     assert record.decision["action"] == "repartition" and record.prepared
+    assert Layout.from_json(record.decision["layout"]) == Layout.from_json(first.layout)
+
+
+def test_a_joining_nodes_placement_is_prepared_on_its_own_board_too(corpus):
+    """After a failover at P = 2 one node carries both stages; node2 joins. The rebalance the
+    next boundary makes is known at once: prepared on the running generation's regroup board
+    (before the Regroup record) and on node2's answer board, which node2 watches while it
+    waits, and the boundary's Decision takes the groups."""
+    coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
+    coord.node_exited("node1", -9)
+    _report(coord, "node0", formed=True, committed_through=5, flight=6)
+    assert _record(coord, 0).decision["action"] == "failover"
+    cfg = coord.cfg
+    coord.join(JoinRequest("node2", 0.0, cfg.digest(), cfg.model_digest()), "node2")
+    first, second = _regroup_board(coord, 1, 2)
+    assert isinstance(first, Prepare) and isinstance(second, Regroup)
+    opened = board.first(coord.store, keys.join_board("node2"), Channel(KEY, "node2"),
+                         on_refused=lambda why, _: None, timeout_s=5, expect=Prepare)
+    assert opened.message == first
+    assert Layout.from_json(first.layout).active_nodes == {"node0", "node2"}
+    _at_boundary(coord, "", ["node0"])
+    record = _record(coord, 1)
+    assert record.decision["action"] == "rebalance" and record.prepared
     assert Layout.from_json(record.decision["layout"]) == Layout.from_json(first.layout)

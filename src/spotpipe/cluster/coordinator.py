@@ -299,7 +299,7 @@ class Coordinator:
         g = self.generation
         if (notice.generation != g or self.collecting is not None or self.over
                 or notice.node not in self.layout.active_nodes or notice.node in self.fenced
-                or self._noticed == g):
+                or self._noticed == g or self._regroup_asked == g):  # (the nodes stopped reading)
             return
         self._noticed = g
         try:
@@ -311,19 +311,35 @@ class Coordinator:
             self._prepare(g, outcome.decision, f"{notice.node} leaves on a notice")
 
     def _prepare(self, g: int, decision: Decision, why: str) -> None:
-        """Ask the nodes of generation `g` to form the groups of `decision`'s layout while
-        they train (`Prepare`, see `runtime.early_groups`): the Decision that ends `g` takes
-        them if its layout is this one (`_publish`). Only a layout among the nodes training
-        now: a standby node it would place is not watching this generation's boards."""
-        if decision.stopped or decision.action not in CARRIED_OUT \
-                or not decision.layout.active_nodes <= self.layout.active_nodes:
+        """Ask the nodes of `decision`'s layout to form its groups while generation `g`
+        trains (`Prepare`, see `runtime.early_groups`): the Decision that ends `g` takes them
+        if its layout is this one (`_publish`). The nodes training now read it on the
+        generation's regroup board; a node waiting to be placed (on standby, or accepted to
+        join), on its own answer board, which is what it watches."""
+        waiting = set(self.layout.standby) | set(self.joining)
+        placed = decision.layout.active_nodes - self.layout.active_nodes
+        if decision.stopped or decision.action not in CARRIED_OUT or not placed <= waiting:
             return
         self._prepared = (g, decision.layout)
-        board.publish(self.store, self.channel, keys.regroup_board(g),
-                      Prepare(g, decision.layout.to_json()), g)
+        prepare = Prepare(g, decision.layout.to_json())
+        board.publish(self.store, self.channel, keys.regroup_board(g), prepare, g)
+        for node in sorted(placed):
+            self._answer(node, prepare)
         self.emit({"time_s": self.now(), "kind": "groups_prepared", "node": "launcher",
                    "generation": g + 1, "reason": why,
                    "nodes": sorted(decision.layout.active_nodes)})
+
+    def _prepare_following(self, why: str) -> None:
+        """Prepare the plan the next boundary makes if nothing else happens until then (a
+        regroup is about to be asked for: a node joined, or the layout can improve)."""
+        if self._regroup_asked == self.generation:  # asked already: the nodes stopped reading
+            return
+        try:
+            following = settle(self.history, self.rules, joiners=self.joining,
+                               with_transfers=False)[0].decision
+        except (ValueError, RuntimeError):  # the boundary's plan will say why
+            return
+        self._prepare(self.generation, following, why)
 
     def stalled(self, stall: Stalled, writer: str) -> None:
         """A node says its main thread has computed at one instruction for the hang timeout
@@ -365,6 +381,8 @@ class Coordinator:
         self.emit({"time_s": self.now(), "kind": "join_accepted", "node": node,
                    "generation": self.generation})
         if self.collecting is None:
+            # (prepared before the request, whose record ends the nodes' watch of the board)
+            self._prepare_following(f"{node} joined")
             self.request_regroup(f"{node} joined")
 
     def join_without_key(self, node: str) -> None:
@@ -387,7 +405,7 @@ class Coordinator:
         self.joining.clear()
         self.history = replace(self.history, layout=self.layout.with_standby(()))
 
-    def _answer(self, node: str, answer: JoinAnswer) -> None:
+    def _answer(self, node: str, answer: JoinAnswer | Prepare) -> None:
         board.publish(self.store, self.channel, keys.join_board(node), answer, self.generation)
 
     def request_regroup(self, why: str) -> None:
@@ -531,13 +549,7 @@ class Coordinator:
         if outcome.improve:
             # the next plan is known now (nothing happened yet): its groups can form while the
             # job trains (prepared before the request, whose record ends the nodes' watch)
-            try:
-                following = settle(self.history, self.rules, joiners=self.joining,
-                                   with_transfers=False)[0].decision
-            except (ValueError, RuntimeError):  # the boundary's plan will say why
-                following = None
-            if following is not None:
-                self._prepare(self.generation, following, "the layout can improve further")
+            self._prepare_following("the layout can improve further")
             self.request_regroup("the layout can improve further")
 
 

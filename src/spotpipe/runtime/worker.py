@@ -299,16 +299,21 @@ class Worker:
         the next boundary (and the watch); a `Prepare` starts forming the next generation's
         groups while this one trains (and the watch goes on)."""
         if isinstance(message, Prepare):
-            try:
-                layout = Layout.from_json(message.layout)
-            except (KeyError, TypeError, ValueError) as exc:
-                self._refused(Refused(f"a preparation that does not parse: {exc}", COORDINATOR))
-                return True
-            if message.generation == self.generation and self.node in layout.active_nodes:
-                self.early.start(message.generation + 1, layout)
+            if message.generation == self.generation:
+                self._prepare(message)
             return True
         self.regroup.set()
         return False
+
+    def _prepare(self, prepare: Prepare) -> None:
+        """Start forming the groups a `Prepare` names, if this node is in its layout."""
+        try:
+            layout = Layout.from_json(prepare.layout)
+        except (KeyError, TypeError, ValueError) as exc:
+            self._refused(Refused(f"a preparation that does not parse: {exc}", COORDINATOR))
+            return
+        if self.node in layout.active_nodes:
+            self.early.start(prepare.generation + 1, layout)
 
     def _form(self, comm: Comm | None = None) -> None:
         """Start a generation: groups among the live nodes, the wiring, the stream."""
@@ -379,8 +384,8 @@ class Worker:
         self._recovering = True
         if self._answers is None:  # one reader for the node's life, reading ahead in order
             self._answers = BoardReader(self.spares.take(), self.protocol,
-                                        keys.join_board(self.node), expect=JoinAnswer,
-                                        writers={COORDINATOR})
+                                        keys.join_board(self.node),
+                                        expect=(JoinAnswer, Prepare), writers={COORDINATOR})
         while True:
             item = self._answers.next(NOTICE_CHECK_S)
             if item is None:
@@ -395,6 +400,9 @@ class Worker:
             if isinstance(opened, Refused):
                 self._unreadable_answer(opened, index)
             answer = opened.message
+            if isinstance(answer, Prepare):  # the plan that will place this node, known ahead
+                self._prepare(answer)
+                continue
             assert isinstance(answer, JoinAnswer)
             if answer.outcome == "refused":
                 raise JoinRefused(answer.message)
