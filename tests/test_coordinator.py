@@ -326,3 +326,17 @@ def test_a_joining_nodes_placement_is_prepared_on_its_own_board_too(corpus):
     record = _record(coord, 1)
     assert record.decision["action"] == "rebalance" and record.prepared
     assert Layout.from_json(record.decision["layout"]) == Layout.from_json(first.layout)
+
+
+def test_a_joiner_that_would_wait_on_standby_prepares_nothing(corpus):
+    """One node joining a full P = 2 pipeline is one short of a second pipeline: the plan
+    leaves it on standby, the groups would be today's nodes again, and a second joiner moments
+    later would change the plan anyway. Nothing is prepared; the regroup is still asked."""
+    coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
+    cfg = coord.cfg
+    coord.join(JoinRequest("node2", 0.0, cfg.digest(), cfg.model_digest()), "node2")
+    kinds = [e["kind"] for e in emitted]
+    assert "join_accepted" in kinds and "regroup_requested" in kinds
+    assert "groups_prepared" not in kinds
+    [regroup] = _regroup_board(coord, 0, 1)
+    assert isinstance(regroup, Regroup)

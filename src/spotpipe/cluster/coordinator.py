@@ -329,15 +329,22 @@ class Coordinator:
                    "generation": g + 1, "reason": why,
                    "nodes": sorted(decision.layout.active_nodes)})
 
-    def _prepare_following(self, why: str) -> None:
+    def _prepare_following(self, why: str, placing: bool = False) -> None:
         """Prepare the plan the next boundary makes if nothing else happens until then (a
-        regroup is about to be asked for: a node joined, or the layout can improve)."""
+        regroup is about to be asked for: a node joined, or the layout can improve).
+        `placing`: only if that plan places a node waiting to be placed. A joiner that waits
+        on standby (one node short of a pipeline) changes nothing the groups depend on, and
+        the next joiner, often moments later, would make the plan another one; the nodes no
+        longer read this generation's board then, so the groups formed meanwhile would only
+        take the cores from training."""
         if self._regroup_asked == self.generation:  # asked already: the nodes stopped reading
             return
         try:
             following = settle(self.history, self.rules, joiners=self.joining,
                                with_transfers=False)[0].decision
         except (ValueError, RuntimeError):  # the boundary's plan will say why
+            return
+        if placing and following.layout.active_nodes <= self.layout.active_nodes:
             return
         self._prepare(self.generation, following, why)
 
@@ -382,7 +389,7 @@ class Coordinator:
                    "generation": self.generation})
         if self.collecting is None:
             # (prepared before the request, whose record ends the nodes' watch of the board)
-            self._prepare_following(f"{node} joined")
+            self._prepare_following(f"{node} joined", placing=True)
             self.request_regroup(f"{node} joined")
 
     def join_without_key(self, node: str) -> None:
