@@ -183,7 +183,8 @@ class Shadow:
                         [header(ACK, self.applied)], 1, 0).wait())
                     if arg:
                         flat = flatten(self.module, self.optimizer)
-                        _on_link(lambda: group.send([flat], 1, 0).wait())  # type: ignore[attr-defined]
+                        _on_link(lambda: group.send(  # type: ignore[attr-defined]
+                            [flat], 1, 0).wait())
                         self.channel.event("shadow_restored", stage=self.stage,
                                            iteration=self.applied,
                                            bytes=flat.numel() * flat.element_size())

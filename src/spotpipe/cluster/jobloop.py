@@ -32,8 +32,8 @@ from spotpipe.checkpoint import durable
 from spotpipe.cluster.committer import Committed, Committer
 from spotpipe.cluster.coordinator import Coordinator
 from spotpipe.protocol import (Channel, CheckpointSaved, Close, CoordinatorState, Event, Exit,
-                               FinalUpload, JoinRequest, Journal, Metrics, Notice, Opened, Refused,
-                               Report, StageUpload, Stalled, job_key, keys)
+                               FinalUpload, JoinRequest, Journal, Metrics, Notice, Opened,
+                               Refused, Report, StageUpload, Stalled, job_key, keys)
 from spotpipe.store import mailbox
 from spotpipe.store.address import StoreAddress
 from spotpipe.cluster.supervisor import (SHADOW, Supervisor, search_path, starter,

@@ -322,10 +322,11 @@ class Regroup(Message):
 @dataclass(frozen=True)
 class Prepare(Message):
     """Form the groups of `layout` (`plan.Layout` as JSON) for generation `generation + 1`
-    now, while generation `generation`'s iteration in flight runs: the layout the job takes
-    when the nodes with a notice leave at the boundary, as the planner decides it (posted on
-    the generation's regroup board). A guess, not an order: the nodes take these groups only
-    if the Decision says so (`DecisionRecord.prepared`)."""
+    now, while generation `generation` trains: the layout the planner gives the next
+    boundary when it is known early (a node with a notice leaves, a node joined, the layout
+    can improve). Posted on the generation's regroup board, and on the answer board of each
+    waiting node it places. A guess, not an order: the nodes take these groups only if the
+    Decision says so (`DecisionRecord.prepared`)."""
 
     TYPE: ClassVar[str] = "prepare"
     generation: int
@@ -503,9 +504,10 @@ class FinalUpload(Message):
 
 
 MESSAGES: dict[str, type[Message]] = {m.TYPE: m for m in (
-    Report, JoinRequest, Metrics, Notice, Event, CheckpointSaved, StageUpload, Exit, Close, Heartbeat,
-    Stalled, Abort, Regroup, Prepare, DecisionRecord, JoinAnswer, Kill, Mark, CoordinatorState, Journal,
-    AgentArrival, ArrivalsClosed, JobPosted, Assignment, JobOver, FinalUpload)}
+    Report, JoinRequest, Metrics, Notice, Event, CheckpointSaved, StageUpload, Exit, Close,
+    Heartbeat, Stalled, Abort, Regroup, Prepare, DecisionRecord, JoinAnswer, Kill, Mark,
+    CoordinatorState, Journal, AgentArrival, ArrivalsClosed, JobPosted, Assignment, JobOver,
+    FinalUpload)}
 
 
 def plain(message: Message) -> bytes:
