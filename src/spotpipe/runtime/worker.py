@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import os
 import resource
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -34,11 +33,11 @@ from spotpipe.plan import Layout
 from spotpipe.plan.layers import node_layers
 from spotpipe.plan.recovery import Decision
 from spotpipe.protocol import (Abort, Channel, DecisionRecord, JoinAnswer, JoinRequest, Metrics,
-                               Notice, Prepare, Refused, Regroup, Report, Stalled, keys)
+                               Notice, Prepare, Refused, Report, Stalled, keys)
 from spotpipe.runtime import node as nodelib
 from spotpipe.runtime.comm import AbortSignal, Comm, PeerFailure
 from spotpipe.runtime.digest import DigestLog
-from spotpipe.runtime.early_groups import EarlyGroups, layout_digest
+from spotpipe.runtime.generations import GenerationGroups
 from spotpipe.runtime.executor import Executor, Microbatches
 from spotpipe.runtime.faults import Injector
 from spotpipe.runtime.hooks import Boundary, BoundaryHook, NoHook, Restore
@@ -52,8 +51,7 @@ from spotpipe.store import board
 from spotpipe.store.address import StoreAddress
 from spotpipe.store.mailbox import Outbox, finite
 from spotpipe.store.sealed import SealedStore
-from spotpipe.store.watchers import (BoardReader, BoardWatcher, Heartbeat, SpareConnections,
-                                     client, watch_abort)
+from spotpipe.store.watchers import BoardReader, Heartbeat, SpareConnections, client
 
 COORDINATOR = "coordinator"  # the writer name of every Decision and join answer
 # how often a node waiting on standby looks at its notices: a SIGTERM's handler only sets a
@@ -132,12 +130,6 @@ class Worker:
                                      on_notice=lambda src: self.channel.post(Notice(
                                          node, self.state.generation, src,
                                          self.channel.now())))
-        # the next generation's groups, when the job knows its layout ahead (a notice, a plan
-        # that the layout can improve on), under a store prefix of their own per layout: a
-        # preparation replaced by another for the same generation leaves rendezvous records
-        # that the other must not read
-        self.early = EarlyGroups(lambda g, layout, abort: self._new_comm(
-            g, layout, abort, f"{namespace}/early/{layout_digest(layout)}"))
         timeout = cfg.cluster.timeout_s
         self.executor: Executor | None = None
         self.shadow = (ShadowWriter(self.sealed, namespace, node, max_lag=cfg.shadow.max_lag,
@@ -145,9 +137,11 @@ class Worker:
         self.reshaper = Reshaper(st, store=store, sealed=self.sealed, namespace=namespace,
                                  channel=channel, shadow=self.shadow, digests=self.digests,
                                  inject=self.inject, refused=self._refused)
-        self._watchers: list[BoardWatcher] = []
         # a generation's connections, opened while the job trains (see SpareConnections)
         self.spares = SpareConnections(address, timeout)
+        self.groups = GenerationGroups(node=node, protocol=self.protocol, spares=self.spares,
+                                       namespace=namespace, form=self._new_comm,
+                                       coordinator=COORDINATOR, refused=self._refused)
         self._answers: BoardReader | None = None  # this node's join answers, once it waits
         beats = client(address, timeout)
         # the node's own hang watch runs on the heartbeat's thread and posts on its connection
@@ -248,39 +242,17 @@ class Worker:
     _recovering = False
     _finishing = False
     _said_local_off = False
-    _comm: Comm | None = None  # the newest generation's groups
     rest: list | None = None  # after a takeover: the rest of the in-flight iteration
 
     def _open_comm(self, prepared: bool = False) -> Comm:
         """The generation's process groups among the nodes of the current layout: the ones
-        formed ahead for it when the Decision says `prepared` (`runtime.early_groups`),
+        formed ahead for it when the Decision says `prepared` (`runtime.generations`),
         else formed now."""
-        # each watcher blocks in its own store connection (a waiting client serves no one
-        # else); both end with the generation, whose boards the coordinator closes
-        for watcher in self._watchers:
-            watcher.close()
-        abort = (self.early.abort_for(self.generation, self.layout) if prepared
-                 else AbortSignal())
-        self.regroup = threading.Event()
-        # their connections come back when the generation's boards close, for the next one
-        self._watchers = [
-            watch_abort(self.spares.take(), self.protocol, self.generation, abort,
-                        self._refused, done=self.spares.give_back),
-            BoardWatcher(self.spares.take(), self.protocol,
-                         keys.regroup_board(self.generation), (Regroup, Prepare),
-                         self._on_regroup_board, self._refused, done=self.spares.give_back,
-                         writers={COORDINATOR})]
-        if self._comm is not None:  # the last generation's (or a plan's that failed)
-            self._comm.close()
-            self._comm = None
-        if prepared:
-            self._comm = self.early.take(self.generation, self.layout)
-        else:
-            self._comm = self._new_comm(self.generation, self.layout, abort, self.namespace)
-        if self._comm.local_off and not self._said_local_off:  # (said once, not per generation)
+        comm = self.groups.open(self.generation, self.layout, prepared)
+        if comm.local_off and not self._said_local_off:  # (said once, not per generation)
             self._said_local_off = True
-            self.channel.event("local_links_off", reason=self._comm.local_off[:300])
-        return self._comm
+            self.channel.event("local_links_off", reason=comm.local_off[:300])
+        return comm
 
     def _new_comm(self, generation: int, layout: Layout, abort: AbortSignal,
                   namespace: str) -> Comm:
@@ -293,27 +265,6 @@ class Worker:
                     stage_members=nodelib.stage_members(layout), backend=self.backend,
                     device=self.device, timeout_s=self.cfg.cluster.timeout_s, abort=abort,
                     local_slots=job.link_slots(self.cfg))
-
-    def _on_regroup_board(self, message: Any) -> bool:
-        """A record of this generation's regroup board: a `Regroup` ends the generation at
-        the next boundary (and the watch); a `Prepare` starts forming the next generation's
-        groups while this one trains (and the watch goes on)."""
-        if isinstance(message, Prepare):
-            if message.generation == self.generation:
-                self._prepare(message)
-            return True
-        self.regroup.set()
-        return False
-
-    def _prepare(self, prepare: Prepare) -> None:
-        """Start forming the groups a `Prepare` names, if this node is in its layout."""
-        try:
-            layout = Layout.from_json(prepare.layout)
-        except (KeyError, TypeError, ValueError) as exc:
-            self._refused(Refused(f"a preparation that does not parse: {exc}", COORDINATOR))
-            return
-        if self.node in layout.active_nodes:
-            self.early.start(prepare.generation + 1, layout)
 
     def _form(self, comm: Comm | None = None) -> None:
         """Start a generation: groups among the live nodes, the wiring, the stream."""
@@ -401,7 +352,7 @@ class Worker:
                 self._unreadable_answer(opened, index)
             answer = opened.message
             if isinstance(answer, Prepare):  # the plan that will place this node, known ahead
-                self._prepare(answer)
+                self.groups.prepare(answer)
                 continue
             assert isinstance(answer, JoinAnswer)
             if answer.outcome == "refused":
@@ -454,7 +405,8 @@ class Worker:
                 stream = self.rest if self.rest is not None else self.stream
                 self.rest = None
                 result = ex.run(stream, self.batches(t), t,
-                                leaving=lambda: self.notices.is_set() or self.regroup.is_set())
+                                leaving=lambda: (self.notices.is_set()
+                                                 or self.groups.regroup.is_set()))
                 self._report(t, result, lr, time.perf_counter() - t_start)
                 self._checkpoint(t)
                 self.spares.refill()  # (after the iteration: off a regroup's critical path)
@@ -572,8 +524,8 @@ class Worker:
         self.formed = True
         decision, prepared = self._decision(g)
         if not prepared:
-            self.early.discard(f"the plan for generation {decision.generation} did not take "
-                               f"the groups formed ahead")
+            self.groups.early.discard(f"the plan for generation {decision.generation} did not "
+                                      f"take the groups formed ahead")
         if decision.stopped:
             raise JobStopped(decision.message)
         resume = decision.resume
@@ -616,7 +568,7 @@ class Worker:
                 self.shadow.links.clear()
         if not keep_state:
             self.state.drop_all()
-        self.early.discard("the node waits to be placed")
+        self.groups.early.discard("the node waits to be placed")
         self.reshaper.progress.lacking = []
         resume = self._await_placement()
         if resume < 0:
@@ -676,7 +628,7 @@ class Worker:
         # timeout (a real model's) must not be fenced as a hang, nor one longer than the
         # heartbeat timeout as a death
         self._finishing = True
-        self.early.discard("the node is done")
+        self.groups.early.discard("the node is done")
         self.checkpoints.close()
         if self.shadow is not None:
             self.shadow.close()  # the next writer (or nobody, at the end) takes over the links
