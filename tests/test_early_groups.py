@@ -92,7 +92,7 @@ def test_a_formation_that_ends_after_it_was_cancelled_is_closed():
     early = EarlyGroups(form)
     early.start(1, A)
     assert started.wait(10)
-    early.discard("the plan took other groups")
+    early.discard("the plan took other groups", 1)
     release.set()
     assert closed.wait(10), "groups formed after the cancel were not closed"
 
@@ -137,10 +137,28 @@ def test_discard_ends_every_preparation():
     early = EarlyGroups(former)
     early.start(1, A)
     early.start(2, B)
-    early.discard("the plan did not take them")
+    early.discard("the plan did not take them", 1)
     assert all(abort.is_set for abort in former.aborts) and early.pending == {}
 
 
 def test_layout_digests_name_layouts_not_objects():
     assert layout_digest(A) == layout_digest(Layout.build(2, 1, ["node0", "node2"]))
     assert layout_digest(A) != layout_digest(B)
+
+
+def test_a_preparation_read_after_its_generation_began_forms_nothing():
+    """A watcher thread that reads a `Prepare` only after the node took that generation's
+    groups (a loaded machine's scheduler) must not form them again: under the same store
+    prefix, the new formation would read the rendezvous records of the groups in use."""
+    former = _Former()
+    former.release.set()
+    early = EarlyGroups(former)
+    early.start(1, A)
+    early.take(1, A)
+    early.start(1, A)  # read late
+    assert former.calls == [(1, A)] and early.pending == {}
+    early.discard("the plan for generation 2 did not take them", 2)
+    early.start(2, B)  # read after that plan
+    assert former.calls == [(1, A)] and early.pending == {}
+    early.start(3, B)  # a later generation's forms as usual
+    assert early.pending == {3: B}

@@ -106,10 +106,21 @@ class EarlyGroups:
         self._form = form
         self._lock = threading.Lock()
         self._forming: dict[int, _Forming] = {}
+        # generations whose groups were taken or given up: a `Prepare` read late (a watcher
+        # thread the scheduler let run only after the node moved on) must not form them again,
+        # under the same store prefix as the groups in use, whose records it would read
+        self._through = -1
 
     def start(self, generation: int, layout: Layout) -> None:
         """Form the groups of `layout` for `generation` on a thread (nothing if they are on
-        their way already; another layout's for the same generation is cancelled)."""
+        their way already, or if that generation began or was given up; another layout's for
+        the same generation is cancelled)."""
+        with self._lock:
+            if generation <= self._through:
+                return
+        self._ensure(generation, layout)
+
+    def _ensure(self, generation: int, layout: Layout) -> None:
         with self._lock:
             old = self._forming.get(generation)
             if old is not None and old.matches(generation, layout):
@@ -122,25 +133,27 @@ class EarlyGroups:
         """The abort that ends the formation of these groups (started now if it was not):
         the caller's watcher of the generation's abort board triggers it before `take`
         waits, as for groups formed at the regroup."""
-        self.start(generation, layout)
+        self._ensure(generation, layout)
         with self._lock:
             return self._forming[generation].abort
 
     def take(self, generation: int, layout: Layout) -> Any:
         """The groups of `layout` for `generation`: formed, still forming (waited for), or
         started now. PeerFailure if they cannot form. Older preparations are dropped."""
-        self.start(generation, layout)
+        self._ensure(generation, layout)
         with self._lock:
+            self._through = max(self._through, generation)
             forming = self._forming.pop(generation)
             older = [self._forming.pop(g) for g in sorted(self._forming) if g < generation]
         for old in older:
             old.cancel(f"generation {generation} began")
         return forming.result()
 
-    def discard(self, why: str) -> None:
+    def discard(self, why: str, through: int) -> None:
         """A plan did not take the prepared groups: end and close every preparation (those
-        for later generations built on its layout)."""
+        for later generations built on its layout), and form none for `through` and before."""
         with self._lock:
+            self._through = max(self._through, through)
             gone, self._forming = list(self._forming.values()), {}
         for forming in gone:
             forming.cancel(why)

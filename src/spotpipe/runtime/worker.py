@@ -525,7 +525,7 @@ class Worker:
         decision, prepared = self._decision(g)
         if not prepared:
             self.groups.early.discard(f"the plan for generation {decision.generation} did not "
-                                      f"take the groups formed ahead")
+                                      f"take the groups formed ahead", decision.generation)
         if decision.stopped:
             raise JobStopped(decision.message)
         resume = decision.resume
@@ -568,7 +568,7 @@ class Worker:
                 self.shadow.links.clear()
         if not keep_state:
             self.state.drop_all()
-        self.groups.early.discard("the node waits to be placed")
+        self.groups.early.discard("the node waits to be placed", self.generation)
         self.reshaper.progress.lacking = []
         resume = self._await_placement()
         if resume < 0:
@@ -628,7 +628,7 @@ class Worker:
         # timeout (a real model's) must not be fenced as a hang, nor one longer than the
         # heartbeat timeout as a death
         self._finishing = True
-        self.groups.early.discard("the node is done")
+        self.groups.early.discard("the node is done", 2 ** 62)
         self.checkpoints.close()
         if self.shadow is not None:
             self.shadow.close()  # the next writer (or nobody, at the end) takes over the links
