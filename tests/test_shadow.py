@@ -266,3 +266,52 @@ def test_a_writer_gone_between_messages_breaks_the_link_not_the_shadow(at):
     with pytest.raises(LinkBroken, match="Connection"):
         work, buffer = Shadow._post_gradient(me, _GoneWriter(at))  # type: ignore[arg-type]
         Shadow._wait(me, work, buffer)  # type: ignore[arg-type]
+
+
+class _WriterDiesAfterAGradient:
+    """A writer that says HELLO, sends iteration 3's gradient and is gone: the post of the
+    receive for the gradient after it raises (gloo, a closed connection)."""
+
+    def __init__(self) -> None:
+        from spotpipe.runtime.shadow_link import GRAD, HELLO, header
+
+        self.headers = [header(HELLO, 3), header(GRAD, 3)]
+        self.grads = 0
+
+    def recv(self, tensors, rank, tag):
+        from spotpipe.runtime.shadow_link import GRAD_TAG
+
+        if tag == GRAD_TAG:
+            self.grads += 1
+            if self.grads > 1:
+                raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+            tensors[0].fill_(0.5)
+        else:
+            tensors[0].copy_(self.headers.pop(0))
+        return self
+
+    def send(self, tensors, rank, tag):
+        return self
+
+    def wait(self):
+        return None
+
+
+def test_a_gradient_received_just_before_the_writer_died_stays_pending():
+    """The gradient of the iteration in flight is kept (pending its commit) before the next
+    receive is posted: when that post raises because the writer died, the new writer's HELLO
+    applies it if the survivors committed that iteration. Kept after the post, it was lost,
+    and the job stopped with "the shadow of stage 1 holds iteration 2, but the job resumes at
+    iteration 4" (a loaded run of tests/test_reshape_failures.py)."""
+    from types import SimpleNamespace
+
+    from spotpipe.checkpoint.shadow import LinkBroken, Shadow
+
+    shadow = Shadow.__new__(Shadow)
+    shadow.stage, shadow.grad_size, shadow.pending = 1, 4, None
+    shadow.max_lag_seen, shadow.submitted = 0, 2
+    shadow.applier = SimpleNamespace(applied=2, drain=lambda: None)
+    with pytest.raises(LinkBroken, match="Connection closed"):
+        shadow._serve(_WriterDiesAfterAGradient())
+    assert shadow.pending is not None and shadow.pending[0] == 3
+    assert torch.equal(shadow.pending[1], torch.full((4,), 0.5))

@@ -194,9 +194,13 @@ class Shadow:
                         raise RuntimeError(f"shadow of stage {self.stage}: a gradient before "
                                            "HELLO")
                     flat = self._wait(*ahead)
-                    ahead = self._post_gradient(group)
+                    ahead = None
+                    # kept before the next receive is posted: a writer gone right after this
+                    # gradient makes that post raise (LinkBroken), and the new writer's HELLO
+                    # settles the pending gradient with the scale the survivors committed
                     self.pending = (t, flat)
                     self.max_lag_seen = max(self.max_lag_seen, t - self.applier.applied)
+                    ahead = self._post_gradient(group)
                 elif kind == COMMIT:
                     if self.pending is None or self.pending[0] != t:
                         raise RuntimeError(f"shadow of stage {self.stage}: commit of iteration "
