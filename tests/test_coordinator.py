@@ -288,40 +288,44 @@ def test_a_notice_only_from_its_own_node_and_generation(corpus):
     assert [e for e in emitted if e["kind"] == "record_refused"]
 
 
-def test_a_plan_that_moves_state_is_not_prepared(corpus):
-    """After a failover the layout can improve (a re-partition to P = 2), but a re-partition
-    moves layers between nodes, and those plans form their groups at the boundary (see
-    coordinator.WITHOUT_TRANSFERS): the new generation's regroup board carries the request
-    alone, and the re-partition says to form fresh groups."""
-    coord, emitted = _coordinator(corpus, 3, ["node0", "node1", "node2"])
+def test_the_plan_after_a_failover_is_prepared_before_its_regroup_is_asked(corpus):
+    """After a failover the layout can improve (a re-partition to P = 2): its groups are
+    prepared on the new generation's regroup board before the request that ends the nodes'
+    watch of it, and the re-partition at the next boundary takes them."""
+    coord, _ = _coordinator(corpus, 3, ["node0", "node1", "node2"])
     coord.node_exited("node1", -9)
     for node in ("node0", "node2"):
         _report(coord, node, formed=True, committed_through=5, flight=6)
     assert _record(coord, 0).decision["action"] == "failover"
-    [first] = _regroup_board(coord, 1, 1)
-    assert isinstance(first, Regroup)
+    first, second = _regroup_board(coord, 1, 2)
+    assert isinstance(first, Prepare) and isinstance(second, Regroup)
     _at_boundary(coord, "", ["node0", "node2"])
     record = _record(coord, 1)
-    assert record.decision["action"] == "repartition" and not record.prepared
-    assert not [e for e in emitted if e["kind"] == "groups_prepared"]
+    assert record.decision["action"] == "repartition" and record.prepared
+    assert Layout.from_json(record.decision["layout"]) == Layout.from_json(first.layout)
 
 
-def test_a_joining_nodes_placement_moves_state_and_is_not_prepared(corpus):
-    """After a failover at P = 2 one node carries both stages; node2 joins: the rebalance
-    copies a stage to it, so nothing is prepared (the request alone on the board) and the
-    rebalance forms fresh groups."""
+def test_a_joining_nodes_placement_is_prepared_on_its_own_board_too(corpus):
+    """After a failover at P = 2 one node carries both stages; node2 joins. The rebalance the
+    next boundary makes is known at once: prepared on the running generation's regroup board
+    (before the Regroup record) and on node2's answer board, which node2 watches while it
+    waits, and the boundary's Decision takes the groups."""
     coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
     coord.node_exited("node1", -9)
     _report(coord, "node0", formed=True, committed_through=5, flight=6)
     assert _record(coord, 0).decision["action"] == "failover"
     cfg = coord.cfg
     coord.join(JoinRequest("node2", 0.0, cfg.digest(), cfg.model_digest()), "node2")
-    [first] = _regroup_board(coord, 1, 1)
-    assert isinstance(first, Regroup)
+    first, second = _regroup_board(coord, 1, 2)
+    assert isinstance(first, Prepare) and isinstance(second, Regroup)
+    opened = board.first(coord.store, keys.join_board("node2"), Channel(KEY, "node2"),
+                         on_refused=lambda why, _: None, timeout_s=5, expect=Prepare)
+    assert opened.message == first
+    assert Layout.from_json(first.layout).active_nodes == {"node0", "node2"}
     _at_boundary(coord, "", ["node0"])
     record = _record(coord, 1)
-    assert record.decision["action"] == "rebalance" and not record.prepared
-    assert not [e for e in emitted if e["kind"] == "groups_prepared"]
+    assert record.decision["action"] == "rebalance" and record.prepared
+    assert Layout.from_json(record.decision["layout"]) == Layout.from_json(first.layout)
 
 
 def test_a_joiner_that_would_wait_on_standby_prepares_nothing(corpus):

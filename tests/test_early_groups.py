@@ -47,9 +47,23 @@ class _Former:
         return groups
 
 
+class _Generations:
+    """Each generation's abort, as `runtime.generations` keeps them."""
+
+    def __init__(self) -> None:
+        self.aborts: dict[int, AbortSignal] = {}
+
+    def __call__(self, generation: int) -> AbortSignal:
+        return self.aborts.setdefault(generation, AbortSignal())
+
+
+def _early(form, generations: _Generations | None = None) -> EarlyGroups:
+    return EarlyGroups(form, generations or _Generations())
+
+
 def test_taken_groups_are_the_ones_formed_ahead():
     former = _Former()
-    early = EarlyGroups(former)
+    early = _early(former)
     early.start(1, A)
     early.start(1, A)  # the same preparation read twice: one formation
     former.release.set()
@@ -62,13 +76,13 @@ def test_taken_groups_are_the_ones_formed_ahead():
 def test_a_node_that_missed_the_preparation_forms_when_it_takes():
     former = _Former()
     former.release.set()
-    groups = EarlyGroups(former).take(3, B)
+    groups = _early(former).take(3, B)
     assert former.calls == [(3, B)] and groups.layout == B
 
 
 def test_another_layout_for_the_same_generation_replaces_the_first():
     former = _Former()
-    early = EarlyGroups(former)
+    early = _early(former)
     early.start(1, A)
     early.start(1, B)
     assert former.aborts[0].is_set  # the first formation is ended...
@@ -89,7 +103,7 @@ def test_a_formation_that_ends_after_it_was_cancelled_is_closed():
         release.wait()  # (deaf to the abort: a formation that completes anyway)
         return Closing(generation, layout)
 
-    early = EarlyGroups(form)
+    early = _early(form)
     early.start(1, A)
     assert started.wait(10)
     early.discard("the plan took other groups", 1)
@@ -99,7 +113,7 @@ def test_a_formation_that_ends_after_it_was_cancelled_is_closed():
 
 def test_taking_a_generation_drops_older_preparations_and_keeps_later_ones():
     former = _Former()
-    early = EarlyGroups(former)
+    early = _early(former)
     early.start(1, A)
     early.start(2, B)  # the plan after the next one, prepared meanwhile
     early.start(0, B)  # an old one
@@ -114,27 +128,40 @@ def test_a_failed_formation_raises_at_take():
     former = _Former()
     former.fail = "connection reset by peer"
     former.release.set()
-    early = EarlyGroups(former)
+    early = _early(former)
     early.start(1, A)
     with pytest.raises(PeerFailure, match="connection reset"):
         early.take(1, A)
 
 
 def test_the_generations_abort_ends_the_wait_for_a_formation():
-    """A peer lost while the groups form: the generation's abort watcher triggers the abort
-    that `abort_for` gave it, and `take` raises instead of waiting out the formation."""
-    former = _Former()  # never released: the formation would wait for a dead peer
-    early = EarlyGroups(former)
-    abort = early.abort_for(1, A)
-    threading.Timer(0.05, abort.trigger, args=("node3 lost",)).start()
+    """A peer lost while the groups form: the generation's abort watcher triggers its abort,
+    and `take` raises instead of waiting out the formation."""
+    former, generations = _Former(), _Generations()  # never released: a dead peer's wait
+    early = _early(former, generations)
+    early.start(1, A)
+    threading.Timer(0.05, generations(1).trigger, args=("node3 lost",)).start()
     with pytest.raises(PeerFailure, match="node3 lost"):
         early.take(1, A)
     assert early.pending == {}
 
 
+def test_cancelling_a_preparation_does_not_end_its_generation():
+    """The plan took other groups for generation 1 (or another layout replaced the prepared
+    one): the formation ends, the generation's abort does not, or the generation would begin
+    aborted."""
+    former, generations = _Former(), _Generations()
+    early = _early(former, generations)
+    early.start(1, A)
+    early.start(1, B)
+    early.discard("the plan did not take them", 1)
+    assert all(abort.is_set for abort in former.aborts)
+    assert not generations(1).is_set
+
+
 def test_discard_ends_every_preparation():
     former = _Former()
-    early = EarlyGroups(former)
+    early = _early(former)
     early.start(1, A)
     early.start(2, B)
     early.discard("the plan did not take them", 1)
@@ -152,7 +179,7 @@ def test_a_preparation_read_after_its_generation_began_forms_nothing():
     prefix, the new formation would read the rendezvous records of the groups in use."""
     former = _Former()
     former.release.set()
-    early = EarlyGroups(former)
+    early = _early(former)
     early.start(1, A)
     early.take(1, A)
     early.start(1, A)  # read late

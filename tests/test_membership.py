@@ -38,10 +38,11 @@ def test_joining_node_rebalances_a_carrier_exactly(tmp_path, tmp_path_factory, c
     assert "join_accepted" in kinds and "migrated" in kinds
     plans = [e["action"] for e in events(run) if e["kind"] == "plan"]
     assert plans == ["failover", "rebalance"]
-    # the rebalance moves state: its groups form at the boundary, not ahead
+    # the rebalance was known when node2 was accepted: both nodes, node2 while it waited,
+    # formed its groups ahead, and took them
     rebalance = [e for e in events(run) if e["kind"] == "plan"][1]
-    assert not rebalance["early_groups"]
-    assert [e["early_groups"] for e in events(run) if e["kind"] == "migrated"] == [False, False]
+    assert rebalance["early_groups"]
+    assert [e["early_groups"] for e in events(run) if e["kind"] == "migrated"] == [True, True]
     metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert metrics[-1]["live_nodes"] == 2 and metrics[-1]["carriers"] == 0
     want = failure_free(tmp_path_factory, tiny_config(corpus, stages=2, pipelines=1,

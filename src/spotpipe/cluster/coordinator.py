@@ -26,19 +26,12 @@ from spotpipe.cluster.liveness import Liveness, hung
 from spotpipe.config import HOST_DECIDED, Config, differing_keys
 from spotpipe.plan import Layout
 from spotpipe.plan.policy import Action
-from spotpipe.plan.recovery import (Decision, History, NodeReport, Outcome, Rules,
+from spotpipe.plan.recovery import (CARRIED_OUT, Decision, History, NodeReport, Outcome, Rules,
                                     recover, settle)
 from spotpipe.cluster import succession
 from spotpipe.protocol import (Abort, Channel, CoordinatorState, DecisionRecord, JoinAnswer,
                                JoinRequest, Notice, Prepare, Regroup, Report, Stalled, keys)
 from spotpipe.store import board
-
-
-# Plans whose groups may be formed ahead: those that move no state between nodes. With groups
-# formed ahead, a node lost in a plan's transfer phase left a peer that never reported (fenced
-# after the hang timeout; tests/test_reshape_failures.py's re-partition after a failover, 2 of
-# about 20 runs), not understood yet; plans with transfers form their groups at the boundary.
-WITHOUT_TRANSFERS = (Action.FAILOVER, Action.KEEP, Action.DROP_PIPELINE)
 
 
 def join_problem(cfg: Config, *, token_ok: bool, model_digest: str | None,
@@ -325,7 +318,7 @@ class Coordinator:
         join), on its own answer board, which is what it watches."""
         waiting = set(self.layout.standby) | set(self.joining)
         placed = decision.layout.active_nodes - self.layout.active_nodes
-        if decision.stopped or decision.action not in WITHOUT_TRANSFERS or not placed <= waiting:
+        if decision.stopped or decision.action not in CARRIED_OUT or not placed <= waiting:
             return
         self._prepared = (g, decision.layout)
         prepare = Prepare(g, decision.layout.to_json())

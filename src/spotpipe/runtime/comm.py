@@ -156,12 +156,16 @@ class Comm:
     owning stage s across pipelines (its data-parallel group), in pipeline order.
     """
 
-    def __init__(self, *, store: dist.Store, key: bytes, generation: int, nodes: Sequence[str],
+    def __init__(self, *, store: dist.Store | Callable[[], dist.Store], key: bytes,
+                 generation: int, nodes: Sequence[str],
                  me: str, stage_members: dict[int, list[str]], backend: str,
                  device: torch.device, timeout_s: float, abort: AbortSignal,
                  namespace: str = "spotpipe", local_slots: int = 0,
                  on_refused: Callable[[Refused], None] | None = None) -> None:
-        """`key`: the job's; the groups' rendezvous records are sealed under it
+        """`store`: the generation's own connection, or how to get one
+        (`SpareConnections.take`), then got on the waiter's thread, where the generation's
+        abort ends a wait for it as any other (a new connection can take seconds).
+        `key`: the job's; the groups' rendezvous records are sealed under it
         (store/sealed.py), so that nobody without it can slip an address of theirs into a
         group. `on_refused` hears of every record there that does not verify.
         `local_slots`: messages a local link buffers per channel (0: no local links); the
@@ -175,10 +179,10 @@ class Comm:
         self.waiter = Waiter(abort)
         self.world: Any = None
         self.data_parallel: dict[int, tuple[Any, int]] = {}
-        self._store = store  # the generation's own connection (see _form_groups, wait_keys)
-        # (referenced as long as the groups may use it: they hold only its C++ side)
-        self._sealed: SealedStore | None = SealedStore(store, key, wait_genuine_s=timeout_s,
-                                                       on_refused=on_refused)
+        # the generation's own connection (see _form_groups, wait_keys), referenced as long
+        # as the groups may use it: they hold only its C++ side
+        self._store: dist.Store | None = None
+        self._sealed: SealedStore | None = None
         # the listener exists before the groups form, so before any peer can send to it
         self._key, self._namespace, self._local_slots = key, namespace, local_slots
         self._listener = None
@@ -192,14 +196,15 @@ class Comm:
             except OSError as exc:  # no Unix sockets here (a sandbox): peers use the group
                 self.local_off = f"cannot listen for local links: {exc}"
         self._links: dict[tuple[str, int, int], Any] = {}
-        self._form_groups(self._sealed, f"{namespace}/gen{generation}", stage_members,
-                          backend, timedelta(seconds=timeout_s))
+        self._form_groups(store, f"{namespace}/gen{generation}", stage_members, backend,
+                          timeout_s, on_refused)
         self._shapes: dict[tuple[str, int, int], tuple[torch.Size, torch.dtype]] = {}
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._early: dict[tuple[str, int, int], tuple[Any, torch.Tensor]] = {}
 
-    def _form_groups(self, store: dist.Store, prefix: str, stage_members: dict[int, list[str]],
-                     backend: str, timeout: timedelta) -> None:
+    def _form_groups(self, store: dist.Store | Callable[[], dist.Store], prefix: str,
+                     stage_members: dict[int, list[str]], backend: str, timeout_s: float,
+                     on_refused: Callable[[Refused], None] | None) -> None:
         """The world group, then the data-parallel groups of this node's stages.
 
         Forming a gloo group blocks until every member has published its address and every
@@ -209,15 +214,20 @@ class Comm:
         by the coordinator when it learns of the loss) or a broken connection ends the wait
         with PeerFailure: the node reports, like any survivor, and waits for the next plan.
         """
+        timeout = timedelta(seconds=timeout_s)
+
         def form() -> None:
-            self.world = _make_group(backend, dist.PrefixStore(f"{prefix}/world", store),
+            self._store = store if isinstance(store, dist.Store) else store()
+            sealed = self._sealed = SealedStore(self._store, self._key,
+                                                wait_genuine_s=timeout_s, on_refused=on_refused)
+            self.world = _make_group(backend, dist.PrefixStore(f"{prefix}/world", sealed),
                                      self.rank, len(self.nodes), timeout)
             # created in stage order on every member, so that two nodes sharing two groups
             # never wait for each other in opposite orders
             for stage in sorted(stage_members):
                 members = stage_members[stage]
                 if self.me in members and len(members) > 1:
-                    group = _make_group(backend, dist.PrefixStore(f"{prefix}/dp{stage}", store),
+                    group = _make_group(backend, dist.PrefixStore(f"{prefix}/dp{stage}", sealed),
                                         members.index(self.me), len(members), timeout)
                     self.data_parallel[stage] = (group, len(members))
 
@@ -244,7 +254,9 @@ class Comm:
         ended like any communication by the generation's abort: a peer lost before it
         published would otherwise hold this node for the whole timeout. The wait runs on the
         generation's own store connection, so an abandoned one holds up nothing else."""
-        self.waiter.call(lambda: self._store.wait(keys, timedelta(seconds=timeout_s)),
+        store = self._store
+        assert store is not None, "wait_keys on groups that are closed"
+        self.waiter.call(lambda: store.wait(keys, timedelta(seconds=timeout_s)),
                          f"waiting for {what} failed")
 
     def _post(self, op: Any, *args: Any) -> Any:

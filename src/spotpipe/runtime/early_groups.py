@@ -39,9 +39,11 @@ def layout_digest(layout: Layout) -> str:
 class _Forming:
     """One formation on its own thread; `result` waits for it."""
 
-    def __init__(self, generation: int, layout: Layout, form: Form) -> None:
+    def __init__(self, generation: int, layout: Layout, form: Form,
+                 abort: AbortSignal) -> None:
+        """`abort`: the generation's; these groups end with it, or when cancelled alone."""
         self.generation, self.layout = generation, layout
-        self.abort = AbortSignal()
+        self.abort = abort.linked()
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._comm: Any = None
@@ -81,8 +83,7 @@ class _Forming:
 
     def result(self) -> Any:
         """The formed groups; PeerFailure if they could not form. Ended, like any formation,
-        by the abort of the generation they are for (`self.abort`, which the caller's
-        watcher triggers)."""
+        by the abort of the generation they are for (which triggers `self.abort`)."""
         try:
             self.abort.wait(self._done)
         except PeerFailure:  # what forms after this is nobody's
@@ -102,8 +103,11 @@ class EarlyGroups:
     """The formations ahead of the job, one per generation: a notice's for the next one, and
     (right after a plan that the layout can improve on) the plan after it."""
 
-    def __init__(self, form: Form) -> None:
+    def __init__(self, form: Form, abort_of: Callable[[int], AbortSignal]) -> None:
+        """`abort_of(generation)`: that generation's abort, watched from before the node
+        enters it (`runtime.generations`)."""
         self._form = form
+        self._abort_of = abort_of
         self._lock = threading.Lock()
         self._forming: dict[int, _Forming] = {}
         # generations whose groups were taken or given up: a `Prepare` read late (a watcher
@@ -121,21 +125,14 @@ class EarlyGroups:
         self._ensure(generation, layout)
 
     def _ensure(self, generation: int, layout: Layout) -> None:
+        abort = self._abort_of(generation)  # (its owner's lock is never taken under ours)
         with self._lock:
             old = self._forming.get(generation)
             if old is not None and old.matches(generation, layout):
                 return
-            self._forming[generation] = _Forming(generation, layout, self._form)
+            self._forming[generation] = _Forming(generation, layout, self._form, abort)
         if old is not None:
             old.cancel("a newer preparation replaced it")
-
-    def abort_for(self, generation: int, layout: Layout) -> AbortSignal:
-        """The abort that ends the formation of these groups (started now if it was not):
-        the caller's watcher of the generation's abort board triggers it before `take`
-        waits, as for groups formed at the regroup."""
-        self._ensure(generation, layout)
-        with self._lock:
-            return self._forming[generation].abort
 
     def take(self, generation: int, layout: Layout) -> Any:
         """The groups of `layout` for `generation`: formed, still forming (waited for), or

@@ -257,9 +257,9 @@ class Worker:
     def _new_comm(self, generation: int, layout: Layout, abort: AbortSignal,
                   namespace: str) -> Comm:
         """Form the groups of `layout` for `generation` (over a store connection of their
-        own, see Comm._form_groups)."""
+        own, got on the groups' waiter thread: see Comm._form_groups)."""
         nodes = sorted(layout.active_nodes, key=lambda n: int(n[4:]) if n[4:].isdigit() else n)
-        return Comm(store=self.spares.take(), key=self.protocol.key,
+        return Comm(store=self.spares.take, key=self.protocol.key,
                     on_refused=self._refused, generation=generation, nodes=nodes,
                     me=self.node, namespace=namespace,
                     stage_members=nodelib.stage_members(layout), backend=self.backend,
@@ -629,6 +629,7 @@ class Worker:
         # heartbeat timeout as a death
         self._finishing = True
         self.groups.early.discard("the node is done", 2 ** 62)
+        self.groups.close()
         self.checkpoints.close()
         if self.shadow is not None:
             self.shadow.close()  # the next writer (or nobody, at the end) takes over the links

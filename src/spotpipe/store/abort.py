@@ -23,6 +23,7 @@ class AbortSignal:
         self._lock = threading.Lock()
         self._waiting: set[threading.Event] = set()
         self._pipe: tuple[int, int] | None = None
+        self._linked: list[AbortSignal] = []
         self.reason: str | None = None
 
     def trigger(self, reason: str) -> None:
@@ -31,9 +32,24 @@ class AbortSignal:
                 self.reason = reason
                 if self._pipe is not None:
                     os.write(self._pipe[1], b"!")
-            waiting = list(self._waiting)
+            waiting, linked = list(self._waiting), self._linked
+            self._linked = []
         for event in waiting:
             event.set()
+        for signal in linked:
+            signal.trigger(reason)
+
+    def linked(self) -> AbortSignal:
+        """A signal that this one triggers, and that can also be triggered alone: the groups
+        formed ahead for a generation end with the generation's abort, but cancelling them
+        (another plan was chosen) must not end the generation."""
+        signal = AbortSignal()
+        with self._lock:
+            if self.reason is None:
+                self._linked.append(signal)
+                return signal
+        signal.trigger(self.reason)
+        return signal
 
     def wakeup_fd(self) -> int:
         """A descriptor that turns readable at the abort, for waits that `select` on sockets

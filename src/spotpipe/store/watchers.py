@@ -177,25 +177,37 @@ class BoardWatcher:
     the records after it while `then` returns True (the regroup board carries a `Prepare`
     before the `Regroup` that ends the watch); `writers` limits whose records count.
 
+    `store` is a connection, or how to get one (`SpareConnections.take`): then the thread
+    gets it, so that whoever starts the watch never waits for a connection (a new one can take
+    seconds: see SpareConnections), and `on_lost(why)` hears if it cannot.
+
     `done(store)`, if given, gets the connection back once the watch ends on a record:
     nothing waits on it any more, so the next generation's watcher can use it
     (`SpareConnections.give_back`) instead of opening one. A wait that failed keeps its
     connection (it may be broken)."""
 
-    def __init__(self, store: dist.Store, channel: Channel, board_key: str,
-                 expect: type[Message] | tuple[type[Message], ...],
+    def __init__(self, store: dist.Store | Callable[[], dist.Store], channel: Channel,
+                 board_key: str, expect: type[Message] | tuple[type[Message], ...],
                  then: Callable[[Message], bool | None],
                  on_refused: Callable[[Refused], None] | None = None,
                  done: Callable[[dist.Store], None] | None = None,
-                 writers: set[str] | None = None) -> None:
-        self.store = store
+                 writers: set[str] | None = None,
+                 on_lost: Callable[[str], None] | None = None) -> None:
+        self.store = store if isinstance(store, dist.Store) else None
         self._closed = threading.Event()
         checks: dict[str, object] = {"expect": expect}
         if writers is not None:
             checks["writers"] = writers
 
         def watch() -> None:
-            records = board.read(store, board_key, channel, timeout_s=7 * 86400,
+            try:
+                connection = store if isinstance(store, dist.Store) else store()
+            except Exception as exc:  # the store unreachable: the watch cannot be kept
+                if on_lost is not None:
+                    on_lost(f"cannot watch {board_key}: {exc}"[:300])
+                return
+            self.store = connection  # (kept referenced as long as the thread may use it)
+            records = board.read(connection, board_key, channel, timeout_s=7 * 86400,
                                  on_refused=lambda why, _: on_refused and on_refused(why),
                                  **checks)
             while True:
@@ -206,7 +218,7 @@ class BoardWatcher:
                 if self._closed.is_set() or not then(opened.message):
                     break
             if done is not None:
-                done(store)
+                done(connection)
 
         self._thread = threading.Thread(target=watch, name=f"watch-{board_key}", daemon=True)
         self._thread.start()
@@ -219,13 +231,15 @@ class BoardWatcher:
         self._thread.join(timeout)
 
 
-def watch_abort(store: dist.Store, channel: Channel, generation: int, abort: AbortSignal,
+def watch_abort(store: dist.Store | Callable[[], dist.Store], channel: Channel,
+                generation: int, abort: AbortSignal,
                 on_refused: Callable[[Refused], None] | None = None,
                 done: Callable[[dist.Store], None] | None = None) -> BoardWatcher:
-    """Trigger `abort` on the generation's first genuine abort record."""
+    """Trigger `abort` on the generation's first genuine abort record (or when the board
+    cannot be watched: a node that cannot hear its generation's abort must not wait in it)."""
     return BoardWatcher(store, channel, keys.abort_board(generation), Abort,
                         lambda m: abort.trigger(m.reason),  # type: ignore[attr-defined]
-                        on_refused, done)
+                        on_refused, done, on_lost=abort.trigger)
 
 
 class BoardReader:
