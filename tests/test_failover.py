@@ -124,6 +124,12 @@ def test_failover_is_exact(tmp_path, tmp_path_factory, corpus, stages, pipelines
         assert all(ev["early_groups"] for g, ev in by_generation.items() if g >= 2)
     if any(kind == "hang" for kind, _ in faults):
         assert "node_fenced" in kinds
+        # the hung node left its stacks in its log before it was fenced: its main thread in
+        # the injected hang
+        for node in {spec.split("@")[0] for kind, spec in faults if kind == "hang"}:
+            log = (run / "logs" / f"{node}.log").read_text()
+            assert f"spotpipe: {node} stalled" in log, log[-2000:]
+            assert "spotpipe/runtime/faults.py" in log.split(f"spotpipe: {node} stalled")[1]
     metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert metrics[-1]["generation"] == len(plans)
     assert metrics[-1]["live_nodes"] <= stages * pipelines - len(faults)

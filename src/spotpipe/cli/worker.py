@@ -29,7 +29,7 @@ from spotpipe.checkpoint import durable, registry, schemes
 from spotpipe.config import load_config
 from spotpipe.faults import Fault
 from spotpipe.protocol import channel_from_env
-from spotpipe.runtime import replica
+from spotpipe.runtime import replica, stacks
 from spotpipe.runtime.faults import per_node, skew_clock
 from spotpipe.runtime.hooks import StagePair
 from spotpipe.runtime.worker import JobStopped, JoinRefused, Worker
@@ -57,6 +57,7 @@ def main() -> int:
     address = StoreAddress.from_env()
     store = address.connect(cfg.cluster.timeout_s)
     node = f"node{rank}"
+    stacks.install()  # `kill -USR1` writes this worker's stacks to its log
     # test knobs: a host whose clock is off, a replica update starved of CPU
     offset = per_node(os.environ.get("SPOTPIPE_TEST_CLOCK_OFFSET", ""), node)
     if offset:

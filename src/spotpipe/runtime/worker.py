@@ -35,6 +35,7 @@ from spotpipe.plan.recovery import Decision
 from spotpipe.protocol import (Abort, Channel, DecisionRecord, JoinAnswer, JoinRequest, Metrics,
                                Notice, Prepare, Refused, Report, Stalled, keys)
 from spotpipe.runtime import node as nodelib
+from spotpipe.runtime import stacks
 from spotpipe.runtime.comm import AbortSignal, Comm, PeerFailure
 from spotpipe.runtime.digest import DigestLog
 from spotpipe.runtime.generations import GenerationGroups
@@ -147,9 +148,7 @@ class Worker:
         # the node's own hang watch runs on the heartbeat's thread and posts on its connection
         stalls = Outbox(beats, channel, t0, lambda: self.state.generation)
         watch = StallWatch(cfg.failover.hang_timeout_s, cfg.failover.heartbeat_s, self._still,
-                           lambda still, secs: stalls.post(Stalled(
-                               node, still.generation, still.iteration, still.position,
-                               round(secs, 6), stalls.now())))
+                           lambda still, secs: self._stalled(stalls, still, secs))
         self.heartbeat = Heartbeat(beats, channel, node, cfg.failover.heartbeat_s,
                                    self._progress, on_trouble=lambda why: self.channel.event(
                                        "heartbeat_trouble", reason=why), watch=watch.look)
@@ -235,6 +234,14 @@ class Worker:
         generation, iteration, position = self.generation, ex.iteration, ex.position
         return Still(generation, iteration, position,
                      max(ex.position_at, ex.comm.waiter.idle_at))
+
+    def _stalled(self, outbox: Outbox, still: Still, secs: float) -> None:
+        """The hang watch saw the main thread stuck: leave the stacks in the log, the one
+        trace of the hang that survives, then tell the coordinator (which fences this node)."""
+        stacks.dump(f"{self.node} stalled {secs:.1f} s at iteration {still.iteration}, "
+                    f"instruction {still.position} of generation {still.generation}")
+        outbox.post(Stalled(self.node, still.generation, still.iteration, still.position,
+                            round(secs, 6), outbox.now()))
 
     def _refused(self, why: Refused) -> None:
         self.channel.event("record_refused", writer=why.writer, reason=why.reason[:300])
@@ -580,7 +587,9 @@ class Worker:
         formed ahead for it when `prepared`)."""
         started = time.perf_counter()
         resume = decision.resume
-        comm, carried = self.reshaper.carry_out(decision, lambda: self._open_comm(prepared))
+        with stacks.watchdog(self.cfg.failover.hang_timeout_s):  # (a node stuck here is fenced)
+            comm, carried = self.reshaper.carry_out(decision,
+                                                    lambda: self._open_comm(prepared))
         # kept only when `recover` took the Decision to continue it (a joiner has none)
         flight = self.executor.flight if self.executor is not None else None
         self._form(comm)
