@@ -35,16 +35,27 @@ class _Former:
         self.made: list[_Groups] = []
         self.fail: str | None = None
         self.aborts: list[AbortSignal] = []
+        self.given: dict[tuple[int, Layout], AbortSignal] = {}  # (each formation's thread)
+        self._called = threading.Condition()
 
     def __call__(self, generation: int, layout: Layout, abort: AbortSignal) -> _Groups:
-        self.calls.append((generation, layout))
-        self.aborts.append(abort)
+        with self._called:
+            self.calls.append((generation, layout))
+            self.aborts.append(abort)
+            self.given[(generation, layout)] = abort
+            self._called.notify_all()
         abort.wait(self.release)  # PeerFailure at the abort, as Comm's formation
         if self.fail:
             raise PeerFailure(self.fail)
         groups = _Groups(generation, layout)
         self.made.append(groups)
         return groups
+
+
+def _called(former: _Former, count: int) -> None:
+    """Wait until `count` formations have started (each runs on a thread of its own)."""
+    with former._called:
+        assert former._called.wait_for(lambda: len(former.calls) >= count, 30)
 
 
 class _Generations:
@@ -85,7 +96,8 @@ def test_another_layout_for_the_same_generation_replaces_the_first():
     early = _early(former)
     early.start(1, A)
     early.start(1, B)
-    assert former.aborts[0].is_set  # the first formation is ended...
+    _called(former, 2)
+    assert former.given[(1, A)].is_set  # the first formation is ended...
     former.release.set()
     assert early.take(1, B).layout == B  # ...and the one taken is the second's
     assert [layout for _, layout in former.calls] == [A, B]
@@ -120,7 +132,8 @@ def test_taking_a_generation_drops_older_preparations_and_keeps_later_ones():
     former.release.set()
     assert early.take(1, A).generation == 1
     assert early.pending == {2: B}
-    assert former.aborts[2].is_set  # generation 0's, cancelled
+    _called(former, 3)
+    assert former.given[(0, B)].is_set  # generation 0's, cancelled
     assert early.take(2, B).generation == 2
 
 
@@ -159,12 +172,31 @@ def test_cancelling_a_preparation_does_not_end_its_generation():
     assert not generations(1).is_set
 
 
-def test_discard_ends_every_preparation():
+def test_discard_ends_the_preparations_through_its_generation_and_keeps_later_ones():
+    """Generation 1's plan did not take groups formed ahead; generation 2's were prepared
+    from that plan's layout (read early: the boards of a generation are watched before it
+    begins) and are still the ones its plan takes. Cancelling them here while the peers
+    formed them made this node form them a second time under the same prefix at `take`,
+    and wait there for peers that were done (a CI run's re-partition, held 60 s)."""
     former = _Former()
     early = _early(former)
     early.start(1, A)
     early.start(2, B)
+    _called(former, 2)
     early.discard("the plan did not take them", 1)
+    assert early.pending == {2: B}
+    former.release.set()
+    assert early.take(2, B).layout == B
+    assert sorted(former.calls, key=lambda c: c[0]) == [(1, A), (2, B)]  # 2's formed once
+    assert former.given[(1, A)].is_set and not former.given[(2, B)].is_set
+
+
+def test_the_nodes_end_discards_everything():
+    former = _Former()
+    early = _early(former)
+    early.start(1, A)
+    early.start(2, B)
+    early.discard("the node is done", 2 ** 62)
     assert all(abort.is_set for abort in former.aborts) and early.pending == {}
 
 

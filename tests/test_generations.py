@@ -84,14 +84,36 @@ def store_address():
     del server
 
 
+def _end(groups: GenerationGroups, address: StoreAddress) -> None:
+    """The node is done: close the boards it watches, as the coordinator does once their
+    generations are over, so that every watcher ends before the store goes."""
+    boards = groups.every_board  # type: ignore[attr-defined]
+    groups.close()
+    store, coordinator = address.connect(GUARD_S), Channel(KEY, "coordinator")
+    for g in (b.generation for b in boards):
+        board.publish(store, coordinator, keys.abort_board(g), Abort(g, "ended"), g)
+        board.publish(store, coordinator, keys.regroup_board(g), Regroup(g, "ended"), g)
+    for watcher in (w for b in boards for w in b.watchers):
+        watcher.join(GUARD_S)
+
+
 def _groups(spares, formed: list[_Comm]) -> GenerationGroups:
     def form(generation: int, layout: Layout, abort: AbortSignal, namespace: str) -> _Comm:
         formed.append(_Comm(abort))
         return formed[-1]
 
-    return GenerationGroups(node="node0", protocol=Channel(KEY, "node0"), spares=spares,
-                            namespace="test", form=form, coordinator="coordinator",
-                            refused=lambda why: None)
+    groups = GenerationGroups(node="node0", protocol=Channel(KEY, "node0"), spares=spares,
+                              namespace="test", form=form, coordinator="coordinator",
+                              refused=lambda why: None)
+    groups.every_board = []  # type: ignore[attr-defined]
+    watch = groups._watch
+
+    def watch_and_keep(generation: int):  # (so that `_end` ends each watch it began)
+        groups.every_board.append(watch(generation))  # type: ignore[attr-defined]
+        return groups.every_board[-1]  # type: ignore[attr-defined]
+
+    groups._watch = watch_and_keep  # type: ignore[method-assign]
+    return groups
 
 
 def test_beginning_a_generation_waits_for_no_store_connection(store_address):
@@ -113,7 +135,7 @@ def test_beginning_a_generation_waits_for_no_store_connection(store_address):
     board.publish(store_address.connect(GUARD_S), Channel(KEY, "node1"), keys.abort_board(0),
                   Abort(0, "node1: lost node2"), 0)
     assert "lost node2" in _triggered(comm.abort)
-    groups.close()
+    _end(groups, store_address)
 
 
 def test_the_next_generations_boards_are_watched_before_the_node_enters_it(store_address):
@@ -133,7 +155,7 @@ def test_the_next_generations_boards_are_watched_before_the_node_enters_it(store
     assert comm.abort is ahead and comm.abort.is_set  # it begins aborted: it reports at once
     assert groups.regroup.is_set()  # and it knows the regroup its generation asked for
     assert formed[0].closed
-    groups.close()
+    _end(groups, store_address)
     spares.close()
 
 

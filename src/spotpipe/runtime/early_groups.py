@@ -147,11 +147,19 @@ class EarlyGroups:
         return forming.result()
 
     def discard(self, why: str, through: int) -> None:
-        """A plan did not take the prepared groups: end and close every preparation (those
-        for later generations built on its layout), and form none for `through` and before."""
+        """A plan did not take the prepared groups: end and close the preparations for
+        `through` and before, and form none for them any more.
+
+        Later ones stay: the coordinator prepares generation n only once the plan for n - 1
+        is decided, from that plan's layout, so the groups are right whether or not that plan
+        took groups formed ahead. And the nodes may have started them already (a generation's
+        boards are watched before it begins): a node that cancelled them here while its peers
+        formed them with the cancelled formation's abandoned thread would form them again under
+        the same store prefix at `take`, and wait there for peers that are done."""
         with self._lock:
             self._through = max(self._through, through)
-            gone, self._forming = list(self._forming.values()), {}
+            gone = [f for g, f in self._forming.items() if g <= through]
+            self._forming = {g: f for g, f in self._forming.items() if g > through}
         for forming in gone:
             forming.cancel(why)
 
