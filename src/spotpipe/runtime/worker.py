@@ -495,7 +495,8 @@ class Worker:
     def _decision(self, generation: int) -> tuple[Decision, bool]:
         """The coordinator's Decision for `generation`: the first record of its board that
         opens and parses (a forged one is skipped with an event), and whether its nodes take
-        the groups formed ahead for it (`DecisionRecord.prepared`)."""
+        the groups formed ahead for it (`DecisionRecord.prepared`); when they do not, those
+        formed ahead for it and before are cancelled."""
         for _, opened in board.read(
                 self.store, keys.decision_board(generation), self.protocol,
                 on_refused=lambda why, _: self._refused(why),
@@ -504,9 +505,14 @@ class Worker:
             record = opened.message
             assert isinstance(record, DecisionRecord)
             try:
-                return Decision.from_json(record.decision), record.prepared
+                decision = Decision.from_json(record.decision)
             except (KeyError, TypeError, ValueError) as exc:
                 self._refused(Refused(f"a decision that does not parse: {exc}", opened.writer))
+                continue
+            if not record.prepared:  # (what was formed ahead for it is nobody's)
+                self.groups.early.discard(f"the plan for generation {decision.generation} did "
+                                          "not take the groups formed ahead", decision.generation)
+            return decision, record.prepared
         raise AssertionError("unreachable")
 
     def _recover_once(self, why: Exception) -> int:
@@ -530,9 +536,6 @@ class Worker:
             leaving=leaving, reason=str(why)[:300], time_s=self.channel.now()))
         self.formed = True
         decision, prepared = self._decision(g)
-        if not prepared:
-            self.groups.early.discard(f"the plan for generation {decision.generation} did not "
-                                      f"take the groups formed ahead", decision.generation)
         if decision.stopped:
             raise JobStopped(decision.message)
         resume = decision.resume
