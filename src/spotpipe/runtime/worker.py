@@ -90,6 +90,12 @@ class Worker:
         # the records that are not protocol messages (layer metadata, shadow links and marks,
         # a scheme's cadence): sealed under the job's key all the same (store/sealed.py)
         self.sealed = SealedStore(store, channel.key, on_refused=self._refused)
+        # a generation's connections, opened while the job trains (see SpareConnections); the
+        # first ones while the model is built, so that a regroup soon after the start (a
+        # notice in the first iterations) finds them ready rather than waiting for one that a
+        # dropped name lookup holds 5 s
+        self.spares = SpareConnections(address, cfg.cluster.timeout_s)
+        self.spares.refill()
         self.backend = job.resolve_backend(cfg)
         self.device = job.device_for(self.backend, int(os.environ.get("LOCAL_RANK", 0)))
         if self.device.type == "cuda":
@@ -138,8 +144,6 @@ class Worker:
         self.reshaper = Reshaper(st, store=store, sealed=self.sealed, namespace=namespace,
                                  channel=channel, shadow=self.shadow, digests=self.digests,
                                  inject=self.inject, refused=self._refused)
-        # a generation's connections, opened while the job trains (see SpareConnections)
-        self.spares = SpareConnections(address, timeout)
         self.groups = GenerationGroups(node=node, protocol=self.protocol, spares=self.spares,
                                        namespace=namespace, form=self._new_comm,
                                        coordinator=COORDINATOR, refused=self._refused)
