@@ -37,6 +37,7 @@ from spotpipe.protocol.auth import Refused
 from spotpipe.runtime import local_link
 from spotpipe.store.abort import AbortSignal, PeerFailure  # noqa: F401 (re-exported)
 from spotpipe.store.sealed import SealedStore
+from spotpipe.store.watchers import Connection, connected
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 _HEADER = 11  # ndim, dtype code, transport, up to 8 dims
@@ -156,8 +157,7 @@ class Comm:
     owning stage s across pipelines (its data-parallel group), in pipeline order.
     """
 
-    def __init__(self, *, store: dist.Store | Callable[[], dist.Store], key: bytes,
-                 generation: int, nodes: Sequence[str],
+    def __init__(self, *, store: Connection, key: bytes, generation: int, nodes: Sequence[str],
                  me: str, stage_members: dict[int, list[str]], backend: str,
                  device: torch.device, timeout_s: float, abort: AbortSignal,
                  namespace: str = "spotpipe", local_slots: int = 0,
@@ -202,7 +202,7 @@ class Comm:
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._early: dict[tuple[str, int, int], tuple[Any, torch.Tensor]] = {}
 
-    def _form_groups(self, store: dist.Store | Callable[[], dist.Store], prefix: str,
+    def _form_groups(self, store: Connection, prefix: str,
                      stage_members: dict[int, list[str]], backend: str, timeout_s: float,
                      on_refused: Callable[[Refused], None] | None) -> None:
         """The world group, then the data-parallel groups of this node's stages.
@@ -217,7 +217,7 @@ class Comm:
         timeout = timedelta(seconds=timeout_s)
 
         def form() -> None:
-            self._store = store if isinstance(store, dist.Store) else store()
+            self._store = connected(store)
             sealed = self._sealed = SealedStore(self._store, self._key,
                                                 wait_genuine_s=timeout_s, on_refused=on_refused)
             self.world = _make_group(backend, dist.PrefixStore(f"{prefix}/world", sealed),

@@ -139,11 +139,8 @@ class EarlyGroups:
         started now. PeerFailure if they cannot form. Older preparations are dropped."""
         self._ensure(generation, layout)
         with self._lock:
-            self._through = max(self._through, generation)
             forming = self._forming.pop(generation)
-            older = [self._forming.pop(g) for g in sorted(self._forming) if g < generation]
-        for old in older:
-            old.cancel(f"generation {generation} began")
+        self.discard(f"generation {generation} began", generation)
         return forming.result()
 
     def discard(self, why: str, through: int) -> None:

@@ -113,7 +113,8 @@ class GenerationGroups:
         return self.comm
 
     def close(self) -> None:
-        """The node is done: stop watching every board."""
+        """The node is done: end what was formed ahead, and stop watching every board."""
+        self.early.discard("the node is done", 2 ** 62)
         with self._lock:
             gone, self._boards = list(self._boards.values()), {}
         for boards in gone:

@@ -644,7 +644,6 @@ class Worker:
         # timeout (a real model's) must not be fenced as a hang, nor one longer than the
         # heartbeat timeout as a death
         self._finishing = True
-        self.groups.early.discard("the node is done", 2 ** 62)
         self.groups.close()
         self.checkpoints.close()
         if self.shadow is not None:

@@ -38,6 +38,14 @@ def client(address: StoreAddress, timeout_s: float) -> dist.Store:
 
 KEEP, OPENERS = 6, 3  # SpareConnections' defaults (see there)
 
+# a connection, or how to get one (`SpareConnections.take`), for a user that gets it on a
+# thread of its own, so that whoever starts that user never waits for a new connection
+Connection = dist.Store | Callable[[], dist.Store]
+
+
+def connected(store: Connection) -> dist.Store:
+    return store if isinstance(store, dist.Store) else store()
+
 
 class SpareConnections:
     """Store connections opened ahead of need.
@@ -186,8 +194,8 @@ class BoardWatcher:
     (`SpareConnections.give_back`) instead of opening one. A wait that failed keeps its
     connection (it may be broken)."""
 
-    def __init__(self, store: dist.Store | Callable[[], dist.Store], channel: Channel,
-                 board_key: str, expect: type[Message] | tuple[type[Message], ...],
+    def __init__(self, store: Connection, channel: Channel, board_key: str,
+                 expect: type[Message] | tuple[type[Message], ...],
                  then: Callable[[Message], bool | None],
                  on_refused: Callable[[Refused], None] | None = None,
                  done: Callable[[dist.Store], None] | None = None,
@@ -201,7 +209,7 @@ class BoardWatcher:
 
         def watch() -> None:
             try:
-                connection = store if isinstance(store, dist.Store) else store()
+                connection = connected(store)
             except Exception as exc:  # the store unreachable: the watch cannot be kept
                 if on_lost is not None:
                     on_lost(f"cannot watch {board_key}: {exc}"[:300])
@@ -231,8 +239,7 @@ class BoardWatcher:
         self._thread.join(timeout)
 
 
-def watch_abort(store: dist.Store | Callable[[], dist.Store], channel: Channel,
-                generation: int, abort: AbortSignal,
+def watch_abort(store: Connection, channel: Channel, generation: int, abort: AbortSignal,
                 on_refused: Callable[[Refused], None] | None = None,
                 done: Callable[[dist.Store], None] | None = None) -> BoardWatcher:
     """Trigger `abort` on the generation's first genuine abort record (or when the board
