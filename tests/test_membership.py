@@ -63,6 +63,59 @@ def test_joining_node_rebalances_a_carrier_exactly(tmp_path, tmp_path_factory, c
     assert_nothing_left(run, store_port(run))
 
 
+def test_a_joiner_that_boots_slowly_still_asks_at_its_iteration(tmp_path, corpus, monkeypatch):
+    """`joins=[k]` means a node that has booted asks to join at iteration k (a spot instance
+    that becomes available has booted before it asks): the job's first nodes start training
+    only once the nodes started to join later have booted. Here the joiner's interpreter
+    sleeps 4 s before it runs anything (a loaded machine), longer than the whole job takes;
+    without the wait the job would end first and the node be told it came too late."""
+    _joiners_start_with(tmp_path, monkeypatch, "import time\ntime.sleep(4)\n")
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy",
+                      **{**FAST, "iterations": 12, "cluster.fork_server": False})
+    run = tmp_path / "run"
+    faults = [Fault.parse("fail", "node1@2", ["node0", "node1"])]
+    assert train(cfg, run, progress=False, faults=faults, joins=[3]) == 0
+    got = events(run)
+    kinds = [(e["kind"], e["node"]) for e in got]
+    assert ("join_accepted", "node2") in kinds and ("join_too_late", "node2") not in kinds
+    assert [e["action"] for e in got if e["kind"] == "plan"] == ["failover", "rebalance"]
+    booted = next(e["time_s"] for e in got if e["kind"] == "join_waiting")
+    first = min(e["time_s"] for e in got if e["kind"] == "worker_ready" and not e["joined"])
+    assert booted <= first
+    assert_nothing_left(run, store_port(run))
+
+
+def test_a_joiner_that_dies_while_booting_holds_nothing_up(tmp_path, corpus, monkeypatch):
+    """The first nodes wait for the nodes started to join later to boot; one that exits
+    before it has booted must not leave them waiting: the job trains to its end without it."""
+    _joiners_start_with(tmp_path, monkeypatch, "import os\nos._exit(2)\n")
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy",
+                      **{**FAST, "iterations": 6, "cluster.fork_server": False})
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, joins=[2]) == 0
+    kinds = [e["kind"] for e in events(run)]
+    assert "join_accepted" not in kinds and "job_completed" in kinds
+    assert_nothing_left(run, store_port(run))
+
+
+def _joiners_start_with(tmp_path, monkeypatch, code: str) -> None:
+    """Joining nodes' interpreters run `code` first (a sitecustomize module on their path);
+    the fork server is off in the configs that use this, so each worker starts afresh."""
+    from spotpipe.cluster import launcher
+    first = tmp_path / "joiner_site"
+    first.mkdir()
+    (first / "sitecustomize.py").write_text(code)
+    real = launcher.worker_env
+
+    def joiners_env(cfg, **kw):
+        env = real(cfg, **kw)
+        if kw.get("joining"):
+            env["PYTHONPATH"] = os.pathsep.join([str(first), env["PYTHONPATH"]])
+        return env
+
+    monkeypatch.setattr(launcher, "worker_env", joiners_env)
+
+
 def test_a_node_arriving_after_the_last_iteration_is_told_so(tmp_path, corpus):
     """Once the last iteration is committed no plan will place a node: one that asks to join
     then is answered at once (join_too_late), never accepted, and exits cleanly."""

@@ -6,8 +6,10 @@ SPOTPIPE_STORE and SPOTPIPE_STORE_PREFIX (tcp, or etcd at MASTER_ADDR:MASTER_POR
 job's key prefix), SPOTPIPE_RUN_DIR (the run's output folder, holding config.yaml and
 run.json written by the launcher), SPOTPIPE_T0 (the launcher's start time, so all records
 share one clock), SPOTPIPE_JOIN_TOKEN and SPOTPIPE_INSTANCE (the job's key is derived from
-them; neither is ever written to the store), SPOTPIPE_FAULTS (injected faults, JSON) and
-SPOTPIPE_RESUME (a durable checkpoint to start from).
+them; neither is ever written to the store), SPOTPIPE_FAULTS (injected faults, JSON),
+SPOTPIPE_RESUME (a durable checkpoint to start from), and from the local launcher only
+SPOTPIPE_JOIN_GATED (a node started early that asks to join when its gate opens) and
+SPOTPIPE_START_AFTER (the nodes so started, which the first nodes wait to have booted).
 
 It is here, above the runtime, because it joins the runtime to what sits above it: the
 checkpoint schemes and the durable tier, handed to the worker as boundary hooks.

@@ -176,16 +176,18 @@ class Launcher(JobLoop):
                          token=os.environ.get("SPOTPIPE_JOIN_TOKEN") or secrets.token_hex(16))
         self.faults = list(faults or [])
         self.joins = sorted(joins or [])
+        self._booting: list[str] = []  # nodes started early to join, not yet booted
         self.trace_actions = sorted(trace_actions or [], key=lambda a: a.at_s)
 
     # ------------------------------------------------------------------ workers, here
 
-    def _spawn(self, rank: int, world: int, address: StoreAddress, joining: bool = False) -> None:
+    def _spawn(self, rank: int, world: int, address: StoreAddress, joining: bool = False,
+               start_after: list[str] | None = None) -> None:
         env = worker_env(self.cfg, rank=rank, world=world, local_rank=rank, local_world=world,
                          address=address, run_dir=self.out, t0=self.t0, token=self.token,
                          instance=self.instance, search_path=search_path(self.cfg),
                          faults=self.faults,
-                         joining=joining, gated=joining,
+                         joining=joining, gated=joining, start_after=start_after or [],
                          resume=str(self.resume.path) if self.resume else "")
         self.supervisor.spawn(f"node{rank}", env)
 
@@ -195,13 +197,15 @@ class Launcher(JobLoop):
         self.supervisor = Supervisor(logs, lambda node, code: inbox.put(("exit", (node, code))),
                                      starter=starter(self.cfg, WORKER, logs))
         world = self.cfg.stages * self.cfg.pipelines
-        for rank in range(world):
-            self._spawn(rank, world, address)
-        # joining nodes start now, ready, and ask to join when their iteration comes (a
-        # spot instance that becomes available has booted before it asks)
-        for k, at in enumerate(sorted(self.joins)):
-            self._spawn(world + k, world, address, joining=True)
+        # joining nodes start now, and ask to join when their iteration comes (a spot
+        # instance that becomes available has booted before it asks): the first nodes
+        # start training once they have booted (`Worker._await_early_joiners`)
         self.joins = [(at, f"node{world + k}") for k, at in enumerate(sorted(self.joins))]
+        self._booting = [node for _, node in self.joins]
+        for rank in range(world):
+            self._spawn(rank, world, address, start_after=self._booting)
+        for k in range(len(self.joins)):
+            self._spawn(world + k, world, address, joining=True)
 
     def _started(self) -> list[str]:
         return list(self.supervisor.procs)
@@ -225,6 +229,10 @@ class Launcher(JobLoop):
 
     def _each_turn(self, files: RunFiles) -> None:
         self._fire_trace(files)
+        for node in [n for n in self._booting if n in self._exited]:
+            # it exited before it booted: the first nodes must not wait for it
+            self._booting.remove(node)
+            self._store.set(keys.join_booted(node), "exited")
 
     def _on_metrics(self, item: dict[str, Any], files: RunFiles) -> None:
         if os.environ.get("SPOTPIPE_TEST_REGROUP_EVERY_ITERATION") == "1" and \

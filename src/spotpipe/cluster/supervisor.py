@@ -156,14 +156,15 @@ def prestart(cfg: Config, logs: Path | None = None) -> None:
 def worker_env(cfg: Config, *, rank: int, world: int, local_rank: int, local_world: int,
                address: StoreAddress, run_dir: Path, t0: float, token: str, instance: str,
                search_path: Sequence[str], faults: Sequence[Fault] = (),
-               joining: bool = False, gated: bool = False, resume: str = "") -> dict[str, str]:
+               joining: bool = False, gated: bool = False, resume: str = "",
+               start_after: Sequence[str] = ()) -> dict[str, str]:
     """The environment of one worker process (worker.py's docstring lists what it reads)."""
     return dict(start_env(cfg, search_path),
                 RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
                 LOCAL_WORLD_SIZE=str(local_world), **address.env(), SPOTPIPE_RUN_DIR=str(run_dir),
                 SPOTPIPE_T0=repr(t0), SPOTPIPE_FAULTS=json.dumps([f.to_json() for f in faults]),
                 SPOTPIPE_JOIN="1" if joining else "", SPOTPIPE_JOIN_GATED="1" if gated else "",
-                SPOTPIPE_JOIN_TOKEN=token, SPOTPIPE_INSTANCE=instance, SPOTPIPE_RESUME=resume)
+                SPOTPIPE_START_AFTER=",".join(start_after), SPOTPIPE_JOIN_TOKEN=token, SPOTPIPE_INSTANCE=instance, SPOTPIPE_RESUME=resume)
 
 
 class _Exit:

@@ -69,6 +69,12 @@ def join_gate(node: str) -> str:
     return f"{ROOT}/join_gate/{node}"
 
 
+def join_booted(node: str) -> str:
+    """Set by a node started early (warm) once it waits at its gate, or by the local launcher
+    when it exited before that: the job's first nodes start training after it."""
+    return f"{ROOT}/join_booted/{node}"
+
+
 def exchanged(namespace: str, generation: int, node: str) -> str:
     """A node's mark that its layer exchange of a re-partition is complete."""
     return f"{namespace}/gen{generation}/exchanged/{node}"

@@ -331,9 +331,21 @@ class Worker:
         # stage; pay it while booting, as the nodes that started with the job did.
         build_optimizer([torch.nn.Parameter(torch.zeros(1, device=self.device))], self.cfg)
         if os.environ.get("SPOTPIPE_JOIN_GATED") == "1":  # started early by the local launcher
+            self.channel.event("join_waiting")  # (booted: the job's first nodes may start)
+            self.store.set(keys.join_booted(self.node), "1")
             self.store.wait([keys.join_gate(self.node)], timedelta(days=7))
         self._ask_to_join()
         return self._await_placement()
+
+    def _await_early_joiners(self) -> None:
+        """The local launcher starts the nodes that are to join at a given iteration together
+        with the job's first ones (SPOTPIPE_START_AFTER). Training starts once they have
+        booted, as a spot instance that becomes available has booted before it asks: a node
+        then asks at the iteration its test or benchmark names, however slowly a loaded
+        machine boots it (else a job of a few seconds can end before a late boot asks)."""
+        early = [n for n in os.environ.get("SPOTPIPE_START_AFTER", "").split(",") if n]
+        if early:  # (the launcher sets a node's key itself if it exits before it boots)
+            self.store.wait([keys.join_booted(n) for n in early], timedelta(days=7))
 
     def _ask_to_join(self) -> None:
         self.channel.post(JoinRequest(self.node, self.channel.now(), self.cfg.digest(),
@@ -397,6 +409,7 @@ class Worker:
                 self.notices.acknowledge()  # Azure: a notice's eviction may start now
                 return
         else:
+            self._await_early_joiners()
             self._form()
             self._recovering = True  # waiting on the shadows, not computing (heartbeat)
             self.reshaper.relink_at_start(self.state.start_iteration)
