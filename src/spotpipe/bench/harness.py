@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
-from spotpipe.cluster.supervisor import huge_page_tunables
+from spotpipe.cluster.supervisor import huge_page_tunables, resolver_options
 
 # the profiler's ping, on a tag no runtime message kind uses (kinds are tag // 1024)
 _PING_TAG = 15 * 1024
@@ -52,10 +52,11 @@ def launch(spec: dict[str, Any], world: int, deadline_s: float, *, worker_module
 
     Every child is killed (and reaped) on the way out, whatever happened.
     """
-    import torch.distributed as dist
+    from spotpipe.store.address import host_tcp_store
 
-    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
-                          timeout=timedelta(seconds=spec["timeout_s"]), wait_for_workers=False)
+    # (an IPv4 listener: a dual-stack one sees every peer as a v4-mapped address whose name
+    # lookup /etc/hosts does not answer, and that lookup holds the store's serving loop)
+    store = host_tcp_store("127.0.0.1", 0, timedelta(seconds=spec["timeout_s"]))
     procs: list[subprocess.Popen] = []
     with contextlib.ExitStack() as files:
         logs = [files.enter_context(tempfile.TemporaryFile()) for _ in range(world)]
@@ -65,6 +66,7 @@ def launch(spec: dict[str, Any], world: int, deadline_s: float, *, worker_module
                 # engines compared in these processes share
                 env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
                            GLIBC_TUNABLES=huge_page_tunables(os.environ.get("GLIBC_TUNABLES")),
+                           RES_OPTIONS=resolver_options(os.environ),
                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
                            SPOTPIPE_BENCH_SPEC=json.dumps(spec), OMP_NUM_THREADS="1",
                            TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"))

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 
 from spotpipe.cli.argtypes import add_fault_flags, positive_number
 from spotpipe.config import ConfigError, load_config
 from spotpipe.faults import FaultSpecError
+from spotpipe.cluster.supervisor import resolver_options
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -162,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # (before this process opens any store connection: see `cluster.supervisor.RESOLVER_OPTIONS`)
+    os.environ["RES_OPTIONS"] = resolver_options(os.environ)
     args = build_parser().parse_args(argv)
     if getattr(args, "func", None) is None:
         return args.run_command(args)

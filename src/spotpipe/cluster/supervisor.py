@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -134,10 +134,29 @@ def huge_page_tunables(current: str | None) -> str:
     return f"{current}:glibc.malloc.hugetlb=1"
 
 
+# torch's TCPStore client looks up the name of the address it connected to on every connection
+# (it formats the v4-mapped address with getnameinfo, which /etc/hosts does not answer); so
+# does its server for each peer it accepts, in the loop thread that serves every client. When
+# the resolver drops such a query, glibc asks again only after its default 5 s: measured on a
+# VM whose resolver drops about one query in 25, 8 of 200 connections took 5.0 s, and a
+# connection accepted meanwhile held every other client's get for 5.0 s. A regroup that takes
+# a connection then stalls for 5 s. One second per try and five tries bound that stall at 1 s
+# (7 of 200 at 1.0 s) and leave a real lookup its patience. RES_OPTIONS amends resolv.conf
+# per process (resolv.conf(5)); a user's own setting is kept.
+RESOLVER_OPTIONS = "timeout:1 attempts:5"
+
+
+def resolver_options(environ: Mapping[str, str]) -> str:
+    """The RES_OPTIONS for the job's processes: the user's, else `RESOLVER_OPTIONS`."""
+    return environ.get("RES_OPTIONS") or RESOLVER_OPTIONS
+
+
 def start_env(cfg: Config, search_path: Sequence[str]) -> dict[str, str]:
     """What every process of the job starts with, before its own variables: this process's
-    environment, glibc's tunables, the torch threads and the search path."""
+    environment, glibc's tunables and resolver options, the torch threads and the search
+    path."""
     return dict(os.environ, GLIBC_TUNABLES=huge_page_tunables(os.environ.get("GLIBC_TUNABLES")),
+                RES_OPTIONS=resolver_options(os.environ),
                 OMP_NUM_THREADS=str(cfg.cluster.threads_per_worker),
                 PYTHONPATH=os.pathsep.join(list(search_path) + [os.environ.get("PYTHONPATH", "")])
                 .rstrip(os.pathsep))
