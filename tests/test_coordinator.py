@@ -340,3 +340,44 @@ def test_a_joiner_that_would_wait_on_standby_prepares_nothing(corpus):
     assert "groups_prepared" not in kinds
     [regroup] = _regroup_board(coord, 0, 1)
     assert isinstance(regroup, Regroup)
+
+
+def test_a_second_joiner_prepares_the_pipeline_the_two_form(corpus):
+    """A full P = 2 pipeline; node2 joins, one node short of a second pipeline: nothing is
+    prepared, the regroup is asked. node3 joins before the boundary: the plan now forms a
+    second pipeline of the two, prepared after the `Regroup` on the generation's board (the
+    nodes read on to its last record) and on both joiners' boards, and the boundary's
+    Decision takes those groups."""
+    coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
+    cfg = coord.cfg
+    for node in ("node2", "node3"):
+        coord.join(JoinRequest(node, 0.0, cfg.digest(), cfg.model_digest()), node)
+    first, second = _regroup_board(coord, 0, 2)
+    assert isinstance(first, Regroup) and isinstance(second, Prepare)
+    assert Layout.from_json(second.layout).active_nodes == {"node0", "node1", "node2", "node3"}
+    for node in ("node2", "node3"):
+        opened = board.first(coord.store, keys.join_board(node), Channel(KEY, node),
+                             on_refused=lambda why, _: None, timeout_s=5, expect=Prepare)
+        assert opened.message == second
+    _at_boundary(coord, "", ["node0", "node1"])
+    record = _record(coord, 0)
+    assert record.decision["action"] == "add_pipeline" and record.prepared
+    ended = _regroup_board(coord, 0, 3)[2]
+    assert isinstance(ended, Regroup) and ended.ended
+
+
+def test_two_notices_in_a_generation_prepare_the_layout_without_both(corpus):
+    """node1 and then node3 of P = 4 have notices: the second prepares again, for the layout
+    the planner gives both departures, and the boundary's Decision (both leaving) takes it."""
+    coord, emitted = _coordinator(corpus, 4, ["node0", "node1", "node2", "node3"])
+    coord.noticed(Notice("node1", 0, "SIGTERM", 1.0), "node1")
+    coord.noticed(Notice("node3", 0, "SIGTERM", 1.1), "node3")
+    coord.noticed(Notice("node3", 0, "SIGTERM", 1.2), "node3")  # said twice: prepared once
+    prepared = [e for e in emitted if e["kind"] == "groups_prepared"]
+    assert [p["nodes"] for p in prepared] == [["node0", "node2", "node3"], ["node0", "node2"]]
+    for node in ("node0", "node1", "node2", "node3"):
+        _report(coord, node, boundary=True, formed=True, committed_through=5, iteration=6,
+                leaving=node in ("node1", "node3"), reason="a notice")
+    record = _record(coord, 0)
+    assert record.prepared
+    assert Layout.from_json(record.decision["layout"]).active_nodes == {"node0", "node2"}

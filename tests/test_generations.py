@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from spotpipe.plan import Layout
-from spotpipe.protocol import Abort, Channel, Regroup, keys
+from spotpipe.protocol import Abort, Channel, Prepare, Regroup, keys
 from spotpipe.protocol.auth import job_key
 from spotpipe.runtime.generations import GenerationGroups
 from spotpipe.store import board
@@ -92,7 +92,8 @@ def _end(groups: GenerationGroups, address: StoreAddress) -> None:
     store, coordinator = address.connect(GUARD_S), Channel(KEY, "coordinator")
     for g in (b.generation for b in boards):
         board.publish(store, coordinator, keys.abort_board(g), Abort(g, "ended"), g)
-        board.publish(store, coordinator, keys.regroup_board(g), Regroup(g, "ended"), g)
+        board.publish(store, coordinator, keys.regroup_board(g),
+                      Regroup(g, "ended", ended=True), g)
     for watcher in (w for b in boards for w in b.watchers):
         watcher.join(GUARD_S)
 
@@ -100,6 +101,7 @@ def _end(groups: GenerationGroups, address: StoreAddress) -> None:
 def _groups(spares, formed: list[_Comm]) -> GenerationGroups:
     def form(generation: int, layout: Layout, abort: AbortSignal, namespace: str) -> _Comm:
         formed.append(_Comm(abort))
+        formed[-1].layout = layout  # type: ignore[attr-defined]
         return formed[-1]
 
     groups = GenerationGroups(node="node0", protocol=Channel(KEY, "node0"), spares=spares,
@@ -166,3 +168,29 @@ def test_a_board_that_cannot_be_watched_aborts_its_generation(store_address):
     spares.gate.set()
     assert "cannot watch" in _triggered(comm.abort)
     groups.close()
+
+
+def test_a_preparation_after_the_regroup_request_is_formed_too(store_address):
+    """The regroup board's watch reads on past a `Regroup`: a second joiner's `Prepare`,
+    posted after the first joiner's request, has its groups formed ahead (the boundary's plan
+    is the one it names); the generation's last record (`Regroup.ended`) ends the watch."""
+    from procs import until
+
+    spares = SpareConnections(store_address, GUARD_S)
+    formed: list[_Comm] = []
+    groups = _groups(spares, formed)
+    groups.open(0, LAYOUT)
+    writer, coordinator = store_address.connect(GUARD_S), Channel(KEY, "coordinator")
+    board.publish(writer, coordinator, keys.regroup_board(0), Regroup(0, "node2 joined"), 0)
+    wider = Layout.build(2, 2, ["node0", "node1", "node2", "node3"])
+    board.publish(writer, coordinator, keys.regroup_board(0), Prepare(0, wider.to_json()), 0)
+    until(lambda: len(formed) == 2, "the prepared groups' formation", GUARD_S)
+    assert groups.regroup.is_set() and formed[1].layout == wider  # type: ignore[attr-defined]
+    board.publish(writer, coordinator, keys.regroup_board(0),
+                  Regroup(0, "the generation ended", ended=True), 0)
+    watcher = groups.every_board[0].watchers[1]  # type: ignore[attr-defined]
+    watcher.join(GUARD_S)
+    assert not watcher._thread.is_alive()
+    assert groups.open(1, wider, prepared=True) is formed[1]
+    _end(groups, store_address)
+    spares.close()

@@ -131,7 +131,8 @@ class Coordinator:
         # the layout of the next generation that nodes were asked to form groups for ahead of
         # the boundary, with the generation that asked (`noticed`)
         self._prepared: tuple[int, Layout] | None = None
-        self._noticed = -1  # the generation a notice was last prepared for
+        # the nodes whose notices came in a generation, with that generation
+        self._noticed: tuple[int, frozenset[str]] = (-1, frozenset())
 
     # ------------------------------------------------------------------ views
 
@@ -291,24 +292,24 @@ class Coordinator:
 
     def noticed(self, notice: Notice, writer: str) -> None:
         """A node will leave at the next iteration boundary: have the nodes that stay form
-        the next generation's groups now (`_prepare`), for the layout the planner gives that
-        departure, by the same call the boundary's agreement makes. Once per generation."""
+        the next generation's groups now (`_prepare`), for the layout the planner gives the
+        departures noticed in this generation, by the same call the boundary's agreement
+        makes. A node's notice said twice prepares once."""
         if writer != notice.node:
             self.refused(writer, f"a notice for {notice.node}")
             return
         g = self.generation
         if (notice.generation != g or self.collecting is not None or self.over
                 or notice.node not in self.layout.active_nodes or notice.node in self.fenced
-                or self._noticed == g or self._regroup_asked == g):  # (the nodes stopped reading)
+                or notice.node in self._leaving_now()):
             return
-        self._noticed = g
-        try:
-            outcome = settle(self.history, self.rules, leaving=[notice.node],
-                             joiners=self.joining, with_transfers=False)[0]
-        except (ValueError, RuntimeError):  # no plan to prepare; the boundary's will say why
-            return
-        if notice.node not in outcome.decision.layout.active_nodes:
-            self._prepare(g, outcome.decision, f"{notice.node} leaves on a notice")
+        self._noticed = (g, self._leaving_now() | {notice.node})
+        self._prepare_following(f"{notice.node} leaves on a notice")
+
+    def _leaving_now(self) -> frozenset[str]:
+        """The nodes whose notices came in this generation (they leave at its boundary)."""
+        g, nodes = self._noticed
+        return nodes if g == self.generation else frozenset()
 
     def _prepare(self, g: int, decision: Decision, why: str) -> None:
         """Ask the nodes of `decision`'s layout to form its groups while generation `g`
@@ -318,7 +319,8 @@ class Coordinator:
         join), on its own answer board, which is what it watches."""
         waiting = set(self.layout.standby) | set(self.joining)
         placed = decision.layout.active_nodes - self.layout.active_nodes
-        if decision.stopped or decision.action not in CARRIED_OUT or not placed <= waiting:
+        if (decision.stopped or decision.action not in CARRIED_OUT or not placed <= waiting
+                or self._prepared == (g, decision.layout)):
             return
         self._prepared = (g, decision.layout)
         prepare = Prepare(g, decision.layout.to_json())
@@ -330,19 +332,21 @@ class Coordinator:
                    "nodes": sorted(decision.layout.active_nodes)})
 
     def _prepare_following(self, why: str, placing: bool = False) -> None:
-        """Prepare the plan the next boundary makes if nothing else happens until then (a
-        regroup is about to be asked for: a node joined, or the layout can improve).
-        `placing`: only if that plan places a node waiting to be placed. A joiner that waits
-        on standby (one node short of a pipeline) changes nothing the groups depend on, and
-        the next joiner, often moments later, would make the plan another one; the nodes no
-        longer read this generation's board then, so the groups formed meanwhile would only
-        take the cores from training."""
-        if self._regroup_asked == self.generation:  # asked already: the nodes stopped reading
-            return
+        """Prepare the plan the next boundary makes if nothing else happens until then: a
+        node joined or has a notice, or the layout can improve. Each such event in a
+        generation prepares again, and the newest preparation is the one the boundary's plan
+        may take: the nodes read their generation's regroup board to its end, in order, and
+        replace the groups they form. `placing`: only if that plan places a node waiting to
+        be placed. A joiner that waits on standby (one node short of a pipeline) changes
+        nothing the groups depend on, so the groups formed would only take the cores from
+        training; the next joiner, often moments later, prepares the pipeline the two form."""
+        leaving = self._leaving_now()
         try:
-            following = settle(self.history, self.rules, joiners=self.joining,
-                               with_transfers=False)[0].decision
+            following = settle(self.history, self.rules, leaving=sorted(leaving),
+                               joiners=self.joining, with_transfers=False)[0].decision
         except (ValueError, RuntimeError):  # the boundary's plan will say why
+            return
+        if leaving & following.layout.active_nodes:  # no plan lets them go: none to prepare
             return
         if placing and following.layout.active_nodes <= self.layout.active_nodes:
             return
@@ -535,7 +539,7 @@ class Coordinator:
         # boundary aborted no one, and a regroup may never have been asked for)
         self._abort("the generation ended")
         board.publish(self.store, self.channel, keys.regroup_board(g),
-                      Regroup(g, "the generation ended"), g)
+                      Regroup(g, "the generation ended", ended=True), g)
         self.left |= outcome.leaving
         if decision.stopped:
             self.stop_message = decision.message

@@ -312,11 +312,15 @@ class Abort(Message):
 
 @dataclass(frozen=True)
 class Regroup(Message):
-    """Change the layout at the next iteration boundary (a node joined; it can improve)."""
+    """Change the layout at the next iteration boundary (a node joined; it can improve).
+    `ended`: the generation ended (the coordinator's last record of the board, after its
+    Decision), so a node's watcher of the board, which reads on past a first `Regroup` for
+    the `Prepare`s after it, stops there."""
 
     TYPE: ClassVar[str] = "regroup"
     generation: int
     reason: str
+    ended: bool = False
 
 
 @dataclass(frozen=True)

@@ -134,11 +134,13 @@ class GenerationGroups:
     def _on_regroup_board(self, message: Any, generation: int,
                           regroup: threading.Event) -> bool:
         """A record of `generation`'s regroup board: a `Regroup` ends the generation at the
-        next boundary (and the watch); a `Prepare` starts forming the next generation's
-        groups while this one trains (and the watch goes on)."""
+        next boundary; a `Prepare` starts forming the next generation's groups while this one
+        trains, in place of any prepared before it. The watch reads on to the generation's
+        last record (`Regroup.ended`): an event after the first `Regroup`, a second joiner
+        say, prepares again."""
         if isinstance(message, Prepare):
             if message.generation == generation:
                 self.prepare(message)
             return True
         regroup.set()
-        return False
+        return not message.ended

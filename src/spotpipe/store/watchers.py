@@ -182,8 +182,8 @@ class Heartbeat:
 
 class BoardWatcher:
     """Calls `then(message)` for the first record of `board` that opens as `expect`, and for
-    the records after it while `then` returns True (the regroup board carries a `Prepare`
-    before the `Regroup` that ends the watch); `writers` limits whose records count.
+    the records after it while `then` returns True (the regroup board's `Prepare`s and
+    `Regroup`s, up to the generation's last record); `writers` limits whose records count.
 
     `store` is a connection, or how to get one (`SpareConnections.take`): then the thread
     gets it, so that whoever starts the watch never waits for a connection (a new one can take
