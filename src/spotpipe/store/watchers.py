@@ -61,9 +61,10 @@ class SpareConnections:
     re-partition it calls for, before an iteration has completed to ask for more. And each
     is opened on one of several threads: torch's TCPStore client looks up the name of the
     store's address on every connection it makes (for its log lines), and a resolver that
-    drops the query holds that connection for glibc's 5 s retry (about one connection in 50
-    on our VMs, where the lookup of a v4-mapped loopback address goes to DNS). One slow
-    connection then holds up only itself, not the regroup's or the ones behind it."""
+    drops the query holds that connection for glibc's retry (about one connection in 25 on
+    our VMs, where the lookup of a v4-mapped loopback address goes to DNS; 5 s by default, 1 s
+    in the job's processes: `cluster.supervisor.RESOLVER_OPTIONS`). One slow connection then
+    holds up only itself, not the regroup's or the ones behind it."""
 
     def __init__(self, address: StoreAddress, timeout_s: float, keep: int = KEEP,
                  openers: int = OPENERS) -> None:
