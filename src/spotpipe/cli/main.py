@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 from spotpipe.cli.argtypes import add_fault_flags, positive_number
+from spotpipe.cluster.supervisor import resolver_options
 from spotpipe.config import ConfigError, load_config
 from spotpipe.faults import FaultSpecError
-from spotpipe.cluster.supervisor import resolver_options
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:

@@ -183,7 +183,8 @@ def worker_env(cfg: Config, *, rank: int, world: int, local_rank: int, local_wor
                 LOCAL_WORLD_SIZE=str(local_world), **address.env(), SPOTPIPE_RUN_DIR=str(run_dir),
                 SPOTPIPE_T0=repr(t0), SPOTPIPE_FAULTS=json.dumps([f.to_json() for f in faults]),
                 SPOTPIPE_JOIN="1" if joining else "", SPOTPIPE_JOIN_GATED="1" if gated else "",
-                SPOTPIPE_START_AFTER=",".join(start_after), SPOTPIPE_JOIN_TOKEN=token, SPOTPIPE_INSTANCE=instance, SPOTPIPE_RESUME=resume)
+                SPOTPIPE_START_AFTER=",".join(start_after), SPOTPIPE_JOIN_TOKEN=token,
+                SPOTPIPE_INSTANCE=instance, SPOTPIPE_RESUME=resume)
 
 
 class _Exit:
