@@ -208,6 +208,8 @@ def test_agent_input_errors_start_nothing(tmp_path, corpus, monkeypatch):
     assert code == 2 and "--rdzv-endpoint" in err
     code, err = run("--nnodes", "2", "--rdzv-backend", "etcd", *base)
     assert code == 2 and "--rdzv-endpoint" in err and "unreachable" in err
+    code, err = run("--nnodes", "2", *base, "--resume", str(tmp_path / "nowhere"))
+    assert code == 2 and "--resume" in err and "nowhere" in err and "not found" in err
     # the c10d store on this host, which nobody said is on-demand
     code, err = run("--nnodes", "2", "--rdzv-backend", "c10d", *base)
     assert code == 2 and "--on-demand" in err and "spot host" in err
@@ -329,3 +331,91 @@ def test_multi_host_checkpoints_are_whole_and_resume_on_another_layout(tmp_path,
     got = load_file(str(resumed / "final" / "model.safetensors"))
     want = load_file(str(run / "final" / "model.safetensors"))
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+class _Lines:
+    """A running process's stderr, read on a thread: the lines so far, and a wait for one."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        import threading
+
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stderr:
+            with self._cond:
+                self.lines.append(line)
+                self._cond.notify_all()
+
+    def wait_for(self, text: str, timeout_s: float = 120.0) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: any(text in l for l in self.lines), timeout_s), \
+                f"no line with {text!r} in: {''.join(self.lines)[-2000:]}"
+
+
+def test_agents_resume_from_a_checkpoint_and_refuse_one_without_it(tmp_path, corpus,
+                                                                    monkeypatch):
+    """`spotpipe agent --resume`: agents start a job from a durable checkpoint that `spotpipe
+    train` wrote (under the same token, the manifests' MAC key), each host's workers loading
+    their stages from it, and train to the same final parameters as the run that wrote it.
+    While the job resumes, an agent given no --resume is refused with a message that says so
+    (its workers would start from iteration 0); one given the same checkpoint is admitted."""
+    monkeypatch.setenv("SPOTPIPE_JOIN_TOKEN", TOKEN)
+    first = tmp_path / "first"
+    assert train(_config(corpus, 8, **{"checkpoint.every": 3}), first, progress=False) == 0
+    checkpoint = first / "checkpoints" / "iter_00000002"
+    config = _write_config(_config(corpus, 8), tmp_path / "job.yaml")
+    endpoint = f"127.0.0.1:{free_port()}"
+    resume = ("--resume", str(checkpoint))
+    coordinating = _agent(config, tmp_path / "host_a", "c10d", endpoint, nnodes="2",
+                          extra=resume)
+    said = _Lines(coordinating)
+    said.wait_for("coordinates job")
+    code, err = _finish([_agent(config, tmp_path / "host_b", "c10d", endpoint, nnodes="2")])[0]
+    assert code == 2 and "was given no --resume" in err and "iteration 2" in err, err[-2000:]
+    other = _agent(config, tmp_path / "host_c", "c10d", endpoint, nnodes="2", extra=resume)
+    assert other.wait(timeout=600) == 0, other.stderr.read()[-2000:]
+    assert coordinating.wait(timeout=600) == 0, "".join(said.lines)[-2000:]
+    run = tmp_path / "host_a"
+    launch = events(run)[0]
+    assert launch["resumed_from"] == str(checkpoint) and launch["start_iteration"] == 3
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [m["iter"] for m in metrics] == list(range(3, 8))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    want = load_file(str(first / "final" / "model.safetensors"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_first_layout_admits_only_agents_that_resume_from_the_jobs_checkpoint(corpus,
+                                                                                   tmp_path):
+    """The coordinating agent's check of what an arriving agent resumes from: the same
+    manifest (wherever its copy lies), or none on both sides."""
+    from spotpipe.checkpoint.durable import Checkpoint
+    from spotpipe.cluster.admission import Coordinating
+    from spotpipe.cluster.agent_options import AgentOptions
+    from spotpipe.protocol import AgentArrival
+    from spotpipe.store.address import StoreAddress
+
+    cfg = _config(corpus, 8)
+    opts = AgentOptions("c10d", "127.0.0.1:1", "job", 2, 2, tmp_path)
+    ours = Checkpoint(tmp_path / "a" / "iter_00000002", {"next_iteration": 3, "seed": 1})
+    copy = Checkpoint(tmp_path / "b" / "iter_00000002", dict(ours.manifest))
+    other = Checkpoint(tmp_path / "a" / "iter_00000005", {"next_iteration": 6, "seed": 1})
+
+    def problem(job_resumes: Checkpoint | None, brings: Checkpoint | None) -> str | None:
+        coordinating = Coordinating(opts, cfg, None,  # type: ignore[arg-type] (spec: unread)
+                                    TOKEN, StoreAddress("tcp", "127.0.0.1", 1),
+                                    checkpoint=job_resumes)
+        arrival = AgentArrival(host="h", nproc=1, node_rank=-1, proof="", model_digest="",
+                               config_digest="",
+                               resume_from=str(brings.path) if brings else "",
+                               resume_digest=brings.digest if brings else "")
+        return coordinating._resume_problem(arrival)
+
+    assert problem(None, None) is None and problem(ours, ours) is None
+    assert problem(ours, copy) is None  # the same checkpoint, copied to another path
+    assert "not the same checkpoint" in problem(ours, other)
+    assert "was given no --resume" in problem(ours, None)
+    assert "starts from iteration 0" in problem(None, ours)

@@ -252,6 +252,15 @@ class Checkpoint:
         """Why the manifest's MAC does not vouch for this checkpoint ("" when it does)."""
         return origin.problem(self.manifest, key)
 
+    @property
+    def digest(self) -> str:
+        """What makes two copies the same checkpoint: its manifest (which lists every file's
+        checksum), wherever the copy lies. Agents on separate hosts compare it."""
+        import hashlib
+
+        text = json.dumps(self.manifest, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
 
 def read_manifest(manifest_path: Path, version: int = FORMAT_VERSION) -> dict[str, Any]:
     """A JSON manifest that commits a checkpoint, checked for presence and format version."""

@@ -1,5 +1,6 @@
 """`spotpipe agent CONFIG --rdzv-backend etcd|c10d --rdzv-endpoint HOST:PORT --rdzv-id JOB
---nnodes MIN:MAX --out DIR`: the node agent, one per host (see spotpipe/cluster/agent.py).
+--nnodes MIN:MAX --out DIR [--resume PATH]`: the node agent, one per host (see
+spotpipe/cluster/agent.py).
 
 Flags follow torchrun's, and like torchrun's each may come from a PET_<FLAG> environment
 variable (PET_RDZV_ENDPOINT, PET_NNODES, ...). The join token comes from SPOTPIPE_JOIN_TOKEN.
@@ -53,6 +54,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=_env("out", "runs/agent"),
                    help="output folder (the coordinating agent writes the run's files here)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    p.add_argument("--resume", type=Path, default=None, metavar="PATH",
+                   help="start from a durable checkpoint (a checkpoint folder, a checkpoints "
+                        "folder or a run folder: its newest), on any P x D; every agent is "
+                        "given the same one, at a path its host can read")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="load --resume although its MAC does not vouch for it (only a "
+                        "checkpoint whose origin you know)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     faults = p.add_argument_group(
         "fault injection into this host's workers (the same paths as real failures; a fault "
@@ -82,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
                             out=Path(args.out), nproc=args.nproc_per_node,
                             node_rank=args.node_rank, local_addr=args.local_addr,
                             rdzv_timeout_s=args.rdzv_timeout, progress=not args.no_progress,
-                            on_demand=args.on_demand,
+                            on_demand=args.on_demand, resume=args.resume,
+                            trust_checkpoint=args.trust_checkpoint,
                             faults=tuple(Fault.parse(kind, text) for kind in FAULT_FLAGS
                                          for text in getattr(args, kind)))
         check_options(opts, cfg, overwrite=args.overwrite)

@@ -31,8 +31,13 @@ class Coordinating:
 
     def __init__(self, opts: AgentOptions, cfg: Config, spec: job.RunSpec, token: str,
                  address: StoreAddress, me: int = 0,
-                 leadership: Leadership | None = None) -> None:
+                 leadership: Leadership | None = None, *,
+                 checkpoint: durable.Checkpoint | None = None,
+                 notes: list[dict[str, Any]] | None = None) -> None:
+        """`checkpoint`: what this agent's --resume found on its host, the job's start (every
+        agent of the first layout must bring the same); `notes`: what checking it said."""
         self.opts, self.cfg, self.spec, self.token, self.address = opts, cfg, spec, token, address
+        self.checkpoint, self.resume_notes = checkpoint, list(notes or [])
         self.me = me  # this agent's arrival number
         self.leadership = leadership  # etcd: the office, held under a lease
         self.persistent = leadership is not None  # the books go to the store (succession)
@@ -168,6 +173,10 @@ class Coordinating:
         if info.nproc != self.opts.nproc:
             return (f"it runs {info.nproc} nodes per agent, the job "
                     f"{self.opts.nproc} (--nproc-per-node)")
+        if not late:  # (a node joining a running job takes its state from its peers)
+            problem = self._resume_problem(info)
+            if problem:
+                return problem
         # an agent whose node was fenced (cut off, then back) comes again in its own place
         again = 1 if self._rejoin_of(info) is not None else 0
         if len(self._admitted) - again >= self.opts.max_nodes:
@@ -182,6 +191,24 @@ class Coordinating:
         """The admitted agent that this arrival says it was (its node was fenced), or None."""
         k = info.rejoin_of
         return k if k is not None and k in self._admitted else None
+
+    def _resume_problem(self, info: AgentArrival) -> str | None:
+        """Why an agent of the first layout would start its workers from another state than
+        the job's: every one must load the same checkpoint (the same manifest, wherever its
+        copy lies on that host), or none."""
+        mine = self.checkpoint
+        if mine is None and not info.resume_digest:
+            return None
+        if mine is None:
+            return (f"it resumes from {info.resume_from} (--resume), the job starts from "
+                    "iteration 0 (its coordinating agent was given no --resume)")
+        if not info.resume_digest:
+            return (f"it was given no --resume; the job resumes from the checkpoint of "
+                    f"iteration {mine.next_iteration - 1} ({mine.path})")
+        if info.resume_digest != mine.digest:
+            return (f"it resumes from {info.resume_from}, the job from {mine.path}: not the "
+                    "same checkpoint (their manifests differ)")
+        return None
 
     def _admit(self, store: dist.Store, k: int, info: AgentArrival, late: bool) -> None:
         problem = self._problem(k, info, late)
@@ -278,7 +305,7 @@ class Coordinating:
                 self._admit(store, k, info, late=False)
         self._next = k + 1
         loop = self._loop()
-        loop.notes = notes
+        loop.notes = self.resume_notes + notes
         return self._run_loop(loop, store)
 
     def _take_over(self) -> int:
@@ -292,7 +319,7 @@ class Coordinating:
     def _loop(self) -> AgentJobLoop:
         return AgentJobLoop(self, cfg=self.cfg, spec=self.spec, out=self.opts.out,
                             token=self.token, instance=self.instance,
-                            progress=self.opts.progress, t0=self.t0)
+                            progress=self.opts.progress, t0=self.t0, resume=self.checkpoint)
 
     def _run_loop(self, loop: AgentJobLoop, store: dist.Store) -> int:
         """Run the job's loop on a connection of its own; then end the rendezvous, with the

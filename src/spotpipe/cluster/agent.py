@@ -50,6 +50,7 @@ import socket
 import sys
 import threading
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 import yaml
@@ -60,7 +61,7 @@ from spotpipe.checkpoint.fsync import sha256_file
 from spotpipe.cluster.admission import Coordinating
 from spotpipe.cluster.agent_options import (AgentError, AgentOptions, check_options,
                                             parse_nnodes)
-from spotpipe.cluster.launcher import LaunchError, prepare, search_path
+from spotpipe.cluster.launcher import LaunchError, check_resume, prepare, search_path
 from spotpipe.cluster.rendezvous import (ALL_LEFT, ARRIVALS, COORDINATOR, JOB, LEFT, OVER,
                                          agent_key, assign_key, connect_rendezvous, post_over,
                                          proof_key, read_record, read_vouched, wait_get,
@@ -82,9 +83,13 @@ __all__ = ["Agent", "AgentError", "AgentOptions", "parse_nnodes", "run_agent"]
 
 class Agent:
     def __init__(self, opts: AgentOptions, cfg: Config, spec: job.RunSpec, token: str,
-                 address: StoreAddress, hosted: dist.Store | None) -> None:
+                 address: StoreAddress, hosted: dist.Store | None,
+                 checkpoint: durable.Checkpoint | None = None,
+                 notes: list[dict[str, Any]] | None = None) -> None:
         self.opts, self.cfg, self.spec, self.token = opts, cfg, spec, token
         self.address, self.hosted = address, hosted
+        self.checkpoint = checkpoint  # --resume, checked on this host
+        self.notes = notes or []  # what checking it said (a trusted checkpoint's note)
         self.timeout_s = cfg.cluster.timeout_s
         self._exits_done = threading.Event()
         self._pending = 0
@@ -109,7 +114,8 @@ class Agent:
             won = store.compare_set(COORDINATOR, "", str(me)) == str(me).encode()
         if won:
             self._coordinate(Coordinating(opts, self.cfg, self.spec, self.token, self.address,
-                                          me, self.leadership))
+                                          me, self.leadership, checkpoint=self.checkpoint,
+                                          notes=self.notes))
             self.say(f"agent {me} coordinates job {opts.rdzv_id}")
         elif self.leadership is not None and self.leadership.leading:
             # the office was vacant but the job exists: its coordinator was lost before this
@@ -157,7 +163,9 @@ class Agent:
             host=socket.gethostname(), nproc=opts.nproc, node_rank=opts.node_rank, proof="",
             model_digest=self.cfg.model_digest(), config_digest=self.cfg.digest(),
             local_addr=opts.local_addr, rejoin_of=rejoin_of,
-            config_keys=self.cfg.key_digests()), self.token,
+            config_keys=self.cfg.key_digests(),
+            resume_from=str(self.checkpoint.path) if self.checkpoint else "",
+            resume_digest=self.checkpoint.digest if self.checkpoint else ""), self.token,
             self.rdzv_key(agent_key(me)))))
         return me
 
@@ -307,7 +315,10 @@ class Agent:
                              local_world=len(ranks), address=self.address, run_dir=self.opts.out,
                              t0=self._posted.t0, token=self.token,
                              instance=self.instance, search_path=search_path(self.cfg),
-                             faults=self.opts.faults, joining=joining)
+                             faults=self.opts.faults, joining=joining,
+                             # (a node joining a running job takes its state from its peers)
+                             resume=str(self.checkpoint.path)
+                             if self.checkpoint is not None and not joining else "")
             env["SPOTPIPE_CHECKPOINT_UPLOAD"] = "0" if self._shared else "1"
             self.supervisor.spawn(node, env)
             BoardWatcher(self.address.connect(self.timeout_s), self.channel,
@@ -404,6 +415,8 @@ def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> in
     """Validate, meet the other agents, run; AgentError/LaunchError before anything starts."""
     token = check_options(opts, cfg, overwrite)
     out = opts.out
+    notes: list[dict[str, Any]] = []
+    checkpoint = _checked_resume(opts, cfg, notes)
     prepared = prepare(cfg, opts.nproc)
     address, hosted = connect_rendezvous(opts, cfg)
     import shutil
@@ -425,9 +438,25 @@ def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> in
         print(f"spotpipe agent: the initial weights were not written ({note['message']}): "
               "this host's workers build the whole model", file=sys.stderr)
     try:
-        return Agent(opts, prepared.cfg, prepared.spec, token, address, hosted).run()
+        return Agent(opts, prepared.cfg, prepared.spec, token, address, hosted,
+                     checkpoint, notes).run()
     finally:  # (reproducible from the seed, and as large as the model)
         (out / template.INITIAL_FILE).unlink(missing_ok=True)
+
+
+def _checked_resume(opts: AgentOptions, cfg: Config,
+                    notes: list[dict[str, Any]]) -> durable.Checkpoint | None:
+    """--resume as `spotpipe train` checks it, on this host: every file against the manifest,
+    the manifest's MAC, the model and the data order. Each agent checks its own copy; the
+    coordinating agent then admits only agents whose copy is the same checkpoint as its own
+    (`Coordinating._problem`)."""
+    if opts.resume is None:
+        return None
+    try:
+        key = durable.resolve_key(cfg.checkpoint.key)
+    except durable.KeyFileError as exc:
+        raise AgentError(str(exc)) from None
+    return check_resume(cfg, opts.resume, key, opts.trust_checkpoint, notes)
 
 
 __all__ = ["AgentError", "AgentOptions", "LaunchError", "parse_nnodes", "run_agent"]

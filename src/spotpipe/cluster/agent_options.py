@@ -34,6 +34,9 @@ class AgentOptions:
     progress: bool = True
     on_demand: bool = False  # the operator says this host is not preemptible (c10d's host)
     faults: tuple[Fault, ...] = ()  # injected into the workers this agent starts (by node name)
+    # a durable checkpoint to start from: this host's workers load their stages from it
+    resume: Path | None = None
+    trust_checkpoint: bool = False  # load `resume` although its MAC does not vouch for it
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -95,6 +98,15 @@ def check_options(opts: AgentOptions, cfg: Config, overwrite: bool = False) -> s
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise AgentError(f"--out {out}: the folder exists and is not empty; pass --overwrite "
                          "to replace it")
+    if opts.resume is not None:
+        resume = opts.resume = opts.resume.resolve()
+        if not resume.exists():
+            raise AgentError(f"--resume {resume}: not found on this host; every agent's workers "
+                             "load their stages from it, so every host needs it at that path "
+                             "(a shared folder, or a copy)")
+        if overwrite and out.exists() and resume.is_relative_to(out):
+            raise AgentError(f"--out {out} --overwrite: the folder holds --resume ({resume}); "
+                             "replacing it would delete it. Choose another --out")
     try:
         host, port = parse_endpoint(opts.endpoint)
     except ValueError as exc:

@@ -446,6 +446,10 @@ class AgentArrival(Message):
     local_addr: str | None = None
     rejoin_of: int | None = None  # the arrival number this agent had before it was fenced
     config_keys: dict[str, str] = field(default_factory=dict)  # Config.key_digests()
+    # the durable checkpoint its workers would start from (--resume), as its host found it:
+    # the folder and the digest of its manifest ("" for both: it starts from iteration 0)
+    resume_from: str = ""
+    resume_digest: str = ""
 
 
 @dataclass(frozen=True)
