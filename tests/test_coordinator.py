@@ -381,3 +381,25 @@ def test_two_notices_in_a_generation_prepare_the_layout_without_both(corpus):
     record = _record(coord, 0)
     assert record.prepared
     assert Layout.from_json(record.decision["layout"]).active_nodes == {"node0", "node2"}
+
+
+def test_a_layout_replaced_in_a_generation_is_not_prepared_again(corpus):
+    """Preparations L1, then L2 after another event: were the events to lead back to L1, its
+    groups would form a second time under the same store prefix as the abandoned ones. The
+    coordinator prepares each layout at most once a generation (the boundary then forms fresh
+    groups)."""
+    coord, emitted = _coordinator(corpus, 4, ["node0", "node1", "node2", "node3"])
+    coord.noticed(Notice("node1", 0, "SIGTERM", 1.0), "node1")
+    first = coord._prepared[1]
+    coord.noticed(Notice("node3", 0, "SIGTERM", 1.1), "node3")
+    decision = dataclasses.replace(_plan_like(coord), layout=first)
+    coord._prepare(0, decision, "back to the first layout")
+    assert [e["reason"] for e in emitted if e["kind"] == "groups_prepared"] == [
+        "node1 leaves on a notice", "node3 leaves on a notice"]
+
+
+def _plan_like(coord: Coordinator):
+    """A decision of the kind the coordinator prepares (what settle gives its history now)."""
+    from spotpipe.plan.recovery import settle
+
+    return settle(coord.history, coord.rules, leaving=["node1"], with_transfers=False)[0].decision

@@ -131,6 +131,10 @@ class Coordinator:
         # the layout of the next generation that nodes were asked to form groups for ahead of
         # the boundary, with the generation that asked (`noticed`)
         self._prepared: tuple[int, Layout] | None = None
+        # every layout prepared in that generation: one replaced is never prepared again in
+        # it, since its groups would form a second time under the same store prefix, where
+        # the abandoned formation's records lie
+        self._prepared_in: tuple[int, list[Layout]] = (-1, [])
         # the nodes whose notices came in a generation, with that generation
         self._noticed: tuple[int, frozenset[str]] = (-1, frozenset())
 
@@ -319,10 +323,12 @@ class Coordinator:
         join), on its own answer board, which is what it watches."""
         waiting = set(self.layout.standby) | set(self.joining)
         placed = decision.layout.active_nodes - self.layout.active_nodes
+        before = self._prepared_in[1] if self._prepared_in[0] == g else []
         if (decision.stopped or decision.action not in CARRIED_OUT or not placed <= waiting
-                or self._prepared == (g, decision.layout)):
+                or decision.layout in before):
             return
         self._prepared = (g, decision.layout)
+        self._prepared_in = (g, before + [decision.layout])
         prepare = Prepare(g, decision.layout.to_json())
         board.publish(self.store, self.channel, keys.regroup_board(g), prepare, g)
         for node in sorted(placed):
