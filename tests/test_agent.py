@@ -208,8 +208,12 @@ def test_agent_input_errors_start_nothing(tmp_path, corpus, monkeypatch):
     assert code == 2 and "--rdzv-endpoint" in err
     code, err = run("--nnodes", "2", "--rdzv-backend", "etcd", *base)
     assert code == 2 and "--rdzv-endpoint" in err and "unreachable" in err
-    code, err = run("--nnodes", "2", *base, "--resume", str(tmp_path / "nowhere"))
-    assert code == 2 and "--resume" in err and "nowhere" in err and "not found" in err
+    # (a --resume this host lacks is sent by the coordinating agent; one that is there but
+    # is no checkpoint is an input error)
+    (tmp_path / "empty").mkdir()
+    code, err = run("--nnodes", "2", "--rdzv-backend", "etcd", *base,
+                    "--resume", str(tmp_path / "empty"))
+    assert code == 2 and "--resume" in err and "nothing to resume from" in err, err[-1000:]
     # the c10d store on this host, which nobody said is on-demand
     code, err = run("--nnodes", "2", "--rdzv-backend", "c10d", *base)
     assert code == 2 and "--on-demand" in err and "spot host" in err
@@ -361,31 +365,44 @@ def test_agents_resume_from_a_checkpoint_and_refuse_one_without_it(tmp_path, cor
     train` wrote (under the same token, the manifests' MAC key), each host's workers loading
     their stages from it, and train to the same final parameters as the run that wrote it.
     While the job resumes, an agent given no --resume is refused with a message that says so
-    (its workers would start from iteration 0); one given the same checkpoint is admitted."""
+    (its workers would start from iteration 0). An agent whose host lacks the checkpoint
+    (here: its --resume names a folder that does not exist) is sent the coordinating agent's
+    copy through the store, checks it, and its workers load from that."""
     monkeypatch.setenv("SPOTPIPE_JOIN_TOKEN", TOKEN)
     first = tmp_path / "first"
     assert train(_config(corpus, 8, **{"checkpoint.every": 3}), first, progress=False) == 0
     checkpoint = first / "checkpoints" / "iter_00000002"
     config = _write_config(_config(corpus, 8), tmp_path / "job.yaml")
     endpoint = f"127.0.0.1:{free_port()}"
-    resume = ("--resume", str(checkpoint))
     coordinating = _agent(config, tmp_path / "host_a", "c10d", endpoint, nnodes="2",
-                          extra=resume)
+                          extra=("--resume", str(checkpoint)))
     said = _Lines(coordinating)
     said.wait_for("coordinates job")
     code, err = _finish([_agent(config, tmp_path / "host_b", "c10d", endpoint, nnodes="2")])[0]
     assert code == 2 and "was given no --resume" in err and "iteration 2" in err, err[-2000:]
-    other = _agent(config, tmp_path / "host_c", "c10d", endpoint, nnodes="2", extra=resume)
-    assert other.wait(timeout=600) == 0, other.stderr.read()[-2000:]
+    elsewhere = tmp_path / "not_on_this_host" / "iter_00000002"
+    other = _agent(config, tmp_path / "host_c", "c10d", endpoint, nnodes="2",
+                   extra=("--resume", str(elsewhere)))
+    code, err = _finish([other])[0]
+    assert code == 0 and "received the coordinating agent's copy" in err, err[-2000:]
     assert coordinating.wait(timeout=600) == 0, "".join(said.lines)[-2000:]
     run = tmp_path / "host_a"
-    launch = events(run)[0]
-    assert launch["resumed_from"] == str(checkpoint) and launch["start_iteration"] == 3
+    got_events = events(run)
+    assert got_events[0]["resumed_from"] == str(checkpoint)
+    assert got_events[0]["start_iteration"] == 3
+    assert [e["node"] for e in got_events if e["kind"] == "checkpoint_sent"] == ["agent3"]
+    copy = tmp_path / "host_c" / "resume" / "iter_00000002"
+    assert (copy / "manifest.json").read_bytes() == (checkpoint / "manifest.json").read_bytes()
     metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [m["iter"] for m in metrics] == list(range(3, 8))
     got = load_file(str(run / "final" / "model.safetensors"))
     want = load_file(str(first / "final" / "model.safetensors"))
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    # a coordinating agent that lacks the checkpoint cannot send it: the job ends at once
+    alone = _agent(config, tmp_path / "host_d", "c10d", f"127.0.0.1:{free_port()}",
+                   nnodes="2", extra=("--resume", str(elsewhere)))
+    code, err = _finish([alone])[0]
+    assert code == 1 and "not found on the coordinating agent's host" in err, err[-2000:]
 
 
 def test_the_first_layout_admits_only_agents_that_resume_from_the_jobs_checkpoint(corpus,
@@ -404,14 +421,16 @@ def test_the_first_layout_admits_only_agents_that_resume_from_the_jobs_checkpoin
     copy = Checkpoint(tmp_path / "b" / "iter_00000002", dict(ours.manifest))
     other = Checkpoint(tmp_path / "a" / "iter_00000005", {"next_iteration": 6, "seed": 1})
 
-    def problem(job_resumes: Checkpoint | None, brings: Checkpoint | None) -> str | None:
+    def problem(job_resumes: Checkpoint | None, brings: Checkpoint | None,
+                fetch: bool = False) -> str | None:
         coordinating = Coordinating(opts, cfg, None,  # type: ignore[arg-type] (spec: unread)
                                     TOKEN, StoreAddress("tcp", "127.0.0.1", 1),
                                     checkpoint=job_resumes)
         arrival = AgentArrival(host="h", nproc=1, node_rank=-1, proof="", model_digest="",
                                config_digest="",
                                resume_from=str(brings.path) if brings else "",
-                               resume_digest=brings.digest if brings else "")
+                               resume_digest=brings.digest if brings else "",
+                               resume_fetch=fetch)
         return coordinating._resume_problem(arrival)
 
     assert problem(None, None) is None and problem(ours, ours) is None
@@ -419,3 +438,6 @@ def test_the_first_layout_admits_only_agents_that_resume_from_the_jobs_checkpoin
     assert "not the same checkpoint" in problem(ours, other)
     assert "was given no --resume" in problem(ours, None)
     assert "starts from iteration 0" in problem(None, ours)
+    # given --resume on a host that lacks it: sent the job's copy, or refused if there is none
+    assert problem(ours, None, fetch=True) is None
+    assert "starts from iteration 0" in problem(None, None, fetch=True)

@@ -58,6 +58,11 @@ class Stream:
         return cls(f"spotpipe/checkpoint/files/{iteration}", stage)
 
     @classmethod
+    def resume(cls, agent: int) -> "Stream":
+        """A whole checkpoint, to an agent whose host lacks the job's --resume."""
+        return cls("spotpipe/resume", agent)
+
+    @classmethod
     def final(cls, stage: int) -> "Stream":
         """The run's final parameters of one stage, for the coordinating agent's `--out`."""
         return cls("spotpipe/final", stage)

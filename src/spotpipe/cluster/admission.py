@@ -14,16 +14,19 @@ import torch.distributed as dist
 
 from spotpipe import job
 from spotpipe.checkpoint import durable
+from spotpipe.checkpoint.fsync import sha256_file
 from spotpipe.cluster.agent_loop import AgentJobLoop
 from spotpipe.cluster.coordinator import join_problem
 from spotpipe.cluster.agent_options import AgentOptions
 from spotpipe.cluster.rendezvous import (ARRIVALS, JOB, agent_key, assign_key, post_over,
                                          proof_key, read_record, wait_get)
 from spotpipe.config import Config
-from spotpipe.protocol import (AgentArrival, ArrivalsClosed, Assignment, CoordinatorState,
-                               JobPosted, MessageError, new_instance_id, plain, vouch, vouched)
+from spotpipe.protocol import (AgentArrival, ArrivalsClosed, Assignment, Channel,
+                               CoordinatorState, JobPosted, MessageError, ResumeOffer, job_key,
+                               keys, new_instance_id, plain, vouch, vouched)
 from spotpipe.store.address import StoreAddress
 from spotpipe.store.leader import Leadership
+from spotpipe.store.sealed import SealedStore
 
 
 class Coordinating:
@@ -38,6 +41,8 @@ class Coordinating:
         agent of the first layout must bring the same); `notes`: what checking it said."""
         self.opts, self.cfg, self.spec, self.token, self.address = opts, cfg, spec, token, address
         self.checkpoint, self.resume_notes = checkpoint, list(notes or [])
+        # the checkpoint on its way to agents whose hosts lack it: (agent, why it failed)
+        self._sends: list[tuple[int, threading.Thread, list[str]]] = []
         self.me = me  # this agent's arrival number
         self.leadership = leadership  # etcd: the office, held under a lease
         self.persistent = leadership is not None  # the books go to the store (succession)
@@ -197,11 +202,13 @@ class Coordinating:
         the job's: every one must load the same checkpoint (the same manifest, wherever its
         copy lies on that host), or none."""
         mine = self.checkpoint
-        if mine is None and not info.resume_digest:
+        if mine is None and not (info.resume_digest or info.resume_fetch):
             return None
         if mine is None:
-            return (f"it resumes from {info.resume_from} (--resume), the job starts from "
-                    "iteration 0 (its coordinating agent was given no --resume)")
+            return (f"it resumes from {info.resume_from or 'a checkpoint'} (--resume), the job "
+                    "starts from iteration 0 (its coordinating agent was given no --resume)")
+        if info.resume_fetch:  # its host lacks it: this agent's copy is sent (`_send_resume`)
+            return None
         if not info.resume_digest:
             return (f"it was given no --resume; the job resumes from the checkpoint of "
                     f"iteration {mine.next_iteration - 1} ({mine.path})")
@@ -209,6 +216,42 @@ class Coordinating:
             return (f"it resumes from {info.resume_from}, the job from {mine.path}: not the "
                     "same checkpoint (their manifests differ)")
         return None
+
+    def _start_send(self, k: int) -> None:
+        failed: list[str] = []
+        thread = threading.Thread(target=lambda: failed.append(self._send_resume(k)),
+                                  name=f"resume-to-agent{k}", daemon=True)
+        self._sends.append((k, thread, failed))
+        thread.start()
+
+    def _send_resume(self, k: int) -> str:
+        """Send this agent's checkpoint to agent `k`, whose host lacks the job's --resume: an
+        offer sealed under the job's key (the folder's name, every file's SHA-256), then the
+        files through the store under flow control (`checkpoint.transfer`), each checked on
+        arrival. "" once all arrived whole, else why not."""
+        mine = self.checkpoint
+        assert mine is not None
+        timeout_s = self.cfg.cluster.timeout_s
+        try:
+            store = self.address.connect(timeout_s)
+            channel = Channel(job_key(self.token, self.instance), "coordinator")
+            checksums = {**mine.manifest["checksums"],
+                         durable.MANIFEST: sha256_file(mine.path / durable.MANIFEST)}
+            store.set(keys.resume_offer(k), channel.seal(ResumeOffer(mine.path.name, checksums)))
+            durable.transfer.send(SealedStore(store, channel.key),
+                                  durable.transfer.Stream.resume(k), mine.path, checksums,
+                                  timeout_s=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - said as the job's end
+            return f"--resume: the checkpoint did not reach agent {k}: {exc}"[:500]
+        self._event({"kind": "checkpoint_sent", "node": f"agent{k}", "path": str(mine.path),
+                     "files": len(checksums)})
+        return ""
+
+    def _sent(self) -> str:
+        """Wait for the checkpoint's sends to the hosts that lack it; "" or the first failure."""
+        for _, thread, failed in self._sends:
+            thread.join()
+        return next((f[0] for _, _, f in self._sends if f and f[0]), "")
 
     def _admit(self, store: dist.Store, k: int, info: AgentArrival, late: bool) -> None:
         problem = self._problem(k, info, late)
@@ -233,6 +276,8 @@ class Coordinating:
             self._admitted.append(k)
             self._agent_nodes[k] = [f"node{r}" for r in ranks]
             self._nodes.extend(f"node{r}" for r in ranks)
+        if info.resume_fetch and not late:
+            self._start_send(k)
         self._answer(store, k, Assignment(ranks=tuple(ranks), world=self.world, joining=late))
         self._event({"kind": "agent_admitted", "node": name, "ranks": ranks, "joining": late,
                      **({"rejoin_of": f"agent{before}"} if before is not None else {})})
@@ -261,12 +306,16 @@ class Coordinating:
         store = self.address.connect(self.cfg.cluster.timeout_s)
         root = durable.written_root(self.cfg, self.opts.out)
         nonce, refused = secrets.token_hex(16), ""
+        if self.opts.resume is not None and self.checkpoint is None:
+            refused = (f"--resume {self.opts.resume}: not found on the coordinating agent's host;"
+                       " it sends the checkpoint to the hosts that lack it, so it must hold it")
         try:  # this job commits the checkpoints: it holds the folder, and marks it
-            if root is not None:
+            if root is not None and not refused:
                 durable.lock.acquire(root, self.opts.out)
                 (root / durable.transfer.probe_name(self.opts.rdzv_id)).write_text(nonce)
         except (durable.lock.LockHeld, OSError) as exc:
             refused = f"checkpoint.dir: {exc}"
+        if refused:
             print(f"spotpipe agent: {refused}", file=sys.stderr)
             post_over(store, self.token, self.opts.rdzv_id, "failed", refused, 0)
         store.set(JOB, plain(vouch(JobPosted(
@@ -304,6 +353,11 @@ class Coordinating:
             if isinstance(info, AgentArrival):
                 self._admit(store, k, info, late=False)
         self._next = k + 1
+        failed = self._sent()
+        if failed:
+            print(f"spotpipe agent: {failed}", file=sys.stderr)
+            post_over(store, self.token, self.opts.rdzv_id, "failed", failed, 0)
+            return self.code
         loop = self._loop()
         loop.notes = self.resume_notes + notes
         return self._run_loop(loop, store)

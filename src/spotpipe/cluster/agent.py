@@ -49,7 +49,9 @@ import signal
 import socket
 import sys
 import threading
+from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -71,7 +73,7 @@ from spotpipe.config import Config
 from spotpipe.model import template
 from spotpipe.protocol import (AgentArrival, Assignment, Channel, CoordinatorState, Exit,
                                FinalUpload, JobOver, JobPosted, Kill, MessageError, Refused,
-                               job_key, keys, plain, vouch, vouched)
+                               ResumeOffer, job_key, keys, plain, vouch, vouched)
 from spotpipe.store.address import StoreAddress
 from spotpipe.store.leader import Leadership, lease_ttl
 from spotpipe.store.mailbox import Outbox
@@ -165,7 +167,8 @@ class Agent:
             local_addr=opts.local_addr, rejoin_of=rejoin_of,
             config_keys=self.cfg.key_digests(),
             resume_from=str(self.checkpoint.path) if self.checkpoint else "",
-            resume_digest=self.checkpoint.digest if self.checkpoint else ""), self.token,
+            resume_digest=self.checkpoint.digest if self.checkpoint else "",
+            resume_fetch=self._lacks_resume), self.token,
             self.rdzv_key(agent_key(me)))))
         return me
 
@@ -260,6 +263,10 @@ class Agent:
             Outbox(store, self.channel, posted.t0).event(
                 "checkpoint_dir_probe", path=str(root), shared=shared, ranks=ranks,
                 host=socket.gethostname())
+        if self._lacks_resume and not answer.joining:
+            self.checkpoint = self._fetch_resume(store)
+            if self.checkpoint is None:
+                return 1
         self._pending = len(ranks)
         self._fenced: set[str] = set()
         self._posted, self._shared = posted, shared
@@ -306,6 +313,48 @@ class Agent:
             return 0
         self.say(f"job failed: {over.message}")
         return 1
+
+    @property
+    def _lacks_resume(self) -> bool:
+        """Given --resume, which this host does not have (the coordinating agent sends it)."""
+        return self.opts.resume is not None and self.checkpoint is None
+
+    def _fetch_resume(self, store: dist.Store) -> durable.Checkpoint | None:
+        """Take the coordinating agent's copy of the checkpoint into OUT/resume/: its offer
+        (sealed under the job's key) names the files and their checksums, the files follow
+        through the store under flow control (`checkpoint.transfer`); then check it as any
+        --resume. None, said, when it does not come whole (the coordinating agent, whose
+        send then fails, ends the job with the reason)."""
+        raw = wait_get(store, keys.resume_offer(self.me), self.timeout_s)
+        if raw is None:
+            self.say(f"--resume {self.opts.resume}: this host lacks it, and the coordinating "
+                     f"agent did not offer its copy within {self.timeout_s:.0f} s")
+            return None
+        try:
+            offer = self.channel.open(raw, expect=ResumeOffer, writers={"coordinator"}).message
+        except Refused as why:
+            self.say(f"--resume: refused the coordinating agent's offer: {why.reason}")
+            return None
+        assert isinstance(offer, ResumeOffer)
+        if not offer.name.startswith("iter_") or Path(offer.name).name != offer.name:
+            self.say(f"--resume: refused an offer of {offer.name!r}, not a checkpoint's name")
+            return None
+        folder = self.opts.out / "resume" / offer.name
+        problem = durable.transfer.receive(
+            SealedStore(store, self.channel.key), durable.transfer.Stream.resume(self.me),
+            offer.checksums, folder, timeout_s=self.timeout_s)
+        if problem:
+            self.say(f"--resume: the coordinating agent's checkpoint did not arrive whole: "
+                     f"{problem}")
+            return None
+        try:
+            checkpoint = _checked_resume(replace(self.opts, resume=folder), self.cfg, [])
+        except LaunchError as exc:
+            self.say(str(exc))
+            return None
+        self.say(f"--resume: this host lacked {self.opts.resume}; received the coordinating "
+                 f"agent's copy into {folder}")
+        return checkpoint
 
     def _spawn(self, ranks: list[int], world: int, joining: bool) -> None:
         """Start this host's workers for `ranks`, each with a watcher of its kill board."""
@@ -449,8 +498,9 @@ def _checked_resume(opts: AgentOptions, cfg: Config,
     """--resume as `spotpipe train` checks it, on this host: every file against the manifest,
     the manifest's MAC, the model and the data order. Each agent checks its own copy; the
     coordinating agent then admits only agents whose copy is the same checkpoint as its own
-    (`Coordinating._problem`)."""
-    if opts.resume is None:
+    (`Coordinating._problem`). None when there is none, or when this host does not have it
+    (then the coordinating agent sends its copy, `Agent._fetch_resume`)."""
+    if opts.resume is None or not opts.resume.exists():
         return None
     try:
         key = durable.resolve_key(cfg.checkpoint.key)

@@ -99,11 +99,8 @@ def check_options(opts: AgentOptions, cfg: Config, overwrite: bool = False) -> s
         raise AgentError(f"--out {out}: the folder exists and is not empty; pass --overwrite "
                          "to replace it")
     if opts.resume is not None:
+        # (a host that lacks it is sent the coordinating agent's copy: `Agent._fetch_resume`)
         resume = opts.resume = opts.resume.resolve()
-        if not resume.exists():
-            raise AgentError(f"--resume {resume}: not found on this host; every agent's workers "
-                             "load their stages from it, so every host needs it at that path "
-                             "(a shared folder, or a copy)")
         if overwrite and out.exists() and resume.is_relative_to(out):
             raise AgentError(f"--out {out} --overwrite: the folder holds --resume ({resume}); "
                              "replacing it would delete it. Choose another --out")

@@ -132,3 +132,8 @@ def kill_board(node: str) -> str:
 def journal(index: int) -> str:
     """The coordinator's `index`-th batch of run-file lines (from 1), for a successor."""
     return f"{ROOT}/coordinator/journal/{index}"
+
+
+def resume_offer(agent: int) -> str:
+    """The coordinating agent's `ResumeOffer` to agent `agent` (whose host lacks --resume)."""
+    return f"{RDZV}/resume/{agent}"

@@ -450,6 +450,19 @@ class AgentArrival(Message):
     # the folder and the digest of its manifest ("" for both: it starts from iteration 0)
     resume_from: str = ""
     resume_digest: str = ""
+    # given --resume, but its host does not have it: the coordinating agent sends its copy
+    resume_fetch: bool = False
+
+
+@dataclass(frozen=True)
+class ResumeOffer(Message):
+    """The coordinating agent's checkpoint on its way to an agent whose host lacks it (sealed
+    under the job's key; its files follow through the store, `checkpoint.transfer`): the
+    checkpoint folder's name and every file's SHA-256, the manifest's included."""
+
+    TYPE: ClassVar[str] = "resume_offer"
+    name: str
+    checksums: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -515,7 +528,7 @@ MESSAGES: dict[str, type[Message]] = {m.TYPE: m for m in (
     Report, JoinRequest, Metrics, Notice, Event, CheckpointSaved, StageUpload, Exit, Close,
     Heartbeat, Stalled, Abort, Regroup, Prepare, DecisionRecord, JoinAnswer, Kill, Mark,
     CoordinatorState, Journal, AgentArrival, ArrivalsClosed, JobPosted, Assignment, JobOver,
-    FinalUpload)}
+    FinalUpload, ResumeOffer)}
 
 
 def plain(message: Message) -> bytes:
