@@ -441,3 +441,37 @@ def test_the_first_layout_admits_only_agents_that_resume_from_the_jobs_checkpoin
     # given --resume on a host that lacks it: sent the job's copy, or refused if there is none
     assert problem(ours, None, fetch=True) is None
     assert "starts from iteration 0" in problem(None, None, fetch=True)
+
+
+def test_a_received_checkpoint_that_fails_its_check_ends_the_job_naming_the_node(
+        tmp_path, corpus, monkeypatch):
+    """The coordinating agent loads a checkpoint of another token's job with
+    --trust-checkpoint; an agent whose host lacks it was not given that flag, so the copy it
+    receives fails its check (the MAC). It says why in the job's events and reports its node
+    failed, and the job ends there, naming the node, instead of when forming the groups times
+    out (cluster.timeout_s, 300 s here)."""
+    monkeypatch.setenv("SPOTPIPE_JOIN_TOKEN", "another job's token")
+    first = tmp_path / "first"
+    assert train(_config(corpus, 8, **{"checkpoint.every": 3}), first, progress=False) == 0
+    checkpoint = first / "checkpoints" / "iter_00000002"
+    config = _write_config(_config(corpus, 8, **{"cluster.timeout_s": 300.0}),
+                           tmp_path / "job.yaml")
+    endpoint = f"127.0.0.1:{free_port()}"
+    coordinating = _agent(config, tmp_path / "host_a", "c10d", endpoint, nnodes="2",
+                          extra=("--resume", str(checkpoint), "--trust-checkpoint"))
+    said = _Lines(coordinating)
+    said.wait_for("coordinates job")
+    lacking = _agent(config, tmp_path / "host_b", "c10d", endpoint, nnodes="2",
+                     extra=("--resume", str(tmp_path / "elsewhere" / checkpoint.name)))
+    code, err = _finish([lacking])[0]
+    assert code == 1 and "the coordinating agent's copy, received" in err, err[-2000:]
+    # (both bounds are half of cluster.timeout_s: the job and the agents' confirmation of its
+    # end do not wait out a timeout; the run takes seconds)
+    assert coordinating.wait(timeout=150) == 1, "".join(said.lines)[-2000:]
+    ev = events(tmp_path / "host_a")
+    assert [e["time_s"] < 150 for e in ev if e["kind"] == "job_failed"] == [True]
+    [failed] = [e for e in ev if e["kind"] == "resume_failed"]
+    assert failed["ranks"] == [1] and "--trust-checkpoint" in failed["message"]
+    assert any(e["kind"] == "checkpoint_trusted" for e in ev)
+    summary = json.loads((tmp_path / "host_a" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "node1" in summary["message"], summary

@@ -264,9 +264,18 @@ class Agent:
                 "checkpoint_dir_probe", path=str(root), shared=shared, ranks=ranks,
                 host=socket.gethostname())
         if self._lacks_resume and not answer.joining:
-            self.checkpoint = self._fetch_resume(store)
-            if self.checkpoint is None:
-                return 1
+            fetched = self._fetch_resume(store)
+            if isinstance(fetched, str):
+                # the job waits for this host's nodes: tell it, so that it ends now, naming
+                # them and (in its events) why, rather than when forming their groups times out
+                self.say(fetched)
+                outbox = Outbox(store, self.channel, posted.t0)
+                outbox.event("resume_failed", message=fetched, ranks=ranks)
+                for rank in ranks:
+                    outbox.post(Exit(f"node{rank}", 1))
+                self._wait_over(store, posted)
+                return self._leave(store)
+            self.checkpoint = fetched
         self._pending = len(ranks)
         self._fenced: set[str] = set()
         self._posted, self._shared = posted, shared
@@ -284,6 +293,11 @@ class Agent:
         self._wait_over(store, posted)
         supervisor.stop_all()
         self._exits_done.wait(self.timeout_s)
+        return self._leave(store)
+
+    def _leave(self, store: dist.Store) -> int:
+        """The job is over (or goes on without this host): confirm its end, the last agent
+        out cleaning up; the job's outcome as exit code."""
         if not store.check([OVER]):  # deposed: the job goes on without this host
             return 1
         over = self._job_over(store)
@@ -319,39 +333,33 @@ class Agent:
         """Given --resume, which this host does not have (the coordinating agent sends it)."""
         return self.opts.resume is not None and self.checkpoint is None
 
-    def _fetch_resume(self, store: dist.Store) -> durable.Checkpoint | None:
+    def _fetch_resume(self, store: dist.Store) -> durable.Checkpoint | str:
         """Take the coordinating agent's copy of the checkpoint into OUT/resume/: its offer
         (sealed under the job's key) names the files and their checksums, the files follow
         through the store under flow control (`checkpoint.transfer`); then check it as any
-        --resume. None, said, when it does not come whole (the coordinating agent, whose
-        send then fails, ends the job with the reason)."""
+        --resume. What went wrong instead, when it does not come whole or does not pass."""
         raw = wait_get(store, keys.resume_offer(self.me), self.timeout_s)
         if raw is None:
-            self.say(f"--resume {self.opts.resume}: this host lacks it, and the coordinating "
-                     f"agent did not offer its copy within {self.timeout_s:.0f} s")
-            return None
+            return (f"--resume {self.opts.resume}: this host lacks it, and the coordinating "
+                    f"agent did not offer its copy within {self.timeout_s:.0f} s")
         try:
             offer = self.channel.open(raw, expect=ResumeOffer, writers={"coordinator"}).message
         except Refused as why:
-            self.say(f"--resume: refused the coordinating agent's offer: {why.reason}")
-            return None
+            return f"--resume: refused the coordinating agent's offer: {why.reason}"
         assert isinstance(offer, ResumeOffer)
         if not offer.name.startswith("iter_") or Path(offer.name).name != offer.name:
-            self.say(f"--resume: refused an offer of {offer.name!r}, not a checkpoint's name")
-            return None
+            return f"--resume: refused an offer of {offer.name!r}, not a checkpoint's name"
         folder = self.opts.out / "resume" / offer.name
         problem = durable.transfer.receive(
             SealedStore(store, self.channel.key), durable.transfer.Stream.resume(self.me),
             offer.checksums, folder, timeout_s=self.timeout_s)
         if problem:
-            self.say(f"--resume: the coordinating agent's checkpoint did not arrive whole: "
-                     f"{problem}")
-            return None
+            return f"--resume: the coordinating agent's checkpoint did not arrive whole: {problem}"
         try:
             checkpoint = _checked_resume(replace(self.opts, resume=folder), self.cfg, [])
         except LaunchError as exc:
-            self.say(str(exc))
-            return None
+            return f"--resume: the coordinating agent's copy, received: {exc}"
+        assert checkpoint is not None
         self.say(f"--resume: this host lacked {self.opts.resume}; received the coordinating "
                  f"agent's copy into {folder}")
         return checkpoint
