@@ -41,7 +41,8 @@ class Coordinating:
         agent of the first layout must bring the same); `notes`: what checking it said."""
         self.opts, self.cfg, self.spec, self.token, self.address = opts, cfg, spec, token, address
         self.checkpoint, self.resume_notes = checkpoint, list(notes or [])
-        # the checkpoint on its way to agents whose hosts lack it: (agent, why it failed)
+        # the checkpoint on its way to agents whose hosts lack it: (agent, its sending
+        # thread, and once that ended, "" or why the copy did not arrive whole)
         self._sends: list[tuple[int, threading.Thread, list[str]]] = []
         self.me = me  # this agent's arrival number
         self.leadership = leadership  # etcd: the office, held under a lease
@@ -218,6 +219,7 @@ class Coordinating:
         return None
 
     def _start_send(self, k: int) -> None:
+        """Send the checkpoint to agent `k` on a thread (`_sent` waits for every send)."""
         failed: list[str] = []
         thread = threading.Thread(target=lambda: failed.append(self._send_resume(k)),
                                   name=f"resume-to-agent{k}", daemon=True)
