@@ -398,7 +398,8 @@ class Coordinator:
         self.emit({"time_s": self.now(), "kind": "join_accepted", "node": node,
                    "generation": self.generation})
         if self.collecting is None:
-            # (prepared before the request, whose record ends the nodes' watch of the board)
+            # (prepared before the request: the nodes start forming the groups before they
+            # head for the boundary)
             self._prepare_following(f"{node} joined", placing=True)
             self.request_regroup(f"{node} joined")
 
@@ -565,7 +566,7 @@ class Coordinator:
         self.collecting = None
         if outcome.improve:
             # the next plan is known now (nothing happened yet): its groups can form while the
-            # job trains (prepared before the request, whose record ends the nodes' watch)
+            # job trains (prepared before the request, so that they start before the boundary)
             self._prepare_following("the layout can improve further")
             self.request_regroup("the layout can improve further")
 
