@@ -18,6 +18,7 @@ checkpoints that verify, so a damaged newest one never pushes out the good one b
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -256,8 +257,6 @@ class Checkpoint:
     def digest(self) -> str:
         """What makes two copies the same checkpoint: its manifest (which lists every file's
         checksum), wherever the copy lies. Agents on separate hosts compare it."""
-        import hashlib
-
         text = json.dumps(self.manifest, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 

@@ -128,12 +128,11 @@ class Coordinator:
         self._grace_until = 0.0  # no fencing before this time (the store was away)
         self._refusals: set[tuple[str, str]] = set()
         self._regroup_asked = -1  # the generation whose regroup was asked for
-        # the layout of the next generation that nodes were asked to form groups for ahead of
-        # the boundary, with the generation that asked (`noticed`)
-        self._prepared: tuple[int, Layout] | None = None
-        # every layout prepared in that generation: one replaced is never prepared again in
-        # it, since its groups would form a second time under the same store prefix, where
-        # the abandoned formation's records lie
+        # the layouts of the next generation that nodes were asked to form groups for ahead
+        # of the boundary, in order, with the generation that asked (`_prepare`): the last is
+        # the one the boundary's plan may take; one replaced is never prepared again in that
+        # generation, since its groups would form a second time under the same store prefix,
+        # where the abandoned formation's records lie
         self._prepared_in: tuple[int, list[Layout]] = (-1, [])
         # the nodes whose notices came in a generation, with that generation
         self._noticed: tuple[int, frozenset[str]] = (-1, frozenset())
@@ -310,6 +309,12 @@ class Coordinator:
         self._noticed = (g, self._leaving_now() | {notice.node})
         self._prepare_following(f"{notice.node} leaves on a notice")
 
+    @property
+    def _prepared(self) -> tuple[int, Layout] | None:
+        """The newest preparation, with the generation that asked for it."""
+        g, layouts = self._prepared_in
+        return (g, layouts[-1]) if layouts else None
+
     def _leaving_now(self) -> frozenset[str]:
         """The nodes whose notices came in this generation (they leave at its boundary)."""
         g, nodes = self._noticed
@@ -327,7 +332,6 @@ class Coordinator:
         if (decision.stopped or decision.action not in CARRIED_OUT or not placed <= waiting
                 or decision.layout in before):
             return
-        self._prepared = (g, decision.layout)
         self._prepared_in = (g, before + [decision.layout])
         prepare = Prepare(g, decision.layout.to_json())
         board.publish(self.store, self.channel, keys.regroup_board(g), prepare, g)

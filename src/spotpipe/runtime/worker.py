@@ -93,7 +93,7 @@ class Worker:
         # a generation's connections, opened while the job trains (see SpareConnections); the
         # first ones while the model is built, so that a regroup soon after the start (a
         # notice in the first iterations) finds them ready rather than waiting for one that a
-        # dropped name lookup holds 5 s
+        # dropped name lookup holds (`cluster.supervisor.RESOLVER_OPTIONS`)
         self.spares = SpareConnections(address, cfg.cluster.timeout_s)
         self.spares.refill()
         self.backend = job.resolve_backend(cfg)
