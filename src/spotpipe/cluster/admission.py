@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from spotpipe import job
 from spotpipe.checkpoint import durable
-from spotpipe.checkpoint.fsync import sha256_file
+from spotpipe.cluster import resume_copy
 from spotpipe.cluster.agent_loop import AgentJobLoop
 from spotpipe.cluster.coordinator import join_problem
 from spotpipe.cluster.agent_options import AgentOptions
@@ -22,11 +22,10 @@ from spotpipe.cluster.rendezvous import (ARRIVALS, JOB, agent_key, assign_key, p
                                          proof_key, read_record, wait_get)
 from spotpipe.config import Config
 from spotpipe.protocol import (AgentArrival, ArrivalsClosed, Assignment, Channel,
-                               CoordinatorState, JobPosted, MessageError, ResumeOffer, job_key,
-                               keys, new_instance_id, plain, vouch, vouched)
+                               CoordinatorState, JobPosted, MessageError, job_key,
+                               new_instance_id, plain, vouch, vouched)
 from spotpipe.store.address import StoreAddress
 from spotpipe.store.leader import Leadership
-from spotpipe.store.sealed import SealedStore
 
 
 class Coordinating:
@@ -227,26 +226,19 @@ class Coordinating:
         thread.start()
 
     def _send_resume(self, k: int) -> str:
-        """Send this agent's checkpoint to agent `k`, whose host lacks the job's --resume: an
-        offer sealed under the job's key (the folder's name, every file's SHA-256), then the
-        files through the store under flow control (`checkpoint.transfer`), each checked on
-        arrival. "" once all arrived whole, else why not."""
+        """Send this agent's checkpoint to agent `k`, whose host lacks the job's --resume
+        (`resume_copy`): "" once it arrived whole, else why not."""
         mine = self.checkpoint
         assert mine is not None
         timeout_s = self.cfg.cluster.timeout_s
         try:
-            store = self.address.connect(timeout_s)
-            channel = Channel(job_key(self.token, self.instance), "coordinator")
-            checksums = {**mine.manifest["checksums"],
-                         durable.MANIFEST: sha256_file(mine.path / durable.MANIFEST)}
-            store.set(keys.resume_offer(k), channel.seal(ResumeOffer(mine.path.name, checksums)))
-            durable.transfer.send(SealedStore(store, channel.key),
-                                  durable.transfer.Stream.resume(k), mine.path, checksums,
-                                  timeout_s=timeout_s)
+            files = resume_copy.send(self.address.connect(timeout_s),
+                                     Channel(job_key(self.token, self.instance), "coordinator"),
+                                     k, mine, timeout_s=timeout_s)
         except Exception as exc:  # noqa: BLE001 - said as the job's end
             return f"--resume: the checkpoint did not reach agent {k}: {exc}"[:500]
         self._event({"kind": "checkpoint_sent", "node": f"agent{k}", "path": str(mine.path),
-                     "files": len(checksums)})
+                     "files": files})
         return ""
 
     def _sent(self) -> str:

@@ -51,7 +51,6 @@ import sys
 import threading
 from dataclasses import replace
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -61,6 +60,7 @@ from spotpipe import job
 from spotpipe.checkpoint import durable
 from spotpipe.checkpoint.fsync import sha256_file
 from spotpipe.cluster.admission import Coordinating
+from spotpipe.cluster import resume_copy
 from spotpipe.cluster.agent_options import (AgentError, AgentOptions, check_options,
                                             parse_nnodes)
 from spotpipe.cluster.launcher import LaunchError, check_resume, prepare, search_path
@@ -73,7 +73,7 @@ from spotpipe.config import Config
 from spotpipe.model import template
 from spotpipe.protocol import (AgentArrival, Assignment, Channel, CoordinatorState, Exit,
                                FinalUpload, JobOver, JobPosted, Kill, MessageError, Refused,
-                               ResumeOffer, job_key, keys, plain, vouch, vouched)
+                               job_key, keys, plain, vouch, vouched)
 from spotpipe.store.address import StoreAddress
 from spotpipe.store.leader import Leadership, lease_ttl
 from spotpipe.store.mailbox import Outbox
@@ -334,27 +334,12 @@ class Agent:
         return self.opts.resume is not None and self.checkpoint is None
 
     def _fetch_resume(self, store: dist.Store) -> durable.Checkpoint | str:
-        """Take the coordinating agent's copy of the checkpoint into OUT/resume/: its offer
-        (sealed under the job's key) names the files and their checksums, the files follow
-        through the store under flow control (`checkpoint.transfer`); then check it as any
-        --resume. What went wrong instead, when it does not come whole or does not pass."""
-        raw = wait_get(store, keys.resume_offer(self.me), self.timeout_s)
-        if raw is None:
-            return (f"--resume {self.opts.resume}: this host lacks it, and the coordinating "
-                    f"agent did not offer its copy within {self.timeout_s:.0f} s")
-        try:
-            offer = self.channel.open(raw, expect=ResumeOffer, writers={"coordinator"}).message
-        except Refused as why:
-            return f"--resume: refused the coordinating agent's offer: {why.reason}"
-        assert isinstance(offer, ResumeOffer)
-        if not offer.name.startswith("iter_") or Path(offer.name).name != offer.name:
-            return f"--resume: refused an offer of {offer.name!r}, not a checkpoint's name"
-        folder = self.opts.out / "resume" / offer.name
-        problem = durable.transfer.receive(
-            SealedStore(store, self.channel.key), durable.transfer.Stream.resume(self.me),
-            offer.checksums, folder, timeout_s=self.timeout_s)
-        if problem:
-            return f"--resume: the coordinating agent's checkpoint did not arrive whole: {problem}"
+        """Take the coordinating agent's copy of the checkpoint into OUT/resume/
+        (`resume_copy`), then check it as any --resume. What went wrong instead."""
+        folder = resume_copy.receive(store, self.channel, self.me, self.opts.out,
+                                     timeout_s=self.timeout_s)
+        if isinstance(folder, str):
+            return f"--resume {self.opts.resume}: this host lacks it, and {folder}"
         try:
             checkpoint = _checked_resume(replace(self.opts, resume=folder), self.cfg, [])
         except LaunchError as exc:
