@@ -20,9 +20,9 @@ from test_membership import SGD
 import pytest
 
 
-def _run(tmp_path, corpus, faults, joins, nodes):
+def _run(tmp_path, corpus, faults, joins, nodes, **extra):
     cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
-                      **{**FAST, **SGD, "iterations": 40})
+                      **{**FAST, **SGD, "iterations": 40, **extra})
     run = tmp_path / "run"
     parsed = [Fault.parse(kind, text, nodes) for kind, text in faults]
     assert train(cfg, run, progress=False, faults=parsed, joins=joins) == 0
@@ -85,10 +85,32 @@ def test_sender_lost_while_states_move(tmp_path, tmp_path_factory, corpus):
     _same_training(tmp_path_factory, corpus, cfg, run)
 
 
-def test_recovery_phases_are_parsed_and_hangs_refused():
+def test_recovery_phases_are_parsed():
     assert Fault.parse("fail", "node2@5:transfer").phase == "transfer"
-    with pytest.raises(FaultSpecError, match="a hang is injected in an iteration's phases"):
-        Fault.parse("hang", "node2@5:regroup")
+    assert Fault.parse("hang", "node2@5:regroup").phase == "regroup"
+    with pytest.raises(FaultSpecError, match="unknown phase 'reshape'"):
+        Fault.parse("hang", "node2@5:reshape")
+
+
+def test_heir_hung_before_its_generation_forms_is_fenced_at_the_hang_timeout(
+        tmp_path, tmp_path_factory, corpus):
+    """As in the test above, but node0's main thread stops there instead of dying; its
+    heartbeat goes on. Its peers wait for it in the groups' formation, a wait on peers, so
+    they are not judged; node0 is, in the step it stopped in, and is fenced at the hang
+    timeout (2 s) rather than found when the formation times out (`cluster.timeout_s`, 10
+    minutes here); then the job goes on as when it dies there."""
+    nodes = [f"node{r}" for r in range(4)]
+    cfg, run = _run(tmp_path, corpus, [("fail", "node1@3:backward"), ("hang", "node0@3:regroup")],
+                    [], nodes, **{"cluster.timeout_s": 600})
+    ev = events(run)
+    fenced = [e for e in ev if e["kind"] == "node_fenced"]
+    assert [e["node"] for e in fenced] == ["node0"], fenced
+    assert fenced[0]["reason"].startswith("hung: no progress for "), fenced[0]
+    assert "forming the process groups" in fenced[0]["reason"], fenced[0]
+    plans = [(e["generation"], e["action"]) for e in ev if e["kind"] == "plan"]
+    assert plans[:2] == [(1, "failover"), (2, "drop_pipeline")]
+    assert not [e for e in ev if e["kind"] == "worker_error"]
+    _same_training(tmp_path_factory, corpus, cfg, run)
 
 
 def test_repartition_cut_short_is_rolled_back(tmp_path, corpus):

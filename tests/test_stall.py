@@ -128,3 +128,104 @@ def test_a_stall_report_fences_only_its_writer_and_only_in_its_generation(corpus
     assert "generation" in refusals[1]["reason"]
     coord.stalled(_stall(coord, "node3"), "node3")  # not in the job: nothing to fence
     assert killed == [] and not coord.fenced
+
+
+# -- between instructions: the steps of carrying out a Decision (`runtime.activity`) ---------
+
+def test_a_step_computes_until_a_wait_opens_and_a_wait_ends_with_a_fresh_stamp():
+    from spotpipe.runtime.activity import Activity
+
+    now = [0.0]
+    act = Activity(clock=lambda: now[0])
+    assert not act.busy  # running instructions: the executor's stamps speak
+    act.begin("moving states", 3)
+    assert act.busy and (act.step, act.generation, act.since) == ("moving states", 3, 0.0)
+    now[0] = 5.0
+    with act.waiting():
+        assert not act.busy
+        with act.waiting():  # nested (a Waiter's call inside a marked wait)
+            pass
+        assert not act.busy
+        now[0] = 9.0
+    assert act.busy and act.since == 9.0  # the stall counts from the wait's end
+    now[0] = 10.0
+    act.begin("starting the generation", 3)
+    assert act.since == 10.0
+    act.end()
+    assert not act.busy
+
+
+def test_a_comms_waits_mark_the_main_threads_activity_and_only_its_own():
+    """A Comm's waiter marks each wait of the thread that owns the activity (the worker's main
+    thread); the same waiter code run by another thread (groups formed ahead) is not a wait
+    of the main thread, which may be computing meanwhile."""
+    import threading
+
+    from spotpipe.runtime.activity import Activity
+    from spotpipe.runtime.comm import Waiter
+    from spotpipe.store.abort import AbortSignal
+
+    act = Activity()
+    act.begin("moving states", 1)
+    waiter = Waiter(AbortSignal(), act)
+    release, entered, seen = threading.Event(), threading.Event(), []
+
+    def blocking() -> None:
+        entered.set()
+        seen.append(act.busy)  # on the waiter's thread, while the main thread waits
+        release.wait(10)
+
+    release.set()
+    waiter.call(blocking, "a peer")
+    assert seen == [False] and act.busy
+    # another thread's wait on a waiter of the same activity: the main thread stays busy
+    release.clear()
+    other = threading.Thread(target=lambda: waiter.call(blocking, "a peer"))
+    other.start()
+    assert entered.wait(10)
+    entered.clear()
+    while len(seen) < 2:
+        threading.Event().wait(0.01)  # (polling the list the waiter fills; no timing)
+    assert seen[1] is True
+    release.set()
+    other.join(10)
+    waiter.stop()
+
+
+def test_a_stall_between_instructions_names_its_step(corpus):
+    coord, emitted, killed = _coordinator(corpus)
+    coord.stalled(_stall(coord, "node1", step="forming the process groups"), "node1")
+    assert killed == ["node1"]
+    reason = next(e for e in emitted if e["kind"] == "node_fenced")["reason"]
+    assert reason.startswith("hung: no progress for 2.0 s forming the process groups"), reason
+
+
+def test_beats_in_a_step_are_judged_and_a_new_step_is_progress():
+    """The coordinator's own judgement from beats, between instructions: busy in one step for
+    the hang timeout is a hang named by the step; a new step starts the count again; a wait
+    is never a hang."""
+    from torch.distributed import HashStore
+
+    from spotpipe.cluster.liveness import Liveness
+    from spotpipe.protocol import Heartbeat, keys
+
+    key = job_key(b"token", "inst")
+    store, now = HashStore(), [0.0]
+    liveness = Liveness(store, Channel(key, "coordinator"), lambda w, r: None,
+                        clock=lambda: now[0])
+    node = Channel(key, "node0")
+
+    def beat(at: float, state: str, step: str) -> str | None:
+        now[0] = at
+        store.set(keys.heartbeat("node0"),
+                  node.seal(Heartbeat("node0", state, 2, 5, 3, step=step)))
+        return liveness.verdict("node0", heartbeat_timeout_s=3.0, hang_timeout_s=2.0)
+
+    assert beat(0.0, "busy", "taking over stage 1") is None
+    assert beat(1.5, "busy", "taking over stage 1") is None
+    assert beat(2.5, "busy", "moving states") is None  # a new step: progress
+    assert beat(4.0, "waiting", "moving states") is None
+    assert beat(7.0, "waiting", "moving states") is None  # waiting on peers: never hung
+    assert beat(7.5, "busy", "moving states") is None
+    verdict = beat(9.75, "busy", "moving states")  # counted from the last beat that waited
+    assert verdict and verdict.startswith("hung: no progress for 2.8 s moving states"), verdict

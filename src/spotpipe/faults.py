@@ -18,7 +18,7 @@ PHASES = ("start", "forward", "backward", "all-reduce", "optimizer", "checkpoint
 # resumes at or after the fault's iteration forms (`regroup`: before its process groups exist;
 # `transfer`: groups formed, before stage and replica states move, in the first such recovery
 # that moves state to or from the node). A spot node is as likely to go while the job reshapes
-# as at any other moment.
+# as at any other moment, and a main thread to stop there (`runtime.activity`).
 RECOVERY_PHASES = ("regroup", "transfer")
 KINDS = ("fail", "notice", "hang", "nan", "ioerror")
 # kinds that happen at one place of the iteration: the phase is theirs, not the user's
@@ -57,9 +57,6 @@ class Fault:
         if kind == "notice" and phase != "start":
             raise FaultSpecError(f"--notice {text!r}: a notice arrives between iterations; "
                                  "give no phase")
-        if kind == "hang" and phase in RECOVERY_PHASES:
-            raise FaultSpecError(f"--hang {text!r}: a hang is injected in an iteration's phases "
-                                 f"({', '.join(p for p in PHASES if p not in RECOVERY_PHASES)})")
         if nodes is not None and node not in nodes:
             raise FaultSpecError(f"--{kind} {text!r}: no node {node!r}; the job's nodes are "
                                  f"{', '.join(nodes)}")

@@ -376,7 +376,7 @@ class Coordinator:
         if stall.generation < self.generation or stall.node not in self.live \
                 or stall.node in self.fenced:
             return
-        self._fence(stall.node, hung(stall.still_s, stall.iteration, stall.position)
+        self._fence(stall.node, hung(stall.still_s, stall.iteration, stall.position, stall.step)
                     + " (its own report)")
 
     def join(self, request: JoinRequest, writer: str) -> None:

@@ -24,7 +24,7 @@ class _Seen:
     seq: int
     at: float  # when the newest beat arrived (coordinator's monotonic clock)
     beat: Heartbeat
-    progress: tuple[int, int, int] = (-1, -1, 0)
+    progress: tuple[int, int, int, str] = (-1, -1, 0, "")
     since: float = 0.0  # when its progress last changed (or it last waited)
 
 
@@ -64,8 +64,7 @@ class Liveness:
         if seen is None or seen.incarnation != sealed.incarnation:
             # a first beat, or a new process under this node's name (a node that came back)
             self._seen[node] = seen = _Seen(sealed.incarnation, sealed.seq, now, beat,
-                                            (beat.generation, beat.iteration, beat.position),
-                                            now)
+                                            _progress(beat), now)
             return seen
         if sealed.seq < seen.seq:
             self.refused(node, f"heartbeat: a replay (sequence number {sealed.seq} after "
@@ -74,7 +73,7 @@ class Liveness:
         if sealed.seq == seen.seq:
             return seen
         seen.seq, seen.at, seen.beat = sealed.seq, now, beat
-        progress = (beat.generation, beat.iteration, beat.position)
+        progress = _progress(beat)
         if progress != seen.progress or beat.state != "busy":
             seen.progress, seen.since = progress, now
         return seen
@@ -89,10 +88,18 @@ class Liveness:
         if age > heartbeat_timeout_s:
             return f"no heartbeat for {age:.1f} s"
         if now - seen.since > hang_timeout_s:
-            return hung(now - seen.since, seen.beat.iteration, seen.beat.position)
+            return hung(now - seen.since, seen.beat.iteration, seen.beat.position,
+                        seen.beat.step)
         return None
 
 
-def hung(still_s: float, iteration: int, position: int) -> str:
-    """Why a node is fenced as hung (the beats' judgement and the node's own `Stalled`)."""
+def _progress(beat: Heartbeat) -> tuple[int, int, int, str]:
+    return (beat.generation, beat.iteration, beat.position, beat.step)
+
+
+def hung(still_s: float, iteration: int, position: int, step: str = "") -> str:
+    """Why a node is fenced as hung (the beats' judgement and the node's own `Stalled`); `step`:
+    where between instructions (carrying out a Decision, `runtime.activity`)."""
+    if step:
+        return f"hung: no progress for {still_s:.1f} s {step} (the job at iteration {iteration})"
     return f"hung: no progress for {still_s:.1f} s at iteration {iteration}, instruction {position}"

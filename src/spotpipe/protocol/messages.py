@@ -279,6 +279,7 @@ class Heartbeat(Message):
     generation: int
     iteration: int = -1
     position: int = 0
+    step: str = ""  # between instructions: the step it takes (`runtime.activity`)
 
 
 @dataclass(frozen=True)
@@ -297,6 +298,7 @@ class Stalled(Message):
     position: int
     still_s: float
     time_s: float
+    step: str = ""  # stalled between instructions, in this step (carrying out a Decision)
 
 
 # --------------------------------------------------------------------- coordinator -> nodes

@@ -22,10 +22,11 @@ CPU workers of one host, through shared memory (runtime/local_link.py, which say
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from spotpipe.plan.memory import link_ring_slots
 from spotpipe.protocol.auth import Refused
 from spotpipe.runtime import local_link
+from spotpipe.runtime.activity import Activity
 from spotpipe.store.abort import AbortSignal, PeerFailure  # noqa: F401 (re-exported)
 from spotpipe.store.sealed import SealedStore
 from spotpipe.store.watchers import Connection, connected
@@ -89,8 +91,10 @@ class Waiter:
     submission order, so that the generation's abort can end the main thread's wait. A call
     abandoned at the abort keeps the thread until its own timeout; the generation is over."""
 
-    def __init__(self, abort: AbortSignal) -> None:
+    def __init__(self, abort: AbortSignal, activity: Activity | None = None) -> None:
         self.abort = abort
+        # the worker's main thread between instructions: each wait here is a wait there
+        self.activity = activity or Activity()
         self.waiting = False  # the main thread is blocked on a peer (read by the heartbeat)
         self.handoffs = 0  # calls handed to the thread (each costs two thread switches)
         self.idle_at = time.monotonic()  # when the main thread's last wait ended
@@ -122,8 +126,11 @@ class Waiter:
     def blocked(self, waiting: bool) -> None:
         """The main thread waits on a peer itself (a local link's poll), or stopped."""
         self.waiting = waiting
-        if not waiting:
+        if waiting:
+            self.activity.wait_began()
+        else:
             self.idle_at = time.monotonic()
+            self.activity.wait_ended()
 
     def call(self, call: Callable[[], Any], failure: str) -> None:
         """`call()`; PeerFailure (`failure`: the error) if it fails or the abort comes first."""
@@ -132,11 +139,13 @@ class Waiter:
         self.handoffs += 1
         self._queue.put((call, failure, done, errors))
         self.waiting = True
+        self.activity.wait_began()
         try:
             self.abort.wait(done)
         finally:
             self.idle_at = time.monotonic()
             self.waiting = False
+            self.activity.wait_ended()
         if errors:
             raise PeerFailure(errors[0])
 
@@ -161,7 +170,8 @@ class Comm:
                  me: str, stage_members: dict[int, list[str]], backend: str,
                  device: torch.device, timeout_s: float, abort: AbortSignal,
                  namespace: str = "spotpipe", local_slots: int = 0,
-                 on_refused: Callable[[Refused], None] | None = None) -> None:
+                 on_refused: Callable[[Refused], None] | None = None,
+                 activity: Activity | None = None) -> None:
         """`store`: the generation's own connection, or how to get one
         (`SpareConnections.take`), then got on the waiter's thread, where the generation's
         abort ends a wait for it as any other (a new connection can take seconds).
@@ -169,14 +179,16 @@ class Comm:
         (store/sealed.py), so that nobody without it can slip an address of theirs into a
         group. `on_refused` hears of every record there that does not verify.
         `local_slots`: messages a local link buffers per channel (0: no local links); the
-        most a schedule sends on one channel before its receiver takes them."""
+        most a schedule sends on one channel before its receiver takes them. `activity`: the
+        worker's main thread between instructions, which this comm's waits mark
+        (`runtime.activity`)."""
         self.generation = generation
         self.nodes = list(nodes)
         self.me = me
         self.rank = self.nodes.index(me)
         self.device = device
         self.abort = abort
-        self.waiter = Waiter(abort)
+        self.waiter = Waiter(abort, activity)
         self.world: Any = None
         self.data_parallel: dict[int, tuple[Any, int]] = {}
         # the generation's own connection (see _form_groups, wait_keys), referenced as long
@@ -258,6 +270,17 @@ class Comm:
         assert store is not None, "wait_keys on groups that are closed"
         self.waiter.call(lambda: store.wait(keys, timedelta(seconds=timeout_s)),
                          f"waiting for {what} failed")
+
+    @contextlib.contextmanager
+    def waiting_on_peer(self) -> Iterator[None]:
+        """Mark a wait of the main thread on a peer that does not go through the waiter (a
+        rendezvous read that polls past a squatter's value for the peer's own): for the hang
+        watches it waits, it does not compute."""
+        self.waiter.blocked(True)
+        try:
+            yield
+        finally:
+            self.waiter.blocked(False)
 
     def _post(self, op: Any, *args: Any) -> Any:
         """Start an operation; a peer already gone makes gloo raise right here, not at wait."""

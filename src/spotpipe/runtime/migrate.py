@@ -235,7 +235,8 @@ def exchange_layers(moves: list[LayerMove], me: str, comm: Comm, store: Any, pre
             works.append(comm.post_send(outgoing[peer], peer, tag(LAYERS, 0)))
         else:
             comm.wait_keys([key(peer, me)], timeout_s, f"{peer}'s layer metadata")
-            meta = json.loads(store.get(key(peer, me)))
+            with comm.waiting_on_peer():  # (past a squatter's value, until the peer's own)
+                meta = json.loads(store.get(key(peer, me)))
             flat = torch.empty(message_bytes(meta), dtype=torch.uint8, device=comm.device)
             incoming[peer] = (meta, flat)
             works.append(comm.post_recv(flat, peer, tag(LAYERS, 0)))

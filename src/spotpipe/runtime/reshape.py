@@ -20,6 +20,7 @@ from spotpipe.plan.transfers import Transfer, after_restores
 from spotpipe.protocol import Channel, Mark, Refused, keys
 from spotpipe.runtime import migrate
 from spotpipe.runtime import node as nodelib
+from spotpipe.runtime.activity import Activity
 from spotpipe.runtime.comm import Comm, PeerFailure
 from spotpipe.runtime.shadow_link import ShadowWriter
 from spotpipe.runtime.state import NodeState
@@ -49,8 +50,11 @@ class Reshaper:
     def __init__(self, state: NodeState, *, store: Any, sealed: SealedStore, namespace: str,
                  channel: Channel, shadow: ShadowWriter | None, digests: Any,
                  inject: Callable[[str, int], None],
-                 refused: Callable[[Refused], None]) -> None:
+                 refused: Callable[[Refused], None], activity: Activity | None = None) -> None:
+        """`activity`: the main thread's, where each step of carrying out a Decision is named
+        and each wait marked (`runtime.activity`: a step that stops is a hang)."""
         self.state = state
+        self.activity = activity or Activity()
         self.store = store
         self.sealed = sealed  # the layer metadata's (not protocol messages)
         self.namespace = namespace
@@ -75,10 +79,12 @@ class Reshaper:
         promoted = decision.promotions(me)
         for stage in promoted:
             progress.untouched = False
+            self.activity.begin(f"taking over stage {stage}", decision.generation)
             self._promote(stage, resume)
         st.layout = decision.layout
         st.generation = decision.generation
         progress.lacking = decision.receives(me)
+        self.activity.begin("forming the process groups", decision.generation)
         self.inject("regroup", resume)
         comm = open_comm()
         formed = time.perf_counter()
@@ -87,6 +93,8 @@ class Reshaper:
                                                         if m.kind == MoveKind.RESTORE
                                                         and m.pipeline == 0})
         moves = [t for t in decision.transfers if t not in late]
+        self.activity.begin("re-partitioning" if repartition else "moving states",
+                            decision.generation)
         if repartition or progress.lacking or any(me in (t.src, t.dst) for t in moves):
             self.inject("transfer", resume)  # (only a plan that moves this node's state)
         held = ({s: id(x) for s, x in st.stages.items()}, id(st.holding))
@@ -105,6 +113,8 @@ class Reshaper:
         restored = sorted(m.stage for m in restores if m.dst == me and m.pipeline == 0)
         if restored:
             progress.untouched = False
+            self.activity.begin(f"restoring stage(s) {', '.join(map(str, restored))} from "
+                                "their shadows", decision.generation)
         for s in restored:
             st.own(s, *st.build_stage(s))
         scale = decision.clip_scale
@@ -114,6 +124,7 @@ class Reshaper:
                  for m in restores if m.pipeline != 0] + late
         if after:
             progress.untouched = False
+            self.activity.begin("moving states", decision.generation)
             before = progress.bytes_received
             received += self._migrate(after, comm, resume)
             progress.bytes_received += before
@@ -270,7 +281,8 @@ class Reshaper:
             raise RuntimeError(f"{st.node} must restore stages {sorted(missing)} from shadows "
                                "but does not write them (only pipeline 0's owners link to shadows)")
         before = self.shadow.bytes_received
-        self.shadow.relink(writes, resume, restore, scale)
+        with self.activity.waiting():  # on the shadows (a restore's state comes from them)
+            self.shadow.relink(writes, resume, restore, scale)
         self.progress.bytes_received += self.shadow.bytes_received - before
 
     def relink_at_start(self, resume: int) -> None:

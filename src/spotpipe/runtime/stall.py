@@ -23,12 +23,14 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Still:
     """Where the main thread is, and since when (monotonic seconds) nothing has changed there:
-    the instruction began, or its last wait on a peer ended."""
+    the instruction (or the `step` between instructions, `runtime.activity`) began, or its last
+    wait on a peer ended."""
 
     generation: int
     iteration: int
     position: int
     since: float
+    step: str = ""
 
 
 class StallWatch:
@@ -52,7 +54,8 @@ class StallWatch:
             self._calm_at = now
             return self.poll_s
         if still.since < self._calm_at:
-            still = Still(still.generation, still.iteration, still.position, self._calm_at)
+            still = Still(still.generation, still.iteration, still.position, self._calm_at,
+                          still.step)
         due = still.since + self.timeout_s - now
         if due > 0:
             return min(self.poll_s, due)

@@ -36,6 +36,7 @@ from spotpipe.protocol import (Abort, Channel, DecisionRecord, JoinAnswer, JoinR
                                Notice, Prepare, Refused, Report, Stalled, keys)
 from spotpipe.runtime import node as nodelib
 from spotpipe.runtime import stacks
+from spotpipe.runtime.activity import Activity
 from spotpipe.runtime.comm import AbortSignal, Comm, PeerFailure
 from spotpipe.runtime.digest import DigestLog
 from spotpipe.runtime.generations import GenerationGroups
@@ -141,9 +142,12 @@ class Worker:
         self.executor: Executor | None = None
         self.shadow = (ShadowWriter(self.sealed, namespace, node, max_lag=cfg.shadow.max_lag,
                                     timeout_s=timeout) if cfg.shadow.enabled else None)
+        # the main thread's steps between instructions, for the hang watches
+        self.activity = Activity()
         self.reshaper = Reshaper(st, store=store, sealed=self.sealed, namespace=namespace,
                                  channel=channel, shadow=self.shadow, digests=self.digests,
-                                 inject=self.inject, refused=self._refused)
+                                 inject=self.inject, refused=self._refused,
+                                 activity=self.activity)
         self.groups = GenerationGroups(node=node, protocol=self.protocol, spares=self.spares,
                                        namespace=namespace, form=self._new_comm,
                                        coordinator=COORDINATOR, refused=self._refused)
@@ -217,24 +221,35 @@ class Worker:
                                                   self.layout))
 
     def _progress(self) -> dict[str, Any]:
-        ex = self.executor
-        if ex is None:
-            return {"state": "starting", "generation": self.generation}
+        ex, act = self.executor, self.activity
         if self._finishing:  # the final save and the shadows' last writes are no hang
             return {"state": "finishing", "generation": self.generation,
-                    "iteration": ex.iteration, "position": ex.position}
-        busy = (not ex.comm.waiter.waiting and not self._recovering
-                and not (self.shadow is not None and self.shadow.waiting)
-                and not (self.holding is not None and self.holding.applier.waiting))
+                    **({"iteration": ex.iteration, "position": ex.position} if ex else {})}
+        # waits of the main thread on this node's other threads (they keep their own flags)
+        on_threads = ((self.shadow is not None and self.shadow.waiting)
+                      or (self.holding is not None and self.holding.applier.waiting))
+        step = act.step
+        if step:  # between instructions: the step's own clock (`runtime.activity`)
+            return {"state": "busy" if act.busy and not on_threads else "waiting",
+                    "generation": self.generation, "step": step,
+                    **({"iteration": ex.iteration, "position": ex.position} if ex else {})}
+        if ex is None:
+            return {"state": "starting", "generation": self.generation}
+        busy = not ex.comm.waiter.waiting and not on_threads
         return {"state": "busy" if busy else "waiting", "generation": self.generation,
                 "iteration": ex.iteration, "position": ex.position}
 
     def _still(self) -> Still | None:
         """Where the main thread computes, and since when, for the hang watch; None while it
         waits on something or does not compute (read in the order the stamps are written)."""
-        ex = self.executor
-        if ex is None or self._progress()["state"] != "busy":
+        ex, act = self.executor, self.activity
+        progress = self._progress()
+        if progress["state"] != "busy":
             return None
+        if progress.get("step"):
+            return Still(act.generation, progress.get("iteration", -1),
+                         progress.get("position", 0), act.since, progress["step"])
+        assert ex is not None
         generation, iteration, position = self.generation, ex.iteration, ex.position
         return Still(generation, iteration, position,
                      max(ex.position_at, ex.comm.waiter.idle_at))
@@ -242,15 +257,15 @@ class Worker:
     def _stalled(self, outbox: Outbox, still: Still, secs: float) -> None:
         """The hang watch saw the main thread stuck: leave the stacks in the log, the one
         trace of the hang that survives, then tell the coordinator (which fences this node)."""
-        stacks.dump(f"{self.node} stalled {secs:.1f} s at iteration {still.iteration}, "
-                    f"instruction {still.position} of generation {still.generation}")
+        where = (still.step if still.step else
+                 f"at iteration {still.iteration}, instruction {still.position}")
+        stacks.dump(f"{self.node} stalled {secs:.1f} s {where} of generation {still.generation}")
         outbox.post(Stalled(self.node, still.generation, still.iteration, still.position,
-                            round(secs, 6), outbox.now()))
+                            round(secs, 6), outbox.now(), step=still.step))
 
     def _refused(self, why: Refused) -> None:
         self.channel.event("record_refused", writer=why.writer, reason=why.reason[:300])
 
-    _recovering = False
     _finishing = False
     _said_local_off = False
     rest: list | None = None  # after a takeover: the rest of the in-flight iteration
@@ -259,7 +274,8 @@ class Worker:
         """The generation's process groups among the nodes of the current layout: the ones
         formed ahead for it when the Decision says `prepared` (`runtime.generations`),
         else formed now."""
-        comm = self.groups.open(self.generation, self.layout, prepared)
+        with self.activity.waiting():  # on the peers (or on their formation ahead)
+            comm = self.groups.open(self.generation, self.layout, prepared)
         if comm.local_off and not self._said_local_off:  # (said once, not per generation)
             self._said_local_off = True
             self.channel.event("local_links_off", reason=comm.local_off[:300])
@@ -275,7 +291,7 @@ class Worker:
                     me=self.node, namespace=namespace,
                     stage_members=nodelib.stage_members(layout), backend=self.backend,
                     device=self.device, timeout_s=self.cfg.cluster.timeout_s, abort=abort,
-                    local_slots=job.link_slots(self.cfg))
+                    local_slots=job.link_slots(self.cfg), activity=self.activity)
 
     def _form(self, comm: Comm | None = None) -> None:
         """Start a generation: groups among the live nodes, the wiring, the stream."""
@@ -355,13 +371,14 @@ class Worker:
         """Wait on standby until a Decision places this node (-1: the job ended first, or a
         preemption notice came while it waited). Answers are read in order from this node's
         board, so a node placed, put on standby and placed again waits for its new answer."""
-        self._recovering = True
+        self.activity.begin("waiting to be placed", self.generation)
         if self._answers is None:  # one reader for the node's life, reading ahead in order
             self._answers = BoardReader(self.spares.take(), self.protocol,
                                         keys.join_board(self.node),
                                         expect=(JoinAnswer, Prepare), writers={COORDINATOR})
         while True:
-            item = self._answers.next(NOTICE_CHECK_S)
+            with self.activity.waiting():
+                item = self._answers.next(NOTICE_CHECK_S)
             if item is None:
                 if self.notices.is_set():
                     # nothing here to hand over: leave now, so that no plan places a node
@@ -382,7 +399,8 @@ class Worker:
                 raise JoinRefused(answer.message)
             if answer.outcome == "finished":
                 return -1
-            decision, prepared = self._decision(answer.generation)
+            with self.activity.waiting():
+                decision, prepared = self._decision(answer.generation)
             self.state.layout = decision.previous_layout
             self.state.start_iteration = decision.resume
             try:
@@ -411,9 +429,9 @@ class Worker:
         else:
             self._await_early_joiners()
             self._form()
-            self._recovering = True  # waiting on the shadows, not computing (heartbeat)
+            self.activity.begin("linking the shadows", self.generation)
             self.reshaper.relink_at_start(self.state.start_iteration)
-            self._recovering = False
+            self.activity.end()
         self.channel.event("worker_ready", pipeline=self.state.pipeline,
                            stages=sorted(self.stages),
                            layers=[list(self.state.partition[s]) for s in sorted(self.stages)],
@@ -533,29 +551,23 @@ class Worker:
         raise AssertionError("unreachable")
 
     def _recover_once(self, why: Exception) -> int:
-        self._recovering = True
+        act = self.activity
+        act.begin("reporting the failure", self.generation)
         ex = self.executor
         g = self.generation
         # a node with a notice leaves, whether it saw the commit's flag or was woken by the
         # abort of a faster node first
         leaving = self.notices.is_set()
         boundary = isinstance(why, Leave)  # every node saw the same flag: no one to wake
-        if not boundary:
-            board.publish(self.store, self.protocol, keys.abort_board(g),
-                          Abort(g, f"{self.node}: {why}"[:300]), g)
         flight = ex.flight if ex is not None else None
         progress = self.reshaper.progress
-        self.channel.post(Report(
-            node=self.node, generation=g, boundary=boundary, **self._where(),
-            # after a plan this node could not carry out: what it misses (the coordinator
-            # counts it out of the layout; it joins again) and that nothing in flight is kept
-            formed=self.formed, lacking=tuple(progress.lacking), untouched=progress.untouched,
-            leaving=leaving, reason=str(why)[:300], time_s=self.channel.now()))
-        self.formed = True
-        decision, prepared = self._decision(g)
+        with act.waiting():  # the store's, then the coordinator's (for every survivor's report)
+            self._report_failure(g, why, boundary, leaving, progress)
+            decision, prepared = self._decision(g)
         if decision.stopped:
             raise JobStopped(decision.message)
         resume = decision.resume
+        act.begin("finishing the committed iteration", decision.generation)
         # finish the committed iteration; drop the one in flight, unless the plan continues it
         if ex is not None and ex.stepped_through < resume - 1:
             ex.step(resume - 1, decision.clip_scale)
@@ -583,13 +595,29 @@ class Worker:
             return -1
         return self._apply(decision, prepared)
 
+    def _report_failure(self, g: int, why: Exception, boundary: bool, leaving: bool,
+                        progress: Any) -> None:
+        """Wake the generation's other nodes (unless all saw the same boundary) and tell the
+        coordinator where this node stands."""
+        if not boundary:
+            board.publish(self.store, self.protocol, keys.abort_board(g),
+                          Abort(g, f"{self.node}: {why}"[:300]), g)
+        self.channel.post(Report(
+            node=self.node, generation=g, boundary=boundary, **self._where(),
+            # after a plan this node could not carry out: what it misses (the coordinator
+            # counts it out of the layout; it joins again) and that nothing in flight is kept
+            formed=self.formed, lacking=tuple(progress.lacking), untouched=progress.untouched,
+            leaving=leaving, reason=str(why)[:300], time_s=self.channel.now()))
+        self.formed = True
+
     def _wait_unplaced(self, keep_state: bool) -> int:
         """Wait to be placed (without `keep_state`, having dropped every state); -1 when the
         job ended first. A node that wrote shadows hands their links over first (END), so that
         their new writers are not held until this node's links time out."""
         if self.shadow is not None:
             try:
-                self.shadow.close()
+                with self.activity.waiting():
+                    self.shadow.close()
             except ShadowError as exc:  # the shadow is gone too: nothing to hand over
                 self.channel.event("shadow_link_lost", reason=str(exc)[:300])
                 self.shadow.links.clear()
@@ -607,16 +635,17 @@ class Worker:
         formed ahead for it when `prepared`)."""
         started = time.perf_counter()
         resume = decision.resume
-        with stacks.watchdog(self.cfg.failover.hang_timeout_s):  # (a node stuck here is fenced)
+        with stacks.watchdog(self.cfg.failover.hang_timeout_s):  # (its stacks, if it is slow)
             comm, carried = self.reshaper.carry_out(decision,
                                                     lambda: self._open_comm(prepared))
         # kept only when `recover` took the Decision to continue it (a joiner has none)
         flight = self.executor.flight if self.executor is not None else None
+        self.activity.begin("starting the generation", decision.generation)
         self._form(comm)
         if flight is not None:
             self.executor.flight = flight
             self.rest = self._rest_of_iteration(decision, carried.promoted, flight)
-        self._recovering = False
+        self.activity.end()
         repartition = decision.action.value == "repartition"
         kind = "takeover" if carried.promoted else ("migrated" if carried.received
                                                     else "regrouped")
