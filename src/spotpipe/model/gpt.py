@@ -11,8 +11,9 @@ their gradients. With tying, training matches a single-process run to float tole
 for bit (the two gradient contributions are summed in a different order); untied, it is
 bit-identical.
 
-Dropout (``dropout > 0``) draws from the torch RNG, so bit-identical results across layouts
-then also need the runtime to seed the RNG per (iteration, micro-batch, stage).
+Dropout (``dropout > 0``) draws from the torch RNG; the runtime seeds it per (iteration,
+micro-batch, layer) (`spotpipe.model.precision.Draws`), so results stay bit-identical across
+layouts and failovers.
 """
 
 from __future__ import annotations

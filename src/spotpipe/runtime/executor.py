@@ -45,6 +45,7 @@ class Microbatches:
     inputs: Sequence[torch.Tensor | None]
     targets: Sequence[torch.Tensor | None]
     indices: Sequence[Sequence[int]] = ()
+    first: int = 0  # the global index of micro-batch 0 (pipeline * M): its draws' key
 
 
 @dataclass
@@ -185,6 +186,10 @@ class Executor:
     def _local(self, stage: int) -> bool:
         return self.w.node_of_stage[stage] == self.me
 
+    def _draws(self, iteration: int, batches: Microbatches, mb: int) -> amp.Draws:
+        """Micro-batch `mb`'s random draws, the same on every node that runs its layers."""
+        return amp.Draws(self.cfg.seed, iteration, batches.first + mb)
+
     # ------------------------------------------------------------------ one iteration
 
     def run(self, stream: Sequence[Instr], batches: Microbatches, iteration: int,
@@ -220,7 +225,8 @@ class Executor:
                 f.inputs[(s, mb)] = x.requires_grad_()
             elif op == Op.FORWARD:
                 x = f.inputs[(s, mb)] if s > 0 else batches.inputs[mb]
-                y = amp.run_layers(self.stages[s].module, x, self.precision)
+                y = amp.run_layers(self.stages[s].module, x, self.precision,
+                                   self._draws(iteration, batches, mb))
                 if self.digests is not None:
                     self.digests.write(iter=iteration, stage=s, mb=mb, role="output",
                                        digest=tensors_digest([y]))
@@ -253,7 +259,8 @@ class Executor:
                 # backward redundant computation: the forward again, with autograd, from the
                 # kept input (its output already went on from FRC), then the backward
                 x = f.inputs[(s, mb)] if s > 0 else batches.inputs[mb]
-                torch.autograd.backward(amp.run_layers(self.stages[s].module, x, self.precision),
+                torch.autograd.backward(amp.run_layers(self.stages[s].module, x, self.precision,
+                                                       self._draws(iteration, batches, mb)),
                                         f.out_grads.pop((s, mb)))
                 f.done |= {("forward", s, mb), ("backward", s, mb)}
             elif op == Op.SEND_GRAD:
@@ -274,7 +281,7 @@ class Executor:
                 x = batches.inputs[mb] if s == 0 else f.kept_outputs[((s - 1) % p, mb)]
                 with torch.no_grad():
                     out = amp.run_layers(red.replica.module, x.to(red.replica.device),
-                                         self.precision)
+                                         self.precision, self._draws(iteration, batches, mb))
                 if self.digests is not None:
                     self.digests.write(iter=iteration, stage=s, mb=mb, role="frc",
                                        digest=tensors_digest([out]))

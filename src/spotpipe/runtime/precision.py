@@ -17,9 +17,9 @@ import torch
 from torch import Tensor, nn
 
 from spotpipe.config import Config
-from spotpipe.model.precision import DTYPES, Precision, loss_of, run_layers
+from spotpipe.model.precision import DTYPES, Draws, Precision, loss_of, run_layers
 
-__all__ = ["DTYPES", "Precision", "current_scale", "init_loss_scale", "loss_of", "run_layers",
+__all__ = ["DTYPES", "Draws", "Precision", "current_scale", "init_loss_scale", "loss_of", "run_layers",
            "unscale", "update_scale"]
 
 

@@ -15,7 +15,7 @@ from spotpipe.config import Config
 from spotpipe.data import collate
 from spotpipe import job
 from spotpipe.runtime.optim import build_optimizer, set_lr
-from spotpipe.runtime.precision import Precision, loss_of, run_layers
+from spotpipe.runtime.precision import Draws, Precision, loss_of, run_layers
 
 
 def train_reference(cfg: Config, iterations: int | None = None,
@@ -44,9 +44,10 @@ def train_reference(cfg: Config, iterations: int | None = None,
         set_lr(optimizer, cfg, t)
         total = 0.0
         for pipeline in range(d):
-            for idx in sampler.pipeline_microbatches(t, pipeline, d, m):
-                x, y = (t.to(device) for t in collate(dataset, idx))
-                loss = loss_of(layered.loss_fn, run_layers(model, x, precision), y,
+            for k, idx in enumerate(sampler.pipeline_microbatches(t, pipeline, d, m)):
+                x, y = (v.to(device) for v in collate(dataset, idx))
+                draws = Draws(cfg.seed, t, pipeline * m + k)  # (dropout's masks, as a stage's)
+                loss = loss_of(layered.loss_fn, run_layers(model, x, precision, draws), y,
                                precision) / (m * d)
                 scaler.scale(loss).backward()
                 total += float(loss.detach())

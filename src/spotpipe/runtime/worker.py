@@ -334,7 +334,7 @@ class Worker:
                 x, y = collate(self.dataset, idx)
                 inputs[k] = x.to(self.device) if want_x else None
                 targets[k] = y.to(self.device) if want_y else None
-        return Microbatches(inputs, targets, indices)
+        return Microbatches(inputs, targets, indices, first=d * m)
 
     # ------------------------------------------------------------------ training
 
