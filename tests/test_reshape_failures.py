@@ -85,6 +85,26 @@ def test_sender_lost_while_states_move(tmp_path, tmp_path_factory, corpus):
     _same_training(tmp_path_factory, corpus, cfg, run)
 
 
+def test_sender_hung_while_states_move_is_fenced_at_the_hang_timeout(tmp_path, tmp_path_factory,
+                                                                    corpus):
+    """As in the test above, but the sender's main thread stops before its states go: it is
+    fenced at the hang timeout, named by its step, and the receivers that missed their stage
+    are counted out and join again, as when it dies there."""
+    nodes = [f"node{r}" for r in range(6)]
+    cfg, run = _run(tmp_path, corpus, [("fail", "node0@3:backward"), ("fail", "node1@3:backward"),
+                                       ("hang", "node2@5:transfer")], [5, 5], nodes,
+                    **{"cluster.timeout_s": 600})
+    ev = events(run)
+    fenced = [e for e in ev if e["kind"] == "node_fenced"]
+    assert [e["node"] for e in fenced] == ["node2"], fenced
+    assert fenced[0]["reason"].startswith("hung: no progress for "), fenced[0]
+    assert "moving states" in fenced[0]["reason"], fenced[0]
+    lacked = [e for e in ev if e["kind"] == "agreement" and e.get("lacking")]
+    assert lacked, "no receiver reported what it missed"
+    assert {e["node"] for e in ev if e["kind"] == "rejoining"} == set(lacked[0]["lacking"])
+    _same_training(tmp_path_factory, corpus, cfg, run)
+
+
 def test_recovery_phases_are_parsed():
     assert Fault.parse("fail", "node2@5:transfer").phase == "transfer"
     assert Fault.parse("hang", "node2@5:regroup").phase == "regroup"
