@@ -57,3 +57,28 @@ def test_a_cpu_shadow_of_a_gpu_stage_is_exact(tmp_path, corpus, optimizer, kerne
     model, _ = train_reference(cfg, device="cuda")
     got = load_file(str(run / "final" / "model.safetensors"))
     assert all(torch.equal(got[k], v.cpu()) for k, v in model.state_dict().items())
+
+
+def test_dropout_on_the_gpu_draws_per_layer_and_a_stage_equals_the_loop(tmp_path, corpus):
+    """The CUDA generator is seeded per layer (`model.precision.Draws`): a layer draws the same
+    masks in any stage on the GPU, and a job with dropout trains the GPU loop's bits."""
+    from spotpipe import job
+    from spotpipe.model import build_stage
+    from spotpipe.model.precision import Draws, Precision, run_layers
+
+    cfg = tiny_config(corpus, stages=1, iterations=4, **{"model.gpt.dropout": 0.2,
+                                                         "model.gpt.n_layer": 4})
+    model = job.build_model(cfg)
+    whole = model.to_sequential().cuda().train()
+    x = torch.randint(0, 256, (2, 16), device="cuda")
+    draws, fp32 = Draws(cfg.seed, 3, 1), Precision()
+    want = run_layers(whole, x, fp32, draws)
+    first, second = build_stage(model, 0, 2), build_stage(model, 2, model.num_layers)
+    torch.rand(1000, device="cuda")
+    assert torch.equal(run_layers(second, run_layers(first, x, fp32, draws), fp32, draws), want)
+    assert not torch.equal(run_layers(whole, x, fp32, Draws(cfg.seed, 3, 2)), want)
+    assert train(cfg, tmp_path / "run", progress=False) == 0
+    got = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
+    loop, _ = train_reference(cfg, device="cuda")
+    for key, value in loop.state_dict().items():
+        assert torch.equal(got[key], value.cpu()), f"{key} differs from the loop on the GPU"
