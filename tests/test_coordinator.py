@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from spotpipe.cluster.coordinator import Coordinator
 from spotpipe.plan import Layout
-from spotpipe.protocol import (Channel, DecisionRecord, JoinRequest, Notice, Prepare, Regroup,
-                               Report, job_key, keys)
+from spotpipe.protocol import (Channel, DecisionRecord, JoinAnswer, JoinRequest, Notice, Prepare,
+                               Regroup, Report, job_key, keys)
 from spotpipe.store import board
 
 KEY = job_key(b"sesame", "test")
@@ -108,6 +108,36 @@ def test_failed_plan_rolled_back_only_when_no_survivor_changed(corpus):
         # rolled back, node0 still carries both stages and the job keeps going; otherwise
         # node0's new state is that of the failed plan, where node2 owned a stage
         assert plan["action"] == ("keep" if untouched else "failover"), plan["action"]
+
+
+def test_a_joiner_on_standby_in_a_plan_rolled_back_still_waits_and_hears_the_end(corpus):
+    """node2 and node3 join a job whose node0 carries both stages; the rebalance places node2
+    and keeps node3 on standby, and fails (node2 did not receive its stage). Its rollback
+    restores the layout before it, which never listed node3: node3 is a joiner again, which a
+    later plan can place and which hears that the job is over at its end. (Found in a full
+    suite's run: forgotten, it waited for an answer after the job had ended, and the job
+    waited for it.)"""
+    coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
+    coord.node_exited("node1", -9)
+    _report(coord, "node0", formed=True)
+    assert _plan(coord, 0)["action"] == "failover"
+    cfg = coord.cfg
+    for node in ("node2", "node3"):
+        coord.join(JoinRequest(node, 0.0, cfg.digest(), cfg.model_digest()), node)
+    coord.report(_boundary(coord, "node0"), "node0")
+    rebalance = _plan(coord, 1)
+    assert rebalance["action"] == "rebalance" and rebalance["layout"]["standby"] == ["node3"]
+    _report(coord, "node0", untouched=True, committed_through=6)
+    _report(coord, "node2", lacking=["stage 1", "replica 0"], committed_through=-1)
+    assert [e for e in emitted if e["kind"] == "agreement"][-1].get("rolled_back")
+    assert "node3" not in str(_plan(coord, 2)["layout"])
+    assert "node3" in coord.joining
+    coord.release_standby()
+    for _, opened in board.read(coord.store, keys.join_board("node3"), Channel(KEY, "node3"),
+                                on_refused=lambda why, _: None, timeout_s=5):
+        if isinstance(opened.message, JoinAnswer):  # (the first answer: a Prepare may come)
+            assert opened.message.outcome == "finished", opened.message
+            break
 
 
 def _boundary(coord: Coordinator, node: str) -> Report:

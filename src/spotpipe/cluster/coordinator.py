@@ -566,7 +566,14 @@ class Coordinator:
         self.history = outcome.history
         for node in sorted(decision.placed() | (decision.layout.active_nodes & waiting)):
             self._answer(node, JoinAnswer(node, "placed", generation=g))
+        # nodes waiting to be placed that the new layout does not list and nothing released
+        # (a joiner that a failed plan put on standby, which its rollback does not know):
+        # still waiting in their processes, so still joiners, placed by a later plan or told
+        # at the end that the job is over (else nobody answers them and the job never ends)
+        stranded = (waiting - decision.layout.all_nodes - outcome.lost - self.left
+                    - set(decision.rejoin) - set(self.joining))
         self.joining = [n for n in self.joining if n not in decision.layout.all_nodes]
+        self.joining += sorted(stranded)
         self.collecting = None
         if outcome.improve:
             # the next plan is known now (nothing happened yet): its groups can form while the

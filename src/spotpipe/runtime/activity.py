@@ -61,8 +61,10 @@ class Activity:
 
     def wait_ended(self) -> None:
         if threading.get_ident() == self._owner:
-            self.since = self.clock()  # (before the count drops: a reader never sees an old
-            self._waits -= 1           # `since` with no wait open)
+            # the stamp before the count drops: a reader never sees an old `since` with no
+            # wait open
+            self.since = self.clock()
+            self._waits -= 1
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:

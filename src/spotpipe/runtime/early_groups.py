@@ -68,9 +68,6 @@ class _Forming:
             comm.close()
         self._done.set()
 
-    def matches(self, generation: int, layout: Layout) -> bool:
-        return self.generation == generation and self.layout == layout
-
     def cancel(self, why: str) -> None:
         """Nobody will take these groups: end the formation (the members waiting on this
         node in it see their own abort or timeout) and close what formed."""
@@ -109,7 +106,11 @@ class EarlyGroups:
         self._form = form
         self._abort_of = abort_of
         self._lock = threading.Lock()
-        self._forming: dict[int, _Forming] = {}
+        # by generation, every layout prepared for it: one replaced by a newer preparation
+        # is kept until the generation begins, since the plan may still name it (its nodes
+        # may have formed it with this node already, and a second formation of the same
+        # layout would be under the same store prefix and local-link names)
+        self._forming: dict[int, dict[Layout, _Forming]] = {}
         # generations whose groups were taken or given up: a `Prepare` read late (a watcher
         # thread the scheduler let run only after the node moved on) must not form them again,
         # under the same store prefix as the groups in use, whose records it would read
@@ -117,8 +118,9 @@ class EarlyGroups:
 
     def start(self, generation: int, layout: Layout) -> None:
         """Form the groups of `layout` for `generation` on a thread (nothing if they are on
-        their way already, or if that generation began or was given up; another layout's for
-        the same generation is cancelled)."""
+        their way already, or if that generation began or was given up). Another layout's
+        for the same generation goes on until the generation begins: `take` keeps the one
+        its plan names and cancels the others."""
         with self._lock:
             if generation <= self._through:
                 return
@@ -127,19 +129,17 @@ class EarlyGroups:
     def _ensure(self, generation: int, layout: Layout) -> None:
         abort = self._abort_of(generation)  # (its owner's lock is never taken under ours)
         with self._lock:
-            old = self._forming.get(generation)
-            if old is not None and old.matches(generation, layout):
-                return
-            self._forming[generation] = _Forming(generation, layout, self._form, abort)
-        if old is not None:
-            old.cancel("a newer preparation replaced it")
+            ours = self._forming.setdefault(generation, {})
+            if layout not in ours:
+                ours[layout] = _Forming(generation, layout, self._form, abort)
 
     def take(self, generation: int, layout: Layout) -> Any:
         """The groups of `layout` for `generation`: formed, still forming (waited for), or
-        started now. PeerFailure if they cannot form. Older preparations are dropped."""
+        started now. PeerFailure if they cannot form. Older preparations, and the other
+        layouts prepared for this generation, are dropped."""
         self._ensure(generation, layout)
         with self._lock:
-            forming = self._forming.pop(generation)
+            forming = self._forming[generation].pop(layout)
         self.discard(f"generation {generation} began", generation)
         return forming.result()
 
@@ -155,13 +155,15 @@ class EarlyGroups:
         the same store prefix at `take`, and wait there for peers that are done."""
         with self._lock:
             self._through = max(self._through, through)
-            gone = [f for g, f in self._forming.items() if g <= through]
-            self._forming = {g: f for g, f in self._forming.items() if g > through}
+            gone = [f for g, ours in self._forming.items() if g <= through
+                    for f in ours.values()]
+            self._forming = {g: ours for g, ours in self._forming.items() if g > through}
         for forming in gone:
             forming.cancel(why)
 
     @property
-    def pending(self) -> dict[int, Layout]:
-        """The layouts of the formations under way or done and not taken, by generation."""
+    def pending(self) -> dict[int, tuple[Layout, ...]]:
+        """The layouts of the formations under way or done and not taken, by generation (in
+        the order they were prepared)."""
         with self._lock:
-            return {g: f.layout for g, f in self._forming.items()}
+            return {g: tuple(ours) for g, ours in self._forming.items() if ours}
