@@ -77,7 +77,11 @@ def test_two_hundred_generations_leave_nothing_behind(tmp_path, corpus, monkeypa
     crash and a joiner among them: a surviving worker's and the launcher's threads, open files
     and sockets stay under a fixed bound, the same late in the run as early."""
     monkeypatch.setenv("SPOTPIPE_TEST_REGROUP_EVERY_ITERATION", "1")
-    iters = 420  # a regroup asked during an iteration ends its generation at the next boundary
+    # a regroup asked during an iteration ends its generation at the next boundary: two
+    # iterations a generation, unless a generation's board watcher waits for its connection
+    # (a dropped name lookup, asked again after 1 s: a CI run's generation 32 lasted 119
+    # iterations of 8 ms, and the job reached 152 generations in 420): room for two of those
+    iters = 640
     cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy",
                       **{**FAST, "iterations": iters})
     run = tmp_path / "run"
