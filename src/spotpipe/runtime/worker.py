@@ -222,22 +222,21 @@ class Worker:
 
     def _progress(self) -> dict[str, Any]:
         ex, act = self.executor, self.activity
+        where = {"iteration": ex.iteration, "position": ex.position} if ex else {}
         if self._finishing:  # the final save and the shadows' last writes are no hang
-            return {"state": "finishing", "generation": self.generation,
-                    **({"iteration": ex.iteration, "position": ex.position} if ex else {})}
+            return {"state": "finishing", "generation": self.generation, **where}
         # waits of the main thread on this node's other threads (they keep their own flags)
         on_threads = ((self.shadow is not None and self.shadow.waiting)
                       or (self.holding is not None and self.holding.applier.waiting))
         step = act.step
         if step:  # between instructions: the step's own clock (`runtime.activity`)
             return {"state": "busy" if act.busy and not on_threads else "waiting",
-                    "generation": self.generation, "step": step,
-                    **({"iteration": ex.iteration, "position": ex.position} if ex else {})}
+                    "generation": self.generation, "step": step, **where}
         if ex is None:
             return {"state": "starting", "generation": self.generation}
         busy = not ex.comm.waiter.waiting and not on_threads
         return {"state": "busy" if busy else "waiting", "generation": self.generation,
-                "iteration": ex.iteration, "position": ex.position}
+                **where}
 
     def _still(self) -> Still | None:
         """Where the main thread computes, and since when, for the hang watch; None while it
