@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from spotpipe.cluster.launcher import train
 
-from conftest import REPO, tiny_config
+from conftest import REPO, assert_close_where_width_changed, tiny_config
 from etcd_server import free_port
 from test_cli_errors import workers_running
 from test_failover import FAST, assert_samples_exactly_once, events, failure_free
@@ -475,3 +475,44 @@ def test_a_received_checkpoint_that_fails_its_check_ends_the_job_naming_the_node
     assert any(e["kind"] == "checkpoint_trusted" for e in ev)
     summary = json.loads((tmp_path / "host_a" / "summary.json").read_text())
     assert summary["status"] == "failed" and "node1" in summary["message"], summary
+
+
+def test_a_node_hung_while_its_host_regroups_is_fenced_through_its_agent(tmp_path,
+                                                                        tmp_path_factory,
+                                                                        corpus):
+    """Two hosts of two workers each (P = 2 x D = 2). node1 crashes; node0, its heir, stops
+    before its new groups form (`--hang node0@3:regroup`, given to both agents: each injects
+    only into its own workers). Its agent's supervisor fences it at the hang timeout, named by
+    its step, rather than the other pipeline waiting for it until `cluster.timeout_s` (10
+    minutes here); the job drops the broken pipeline, takes the re-admitted host's new
+    workers back in, and completes with the failure-free run's parameters. Each host's two
+    workers send their final stages themselves: an agent that sent them after the workers'
+    exits sent each twice on one stream and the job failed or waited at its end."""
+    # no biases: the attention key's bias has no true gradient, so AdamW moves it on the
+    # rounding noise of the gradients' sums, whose order changes with D (measured here: that
+    # slice 0.2 % of its norm off the failure-free run, every other parameter within 1e-6)
+    cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
+                      **{**FAST, "iterations": 40, "cluster.timeout_s": 600,
+                         "failover.heartbeat_timeout_s": 30.0, "failover.hang_timeout_s": 8.0,
+                         "model.gpt.bias": False})
+    config = _write_config(cfg, tmp_path / "job.yaml")
+    outs = [tmp_path / "host_a", tmp_path / "host_b"]
+    endpoint = f"127.0.0.1:{free_port()}"
+    faults = ("--fail", "node1@3:backward", "--hang", "node0@3:regroup")
+    results = _finish([_agent(config, out, "c10d", endpoint, nnodes="2:2",
+                              extra=("--nproc-per-node", "2", *faults)) for out in outs])
+    for code, err in results:
+        assert code == 0, err[-2000:]
+    run = _coordinator_out(outs)
+    ev = events(run)
+    fenced = [e for e in ev if e["kind"] == "node_fenced"]
+    assert [e["node"] for e in fenced] == ["node0"], fenced
+    assert "hung: no progress for " in fenced[0]["reason"], fenced[0]
+    assert "forming the process groups" in fenced[0]["reason"], fenced[0]
+    assert [e["action"] for e in ev if e["kind"] == "plan"][:2] == ["failover", "drop_pipeline"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["iterations"] == cfg.iterations
+    got = load_file(str(run / "final" / "model.safetensors"))
+    # D went 2 -> 1 -> 2: the gradients' sums ran in another order for a while
+    assert_close_where_width_changed(got, failure_free(tmp_path_factory, cfg))
+    assert all(workers_running(out) == [] for out in outs)

@@ -156,3 +156,43 @@ def test_only_a_busy_node_can_be_hung_and_a_finishing_one_beats_on():
     # and beats that stop are a death, finishing or not
     now[0] += 3.5
     assert liveness.verdict("n-finishing", 3.0, 2.0).startswith("no heartbeat")
+
+
+def test_beats_that_stop_after_a_wait_are_a_silence_not_a_hang():
+    """With the hang timeout shorter than the heartbeat timeout, a node whose beats stop
+    while it waits or finishes (its host lost, or it exited with its exit still on the way
+    from its agent) was fenced "hung" at the hang timeout: its last beat's clock ran on. It is
+    judged by the beats' age alone; a node whose last beat said it computes is still hung at
+    the hang timeout (a frozen process)."""
+    from torch.distributed import HashStore
+
+    from spotpipe.cluster.liveness import Liveness
+    from spotpipe.protocol import Channel, Heartbeat, keys
+    from spotpipe.protocol.auth import job_key
+
+    key = job_key(b"token", "inst")
+    store, now = HashStore(), [0.0]
+    liveness = Liveness(store, Channel(key, "coordinator"), lambda w, r: None,
+                        clock=lambda: now[0])
+    states = ("busy", "waiting", "finishing")
+    writers = {state: Channel(key, f"n-{state}") for state in states}
+    for step in range(4):  # beats 0.5 s apart, then none from t = 1.5 s
+        now[0] = step * 0.5
+        for state, channel in writers.items():
+            store.set(keys.heartbeat(channel.writer),
+                      channel.seal(Heartbeat(channel.writer, state, 1, 5, 32 + step)))
+            assert liveness.verdict(channel.writer, 30.0, 2.0) is None
+    verdicts: dict[str, list[tuple[float, str | None]]] = {s: [] for s in states}
+    for tenth in range(16, 330):
+        now[0] = tenth / 10
+        for state, channel in writers.items():
+            verdicts[state].append((now[0], liveness.verdict(channel.writer, 30.0, 2.0)))
+
+    def first(state: str) -> tuple[float, str]:
+        return next((t, v) for t, v in verdicts[state] if v)
+
+    t, why = first("busy")
+    assert 3.5 < t <= 3.6 and why.startswith("hung: no progress for 2."), (t, why)
+    for state in ("waiting", "finishing"):
+        t, why = first(state)
+        assert 31.5 < t <= 31.6 and why.startswith("no heartbeat for 30."), (state, t, why)

@@ -23,13 +23,14 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from spotpipe.checkpoint.fsync import fsync_path
+from spotpipe.checkpoint.fsync import fsync_path, sha256_file
+from spotpipe.protocol import FinalUpload
 from spotpipe.protocol.auth import Refused
 
 CHUNK = 512 * 1024  # etcd refuses requests over 1.5 MiB; base64 makes 512 KiB about 683 KiB
@@ -103,6 +104,20 @@ def receive_stage(store: Any, iteration: int, stage: int, checksums: dict[str, s
     """`receive` of one stage of the checkpoint of `iteration`."""
     return receive(store, Stream.checkpoint(iteration, stage), checksums, folder,
                    timeout_s=timeout_s, window=window, node=node, receiving=receiving)
+
+
+def send_final(store: Any, post: Callable[[FinalUpload], None], node: str, stage: int,
+               path: Path, *, timeout_s: float) -> int:
+    """Send the final parameters of `stage`, written by `node` at `path`, to the coordinating
+    agent's `--out`: announced (`FinalUpload`, which starts the receiver) and streamed like a
+    checkpoint's stage. The worker that wrote it sends it, while its beats say "finishing":
+    the send, however long, is judged as the node is (a host lost meanwhile stops beating),
+    and each stage goes once, from its one writer. (An agent that sent its workers' files
+    after their exits sent a stage once per worker of its host, two sends on one stream's
+    keys, and beat for none of them.)"""
+    sha = sha256_file(path)
+    post(FinalUpload(node, stage, sha))
+    return send(store, Stream.final(stage), path.parent, {path.name: sha}, timeout_s=timeout_s)
 
 
 def send(store: Any, s: Stream, folder: Path, checksums: dict[str, str], *,

@@ -7,7 +7,9 @@ job's key prefix), SPOTPIPE_RUN_DIR (the run's output folder, holding config.yam
 run.json written by the launcher), SPOTPIPE_T0 (the launcher's start time, so all records
 share one clock), SPOTPIPE_JOIN_TOKEN and SPOTPIPE_INSTANCE (the job's key is derived from
 them; neither is ever written to the store), SPOTPIPE_FAULTS (injected faults, JSON),
-SPOTPIPE_RESUME (a durable checkpoint to start from), and from the local launcher only
+SPOTPIPE_RESUME (a durable checkpoint to start from), from an agent SPOTPIPE_CHECKPOINT_UPLOAD
+(this host does not see the checkpoint folder: stream the stages) and SPOTPIPE_FINAL_UPLOAD
+(stream the final stages to the coordinating agent), and from the local launcher only
 SPOTPIPE_JOIN_GATED (a node started early that asks to join when its gate opens) and
 SPOTPIPE_START_AFTER (the nodes so started, which the first nodes wait to have booted).
 
@@ -23,17 +25,18 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from spotpipe import job
 from spotpipe.checkpoint import durable, registry, schemes
-from spotpipe.config import load_config
+from spotpipe.config import Config, load_config
 from spotpipe.faults import Fault
-from spotpipe.protocol import channel_from_env
+from spotpipe.protocol import Channel, channel_from_env
 from spotpipe.runtime import replica, stacks
 from spotpipe.runtime.faults import per_node, skew_clock
-from spotpipe.runtime.hooks import StagePair
+from spotpipe.runtime.hooks import SendFinal, StagePair
 from spotpipe.runtime.worker import JobStopped, JoinRefused, Worker
 from spotpipe.store.address import StoreAddress
 from spotpipe.store.mailbox import Outbox
@@ -46,6 +49,20 @@ def restore_from(path: Path, pairs: list[StagePair]) -> int:
     for module, optimizer in pairs:
         durable.load_stage(ckpt, module, optimizer)
     return ckpt.next_iteration
+
+
+def final_sender(cfg: Config, node: str, store: Any, channel: Channel,
+                 outbox: Outbox) -> SendFinal | None:
+    """Under an agent (SPOTPIPE_FINAL_UPLOAD=1) the run's result is kept in the coordinating
+    agent's --out, perhaps on another host: each final stage goes there through the store."""
+    if os.environ.get("SPOTPIPE_FINAL_UPLOAD") != "1":
+        return None
+    sealed = SealedStore(store, channel.key)
+
+    def send(stage: int, path: Path) -> None:
+        durable.transfer.send_final(sealed, outbox.post, node, stage, path,
+                                    timeout_s=cfg.cluster.timeout_s)
+    return send
 
 
 def main() -> int:
@@ -70,8 +87,8 @@ def main() -> int:
     worker = None
     try:
         worker = Worker(cfg, spec, run_dir, node, store, t0, faults, address=address,
-                        channel=channel, restore=restore_from,
-                        checkpoints=None)
+                        channel=channel, restore=restore_from, checkpoints=None,
+                        send_final=final_sender(cfg, node, store, channel, outbox))
         worker.checkpoints = registry.build(schemes.SchemeContext(
             cfg, node, run_dir, worker.channel.event, worker.sealed, "spotpipe",
             lambda: worker.failures, inject=worker.inject,

@@ -58,7 +58,6 @@ import yaml
 
 from spotpipe import job
 from spotpipe.checkpoint import durable
-from spotpipe.checkpoint.fsync import sha256_file
 from spotpipe.cluster.admission import Coordinating
 from spotpipe.cluster import resume_copy
 from spotpipe.cluster.agent_options import (AgentError, AgentOptions, check_options,
@@ -72,12 +71,11 @@ from spotpipe.cluster.supervisor import WORKER, Supervisor, starter, worker_env
 from spotpipe.config import Config
 from spotpipe.model import template
 from spotpipe.protocol import (AgentArrival, Assignment, Channel, CoordinatorState, Exit,
-                               FinalUpload, JobOver, JobPosted, Kill, MessageError, Refused,
+                               JobOver, JobPosted, Kill, MessageError, Refused,
                                job_key, keys, plain, vouch, vouched)
 from spotpipe.store.address import StoreAddress
 from spotpipe.store.leader import Leadership, lease_ttl
 from spotpipe.store.mailbox import Outbox
-from spotpipe.store.sealed import SealedStore
 from spotpipe.store.watchers import BoardWatcher
 
 __all__ = ["Agent", "AgentError", "AgentOptions", "parse_nnodes", "run_agent"]
@@ -362,6 +360,7 @@ class Agent:
                              resume=str(self.checkpoint.path)
                              if self.checkpoint is not None and not joining else "")
             env["SPOTPIPE_CHECKPOINT_UPLOAD"] = "0" if self._shared else "1"
+            env["SPOTPIPE_FINAL_UPLOAD"] = "1"  # the result is kept in the coordinator's --out
             self.supervisor.spawn(node, env)
             BoardWatcher(self.address.connect(self.timeout_s), self.channel,
                          keys.kill_board(node), Kill, lambda _, node=node: self._kill(node))
@@ -402,13 +401,11 @@ class Agent:
             self.say(f"could not join again after {node} was fenced: {exc}")
 
     def _exited(self, node: str, code: int) -> None:
-        """A worker of this host exited: hand over its final files, then tell the job (and
-        join again if the job fenced it)."""
+        """A worker of this host exited (having sent its final stages itself, while it beat):
+        tell the job, and join again if the job fenced it."""
         store = None
         try:
             store = self.address.connect(self.timeout_s)
-            if code == 0:
-                self._upload_final(store, node)
             Outbox(store, self.channel, 0.0).post(Exit(node, code))
         except Exception as exc:  # the store is gone: the job is over already
             self.say(f"could not report the exit of {node}: {exc}")
@@ -434,23 +431,6 @@ class Agent:
             # a record that is not the job's kill (refused), or the store gone (the job is
             # over already): nothing to act on either way
             return False
-
-    def _upload_final(self, store: dist.Store, node: str) -> None:
-        """Send the final stage files this host's workers wrote to the coordinating agent,
-        each announced, then streamed under flow control (transfer.py); one that does not go
-        is said here, and the coordinator's completion check names it."""
-        sealed = SealedStore(store, self.channel.key)
-        outbox = Outbox(store, self.channel, 0.0)
-        for path in sorted((self.opts.out / "final").glob("stage*.safetensors")):
-            s = int(path.name[len("stage"):-len(".safetensors")])
-            sha = sha256_file(path)
-            outbox.post(FinalUpload(node, s, sha))
-            try:
-                durable.transfer.send(sealed, durable.transfer.Stream.final(s), path.parent,
-                                      {path.name: sha}, timeout_s=self.timeout_s)
-            except Exception as exc:  # noqa: BLE001 - said; the job's end names the stage
-                self.say(f"the final parameters of stage {s} did not reach the coordinator: "
-                         f"{exc}")
 
 
 def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> int:

@@ -52,7 +52,10 @@ class AgentJobLoop(JobLoop):
         self._marked = 0  # mailbox slots marked read (only once the books have taken them in)
         # the final stage files on their way from the agents (`_final_upload`), by stage
         self._finals: dict[int, Future[str]] = {}
-        self._finals_thread = ThreadPoolExecutor(1, thread_name_prefix="final-receive")
+        # every stage's receive at once (threads start as announcements come): received one
+        # after another, a later stage's sender waited for its first acknowledgement as long
+        # as the stages before it took, past `cluster.timeout_s` for a large model
+        self._finals_pool = ThreadPoolExecutor(64, thread_name_prefix="final-receive")
 
     @property
     def _tombstone_on_read(self) -> bool:
@@ -160,13 +163,23 @@ class AgentJobLoop(JobLoop):
                 self._inbox.put(("exit", (node, -int(signal.SIGKILL))))
 
     def _final_upload(self, message: FinalUpload, writer: str) -> None:
-        """An agent sends a stage's final parameters: take its pieces as they come, on a
-        thread of their own and a store connection of their own (the agent waits for each
-        piece to be taken), into `final/.incoming` until the run is known complete."""
+        """A worker sends its stage's final parameters: take its pieces as they come, on a
+        thread of their own and a store connection of their own (the worker waits for each
+        piece to be taken), into `final/.incoming` until the run is known complete. Only the
+        node itself announces its stage, and a stage once at a time: a second sender on the
+        same stream's keys would interleave its pieces with the first's."""
+        if writer != message.node:
+            self.coordinator.refused(writer, f"a final_upload in the name of {message.node}")
+            return
+        underway = self._finals.get(message.stage)
+        if underway is not None and not underway.done():
+            self.coordinator.refused(writer, f"a final_upload of stage {message.stage}, "
+                                             "which is being received already")
+            return
         incoming = self.out / "final" / ".incoming"
         name = f"stage{message.stage}.safetensors"
 
-        self._finals[message.stage] = self._finals_thread.submit(
+        self._finals[message.stage] = self._finals_pool.submit(
             lambda: transfer.receive(self._upload_connection(),
                                      transfer.Stream.final(message.stage),
                                      {name: message.sha256}, incoming,
@@ -181,7 +194,7 @@ class AgentJobLoop(JobLoop):
         for s in range(self._stage_count()):
             if s not in self._finals:
                 return f"the final parameters of stage {s} never arrived from its agent"
-            problem = self._finals[s].result()  # (done: its agent posted its exit after it)
+            problem = self._finals[s].result()  # (done: its node exited after sending it)
             if problem:
                 return f"the final parameters of stage {s} did not arrive whole: {problem}"
             os.replace(final / ".incoming" / f"stage{s}.safetensors",

@@ -87,7 +87,10 @@ class Liveness:
         age = now - seen.at
         if age > heartbeat_timeout_s:
             return f"no heartbeat for {age:.1f} s"
-        if now - seen.since > hang_timeout_s:
+        # only a node whose newest beat says it computes can be hung: one whose beats stopped
+        # while it waited or finished (its host lost, or its process gone with its exit on
+        # its way) is judged by their age alone, as silent, whichever timeout is shorter
+        if seen.beat.state == "busy" and now - seen.since > hang_timeout_s:
             return hung(now - seen.since, seen.beat.iteration, seen.beat.position,
                         seen.beat.step)
         return None

@@ -516,12 +516,12 @@ class JobOver(Message):
 
 @dataclass(frozen=True)
 class FinalUpload(Message):
-    """An agent sends a stage's final parameters, as its worker wrote them, to the coordinating
-    agent's `--out` through the store (`checkpoint/transfer.py`, `Stream.final`): take its
-    pieces as they come. Its `Exit` follows once they have been taken."""
+    """A worker under an agent sends its stage's final parameters, as it wrote them, to the
+    coordinating agent's `--out` through the store (`checkpoint/transfer.py`, `Stream.final`):
+    take its pieces as they come. Its `Exit` follows once they have been taken."""
 
     TYPE: ClassVar[str] = "final_upload"
-    node: str  # the agent's node whose worker wrote it
+    node: str  # the node that wrote it (and sends it: the record's writer)
     stage: int
     sha256: str
 

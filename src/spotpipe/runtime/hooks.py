@@ -47,3 +47,10 @@ class NoHook:
 # Loads the given (module, optimizer) pairs from the checkpoint at `path`; returns the
 # iteration to resume at. Raises with a message naming the problem when it cannot.
 Restore = Callable[[Path, list[StagePair]], int]
+
+
+# Sends one stage's final parameters, written at `path`, to where the job's result is kept
+# (under `spotpipe agent`: the coordinating agent's --out, through the store). Called by the
+# stage's writer while its beats still say "finishing", so that a long send is judged as the
+# node is; raises with the reason when the stage did not go.
+SendFinal = Callable[[int, Path], None]

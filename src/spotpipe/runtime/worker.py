@@ -42,7 +42,7 @@ from spotpipe.runtime.digest import DigestLog
 from spotpipe.runtime.generations import GenerationGroups
 from spotpipe.runtime.executor import Executor, Microbatches
 from spotpipe.runtime.faults import Injector
-from spotpipe.runtime.hooks import Boundary, BoundaryHook, NoHook, Restore
+from spotpipe.runtime.hooks import Boundary, BoundaryHook, NoHook, Restore, SendFinal
 from spotpipe.runtime.optim import build_optimizer
 from spotpipe.runtime.reshape import Reshaper
 from spotpipe.runtime.shadow_link import ShadowError, ShadowWriter
@@ -78,11 +78,14 @@ class Worker:
     def __init__(self, cfg: Config, spec: job.RunSpec, run_dir: Path, node: str,
                  store: dist.Store, t0: float, faults: list[Fault], *, address: StoreAddress,
                  channel: Channel, checkpoints: BoundaryHook | None = None,
-                 restore: Restore | None = None, namespace: str = "spotpipe") -> None:
+                 restore: Restore | None = None, namespace: str = "spotpipe",
+                 send_final: SendFinal | None = None) -> None:
         """`namespace` prefixes this job's keys in the store, so that several jobs (e.g. the
-        variants a benchmark compares) can share one store."""
+        variants a benchmark compares) can share one store. `send_final`: where the final
+        stages go besides `run_dir/final` (under an agent, to the coordinating agent)."""
         self.cfg, self.spec, self.run_dir, self.node = cfg, spec, run_dir, node
         self.namespace = namespace
+        self.send_final = send_final
         self.address = address
         self.store = store
         self.t0 = t0
@@ -716,7 +719,8 @@ class Worker:
             self.notices.acknowledge()  # Azure: the eviction may start now
 
     def save_final(self) -> None:
-        """Pipeline 0's owners write their stages; the launcher merges them."""
+        """Pipeline 0's owners write their stages (and send them, `send_final`); the
+        coordinator merges them."""
         out = self.run_dir / "final"
         out.mkdir(exist_ok=True)
         if self.cfg.model.kind == "hf" and self.layout.owner(0, 0) == self.node:
@@ -732,6 +736,12 @@ class Worker:
                        for k, v in state.module.state_dict().items()}
             save_file(tensors, str(out / f".stage{s}.safetensors.tmp"))
             os.replace(out / f".stage{s}.safetensors.tmp", out / f"stage{s}.safetensors")
+            if self.send_final is not None:
+                try:
+                    self.send_final(s, out / f"stage{s}.safetensors")
+                except Exception as exc:  # noqa: BLE001 - said; the job's end names the stage
+                    self.channel.event("final_upload_failed", stage=s,
+                                       message=f"{type(exc).__name__}: {exc}"[:300])
 
 
 def scale_to_wire(scale: float | None) -> float | str | None:
