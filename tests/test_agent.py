@@ -516,3 +516,36 @@ def test_a_node_hung_while_its_host_regroups_is_fenced_through_its_agent(tmp_pat
     # D went 2 -> 1 -> 2: the gradients' sums ran in another order for a while
     assert_close_where_width_changed(got, failure_free(tmp_path_factory, cfg))
     assert all(workers_running(out) == [] for out in outs)
+
+
+def test_a_hugging_face_model_trained_by_agents_loads_from_the_coordinators_out(tmp_path,
+                                                                               corpus):
+    """transformers' GPT-2 at P = 2 on two hosts; node0 crashes and node1 takes its stage
+    over, so the final stage 0 is written on node1's host. The coordinating agent's
+    `final/` must load with `from_pretrained` and hold the plain transformers loop's bits
+    (D = 1 throughout). The model's config.json used to be written by stage 0's final owner
+    into its own host's `--out`: when that was not the coordinating host (node0 runs on the
+    coordinating one when it arrives first, as here) the result did not load."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from test_hf import TINY, hf_config, plain_transformers_loop
+
+    cfg = hf_config(corpus, "gpt2", stages=2, pipelines=1, redundancy="lazy",
+                    **{**FAST, **LENIENT, "iterations": 8})
+    config = _write_config(cfg, tmp_path / "job.yaml")
+    outs = [tmp_path / "host_a", tmp_path / "host_b"]
+    endpoint = f"127.0.0.1:{free_port()}"
+    results = _finish([_agent(config, out, "c10d", endpoint, nnodes="2:2",
+                              extra=("--fail", "node0@3:backward")) for out in outs])
+    for code, err in results:
+        assert code == 0, err[-2000:]
+    run = _coordinator_out(outs)
+    assert "takeover" in [e["kind"] for e in events(run)]
+    got = load_file(str(run / "final" / "model.safetensors"))
+    want = plain_transformers_loop(cfg, "gpt2", TINY["gpt2"]).state_dict()
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    loaded = AutoModelForCausalLM.from_pretrained(run / "final")
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, got[key]), key

@@ -637,7 +637,16 @@ class JobLoop:
         self._pump.join(timeout=10)
 
     def _merge_final(self) -> None:
+        """One model.safetensors from the stages' files; for a transformers model, its
+        config.json beside it, so that the folder loads with `from_pretrained`. The
+        coordinator writes that itself: stage 0's final owner may run on another host, whose
+        `--out` is not this one."""
         final = self.out / "final"
+        if self.cfg.model.kind == "hf":
+            from spotpipe.model.hf import load_config
+
+            h = self.cfg.model.hf
+            load_config(h.config, dict(h.overrides)).save_pretrained(final)
         merged: dict[str, Any] = {}
         parts = [final / f"stage{s}.safetensors" for s in range(self._stage_count())]
         for part in parts:

@@ -723,11 +723,6 @@ class Worker:
         coordinator merges them."""
         out = self.run_dir / "final"
         out.mkdir(exist_ok=True)
-        if self.cfg.model.kind == "hf" and self.layout.owner(0, 0) == self.node:
-            from spotpipe.model.hf import load_config  # from_pretrained(out) needs config.json
-
-            h = self.cfg.model.hf
-            load_config(h.config, dict(h.overrides)).save_pretrained(out)
         for s, state in self.stages.items():
             if self.layout.owner(0, s) != self.node:
                 continue
