@@ -185,8 +185,12 @@ def test_forged_records_are_refused_and_the_job_is_undisturbed(tmp_path, tmp_pat
     assert "Heartbeat record in the mailbox" in reasons
     # the forged decision and abort were skipped by the survivors (their own events)
     assert any("writer" in e and "bad MAC" in e["reason"] for e in refused)
-    kinds = [e["kind"] for e in events(run)]
-    assert "node_fenced" not in kinds
+    # node0, whose beats the forger replayed, is never fenced. node1 may be: its crash is a
+    # SIGKILL to itself, and on a loaded machine its teardown can outlast the 2 s hang timeout
+    # while its last beat said it computed (seen with two busy loops beside the test: fenced
+    # 2.2 s after the kill, 4 ms before its exit was reported); the outcome is the same
+    fenced = [e["node"] for e in events(run) if e["kind"] == "node_fenced"]
+    assert set(fenced) <= {"node1"}, fenced
     assert [e["action"] for e in events(run) if e["kind"] == "plan"] == ["failover"]
     assert [e["node"] for e in events(run) if e["kind"] == "node_lost"] == ["node1"]
     assert_samples_exactly_once(run, cfg)

@@ -132,7 +132,20 @@ def test_a_replica_the_node_waits_on_runs_at_normal_priority():
     release.set()
     waiter.join(60)
     assert not waiter.is_alive() and seen == [os.SCHED_OTHER]
-    assert os.sched_getscheduler(thread) == os.SCHED_IDLE  # back once the wait is over
+    # nothing left to do: it sleeps at normal priority (a process is torn down only once every
+    # thread has run its exit, which an idle-priority thread on a busy machine does last)
+    assert os.sched_getscheduler(thread) == os.SCHED_OTHER
+    entered.clear()
+    release.clear()
+    applier.submit(1, "grad", None)  # work nobody waits for: idle again
+    assert entered.wait(60)
+    assert os.sched_getscheduler(thread) == os.SCHED_IDLE
+    release.set()
+    while applier.applied < 1:  # (not wait_applied: a wait would raise its priority)
+        assert time.monotonic() < deadline + 60, "the second update never ended"
+        time.sleep(0.001)
+    assert seen == [os.SCHED_OTHER, os.SCHED_IDLE]
+    assert os.sched_getscheduler(thread) == os.SCHED_OTHER
     applier.close()
 
 
@@ -146,21 +159,36 @@ def test_closing_waits_for_the_applier_at_normal_priority():
     from spotpipe.config import Config
     from spotpipe.runtime.replica import ReplicaApplier
 
+    import threading
+
     at_exit: list[int] = []
+    entered, release = threading.Event(), threading.Event()
 
     class Recorded(ReplicaApplier):
+        def _apply_gradient(self, iteration, flat):
+            entered.set()
+            assert release.wait(60)
+
         def _loop(self):
             super()._loop()
             at_exit.append(os.sched_getscheduler(0))
 
     applier = Recorded(SimpleNamespace(index=0, params=[None]), Config(), None, max_lag=None)
-    applier.submit(0, "none", None)
-    with applier._cond:  # the thread runs, at idle priority, and went back to waiting
-        assert applier._cond.wait_for(lambda: applier._applied >= 0, timeout=60)
-    if applier._native_id is None:
+    applier.submit(0, "grad", None)  # an update in hand, nobody waiting: idle priority
+    assert entered.wait(60)
+    thread = applier._native_id
+    if thread is None:
         pytest.skip("this system does not let a thread take idle priority")
-    assert os.sched_getscheduler(applier._native_id) == os.SCHED_IDLE
-    applier.close()
+    assert os.sched_getscheduler(thread) == os.SCHED_IDLE
+    closer = threading.Thread(target=applier.close)
+    closer.start()
+    deadline = time.monotonic() + 60
+    while os.sched_getscheduler(thread) != os.SCHED_OTHER:  # raised before the join
+        assert time.monotonic() < deadline, "the close never raised the replica's priority"
+        time.sleep(0.001)
+    release.set()
+    closer.join(60)
+    assert not closer.is_alive()
     assert at_exit == [os.SCHED_OTHER] and not applier.waiting
 
 

@@ -141,3 +141,91 @@ def test_the_tunable_gives_a_worker_huge_pages() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120, check=True)
     assert int(out.stdout.strip()) >= 32 * 1024  # kB: most of the tensor's 64 MiB
+
+
+class _HeldReap:
+    """A started process whose reap its supervisor's waiter sees only when the test says so:
+    whatever reports its exit before that is not the reap."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc, self.pid, self.args = proc, proc.pid, proc.args
+        self.gate = threading.Event()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode if self.gate.is_set() else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.gate.wait()
+        return self.proc.wait(timeout)
+
+    def poll(self) -> int | None:
+        return self.proc.poll() if self.gate.is_set() else None
+
+    def terminate(self) -> None:
+        self.proc.terminate()
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
+class _HeldStarter:
+    def __init__(self) -> None:
+        self.inner = FreshInterpreters()
+
+    def start(self, module: str, env: dict[str, str], log: Path, name: str) -> _HeldReap:
+        return _HeldReap(self.inner.start(module, env, log, name))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_a_node_that_dies_of_a_signal_is_reported_before_its_reap(tmp_path: Path,
+                                                                  signum: int) -> None:
+    """A crash (a signal nobody here sent: the OOM killer, a fault) is reported by the crash
+    watch once the process can no longer act: its peers would otherwise learn of it only when
+    its sockets close, at the end of the kernel's teardown (seconds on a busy machine)."""
+    spin_file = tmp_path / "spin"
+    spin_file.write_bytes(bytes(16))
+    (tmp_path / "spinner.py").write_text(SPINNER)
+    counts = mmap.mmap(os.open(spin_file, os.O_RDWR), 16)
+    exits: list[tuple[int, tuple[int, ...]]] = []
+    told = threading.Event()
+
+    def on_exit(node: str, code: int) -> None:
+        exits.append((code, struct.unpack("qq", counts[:16])))
+        told.set()
+
+    sup = Supervisor(tmp_path / "logs", on_exit, module="spinner", starter=_HeldStarter())
+    sup.spawn("node0", dict(os.environ, SPIN_FILE=str(spin_file), PYTHONPATH=str(tmp_path)))
+    proc = sup.procs["node0"]
+    until(lambda: min(struct.unpack("qq", counts[:16])) > 1000, "both threads to spin")
+    os.kill(proc.pid, signum)
+    assert told.wait(30)
+    assert not proc.gate.is_set()  # the waiter has not seen the reap: the watch told it
+    code, at_report = exits[0]
+    assert code == -signum
+    proc.gate.set()
+    until(lambda: sup._exits["node0"].reaped.is_set(), "the waiter to see the reap")
+    assert struct.unpack("qq", counts[:16]) == at_report  # nothing ran after the report
+    assert len(exits) == 1, exits
+    sup.stop_all()
+
+
+def test_an_exit_of_its_own_is_left_to_the_reaper(tmp_path: Path) -> None:
+    """The crash watch tells only deaths by signal: a process that exits by itself is reported
+    by its reaper with its own code (its files and records are complete only by then)."""
+    (tmp_path / "ender.py").write_text("import sys; sys.exit(3)")
+    got: list[int] = []
+    sup = Supervisor(tmp_path / "logs", lambda node, code: got.append(code), module="ender",
+                     starter=_HeldStarter())
+    sup.spawn("node0", dict(os.environ, PYTHONPATH=str(tmp_path)))
+    proc = sup.procs["node0"]
+    until(lambda: _state(proc.pid) == "Z", "the child to exit")
+    sup.look_for_crashes()
+    assert got == []
+    proc.gate.set()
+    until(lambda: got != [], "the reaper's report")
+    assert got == [3]
+    sup.stop_all()
