@@ -56,7 +56,7 @@ from torch import nn
 from spotpipe.checkpoint import durable, snapshot
 from spotpipe.checkpoint.interval import interval_iterations, mtbf_estimate
 from spotpipe.protocol import keys
-from spotpipe.config import CHECKPOINT_SCHEMES, Config
+from spotpipe.config import Config
 from spotpipe.runtime.hooks import Boundary  # noqa: F401 (re-exported)
 from spotpipe.protocol.auth import Refused
 

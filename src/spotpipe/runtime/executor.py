@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import torch
-from torch import nn
 
 from spotpipe.config import Config
 from spotpipe.runtime import grads as gradlib
@@ -30,7 +29,7 @@ from spotpipe.runtime.comm import ACT, GRAD, REPLICA, TIED, Comm, tag
 from spotpipe.runtime.digest import DigestLog, stage_digest, tensors_digest
 from spotpipe.runtime.optim import set_lr
 from spotpipe.runtime import precision as amp
-from spotpipe.runtime.replica import (ReplicaApplier, ReplicaStage, flatten_grads,
+from spotpipe.runtime.replica import (flatten_grads,
                                       flatten_state, mark_skipped)
 from spotpipe.runtime.shadow_link import ShadowWriter
 from spotpipe.runtime.state import Holding, StageState  # noqa: F401 (re-exported)

@@ -14,14 +14,13 @@ A change of depth (re-partition) moves layers instead of stages: see `exchange_l
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from spotpipe.model import LayeredModel
-from spotpipe.plan import LayerMove, Layout, exchange_order
+from spotpipe.plan import LayerMove, exchange_order
 from spotpipe.plan.transfers import Transfer
 from spotpipe.runtime.comm import Comm, tag
 from spotpipe.runtime.digest import optimizer_tensors

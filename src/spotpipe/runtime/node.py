@@ -8,16 +8,14 @@ and rebuilds the per-generation wiring around it.
 
 from __future__ import annotations
 
-import torch
 
 from spotpipe.config import Config
-from spotpipe.model import LayeredModel, build_stage, compute_weights
+from spotpipe.model import LayeredModel, compute_weights
 from spotpipe.model.ties import cross_stage_tied, norm_param_names
 from spotpipe.plan import Layout, splits_evenly
 from spotpipe.plan import held_replica as plan_held_replica
 from spotpipe.runtime.executor import Wiring
 from spotpipe.runtime.state import build_stage_state, stage_state_from  # noqa: F401
-from spotpipe.runtime.optim import build_optimizer
 from spotpipe.schedule import Schedule, StageCosts, build_schedule, merged_schedule, with_frc
 
 

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spotpipe.runtime.state import flatten, unflatten
+from spotpipe.runtime.state import unflatten
 from spotpipe.protocol import keys
 from spotpipe.runtime.digest import optimizer_tensors
 from spotpipe.runtime.optim import materialise_optimizer_state
