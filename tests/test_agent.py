@@ -549,3 +549,41 @@ def test_a_hugging_face_model_trained_by_agents_loads_from_the_coordinators_out(
     loaded = AutoModelForCausalLM.from_pretrained(run / "final")
     for key, value in loaded.state_dict().items():
         assert torch.equal(value, got[key]), key
+
+
+def test_a_fenced_worker_is_replaced_in_its_own_place_while_its_host_mate_runs_on(
+        tmp_path, tmp_path_factory, corpus):
+    """Two hosts of two workers each (P = 2 x D = 2). node0 hangs and is fenced; node1, on
+    the same host, runs on. Its agent comes again with one fresh node, started in node0's
+    place on the host (LOCAL_RANK 0, its GPU), not with a whole host's worth beside the
+    worker still running there (which put two workers on one GPU); the job takes it back in
+    and ends bit-identical to the failure-free run (D stays 2: node1 holds stage 0's
+    replica and takes it over)."""
+    cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
+                      **{**FAST, **LENIENT, "iterations": 40, "failover.hang_timeout_s": 4.0})
+    config = _write_config(cfg, tmp_path / "job.yaml")
+    outs = [tmp_path / "host_a", tmp_path / "host_b"]
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = [_agent(config, out, "c10d", endpoint, nnodes="2:2",
+                    extra=("--nproc-per-node", "2", "--hang", "node0@3:backward"))
+             for out in outs]
+    results = _finish(procs)
+    for code, err in results:
+        assert code == 0, err[-2000:]
+    run = _coordinator_out(outs)
+    ev = events(run)
+    assert [e["node"] for e in ev if e["kind"] == "node_fenced"] == ["node0"]
+    admitted = [e for e in ev if e["kind"] == "agent_admitted"]
+    assert [e["ranks"] for e in admitted][2:] == [[4]], admitted  # one node, node4
+    host = next(i for i, out in enumerate(outs) if (out / "logs" / "node0.log").exists())
+    said = results[host][1]
+    assert "started node4 (local rank 0) joining the running job" in said, said[-3000:]
+    assert sorted(p.name for p in (outs[host] / "logs").glob("node*.log")) == [
+        "node0.log", "node1.log", "node4.log"]
+    assert [e["node"] for e in ev if e["kind"] == "worker_ready" and e["joined"]] == ["node4"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["iterations"] == cfg.iterations
+    got = load_file(str(run / "final" / "model.safetensors"))
+    want = failure_free(tmp_path_factory, cfg)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert all(workers_running(out) == [] for out in outs)

@@ -175,7 +175,13 @@ class Coordinating:
             config_keys=info.config_keys)
         if problem:
             return problem
-        if info.nproc != self.opts.nproc:
+        if self._rejoin_of(info) is not None and late:
+            # an agent whose fenced nodes come again brings as many as were fenced: its other
+            # workers run on, in their places on the host (its GPUs)
+            if not 1 <= info.nproc <= self.opts.nproc:
+                return (f"it comes again with {info.nproc} nodes, the job runs 1 to "
+                        f"{self.opts.nproc} per agent (--nproc-per-node)")
+        elif info.nproc != self.opts.nproc:
             return (f"it runs {info.nproc} nodes per agent, the job "
                     f"{self.opts.nproc} (--nproc-per-node)")
         if not late:  # (a node joining a running job takes its state from its peers)
@@ -254,7 +260,8 @@ class Coordinating:
             self._answer(store, k, Assignment(refused=f"{name} refused by the job: {problem}"))
             self._event({"kind": "join_refused", "node": name, "reason": problem})
             return
-        n = self.opts.nproc
+        before = self._rejoin_of(info) if late else None
+        n = info.nproc if before is not None else self.opts.nproc
         if late:
             first = len(self._nodes)
         else:
@@ -263,12 +270,13 @@ class Coordinating:
             self._slots[slot] = k
             first = slot * n
         ranks = list(range(first, first + n))
-        before = self._rejoin_of(info) if late else None
         with self._lock:
-            if before is not None:
+            kept: list[str] = []
+            if before is not None:  # the same host: its nodes that still run stay its own
                 self._admitted.remove(before)
+                kept = self._agent_nodes.pop(before, [])
             self._admitted.append(k)
-            self._agent_nodes[k] = [f"node{r}" for r in ranks]
+            self._agent_nodes[k] = [*kept, *(f"node{r}" for r in ranks)]
             self._nodes.extend(f"node{r}" for r in ranks)
         if info.resume_fetch and not late:
             self._start_send(k)

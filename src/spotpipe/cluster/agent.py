@@ -155,12 +155,15 @@ class Agent:
     def rdzv_key(self, key: str) -> str:
         return proof_key(self.opts.rdzv_id, key)
 
-    def _arrive(self, store: dist.Store, rejoin_of: int | None = None) -> int:
-        """Take an arrival number and say what this agent brings; the number."""
+    def _arrive(self, store: dist.Store, rejoin_of: int | None = None,
+                nproc: int | None = None) -> int:
+        """Take an arrival number and say what this agent brings (`nproc`: coming again, as
+        many nodes as were fenced); the number."""
         opts = self.opts
         me = store.add(ARRIVALS, 1)
         store.set(agent_key(me), plain(vouch(AgentArrival(
-            host=socket.gethostname(), nproc=opts.nproc, node_rank=opts.node_rank, proof="",
+            host=socket.gethostname(), nproc=opts.nproc if nproc is None else nproc,
+            node_rank=opts.node_rank, proof="",
             model_digest=self.cfg.model_digest(), config_digest=self.cfg.digest(),
             local_addr=opts.local_addr, rejoin_of=rejoin_of,
             config_keys=self.cfg.key_digests(),
@@ -276,17 +279,19 @@ class Agent:
             self.checkpoint = fetched
         self._pending = len(ranks)
         self._fenced: set[str] = set()
+        self._local: dict[str, int] = {}  # each running node's place on this host (LOCAL_RANK)
+        self._rejoining = threading.Lock()
         self._posted, self._shared = posted, shared
         supervisor = self.supervisor = Supervisor(
             out / "logs", self._exited, starter=starter(self.cfg, WORKER, out / "logs"))
         # a SIGTERM to the agent is the host's preemption notice: pass it on to the workers
         signal.signal(signal.SIGTERM, lambda *_: [supervisor.signal(n, signal.SIGTERM)
                                                   for n in list(supervisor.procs)])
-        self._spawn(ranks, world, answer.joining)
+        self._spawn(ranks, world, answer.joining, list(range(len(ranks))))
         # later workers (a fenced node's agent joining again) are started by one thread that
         # lives as long as the agent: a worker dies with the thread that started it
         # (PR_SET_PDEATHSIG), and the exit callbacks' threads end at once
-        self._spawns: queue.Queue[tuple[list[int], int]] = queue.Queue()
+        self._spawns: queue.Queue[tuple[list[int], int, list[int]]] = queue.Queue()
         threading.Thread(target=self._spawner, name="spawner", daemon=True).start()
         self._wait_over(store, posted)
         supervisor.stop_all()
@@ -347,12 +352,15 @@ class Agent:
                  f"agent's copy into {folder}")
         return checkpoint
 
-    def _spawn(self, ranks: list[int], world: int, joining: bool) -> None:
-        """Start this host's workers for `ranks`, each with a watcher of its kill board."""
-        for local, rank in enumerate(ranks):
+    def _spawn(self, ranks: list[int], world: int, joining: bool, places: list[int]) -> None:
+        """Start this host's workers for `ranks` in the host's `places` (their LOCAL_RANK:
+        their GPU), each with a watcher of its kill board."""
+        for local, rank in zip(places, ranks):
             node = f"node{rank}"
+            self._local[node] = local
             env = worker_env(self.cfg, rank=rank, world=world, local_rank=local,
-                             local_world=len(ranks), address=self.address, run_dir=self.opts.out,
+                             local_world=self.opts.nproc, address=self.address,
+                             run_dir=self.opts.out,
                              t0=self._posted.t0, token=self.token,
                              instance=self.instance, search_path=search_path(self.cfg),
                              faults=self.opts.faults, joining=joining,
@@ -364,13 +372,14 @@ class Agent:
             self.supervisor.spawn(node, env)
             BoardWatcher(self.address.connect(self.timeout_s), self.channel,
                          keys.kill_board(node), Kill, lambda _, node=node: self._kill(node))
-        self.say(f"started {', '.join(f'node{r}' for r in ranks)}"
-                 + (" (joining the running job)" if joining else ""))
+        self.say(f"started {', '.join(f'node{r}' for r in ranks)} (local rank"
+                 f"{'s' if len(places) > 1 else ''} {', '.join(map(str, places))})"
+                 + (" joining the running job" if joining else ""))
 
     def _spawner(self) -> None:
         while True:
-            ranks, world = self._spawns.get()
-            self._spawn(ranks, world, joining=True)
+            ranks, world, places = self._spawns.get()
+            self._spawn(ranks, world, True, places)
 
     def _kill(self, node: str) -> None:
         """The coordinator fenced `node` (hung, or cut off past the heartbeat timeout)."""
@@ -378,25 +387,30 @@ class Agent:
         self.supervisor.kill(node)
 
     def _rejoin(self, node: str) -> None:
-        """`node` was fenced while this host lives (a partition that healed): the job moved on
-        without it, so its state is stale; come again as a new agent, whose fresh node joins
-        the running job like any late one (placed when a layout has room for it)."""
+        """`node` was fenced while this host lives (a partition that healed, or a hang): the
+        job moved on without it, so its state is stale; come again as a new agent with one
+        fresh node in its place on this host (its GPU), which joins the running job like any
+        late one (placed when a layout has room for it). The host's other workers run on:
+        coming again with all --nproc-per-node nodes put two workers on one GPU. One node
+        at a time, so that each arrival names this agent's newest number."""
+        place = self._local.pop(node)
         try:
-            store = self.address.connect(self.timeout_s)
-            if store.check([OVER]):
-                return
-            me = self._arrive(store, rejoin_of=self.me)
-            answer = self._assignment(store, me) or Assignment(refused="no answer")
-            if answer.refused:
-                self.say(f"{node} was fenced; not admitted again: {answer.refused}")
-                return
-            self.me = me
-            if self.leadership is not None and not self.leadership.leading:
-                self.leadership.me = str(me)  # (a candidate under its current number)
+            with self._rejoining:
+                store = self.address.connect(self.timeout_s)
+                if store.check([OVER]):
+                    return
+                me = self._arrive(store, rejoin_of=self.me, nproc=1)
+                answer = self._assignment(store, me) or Assignment(refused="no answer")
+                if answer.refused:
+                    self.say(f"{node} was fenced; not admitted again: {answer.refused}")
+                    return
+                self.me = me
+                if self.leadership is not None and not self.leadership.leading:
+                    self.leadership.me = str(me)  # (a candidate under its current number)
             with self._lock:
                 self._pending += len(answer.ranks)
             self.say(f"{node} was fenced by the job; this host joins again as agent {me}")
-            self._spawns.put((list(answer.ranks), answer.world))
+            self._spawns.put((list(answer.ranks), answer.world, [place]))
         except Exception as exc:  # the store is gone: the job is over already
             self.say(f"could not join again after {node} was fenced: {exc}")
 
