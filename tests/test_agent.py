@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -587,3 +588,44 @@ def test_a_fenced_worker_is_replaced_in_its_own_place_while_its_host_mate_runs_o
     want = failure_free(tmp_path_factory, cfg)
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert all(workers_running(out) == [] for out in outs)
+
+
+def test_a_sigterm_to_an_agent_reaches_its_workers_while_the_job_runs(tmp_path,
+                                                                      tmp_path_factory,
+                                                                      corpus):
+    """A SIGTERM to an agent is its host's preemption notice, passed on to its workers: they
+    leave at the next iteration boundary and the job goes on without them. The agent waits
+    for the job's end in a store call, and Python runs a signal's handler only on the main
+    thread between bytecodes: the notice reached the workers only once the job was over (the
+    job completed with no notice at all)."""
+    cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
+                      **{**FAST, **LENIENT, "iterations": 300, "model.gpt.bias": False})
+    config = _write_config(cfg, tmp_path / "job.yaml")
+    outs = [tmp_path / "host_a", tmp_path / "host_b"]
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = [_agent(config, out, "c10d", endpoint, nnodes="2:2",
+                     extra=("--nproc-per-node", "2")) for out in outs]
+
+    def iteration(out: Path) -> int:
+        lines = (out / "metrics.jsonl").read_text().splitlines() \
+            if (out / "metrics.jsonl").exists() else []
+        return json.loads(lines[-1])["iter"] if lines else -1
+
+    while max(iteration(o) for o in outs) < 5 and all(a.poll() is None for a in agents):
+        time.sleep(0.05)
+    assert all(a.poll() is None for a in agents), "the job ended before the notice"
+    coordinating = next(i for i, o in enumerate(outs) if (o / "events.jsonl").exists())
+    agents[1 - coordinating].send_signal(signal.SIGTERM)
+    for code, err in _finish(agents):
+        assert code == 0, err[-2000:]
+    run = outs[coordinating]
+    ev = events(run)
+    leaving = sorted(e["node"] for e in ev if e["kind"] == "notice")
+    theirs = sorted(p.stem for p in (outs[1 - coordinating] / "logs").glob("node*.log"))
+    assert leaving == theirs and len(theirs) == 2, (leaving, theirs)
+    assert sorted(e["node"] for e in ev if e["kind"] == "worker_left") == leaving
+    assert [e["action"] for e in ev if e["kind"] == "plan"] == ["drop_pipeline"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["iterations"] == cfg.iterations
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert_close_where_width_changed(got, failure_free(tmp_path_factory, cfg))  # D 2 -> 1

@@ -36,9 +36,9 @@ Rendezvous, under `spotpipe/rdzv/` in the job's store:
    another team under the same id) refuses it in turn.
 
 Workers report to the coordinator through the store's mailbox, as under the local launcher;
-each agent adds an "exit" record when one of its workers exits, kills a worker the coordinator
-fences, and sends its final stage files through the store (in 512 KiB pieces) so that the
-coordinator's --out gets the whole model even without a shared filesystem.
+each agent adds an "exit" record when one of its workers exits and kills a worker the
+coordinator fences; its workers send their final stages through the store (in 512 KiB pieces)
+so that the coordinator's --out gets the whole model even without a shared filesystem.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -293,7 +294,7 @@ class Agent:
         # (PR_SET_PDEATHSIG), and the exit callbacks' threads end at once
         self._spawns: queue.Queue[tuple[list[int], int, list[int]]] = queue.Queue()
         threading.Thread(target=self._spawner, name="spawner", daemon=True).start()
-        self._wait_over(store, posted)
+        _with_main_thread_free(lambda: self._wait_over(store, posted))
         supervisor.stop_all()
         self._exits_done.wait(self.timeout_s)
         return self._leave(store)
@@ -445,6 +446,27 @@ class Agent:
             # a record that is not the job's kill (refused), or the store gone (the job is
             # over already): nothing to act on either way
             return False
+
+
+def _with_main_thread_free(wait: Callable[[], None]) -> None:
+    """Run `wait` on a thread while the main thread waits for it. Python runs a signal's
+    handler only on the main thread, between bytecodes: blocked inside a store call (the
+    wait for the job's end, days long with c10d) it never ran, so a host's preemption notice
+    (SIGTERM to the agent) reached its workers only once the job was over. A thread's join
+    lets the handler run as the signal comes."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            wait()
+        except BaseException as exc:  # noqa: BLE001 - raised again on the main thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="wait-for-the-end", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
 
 
 def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> int:
