@@ -74,6 +74,21 @@ def _coordinator_out(outs: list[Path]) -> Path:
     return found[0]
 
 
+def _coordinating_once_training(outs: list[Path], agents: list[subprocess.Popen],
+                                before: str) -> int:
+    """Wait (on the run's metrics, a real condition) until the job has trained 5 iterations;
+    the index of the coordinating agent (the one whose --out has the run's events)."""
+    def iteration(out: Path) -> int:
+        lines = (out / "metrics.jsonl").read_text().splitlines() \
+            if (out / "metrics.jsonl").exists() else []
+        return json.loads(lines[-1])["iter"] if lines else -1
+
+    while max(iteration(o) for o in outs) < 5 and all(a.poll() is None for a in agents):
+        time.sleep(0.05)
+    assert all(a.poll() is None for a in agents), f"the job ended before {before}"
+    return next(i for i, o in enumerate(outs) if (o / "events.jsonl").exists())
+
+
 def _write_config(cfg, path: Path) -> Path:
     path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return path
@@ -234,16 +249,7 @@ def test_a_lost_host_fails_over_to_the_other(tmp_path, tmp_path_factory, corpus,
     config = _write_config(cfg, tmp_path / "job.yaml")
     outs = [tmp_path / "host_a", tmp_path / "host_b"]
     agents = [_agent(config, out, "etcd", etcd.endpoint) for out in outs]
-
-    def iteration(out: Path) -> int:
-        lines = (out / "metrics.jsonl").read_text().splitlines() \
-            if (out / "metrics.jsonl").exists() else []
-        return json.loads(lines[-1])["iter"] if lines else -1
-
-    while max(iteration(o) for o in outs) < 5 and all(a.poll() is None for a in agents):
-        time.sleep(0.05)
-    assert all(a.poll() is None for a in agents), "the job ended before a host could be lost"
-    coordinating = next(i for i, o in enumerate(outs) if (o / "events.jsonl").exists())
+    coordinating = _coordinating_once_training(outs, agents, "a host could be lost")
     lost = agents[1 - coordinating]
     lost.kill()
     (code, err), (lost_code, _) = _finish([agents[coordinating], lost])
@@ -605,16 +611,7 @@ def test_a_sigterm_to_an_agent_reaches_its_workers_while_the_job_runs(tmp_path,
     endpoint = f"127.0.0.1:{free_port()}"
     agents = [_agent(config, out, "c10d", endpoint, nnodes="2:2",
                      extra=("--nproc-per-node", "2")) for out in outs]
-
-    def iteration(out: Path) -> int:
-        lines = (out / "metrics.jsonl").read_text().splitlines() \
-            if (out / "metrics.jsonl").exists() else []
-        return json.loads(lines[-1])["iter"] if lines else -1
-
-    while max(iteration(o) for o in outs) < 5 and all(a.poll() is None for a in agents):
-        time.sleep(0.05)
-    assert all(a.poll() is None for a in agents), "the job ended before the notice"
-    coordinating = next(i for i, o in enumerate(outs) if (o / "events.jsonl").exists())
+    coordinating = _coordinating_once_training(outs, agents, "the notice")
     agents[1 - coordinating].send_signal(signal.SIGTERM)
     for code, err in _finish(agents):
         assert code == 0, err[-2000:]
