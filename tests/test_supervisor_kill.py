@@ -229,3 +229,27 @@ def test_an_exit_of_its_own_is_left_to_the_reaper(tmp_path: Path) -> None:
     until(lambda: got != [], "the reaper's report")
     assert got == [3]
     sup.stop_all()
+
+
+def test_a_death_watch_reads_the_same_as_proc_and_nothing_once_reaped() -> None:
+    """The crash watch's open descriptor says what `signalled_past_acting` says, from one
+    pread; once the process is reaped it says nothing (the descriptor stays bound to it)."""
+    from spotpipe.cluster.proc import DeathWatch
+
+    own = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(1)"])
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    watches = {p.pid: DeathWatch(p.pid) for p in (own, killed)}
+    try:
+        assert watches[killed.pid].signalled_past_acting() is None  # running
+        until(lambda: _state(own.pid) == "Z", "the exiting child to become a zombie")
+        assert watches[own.pid].signalled_past_acting() is None  # its own exit: the reaper's
+        os.kill(killed.pid, signal.SIGTERM)
+        until(lambda: watches[killed.pid].signalled_past_acting() == signal.SIGTERM,
+              "the signalled child to be past acting")
+    finally:
+        own.wait()
+        killed.kill()
+        killed.wait()
+    assert all(w.signalled_past_acting() is None for w in watches.values())  # reaped
+    for w in watches.values():
+        w.close()
