@@ -57,7 +57,8 @@ host the shadows run on (the launcher's or agent's, not a preemptible node: `sha
 Local links (`link_slots`, CPU runs; runtime/local_link.py): a worker makes the shared-memory
 ring of every pipeline channel it sends on, `link_ring_slots` messages of the channel's size:
 the activation to the next stage (`boundary_bytes`) and the gradient to the previous one
-(`stage_input_bytes`), in the host's memory.
+(`stage_input_bytes`), and with redundancy its stage's gradients to their replica
+(`REPLICA_LINK_SLOTS` messages), in the host's memory.
 Reserve: `device_reserve_bytes` of every device (CUDA context and allocator slack; about
 0.5-1 GiB in practice) is not available to the stage.
 Backward's working memory (`transient_bytes`, measured by the runtime, zero in the analytic
@@ -78,6 +79,7 @@ from typing import Sequence
 GIB = 1024 ** 3
 
 LINK_RING_CAP = 256 * 1024 ** 2  # a local link's ring holds at most this, and 2 messages at least
+REPLICA_LINK_SLOTS = 2  # a replica's gradient channel carries one message per iteration
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
 SCHEDULES = ("1f1b", "gpipe")
@@ -229,8 +231,11 @@ def estimate_stage(stage: int, facts: StageFacts, rules: MemoryRules) -> MemoryE
     if rules.link_slots and rules.num_stages > 1:
         sent = ([facts.boundary_bytes] if stage < rules.num_stages - 1 else []) \
             + ([facts.stage_input_bytes] if stage > 0 else [])
-        parts.append(MemoryPart("link_buffers", "host", float(sum(
-            link_ring_slots(b, rules.link_slots) * b for b in sent))))
+        ring = sum(link_ring_slots(b, rules.link_slots) * b for b in sent)
+        if rules.redundancy != "none":  # the stage's gradients to its replica, 2 buffers
+            grads = per["gradients"] * n
+            ring += link_ring_slots(grads, REPLICA_LINK_SLOTS) * grads
+        parts.append(MemoryPart("link_buffers", "host", float(ring)))
     if rules.device_reserve_bytes:
         parts.append(MemoryPart("reserve", "device", float(rules.device_reserve_bytes)))
     return MemoryEstimate(stage, tuple(p for p in parts if p.bytes))

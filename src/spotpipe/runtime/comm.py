@@ -297,49 +297,67 @@ class Comm:
     def send(self, tensor: torch.Tensor, node: str, tag_: int) -> None:
         """Asynchronous; completed by `wait_sends` (at the latest before the reduction). On a
         local link the tensor is copied out before this returns."""
+        tensor = tensor.detach().contiguous()
+        self._send([tensor.reshape(-1)], tensor.shape, node, tag_)
+
+    def send_concatenated(self, parts: Sequence[torch.Tensor], node: str, tag_: int,
+                          ring_slots: int) -> None:
+        """The 1-d `parts` (one dtype) as one message, as `send` would send their
+        concatenation; on a local link each part is copied straight into the shared buffer
+        (a stage's gradients for its replica: one copy of them instead of two).
+        `ring_slots`: the most messages its local link buffers (at least 2)."""
+        parts = [p.detach() for p in parts]
+        self._send(parts, torch.Size([sum(p.numel() for p in parts)]), node, tag_, ring_slots)
+
+    def _send(self, parts: list[torch.Tensor], shape: torch.Size, node: str, tag_: int,
+              ring_slots: int | None = None) -> None:
         self.abort.check()
         dst = self.nodes.index(node)
-        tensor = tensor.detach().contiguous()
+        dtype = parts[0].dtype
         key = ("send", dst, tag_)
         if key not in self._shapes:
-            if tensor.dim() > _HEADER - 3:
-                raise ValueError(f"cannot send a {tensor.dim()}-d tensor between stages "
+            if len(shape) > _HEADER - 3:
+                raise ValueError(f"cannot send a {len(shape)}-d tensor between stages "
                                  f"(at most {_HEADER - 3} dimensions)")
-            link = self._connect(node, tag_, tensor)
+            link = self._connect(node, tag_, shape.numel() * parts[0].element_size(),
+                                 ring_slots)
             if link is not None:
                 self._links[key] = link
             header = torch.zeros(_HEADER, dtype=torch.int64)
-            header[0] = tensor.dim()
-            header[1] = _DTYPES.index(tensor.dtype)
+            header[0] = len(shape)
+            header[1] = _DTYPES.index(dtype)
             header[2] = _GROUP if link is None else _LOCAL
-            header[3: 3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+            header[3: 3 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
             header = header.to(self.device)
             self._pending.append((self._post(self.world.send, [header], dst, tag_), header))
-            self._shapes[key] = (tensor.shape, tensor.dtype)
+            self._shapes[key] = (shape, dtype)
         link = self._links.get(key)
         if link is not None:
-            self._local(link.send, tensor)
+            self._local(link.send_parts, parts)
         else:
-            self._pending.append((self._post(self.world.send, [tensor], dst, tag_), tensor))
+            whole = parts[0] if len(parts) == 1 else torch.cat(parts)
+            self._pending.append((self._post(self.world.send, [whole.view(shape)], dst, tag_),
+                                  whole))
 
-    def _connect(self, node: str, tag_: int, tensor: torch.Tensor) -> Any:
+    def _connect(self, node: str, tag_: int, nbytes: int, ring_slots: int | None) -> Any:
         """A local link for the channel to `node` if it runs on this host, else None."""
         if self._listener is None:
             return None
-        nbytes = max(1, tensor.numel() * tensor.element_size())
-        slots = link_ring_slots(nbytes, self._local_slots)  # (what the launch's estimate counts)
+        nbytes = max(1, nbytes)
+        # (what the launch's estimate counts)
+        slots = link_ring_slots(nbytes, self._local_slots if ring_slots is None else ring_slots)
         return local_link.Sender.connect(
             self._key, local_link.address(self._key, self._namespace, self.generation, node),
             local_link.channel_name(self.me, node, tag_), slots, nbytes)
 
-    def recv(self, node: str, tag_: int) -> torch.Tensor:
+    def recv(self, node: str, tag_: int, post_next: bool = True) -> torch.Tensor:
         """The next tensor on this channel.
 
         After the first message, the receive for the next one is posted as soon as this one
-        is taken, so the transfer overlaps the computation in between instead of starting
-        when the schedule reaches its receive (1F1B puts every such latency on the critical
-        path). Messages on a channel match in order, so the early receive cannot take another
-        channel's tensor.
+        is taken (unless `post_next` is False), so the transfer overlaps the computation in
+        between instead of starting when the schedule reaches its receive (1F1B puts every
+        such latency on the critical path). Messages on a channel match in order, so the early
+        receive cannot take another channel's tensor.
         """
         src = self.nodes.index(node)
         key = ("recv", src, tag_)
@@ -363,7 +381,8 @@ class Comm:
             posted = self._post_data_recv(key, src, tag_)
         work, out = posted
         self.waiter.wait(work)
-        self._early[key] = self._post_data_recv(key, src, tag_)
+        if post_next:
+            self._early[key] = self._post_data_recv(key, src, tag_)
         return out
 
     def _local(self, op: Callable[..., Any], *args: Any) -> Any:

@@ -70,11 +70,17 @@ def flatten_grads(params: list[nn.Parameter]) -> torch.Tensor:
     did not reach has no gradient, and the optimizer must skip it on both sides). fp16: the
     receiver marks a step skipped for a non-finite gradient (`mark_skipped`) once the norm
     gather has said so."""
+    return torch.cat(grad_parts(params))
+
+
+def grad_parts(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """The pieces of `flatten_grads`' buffer, in order, uncopied (for a transport that copies
+    them into its own buffer: `Comm.send_concatenated`)."""
     parts = [p.grad.reshape(-1) if p.grad is not None
              else torch.zeros(p.numel(), device=p.device, dtype=p.dtype) for p in params]
     flags = torch.tensor([p.grad is not None for p in params], dtype=params[0].dtype,
                          device=params[0].device)
-    return torch.cat(parts + [flags])
+    return parts + [flags]
 
 
 def mark_skipped(flat: torch.Tensor, num_params: int) -> None:
