@@ -178,9 +178,13 @@ def _comm(store_port: int, me: str, local_slots: int, out: dict) -> None:
         if me == "node0":
             for message in _messages(12):
                 comm.send(message, "node1", 5)
+            for message in _messages(3):  # each as the concatenation of its rows
+                comm.send_concatenated([row.reshape(-1) for row in message], "node1", 6,
+                                       ring_slots=2)
             comm.wait_sends()
         else:
             out["got"] = [comm.recv("node0", 5) for _ in range(12)]
+            out["concatenated"] = [comm.recv("node0", 6, post_next=False) for _ in range(3)]
             out["links"] = [type(link).__name__ for link in comm._links.values()]
             out["local_off"] = comm.local_off
         comm.all_reduce(torch.zeros(1))  # both ends done before either closes
@@ -207,7 +211,11 @@ def test_comm_takes_the_local_link_between_nodes_of_one_host_and_the_group_other
         local_slots):
     out = _pair(local_slots)
     assert all(torch.equal(a, b) for a, b in zip(out["got"], _messages(12), strict=True))
-    assert out["links"] == (["Receiver"] if local_slots else [])
+    assert out["links"] == (["Receiver"] * 2 if local_slots else [])
+    # a message sent in parts (a stage's gradients) arrives as their concatenation, through a
+    # ring of 2 buffers for 3 messages
+    assert all(torch.equal(a, b.reshape(-1))
+               for a, b in zip(out["concatenated"], _messages(3), strict=True))
 
 
 def test_a_node_that_cannot_listen_sends_through_the_group_and_says_why(monkeypatch):
