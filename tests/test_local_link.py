@@ -129,6 +129,42 @@ def test_a_full_ring_holds_the_sender_until_its_receiver_reads_and_an_abort_ends
     sender.close(), receiver.close(), listener.close()
 
 
+def test_lent_messages_go_back_in_ring_order_and_outlive_both_ends():
+    """A replica's gradient is applied in place on another thread and given back then: a
+    buffer released early must not be reused before those the sender wrote ahead of it."""
+    listener = local_link.Listener(KEY, _name(), lambda why: None)
+    sender = local_link.Sender.connect(KEY, _name(), CHANNEL, 3, 8)
+    receiver = listener.accept(CHANNEL, AbortSignal(), lambda _: None)
+    for i in range(3):
+        sender.send_parts([torch.tensor([float(i)]), torch.tensor([10.0 + i])], AbortSignal(),
+                          lambda _: None)
+    leases = [receiver.take(8, AbortSignal(), lambda _: None) for _ in range(3)]
+    assert [lease.tensor.view(torch.float32).tolist() for lease in leases] == \
+        [[0.0, 10.0], [1.0, 11.0], [2.0, 12.0]]
+
+    def freed() -> int:  # buffers the sender has been given back so far (left unread)
+        try:
+            return len(sender.conn.recv(64, socket.MSG_DONTWAIT | socket.MSG_PEEK))
+        except BlockingIOError:
+            return 0
+
+    leases[2].release()
+    assert freed() == 0  # the last one back first: nothing is free yet
+    leases[0].release()
+    leases[0].release()  # (idempotent)
+    assert freed() == 1
+    leases[1].release()
+    assert freed() == 3  # the second, and the third that waited for it
+    last = receiver.take  # a lease taken, then both ends closed: its message stays whole
+    sender.send(torch.tensor([7.0, 8.0]), AbortSignal(), lambda _: None)
+    kept = last(8, AbortSignal(), lambda _: None)
+    for end in (sender, receiver, listener):
+        end.close()
+    del sender, receiver, listener, last
+    assert kept.tensor.view(torch.float32).tolist() == [7.0, 8.0]
+    kept.release()  # to a closed socket: nothing to tell, and no error
+
+
 def test_a_hello_not_under_the_jobs_key_is_refused_and_the_genuine_one_taken():
     refused: list[str] = []
     listener = local_link.Listener(KEY, _name(), refused.append)
@@ -180,11 +216,18 @@ def _comm(store_port: int, me: str, local_slots: int, out: dict) -> None:
                 comm.send(message, "node1", 5)
             for message in _messages(3):  # each as the concatenation of its rows
                 comm.send_concatenated([row.reshape(-1) for row in message], "node1", 6,
-                                       ring_slots=2)
+                                       ring_slots=4)
             comm.wait_sends()
         else:
             out["got"] = [comm.recv("node0", 5) for _ in range(12)]
-            out["concatenated"] = [comm.recv("node0", 6, post_next=False) for _ in range(3)]
+            leases = [comm.recv_lent("node0", 6) for _ in range(3)]
+            out["lent"] = [lease.tensor.clone() for lease in leases]
+            ring = [link.ring for link in comm._links.values() if hasattr(link, "take")]
+            out["in_place"] = [any(r.data_ptr() <= lease.tensor.data_ptr()
+                                   < r.data_ptr() + r.numel() for r in ring)
+                               for lease in leases]
+            for lease in leases:
+                lease.release()
             out["links"] = [type(link).__name__ for link in comm._links.values()]
             out["local_off"] = comm.local_off
         comm.all_reduce(torch.zeros(1))  # both ends done before either closes
@@ -212,10 +255,10 @@ def test_comm_takes_the_local_link_between_nodes_of_one_host_and_the_group_other
     out = _pair(local_slots)
     assert all(torch.equal(a, b) for a, b in zip(out["got"], _messages(12), strict=True))
     assert out["links"] == (["Receiver"] * 2 if local_slots else [])
-    # a message sent in parts (a stage's gradients) arrives as their concatenation, through a
-    # ring of 2 buffers for 3 messages
+    # a message sent in parts arrives as their concatenation, lent in place on a local link
     assert all(torch.equal(a, b.reshape(-1))
-               for a, b in zip(out["concatenated"], _messages(3), strict=True))
+               for a, b in zip(out["lent"], _messages(3), strict=True))
+    assert out["in_place"] == [bool(local_slots)] * 3
 
 
 def test_a_node_that_cannot_listen_sends_through_the_group_and_says_why(monkeypatch):
@@ -226,4 +269,5 @@ def test_a_node_that_cannot_listen_sends_through_the_group_and_says_why(monkeypa
     out = _pair(4)
     assert all(torch.equal(a, b) for a, b in zip(out["got"], _messages(12), strict=True))
     assert out["links"] == []
+    assert out["in_place"] == [False] * 3
     assert out["local_off"] == "cannot listen for local links: [Errno 1] Operation not permitted"

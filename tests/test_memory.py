@@ -77,11 +77,11 @@ def test_local_links_count_the_rings_a_stage_sends_on():
     assert ring(1)["host:link_buffers"] == 16 * 100 + 16 * 300  # and gradients to stage 0
     assert ring(3)["host:link_buffers"] == 16 * 300  # the last stage sends gradients only
     assert "host:link_buffers" not in ring(0, num_stages=1)  # nothing to send to
-    # with redundancy, a stage's gradients to its replica: 2 messages of 4 bytes (fp32) x N,
-    # and 2 bytes x N in bf16
-    assert ring(0, redundancy="lazy")["host:link_buffers"] == 16 * 100 + 2 * 4 * N
-    assert ring(3, redundancy="eager", precision="bf16")["host:link_buffers"] == \
-        16 * 300 + 2 * 2 * N
+    # with redundancy, a stage's gradients to its replica: max_lag + 2 messages (2 unapplied,
+    # one taken, one being written) of 4 bytes (fp32) x N, and 2 bytes x N in bf16
+    assert ring(0, redundancy="lazy")["host:link_buffers"] == 16 * 100 + 4 * 4 * N
+    assert ring(3, redundancy="eager", precision="bf16",
+                replica_max_lag=1)["host:link_buffers"] == 16 * 300 + 3 * 2 * N
     big = StageFacts(params=N, activation_bytes=1, boundary_bytes=100 * 2 ** 20, layers=1)
     capped = estimate_stage(0, big, rules(link_slots=16)).breakdown()["host:link_buffers"]
     assert capped == 2 * 100 * 2 ** 20  # 256 MiB holds 2 of these (the floor is 2 anyway)

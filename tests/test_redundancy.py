@@ -111,7 +111,7 @@ def test_a_replica_the_node_waits_on_runs_at_normal_priority():
     seen: list[int] = []
 
     class Held(ReplicaApplier):
-        def _apply_gradient(self, iteration, flat):
+        def _apply_gradient(self, iteration, flat, scale=None):
             entered.set()
             assert release.wait(60)
             seen.append(os.sched_getscheduler(0))  # the policy the update itself ran at
@@ -165,7 +165,7 @@ def test_closing_waits_for_the_applier_at_normal_priority():
     entered, release = threading.Event(), threading.Event()
 
     class Recorded(ReplicaApplier):
-        def _apply_gradient(self, iteration, flat):
+        def _apply_gradient(self, iteration, flat, scale=None):
             entered.set()
             assert release.wait(60)
 
@@ -207,15 +207,15 @@ def test_a_backlog_at_the_writers_limit_raises_the_applier_before_anyone_waits()
 
     entered, release = threading.Event(), threading.Event()
     seen: dict[int, int] = {}
-    clipped: list[torch.Tensor] = []
+    clipped: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
     class Held(ReplicaApplier):
-        def _apply_gradient(self, iteration, flat):
+        def _apply_gradient(self, iteration, flat, scale=None):
             if iteration == 0:
                 entered.set()
                 assert release.wait(60)
             seen[iteration] = os.sched_getscheduler(0)
-            clipped.append(flat.clone())
+            clipped.append((flat.clone(), scale))
 
     applier = Held(SimpleNamespace(index=0, params=[None]), Config(), None, max_lag=None,
                    urgent_lag=2)
@@ -234,5 +234,7 @@ def test_a_backlog_at_the_writers_limit_raises_the_applier_before_anyone_waits()
         assert applier._cond.wait_for(lambda: applier._applied >= 1, timeout=60)
     applier.close()
     assert seen == {0: os.SCHED_OTHER, 1: os.SCHED_IDLE}  # 1 ran with a backlog of 1
-    # the clipping scale is applied on the applier's thread, to the values and not the flags
-    assert clipped[0].tolist() == [0.5, 1.0, 1.0] and clipped[1].tolist() == [1.0, 2.0, 1.0]
+    # the clipping scale goes to the update on the applier's thread (which applies it out of
+    # place: the message, possibly lent, is left as it came)
+    assert [(flat.tolist(), None if scale is None else scale.item())
+            for flat, scale in clipped] == [([1.0, 2.0, 1.0], 0.5), ([1.0, 2.0, 1.0], None)]

@@ -271,7 +271,8 @@ def memory_rules(cfg: Config, num_stages: int) -> MemoryRules:
                        shadows=cfg.shadow.enabled,
                        replica_on_host=cfg.replica.device == "cpu",
                        offload_frc=cfg.replica.offload_frc,
-                       link_slots=link_slots(cfg) if resolve_backend(cfg) != "nccl" else 0)
+                       link_slots=link_slots(cfg) if resolve_backend(cfg) != "nccl" else 0,
+                       replica_max_lag=cfg.replica.max_lag)
 
 
 def link_slots(cfg: Config) -> int:

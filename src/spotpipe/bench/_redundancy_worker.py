@@ -45,11 +45,13 @@ def _inline(applier: Any) -> None:
                 return
             if item is None:
                 continue
-            iteration, kind, flat = item
+            iteration, kind, flat, scale, done = item
             if kind == "grad":
-                applier._apply_gradient(iteration, flat)
+                applier._apply_gradient(iteration, flat, scale)
             elif kind == "state":
                 applier._load_state(flat)
+            if done is not None:
+                done()
             with applier._cond:
                 applier._applied = iteration
                 applier._cond.notify_all()

@@ -58,7 +58,8 @@ Local links (`link_slots`, CPU runs; runtime/local_link.py): a worker makes the 
 ring of every pipeline channel it sends on, `link_ring_slots` messages of the channel's size:
 the activation to the next stage (`boundary_bytes`) and the gradient to the previous one
 (`stage_input_bytes`), and with redundancy its stage's gradients to their replica
-(`REPLICA_LINK_SLOTS` messages), in the host's memory.
+(`replica_link_slots` messages: the replica's thread applies them where they lie), in the
+host's memory.
 Reserve: `device_reserve_bytes` of every device (CUDA context and allocator slack; about
 0.5-1 GiB in practice) is not available to the stage.
 Backward's working memory (`transient_bytes`, measured by the runtime, zero in the analytic
@@ -79,7 +80,6 @@ from typing import Sequence
 GIB = 1024 ** 3
 
 LINK_RING_CAP = 256 * 1024 ** 2  # a local link's ring holds at most this, and 2 messages at least
-REPLICA_LINK_SLOTS = 2  # a replica's gradient channel carries one message per iteration
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
 SCHEDULES = ("1f1b", "gpipe")
@@ -136,6 +136,7 @@ class MemoryRules:
     offload_frc: bool = False  # the runtime's `replica.offload_frc`
     device_reserve_bytes: float = 0.0
     link_slots: int = 0  # messages a local link buffers per channel (0: no local links)
+    replica_max_lag: int = 2  # the runtime's `replica.max_lag`
 
     def __post_init__(self) -> None:
         for name, allowed in (("precision", COMPUTE_BYTES), ("optimizer", OPTIMIZER_BYTES),
@@ -189,6 +190,13 @@ def in_flight(schedule: str, num_stages: int, stage: int, microbatches: int) -> 
     raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
 
 
+def replica_link_slots(max_lag: int) -> int:
+    """Buffers of a replica's gradient channel, so that its sender never waits on the ring:
+    the holder's replica thread keeps up to `max_lag` messages unapplied (in place, lent), one
+    more is taken and not yet handed over, and the sender writes the next one."""
+    return max_lag + 2
+
+
 def link_ring_slots(message_bytes: float, slots: int) -> int:
     """Buffers of a local link's ring for messages of `message_bytes`: `slots`, as far as
     LINK_RING_CAP allows, and never fewer than 2 (one being read, one being written)."""
@@ -234,7 +242,7 @@ def estimate_stage(stage: int, facts: StageFacts, rules: MemoryRules) -> MemoryE
         ring = sum(link_ring_slots(b, rules.link_slots) * b for b in sent)
         if rules.redundancy != "none":  # the stage's gradients to its replica, 2 buffers
             grads = per["gradients"] * n
-            ring += link_ring_slots(grads, REPLICA_LINK_SLOTS) * grads
+            ring += link_ring_slots(grads, replica_link_slots(rules.replica_max_lag)) * grads
         parts.append(MemoryPart("link_buffers", "host", float(ring)))
     if rules.device_reserve_bytes:
         parts.append(MemoryPart("reserve", "device", float(rules.device_reserve_bytes)))

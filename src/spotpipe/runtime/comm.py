@@ -309,6 +309,18 @@ class Comm:
         parts = [p.detach() for p in parts]
         self._send(parts, torch.Size([sum(p.numel() for p in parts)]), node, tag_, ring_slots)
 
+    def send_buffer(self, node: str, tag_: int) -> torch.Tensor | None:
+        """Where the next message on this channel will be sent from, typed as its messages,
+        when the channel is a local link (after its first message): a writer may build the
+        message there, and `send_concatenated` does not copy the parts it finds in place.
+        None for a channel through the process group, or not used yet."""
+        key = ("send", self.nodes.index(node), tag_)
+        link = self._links.get(key)
+        if link is None:
+            return None
+        shape, dtype = self._shapes[key]
+        return self._local(link.buffer)[: shape.numel() * dtype.itemsize].view(dtype)
+
     def _send(self, parts: list[torch.Tensor], shape: torch.Size, node: str, tag_: int,
               ring_slots: int | None = None) -> None:
         self.abort.check()
@@ -350,15 +362,48 @@ class Comm:
             self._key, local_link.address(self._key, self._namespace, self.generation, node),
             local_link.channel_name(self.me, node, tag_), slots, nbytes)
 
-    def recv(self, node: str, tag_: int, post_next: bool = True) -> torch.Tensor:
+    def recv(self, node: str, tag_: int) -> torch.Tensor:
         """The next tensor on this channel.
 
         After the first message, the receive for the next one is posted as soon as this one
-        is taken (unless `post_next` is False), so the transfer overlaps the computation in
-        between instead of starting when the schedule reaches its receive (1F1B puts every
-        such latency on the critical path). Messages on a channel match in order, so the early
-        receive cannot take another channel's tensor.
+        is taken, so the transfer overlaps the computation in between instead of starting
+        when the schedule reaches its receive (1F1B puts every such latency on the critical
+        path). Messages on a channel match in order, so the early receive cannot take another
+        channel's tensor.
         """
+        key = self._receiving(node, tag_)
+        link = self._links.get(key)
+        if link is not None:
+            shape, dtype = self._shapes[key]
+            return self._local(link.recv, torch.empty(shape, dtype=dtype))
+        posted = self._early.pop(key, None)
+        if posted is None:
+            posted = self._post_data_recv(key, key[1], tag_)
+        work, out = posted
+        self.waiter.wait(work)
+        self._early[key] = self._post_data_recv(key, key[1], tag_)
+        return out
+
+    def recv_lent(self, node: str, tag_: int) -> local_link.Lease:
+        """The next tensor on this channel, lent: on a local link it is read in place, not
+        copied, and its buffer goes back to the sender when the lease is released (a
+        replica's gradient, applied later on another thread). Nothing is posted ahead: with a
+        core per stage, as in `bench redundancy`, an early receive of a replica's gradient
+        competed with the node's last backward, and the iteration was no faster (4 runs)."""
+        key = self._receiving(node, tag_)
+        shape, dtype = self._shapes[key]
+        link = self._links.get(key)
+        if link is not None:
+            nbytes = shape.numel() * dtype.itemsize
+            lease = self._local(link.take, nbytes)
+            lease.tensor = lease.tensor.view(dtype).view(shape)
+            return lease
+        work, out = self._post_data_recv(key, key[1], tag_)
+        self.waiter.wait(work)
+        return local_link.Lease(out, None)
+
+    def _receiving(self, node: str, tag_: int) -> tuple[str, int, int]:
+        """The channel's key, once its header (shape, dtype, transport) has come."""
         src = self.nodes.index(node)
         key = ("recv", src, tag_)
         if key not in self._shapes:
@@ -372,18 +417,7 @@ class Comm:
                                       "to a node without one")
                 self._links[key] = self._local(self._listener.accept,
                                                local_link.channel_name(node, self.me, tag_))
-        link = self._links.get(key)
-        if link is not None:
-            shape, dtype = self._shapes[key]
-            return self._local(link.recv, torch.empty(shape, dtype=dtype))
-        posted = self._early.pop(key, None)
-        if posted is None:
-            posted = self._post_data_recv(key, src, tag_)
-        work, out = posted
-        self.waiter.wait(work)
-        if post_next:
-            self._early[key] = self._post_data_recv(key, src, tag_)
-        return out
+        return key
 
     def _local(self, op: Callable[..., Any], *args: Any) -> Any:
         """A local link's operation, its waits ended by the abort; its failure is the

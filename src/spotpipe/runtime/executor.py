@@ -24,10 +24,11 @@ from typing import Any, TextIO
 import torch
 
 from spotpipe.config import Config
+from spotpipe.plan.memory import replica_link_slots
 from spotpipe.runtime import grads as gradlib
-from spotpipe.plan.memory import REPLICA_LINK_SLOTS
 from spotpipe.runtime.comm import ACT, GRAD, REPLICA, TIED, Comm, tag
 from spotpipe.runtime.digest import DigestLog, stage_digest, tensors_digest
+from spotpipe.runtime.local_link import Lease
 from spotpipe.runtime.optim import set_lr
 from spotpipe.runtime import precision as amp
 from spotpipe.runtime.replica import (flatten_grads, grad_parts,
@@ -73,6 +74,8 @@ class InFlight:
     inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     out_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # stages whose gradients accumulate where they will be sent (`_accumulate_where_sent`)
+    accumulating: set[int] = field(default_factory=set)
     local: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
     kept_outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     frc_outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
@@ -174,7 +177,7 @@ class Executor:
         # the iteration whose norm gather this node completed (the commit's facts: the
         # clipping scale, a skipped step), which `step` can take from a Decision instead
         self.gathered_through = -1
-        self._replica_recv: torch.Tensor | None = None  # the held replica's gradient
+        self._replica_recv: Lease | None = None  # the held replica's gradient
         self._flags_gathered: bool | None = None
         self.precision = amp.Precision.of(cfg)
         # fp16: the last reduction found a non-finite gradient somewhere (every node learns it
@@ -255,6 +258,9 @@ class Executor:
                     y.backward()
                 else:
                     torch.autograd.backward(y, f.out_grads.pop((s, mb)))
+                if s == 0 and s not in f.accumulating:
+                    f.accumulating.add(s)
+                    self._accumulate_where_sent(s)
             elif op == Op.BRC_BACKWARD:
                 # backward redundant computation: the forward again, with autograd, from the
                 # kept input (its output already went on from FRC), then the backward
@@ -364,14 +370,17 @@ class Executor:
         if self.cfg.replica.sync == "state":
             self._exchange_state(iteration)
         elif self.holding is not None:
-            flat = self._replica_recv
+            lease, self._replica_recv = self._replica_recv, None
+            flat = lease.tensor if lease is not None else None
             if flat is not None and self.skipped:  # fp16's skipped step: only the back-off
+                flat = flat.clone()  # (a lent buffer is only read: its sender may read it too)
                 mark_skipped(flat, len(self.holding.replica.params))
             # the owner's gradient came before clipping: the applier clips it as the owner did
             clip = None if self.skipped else self.clip_scale
             self.holding.applier.submit(iteration, "none" if skip else "grad", flat,
-                                        check=self.comm.abort.check, scale=clip)
-        self._replica_recv = None
+                                        check=self.comm.abort.check, scale=clip,
+                                        done=lease.release if lease is not None else None)
+        self._drop_replica_message()
 
     def _adopt_commit(self, iteration: int, scale: float | str | None) -> None:
         """What the norm gather of `iteration` would have told this node, from the record of a
@@ -411,10 +420,16 @@ class Executor:
 
     def abandon_messages(self) -> None:
         """Forget messages posted on the failed generation's groups; the work stays."""
-        self._replica_recv = None
+        self._drop_replica_message()
         if self.flight is not None:
             self.flight.local.clear()  # hand-offs are redone with the sends that made them
             self.flight.restore_local_gradients(self.stages)
+
+    def _drop_replica_message(self) -> None:
+        """A replica's gradient not handed to the applier goes back to its sender's ring."""
+        lease, self._replica_recv = self._replica_recv, None
+        if lease is not None:
+            lease.release()
 
     def set_lr(self, iteration: int) -> float:
         lr = 0.0
@@ -434,6 +449,28 @@ class Executor:
             self.shadow.post_grad(iteration, s, flat)
         self.shadow.confirm()
 
+    def _accumulate_where_sent(self, s: int) -> None:
+        """Stage 0 finishes its backward last, so copying its gradients for the replica ends
+        every iteration's critical path. After its first backward its gradients move into
+        the buffer they will be sent from (a local link's ring, `Comm.send_buffer`) and the
+        later micro-batches accumulate there in place: the copy is paid while stage 0 waits
+        for its next gradient, and `_replicate` finds them in place. Not with data
+        parallelism, whose reduction replaces them (a gradient replaced after this, as the
+        tied sum does, is simply copied at the send)."""
+        holder = self.w.replica_holder.get(s)
+        if holder is None or s in self.comm.data_parallel \
+                or self.cfg.replica.sync != "gradient":
+            return
+        buffer = self.comm.send_buffer(holder, tag(REPLICA, s))
+        if buffer is None:  # through the process group, or the channel's first message
+            return
+        at = 0
+        for p in self.stages[s].params:
+            place = buffer[at: at + p.numel()]
+            at += p.numel()
+            if p.grad is not None and p.grad.dtype == place.dtype:
+                p.grad = place.view_as(p).copy_(p.grad)
+
     def _replicate(self) -> None:
         """Ship the (reduced, unclipped) gradients to the replicas' holders and receive the one
         this node holds, both confirmed before the norm gather, so that the gather can be the
@@ -445,21 +482,22 @@ class Executor:
         # gradients go through shared memory, copied once, where the process group's loopback
         # TCP took longer on the iteration's critical path (the last node to finish, stage 0
         # in 1F1B): in `bench redundancy` (1.75 MB each way) this exchange went from 1.37 to
-        # 0.88 ms per iteration with lazy, 2.34 to 1.63 ms with eager (medians, one run each)
+        # 0.88 ms per iteration with lazy, 2.34 to 1.63 ms with eager (medians, one run each),
+        # a copy into the ring and one out of it; lending the received one saves the second
         for s, holder in sorted(self.w.replica_holder.items()):
             self.comm.send_concatenated(grad_parts(self.stages[s].params), holder,
-                                        tag(REPLICA, s), REPLICA_LINK_SLOTS)
+                                        tag(REPLICA, s),
+                                        replica_link_slots(self.cfg.replica.max_lag))
         if self.holding is not None:
-            # (the next receive is not posted early: with a core per stage, as in `bench
-            # redundancy`, the transfer then competes with this node's last backward, and the
-            # iteration was no faster, 4 runs each)
-            flat = self.comm.recv(self.holding.owner, tag(REPLICA, self.holding.replica.index),
-                                  post_next=False)
-            if flat.numel() != self.holding.replica.grad_message_size():
+            # lent, not copied: the replica's thread applies it where it lies and gives the
+            # buffer back (a copy here was on the critical path, see above)
+            lease = self.comm.recv_lent(self.holding.owner,
+                                        tag(REPLICA, self.holding.replica.index))
+            self._replica_recv = lease
+            if lease.tensor.numel() != self.holding.replica.grad_message_size():
                 raise RuntimeError(f"{self.holding.owner} sent a replica gradient of "
-                                   f"{flat.numel()} values for a replica of "
+                                   f"{lease.tensor.numel()} values for a replica of "
                                    f"{self.holding.replica.grad_message_size()}")
-            self._replica_recv = flat
         self.comm.wait_sends()
 
     def _exchange_state(self, iteration: int) -> None:

@@ -36,7 +36,7 @@ def clipped(grads: Sequence[torch.Tensor], scale: torch.Tensor) -> list[torch.Te
     """Gradients times `scale` (`clip_scale`), like clip_grad_norm_ (the same kernel, out of
     place): `grads` stay as they were, so that a reduction cut short by a failure can be
     redone from them. A shadow applies the same scale to the same bits
-    (`replica.scale_flat_gradient`)."""
+    (`replica.apply_flat_gradient`)."""
     if not grads:
         return []
     return list(torch._foreach_mul(list(grads), scale.to(grads[0].device)))

@@ -38,6 +38,7 @@ import os
 import select
 import socket
 import struct
+import threading
 from collections.abc import Callable
 
 import torch
@@ -215,16 +216,14 @@ class Sender:
                    blocked: Callable[[bool], None]) -> None:
         """One message: the 1-d `parts` (one dtype) one after another, each copied straight
         into the slot, so that a message gathered from many tensors (a stage's gradients) is
-        copied once rather than concatenated first."""
-        # freed slots are read only when the ring looks full: a read that finds nothing costs
-        # 25 us in Python, a quarter of the message
-        while self.sent - self.freed >= self.slots:
-            _wait_readable(self.conn, abort, blocked)
-            self.freed += _read(self.conn, "its receiver")
-        slot = self.ring[self.sent % self.slots].view(parts[0].dtype)
+        copied once rather than concatenated first; a part already in its place there (see
+        `buffer`) is not copied at all."""
+        slot = self.buffer(abort, blocked).view(parts[0].dtype)
         at = 0
         for part in parts:
-            slot[at: at + part.numel()].copy_(part)
+            place = slot[at: at + part.numel()]
+            if place.data_ptr() != part.data_ptr():
+                place.copy_(part)
             at += part.numel()
         try:
             self.conn.send(b"\1")
@@ -232,8 +231,34 @@ class Sender:
             raise _lost("its receiver", exc) from None
         self.sent += 1
 
+    def buffer(self, abort: AbortSignal, blocked: Callable[[bool], None]) -> torch.Tensor:
+        """The buffer (bytes) the next message will be sent from, once its receiver is done
+        with what it held: a writer may build the message there (`send_parts` then finds it
+        in place)."""
+        # freed slots are read only when the ring looks full: a read that finds nothing costs
+        # 25 us in Python, a quarter of the message
+        while self.sent - self.freed >= self.slots:
+            _wait_readable(self.conn, abort, blocked)
+            self.freed += _read(self.conn, "its receiver")
+        return self.ring[self.sent % self.slots]
+
     def close(self) -> None:
         self.conn.close()
+
+
+class Lease:
+    """A message read in place, in its ring buffer, which goes back to the sender on `release`
+    (idempotent). Until then the sender cannot overwrite it, and the memory outlives the link
+    (the tensor holds the mapping): a message whose sender is lost stays whole."""
+
+    def __init__(self, tensor: torch.Tensor, release: Callable[[], None] | None) -> None:
+        self.tensor = tensor
+        self._release = release
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
 
 class Receiver:
@@ -243,25 +268,45 @@ class Receiver:
         self.conn, self.slots, self.nbytes = conn, slots, nbytes
         self._memory, self.ring = _ring(fd, slots, nbytes)
         self.received = self.ready = 0
+        # buffers go back in ring order: one released early waits for those before it, since
+        # the sender reuses them in that order (`_give_back`)
+        self._lock = threading.Lock()
+        self._returned: set[int] = set()
+        self._freed = 0
 
     def recv(self, out: torch.Tensor, abort: AbortSignal,
              blocked: Callable[[bool], None]) -> torch.Tensor:
         """The next message, copied into `out` (whose size must be the channel's)."""
-        if out.numel() * out.element_size() > self.nbytes:
-            raise ValueError(f"a {out.numel() * out.element_size()}-byte message on a channel "
-                             f"of {self.nbytes}-byte buffers")
+        lease = self.take(out.numel() * out.element_size(), abort, blocked)
+        out.copy_(lease.tensor.view(out.dtype).view(out.shape))
+        lease.release()
+        return out
+
+    def take(self, nbytes: int, abort: AbortSignal, blocked: Callable[[bool], None]) -> Lease:
+        """The next message's first `nbytes`, in place (no copy), until it is released."""
+        if nbytes > self.nbytes:
+            raise ValueError(f"a {nbytes}-byte message on a channel of {self.nbytes}-byte "
+                             "buffers")
         while self.ready == 0:
             _wait_readable(self.conn, abort, blocked)
             self.ready += _read(self.conn, "its sender")
-        slot = self.ring[self.received % self.slots]
-        out.copy_(slot[:out.numel() * out.element_size()].view(out.dtype).view(out.shape))
+        index = self.received
         self.ready -= 1
         self.received += 1
-        try:
-            self.conn.send(b"\1")
-        except OSError:  # the sender is gone after its last message: that one is whole, and
-            pass  # the next receive hears of the loss
-        return out
+        return Lease(self.ring[index % self.slots][:nbytes], lambda: self._give_back(index))
+
+    def _give_back(self, index: int) -> None:
+        with self._lock:  # (the replica's thread releases what the main thread took)
+            self._returned.add(index)
+            freed = self._freed
+            while self._freed in self._returned:
+                self._returned.remove(self._freed)
+                self._freed += 1
+            if self._freed > freed:
+                try:
+                    self.conn.send(b"\1" * (self._freed - freed))
+                except OSError:  # the sender is gone after its last message: that one is
+                    pass  # whole, and the next receive hears of the loss
 
     def close(self) -> None:
         self.conn.close()

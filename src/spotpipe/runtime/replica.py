@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from spotpipe.config import Config
+from spotpipe.runtime import grads as gradlib
 from spotpipe.runtime.digest import DigestLog, optimizer_tensors, stage_digest
 from spotpipe.runtime import precision as amp
 from spotpipe.runtime.optim import build_optimizer, materialise_optimizer_state, set_lr
@@ -89,12 +90,6 @@ def mark_skipped(flat: torch.Tensor, num_params: int) -> None:
     flat[flat.numel() - num_params:] = -1.0
 
 
-def scale_flat_gradient(flat: torch.Tensor, num_params: int, scale: torch.Tensor) -> None:
-    """Clip a `flatten_grads` message in place: its values (not the flags) times `scale`,
-    the kernel and operands of the owner's clipping (`grads.clipped`), hence the same bits."""
-    flat[: flat.numel() - num_params].mul_(scale.to(flat.device))
-
-
 def flatten_state(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> torch.Tensor:
     """Parameters, then the optimizer state in parameter and key order (baseline sync)."""
     return torch.cat([p.detach().reshape(-1) for p in params]
@@ -102,18 +97,28 @@ def flatten_state(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) 
 
 
 def apply_flat_gradient(params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
-                        cfg: Config, iteration: int, flat: torch.Tensor) -> None:
-    """The owner's optimizer step of `iteration`, replayed from what `flatten_grads` sent."""
+                        cfg: Config, iteration: int, flat: torch.Tensor,
+                        scale: torch.Tensor | None = None) -> None:
+    """The owner's optimizer step of `iteration`, replayed from what `flatten_grads` sent.
+    `scale`: the owner's clipping, applied here with the kernel and operands of its own
+    (`grads.clipped`), hence the same bits, and out of place: `flat` may be lent, in memory
+    that its sender still reads."""
     flags = flat[-len(params):].tolist()
     if cfg.precision == "fp16" and flags and flags[0] < 0:  # the owner skipped this step
         amp.update_scale(params, optimizer, True, cfg)
         return
-    offset = 0
+    grads, offset = [], 0
     for i, p in enumerate(params):
         n = p.numel()
         # a view, not a copy: every message arrives in a buffer of its own, never reused
-        p.grad = flat[offset: offset + n].view_as(p) if flags[i] else None
+        grads.append(flat[offset: offset + n].view_as(p) if flags[i] else None)
         offset += n
+    if scale is not None:
+        present = [g for g in grads if g is not None]
+        it = iter(gradlib.clipped(present, scale))
+        grads = [None if g is None else next(it) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g
     set_lr(optimizer, cfg, iteration)
     optimizer.step()
     if cfg.precision == "fp16":
@@ -147,8 +152,8 @@ class ReplicaApplier:
         self.max_lag = cfg.replica.max_lag if max_lag == -1 else max_lag
         self.urgent_lag = urgent_lag
         self.on_applied = on_applied
-        self._queue: queue.Queue[tuple[int, str, torch.Tensor | None, torch.Tensor | None]
-                                 | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[int, str, torch.Tensor | None, torch.Tensor | None,
+                                       Callable[[], None] | None] | None] = queue.Queue()
         self._cond = threading.Condition()
         self._applied = -1
         self._submitted = -1
@@ -173,18 +178,21 @@ class ReplicaApplier:
 
     def submit(self, iteration: int, kind: str, flat: torch.Tensor | None,
                check: Callable[[], None] | None = None, *,
-               scale: torch.Tensor | None = None) -> None:
+               scale: torch.Tensor | None = None,
+               done: Callable[[], None] | None = None) -> None:
         """kind: "grad" (apply an optimizer step), "state" (load a full copy), "none".
         `check` as for `wait_applied`: a node held back by a slow replica still answers an
         abort (otherwise it looks hung and is fenced). `scale`: a "grad" still to be clipped
-        (`scale_flat_gradient`), on this thread rather than the caller's."""
+        (`apply_flat_gradient`), on this thread rather than the caller's. `done`: called on
+        this thread once `flat` is no longer needed (a lent buffer goes back, before the
+        iteration counts as applied)."""
         self.raise_if_failed()
         with self._cond:
             self._submitted = iteration
             lag = iteration - self._applied
             self._reprioritize()
         self.max_lag_seen = max(self.max_lag_seen, lag)
-        self._queue.put((iteration, kind, flat, scale))
+        self._queue.put((iteration, kind, flat, scale, done))
         if self.max_lag is not None and lag > self.max_lag:  # the documented policy: wait
             self.wait_applied(iteration - self.max_lag, check)
 
@@ -279,15 +287,16 @@ class ReplicaApplier:
             self._reprioritize()  # someone may wait already
         try:
             while (item := self._queue.get()) is not None:
-                iteration, kind, flat, scale = item
+                iteration, kind, flat, scale, done = item
                 if DELAY_S and self.role == "replica":
                     time.sleep(DELAY_S)  # an injected starvation (see DELAY_S), not a wait
                 if kind == "grad":
-                    if scale is not None:
-                        scale_flat_gradient(flat, len(self.replica.params), scale)
-                    self._apply_gradient(iteration, flat)
+                    self._apply_gradient(iteration, flat, scale)
                 elif kind == "state":
                     self._load_state(flat)
+                item = flat = None
+                if done is not None:
+                    done()
                 if self.digests is not None:
                     self.digests.write(iter=iteration, stage=self.replica.index, role=self.role,
                                        **stage_digest(self.replica.module, self.replica.optimizer))
@@ -302,9 +311,10 @@ class ReplicaApplier:
                 self._error = exc
                 self._cond.notify_all()
 
-    def _apply_gradient(self, iteration: int, flat: torch.Tensor) -> None:
+    def _apply_gradient(self, iteration: int, flat: torch.Tensor,
+                        scale: torch.Tensor | None = None) -> None:
         apply_flat_gradient(self.replica.params, self.replica.optimizer, self.cfg, iteration,
-                            flat.to(self.replica.device))
+                            flat.to(self.replica.device), scale)
 
     def _load_state(self, flat: torch.Tensor) -> None:
         """Inverse of `flatten_state`: parameters, then every state tensor in key order."""
