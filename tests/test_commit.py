@@ -19,6 +19,7 @@ from spotpipe.config import from_dict
 from spotpipe.runtime import grads as gradlib
 from spotpipe.runtime.executor import Executor, Wiring
 from spotpipe.runtime.optim import build_optimizer
+from spotpipe.runtime.local_link import Lease
 from spotpipe.runtime.replica import ReplicaApplier, ReplicaStage, flatten_grads
 from spotpipe.runtime.state import Holding, StageState
 
@@ -75,7 +76,7 @@ def test_a_node_that_missed_the_gather_steps_from_the_decisions_scale():
     # (confirmed before the gather), and its gather cut short
     ex = _executor(cfg, own, other)
     _grads(own, 1)
-    ex._replica_recv = (None, flatten_grads(list(unclipped_other.parameters())))
+    ex._replica_recv = Lease(flatten_grads(list(unclipped_other.parameters())), None)
     ex.set_lr(0)
     ex.step(0, scale)
     ex.holding.applier.drain()
@@ -94,7 +95,7 @@ def test_a_skipped_commit_is_skipped_by_a_node_that_missed_the_gather():
     ex = _executor(cfg, own, other)
     _grads(own, 1)
     _grads(other, 2)
-    ex._replica_recv = (None, flatten_grads(list(other.parameters())))
+    ex._replica_recv = Lease(flatten_grads(list(other.parameters())), None)
     ex.step(0, "skip")
     ex.holding.applier.drain()
     assert ex.stepped_through == 0
@@ -115,15 +116,13 @@ class RecordingComm:
         self.abort = SimpleNamespace(check=lambda: None)
         self.data_parallel: dict = {}
 
-    def post_send(self, tensor, node, tag_):
-        self.calls.append(f"post_send->{node}")
-        return ("send", node)
+    def send_concatenated(self, parts, node, tag_, ring_slots):
+        self.calls.append(f"send->{node}")
 
-    def post_recv(self, tensor, node, tag_):
-        self.calls.append(f"post_recv<-{node}")
-        tensor.zero_()  # the peer's gradient: zeros (every parameter present, see the flags)
-        tensor[-1:] = 1.0
-        return ("recv", node)
+    def recv_lent(self, node, tag_):
+        self.calls.append(f"recv<-{node}")
+        # the peer's gradient: zeros (every parameter present, see the flags)
+        return Lease(torch.tensor([0.0] * self.peer_values + [1.0] * self.peer_params), None)
 
     def wait(self, work):
         self.calls.append(f"wait:{work[0]}")
@@ -152,6 +151,8 @@ def test_the_replicas_gradients_are_confirmed_before_the_gather_that_commits():
     own, other = torch.nn.Linear(6, 5), torch.nn.Linear(5, 1)
     ex = _executor(cfg, own, other)
     comm = ex.comm = RecordingComm()
+    comm.peer_values = sum(p.numel() for p in other.parameters())
+    comm.peer_params = len(list(other.parameters()))
     n = len(list(own.parameters()))
     ex.w.norm_segments = [(0, 0, n), (1, 0, 1)]
     ex.w.norm_width = n
@@ -159,7 +160,7 @@ def test_the_replicas_gradients_are_confirmed_before_the_gather_that_commits():
     stream = [Instr(Op.ALL_REDUCE, 0), Instr(Op.OPTIMIZER_STEP, 0)]
     ex.run(stream, Microbatches(inputs=[], targets=[]), 0)
     ex.holding.applier.drain()
-    assert comm.calls == ["wait_sends", "post_send->node1", "post_recv<-node1", "wait:recv,send",
+    assert comm.calls == ["wait_sends", "send->node1", "recv<-node1", "wait_sends",
                           "all_gather"]
     assert ex.committed_through == 0 and ex.stepped_through == 0
     assert ex.holding.applier.applied == 0  # the replica took its step from the gradient

@@ -217,10 +217,20 @@ def _comm(store_port: int, me: str, local_slots: int, out: dict) -> None:
             for message in _messages(3):  # each as the concatenation of its rows
                 comm.send_concatenated([row.reshape(-1) for row in message], "node1", 6,
                                        ring_slots=4)
+            # a fourth built where it will be sent from (a local link's buffer), all but its
+            # last row: the send finds those in place and copies only the last
+            message = _messages(4)[3]
+            buffer = comm.send_buffer("node1", 6)
+            out["buffer"] = buffer is not None
+            rows = [row.reshape(-1) for row in message]
+            if buffer is not None:
+                rows[:-1] = [buffer[i * 128: (i + 1) * 128].copy_(row)
+                             for i, row in enumerate(rows[:-1])]
+            comm.send_concatenated(rows, "node1", 6, ring_slots=4)
             comm.wait_sends()
         else:
             out["got"] = [comm.recv("node0", 5) for _ in range(12)]
-            leases = [comm.recv_lent("node0", 6) for _ in range(3)]
+            leases = [comm.recv_lent("node0", 6) for _ in range(4)]
             out["lent"] = [lease.tensor.clone() for lease in leases]
             ring = [link.ring for link in comm._links.values() if hasattr(link, "take")]
             out["in_place"] = [any(r.data_ptr() <= lease.tensor.data_ptr()
@@ -255,10 +265,12 @@ def test_comm_takes_the_local_link_between_nodes_of_one_host_and_the_group_other
     out = _pair(local_slots)
     assert all(torch.equal(a, b) for a, b in zip(out["got"], _messages(12), strict=True))
     assert out["links"] == (["Receiver"] * 2 if local_slots else [])
-    # a message sent in parts arrives as their concatenation, lent in place on a local link
+    # a message sent in parts arrives as their concatenation, lent in place on a local link,
+    # also one built in the sender's buffer
     assert all(torch.equal(a, b.reshape(-1))
-               for a, b in zip(out["lent"], _messages(3), strict=True))
-    assert out["in_place"] == [bool(local_slots)] * 3
+               for a, b in zip(out["lent"], _messages(4), strict=True))
+    assert out["in_place"] == [bool(local_slots)] * 4
+    assert out["buffer"] == bool(local_slots)  # (the group has no buffer to build in)
 
 
 def test_a_node_that_cannot_listen_sends_through_the_group_and_says_why(monkeypatch):
@@ -269,5 +281,5 @@ def test_a_node_that_cannot_listen_sends_through_the_group_and_says_why(monkeypa
     out = _pair(4)
     assert all(torch.equal(a, b) for a, b in zip(out["got"], _messages(12), strict=True))
     assert out["links"] == []
-    assert out["in_place"] == [False] * 3
+    assert out["in_place"] == [False] * 4
     assert out["local_off"] == "cannot listen for local links: [Errno 1] Operation not permitted"

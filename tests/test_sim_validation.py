@@ -45,8 +45,10 @@ def test_compare_on_a_real_tiny_replay(tmp_path):
         pytest.skip("shared traces not present")
     seg = tmp_path / "seg.csv"
     write_segment(SHARED_TRACE, seg, start_s=3000, span_s=120, stages=2, pipelines=1, losses=1)
+    # (iterations enough that the job outlasts the trace's loss, 5 s in at this time scale: it
+    # once finished 250 of the tiny model's iterations before it)
     rep = replay(ROOT / "examples" / "gpt_tiny.yaml", tmp_path / "run", seg, time_scale=12.0,
-                 stages=2, pipelines=1, iterations=250,
+                 stages=2, pipelines=1, iterations=500,
                  sets=["model.gpt.n_layer=2", "redundancy=lazy"], timeout_s=150)
     assert rep["rc"] == 0, rep["tail"]
     out = compare(tmp_path / "run", seg, 12.0)

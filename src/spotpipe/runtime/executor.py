@@ -454,7 +454,7 @@ class Executor:
         every iteration's critical path. After its first backward its gradients move into
         the buffer they will be sent from (a local link's ring, `Comm.send_buffer`) and the
         later micro-batches accumulate there in place: the copy is paid while stage 0 waits
-        for its next gradient, and `_replicate` finds them in place. Not with data
+        for its next gradient, and `_send_to_replicas` finds them in place. Not with data
         parallelism, whose reduction replaces them (a gradient replaced after this, as the
         tied sum does, is simply copied at the send)."""
         holder = self.w.replica_holder.get(s)
@@ -471,13 +471,12 @@ class Executor:
             if p.grad is not None and p.grad.dtype == place.dtype:
                 p.grad = place.view_as(p).copy_(p.grad)
 
-    def _replicate(self) -> None:
-        """Ship the (reduced, unclipped) gradients to the replicas' holders and receive the one
-        this node holds, both confirmed before the norm gather, so that the gather can be the
-        commit (as for the shadows). Whether the step is skipped and the clipping scale come
-        out of that gather, which the holder takes part in too, so nothing else travels."""
-        if self.cfg.replica.sync != "gradient":
-            return
+    def _send_to_replicas(self) -> None:
+        """Ship the (reduced, unclipped) gradients to the replicas' holders. With the receive
+        of the one this node holds (`_receive_replica`), confirmed before the norm gather, so
+        that the gather can be the commit (as for the shadows). Whether the step is skipped
+        and the clipping scale come out of that gather, which the holder takes part in too,
+        so nothing else travels."""
         # sent as a channel (`Comm.send_concatenated`): between two workers of one host the
         # gradients go through shared memory, copied once, where the process group's loopback
         # TCP took longer on the iteration's critical path (the last node to finish, stage 0
@@ -488,6 +487,9 @@ class Executor:
             self.comm.send_concatenated(grad_parts(self.stages[s].params), holder,
                                         tag(REPLICA, s),
                                         replica_link_slots(self.cfg.replica.max_lag))
+
+    def _receive_replica(self) -> None:
+        """The gradient of the replica this node holds (see `_send_to_replicas`)."""
         if self.holding is not None:
             # lent, not copied: the replica's thread applies it where it lies and gives the
             # buffer back (a copy here was on the critical path, see above)
@@ -550,8 +552,16 @@ class Executor:
             # commit (Checkmate sends what is not a gradient alongside): the confirm is done
             # before the norm gather, so that the gather can stay the commit
             self._post_shadows(iteration)
-        if iteration >= 0:  # (not for the bench's profiling of a reduction)
-            self._replicate()
+        replicate = iteration >= 0 and self.cfg.replica.sync == "gradient"  # (not for the
+        if replicate:  # bench's profiling of a reduction)
+            self._send_to_replicas()
+        # the norms between the replicas' send and receive: the node that finishes last (the
+        # first stage) computes them after its send, while the holder of its replica, which
+        # waits for that send, computed them before, and so enters the norm gather first.
+        # Two nodes that enter a gloo collective within about 0.1 ms of each other wait in it
+        # 2-5 ms in one of ten (measured with two bare processes on this 2-core VM, against
+        # 1 in 250 with one of them 0.2 ms ahead); in `bench redundancy` that was 1.3 ms
+        # per iteration of lazy's cost
         mine = []
         for s in sorted(self.stages):
             like = self.stages[s].params[0] if self.stages[s].params else torch.zeros(1)
@@ -559,6 +569,8 @@ class Executor:
         if loss_bad:
             mine[sorted(self.stages).index(self.w.num_stages - 1)].fill_(float("nan"))
         vector = torch.cat(mine) if mine else torch.zeros(0)
+        if replicate:
+            self._receive_replica()
         # two slots more than the norms: found-inf (fp16), and this node's leave/regroup flag
         # (see _commit)
         padded = torch.zeros(self.w.norm_width + 2, dtype=torch.float32, device=self.comm.device)
