@@ -56,7 +56,7 @@ def _inline(applier: Any) -> None:
                 applier._applied = iteration
                 applier._cond.notify_all()
 
-    def wait_applied(iteration: int) -> None:
+    def wait_applied(iteration: int, check: Any = None) -> None:
         if applier.applied < iteration:
             start = time.perf_counter()
             apply_due()
