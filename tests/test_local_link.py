@@ -142,19 +142,19 @@ def test_lent_messages_go_back_in_ring_order_and_outlive_both_ends():
     assert [lease.tensor.view(torch.float32).tolist() for lease in leases] == \
         [[0.0, 10.0], [1.0, 11.0], [2.0, 12.0]]
 
-    def freed() -> int:  # buffers the sender has been given back so far (left unread)
+    def freed(conn: socket.socket) -> int:  # buffers given back so far (left unread)
         try:
-            return len(sender.conn.recv(64, socket.MSG_DONTWAIT | socket.MSG_PEEK))
+            return len(conn.recv(64, socket.MSG_DONTWAIT | socket.MSG_PEEK))
         except BlockingIOError:
             return 0
 
     leases[2].release()
-    assert freed() == 0  # the last one back first: nothing is free yet
+    assert freed(sender.conn) == 0  # the last one back first: nothing is free yet
     leases[0].release()
     leases[0].release()  # (idempotent)
-    assert freed() == 1
+    assert freed(sender.conn) == 1
     leases[1].release()
-    assert freed() == 3  # the second, and the third that waited for it
+    assert freed(sender.conn) == 3  # the second, and the third that waited for it
     last = receiver.take  # a lease taken, then both ends closed: its message stays whole
     sender.send(torch.tensor([7.0, 8.0]), AbortSignal(), lambda _: None)
     kept = last(8, AbortSignal(), lambda _: None)
