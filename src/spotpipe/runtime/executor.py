@@ -500,7 +500,6 @@ class Executor:
                 raise RuntimeError(f"{self.holding.owner} sent a replica gradient of "
                                    f"{lease.tensor.numel()} values for a replica of "
                                    f"{self.holding.replica.grad_message_size()}")
-        self.comm.wait_sends()
 
     def _exchange_state(self, iteration: int) -> None:
         """Baseline `replica.sync: state`: a full copy every k iterations, on the critical path."""
@@ -571,6 +570,7 @@ class Executor:
         vector = torch.cat(mine) if mine else torch.zeros(0)
         if replicate:
             self._receive_replica()
+            self.comm.wait_sends()  # (the replicas' sends, where they went through the group)
         # two slots more than the norms: found-inf (fp16), and this node's leave/regroup flag
         # (see _commit)
         padded = torch.zeros(self.w.norm_width + 2, dtype=torch.float32, device=self.comm.device)
