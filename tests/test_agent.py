@@ -272,15 +272,24 @@ def test_a_node_lost_while_it_uploads_its_stage_fails_only_that_checkpoint(
     only the host running node1 acts on it). The committer, waiting for that stage's pieces,
     hears of the loss from the coordinator's loop instead of waiting out cluster.timeout_s
     (300 s here): iteration 2 is never committed, the job fails over and commits iteration 5,
-    and its parameters are the single-process loop's."""
+    and its parameters are the single-process loop's.
+
+    The second agent starts once the first coordinates: it then arrives second and runs node1
+    (started together, the agent that arrives first need not be the one that wins the office,
+    and node1 would then be on the coordinator's host, which uploads nothing)."""
     cfg = _config(corpus, 8, **{"checkpoint.every": 3, "cluster.timeout_s": 300.0})
     config = _write_config(cfg, tmp_path / "job.yaml")
     outs = [tmp_path / "host_a", tmp_path / "host_b"]
     endpoint = f"127.0.0.1:{free_port()}"
-    for code, err in _finish([_agent(config, out, "c10d", endpoint,
-                                     extra=("--fail", "node1@2:upload")) for out in outs]):
+    agents = [_agent(config, outs[0], "c10d", endpoint, extra=("--fail", "node1@2:upload"))]
+    said = _Lines(agents[0])
+    said.wait_for("coordinates job")
+    agents.append(_agent(config, outs[1], "c10d", endpoint, extra=("--fail", "node1@2:upload")))
+    assert agents[0].wait(timeout=600) == 0, "".join(said.lines)[-2000:]
+    for code, err in _finish(agents[1:]):
         assert code == 0, err[-2000:]
     run = _coordinator_out(outs)
+    assert run == outs[0]
     ev = events(run)
     announced = [e for e in ev if e["kind"] == "checkpoint_upload"]
     assert [(e["node"], e["iteration"]) for e in announced] == [("node1", 2)]
