@@ -29,7 +29,9 @@ def test_frc_placement_and_timing_match_the_schedule_package(kind, p):
             base = build_schedule(kind, p, m)
             placed = with_frc(base, costs)
             assert fastsched.with_frc(base, costs) == placed, (m, which)
-            for sched in (base, placed):
+            every = with_frc(base, costs, every_stage=True)  # as Bamboo places it
+            assert fastsched.with_frc(base, costs, every_stage=True) == every, (m, which)
+            for sched in (base, placed, every):
                 assert fastsched.iteration_s(sched, costs) == simulate(sched, costs).iteration_s
 
 

@@ -58,6 +58,9 @@ def test_redundancy_and_shadows():
     assert eager["device:frc_outputs"] == 8 * 300
     off = estimate_stage(0, FACTS, rules(redundancy="eager", offload_frc=True)).breakdown()
     assert off["host:frc_outputs"] == 8 * 300
+    # stage 2 of 4 holds the last stage's replica, whose outputs nobody reads: no FRC
+    holder = estimate_stage(2, FACTS, rules(redundancy="eager")).breakdown()
+    assert "device:frc_outputs" not in holder and holder["host:replica"] == 32e6
     # one stage: no successor to replicate
     assert estimate_stage(0, FACTS, rules(num_stages=1, redundancy="eager")).host_bytes == 0
     sh = estimate_stage(0, FACTS, rules(shadows=True, optimizer="sgd"))

@@ -83,13 +83,18 @@ from spotpipe.schedule.ir import RECV_OPS  # noqa: E402
 
 
 @pytest.mark.parametrize("kind,p,m", [(k, p, m) for k, p, m in CASES if p > 1 and m <= 8])
-def test_frc_schedules_are_deadlock_free_and_complete(kind, p, m):
-    sched = with_frc(build_schedule(kind, p, m), StageCosts.uniform(p, 1.0, 2.0, comm=0.1))
+@pytest.mark.parametrize("every_stage", [False, True])
+def test_frc_schedules_are_deadlock_free_and_complete(kind, p, m, every_stage):
+    """Every micro-batch's FRC of the node's replica, except where the replica is the last
+    stage (its outputs go to no successor; Bamboo runs it all the same: `every_stage`)."""
+    sched = with_frc(build_schedule(kind, p, m), StageCosts.uniform(p, 1.0, 2.0, comm=0.1),
+                     every_stage=every_stage)
     check(sched)  # also checks: each FRC after its input, each micro-batch once, in order
     for actor, stream in enumerate(sched.streams):
         frc = [i for i in stream if i.op == Op.FRC_FORWARD]
-        assert [i.mb for i in frc] == list(range(m))
-        assert {i.stage for i in frc} == {replica_of(actor, p)}
+        runs = every_stage or actor != p - 2  # the node of stage P - 2 holds the last stage
+        assert [i.mb for i in frc] == (list(range(m)) if runs else [])
+        assert {i.stage for i in frc} == ({replica_of(actor, p)} if runs else set())
         for i, ins in enumerate(stream):
             if ins.op == Op.FRC_FORWARD:  # always placed where the node would otherwise wait
                 nxt = next(x for x in stream[i:] if x.op != Op.FRC_FORWARD)

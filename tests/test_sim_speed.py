@@ -5,7 +5,9 @@ figures recorded from the code before them (`tests/fixtures/sim_outputs.json`, w
 more when the planner's tie-breaks went from name order to slot order: a dropped
 pipeline's freed nodes and the carriers a rebalance relieves, and once more when FRC placement
 went from parameter counts to the parameters each layer multiplies by,
-`model.compute_weights`), to the last bit; and the
+`model.compute_weights`, and once more when spotpipe's eager FRC left out the last stage's
+replica, whose outputs nothing reads: only spotpipe's eager figures moved, Bamboo's did
+not), to the last bit; and the
 planner's memo gives the same decisions as no memo.
 
 Rerecord only for a change meant to alter the simulator's figures, and say so in its commit.

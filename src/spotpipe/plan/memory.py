@@ -77,6 +77,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from spotpipe.schedule import frc_serves, replica_of
+
 GIB = 1024 ** 3
 
 LINK_RING_CAP = 256 * 1024 ** 2  # a local link's ring holds at most this, and 2 messages at least
@@ -230,7 +232,8 @@ def estimate_stage(stage: int, facts: StageFacts, rules: MemoryRules) -> MemoryE
             replica += COMPUTE_BYTES[rules.precision] * r
         parts.append(MemoryPart("replica", where, float(replica)))
         parts.append(MemoryPart("kept_inputs", "device", float(m * facts.boundary_bytes)))
-        if rules.redundancy == "eager":
+        if rules.redundancy == "eager" and frc_serves(replica_of(stage, rules.num_stages),
+                                                      rules.num_stages):
             parts.append(MemoryPart("frc_outputs", "host" if rules.offload_frc else "device",
                                     float(m * facts.replica_boundary_bytes)))
     if rules.shadows:

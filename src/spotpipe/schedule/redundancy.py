@@ -2,11 +2,16 @@
 
 The node of stage s holds a replica of stage (s + 1) mod P. In eager mode it runs the forward
 of that replica for every micro-batch (forward redundant computation, FRC), so that after its
-successor is lost it already has the successor's outputs. FRC is only worth it if it is nearly
-free, so it is placed where the node would otherwise wait: before a blocking receive, or before
-the end-of-iteration barrier. Placement uses the timing model, so a bubble is only filled with
-as much FRC as it can hold; what does not fit anywhere runs at the end and is the predicted
-cost of eager redundancy.
+successor is lost it already has the successor's outputs to send on. FRC is only worth it if it
+is nearly free, so it is placed where the node would otherwise wait: before a blocking receive,
+or before the end-of-iteration barrier. Placement uses the timing model, so a bubble is only
+filled with as much FRC as it can hold; what does not fit anywhere runs at the end and is the
+predicted cost of eager redundancy.
+
+The last stage's replica gets no FRC (`frc_serves`): its outputs go to the loss, not to a
+successor, and the takeover recomputes them with autograd (BRC) whatever FRC held. Bamboo's
+engine runs that FRC all the same (its eager schedule merges the successor's whole forward);
+`with_frc(..., every_stage=True)` places it as Bamboo does, for the simulator's reproduction.
 """
 
 from __future__ import annotations
@@ -29,6 +34,14 @@ def holder_of(stage: int, num_stages: int) -> int:
     return (stage - 1) % num_stages
 
 
+def frc_serves(replica: int, num_stages: int) -> bool:
+    """Whether eager FRC of `replica` serves a takeover: the heir sends its outputs on to the
+    replica's successor, which would otherwise wait for the recomputed forward. The last
+    stage has no successor; its FRC outputs would never be read (`schedule.replay` skips
+    them), and on two stages that FRC is half the eager work."""
+    return replica != num_stages - 1
+
+
 def _frc_ready_after(stream: tuple[Instr, ...], replica: int, mb: int) -> int:
     """Index in `stream` after which FRC of (replica, mb) has its input.
 
@@ -49,8 +62,9 @@ def _slots(stream: list[Instr], start: int) -> list[int]:
             if stream[i].op in RECV_OPS or stream[i].op == Op.ALL_REDUCE]
 
 
-def with_frc(schedule: Schedule, costs: StageCosts) -> Schedule:
-    """Insert FRC of each actor's replica stage, for every micro-batch, into its bubbles.
+def with_frc(schedule: Schedule, costs: StageCosts, *, every_stage: bool = False) -> Schedule:
+    """Insert FRC of each actor's replica stage, for every micro-batch, into its bubbles: of
+    the replicas it serves (`frc_serves`), or of every replica (`every_stage`, as Bamboo).
 
     Greedy and cost-aware: micro-batches in order, each into the earliest slot (after its
     input exists) whose measured wait can absorb its cost, re-timing after every insertion;
@@ -62,6 +76,8 @@ def with_frc(schedule: Schedule, costs: StageCosts) -> Schedule:
     streams = [list(s) for s in schedule.streams]
     for actor in range(p):
         replica = replica_of(actor, p)
+        if not (every_stage or frc_serves(replica, p)):
+            continue
         cost = costs.frc_cost(replica)
         for mb in range(m):
             current = replace(schedule, streams=tuple(tuple(s) for s in streams))
@@ -112,9 +128,10 @@ def predict(schedule: Schedule, costs: StageCosts, mode: str) -> RedundancyPredi
     if mode != "eager":
         return RedundancyPrediction(mode, base.iteration_s, base.iteration_s,
                                     base.bubble_fraction, 0.0, 0.0, 0.0)
+    p = schedule.num_stages
     eager = simulate(with_frc(schedule, costs), costs)
-    frc = max(schedule.num_microbatches * costs.frc_cost(replica_of(a, schedule.num_stages))
-              for a in range(schedule.num_stages))
+    frc = max((schedule.num_microbatches * costs.frc_cost(replica_of(a, p))
+               for a in range(p) if frc_serves(replica_of(a, p), p)), default=0.0)
     excess = eager.iteration_s - base.iteration_s
     return RedundancyPrediction(mode, eager.iteration_s, base.iteration_s, base.bubble_fraction,
                                 frc, max(0.0, frc - excess), excess)

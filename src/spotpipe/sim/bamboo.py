@@ -21,7 +21,8 @@ differently, and the figures it published come from these rules:
   a waiting node that is preempted stays counted as waiting until the next rendezvous: both
   change its figures, so both are kept.
 Nodes are ready `params.boot_s` after they are granted (its 45 s). Its step times per D come
-from `cfg.shape_times` when given (its table), else from the timing model with eager FRC.
+from `cfg.shape_times` when given (its table), else from the timing model with eager FRC of
+every replica, the last stage's included, as its engine runs it.
 Its value formula (the time average of samples/s per $/h over the time the job ran) is
 `Result.time_average_value`; `SimConfig.value_formula = "bamboo"` makes it the value.
 """
@@ -240,7 +241,7 @@ class BambooPolicy:
             else:
                 cfg = self.cfg
                 hit = (iteration_time(cfg.model, cfg.schedule, self.target, width, ((),),
-                                      self.target > 1),
+                                      self.target > 1, frc_every_stage=True),
                        iteration_time(cfg.model, cfg.schedule, self.target, width, ((),),
                                       False))
             self._steps[width] = hit

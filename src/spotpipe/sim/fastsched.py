@@ -24,8 +24,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Sequence
 
-from spotpipe.schedule import (Instr, Op, Schedule, StageCosts, build_schedule, global_order,
-                               replica_of)
+from spotpipe.schedule import (Instr, Op, Schedule, StageCosts, build_schedule, frc_serves,
+                               global_order, replica_of)
 
 RECV, SEND, FWD, FRC, BWD, ALLRED, OPT, NOP = range(8)
 _CODE = {Op.RECV_ACT: RECV, Op.RECV_GRAD: RECV, Op.SEND_ACT: SEND, Op.SEND_GRAD: SEND,
@@ -169,7 +169,7 @@ def base_schedule(kind: str, num_stages: int, num_microbatches: int) -> Schedule
     return build_schedule(kind, num_stages, num_microbatches)
 
 
-def with_frc(schedule: Schedule, costs: StageCosts) -> Schedule:
+def with_frc(schedule: Schedule, costs: StageCosts, *, every_stage: bool = False) -> Schedule:
     """`spotpipe.schedule.with_frc`: the same greedy, the same streams (see the module doc)."""
     p, m = schedule.num_stages, schedule.num_microbatches
     if p < 2:
@@ -181,6 +181,8 @@ def with_frc(schedule: Schedule, costs: StageCosts) -> Schedule:
     frc_cost = costs.frc_cost
     for actor in range(p):
         replica = replica_of(actor, p)
+        if not (every_stage or frc_serves(replica, p)):
+            continue
         cost = frc_cost(replica)
         stream, ops = streams[actor], code[actor]
         replay = _Replay(code, n_ch, costs)

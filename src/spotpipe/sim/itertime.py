@@ -7,7 +7,8 @@ pipeline the streams are built exactly as `spotpipe.runtime.node.node_schedule` 
 - every node runs one stage: `build_schedule(kind, P, M)`, and with eager redundancy
   `with_frc(schedule, placement_costs)`, where the placement costs are what the runtime uses
   (the parameters each stage multiplies by as its forward cost, twice that as backward, no
-  comm);
+  comm): FRC of every replica but the last stage's, or of every one as Bamboo's engine runs
+  it (`frc_every_stage`, for the reproduction of Bamboo);
 - some node carries two stages after a takeover: `merged_schedule(kind, M, actors)` with the
   actors' stages sorted and the actors ordered by their first stage, and no FRC anywhere in
   that pipeline (the runtime stops FRC until the layout is rebalanced);
@@ -36,9 +37,10 @@ from spotpipe.schedule import Schedule, StageCosts
 from spotpipe.sim.fastsched import base_schedule, iteration_s, merged_iteration_s, with_frc
 from spotpipe.sim.models import ModelCosts
 
-# (kind, P, M, placement sizes) -> schedule with FRC placed; filled lazily or by warm-up
+# (kind, P, M, placement sizes, FRC) -> schedule with FRC placed; filled lazily or by warm-up
 _PLACED: dict[tuple, Schedule] = {}
-# (model, kind, P, D, merged, redundant) -> seconds of one pipeline's iteration
+# (model, kind, P, D, merged, FRC) -> seconds of one pipeline's iteration; FRC: one of
+FRC_KINDS = ("none", "served", "every")  # none, `frc_serves`' replicas, every replica (Bamboo)
 _TIMES: dict[tuple, float] = {}
 
 
@@ -71,19 +73,25 @@ def placement_sizes(model: ModelCosts, num_stages: int) -> tuple[float, ...]:
     return tuple(float(max(1.0, b / 2.0)) for b in stage_costs(model, num_stages)[2])
 
 
-def placement_key(model: ModelCosts, kind: str, num_stages: int, num_pipelines: int) -> tuple:
+def placement_key(model: ModelCosts, kind: str, num_stages: int, num_pipelines: int,
+                  frc: str = "served") -> tuple:
     return (kind, num_stages, microbatches_per_pipeline(model, num_pipelines),
-            placement_sizes(model, num_stages))
+            placement_sizes(model, num_stages), frc)
 
 
 def placed_schedule(key: tuple) -> Schedule:
     """`with_frc` of the plain schedule with the runtime's placement costs (cached)."""
     sched = _PLACED.get(key)
     if sched is None:
-        kind, p, m, sizes = key
+        kind, p, m, sizes, frc = key
         costs = StageCosts(sizes, tuple(2.0 * s for s in sizes))
-        sched = _PLACED[key] = with_frc(base_schedule(kind, p, m), costs)
+        sched = _PLACED[key] = with_frc(base_schedule(kind, p, m), costs,
+                                        every_stage=frc == "every")
     return sched
+
+
+def _frc(redundant: bool, every_stage: bool) -> str:
+    return "none" if not redundant else "every" if every_stage else "served"
 
 
 def warm(model: ModelCosts, kind: str, num_stages: int, widths: range,
@@ -94,7 +102,7 @@ def warm(model: ModelCosts, kind: str, num_stages: int, widths: range,
     on disk yet is computed by `processes` workers, largest first, and kept in memory so
     that forked sweep workers inherit it.
     """
-    keys = [(model, kind, num_stages, d, (), num_stages > 1) for d in widths]
+    keys = [(model, kind, num_stages, d, (), _frc(num_stages > 1, False)) for d in widths]
     todo = [k for k in keys if k not in _TIMES and _disk_get(k) is None]
     if processes > 1 and len(todo) > 1:
         import multiprocessing as mp
@@ -114,17 +122,19 @@ def _compute_and_store(*key) -> float:
 
 
 def pipeline_time(model: ModelCosts, kind: str, num_stages: int, num_pipelines: int,
-                  merged: tuple[int, ...], redundant: bool) -> float:
+                  merged: tuple[int, ...], redundant: bool, *,
+                  frc_every_stage: bool = False) -> float:
     """Seconds of one iteration of one pipeline of this shape (merged: stages run by their
-    predecessor's node)."""
+    predecessor's node; redundant: eager FRC, `frc_every_stage` as Bamboo runs it)."""
     if merged or num_stages < 2:
         redundant = False  # a pipeline with a carrier runs no FRC (see the module doc)
-    return _pipeline_time(model, kind, num_stages, num_pipelines, merged, redundant)
+    return _pipeline_time(model, kind, num_stages, num_pipelines, merged,
+                          _frc(redundant, frc_every_stage))
 
 
 def _pipeline_time(model: ModelCosts, kind: str, num_stages: int, num_pipelines: int,
-                   merged: tuple[int, ...], redundant: bool) -> float:
-    key = (model, kind, num_stages, num_pipelines, merged, redundant)
+                   merged: tuple[int, ...], frc: str) -> float:
+    key = (model, kind, num_stages, num_pipelines, merged, frc)
     value = _TIMES.get(key)
     if value is None:
         value = _disk_get(key)
@@ -135,7 +145,7 @@ def _pipeline_time(model: ModelCosts, kind: str, num_stages: int, num_pipelines:
 
 
 def _compute_pipeline_time(model: ModelCosts, kind: str, num_stages: int, num_pipelines: int,
-                           merged: tuple[int, ...], redundant: bool) -> float:
+                           merged: tuple[int, ...], frc: str) -> float:
     fwd, bwd, byt = stage_costs(model, num_stages)
     actors = _actors(num_stages, merged)
     m = microbatches_per_pipeline(model, num_pipelines)
@@ -146,19 +156,21 @@ def _compute_pipeline_time(model: ModelCosts, kind: str, num_stages: int, num_pi
                        optimizer=biggest * model.optimizer_s_per_byte)
     if len(actors) < num_stages:  # (the merged streams, timed without building them)
         return merged_iteration_s(kind, m, actors, costs)
-    if redundant and num_stages > 1:
-        sched = placed_schedule(placement_key(model, kind, num_stages, num_pipelines))
+    if frc != "none" and num_stages > 1:
+        sched = placed_schedule(placement_key(model, kind, num_stages, num_pipelines, frc))
     else:
         sched = base_schedule(kind, num_stages, m)
     return iteration_s(sched, costs)
 
 
 def iteration_time(model: ModelCosts, kind: str, num_stages: int, num_pipelines: int,
-                   merged: tuple[tuple[int, ...], ...], redundant: bool) -> float:
+                   merged: tuple[tuple[int, ...], ...], redundant: bool, *,
+                   frc_every_stage: bool = False) -> float:
     """A synchronous data-parallel step waits for the slowest pipeline."""
     if num_pipelines < 1:
         raise ValueError("no pipeline runs")
-    return max(pipeline_time(model, kind, num_stages, num_pipelines, m, redundant)
+    return max(pipeline_time(model, kind, num_stages, num_pipelines, m, redundant,
+                             frc_every_stage=frc_every_stage)
                for m in set(merged))
 
 
@@ -182,7 +194,7 @@ def _actors(num_stages: int, merged: tuple[int, ...]) -> list[list[int]]:
 
 
 # -- a cache of pipeline times on disk ----------------------------------------------------
-# A shape's time is a pure function of (costs, kind, P, D, merged, redundant) and of the
+# A shape's time is a pure function of (costs, kind, P, D, merged, FRC) and of the
 # schedule code. Placing FRC for M = 128 takes seconds and a sweep meets hundreds of merged
 # shapes, so times are kept on disk, one small JSON per shape, named by a hash of the inputs
 # *and of the source of spotpipe.schedule* (any change to the schedule code invalidates
