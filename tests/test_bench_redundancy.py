@@ -2,8 +2,8 @@
 
 No timing thresholds: the machine is shared and noisy; the figures are checked for being there,
 finite and positive, and the correctness the benchmark sees on the way for holding: every mode
-starts from the same loss, replicas stay bit-identical to their owners, and lazy and eager
-train to the same state.
+starts from the same loss, replicas stay bit-identical to their owners, and the redundant modes
+(lazy, eager, eager with Bamboo's FRC) train to the same state.
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ KEYS = ["lazy_ratio", "eager_ratio", "eager_predicted_ratio", "lazy_predicted_ra
         "replica_memory_multiple", "none_iter_s", "lazy_iter_s", "eager_iter_s",
         "predicted_iter_s_none", "predicted_iter_s_eager", "gradient_over_state_bytes",
         "eager_predicted_ratio_with_update", "rounds", "wall_s",
-        "lazy_predicted_ratio_in_run_costs", "eager_predicted_ratio_in_run_costs"]
+        "lazy_predicted_ratio_in_run_costs", "eager_predicted_ratio_in_run_costs",
+        "eager_every_ratio", "eager_every_predicted_ratio", "eager_every_iter_s",
+        "predicted_iter_s_eager_every", "eager_every_predicted_ratio_in_run_costs",
+        "frc_s_per_iteration_predicted"]
 PER_NODE = ["replica_memory_multiple_per_node", "gradient_bytes_per_iteration", "state_bytes",
-            "replica_activation_bytes_eager", "profile_frc_s_by_stage",
-            "profile_replica_update_s"]
+            "replica_activation_bytes_eager", "replica_activation_bytes_eager_every",
+            "profile_frc_s_by_stage", "profile_replica_update_s"]
 
 
 def test_bench_redundancy_quick_json():
@@ -33,12 +36,18 @@ def test_bench_redundancy_quick_json():
     for key in PER_NODE:
         assert len(figures[key]) == 2 and all(positive(v) for v in figures[key]), (key,
                                                                                    figures[key])
-    assert math.isfinite(figures["eager_gap_pp"])
+    assert math.isfinite(figures["eager_gap_pp"]) and math.isfinite(figures["eager_every_gap_pp"])
     assert figures["lazy_predicted_ratio"] == 1.0  # replication is off the modelled path
+    # on two stages eager runs no FRC (it would serve no takeover); Bamboo's FRC costs
+    assert figures["eager_predicted_ratio"] == 1.0
+    assert "frc_forward" not in figures["eager_op_s_per_iteration"]
+    assert all(s > 0 for s in figures["eager_every_op_s_per_iteration"]["frc_forward"])
+    assert figures["eager_every_predicted_ratio"] < 1.0
     # the gradient is a third of fp32 AdamW's state (params + two moments), flags aside
     assert abs(figures["gradient_over_state_bytes"] - 1 / 3) < 0.01
     assert figures["first_loss_max_abs_diff"] == 0.0
     assert figures["lazy_replicas_exact"] and figures["eager_replicas_exact"]
+    assert figures["eager_every_replicas_exact"]
     assert figures["lazy_eager_states_identical"]
     assert isinstance(figures["config"], str) and figures["config"]
 

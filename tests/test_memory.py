@@ -61,6 +61,10 @@ def test_redundancy_and_shadows():
     # stage 2 of 4 holds the last stage's replica, whose outputs nobody reads: no FRC
     holder = estimate_stage(2, FACTS, rules(redundancy="eager")).breakdown()
     assert "device:frc_outputs" not in holder and holder["host:replica"] == 32e6
+    # on two stages stage 0's successor is its own heir: no FRC anywhere
+    for stage in (0, 1):
+        two = estimate_stage(stage, FACTS, rules(num_stages=2, redundancy="eager")).breakdown()
+        assert "device:frc_outputs" not in two and two["host:replica"] == 32e6
     # one stage: no successor to replicate
     assert estimate_stage(0, FACTS, rules(num_stages=1, redundancy="eager")).host_bytes == 0
     sh = estimate_stage(0, FACTS, rules(shadows=True, optimizer="sgd"))

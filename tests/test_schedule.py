@@ -86,13 +86,15 @@ from spotpipe.schedule.ir import RECV_OPS  # noqa: E402
 @pytest.mark.parametrize("every_stage", [False, True])
 def test_frc_schedules_are_deadlock_free_and_complete(kind, p, m, every_stage):
     """Every micro-batch's FRC of the node's replica, except where the replica is the last
-    stage (its outputs go to no successor; Bamboo runs it all the same: `every_stage`)."""
+    stage (its outputs go to no successor) and on two stages (stage 0's successor is its heir);
+    Bamboo runs it all the same (`every_stage`)."""
     sched = with_frc(build_schedule(kind, p, m), StageCosts.uniform(p, 1.0, 2.0, comm=0.1),
                      every_stage=every_stage)
     check(sched)  # also checks: each FRC after its input, each micro-batch once, in order
     for actor, stream in enumerate(sched.streams):
         frc = [i for i in stream if i.op == Op.FRC_FORWARD]
-        runs = every_stage or actor != p - 2  # the node of stage P - 2 holds the last stage
+        # the node of stage P - 2 holds the last stage's replica
+        runs = every_stage or (p > 2 and actor != p - 2)
         assert [i.mb for i in frc] == (list(range(m)) if runs else [])
         assert {i.stage for i in frc} == ({replica_of(actor, p)} if runs else set())
         for i, ins in enumerate(stream):
@@ -104,7 +106,17 @@ def test_frc_schedules_are_deadlock_free_and_complete(kind, p, m, every_stage):
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 6)])
+def test_two_stages_run_no_frc(kind):
+    """On two stages FRC would serve no takeover: eager costs what lazy does."""
+    base = StageCosts.uniform(2, 1.0, 2.0)
+    assert predict(build_schedule(kind, 2, 4), base, "eager").throughput_ratio == 1.0
+    as_bamboo = with_frc(build_schedule(kind, 2, 4), base, every_stage=True)
+    assert simulate(as_bamboo, base).iteration_s > simulate(build_schedule(kind, 2, 4),
+                                                            base).iteration_s
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(5, 10), (4, 8), (3, 6)])
 def test_frc_fills_bubbles_first(kind, p, m):
     """FRC small enough to fit in the bubbles costs nothing; bigger FRC costs only the excess."""
     base = StageCosts.uniform(p, 1.0, 2.0)

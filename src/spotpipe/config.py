@@ -116,6 +116,10 @@ class ReplicaSection:
     device: Literal["cpu", "device"] = "cpu"  # where replica state lives
     max_lag: int = 2  # iterations the background update may fall behind before the worker waits
     offload_frc: bool = False  # keep FRC outputs on the CPU instead of the device
+    # eager FRC of the replicas whose outputs a takeover sends on ("served": not the last
+    # stage's, none on two stages), or of every replica, as Bamboo's engine runs it ("every":
+    # for comparisons with Bamboo; the extra FRC costs throughput and serves no recovery)
+    frc: Literal["served", "every"] = "served"
 
 
 REPLAY_MODES = ("rest", "iteration")

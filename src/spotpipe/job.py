@@ -271,6 +271,7 @@ def memory_rules(cfg: Config, num_stages: int) -> MemoryRules:
                        shadows=cfg.shadow.enabled,
                        replica_on_host=cfg.replica.device == "cpu",
                        offload_frc=cfg.replica.offload_frc,
+                       frc_every_stage=cfg.replica.frc == "every",
                        link_slots=link_slots(cfg) if resolve_backend(cfg) != "nccl" else 0,
                        replica_max_lag=cfg.replica.max_lag)
 

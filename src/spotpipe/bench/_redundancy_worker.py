@@ -1,12 +1,13 @@
-"""One process of `spotpipe bench redundancy`: a pipeline stage trained three times side by side,
-with redundancy none, lazy and eager, plus the profile the analytic model needs.
+"""One process of `spotpipe bench redundancy`: a pipeline stage trained four times side by side,
+with redundancy none, lazy, eager and eager with FRC of every replica (`replica.frc: every`, as
+Bamboo runs it), plus the profile the analytic model needs.
 
 Started by :mod:`spotpipe.bench.redundancy` through :func:`spotpipe.bench.harness.launch`. Each
 mode is its own `spotpipe.runtime.worker.Worker` (`harness.bench_worker`, store namespace
-``bench-MODE``): its own stage (same initial weights), process groups, executor and, for lazy and
-eager, its own replica of the successor stage with its `ReplicaApplier`; the three train on the
-same micro-batches, so lazy and eager must end bit-identical, and each replica bit-identical to
-its owner.
+``bench-MODE``): its own stage (same initial weights), process groups, executor and, with
+redundancy, its own replica of the successor stage with its `ReplicaApplier`; all train on the
+same micro-batches, so the redundant modes must end bit-identical, and each replica
+bit-identical to its owner.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from spotpipe.bench.harness import (StageProfiler, TracedStream, bench_config, bench_worker,
                                     gather_op_seconds, times, timed_block,
                                     worker_main)
-from spotpipe.bench.redundancy import MODES, update_slot
+from spotpipe.bench.redundancy import FRC_OF, MODES, REDUNDANT, REDUNDANCY_OF, update_slot
 
 
 def _inline(applier: Any) -> None:
@@ -115,8 +116,8 @@ class RedundancyBench:
     def __init__(self, spec: dict[str, Any], rank: int, world: int, run_dir: Path) -> None:
         self.spec, self.rank, self.world = spec, rank, world
         self.last = rank == world - 1
-        cfgs = {mode: bench_config(spec, redundancy=mode, schedule=spec["schedule"],
-                                   replica={"max_lag": spec["max_lag"]})
+        cfgs = {mode: bench_config(spec, redundancy=REDUNDANCY_OF[mode], schedule=spec["schedule"],
+                                   replica={"max_lag": spec["max_lag"], "frc": FRC_OF[mode]})
                 for mode in MODES}
         cfg = self.cfg = cfgs["none"]
         # one runtime worker per mode, each under its own store namespace; a stage shares its
@@ -126,7 +127,7 @@ class RedundancyBench:
         self.states = {mode: w.stages[rank] for mode, w in self.workers.items()}
         self.holdings = {mode: w.holding for mode, w in self.workers.items()}
         self.executors = {mode: w.executor for mode, w in self.workers.items()}
-        for mode in ("lazy", "eager"):
+        for mode in REDUNDANT:
             if self.holdings[mode] is None:
                 raise RuntimeError(f"redundancy {mode}: node{rank} holds no replica")
             if "inline-replica-update" in spec.get("prototypes", ()):
@@ -208,10 +209,10 @@ class RedundancyBench:
         from spotpipe.runtime.replica import ReplicaApplier, ReplicaStage
 
         self.profiler.profile(reps, samples)
-        replica = self.holdings["eager"].replica
+        replica = self.holdings["eager_every"].replica
         cfg, b = self.cfg, self.cfg.micro_batch_size
         if replica.index == 0:
-            x = self.mbs["eager"].inputs[0]
+            x = self.mbs["eager_every"].inputs[0]
         else:
             x = torch.randn(b, cfg.model.gpt.block_size, cfg.model.gpt.n_embd,
                             generator=torch.Generator().manual_seed(5))
@@ -242,7 +243,8 @@ class RedundancyBench:
 
     def measure(self) -> dict[str, Any]:
         spec = self.spec
-        out: dict[str, Any] = {"eager_streams": self.eager_streams()}
+        out: dict[str, Any] = {f"{mode}_streams": self.eager_streams(mode)
+                               for mode in ("eager", "eager_every")}
         # iteration 0 of every mode trains on the same batch from the same weights
         first = {}
         for mode in MODES:
@@ -259,7 +261,7 @@ class RedundancyBench:
         n = spec["iters_per_round"]
         for r in range(spec["rounds"]):
             k = r % len(MODES)
-            for mode in MODES[k:] + MODES[:k]:  # each mode leads a third of the rounds
+            for mode in MODES[k:] + MODES[:k]:  # each mode leads a share of the rounds
                 durations, caught_up = self.block(mode, n)
                 iter_times[mode] += durations
                 catch_up[mode].append(caught_up)
@@ -271,12 +273,12 @@ class RedundancyBench:
         out.update(self.figures())
         return out
 
-    def eager_streams(self) -> list[list[list[Any]]]:
-        """Every node's eager stream as the runtime places it, in stage order (for the model
-        to time the placement that ran): [op, stage, mb, peer] per instruction."""
+    def eager_streams(self, mode: str) -> list[list[list[Any]]]:
+        """Every node's stream in an eager mode as the runtime places it, in stage order (for
+        the model to time the placement that ran): [op, stage, mb, peer] per instruction."""
         from spotpipe.runtime import node as nodelib
 
-        w = self.workers["eager"]
+        w = self.workers[mode]
         owners = [w.layout.owner(0, s) for s in range(w.layout.num_stages)]
         return [[[i.op.value, i.stage, i.mb, i.peer]
                  for i in nodelib.node_schedule(w.cfg, w.layout, n, w.model, w.spec.partition)]
@@ -294,23 +296,22 @@ class RedundancyBench:
         # iterations there is none, and flatten_grads ships zeros of the same size), against a
         # full state copy (parameters and optimizer state), as `sync: state` would
         grad_bytes = _nbytes([flatten_grads(own.params)])
-        mine = [float(own_bytes), float(replica_bytes), float(grad_bytes), float(own_bytes),
-                float(self.activation_bytes.get("lazy", 0)),
-                float(self.activation_bytes.get("eager", 0))]
-        for mode in ("lazy", "eager"):
+        mine = [float(own_bytes), float(replica_bytes), float(grad_bytes), float(own_bytes)]
+        mine += [float(self.activation_bytes.get(mode, 0)) for mode in REDUNDANT]
+        for mode in REDUNDANT:
             applier = self.holdings[mode].applier
             mine += [float(applier.max_lag_seen), applier.waited_s, self.waited_in_blocks[mode]]
         row = torch.tensor(mine, dtype=torch.float64)
         rows = [torch.empty_like(row) for _ in range(self.world)]
         dist.all_gather(rows, row)
         names = ["own_state_bytes", "replica_state_bytes", "gradient_bytes_per_iteration",
-                 "state_bytes", "lazy_activation_bytes", "eager_activation_bytes"]
-        names += [f"{mode}_{k}" for mode in ("lazy", "eager")
+                 "state_bytes"] + [f"{mode}_activation_bytes" for mode in REDUNDANT]
+        names += [f"{mode}_{k}" for mode in REDUNDANT
                   for k in ("max_lag_seen", "waited_s", "waited_in_timed_s")]
         out: dict[str, Any] = {name: [r[i] for r in map(torch.Tensor.tolist, rows)]
                                for i, name in enumerate(names)}
-        # exactness: each replica against its owner, per mode, and lazy against eager
-        for mode in ("lazy", "eager"):
+        # exactness: each replica against its owner, per mode, and the modes' states alike
+        for mode in REDUNDANT:
             applier = self.holdings[mode].applier
             applier.drain()
             applier.close()
@@ -321,9 +322,9 @@ class RedundancyBench:
             # rank r holds the replica of stage r + 1
             out[f"{mode}_replicas_exact"] = all(replicas[r] == owners[(r + 1) % self.world]
                                                 for r in range(self.world))
-        same = [_fingerprint(self.states[m].module, self.states[m].optimizer)
-                for m in ("lazy", "eager")]
-        flags = torch.tensor([float(same[0] == same[1])])
+        same = {_fingerprint(self.states[m].module, self.states[m].optimizer)
+                for m in REDUNDANT}
+        flags = torch.tensor([float(len(same) == 1)])
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         out["lazy_eager_states_identical"] = bool(flags.item() == 1.0)
         # per-instruction trace: seconds per timed iteration by op kind, per node

@@ -1,12 +1,15 @@
 """`spotpipe bench redundancy`: what Bamboo-style redundancy costs, measured against the model.
 
 Two processes (P = 2, D = 1), each pinned to its own core with one torch thread, gloo (so the
-pipeline's bubbles are real idle time on the core), train the same GPT stages three times side
+pipeline's bubbles are real idle time on the core), train the same GPT stages four times side
 by side: redundancy none, lazy (a replica of the successor stage kept exact by gradient
-replication, whose update runs on a background thread of the same process, on the same core)
-and eager (lazy plus forward redundant computation of the replica, in the bubbles where the
-runtime places it: `runtime.node.node_schedule`, by `spotpipe.schedule.with_frc` from the
-parameters each stage multiplies by, `model.compute_weights`). The modes alternate in blocks of
+replication, whose update runs on a background thread of the same process, on the same core),
+eager (lazy plus forward redundant computation of the replicas it serves, in the bubbles where
+the runtime places it: `runtime.node.node_schedule`, by `spotpipe.schedule.with_frc` from the
+parameters each stage multiplies by, `model.compute_weights`; on two stages FRC serves no
+takeover, `schedule.frc_serves`, so eager runs none here and costs what lazy does) and
+eager_every (FRC of every replica, `replica.frc: every`, as Bamboo's engine runs it: where
+FRC's cost meets the model on two stages). The modes alternate in blocks of
 iterations, each leading in turn, and the replica catches up at the end of each block, timed,
 so that no mode's background work lands in another's block nor falls outside the clock. Per
 mode the figure is the median over rounds of a block's seconds per iteration (the slower rank's
@@ -15,7 +18,8 @@ clock, the catching-up included); the ratios are throughput over `none`'s.
 The analytic model's prediction comes from a profile taken between the rounds (per-stage
 forward, backward, optimizer step, gradient reduction, one message, and FRC: the replica's
 forward of one micro-batch without grad): `spotpipe.schedule.predict(..., "eager")`.
-`eager_gap_pp` is the measured eager ratio minus the predicted one, in percentage points. The
+`eager_gap_pp` (and `eager_every_gap_pp`) is the measured ratio minus the predicted one, in
+percentage points. The
 prediction places FRC from the profile itself (the best the greedy placement finds for those
 costs); `eager_predicted_ratio_executed_stream` times the runtime's placement, which ran, with
 the same profile. (Placing from a profile instead, as this bench once did, made the figure swing
@@ -38,7 +42,13 @@ from spotpipe.bench.harness import (describe_setup, launch_and_summarize, pinned
                                     quantile, stage_costs)
 from spotpipe.bench.pipeline import MICROBATCHES, MODEL
 
-MODES = ("none", "lazy", "eager")
+# `eager_every`: eager with FRC of every replica (`replica.frc: every`), as Bamboo's engine runs
+# it. On the bench's two stages `eager` runs no FRC at all (`schedule.frc_serves`: stage 0's
+# successor is its own heir), so this mode is where FRC's cost meets the model here.
+MODES = ("none", "lazy", "eager", "eager_every")
+REDUNDANT = MODES[1:]
+REDUNDANCY_OF = {"none": "none", "lazy": "lazy", "eager": "eager", "eager_every": "eager"}
+FRC_OF = dict.fromkeys(MODES, "served") | {"eager_every": "every"}
 FULL = {"warmup": 3, "rounds": 12, "iters_per_round": 5, "profile_reps": 3}
 QUICK = {"warmup": 1, "rounds": 2, "iters_per_round": 2, "profile_reps": 2}
 
@@ -170,39 +180,39 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     prof = raw["profile"]
     costs = _costs(prof)
     plain = build_schedule(spec["schedule"], 2, m)
-    eager_pred = predict(plain, costs, "eager")
-    lazy_pred = predict(plain, costs, "lazy")
-    executed = executed_schedule(plain, raw["eager_streams"])
-    executed_ratio = simulate(plain, costs).iteration_s / simulate(executed, costs).iteration_s
-
+    base_s = simulate(plain, costs).iteration_s
     # the model with the replica's update as a step in the first bubble (what the runtime would
     # do if the update were an instruction placed by the schedule rather than a thread)
     update_s = max(prof["replica_update_s"])
-    base_s = simulate(plain, costs).iteration_s
-    lazy_u = simulate(*with_update(plain, costs, update_s)).iteration_s
-    eager_u = simulate(*with_update(with_frc(plain, costs), costs, update_s)).iteration_s
-
-    out: dict[str, Any] = {}
-    out["lazy_ratio"] = round(med["none"] / med["lazy"], 4)
-    out["eager_ratio"] = round(med["none"] / med["eager"], 4)
-    out["lazy_predicted_ratio"] = round(lazy_pred.throughput_ratio, 4)
-    out["eager_predicted_ratio"] = round(eager_pred.throughput_ratio, 4)
-    out["eager_gap_pp"] = round(100 * (out["eager_ratio"] - out["eager_predicted_ratio"]), 2)
-    out["lazy_gap_pp"] = round(100 * (out["lazy_ratio"] - out["lazy_predicted_ratio"]), 2)
-    out["eager_predicted_ratio_executed_stream"] = round(executed_ratio, 4)
-    # the same streams timed with each mode's ops at their cost inside its own iterations:
-    # what is left of the gap against these is the placement's and the executor's
     none_in_run = simulate(plain, in_run_costs(raw["none_op_s"], prof, m)).iteration_s
-    for mode, stream in (("lazy", plain), ("eager", executed)):
-        in_run = none_in_run / simulate(stream, in_run_costs(raw[f"{mode}_op_s"], prof,
-                                                              m)).iteration_s
+    preds = {"lazy": predict(plain, costs, "lazy")}
+    out: dict[str, Any] = {}
+    for mode in REDUNDANT:
+        every = FRC_OF[mode] == "every"
+        if mode != "lazy":
+            preds[mode] = predict(plain, costs, "eager", every_stage=every)
+        pred = preds[mode]
+        placed = with_frc(plain, costs, every_stage=every) if mode != "lazy" else plain
+        # the streams that ran; timed with each mode's ops at their cost inside its own
+        # iterations, what is left of the gap is the placement's and the executor's
+        ran = executed_schedule(plain, raw[f"{mode}_streams"]) if mode != "lazy" else plain
+        in_run = none_in_run / simulate(ran, in_run_costs(raw[f"{mode}_op_s"], prof,
+                                                           m)).iteration_s
+        out[f"{mode}_ratio"] = round(med["none"] / med[mode], 4)
+        out[f"{mode}_predicted_ratio"] = round(pred.throughput_ratio, 4)
+        out[f"{mode}_gap_pp"] = round(100 * (out[f"{mode}_ratio"]
+                                             - out[f"{mode}_predicted_ratio"]), 2)
+        if mode != "lazy":
+            out[f"{mode}_predicted_ratio_executed_stream"] = round(
+                base_s / simulate(ran, costs).iteration_s, 4)
+            out[f"predicted_iter_s_{mode}"] = round(pred.iteration_s, 6)
         out[f"{mode}_predicted_ratio_in_run_costs"] = round(in_run, 4)
         out[f"{mode}_gap_pp_in_run_costs"] = round(
             100 * (out[f"{mode}_ratio"] - out[f"{mode}_predicted_ratio_in_run_costs"]), 2)
-    out["lazy_predicted_ratio_with_update"] = round(base_s / lazy_u, 4)
-    out["eager_predicted_ratio_with_update"] = round(base_s / eager_u, 4)
+        out[f"{mode}_predicted_ratio_with_update"] = round(
+            base_s / simulate(*with_update(placed, costs, update_s)).iteration_s, 4)
     out["prototypes"] = spec["prototypes"]
-    for mode in ("lazy", "eager"):
+    for mode in REDUNDANT:
         out[f"{mode}_ratio_rounds_min_median_max"] = _round_ratios(per_block, mode)
         # the fastest tenth: less sensitive to other processes taking the cores
         out[f"{mode}_ratio_q10"] = round(quantile(times["none"], 0.1)
@@ -212,15 +222,15 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
         out[f"{mode}_catch_up_s_per_iteration"] = round(
             sum(raw["catch_up_s"][mode]) / len(times[mode]), 6)
         out[f"{mode}_samples_per_s"] = round(m * b / med[mode], 2)
-    out["predicted_iter_s_none"] = round(eager_pred.baseline_iteration_s, 6)
-    out["predicted_iter_s_eager"] = round(eager_pred.iteration_s, 6)
-    out["model_error_none"] = round(abs(eager_pred.baseline_iteration_s - med["none"])
-                                    / med["none"], 4)
-    out["bubble_fraction_predicted"] = round(eager_pred.bubble_fraction, 4)
+    out["predicted_iter_s_none"] = round(base_s, 6)
+    out["model_error_none"] = round(abs(base_s - med["none"]) / med["none"], 4)
+    out["bubble_fraction_predicted"] = round(preds["lazy"].bubble_fraction, 4)
     out["bubble_fraction_closed_form"] = round(closed_form_bubble(2, m), 4)
-    out["frc_s_per_iteration_predicted"] = round(eager_pred.frc_s, 6)
-    out["frc_in_bubbles_s_predicted"] = round(eager_pred.bubble_filled_s, 6)
-    out["frc_excess_s_predicted"] = round(eager_pred.excess_s, 6)
+    # FRC where it runs on these two stages: every replica's, as Bamboo
+    frc = preds["eager_every"]
+    out["frc_s_per_iteration_predicted"] = round(frc.frc_s, 6)
+    out["frc_in_bubbles_s_predicted"] = round(frc.bubble_filled_s, 6)
+    out["frc_excess_s_predicted"] = round(frc.excess_s, 6)
 
     # memory and bytes, per node (index = rank = stage)
     own, rep = raw["own_state_bytes"], raw["replica_state_bytes"]
@@ -229,13 +239,13 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     out["replica_memory_multiple_per_node"] = _r(multiples, 4)
     out["own_state_bytes_per_node"] = [int(v) for v in own]
     out["replica_state_bytes_per_node"] = [int(v) for v in rep]
-    out["replica_activation_bytes_eager"] = [int(v) for v in raw["eager_activation_bytes"]]
-    out["replica_activation_bytes_lazy"] = [int(v) for v in raw["lazy_activation_bytes"]]
+    for mode in REDUNDANT:
+        out[f"replica_activation_bytes_{mode}"] = [int(v) for v in raw[f"{mode}_activation_bytes"]]
     out["gradient_bytes_per_iteration"] = [int(v) for v in raw["gradient_bytes_per_iteration"]]
     out["state_bytes"] = [int(v) for v in raw["state_bytes"]]
     out["gradient_over_state_bytes"] = round(max(g / s for g, s in zip(
         raw["gradient_bytes_per_iteration"], raw["state_bytes"])), 4)
-    for mode in ("lazy", "eager"):
+    for mode in REDUNDANT:
         out[f"{mode}_max_lag_seen"] = [int(v) for v in raw[f"{mode}_max_lag_seen"]]
         out[f"{mode}_waited_s"] = _r(raw[f"{mode}_waited_in_timed_s"])
         out[f"{mode}_replicas_exact"] = raw[f"{mode}_replicas_exact"]
@@ -271,11 +281,11 @@ def run(quick: bool = False) -> dict[str, Any]:
     out = launch_and_summarize(spec, 120 if quick else 900, name="redundancy",
                                worker_module="spotpipe.bench._redundancy_worker",
                                summarize=summarize)
-    print(f"{'mode':6s} {'iter_s':>8s} {'samples/s':>10s} {'ratio':>6s} {'predicted':>9s}")
-    print(f"{'none':6s} {out['none_iter_s']:8.4f} {out['none_samples_per_s']:10.1f} "
+    print(f"{'mode':11s} {'iter_s':>8s} {'samples/s':>10s} {'ratio':>6s} {'predicted':>9s}")
+    print(f"{'none':11s} {out['none_iter_s']:8.4f} {out['none_samples_per_s']:10.1f} "
           f"{1.0:6.3f} {1.0:9.3f}")
-    for mode in ("lazy", "eager"):
-        print(f"{mode:6s} {out[f'{mode}_iter_s']:8.4f} {out[f'{mode}_samples_per_s']:10.1f} "
+    for mode in REDUNDANT:
+        print(f"{mode:11s} {out[f'{mode}_iter_s']:8.4f} {out[f'{mode}_samples_per_s']:10.1f} "
               f"{out[f'{mode}_ratio']:6.3f} {out[f'{mode}_predicted_ratio']:9.3f} "
               f"(ops at their in-run cost: {out[f'{mode}_predicted_ratio_in_run_costs']:.3f})")
     print(f"replica memory: {out['replica_memory_multiple_per_node']} x own stage; gradient "

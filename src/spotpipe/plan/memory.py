@@ -49,8 +49,10 @@ Redundancy (Bamboo, NSDI '23; spotpipe's replicas kept exact by gradient replica
   M x boundary_bytes (what this stage sends) on the device;
 - eager: as lazy, plus the replica's compute copy (2 N' for bf16/fp16) when it runs on the
   device, plus FRC's outputs of the iteration, M x the replica's boundary bytes, on the
-  device, or on the host with `offload_frc` (the runtime's `replica.offload_frc`). FRC runs
-  under no_grad, so it keeps no activations; BRC recomputes them after a loss.
+  device, or on the host with `offload_frc` (the runtime's `replica.offload_frc`), where FRC
+  runs: not for the last stage's replica nor on two stages (`schedule.frc_serves`), unless
+  `frc_every_stage` (`replica.frc: every`). FRC runs under no_grad, so it keeps no
+  activations; BRC recomputes them after a loss.
 Shadows (`shadows`): a CPU process per stage holds every iteration's state: fp32 weights, the
 gradient it receives and the optimizer state: (4 + 4 + optimizer) N, in the memory of the
 host the shadows run on (the launcher's or agent's, not a preemptible node: `shadow_host`).
@@ -136,6 +138,7 @@ class MemoryRules:
     shadows: bool = False
     replica_on_host: bool = True  # the runtime's `replica.device: cpu`
     offload_frc: bool = False  # the runtime's `replica.offload_frc`
+    frc_every_stage: bool = False  # the runtime's `replica.frc: every`
     device_reserve_bytes: float = 0.0
     link_slots: int = 0  # messages a local link buffers per channel (0: no local links)
     replica_max_lag: int = 2  # the runtime's `replica.max_lag`
@@ -232,8 +235,8 @@ def estimate_stage(stage: int, facts: StageFacts, rules: MemoryRules) -> MemoryE
             replica += COMPUTE_BYTES[rules.precision] * r
         parts.append(MemoryPart("replica", where, float(replica)))
         parts.append(MemoryPart("kept_inputs", "device", float(m * facts.boundary_bytes)))
-        if rules.redundancy == "eager" and frc_serves(replica_of(stage, rules.num_stages),
-                                                      rules.num_stages):
+        if rules.redundancy == "eager" and (rules.frc_every_stage or frc_serves(
+                replica_of(stage, rules.num_stages), rules.num_stages)):
             parts.append(MemoryPart("frc_outputs", "host" if rules.offload_frc else "device",
                                     float(m * facts.replica_boundary_bytes)))
     if rules.shadows:

@@ -105,7 +105,7 @@ def node_schedule(cfg: Config, layout: Layout, node: str, model: LayeredModel,
             weights = compute_weights(model)
             sizes = [max(1, sum(weights[a:b])) for a, b in partition]
             costs = StageCosts(tuple(float(n) for n in sizes), tuple(2.0 * n for n in sizes))
-            schedule = with_frc(schedule, costs)
+            schedule = with_frc(schedule, costs, every_stage=cfg.replica.frc == "every")
     else:
         schedule = merged_schedule(cfg.schedule, microbatches(cfg, layout), actors)
     return list(schedule.streams[actor])

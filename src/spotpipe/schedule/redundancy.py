@@ -8,10 +8,13 @@ or before the end-of-iteration barrier. Placement uses the timing model, so a bu
 filled with as much FRC as it can hold; what does not fit anywhere runs at the end and is the
 predicted cost of eager redundancy.
 
-The last stage's replica gets no FRC (`frc_serves`): its outputs go to the loss, not to a
-successor, and the takeover recomputes them with autograd (BRC) whatever FRC held. Bamboo's
-engine runs that FRC all the same (its eager schedule merges the successor's whole forward);
-`with_frc(..., every_stage=True)` places it as Bamboo does, for the simulator's reproduction.
+FRC runs only where it serves a takeover (`frc_serves`): where the replica's outputs go on to
+a node other than the heir. Not for the last stage's replica (its outputs go to the loss, which
+the takeover recomputes with autograd, BRC, whatever FRC held), and not at all on two stages
+(stage 0's successor is its heir itself, which would recompute the same forward with autograd
+for the backward). Bamboo's engine runs FRC of every replica (its eager schedule merges the
+successor's whole forward); `with_frc(..., every_stage=True)` places it as Bamboo does, for the
+simulator's reproduction of Bamboo.
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ def holder_of(stage: int, num_stages: int) -> int:
 
 
 def frc_serves(replica: int, num_stages: int) -> bool:
-    """Whether eager FRC of `replica` serves a takeover: the heir sends its outputs on to the
-    replica's successor, which would otherwise wait for the recomputed forward. The last
-    stage has no successor; its FRC outputs would never be read (`schedule.replay` skips
-    them), and on two stages that FRC is half the eager work."""
-    return replica != num_stages - 1
+    """Whether eager FRC of `replica` serves a takeover: the heir (the replica's holder, the
+    node of its predecessor) sends the outputs on to the replica's successor, which would
+    otherwise wait for the heir's forward. The last stage has no successor: its FRC outputs
+    would never be read (`schedule.replay` skips them). On two stages the successor of stage 0
+    is the heir itself, which forwards it with autograd for the backward in any case: the
+    outputs would save it nothing, and FRC there was all of eager's cost."""
+    return num_stages > 2 and replica != num_stages - 1
 
 
 def _frc_ready_after(stream: tuple[Instr, ...], replica: int, mb: int) -> int:
@@ -114,7 +119,8 @@ class RedundancyPrediction:
         return self.baseline_iteration_s / self.iteration_s
 
 
-def predict(schedule: Schedule, costs: StageCosts, mode: str) -> RedundancyPrediction:
+def predict(schedule: Schedule, costs: StageCosts, mode: str, *,
+            every_stage: bool = False) -> RedundancyPrediction:
     """What redundancy costs in throughput for this schedule and these stage costs.
 
     Lazy mode computes nothing extra on the critical path (gradient replication runs in the
@@ -129,9 +135,10 @@ def predict(schedule: Schedule, costs: StageCosts, mode: str) -> RedundancyPredi
         return RedundancyPrediction(mode, base.iteration_s, base.iteration_s,
                                     base.bubble_fraction, 0.0, 0.0, 0.0)
     p = schedule.num_stages
-    eager = simulate(with_frc(schedule, costs), costs)
+    eager = simulate(with_frc(schedule, costs, every_stage=every_stage), costs)
     frc = max((schedule.num_microbatches * costs.frc_cost(replica_of(a, p))
-               for a in range(p) if frc_serves(replica_of(a, p), p)), default=0.0)
+               for a in range(p) if every_stage or frc_serves(replica_of(a, p), p)),
+              default=0.0)
     excess = eager.iteration_s - base.iteration_s
     return RedundancyPrediction(mode, eager.iteration_s, base.iteration_s, base.bubble_fraction,
                                 frc, max(0.0, frc - excess), excess)
