@@ -65,6 +65,11 @@ def test_redundancy_and_shadows():
     for stage in (0, 1):
         two = estimate_stage(stage, FACTS, rules(num_stages=2, redundancy="eager")).breakdown()
         assert "device:frc_outputs" not in two and two["host:replica"] == 32e6
+    # FRC of every replica, as Bamboo runs it (`replica.frc: every`): its outputs everywhere
+    for stages, stage in ((4, 2), (2, 0), (2, 1)):
+        every = estimate_stage(stage, FACTS, rules(num_stages=stages, redundancy="eager",
+                                                   frc_every_stage=True)).breakdown()
+        assert every["device:frc_outputs"] == 8 * 300
     # one stage: no successor to replicate
     assert estimate_stage(0, FACTS, rules(num_stages=1, redundancy="eager")).host_bytes == 0
     sh = estimate_stage(0, FACTS, rules(shadows=True, optimizer="sgd"))

@@ -76,8 +76,14 @@ def test_frc_of_every_replica_as_bamboo_runs_it(tmp_path, corpus):
     ends where the plain loop does."""
     from spotpipe.faults import Fault
 
+    from spotpipe.job import memory_rules
+
     cfg = tiny_config(corpus, stages=2, redundancy="eager", iterations=4,
                       **{"replica.frc": "every", "logging.state_digests": True})
+    # the launch's memory check counts the FRC outputs this holds (tests/test_memory.py)
+    assert memory_rules(cfg, 2).frc_every_stage
+    assert not memory_rules(tiny_config(corpus, stages=2, redundancy="eager"),
+                            2).frc_every_stage
     fault = Fault.parse("fail", "node0@2:backward", ["node0", "node1"])
     assert train(cfg, tmp_path / "run", progress=False, faults=[fault]) == 0
     seen = digests(tmp_path / "run")

@@ -63,9 +63,10 @@ class BambooPolicy:
     failure_budget = 0.05  # reconfigure above this chance of a fatal failure
 
     def __init__(self, cfg: SimConfig, job: Job) -> None:
-        # P is fixed; Bamboo keeps its replica in device memory and runs eager FRC
+        # P is fixed; Bamboo keeps its replica in device memory and runs eager FRC of every
+        # replica
         fit.require_fit(cfg, cfg.num_stages, 1, "eager" if cfg.num_stages > 1 else "none",
-                        replica_on_host=False)
+                        replica_on_host=False, frc_every_stage=True)
         self.cfg, self.job = cfg, job
         self.fatal_failures = 0
         self.target = cfg.num_stages

@@ -20,20 +20,25 @@ from spotpipe.sim.itertime import microbatches_per_pipeline
 from spotpipe.sim.memo import PerObject
 from spotpipe.sim.params import SimConfig
 
-# per config object: refusals per (P, D, redundancy, replica placement); smallest depths
+# per config object: refusals per (P, D, redundancy, replica placement, FRC of every replica);
+# smallest depths
 _REFUSALS: PerObject[str | None] = PerObject(limit=4096)
 _MIN: PerObject[int] = PerObject()
 
 
 def layout_refusal(cfg: SimConfig, num_stages: int, num_pipelines: int, redundancy: str,
-                   replica_on_host: bool | None = None) -> str | None:
-    """Why P x D does not fit (one line naming the stage and the figures), or None."""
-    return _REFUSALS.get(cfg, (num_stages, num_pipelines, redundancy, replica_on_host),
-                         _refusal, cfg, num_stages, num_pipelines, redundancy, replica_on_host)
+                   replica_on_host: bool | None = None, *,
+                   frc_every_stage: bool = False) -> str | None:
+    """Why P x D does not fit (one line naming the stage and the figures), or None.
+    `frc_every_stage`: eager FRC of every replica, as Bamboo runs it (its outputs held too)."""
+    return _REFUSALS.get(cfg, (num_stages, num_pipelines, redundancy, replica_on_host,
+                               frc_every_stage),
+                         _refusal, cfg, num_stages, num_pipelines, redundancy, replica_on_host,
+                         frc_every_stage)
 
 
 def _refusal(cfg: SimConfig, p: int, d: int, redundancy: str,
-             replica_on_host: bool | None) -> str | None:
+             replica_on_host: bool | None, frc_every_stage: bool) -> str | None:
     layers = cfg.model.layer_memory
     if cfg.memory is None or not layers:
         return None
@@ -43,7 +48,7 @@ def _refusal(cfg: SimConfig, p: int, d: int, redundancy: str,
                     microbatches=microbatches_per_pipeline(cfg.model, d),
                     redundancy=redundancy if p > 1 else "none", shadows=False,
                     replica_on_host=cfg.memory.replica_on_host if replica_on_host is None
-                    else replica_on_host)
+                    else replica_on_host, frc_every_stage=frc_every_stage)
     plain = replace(rules, redundancy="none")
     facts = [stage_facts(layers, parts, s, redundancy != "none") for s in range(p)]
     where = f"P={p} x D={d} on {node.name}"
@@ -81,8 +86,9 @@ def _min_stages(cfg: SimConfig, target: int, redundancy: str,
 
 
 def require_fit(cfg: SimConfig, num_stages: int, num_pipelines: int, redundancy: str,
-                replica_on_host: bool | None = None) -> None:
-    why = layout_refusal(cfg, num_stages, num_pipelines, redundancy, replica_on_host)
+                replica_on_host: bool | None = None, *, frc_every_stage: bool = False) -> None:
+    why = layout_refusal(cfg, num_stages, num_pipelines, redundancy, replica_on_host,
+                         frc_every_stage=frc_every_stage)
     if why:
         raise ValueError(f"the configured layout does not fit: {why}")
 
@@ -113,7 +119,7 @@ def check_policies(cfg: SimConfig, policies: "list[str] | tuple[str, ...]") -> N
                 raise ValueError(f"spotpipe with shadows: {why}")
         elif name == "bamboo":
             require_fit(cfg, cfg.num_stages, 1, "eager" if cfg.num_stages > 1 else "none",
-                        replica_on_host=False)
+                        replica_on_host=False, frc_every_stage=True)
         elif name == "checkpoint_restart":
             require_fit(cfg, cfg.num_stages, 1, "none")
         elif name == "on_demand":
