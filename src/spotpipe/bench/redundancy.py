@@ -185,24 +185,22 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     # do if the update were an instruction placed by the schedule rather than a thread)
     update_s = max(prof["replica_update_s"])
     none_in_run = simulate(plain, in_run_costs(raw["none_op_s"], prof, m)).iteration_s
-    preds = {"lazy": predict(plain, costs, "lazy")}
+    preds: dict[str, Any] = {}
     out: dict[str, Any] = {}
     for mode in REDUNDANT:
-        every = FRC_OF[mode] == "every"
-        if mode != "lazy":
-            preds[mode] = predict(plain, costs, "eager", every_stage=every)
-        pred = preds[mode]
-        placed = with_frc(plain, costs, every_stage=every) if mode != "lazy" else plain
+        every, eager = FRC_OF[mode] == "every", REDUNDANCY_OF[mode] == "eager"
+        pred = preds[mode] = predict(plain, costs, REDUNDANCY_OF[mode], every_stage=every)
+        placed = with_frc(plain, costs, every_stage=every) if eager else plain
         # the streams that ran; timed with each mode's ops at their cost inside its own
         # iterations, what is left of the gap is the placement's and the executor's
-        ran = executed_schedule(plain, raw[f"{mode}_streams"]) if mode != "lazy" else plain
+        ran = executed_schedule(plain, raw[f"{mode}_streams"]) if eager else plain
         in_run = none_in_run / simulate(ran, in_run_costs(raw[f"{mode}_op_s"], prof,
                                                            m)).iteration_s
         out[f"{mode}_ratio"] = round(med["none"] / med[mode], 4)
         out[f"{mode}_predicted_ratio"] = round(pred.throughput_ratio, 4)
         out[f"{mode}_gap_pp"] = round(100 * (out[f"{mode}_ratio"]
                                              - out[f"{mode}_predicted_ratio"]), 2)
-        if mode != "lazy":
+        if eager:
             out[f"{mode}_predicted_ratio_executed_stream"] = round(
                 base_s / simulate(ran, costs).iteration_s, 4)
             out[f"predicted_iter_s_{mode}"] = round(pred.iteration_s, 6)

@@ -79,7 +79,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from spotpipe.schedule import frc_serves, replica_of
+from spotpipe.schedule import replica_of, runs_frc
 
 GIB = 1024 ** 3
 
@@ -235,8 +235,8 @@ def estimate_stage(stage: int, facts: StageFacts, rules: MemoryRules) -> MemoryE
             replica += COMPUTE_BYTES[rules.precision] * r
         parts.append(MemoryPart("replica", where, float(replica)))
         parts.append(MemoryPart("kept_inputs", "device", float(m * facts.boundary_bytes)))
-        if rules.redundancy == "eager" and (rules.frc_every_stage or frc_serves(
-                replica_of(stage, rules.num_stages), rules.num_stages)):
+        if rules.redundancy == "eager" and runs_frc(replica_of(stage, rules.num_stages),
+                                                    rules.num_stages, rules.frc_every_stage):
             parts.append(MemoryPart("frc_outputs", "host" if rules.offload_frc else "device",
                                     float(m * facts.replica_boundary_bytes)))
     if rules.shadows:

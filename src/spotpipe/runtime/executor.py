@@ -551,8 +551,9 @@ class Executor:
             # commit (Checkmate sends what is not a gradient alongside): the confirm is done
             # before the norm gather, so that the gather can stay the commit
             self._post_shadows(iteration)
-        replicate = iteration >= 0 and self.cfg.replica.sync == "gradient"  # (not for the
-        if replicate:  # bench's profiling of a reduction)
+        # (iteration < 0: the bench's profiling of a reduction)
+        replicate = iteration >= 0 and self.cfg.replica.sync == "gradient"
+        if replicate:
             self._send_to_replicas()
         # the norms between the replicas' send and receive: the node that finishes last (the
         # first stage) computes them after its send, while the holder of its replica, which

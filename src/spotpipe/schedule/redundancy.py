@@ -47,6 +47,12 @@ def frc_serves(replica: int, num_stages: int) -> bool:
     return num_stages > 2 and replica != num_stages - 1
 
 
+def runs_frc(replica: int, num_stages: int, every_stage: bool = False) -> bool:
+    """Whether eager mode runs FRC of `replica`: where it serves, or for every replica as
+    Bamboo's engine does (`every_stage`, `replica.frc: every`)."""
+    return every_stage or frc_serves(replica, num_stages)
+
+
 def _frc_ready_after(stream: tuple[Instr, ...], replica: int, mb: int) -> int:
     """Index in `stream` after which FRC of (replica, mb) has its input.
 
@@ -81,7 +87,7 @@ def with_frc(schedule: Schedule, costs: StageCosts, *, every_stage: bool = False
     streams = [list(s) for s in schedule.streams]
     for actor in range(p):
         replica = replica_of(actor, p)
-        if not (every_stage or frc_serves(replica, p)):
+        if not runs_frc(replica, p, every_stage):
             continue
         cost = costs.frc_cost(replica)
         for mb in range(m):
@@ -137,7 +143,7 @@ def predict(schedule: Schedule, costs: StageCosts, mode: str, *,
     p = schedule.num_stages
     eager = simulate(with_frc(schedule, costs, every_stage=every_stage), costs)
     frc = max((schedule.num_microbatches * costs.frc_cost(replica_of(a, p))
-               for a in range(p) if every_stage or frc_serves(replica_of(a, p), p)),
+               for a in range(p) if runs_frc(replica_of(a, p), p, every_stage)),
               default=0.0)
     excess = eager.iteration_s - base.iteration_s
     return RedundancyPrediction(mode, eager.iteration_s, base.iteration_s, base.bubble_fraction,

@@ -24,8 +24,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Sequence
 
-from spotpipe.schedule import (Instr, Op, Schedule, StageCosts, build_schedule, frc_serves,
-                               global_order, replica_of)
+from spotpipe.schedule import (Instr, Op, Schedule, StageCosts, build_schedule, global_order,
+                               replica_of, runs_frc)
 
 RECV, SEND, FWD, FRC, BWD, ALLRED, OPT, NOP = range(8)
 _CODE = {Op.RECV_ACT: RECV, Op.RECV_GRAD: RECV, Op.SEND_ACT: SEND, Op.SEND_GRAD: SEND,
@@ -181,7 +181,7 @@ def with_frc(schedule: Schedule, costs: StageCosts, *, every_stage: bool = False
     frc_cost = costs.frc_cost
     for actor in range(p):
         replica = replica_of(actor, p)
-        if not (every_stage or frc_serves(replica, p)):
+        if not runs_frc(replica, p, every_stage):
             continue
         cost = frc_cost(replica)
         stream, ops = streams[actor], code[actor]

@@ -39,8 +39,8 @@ from spotpipe.sim.models import ModelCosts
 
 # (kind, P, M, placement sizes, FRC) -> schedule with FRC placed; filled lazily or by warm-up
 _PLACED: dict[tuple, Schedule] = {}
-# (model, kind, P, D, merged, FRC) -> seconds of one pipeline's iteration; FRC: one of
-FRC_KINDS = ("none", "served", "every")  # none, `frc_serves`' replicas, every replica (Bamboo)
+# (model, kind, P, D, merged, FRC) -> seconds of one pipeline's iteration; FRC: "none",
+# "served" (`frc_serves`' replicas) or "every" (every replica, as Bamboo: `_frc`)
 _TIMES: dict[tuple, float] = {}
 
 
