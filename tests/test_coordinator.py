@@ -67,6 +67,41 @@ def test_plans_that_keep_failing_with_no_loss_stop_the_job(corpus):
     assert "could not re-form" in plan["message"] and "wait timeout" in plan["message"]
 
 
+def test_generations_that_form_but_fail_before_an_iteration_stop_the_job(corpus):
+    """Nodes that form their generation but fail at their first exchange (NCCL connects at its
+    first collective): formed, nothing committed in it. Such plans count as failed too, and
+    the job stops instead of forming them forever; a generation that commits an iteration
+    restarts the count."""
+    coord, _ = _coordinator(corpus, 2, ["node0", "node1"])
+    why = "communication failed: Connect timeout [none]"
+
+    def fail(committed: int) -> dict:
+        g = coord.generation
+        for node in ("node0", "node1"):
+            _report(coord, node, formed=True, committed_through=committed, reason=why)
+        return _plan(coord, g)
+
+    assert fail(4)["action"] == "keep"  # the launch's generation committed 0-4: no stall
+    assert [fail(4)["action"] for _ in range(2)] == ["keep", "keep"]  # 2 failed plans
+    assert fail(5)["action"] == "keep"  # iteration 5 committed: progress, the count restarts
+    assert [fail(5)["action"] for _ in range(2)] == ["keep", "keep"]
+    plan = fail(5)  # the third plan in a row that failed before its first iteration
+    assert plan["action"] == "stop"
+    assert "could not re-form" in plan["message"] and "Connect timeout" in plan["message"]
+
+
+def test_boundary_reports_below_the_resume_do_not_count_as_failed_plans(corpus):
+    """Reports at a boundary are a change planned, not a failure (the simulator's `settle`
+    makes them with nothing committed since the last plan)."""
+    coord, _ = _coordinator(corpus, 2, ["node0", "node1"])
+    for _ in range(5):
+        g = coord.generation
+        for node in ("node0", "node1"):
+            _report(coord, node, boundary=True, formed=True, committed_through=4, iteration=5,
+                    reason="the layout changes at this iteration boundary")
+        assert _plan(coord, g)["action"] == "keep"
+
+
 def test_a_node_lost_between_failed_plans_is_progress(corpus):
     """Failed plans count as futile only while nothing changes: a loss in between restarts
     the count (each plan then re-forms around the loss)."""

@@ -584,9 +584,9 @@ class Coordinator:
 
 def _node_report(r: Report) -> NodeReport:
     return NodeReport(r.node, iteration=r.iteration, committed_through=r.committed_through,
-                      leaving=r.leaving, formed=r.formed, lacking=tuple(r.lacking),
-                      untouched=r.untouched, flight=r.flight, done=tuple(r.done),
-                      clip_scale=r.clip_scale, reason=r.reason)
+                      boundary=r.boundary, leaving=r.leaving, formed=r.formed,
+                      lacking=tuple(r.lacking), untouched=r.untouched, flight=r.flight,
+                      done=tuple(r.done), clip_scale=r.clip_scale, reason=r.reason)
 
 
 def _plan_event(now: float, generation: int, d: Decision) -> dict[str, Any]:

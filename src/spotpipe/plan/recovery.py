@@ -74,6 +74,7 @@ class NodeReport:
     node: str
     iteration: int = -1
     committed_through: int = -1
+    boundary: bool = False  # at an iteration boundary (a change planned), not after a failure
     leaving: bool = False
     formed: bool = True
     lacking: tuple[str, ...] = ()
@@ -237,9 +238,10 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     lost = frozenset(dead) | leaving | frozenset(lacking)
     if set(layout.standby) & lost:  # a standby node lost (or counted out) is no spare
         layout = layout.with_standby(tuple(n for n in layout.standby if n not in lost))
-    # plans that fail while carried out, again and again with no node lost in between
-    # (groups that cannot form: a partitioned network), would loop forever: stop instead
-    failed_plan = any(not r.formed for r in reports.values())
+    # plans that fail while carried out or in their first iteration, again and again with no
+    # node lost in between (groups that cannot form or exchange: a partitioned network),
+    # would loop forever: stop instead
+    failed_plan = any(not r.formed for r in reports.values()) or _stalled(history, reports)
     futile = history.futile + 1 if failed_plan and lost <= history.lost_before else 0
     # (at least what the last plan resumed after: the reports may all come from nodes that
     # committed nothing yet, joiners whose placement failed)
@@ -392,8 +394,9 @@ def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[st
     """Why the job stops, in one sentence, or "" when it goes on."""
     if futile >= rules.max_futile:
         reasons = "; ".join(sorted({r.reason for r in reports.values()}))
-        return (f"the job could not re-form {when}: the last {futile} plans failed while they "
-                f"were carried out, with no node lost in between ({reasons}); stopping")[:2000]
+        return (f"the job could not re-form {when}: the last {futile} plans failed before their "
+                f"first iteration completed, with no node lost in between ({reasons}); "
+                "stopping")[:2000]
     if not rules.replicas and not rules.shadows and hit:
         return (f"lost {named()} {when}; redundancy is off, so no other node holds their stages "
                 "(set redundancy: lazy or eager), and no checkpoint is available")
@@ -414,12 +417,23 @@ def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[st
     return ""
 
 
+def _stalled(history: History, reports: Mapping[str, NodeReport]) -> bool:
+    """The generation failed before it committed its first iteration: its plan failed as
+    surely as one whose groups did not form. NCCL connects a communicator at its first
+    collective, and nodes can form their groups yet not exchange (a link that drops data
+    once it flows), so such plans fail in their first iteration; counted as failed, plan
+    after plan that forms and fails with nothing lost stops the job instead of looping. A
+    report at a boundary is a change planned, not a failure."""
+    return bool(reports) and not any(r.boundary for r in reports.values()) and all(
+        r.committed_through < history.resumed_at for r in reports.values())
+
+
 @lru_cache(maxsize=4096)
 def _boundary_report(node: str, committed: int, leaving: bool) -> NodeReport:
     """A node's report at a boundary with nothing in flight (immutable, so shared: the
     simulator's planner makes tens of them per event)."""
     return NodeReport(node, iteration=committed + 1, committed_through=committed,
-                      leaving=leaving)
+                      boundary=True, leaving=leaving)
 
 
 # Boundary decisions settle by construction (see `plan.policy._grow`: each one strictly lowers
