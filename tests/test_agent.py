@@ -233,11 +233,15 @@ def test_agent_input_errors_start_nothing(tmp_path, corpus, monkeypatch):
     # the c10d store on this host, which nobody said is on-demand
     code, err = run("--nnodes", "2", "--rdzv-backend", "c10d", *base)
     assert code == 2 and "--on-demand" in err and "spot host" in err
+    code, err = run("--nnodes", "2", "--rdzv-backend", "c10d", "--on-demand", *base,
+                    "--max-restarts", "-1")
+    assert code == 2 and "--max-restarts -1: expected >= 0" in err, err[-1000:]
     # torchrun-style environment variables stand in for flags
     monkeypatch.setenv("PET_NNODES", "1:4")
     monkeypatch.setenv("PET_RDZV_BACKEND", "etcd")
+    monkeypatch.setenv("PET_MAX_RESTARTS", "3")
     args = build_parser().parse_args(["agent", str(config)])
-    assert args.nnodes == "1:4" and args.rdzv_backend == "etcd"
+    assert args.nnodes == "1:4" and args.rdzv_backend == "etcd" and args.max_restarts == 3
     assert not (tmp_path / "out").exists()
 
 
@@ -597,6 +601,51 @@ def test_a_fenced_worker_is_replaced_in_its_own_place_while_its_host_mate_runs_o
     assert sorted(p.name for p in (outs[host] / "logs").glob("node*.log")) == [
         "node0.log", "node1.log", "node4.log"]
     assert [e["node"] for e in ev if e["kind"] == "worker_ready" and e["joined"]] == ["node4"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["iterations"] == cfg.iterations
+    got = load_file(str(run / "final" / "model.safetensors"))
+    want = failure_free(tmp_path_factory, cfg)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert all(workers_running(out) == [] for out in outs)
+
+
+def test_workers_killed_on_a_live_host_are_replaced_while_max_restarts_allows(
+        tmp_path, tmp_path_factory, corpus):
+    """Two hosts of two workers each (P = 2 x D = 2), agents with --max-restarts 1. node0 dies
+    of SIGKILL (its host lives): the job fails over, and its agent starts a fresh node in its
+    place, which joins the running job and takes its stage back. Later node1, on the same
+    host, dies too: the one restart is spent, so the agent says so and the job goes on
+    without it. The job ends bit-identical to the failure-free run (each loss taken over from
+    the replica, D = 2)."""
+    cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
+                      **{**FAST, **LENIENT, "iterations": 300, "model.gpt.bias": False})
+    config = _write_config(cfg, tmp_path / "job.yaml")
+    outs = [tmp_path / "host_a", tmp_path / "host_b"]
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = [_agent(config, out, "c10d", endpoint, nnodes="2:2",
+                    extra=("--nproc-per-node", "2", "--max-restarts", "1",
+                           "--fail", "node0@3:backward", "--fail", "node1@250:forward"))
+             for out in outs]
+    results = _finish(procs)
+    for code, err in results:
+        assert code == 0, err[-2000:]
+    run = _coordinator_out(outs)
+    ev = events(run)
+    assert sorted(e["node"] for e in ev if e["kind"] == "node_lost") == ["node0", "node1"]
+    assert not [e for e in ev if e["kind"] == "node_fenced"]
+    host = next(i for i, out in enumerate(outs) if (out / "logs" / "node0.log").exists())
+    said = results[host][1]
+    assert ("node0 died of SIGKILL while its host lives; replaced (restart 1 of "
+            "--max-restarts 1)") in said, said[-3000:]
+    assert "started node4 (local rank 0) joining the running job" in said, said[-3000:]
+    assert "node1 died of SIGKILL while its host lives; not replaced: --max-restarts 1 used" \
+        in said, said[-3000:]
+    joined = [e for e in ev if e["kind"] == "worker_ready" and e["joined"]]
+    assert [e["node"] for e in joined] == ["node4"]
+    second = next(e for e in ev if e["kind"] == "fault_injected" and e["node"] == "node1")
+    assert joined[0]["time_s"] < second["time_s"], "node4 joined after the second crash"
+    assert [e["action"] for e in ev if e["kind"] == "plan"] == [
+        "failover", "rebalance", "failover"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["iterations"] == cfg.iterations
     got = load_file(str(run / "final" / "model.safetensors"))

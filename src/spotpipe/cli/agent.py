@@ -37,6 +37,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int,
                    default=int(_env("nproc_per_node", "1") or 1),
                    help="nodes (worker processes) this agent runs (default 1)")
+    p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
+                   default=int(_env("max_restarts", "0") or 0),
+                   help="workers of this host that die of a signal while the host lives (the "
+                        "OOM killer, a crash) are replaced by fresh nodes joining the running "
+                        "job, at most this many times (default 0: the job fails over without "
+                        "them)")
     p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int,
                    default=int(_env("node_rank", "-1") or -1),
                    help="this host's place among the MIN agents (default: order of arrival)")
@@ -92,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
                             rdzv_timeout_s=args.rdzv_timeout, progress=not args.no_progress,
                             on_demand=args.on_demand, resume=args.resume,
                             trust_checkpoint=args.trust_checkpoint,
+                            max_restarts=args.max_restarts,
                             faults=tuple(Fault.parse(kind, text) for kind in FAULT_FLAGS
                                          for text in getattr(args, kind)))
         check_options(opts, cfg, overwrite=args.overwrite)

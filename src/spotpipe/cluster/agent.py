@@ -94,6 +94,10 @@ class Agent:
         self.timeout_s = cfg.cluster.timeout_s
         self._exits_done = threading.Event()
         self._pending = 0
+        self._restarts = 0  # workers replaced after dying of a signal (--max-restarts)
+        # signals this agent sends its workers from now on are its own (not a crash): a
+        # notice passed on, the stop at the job's end
+        self._signalling = False
         self._lock = threading.Lock()
 
     def say(self, text: str) -> None:
@@ -286,8 +290,7 @@ class Agent:
         supervisor = self.supervisor = Supervisor(
             out / "logs", self._exited, starter=starter(self.cfg, WORKER, out / "logs"))
         # a SIGTERM to the agent is the host's preemption notice: pass it on to the workers
-        signal.signal(signal.SIGTERM, lambda *_: [supervisor.signal(n, signal.SIGTERM)
-                                                  for n in list(supervisor.procs)])
+        signal.signal(signal.SIGTERM, lambda *_: self._pass_notice())
         self._spawn(ranks, world, answer.joining, list(range(len(ranks))))
         # later workers (a fenced node's agent joining again) are started by one thread that
         # lives as long as the agent: a worker dies with the thread that started it
@@ -295,6 +298,7 @@ class Agent:
         self._spawns: queue.Queue[tuple[list[int], int, list[int]]] = queue.Queue()
         threading.Thread(target=self._spawner, name="spawner", daemon=True).start()
         _with_main_thread_free(lambda: self._wait_over(store, posted))
+        self._signalling = True
         supervisor.stop_all()
         self._exits_done.wait(self.timeout_s)
         return self._leave(store)
@@ -387,13 +391,21 @@ class Agent:
         self._fenced.add(node)
         self.supervisor.kill(node)
 
-    def _rejoin(self, node: str) -> None:
-        """`node` was fenced while this host lives (a partition that healed, or a hang): the
-        job moved on without it, so its state is stale; come again as a new agent with one
-        fresh node in its place on this host (its GPU), which joins the running job like any
-        late one (placed when a layout has room for it). The host's other workers run on:
-        coming again with all --nproc-per-node nodes put two workers on one GPU. One node
-        at a time, so that each arrival names this agent's newest number."""
+    def _pass_notice(self) -> None:
+        """The host is being reclaimed: its workers leave at the next boundary, and none of
+        them is restarted from now on."""
+        self._signalling = True
+        for node in list(self.supervisor.procs):
+            self.supervisor.signal(node, signal.SIGTERM)
+
+    def _rejoin(self, node: str, why: str) -> None:
+        """`node` was fenced (`why` says so) while this host lives (a partition that healed, or
+        a hang), or died of a signal nobody here sent (--max-restarts): the job moved on
+        without it, so its state is stale or gone; come again as a new agent with one fresh
+        node in its place on this host (its GPU), which joins the running job like any late
+        one (placed when a layout has room for it). The host's other workers run on: coming
+        again with all --nproc-per-node nodes put two workers on one GPU. One node at a
+        time, so that each arrival names this agent's newest number."""
         place = self._local.pop(node)
         try:
             with self._rejoining:
@@ -403,21 +415,22 @@ class Agent:
                 me = self._arrive(store, rejoin_of=self.me, nproc=1)
                 answer = self._assignment(store, me) or Assignment(refused="no answer")
                 if answer.refused:
-                    self.say(f"{node} was fenced; not admitted again: {answer.refused}")
+                    self.say(f"{why}; not admitted again: {answer.refused}")
                     return
                 self.me = me
                 if self.leadership is not None and not self.leadership.leading:
                     self.leadership.me = str(me)  # (a candidate under its current number)
             with self._lock:
                 self._pending += len(answer.ranks)
-            self.say(f"{node} was fenced by the job; this host joins again as agent {me}")
+            self.say(f"{why}; this host joins again as agent {me}")
             self._spawns.put((list(answer.ranks), answer.world, [place]))
         except Exception as exc:  # the store is gone: the job is over already
-            self.say(f"could not join again after {node} was fenced: {exc}")
+            self.say(f"{why}; could not join again: {exc}")
 
     def _exited(self, node: str, code: int) -> None:
         """A worker of this host exited (having sent its final stages itself, while it beat):
-        tell the job, and join again if the job fenced it."""
+        tell the job, and join again if the job fenced it or it died of a signal
+        (--max-restarts)."""
         store = None
         try:
             store = self.address.connect(self.timeout_s)
@@ -425,11 +438,31 @@ class Agent:
         except Exception as exc:  # the store is gone: the job is over already
             self.say(f"could not report the exit of {node}: {exc}")
         if node in self._fenced or (store is not None and self._was_fenced(store, node)):
-            self._rejoin(node)
+            self._rejoin(node, f"{node} was fenced by the job")
+        elif code < 0 and not self._signalling:
+            self._crashed(node, code)
         with self._lock:
             self._pending -= 1
             if self._pending <= 0:
                 self._exits_done.set()
+
+    def _crashed(self, node: str, code: int) -> None:
+        """`node` died of a signal this agent did not send while its host lives: replaced by
+        a fresh node while --max-restarts allows (torchrun's restart, but of one node: the
+        job failed over without it and goes on), else said, with the flag that would."""
+        died = f"{node} died of {_signal_name(-code)} while its host lives"
+        with self._lock:
+            restart = self._restarts < self.opts.max_restarts
+            self._restarts += restart
+            number = self._restarts
+        if restart:
+            self._rejoin(node, f"{died}; replaced (restart {number} of "
+                               f"--max-restarts {self.opts.max_restarts})")
+        elif self.opts.max_restarts:
+            self.say(f"{died}; not replaced: --max-restarts {self.opts.max_restarts} used")
+        else:
+            self.say(f"{died}; the job goes on without it (--max-restarts N would start a "
+                     "fresh node in its place)")
 
     def _was_fenced(self, store: dist.Store, node: str) -> bool:
         """Whether the coordinator posted a kill for `node`. A fenced worker back on the network
@@ -519,3 +552,10 @@ def _checked_resume(opts: AgentOptions, cfg: Config,
 
 
 __all__ = ["AgentError", "AgentOptions", "LaunchError", "parse_nnodes", "run_agent"]
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -37,6 +37,9 @@ class AgentOptions:
     # a durable checkpoint to start from: this host's workers load their stages from it
     resume: Path | None = None
     trust_checkpoint: bool = False  # load `resume` although its MAC does not vouch for it
+    # torchrun's --max-restarts, per host: a worker that dies of a signal while its host
+    # lives (the OOM killer, a crash) is replaced by a fresh node that joins the running job
+    max_restarts: int = 0
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -78,6 +81,8 @@ def check_options(opts: AgentOptions, cfg: Config, overwrite: bool = False) -> s
         raise AgentError(f"--rdzv-backend {opts.backend!r}: expected etcd or c10d")
     if opts.nproc < 1:
         raise AgentError(f"--nproc-per-node {opts.nproc}: expected >= 1")
+    if opts.max_restarts < 0:
+        raise AgentError(f"--max-restarts {opts.max_restarts}: expected >= 0")
     world = cfg.stages * cfg.pipelines
     if opts.min_nodes * opts.nproc != world:
         raise AgentError(
