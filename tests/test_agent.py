@@ -571,6 +571,30 @@ def test_a_hugging_face_model_trained_by_agents_loads_from_the_coordinators_out(
         assert torch.equal(value, got[key]), key
 
 
+def _two_hosts_of_two(config: Path, tmp_path: Path,
+                      *extra: str) -> tuple[list[Path], list[tuple[int, str]]]:
+    """Two agents of two workers each (c10d) run the job to its end, each exiting 0: their
+    --out folders and (exit code, stderr)."""
+    outs = [tmp_path / "host_a", tmp_path / "host_b"]
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = [_agent(config, out, "c10d", endpoint, nnodes="2:2",
+                    extra=("--nproc-per-node", "2", *extra)) for out in outs]
+    results = _finish(procs)
+    for code, err in results:
+        assert code == 0, err[-2000:]
+    return outs, results
+
+
+def _completed_as_failure_free(run: Path, cfg, outs: list[Path], tmp_path_factory) -> None:
+    """The job completed, bit-identical to its failure-free run, and no worker is left."""
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["iterations"] == cfg.iterations
+    got = load_file(str(run / "final" / "model.safetensors"))
+    want = failure_free(tmp_path_factory, cfg)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert all(workers_running(out) == [] for out in outs)
+
+
 def test_a_fenced_worker_is_replaced_in_its_own_place_while_its_host_mate_runs_on(
         tmp_path, tmp_path_factory, corpus):
     """Two hosts of two workers each (P = 2 x D = 2). node0 hangs and is fenced; node1, on
@@ -582,14 +606,7 @@ def test_a_fenced_worker_is_replaced_in_its_own_place_while_its_host_mate_runs_o
     cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
                       **{**FAST, **LENIENT, "iterations": 40, "failover.hang_timeout_s": 4.0})
     config = _write_config(cfg, tmp_path / "job.yaml")
-    outs = [tmp_path / "host_a", tmp_path / "host_b"]
-    endpoint = f"127.0.0.1:{free_port()}"
-    procs = [_agent(config, out, "c10d", endpoint, nnodes="2:2",
-                    extra=("--nproc-per-node", "2", "--hang", "node0@3:backward"))
-             for out in outs]
-    results = _finish(procs)
-    for code, err in results:
-        assert code == 0, err[-2000:]
+    outs, results = _two_hosts_of_two(config, tmp_path, "--hang", "node0@3:backward")
     run = _coordinator_out(outs)
     ev = events(run)
     assert [e["node"] for e in ev if e["kind"] == "node_fenced"] == ["node0"]
@@ -601,12 +618,7 @@ def test_a_fenced_worker_is_replaced_in_its_own_place_while_its_host_mate_runs_o
     assert sorted(p.name for p in (outs[host] / "logs").glob("node*.log")) == [
         "node0.log", "node1.log", "node4.log"]
     assert [e["node"] for e in ev if e["kind"] == "worker_ready" and e["joined"]] == ["node4"]
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["iterations"] == cfg.iterations
-    got = load_file(str(run / "final" / "model.safetensors"))
-    want = failure_free(tmp_path_factory, cfg)
-    assert all(torch.equal(got[k], want[k]) for k in want)
-    assert all(workers_running(out) == [] for out in outs)
+    _completed_as_failure_free(run, cfg, outs, tmp_path_factory)
 
 
 def test_workers_killed_on_a_live_host_are_replaced_while_max_restarts_allows(
@@ -620,15 +632,8 @@ def test_workers_killed_on_a_live_host_are_replaced_while_max_restarts_allows(
     cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
                       **{**FAST, **LENIENT, "iterations": 300, "model.gpt.bias": False})
     config = _write_config(cfg, tmp_path / "job.yaml")
-    outs = [tmp_path / "host_a", tmp_path / "host_b"]
-    endpoint = f"127.0.0.1:{free_port()}"
-    procs = [_agent(config, out, "c10d", endpoint, nnodes="2:2",
-                    extra=("--nproc-per-node", "2", "--max-restarts", "1",
-                           "--fail", "node0@3:backward", "--fail", "node1@250:forward"))
-             for out in outs]
-    results = _finish(procs)
-    for code, err in results:
-        assert code == 0, err[-2000:]
+    outs, results = _two_hosts_of_two(config, tmp_path, "--max-restarts", "1",
+                                      "--fail", "node0@3:backward", "--fail", "node1@250:forward")
     run = _coordinator_out(outs)
     ev = events(run)
     assert sorted(e["node"] for e in ev if e["kind"] == "node_lost") == ["node0", "node1"]
@@ -646,12 +651,7 @@ def test_workers_killed_on_a_live_host_are_replaced_while_max_restarts_allows(
     assert joined[0]["time_s"] < second["time_s"], "node4 joined after the second crash"
     assert [e["action"] for e in ev if e["kind"] == "plan"] == [
         "failover", "rebalance", "failover"]
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["iterations"] == cfg.iterations
-    got = load_file(str(run / "final" / "model.safetensors"))
-    want = failure_free(tmp_path_factory, cfg)
-    assert all(torch.equal(got[k], want[k]) for k in want)
-    assert all(workers_running(out) == [] for out in outs)
+    _completed_as_failure_free(run, cfg, outs, tmp_path_factory)
 
 
 def test_a_sigterm_to_an_agent_reaches_its_workers_while_the_job_runs(tmp_path,
