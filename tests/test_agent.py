@@ -242,6 +242,14 @@ def test_agent_input_errors_start_nothing(tmp_path, corpus, monkeypatch):
     monkeypatch.setenv("PET_MAX_RESTARTS", "3")
     args = build_parser().parse_args(["agent", str(config)])
     assert args.nnodes == "1:4" and args.rdzv_backend == "etcd" and args.max_restarts == 3
+    # and are checked as the flags are: a usage error naming the flag, not a traceback
+    for name, value in (("PET_MAX_RESTARTS", "abc"), ("PET_NPROC_PER_NODE", "two"),
+                        ("PET_RDZV_TIMEOUT", "nan")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args(["agent", str(config)])
+        assert exit_.value.code == 2
+        monkeypatch.delenv(name)
     assert not (tmp_path / "out").exists()
 
 

@@ -35,21 +35,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nnodes", default=_env("nnodes"), metavar="MIN:MAX",
                    help="agents the job starts with (MIN) and at most admits (MAX)")
     p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=int,
-                   default=int(_env("nproc_per_node", "1") or 1),
+                   default=_env("nproc_per_node", "1"),
                    help="nodes (worker processes) this agent runs (default 1)")
     p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int,
-                   default=int(_env("max_restarts", "0") or 0),
+                   default=_env("max_restarts", "0"),
                    help="workers of this host that die of a signal while the host lives (the "
                         "OOM killer, a crash) are replaced by fresh nodes joining the running "
                         "job, at most this many times (default 0: the job fails over without "
                         "them)")
     p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int,
-                   default=int(_env("node_rank", "-1") or -1),
+                   default=_env("node_rank", "-1"),
                    help="this host's place among the MIN agents (default: order of arrival)")
     p.add_argument("--local-addr", "--local_addr", dest="local_addr",
                    default=_env("local_addr", ""), help="this host's address, for the record")
     p.add_argument("--rdzv-timeout", dest="rdzv_timeout", type=positive_number,
-                   default=float(_env("rdzv_timeout", "600") or 600),
+                   default=_env("rdzv_timeout", "600"),
                    help="seconds to wait for the other agents (default 600)")
     p.add_argument("--on-demand", dest="on_demand", action="store_true",
                    default=(_env("on_demand", "") or "") not in ("", "0"),
