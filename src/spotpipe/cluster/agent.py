@@ -453,7 +453,8 @@ class Agent:
         died = f"{node} died of {_signal_name(-code)} while its host lives"
         with self._lock:
             restart = self._restarts < self.opts.max_restarts
-            self._restarts += restart
+            if restart:
+                self._restarts += 1
             number = self._restarts
         if restart:
             self._rejoin(node, f"{died}; replaced (restart {number} of "
@@ -551,11 +552,11 @@ def _checked_resume(opts: AgentOptions, cfg: Config,
     return check_resume(cfg, opts.resume, key, opts.trust_checkpoint, notes)
 
 
-__all__ = ["AgentError", "AgentOptions", "LaunchError", "parse_nnodes", "run_agent"]
-
-
 def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
+
+
+__all__ = ["AgentError", "AgentOptions", "LaunchError", "parse_nnodes", "run_agent"]
