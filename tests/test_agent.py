@@ -395,12 +395,14 @@ def test_agents_resume_from_a_checkpoint_and_refuse_one_without_it(tmp_path, cor
     While the job resumes, an agent given no --resume is refused with a message that says so
     (its workers would start from iteration 0). An agent whose host lacks the checkpoint
     (here: its --resume names a folder that does not exist) is sent the coordinating agent's
-    copy through the store, checks it, and its workers load from that."""
+    copy through the store (only the stage folder its worker loads: without redundancy, its
+    own stage's), checks it, and its workers load from that."""
     monkeypatch.setenv("SPOTPIPE_JOIN_TOKEN", TOKEN)
     first = tmp_path / "first"
     assert train(_config(corpus, 8, **{"checkpoint.every": 3}), first, progress=False) == 0
     checkpoint = first / "checkpoints" / "iter_00000002"
-    config = _write_config(_config(corpus, 8), tmp_path / "job.yaml")
+    config = _write_config(tiny_config(corpus, stages=2, pipelines=1, redundancy="none",
+                                       **{**FAST, "iterations": 8}), tmp_path / "job.yaml")
     endpoint = f"127.0.0.1:{free_port()}"
     coordinating = _agent(config, tmp_path / "host_a", "c10d", endpoint, nnodes="2",
                           extra=("--resume", str(checkpoint)))
@@ -418,9 +420,16 @@ def test_agents_resume_from_a_checkpoint_and_refuse_one_without_it(tmp_path, cor
     got_events = events(run)
     assert got_events[0]["resumed_from"] == str(checkpoint)
     assert got_events[0]["start_iteration"] == 3
-    assert [e["node"] for e in got_events if e["kind"] == "checkpoint_sent"] == ["agent3"]
+    sent = [e for e in got_events if e["kind"] == "checkpoint_sent"]
+    assert [(e["node"], e["nodes"]) for e in sent] == [("agent3", ["node1"])]
     copy = tmp_path / "host_c" / "resume" / "iter_00000002"
     assert (copy / "manifest.json").read_bytes() == (checkpoint / "manifest.json").read_bytes()
+    # node1 runs stage 1 and holds no replica: stage1/ and the manifest went, stage0/ did not
+    assert sorted(p.name for p in copy.iterdir()) == ["manifest.json", "stage1"]
+    whole = [p for p in checkpoint.rglob("*") if p.is_file()]
+    assert sent[0]["files"] == 1 + sum(p.parent.name == "stage1" for p in whole)
+    assert sent[0]["bytes"] == sum(p.stat().st_size for p in whole
+                                   if p.parent.name in ("stage1", checkpoint.name))
     metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [m["iter"] for m in metrics] == list(range(3, 8))
     got = load_file(str(run / "final" / "model.safetensors"))

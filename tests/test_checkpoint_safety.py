@@ -309,3 +309,49 @@ def test_the_launcher_failing_to_write_its_files_stops_the_job(tmp_path, corpus,
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "failed"
     assert summary["message"] == f"cannot write {out / 'metrics.jsonl'}: No space left on device"
+
+
+def test_a_copy_of_some_stage_folders_verifies_for_their_layers_only(tmp_path):
+    """A host's copy of a checkpoint may hold only the stage folders its workers load (an
+    agent's --resume copy): it verifies for their layers and loads; for another layer the
+    missing file is named; a file the manifest does not list is still refused."""
+    first, first_optimizer = _stage(seed=0)  # layer 0 (its tensors are named "0.*")
+    torch.manual_seed(1)
+    second = torch.nn.Sequential(torch.nn.Identity(), torch.nn.Linear(4, 3))  # layer 1
+    second_optimizer = torch.optim.AdamW(second.parameters(), lr=0.1)
+    second(torch.ones(2, 4)).sum().backward()
+    second_optimizer.step()
+    sums = {**durable.save_stage(tmp_path, 4, 0, first, first_optimizer),
+            **durable.save_stage(tmp_path, 4, 1, second, second_optimizer)}
+    ckpt = durable.commit(tmp_path, 4, {"partition": [[0, 1], [1, 2]]}, sums, keep=5, key=KEY)
+    shutil.rmtree(ckpt / "stage0")
+    with pytest.raises(CheckpointError, match=r"stage0/.*: missing"):
+        durable.verify(ckpt)
+    with pytest.raises(CheckpointError, match=r"stage0/.*: missing"):
+        durable.verify(ckpt, layers={0, 1})
+    copy = durable.verify(ckpt, layers={1})
+    module = torch.nn.Sequential(torch.nn.Identity(), torch.nn.Linear(4, 3))
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1)
+    durable.load_stage(copy, module, optimizer)
+    assert torch.equal(module[1].weight, second[1].weight)
+    assert durable.layers_of(module) == {1}
+    (ckpt / "stage1" / "stray").write_text("x")
+    with pytest.raises(CheckpointError, match="not listed in the manifest"):
+        durable.verify(ckpt, layers={1})
+
+
+def test_the_folders_a_host_loads_at_the_start(corpus):
+    """`job.start_layers` (a node's stage and its replica in the first layout) and
+    `durable.folders_holding` (the old stage folders with some of those layers), against
+    layers and folders read off by hand."""
+    partition = [(0, 2), (2, 3), (3, 5), (5, 6)]
+    lazy = tiny_config(corpus, stages=4, pipelines=1, redundancy="lazy")
+    plain = tiny_config(corpus, stages=4, pipelines=1, redundancy="none")
+    assert job.start_layers(lazy, partition, ["node1"]) == {2, 3, 4}  # stage 1, replica of 2
+    assert job.start_layers(lazy, partition, ["node3"]) == {5, 0, 1}  # stage 3, replica of 0
+    assert job.start_layers(plain, partition, ["node1"]) == {2}
+    assert job.start_layers(plain, partition, ["node0", "node3"]) == {0, 1, 5}
+    written = [(0, 3), (3, 6)]  # a checkpoint of the same model on two stages
+    assert durable.folders_holding(written, {2, 3, 4}) == {"stage0", "stage1"}
+    assert durable.folders_holding(written, {2}) == {"stage0"}
+    assert durable.folders_holding(written, {5}) == {"stage1"}

@@ -27,7 +27,24 @@ from spotpipe.model.partition import (balanced_partition, bounded_partition, cut
 from spotpipe.model.precision import Precision
 from spotpipe.plan.memory import (GIB, LayerMemory, MemoryEstimate, MemoryRules, StageFacts,
                                   estimate_stage, stage_facts)
+from spotpipe.plan.layers import node_layers
+from spotpipe.plan.layout import Layout
 from spotpipe.plan.profile import LayerProfile, cross_stage_tied
+
+
+def first_layout(cfg: Config) -> Layout:
+    """The layout every job starts in: node r runs stage r % P of pipeline r // P."""
+    return Layout.build(cfg.stages, cfg.pipelines,
+                        [f"node{r}" for r in range(cfg.stages * cfg.pipelines)])
+
+
+def start_layers(cfg: Config, partition: Sequence[tuple[int, int]],
+                 nodes: Iterable[str]) -> set[int]:
+    """The layers whose state `nodes` build (and load from a checkpoint) when the job starts:
+    their stages' and their replicas' in the first layout."""
+    layout = first_layout(cfg)
+    return set().union(*(node_layers(layout, list(partition), node,
+                                     redundancy=cfg.redundancy != "none") for node in nodes))
 
 
 def build_model(cfg: Config) -> LayeredModel:

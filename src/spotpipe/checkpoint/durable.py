@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -275,17 +276,25 @@ def read_manifest(manifest_path: Path, version: int = FORMAT_VERSION) -> dict[st
     return manifest
 
 
-def verify(path: Path) -> Checkpoint:
-    """Read and check one checkpoint folder; raise CheckpointError naming what is wrong."""
+def verify(path: Path, layers: Collection[int] | None = None) -> Checkpoint:
+    """Read and check one checkpoint folder; raise CheckpointError naming what is wrong.
+
+    `layers`: only the stage folders that hold some of these layers must be there (a host's
+    copy of a checkpoint may hold only the folders its workers load, `cluster.resume_copy`);
+    a file of another folder is checked where it is there. Every file there must be listed."""
     manifest = read_manifest(path / MANIFEST)
     checksums = manifest.get("checksums")
     if not isinstance(checksums, dict) or not checksums:
         raise CheckpointError(f"{path / MANIFEST}: lists no files")
+    needed = None if layers is None else folders_holding(Checkpoint(path, manifest).partition,
+                                                        layers)
     for name, digest in checksums.items():
         file = path / name
         if not file.resolve().is_relative_to(path.resolve()) or name == MANIFEST:
             raise CheckpointError(f"{path / MANIFEST}: lists {name!r}, not a file of the "
                                   "checkpoint")
+        if not file.is_file() and needed is not None and name.split("/")[0] not in needed:
+            continue  # a folder this copy need not hold
         if not file.is_file():
             raise CheckpointError(f"{file}: missing")
         if sha256_file(file) != digest:
@@ -309,17 +318,36 @@ def newest(root: Path, problems: list[str] | None = None) -> Checkpoint | None:
     return None
 
 
-def resolve(path: Path) -> tuple[Checkpoint, list[str]]:
-    """A checkpoint folder, a checkpoints root, or a run folder -> the checkpoint to load."""
+def resolve(path: Path, layers: Collection[int] | None = None) -> tuple[Checkpoint, list[str]]:
+    """A checkpoint folder, a checkpoints root, or a run folder -> the checkpoint to load
+    (`layers`: see `verify`)."""
     problems: list[str] = []
     if (path / MANIFEST).exists() or path.name.startswith("iter_"):
-        return verify(path), problems
+        return verify(path, layers), problems
     for root in (path, path / "checkpoints"):
         found = newest(root, problems)
         if found is not None:
             return found, problems
     detail = "; ".join(problems) if problems else "no committed checkpoint there"
     raise CheckpointError(f"{path}: nothing to resume from ({detail})")
+
+
+def layer_of(key: str) -> int:
+    """The model layer a stage tensor's global name belongs to ("3.attn.weight", and the
+    optimizer's "optim/3.attn.weight/exp_avg")."""
+    return int(key.split("/")[-2 if key.startswith("optim/") else 0].split(".")[0])
+
+
+def layers_of(module: nn.Module) -> set[int]:
+    """The layers a stage module holds, by its tensors' global names."""
+    return {layer_of(key) for key in module.state_dict()}
+
+
+def folders_holding(partition: Sequence[tuple[int, int]], layers: Collection[int]) -> set[str]:
+    """The stage folders of a checkpoint written with `partition` that hold some of `layers`:
+    the ones `load_stage` reads for them."""
+    return {f"stage{old}" for old, (start, end) in enumerate(partition)
+            if any(start <= layer < end for layer in layers)}
 
 
 def load_stage(ckpt: Checkpoint, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -332,9 +360,7 @@ def load_stage(ckpt: Checkpoint, module: nn.Module, optimizer: torch.optim.Optim
 
     wanted = stage_tensors(module, materialise_optimizer_state(module, optimizer))
     for old, (start, end) in enumerate(ckpt.partition):
-        keys = {k: v for k, v in wanted.items()
-                if start <= int(k.split("/")[-2 if k.startswith("optim/") else 0].split(".")[0])
-                < end}
+        keys = {k: v for k, v in wanted.items() if start <= layer_of(k) < end}
         if not keys:
             continue
         buffers = {k: torch.empty_like(v, device="cpu") for k, v in keys.items()}

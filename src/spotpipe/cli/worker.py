@@ -44,8 +44,10 @@ from spotpipe.store.sealed import SealedStore
 
 
 def restore_from(path: Path, pairs: list[StagePair]) -> int:
-    """The durable tier's restore (any P x D): verify, then load each stage it is given."""
-    ckpt = durable.verify(path)
+    """The durable tier's restore (any P x D): verify, then load each stage it is given. The
+    folders it loads must be there whole; a host's copy may lack the others (an agent's,
+    `cluster.resume_copy`)."""
+    ckpt = durable.verify(path, layers=set().union(*(durable.layers_of(m) for m, _ in pairs)))
     for module, optimizer in pairs:
         durable.load_stage(ckpt, module, optimizer)
     return ckpt.next_iteration

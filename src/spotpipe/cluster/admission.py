@@ -237,14 +237,17 @@ class Coordinating:
         mine = self.checkpoint
         assert mine is not None
         timeout_s = self.cfg.cluster.timeout_s
+        with self._lock:
+            nodes = list(self._agent_nodes[k])
         try:
-            files = resume_copy.send(self.address.connect(timeout_s),
-                                     Channel(job_key(self.token, self.instance), "coordinator"),
-                                     k, mine, timeout_s=timeout_s)
+            sent = resume_copy.send(self.address.connect(timeout_s),
+                                    Channel(job_key(self.token, self.instance), "coordinator"),
+                                    k, mine, timeout_s=timeout_s,
+                                    layers=job.start_layers(self.cfg, self.spec.partition, nodes))
         except Exception as exc:  # noqa: BLE001 - said as the job's end
             return f"--resume: the checkpoint did not reach agent {k}: {exc}"[:500]
         self._event({"kind": "checkpoint_sent", "node": f"agent{k}", "path": str(mine.path),
-                     "files": files})
+                     "nodes": nodes, "files": sent.files, "bytes": sent.bytes})
         return ""
 
     def _sent(self) -> str:

@@ -270,7 +270,7 @@ class Agent:
                 "checkpoint_dir_probe", path=str(root), shared=shared, ranks=ranks,
                 host=socket.gethostname())
         if self._lacks_resume and not answer.joining:
-            fetched = self._fetch_resume(store)
+            fetched = self._fetch_resume(store, ranks)
             if isinstance(fetched, str):
                 # the job waits for this host's nodes: tell it, so that it ends now, naming
                 # them and (in its events) why, rather than when forming their groups times out
@@ -341,15 +341,18 @@ class Agent:
         """Given --resume, which this host does not have (the coordinating agent sends it)."""
         return self.opts.resume is not None and self.checkpoint is None
 
-    def _fetch_resume(self, store: dist.Store) -> durable.Checkpoint | str:
+    def _fetch_resume(self, store: dist.Store, ranks: list[int]) -> durable.Checkpoint | str:
         """Take the coordinating agent's copy of the checkpoint into OUT/resume/
-        (`resume_copy`), then check it as any --resume. What went wrong instead."""
+        (`resume_copy`: the stage folders the workers `ranks` load), then check it as any
+        --resume. What went wrong instead."""
         folder = resume_copy.receive(store, self.channel, self.me, self.opts.out,
                                      timeout_s=self.timeout_s)
         if isinstance(folder, str):
             return f"--resume {self.opts.resume}: this host lacks it, and {folder}"
+        layers = job.start_layers(self.cfg, self.spec.partition, [f"node{r}" for r in ranks])
         try:
-            checkpoint = _checked_resume(replace(self.opts, resume=folder), self.cfg, [])
+            checkpoint = _checked_resume(replace(self.opts, resume=folder), self.cfg, [],
+                                         layers=layers)
         except LaunchError as exc:
             return f"--resume: the coordinating agent's copy, received: {exc}"
         assert checkpoint is not None
@@ -536,11 +539,12 @@ def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> in
         (out / template.INITIAL_FILE).unlink(missing_ok=True)
 
 
-def _checked_resume(opts: AgentOptions, cfg: Config,
-                    notes: list[dict[str, Any]]) -> durable.Checkpoint | None:
-    """--resume as `spotpipe train` checks it, on this host: every file against the manifest,
-    the manifest's MAC, the model and the data order. Each agent checks its own copy; the
-    coordinating agent then admits only agents whose copy is the same checkpoint as its own
+def _checked_resume(opts: AgentOptions, cfg: Config, notes: list[dict[str, Any]],
+                    layers: set[int] | None = None) -> durable.Checkpoint | None:
+    """--resume as `spotpipe train` checks it, on this host: every file against the manifest
+    (with `layers`, a copy that holds only the stage folders of these layers), the manifest's
+    MAC, the model and the data order. Each agent checks its own copy; the coordinating agent
+    then admits only agents whose copy is the same checkpoint as its own
     (`Coordinating._problem`). None when there is none, or when this host does not have it
     (then the coordinating agent sends its copy, `Agent._fetch_resume`)."""
     if opts.resume is None or not opts.resume.exists():
@@ -549,7 +553,7 @@ def _checked_resume(opts: AgentOptions, cfg: Config,
         key = durable.resolve_key(cfg.checkpoint.key)
     except durable.KeyFileError as exc:
         raise AgentError(str(exc)) from None
-    return check_resume(cfg, opts.resume, key, opts.trust_checkpoint, notes)
+    return check_resume(cfg, opts.resume, key, opts.trust_checkpoint, notes, layers=layers)
 
 
 def _signal_name(number: int) -> str:

@@ -294,11 +294,13 @@ class Launcher(JobLoop):
 
 
 def check_resume(cfg: Config, path: Path, key: bytes | None = None, trust: bool = False,
-                 notes: list[dict[str, Any]] | None = None) -> durable.Checkpoint:
+                 notes: list[dict[str, Any]] | None = None, *,
+                 layers: set[int] | None = None) -> durable.Checkpoint:
     """The checkpoint to resume from, refused clearly if it belongs to another model, or if
-    its MAC does not vouch for it under `key` (unless `trust`: then a note says so)."""
+    its MAC does not vouch for it under `key` (unless `trust`: then a note says so).
+    `layers`: a copy that need hold only the stage folders of these (`durable.verify`)."""
     try:
-        ckpt, skipped = durable.resolve(path)
+        ckpt, skipped = durable.resolve(path, layers)
     except durable.CheckpointError as exc:
         raise LaunchError(f"--resume: {exc}") from None
     for problem in skipped:

@@ -1,16 +1,25 @@
 """A durable checkpoint carried to an agent whose host lacks the job's `--resume`.
 
 Both ends of the copy, side by side: the coordinating agent seals a `ResumeOffer` under the
-job's key (the checkpoint folder's name and every file's SHA-256, the manifest's included)
-and streams the files through the store under the checkpoint upload's flow control
-(`checkpoint.transfer`); the agent takes them into its `OUT/resume/`, each file checked as it
-arrives. Checking the copy as a checkpoint (MAC, model, data order) is the caller's, as for
-any `--resume`.
+job's key (the checkpoint folder's name and the SHA-256 of every file it sends, the
+manifest's included) and streams the files through the store under the checkpoint upload's
+flow control (`checkpoint.transfer`); the agent takes them into its `OUT/resume/`, each file
+checked as it arrives. Checking the copy as a checkpoint (MAC, model, data order) is the
+caller's, as for any `--resume`.
+
+A host is sent the stage folders its workers load, not the whole checkpoint: the ones holding
+the layers of their stages and replicas in the job's first layout (`job.start_layers`), which
+both ends work out alike. The copies of a P-stage checkpoint to P hosts then move about
+(1 + replicas) / P of what whole copies moved, through the one store. A host's workers check
+what they load against the manifest (`durable.verify` with their layers); nothing else reads
+the copy (a node that joins later takes its state from its peers).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
+from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -21,17 +30,26 @@ from spotpipe.protocol import Channel, Refused, ResumeOffer, keys
 from spotpipe.store.sealed import SealedStore
 
 
+class Sent(NamedTuple):
+    files: int
+    bytes: int
+
+
 def send(store: dist.Store, channel: Channel, agent: int, checkpoint: durable.Checkpoint, *,
-         timeout_s: float) -> int:
-    """Offer `checkpoint` to agent `agent` and stream its files; the number of files once all
-    arrived whole. Raises (UploadRefused with the receiver's reason, or the store's error)."""
-    checksums = {**checkpoint.manifest["checksums"],
+         timeout_s: float, layers: Collection[int] | None = None) -> Sent:
+    """Offer `checkpoint` to agent `agent` and stream its files (with `layers`, the manifest
+    and the stage folders holding some of them); what went once all arrived whole. Raises
+    (UploadRefused with the receiver's reason, or the store's error)."""
+    folders = None if layers is None else durable.folders_holding(checkpoint.partition, layers)
+    checksums = {**{name: digest for name, digest in checkpoint.manifest["checksums"].items()
+                    if folders is None or name.split("/")[0] in folders},
                  durable.MANIFEST: sha256_file(checkpoint.path / durable.MANIFEST)}
     store.set(keys.resume_offer(agent), channel.seal(ResumeOffer(checkpoint.path.name,
                                                                  checksums)))
     durable.transfer.send(SealedStore(store, channel.key), durable.transfer.Stream.resume(agent),
                           checkpoint.path, checksums, timeout_s=timeout_s)
-    return len(checksums)
+    return Sent(len(checksums), sum((checkpoint.path / name).stat().st_size
+                                    for name in checksums))
 
 
 def receive(store: dist.Store, channel: Channel, agent: int, out: Path, *,

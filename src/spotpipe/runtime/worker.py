@@ -104,8 +104,7 @@ class Worker:
         self.device = job.device_for(self.backend, int(os.environ.get("LOCAL_RANK", 0)))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        layout = Layout.build(cfg.stages, cfg.pipelines,
-                              [f"node{r}" for r in range(cfg.stages * cfg.pipelines)])
+        layout = job.first_layout(cfg)
         self.model, self.built = job.build_model_holding(cfg, run_dir, node_layers(
             layout, list(spec.partition), node, redundancy=cfg.redundancy != "none"))
         self.dataset = job.build_dataset(cfg)
