@@ -39,7 +39,6 @@ from spotpipe.store.address import StoreAddress
 from spotpipe.cluster.supervisor import (SHADOW, Supervisor, search_path, starter,
                                          worker_env)
 from spotpipe.config import Config
-from spotpipe.plan import Layout
 from spotpipe.store.sealed import SealedStore
 
 
@@ -208,7 +207,6 @@ class JobLoop:
 
     def run(self, store: dist.Store, address: StoreAddress) -> int:
         cfg = self.cfg
-        world = cfg.stages * cfg.pipelines
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
         self._write_inputs()
         files = self.files = RunFiles(self.out, append=self.restart > 0,
@@ -219,9 +217,8 @@ class JobLoop:
             files.tensorboard = SummaryWriter(str(self.out / "tensorboard"))
         if self.takeover is None:
             self._launch_event(files, address)
-        nodes = [f"node{r}" for r in range(world)]
         self.coordinator = Coordinator(
-            cfg=cfg, store=store, layout=Layout.build(cfg.stages, cfg.pipelines, nodes),
+            cfg=cfg, store=store, layout=job.first_layout(cfg),
             kill=self._kill, emit=files.event, now=self._now, channel=self.channel,
             partition=self.spec.partition, partition_for=self._partition_for)
         inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
