@@ -253,6 +253,39 @@ def test_agent_input_errors_start_nothing(tmp_path, corpus, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+def test_no_worker_starts_once_the_host_leaves_or_the_job_ended(corpus, tmp_path):
+    """A replacement queued for the spawner (a fenced or killed worker's) is not started once
+    a notice was passed on or the job's stop began: it would miss the notice, or outlive the
+    stop; it counts as over, so the agent's wait for its workers' exits ends. Before that, it
+    is started."""
+    import queue
+    import threading
+
+    from spotpipe.cluster.agent import Agent, AgentOptions
+
+    cfg = _config(corpus, 3)
+    opts = AgentOptions(backend="c10d", endpoint="127.0.0.1:1", rdzv_id="x", min_nodes=2,
+                        max_nodes=2, out=tmp_path)
+    agent = Agent(opts, cfg, None, TOKEN, None, None)  # type: ignore[arg-type]
+    started: list[list[int]] = []
+    agent._spawn = lambda ranks, world, joining, places: started.append(ranks)
+    agent._spawns = queue.Queue()
+    agent._pending = 2  # the replacement below, and one worker still running
+    threading.Thread(target=agent._spawner, daemon=True).start()
+    agent._spawns.put(([4], 4, [0]))
+    agent._spawns.put(([5], 4, [1]))
+    deadline = time.time() + 10
+    while len(started) < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    assert started == [[4], [5]]
+    agent._pending = 2
+    agent._stop_spawning()  # what a notice passed on and the job's stop do first
+    agent._spawns.put(([6], 4, [0]))
+    agent._done_with(1)  # the running worker exits
+    assert agent._exits_done.wait(10), "the wait for the workers' exits would not end"
+    assert started == [[4], [5]]
+
+
 def test_a_lost_host_fails_over_to_the_other(tmp_path, tmp_path_factory, corpus, etcd):
     """SIGKILL one agent (its host is gone, its worker dies with it): no exit is ever reported,
     so the coordinator fences the silent node after the heartbeat timeout and fails over; the

@@ -338,6 +338,12 @@ def test_a_copy_of_some_stage_folders_verifies_for_their_layers_only(tmp_path):
     (ckpt / "stage1" / "stray").write_text("x")
     with pytest.raises(CheckpointError, match="not listed in the manifest"):
         durable.verify(ckpt, layers={1})
+    (ckpt / "stage1" / "stray").unlink()
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    del manifest["partition"]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="has no partition"):
+        durable.verify(ckpt, layers={1})
 
 
 def test_the_folders_a_host_loads_at_the_start(corpus):

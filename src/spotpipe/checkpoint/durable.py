@@ -286,8 +286,7 @@ def verify(path: Path, layers: Collection[int] | None = None) -> Checkpoint:
     checksums = manifest.get("checksums")
     if not isinstance(checksums, dict) or not checksums:
         raise CheckpointError(f"{path / MANIFEST}: lists no files")
-    needed = None if layers is None else folders_holding(Checkpoint(path, manifest).partition,
-                                                        layers)
+    needed = None if layers is None else folders_holding(_partition(path, manifest), layers)
     for name, digest in checksums.items():
         file = path / name
         if not file.resolve().is_relative_to(path.resolve()) or name == MANIFEST:
@@ -330,6 +329,16 @@ def resolve(path: Path, layers: Collection[int] | None = None) -> tuple[Checkpoi
             return found, problems
     detail = "; ".join(problems) if problems else "no committed checkpoint there"
     raise CheckpointError(f"{path}: nothing to resume from ({detail})")
+
+
+def _partition(path: Path, manifest: dict[str, Any]) -> list[tuple[int, int]]:
+    try:
+        partition = Checkpoint(path, manifest).partition
+        if all(isinstance(a, int) and isinstance(b, int) for a, b in partition):
+            return partition
+    except (KeyError, TypeError, ValueError):
+        pass
+    raise CheckpointError(f"{path / MANIFEST}: has no partition (layer ranges per stage)")
 
 
 def layer_of(key: str) -> int:

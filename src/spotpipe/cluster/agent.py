@@ -96,8 +96,10 @@ class Agent:
         self._pending = 0
         self._restarts = 0  # workers replaced after dying of a signal (--max-restarts)
         # signals this agent sends its workers from now on are its own (not a crash): a
-        # notice passed on, the stop at the job's end
+        # notice passed on, the stop at the job's end; no worker starts after it is set
+        # (`_spawning` orders the two: a worker started late would miss the notice or the stop)
         self._signalling = False
+        self._spawning = threading.RLock()  # (re-entered by a notice's handler)
         self._lock = threading.Lock()
 
     def say(self, text: str) -> None:
@@ -270,7 +272,8 @@ class Agent:
                 "checkpoint_dir_probe", path=str(root), shared=shared, ranks=ranks,
                 host=socket.gethostname())
         if self._lacks_resume and not answer.joining:
-            fetched = self._fetch_resume(store, ranks)
+            fetched = self._fetch_resume(store, ranks,
+                                         job.RunSpec.from_json(posted.spec).partition)
             if isinstance(fetched, str):
                 # the job waits for this host's nodes: tell it, so that it ends now, naming
                 # them and (in its events) why, rather than when forming their groups times out
@@ -297,8 +300,10 @@ class Agent:
         # (PR_SET_PDEATHSIG), and the exit callbacks' threads end at once
         self._spawns: queue.Queue[tuple[list[int], int, list[int]]] = queue.Queue()
         threading.Thread(target=self._spawner, name="spawner", daemon=True).start()
-        _with_main_thread_free(lambda: self._wait_over(store, posted))
-        self._signalling = True
+        try:
+            _with_main_thread_free(lambda: self._wait_over(store, posted))
+        finally:  # (also at Ctrl-C, which the workers got too: their deaths are no crashes)
+            self._stop_spawning()
         supervisor.stop_all()
         self._exits_done.wait(self.timeout_s)
         return self._leave(store)
@@ -341,15 +346,17 @@ class Agent:
         """Given --resume, which this host does not have (the coordinating agent sends it)."""
         return self.opts.resume is not None and self.checkpoint is None
 
-    def _fetch_resume(self, store: dist.Store, ranks: list[int]) -> durable.Checkpoint | str:
+    def _fetch_resume(self, store: dist.Store, ranks: list[int],
+                      partition: list[tuple[int, int]]) -> durable.Checkpoint | str:
         """Take the coordinating agent's copy of the checkpoint into OUT/resume/
-        (`resume_copy`: the stage folders the workers `ranks` load), then check it as any
-        --resume. What went wrong instead."""
+        (`resume_copy`: the stage folders the workers `ranks` load under the job's
+        `partition`, the posted one, which they run), then check it as any --resume. What
+        went wrong instead."""
         folder = resume_copy.receive(store, self.channel, self.me, self.opts.out,
                                      timeout_s=self.timeout_s)
         if isinstance(folder, str):
             return f"--resume {self.opts.resume}: this host lacks it, and {folder}"
-        layers = job.start_layers(self.cfg, self.spec.partition, [f"node{r}" for r in ranks])
+        layers = job.start_layers(self.cfg, partition, [f"node{r}" for r in ranks])
         try:
             checkpoint = _checked_resume(replace(self.opts, resume=folder), self.cfg, [],
                                          layers=layers)
@@ -387,7 +394,15 @@ class Agent:
     def _spawner(self) -> None:
         while True:
             ranks, world, places = self._spawns.get()
-            self._spawn(ranks, world, True, places)
+            with self._spawning:
+                if not self._signalling:
+                    self._spawn(ranks, world, True, places)
+                    continue
+            self._done_with(len(ranks))  # the host leaves or the job ended: none started
+
+    def _stop_spawning(self) -> None:
+        with self._spawning:
+            self._signalling = True
 
     def _kill(self, node: str) -> None:
         """The coordinator fenced `node` (hung, or cut off past the heartbeat timeout)."""
@@ -396,8 +411,9 @@ class Agent:
 
     def _pass_notice(self) -> None:
         """The host is being reclaimed: its workers leave at the next boundary, and none of
-        them is restarted from now on."""
-        self._signalling = True
+        them is restarted from now on. (A signal handler, on the main thread, which never
+        holds `_spawning`.)"""
+        self._stop_spawning()
         for node in list(self.supervisor.procs):
             self.supervisor.signal(node, signal.SIGTERM)
 
@@ -412,6 +428,8 @@ class Agent:
         place = self._local.pop(node)
         try:
             with self._rejoining:
+                if self._signalling:  # the host leaves, or the job ended
+                    return
                 store = self.address.connect(self.timeout_s)
                 if store.check([OVER]):
                     return
@@ -444,8 +462,12 @@ class Agent:
             self._rejoin(node, f"{node} was fenced by the job")
         elif code < 0 and not self._signalling:
             self._crashed(node, code)
+        self._done_with(1)
+
+    def _done_with(self, workers: int) -> None:
+        """`workers` of this host's are over (exited, or never started)."""
         with self._lock:
-            self._pending -= 1
+            self._pending -= workers
             if self._pending <= 0:
                 self._exits_done.set()
 
