@@ -695,6 +695,9 @@ def test_workers_killed_on_a_live_host_are_replaced_while_max_restarts_allows(
     assert "started node4 (local rank 0) joining the running job" in said, said[-3000:]
     assert "node1 died of SIGKILL while its host lives; not replaced: --max-restarts 1 used" \
         in said, said[-3000:]
+    crashed = [(e["worker"], e["signal"], e["replaced"], e["restarts"]) for e in ev
+               if e["kind"] == "worker_crashed"]
+    assert crashed == [("node0", "SIGKILL", True, 1), ("node1", "SIGKILL", False, 1)], crashed
     joined = [e for e in ev if e["kind"] == "worker_ready" and e["joined"]]
     assert [e["node"] for e in joined] == ["node4"]
     second = next(e for e in ev if e["kind"] == "fault_injected" and e["node"] == "node1")

@@ -461,7 +461,7 @@ class Agent:
         if node in self._fenced or (store is not None and self._was_fenced(store, node)):
             self._rejoin(node, f"{node} was fenced by the job")
         elif code < 0 and not self._signalling:
-            self._crashed(node, code)
+            self._crashed(node, code, store)
         self._done_with(1)
 
     def _done_with(self, workers: int) -> None:
@@ -471,16 +471,24 @@ class Agent:
             if self._pending <= 0:
                 self._exits_done.set()
 
-    def _crashed(self, node: str, code: int) -> None:
+    def _crashed(self, node: str, code: int, store: dist.Store | None) -> None:
         """`node` died of a signal this agent did not send while its host lives: replaced by
         a fresh node while --max-restarts allows (torchrun's restart, but of one node: the
-        job failed over without it and goes on), else said, with the flag that would."""
+        job failed over without it and goes on), else said, with the flag that would; in the
+        agent's output and in the job's events (`worker_crashed`)."""
         died = f"{node} died of {_signal_name(-code)} while its host lives"
         with self._lock:
             restart = self._restarts < self.opts.max_restarts
             if restart:
                 self._restarts += 1
             number = self._restarts
+        if store is not None:
+            try:
+                Outbox(store, self.channel, self._posted.t0).event(
+                    "worker_crashed", worker=node, signal=_signal_name(-code),
+                    replaced=restart, restarts=number, max_restarts=self.opts.max_restarts)
+            except Exception as exc:  # the store is gone: the job is over already
+                self.say(f"could not report the crash of {node}: {exc}")
         if restart:
             self._rejoin(node, f"{died}; replaced (restart {number} of "
                                f"--max-restarts {self.opts.max_restarts})")
