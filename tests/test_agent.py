@@ -254,10 +254,11 @@ def test_agent_input_errors_start_nothing(tmp_path, corpus, monkeypatch):
 
 
 def test_no_worker_starts_once_the_host_leaves_or_the_job_ended(corpus, tmp_path):
-    """A replacement queued for the spawner (a fenced or killed worker's) is not started once
-    a notice was passed on or the job's stop began: it would miss the notice, or outlive the
-    stop; it counts as over, so the agent's wait for its workers' exits ends. Before that, it
-    is started."""
+    """A replacement queued for the spawner (a fenced or killed worker's) is started; one that
+    a notice overtakes while it starts is given the notice by the spawner (the notice's
+    handler does not wait for the spawner); none starts once the job's stop began (it would
+    outlive the stop), and it counts as over, so the agent's wait for its workers' exits
+    ends."""
     import queue
     import threading
 
@@ -278,8 +279,29 @@ def test_no_worker_starts_once_the_host_leaves_or_the_job_ended(corpus, tmp_path
     while len(started) < 2 and time.time() < deadline:
         time.sleep(0.01)
     assert started == [[4], [5]]
+    # a notice while a replacement starts: the spawner passes it on to the new worker
+    signalled: list[str] = []
+
+    class _Supervisor:
+        procs: dict = {}
+
+        def signal(self, node, sig):
+            signalled.append(node)
+
+    def notice_meanwhile(ranks, world, joining, places):
+        started.append(ranks)
+        agent._pass_notice()  # the handler, while the worker was being started
+
+    agent.supervisor = _Supervisor()
+    agent._spawn = notice_meanwhile
+    agent._spawns.put(([7], 4, [0]))
+    deadline = time.time() + 10
+    while not signalled and time.time() < deadline:
+        time.sleep(0.01)
+    assert started[-1] == [7] and signalled == ["node7"]
+    started.pop()
     agent._pending = 2
-    agent._stop_spawning()  # what a notice passed on and the job's stop do first
+    agent._stop_spawning()  # what the job's stop does first (a notice sets the same flag)
     agent._spawns.put(([6], 4, [0]))
     agent._done_with(1)  # the running worker exits
     assert agent._exits_done.wait(10), "the wait for the workers' exits would not end"

@@ -97,9 +97,9 @@ class Agent:
         self._restarts = 0  # workers replaced after dying of a signal (--max-restarts)
         # signals this agent sends its workers from now on are its own (not a crash): a
         # notice passed on, the stop at the job's end; no worker starts after it is set
-        # (`_spawning` orders the two: a worker started late would miss the notice or the stop)
+        # (a worker started late would miss the notice, or outlive the stop)
         self._signalling = False
-        self._spawning = threading.RLock()  # (re-entered by a notice's handler)
+        self._spawning = threading.Lock()  # held by the spawner while it starts a worker
         self._lock = threading.Lock()
 
     def say(self, text: str) -> None:
@@ -397,10 +397,15 @@ class Agent:
             with self._spawning:
                 if not self._signalling:
                     self._spawn(ranks, world, True, places)
+                    if self._signalling:  # a notice came while they started (_pass_notice)
+                        for rank in ranks:
+                            self.supervisor.signal(f"node{rank}", signal.SIGTERM)
                     continue
             self._done_with(len(ranks))  # the host leaves or the job ended: none started
 
     def _stop_spawning(self) -> None:
+        """No worker starts from now on; one being started is waited for, so that the stop
+        that follows sees every process."""
         with self._spawning:
             self._signalling = True
 
@@ -411,9 +416,11 @@ class Agent:
 
     def _pass_notice(self) -> None:
         """The host is being reclaimed: its workers leave at the next boundary, and none of
-        them is restarted from now on. (A signal handler, on the main thread, which never
-        holds `_spawning`.)"""
-        self._stop_spawning()
+        them is restarted from now on. A signal handler must not wait for the spawner: it
+        sets the flag and signals the workers there are; a worker the spawner is starting
+        meanwhile is either among them or signalled by the spawner, which checks the flag
+        once it has started it."""
+        self._signalling = True
         for node in list(self.supervisor.procs):
             self.supervisor.signal(node, signal.SIGTERM)
 
