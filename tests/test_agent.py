@@ -736,18 +736,33 @@ def test_a_sigterm_to_an_agent_reaches_its_workers_while_the_job_runs(tmp_path,
     leave at the next iteration boundary and the job goes on without them. The agent waits
     for the job's end in a store call, and Python runs a signal's handler only on the main
     thread between bytecodes: the notice reached the workers only once the job was over (the
-    job completed with no notice at all)."""
+    job completed with no notice at all). Once its workers have left, an agent that neither
+    coordinates nor hosts the store leaves too (exit 0, as a host being reclaimed should),
+    while the job runs on. (The first agent, started alone, hosts the store and coordinates.)"""
     cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
                       **{**FAST, **LENIENT, "iterations": 300, "model.gpt.bias": False})
     config = _write_config(cfg, tmp_path / "job.yaml")
     outs = [tmp_path / "host_a", tmp_path / "host_b"]
     endpoint = f"127.0.0.1:{free_port()}"
-    agents = [_agent(config, out, "c10d", endpoint, nnodes="2:2",
-                     extra=("--nproc-per-node", "2")) for out in outs]
+    first = _agent(config, outs[0], "c10d", endpoint, nnodes="2:2",
+                   extra=("--nproc-per-node", "2"))
+    said = _Lines(first)
+    said.wait_for("coordinates job")
+    agents = [first, _agent(config, outs[1], "c10d", endpoint, nnodes="2:2",
+                            extra=("--nproc-per-node", "2"))]
     coordinating = _coordinating_once_training(outs, agents, "the notice")
-    agents[1 - coordinating].send_signal(signal.SIGTERM)
-    for code, err in _finish(agents):
-        assert code == 0, err[-2000:]
+    assert coordinating == 0
+    agents[1].send_signal(signal.SIGTERM)
+    code, err = _finish([agents[1]])[0]
+    trained = [json.loads(line)["iter"]
+               for line in (outs[0] / "metrics.jsonl").read_text().splitlines()]
+    assert code == 0 and "left the job on this host's preemption notice" in err, err[-2000:]
+    assert first.poll() is None and trained[-1] < cfg.iterations - 1, \
+        "the agent did not leave before the job's end"
+    assert first.wait(timeout=600) == 0, "".join(said.lines)[-2000:]
+    # the agent that left counted as one that confirmed the end: the store's host did not
+    # wait for it (cluster.timeout_s) before leaving
+    assert not any("not every agent confirmed" in line for line in said.lines), said.lines
     run = outs[coordinating]
     ev = events(run)
     leaving = sorted(e["node"] for e in ev if e["kind"] == "notice")

@@ -93,6 +93,10 @@ class Agent:
         self.notes = notes or []  # what checking it said (a trusted checkpoint's note)
         self.timeout_s = cfg.cluster.timeout_s
         self._exits_done = threading.Event()
+        # the host's preemption notice (SIGTERM) came; then, once its workers have all left,
+        # an agent that neither coordinates nor hosts the store is done (`_done`)
+        self._noticed = threading.Event()
+        self._done = threading.Event()  # the job is over for this host
         self._pending = 0
         self._restarts = 0  # workers replaced after dying of a signal (--max-restarts)
         # signals this agent sends its workers from now on are its own (not a crash): a
@@ -251,7 +255,8 @@ class Agent:
             if seen == "vacant" and self.coordinating is not None:
                 leadership.deposed.wait(slice_s)  # its own lease gone: deposed at the next renewal
                 continue
-            if seen == "vacant" and self.coordinating is None and leadership.campaign():
+            if seen == "vacant" and self.coordinating is None and not self._noticed.is_set() \
+                    and leadership.campaign():  # (a host being reclaimed does not campaign)
                 if not self._succeed(store, posted):
                     return
 
@@ -301,7 +306,7 @@ class Agent:
         self._spawns: queue.Queue[tuple[list[int], int, list[int]]] = queue.Queue()
         threading.Thread(target=self._spawner, name="spawner", daemon=True).start()
         try:
-            _with_main_thread_free(lambda: self._wait_over(store, posted))
+            _with_main_thread_free(lambda: self._wait_over(store, posted), self._done)
         finally:  # (also at Ctrl-C, which the workers got too: their deaths are no crashes)
             self._stop_spawning()
         supervisor.stop_all()
@@ -311,6 +316,15 @@ class Agent:
     def _leave(self, store: dist.Store) -> int:
         """The job is over (or goes on without this host): confirm its end, the last agent
         out cleaning up; the job's outcome as exit code."""
+        if self._leaves_on_notice:
+            # (a connection of its own: the one given is held by the wait for the job's end,
+            # abandoned, and a TCPStore client answers its calls in turn)
+            store = self.address.connect(self.timeout_s)
+            if not store.check([OVER]):
+                store.add(LEFT, 1)  # one of the agents that confirm the job's end (answering)
+                self.say("left the job on this host's preemption notice: its workers have "
+                         "left, and the job goes on without them")
+                return 0
         if not store.check([OVER]):  # deposed: the job goes on without this host
             return 1
         over = self._job_over(store)
@@ -421,8 +435,16 @@ class Agent:
         meanwhile is either among them or signalled by the spawner, which checks the flag
         once it has started it."""
         self._signalling = True
+        self._noticed.set()
         for node in list(self.supervisor.procs):
             self.supervisor.signal(node, signal.SIGTERM)
+        self._done_with(0)  # (none may be left to wait for)
+
+    @property
+    def _leaves_on_notice(self) -> bool:
+        """After a notice, this agent leaves once its workers have: unless the job's store or
+        its coordinator lives in it, which stay for the others until the host goes."""
+        return self._noticed.is_set() and self.coordinating is None and self.hosted is None
 
     def _rejoin(self, node: str, why: str) -> None:
         """`node` was fenced (`why` says so) while this host lives (a partition that healed, or
@@ -477,6 +499,8 @@ class Agent:
             self._pending -= workers
             if self._pending <= 0:
                 self._exits_done.set()
+                if self._leaves_on_notice:
+                    self._done.set()
 
     def _crashed(self, node: str, code: int, store: dist.Store | None) -> None:
         """`node` died of a signal this agent did not send while its host lives: replaced by
@@ -522,12 +546,13 @@ class Agent:
             return False
 
 
-def _with_main_thread_free(wait: Callable[[], None]) -> None:
-    """Run `wait` on a thread while the main thread waits for it. Python runs a signal's
-    handler only on the main thread, between bytecodes: blocked inside a store call (the
-    wait for the job's end, days long with c10d) it never ran, so a host's preemption notice
-    (SIGTERM to the agent) reached its workers only once the job was over. A thread's join
-    lets the handler run as the signal comes."""
+def _with_main_thread_free(wait: Callable[[], None], done: threading.Event) -> None:
+    """Run `wait` on a thread while the main thread waits for it, or for `done` set by
+    another (the host's workers all left on its notice: the wait, for the job's end, is
+    abandoned). Python runs a signal's handler only on the main thread, between bytecodes:
+    blocked inside a store call (the wait for the job's end, days long with c10d) it never
+    ran, so a host's preemption notice (SIGTERM to the agent) reached its workers only once
+    the job was over. A wait on an event lets the handler run as the signal comes."""
     failed: list[BaseException] = []
 
     def run() -> None:
@@ -535,10 +560,11 @@ def _with_main_thread_free(wait: Callable[[], None]) -> None:
             wait()
         except BaseException as exc:  # noqa: BLE001 - raised again on the main thread
             failed.append(exc)
+        finally:
+            done.set()
 
-    thread = threading.Thread(target=run, name="wait-for-the-end", daemon=True)
-    thread.start()
-    thread.join()
+    threading.Thread(target=run, name="wait-for-the-end", daemon=True).start()
+    done.wait()
     if failed:
         raise failed[0]
 
