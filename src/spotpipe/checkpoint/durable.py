@@ -292,7 +292,7 @@ def verify(path: Path, layers: Collection[int] | None = None) -> Checkpoint:
         if not file.resolve().is_relative_to(path.resolve()) or name == MANIFEST:
             raise CheckpointError(f"{path / MANIFEST}: lists {name!r}, not a file of the "
                                   "checkpoint")
-        if not file.is_file() and needed is not None and name.split("/")[0] not in needed:
+        if not file.is_file() and needed is not None and folder_of(name) not in needed:
             continue  # a folder this copy need not hold
         if not file.is_file():
             raise CheckpointError(f"{file}: missing")
@@ -350,6 +350,11 @@ def layer_of(key: str) -> int:
 def layers_of(module: nn.Module) -> set[int]:
     """The layers a stage module holds, by its tensors' global names."""
     return {layer_of(key) for key in module.state_dict()}
+
+
+def folder_of(name: str) -> str:
+    """The top folder of a file the manifest lists ("stage1/__0_0.distcp" -> "stage1")."""
+    return name.split("/")[0]
 
 
 def folders_holding(partition: Sequence[tuple[int, int]], layers: Collection[int]) -> set[str]:

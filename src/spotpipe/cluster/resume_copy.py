@@ -42,7 +42,7 @@ def send(store: dist.Store, channel: Channel, agent: int, checkpoint: durable.Ch
     (UploadRefused with the receiver's reason, or the store's error)."""
     folders = None if layers is None else durable.folders_holding(checkpoint.partition, layers)
     checksums = {**{name: digest for name, digest in checkpoint.manifest["checksums"].items()
-                    if folders is None or name.split("/")[0] in folders},
+                    if folders is None or durable.folder_of(name) in folders},
                  durable.MANIFEST: sha256_file(checkpoint.path / durable.MANIFEST)}
     store.set(keys.resume_offer(agent), channel.seal(ResumeOffer(checkpoint.path.name,
                                                                  checksums)))

@@ -30,7 +30,6 @@ from spotpipe.data import collate
 from spotpipe.faults import Fault
 from spotpipe.notices import NoticeWatcher
 from spotpipe.plan import Layout
-from spotpipe.plan.layers import node_layers
 from spotpipe.plan.recovery import Decision
 from spotpipe.protocol import (Abort, Channel, DecisionRecord, JoinAnswer, JoinRequest, Metrics,
                                Notice, Prepare, Refused, Report, Stalled, keys)
@@ -105,8 +104,9 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         layout = job.first_layout(cfg)
-        self.model, self.built = job.build_model_holding(cfg, run_dir, node_layers(
-            layout, list(spec.partition), node, redundancy=cfg.redundancy != "none"))
+        # (the layers a --resume copy sent to this host holds: `cluster.resume_copy`)
+        self.model, self.built = job.build_model_holding(
+            cfg, run_dir, job.start_layers(cfg, spec.partition, [node]))
         self.dataset = job.build_dataset(cfg)
         self.sampler = job.build_sampler(cfg, self.dataset)
         self.digests = (DigestLog(run_dir / "logs" / f"digests.{node}.jsonl")
