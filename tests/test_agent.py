@@ -643,6 +643,75 @@ def test_a_hugging_face_model_trained_by_agents_loads_from_the_coordinators_out(
         assert torch.equal(value, got[key]), key
 
 
+@pytest.mark.parametrize("via", ["sigterm", "metadata"])
+def test_the_coordinating_agent_hands_its_office_on_at_its_hosts_notice(tmp_path,
+                                                                         tmp_path_factory,
+                                                                         corpus, etcd, via):
+    """Under etcd, the coordinating agent's host is reclaimed: a SIGTERM to the agent, or a
+    notice from the cloud's metadata service to each of its workers. Its workers leave at the
+    next boundary, as any host's do; then it writes its books a last time, marked handed
+    over, resigns (the leader key goes with its lease) and exits 0. The other agent, watching
+    the office, is elected without waiting for the lease to expire and coordinates to the end
+    from those books: no node counted lost, the run's files whole on its host, the result the
+    failure-free run's (D 2 -> 1). Before, the coordinator stayed until its host was gone,
+    and the office was vacant for one lease TTL after that."""
+    from metadata_servers import MetadataServer
+
+    meta = MetadataServer()
+    notices = ({"failover.gcp_notice_url": meta.urls()["gcp"], "failover.notice_poll_s": 0.1}
+               if via == "metadata" else {})
+    cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
+                      **{**FAST, **LENIENT, "iterations": 300, "model.gpt.bias": False,
+                         **notices})
+    config = _write_config(cfg, tmp_path / "job.yaml")
+    outs = [tmp_path / "host_a", tmp_path / "host_b"]
+    first = _agent(config, outs[0], "etcd", etcd.endpoint, nnodes="2:2",
+                   extra=("--nproc-per-node", "2"))
+    said = _Lines(first)
+    said.wait_for("coordinates job")
+    agents = [first, _agent(config, outs[1], "etcd", etcd.endpoint, nnodes="2:2",
+                            extra=("--nproc-per-node", "2"))]
+    assert _coordinating_once_training(outs, agents, "the notice") == 0
+    theirs = sorted(p.stem for p in (outs[0] / "logs").glob("node*.log"))
+    if via == "sigterm":
+        first.send_signal(signal.SIGTERM)
+    else:
+        for node in theirs:
+            meta.preempt(node)
+    assert first.wait(timeout=600) == 0, "".join(said.lines)[-2000:]
+    meta.close()
+    assert any("handed the coordinator's office on" in line for line in said.lines), said.lines
+    assert agents[1].poll() is None, "the job ended before the hand-over"
+    code, err = _finish([agents[1]])[0]
+    assert code == 0, err[-2000:]
+    assert "takes over as the coordinator" in err, err[-2000:]
+    run = outs[1]
+    ev = events(run)
+    kinds = [e["kind"] for e in ev]
+    assert kinds[0] == "launch" and kinds.count("launch") == 1  # the predecessor's lines first
+    handover = ev[kinds.index("coordinator_handover")]
+    takeover = ev[kinds.index("coordinator_takeover")]
+    assert len(theirs) == 2 and sorted(handover["nodes_left"]) == theirs, (handover, theirs)
+    assert takeover["handed_over"] is True and takeover["time_s"] > handover["time_s"]
+    assert sorted(takeover["predecessor_nodes"]) == theirs
+    assert "agent_lost" not in kinds and "agent_silent" not in kinds
+    assert sorted(e["node"] for e in ev if e["kind"] == "notice") == theirs
+    # (the metadata service's two notices may come a boundary apart: a failover first)
+    acted = [e["action"] for e in ev if e["kind"] == "plan" and e["action"] != "keep"]
+    assert acted[-1] == "drop_pipeline" and set(acted) <= {"failover", "drop_pipeline"}, acted
+    assert via == "metadata" or acted == ["drop_pipeline"], acted
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iter"] for m in metrics] == list(range(cfg.iterations))
+    assert metrics[-1]["time_s"] > takeover["time_s"], "no iteration after the takeover"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["iterations"] == cfg.iterations
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert_close_where_width_changed(got, failure_free(tmp_path_factory, cfg))  # D 2 -> 1
+    assert all(workers_running(out) == [] for out in outs)
+    print(f"hand-over: office vacant {takeover['time_s'] - handover['time_s']:.3f} s "
+          f"(lease TTL {cfg.failover.heartbeat_timeout_s:.0f} s)")
+
+
 def _two_hosts_of_two(config: Path, tmp_path: Path,
                       *extra: str) -> tuple[list[Path], list[tuple[int, str]]]:
     """Two agents of two workers each (c10d) run the job to its end, each exiting 0: their

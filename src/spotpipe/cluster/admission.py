@@ -47,6 +47,13 @@ class Coordinating:
         self.leadership = leadership  # etcd: the office, held under a lease
         self.persistent = leadership is not None  # the books go to the store (succession)
         self.takeover: CoordinatorState | None = None
+        # etcd: this host's notice came, and the loop hands the office on once the host's
+        # nodes have left (`AgentJobLoop._persist`); `handed_over` once it has. Held by a late
+        # admission and by the hand-over's last write of the books, so that no agent is
+        # admitted by this coordinator after its books went to the successor
+        self.hand_over = threading.Event()
+        self.handed_over = threading.Event()
+        self.admitting = threading.Lock()
         self.world = cfg.stages * cfg.pipelines
         self._lock = threading.Lock()
         self._nodes: list[str] = []
@@ -96,6 +103,28 @@ class Coordinating:
 
     def deposed(self) -> bool:
         return self.leadership is not None and self.leadership.deposed.is_set()
+
+    def acting(self) -> bool:
+        """Whether this agent still coordinates (neither deposed nor handed the office on)."""
+        return not (self.deposed() or self.handed_over.is_set())
+
+    def noticed(self) -> bool:
+        """This host is being reclaimed: hand the office on once its nodes have left, where a
+        successor can take the books up (etcd); whether it will. With c10d the job's store and
+        its coordinator stay until the host goes (there is no succession)."""
+        if self.persistent:
+            self.hand_over.set()
+        return self.persistent
+
+    def own_nodes(self) -> list[str]:
+        """The nodes of this agent's host."""
+        with self._lock:
+            return list(self._agent_nodes.get(self.me, []))
+
+    def others_nodes(self) -> set[str]:
+        """The nodes of the other agents' hosts."""
+        with self._lock:
+            return {n for k, nodes in self._agent_nodes.items() if k != self.me for n in nodes}
 
     def still_leader(self) -> bool:
         """Whether the leader key still names this agent (one read: a coordinator that was cut
@@ -292,18 +321,25 @@ class Coordinating:
         while True:
             k = self._next
             raw = wait_get(store, agent_key(k), 7 * 86400.0)
-            if raw is None or self.deposed():
+            if raw is None or not self.acting():
                 return
-            if store.check([assign_key(k)]):  # answered by a predecessor already
-                self._event({"kind": "agent_answered_before", "node": f"agent{k}"})
-            else:
-                info = self._arrival(store, k)
-                if isinstance(info, ArrivalsClosed):  # this coordinator's: the job is over
+            with self.admitting:
+                if not self.acting() or not self._admit_next(store, k):
                     return
-                if info is not None:
-                    self._admit(store, k, info, late=True)
-            with self._lock:
-                self._next = k + 1
+
+    def _admit_next(self, store: dist.Store, k: int) -> bool:
+        """Answer the arrival in slot `k`; False at the job's end (its closing marker)."""
+        if store.check([assign_key(k)]):  # answered by a predecessor already
+            self._event({"kind": "agent_answered_before", "node": f"agent{k}"})
+        else:
+            info = self._arrival(store, k)
+            if isinstance(info, ArrivalsClosed):  # this coordinator's: the job is over
+                return False
+            if info is not None:
+                self._admit(store, k, info, late=True)
+        with self._lock:
+            self._next = k + 1
+        return True
 
     def run(self) -> int:
         if self.takeover is not None:
@@ -393,8 +429,13 @@ class Coordinating:
         return self.code
 
     def _close(self, store: dist.Store) -> None:
-        """The job is over (unless this coordinator was deposed: then its successor ends it)."""
-        if self.deposed():
+        """The job is over (unless this coordinator was deposed or handed the office on: then
+        its successor ends it)."""
+        if self.handed_over.is_set() and self.leadership is not None:
+            # the office falls vacant now, the key going with the lease: the other agents
+            # elect a successor at once, rather than one lease TTL after this host is gone
+            self.leadership.resign()
+        if not self.acting():
             return
         # wake the admission thread: a marker in the next arrival slot it will read
         close = store.add(ARRIVALS, 1)

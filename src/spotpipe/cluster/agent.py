@@ -94,7 +94,8 @@ class Agent:
         self.timeout_s = cfg.cluster.timeout_s
         self._exits_done = threading.Event()
         # the host's preemption notice (SIGTERM) came; then, once its workers have all left,
-        # an agent that neither coordinates nor hosts the store is done (`_done`)
+        # an agent that hosts neither the store nor the coordinator (or has handed its office
+        # on) is done (`_done`)
         self._noticed = threading.Event()
         self._done = threading.Event()  # the job is over for this host
         self._pending = 0
@@ -105,6 +106,9 @@ class Agent:
         self._signalling = False
         self._spawning = threading.Lock()  # held by the spawner while it starts a worker
         self._lock = threading.Lock()
+        self.coordinating: Coordinating | None = None  # this agent's, if elected
+        self.thread: threading.Thread | None = None  # the coordinator's
+        self.leadership: Leadership | None = None  # etcd: the office, under a lease
 
     def say(self, text: str) -> None:
         print(f"spotpipe agent: {text}", file=sys.stderr, flush=True)
@@ -114,9 +118,6 @@ class Agent:
         store = self.address.connect(self.timeout_s)
         me = self._arrive(store)
         self.me = me
-        self.coordinating: Coordinating | None = None
-        self.thread: threading.Thread | None = None
-        self.leadership = None
         if self.address.kind == "etcd":
             self.leadership = Leadership(store, str(me), lease_ttl(
                 self.cfg.failover.heartbeat_timeout_s))  # type: ignore[arg-type]
@@ -212,7 +213,15 @@ class Agent:
 
     def _coordinate(self, coordinating: Coordinating) -> None:
         self.coordinating = coordinating
-        self.thread = threading.Thread(target=coordinating.run, name="coordinator", daemon=True)
+
+        def run() -> None:
+            try:
+                coordinating.run()
+            finally:
+                if coordinating.handed_over.is_set():
+                    self._done_with(0)  # (this host may be done: `_leaves_on_notice`)
+
+        self.thread = threading.Thread(target=run, name="coordinator", daemon=True)
         self.thread.start()
 
     def _succeed(self, store: dist.Store, posted: JobPosted) -> bool:
@@ -322,8 +331,10 @@ class Agent:
             store = self.address.connect(self.timeout_s)
             if not store.check([OVER]):
                 store.add(LEFT, 1)  # one of the agents that confirm the job's end (answering)
+                handed = (" and it handed the coordinator's office on (another agent "
+                          "coordinates from its books)" if self.coordinating is not None else "")
                 self.say("left the job on this host's preemption notice: its workers have "
-                         "left, and the job goes on without them")
+                         f"left{handed}, and the job goes on without them")
                 return 0
         if not store.check([OVER]):  # deposed: the job goes on without this host
             return 1
@@ -436,15 +447,22 @@ class Agent:
         once it has started it."""
         self._signalling = True
         self._noticed.set()
+        if self.coordinating is not None:
+            self.coordinating.noticed()
         for node in list(self.supervisor.procs):
             self.supervisor.signal(node, signal.SIGTERM)
         self._done_with(0)  # (none may be left to wait for)
 
     @property
     def _leaves_on_notice(self) -> bool:
-        """After a notice, this agent leaves once its workers have: unless the job's store or
-        its coordinator lives in it, which stay for the others until the host goes."""
-        return self._noticed.is_set() and self.coordinating is None and self.hosted is None
+        """After a notice, this agent leaves once its workers have: unless the job's store
+        lives in it, or its coordinator does and has not handed the office on (c10d: never),
+        which stay for the others until the host goes."""
+        if self.hosted is not None:
+            return False
+        if self.coordinating is not None:  # (handed over once its workers left on notices)
+            return self.coordinating.handed_over.is_set()
+        return self._noticed.is_set()
 
     def _rejoin(self, node: str, why: str) -> None:
         """`node` was fenced (`why` says so) while this host lives (a partition that healed, or

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import signal
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
@@ -13,7 +15,7 @@ from typing import Any, Protocol
 import yaml
 
 from spotpipe.checkpoint import transfer
-from spotpipe.cluster.jobloop import Deposed, JobLoop, RunFiles
+from spotpipe.cluster.jobloop import Deposed, HandedOver, JobLoop, RunFiles
 from spotpipe.cluster.agent_options import AgentOptions
 from spotpipe.cluster.rendezvous import write_atomic
 from spotpipe.protocol import CoordinatorState, FinalUpload, Journal, Kill, keys
@@ -38,6 +40,12 @@ class Office(Protocol):
     def deposed(self) -> bool: ...
     def still_leader(self) -> bool: ...
     def depose(self) -> None: ...
+    # the hand-over at the host's notice (`Coordinating.noticed`)
+    hand_over: threading.Event
+    handed_over: threading.Event
+    admitting: threading.Lock
+    def own_nodes(self) -> list[str]: ...
+    def others_nodes(self) -> set[str]: ...
 
 
 class AgentJobLoop(JobLoop):
@@ -62,15 +70,62 @@ class AgentJobLoop(JobLoop):
         return not self.rdzv.persistent
 
     def _persist(self, files: RunFiles) -> None:
-        """Keep the books in the store: the new lines of the run's files (a Journal record),
-        the state (overwritten) and the read marks of the slots it has taken in, in one
-        transaction, so a successor sees all of a turn or none of it."""
+        """Keep the books in the store at the end of a turn; and once this host's notice came
+        and its nodes have left, hand the office on (`HandedOver`)."""
         if not self.rdzv.persistent:
             return
+        if not self._may_hand_over():
+            self._write_books(files)
+            return
+        with self.rdzv.admitting:  # (no agent admitted by this coordinator from now on)
+            self._events_now(files)
+            files.event({"time_s": self._now(), "kind": "coordinator_handover",
+                         "node": f"agent{self.rdzv.me}", "generation":
+                         self.coordinator.generation, "nodes_left": self.rdzv.own_nodes()})
+            self._write_books(files, handed_over=True)
+            self.rdzv.handed_over.set()
+        raise HandedOver(f"agent{self.rdzv.me} handed the coordinator's office on at its "
+                         "host's notice, its nodes having left; an agent of another host "
+                         "coordinates from its books")
+
+    def _may_hand_over(self) -> bool:
+        """Whether this host is being reclaimed (its agent had a SIGTERM, or every node of it
+        left on a notice: a cloud's metadata service tells the workers, not the agent), its
+        nodes have all left, and an agent of another host has a node that trains on (not
+        leaving on a notice of its own): one that will campaign for the office. Otherwise
+        the coordinator stays: the job is ending with its hosts."""
+        own = set(self.rdzv.own_nodes())
+        if not (self.rdzv.hand_over.is_set()
+                or (own and own <= self.coordinator.left_on_notice)):
+            return False
+        exited = set(self._exited)
+        if not own <= exited:
+            return False
+        staying = self.rdzv.others_nodes() - exited - self.coordinator.dead \
+            - self.coordinator.leaving_now()
+        return bool(staying)
+
+    def _events_now(self, files: RunFiles) -> None:
+        """Write the events helper threads have queued (an admission, a checkpoint's send),
+        which a successor would not see otherwise; the rest of the inbox is the mailbox's
+        records, which the successor reads again from the cursor."""
+        while True:
+            try:
+                what, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if what == "event":
+                files.event(item)
+
+    def _write_books(self, files: RunFiles, handed_over: bool = False) -> None:
+        """The new lines of the run's files (a Journal record), the state (overwritten) and
+        the read marks of the slots it has taken in, in one transaction, so a successor sees
+        all of a turn or none of it."""
         metrics, lines = files.take()
         books = {**self._books(), "admission": self.rdzv.admission()}
         cursor = books["cursor"]
-        if not (metrics or lines) and books == self._persisted and self._marked >= cursor:
+        if not (metrics or lines or handed_over) and books == self._persisted \
+                and self._marked >= cursor:
             return
         g = self.coordinator.generation
         names: list[str] = []
@@ -81,7 +136,8 @@ class AgentJobLoop(JobLoop):
             values.append(self.channel.seal(Journal(tuple(metrics), tuple(lines)), g))
         names.append(keys.COORDINATOR_STATE)
         values.append(self.channel.seal(
-            CoordinatorState(**books, journal=self._journal, time_s=self._now()), g))
+            CoordinatorState(**books, journal=self._journal, time_s=self._now(),
+                             handed_over=handed_over), g))
         # etcd bounds a transaction's operations (128 by default): the rest next turn
         marks, reads = mailbox.read_marks(self._marked + 1, min(cursor, self._marked + 100))
         # only while this agent still holds the office: a deposed coordinator that reaches
@@ -110,7 +166,7 @@ class AgentJobLoop(JobLoop):
                           "predecessor": f"agent{state.admission.get('me')}",
                           "generation": self.coordinator.generation, "cursor": state.cursor,
                           "books_age_s": round(self._now() - state.time_s, 6),
-                          "predecessor_nodes": lost})
+                          "handed_over": state.handed_over, "predecessor_nodes": lost})
         for node in lost:
             if node in self._exited or node in self.coordinator.dead:
                 continue

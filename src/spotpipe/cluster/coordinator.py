@@ -122,6 +122,7 @@ class Coordinator:
         self.fenced: set[str] = set()
         self.over = False  # training is over: late joiners are sent home
         self.left: set[str] = set()  # left after a notice, by plan
+        self.left_on_notice: set[str] = set()  # of those, the ones that had a notice
         self.collecting: Collecting | None = None
         self.stop_message: str | None = None
         self.liveness = Liveness(store, channel, self.refused)
@@ -180,6 +181,7 @@ class Coordinator:
                         "partitions": succession.partitions_to_json(self._partitions)},
             "dead": tuple(sorted(self.dead)), "finished": tuple(sorted(self.finished)),
             "fenced": tuple(sorted(self.fenced)), "left": tuple(sorted(self.left)),
+            "left_on_notice": tuple(sorted(self.left_on_notice)),
             "joining": tuple(self.joining), "over": self.over,
             "stop_message": self.stop_message, "regroup_asked": self._regroup_asked,
             "collecting": None if rec is None else {
@@ -195,6 +197,7 @@ class Coordinator:
         self._partitions = succession.partitions_from_json(state.history.get("partitions", {}))
         self.dead, self.finished = set(state.dead), set(state.finished)
         self.fenced, self.left = set(state.fenced), set(state.left)
+        self.left_on_notice = set(state.left_on_notice)
         self.joining, self.over = list(state.joining), state.over
         self.stop_message, self._regroup_asked = state.stop_message, state.regroup_asked
         rec = state.collecting
@@ -304,9 +307,9 @@ class Coordinator:
         g = self.generation
         if (notice.generation != g or self.collecting is not None or self.over
                 or notice.node not in self.layout.active_nodes or notice.node in self.fenced
-                or notice.node in self._leaving_now()):
+                or notice.node in self.leaving_now()):
             return
-        self._noticed = (g, self._leaving_now() | {notice.node})
+        self._noticed = (g, self.leaving_now() | {notice.node})
         self._prepare_following(f"{notice.node} leaves on a notice")
 
     @property
@@ -315,7 +318,7 @@ class Coordinator:
         g, layouts = self._prepared_in
         return (g, layouts[-1]) if layouts else None
 
-    def _leaving_now(self) -> frozenset[str]:
+    def leaving_now(self) -> frozenset[str]:
         """The nodes whose notices came in this generation (they leave at its boundary)."""
         g, nodes = self._noticed
         return nodes if g == self.generation else frozenset()
@@ -350,7 +353,7 @@ class Coordinator:
         be placed. A joiner that waits on standby (one node short of a pipeline) changes
         nothing the groups depend on, so the groups formed would only take the cores from
         training; the next joiner, often moments later, prepares the pipeline the two form."""
-        leaving = self._leaving_now()
+        leaving = self.leaving_now()
         try:
             following = settle(self.history, self.rules, leaving=sorted(leaving),
                                joiners=self.joining, with_transfers=False)[0].decision
@@ -552,6 +555,7 @@ class Coordinator:
         board.publish(self.store, self.channel, keys.regroup_board(g),
                       Regroup(g, "the generation ended", ended=True), g)
         self.left |= outcome.leaving
+        self.left_on_notice |= outcome.leaving
         if decision.stopped:
             self.stop_message = decision.message
             self.collecting = None

@@ -50,6 +50,11 @@ class Deposed(RuntimeError):
     """This coordinator lost its office (its lease expired): a successor may be acting."""
 
 
+class HandedOver(Deposed):
+    """This coordinator left its office on its host's notice, its books whole in the store:
+    a successor goes on from them. The loop ends as a deposed one does, but not in failure."""
+
+
 @dataclass
 class RunFiles:
     """The run's output files, written by the launcher only."""
@@ -256,7 +261,7 @@ class JobLoop:
         cfg = self.cfg
         bar = self._bar = self._progress_bar()
         status, message = "failed", ""
-        deposed = False
+        deposed = handed_over = False
         errors: dict[str, str] = {}
         self._shadow_exited: dict[str, int] = {}
         try:
@@ -335,6 +340,7 @@ class JobLoop:
             message = str(exc)
         except Deposed as exc:
             message, deposed = str(exc), True
+            handed_over = isinstance(exc, HandedOver)
         finally:
             self._stop_workers()
             try:
@@ -351,7 +357,7 @@ class JobLoop:
             if deposed:
                 print(f"spotpipe: {message}", file=self.stream)
                 files.close()
-                return 1
+                return 0 if handed_over else 1
             wall = time.time() - self.t0
             try:
                 files.event({"time_s": round(wall, 6), "kind": "job_" + status,

@@ -415,6 +415,10 @@ class CoordinatorState(Message):
     checkpoints: dict[str, Any]  # stages of uncommitted checkpoints, failed iterations
     admission: dict[str, Any]  # the agents admitted and their nodes
     time_s: float
+    # the coordinator left its office on its host's notice, after that host's nodes had
+    # left: its successor finds nothing lost (rather than a host gone with its lease)
+    handed_over: bool = False
+    left_on_notice: tuple[str, ...] = ()  # (of `left`: the nodes that had a notice)
 
 
 @dataclass(frozen=True)
