@@ -90,6 +90,28 @@ def test_generations_that_form_but_fail_before_an_iteration_stop_the_job(corpus)
     assert "could not re-form" in plan["message"] and "Connect timeout" in plan["message"]
 
 
+def test_a_resumed_jobs_first_generation_that_fails_before_an_iteration_counts(corpus):
+    """A job resumed from a checkpoint at iteration 40: its launch generation, formed and
+    failing at its first exchange, committed nothing past the checkpoint (39), which counts
+    as a failed plan as it would at iteration 0 (the history started at 0 before, and such
+    generations of a resumed job never counted)."""
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy")
+    coord = Coordinator(cfg=cfg, store=dist.HashStore(),
+                        layout=Layout.build(2, 1, ["node0", "node1"]), kill=lambda node: None,
+                        emit=lambda event: None, now=lambda: 0.0,
+                        channel=Channel(KEY, "coordinator"), partition=[(0, 1), (1, 2)],
+                        start=40)
+    plans = []
+    for _ in range(3):
+        g = coord.generation
+        for node in ("node0", "node1"):
+            _report(coord, node, formed=True, committed_through=39, iteration=40,
+                    reason="communication failed: Connect timeout [none]")
+        plans.append(_plan(coord, g))
+    assert [p["action"] for p in plans] == ["keep", "keep", "stop"], plans
+    assert "Connect timeout" in plans[-1]["message"]
+
+
 def test_boundary_reports_below_the_resume_do_not_count_as_failed_plans(corpus):
     """Reports at a boundary are a change planned, not a failure (the simulator's `settle`
     makes them with nothing committed since the last plan)."""

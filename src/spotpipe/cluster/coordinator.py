@@ -103,15 +103,18 @@ class Coordinator:
                  kill: Callable[[str], None], emit: Callable[[dict[str, Any]], None],
                  now: Callable[[], float], channel: Channel,
                  partition: Partition | None = None,
-                 partition_for: Callable[[int], Partition] | None = None) -> None:
+                 partition_for: Callable[[int], Partition] | None = None,
+                 start: int = 0) -> None:
         """`partition` is the layer ranges per stage at launch; `partition_for(P)` computes
-        them for another depth the way the launch did (None: the job never re-partitions)."""
+        them for another depth the way the launch did (None: the job never re-partitions);
+        `start` the iteration the job starts at (a resumed checkpoint's next)."""
         self.cfg = cfg
         self.channel = channel
         self._partitions: dict[int, tuple[tuple[int, int], ...]] = {}
         self._partition_for = partition_for
         self.rules = rules_for(cfg, self._partition_at if partition_for else None)
-        self.history = History(layout, tuple(tuple(r) for r in partition or []))
+        self.history = History(layout, tuple(tuple(r) for r in partition or []),
+                               resumed_at=start)
         self.joining: list[str] = []  # accepted, not yet placed
         self.store = store
         self.kill = kill

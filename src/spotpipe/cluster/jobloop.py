@@ -225,7 +225,8 @@ class JobLoop:
         self.coordinator = Coordinator(
             cfg=cfg, store=store, layout=job.first_layout(cfg),
             kill=self._kill, emit=files.event, now=self._now, channel=self.channel,
-            partition=self.spec.partition, partition_for=self._partition_for)
+            partition=self.spec.partition, partition_for=self._partition_for,
+            start=self.resume.next_iteration if self.resume else 0)
         inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._inbox, self._address, self._store = inbox, address, store
         self._receiving = durable.transfer.Receiving()  # uploads the committer takes
