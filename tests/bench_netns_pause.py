@@ -2,6 +2,7 @@
 same agents on loopback. Not a test (pytest does not collect it); run as root:
 
     PYTHONPATH=$PWD/src:$PWD/tests python tests/bench_netns_pause.py [REPEATS] [--coordinator]
+        [--handover]
 
 Each run: P = 3 x D = 1, three agents on etcd; past iteration 10 every process of a host
 that does not coordinate is SIGKILLed at once (netns: `ip netns pids`; loopback: the agent's
@@ -12,9 +13,18 @@ Prints one JSON object as its last line.
 
 `--coordinator` measures the coordinator's takeover instead, on namespaced hosts only: every
 process of the coordinating host (its agent, the coordinator, its worker) is SIGKILLed; the
-figure is from the kill to the first iteration completed after it, read from the successor's
+figure is from the kill to the first iteration of the successor's failover of the lost node
+(completed after its plan), read from the successor's
 run folder, with its parts: election (kill to the successor's `coordinator_takeover`: the
 lease expiring is most of it) and recovery (from there to that iteration).
+
+`--handover` measures the coordinator's hand-over at its host's notice instead, on namespaced
+hosts only: a SIGTERM to the coordinating agent; its worker leaves at the next boundary, then
+the coordinator hands its office on. Figures from the SIGTERM, on the successor's files:
+`pause_s` to the first iteration completed after the notice's plan (training's own pause),
+`handover_s` to the last books (`coordinator_handover`), `election_s` to the successor's
+`coordinator_takeover`, and `vacant_s` between those two (what `--coordinator`'s election
+costs when the host is lost instead).
 """
 
 from __future__ import annotations
@@ -62,9 +72,31 @@ def _takeover(outs: list[Path], kill_wall: float) -> dict[str, float]:
         raise RuntimeError("no agent took over")
     metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
     t_kill = kill_wall - events[0]["t0"]
-    done = next(m for m in metrics if m["time_s"] >= t_kill)
+    # (the first iteration of the lost node's failover: one committed just before the kill
+    # can be recorded after it)
+    plan = next(e for e in events if e["kind"] == "plan" and e["time_s"] >= took[0]["time_s"])
+    done = next(m for m in metrics if m["time_s"] >= plan["time_s"] and m["iter"] >= plan["resume"])
     return {"pause_s": done["time_s"] - t_kill, "election_s": took[0]["time_s"] - t_kill,
             "recovery_s": done["time_s"] - took[0]["time_s"]}
+
+
+def _handover(outs: list[Path], term_wall: float) -> dict[str, float]:
+    for out in outs:
+        path = out / "events.jsonl"
+        events = [json.loads(line) for line in open(path)] if path.exists() else []
+        took = [e for e in events if e["kind"] == "coordinator_takeover"]
+        if took:
+            break
+    else:
+        raise RuntimeError("no agent took over")
+    metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    t_term = term_wall - events[0]["t0"]
+    handed = next(e for e in events if e["kind"] == "coordinator_handover")
+    plan = next(e for e in events if e["kind"] == "plan" and e["time_s"] >= t_term)
+    done = next(m for m in metrics if m["time_s"] >= plan["time_s"] and m["iter"] >= plan["resume"])
+    return {"pause_s": done["time_s"] - t_term, "handover_s": handed["time_s"] - t_term,
+            "election_s": took[0]["time_s"] - t_term,
+            "vacant_s": took[0]["time_s"] - handed["time_s"]}
 
 
 def _agents(config: Path, outs: list[Path], endpoint: str, wrap) -> list[subprocess.Popen]:
@@ -87,7 +119,7 @@ def one(mode: str, tmp: Path, corpus: Path) -> dict[str, float]:
     tmp.mkdir(parents=True)
     config = _write_config(cfg, tmp / "job.yaml")
     outs = [tmp / f"host{i}" for i in range(3)]
-    if mode in ("netns", "coordinator"):
+    if mode in ("netns", "coordinator", "handover"):
         cluster = Cluster(3, tmp)
         cluster.start_etcd()
         procs = [cluster.agent(i, config, outs[i], token="sesame", nnodes="3:3")
@@ -101,8 +133,13 @@ def one(mode: str, tmp: Path, corpus: Path) -> dict[str, float]:
         while max(iteration(o) for o in outs) < 10:
             time.sleep(0.05)
         c = coordinator_of(outs)
-        lost = c if mode == "coordinator" else max(i for i in range(3) if i != c)
+        lost = c if mode in ("coordinator", "handover") else max(i for i in range(3) if i != c)
         kill_wall = time.time()
+        if mode == "handover":  # (`ip netns exec` execs the agent: the Popen's pid is its)
+            procs[lost].send_signal(signal.SIGTERM)
+            for p in procs:
+                p.wait(timeout=900)
+            return _handover(outs, kill_wall)
         if cluster is not None:
             cluster.lose_host(lost)
         else:
@@ -125,12 +162,13 @@ def one(mode: str, tmp: Path, corpus: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--coordinator"]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
     repeats = int(args[0]) if args else 2
     root = Path(tempfile.mkdtemp(prefix="netns-pause-"))
     corpus = ensure_demo_corpus(root / "corpus.txt")
     result: dict[str, object] = {"load_before": os.getloadavg()[0]}
-    for mode in (("coordinator",) if "--coordinator" in sys.argv else ("loopback", "netns")):
+    modes = [m for m in ("coordinator", "handover") if f"--{m}" in sys.argv]
+    for mode in modes or ("loopback", "netns"):
         runs = [one(mode, root / f"{mode}{k}", corpus) for k in range(repeats)]
         for key in runs[0]:
             result[f"{mode}_{key}"] = round(statistics.median(r[key] for r in runs), 3)
