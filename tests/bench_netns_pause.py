@@ -56,47 +56,45 @@ def _pause(run: Path, kill_wall: float) -> dict[str, float]:
     detect = min(e["time_s"] for e in after if e["kind"] in ("report", "failure_detected",
                                                             "node_fenced"))
     plan = next(e for e in after if e["kind"] == "plan")
-    done = next(m for m in metrics if m["time_s"] >= plan["time_s"] and m["iter"] >= plan["resume"])
+    done = _first_iteration_of(plan, metrics)
     return {"pause_s": done["time_s"] - t_kill, "detection_s": detect - t_kill,
             "agreement_s": plan["time_s"] - detect, "takeover_s": done["time_s"] - plan["time_s"]}
 
 
-def _takeover(outs: list[Path], kill_wall: float) -> dict[str, float]:
+def _successor(outs: list[Path]) -> tuple[list[dict], list[dict], dict]:
+    """The events and metrics in the successor's --out, and its `coordinator_takeover`."""
     for out in outs:
         path = out / "events.jsonl"
         events = [json.loads(line) for line in open(path)] if path.exists() else []
         took = [e for e in events if e["kind"] == "coordinator_takeover"]
         if took:
-            break
-    else:
-        raise RuntimeError("no agent took over")
-    metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
+            return events, [json.loads(line) for line in open(out / "metrics.jsonl")], took[0]
+    raise RuntimeError("no agent took over")
+
+
+def _first_iteration_of(plan: dict, metrics: list[dict]) -> dict:
+    """The first iteration completed under `plan` (one committed before the fault can be
+    recorded after it)."""
+    return next(m for m in metrics if m["time_s"] >= plan["time_s"] and m["iter"] >= plan["resume"])
+
+
+def _takeover(outs: list[Path], kill_wall: float) -> dict[str, float]:
+    events, metrics, took = _successor(outs)
     t_kill = kill_wall - events[0]["t0"]
-    # (the first iteration of the lost node's failover: one committed just before the kill
-    # can be recorded after it)
-    plan = next(e for e in events if e["kind"] == "plan" and e["time_s"] >= took[0]["time_s"])
-    done = next(m for m in metrics if m["time_s"] >= plan["time_s"] and m["iter"] >= plan["resume"])
-    return {"pause_s": done["time_s"] - t_kill, "election_s": took[0]["time_s"] - t_kill,
-            "recovery_s": done["time_s"] - took[0]["time_s"]}
+    plan = next(e for e in events if e["kind"] == "plan" and e["time_s"] >= took["time_s"])
+    done = _first_iteration_of(plan, metrics)
+    return {"pause_s": done["time_s"] - t_kill, "election_s": took["time_s"] - t_kill,
+            "recovery_s": done["time_s"] - took["time_s"]}
 
 
 def _handover(outs: list[Path], term_wall: float) -> dict[str, float]:
-    for out in outs:
-        path = out / "events.jsonl"
-        events = [json.loads(line) for line in open(path)] if path.exists() else []
-        took = [e for e in events if e["kind"] == "coordinator_takeover"]
-        if took:
-            break
-    else:
-        raise RuntimeError("no agent took over")
-    metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    events, metrics, took = _successor(outs)
     t_term = term_wall - events[0]["t0"]
     handed = next(e for e in events if e["kind"] == "coordinator_handover")
     plan = next(e for e in events if e["kind"] == "plan" and e["time_s"] >= t_term)
-    done = next(m for m in metrics if m["time_s"] >= plan["time_s"] and m["iter"] >= plan["resume"])
+    done = _first_iteration_of(plan, metrics)
     return {"pause_s": done["time_s"] - t_term, "handover_s": handed["time_s"] - t_term,
-            "election_s": took[0]["time_s"] - t_term,
-            "vacant_s": took[0]["time_s"] - handed["time_s"]}
+            "election_s": took["time_s"] - t_term, "vacant_s": took["time_s"] - handed["time_s"]}
 
 
 def _agents(config: Path, outs: list[Path], endpoint: str, wrap) -> list[subprocess.Popen]:
