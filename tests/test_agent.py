@@ -236,6 +236,10 @@ def test_agent_input_errors_start_nothing(tmp_path, corpus, monkeypatch):
     code, err = run("--nnodes", "2", "--rdzv-backend", "c10d", "--on-demand", *base,
                     "--max-restarts", "-1")
     assert code == 2 and "--max-restarts -1: expected >= 0" in err, err[-1000:]
+    # CPU shadows beside a coordinator that etcd elects among hosts the job may lose
+    _write_config(_config(corpus, 3, **{"shadow.enabled": True}), config)
+    code, err = run("--nnodes", "2", "--rdzv-backend", "etcd", *base)
+    assert code == 2 and "shadow.enabled with --rdzv-backend etcd" in err, err[-1000:]
     # torchrun-style environment variables stand in for flags
     monkeypatch.setenv("PET_NNODES", "1:4")
     monkeypatch.setenv("PET_RDZV_BACKEND", "etcd")
@@ -251,6 +255,24 @@ def test_agent_input_errors_start_nothing(tmp_path, corpus, monkeypatch):
         assert exit_.value.code == 2
         monkeypatch.delenv(name)
     assert not (tmp_path / "out").exists()
+
+
+def test_with_c10d_only_the_agent_hosting_the_store_coordinates(corpus, tmp_path):
+    """Without succession the coordinator's host must be one the job cannot lose: the
+    store's, which the operator said is on-demand. An agent that does not host the store
+    never claims the office, even when it finds it vacant (it arrived first)."""
+    import torch.distributed as dist
+
+    from spotpipe.cluster.agent import Agent, AgentOptions
+    from spotpipe.cluster.rendezvous import COORDINATOR
+
+    opts = AgentOptions(backend="c10d", endpoint="127.0.0.1:1", rdzv_id="x", min_nodes=2,
+                        max_nodes=2, out=tmp_path)
+    store = dist.HashStore()
+    spot = Agent(opts, _config(corpus, 3), None, TOKEN, None, None)  # type: ignore[arg-type]
+    assert not spot._c10d_elected(store, 1) and not store.check([COORDINATOR])
+    hosting = Agent(opts, _config(corpus, 3), None, TOKEN, None, store)  # type: ignore[arg-type]
+    assert hosting._c10d_elected(store, 2) and store.get(COORDINATOR) == b"2"
 
 
 def test_no_worker_starts_once_the_host_leaves_or_the_job_ended(corpus, tmp_path):

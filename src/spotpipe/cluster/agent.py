@@ -123,7 +123,7 @@ class Agent:
                 self.cfg.failover.heartbeat_timeout_s))  # type: ignore[arg-type]
             won = self.leadership.campaign() and not store.check([JOB])
         else:
-            won = store.compare_set(COORDINATOR, "", str(me)) == str(me).encode()
+            won = self._c10d_elected(store, me)
         if won:
             self._coordinate(Coordinating(opts, self.cfg, self.spec, self.token, self.address,
                                           me, self.leadership, checkpoint=self.checkpoint,
@@ -163,6 +163,16 @@ class Agent:
             self.thread.join()
             code = 1 if self.coordinating.deposed() else self.coordinating.code
         return code
+
+    def _c10d_elected(self, store: dist.Store, me: int) -> bool:
+        """With c10d the agent that hosts the store coordinates, and no other: without
+        succession the coordinator's host must be one the job cannot lose, and the store's
+        is the one the operator said is (`--on-demand`). The first agent to win a
+        compare-and-set coordinated before, which could be a spot host's: its loss ended the
+        job, and the CPU shadows it ran went with it."""
+        if self.hosted is None:
+            return False
+        return store.compare_set(COORDINATOR, "", str(me)) == str(me).encode()
 
     def rdzv_key(self, key: str) -> str:
         return proof_key(self.opts.rdzv_id, key)

@@ -83,6 +83,14 @@ def check_options(opts: AgentOptions, cfg: Config, overwrite: bool = False) -> s
         raise AgentError(f"--nproc-per-node {opts.nproc}: expected >= 1")
     if opts.max_restarts < 0:
         raise AgentError(f"--max-restarts {opts.max_restarts}: expected >= 0")
+    if opts.backend == "etcd" and cfg.shadow.enabled:
+        # (the shadows run beside the coordinator, `JobLoop._spawn_shadows`)
+        raise AgentError(
+            "shadow.enabled with --rdzv-backend etcd: the CPU shadows run beside the "
+            "coordinator, which etcd elects among the job's hosts, any of which the job may "
+            "lose; the shadows' state would go with it and a successor has none. Use "
+            "--rdzv-backend c10d, whose store and coordinator live on the host said to be "
+            "on-demand (--on-demand), or redundancy and durable checkpoints with etcd")
     world = cfg.stages * cfg.pipelines
     if opts.min_nodes * opts.nproc != world:
         raise AgentError(
