@@ -93,7 +93,11 @@ class AgentJobLoop(JobLoop):
         left on a notice: a cloud's metadata service tells the workers, not the agent), its
         nodes have all left, and an agent of another host has a node that trains on (not
         leaving on a notice of its own): one that will campaign for the office. Otherwise
-        the coordinator stays: the job is ending with its hosts."""
+        the coordinator stays: the job is ending with its hosts. It stays too once training
+        is over: the final stages come to it (`_final_upload`), which its books do not
+        carry."""
+        if self.coordinator.over or self.coordinator.finished or self._finals:
+            return False
         own = set(self.rdzv.own_nodes())
         if not (self.rdzv.hand_over.is_set()
                 or (own and own <= self.coordinator.left_on_notice)):
