@@ -275,6 +275,30 @@ def test_with_c10d_only_the_agent_hosting_the_store_coordinates(corpus, tmp_path
     assert hosting._c10d_elected(store, 2) and store.get(COORDINATOR) == b"2"
 
 
+def test_the_coordinators_host_is_followed_when_it_comes_again(corpus, tmp_path):
+    """A fenced node of the coordinating agent's host comes again under a new arrival
+    number, its host's nodes moved to it: the coordinator's own nodes (which its hand-over
+    waits for) and the books' record of its host (whose nodes a successor counts lost)
+    follow, while the office stays under the number it was won with."""
+    from spotpipe.cluster.admission import Coordinating
+    from spotpipe.cluster.agent import AgentOptions
+    from spotpipe.protocol import AgentArrival
+
+    opts = AgentOptions(backend="etcd", endpoint="127.0.0.1:1", rdzv_id="x", min_nodes=2,
+                        max_nodes=3, out=tmp_path, nproc=2)
+    c = Coordinating(opts, _config(corpus, 3), None, TOKEN, None, me=1)  # type: ignore[arg-type]
+    c._admitted, c._nodes = [1, 2], ["node0", "node1", "node2", "node3"]
+    c._agent_nodes = {1: ["node0", "node1"], 2: ["node2", "node3"]}
+    c._problem = lambda k, info, late: None  # (admission's checks: tested above)
+    c._answer = lambda store, k, answer: None
+    again = AgentArrival(host="a", nproc=1, node_rank=-1, proof="", model_digest="",
+                         config_digest="", rejoin_of=1)
+    c._admit(None, 3, again, late=True)
+    assert c.own_nodes() == ["node0", "node1", "node4"] and c.me == 1
+    assert c.others_nodes() == {"node2", "node3"}
+    assert c.admission()["host"] == 3
+
+
 def test_no_worker_starts_once_the_host_leaves_or_the_job_ended(corpus, tmp_path):
     """A replacement queued for the spawner (a fenced or killed worker's) is started; one that
     a notice overtakes while it starts is given the notice by the spawner (the notice's
@@ -665,6 +689,22 @@ def test_a_hugging_face_model_trained_by_agents_loads_from_the_coordinators_out(
         assert torch.equal(value, got[key]), key
 
 
+def _hosts_of_two_training(cfg, tmp_path: Path, backend: str, endpoint: str):
+    """Two agents of two workers each, the first started alone so that it coordinates (with
+    c10d it hosts the store), once the job trains: their --out folders, processes, and the
+    first's stderr lines."""
+    config = _write_config(cfg, tmp_path / "job.yaml")
+    outs = [tmp_path / "host_a", tmp_path / "host_b"]
+    first = _agent(config, outs[0], backend, endpoint, nnodes="2:2",
+                   extra=("--nproc-per-node", "2"))
+    said = _Lines(first)
+    said.wait_for("coordinates job")
+    agents = [first, _agent(config, outs[1], backend, endpoint, nnodes="2:2",
+                            extra=("--nproc-per-node", "2"))]
+    assert _coordinating_once_training(outs, agents, "the notice") == 0
+    return outs, agents, said
+
+
 @pytest.mark.parametrize("via", ["sigterm", "metadata"])
 def test_the_coordinating_agent_hands_its_office_on_at_its_hosts_notice(tmp_path,
                                                                          tmp_path_factory,
@@ -678,22 +718,17 @@ def test_the_coordinating_agent_hands_its_office_on_at_its_hosts_notice(tmp_path
     failure-free run's (D 2 -> 1). Before, the coordinator stayed until its host was gone,
     and the office was vacant for one lease TTL after that."""
     from metadata_servers import MetadataServer
+    from spotpipe.checkpoint import durable
 
     meta = MetadataServer()
     notices = ({"failover.gcp_notice_url": meta.urls()["gcp"], "failover.notice_poll_s": 0.1}
                if via == "metadata" else {})
+    folder = tmp_path / "checkpoints"  # (both hosts see it)
     cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
                       **{**FAST, **LENIENT, "iterations": 300, "model.gpt.bias": False,
-                         **notices})
-    config = _write_config(cfg, tmp_path / "job.yaml")
-    outs = [tmp_path / "host_a", tmp_path / "host_b"]
-    first = _agent(config, outs[0], "etcd", etcd.endpoint, nnodes="2:2",
-                   extra=("--nproc-per-node", "2"))
-    said = _Lines(first)
-    said.wait_for("coordinates job")
-    agents = [first, _agent(config, outs[1], "etcd", etcd.endpoint, nnodes="2:2",
-                            extra=("--nproc-per-node", "2"))]
-    assert _coordinating_once_training(outs, agents, "the notice") == 0
+                         "checkpoint.every": 40, "checkpoint.dir": str(folder), **notices})
+    outs, agents, said = _hosts_of_two_training(cfg, tmp_path, "etcd", etcd.endpoint)
+    first = agents[0]
     theirs = sorted(p.stem for p in (outs[0] / "logs").glob("node*.log"))
     if via == "sigterm":
         first.send_signal(signal.SIGTERM)
@@ -704,6 +739,12 @@ def test_the_coordinating_agent_hands_its_office_on_at_its_hosts_notice(tmp_path
     meta.close()
     assert any("handed the coordinator's office on" in line for line in said.lines), said.lines
     assert agents[1].poll() is None, "the job ended before the hand-over"
+    # the folder stays the job's while it runs: its lock names the successor's process
+    lock = folder / ".spotpipe.lock"
+    while agents[1].poll() is None and not (
+            lock.exists() and json.loads(lock.read_text())["pid"] == agents[1].pid):
+        time.sleep(0.02)
+    assert agents[1].poll() is None, "the job ended with the folder's lock not taken over"
     code, err = _finish([agents[1]])[0]
     assert code == 0, err[-2000:]
     assert "takes over as the coordinator" in err, err[-2000:]
@@ -730,8 +771,61 @@ def test_the_coordinating_agent_hands_its_office_on_at_its_hosts_notice(tmp_path
     got = load_file(str(run / "final" / "model.safetensors"))
     assert_close_where_width_changed(got, failure_free(tmp_path_factory, cfg))  # D 2 -> 1
     assert all(workers_running(out) == [] for out in outs)
+    # the successor commits the job's checkpoints in the same folder, under the lock it took
+    # over, and frees the folder at the end (the hand-over left lock and probe in place)
+    committed = [e for e in ev if e["kind"] == "checkpoint_committed"]
+    last = cfg.iterations // 40 * 40 - 1  # (every 40th: 39, 79, ..., 279)
+    assert [e["iteration"] for e in committed][-1] == last
+    assert any(e["time_s"] > takeover["time_s"] for e in committed), committed
+    durable.verify(folder / f"iter_{last:08d}")
+    assert not (folder / ".spotpipe.lock").exists()
+    assert not list(folder.glob(".spotpipe-probe*")), list(folder.iterdir())
     print(f"hand-over: office vacant {takeover['time_s'] - handover['time_s']:.3f} s "
           f"(lease TTL {cfg.failover.heartbeat_timeout_s:.0f} s)")
+
+
+def test_an_office_handed_on_that_nobody_takes_is_taken_back(tmp_path, tmp_path_factory,
+                                                              corpus, etcd):
+    """The coordinating host is reclaimed while the only other agent cannot campaign (here
+    frozen with SIGSTOP; in the field, a host reclaimed in the same wave, whose notice the
+    coordinator had not heard yet): the office handed on stays vacant, so after one lease TTL
+    the coordinator takes it back from its own books and ends the job itself, rather than
+    leave a job that nobody coordinates. Its workers left; the other host's train on, and its
+    agent, running again, finds the office held."""
+    cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
+                      **{**FAST, "failover.heartbeat_timeout_s": 5.0,
+                         "failover.hang_timeout_s": 30.0, "iterations": 800,
+                         "model.gpt.bias": False})
+    outs, agents, said = _hosts_of_two_training(cfg, tmp_path, "etcd", etcd.endpoint)
+    first = agents[0]
+    agents[1].send_signal(signal.SIGSTOP)
+    try:
+        first.send_signal(signal.SIGTERM)
+        said.wait_for("takes it back", timeout_s=120)
+    finally:
+        agents[1].send_signal(signal.SIGCONT)
+    assert first.wait(timeout=600) == 0, "".join(said.lines)[-2000:]
+    code, err = _finish([agents[1]])[0]
+    assert code == 0, err[-2000:]
+    run = outs[0]
+    ev = events(run)
+    kinds = [e["kind"] for e in ev]
+    assert kinds.count("launch") == 1
+    # taken back once, the office stays here to the end (handed on again, it would be vacant
+    # again for a lease TTL each time)
+    assert kinds.count("coordinator_handover") == 1 == kinds.count("coordinator_takeover")
+    handover = ev[kinds.index("coordinator_handover")]
+    takeover = ev[kinds.index("coordinator_takeover")]
+    assert takeover["handed_over"] is True and takeover["node"] == handover["node"]
+    assert takeover["time_s"] - handover["time_s"] >= 5.0  # one lease TTL, vacant
+    assert "agent_lost" not in kinds
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iter"] for m in metrics] == list(range(cfg.iterations))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["iterations"] == cfg.iterations
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert_close_where_width_changed(got, failure_free(tmp_path_factory, cfg))  # D 2 -> 1
+    assert all(workers_running(out) == [] for out in outs)
 
 
 def _two_hosts_of_two(config: Path, tmp_path: Path,
@@ -832,17 +926,9 @@ def test_a_sigterm_to_an_agent_reaches_its_workers_while_the_job_runs(tmp_path,
     while the job runs on. (The first agent, started alone, hosts the store and coordinates.)"""
     cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
                       **{**FAST, **LENIENT, "iterations": 300, "model.gpt.bias": False})
-    config = _write_config(cfg, tmp_path / "job.yaml")
-    outs = [tmp_path / "host_a", tmp_path / "host_b"]
-    endpoint = f"127.0.0.1:{free_port()}"
-    first = _agent(config, outs[0], "c10d", endpoint, nnodes="2:2",
-                   extra=("--nproc-per-node", "2"))
-    said = _Lines(first)
-    said.wait_for("coordinates job")
-    agents = [first, _agent(config, outs[1], "c10d", endpoint, nnodes="2:2",
-                            extra=("--nproc-per-node", "2"))]
-    coordinating = _coordinating_once_training(outs, agents, "the notice")
-    assert coordinating == 0
+    outs, agents, said = _hosts_of_two_training(cfg, tmp_path, "c10d",
+                                                f"127.0.0.1:{free_port()}")
+    first, coordinating = agents[0], 0
     agents[1].send_signal(signal.SIGTERM)
     code, err = _finish([agents[1]])[0]
     trained = [json.loads(line)["iter"]

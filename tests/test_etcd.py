@@ -121,6 +121,47 @@ def test_leader_election_under_a_lease(etcd):
     assert b.wait_vacant("over", 5.0) == "over"
     b.resign()
     assert not store.check([keys.LEADER])  # resigning deletes the key with the lease
+    # an office handed on that nobody takes is taken back: a fresh term under a new lease
+    assert not b.wait_taken("never", 0.5)
+    assert b.campaign() and b.leading and b.leader() == "2"
+    assert a.wait_taken("never", 1.0)
+    b.resign()
+
+
+def test_a_resign_during_a_renewal_deposes_no_one():
+    """The keep-alive thread renewing at the moment the leader resigns (its office handed
+    on) hears the lease gone: that is the resignation, not a deposition (which made the
+    agent that handed over exit 1, saying it had lost its lease)."""
+    import threading
+
+    from spotpipe.store.leader import Leadership
+
+    class Store:  # etcd's part that the recipe uses, with a renewal held open
+        def __init__(self) -> None:
+            self.renewing, self.answer = threading.Event(), threading.Event()
+
+        def grant_lease(self, ttl: int) -> int:
+            return 7
+
+        def create_leased(self, key: str, value: str, lease: int) -> bytes:
+            return value.encode()
+
+        def keep_alive(self, lease: int) -> bool:
+            self.renewing.set()
+            self.answer.wait(10)
+            return False  # revoked meanwhile
+
+        def revoke_lease(self, lease: int) -> None:
+            pass
+
+    store = Store()
+    leader = Leadership(store, "1", ttl_s=1)  # type: ignore[arg-type]
+    assert leader.campaign()
+    assert store.renewing.wait(10)
+    leader.resign()
+    store.answer.set()
+    leader._thread.join(10)
+    assert not leader._thread.is_alive() and not leader.deposed.is_set()
 
 
 def test_unreachable_etcd_is_refused_before_anything_starts(tmp_path, corpus):

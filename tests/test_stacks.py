@@ -16,7 +16,9 @@ CHILD = textwrap.dedent("""
     import sys
     from spotpipe.runtime import stacks
 
-    def blocked_in_a_read():
+    def blocked_in_a_read(ready=False):
+        if ready:  # (said from inside: a signal after it finds this frame on the stack)
+            print("ready", flush=True)
         return sys.stdin.read()
 
     {body}
@@ -30,8 +32,10 @@ def _child(body: str) -> subprocess.Popen[str]:
                             stderr=subprocess.PIPE, text=True)
 
 
-def _stderr_until(child: subprocess.Popen[str], marker: str) -> str:
-    """stderr's lines up to the first one holding `marker` (EOF fails the test)."""
+def _stderr_until(child: subprocess.Popen[str], marker: str = "<module>") -> str:
+    """stderr's lines up to the first one holding `marker` (EOF fails the test); by default
+    to the end of the main thread's stack, whatever frame it was in, so that a dump taken
+    elsewhere fails the test instead of leaving it waiting for a line that never comes."""
     lines = []
     assert child.stderr is not None
     for line in child.stderr:
@@ -48,18 +52,19 @@ def _finish(child: subprocess.Popen[str]) -> str:
 
 
 def test_sigusr1_writes_every_threads_stack_and_the_process_goes_on():
-    child = _child("stacks.install()\nprint('ready', flush=True)\nblocked_in_a_read()")
+    child = _child("stacks.install()\nblocked_in_a_read(ready=True)")
     assert child.stdout is not None and child.stdout.readline().strip() == "ready"
     child.send_signal(signal.SIGUSR1)
-    dumped = _stderr_until(child, "in blocked_in_a_read")
-    assert "most recent call first" in dumped
+    dumped = _stderr_until(child)
+    assert "most recent call first" in dumped and "in blocked_in_a_read" in dumped, dumped
     assert "went on" in _finish(child)
 
 
 def test_a_watchdog_writes_the_stacks_when_its_block_outlives_the_timeout():
+    # (the read starts within the 0.05 s unless the machine stalls the child that long)
     child = _child("with stacks.watchdog(0.05):\n    blocked_in_a_read()")
-    dumped = _stderr_until(child, "in blocked_in_a_read")
-    assert "Timeout (0:00:00.05" in dumped
+    dumped = _stderr_until(child)
+    assert "Timeout (0:00:00.05" in dumped and "in blocked_in_a_read" in dumped, dumped
     assert "went on" in _finish(child)
 
 

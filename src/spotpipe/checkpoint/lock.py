@@ -98,3 +98,17 @@ def release(folder: Path) -> None:
     held = _read(path)
     if held is not None and held.pid == os.getpid() and held.host == socket.gethostname():
         path.unlink(missing_ok=True)
+
+
+def adopt(folder: Path, run: Path) -> Holder:
+    """Take over the lock of a job that goes on in this process (a coordinator succeeding
+    one on another host): the file names this process from now on, so that it is released
+    at the job's end and a later job on this host can tell whether its holder lives."""
+    me = Holder(socket.gethostname(), os.getpid(), str(run.resolve()))
+    tmp = folder / f"{LOCK}.{me.host}.{me.pid}"
+    with open(tmp, "w") as f:
+        json.dump(asdict(me), f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / LOCK)
+    return me

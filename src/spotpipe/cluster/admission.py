@@ -43,7 +43,10 @@ class Coordinating:
         # the checkpoint on its way to agents whose hosts lack it: (agent, its sending
         # thread, and once that ended, "" or why the copy did not arrive whole)
         self._sends: list[tuple[int, threading.Thread, list[str]]] = []
-        self.me = me  # this agent's arrival number
+        self.me = me  # this agent's arrival number (its candidacy's name)
+        # the arrival number under which this agent's host holds its nodes now: a fenced
+        # node's host comes again under a new one (`Agent._rejoin`), its nodes moved to it
+        self.host = me
         self.leadership = leadership  # etcd: the office, held under a lease
         self.persistent = leadership is not None  # the books go to the store (succession)
         self.takeover: CoordinatorState | None = None
@@ -53,6 +56,9 @@ class Coordinating:
         # admitted by this coordinator after its books went to the successor
         self.hand_over = threading.Event()
         self.handed_over = threading.Event()
+        # took back an office that nobody else took (`Agent._took_office_back`): it stays
+        # until its host goes, rather than hand it on again and leave it vacant once more
+        self.stays = False
         self.admitting = threading.Lock()
         self.world = cfg.stages * cfg.pipelines
         self._lock = threading.Lock()
@@ -69,6 +75,7 @@ class Coordinating:
         self.code = 1
         self._crash = ""  # why the coordinator's loop raised, for the agents' end message
         self._next = 1
+        self._probe = ""  # the checkpoint folder's probe (`JobPosted.checkpoint_probe`)
 
     @classmethod
     def successor(cls, opts: AgentOptions, cfg: Config, token: str, address: StoreAddress,
@@ -86,20 +93,23 @@ class Coordinating:
         self._silent = {str(n) for n in a["silent"]}
         self._slots = {int(s): int(k) for s, k in a["slots"].items()}
         self._next = int(a["next"])
+        self._probe = posted.checkpoint_probe
         return self
 
     def admission(self) -> dict[str, Any]:
         """The admission books, for a successor (part of its CoordinatorState)."""
         with self._lock:
-            return {"me": self.me, "nodes": list(self._nodes), "admitted": list(self._admitted),
+            return {"me": self.me, "host": self.host, "nodes": list(self._nodes),
+                    "admitted": list(self._admitted),
                     "agent_nodes": {str(k): v for k, v in self._agent_nodes.items()},
                     "silent": sorted(self._silent),
                     "slots": {str(s): k for s, k in self._slots.items()}, "next": self._next}
 
     def predecessor_nodes(self) -> list[str]:
-        """The nodes of the agent that coordinated before this one."""
+        """The nodes of the host of the agent that coordinated before this one."""
         assert self.takeover is not None
-        return list(self._agent_nodes.get(int(self.takeover.admission.get("me", 0)), []))
+        a = self.takeover.admission
+        return list(self._agent_nodes.get(int(a.get("host", a.get("me", 0))), []))
 
     def deposed(self) -> bool:
         return self.leadership is not None and self.leadership.deposed.is_set()
@@ -119,12 +129,13 @@ class Coordinating:
     def own_nodes(self) -> list[str]:
         """The nodes of this agent's host."""
         with self._lock:
-            return list(self._agent_nodes.get(self.me, []))
+            return list(self._agent_nodes.get(self.host, []))
 
     def others_nodes(self) -> set[str]:
         """The nodes of the other agents' hosts."""
         with self._lock:
-            return {n for k, nodes in self._agent_nodes.items() if k != self.me for n in nodes}
+            return {n for k, nodes in self._agent_nodes.items() if k != self.host
+                    for n in nodes}
 
     def still_leader(self) -> bool:
         """Whether the leader key still names this agent (one read: a coordinator that was cut
@@ -307,6 +318,8 @@ class Coordinating:
             if before is not None:  # the same host: its nodes that still run stay its own
                 self._admitted.remove(before)
                 kept = self._agent_nodes.pop(before, [])
+                if before == self.host:
+                    self.host = k
             self._admitted.append(k)
             self._agent_nodes[k] = [*kept, *(f"node{r}" for r in ranks)]
             self._nodes.extend(f"node{r}" for r in ranks)
@@ -370,8 +383,15 @@ class Coordinating:
             return self._run(store, root)
         finally:
             if root is not None:
-                (root / durable.transfer.probe_name(self.opts.rdzv_id)).unlink(missing_ok=True)
-                durable.lock.release(root)
+                self._free_folder(root)
+
+    def _free_folder(self, root: Path) -> None:
+        """The job is over: the checkpoint folder's probe and lock go. Not when the office
+        was handed on: the job goes on committing there, under the successor."""
+        if self.handed_over.is_set():
+            return
+        (root / durable.transfer.probe_name(self.opts.rdzv_id)).unlink(missing_ok=True)
+        durable.lock.release(root)
 
     def _run(self, store: dist.Store, root: Path | None) -> int:
         notes = [{"kind": "checkpoint_partial_removed", "path": str(p)}
@@ -407,9 +427,20 @@ class Coordinating:
         """Go on with the job from the predecessor's books (the job's files continue in this
         agent's --out). Checkpoints are committed here from now on only where this host sees
         the checkpoint folder the workers write to (a shared `checkpoint.dir`)."""
+        root = durable.written_root(self.cfg, self.opts.out)
+        # the folder is this job's: its lock names this process from now on, released (with
+        # the probe) at the end, as the first coordinator would have
+        seen = root is not None and durable.transfer.sees_probe(root, self.opts.rdzv_id,
+                                                                self._probe)
+        if seen:
+            durable.lock.adopt(root, self.opts.out)
         loop = self._loop()
         loop.takeover = self.takeover
-        return self._run_loop(loop, self.address.connect(self.cfg.cluster.timeout_s))
+        try:
+            return self._run_loop(loop, self.address.connect(self.cfg.cluster.timeout_s))
+        finally:
+            if seen:
+                self._free_folder(root)  # type: ignore[arg-type]
 
     def _loop(self) -> AgentJobLoop:
         return AgentJobLoop(self, cfg=self.cfg, spec=self.spec, out=self.opts.out,

@@ -234,9 +234,10 @@ class Agent:
         self.thread = threading.Thread(target=run, name="coordinator", daemon=True)
         self.thread.start()
 
-    def _succeed(self, store: dist.Store, posted: JobPosted) -> bool:
+    def _succeed(self, store: dist.Store, posted: JobPosted, stays: bool = False) -> bool:
         """This agent won the vacant office: take over from the predecessor's books; False
-        when there are none that open (then the job cannot go on, and is ended)."""
+        when there are none that open (then the job cannot go on, and is ended). `stays`: it
+        coordinates until its host goes (an office taken back)."""
         try:
             opened = self.channel.open(store.get(keys.COORDINATOR_STATE) if store.check(
                 [keys.COORDINATOR_STATE]) else b"", expect=CoordinatorState,
@@ -249,9 +250,10 @@ class Agent:
             return False
         assert isinstance(opened.message, CoordinatorState) and self.leadership is not None
         self.say(f"agent {self.me} takes over as the coordinator of job {self.opts.rdzv_id}")
-        self._coordinate(Coordinating.successor(
-            self.opts, self.cfg, self.token, self.address, self.me, self.leadership, posted,
-            opened.message))
+        successor = Coordinating.successor(self.opts, self.cfg, self.token, self.address,
+                                           self.me, self.leadership, posted, opened.message)
+        successor.stays = stays
+        self._coordinate(successor)
         return True
 
     def _wait_over(self, store: dist.Store, posted: JobPosted) -> None:
@@ -274,8 +276,12 @@ class Agent:
             if seen == "vacant" and self.coordinating is not None:
                 leadership.deposed.wait(slice_s)  # its own lease gone: deposed at the next renewal
                 continue
-            if seen == "vacant" and self.coordinating is None and not self._noticed.is_set() \
-                    and leadership.campaign():  # (a host being reclaimed does not campaign)
+            if seen == "vacant" and self._noticed.is_set():
+                # a host being reclaimed does not campaign: it waits for another to take the
+                # office (or the job's end), rather than asking again at once
+                leadership.wait_taken(OVER, slice_s)
+                continue
+            if seen == "vacant" and self.coordinating is None and leadership.campaign():
                 if not self._succeed(store, posted):
                     return
 
@@ -326,11 +332,35 @@ class Agent:
         threading.Thread(target=self._spawner, name="spawner", daemon=True).start()
         try:
             _with_main_thread_free(lambda: self._wait_over(store, posted), self._done)
+            while self._took_office_back(store, posted):
+                _with_main_thread_free(lambda: self._wait_over(store, posted), self._done)
         finally:  # (also at Ctrl-C, which the workers got too: their deaths are no crashes)
             self._stop_spawning()
         supervisor.stop_all()
         self._exits_done.wait(self.timeout_s)
         return self._leave(store)
+
+    def _took_office_back(self, store: dist.Store, posted: JobPosted) -> bool:
+        """After handing the office on, wait one lease TTL for another agent to take it. If
+        none did (their hosts are being reclaimed too, which this coordinator had not heard
+        yet, or their agents are gone), take it back from the books just written and
+        coordinate on: the job then ends here, or the office is handed on again once an
+        agent can take it. Whether it was taken back (then wait for the job's end again)."""
+        handed = self.coordinating
+        if handed is None or not handed.handed_over.is_set() or self.leadership is None:
+            return False
+        assert self.thread is not None
+        self.thread.join()  # (it resigned: the office is vacant from there)
+        if self.leadership.wait_taken(OVER, float(self.leadership.ttl_s)):
+            return False
+        if not self.leadership.campaign():
+            return False  # another agent took it meanwhile
+        self.say("no other agent took the coordinator's office within the lease TTL; this "
+                 "agent takes it back")
+        self._done.clear()
+        if not self._succeed(store, posted, stays=True):
+            return False
+        return True
 
     def _leave(self, store: dist.Store) -> int:
         """The job is over (or goes on without this host): confirm its end, the last agent

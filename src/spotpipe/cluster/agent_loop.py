@@ -43,6 +43,7 @@ class Office(Protocol):
     # the hand-over at the host's notice (`Coordinating.noticed`)
     hand_over: threading.Event
     handed_over: threading.Event
+    stays: bool
     admitting: threading.Lock
     def own_nodes(self) -> list[str]: ...
     def others_nodes(self) -> set[str]: ...
@@ -79,6 +80,7 @@ class AgentJobLoop(JobLoop):
             return
         with self.rdzv.admitting:  # (no agent admitted by this coordinator from now on)
             self._events_now(files)
+            self._record_commits(files, self.committer.finished())
             files.event({"time_s": self._now(), "kind": "coordinator_handover",
                          "node": f"agent{self.rdzv.me}", "generation":
                          self.coordinator.generation, "nodes_left": self.rdzv.own_nodes()})
@@ -93,10 +95,13 @@ class AgentJobLoop(JobLoop):
         left on a notice: a cloud's metadata service tells the workers, not the agent), its
         nodes have all left, and an agent of another host has a node that trains on (not
         leaving on a notice of its own): one that will campaign for the office. Otherwise
-        the coordinator stays: the job is ending with its hosts. It stays too once training
-        is over: the final stages come to it (`_final_upload`), which its books do not
-        carry."""
-        if self.coordinator.over or self.coordinator.finished or self._finals:
+        the coordinator stays: the job is ending with its hosts. It waits for what only its
+        memory holds: a checkpoint being committed or received (the committer's), a node it
+        asked killed whose exit is due; and it stays once the job is ending: the final
+        stages come to it (`_final_upload`), a stop is being carried out."""
+        if (self.rdzv.stays or self.coordinator.over or self.coordinator.finished or self._finals
+                or self.coordinator.stop_message or self._kill_due
+                or not self.committer.idle()):
             return False
         own = set(self.rdzv.own_nodes())
         if not (self.rdzv.hand_over.is_set()
@@ -110,9 +115,9 @@ class AgentJobLoop(JobLoop):
         return bool(staying)
 
     def _events_now(self, files: RunFiles) -> None:
-        """Write the events helper threads have queued (an admission, a checkpoint's send),
-        which a successor would not see otherwise; the rest of the inbox is the mailbox's
-        records, which the successor reads again from the cursor."""
+        """Write the events helper threads have queued (an admission, a checkpoint's send)
+        and the refusals, which a successor would not see otherwise; the rest of the inbox is
+        the mailbox's records, which the successor reads again from the cursor."""
         while True:
             try:
                 what, item = self._inbox.get_nowait()
@@ -120,6 +125,8 @@ class AgentJobLoop(JobLoop):
                 return
             if what == "event":
                 files.event(item)
+            elif what == "refused_upload":
+                self.coordinator.refused(*item)
 
     def _write_books(self, files: RunFiles, handed_over: bool = False) -> None:
         """The new lines of the run's files (a Journal record), the state (overwritten) and

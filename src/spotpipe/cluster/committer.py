@@ -63,6 +63,7 @@ class Committer:
     def __init__(self, root: Path, keep: int, key: bytes, now: Callable[[], float]) -> None:
         self.root, self.keep, self.key, self.now = root, keep, key, now
         self._queue: queue.Queue[_Commit | _Step | None] = queue.Queue()
+        self._handed = 0  # items handed over and not yet done (`idle`)
         self._failed: set[int] = set()  # iterations whose step failed (this thread's only)
         self._done: list[Committed] = []
         self._lock = threading.Lock()
@@ -86,28 +87,42 @@ class Committer:
             self._thread = threading.Thread(target=self._run, name="checkpoint-commit",
                                             daemon=True)
             self._thread.start()
+        with self._lock:
+            self._handed += 1
         self._queue.put(item)
+
+    def idle(self) -> bool:
+        """Nothing handed over is waiting or under way (a commit, an upload's receive)."""
+        with self._lock:
+            return self._handed == 0
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            failed = item.iteration in self._failed
-            if isinstance(item, _Step):
-                problem = item.result.result()
-                if problem and not failed:
-                    self._failed.add(item.iteration)
-                    with self._lock:
-                        self._done.append(Committed(item.iteration, self.now(), error=problem))
-                continue
-            if failed:
-                continue  # said once, by the step that failed
             try:
-                path = durable.commit(self.root, item.iteration, item.info, item.checksums,
-                                      self.keep, self.key)
-                result = Committed(item.iteration, self.now(), path=path)
-            except OSError as exc:  # the disk is full or failing
-                result = Committed(item.iteration, self.now(), error=f"commit: {exc}")
-            with self._lock:
-                self._done.append(result)
+                self._take(item)
+            finally:
+                with self._lock:
+                    self._handed -= 1
+
+    def _take(self, item: _Commit | _Step) -> None:
+        failed = item.iteration in self._failed
+        if isinstance(item, _Step):
+            problem = item.result.result()
+            if problem and not failed:
+                self._failed.add(item.iteration)
+                with self._lock:
+                    self._done.append(Committed(item.iteration, self.now(), error=problem))
+            return
+        if failed:
+            return  # said once, by the step that failed
+        try:
+            path = durable.commit(self.root, item.iteration, item.info, item.checksums,
+                                  self.keep, self.key)
+            result = Committed(item.iteration, self.now(), path=path)
+        except OSError as exc:  # the disk is full or failing
+            result = Committed(item.iteration, self.now(), error=f"commit: {exc}")
+        with self._lock:
+            self._done.append(result)
 
     def finished(self) -> list[Committed]:
         """The commits done since the last call, in order."""
@@ -127,9 +142,12 @@ class Committer:
         """Forget every commit handed over that has not started (receives under way go on)."""
         while True:
             try:
-                self._queue.get_nowait()
+                item = self._queue.get_nowait()
             except queue.Empty:
                 break
+            if item is not None:
+                with self._lock:
+                    self._handed -= 1
 
     def close(self) -> list[Committed]:
         """Wait for every commit handed over; the ones not yet taken by `finished`."""

@@ -63,19 +63,21 @@ class Leadership:
         if self.store.create_leased(keys.LEADER, self.me, lease) != self.me.encode():
             self.store.revoke_lease(lease)
             return False
-        self._lease = lease
-        self._thread = threading.Thread(target=self._keep_alive, name="leader-lease",
-                                        daemon=True)
+        # (a fresh term: an office handed on and then taken back)
+        self._lease, self._stop, self.deposed = lease, threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._keep_alive, args=(lease, self._stop),
+                                        name="leader-lease", daemon=True)
         self._thread.start()
         return True
 
-    def _keep_alive(self) -> None:
-        assert self._lease is not None
-        while not self._stop.wait(self.ttl_s / 3):  # renewal period, not a synchronisation
+    def _keep_alive(self, lease: int, stop: threading.Event) -> None:
+        while not stop.wait(self.ttl_s / 3):  # renewal period, not a synchronisation
             try:
-                alive = self.store.keep_alive(self._lease)
+                alive = self.store.keep_alive(lease)
             except Exception:  # etcd away past the store's reconnect deadline
                 alive = False
+            if stop.is_set():  # resigned meanwhile: the lease went with the office
+                return
             if not alive:
                 self.deposed.set()
                 if self._on_deposed is not None:
@@ -92,6 +94,14 @@ class Leadership:
         if values is None:
             return None
         return also if also in values else "vacant"
+
+    def wait_taken(self, also: str, timeout_s: float) -> bool:
+        """Block until an agent holds the office or key `also` exists (True), or `timeout_s`
+        passes with the office vacant (False). A watch, not a poll."""
+        def done(values: dict[str, bytes]) -> bool:
+            return keys.LEADER in values or also in values
+
+        return self.store.wait_until([keys.LEADER, also], done, timeout_s) is not None
 
     def resign(self) -> None:
         """Leave the office (the job is over): the key goes with the lease."""
