@@ -689,14 +689,15 @@ def test_a_hugging_face_model_trained_by_agents_loads_from_the_coordinators_out(
         assert torch.equal(value, got[key]), key
 
 
-def _hosts_of_two_training(cfg, tmp_path: Path, backend: str, endpoint: str):
+def _hosts_of_two_training(cfg, tmp_path: Path, backend: str, endpoint: str,
+                           first_extra: tuple[str, ...] = ()):
     """Two agents of two workers each, the first started alone so that it coordinates (with
     c10d it hosts the store), once the job trains: their --out folders, processes, and the
-    first's stderr lines."""
+    first's stderr lines. `first_extra`: more flags for the first."""
     config = _write_config(cfg, tmp_path / "job.yaml")
     outs = [tmp_path / "host_a", tmp_path / "host_b"]
     first = _agent(config, outs[0], backend, endpoint, nnodes="2:2",
-                   extra=("--nproc-per-node", "2"))
+                   extra=("--nproc-per-node", "2", *first_extra))
     said = _Lines(first)
     said.wait_for("coordinates job")
     agents = [first, _agent(config, outs[1], backend, endpoint, nnodes="2:2",
@@ -791,13 +792,18 @@ def test_an_office_handed_on_that_nobody_takes_is_taken_back(tmp_path, tmp_path_
     coordinator had not heard yet): the office handed on stays vacant, so after one lease TTL
     the coordinator takes it back from its own books and ends the job itself, rather than
     leave a job that nobody coordinates. Its workers left; the other host's train on, and its
-    agent, running again, finds the office held."""
+    agent, running again, finds the office held. Before all this, one of the coordinator's
+    workers died and was replaced (--max-restarts): its host came again under a new
+    arrival number, which the office is taken back under."""
     cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
                       **{**FAST, "failover.heartbeat_timeout_s": 5.0,
                          "failover.hang_timeout_s": 30.0, "iterations": 800,
                          "model.gpt.bias": False})
-    outs, agents, said = _hosts_of_two_training(cfg, tmp_path, "etcd", etcd.endpoint)
+    outs, agents, said = _hosts_of_two_training(
+        cfg, tmp_path, "etcd", etcd.endpoint,
+        first_extra=("--max-restarts", "1", "--fail", "node0@3:backward"))
     first = agents[0]
+    said.wait_for("this host joins again as agent")
     agents[1].send_signal(signal.SIGSTOP)
     try:
         first.send_signal(signal.SIGTERM)
@@ -816,7 +822,9 @@ def test_an_office_handed_on_that_nobody_takes_is_taken_back(tmp_path, tmp_path_
     assert kinds.count("coordinator_handover") == 1 == kinds.count("coordinator_takeover")
     handover = ev[kinds.index("coordinator_handover")]
     takeover = ev[kinds.index("coordinator_takeover")]
-    assert takeover["handed_over"] is True and takeover["node"] == handover["node"]
+    assert takeover["handed_over"] is True and takeover["predecessor"] == handover["node"]
+    again = takeover["node"].removeprefix("agent")  # (the same host, under its new number)
+    assert any(f"this host joins again as agent {again}" in line for line in said.lines)
     assert takeover["time_s"] - handover["time_s"] >= 5.0  # one lease TTL, vacant
     assert "agent_lost" not in kinds
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -387,8 +387,8 @@ class Coordinating:
 
     def _free_folder(self, root: Path) -> None:
         """The job is over: the checkpoint folder's probe and lock go. Not when the office
-        was handed on: the job goes on committing there, under the successor."""
-        if self.handed_over.is_set():
+        was handed on or lost: the job goes on committing there, under the successor."""
+        if not self.acting():
             return
         (root / durable.transfer.probe_name(self.opts.rdzv_id)).unlink(missing_ok=True)
         durable.lock.release(root)

@@ -161,7 +161,8 @@ class Agent:
         code = self._work(store, posted, answer)
         if self.thread is not None and self.coordinating is not None:
             self.thread.join()
-            code = 1 if self.coordinating.deposed() else self.coordinating.code
+            if not self.coordinating.handed_over.is_set():  # (then `_leave` said it)
+                code = 1 if self.coordinating.deposed() else self.coordinating.code
         return code
 
     def _c10d_elected(self, store: dist.Store, me: int) -> bool:
@@ -344,22 +345,31 @@ class Agent:
         """After handing the office on, wait one lease TTL for another agent to take it. If
         none did (their hosts are being reclaimed too, which this coordinator had not heard
         yet, or their agents are gone), take it back from the books just written and
-        coordinate on: the job then ends here, or the office is handed on again once an
-        agent can take it. Whether it was taken back (then wait for the job's end again)."""
+        coordinate to the job's end (`Coordinating.stays`). Whether it was taken back (then
+        wait for the job's end again)."""
         handed = self.coordinating
-        if handed is None or not handed.handed_over.is_set() or self.leadership is None:
+        leadership = self.leadership
+        if handed is None or not handed.handed_over.is_set() or leadership is None:
             return False
         assert self.thread is not None
         self.thread.join()  # (it resigned: the office is vacant from there)
-        if self.leadership.wait_taken(OVER, float(self.leadership.ttl_s)):
+        try:
+            if leadership.wait_taken(OVER, float(leadership.ttl_s)):
+                return False
+            # a candidate under this agent's newest number (a rejoin renamed it while it led)
+            leadership.me = str(self.me)
+            if not leadership.campaign():
+                return False  # another agent took it meanwhile
+        except Exception as exc:  # etcd unreachable: the office is the others' to take
+            self.say(f"could not watch the coordinator's office after handing it on: {exc}")
             return False
-        if not self.leadership.campaign():
-            return False  # another agent took it meanwhile
         self.say("no other agent took the coordinator's office within the lease TTL; this "
                  "agent takes it back")
-        self._done.clear()
         if not self._succeed(store, posted, stays=True):
             return False
+        # a fresh event: setters of the one before (the abandoned wait for the end, a
+        # notice's handler that saw the office handed on) must not end the wait to come
+        self._done = threading.Event()
         return True
 
     def _leave(self, store: dist.Store) -> int:

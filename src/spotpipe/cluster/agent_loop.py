@@ -57,6 +57,9 @@ class AgentJobLoop(JobLoop):
         super().__init__(**kwargs)
         self.rdzv = coordinator
         self._kill_due: dict[str, float] = {}
+        # nodes counted out here (silent, or the predecessor's) whose exit this loop queued
+        # for itself: in no books until a turn takes it in
+        self._queued_exits: set[str] = set()
         self._persisted: dict[str, Any] | None = None  # the books last written to the store
         self._marked = 0  # mailbox slots marked read (only once the books have taken them in)
         # the final stage files on their way from the agents (`_final_upload`), by stage
@@ -97,10 +100,11 @@ class AgentJobLoop(JobLoop):
         leaving on a notice of its own): one that will campaign for the office. Otherwise
         the coordinator stays: the job is ending with its hosts. It waits for what only its
         memory holds: a checkpoint being committed or received (the committer's), a node it
-        asked killed whose exit is due; and it stays once the job is ending: the final
+        asked killed whose exit is due or queued; and it stays once the job is ending: the final
         stages come to it (`_final_upload`), a stop is being carried out."""
         if (self.rdzv.stays or self.coordinator.over or self.coordinator.finished or self._finals
                 or self.coordinator.stop_message or self._kill_due
+                or not self._queued_exits <= set(self._exited)
                 or not self.committer.idle()):
             return False
         own = set(self.rdzv.own_nodes())
@@ -184,6 +188,7 @@ class AgentJobLoop(JobLoop):
             self.files.event({"time_s": self._now(), "kind": "agent_lost", "node": node,
                               "reason": "its agent coordinated and lost its lease"})
             self.rdzv.silent(node)
+            self._queued_exits.add(node)
             inbox.put(("exit", (node, -int(signal.SIGKILL))))
         for node in sorted(self.coordinator.fenced - set(self._exited) - set(lost)):
             self._kill(node)
@@ -227,6 +232,7 @@ class AgentJobLoop(JobLoop):
                 files.event({"time_s": self._now(), "kind": "agent_silent", "node": node,
                              "reason": "killed by the coordinator, no exit reported"})
                 self.rdzv.silent(node)
+                self._queued_exits.add(node)
                 self._inbox.put(("exit", (node, -int(signal.SIGKILL))))
 
     def _final_upload(self, message: FinalUpload, writer: str) -> None:
