@@ -16,10 +16,13 @@ CHILD = textwrap.dedent("""
     import sys
     from spotpipe.runtime import stacks
 
-    def blocked_in_a_read(ready=False):
+    def blocked_in_a_read(ready=False, watchdog=None):
         if ready:  # (said from inside: a signal after it finds this frame on the stack)
             print("ready", flush=True)
-        return sys.stdin.read()
+        if watchdog is None:
+            return sys.stdin.read()
+        with stacks.watchdog(watchdog):  # (entered inside: a dump finds this frame)
+            return sys.stdin.read()
 
     {body}
     print("went on", flush=True)
@@ -61,15 +64,14 @@ def test_sigusr1_writes_every_threads_stack_and_the_process_goes_on():
 
 
 def test_a_watchdog_writes_the_stacks_when_its_block_outlives_the_timeout():
-    # (the read starts within the 0.05 s unless the machine stalls the child that long)
-    child = _child("with stacks.watchdog(0.05):\n    blocked_in_a_read()")
+    child = _child("blocked_in_a_read(watchdog=0.05)")
     dumped = _stderr_until(child)
     assert "Timeout (0:00:00.05" in dumped and "in blocked_in_a_read" in dumped, dumped
     assert "went on" in _finish(child)
 
 
 def test_a_block_done_in_time_writes_nothing():
-    child = _child("with stacks.watchdog(60):\n    blocked_in_a_read()")
+    child = _child("blocked_in_a_read(watchdog=60)")
     out, err = child.communicate("", timeout=60)
     assert child.returncode == 0 and "went on" in out and "Timeout" not in err
 
