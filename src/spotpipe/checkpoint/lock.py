@@ -15,6 +15,7 @@ import os
 import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import IO
 
 LOCK = ".spotpipe.lock"
 
@@ -83,10 +84,7 @@ def acquire(folder: Path, run: Path) -> Holder:
             refuse_if_held(folder)
             path.unlink(missing_ok=True)  # a dead process's lock: taken over
             continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(me), f)
-            f.flush()
-            os.fsync(f.fileno())
+        _write(os.fdopen(fd, "w"), me)
         return me
     refuse_if_held(folder)
     raise LockHeld(f"{path}: could not be taken (another job started at the same moment)")
@@ -106,9 +104,14 @@ def adopt(folder: Path, run: Path) -> Holder:
     at the job's end and a later job on this host can tell whether its holder lives."""
     me = Holder(socket.gethostname(), os.getpid(), str(run.resolve()))
     tmp = folder / f"{LOCK}.{me.host}.{me.pid}"
-    with open(tmp, "w") as f:
-        json.dump(asdict(me), f)
-        f.flush()
-        os.fsync(f.fileno())
+    _write(open(tmp, "w"), me)
     os.replace(tmp, folder / LOCK)
     return me
+
+
+def _write(f: IO[str], holder: Holder) -> None:
+    """The lock's content, durable before the file counts as taken."""
+    with f:
+        json.dump(asdict(holder), f)
+        f.flush()
+        os.fsync(f.fileno())

@@ -118,13 +118,12 @@ class Coordinating:
         """Whether this agent still coordinates (neither deposed nor handed the office on)."""
         return not (self.deposed() or self.handed_over.is_set())
 
-    def noticed(self) -> bool:
+    def noticed(self) -> None:
         """This host is being reclaimed: hand the office on once its nodes have left, where a
-        successor can take the books up (etcd); whether it will. With c10d the job's store and
-        its coordinator stay until the host goes (there is no succession)."""
+        successor can take the books up (etcd). With c10d the job's store and its
+        coordinator stay until the host goes (there is no succession)."""
         if self.persistent:
             self.hand_over.set()
-        return self.persistent
 
     def own_nodes(self) -> list[str]:
         """The nodes of this agent's host."""

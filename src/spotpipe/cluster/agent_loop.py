@@ -102,17 +102,15 @@ class AgentJobLoop(JobLoop):
         memory holds: a checkpoint being committed or received (the committer's), a node it
         asked killed whose exit is due or queued; and it stays once the job is ending: the final
         stages come to it (`_final_upload`), a stop is being carried out."""
-        if (self.rdzv.stays or self.coordinator.over or self.coordinator.finished or self._finals
-                or self.coordinator.stop_message or self._kill_due
-                or not self._queued_exits <= set(self._exited)
-                or not self.committer.idle()):
-            return False
         own = set(self.rdzv.own_nodes())
         if not (self.rdzv.hand_over.is_set()
                 or (own and own <= self.coordinator.left_on_notice)):
-            return False
+            return False  # (every turn of a coordinator whose host is not reclaimed)
         exited = set(self._exited)
-        if not own <= exited:
+        if (self.rdzv.stays or not own <= exited or self.coordinator.over
+                or self.coordinator.finished or self._finals or self.coordinator.stop_message
+                or self._kill_due or not self._queued_exits <= exited
+                or not self.committer.idle()):
             return False
         staying = self.rdzv.others_nodes() - exited - self.coordinator.dead \
             - self.coordinator.leaving_now()
