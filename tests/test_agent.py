@@ -257,22 +257,18 @@ def test_agent_input_errors_start_nothing(tmp_path, corpus, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
-def test_with_c10d_only_the_agent_hosting_the_store_coordinates(corpus, tmp_path):
+def test_with_c10d_only_the_agent_hosting_the_store_coordinates():
     """Without succession the coordinator's host must be one the job cannot lose: the
     store's, which the operator said is on-demand. An agent that does not host the store
     never claims the office, even when it finds it vacant (it arrived first)."""
     import torch.distributed as dist
 
-    from spotpipe.cluster.agent import Agent, AgentOptions
+    from spotpipe.cluster.office import c10d_elected
     from spotpipe.cluster.rendezvous import COORDINATOR
 
-    opts = AgentOptions(backend="c10d", endpoint="127.0.0.1:1", rdzv_id="x", min_nodes=2,
-                        max_nodes=2, out=tmp_path)
     store = dist.HashStore()
-    spot = Agent(opts, _config(corpus, 3), None, TOKEN, None, None)  # type: ignore[arg-type]
-    assert not spot._c10d_elected(store, 1) and not store.check([COORDINATOR])
-    hosting = Agent(opts, _config(corpus, 3), None, TOKEN, None, store)  # type: ignore[arg-type]
-    assert hosting._c10d_elected(store, 2) and store.get(COORDINATOR) == b"2"
+    assert not c10d_elected(store, 1, hosts_store=False) and not store.check([COORDINATOR])
+    assert c10d_elected(store, 2, hosts_store=True) and store.get(COORDINATOR) == b"2"
 
 
 def test_the_coordinators_host_is_followed_when_it_comes_again(corpus, tmp_path):

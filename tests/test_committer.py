@@ -5,6 +5,7 @@ iteration."""
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from pathlib import Path
 
@@ -119,3 +120,24 @@ def test_a_commit_whose_stage_files_are_missing_fails_naming_one(tmp_path):
     [done] = committer.close()
     assert done.path is None and "stage1/x.bin" in done.error and "not in" in done.error
     assert not (root / "iter_00000001").exists()
+
+
+def test_a_checkpoint_is_committed_once_every_stage_is_on_disk_never_after_a_failed_one():
+    """The coordinator's part before the committer: an iteration's stages reported one by
+    one (in any order, two iterations interleaved) give the whole iteration's checksums
+    at the last of them, once; a stage that could not be written keeps its iteration from
+    ever being committed; and what is half gathered survives the books' round trip (a
+    successor gathers the rest)."""
+    from spotpipe.cluster.checkpoint_parts import CheckpointParts
+
+    parts = CheckpointParts()
+    assert parts.saved(10, 2, {"stage2/a": "c"}, stages=3) is None
+    assert parts.saved(20, 0, {"stage0/a": "x"}, stages=3) is None
+    assert parts.saved(10, 0, {"stage0/a": "a"}, stages=3) is None
+    parts.fail(20)
+    successor = CheckpointParts.from_json(json.loads(json.dumps(parts.to_json())))
+    assert successor.saved(20, 1, {"stage1/a": "y"}, stages=3) is None  # failed: never
+    assert successor.saved(10, 1, {"stage1/a": "b", "stage1/b": "b2"}, stages=3) == {
+        "stage0/a": "a", "stage1/a": "b", "stage1/b": "b2", "stage2/a": "c"}
+    assert successor.parts == {} and successor.failed == {20}
+    assert successor.saved(20, 2, {"stage2/a": "z"}, stages=3) is None

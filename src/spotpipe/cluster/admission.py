@@ -56,7 +56,7 @@ class Coordinating:
         # admitted by this coordinator after its books went to the successor
         self.hand_over = threading.Event()
         self.handed_over = threading.Event()
-        # took back an office that nobody else took (`Agent._took_office_back`): it stays
+        # took back an office that nobody else took (`Office.take_back`): it stays
         # until its host goes, rather than hand it on again and leave it vacant once more
         self.stays = False
         self.admitting = threading.Lock()

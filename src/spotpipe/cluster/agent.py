@@ -15,7 +15,8 @@ Rendezvous, under `spotpipe/rdzv/` in the job's store:
    under the join token (SPOTPIPE_JOIN_TOKEN, a shared secret that never enters the store)
    over its key and body, which its reader checks; a record that is not one is refused with
    an event, never read as a dict.
-2. The first agent to win the election runs the coordinator: it publishes the job (its
+2. The first agent to win the election (`spotpipe.cluster.office`, which holds this agent's
+   part in the coordinator's office) runs the coordinator: it publishes the job (its
    partition, clock, and an HMAC proving it holds the token), admits agents in arrival order
    with the same checks a joining worker gets (`coordinator.join_problem`), and once MIN agents
    are in, runs the same `JobLoop` as `spotpipe train`. Agents arriving later, up to MAX, join
@@ -23,6 +24,9 @@ Rendezvous, under `spotpipe/rdzv/` in the job's store:
    election is etcd's own recipe (`spotpipe.store.leader`: a leader key created under a lease
    of about the heartbeat timeout, kept alive by the leader); with c10d, a compare-and-set
    (the store's host must be on-demand anyway, see `connect_rendezvous`).
+3. An agent refused (wrong token, another model or configuration, the job full) says why and
+   exits 2; nothing of the job changes. An agent that sees the job's proof fail (a job of
+   another team under the same id) refuses it in turn.
 4. With etcd the coordinator is not a single point of failure. Every other agent watches the
    leader key; the coordinator keeps its books in the store at the end of every turn (a
    sealed `CoordinatorState` and the new lines of the run's files, `spotpipe.cluster
@@ -31,9 +35,6 @@ Rendezvous, under `spotpipe/rdzv/` in the job's store:
    in its own --out (the predecessor's lines first), the predecessor's nodes count as lost
    (its host went with it: an ordinary failover), and no worker restarts (workers talk only
    to the store). Whichever coordinator ends the job deletes its etcd prefix.
-3. An agent refused (wrong token, another model or configuration, the job full) says why and
-   exits 2; nothing of the job changes. An agent that sees the job's proof fail (a job of
-   another team under the same id) refuses it in turn.
 
 Workers report to the coordinator through the store's mailbox, as under the local launcher;
 each agent adds an "exit" record when one of its workers exits and kills a worker the
@@ -59,23 +60,20 @@ import yaml
 
 from spotpipe import job
 from spotpipe.checkpoint import durable
-from spotpipe.cluster.admission import Coordinating
 from spotpipe.cluster import resume_copy
 from spotpipe.cluster.agent_options import (AgentError, AgentOptions, check_options,
                                             parse_nnodes)
 from spotpipe.cluster.launcher import LaunchError, check_resume, prepare, search_path
-from spotpipe.cluster.rendezvous import (ALL_LEFT, ARRIVALS, COORDINATOR, JOB, LEFT, OVER,
-                                         agent_key, assign_key, connect_rendezvous, post_over,
-                                         proof_key, read_record, read_vouched, wait_get,
-                                         write_atomic)
+from spotpipe.cluster.office import Office
+from spotpipe.cluster.rendezvous import (ALL_LEFT, ARRIVALS, JOB, LEFT, OVER, agent_key,
+                                         assign_key, connect_rendezvous, proof_key,
+                                         read_record, read_vouched, wait_get, write_atomic)
 from spotpipe.cluster.supervisor import WORKER, Supervisor, starter, worker_env
 from spotpipe.config import Config
 from spotpipe.model import template
-from spotpipe.protocol import (AgentArrival, Assignment, Channel, CoordinatorState, Exit,
-                               JobOver, JobPosted, Kill, MessageError, Refused,
-                               job_key, keys, plain, vouch, vouched)
+from spotpipe.protocol import (AgentArrival, Assignment, Channel, Exit, JobOver, JobPosted,
+                               Kill, MessageError, job_key, keys, plain, vouch, vouched)
 from spotpipe.store.address import StoreAddress
-from spotpipe.store.leader import Leadership, lease_ttl
 from spotpipe.store.mailbox import Outbox
 from spotpipe.store.watchers import BoardWatcher
 
@@ -106,9 +104,9 @@ class Agent:
         self._signalling = False
         self._spawning = threading.Lock()  # held by the spawner while it starts a worker
         self._lock = threading.Lock()
-        self.coordinating: Coordinating | None = None  # this agent's, if elected
-        self.thread: threading.Thread | None = None  # the coordinator's
-        self.leadership: Leadership | None = None  # etcd: the office, under a lease
+        # whether this agent coordinates, and its candidacy for the office (office.py)
+        self.office = Office(opts, cfg, token, address, self.say,
+                             on_handed_over=lambda: self._done_with(0))
 
     def say(self, text: str) -> None:
         print(f"spotpipe agent: {text}", file=sys.stderr, flush=True)
@@ -118,21 +116,8 @@ class Agent:
         store = self.address.connect(self.timeout_s)
         me = self._arrive(store)
         self.me = me
-        if self.address.kind == "etcd":
-            self.leadership = Leadership(store, str(me), lease_ttl(
-                self.cfg.failover.heartbeat_timeout_s))  # type: ignore[arg-type]
-            won = self.leadership.campaign() and not store.check([JOB])
-        else:
-            won = self._c10d_elected(store, me)
-        if won:
-            self._coordinate(Coordinating(opts, self.cfg, self.spec, self.token, self.address,
-                                          me, self.leadership, checkpoint=self.checkpoint,
-                                          notes=self.notes))
-            self.say(f"agent {me} coordinates job {opts.rdzv_id}")
-        elif self.leadership is not None and self.leadership.leading:
-            # the office was vacant but the job exists: its coordinator was lost before this
-            # agent arrived; take over once admitted (below, in _work)
-            self.leadership.resign()
+        self.office.elect(store, me, self.spec, hosts_store=self.hosted is not None,
+                          checkpoint=self.checkpoint, notes=self.notes)
         if wait_get(store, JOB, opts.rdzv_timeout_s) is None:
             self.say(f"no job appeared at the rendezvous within {opts.rdzv_timeout_s:.0f} s")
             return 1
@@ -158,22 +143,7 @@ class Agent:
             return 2
         self.channel = Channel(job_key(self.token, posted.instance), f"agent{me}")
         self.instance = posted.instance
-        code = self._work(store, posted, answer)
-        if self.thread is not None and self.coordinating is not None:
-            self.thread.join()
-            if not self.coordinating.handed_over.is_set():  # (then `_leave` said it)
-                code = 1 if self.coordinating.deposed() else self.coordinating.code
-        return code
-
-    def _c10d_elected(self, store: dist.Store, me: int) -> bool:
-        """With c10d the agent that hosts the store coordinates, and no other: without
-        succession the coordinator's host must be one the job cannot lose, and the store's
-        is the one the operator said is (`--on-demand`). The first agent to win a
-        compare-and-set coordinated before, which could be a spot host's: its loss ended the
-        job, and the CPU shadows it ran went with it."""
-        if self.hosted is None:
-            return False
-        return store.compare_set(COORDINATOR, "", str(me)) == str(me).encode()
+        return self.office.outcome(self._work(store, posted, answer))
 
     def rdzv_key(self, key: str) -> str:
         return proof_key(self.opts.rdzv_id, key)
@@ -222,70 +192,6 @@ class Agent:
         assert isinstance(over, JobOver)
         return over
 
-    def _coordinate(self, coordinating: Coordinating) -> None:
-        self.coordinating = coordinating
-
-        def run() -> None:
-            try:
-                coordinating.run()
-            finally:
-                if coordinating.handed_over.is_set():
-                    self._done_with(0)  # (this host may be done: `_leaves_on_notice`)
-
-        self.thread = threading.Thread(target=run, name="coordinator", daemon=True)
-        self.thread.start()
-
-    def _succeed(self, store: dist.Store, posted: JobPosted, stays: bool = False) -> bool:
-        """This agent won the vacant office: take over from the predecessor's books; False
-        when there are none that open (then the job cannot go on, and is ended). `stays`: it
-        coordinates until its host goes (an office taken back)."""
-        try:
-            opened = self.channel.open(store.get(keys.COORDINATOR_STATE) if store.check(
-                [keys.COORDINATOR_STATE]) else b"", expect=CoordinatorState,
-                writers={"coordinator"})
-        except Refused as why:
-            message = (f"the coordinator was lost and its books cannot be read ({why.reason});"
-                       " the job cannot go on")
-            self.say(message)
-            post_over(store, self.token, self.opts.rdzv_id, "failed", message, 0)
-            return False
-        assert isinstance(opened.message, CoordinatorState) and self.leadership is not None
-        self.say(f"agent {self.me} takes over as the coordinator of job {self.opts.rdzv_id}")
-        successor = Coordinating.successor(self.opts, self.cfg, self.token, self.address,
-                                           self.me, self.leadership, posted, opened.message)
-        successor.stays = stays
-        self._coordinate(successor)
-        return True
-
-    def _wait_over(self, store: dist.Store, posted: JobPosted) -> None:
-        """Wait for the job's end while watching the coordinator's office: when it falls
-        vacant (its host lost), campaign, and take over if elected. A leader that finds itself
-        deposed leaves (its workers with it: the successor counts its host lost)."""
-        leadership = self.leadership
-        if leadership is None:  # c10d: the store's host is on-demand; so is the coordinator
-            store.wait([OVER], timedelta(days=7))
-            return
-        slice_s = float(leadership.ttl_s)
-        while True:
-            if leadership.deposed.is_set():
-                self.say("lost the coordinator's lease (cut off from etcd for longer than its "
-                         "TTL): a successor coordinates; this host leaves the job")
-                return
-            seen = leadership.wait_vacant(OVER, slice_s)
-            if seen == OVER:
-                return
-            if seen == "vacant" and self.coordinating is not None:
-                leadership.deposed.wait(slice_s)  # its own lease gone: deposed at the next renewal
-                continue
-            if seen == "vacant" and self._noticed.is_set():
-                # a host being reclaimed does not campaign: it waits for another to take the
-                # office (or the job's end), rather than asking again at once
-                leadership.wait_taken(OVER, slice_s)
-                continue
-            if seen == "vacant" and self.coordinating is None and leadership.campaign():
-                if not self._succeed(store, posted):
-                    return
-
     def _work(self, store: dist.Store, posted: JobPosted, answer: Assignment) -> int:
         """Run this host's workers until the job is over; the job's outcome as exit code."""
         out = self.opts.out
@@ -313,7 +219,7 @@ class Agent:
                 outbox.event("resume_failed", message=fetched, ranks=ranks)
                 for rank in ranks:
                     outbox.post(Exit(f"node{rank}", 1))
-                self._wait_over(store, posted)
+                self.office.wait_over(store, posted, self.channel, self._noticed)
                 return self._leave(store)
             self.checkpoint = fetched
         self._pending = len(ranks)
@@ -332,45 +238,24 @@ class Agent:
         self._spawns: queue.Queue[tuple[list[int], int, list[int]]] = queue.Queue()
         threading.Thread(target=self._spawner, name="spawner", daemon=True).start()
         try:
-            _with_main_thread_free(lambda: self._wait_over(store, posted), self._done)
-            while self._took_office_back(store, posted):
-                _with_main_thread_free(lambda: self._wait_over(store, posted), self._done)
+            self._wait_over(store, posted)
+            while self.office.take_back(store, posted, self.channel):
+                # a fresh event: setters of the one before (the abandoned wait for the end,
+                # a notice's handler that saw the office handed on) must not end this wait
+                self._done = threading.Event()
+                self._wait_over(store, posted)
         finally:  # (also at Ctrl-C, which the workers got too: their deaths are no crashes)
             self._stop_spawning()
         supervisor.stop_all()
         self._exits_done.wait(self.timeout_s)
         return self._leave(store)
 
-    def _took_office_back(self, store: dist.Store, posted: JobPosted) -> bool:
-        """After handing the office on, wait one lease TTL for another agent to take it. If
-        none did (their hosts are being reclaimed too, which this coordinator had not heard
-        yet, or their agents are gone), take it back from the books just written and
-        coordinate to the job's end (`Coordinating.stays`). Whether it was taken back (then
-        wait for the job's end again)."""
-        handed = self.coordinating
-        leadership = self.leadership
-        if handed is None or not handed.handed_over.is_set() or leadership is None:
-            return False
-        assert self.thread is not None
-        self.thread.join()  # (it resigned: the office is vacant from there)
-        try:
-            if leadership.wait_taken(OVER, float(leadership.ttl_s)):
-                return False
-            # a candidate under this agent's newest number (a rejoin renamed it while it led)
-            leadership.me = str(self.me)
-            if not leadership.campaign():
-                return False  # another agent took it meanwhile
-        except Exception as exc:  # etcd unreachable: the office is the others' to take
-            self.say(f"could not watch the coordinator's office after handing it on: {exc}")
-            return False
-        self.say("no other agent took the coordinator's office within the lease TTL; this "
-                 "agent takes it back")
-        if not self._succeed(store, posted, stays=True):
-            return False
-        # a fresh event: setters of the one before (the abandoned wait for the end, a
-        # notice's handler that saw the office handed on) must not end the wait to come
-        self._done = threading.Event()
-        return True
+    def _wait_over(self, store: dist.Store, posted: JobPosted) -> None:
+        """Wait for the job's end, taking part in the office meanwhile, or until this host's
+        workers have all left on its notice (`_done`)."""
+        _with_main_thread_free(
+            lambda: self.office.wait_over(store, posted, self.channel, self._noticed),
+            self._done)
 
     def _leave(self, store: dist.Store) -> int:
         """The job is over (or goes on without this host): confirm its end, the last agent
@@ -382,18 +267,20 @@ class Agent:
             if not store.check([OVER]):
                 store.add(LEFT, 1)  # one of the agents that confirm the job's end (answering)
                 handed = (" and it handed the coordinator's office on (another agent "
-                          "coordinates from its books)" if self.coordinating is not None else "")
+                          "coordinates from its books)" if self.office.coordinating is not None
+                          else "")
                 self.say("left the job on this host's preemption notice: its workers have "
                          f"left{handed}, and the job goes on without them")
                 return 0
         if not store.check([OVER]):  # deposed: the job goes on without this host
             return 1
         over = self._job_over(store)
-        coordinating = self.coordinating is not None
+        coordinating = self.office.coordinating is not None
+        leadership = self.office.leadership
         last = store.add(LEFT, 1) >= over.agents
         if last:
             store.set(ALL_LEFT, "1")
-        if last and self.leadership is not None and self.leadership.leader() is None:
+        if last and leadership is not None and leadership.leader() is None:
             # the coordinator that ended the job is gone since: the last agent out cleans up
             store.delete_prefix()  # type: ignore[attr-defined]
         elif self.hosted is not None or coordinating:
@@ -407,8 +294,8 @@ class Agent:
                 from spotpipe.store.etcd import EtcdStore
 
                 if isinstance(store, EtcdStore):
-                    if self.leadership is not None:
-                        self.leadership.resign()
+                    if leadership is not None:
+                        leadership.resign()
                     store.delete_prefix()
         if over.status == "completed":
             self.say("job completed; results in the coordinator's --out")
@@ -497,8 +384,8 @@ class Agent:
         once it has started it."""
         self._signalling = True
         self._noticed.set()
-        if self.coordinating is not None:
-            self.coordinating.noticed()
+        if self.office.coordinating is not None:
+            self.office.coordinating.noticed()
         for node in list(self.supervisor.procs):
             self.supervisor.signal(node, signal.SIGTERM)
         self._done_with(0)  # (none may be left to wait for)
@@ -510,8 +397,8 @@ class Agent:
         which stay for the others until the host goes."""
         if self.hosted is not None:
             return False
-        if self.coordinating is not None:  # (handed over once its workers left on notices)
-            return self.coordinating.handed_over.is_set()
+        if self.office.coordinating is not None:  # (handed on once its workers left)
+            return self.office.handed_over
         return self._noticed.is_set()
 
     def _rejoin(self, node: str, why: str) -> None:
@@ -536,8 +423,7 @@ class Agent:
                     self.say(f"{why}; not admitted again: {answer.refused}")
                     return
                 self.me = me
-                if self.leadership is not None and not self.leadership.leading:
-                    self.leadership.me = str(me)  # (a candidate under its current number)
+                self.office.renamed(me)
             with self._lock:
                 self._pending += len(answer.ranks)
             self.say(f"{why}; this host joins again as agent {me}")

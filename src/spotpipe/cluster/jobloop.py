@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from spotpipe import job
 from spotpipe.checkpoint import durable
+from spotpipe.cluster.checkpoint_parts import CheckpointParts
 from spotpipe.cluster.committer import Committed, Committer
 from spotpipe.cluster.coordinator import Coordinator
 from spotpipe.protocol import (Channel, CheckpointSaved, Close, CoordinatorState, Event, Exit,
@@ -136,8 +137,7 @@ class JobLoop:
         self._train_start = self.t0
         self.resume = resume
         self.restart = restart  # 0, or which restart of the job this round is
-        self._ckpt_parts: dict[int, dict[int, dict[str, str]]] = {}
-        self._ckpt_failed: set[int] = set()  # iterations a stage could not write: never committed
+        self._checkpoints = CheckpointParts()  # stages on disk of checkpoints not committed
         self.checkpoint_root = Path(cfg.checkpoint.dir or out / "checkpoints")
         self.checkpoint_key = durable.resolve_key(cfg.checkpoint.key)
         self.committer = Committer(self.checkpoint_root, cfg.checkpoint.keep,
@@ -429,30 +429,20 @@ class JobLoop:
             return f"workers exited after {done} of {self.cfg.iterations} iterations"
         return ""
 
-    def _checkpoint_failed(self, item: dict[str, Any], files: RunFiles) -> None:
-        """A stage of iteration t could not be written: t is never committed (the previous
-        checkpoint stays the newest; the next is tried as scheduled)."""
-        self._ckpt_failed.add(item["iteration"])
-        self._ckpt_parts.pop(item["iteration"], None)
-
-    def _checkpoint_saved(self, item: dict[str, Any], files: RunFiles) -> None:
-        """Commit a checkpoint once every stage of its iteration is on disk (single writer)."""
-        t = item["iteration"]
-        if t in self._ckpt_failed:
-            return
-        # (a stage uploaded by a host that does not see this folder was taken by the
-        # committer before this report came: `_stage_upload`)
-        parts = self._ckpt_parts.setdefault(t, {})
-        parts[item["stage"]] = item["checksums"]
+    def _checkpoint_saved(self, message: CheckpointSaved) -> None:
+        """Commit a checkpoint once every stage of its iteration is on disk (single writer).
+        A stage uploaded by a host that does not see this folder was taken by the committer
+        before this report came (`_stage_upload`)."""
+        t = message.iteration
         partition = self.coordinator.partition or self.spec.partition
-        if len(parts) < len(partition):
+        checksums = self._checkpoints.saved(t, message.stage, message.checksums,
+                                            len(partition))
+        if checksums is None:
             return
-        checksums = {k: v for stage in parts.values() for k, v in stage.items()}
         info = {"partition": [list(r) for r in partition], "stages": len(partition),
                 "pipelines": self.cfg.pipelines, "config_digest": self.cfg.digest(),
                 "model_digest": self.cfg.model_digest(), "num_samples": self.spec.num_samples,
                 "global_batch": self.cfg.global_batch, "seed": self.cfg.seed}
-        del self._ckpt_parts[t]
         self.committer.submit(t, info, checksums)  # (committed off this loop: committer.py)
 
     def _stage_upload(self, message: StageUpload) -> None:
@@ -538,9 +528,7 @@ class JobLoop:
             files.event({"time_s": message.time_s, "kind": "checkpoint_saved",
                          "node": message.node, "iteration": message.iteration,
                          "stage": message.stage, **message.details})
-            self._checkpoint_saved({**message.details, "iteration": message.iteration,
-                                    "stage": message.stage, "checksums": message.checksums},
-                                   files)
+            self._checkpoint_saved(message)
         elif isinstance(message, FinalUpload):
             self._final_upload(message, writer)
         elif isinstance(message, StageUpload):
@@ -565,8 +553,8 @@ class JobLoop:
         elif isinstance(message, Event):
             record = message.record()
             files.event(record)
-            if message.kind == "checkpoint_failed":
-                self._checkpoint_failed(record, files)
+            if message.kind == "checkpoint_failed":  # (the previous checkpoint stays newest)
+                self._checkpoints.fail(record["iteration"])
             if message.kind in ("worker_error", "shadow_error"):
                 errors[message.node] = str(message.details.get("message", ""))
         else:
@@ -601,18 +589,13 @@ class JobLoop:
         self._last = state.last_metrics
         self._exited = dict(state.exited)
         self._received = state.cursor
-        parts = state.checkpoints.get("parts", {})
-        self._ckpt_parts = {int(t): {int(s): dict(c) for s, c in stages.items()}
-                            for t, stages in parts.items()}
-        self._ckpt_failed = {int(t) for t in state.checkpoints.get("failed", [])}
+        self._checkpoints = CheckpointParts.from_json(state.checkpoints)
 
     def _books(self) -> dict[str, Any]:
         """This loop's part of a CoordinatorState, with the coordinator's."""
         return {**self.coordinator.books(), "cursor": self._received,
                 "last_metrics": self._last, "exited": dict(self._exited),
-                "checkpoints": {"parts": {str(t): {str(s): c for s, c in stages.items()}
-                                          for t, stages in self._ckpt_parts.items()},
-                                "failed": sorted(self._ckpt_failed)}}
+                "checkpoints": self._checkpoints.to_json()}
 
     def _watch_mailbox(self, address: StoreAddress,
                        inbox: "queue.Queue[tuple[str, Any]]", start: int = 1) -> None:

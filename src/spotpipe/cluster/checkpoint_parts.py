@@ -1,0 +1,52 @@
+"""Which stages of each checkpoint's iteration are on disk, until every one is.
+
+Each stage's owner writes its files and reports them with their hashes (`CheckpointSaved`),
+and the coordinator commits the iteration once every stage of it is reported, never when one
+of them could not be written (the previous checkpoint stays the newest). That is bookkeeping
+with no process to talk to, so it is kept here, apart from the loop that reads the reports and
+the committer that writes the manifest; it goes into the coordinator's books (`to_json`), so
+that a successor commits a checkpoint whose stages were reported partly to its predecessor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+Checksums = dict[str, str]  # a file's path in the checkpoint -> its SHA-256
+
+
+@dataclass
+class CheckpointParts:
+    parts: dict[int, dict[int, Checksums]] = field(default_factory=dict)  # iteration -> stage
+    failed: set[int] = field(default_factory=set)  # a stage could not be written: never committed
+
+    def saved(self, iteration: int, stage: int, checksums: Checksums,
+              stages: int) -> Checksums | None:
+        """Stage `stage` of `iteration` is on disk; once the last of its `stages` is, every
+        stage's checksums, to commit (the iteration is then forgotten here). None before,
+        and for an iteration that failed."""
+        if iteration in self.failed:
+            return None
+        parts = self.parts.setdefault(iteration, {})
+        parts[stage] = dict(checksums)
+        if len(parts) < stages:
+            return None
+        del self.parts[iteration]
+        return {k: v for stage_sums in parts.values() for k, v in stage_sums.items()}
+
+    def fail(self, iteration: int) -> None:
+        """A stage of `iteration` could not be written: the iteration is never committed."""
+        self.failed.add(iteration)
+        self.parts.pop(iteration, None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"parts": {str(t): {str(s): c for s, c in stages.items()}
+                          for t, stages in self.parts.items()},
+                "failed": sorted(self.failed)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CheckpointParts:
+        return cls({int(t): {int(s): dict(c) for s, c in stages.items()}
+                    for t, stages in data.get("parts", {}).items()},
+                   {int(t) for t in data.get("failed", [])})
