@@ -23,7 +23,7 @@ from spotpipe.store import board, mailbox
 from spotpipe.store.address import StoreAddress
 
 
-class Office(Protocol):
+class ElectedAgent(Protocol):
     """What the loop needs of the elected agent (`spotpipe.cluster.admission.Coordinating`):
     its admission books, and whether it still holds the coordinator's office."""
 
@@ -53,7 +53,7 @@ class AgentJobLoop(JobLoop):
     """The coordinator's loop when the workers run under agents on other hosts: exits arrive
     as mailbox records, kills go through the store, the final model through the store."""
 
-    def __init__(self, coordinator: Office, **kwargs: Any) -> None:
+    def __init__(self, coordinator: ElectedAgent, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.rdzv = coordinator
         self._kill_due: dict[str, float] = {}
