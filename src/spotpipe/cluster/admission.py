@@ -17,6 +17,7 @@ from spotpipe.checkpoint import durable
 from spotpipe.cluster import resume_copy
 from spotpipe.cluster.agent_loop import AgentJobLoop
 from spotpipe.cluster.coordinator import join_problem
+from spotpipe.cluster.inbox import HelperEvent, Inbox
 from spotpipe.cluster.agent_options import AgentOptions
 from spotpipe.cluster.rendezvous import (ARRIVALS, JOB, agent_key, assign_key, post_over,
                                          proof_key, read_record, wait_get)
@@ -68,7 +69,7 @@ class Coordinating:
         self._silent: set[str] = set()  # nodes whose agent never reported their end
         self._slots: dict[int, int] = {}  # slot (node rank / nproc) -> agent
         self._events: list[dict[str, Any]] = []
-        self._inbox: Any = None
+        self._inbox: Inbox | None = None
         self._late: threading.Thread | None = None  # admits agents while the job runs
         self.t0 = time.time()
         self.instance = new_instance_id()  # the job's key is derived from it and the token
@@ -170,15 +171,15 @@ class Coordinating:
             if self._inbox is None:
                 self._events.append(record)
                 return
-        self._inbox.put(("event", record))
+        self._inbox.put(HelperEvent(record))
 
-    def go(self, inbox: Any) -> None:
+    def go(self, inbox: Inbox) -> None:
         """The loop has started: events go to it from now on; late agents may join."""
         with self._lock:
             self._inbox = inbox
             pending, self._events = self._events, []
         for record in pending:
-            inbox.put(("event", record))
+            inbox.put(HelperEvent(record))
         self._late = threading.Thread(target=self._admit_late, name="admission", daemon=True)
         self._late.start()
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import yaml
 
 from spotpipe.checkpoint import transfer
+from spotpipe.cluster.inbox import HelperEvent, Inbox, NodeExit, RefusedUpload
 from spotpipe.cluster.jobloop import Deposed, HandedOver, JobLoop, RunFiles
 from spotpipe.cluster.agent_options import AgentOptions
 from spotpipe.cluster.rendezvous import write_atomic
@@ -31,7 +32,7 @@ class ElectedAgent(Protocol):
     opts: AgentOptions
     persistent: bool  # etcd: the books go to the store, for a successor
 
-    def go(self, inbox: Any) -> None: ...
+    def go(self, inbox: Inbox) -> None: ...
     def nodes(self) -> list[str]: ...
     def admitted_count(self) -> int: ...
     def admission(self) -> dict[str, Any]: ...
@@ -122,13 +123,13 @@ class AgentJobLoop(JobLoop):
         the mailbox's records, which the successor reads again from the cursor."""
         while True:
             try:
-                what, item = self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if what == "event":
-                files.event(item)
-            elif what == "refused_upload":
-                self.coordinator.refused(*item)
+            if isinstance(item, HelperEvent):
+                files.event(item.record)
+            elif isinstance(item, RefusedUpload):
+                self.coordinator.refused(item.writer, item.reason)
 
     def _write_books(self, files: RunFiles, handed_over: bool = False) -> None:
         """The new lines of the run's files (a Journal record), the state (overwritten) and
@@ -163,7 +164,7 @@ class AgentJobLoop(JobLoop):
         self._marked += len(marks)
         self._persisted = books
 
-    def _resume_nodes(self, inbox: Any) -> None:
+    def _resume_nodes(self, inbox: Inbox) -> None:
         """Taking over: the nodes run on under their agents. The predecessor's own nodes went
         with its host (or are cut off with it): they are lost, as in any host loss; nodes it
         had fenced are asked to be killed again (its wait for their exits went with it)."""
@@ -187,7 +188,7 @@ class AgentJobLoop(JobLoop):
                               "reason": "its agent coordinated and lost its lease"})
             self.rdzv.silent(node)
             self._queued_exits.add(node)
-            inbox.put(("exit", (node, -int(signal.SIGKILL))))
+            inbox.put(NodeExit(node, -int(signal.SIGKILL)))
         for node in sorted(self.coordinator.fenced - set(self._exited) - set(lost)):
             self._kill(node)
 
@@ -197,7 +198,7 @@ class AgentJobLoop(JobLoop):
                                                                sort_keys=False))
         write_atomic(self.out / "run.json", json.dumps(self.spec.to_json(), indent=1))
 
-    def _start_nodes(self, address: StoreAddress, inbox: Any) -> None:
+    def _start_nodes(self, address: StoreAddress, inbox: Inbox) -> None:
         self.rdzv.go(inbox)
 
     def _started(self) -> list[str]:
@@ -231,7 +232,7 @@ class AgentJobLoop(JobLoop):
                              "reason": "killed by the coordinator, no exit reported"})
                 self.rdzv.silent(node)
                 self._queued_exits.add(node)
-                self._inbox.put(("exit", (node, -int(signal.SIGKILL))))
+                self._inbox.put(NodeExit(node, -int(signal.SIGKILL)))
 
     def _final_upload(self, message: FinalUpload, writer: str) -> None:
         """A worker sends its stage's final parameters: take its pieces as they come, on a

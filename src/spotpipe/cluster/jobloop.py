@@ -32,6 +32,8 @@ from spotpipe.checkpoint import durable
 from spotpipe.cluster.checkpoint_parts import CheckpointParts
 from spotpipe.cluster.committer import Committed, Committer
 from spotpipe.cluster.coordinator import Coordinator
+from spotpipe.cluster.inbox import (HelperEvent, Inbox, Item, MailboxClosed, NodeExit,
+                                    RefusedUpload, ShadowExit)
 from spotpipe.protocol import (Channel, CheckpointSaved, Close, CoordinatorState, Event, Exit,
                                FinalUpload, JoinRequest, Journal, Metrics, Notice, Opened,
                                Refused, Report, StageUpload, Stalled, job_key, keys)
@@ -150,8 +152,7 @@ class JobLoop:
 
     # ------------------------------------------------------------------ where workers run
 
-    def _start_nodes(self, address: StoreAddress,
-                     inbox: "queue.Queue[tuple[str, Any]]") -> None:
+    def _start_nodes(self, address: StoreAddress, inbox: Inbox) -> None:
         """Start (or let start) the job's first nodes; their exits come through `inbox`."""
         raise NotImplementedError
 
@@ -194,7 +195,7 @@ class JobLoop:
     def _persist(self, files: RunFiles) -> None:
         """End of a turn: keep what a successor needs in the store (agent jobs on etcd)."""
 
-    def _resume_nodes(self, inbox: "queue.Queue[tuple[str, Any]]") -> None:
+    def _resume_nodes(self, inbox: Inbox) -> None:
         """Taking over: the nodes run already; only their exits are to come through `inbox`."""
         raise NotImplementedError
 
@@ -227,11 +228,12 @@ class JobLoop:
             kill=self._kill, emit=files.event, now=self._now, channel=self.channel,
             partition=self.spec.partition, partition_for=self._partition_for,
             start=self.resume.next_iteration if self.resume else 0)
-        inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        inbox: Inbox = queue.Queue()
         self._inbox, self._address, self._store = inbox, address, store
         self._receiving = durable.transfer.Receiving()  # uploads the committer takes
         self._sealed_here = SealedStore(store, self.channel.key)  # (this loop's connection)
         self._exited: dict[str, int] = {}
+        self._errors: dict[str, str] = {}  # a node's error, as it reported it
         self._last: dict[str, Any] | None = None
         self._received = 0
         if self.takeover is not None:
@@ -257,13 +259,12 @@ class JobLoop:
         for note in self.notes:
             files.event({"time_s": 0.0, "node": "launcher", **note})
 
-    def _loop(self, files: RunFiles, inbox: "queue.Queue[tuple[str, Any]]", store: dist.Store,
+    def _loop(self, files: RunFiles, inbox: Inbox, store: dist.Store,
               address: StoreAddress) -> int:
         cfg = self.cfg
         bar = self._bar = self._progress_bar()
         status, message = "failed", ""
         deposed = handed_over = False
-        errors: dict[str, str] = {}
         self._shadow_exited: dict[str, int] = {}
         try:
             if cfg.shadow.enabled and self.takeover is None:
@@ -272,67 +273,21 @@ class JobLoop:
                 self._start_nodes(address, inbox)
             else:
                 self._resume_nodes(inbox)
-            exited = self._exited
             last_tick = time.time()
             while True:
                 try:
-                    what, item = inbox.get(timeout=self._wait_limit())
+                    item: Item | None = inbox.get(timeout=self._wait_limit())
                 except queue.Empty:
-                    what, item = "tick", None
+                    item = None  # (a turn for the timed checks alone)
                 self._each_turn(files)
                 self._lost_senders()
                 self._record_commits(files, self.committer.finished())
                 if time.time() - last_tick >= cfg.failover.heartbeat_s:
                     last_tick = time.time()
                     self.coordinator.tick()
-                if what == "record" and isinstance(item.message, Exit):  # from an agent
-                    self._received += 1
-                    node = item.message.node
-                    if node in exited:
-                        # counted out already, its agent silent past the timeout: the agent
-                        # was cut off and is back; the record is stale, and changes nothing
-                        self.coordinator.refused(
-                            item.writer, f"a late exit record for {node} (code "
-                            f"{item.message.code}), which the job counted out already")
-                        what = "stale"
-                    else:
-                        what, item = "exit", (node, item.message.code)
-                if what == "event":  # from a helper thread of this process
-                    files.event(item)
-                elif what == "refused_upload":  # from the committer's thread
-                    self.coordinator.refused(*item)
-                elif what in ("record", "refused"):
-                    self._handle_record(what, item, files, errors)
-                elif what == "exit":
-                    node, code = item
-                    exited[node] = code
-                    if code == 1:  # a software error: failing over would repeat it elsewhere
-                        message = self._failed(node, code, "worker_failed", inbox, files,
-                                               errors, store)
-                        break
-                    if code != 3:  # 3: stopped by the plan, already accounted for
-                        self.coordinator.node_exited(node, code)
-                    running = [n for n in self._started() if n not in exited]
-                    if running and not (set(running) & self.coordinator.live):
-                        self._only_standby_left()
-                    if len(exited) == len(self._started()) and (
-                            self._shadows_done() or self.coordinator.stop_message):
-                        message = self._complete(inbox, files, errors, store)
-                        status = "completed" if not message else status
-                        break
-                elif what == "shadow_exit":
-                    name, code = item
-                    self._shadow_exited[name] = code
-                    if code != 0:
-                        message = self._failed(name, code, "shadow_failed", inbox, files,
-                                               errors, store)
-                        break
-                    if len(exited) == len(self._started()) and self._shadows_done():
-                        message = self._complete(inbox, files, errors, store)
-                        status = "completed" if not message else status
-                        break
-                elif what == "mailbox_closed":
-                    message = f"lost the store: {item}"
+                ended = self._take(item) if item is not None else None
+                if ended is not None:
+                    status, message = ended
                     break
                 self._persist(files)
         except KeyboardInterrupt:
@@ -379,13 +334,63 @@ class JobLoop:
             return 1
         return 0
 
-    def _spawn_shadows(self, address: StoreAddress,
-                       inbox: "queue.Queue[tuple[str, Any]]") -> None:
+    def _take(self, item: Item) -> tuple[str, str] | None:
+        """Act on one item of the inbox; the job's status and message when it ends here."""
+        if isinstance(item, Opened) and isinstance(item.message, Exit):  # from an agent
+            self._received += 1
+            node = item.message.node
+            if node in self._exited:
+                # counted out already, its agent silent past the timeout: the agent was cut
+                # off and is back; the record is stale, and changes nothing
+                self.coordinator.refused(
+                    item.writer, f"a late exit record for {node} (code {item.message.code}), "
+                                 "which the job counted out already")
+                return None
+            item = NodeExit(node, item.message.code)
+        if isinstance(item, HelperEvent):  # from a helper thread of this process
+            self.files.event(item.record)
+        elif isinstance(item, RefusedUpload):  # from the committer's thread
+            self.coordinator.refused(item.writer, item.reason)
+        elif isinstance(item, (Opened, Refused)):
+            self._handle_record(item)
+        elif isinstance(item, NodeExit):
+            return self._node_exited(item.node, item.code)
+        elif isinstance(item, ShadowExit):
+            self._shadow_exited[item.name] = item.code
+            if item.code != 0:
+                return "failed", self._failed(item.name, item.code, "shadow_failed")
+            if len(self._exited) == len(self._started()) and self._shadows_done():
+                return self._ended()
+        elif isinstance(item, MailboxClosed):
+            return "failed", f"lost the store: {item.reason}"
+        return None
+
+    def _node_exited(self, node: str, code: int) -> tuple[str, str] | None:
+        exited = self._exited
+        exited[node] = code
+        if code == 1:  # a software error: failing over would repeat it elsewhere
+            return "failed", self._failed(node, code, "worker_failed")
+        if code != 3:  # 3: stopped by the plan, already accounted for
+            self.coordinator.node_exited(node, code)
+        running = [n for n in self._started() if n not in exited]
+        if running and not (set(running) & self.coordinator.live):
+            self._only_standby_left()
+        if len(exited) == len(self._started()) and (
+                self._shadows_done() or self.coordinator.stop_message):
+            return self._ended()
+        return None
+
+    def _ended(self) -> tuple[str, str]:
+        """Every process is done: the job's status and message."""
+        message = self._complete()
+        return ("failed" if message else "completed"), message
+
+    def _spawn_shadows(self, address: StoreAddress, inbox: Inbox) -> None:
         """The CPU shadows, one per stage, run here, next to the store: on the host that is
         not preempted (see spotpipe.checkpoint.shadow)."""
         logs, module = self.out / "logs", SHADOW
         self._shadows = Supervisor(logs,
-                                   lambda name, code: inbox.put(("shadow_exit", (name, code))),
+                                   lambda name, code: inbox.put(ShadowExit(name, code)),
                                    module=module, starter=starter(self.cfg, module, logs))
         for stage in range(self.cfg.stages):
             env = worker_env(self.cfg, rank=0, world=1, local_rank=0, local_world=1,
@@ -396,22 +401,20 @@ class JobLoop:
             env["SPOTPIPE_SHADOW_STAGE"] = str(stage)
             self._shadows.spawn(f"shadow{stage}", env)
 
-    def _failed(self, name: str, code: int, kind: str, inbox: Any, files: Any,
-                errors: dict[str, str], store: Any) -> str:
+    def _failed(self, name: str, code: int, kind: str) -> str:
         """A process whose failure ends the job: record it and say why, naming its log."""
-        self._drain(inbox, files, errors, store)
-        detail = errors.get(name) or f"exited with code {code}"
-        files.event({"time_s": self._now(), "kind": kind, "node": name, "returncode": code,
+        self._drain()
+        detail = self._errors.get(name) or f"exited with code {code}"
+        self.files.event({"time_s": self._now(), "kind": kind, "node": name, "returncode": code,
                      "message": detail})
         return f"{name} failed: {detail} (log: {self.out}/logs/{name}.log)"
 
     def _shadows_done(self) -> bool:
         return self._shadows is None or len(self._shadow_exited) == len(self._shadows.procs)
 
-    def _complete(self, inbox: "queue.Queue[tuple[str, Any]]", files: RunFiles,
-                  errors: dict[str, str], store: dist.Store) -> str:
+    def _complete(self) -> str:
         """Every process is done: write what is left; return why the run did not complete."""
-        self._drain(inbox, files, errors, store)
+        self._drain()
         message = self._gather_final() or self._completion_problem()
         if not message:
             self._merge_final()
@@ -463,7 +466,7 @@ class JobLoop:
         inbox = self._inbox
         return SealedStore(
             self._address.connect(self.cfg.cluster.timeout_s), self.channel.key,
-            on_refused=lambda why: inbox.put(("refused_upload", (why.writer, why.reason))))
+            on_refused=lambda why: inbox.put(RefusedUpload(why.writer, why.reason)))
 
     def _lost_senders(self) -> None:
         """End the committer's wait for pieces from a node the coordinator counts gone."""
@@ -494,19 +497,22 @@ class JobLoop:
     def _now(self) -> float:
         return round(time.time() - self.t0, 6)
 
-    def _drain(self, inbox: "queue.Queue[tuple[str, Any]]", files: RunFiles,
-               errors: dict[str, str], store: dist.Store) -> None:
+    def _drain(self) -> None:
         """Write every record posted so far: a worker posts its last record before it exits,
-        so once it has exited, the store's mailbox count says how many records to wait for."""
+        so once it has exited, the store's mailbox count says how many records to wait for.
+        (What else comes meanwhile, exits and helpers' events, is left: the job is over.)"""
+        store = self._store
         posted = mailbox.posted(store)
         # the count may lag by a record whose writer was killed right after writing it
         while self._received < posted or mailbox.slot_written(store, self._received + 1):
-            what, item = inbox.get(timeout=self.cfg.cluster.timeout_s)
-            self._handle_record(what, item, files, errors)
+            item = self._inbox.get(timeout=self.cfg.cluster.timeout_s)
+            if isinstance(item, (Opened, Refused)):
+                self._handle_record(item)
 
-    def _handle_record(self, what: str, item: Any, files: RunFiles,
-                       errors: dict[str, str]) -> None:
-        if what == "refused":  # a slot whose record did not open: counted, not read
+    def _handle_record(self, item: Opened | Refused) -> None:
+        """A slot of the mailbox: a record to act on, or one that did not open."""
+        files = self.files
+        if isinstance(item, Refused):  # a slot whose record did not open: counted, not read
             self._received += 1
             self.coordinator.refused(item.writer, f"mailbox: {item.reason}")
             body = item.claimed.get("body")
@@ -515,11 +521,8 @@ class JobLoop:
                 # the answer, and nothing else it wrote is acted on)
                 self.coordinator.join_without_key(str(body.get("node", item.writer))[:100])
             return
-        if what != "record":
-            return
         self._received += 1
-        opened: Opened = item
-        message, writer = opened.message, opened.writer
+        message, writer = item.message, item.writer
         if isinstance(message, Exit):  # an agent's report, read while draining
             self._exited.setdefault(message.node, message.code)
         elif isinstance(message, Metrics):
@@ -556,7 +559,7 @@ class JobLoop:
             if message.kind == "checkpoint_failed":  # (the previous checkpoint stays newest)
                 self._checkpoints.fail(record["iteration"])
             if message.kind in ("worker_error", "shadow_error"):
-                errors[message.node] = str(message.details.get("message", ""))
+                self._errors[message.node] = str(message.details.get("message", ""))
         else:
             self.coordinator.refused(writer, f"a {type(message).__name__} record in the mailbox")
 
@@ -597,22 +600,21 @@ class JobLoop:
                 "last_metrics": self._last, "exited": dict(self._exited),
                 "checkpoints": self._checkpoints.to_json()}
 
-    def _watch_mailbox(self, address: StoreAddress,
-                       inbox: "queue.Queue[tuple[str, Any]]", start: int = 1) -> None:
+    def _watch_mailbox(self, address: StoreAddress, inbox: Inbox, start: int = 1) -> None:
         client = address.connect(self.cfg.cluster.timeout_s)
         me = self.channel.sealer.incarnation
 
         def pump() -> None:
             try:
                 for opened in mailbox.read_mailbox(
-                        client, self.channel, lambda why: inbox.put(("refused", why)),
+                        client, self.channel, inbox.put,
                         start=start, tombstone=self._tombstone_on_read):
                     if isinstance(opened.message, Close) and opened.writer == \
                             self.channel.writer and opened.sealed.incarnation == me:
                         return
-                    inbox.put(("record", opened))
+                    inbox.put(opened)
             except Exception as exc:  # the store went away: only at shutdown, or a real fault
-                inbox.put(("mailbox_closed", str(exc)))
+                inbox.put(MailboxClosed(str(exc)))
 
         self._pump = threading.Thread(target=pump, name="mailbox", daemon=True)
         self._pump.start()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-import queue
 import secrets
 import shutil
 import signal
@@ -28,6 +27,7 @@ import torch.distributed as dist
 
 from spotpipe.checkpoint import durable
 from spotpipe.config import Config, parse_endpoint
+from spotpipe.cluster.inbox import Inbox, NodeExit
 from spotpipe.cluster.jobloop import JobLoop, RunFiles
 from spotpipe.protocol import keys, new_instance_id
 from spotpipe.store.address import StoreAddress, host_tcp_store, job_prefix
@@ -191,10 +191,9 @@ class Launcher(JobLoop):
                          resume=str(self.resume.path) if self.resume else "")
         self.supervisor.spawn(f"node{rank}", env)
 
-    def _start_nodes(self, address: StoreAddress,
-                     inbox: "queue.Queue[tuple[str, Any]]") -> None:
+    def _start_nodes(self, address: StoreAddress, inbox: Inbox) -> None:
         logs = self.out / "logs"
-        self.supervisor = Supervisor(logs, lambda node, code: inbox.put(("exit", (node, code))),
+        self.supervisor = Supervisor(logs, lambda node, code: inbox.put(NodeExit(node, code)),
                                      starter=starter(self.cfg, WORKER, logs))
         world = self.cfg.stages * self.cfg.pipelines
         # joining nodes start now, and ask to join when their iteration comes (a spot
