@@ -29,7 +29,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from spotpipe.config import FailoverSection
 
 AWS_ACTIONS = ("terminate", "stop", "hibernate")
 
@@ -240,6 +243,17 @@ class NoticeWatcher:
         for src in sources:
             threading.Thread(target=self._watch, args=(src, poll_s),
                              name=f"notice-{src.name.lower()}", daemon=True).start()
+
+    @classmethod
+    def of_node(cls, failover: FailoverSection, node: str, on_notice: Callable[[str], None],
+                sigterm: bool = True) -> NoticeWatcher:
+        """The notices `failover.*_notice_url` configure, read for `node`: "{node}" in a URL is
+        the node's name (one metadata service per host in the cloud, where the URLs name
+        no node; one loopback server for every node in the tests)."""
+        return cls(aws_url=failover.aws_notice_url.replace("{node}", node),
+                   gcp_url=failover.gcp_notice_url.replace("{node}", node),
+                   azure_url=failover.azure_notice_url.replace("{node}", node),
+                   poll_s=failover.notice_poll_s, on_notice=on_notice, sigterm=sigterm)
 
     def _watch(self, source: Source, poll_s: float) -> None:
         notice = source.next_notice(self.notice, poll_s)

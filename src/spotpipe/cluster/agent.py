@@ -71,6 +71,7 @@ from spotpipe.cluster.rendezvous import (ALL_LEFT, ARRIVALS, JOB, LEFT, OVER, ag
 from spotpipe.cluster.supervisor import WORKER, Supervisor, starter, worker_env
 from spotpipe.config import Config
 from spotpipe.model import template
+from spotpipe.notices import NoticeWatcher
 from spotpipe.protocol import (AgentArrival, Assignment, Channel, Exit, JobOver, JobPosted,
                                Kill, MessageError, job_key, keys, plain, vouch, vouched)
 from spotpipe.store.address import StoreAddress
@@ -115,7 +116,7 @@ class Agent:
         opts = self.opts
         store = self.address.connect(self.timeout_s)
         me = self._arrive(store)
-        self.me = me
+        self.me = me  # (the office keeps it too: `elect` here, `Office.renamed` on a rejoin)
         self.office.elect(store, me, self.spec, hosts_store=self.hosted is not None,
                           checkpoint=self.checkpoint, notes=self.notes)
         if wait_get(store, JOB, opts.rdzv_timeout_s) is None:
@@ -231,6 +232,11 @@ class Agent:
             out / "logs", self._exited, starter=starter(self.cfg, WORKER, out / "logs"))
         # a SIGTERM to the agent is the host's preemption notice: pass it on to the workers
         signal.signal(signal.SIGTERM, lambda *_: self._pass_notice())
+        # and the cloud's own notice for this host, read from its metadata service as its
+        # workers read it (the host's first node's, where the URL names nodes)
+        if ranks:
+            NoticeWatcher.of_node(self.cfg.failover, f"node{ranks[0]}", self._heard_notice,
+                                  sigterm=False)
         self._spawn(ranks, world, answer.joining, list(range(len(ranks))))
         # later workers (a fenced node's agent joining again) are started by one thread that
         # lives as long as the agent: a worker dies with the thread that started it
@@ -238,21 +244,22 @@ class Agent:
         self._spawns: queue.Queue[tuple[list[int], int, list[int]]] = queue.Queue()
         threading.Thread(target=self._spawner, name="spawner", daemon=True).start()
         try:
-            self._wait_over(store, posted)
+            self._await_end(store, posted)
             while self.office.take_back(store, posted, self.channel):
                 # a fresh event: setters of the one before (the abandoned wait for the end,
                 # a notice's handler that saw the office handed on) must not end this wait
                 self._done = threading.Event()
-                self._wait_over(store, posted)
+                self._await_end(store, posted)
         finally:  # (also at Ctrl-C, which the workers got too: their deaths are no crashes)
             self._stop_spawning()
         supervisor.stop_all()
         self._exits_done.wait(self.timeout_s)
         return self._leave(store)
 
-    def _wait_over(self, store: dist.Store, posted: JobPosted) -> None:
-        """Wait for the job's end, taking part in the office meanwhile, or until this host's
-        workers have all left on its notice (`_done`)."""
+    def _await_end(self, store: dist.Store, posted: JobPosted) -> None:
+        """Wait for the job's end, taking part in the office meanwhile (`Office.wait_over`,
+        off the main thread), or until this host's workers have all left on its notice
+        (`_done`)."""
         _with_main_thread_free(
             lambda: self.office.wait_over(store, posted, self.channel, self._noticed),
             self._done)
@@ -377,18 +384,34 @@ class Agent:
         self.supervisor.kill(node)
 
     def _pass_notice(self) -> None:
-        """The host is being reclaimed: its workers leave at the next boundary, and none of
-        them is restarted from now on. A signal handler must not wait for the spawner: it
-        sets the flag and signals the workers there are; a worker the spawner is starting
-        meanwhile is either among them or signalled by the spawner, which checks the flag
-        once it has started it."""
+        """The host is being reclaimed (a SIGTERM to this agent): its workers leave at the
+        next boundary, and none of them is restarted from now on. A signal handler must not
+        wait for the spawner: it sets the flag and signals the workers there are; a worker
+        the spawner is starting meanwhile is either among them or signalled by the spawner,
+        which checks the flag once it has started it."""
+        self._reclaimed()
+        for node in list(self.supervisor.procs):
+            self.supervisor.signal(node, signal.SIGTERM)
+        self._done_with(0)  # (none may be left to wait for)
+
+    def _heard_notice(self, source: str) -> None:
+        """The cloud's metadata service says this host is being reclaimed. Its workers poll
+        the same service and leave on it themselves, so nothing is passed on (a SIGTERM
+        first would also take from them the Azure event they acknowledge once they have
+        left); this agent starts no worker from now on, campaigns for nothing, hands the
+        coordinator's office on if it holds it, and leaves once its workers have. Before, only
+        a SIGTERM told the agent: one whose workers left on the cloud's notice stayed to the
+        job's end, and could be elected to coordinate from a host about to go."""
+        self.say(f"this host's preemption notice ({source}): its workers leave at their next "
+                 "boundary, and this agent with them")
+        self._reclaimed()
+        self._done_with(0)  # (its workers may have left already)
+
+    def _reclaimed(self) -> None:
         self._signalling = True
         self._noticed.set()
         if self.office.coordinating is not None:
             self.office.coordinating.noticed()
-        for node in list(self.supervisor.procs):
-            self.supervisor.signal(node, signal.SIGTERM)
-        self._done_with(0)  # (none may be left to wait for)
 
     @property
     def _leaves_on_notice(self) -> bool:

@@ -18,6 +18,9 @@ Checksums = dict[str, str]  # a file's path in the checkpoint -> its SHA-256
 
 @dataclass
 class CheckpointParts:
+    """The stages reported of each iteration not yet committed, and the iterations that
+    will never be (one of their stages could not be written)."""
+
     parts: dict[int, dict[int, Checksums]] = field(default_factory=dict)  # iteration -> stage
     failed: set[int] = field(default_factory=set)  # a stage could not be written: never committed
 

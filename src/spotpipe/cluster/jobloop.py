@@ -405,8 +405,8 @@ class JobLoop:
         """A process whose failure ends the job: record it and say why, naming its log."""
         self._drain()
         detail = self._errors.get(name) or f"exited with code {code}"
-        self.files.event({"time_s": self._now(), "kind": kind, "node": name, "returncode": code,
-                     "message": detail})
+        self.files.event({"time_s": self._now(), "kind": kind, "node": name,
+                          "returncode": code, "message": detail})
         return f"{name} failed: {detail} (log: {self.out}/logs/{name}.log)"
 
     def _shadows_done(self) -> bool:
@@ -500,7 +500,7 @@ class JobLoop:
     def _drain(self) -> None:
         """Write every record posted so far: a worker posts its last record before it exits,
         so once it has exited, the store's mailbox count says how many records to wait for.
-        (What else comes meanwhile, exits and helpers' events, is left: the job is over.)"""
+        (What else comes meanwhile, exits and helpers' events, is dropped: the job is over.)"""
         store = self._store
         posted = mailbox.posted(store)
         # the count may lag by a record whose writer was killed right after writing it

@@ -130,16 +130,9 @@ class Worker:
         self.inject = Injector(faults, node, lambda f: self.channel.event(
             "fault_injected", fault=f.kind, iteration=f.iteration, phase=f.phase))
         self.inject.poison = self._poison_gradient
-        # "{node}" in a URL is replaced by the node's name (one metadata service per host in
-        # the cloud; one loopback server for all nodes in tests)
-        self.notices = NoticeWatcher(aws_url=cfg.failover.aws_notice_url.replace("{node}", node),
-                                     gcp_url=cfg.failover.gcp_notice_url.replace("{node}", node),
-                                     azure_url=cfg.failover.azure_notice_url.replace("{node}",
-                                                                                     node),
-                                     poll_s=cfg.failover.notice_poll_s,
-                                     on_notice=lambda src: self.channel.post(Notice(
-                                         node, self.state.generation, src,
-                                         self.channel.now())))
+        self.notices = NoticeWatcher.of_node(
+            cfg.failover, node, on_notice=lambda src: self.channel.post(Notice(
+                node, self.state.generation, src, self.channel.now())))
         timeout = cfg.cluster.timeout_s
         self.executor: Executor | None = None
         self.shadow = (ShadowWriter(self.sealed, namespace, node, max_lag=cfg.shadow.max_lag,
