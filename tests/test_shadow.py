@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -315,3 +316,58 @@ def test_a_gradient_received_just_before_the_writer_died_stays_pending():
         shadow._serve(_WriterDiesAfterAGradient())
     assert shadow.pending is not None and shadow.pending[0] == 3
     assert torch.equal(shadow.pending[1], torch.full((4,), 0.5))
+
+
+def test_a_shadow_that_dies_ends_the_job_naming_it(tmp_path, corpus):
+    """A shadow runs beside the coordinator, on the host the job cannot lose, and holds the
+    only copy of its stage that survives every pipeline losing it: one that dies there is a
+    fault of that host's software, so the job stops at once (exit 1), naming the shadow and
+    its log, with its workers and the store's port let go, rather than training on without
+    the copy a later loss would need."""
+    import os
+    import signal
+    import threading
+    import time
+
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy",
+                      **{**FAST, "iterations": 2000, "shadow.enabled": True})
+    run = tmp_path / "run"
+    log = (run / "logs" / "shadow1.log").resolve()
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def kill_once_training() -> None:
+        """SIGKILL shadow1's process once the job has trained 3 iterations (it is found by
+        its output, which goes to its log)."""
+        metrics = run / "metrics.jsonl"
+        while not stop.is_set():
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            if len(lines) >= 3:
+                for pid in filter(str.isdigit, os.listdir("/proc")):
+                    try:
+                        if Path(os.readlink(f"/proc/{pid}/fd/1")) == log:
+                            os.kill(int(pid), signal.SIGKILL)
+                            killed.append(int(pid))
+                            return
+                    except OSError:  # gone meanwhile, or not ours
+                        continue
+            stop.wait(0.02)
+
+    killer = threading.Thread(target=kill_once_training, daemon=True)
+    killer.start()
+    try:
+        code = train(cfg, run, progress=False)
+    finally:
+        stop.set()
+        killer.join(timeout=10)
+    assert killed, "shadow1 was never found running"
+    assert code == 1
+    ev = events(run)
+    assert [(e["node"], e["returncode"]) for e in ev if e["kind"] == "shadow_failed"] == [
+        ("shadow1", -signal.SIGKILL)]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["iterations"] < cfg.iterations
+    assert summary["message"] == (f"shadow1 failed: exited with code {-signal.SIGKILL} "
+                                  f"(log: {run}/logs/shadow1.log)"), summary["message"]
+    assert ev[-1]["kind"] == "job_failed"
+    assert_nothing_left(run, store_port(run))
