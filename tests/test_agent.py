@@ -271,6 +271,29 @@ def test_with_c10d_only_the_agent_hosting_the_store_coordinates():
     assert c10d_elected(store, 2, hosts_store=True) and store.get(COORDINATOR) == b"2"
 
 
+def test_a_notice_to_the_c10d_stores_host_says_the_job_goes_with_it(corpus, tmp_path, capsys):
+    """With c10d the store and the coordinator live on the host started with --on-demand:
+    if that host is reclaimed all the same, nothing can carry the job on, and its agent says
+    so at the notice (once, and only there: another host's agent leaves quietly), rather
+    than leave the other hosts to fail later on a store that is gone."""
+    import torch.distributed as dist
+
+    from spotpipe.cluster.agent import Agent, AgentOptions
+
+    opts = AgentOptions(backend="c10d", endpoint="127.0.0.1:1", rdzv_id="x", min_nodes=2,
+                        max_nodes=2, out=tmp_path, on_demand=True)
+    hosting = Agent(opts, _config(corpus, 3), None, TOKEN, None,  # type: ignore[arg-type]
+                    dist.HashStore())
+    hosting._heard_notice("AWS spot instance-action terminate")
+    hosting._heard_notice("GCP preempted")
+    said = capsys.readouterr().err
+    assert said.count("yet it is being reclaimed: the job cannot outlive it") == 1, said
+    assert "--rdzv-backend etcd" in said and hosting._signalling
+    other = Agent(opts, _config(corpus, 3), None, TOKEN, None, None)  # type: ignore[arg-type]
+    other._heard_notice("AWS spot instance-action terminate")
+    assert "cannot outlive it" not in capsys.readouterr().err and other._signalling
+
+
 def test_the_coordinators_host_is_followed_when_it_comes_again(corpus, tmp_path):
     """A fenced node of the coordinating agent's host comes again under a new arrival
     number, its host's nodes moved to it: the coordinator's own nodes (which its hand-over

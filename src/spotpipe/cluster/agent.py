@@ -408,6 +408,13 @@ class Agent:
         self._done_with(0)  # (its workers may have left already)
 
     def _reclaimed(self) -> None:
+        if self.hosted is not None and not self._noticed.is_set():
+            # (--on-demand was required of it: `check_options`)
+            self.say("this host hosts the job's c10d store and its coordinator, and was "
+                     "started as on-demand (--on-demand), yet it is being reclaimed: the job "
+                     "cannot outlive it (its store goes with the host). A job that must "
+                     "outlive any host uses --rdzv-backend etcd, with etcd on on-demand "
+                     "machines")
         self._signalling = True
         self._noticed.set()
         if self.office.coordinating is not None:
