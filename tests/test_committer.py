@@ -141,3 +141,66 @@ def test_a_checkpoint_is_committed_once_every_stage_is_on_disk_never_after_a_fai
         "stage0/a": "a", "stage1/a": "b", "stage1/b": "b2", "stage2/a": "c"}
     assert successor.parts == {} and successor.failed == {20}
     assert successor.saved(20, 2, {"stage2/a": "z"}, stages=3) is None
+
+
+def test_a_commit_with_keep_newer_ready_behind_it_is_superseded(tmp_path):
+    """Commits that come faster than they run (each verifies every checkpoint it keeps) are
+    not made one after another when retention would delete them at once: one with `keep`
+    newer checkpoints ready behind it (no step of theirs under way or failed) is reported
+    superseded, and the newer ones are committed. Worked out by hand below, keep = 2: the
+    thread is held until every item is queued; commit 1 has 2 and 4 ready behind it (3's
+    upload fails, or is still under way), so it is superseded; commit 2 has only 4 behind
+    it that counts, so it is made; 3 fails with its upload; 4 is made."""
+    root = tmp_path / "ckpt"
+    committer = Committer(root, keep=2, key=KEY, now=lambda: 0.0)
+    held, third = threading.Event(), threading.Event()
+    committer.submit_step(1, lambda: "" if held.wait(30) else "never released")
+    committer.submit(1, {"stages": 1}, _written(root, 1))
+    committer.submit(2, {"stages": 1}, _written(root, 2))
+    committer.submit_step(3, lambda: "it arrived damaged" if third.wait(30) else "stuck")
+    committer.submit(3, {"stages": 1}, _written(root, 3))
+    committer.submit(4, {"stages": 1}, _written(root, 4))
+    third.set()  # (whether 3's upload has failed yet or is still under way when commits 1
+    held.set()   # and 2 look behind them, 3 cannot count: the outcome is the same)
+    done = committer.close()
+    assert [(c.iteration, c.path is not None, c.error, c.superseded_by) for c in done] == [
+        (1, False, "", (2, 4)), (2, True, "", ()), (3, False, "it arrived damaged", ()),
+        (4, True, "", ())]
+    assert sorted(p.name for p in root.iterdir()) == ["iter_00000002", "iter_00000004"]
+
+
+def test_commits_behind_which_fewer_than_keep_are_ready_are_all_made(tmp_path):
+    """A backlog shorter than `keep`: every commit is made, retention deleting as before."""
+    root = tmp_path / "ckpt"
+    committer = Committer(root, keep=3, key=KEY, now=lambda: 0.0)
+    held = threading.Event()
+    committer.submit_step(1, lambda: "" if held.wait(30) else "never released")
+    for t in (1, 2, 3):
+        committer.submit(t, {"stages": 1}, _written(root, t))
+    held.set()
+    done = committer.close()
+    assert [(c.iteration, c.path is not None, c.superseded_by) for c in done] == [
+        (1, True, ()), (2, True, ()), (3, True, ())]
+
+
+def test_a_superseded_commit_is_an_event_that_says_the_commits_are_behind():
+    """What the loop writes of each outcome: a superseded checkpoint is neither committed
+    nor failed, and its event says why and what would commit every one."""
+    from spotpipe.cluster.committer import Committed
+    from spotpipe.cluster.jobloop import JobLoop
+
+    class Files:
+        def __init__(self) -> None:
+            self.events: list[dict] = []
+
+        def event(self, record: dict) -> None:
+            self.events.append(record)
+
+    files = Files()
+    JobLoop._record_commits(None, files, [  # type: ignore[arg-type]
+        Committed(10, 1.0, superseded_by=(20, 30)), Committed(20, 2.0, path=Path("x")),
+        Committed(30, 3.0, error="commit: disk full")])
+    assert [(e["kind"], e["iteration"]) for e in files.events] == [
+        ("checkpoint_superseded", 10), ("checkpoint_committed", 20), ("checkpoint_failed", 30)]
+    assert files.events[0]["by"] == [20, 30]
+    assert "slower than checkpoint.every" in files.events[0]["message"]

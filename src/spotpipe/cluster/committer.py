@@ -12,6 +12,14 @@ and waits for what is still running when the job ends (a restart reads the newes
 checkpoint). Commits run in order on one thread of their own; uploads are taken at once, each
 on a thread of a pool, since every host streams its stage at the same time and a slow host
 must not hold the others' pieces (each sender waits for its pieces to be taken).
+
+Commits can come faster than they run: `checkpoint.every` set (or worked out) from the stall a
+checkpoint costs training, while each commit verifies every checkpoint it keeps. Queued one
+after another they would fall further behind at every checkpoint, each hashing checkpoints
+about to be deleted, their folders filling the disk meanwhile. So a commit with `keep` newer
+checkpoints ready behind it (all of their stages on disk, nothing left that can fail them)
+is not made: retention would delete it as soon as those are committed. It is reported as
+superseded, which says the commits are behind.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ class Committed:
     time_s: float
     path: Path | None = None
     error: str = ""
+    # not committed: these newer checkpoints, `keep` of them, were ready behind it
+    superseded_by: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -115,6 +125,12 @@ class Committer:
             return
         if failed:
             return  # said once, by the step that failed
+        newer = self._ready_behind(item.iteration)
+        if len(newer) >= self.keep:
+            with self._lock:
+                self._done.append(Committed(item.iteration, self.now(),
+                                            superseded_by=tuple(newer[-self.keep:])))
+            return
         try:
             path = durable.commit(self.root, item.iteration, item.info, item.checksums,
                                   self.keep, self.key)
@@ -123,6 +139,17 @@ class Committer:
             result = Committed(item.iteration, self.now(), error=f"commit: {exc}")
         with self._lock:
             self._done.append(result)
+
+    def _ready_behind(self, iteration: int) -> list[int]:
+        """The commits queued behind `iteration`'s that nothing can fail any more: none of
+        their steps is under way or went wrong. (A step is handed over before its
+        iteration's commit, so one not in the queue has been taken: `_failed` says how.)"""
+        with self._queue.mutex:
+            behind = list(self._queue.queue)
+        unsure = {i.iteration for i in behind if isinstance(i, _Step)
+                  and (not i.result.done() or i.result.result())} | self._failed
+        return sorted(i.iteration for i in behind if isinstance(i, _Commit)
+                      and i.iteration > iteration and i.iteration not in unsure)
 
     def finished(self) -> list[Committed]:
         """The commits done since the last call, in order."""
