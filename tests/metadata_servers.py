@@ -13,7 +13,8 @@ providers' documentation:
   until the value's ETag differs from E or timeout_sec passes.
 - Azure: every request needs `Metadata: true` (else 400 with a JSON error) and an
   api-version; scheduledevents returns {"DocumentIncarnation", "Events": [...]}; a POST of
-  {"StartRequests": [{"EventId"}]} acknowledges an event (recorded in `acks`).
+  {"StartRequests": [{"EventId"}]} acknowledges an event (recorded in `acks`), which is
+  "Started" from then on.
 """
 
 from __future__ import annotations
@@ -200,6 +201,10 @@ class MetadataServer:
             ids = [str(s["EventId"]) for s in starts]
         except (ValueError, KeyError, TypeError):
             return self._reply(req, 400, b"{}", "application/json")
-        for event_id in ids:
-            self.acks.append((host, event_id))
+        with self.changed:
+            for event_id in ids:
+                self.acks.append((host, event_id))
+                event = self.events.get(host)
+                if event is not None and event["EventId"] == event_id:
+                    event["EventStatus"] = "Started"  # (as Azure does once it is approved)
         self._reply(req, 200, b"", "application/json")

@@ -271,7 +271,7 @@ def test_with_c10d_only_the_agent_hosting_the_store_coordinates():
     assert c10d_elected(store, 2, hosts_store=True) and store.get(COORDINATOR) == b"2"
 
 
-def test_a_notice_to_the_c10d_stores_host_says_the_job_goes_with_it(corpus, tmp_path, capsys):
+def test_a_notice_to_the_c10d_stores_host_says_the_job_goes_with_it(corpus, tmp_path, capfd):
     """With c10d the store and the coordinator live on the host started with --on-demand:
     if that host is reclaimed all the same, nothing can carry the job on, and its agent says
     so at the notice (once, and only there: another host's agent leaves quietly), rather
@@ -286,12 +286,12 @@ def test_a_notice_to_the_c10d_stores_host_says_the_job_goes_with_it(corpus, tmp_
                     dist.HashStore())
     hosting._heard_notice("AWS spot instance-action terminate")
     hosting._heard_notice("GCP preempted")
-    said = capsys.readouterr().err
+    said = capfd.readouterr().err
     assert said.count("yet it is being reclaimed: the job cannot outlive it") == 1, said
     assert "--rdzv-backend etcd" in said and hosting._signalling
     other = Agent(opts, _config(corpus, 3), None, TOKEN, None, None)  # type: ignore[arg-type]
     other._heard_notice("AWS spot instance-action terminate")
-    assert "cannot outlive it" not in capsys.readouterr().err and other._signalling
+    assert "cannot outlive it" not in capfd.readouterr().err and other._signalling
 
 
 def test_the_coordinators_host_is_followed_when_it_comes_again(corpus, tmp_path):
@@ -967,24 +967,28 @@ def test_an_agent_whose_host_is_reclaimed_leaves_with_its_workers_while_the_job_
     cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy", **{**job, **notices})
     # (notices change no parameter: the reference is shared with the other tests of this job)
     reference = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy", **job)
-    outs, agents, said = _hosts_of_two_training(cfg, tmp_path, "c10d",
-                                                f"127.0.0.1:{free_port()}")
-    first, coordinating = agents[0], 0
-    theirs = sorted(p.stem for p in (outs[1 - coordinating] / "logs").glob("node*.log"))
-    if via == "sigterm":
-        agents[1].send_signal(signal.SIGTERM)
-    else:
-        for node in theirs:
-            meta.preempt(node)
-    code, err = _finish([agents[1]])[0]
-    trained = [json.loads(line)["iter"]
-               for line in (outs[0] / "metrics.jsonl").read_text().splitlines()]
-    assert code == 0 and "left the job on this host's preemption notice" in err, err[-2000:]
-    assert via == "sigterm" or "this host's preemption notice (AWS spot" in err, err[-2000:]
-    assert first.poll() is None and trained[-1] < cfg.iterations - 1, \
-        "the agent did not leave before the job's end"
-    assert first.wait(timeout=600) == 0, "".join(said.lines)[-2000:]
-    meta.close()
+    try:
+        outs, agents, said = _hosts_of_two_training(cfg, tmp_path, "c10d",
+                                                    f"127.0.0.1:{free_port()}")
+        first, coordinating = agents[0], 0
+        theirs = sorted(p.stem for p in (outs[1 - coordinating] / "logs").glob("node*.log"))
+        if via == "sigterm":
+            agents[1].send_signal(signal.SIGTERM)
+        else:
+            for node in theirs:
+                meta.preempt(node)
+        code, err = _finish([agents[1]])[0]
+        trained = [json.loads(line)["iter"]
+                   for line in (outs[0] / "metrics.jsonl").read_text().splitlines()]
+        assert code == 0 and "left the job on this host's preemption notice" in err, \
+            err[-2000:]
+        assert via == "sigterm" or "this host's preemption notice (AWS spot" in err, \
+            err[-2000:]
+        assert first.poll() is None and trained[-1] < cfg.iterations - 1, \
+            "the agent did not leave before the job's end"
+        assert first.wait(timeout=600) == 0, "".join(said.lines)[-2000:]
+    finally:
+        meta.close()
     # the agent that left counted as one that confirmed the end: the store's host did not
     # wait for it (cluster.timeout_s) before leaving
     assert not any("not every agent confirmed" in line for line in said.lines), said.lines

@@ -171,14 +171,7 @@ def test_a_failure_is_handled_while_a_commit_is_still_running(tmp_path, corpus, 
     assert seen[:1] == ["checkpoint-commit"], "the job did not recover while the commit ran"
     evs = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     committed = [e["iteration"] for e in evs if e["kind"] == "checkpoint_committed"]
-    # held behind the first commit, one with checkpoint.keep newer checkpoints ready behind
-    # it is superseded by them (retention would delete it at once), none is lost unsaid
-    superseded = {e["iteration"]: e["by"] for e in evs if e["kind"] == "checkpoint_superseded"}
-    assert committed == sorted(committed) and 2 in committed
-    handled = sorted(committed + list(superseded))
-    assert handled == [2, 5, 8, 11][:len(handled)]
-    assert all(len(by) == cfg.checkpoint.keep and set(by) <= set(committed)
-               for by in superseded.values()), superseded
+    assert sorted(committed) == [2, 5, 8, 11][:len(committed)] and 2 in committed
     assert [p.name for p in sorted((run / "checkpoints").iterdir())] == \
         [f"iter_{t:08d}" for t in sorted(committed)[-cfg.checkpoint.keep:]]
     for path in (run / "checkpoints").iterdir():

@@ -143,15 +143,24 @@ def test_a_checkpoint_is_committed_once_every_stage_is_on_disk_never_after_a_fai
     assert successor.saved(20, 2, {"stage2/a": "z"}, stages=3) is None
 
 
-def test_a_commit_with_keep_newer_ready_behind_it_is_superseded(tmp_path):
-    """Commits that come faster than they run (each verifies every checkpoint it keeps) are
-    not made one after another when retention would delete them at once: one with `keep`
-    newer checkpoints ready behind it (no step of theirs under way or failed) is reported
-    superseded, and the newer ones are committed. Worked out by hand below, keep = 2: the
-    thread is held until every item is queued; commit 1 has 2 and 4 ready behind it (3's
-    upload fails, or is still under way), so it is superseded; commit 2 has only 4 behind
-    it that counts, so it is made; 3 fails with its upload; 4 is made."""
+def test_a_commit_with_a_newer_one_ready_behind_it_leaves_retention_to_it(tmp_path,
+                                                                           monkeypatch):
+    """Commits that come faster than they run (each one's retention hashes every checkpoint
+    it keeps) do not each pay for retention: one with a newer checkpoint ready behind it (no
+    step of that one under way or failed) is made without it, and the newest applies it.
+    Worked out by hand, keep = 2, the thread held until every item is queued: commit 1 has 2
+    and 4 ready behind it (3's upload fails, or is still under way: it cannot count either
+    way), commit 2 has 4; 3 fails with its upload; 4 has none behind it and applies
+    retention once, which keeps 4 and 2."""
     root = tmp_path / "ckpt"
+    retained: list[list[str]] = []
+    real = durable.retain
+
+    def retain(*args, **kwargs):
+        retained.append(sorted(p.name for p in root.iterdir() if p.name.startswith("iter_")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(durable, "retain", retain)
     committer = Committer(root, keep=2, key=KEY, now=lambda: 0.0)
     held, third = threading.Event(), threading.Event()
     committer.submit_step(1, lambda: "" if held.wait(30) else "never released")
@@ -160,32 +169,37 @@ def test_a_commit_with_keep_newer_ready_behind_it_is_superseded(tmp_path):
     committer.submit_step(3, lambda: "it arrived damaged" if third.wait(30) else "stuck")
     committer.submit(3, {"stages": 1}, _written(root, 3))
     committer.submit(4, {"stages": 1}, _written(root, 4))
-    third.set()  # (whether 3's upload has failed yet or is still under way when commits 1
-    held.set()   # and 2 look behind them, 3 cannot count: the outcome is the same)
+    third.set()
+    held.set()
     done = committer.close()
-    assert [(c.iteration, c.path is not None, c.error, c.superseded_by) for c in done] == [
-        (1, False, "", (2, 4)), (2, True, "", ()), (3, False, "it arrived damaged", ()),
+    assert [(c.iteration, c.path is not None, c.error, c.retention_left_to) for c in done] == [
+        (1, True, "", (2, 4)), (2, True, "", (4,)), (3, False, "it arrived damaged", ()),
         (4, True, "", ())]
+    assert retained == [["iter_00000001", "iter_00000002", "iter_00000004"]]  # once, at 4
     assert sorted(p.name for p in root.iterdir()) == ["iter_00000002", "iter_00000004"]
 
 
-def test_commits_behind_which_fewer_than_keep_are_ready_are_all_made(tmp_path):
-    """A backlog shorter than `keep`: every commit is made, retention deleting as before."""
+def test_a_commit_that_left_retention_to_a_newer_one_stays_when_that_one_fails(tmp_path):
+    """The newer checkpoint ready behind it fails to commit (a stage file it lists is not
+    there): the one before it was committed all the same, and is the checkpoint to go back
+    to, even at keep = 1."""
     root = tmp_path / "ckpt"
-    committer = Committer(root, keep=3, key=KEY, now=lambda: 0.0)
+    committer = Committer(root, keep=1, key=KEY, now=lambda: 0.0)
     held = threading.Event()
     committer.submit_step(1, lambda: "" if held.wait(30) else "never released")
-    for t in (1, 2, 3):
-        committer.submit(t, {"stages": 1}, _written(root, t))
+    committer.submit(1, {"stages": 1}, _written(root, 1))
+    committer.submit(2, {"stages": 1}, {"stage0/gone.bin": "0" * 64})
     held.set()
     done = committer.close()
-    assert [(c.iteration, c.path is not None, c.superseded_by) for c in done] == [
-        (1, True, ()), (2, True, ()), (3, True, ())]
+    assert [(c.iteration, c.path is not None, c.retention_left_to) for c in done] == [
+        (1, True, (2,)), (2, False, ())]
+    assert "stage file(s) listed but not in" in done[1].error
+    assert durable.newest(root) is not None and durable.newest(root).next_iteration == 2
 
 
-def test_a_superseded_commit_is_an_event_that_says_the_commits_are_behind():
-    """What the loop writes of each outcome: a superseded checkpoint is neither committed
-    nor failed, and its event says why and what would commit every one."""
+def test_commit_outcomes_are_events():
+    """What the loop writes of each outcome; a commit that left its retention to newer ones
+    says which (the commits are behind)."""
     from spotpipe.cluster.committer import Committed
     from spotpipe.cluster.jobloop import JobLoop
 
@@ -198,9 +212,9 @@ def test_a_superseded_commit_is_an_event_that_says_the_commits_are_behind():
 
     files = Files()
     JobLoop._record_commits(None, files, [  # type: ignore[arg-type]
-        Committed(10, 1.0, superseded_by=(20, 30)), Committed(20, 2.0, path=Path("x")),
-        Committed(30, 3.0, error="commit: disk full")])
-    assert [(e["kind"], e["iteration"]) for e in files.events] == [
-        ("checkpoint_superseded", 10), ("checkpoint_committed", 20), ("checkpoint_failed", 30)]
-    assert files.events[0]["by"] == [20, 30]
-    assert "slower than checkpoint.every" in files.events[0]["message"]
+        Committed(10, 1.0, path=Path("a"), retention_left_to=(20, 30)),
+        Committed(20, 2.0, path=Path("b")), Committed(30, 3.0, error="commit: disk full")])
+    assert [(e["kind"], e["iteration"], e.get("retention_left_to")) for e in files.events] == [
+        ("checkpoint_committed", 10, [20, 30]), ("checkpoint_committed", 20, None),
+        ("checkpoint_failed", 30, None)]
+    assert files.events[2]["message"] == "commit: disk full"

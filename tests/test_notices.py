@@ -123,6 +123,20 @@ def test_azure_preempt_for_this_vm_and_its_acknowledgement(meta):
     assert meta.acks == [("h1", event_id)]
 
 
+def test_an_acknowledged_azure_event_is_a_notice_only_to_a_reader_that_watches(meta):
+    """Once the host's workers have left and acknowledged their event, Azure lists it as
+    "Started": no notice for a node (it acted on it already), but one for the node agent,
+    which only watches and may poll after its workers acknowledged."""
+    meta.preempt("h1")
+    notice = AzureScheduledEvents(meta.urls("h1")["azure"]).check()
+    assert notice is not None
+    notice.acknowledge()
+    assert meta.events["h1"]["EventStatus"] == "Started"
+    assert AzureScheduledEvents(meta.urls("h1")["azure"]).check() is None
+    watching = AzureScheduledEvents(meta.urls("h1")["azure"], started_too=True).check()
+    assert watching is not None and meta.events["h1"]["EventId"] in watching.source
+
+
 def test_watcher_sets_once_and_acknowledges_azure_once(meta):
     seen: list[str] = []
     ready = threading.Event()

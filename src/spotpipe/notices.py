@@ -178,8 +178,13 @@ class AzureScheduledEvents(_Polled):
     DEFAULT = "http://169.254.169.254/metadata/scheduledevents?api-version=2020-07-01"
     NAME_PATH = "/metadata/instance/compute/name?api-version=2021-02-01&format=text"
 
-    def __init__(self, url: str, timeout_s: float = 2.0, vm_name: str = "") -> None:
+    def __init__(self, url: str, timeout_s: float = 2.0, vm_name: str = "",
+                 started_too: bool = False) -> None:
+        """`started_too`: an event already acknowledged (Azure says "Started") is a notice
+        too, for a reader that only watches (the node agent), whose host's workers may have
+        heard the event and acknowledged it before its next poll."""
         self.url = url
+        self.statuses = ("Scheduled", "Started") if started_too else ("Scheduled",)
         self.name_url = url.split("/metadata/", 1)[0] + self.NAME_PATH
         self.timeout_s = timeout_s
         self.vm_name = vm_name
@@ -202,7 +207,7 @@ class AzureScheduledEvents(_Polled):
             return None
         for event in json.loads(body).get("Events", []):
             if (event.get("EventType") == "Preempt" and name in event.get("Resources", [])
-                    and event.get("EventStatus") == "Scheduled"):
+                    and event.get("EventStatus") in self.statuses):
                 event_id = str(event["EventId"])
                 return Notice(f"Azure Scheduled Events Preempt {event_id} for {name} "
                               f"(not before {event.get('NotBefore', '?')})",
@@ -225,7 +230,10 @@ class NoticeWatcher:
 
     def __init__(self, *, aws_url: str = "", gcp_url: str = "", azure_url: str = "",
                  poll_s: float = 5.0, on_notice: Callable[[str], None] | None = None,
-                 sigterm: bool = True) -> None:
+                 sigterm: bool = True, watch_only: bool = False) -> None:
+        """`sigterm`: a SIGTERM to this process is a notice too. `watch_only`: this reader
+        does not act for the cloud (never acknowledges), so an Azure event others have
+        acknowledged already still counts."""
         self.notice = threading.Event()
         self.source = ""
         self._ack: Callable[[], None] | None = None
@@ -239,21 +247,22 @@ class NoticeWatcher:
         if gcp_url:
             sources.append(GcpMetadata(gcp_url))
         if azure_url:
-            sources.append(AzureScheduledEvents(azure_url))
+            sources.append(AzureScheduledEvents(azure_url, started_too=watch_only))
         for src in sources:
             threading.Thread(target=self._watch, args=(src, poll_s),
                              name=f"notice-{src.name.lower()}", daemon=True).start()
 
     @classmethod
     def of_node(cls, failover: FailoverSection, node: str, on_notice: Callable[[str], None],
-                sigterm: bool = True) -> NoticeWatcher:
+                sigterm: bool = True, watch_only: bool = False) -> NoticeWatcher:
         """The notices `failover.*_notice_url` configure, read for `node`: "{node}" in a URL is
         the node's name (one metadata service per host in the cloud, where the URLs name
         no node; one loopback server for every node in the tests)."""
         return cls(aws_url=failover.aws_notice_url.replace("{node}", node),
                    gcp_url=failover.gcp_notice_url.replace("{node}", node),
                    azure_url=failover.azure_notice_url.replace("{node}", node),
-                   poll_s=failover.notice_poll_s, on_notice=on_notice, sigterm=sigterm)
+                   poll_s=failover.notice_poll_s, on_notice=on_notice, sigterm=sigterm,
+                   watch_only=watch_only)
 
     def _watch(self, source: Source, poll_s: float) -> None:
         notice = source.next_notice(self.notice, poll_s)

@@ -173,9 +173,10 @@ def _write_durably(path: Path, text: str) -> None:
 
 
 def commit(root: Path, iteration: int, info: dict[str, Any], checksums: dict[str, str],
-           keep: int, key: bytes) -> Path:
+           keep: int, key: bytes, apply_retention: bool = True) -> Path:
     """Write the signed manifest and make the checkpoint visible, durably; keep the newest
-    `keep` that verify. A folder of the same iteration already there (a job resumed from an
+    `keep` that verify (unless not `apply_retention`: a later commit applies it, which
+    hashes every kept checkpoint again). A folder of the same iteration already there (a job resumed from an
     older checkpoint into the same folder) is replaced. A stage file the checksums list but
     the folder lacks (its host sent it to a coordinator deposed since, whose successor does not
     see that coordinator's folder) fails the commit: FileNotFoundError, naming it."""
@@ -196,7 +197,8 @@ def commit(root: Path, iteration: int, info: dict[str, Any], checksums: dict[str
     os.replace(partial, final)
     fsync_path(root)
     shutil.rmtree(aside, ignore_errors=True)
-    retain(root, keep, key)
+    if apply_retention:
+        retain(root, keep, key)
     for stale in root.glob(".iter_*.partial"):  # writes of earlier iterations that failed
         if _iteration_of(stale) < iteration:
             shutil.rmtree(stale, ignore_errors=True)

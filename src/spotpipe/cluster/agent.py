@@ -45,6 +45,7 @@ so that the coordinator's --out gets the whole model even without a shared files
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import socket
@@ -103,6 +104,9 @@ class Agent:
         # notice passed on, the stop at the job's end; no worker starts after it is set
         # (a worker started late would miss the notice, or outlive the stop)
         self._signalling = False
+        # the notice was a SIGTERM, passed on to the workers (a cloud's notice is not: the
+        # workers read it themselves)
+        self._passing_on = False
         self._spawning = threading.Lock()  # held by the spawner while it starts a worker
         self._lock = threading.Lock()
         # whether this agent coordinates, and its candidacy for the office (office.py)
@@ -110,7 +114,9 @@ class Agent:
                              on_handed_over=lambda: self._done_with(0))
 
     def say(self, text: str) -> None:
-        print(f"spotpipe agent: {text}", file=sys.stderr, flush=True)
+        # one unbuffered write: also said from the SIGTERM handler, which may run while the
+        # main thread is inside a print (a buffered stream's reentrant call raises there)
+        os.write(2, f"spotpipe agent: {text}\n".encode())
 
     def run(self) -> int:
         opts = self.opts
@@ -236,7 +242,7 @@ class Agent:
         # workers read it (the host's first node's, where the URL names nodes)
         if ranks:
             NoticeWatcher.of_node(self.cfg.failover, f"node{ranks[0]}", self._heard_notice,
-                                  sigterm=False)
+                                  sigterm=False, watch_only=True)
         self._spawn(ranks, world, answer.joining, list(range(len(ranks))))
         # later workers (a fenced node's agent joining again) are started by one thread that
         # lives as long as the agent: a worker dies with the thread that started it
@@ -366,7 +372,7 @@ class Agent:
             with self._spawning:
                 if not self._signalling:
                     self._spawn(ranks, world, True, places)
-                    if self._signalling:  # a notice came while they started (_pass_notice)
+                    if self._passing_on:  # a SIGTERM came while they started (_pass_notice)
                         for rank in ranks:
                             self.supervisor.signal(f"node{rank}", signal.SIGTERM)
                     continue
@@ -389,6 +395,7 @@ class Agent:
         wait for the spawner: it sets the flag and signals the workers there are; a worker
         the spawner is starting meanwhile is either among them or signalled by the spawner,
         which checks the flag once it has started it."""
+        self._passing_on = True
         self._reclaimed()
         for node in list(self.supervisor.procs):
             self.supervisor.signal(node, signal.SIGTERM)
@@ -402,6 +409,8 @@ class Agent:
         coordinator's office on if it holds it, and leaves once its workers have. Before, only
         a SIGTERM told the agent: one whose workers left on the cloud's notice stayed to the
         job's end, and could be elected to coordinate from a host about to go."""
+        if self._noticed.is_set():
+            return  # (a SIGTERM came first: passed on already)
         self.say(f"this host's preemption notice ({source}): its workers leave at their next "
                  "boundary, and this agent with them")
         self._reclaimed()

@@ -13,13 +13,13 @@ checkpoint). Commits run in order on one thread of their own; uploads are taken 
 on a thread of a pool, since every host streams its stage at the same time and a slow host
 must not hold the others' pieces (each sender waits for its pieces to be taken).
 
-Commits can come faster than they run: `checkpoint.every` set (or worked out) from the stall a
-checkpoint costs training, while each commit verifies every checkpoint it keeps. Queued one
-after another they would fall further behind at every checkpoint, each hashing checkpoints
-about to be deleted, their folders filling the disk meanwhile. So a commit with `keep` newer
-checkpoints ready behind it (all of their stages on disk, nothing left that can fail them)
-is not made: retention would delete it as soon as those are committed. It is reported as
-superseded, which says the commits are behind.
+Commits can come faster than they run: `checkpoint.every` is set (or worked out) from the
+stall a checkpoint costs training, while each commit's retention hashes every checkpoint it
+keeps. Queued one after another they would fall further behind at every checkpoint, their
+folders filling the disk meanwhile. So a commit with a newer checkpoint ready behind it (its
+stages on disk, no upload of it under way or failed) leaves retention to that one: it writes
+its manifest and renames its folder (milliseconds), and stays a checkpoint to go back to
+should the newer one fail to commit.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ class Committed:
     time_s: float
     path: Path | None = None
     error: str = ""
-    # not committed: these newer checkpoints, `keep` of them, were ready behind it
-    superseded_by: tuple[int, ...] = ()
+    # newer checkpoints ready behind it when it was made: its retention was left to them
+    retention_left_to: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -125,16 +125,11 @@ class Committer:
             return
         if failed:
             return  # said once, by the step that failed
-        newer = self._ready_behind(item.iteration)
-        if len(newer) >= self.keep:
-            with self._lock:
-                self._done.append(Committed(item.iteration, self.now(),
-                                            superseded_by=tuple(newer[-self.keep:])))
-            return
+        newer = tuple(self._ready_behind(item.iteration))
         try:
             path = durable.commit(self.root, item.iteration, item.info, item.checksums,
-                                  self.keep, self.key)
-            result = Committed(item.iteration, self.now(), path=path)
+                                  self.keep, self.key, apply_retention=not newer)
+            result = Committed(item.iteration, self.now(), path=path, retention_left_to=newer)
         except OSError as exc:  # the disk is full or failing
             result = Committed(item.iteration, self.now(), error=f"commit: {exc}")
         with self._lock:

@@ -475,22 +475,15 @@ class JobLoop:
 
     def _record_commits(self, files: RunFiles, done: list[Committed]) -> None:
         for c in done:
-            if c.superseded_by:
-                files.event({"time_s": c.time_s, "kind": "checkpoint_superseded",
-                             "node": "launcher", "iteration": c.iteration,
-                             "by": list(c.superseded_by), "message": (
-                                 f"checkpoint {c.iteration} was not committed: "
-                                 f"checkpoint.keep ({len(c.superseded_by)}) newer ones were "
-                                 "ready behind it, which retention keeps instead. Commits "
-                                 "run slower than checkpoint.every brings them (each "
-                                 "verifies the checkpoints it keeps): a longer interval "
-                                 "commits every checkpoint")})
-            elif c.path is None:  # the disk is full or failing: the previous one stays newest
+            if c.path is None:  # the disk is full or failing: the previous one stays newest
                 files.event({"time_s": c.time_s, "kind": "checkpoint_failed",
                              "node": "launcher", "iteration": c.iteration, "message": c.error})
             else:
                 files.event({"time_s": c.time_s, "kind": "checkpoint_committed",
-                             "node": "launcher", "iteration": c.iteration, "path": str(c.path)})
+                             "node": "launcher", "iteration": c.iteration, "path": str(c.path),
+                             # (commits are behind: this one left its retention to these)
+                             **({"retention_left_to": list(c.retention_left_to)}
+                                if c.retention_left_to else {})})
 
     def _partition_for(self, depth: int) -> list[tuple[int, int]]:
         """The partition at another depth, cut from the layer profile measured at launch (in

@@ -162,6 +162,8 @@ class Office:
             if seen == "vacant" and self.coordinating is None and leadership.campaign():
                 if not self._succeed(store, posted, channel):
                     return
+                if noticed.is_set():  # (the notice came while it campaigned)
+                    self.coordinating.noticed()  # type: ignore[union-attr]
 
     def take_back(self, store: dist.Store, posted: JobPosted, channel: Channel) -> bool:
         """After handing the office on, wait one lease TTL for another agent to take it. If
