@@ -22,8 +22,8 @@ Rendezvous, under `spotpipe/rdzv/` in the job's store:
    are in, runs the same `JobLoop` as `spotpipe train`. Agents arriving later, up to MAX, join
    the running job through the joining-node path (a new pipeline, a rebalance). With etcd the
    election is etcd's own recipe (`spotpipe.store.leader`: a leader key created under a lease
-   of about the heartbeat timeout, kept alive by the leader); with c10d, a compare-and-set
-   (the store's host must be on-demand anyway, see `connect_rendezvous`).
+   of about the heartbeat timeout, kept alive by the leader); with c10d, the agent hosting
+   the store (its host must be on-demand anyway, see `connect_rendezvous`).
 3. An agent refused (wrong token, another model or configuration, the job full) says why and
    exits 2; nothing of the job changes. An agent that sees the job's proof fail (a job of
    another team under the same id) refuses it in turn.
