@@ -176,8 +176,8 @@ def commit(root: Path, iteration: int, info: dict[str, Any], checksums: dict[str
            keep: int, key: bytes, apply_retention: bool = True) -> Path:
     """Write the signed manifest and make the checkpoint visible, durably; keep the newest
     `keep` that verify (unless not `apply_retention`: a later commit applies it, which
-    hashes every kept checkpoint again). A folder of the same iteration already there (a job resumed from an
-    older checkpoint into the same folder) is replaced. A stage file the checksums list but
+    hashes every kept checkpoint again). A folder of the same iteration already there (a
+    job resumed from an older checkpoint into the same folder) is replaced. A stage file the checksums list but
     the folder lacks (its host sent it to a coordinator deposed since, whose successor does not
     see that coordinator's folder) fails the commit: FileNotFoundError, naming it."""
     partial = iter_dir(root, iteration, partial=True)
