@@ -229,6 +229,33 @@ def test_job_survives_an_etcd_restart_mid_run(tmp_path, corpus, etcd):
     assert workers_running(run) == []
 
 
+def test_a_store_lost_for_good_ends_the_job_saying_so(tmp_path, corpus, etcd):
+    """etcd goes away for good while the job trains (one back within `cluster.timeout_s` is
+    ridden out: the test above). Nothing can go on without it, so the job ends: exit 1, the
+    reason in its summary, its last event and its last line, its workers stopped. Before,
+    the loop's cleanup (the mailbox's closing record, the job's keys) raised the store's
+    error out of `train`: a traceback, and no summary."""
+    cfg = _etcd_cfg(corpus, etcd, iterations=5000, **{"cluster.timeout_s": 5.0})
+    run = tmp_path / "run"
+    result: dict = {}
+    job = threading.Thread(target=lambda: result.update(code=train(cfg, run, progress=False)))
+    job.start()
+    metrics = run / "metrics.jsonl"
+    while job.is_alive() and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.05)  # (a real condition, polled: training is under way)
+    assert job.is_alive(), "the job ended before etcd was lost"
+    etcd.kill()
+    job.join(timeout=300)
+    assert not job.is_alive() and result.get("code") == 1, result
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["iterations"] < cfg.iterations
+    assert summary["message"].startswith(f"lost the store: etcd at {etcd.endpoint} "
+                                         "unreachable for 5 s"), summary["message"]
+    last = events(run)[-1]
+    assert last["kind"] == "job_failed" and last["message"] == summary["message"]
+    assert workers_running(run) == []
+
+
 def test_pipelines_go_two_one_two_on_etcd(tmp_path, tmp_path_factory, corpus, etcd):
     """Membership on etcd: D = 2 -> 1 (adjacent losses drop a pipeline) -> 2 (two nodes join,
     gated on iterations through the store, and form one); every sample exactly once."""

@@ -149,6 +149,7 @@ class JobLoop:
         # a predecessor's books: this loop takes over a running job instead of starting one
         self.takeover: CoordinatorState | None = None
         self._journal = 0  # journal records written (or replayed) so far
+        self.store_lost = False  # the store went away for good (etcd unreachable)
 
     # ------------------------------------------------------------------ where workers run
 
@@ -297,6 +298,9 @@ class JobLoop:
         except Deposed as exc:
             message, deposed = str(exc), True
             handed_over = isinstance(exc, HandedOver)
+        except dist.DistError as exc:  # the store is gone for good (etcd unreachable): the
+            # workers are cut off from each other's records too; say so, and write the rest
+            message, self.store_lost = f"lost the store: {exc}", True
         finally:
             self._stop_workers()
             try:
@@ -362,6 +366,7 @@ class JobLoop:
             if len(self._exited) == len(self._started()) and self._shadows_done():
                 return self._ended()
         elif isinstance(item, MailboxClosed):
+            self.store_lost = True
             return "failed", f"lost the store: {item.reason}"
         return None
 
@@ -624,9 +629,14 @@ class JobLoop:
 
     def _close_mailbox(self, store: dist.Store) -> None:
         """Post the closing record, so the reader thread leaves its blocking wait and ends
-        before the interpreter does (a thread inside a store call at exit aborts the process)."""
-        mailbox.Outbox(store, self.channel, self.t0).post(Close())
-        self._pump.join(timeout=10)
+        before the interpreter does (a thread inside a store call at exit aborts the process).
+        With the store lost, nothing can be posted, and the reader's own wait fails."""
+        if not self.store_lost:
+            try:
+                mailbox.Outbox(store, self.channel, self.t0).post(Close())
+            except dist.DistError:
+                self.store_lost = True
+        self._pump.join(timeout=10 if not self.store_lost else self.cfg.cluster.timeout_s)
 
     def _merge_final(self) -> None:
         """One model.safetensors from the stages' files; for a transformers model, its

@@ -434,7 +434,13 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
             from spotpipe.store.etcd import EtcdStore
 
             if isinstance(store, EtcdStore):
-                store.delete_prefix()
+                try:
+                    if launcher.store_lost:  # (said as the job's outcome)
+                        raise dist.DistStoreError("etcd was lost while the job ran")
+                    store.delete_prefix()
+                except dist.DistError as exc:
+                    print(f"spotpipe: the job's keys stay in etcd under {address.prefix}: "
+                          f"{exc}", file=sys.stderr)
         # the store's listening port must be free when train() returns: drop every reference
         # (the coordinator and the launcher refer to each other) so the server shuts down now
         launcher.coordinator = None

@@ -41,8 +41,10 @@ _RETRYABLE = (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutEr
 _WATCH_SLICE_S = 10.0  # a long wait re-checks its keys this often (covers a lost watch)
 
 
-class EtcdStoreError(RuntimeError):
-    """etcd stayed unreachable past the reconnect deadline, or answered nonsense."""
+class EtcdStoreError(dist.DistStoreError):
+    """etcd stayed unreachable past the reconnect deadline, or answered nonsense. A store
+    error as TCPStore's are (`torch.distributed.DistStoreError`), so that code that outlives
+    a lost store catches one kind for both."""
 
 
 class EtcdStore(dist.Store):
@@ -81,7 +83,7 @@ class EtcdStore(dist.Store):
                 if time.monotonic() + delay > deadline:
                     raise EtcdStoreError(
                         f"etcd at {self.host}:{self.port} unreachable for {self.reconnect_s:.0f}"
-                        f" s ({what}): {exc}") from None
+                        f" s ({what}): {type(exc).__name__}: {exc}") from None
                 self._local.client = None  # a fresh connection after the server came back
                 time.sleep(delay)  # backoff between reconnection attempts, not a sync point
                 delay = min(delay * 2, 1.0)
