@@ -946,6 +946,27 @@ def test_workers_killed_on_a_live_host_are_replaced_while_max_restarts_allows(
     _completed_as_failure_free(run, cfg, outs, tmp_path_factory)
 
 
+def test_agents_that_lose_etcd_for_good_end_the_job_saying_so(tmp_path, corpus, etcd):
+    """etcd, the agents' rendezvous and the job's store, goes away for good while they
+    train: every agent stops its workers and exits 1 saying it lost the store, and the
+    coordinating one's --out holds the job's summary saying so. Before, each agent's wait
+    for the job's end raised the store's error (a traceback), the process ending under its
+    coordinator's thread before the summary was written."""
+    cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
+                      **{**FAST, **LENIENT, "iterations": 5000, "cluster.timeout_s": 5.0})
+    outs, agents, said = _hosts_of_two_training(cfg, tmp_path, "etcd", etcd.endpoint)
+    etcd.kill()
+    lost = f"lost the store: etcd at {etcd.endpoint} unreachable for 5 s"
+    code, err = _finish([agents[1]])[0]
+    assert code == 1 and lost in err and "Traceback" not in err, err[-2000:]
+    assert agents[0].wait(timeout=600) == 1
+    said.wait_for(lost)  # (the first agent's lines are read by `said`)
+    assert not any("Traceback" in line for line in said.lines), "".join(said.lines)[-2000:]
+    summary = json.loads((outs[0] / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["message"].startswith(lost), summary
+    assert all(workers_running(out) == [] for out in outs)
+
+
 @pytest.mark.parametrize("via", ["sigterm", "metadata"])
 def test_an_agent_whose_host_is_reclaimed_leaves_with_its_workers_while_the_job_runs(
         tmp_path, tmp_path_factory, corpus, via):

@@ -456,7 +456,8 @@ class Coordinating:
             self._crash = f"the coordinator failed: {type(exc).__name__}: {exc}"
             raise
         finally:
-            self._close(store)
+            if not loop.store_lost:  # (nothing can be told through a store that is gone)
+                self._close(store)
         return self.code
 
     def _close(self, store: dist.Store) -> None:

@@ -249,6 +249,7 @@ class Agent:
         # (PR_SET_PDEATHSIG), and the exit callbacks' threads end at once
         self._spawns: queue.Queue[tuple[list[int], int, list[int]]] = queue.Queue()
         threading.Thread(target=self._spawner, name="spawner", daemon=True).start()
+        lost = ""
         try:
             self._await_end(store, posted)
             while self.office.take_back(store, posted, self.channel):
@@ -256,10 +257,15 @@ class Agent:
                 # a notice's handler that saw the office handed on) must not end this wait
                 self._done = threading.Event()
                 self._await_end(store, posted)
+        except dist.DistError as exc:  # the store is gone for good: nothing can go on
+            lost = f"lost the store: {exc}"
         finally:  # (also at Ctrl-C, which the workers got too: their deaths are no crashes)
             self._stop_spawning()
         supervisor.stop_all()
         self._exits_done.wait(self.timeout_s)
+        if lost:  # (a coordinator here writes the job's summary saying so: `Office.outcome`)
+            self.say(f"{lost}; the job cannot go on: this host's workers were stopped")
+            return 1
         return self._leave(store)
 
     def _await_end(self, store: dist.Store, posted: JobPosted) -> None:

@@ -83,7 +83,8 @@ class EtcdStore(dist.Store):
                 if time.monotonic() + delay > deadline:
                     raise EtcdStoreError(
                         f"etcd at {self.host}:{self.port} unreachable for {self.reconnect_s:.0f}"
-                        f" s ({what}): {type(exc).__name__}: {exc}") from None
+                        f" s ({what}): {type(exc).__name__}"
+                        + (f": {exc}" if str(exc) else "")) from None
                 self._local.client = None  # a fresh connection after the server came back
                 time.sleep(delay)  # backoff between reconnection attempts, not a sync point
                 delay = min(delay * 2, 1.0)
