@@ -50,6 +50,9 @@ class Coordinating:
         self.host = me
         self.leadership = leadership  # etcd: the office, held under a lease
         self.persistent = leadership is not None  # the books go to the store (succession)
+        # the job's store was lost while it ran: the checkpoint folder's lock and probe stay
+        # (cut off from an etcd that others still reach, a successor commits there)
+        self._store_lost = False
         self.takeover: CoordinatorState | None = None
         # etcd: this host's notice came, and the loop hands the office on once the host's
         # nodes have left (`AgentJobLoop._persist`); `handed_over` once it has. Held by a late
@@ -382,7 +385,7 @@ class Coordinating:
         try:
             return self._run(store, root)
         finally:
-            if root is not None:
+            if root is not None and not self._store_lost:
                 self._free_folder(root)
 
     def _free_folder(self, root: Path) -> None:
@@ -439,7 +442,7 @@ class Coordinating:
         try:
             return self._run_loop(loop, self.address.connect(self.cfg.cluster.timeout_s))
         finally:
-            if seen:
+            if seen and not self._store_lost:
                 self._free_folder(root)  # type: ignore[arg-type]
 
     def _loop(self) -> AgentJobLoop:
@@ -456,8 +459,12 @@ class Coordinating:
             self._crash = f"the coordinator failed: {type(exc).__name__}: {exc}"
             raise
         finally:
-            if not loop.store_lost:  # (nothing can be told through a store that is gone)
+            self._store_lost = loop.store_lost
+            try:  # (the store may be back: the agents wait for this end record)
                 self._close(store)
+            except dist.DistNetworkError as exc:
+                print(f"spotpipe agent: the job's end could not be posted: {exc}",
+                      file=sys.stderr)
         return self.code
 
     def _close(self, store: dist.Store) -> None:

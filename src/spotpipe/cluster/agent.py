@@ -226,8 +226,11 @@ class Agent:
                 outbox.event("resume_failed", message=fetched, ranks=ranks)
                 for rank in ranks:
                     outbox.post(Exit(f"node{rank}", 1))
-                self.office.wait_over(store, posted, self.channel, self._noticed)
-                return self._leave(store)
+                try:
+                    self.office.wait_over(store, posted, self.channel, self._noticed)
+                except dist.DistNetworkError as exc:
+                    return self._lost(f"lost the store: {exc}")
+                return self._leave_unless_lost(store)
             self.checkpoint = fetched
         self._pending = len(ranks)
         self._fenced: set[str] = set()
@@ -257,16 +260,15 @@ class Agent:
                 # a notice's handler that saw the office handed on) must not end this wait
                 self._done = threading.Event()
                 self._await_end(store, posted)
-        except dist.DistError as exc:  # the store is gone for good: nothing can go on
+        except dist.DistNetworkError as exc:  # the store is gone (or out of this host's reach)
             lost = f"lost the store: {exc}"
         finally:  # (also at Ctrl-C, which the workers got too: their deaths are no crashes)
             self._stop_spawning()
         supervisor.stop_all()
         self._exits_done.wait(self.timeout_s)
         if lost:  # (a coordinator here writes the job's summary saying so: `Office.outcome`)
-            self.say(f"{lost}; the job cannot go on: this host's workers were stopped")
-            return 1
-        return self._leave(store)
+            return self._lost(lost)
+        return self._leave_unless_lost(store)
 
     def _await_end(self, store: dist.Store, posted: JobPosted) -> None:
         """Wait for the job's end, taking part in the office meanwhile (`Office.wait_over`,
@@ -275,6 +277,18 @@ class Agent:
         _with_main_thread_free(
             lambda: self.office.wait_over(store, posted, self.channel, self._noticed),
             self._done)
+
+    def _lost(self, why: str) -> int:
+        self.say(f"{why}; this host's workers were stopped"
+                 + (" (if other hosts still reach etcd, one of their agents coordinates on)"
+                    if self.address.kind == "etcd" else ": the job cannot go on"))
+        return 1
+
+    def _leave_unless_lost(self, store: dist.Store) -> int:
+        try:
+            return self._leave(store)
+        except dist.DistNetworkError as exc:
+            return self._lost(f"lost the store: {exc}")
 
     def _leave(self, store: dist.Store) -> int:
         """The job is over (or goes on without this host): confirm its end, the last agent

@@ -298,8 +298,8 @@ class JobLoop:
         except Deposed as exc:
             message, deposed = str(exc), True
             handed_over = isinstance(exc, HandedOver)
-        except dist.DistError as exc:  # the store is gone for good (etcd unreachable): the
-            # workers are cut off from each other's records too; say so, and write the rest
+        except dist.DistNetworkError as exc:  # the store is gone (etcd unreachable past
+            # cluster.timeout_s): the workers are cut off from its records too; say so
             message, self.store_lost = f"lost the store: {exc}", True
         finally:
             self._stop_workers()
@@ -634,7 +634,7 @@ class JobLoop:
         if not self.store_lost:
             try:
                 mailbox.Outbox(store, self.channel, self.t0).post(Close())
-            except dist.DistError:
+            except dist.DistNetworkError:
                 self.store_lost = True
         self._pump.join(timeout=10 if not self.store_lost else self.cfg.cluster.timeout_s)
 

@@ -436,9 +436,9 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
             if isinstance(store, EtcdStore):
                 try:
                     if launcher.store_lost:  # (said as the job's outcome)
-                        raise dist.DistStoreError("etcd was lost while the job ran")
+                        raise dist.DistNetworkError("etcd was lost while the job ran")
                     store.delete_prefix()
-                except dist.DistError as exc:
+                except dist.DistNetworkError as exc:
                     print(f"spotpipe: the job's keys stay in etcd under {address.prefix}: "
                           f"{exc}", file=sys.stderr)
         # the store's listening port must be free when train() returns: drop every reference

@@ -41,10 +41,10 @@ _RETRYABLE = (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutEr
 _WATCH_SLICE_S = 10.0  # a long wait re-checks its keys this often (covers a lost watch)
 
 
-class EtcdStoreError(dist.DistStoreError):
-    """etcd stayed unreachable past the reconnect deadline, or answered nonsense. A store
-    error as TCPStore's are (`torch.distributed.DistStoreError`), so that code that outlives
-    a lost store catches one kind for both."""
+class EtcdStoreError(dist.DistNetworkError):
+    """etcd stayed unreachable past the reconnect deadline, or answered nonsense. The error a
+    TCPStore client raises when its server is gone (`torch.distributed.DistNetworkError`, not
+    a wait's timeout), so that code that outlives a lost store catches one kind for both."""
 
 
 class EtcdStore(dist.Store):
