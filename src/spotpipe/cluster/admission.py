@@ -385,13 +385,14 @@ class Coordinating:
         try:
             return self._run(store, root)
         finally:
-            if root is not None and not self._store_lost:
+            if root is not None:
                 self._free_folder(root)
 
     def _free_folder(self, root: Path) -> None:
         """The job is over: the checkpoint folder's probe and lock go. Not when the office
-        was handed on or lost: the job goes on committing there, under the successor."""
-        if not self.acting():
+        was handed on or lost, or the store was: the job may go on committing there, under a
+        successor."""
+        if not self.acting() or self._store_lost:
             return
         (root / durable.transfer.probe_name(self.opts.rdzv_id)).unlink(missing_ok=True)
         durable.lock.release(root)
@@ -442,7 +443,7 @@ class Coordinating:
         try:
             return self._run_loop(loop, self.address.connect(self.cfg.cluster.timeout_s))
         finally:
-            if seen and not self._store_lost:
+            if seen:
                 self._free_folder(root)  # type: ignore[arg-type]
 
     def _loop(self) -> AgentJobLoop:

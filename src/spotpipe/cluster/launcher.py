@@ -434,13 +434,15 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
             from spotpipe.store.etcd import EtcdStore
 
             if isinstance(store, EtcdStore):
-                try:
-                    if launcher.store_lost:  # (said as the job's outcome)
-                        raise dist.DistNetworkError("etcd was lost while the job ran")
-                    store.delete_prefix()
-                except dist.DistNetworkError as exc:
+                kept = "etcd was lost while the job ran" if launcher.store_lost else ""
+                if not kept:
+                    try:
+                        store.delete_prefix()
+                    except dist.DistNetworkError as exc:
+                        kept = str(exc)
+                if kept:
                     print(f"spotpipe: the job's keys stay in etcd under {address.prefix}: "
-                          f"{exc}", file=sys.stderr)
+                          f"{kept}", file=sys.stderr)
         # the store's listening port must be free when train() returns: drop every reference
         # (the coordinator and the launcher refer to each other) so the server shuts down now
         launcher.coordinator = None
