@@ -9,6 +9,7 @@ the plan rolled back), and no process or port is left behind.
 from __future__ import annotations
 
 import json
+import math
 import socket
 from collections import Counter
 from pathlib import Path
@@ -64,6 +65,21 @@ def assert_samples_exactly_once(run: Path, cfg) -> None:
     assert not problems, "; ".join(problems)
 
 
+def assert_every_iteration_logged(metrics: list[dict], cfg) -> None:
+    """One metrics line per iteration, in order, its loss the single-process loop's (where
+    a line from the failure's reports knows it), its learning rate the schedule's by hand."""
+    assert [m["iter"] for m in metrics] == list(range(cfg.iterations))
+    _, losses = reference(tiny_config(cfg.data.path and Path(cfg.data.path),
+                                      pipelines=cfg.pipelines, **FAST))
+    for m, loss in zip(metrics, losses):
+        if m["loss"] is not None or not m.get("recovered"):
+            assert m["loss"] == pytest.approx(loss, rel=1e-6 if cfg.pipelines == 1 else 1e-4), m
+        # cosine from 1e-2 after one warm-up iteration (conftest's tiny_config)
+        t, span = m["iter"], cfg.iterations - 1
+        want = 1e-2 if t == 0 else 1e-2 * 0.5 * (1 + math.cos(math.pi * (t - 1) / span))
+        assert m["lr"] == pytest.approx(want, rel=1e-12), m
+
+
 def assert_nothing_left(run: Path, port: int | None) -> None:
     assert workers_running(run) == []
     if port:
@@ -87,6 +103,10 @@ CASES = [
     ("two-pipelines-P2D2", 2, 2, "lazy", [("fail", "node1@2"), ("fail", "node2@4:backward")]),
     ("two-apart-P4", 4, 1, "eager", [("fail", "node1@2:forward"), ("fail", "node3@4")]),
     ("crash-allreduce-P2D2", 2, 2, "lazy", [("fail", "node3@2:all-reduce")]),
+    # the node that posts iteration 3's metrics lost after its commit; and pipeline 1's last
+    # stage lost after it, in pipeline 0's all-reduce of the loss: the line is the coordinator's
+    ("crash-reporter-committed-P2", 2, 1, "lazy", [("fail", "node1@3:optimizer")]),
+    ("crash-loss-allreduce-P2D2", 2, 2, "eager", [("fail", "node3@3:optimizer")]),
 ]
 
 
@@ -134,6 +154,11 @@ def test_failover_is_exact(tmp_path, tmp_path_factory, corpus, stages, pipelines
             assert f"spotpipe: {node} stalled" in log, log[-2000:]
             assert "spotpipe/runtime/faults.py" in log.split(f"spotpipe: {node} stalled")[1]
     metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert_every_iteration_logged(metrics, cfg)
+    last_stages = {f"node{d * stages + stages - 1}" for d in range(pipelines)}
+    if any(spec.split("@")[0] in last_stages and spec.endswith(":optimizer")
+           for _, spec in faults):  # (a last stage's node lost between commit and post)
+        assert [m["iter"] for m in metrics if m.get("recovered")] == [3]
     assert metrics[-1]["generation"] == len(plans)
     assert metrics[-1]["live_nodes"] <= stages * pipelines - len(faults)
     if "repartition" in plans:

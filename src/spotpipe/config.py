@@ -243,6 +243,25 @@ class Config:
     def global_batch(self) -> int:
         return self.micro_batch_size * self.num_microbatches * self.pipelines
 
+    def lr_at(self, step: int) -> float:
+        """The learning rate of iteration `step` (0-based): warmup, then constant, cosine or
+        linear. A function of the config alone, so any process resumes at any step, and the
+        coordinator can name the rate of an iteration whose node did not report it."""
+        s = self.lr_schedule
+        if s.warmup_iters and step < s.warmup_iters:
+            factor = (step + 1) / s.warmup_iters
+        elif s.kind == "constant":
+            factor = 1.0
+        else:
+            floor = s.min_lr / self.optimizer.lr
+            span = max(1, self.iterations - s.warmup_iters)
+            progress = min(1.0, (step - s.warmup_iters) / span)
+            if s.kind == "cosine":
+                factor = floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+            else:
+                factor = floor + (1.0 - floor) * (1.0 - progress)
+        return self.optimizer.lr * factor
+
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data.pop("source_dir")

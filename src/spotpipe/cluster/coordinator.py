@@ -98,16 +98,29 @@ class Collecting:
 Partition = list[tuple[int, int]]
 
 
+@dataclass(frozen=True)
+class Agreed:
+    """An agreement: iterations before `resume` are committed, as of `generation` under
+    `layout`, whose nodes reported `reports`."""
+
+    generation: int
+    layout: Layout
+    resume: int
+    reports: dict[str, Report]
+
+
 class Coordinator:
     def __init__(self, *, cfg: Config, store: dist.Store, layout: Layout,
                  kill: Callable[[str], None], emit: Callable[[dict[str, Any]], None],
                  now: Callable[[], float], channel: Channel,
                  partition: Partition | None = None,
                  partition_for: Callable[[int], Partition] | None = None,
-                 start: int = 0) -> None:
+                 start: int = 0, agreed: Callable[[Agreed], None] = lambda _: None) -> None:
         """`partition` is the layer ranges per stage at launch; `partition_for(P)` computes
         them for another depth the way the launch did (None: the job never re-partitions);
-        `start` the iteration the job starts at (a resumed checkpoint's next)."""
+        `start` the iteration the job starts at (a resumed checkpoint's next); `agreed` hears
+        each agreement before its Decision goes out (the job loop writes the metrics lines
+        that a failure kept the nodes from posting)."""
         self.cfg = cfg
         self.channel = channel
         self._partitions: dict[int, tuple[tuple[int, int], ...]] = {}
@@ -119,6 +132,7 @@ class Coordinator:
         self.store = store
         self.kill = kill
         self.emit = emit
+        self.agreed = agreed
         self.now = now
         self.dead: set[str] = set()
         self.finished: set[str] = set()  # exited 0 at the end of training
@@ -530,6 +544,7 @@ class Coordinator:
 
     def _publish(self, rec: Collecting, outcome: Outcome) -> None:
         decision = outcome.decision
+        self.agreed(Agreed(rec.generation, self.layout, decision.resume, dict(rec.reports)))
         if outcome.refused:
             self.emit({"time_s": self.now(), "kind": "repartition_refused", "node": "launcher",
                        "generation": rec.generation, "reason": outcome.refused})

@@ -30,8 +30,9 @@ from safetensors.torch import load_file, save_file
 from spotpipe import job
 from spotpipe.checkpoint import durable
 from spotpipe.cluster.checkpoint_parts import CheckpointParts
+from spotpipe.cluster.recovered_metrics import recovered_metrics
 from spotpipe.cluster.committer import Committed, Committer
-from spotpipe.cluster.coordinator import Coordinator
+from spotpipe.cluster.coordinator import Agreed, Coordinator
 from spotpipe.cluster.inbox import (HelperEvent, Inbox, Item, MailboxClosed, NodeExit,
                                     RefusedUpload, ShadowExit)
 from spotpipe.protocol import (Channel, CheckpointSaved, Close, CoordinatorState, Event, Exit,
@@ -228,7 +229,7 @@ class JobLoop:
             cfg=cfg, store=store, layout=job.first_layout(cfg),
             kill=self._kill, emit=files.event, now=self._now, channel=self.channel,
             partition=self.spec.partition, partition_for=self._partition_for,
-            start=self.resume.next_iteration if self.resume else 0)
+            start=self.resume.next_iteration if self.resume else 0, agreed=self._agreed)
         inbox: Inbox = queue.Queue()
         self._inbox, self._address, self._store = inbox, address, store
         self._receiving = durable.transfer.Receiving()  # uploads the committer takes
@@ -534,7 +535,14 @@ class JobLoop:
         if isinstance(message, Exit):  # an agent's report, read while draining
             self._exited.setdefault(message.node, message.code)
         elif isinstance(message, Metrics):
-            self._metrics(message.to_json(), files)
+            if self._last is not None and message.iter <= self._last["iter"]:
+                # a node counted out (cut off, fenced) whose record came after the agreement
+                # wrote the line from the reports (`_agreed`): committed iterations never run
+                # again, so the line is there already
+                self.coordinator.refused(writer, f"metrics of iteration {message.iter}, "
+                                                 "which metrics.jsonl has already")
+            else:
+                self._metrics(message.to_json(), files)
         elif isinstance(message, CheckpointSaved):
             files.event({"time_s": message.time_s, "kind": "checkpoint_saved",
                          "node": message.node, "iteration": message.iteration,
@@ -582,6 +590,18 @@ class JobLoop:
             # node asking to join from now on is told so instead of being accepted
             self.coordinator.release_standby()
         self._on_metrics(item, files)
+
+    def _agreed(self, agreed: Agreed) -> None:
+        """Write the lines of committed iterations that a failure kept from being posted
+        (`spotpipe.cluster.recovered_metrics`). A node posts an iteration's Metrics before its
+        report, and a lost node's records were posted before the reports of its loss, into the
+        one mailbox read in order: a line missing now was never posted."""
+        first = self._last["iter"] + 1 if self._last is not None else (
+            self.resume.next_iteration if self.resume else 0)
+        for t in range(first, agreed.resume):
+            self._metrics(recovered_metrics(
+                self.cfg, t, generation=agreed.generation, layout=agreed.layout,
+                reports=agreed.reports, previous=self._last, now=self._now()), self.files)
 
     def _restore(self, files: RunFiles, state: CoordinatorState) -> None:
         """Take over from a predecessor's books: its run-file lines first (the files continue

@@ -162,6 +162,14 @@ class Report(Message):
     leaving: bool  # a preemption notice: it leaves
     reason: str
     time_s: float
+    # the committed iteration's gradient norm (None: unknown here, or not finite)
+    committed_grad_norm: float | None = None
+    # a last stage's owner: the newest iteration whose loss it computed whole but did not
+    # post as Metrics (-1: none; a failure cut the posting short), and its pipeline's share
+    # of that loss (None: not finite). Should that iteration be committed, the coordinator
+    # writes its metrics line from these (`spotpipe.cluster.recovered_metrics`).
+    unposted_iteration: int = -1
+    unposted_loss: float | None = None
 
 
 @dataclass(frozen=True)

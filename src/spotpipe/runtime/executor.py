@@ -81,6 +81,7 @@ class InFlight:
     frc_outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     sent_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     loss_sum: torch.Tensor | None = None
+    microbatches: int = 0  # this pipeline's, in this iteration
     done: set[tuple[str, int, int]] = field(default_factory=set)
     # each owned parameter's gradient before the reduction (which replaces, never mutates,
     # them): a reduction cut short by a failure is redone from these
@@ -112,6 +113,15 @@ class InFlight:
 
     def done_list(self) -> list[list[Any]]:
         return [list(k) for k in sorted(self.done)]
+
+    def whole_loss(self, last: int) -> float | None:
+        """This pipeline's loss of the iteration once every micro-batch has gone through the
+        last stage (`last`) here (NaN when not finite); None before that: a part of it would
+        be a wrong loss, not a smaller one."""
+        if self.loss_sum is None or any(
+                (Op.FORWARD.value, last, mb) not in self.done for mb in range(self.microbatches)):
+            return None
+        return float(self.loss_sum)
 
 
 @dataclass
@@ -164,6 +174,8 @@ class Executor:
         # the newest committed iteration's scale, reported at recovery (a new shadow writer's
         # HELLO brings it)
         self.committed_clip_scale: float | None = None
+        # and its gradient norm (None: not gathered here, or not finite), reported as well
+        self.committed_grad_norm: float | None = None
         self.current: Sequence[Instr] = ()  # the stream being run (a rest after a takeover)
         # progress, read by the heartbeat thread and reported at recovery
         self.iteration = -1
@@ -177,6 +189,7 @@ class Executor:
         # the iteration whose norm gather this node completed (the commit's facts: the
         # clipping scale, a skipped step), which `step` can take from a Decision instead
         self.gathered_through = -1
+        self.gathered_norm: float | None = None  # that gather's total norm (None: not finite)
         self._replica_recv: Lease | None = None  # the held replica's gradient
         self._flags_gathered: bool | None = None
         self.precision = amp.Precision.of(cfg)
@@ -205,7 +218,7 @@ class Executor:
         self.iteration = iteration
         self.current = stream
         if self.flight is None or self.flight.iteration != iteration:
-            self.flight = InFlight(iteration)
+            self.flight = InFlight(iteration, microbatches=len(batches.inputs))
         f = self.flight
         self._flags_gathered = None
         grad_norm, leave = 0.0, False
@@ -340,6 +353,8 @@ class Executor:
             leave = bool(flag.item() > 0)
         self.committed_through = iteration
         self.committed_clip_scale = None if self.clip_scale is None else float(self.clip_scale)
+        self.committed_grad_norm = self.gathered_norm if self.gathered_through == iteration \
+            else None
         return leave
 
     def step(self, iteration: int, committed_scale: float | str | None = None) -> None:
@@ -587,6 +602,7 @@ class Executor:
         everything = torch.cat([gathered[rank][offset: offset + count]
                                 for rank, offset, count in self.w.norm_segments])
         total = gradlib.total_norm(everything)
+        self.gathered_norm = float(total) if bool(torch.isfinite(total)) else None
         self.nonfinite = None
         # (fp16's overflows are the loss scaler's business: skipped and backed off, above)
         if not self.skipped and not bool(torch.isfinite(total)):

@@ -190,25 +190,9 @@ class PortableSGD(torch.optim.SGD):
         return loss
 
 
-def lr_factor(cfg: Config, step: int) -> float:
-    """Multiplier of optimizer.lr at `step` (0-based): warmup, then constant/cosine/linear."""
-    s = cfg.lr_schedule
-    total = cfg.iterations
-    if s.warmup_iters and step < s.warmup_iters:
-        return (step + 1) / s.warmup_iters
-    if s.kind == "constant":
-        return 1.0
-    floor = s.min_lr / cfg.optimizer.lr
-    span = max(1, total - s.warmup_iters)
-    progress = min(1.0, (step - s.warmup_iters) / span)
-    if s.kind == "cosine":
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return floor + (1.0 - floor) * (1.0 - progress)
-
-
 def set_lr(optimizer: torch.optim.Optimizer, cfg: Config, step: int) -> float:
     """Set the LR for iteration `step` explicitly, so any process can resume at any step."""
-    lr = cfg.optimizer.lr * lr_factor(cfg, step)
+    lr = cfg.lr_at(step)
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr

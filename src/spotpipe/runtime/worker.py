@@ -120,6 +120,9 @@ class Worker:
         self.rss_built_mib = _rss_mib()  # stages and replica built, nothing run yet
         self.peak_built_mib = _peak_rss_mib()  # the start's high-water mark
         self.failures = 0  # failures and notices this node has recovered from
+        # (iteration, this pipeline's loss) while `_report` posts it: a failure in its
+        # all-reduce of the loss leaves it to be reported (`_unposted`)
+        self._posting: tuple[int, float] | None = None
         self.checkpoints: BoundaryHook = checkpoints or NoHook()
         resume = os.environ.get("SPOTPIPE_RESUME")
         if resume:
@@ -468,8 +471,10 @@ class Worker:
         if p - 1 not in self.stages:
             return
         loss = result.loss_sum
+        self._posting = (t, float(loss))
         self.executor.comm.all_reduce_dp(p - 1, loss)
         if self.layout.owner(0, p - 1) != self.node:
+            self._posting = None  # (its share is in pipeline 0's record)
             return
         cfg = self.cfg
         if result.skipped_stage is not None:  # one node says it; every node skipped alike
@@ -483,6 +488,7 @@ class Worker:
             live_nodes=len(self.layout.active_nodes), carriers=len(self.layout.carriers()),
             generation=self.generation,
             replica_lag=self.holding.applier.lag(t) if self.holding else None))
+        self._posting = None
 
     # ------------------------------------------------------------------ recovery
 
@@ -497,7 +503,9 @@ class Worker:
         and carries out the next Decision, which the coordinator makes from those reports."""
         while True:
             try:
-                return self._recover_once(why)
+                resume = self._recover_once(why)
+                self._posting = None  # (reported: the coordinator wrote its line)
+                return resume
             except PeerFailure as again:
                 self.formed = False
                 why = again
@@ -508,6 +516,7 @@ class Worker:
         if ex is None:  # a joining node whose placement failed: it has committed nothing
             return {"iteration": -1, "position": 0, "instruction": "", "committed_through": -1,
                     "stepped_through": -1, "done": (), "clip_scale": None, "flight": -1}
+        unposted, loss = self._unposted()
         return {
             "iteration": ex.iteration, "position": ex.position,
             "instruction": (str(ex.current[ex.position]) if ex.position < len(ex.current)
@@ -519,7 +528,24 @@ class Worker:
             else (),
             # the committed iteration's clipping scale: a new shadow writer brings it along
             "clip_scale": scale_to_wire(ex.committed_clip_scale),
-            "flight": ex.flight.iteration if ex.flight is not None else -1}
+            "flight": ex.flight.iteration if ex.flight is not None else -1,
+            "committed_grad_norm": ex.committed_grad_norm,
+            "unposted_iteration": unposted, "unposted_loss": finite(loss)}
+
+    def _unposted(self) -> tuple[int, float | None]:
+        """The newest iteration whose loss this node computed whole (a last stage's owner)
+        and did not post, with its pipeline's share ((-1, None): none). A failure can cut
+        the posting short after the iteration was committed elsewhere (this node in its norm
+        gather when a peer that completed it goes; a pipeline peer lost in the loss's
+        all-reduce); the coordinator then writes the line from the reports."""
+        if self._posting is not None:
+            return self._posting
+        ex = self.executor
+        last = self.layout.num_stages - 1
+        if ex is None or ex.flight is None or last not in self.stages:
+            return -1, None
+        loss = ex.flight.whole_loss(last)
+        return (-1, None) if loss is None else (ex.flight.iteration, loss)
 
     def _decision(self, generation: int) -> tuple[Decision, bool]:
         """The coordinator's Decision for `generation`: the first record of its board that

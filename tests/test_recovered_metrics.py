@@ -1,0 +1,96 @@
+"""The metrics line of a committed iteration whose record a failure took: from the
+reports, with figures worked out by hand, and what the coordinator hears at an agreement
+(an in-memory store, no processes). The end-to-end cases are in tests/test_failover.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from spotpipe.cluster.coordinator import Agreed, Coordinator
+from spotpipe.cluster.recovered_metrics import recovered_metrics
+from spotpipe.plan import Layout
+from spotpipe.protocol import Channel, Metrics, Report, job_key
+from spotpipe.runtime.executor import InFlight
+
+from conftest import tiny_config
+from test_coordinator import _make
+
+P, D = 2, 2  # node0 node1 | node2 node3: node1 and node3 hold the last stages
+LAYOUT = Layout.build(P, D, ["node0", "node1", "node2", "node3"])
+
+
+def _reports(**by_node: dict) -> dict[str, Report]:
+    coord = Coordinator(cfg=tiny_config("unused", stages=P, pipelines=D), store=dist.HashStore(),
+                        layout=LAYOUT, kill=lambda n: None, emit=lambda e: None,
+                        now=lambda: 0.0, channel=Channel(job_key(b"k", "t"), "coordinator"))
+    return {node: _make(coord, node, **extra) for node, extra in by_node.items()}
+
+
+def _line(reports: dict[str, Report], previous: dict | None = None) -> dict:
+    cfg = tiny_config("unused", stages=P, pipelines=D, iterations=11,
+                      **{"lr_schedule.warmup_iters": 1})
+    return recovered_metrics(cfg, 5, generation=3, layout=LAYOUT, reports=reports,
+                             previous=previous, now=12.5)
+
+
+def test_the_loss_is_the_sum_of_every_pipelines_share():
+    line = _line(_reports(node1=dict(unposted_iteration=5, unposted_loss=1.25),
+                          node3=dict(unposted_iteration=5, unposted_loss=0.5),
+                          node0=dict(committed_through=5, committed_grad_norm=2.0)),
+                 previous={"iter": 4, "time_s": 12.0})
+    assert line["recovered"] is True
+    assert line["loss"] == 1.75 and line["grad_norm"] == 2.0
+    # 2 samples x 4 micro-batches x 2 pipelines a step, 6 steps done; 0.5 s since the line
+    # before; cosine from 1e-2 over 10 steps after 1 of warm-up: step 5 is 4/10 of the way
+    assert line["samples"] == 96 and line["iter_time_s"] == 0.5
+    assert line["samples_per_s"] == 32.0
+    assert line["lr"] == pytest.approx(1e-2 * 0.5 * (1 + math.cos(math.pi * 0.4)), rel=1e-12)
+    assert (line["iter"], line["time_s"], line["generation"]) == (5, 12.5, 3)
+    assert (line["live_nodes"], line["carriers"]) == (4, 0)
+    # the line has the posted lines' fields, so every reader of metrics.jsonl reads it
+    assert set(line) - {"recovered"} == {f.name for f in dataclasses.fields(Metrics)}
+
+
+@pytest.mark.parametrize("reports", [
+    dict(node1=dict(unposted_iteration=5, unposted_loss=1.25)),  # node3 lost with its share
+    dict(node1=dict(unposted_iteration=5, unposted_loss=1.25),
+         node3=dict(unposted_iteration=4, unposted_loss=0.5)),  # another iteration's
+    dict(node1=dict(unposted_iteration=5, unposted_loss=None),  # not finite
+         node3=dict(unposted_iteration=5, unposted_loss=0.5)),
+    dict(node0=dict(unposted_iteration=5, unposted_loss=1.0),  # not a last stage's
+         node3=dict(unposted_iteration=5, unposted_loss=0.5)),
+], ids=["share-lost", "other-iteration", "not-finite", "not-last-stage"])
+def test_a_loss_not_known_whole_is_null(reports):
+    line = _line(_reports(**reports))
+    assert line["loss"] is None
+    assert line["grad_norm"] is None  # no report committed iteration 5 with a norm
+    assert line["iter_time_s"] == 12.5  # (the first line of the run: since the start)
+
+
+def test_the_coordinator_says_what_was_agreed_before_it_publishes(corpus):
+    heard: list[Agreed] = []
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy")
+    layout = Layout.build(2, 1, ["node0", "node1"])
+    coord = Coordinator(cfg=cfg, store=dist.HashStore(), layout=layout, kill=lambda n: None,
+                        emit=lambda e: None, now=lambda: 0.0,
+                        channel=Channel(job_key(b"k", "t"), "coordinator"),
+                        partition=[(0, 2), (2, 4)], agreed=heard.append)
+    coord.node_exited("node1", -9)
+    report = _make(coord, "node0", committed_through=6, iteration=7, formed=True)
+    coord.report(report, "node0")
+    assert heard == [Agreed(0, layout, 7, {"node0": report})]
+
+
+def test_a_loss_is_whole_once_every_micro_batch_went_through_the_last_stage():
+    flight = InFlight(4, microbatches=3, loss_sum=torch.tensor(0.75))
+    flight.done |= {("forward", 1, 0), ("forward", 1, 1), ("backward", 1, 0),
+                    ("forward", 0, 2)}
+    assert flight.whole_loss(1) is None  # micro-batch 2 has not reached stage 1
+    flight.done.add(("forward", 1, 2))
+    assert flight.whole_loss(1) == 0.75
+    assert InFlight(4, microbatches=3).whole_loss(1) is None  # (nothing computed)
