@@ -87,6 +87,25 @@ def test_parameters_compare_bit_for_bit_or_by_norm_where_the_width_changed():
     assert parameter_problems({"w": want["w"]}, want, exact=False) == ["b: missing"]
 
 
+def test_a_run_needs_one_metrics_line_per_iteration_in_order(tmp_path):
+    from types import SimpleNamespace
+
+    from spotpipe.bench.checks import metrics_problems
+
+    def problems(iterations: list[int]) -> list[str]:
+        (tmp_path / "metrics.jsonl").write_text(
+            "".join(f'{{"iter": {t}, "loss": 1.0}}\n' for t in iterations))
+        return metrics_problems(tmp_path, SimpleNamespace(iterations=5))
+
+    assert problems([0, 1, 2, 3, 4]) == []
+    assert problems([0, 1, 2, 4]) == [
+        "metrics.jsonl: iterations [0, 1, 2]...[1, 2, 4] (4 lines), without a line: [3]"]
+    assert problems([0, 1, 2, 2, 3, 4]) == [
+        "metrics.jsonl: iterations [0, 1, 2]...[2, 3, 4] (6 lines), with more than one: [2]"]
+    assert problems([0, 2, 1, 3, 4]) == [
+        "metrics.jsonl: iterations [0, 2, 1]...[1, 3, 4] (5 lines), out of order"]
+
+
 def test_the_pause_past_the_timeout_is_judged_on_its_p99():
     """Hand-made pauses: a hang's pause counts past its timeout; the target (2 iterations
     past the detection timeout) is judged on the nearest-rank p99 over every fault."""

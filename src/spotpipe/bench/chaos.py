@@ -235,7 +235,7 @@ class Chaos:
     def run_case(self, index: int, case: ChaosCase) -> CaseResult:
         from safetensors.torch import load_file
 
-        from spotpipe.bench.checks import parameter_problems, sample_problems
+        from spotpipe.bench.checks import metrics_problems, parameter_problems, sample_problems
         from spotpipe.cluster.launcher import train
 
         want = self.reference(case)
@@ -246,7 +246,7 @@ class Chaos:
             return CaseResult(case, False, [f"the job failed (exit {code}; see {run})"], [])
         got = load_file(str(run / "final" / "model.safetensors"))
         problems = parameter_problems(got, want, exact=not _width_changed(run))
-        problems += sample_problems(run, cfg)
+        problems += sample_problems(run, cfg) + metrics_problems(run, cfg)
         return CaseResult(case, True, problems,
                           incidents(run, detection_timeout_s(case),
                                     at_boundary=case.kind == "notice"))

@@ -3,6 +3,8 @@ list when it holds): the tests assert on these and `bench chaos` counts them.
 
 - every sample of every iteration consumed exactly once (from the sample log, discounting
   iterations a plan rolled back: they were replayed);
+- one metrics line per iteration, in order (a line a failure kept from being posted is
+  written by the coordinator, `recovered`);
 - the final parameters equal the failure-free run's bit for bit, or to float tolerance where
   the data-parallel width changed (only the order of summation differs then).
 """
@@ -54,6 +56,19 @@ def sample_problems(run: Path, cfg: Any) -> list[str]:
         if sorted(samples) != sorted(sampler.indices(t)):
             problems.append(f"iteration {t}: samples differ from its global batch")
     return problems
+
+
+def metrics_problems(run: Path, cfg: Any) -> list[str]:
+    """metrics.jsonl has one line per iteration, in order."""
+    logged = [m["iter"] for m in read_jsonl(run / "metrics.jsonl")]
+    if logged == list(range(cfg.iterations)):
+        return []
+    missing = sorted(set(range(cfg.iterations)) - set(logged))
+    twice = sorted(t for t, n in Counter(logged).items() if n > 1)
+    return [f"metrics.jsonl: iterations {logged[:3]}...{logged[-3:]} ({len(logged)} lines)"
+            + (f", without a line: {missing}" if missing else "")
+            + (f", with more than one: {twice}" if twice else "")
+            + ("" if missing or twice else ", out of order")]
 
 
 def parameter_problems(got: dict[str, Any], want: dict[str, Any], *,
