@@ -82,7 +82,9 @@ def failover_pauses(run: Path) -> list[dict[str, float]]:
             continue
         in_flight = max(e["iteration"] for e in after if e["kind"] == "report"
                         and e["generation"] == plan["generation"] - 1)
-        before = next((m for m in metrics if m["iter"] == resume - 1), None)
+        # (not a line the coordinator wrote for it from the reports: its time is the agreement's)
+        before = next((m for m in metrics if m["iter"] == resume - 1
+                       and not m.get("recovered")), None)
         out.append({"kind": start.get("fault", "kill"), "pause_s": done["time_s"] - t0,
                     "detection_s": detect - t0, "agreement_s": plan["time_s"] - detect,
                     "takeover_s": takeover["time_s"] - plan["time_s"],

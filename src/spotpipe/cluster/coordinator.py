@@ -16,7 +16,7 @@ dead, fenced, finished, waiting to join).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -106,7 +106,7 @@ class Agreed:
     generation: int
     layout: Layout
     resume: int
-    reports: dict[str, Report]
+    reports: Mapping[str, Report]
 
 
 class Coordinator:
@@ -119,8 +119,8 @@ class Coordinator:
         """`partition` is the layer ranges per stage at launch; `partition_for(P)` computes
         them for another depth the way the launch did (None: the job never re-partitions);
         `start` the iteration the job starts at (a resumed checkpoint's next); `agreed` hears
-        each agreement before its Decision goes out (the job loop writes the metrics lines
-        that a failure kept the nodes from posting)."""
+        each agreement (the job loop writes from its reports the metrics lines that a
+        failure kept the nodes from posting)."""
         self.cfg = cfg
         self.channel = channel
         self._partitions: dict[int, tuple[tuple[int, int], ...]] = {}

@@ -30,11 +30,11 @@ from safetensors.torch import load_file, save_file
 from spotpipe import job
 from spotpipe.checkpoint import durable
 from spotpipe.cluster.checkpoint_parts import CheckpointParts
-from spotpipe.cluster.recovered_metrics import recovered_metrics
 from spotpipe.cluster.committer import Committed, Committer
 from spotpipe.cluster.coordinator import Agreed, Coordinator
 from spotpipe.cluster.inbox import (HelperEvent, Inbox, Item, MailboxClosed, NodeExit,
                                     RefusedUpload, ShadowExit)
+from spotpipe.cluster.recovered_metrics import recovered_metrics
 from spotpipe.protocol import (Channel, CheckpointSaved, Close, CoordinatorState, Event, Exit,
                                FinalUpload, JoinRequest, Journal, Metrics, Notice, Opened,
                                Refused, Report, StageUpload, Stalled, job_key, keys)
@@ -237,6 +237,7 @@ class JobLoop:
         self._exited: dict[str, int] = {}
         self._errors: dict[str, str] = {}  # a node's error, as it reported it
         self._last: dict[str, Any] | None = None
+        self._agreement: tuple[Agreed, float] | None = None  # the newest, and its time
         self._received = 0
         if self.takeover is not None:
             self._restore(files, self.takeover)
@@ -517,6 +518,8 @@ class JobLoop:
             item = self._inbox.get(timeout=self.cfg.cluster.timeout_s)
             if isinstance(item, (Opened, Refused)):
                 self._handle_record(item)
+        if self._agreement is not None:  # (the last iterations' lines, if a failure took them)
+            self._fill_to(min(self._agreement[0].resume, self.cfg.iterations))
 
     def _handle_record(self, item: Opened | Refused) -> None:
         """A slot of the mailbox: a record to act on, or one that did not open."""
@@ -536,12 +539,14 @@ class JobLoop:
             self._exited.setdefault(message.node, message.code)
         elif isinstance(message, Metrics):
             if self._last is not None and message.iter <= self._last["iter"]:
-                # a node counted out (cut off, fenced) whose record came after the agreement
-                # wrote the line from the reports (`_agreed`): committed iterations never run
-                # again, so the line is there already
-                self.coordinator.refused(writer, f"metrics of iteration {message.iter}, "
-                                                 "which metrics.jsonl has already")
+                # the iteration run again: its poster committed it alone and was lost, and
+                # the survivors replayed it (to the same figures); or a record of a node
+                # counted out (cut off), later than the line written for it (`_fill_to`)
+                self.coordinator.refused(writer, f"metrics of iteration {message.iter} "
+                                                 f"(generation {message.generation}), which "
+                                                 "metrics.jsonl has already")
             else:
+                self._fill_to(message.iter)
                 self._metrics(message.to_json(), files)
         elif isinstance(message, CheckpointSaved):
             files.event({"time_s": message.time_s, "kind": "checkpoint_saved",
@@ -592,16 +597,30 @@ class JobLoop:
         self._on_metrics(item, files)
 
     def _agreed(self, agreed: Agreed) -> None:
-        """Write the lines of committed iterations that a failure kept from being posted
-        (`spotpipe.cluster.recovered_metrics`). A node posts an iteration's Metrics before its
-        report, and a lost node's records were posted before the reports of its loss, into the
-        one mailbox read in order: a line missing now was never posted."""
+        self._agreement = (agreed, self._now())
+
+    def _fill_to(self, upto: int) -> None:
+        """Write the lines of the iterations before `upto` that no record brought: committed
+        iterations whose Metrics a failure kept from being posted
+        (`spotpipe.cluster.recovered_metrics`), from the newest agreement's reports. Written
+        only once the gap shows, at the next iteration's record or the job's end: an
+        iteration's record is posted before anything its poster does after it, but not
+        before a lost poster's exit comes (from its supervisor, outside the mailbox), which
+        can complete an agreement; records posted after the agreement (the resumed
+        iteration's) come after every record posted before it."""
         first = self._last["iter"] + 1 if self._last is not None else (
             self.resume.next_iteration if self.resume else 0)
-        for t in range(first, agreed.resume):
-            self._metrics(recovered_metrics(
-                self.cfg, t, generation=agreed.generation, layout=agreed.layout,
-                reports=agreed.reports, previous=self._last, now=self._now()), self.files)
+        for t in range(first, upto):
+            if self._agreement is not None and t < self._agreement[0].resume:
+                agreed, at = self._agreement
+                line = recovered_metrics(self.cfg, t, generation=agreed.generation,
+                                         layout=agreed.layout, reports=agreed.reports,
+                                         previous=self._last, now=at)
+            else:  # no agreement here said so (a successor's, decided before its books)
+                line = recovered_metrics(self.cfg, t, generation=self.coordinator.generation,
+                                         layout=self.coordinator.layout, reports={},
+                                         previous=self._last, now=self._now())
+            self._metrics(line, self.files)
 
     def _restore(self, files: RunFiles, state: CoordinatorState) -> None:
         """Take over from a predecessor's books: its run-file lines first (the files continue

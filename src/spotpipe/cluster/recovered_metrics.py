@@ -6,15 +6,18 @@ while the iteration stands: the node lost right after the commit; the node cut s
 norm gather (the commit point) after a peer had completed it, so the agreement resumes after
 the iteration; or a pipeline's last stage lost in the loss's all-reduce. `metrics.jsonl`
 would then skip an iteration that training did: a hole in the plot, and a reader counting
-lines one short. The coordinator writes the line instead, at the agreement, from what the
-reports say, marked `"recovered": true`; what no report knows stays null rather than being
-made up (the loss when a pipeline's loss went with its node).
+lines one short. The coordinator writes the line instead, from what the agreement's reports
+say, once the gap shows (`JobLoop._fill_to`), marked `"recovered": true`; what no report
+knows stays null rather than being made up (the loss when a pipeline's loss went with its
+node).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from spotpipe.config import Config
 from spotpipe.plan.layout import Layout
@@ -38,12 +41,22 @@ def recovered_metrics(cfg: Config, iteration: int, *, generation: int, layout: L
     norms = [r.committed_grad_norm for r in reports.values()
              if r.committed_through == iteration and r.committed_grad_norm is not None]
     # the time since the line before: the iteration, its failure's detection and agreement
-    took = round(now - (previous["time_s"] if previous else 0.0), 6)
+    # (hosts' clocks differ a little: never below 0)
+    took = max(0.0, round(now - (previous["time_s"] if previous else 0.0), 6))
     record = Metrics(
-        iter=iteration, loss=sum(s for s in shares if s is not None) if whole else None,
+        iter=iteration, loss=_float32_sum(shares) if whole else None,
         samples=(iteration + 1) * cfg.global_batch, time_s=now, iter_time_s=took,
         samples_per_s=round(cfg.global_batch / took, 3) if took > 0 else 0.0,
         lr=cfg.lr_at(iteration), grad_norm=norms[0] if norms else None,
         live_nodes=len(layout.active_nodes), carriers=len(layout.carriers()),
         generation=generation)
     return {**record.to_json(), "recovered": True}
+
+
+def _float32_sum(shares: list[float | None]) -> float:
+    """The shares added as the posted loss is (a float32 all-reduce; in pipeline order,
+    which is gloo's for two pipelines)."""
+    total = np.float32(0.0)
+    for share in shares:
+        total = np.float32(total + np.float32(share))
+    return float(total)
