@@ -41,6 +41,7 @@ from spotpipe.protocol import channel_from_env
 from spotpipe.store.address import StoreAddress
 from spotpipe.store.mailbox import Outbox
 from spotpipe.store.sealed import SealedStore
+from spotpipe.store.waiting import wait_unbounded
 from spotpipe.config import Config, load_config
 from spotpipe.runtime.state import flatten
 from spotpipe.runtime import node as nodelib
@@ -144,7 +145,7 @@ class Shadow:
         while True:
             self.links += 1
             key = link_key(self.namespace, self.stage, self.links)
-            self.link_store.wait([key], timedelta(days=7))
+            wait_unbounded(self.link_store, [key])  # (the next writer: as long as the job runs)
             # (a record squatted ahead of the writer waits for the writer's, as long)
             rendezvous = self.sealed.rendezvous(timedelta(days=7).total_seconds())
             info = json.loads(rendezvous.get(key))

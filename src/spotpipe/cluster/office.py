@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -34,6 +33,7 @@ from spotpipe.config import Config
 from spotpipe.protocol import Channel, CoordinatorState, JobPosted, Refused, keys
 from spotpipe.store.address import StoreAddress
 from spotpipe.store.leader import Leadership, lease_ttl
+from spotpipe.store.waiting import wait_unbounded
 
 
 class Office:
@@ -140,7 +140,7 @@ class Office:
         workers with it: the successor counts its host lost)."""
         leadership = self.leadership
         if leadership is None:  # c10d: the store's host is on-demand; so is the coordinator
-            store.wait([OVER], timedelta(days=7))
+            wait_unbounded(store, [OVER])  # (a job runs for weeks)
             return
         slice_s = float(leadership.ttl_s)
         while True:

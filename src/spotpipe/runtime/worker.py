@@ -16,7 +16,6 @@ import math
 import os
 import resource
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
@@ -52,6 +51,7 @@ from spotpipe.store import board
 from spotpipe.store.address import StoreAddress
 from spotpipe.store.mailbox import Outbox, finite
 from spotpipe.store.sealed import SealedStore
+from spotpipe.store.waiting import wait_unbounded
 from spotpipe.store.watchers import BoardReader, Heartbeat, SpareConnections, client
 
 COORDINATOR = "coordinator"  # the writer name of every Decision and join answer
@@ -346,7 +346,7 @@ class Worker:
         if os.environ.get("SPOTPIPE_JOIN_GATED") == "1":  # started early by the local launcher
             self.channel.event("join_waiting")  # (booted: the job's first nodes may start)
             self.store.set(keys.join_booted(self.node), "1")
-            self.store.wait([keys.join_gate(self.node)], timedelta(days=7))
+            wait_unbounded(self.store, [keys.join_gate(self.node)])  # (its iteration may be far)
         self._ask_to_join()
         return self._await_placement()
 
@@ -358,7 +358,7 @@ class Worker:
         machine boots it (else a job of a few seconds can end before a late boot asks)."""
         early = [n for n in os.environ.get("SPOTPIPE_START_AFTER", "").split(",") if n]
         if early:  # (the launcher sets a node's key itself if it exits before it boots)
-            self.store.wait([keys.join_booted(n) for n in early], timedelta(days=7))
+            wait_unbounded(self.store, [keys.join_booted(n) for n in early])
 
     def _ask_to_join(self) -> None:
         self.channel.post(JoinRequest(self.node, self.channel.now(), self.cfg.digest(),
