@@ -26,6 +26,7 @@ from spotpipe.protocol import (AgentArrival, ArrivalsClosed, Assignment, Channel
                                CoordinatorState, JobPosted, MessageError, job_key,
                                new_instance_id, plain, vouch, vouched)
 from spotpipe.store.address import StoreAddress
+from spotpipe.store.waiting import wait_unbounded
 from spotpipe.store.leader import Leadership
 
 
@@ -336,8 +337,11 @@ class Coordinating:
         store = self.address.connect(self.cfg.cluster.timeout_s)
         while True:
             k = self._next
-            raw = wait_get(store, agent_key(k), 7 * 86400.0)
-            if raw is None or not self.acting():
+            try:  # (an agent may come late in a job of weeks)
+                wait_unbounded(store, [agent_key(k)])
+            except Exception:  # the store gone (the job is over; its own error types)
+                return
+            if not self.acting():
                 return
             with self.admitting:
                 if not self.acting() or not self._admit_next(store, k):

@@ -237,7 +237,9 @@ class JobLoop:
         self._exited: dict[str, int] = {}
         self._errors: dict[str, str] = {}  # a node's error, as it reported it
         self._last: dict[str, Any] | None = None
-        self._agreement: tuple[Agreed, float] | None = None  # the newest, and its time
+        # lines of committed iterations whose records a failure took, made at the agreement
+        # and written once the gap shows (`_agreed`, `_fill_to`), by iteration
+        self._recovered: dict[int, dict[str, Any]] = {}
         self._received = 0
         if self.takeover is not None:
             self._restore(files, self.takeover)
@@ -518,8 +520,12 @@ class JobLoop:
             item = self._inbox.get(timeout=self.cfg.cluster.timeout_s)
             if isinstance(item, (Opened, Refused)):
                 self._handle_record(item)
-        if self._agreement is not None:  # (the last iterations' lines, if a failure took them)
-            self._fill_to(min(self._agreement[0].resume, self.cfg.iterations))
+        self._drain_recovered()
+
+    def _drain_recovered(self) -> None:
+        """The lines still held (`_agreed`): the last iterations', if a failure took them."""
+        if self._recovered:
+            self._fill_to(max(self._recovered) + 1)
 
     def _handle_record(self, item: Opened | Refused) -> None:
         """A slot of the mailbox: a record to act on, or one that did not open."""
@@ -596,31 +602,41 @@ class JobLoop:
             self.coordinator.release_standby()
         self._on_metrics(item, files)
 
+    def _next_line(self) -> int:
+        """The iteration whose metrics line comes next."""
+        return self._last["iter"] + 1 if self._last is not None else (
+            self.resume.next_iteration if self.resume else 0)
+
     def _agreed(self, agreed: Agreed) -> None:
-        self._agreement = (agreed, self._now())
+        """Make the lines of the iterations the agreement counts committed that no record has
+        brought yet (`spotpipe.cluster.recovered_metrics`), from its reports. The first
+        agreement that covers an iteration makes its line: a later one (a second failure
+        during the recovery) has another layout, whose last stages do not hold its loss."""
+        now = self._now()
+        for t in range(self._next_line(), agreed.resume):
+            if t not in self._recovered:
+                self._recovered[t] = recovered_metrics(
+                    self.cfg, t, generation=agreed.generation, layout=agreed.layout,
+                    reports=agreed.reports, previous=self._recovered.get(t - 1, self._last),
+                    now=now)
 
     def _fill_to(self, upto: int) -> None:
-        """Write the lines of the iterations before `upto` that no record brought: committed
-        iterations whose Metrics a failure kept from being posted
-        (`spotpipe.cluster.recovered_metrics`), from the newest agreement's reports. Written
-        only once the gap shows, at the next iteration's record or the job's end: an
-        iteration's record is posted before anything its poster does after it, but not
-        before a lost poster's exit comes (from its supervisor, outside the mailbox), which
-        can complete an agreement; records posted after the agreement (the resumed
-        iteration's) come after every record posted before it."""
-        first = self._last["iter"] + 1 if self._last is not None else (
-            self.resume.next_iteration if self.resume else 0)
-        for t in range(first, upto):
-            if self._agreement is not None and t < self._agreement[0].resume:
-                agreed, at = self._agreement
-                line = recovered_metrics(self.cfg, t, generation=agreed.generation,
-                                         layout=agreed.layout, reports=agreed.reports,
-                                         previous=self._last, now=at)
-            else:  # no agreement here said so (a successor's, decided before its books)
+        """Write the lines of the iterations before `upto` that no record brought, once the
+        gap shows (at the record of `upto`, or at the job's end): an iteration's record may
+        still be on its way at the agreement (a lost poster's exit comes from its
+        supervisor, outside the mailbox, and can complete the agreement before the poster's
+        last record is read), but not after the resumed iteration's record, posted after the
+        agreement. The real record wins over the agreement's line."""
+        for t in range(self._next_line(), upto):
+            line = self._recovered.pop(t, None)
+            if line is None:  # no agreement here covers it (a successor's whose predecessor
+                # agreed after its last books): what is known without the reports
                 line = recovered_metrics(self.cfg, t, generation=self.coordinator.generation,
                                          layout=self.coordinator.layout, reports={},
                                          previous=self._last, now=self._now())
             self._metrics(line, self.files)
+        for t in [t for t in self._recovered if t <= upto]:
+            del self._recovered[t]
 
     def _restore(self, files: RunFiles, state: CoordinatorState) -> None:
         """Take over from a predecessor's books: its run-file lines first (the files continue
@@ -640,12 +656,14 @@ class JobLoop:
         self._exited = dict(state.exited)
         self._received = state.cursor
         self._checkpoints = CheckpointParts.from_json(state.checkpoints)
+        self._recovered = {int(line["iter"]): dict(line) for line in state.recovered_lines}
 
     def _books(self) -> dict[str, Any]:
         """This loop's part of a CoordinatorState, with the coordinator's."""
         return {**self.coordinator.books(), "cursor": self._received,
                 "last_metrics": self._last, "exited": dict(self._exited),
-                "checkpoints": self._checkpoints.to_json()}
+                "checkpoints": self._checkpoints.to_json(),
+                "recovered_lines": tuple(self._recovered[t] for t in sorted(self._recovered))}
 
     def _watch_mailbox(self, address: StoreAddress, inbox: Inbox, start: int = 1) -> None:
         client = address.connect(self.cfg.cluster.timeout_s)

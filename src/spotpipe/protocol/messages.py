@@ -427,6 +427,9 @@ class CoordinatorState(Message):
     # left: its successor finds nothing lost (rather than a host gone with its lease)
     handed_over: bool = False
     left_on_notice: tuple[str, ...] = ()  # (of `left`: the nodes that had a notice)
+    # metrics lines of committed iterations whose records a failure took, made from an
+    # agreement's reports and not written yet (`spotpipe.cluster.recovered_metrics`)
+    recovered_lines: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ class Worker:
         self.failures = 0  # failures and notices this node has recovered from
         # (iteration, this pipeline's loss) while `_report` posts it: a failure in its
         # all-reduce of the loss leaves it to be reported (`_unposted`)
-        self._posting: tuple[int, torch.Tensor] | None = None
+        self._posting: tuple[int, float] | None = None
         self.checkpoints: BoundaryHook = checkpoints or NoHook()
         resume = os.environ.get("SPOTPIPE_RESUME")
         if resume:
@@ -471,7 +471,8 @@ class Worker:
         if p - 1 not in self.stages:
             return
         loss = result.loss_sum
-        self._posting = (t, loss.clone())  # (the all-reduce sums in place; no host sync)
+        # (read before the all-reduce: on a GPU a read after one cut short could block)
+        self._posting = (t, float(loss))
         self.executor.comm.all_reduce_dp(p - 1, loss)
         if self.layout.owner(0, p - 1) != self.node:
             self._posting = None  # (its share is in pipeline 0's record)
@@ -539,7 +540,7 @@ class Worker:
         gather when a peer that completed it goes; a pipeline peer lost in the loss's
         all-reduce); the coordinator then writes the line from the reports."""
         if self._posting is not None:
-            return self._posting[0], float(self._posting[1])
+            return self._posting
         ex = self.executor
         last = self.layout.num_stages - 1
         if ex is None or ex.flight is None or last not in self.stages:

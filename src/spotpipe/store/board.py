@@ -10,11 +10,11 @@ A reader goes through the slots in order and skips what does not open under the 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 
 import torch.distributed as dist
 
 from spotpipe.protocol import Channel, Message, Opened, Refused, keys
+from spotpipe.store.waiting import wait
 
 READ = b"."  # what a mailbox slot holds once read: not empty, so no writer can claim it again
 
@@ -38,8 +38,9 @@ def publish(store: dist.Store, channel: Channel, board: str, message: Message,
 
 def read(store: dist.Store, board: str, channel: Channel, *,
          on_refused: Callable[[Refused, int], None], start: int = 1,
-         timeout_s: float = 86400.0, **checks: object) -> Iterator[tuple[int, Opened]]:
-    """Yield (slot, record) for every slot that opens, in order, blocking between slots.
+         timeout_s: float | None = None, **checks: object) -> Iterator[tuple[int, Opened]]:
+    """Yield (slot, record) for every slot that opens, in order, blocking between slots (up
+    to `timeout_s` for each; None: as long as the job runs, `spotpipe.store.waiting`).
 
     Give it a store client of its own: a client blocked in wait() cannot serve other calls.
     `checks` go to `Channel.open` (expect, guard, min_generation, writers)."""
@@ -47,7 +48,7 @@ def read(store: dist.Store, board: str, channel: Channel, *,
     while True:
         index += 1
         key = keys.board_slot(board, index)
-        store.wait([key], timedelta(seconds=timeout_s))
+        wait(store, [key], timeout_s)
         blob = store.get(key)
         if blob == READ:
             continue

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import time
-from datetime import timedelta
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch.distributed as dist
 from spotpipe.protocol import (Channel, CheckpointSaved, Event, Message, Opened, Refused,
                                ReplayGuard, StageUpload, keys)
 from spotpipe.store import board
+from spotpipe.store.waiting import wait
 
 
 class Outbox:
@@ -71,7 +71,7 @@ def finite(value: Any) -> Any:
 
 def read_mailbox(store: dist.Store, channel: Channel,
                  on_refused: Callable[[Refused], None],
-                 timeout_s: float = 86400.0, *, start: int = 1,
+                 timeout_s: float | None = None, *, start: int = 1,
                  tombstone: bool = True) -> Iterator[Opened]:
     """Yield the mailbox's records in order as they arrive from slot `start` on, blocking
     between them; a record that does not open (no key, malformed, a replay) goes to
@@ -86,7 +86,7 @@ def read_mailbox(store: dist.Store, channel: Channel,
     while True:
         index += 1
         key = keys.mailbox_slot(index)
-        store.wait([key], timedelta(seconds=timeout_s))
+        wait(store, [key], timeout_s)  # (None: as long as the job runs)
         blob = store.get(key)
         if tombstone:
             store.set(key, board.READ)

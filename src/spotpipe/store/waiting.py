@@ -18,6 +18,14 @@ import torch.distributed as dist
 SLICE = timedelta(days=1)
 
 
+def wait(store: dist.Store, keys: list[str], timeout_s: float | None) -> None:
+    """`store.wait` up to `timeout_s`, or without a deadline when it is None."""
+    if timeout_s is None:
+        wait_unbounded(store, keys)
+    else:
+        store.wait(keys, timedelta(seconds=timeout_s))
+
+
 def wait_unbounded(store: dist.Store, keys: list[str], slice_: timedelta = SLICE) -> None:
     """Block until every key of `keys` is set, however long that takes."""
     while True:

@@ -216,7 +216,7 @@ class BoardWatcher:
                     on_lost(f"cannot watch {board_key}: {exc}"[:300])
                 return
             self.store = connection  # (kept referenced as long as the thread may use it)
-            records = board.read(connection, board_key, channel, timeout_s=7 * 86400,
+            records = board.read(connection, board_key, channel,
                                  on_refused=lambda why, _: on_refused and on_refused(why),
                                  **checks)
             while True:
@@ -270,7 +270,7 @@ class BoardReader:
         def read() -> None:
             try:
                 for index, opened in board.read(
-                        store, board_key, channel, start=start, timeout_s=7 * 86400,
+                        store, board_key, channel, start=start,
                         on_refused=lambda why, index: self._items.put((index, why, None)),
                         **checks):
                     self._items.put((index, opened, None))
