@@ -69,7 +69,9 @@ def test_the_loss_is_the_sum_of_every_pipelines_share():
          node3=dict(unposted_iteration=5, unposted_loss=0.5)),
     dict(node0=dict(unposted_iteration=5, unposted_loss=1.0),  # not a last stage's
          node3=dict(unposted_iteration=5, unposted_loss=0.5)),
-], ids=["share-lost", "other-iteration", "not-finite", "not-last-stage"])
+    dict(node1=dict(unposted_iteration=5, unposted_loss=3e38),  # finite shares, a sum that
+         node3=dict(unposted_iteration=5, unposted_loss=3e38)),  # is not (float32)
+], ids=["share-lost", "other-iteration", "not-finite", "not-last-stage", "overflow"])
 def test_a_loss_not_known_whole_is_null(reports):
     line = _line(_reports(**reports))
     assert line["loss"] is None
@@ -110,7 +112,7 @@ def _loop(tmp_path) -> tuple[JobLoop, list[dict]]:
     loop = JobLoop.__new__(JobLoop)  # (no store, no processes: only its metrics bookkeeping)
     loop.cfg = tiny_config("unused", stages=P, pipelines=D, iterations=20)
     loop.resume, loop._last, loop._recovered, loop._bar, loop._received = None, None, {}, None, 0
-    loop._exited, loop._checkpoints = {}, CheckpointParts()
+    loop._exited, loop._checkpoints, loop._first = {}, CheckpointParts(), 0
     loop.t0 = time.time()
     tmp_path.mkdir(exist_ok=True)
     loop.files = RunFiles(tmp_path)
@@ -177,3 +179,16 @@ def test_the_last_iterations_lines_are_kept_in_the_books_and_written_at_the_end(
     successor._restore(successor.files, state)
     successor._drain_recovered()  # (what the end of the job does after the last records)
     assert _lines(tmp_path / "successor") == [(1, None, True), (2, None, True)]
+
+
+def test_a_successor_of_a_resumed_job_makes_no_line_below_its_first_iteration(tmp_path):
+    first, _ = _loop(tmp_path / "first")
+    first._first = 50  # (resumed from a checkpoint of iteration 49; no line written yet)
+    sealed = Channel(KEY, "coordinator").seal(
+        CoordinatorState(**first._books(), journal=0, admission={}, time_s=0.0), 0)
+    successor, _ = _loop(tmp_path / "successor")  # (a successor is given no checkpoint)
+    successor._restore(successor.files,
+                       Channel(KEY, "successor").open(sealed, expect=CoordinatorState).message)
+    successor._agreed(Agreed(0, LAYOUT, 51, _reports()))
+    _posted(successor, 51)
+    assert _lines(tmp_path / "successor") == [(50, None, True), (51, 2.0, False)]

@@ -240,6 +240,8 @@ class JobLoop:
         # lines of committed iterations whose records a failure took, made at the agreement
         # and written once the gap shows (`_agreed`, `_fill_to`), by iteration
         self._recovered: dict[int, dict[str, Any]] = {}
+        # the job's first iteration (a resumed checkpoint's next): no line is made below it
+        self._first = self.resume.next_iteration if self.resume else 0
         self._received = 0
         if self.takeover is not None:
             self._restore(files, self.takeover)
@@ -604,8 +606,7 @@ class JobLoop:
 
     def _next_line(self) -> int:
         """The iteration whose metrics line comes next."""
-        return self._last["iter"] + 1 if self._last is not None else (
-            self.resume.next_iteration if self.resume else 0)
+        return self._last["iter"] + 1 if self._last is not None else self._first
 
     def _agreed(self, agreed: Agreed) -> None:
         """Make the lines of the iterations the agreement counts committed that no record has
@@ -657,13 +658,15 @@ class JobLoop:
         self._received = state.cursor
         self._checkpoints = CheckpointParts.from_json(state.checkpoints)
         self._recovered = {int(line["iter"]): dict(line) for line in state.recovered_lines}
+        self._first = state.first_iteration  # (a successor is given no checkpoint to resume)
 
     def _books(self) -> dict[str, Any]:
         """This loop's part of a CoordinatorState, with the coordinator's."""
         return {**self.coordinator.books(), "cursor": self._received,
                 "last_metrics": self._last, "exited": dict(self._exited),
                 "checkpoints": self._checkpoints.to_json(),
-                "recovered_lines": tuple(self._recovered[t] for t in sorted(self._recovered))}
+                "recovered_lines": tuple(self._recovered[t] for t in sorted(self._recovered)),
+                "first_iteration": self._first}
 
     def _watch_mailbox(self, address: StoreAddress, inbox: Inbox, start: int = 1) -> None:
         client = address.connect(self.cfg.cluster.timeout_s)

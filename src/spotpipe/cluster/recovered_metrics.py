@@ -14,6 +14,7 @@ node).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,13 +39,14 @@ def recovered_metrics(cfg: Config, iteration: int, *, generation: int, layout: L
             break  # this pipeline's loss went with its last stage's node
         shares.append(report.unposted_loss)
     whole = len(shares) == layout.num_pipelines and None not in shares
+    loss = _float32_sum(shares) if whole else None  # (finite shares can overflow: None too)
     norms = [r.committed_grad_norm for r in reports.values()
              if r.committed_through == iteration and r.committed_grad_norm is not None]
     # the time since the line before: the iteration, its failure's detection and agreement
     # (hosts' clocks differ a little: never below 0)
     took = max(0.0, round(now - (previous["time_s"] if previous else 0.0), 6))
     record = Metrics(
-        iter=iteration, loss=_float32_sum(shares) if whole else None,
+        iter=iteration, loss=loss if loss is not None and math.isfinite(loss) else None,
         samples=(iteration + 1) * cfg.global_batch, time_s=now, iter_time_s=took,
         samples_per_s=round(cfg.global_batch / took, 3) if took > 0 else 0.0,
         lr=cfg.lr_at(iteration), grad_norm=norms[0] if norms else None,
@@ -57,6 +59,7 @@ def _float32_sum(shares: list[float | None]) -> float:
     """The shares added as the posted loss is (a float32 all-reduce; in pipeline order,
     which is gloo's for two pipelines)."""
     total = np.float32(0.0)
-    for share in shares:
-        total = np.float32(total + np.float32(share))
+    with np.errstate(over="ignore"):  # (an overflow is inf, which the caller nulls)
+        for share in shares:
+            total = np.float32(total + np.float32(share))
     return float(total)

@@ -430,6 +430,7 @@ class CoordinatorState(Message):
     # metrics lines of committed iterations whose records a failure took, made from an
     # agreement's reports and not written yet (`spotpipe.cluster.recovered_metrics`)
     recovered_lines: tuple[dict[str, Any], ...] = ()
+    first_iteration: int = 0  # the job's (a resumed checkpoint's next): its first line
 
 
 @dataclass(frozen=True)
