@@ -160,6 +160,8 @@ def test_failover_is_exact(tmp_path, tmp_path_factory, corpus, stages, pipelines
     if any(spec.split("@")[0] in last_stages and spec.endswith(":optimizer")
            for _, spec in faults):  # (a last stage's node lost between commit and post)
         assert [m["iter"] for m in metrics if m.get("recovered")] == [3]
+        assert [(e["iteration"], e["loss_known"]) for e in events(run)
+                if e["kind"] == "metrics_recovered"] == [(3, False)]  # (its share went too)
     assert metrics[-1]["generation"] == len(plans)
     assert metrics[-1]["live_nodes"] <= stages * pipelines - len(faults)
     if "repartition" in plans:

@@ -150,6 +150,9 @@ def test_the_first_agreement_makes_the_line_and_the_gap_writes_it(tmp_path):
     assert _lines(tmp_path) == [(0, 2.0, False), (1, 2.0, False), (2, 2.0, False)]  # not yet
     _posted(loop, 4, generation=2)
     assert _lines(tmp_path)[3:] == [(3, 1.5, True), (4, 2.0, False)]
+    said = [json.loads(line) for line in open(tmp_path / "events.jsonl")]
+    assert [(e["kind"], e["iteration"], e["loss_known"]) for e in said] == [
+        ("metrics_recovered", 3, True)]
     assert json.loads(open(tmp_path / "metrics.jsonl").readlines()[3])["generation"] == 0
 
 

@@ -51,3 +51,18 @@ def test_a_worker_that_built_the_whole_model_is_told_once_per_reason():
                       "message": "No space left on device"}], {"status": "completed"})
     assert any("initial weights were not written (No space left on device): every worker "
                "builds the whole model" in line for line in disk)
+
+
+def test_a_metrics_line_written_from_the_reports_is_told():
+    events = [{"kind": "metrics_recovered", "time_s": 3.2, "node": "launcher", "iteration": 7,
+               "loss_known": True, "generation": 0},
+              {"kind": "metrics_recovered", "time_s": 5.0, "node": "launcher", "iteration": 9,
+               "loss_known": False, "generation": 1}]
+    text = describe(events, {"status": "completed", "iterations": 12, "samples": 96,
+                             "wall_s": 6.0, "final_loss": 1.5})
+    told = [line for line in text if "metrics line" in line]
+    assert told == [
+        "      3.20s  iteration 7's metrics line written from the failure's reports (its record "
+        "went with the failure)",
+        "      5.00s  iteration 9's metrics line written from the failure's reports (its record "
+        "went with the failure; its loss with a lost node)"]

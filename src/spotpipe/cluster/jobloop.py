@@ -635,6 +635,10 @@ class JobLoop:
                 line = recovered_metrics(self.cfg, t, generation=self.coordinator.generation,
                                          layout=self.coordinator.layout, reports={},
                                          previous=self._last, now=self._now())
+            self.files.event({"time_s": self._now(), "kind": "metrics_recovered",
+                              "node": "launcher", "iteration": t,
+                              "loss_known": line["loss"] is not None,
+                              "generation": line["generation"]})
             self._metrics(line, self.files)
         for t in [t for t in self._recovered if t <= upto]:
             del self._recovered[t]

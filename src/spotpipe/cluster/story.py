@@ -56,6 +56,10 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
                          f"({ev['built'][len('whole: '):]})")
         elif kind == "standby":
             lines.append(f"{at}  {node}: waits on standby (no place for it in the layout)")
+        elif kind == "metrics_recovered":
+            lines.append(f"{at}  iteration {ev['iteration']}'s metrics line written from the "
+                         "failure's reports (its record went with the failure"
+                         + ("" if ev["loss_known"] else "; its loss with a lost node") + ")")
         elif kind == "rejoining":
             lines.append(f"{at}  {node}: did not receive {', '.join(ev['lacked'])} when a peer "
                          "was lost; it joins again")
