@@ -26,8 +26,8 @@ from spotpipe.protocol import (AgentArrival, ArrivalsClosed, Assignment, Channel
                                CoordinatorState, JobPosted, MessageError, job_key,
                                new_instance_id, plain, vouch, vouched)
 from spotpipe.store.address import StoreAddress
-from spotpipe.store.waiting import wait_unbounded
 from spotpipe.store.leader import Leadership
+from spotpipe.store.waiting import wait_unbounded
 
 
 class Coordinating:

@@ -39,14 +39,14 @@ def recovered_metrics(cfg: Config, iteration: int, *, generation: int, layout: L
             break  # this pipeline's loss went with its last stage's node
         shares.append(report.unposted_loss)
     whole = len(shares) == layout.num_pipelines and None not in shares
-    loss = _float32_sum(shares) if whole else None  # (finite shares can overflow: None too)
+    loss = _float32_sum(shares) if whole else math.nan  # (finite shares can overflow)
     norms = [r.committed_grad_norm for r in reports.values()
              if r.committed_through == iteration and r.committed_grad_norm is not None]
     # the time since the line before: the iteration, its failure's detection and agreement
     # (hosts' clocks differ a little: never below 0)
     took = max(0.0, round(now - (previous["time_s"] if previous else 0.0), 6))
     record = Metrics(
-        iter=iteration, loss=loss if loss is not None and math.isfinite(loss) else None,
+        iter=iteration, loss=loss if math.isfinite(loss) else None,
         samples=(iteration + 1) * cfg.global_batch, time_s=now, iter_time_s=took,
         samples_per_s=round(cfg.global_batch / took, 3) if took > 0 else 0.0,
         lr=cfg.lr_at(iteration), grad_norm=norms[0] if norms else None,

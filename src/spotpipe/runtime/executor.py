@@ -602,10 +602,11 @@ class Executor:
         everything = torch.cat([gathered[rank][offset: offset + count]
                                 for rank, offset, count in self.w.norm_segments])
         total = gradlib.total_norm(everything)
-        self.gathered_norm = float(total) if bool(torch.isfinite(total)) else None
+        finite = bool(torch.isfinite(total))
+        self.gathered_norm = float(total) if finite else None
         self.nonfinite = None
         # (fp16's overflows are the loss scaler's business: skipped and backed off, above)
-        if not self.skipped and not bool(torch.isfinite(total)):
+        if not self.skipped and not finite:
             self.nonfinite = (iteration, next(
                 (s for s, (rank, offset, count) in enumerate(self.w.norm_segments)
                  if not bool(torch.isfinite(gathered[rank][offset: offset + count]).all())),
