@@ -228,8 +228,10 @@ def test_a_successor_from_the_books_decides_as_the_coordinator_would(corpus):
     assert succession.history_from_json(books["history"]) == original.history
     fields = dict(books, cursor=7, journal=2, last_metrics=None, exited={"node3": -9},
                   checkpoints={}, admission={}, time_s=1.0)
-    blob = Channel(KEY, "coordinator").seal(CoordinatorState(**fields), 0)
-    opened = Channel(KEY, "agent2").open(blob, expect=CoordinatorState, writers={"coordinator"})
+    blob = Channel(KEY, "coordinator").seal(CoordinatorState(**fields), 0,
+                                            at=keys.COORDINATOR_STATE)
+    opened = Channel(KEY, "agent2").open(blob, at=keys.COORDINATOR_STATE,
+                                         expect=CoordinatorState, writers={"coordinator"})
     successor = make()
     successor.restore(opened.message)
     assert successor.books() == books

@@ -147,7 +147,8 @@ def test_only_a_busy_node_can_be_hung_and_a_finishing_one_beats_on():
         verdicts = {}
         for state, channel in writers.items():
             store.set(keys.heartbeat(channel.writer),
-                      channel.seal(Heartbeat(channel.writer, state, 1, 5, 32)))
+                      channel.seal(Heartbeat(channel.writer, state, 1, 5, 32),
+                                   at=keys.heartbeat(channel.writer)))
             verdicts[state] = liveness.verdict(channel.writer, heartbeat_timeout_s=3.0,
                                                hang_timeout_s=2.0)
         assert verdicts["finishing"] is None, (step, verdicts)
@@ -180,7 +181,8 @@ def test_beats_that_stop_after_a_wait_are_a_silence_not_a_hang():
         now[0] = step * 0.5
         for state, channel in writers.items():
             store.set(keys.heartbeat(channel.writer),
-                      channel.seal(Heartbeat(channel.writer, state, 1, 5, 32 + step)))
+                      channel.seal(Heartbeat(channel.writer, state, 1, 5, 32 + step),
+                                   at=keys.heartbeat(channel.writer)))
             assert liveness.verdict(channel.writer, 30.0, 2.0) is None
     verdicts: dict[str, list[tuple[float, str | None]]] = {s: [] for s in states}
     for tenth in range(16, 330):

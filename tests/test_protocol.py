@@ -52,22 +52,30 @@ def test_seals_bind_key_writer_generation_and_sequence():
     assert job_key("tøken ✓".encode(), "inst") == key
     assert job_key("tøken ✓".encode(), "other run") != key  # a key is worth one run only
     writer = Channel(key, "node3")
-    blob = writer.seal(Heartbeat("node3", "busy", 4, 9, 2), 4)
+    at = keys.heartbeat("node3")
+    blob = writer.seal(Heartbeat("node3", "busy", 4, 9, 2), 4, at=at)
     assert b"t\xc3\xb8ken" not in blob  # the token never travels
     guard = ReplayGuard()
-    opened = Channel(key, "coordinator").open(blob, guard=guard)
+    opened = Channel(key, "coordinator").open(blob, at=at, guard=guard)
     assert opened.writer == "node3" and opened.generation == 4
     with pytest.raises(Refused, match="replay"):
-        Channel(key, "coordinator").open(blob, guard=guard)
+        Channel(key, "coordinator").open(blob, at=at, guard=guard)
     with pytest.raises(Refused, match="bad MAC"):
-        Channel(job_key(b"guess", "inst"), "x").open(blob)
+        Channel(job_key(b"guess", "inst"), "x").open(blob, at=at)
     tampered = blob.replace(b'"gen":4', b'"gen":5')
     with pytest.raises(Refused, match="bad MAC"):
-        Channel(key, "coordinator").open(tampered)
+        Channel(key, "coordinator").open(tampered, at=at)
+    # a genuine record is worth nothing under another key: another node's, another board's
+    for elsewhere in (keys.heartbeat("node0"), keys.board_slot(keys.decision_board(4), 1)):
+        with pytest.raises(Refused, match="a copy"):
+            Channel(key, "coordinator").open(blob, at=elsewhere)
+    moved = blob.replace(at.encode(), keys.heartbeat("node0").encode())
+    with pytest.raises(Refused, match="bad MAC"):
+        Channel(key, "coordinator").open(moved, at=keys.heartbeat("node0"))
     with pytest.raises(Refused, match="older than"):
-        Channel(key, "coordinator").open(blob, min_generation=5)
+        Channel(key, "coordinator").open(blob, at=at, min_generation=5)
     with pytest.raises(Refused, match="may not write"):
-        Channel(key, "node0").open(blob, writers={"coordinator"})
+        Channel(key, "node0").open(blob, at=at, writers={"coordinator"})
     assert same_secret("sésame", "sésame".encode()) and not same_secret(b"a", b"b")
 
 
@@ -139,22 +147,24 @@ def test_forged_records_are_refused_and_the_job_is_undisturbed(tmp_path, tmp_pat
     store = _store_of(run)
     forger = Channel(job_key(b"a guess", "any"), "node0")  # a key, but not the job's
     # a fake exit: unsealed, and sealed under the wrong key
-    board.post(store, keys.MAILBOX, json.dumps({"type": "exit", "node": "node0",
-                                                "code": -9}).encode(),
+    board.post(store, keys.MAILBOX, lambda _: json.dumps({"type": "exit", "node": "node0",
+                                                          "code": -9}).encode(),
                count_key=keys.MAILBOX_COUNT)
-    board.post(store, keys.MAILBOX, forger.seal(Exit("node0", -9)), count_key=keys.MAILBOX_COUNT)
+    board.post(store, keys.MAILBOX, lambda at: forger.seal(Exit("node0", -9), at=at),
+               count_key=keys.MAILBOX_COUNT)
     # a forged report of generation 0, and a forged decision and abort for generation 0,
     # posted before the coordinator's own
-    board.post(store, keys.MAILBOX, forger.seal(Report(
+    board.post(store, keys.MAILBOX, lambda at: forger.seal(Report(
         node="node0", generation=0, boundary=False, iteration=0, position=0, instruction="",
         committed_through=-1, stepped_through=-1, done=(), clip_scale=None, flight=-1,
         formed=True, lacking=(), untouched=True, leaving=True, reason="forged",
-        time_s=0.0)), count_key=keys.MAILBOX_COUNT)
-    board.post(store, keys.decision_board(0), forger.seal(DecisionRecord(0, {"action": "stop"})))
-    board.post(store, keys.abort_board(0), forger.seal(Abort(0, "forged abort")))
+        time_s=0.0), at=at), count_key=keys.MAILBOX_COUNT)
+    board.post(store, keys.decision_board(0),
+               lambda at: forger.seal(DecisionRecord(0, {"action": "stop"}), at=at))
+    board.post(store, keys.abort_board(0), lambda at: forger.seal(Abort(0, "forged abort"), at=at))
     # a valid record (node0's own heartbeat) replayed where it does not belong: the mailbox
     valid = store.get(keys.heartbeat("node0"))
-    board.post(store, keys.MAILBOX, valid, count_key=keys.MAILBOX_COUNT)
+    board.post(store, keys.MAILBOX, lambda _: valid, count_key=keys.MAILBOX_COUNT)
     # a stale heartbeat: node0's valid beat written back over a newer one just after it, so
     # that it stands for most of a beat's period, whatever the phase of the coordinator's
     # reads; only after every third beat, so that the coordinator still sees the real beats
@@ -182,7 +192,8 @@ def test_forged_records_are_refused_and_the_job_is_undisturbed(tmp_path, tmp_pat
     refused = _refusals(run)
     reasons = " | ".join(e["reason"] for e in refused)
     assert "no MAC" in reasons and "bad MAC" in reasons and "heartbeat: a replay" in reasons
-    assert "Heartbeat record in the mailbox" in reasons
+    # (a heartbeat is sealed for its own key: in the mailbox it is a copy)
+    assert "mailbox: a copy: sealed for 'spotpipe/hb/node0'" in reasons
     # the forged decision and abort were skipped by the survivors (their own events)
     assert any("writer" in e and "bad MAC" in e["reason"] for e in refused)
     # node0, whose beats the forger replayed, is never fenced. node1 may be: its crash is a

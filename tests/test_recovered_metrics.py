@@ -19,7 +19,7 @@ from spotpipe.cluster.coordinator import Agreed, Coordinator
 from spotpipe.cluster.jobloop import JobLoop, RunFiles
 from spotpipe.cluster.recovered_metrics import recovered_metrics
 from spotpipe.plan import Layout
-from spotpipe.protocol import Channel, CoordinatorState, Metrics, Report, job_key
+from spotpipe.protocol import Channel, CoordinatorState, Metrics, Report, job_key, keys
 from spotpipe.runtime.executor import InFlight
 
 from conftest import tiny_config
@@ -127,8 +127,8 @@ def _posted(loop: JobLoop, iteration: int, loss: float = 2.0, generation: int = 
     sealed = Channel(KEY, "node1").seal(Metrics(
         iter=iteration, loss=loss, samples=0, time_s=float(iteration), iter_time_s=1.0,
         samples_per_s=1.0, lr=0.01, grad_norm=1.0, live_nodes=4, carriers=0,
-        generation=generation), generation)
-    loop._handle_record(Channel(KEY, "coordinator").open(sealed))
+        generation=generation), generation, at=keys.mailbox_slot(1))
+    loop._handle_record(Channel(KEY, "coordinator").open(sealed, at=keys.mailbox_slot(1)))
 
 
 def _lines(tmp_path) -> list[tuple[int, float | None, bool]]:
@@ -176,8 +176,10 @@ def test_the_last_iterations_lines_are_kept_in_the_books_and_written_at_the_end(
         node1=dict(unposted_iteration=1, unposted_loss=1.0))))
     # the predecessor is lost before the gap shows; a successor restores from its books
     sealed = Channel(KEY, "coordinator").seal(
-        CoordinatorState(**loop._books(), journal=0, admission={}, time_s=0.0), 0)
-    state = Channel(KEY, "successor").open(sealed, expect=CoordinatorState).message
+        CoordinatorState(**loop._books(), journal=0, admission={}, time_s=0.0), 0,
+        at=keys.COORDINATOR_STATE)
+    state = Channel(KEY, "successor").open(sealed, at=keys.COORDINATOR_STATE,
+                                           expect=CoordinatorState).message
     successor, _ = _loop(tmp_path / "successor")
     successor._restore(successor.files, state)
     successor._drain_recovered()  # (what the end of the job does after the last records)
@@ -188,10 +190,12 @@ def test_a_successor_of_a_resumed_job_makes_no_line_below_its_first_iteration(tm
     first, _ = _loop(tmp_path / "first")
     first._first = 50  # (resumed from a checkpoint of iteration 49; no line written yet)
     sealed = Channel(KEY, "coordinator").seal(
-        CoordinatorState(**first._books(), journal=0, admission={}, time_s=0.0), 0)
+        CoordinatorState(**first._books(), journal=0, admission={}, time_s=0.0), 0,
+        at=keys.COORDINATOR_STATE)
     successor, _ = _loop(tmp_path / "successor")  # (a successor is given no checkpoint)
     successor._restore(successor.files,
-                       Channel(KEY, "successor").open(sealed, expect=CoordinatorState).message)
+                       Channel(KEY, "successor").open(sealed, at=keys.COORDINATOR_STATE,
+                                                      expect=CoordinatorState).message)
     successor._agreed(Agreed(0, LAYOUT, 51, _reports()))
     _posted(successor, 51)
     assert _lines(tmp_path / "successor") == [(50, None, True), (51, 2.0, False)]

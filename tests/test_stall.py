@@ -218,7 +218,8 @@ def test_beats_in_a_step_are_judged_and_a_new_step_is_progress():
     def beat(at: float, state: str, step: str) -> str | None:
         now[0] = at
         store.set(keys.heartbeat("node0"),
-                  node.seal(Heartbeat("node0", state, 2, 5, 3, step=step)))
+                  node.seal(Heartbeat("node0", state, 2, 5, 3, step=step),
+                            at=keys.heartbeat("node0")))
         return liveness.verdict("node0", heartbeat_timeout_s=3.0, hang_timeout_s=2.0)
 
     assert beat(0.0, "busy", "taking over stage 1") is None

@@ -381,7 +381,8 @@ class Agent:
             env["SPOTPIPE_FINAL_UPLOAD"] = "1"  # the result is kept in the coordinator's --out
             self.supervisor.spawn(node, env)
             BoardWatcher(self.address.connect(self.timeout_s), self.channel,
-                         keys.kill_board(node), Kill, lambda _, node=node: self._kill(node))
+                         keys.kill_board(node), Kill, lambda _, node=node: self._kill(node),
+                         writers={"coordinator"})
         self.say(f"started {', '.join(f'node{r}' for r in ranks)} (local rank"
                  f"{'s' if len(places) > 1 else ''} {', '.join(map(str, places))})"
                  + (" joining the running job" if joining else ""))
@@ -551,7 +552,7 @@ class Agent:
             slot = keys.board_slot(keys.kill_board(node), 1)
             if not store.check([slot]):
                 return False
-            self.channel.open(store.get(slot), expect=Kill)
+            self.channel.open(store.get(slot), at=slot, expect=Kill, writers={"coordinator"})
             return True
         except Exception:
             # a record that is not the job's kill (refused), or the store gone (the job is

@@ -147,11 +147,12 @@ class AgentJobLoop(JobLoop):
         if metrics or lines:
             self._journal += 1
             names.append(keys.journal(self._journal))
-            values.append(self.channel.seal(Journal(tuple(metrics), tuple(lines)), g))
+            values.append(self.channel.seal(Journal(tuple(metrics), tuple(lines)), g,
+                                            at=names[-1]))
         names.append(keys.COORDINATOR_STATE)
         values.append(self.channel.seal(
             CoordinatorState(**books, journal=self._journal, time_s=self._now(),
-                             handed_over=handed_over), g))
+                             handed_over=handed_over), g, at=keys.COORDINATOR_STATE))
         # etcd bounds a transaction's operations (128 by default): the rest next turn
         marks, reads = mailbox.read_marks(self._marked + 1, min(cursor, self._marked + 100))
         # only while this agent still holds the office: a deposed coordinator that reaches

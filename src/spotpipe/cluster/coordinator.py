@@ -231,12 +231,11 @@ class Coordinator:
         g = self.generation
         found: Decision | None = None
         index = 1
-        while found is None and self.store.check([keys.board_slot(keys.decision_board(g),
-                                                                  index)]):
+        while found is None and self.store.check(
+                [slot := keys.board_slot(keys.decision_board(g), index)]):
             try:
                 opened = self.channel.open(
-                    self.store.get(keys.board_slot(keys.decision_board(g), index)),
-                    expect=DecisionRecord, writers={self.channel.writer})
+                    self.store.get(slot), at=slot, expect=DecisionRecord, writers={self.channel.writer})
                 assert isinstance(opened.message, DecisionRecord)
                 found = Decision.from_json(opened.message.decision)
             except Exception:  # (Refused, or a record that does not parse: not a decision)

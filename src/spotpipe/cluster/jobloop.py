@@ -292,6 +292,7 @@ class JobLoop:
                 if time.time() - last_tick >= cfg.failover.heartbeat_s:
                     last_tick = time.time()
                     self.coordinator.tick()
+                    self._repair_mailbox_count(store)
                 ended = self._take(item) if item is not None else None
                 if ended is not None:
                     status, message = ended
@@ -511,6 +512,17 @@ class JobLoop:
     def _now(self) -> float:
         return round(time.time() - self.t0, 6)
 
+    def _repair_mailbox_count(self, store: dist.Store) -> None:
+        """Writers start from the mailbox's count, which anyone who reaches the store can move
+        (it cannot be sealed: `spotpipe.store.board.hint`); moved past the slot this loop
+        waits on, nothing would reach the coordinator again. Put it back, and say so."""
+        awaited = self._received + 1
+        found = mailbox.repair_count(store, awaited)
+        if found is not None:
+            self.coordinator.refused("?", f"the mailbox's count was moved to {found}, past "
+                                          f"slot {awaited}, which is empty: put back (records "
+                                          "posted in between are lost)")
+
     def _drain(self) -> None:
         """Write every record posted so far: a worker posts its last record before it exits,
         so once it has exited, the store's mailbox count says how many records to wait for.
@@ -649,7 +661,7 @@ class JobLoop:
         for index in range(1, state.journal + 1):
             try:
                 opened = self.channel.open(self._store.get(keys.journal(index)),
-                                           expect=Journal, writers={self.channel.writer})
+                                           at=keys.journal(index), expect=Journal, writers={self.channel.writer})
             except Refused as why:
                 self.coordinator.refused(why.writer, f"journal {index}: {why.reason}")
                 continue

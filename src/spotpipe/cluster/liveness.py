@@ -53,7 +53,7 @@ class Liveness:
         if not self.store.check([key]):
             return seen
         try:
-            opened = self.channel.open(self.store.get(key), expect=Heartbeat,
+            opened = self.channel.open(self.store.get(key), at=key, expect=Heartbeat,
                                        writers={node})
         except Refused as why:
             self.refused(why.writer, f"heartbeat: {why.reason}")

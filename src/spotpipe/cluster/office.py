@@ -116,7 +116,8 @@ class Office:
         coordinates until its host goes (an office taken back)."""
         try:
             opened = channel.open(store.get(keys.COORDINATOR_STATE) if store.check(
-                [keys.COORDINATOR_STATE]) else b"", expect=CoordinatorState,
+                [keys.COORDINATOR_STATE]) else b"", at=keys.COORDINATOR_STATE,
+                expect=CoordinatorState,
                 writers={"coordinator"})
         except Refused as why:
             message = (f"the coordinator was lost and its books cannot be read ({why.reason});"

@@ -44,8 +44,8 @@ def send(store: dist.Store, channel: Channel, agent: int, checkpoint: durable.Ch
     checksums = {**{name: digest for name, digest in checkpoint.manifest["checksums"].items()
                     if folders is None or durable.folder_of(name) in folders},
                  durable.MANIFEST: sha256_file(checkpoint.path / durable.MANIFEST)}
-    store.set(keys.resume_offer(agent), channel.seal(ResumeOffer(checkpoint.path.name,
-                                                                 checksums)))
+    offer = keys.resume_offer(agent)
+    store.set(offer, channel.seal(ResumeOffer(checkpoint.path.name, checksums), at=offer))
     durable.transfer.send(SealedStore(store, channel.key), durable.transfer.Stream.resume(agent),
                           checkpoint.path, checksums, timeout_s=timeout_s)
     return Sent(len(checksums), sum((checkpoint.path / name).stat().st_size
@@ -60,7 +60,8 @@ def receive(store: dist.Store, channel: Channel, agent: int, out: Path, *,
     if raw is None:
         return f"the coordinating agent did not offer its copy within {timeout_s:.0f} s"
     try:
-        offer = channel.open(raw, expect=ResumeOffer, writers={"coordinator"}).message
+        offer = channel.open(raw, at=keys.resume_offer(agent), expect=ResumeOffer,
+                             writers={"coordinator"}).message
     except Refused as why:
         return f"refused the coordinating agent's offer: {why.reason}"
     assert isinstance(offer, ResumeOffer)

@@ -3,8 +3,16 @@
 Anything that can reach the store could otherwise fail the job with one forged exit record,
 publish a plan before the coordinator, or fence a healthy node with a stale heartbeat. So every
 record is sealed: an HMAC-SHA256, under a per-job key, over the record's bytes together with
-its writer, the writer's incarnation, its generation and a per-writer sequence number. Readers
-drop a record with a bad MAC, an old generation or a sequence number they have seen before.
+the store key it is written under, its writer, the writer's incarnation, its generation and a
+per-writer sequence number. Readers drop a record with a bad MAC, one read under another key
+than it was sealed for, an old generation or a sequence number they have seen before.
+
+The store key is in the MAC because a genuine record is readable by anyone who reaches the
+store: without it, a generation's Decision copied onto a later generation's board, a kill
+copied onto a healthy node's board, or an old report copied into a fresh mailbox slot (which
+a successor coordinator, with no memory of the sequence numbers its predecessor saw, would
+take) would steer the job without the key. Bound to its key, a copy is worthless anywhere but
+where the original already was.
 
 The key is derived (HKDF, RFC 5869, from the standard library's hmac) from the join token and
 the job's instance id, so the token itself never enters the store, a file or a log, and a key
@@ -93,6 +101,7 @@ class Sealed:
     generation: int
     seq: int
     body: dict[str, Any]
+    at: str  # the store key it was sealed for
 
 
 class Sealer:
@@ -106,12 +115,15 @@ class Sealer:
         self._seq = 0
         self._lock = threading.Lock()
 
-    def seal(self, type_: str, version: int, body: dict[str, Any], generation: int) -> bytes:
+    def seal(self, type_: str, version: int, body: dict[str, Any], generation: int, *,
+             at: str) -> bytes:
+        """The record as the store key `at` holds it."""
         with self._lock:
             self._seq += 1
             seq = self._seq
         fields = {"p": PROTOCOL, "type": type_, "ver": version, "writer": self.writer,
-                  "inc": self.incarnation, "gen": int(generation), "seq": seq, "body": body}
+                  "inc": self.incarnation, "gen": int(generation), "seq": seq, "body": body,
+                  "at": at}
         mac = hmac.new(self._key, _canonical(fields), hashlib.sha256).hexdigest()
         return _canonical({**fields, "mac": mac})
 
@@ -142,13 +154,13 @@ def unseal(key: bytes, blob: bytes | str) -> Sealed:
         raise Refused("bad MAC (not written with this job's key)", writer,
                       {"type": fields.get("type"), "body": fields.get("body")})
     types = {"type": str, "ver": int, "writer": str, "inc": str, "gen": int, "seq": int,
-             "body": dict}
+             "body": dict, "at": str}
     for name, kind in types.items():
         value = fields.get(name)
         if not isinstance(value, kind) or isinstance(value, bool):
             raise Refused(f"envelope field {name!r} missing or not a {kind.__name__}", writer)
     return Sealed(fields["type"], fields["ver"], fields["writer"], fields["inc"], fields["gen"],
-                  fields["seq"], fields["body"])
+                  fields["seq"], fields["body"], fields["at"])
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 `Channel.seal` turns a Message into the bytes a store key holds; `Channel.open` turns bytes
 from the store back into a Message, or raises `Refused` with the writer and the reason (bad
-MAC, malformed, unknown type or version, an old generation, a replay). Callers drop refused
+MAC, malformed, unknown type or version, sealed for another key, an old generation, a
+replay). Both name the store key (`at`): a record opens only under the key it was sealed for
+(`spotpipe.protocol.auth`). Callers drop refused
 records with a `record_refused` event; nothing else can come out of a record.
 """
 
@@ -42,13 +44,20 @@ class Channel:
     def writer(self) -> str:
         return self.sealer.writer
 
-    def seal(self, message: Message, generation: int = 0) -> bytes:
-        return self.sealer.seal(message.TYPE, message.VERSION, message.to_json(), generation)
+    def seal(self, message: Message, generation: int = 0, *, at: str) -> bytes:
+        """`message` as the store key `at` holds it."""
+        return self.sealer.seal(message.TYPE, message.VERSION, message.to_json(), generation,
+                                at=at)
 
-    def open(self, blob: bytes | str, *, expect: type[M] | tuple[type[Message], ...] | None = None,
+    def open(self, blob: bytes | str, *, at: str,
+             expect: type[M] | tuple[type[Message], ...] | None = None,
              guard: ReplayGuard | None = None, min_generation: int | None = None,
              writers: frozenset[str] | set[str] | None = None) -> Opened:
+        """The message the store key `at` holds."""
         sealed = unseal(self.key, blob)
+        if sealed.at != at:
+            raise Refused(f"a copy: sealed for {sealed.at[:120]!r}, found at {at!r}",
+                          sealed.writer)
         try:
             message = parse(sealed.type, sealed.version, sealed.body)
         except MessageError as exc:

@@ -243,8 +243,8 @@ class Reshaper:
         g = st.generation
         nodes = sorted(st.layout.active_nodes)
         marks = [keys.exchanged(self.namespace, g, n) for n in nodes]
-        self.store.set(keys.exchanged(self.namespace, g, st.node),
-                       self.channel.seal(Mark(st.node, g, "exchanged"), g))
+        mine = keys.exchanged(self.namespace, g, st.node)
+        self.store.set(mine, self.channel.seal(Mark(st.node, g, "exchanged"), g, at=mine))
         try:
             comm.wait_keys(marks, st.cfg.cluster.timeout_s, "every node's exchange")
         except PeerFailure:
@@ -257,7 +257,8 @@ class Reshaper:
     def _genuine(self, marks: list[str], nodes: list[str], generation: int) -> bool:
         for key, node in zip(marks, nodes):
             try:
-                opened = self.channel.open(self.store.get(key), expect=Mark, writers={node})
+                opened = self.channel.open(self.store.get(key), at=key, expect=Mark,
+                                           writers={node})
             except Refused as why:
                 self.refused(why)
                 return False

@@ -19,21 +19,65 @@ from spotpipe.store.waiting import wait
 READ = b"."  # what a mailbox slot holds once read: not empty, so no writer can claim it again
 
 
-def post(store: dist.Store, board: str, blob: bytes, *, count_key: str | None = None) -> int:
-    """Claim the next free slot of `board` and fill it; returns the slot's number. `count_key`
-    (the mailbox's) is a hint of where to start, kept by the writers; it may lag behind by
-    the records of writers killed right after their claim."""
-    index = (store.add(count_key, 0) if count_key else 0) + 1
-    while store.compare_set(keys.board_slot(board, index), "", blob) != blob:
+def post(store: dist.Store, board: str, seal: Callable[[str], bytes], *,
+         count_key: str | None = None) -> int:
+    """Claim the next free slot of `board` and fill it with `seal(slot_key)` (a record is
+    sealed for its slot: `spotpipe.protocol.auth`); returns the slot's number. `count_key`
+    (the mailbox's) is a hint of where to start (`hint`), kept by the writers; it may lag
+    behind by the records of writers killed right after their claim."""
+    index = hint(store, count_key) + 1 if count_key else 1
+    while True:
+        key = keys.board_slot(board, index)
+        blob = seal(key)
+        if store.compare_set(key, "", blob) == blob:
+            break
         index += 1
     if count_key:
-        store.add(count_key, 1)
+        _advance(store, count_key, index)
     return index
+
+
+# what the count is compared with to read it: never a count, so the compare_set only reads
+_PEEK = b"spotpipe: a peek"
+
+
+def hint(store: dist.Store, count_key: str) -> int:
+    """The highest slot a writer says it filled (0: none, or a count that is not one)."""
+    return _number(_peek(store, count_key)) or 0
+
+
+def _peek(store: dist.Store, count_key: str) -> bytes | None:
+    """The count as the store holds it (None: missing). Read with a compare_set that cannot
+    match rather than with `add`: the count is in the store unsealed, and a TCPStore server
+    asked to add to a value that is not a number drops the asker's connection, so one write
+    of "x" by anyone who reaches the store would cut every writer off from it. Nor with
+    `get`, which blocks on a missing key."""
+    raw = store.compare_set(count_key, _PEEK, _PEEK)
+    raw = raw.encode() if isinstance(raw, str) else bytes(raw)
+    return None if raw == _PEEK else raw
+
+
+def _number(raw: bytes | None) -> int | None:
+    return int(raw) if raw is not None and raw.isdigit() and len(raw) <= 18 else None
+
+
+def _advance(store: dist.Store, count_key: str, index: int) -> None:
+    """Raise the count to `index`, unless another writer moved it meanwhile (then it lags,
+    which writers tolerate: they move past filled slots)."""
+    raw = _peek(store, count_key)
+    count = _number(raw)
+    if count is None or count < index:
+        store.compare_set(count_key, raw or b"", str(index).encode())
+
+
+def lower_hint(store: dist.Store, count_key: str, found: int, to: int) -> None:
+    """Set the count to `to` if it still holds `found` (`mailbox.repair_count`)."""
+    store.compare_set(count_key, str(found).encode(), str(to).encode())
 
 
 def publish(store: dist.Store, channel: Channel, board: str, message: Message,
             generation: int = 0) -> int:
-    return post(store, board, channel.seal(message, generation))
+    return post(store, board, lambda key: channel.seal(message, generation, at=key))
 
 
 def read(store: dist.Store, board: str, channel: Channel, *,
@@ -53,7 +97,7 @@ def read(store: dist.Store, board: str, channel: Channel, *,
         if blob == READ:
             continue
         try:
-            opened = channel.open(blob, **checks)  # type: ignore[arg-type]
+            opened = channel.open(blob, at=key, **checks)  # type: ignore[arg-type]
         except Refused as why:
             on_refused(why, index)
             continue

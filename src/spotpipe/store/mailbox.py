@@ -40,7 +40,9 @@ class Outbox:
         return round(time.time() - self.t0, 6)
 
     def post(self, message: Message) -> None:
-        board.post(self.store, keys.MAILBOX, self.channel.seal(message, self.generation()),
+        generation = self.generation()
+        board.post(self.store, keys.MAILBOX,
+                   lambda key: self.channel.seal(message, generation, at=key),
                    count_key=keys.MAILBOX_COUNT)
 
     def event(self, kind: str, **details: Any) -> None:
@@ -91,7 +93,7 @@ def read_mailbox(store: dist.Store, channel: Channel,
         if tombstone:
             store.set(key, board.READ)
         try:
-            opened = channel.open(blob, guard=guard)
+            opened = channel.open(blob, at=key, guard=guard)
         except Refused as why:
             on_refused(why)
             continue
@@ -106,7 +108,21 @@ def read_marks(first: int, last: int) -> tuple[list[str], list[bytes]]:
 
 def posted(store: dist.Store) -> int:
     """How many records writers say they posted (a hint: see `board.post`)."""
-    return store.add(keys.MAILBOX_COUNT, 0)
+    return board.hint(store, keys.MAILBOX_COUNT)
+
+
+def repair_count(store: dist.Store, awaited: int) -> int | None:
+    """Put the count back to `awaited` - 1 if it says slot `awaited` (the one the reader
+    waits on) was filled while the slot is empty; returns the count found then (None: it was
+    sound). Writers fill a slot before they raise the count past it, so this is someone
+    without the job's key who moved the count ahead: every writer would post beyond the
+    slot the reader waits on, and the coordinator hear nothing again. Records posted at the
+    moved count before the repair stay there, unread."""
+    count = posted(store)  # (first: a slot filled before the count was raised past it)
+    if count < awaited or slot_written(store, awaited):
+        return None
+    board.lower_hint(store, keys.MAILBOX_COUNT, count, awaited - 1)
+    return count
 
 
 def slot_written(store: dist.Store, index: int) -> bool:

@@ -159,8 +159,9 @@ class Heartbeat:
         while not self._stop.is_set():
             try:
                 state = self.progress()
-                self.store.set(keys.heartbeat(self.node), self.channel.seal(
-                    Beat(self.node, **state), state.get("generation", 0)))
+                key = keys.heartbeat(self.node)
+                self.store.set(key, self.channel.seal(
+                    Beat(self.node, **state), state.get("generation", 0), at=key))
                 self.failures = 0
             except Exception as exc:  # the store away (etcd restarting) or a closed client
                 self.failures += 1
