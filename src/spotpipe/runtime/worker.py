@@ -30,8 +30,8 @@ from spotpipe.faults import Fault
 from spotpipe.notices import NoticeWatcher
 from spotpipe.plan import Layout
 from spotpipe.plan.recovery import Decision
-from spotpipe.protocol import (Abort, Channel, DecisionRecord, JoinAnswer, JoinRequest, Metrics,
-                               Notice, Prepare, Refused, Report, Stalled, keys)
+from spotpipe.protocol import (Abort, Channel, DecisionRecord, JoinAnswer, JoinRequest, Notice,
+                               Prepare, Refused, Report, Stalled, keys)
 from spotpipe.runtime import node as nodelib
 from spotpipe.runtime import stacks
 from spotpipe.runtime.activity import Activity
@@ -41,6 +41,7 @@ from spotpipe.runtime.generations import GenerationGroups
 from spotpipe.runtime.executor import Executor, Microbatches
 from spotpipe.runtime.faults import Injector
 from spotpipe.runtime.hooks import Boundary, BoundaryHook, NoHook, Restore, SendFinal
+from spotpipe.runtime.metrics_post import MetricsPost
 from spotpipe.runtime.optim import build_optimizer
 from spotpipe.runtime.reshape import Reshaper
 from spotpipe.runtime.shadow_link import ShadowError, ShadowWriter
@@ -120,9 +121,7 @@ class Worker:
         self.rss_built_mib = _rss_mib()  # stages and replica built, nothing run yet
         self.peak_built_mib = _peak_rss_mib()  # the start's high-water mark
         self.failures = 0  # failures and notices this node has recovered from
-        # (iteration, this pipeline's loss) while `_report` posts it: a failure in its
-        # all-reduce of the loss leaves it to be reported (`_unposted`)
-        self._posting: tuple[int, float] | None = None
+        self.metrics = MetricsPost(cfg, self.state, self.channel)
         self.checkpoints: BoundaryHook = checkpoints or NoHook()
         resume = os.environ.get("SPOTPIPE_RESUME")
         if resume:
@@ -446,7 +445,8 @@ class Worker:
                 result = ex.run(stream, self.batches(t), t,
                                 leaving=lambda: (self.notices.is_set()
                                                  or self.groups.regroup.is_set()))
-                self._report(t, result, lr, time.perf_counter() - t_start)
+                self.metrics.post(t, result, lr, time.perf_counter() - t_start, ex.comm,
+                                  self.holding.applier.lag if self.holding else None)
                 self._checkpoint(t)
                 self.spares.refill()  # (after the iteration: off a regroup's critical path)
                 if resumed_at is not None:
@@ -466,31 +466,6 @@ class Worker:
                 resumed_at = time.time()
         self._finish()
 
-    def _report(self, t: int, result: Any, lr: float, dt: float) -> None:
-        p = self.layout.num_stages
-        if p - 1 not in self.stages:
-            return
-        loss = result.loss_sum
-        # (read before the all-reduce: on a GPU a read after one cut short could block)
-        self._posting = (t, float(loss))
-        self.executor.comm.all_reduce_dp(p - 1, loss)
-        if self.layout.owner(0, p - 1) != self.node:
-            self._posting = None  # (its share is in pipeline 0's record)
-            return
-        cfg = self.cfg
-        if result.skipped_stage is not None:  # one node says it; every node skipped alike
-            self.channel.event("step_skipped", iteration=t, stage=result.skipped_stage,
-                               grad_norm=result.grad_norm, loss=float(loss))
-        self.channel.post(Metrics(
-            iter=t, loss=finite(float(loss)), samples=(t + 1) * cfg.global_batch,
-            time_s=self.channel.now(), iter_time_s=round(dt, 6),
-            samples_per_s=round(cfg.global_batch / dt, 3), lr=lr,
-            grad_norm=finite(float(result.grad_norm)),
-            live_nodes=len(self.layout.active_nodes), carriers=len(self.layout.carriers()),
-            generation=self.generation,
-            replica_lag=self.holding.applier.lag(t) if self.holding else None))
-        self._posting = None
-
     # ------------------------------------------------------------------ recovery
 
     formed = True  # False from a plan that failed before this node's generation formed
@@ -505,7 +480,7 @@ class Worker:
         while True:
             try:
                 resume = self._recover_once(why)
-                self._posting = None  # (reported: the coordinator has what it can know of it)
+                self.metrics.reported()
                 return resume
             except PeerFailure as again:
                 self.formed = False
@@ -517,7 +492,7 @@ class Worker:
         if ex is None:  # a joining node whose placement failed: it has committed nothing
             return {"iteration": -1, "position": 0, "instruction": "", "committed_through": -1,
                     "stepped_through": -1, "done": (), "clip_scale": None, "flight": -1}
-        unposted, loss = self._unposted()
+        unposted, loss = self.metrics.unposted(ex)
         return {
             "iteration": ex.iteration, "position": ex.position,
             "instruction": (str(ex.current[ex.position]) if ex.position < len(ex.current)
@@ -532,21 +507,6 @@ class Worker:
             "flight": ex.flight.iteration if ex.flight is not None else -1,
             "committed_grad_norm": ex.committed_grad_norm,
             "unposted_iteration": unposted, "unposted_loss": finite(loss)}
-
-    def _unposted(self) -> tuple[int, float | None]:
-        """The newest iteration whose loss this node computed whole (a last stage's owner)
-        and did not post, with its pipeline's share ((-1, None): none). A failure can cut
-        the posting short after the iteration was committed elsewhere (this node in its norm
-        gather when a peer that completed it goes; a pipeline peer lost in the loss's
-        all-reduce); the coordinator then writes the line from the reports."""
-        if self._posting is not None:
-            return self._posting
-        ex = self.executor
-        last = self.layout.num_stages - 1
-        if ex is None or ex.flight is None or last not in self.stages:
-            return -1, None
-        loss = ex.flight.whole_loss(last)
-        return (-1, None) if loss is None else (ex.flight.iteration, loss)
 
     def _decision(self, generation: int) -> tuple[Decision, bool]:
         """The coordinator's Decision for `generation`: the first record of its board that
