@@ -506,14 +506,15 @@ def test_an_upload_runs_beside_training_and_is_reported_once_taken(tmp_path, cor
     scheme = registry.build(ctx)
     module, optimizer = _stage()
     assert scheme.cadence.due(1) and not scheme.cadence.due(2)
-    scheme.after_iteration(Boundary(1, {1: (module, optimizer)}, None, None))
+    scheme.after_iteration(Boundary(1, {1: (module, optimizer)}, None, None, ((0, 1), (1, 2))))
     [(kind, announced)] = said
     assert (kind, announced["iteration"], announced["stage"]) == ("checkpoint_upload", 1, 1)
     partial = durable.iter_dir(tmp_path / "c", 1, partial=True)
     if not fail:
         # nobody takes the pieces yet: the sender waits (its file list is out), the loop not
         server.wait([transfer.Stream.checkpoint(1, 1).meta], timedelta(seconds=30))
-        scheme.after_iteration(Boundary(2, {1: (module, optimizer)}, None, None))
+        scheme.after_iteration(Boundary(2, {1: (module, optimizer)}, None, None,
+                                        ((0, 1), (1, 2))))
         assert len(said) == 1 and (partial / "stage1").is_dir()
         got = tmp_path / "got"
         assert transfer.receive_stage(store, 1, 1, announced["checksums"], got,

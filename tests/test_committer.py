@@ -9,6 +9,8 @@ import json
 import threading
 from pathlib import Path
 
+import pytest
+
 from spotpipe.checkpoint import durable
 from spotpipe.cluster.committer import Committer
 
@@ -130,17 +132,36 @@ def test_a_checkpoint_is_committed_once_every_stage_is_on_disk_never_after_a_fai
     successor gathers the rest)."""
     from spotpipe.cluster.checkpoint_parts import CheckpointParts
 
+    three = ((0, 2), (2, 4), (4, 6))
     parts = CheckpointParts()
-    assert parts.saved(10, 2, {"stage2/a": "c"}, stages=3) is None
-    assert parts.saved(20, 0, {"stage0/a": "x"}, stages=3) is None
-    assert parts.saved(10, 0, {"stage0/a": "a"}, stages=3) is None
+    assert parts.saved(10, 2, {"stage2/a": "c"}, three) is None
+    assert parts.saved(20, 0, {"stage0/a": "x"}, three) is None
+    assert parts.saved(10, 0, {"stage0/a": "a"}, three) is None
     parts.fail(20)
     successor = CheckpointParts.from_json(json.loads(json.dumps(parts.to_json())))
-    assert successor.saved(20, 1, {"stage1/a": "y"}, stages=3) is None  # failed: never
-    assert successor.saved(10, 1, {"stage1/a": "b", "stage1/b": "b2"}, stages=3) == {
+    assert successor.saved(20, 1, {"stage1/a": "y"}, three) is None  # failed: never
+    assert successor.saved(10, 1, {"stage1/a": "b", "stage1/b": "b2"}, three) == {
         "stage0/a": "a", "stage1/a": "b", "stage1/b": "b2", "stage2/a": "c"}
-    assert successor.parts == {} and successor.failed == {20}
-    assert successor.saved(20, 2, {"stage2/a": "z"}, stages=3) is None
+    assert successor.parts == {} and successor.partitions == {} and successor.failed == {20}
+    assert successor.saved(20, 2, {"stage2/a": "z"}, three) is None
+
+
+def test_a_checkpoint_is_cut_by_the_partition_its_stages_were_written_under():
+    """An asynchronous write (dcp_async) or an upload is reported after the boundary it was
+    taken at, and a re-partition (4 stages to 3) can come in between: three of the four
+    stages reported is not the whole checkpoint, and the fourth completes it, under the
+    partition the four were written with (the job's is another by then)."""
+    from spotpipe.cluster.checkpoint_parts import CheckpointParts
+
+    four = ((0, 2), (2, 4), (4, 6), (6, 8))
+    parts = CheckpointParts()
+    for stage in range(3):
+        assert parts.saved(7, stage, {f"stage{stage}/a": str(stage)}, four) is None
+    assert parts.saved(7, 3, {"stage3/a": "3"}, four) == {
+        f"stage{s}/a": str(s) for s in range(4)}
+    with pytest.raises(ValueError, match="written under partition"):
+        parts.saved(8, 0, {"stage0/a": "0"}, four)
+        parts.saved(8, 1, {"stage1/a": "1"}, ((0, 3), (3, 6), (6, 8)))
 
 
 def test_a_commit_with_a_newer_one_ready_behind_it_leaves_retention_to_it(tmp_path,

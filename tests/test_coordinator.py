@@ -276,6 +276,37 @@ def test_books_older_than_the_published_plan_stop_the_job(corpus):
     assert stop["action"] == "stop" and stop["message"] == successor.stop_message
 
 
+def test_a_deposed_coordinators_late_plan_stops_the_job_rather_than_split_it(corpus):
+    """A coordinator cut off from etcd retries its calls past its lease, so its plan can land
+    after its successor read the board and found nothing: then two plans of one generation
+    stand on its board, and the nodes follow the first, the deposed one's. The successor sees
+    its own landed second and stops the job clearly instead of going on from a layout the
+    nodes are not in."""
+    from spotpipe.protocol import CoordinatorState
+
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy")
+    store = dist.HashStore()
+
+    def make() -> Coordinator:
+        return Coordinator(cfg=cfg, store=store, layout=Layout.build(2, 1, ["node0", "node1"]),
+                           kill=lambda node: None, emit=lambda e: None, now=lambda: 0.0,
+                           channel=Channel(KEY, "coordinator"), partition=[(0, 2), (2, 4)])
+
+    deposed = make()
+    successor = make()
+    successor.restore(CoordinatorState(**deposed.books(), cursor=0, journal=0,
+                                       last_metrics=None, exited={}, checkpoints={},
+                                       admission={}, time_s=0.0))
+    assert not successor.decided_after_books()  # the board is empty when it looks
+    for coordinator in (deposed, successor):  # the same reports reach both; the deposed first
+        for node in ("node0", "node1"):
+            _report(coordinator, node, boundary=True, committed_through=5, iteration=5)
+    assert "after its successor took over" in successor.stop_message
+    assert _plan(successor, 0)["action"] != "stop"  # (the one the nodes follow: the deposed's)
+    stop = _plan(successor, 1)
+    assert stop["action"] == "stop" and stop["message"] == successor.stop_message
+
+
 def test_a_spare_node_lost_leaves_training_untouched(corpus):
     """A node on standby since before the last plan, or accepted to join and not placed yet,
     holds no stage: its exit aborts nothing and starts no agreement, and no later plan

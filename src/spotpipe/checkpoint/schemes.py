@@ -334,7 +334,7 @@ class DurableScheme(Scheme):
             folder = durable.iter_dir(self.ctx.root, b.iteration, partial=True)
             size = sum((folder / name).stat().st_size for name in sums)
             self._record("checkpoint_saved", b.iteration, s, spent, size, checksums=sums,
-                         save_s=round(spent, 6))
+                         partition=b.partition, save_s=round(spent, 6))
 
 
 class _Background(Scheme):
@@ -346,9 +346,10 @@ class _Background(Scheme):
     def __init__(self, ctx: SchemeContext) -> None:
         super().__init__(ctx)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-persist")
-        # (iteration, stage, seconds blocked, wall-clock start, job returning (bytes, extra
-        # fields, wall-clock end))
-        self._pending: list[tuple[int, int, float, float, Future]] = []
+        # (iteration, stage, its partition, seconds blocked, wall-clock start, job returning
+        # (bytes, extra fields, wall-clock end))
+        self._pending: list[tuple[int, int, tuple[tuple[int, int], ...], float, float,
+                                  Future]] = []
 
     def save(self, b: Boundary) -> None:
         self.poll(b, wait=True)  # the next checkpoint waits for the previous one
@@ -361,7 +362,8 @@ class _Background(Scheme):
                 self._failed(b.iteration, s, exc)
                 continue
             job = self._thread.submit(lambda write=write: (*write(), time.time()))
-            self._pending.append((b.iteration, s, time.perf_counter() - started, wall, job))
+            self._pending.append((b.iteration, s, b.partition, time.perf_counter() - started,
+                                  wall, job))
 
     def start(self, iteration: int, stage: int, module: nn.Module,
               optimizer: torch.optim.Optimizer) -> Callable[[], tuple[int, dict[str, Any]]]:
@@ -370,8 +372,8 @@ class _Background(Scheme):
         raise NotImplementedError
 
     def poll(self, b: Boundary | None, wait: bool) -> None:
-        while self._pending and (wait or self._pending[0][4].done()):
-            iteration, s, spent, started, job = self._pending.pop(0)
+        while self._pending and (wait or self._pending[0][5].done()):
+            iteration, s, partition, spent, started, job = self._pending.pop(0)
             waited = time.perf_counter()
             try:
                 nbytes, extra, done_time = job.result()
@@ -380,6 +382,8 @@ class _Background(Scheme):
                 self._failed(iteration, s, exc)
                 continue
             spent += time.perf_counter() - waited
+            if self.kind == "checkpoint_saved":
+                extra["partition"] = partition
             self._record(self.kind, iteration, s, spent, nbytes, done_time=done_time,
                          persist_s=round(done_time - started, 6), **extra)
 

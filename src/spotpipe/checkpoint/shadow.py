@@ -88,6 +88,7 @@ class Shadow:
                  store: dist.Store, t0: float, namespace: str = "spotpipe",
                  link_store: dist.Store | None = None) -> None:
         self.cfg, self.run_dir, self.stage = cfg, run_dir, stage
+        self.partition = tuple((start, end) for start, end in spec.partition)
         self.store, self.namespace = store, namespace
         # The wait for the next writer's link gets a connection of its own: a TCPStore
         # client serves one request at a time, so on the shared one the applier's marks and
@@ -273,9 +274,10 @@ class Shadow:
                 self.channel.event("checkpoint_failed", iteration=iteration, stage=self.stage,
                                    writer="shadow", message=f"{type(exc).__name__}: {exc}"[:300])
                 return
+            # (shadows keep the job at its launch partition: `cluster.coordinator.rules_for`)
             self.channel.event("checkpoint_saved", iteration=iteration, stage=self.stage,
-                               checksums=sums, save_s=round(time.perf_counter() - started, 6),
-                               writer="shadow")
+                               checksums=sums, partition=self.partition,
+                               save_s=round(time.perf_counter() - started, 6), writer="shadow")
 
 
 def main() -> int:

@@ -14,42 +14,56 @@ from dataclasses import dataclass, field
 from typing import Any
 
 Checksums = dict[str, str]  # a file's path in the checkpoint -> its SHA-256
+Partition = tuple[tuple[int, int], ...]  # the layer ranges of the stages
 
 
 @dataclass
 class CheckpointParts:
-    """The stages reported of each iteration not yet committed, and the iterations that
-    will never be (one of their stages could not be written)."""
+    """The stages reported of each iteration not yet committed, the partition they were
+    written under, and the iterations that will never be (one of their stages could not be
+    written)."""
 
     parts: dict[int, dict[int, Checksums]] = field(default_factory=dict)  # iteration -> stage
+    partitions: dict[int, Partition] = field(default_factory=dict)  # iteration -> its cut
     failed: set[int] = field(default_factory=set)  # a stage could not be written: never committed
 
     def saved(self, iteration: int, stage: int, checksums: Checksums,
-              stages: int) -> Checksums | None:
-        """Stage `stage` of `iteration` is on disk; once the last of its `stages` is, every
-        stage's checksums, to commit (the iteration is then forgotten here). None before,
-        and for an iteration that failed."""
+              partition: Partition) -> Checksums | None:
+        """Stage `stage` of `iteration`, one of `partition`'s, is on disk; once the last of
+        them is, every stage's checksums, to commit (the iteration is then forgotten here).
+        None before, and for an iteration that failed. The partition is the one its writers
+        ran the iteration with: not the job's when the report comes, which a re-partition
+        may have changed meanwhile."""
         if iteration in self.failed:
             return None
+        known = self.partitions.setdefault(iteration, partition)
+        if known != partition:  # (one iteration runs with one partition: not a real case)
+            raise ValueError(f"checkpoint of iteration {iteration}: stage {stage} was written "
+                             f"under partition {list(partition)}, the stages before it under "
+                             f"{list(known)}")
         parts = self.parts.setdefault(iteration, {})
         parts[stage] = dict(checksums)
-        if len(parts) < stages:
+        if len(parts) < len(partition):
             return None
-        del self.parts[iteration]
+        del self.parts[iteration], self.partitions[iteration]
         return {k: v for stage_sums in parts.values() for k, v in stage_sums.items()}
 
     def fail(self, iteration: int) -> None:
         """A stage of `iteration` could not be written: the iteration is never committed."""
         self.failed.add(iteration)
         self.parts.pop(iteration, None)
+        self.partitions.pop(iteration, None)
 
     def to_json(self) -> dict[str, Any]:
         return {"parts": {str(t): {str(s): c for s, c in stages.items()}
                           for t, stages in self.parts.items()},
+                "partitions": {str(t): [list(r) for r in p] for t, p in self.partitions.items()},
                 "failed": sorted(self.failed)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CheckpointParts:
         return cls({int(t): {int(s): dict(c) for s, c in stages.items()}
                     for t, stages in data.get("parts", {}).items()},
+                   {int(t): tuple((int(a), int(b)) for a, b in p)
+                    for t, p in data.get("partitions", {}).items()},
                    {int(t) for t in data.get("failed", [])})

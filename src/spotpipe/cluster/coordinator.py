@@ -226,26 +226,36 @@ class Coordinator:
         """Whether the predecessor published the Decision of the books' generation after it
         last saved them (it died in between: a few milliseconds of one turn). The workers
         follow that Decision, which these books know nothing of, so no successor can go on
-        exactly: the job is stopped with a clear message instead (a stop Decision for the
-        generation the workers are in), and the newest checkpoint stays the way back."""
+        exactly: the job is stopped with a clear message instead (`_stop_behind`)."""
         g = self.generation
-        found: Decision | None = None
+        found = self._first_decision(g)
+        if found is None:
+            return False
+        self._stop_behind(found, g, f"the coordinator was lost after it published the plan "
+                                    f"of generation {g} and before it saved its books")
+        return True
+
+    def _first_decision(self, g: int, before: int | None = None) -> Decision | None:
+        """The first genuine Decision on generation `g`'s board (in its slots before `before`):
+        the one every node follows."""
         index = 1
-        while found is None and self.store.check(
+        while (before is None or index < before) and self.store.check(
                 [slot := keys.board_slot(keys.decision_board(g), index)]):
             try:
-                opened = self.channel.open(
-                    self.store.get(slot), at=slot, expect=DecisionRecord, writers={self.channel.writer})
+                opened = self.channel.open(self.store.get(slot), at=slot,
+                                           expect=DecisionRecord, writers={self.channel.writer})
                 assert isinstance(opened.message, DecisionRecord)
-                found = Decision.from_json(opened.message.decision)
+                return Decision.from_json(opened.message.decision)
             except Exception:  # (Refused, or a record that does not parse: not a decision)
                 pass
             index += 1
-        if found is None:
-            return False
-        message = (f"the coordinator was lost after it published the plan of generation {g} "
-                   "and before it saved its books; its successor cannot go on exactly "
-                   "(resume from the newest checkpoint)")
+        return None
+
+    def _stop_behind(self, found: Decision, g: int, why: str) -> None:
+        """The nodes follow `found`, a Decision of generation `g` that this coordinator did
+        not make: stop them in the generation it starts (a stop Decision there), with a clear
+        message; the newest checkpoint stays the way back."""
+        message = f"{why}; its successor cannot go on exactly (resume from the newest checkpoint)"
         self.emit({"time_s": self.now(), "kind": "books_stale", "node": "launcher",
                    "generation": g, "message": message})
         self.stop_message = found.message if found.stopped else message
@@ -260,7 +270,6 @@ class Coordinator:
             board.publish(self.store, self.channel, keys.decision_board(nxt),
                           DecisionRecord(nxt, stop.to_json()), nxt)
         self.collecting = None
-        return True
 
     # ------------------------------------------------------------------ inputs
 
@@ -562,8 +571,16 @@ class Coordinator:
         # them for (every node reads the same answer here, so all meet in one set of groups)
         prepared = (self._prepared is not None and self._prepared[0] == g
                     and not decision.stopped and decision.layout == self._prepared[1])
-        board.publish(self.store, self.channel, keys.decision_board(g),
-                      DecisionRecord(g, decision.to_json(), prepared=prepared), g)
+        slot = board.publish(self.store, self.channel, keys.decision_board(g),
+                             DecisionRecord(g, decision.to_json(), prepared=prepared), g)
+        # a predecessor deposed while cut off (etcd retries its calls for cluster.timeout_s)
+        # may have published its own plan for this generation after this successor read the
+        # board (`decided_after_books`): the nodes follow the first one, not this one
+        first = self._first_decision(g, before=slot)
+        if first is not None:
+            self._stop_behind(first, g, "a coordinator deposed while cut off published the "
+                                        f"plan of generation {g} after its successor took over")
+            return
         # (the nodes have it from here on)
         self.emit({**_plan_event(self.now(), g, decision), "early_groups": prepared})
         # the generation is over: close its boards, so every watcher of it ends (a change at a

@@ -449,9 +449,14 @@ class JobLoop:
         A stage uploaded by a host that does not see this folder was taken by the committer
         before this report came (`_stage_upload`)."""
         t = message.iteration
-        partition = self.coordinator.partition or self.spec.partition
-        checksums = self._checkpoints.saved(t, message.stage, message.checksums,
-                                            len(partition))
+        partition = message.partition
+        try:
+            checksums = self._checkpoints.saved(t, message.stage, message.checksums, partition)
+        except ValueError as exc:  # (never committed: the previous checkpoint stays newest)
+            self._checkpoints.fail(t)
+            self.files.event({"time_s": self._now(), "kind": "checkpoint_failed",
+                              "node": "launcher", "iteration": t, "message": str(exc)})
+            return
         if checksums is None:
             return
         info = {"partition": [list(r) for r in partition], "stages": len(partition),

@@ -243,6 +243,10 @@ class CheckpointSaved(Message):
     iteration: int
     stage: int
     checksums: dict[str, str]
+    # the layer ranges of the stages the iteration ran with: the checkpoint is cut by them,
+    # whatever the job's partition when the coordinator hears of the stage (a re-partition
+    # can come between an asynchronous write and its report)
+    partition: tuple[tuple[int, int], ...]
     details: dict[str, Any] = field(default_factory=dict)
 
 

@@ -26,6 +26,9 @@ class Boundary:
     stages: dict[int, StagePair]  # the ones this node writes
     comm: Any  # spotpipe.runtime.comm.Comm of the current generation
     layout: Any  # spotpipe.plan.Layout of the current generation
+    # the layer ranges of the generation's stages: what a checkpoint of this iteration is cut
+    # by (a re-partition may come before the coordinator hears of every stage written)
+    partition: tuple[tuple[int, int], ...]
 
 
 class BoundaryHook(Protocol):

@@ -214,8 +214,9 @@ class Worker:
         their stages (spotpipe.checkpoint.schemes)."""
         mine = {s: (x.module, x.optimizer) for s, x in sorted(self.stages.items())
                 if self.layout.owner(0, s) == self.node}
-        self.checkpoints.after_iteration(Boundary(iteration, mine, self.executor.comm,
-                                                  self.layout))
+        self.checkpoints.after_iteration(Boundary(
+            iteration, mine, self.executor.comm, self.layout,
+            tuple((start, end) for start, end in self.state.partition)))
 
     def _progress(self) -> dict[str, Any]:
         ex, act = self.executor, self.activity

@@ -48,8 +48,9 @@ class Outbox:
     def event(self, kind: str, **details: Any) -> None:
         if kind == "checkpoint_saved":  # a checkpoint record: the launcher commits on it
             iteration, stage = details.pop("iteration"), details.pop("stage")
-            checksums = details.pop("checksums")
+            checksums, partition = details.pop("checksums"), details.pop("partition")
             self.post(CheckpointSaved(self.node, self.now(), iteration, stage, checksums,
+                                      tuple((start, end) for start, end in partition),
                                       details))
             return
         if kind == "checkpoint_upload":  # a stage on its way: the launcher takes its pieces
