@@ -4,6 +4,7 @@ reports directly (an in-memory store, no processes)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -243,20 +244,23 @@ def test_a_successor_from_the_books_decides_as_the_coordinator_would(corpus):
     assert successor.books() == original.books()
 
 
+def _on_one_store(corpus) -> Callable[[], Coordinator]:
+    """Coordinators of one 2-stage job on one store: a predecessor and its successor."""
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy")
+    store = dist.HashStore()
+    return lambda: Coordinator(
+        cfg=cfg, store=store, layout=Layout.build(2, 1, ["node0", "node1"]),
+        kill=lambda node: None, emit=lambda e: None, now=lambda: 0.0,
+        channel=Channel(KEY, "coordinator"), partition=[(0, 2), (2, 4)])
+
+
 def test_books_older_than_the_published_plan_stop_the_job(corpus):
     """The coordinator published its Decision and was lost before it saved its books: the
     successor (same store) sees a plan its books do not know, and stops the job with a clear
     message, as a stop Decision on the board of the generation the workers are in."""
     from spotpipe.protocol import CoordinatorState
 
-    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy")
-    store = dist.HashStore()
-
-    def make() -> Coordinator:
-        return Coordinator(cfg=cfg, store=store, layout=Layout.build(2, 1, ["node0", "node1"]),
-                           kill=lambda node: None, emit=lambda e: None, now=lambda: 0.0,
-                           channel=Channel(KEY, "coordinator"), partition=[(0, 2), (2, 4)])
-
+    make = _on_one_store(corpus)
     original = make()
     fresh = make()
     fresh.restore(CoordinatorState(**original.books(), cursor=0, journal=0, last_metrics=None,
@@ -284,14 +288,7 @@ def test_a_deposed_coordinators_late_plan_stops_the_job_rather_than_split_it(cor
     nodes are not in."""
     from spotpipe.protocol import CoordinatorState
 
-    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy")
-    store = dist.HashStore()
-
-    def make() -> Coordinator:
-        return Coordinator(cfg=cfg, store=store, layout=Layout.build(2, 1, ["node0", "node1"]),
-                           kill=lambda node: None, emit=lambda e: None, now=lambda: 0.0,
-                           channel=Channel(KEY, "coordinator"), partition=[(0, 2), (2, 4)])
-
+    make = _on_one_store(corpus)
     deposed = make()
     successor = make()
     successor.restore(CoordinatorState(**deposed.books(), cursor=0, journal=0,

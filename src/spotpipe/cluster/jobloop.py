@@ -665,8 +665,9 @@ class JobLoop:
         here whole), then its coordinator's state and this loop's."""
         for index in range(1, state.journal + 1):
             try:
-                opened = self.channel.open(self._store.get(keys.journal(index)),
-                                           at=keys.journal(index), expect=Journal, writers={self.channel.writer})
+                key = keys.journal(index)
+                opened = self.channel.open(self._store.get(key), at=key, expect=Journal,
+                                           writers={self.channel.writer})
             except Refused as why:
                 self.coordinator.refused(why.writer, f"journal {index}: {why.reason}")
                 continue
