@@ -239,3 +239,31 @@ def test_commit_outcomes_are_events():
         ("checkpoint_committed", 10, [20, 30]), ("checkpoint_committed", 20, None),
         ("checkpoint_failed", 30, None)]
     assert files.events[2]["message"] == "commit: disk full"
+
+
+def test_the_job_loop_commits_by_the_partition_the_stages_report():
+    """The job loop's part: the job has been re-partitioned to 3 stages when the reports of
+    a checkpoint written by 4 come in; it is committed once all 4 are, cut as they were."""
+    from types import SimpleNamespace
+
+    from spotpipe.cluster.checkpoint_parts import CheckpointParts
+    from spotpipe.cluster.jobloop import JobLoop
+    from spotpipe.protocol import CheckpointSaved
+
+    from conftest import tiny_config
+
+    loop = JobLoop.__new__(JobLoop)  # (no store, no processes: only its checkpoint books)
+    loop.cfg = tiny_config("unused", stages=4, pipelines=1)
+    loop.spec = SimpleNamespace(num_samples=100, partition=[(0, 2), (2, 4), (4, 6), (6, 8)])
+    loop.coordinator = SimpleNamespace(partition=[(0, 3), (3, 6), (6, 8)])
+    loop._checkpoints = CheckpointParts()
+    submitted: list[tuple[int, dict]] = []
+    loop.committer = SimpleNamespace(submit=lambda t, info, sums: submitted.append((t, info)))
+    four = ((0, 2), (2, 4), (4, 6), (6, 8))
+    for stage in range(4):
+        loop._checkpoint_saved(CheckpointSaved("node0", 0.0, 7, stage,
+                                               {f"stage{stage}/a": "x"}, four))
+        assert len(submitted) == (1 if stage == 3 else 0)
+    assert submitted[0][0] == 7
+    assert submitted[0][1]["partition"] == [list(r) for r in four]
+    assert submitted[0][1]["stages"] == 4
