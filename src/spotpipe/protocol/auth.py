@@ -23,6 +23,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from spotpipe.protocol.bounds import Unreadable, load_record
+
 PROTOCOL = 1  # the envelope's version
 _INFO = b"spotpipe job key v1"
 
@@ -121,8 +123,10 @@ def unseal(key: bytes, blob: bytes | str) -> Sealed:
     else: a reader's loop must not end on what someone wrote into the store."""
     try:
         raw = blob.encode() if isinstance(blob, str) else bytes(blob)
-        fields = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, TypeError) as exc:
+        fields = load_record(raw)  # (a cap on its size and its nesting: see bounds.py)
+    except Unreadable as exc:
+        raise Refused(str(exc)) from None
+    except (UnicodeError, ValueError, TypeError) as exc:
         raise Refused(f"not a JSON record ({type(exc).__name__})") from None
     if not isinstance(fields, dict):
         raise Refused("not a JSON object")

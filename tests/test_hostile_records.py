@@ -1,0 +1,79 @@
+"""Records written into the store without the job's key: every reader refuses them with an
+event and reads on (nothing in the store can crash the job or steer it without the key)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.distributed as dist
+
+from spotpipe.cluster.rendezvous import read_record
+from spotpipe.protocol import (Abort, AgentArrival, Channel, Event, MessageError, Refused,
+                               from_plain, job_key, keys, unseal)
+from spotpipe.protocol.bounds import MAX_DEPTH, MAX_RECORD_BYTES
+from spotpipe.store import board
+from spotpipe.store.abort import AbortSignal
+from spotpipe.store.mailbox import Outbox, read_mailbox
+from spotpipe.store.watchers import watch_abort
+
+KEY = job_key(b"sesame", "instance-1")
+DEEP = b"[" * 5000 + b"]" * 5000  # json.loads raises RecursionError on it
+HUGE = b'{"p": 1, "pad": "' + b"x" * MAX_RECORD_BYTES + b'"}'
+
+
+def _nested(depth: int) -> dict:
+    value: dict = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+def test_deep_and_huge_records_are_refused_by_both_parsers():
+    for parse in (lambda blob: unseal(KEY, blob), lambda blob: from_plain(blob, Event)):
+        with pytest.raises((Refused, MessageError), match="nested too deeply"):
+            parse(DEEP)
+        # deep enough for the checks that walk it, not for json itself
+        with pytest.raises((Refused, MessageError), match="nested too deeply"):
+            parse(json.dumps(_nested(MAX_DEPTH + 1)).encode())
+        with pytest.raises((Refused, MessageError), match="cap on a record"):
+            parse(HUGE)
+    # a record nested as deep as a legitimate one gets: opened
+    channel = Channel(KEY, "node1")
+    deep_event = Event("e", "node1", 0.0, {"d": _nested(20)})
+    assert channel.open(channel.seal(deep_event)).message == deep_event
+
+
+def test_the_mailbox_reads_on_past_a_deep_record():
+    store = dist.HashStore()
+    board.post(store, keys.MAILBOX, DEEP, count_key=keys.MAILBOX_COUNT)
+    Outbox(store, Channel(KEY, "node1"), 0.0).event("e", n=1)
+    refused: list[Refused] = []
+    records = read_mailbox(store, Channel(KEY, "coordinator"), refused.append, timeout_s=5)
+    assert next(records).message.details == {"n": 1}
+    assert [r.reason for r in refused] == [f"nested too deeply (over {MAX_DEPTH} levels)"]
+
+
+def test_a_watcher_reads_on_past_every_kind_of_refused_record():
+    store = dist.HashStore()
+    coordinator, node = Channel(KEY, "coordinator"), Channel(KEY, "node1")
+    stranger = Channel(job_key(b"guess", "instance-1"), "coordinator")
+    abort_board = keys.abort_board(7)
+    for blob in (DEEP, HUGE, b"\xff not json", b'{"type": "abort"}',
+                 stranger.seal(Abort(7, "forged"), 7)):
+        board.post(store, abort_board, blob)
+    board.publish(store, coordinator, abort_board, Abort(7, "node2 lost"), 7)
+    signal = AbortSignal()
+    refused: list[Refused] = []
+    watch = watch_abort(store, node, 7, signal, on_refused=refused.append)
+    watch.join(30)  # (it ends at the first genuine abort)
+    assert signal.reason == "node2 lost"
+    assert len(refused) == 5
+
+
+def test_the_rendezvous_refuses_a_deep_arrival_as_any_malformed_one():
+    store = dist.HashStore()
+    store.set("arrival", DEEP)
+    with pytest.raises(MessageError, match="nested too deeply"):
+        read_record(store, "arrival", AgentArrival)
+
