@@ -8,7 +8,9 @@ import json
 import pytest
 import torch.distributed as dist
 
+from spotpipe.cluster.coordinator import Coordinator
 from spotpipe.cluster.rendezvous import read_record
+from spotpipe.plan import Layout
 from spotpipe.protocol import (Abort, AgentArrival, Channel, Event, MessageError, Refused,
                                from_plain, job_key, keys, unseal)
 from spotpipe.protocol.bounds import MAX_DEPTH, MAX_RECORD_BYTES
@@ -16,6 +18,8 @@ from spotpipe.store import board
 from spotpipe.store.abort import AbortSignal
 from spotpipe.store.mailbox import Outbox, read_mailbox
 from spotpipe.store.watchers import watch_abort
+
+from conftest import tiny_config
 
 KEY = job_key(b"sesame", "instance-1")
 DEEP = b"[" * 5000 + b"]" * 5000  # json.loads raises RecursionError on it
@@ -77,3 +81,26 @@ def test_the_rendezvous_refuses_a_deep_arrival_as_any_malformed_one():
     with pytest.raises(MessageError, match="nested too deeply"):
         read_record(store, "arrival", AgentArrival)
 
+
+def test_refusal_reasons_are_bounded_whatever_the_record_says(corpus):
+    channel = Channel(KEY, "coordinator")
+    reasons = set()
+    for i in range(3):
+        blob = json.dumps({"p": "x" * 1_000_000 + str(i), "mac": "0",
+                           "writer": "node1"}).encode()
+        with pytest.raises(Refused) as refused:
+            channel.open(blob)
+        assert len(refused.value.reason) <= 300 and len(str(refused.value)) <= 300
+        reasons.add(refused.value.reason)
+    assert len(Refused("y" * 10_000, "w" * 10_000).reason) == 300
+    assert len(Refused("y" * 10_000, "w" * 10_000).writer) == 200
+    # the coordinator's memory of what it said keeps only bounded keys
+    cfg = tiny_config(corpus, stages=2, pipelines=1)
+    emitted: list[dict] = []
+    coord = Coordinator(cfg=cfg, store=dist.HashStore(), layout=Layout.build(2, 1, ["n0", "n1"]),
+                        kill=lambda node: None, emit=emitted.append, now=lambda: 0.0,
+                        channel=channel, partition=[(0, 1), (1, 2)])
+    coord.refused("node1", "z" * 1_000_000)
+    coord.refused("node1", "z" * 1_000_001)  # the same start: said once
+    assert len(emitted) == 1 and len(emitted[0]["reason"]) <= 300
+    assert all(len(w) + len(r) <= 600 for w, r in coord._refusals)

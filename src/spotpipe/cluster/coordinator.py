@@ -31,6 +31,7 @@ from spotpipe.plan.recovery import (CARRIED_OUT, Decision, History, NodeReport, 
 from spotpipe.cluster import succession
 from spotpipe.protocol import (Abort, Channel, CoordinatorState, DecisionRecord, JoinAnswer,
                                JoinRequest, Notice, Prepare, Regroup, Report, Stalled, keys)
+from spotpipe.protocol.auth import REASON_CHARS, WRITER_CHARS
 from spotpipe.store import board
 
 
@@ -180,12 +181,14 @@ class Coordinator:
 
     def refused(self, writer: str, reason: str) -> None:
         """A record dropped: said once per writer and reason (a flood of forged records must
-        not flood the events)."""
+        not flood the events). Both are cut as `Refused` cuts them, so that what is kept to
+        say each once is bounded too (a forger chooses the text of most reasons)."""
+        writer, reason = writer[:WRITER_CHARS], reason[:REASON_CHARS]
         if (writer, reason) in self._refusals:
             return
         self._refusals.add((writer, reason))
         self.emit({"time_s": self.now(), "kind": "record_refused", "node": writer,
-                   "reason": reason[:300]})
+                   "reason": reason})
 
     # ------------------------------------------------------------------ succession
 

@@ -29,16 +29,29 @@ PROTOCOL = 1  # the envelope's version
 _INFO = b"spotpipe job key v1"
 
 
+REASON_CHARS = 300  # the most of a refusal's reason that is kept (its start)
+WRITER_CHARS = 200
+
+
 class Refused(ValueError):
-    """A record that a reader drops: its writer (as far as it can be told) and why."""
+    """A record that a reader drops: its writer (as far as it can be told) and why.
+
+    The reason and the writer are cut to a bounded length here, once for every reader: both
+    may quote what a forger wrote (a megabyte of "protocol version"), and they go into events
+    and into the coordinator's memory of what it has said (`Coordinator.refused`)."""
 
     def __init__(self, reason: str, writer: str = "?", claimed: dict[str, Any] | None = None) -> None:
+        reason = _cut(str(reason), REASON_CHARS)
         super().__init__(reason)
         self.reason = reason
-        self.writer = writer
+        self.writer = _cut(str(writer), WRITER_CHARS)
         # what the record says of itself (type, body), unauthenticated: only for answering a
         # stranger that it is refused, never for acting on
         self.claimed = claimed or {}
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def token_bytes(token: str | bytes | None) -> bytes:
@@ -137,7 +150,7 @@ def unseal(key: bytes, blob: bytes | str) -> Sealed:
         raise Refused("no MAC (written without the job's key)", writer,
                       {"type": fields.get("type"), "body": fields.get("body")})
     if fields.get("p") != PROTOCOL:
-        raise Refused(f"unknown protocol version {fields.get('p')!r}", writer)
+        raise Refused(f"unknown protocol version {repr(fields.get('p'))[:40]}", writer)
     try:
         expected = hmac.new(key, _canonical(fields), hashlib.sha256).hexdigest()
     except (TypeError, ValueError):
