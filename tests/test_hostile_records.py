@@ -4,11 +4,14 @@ event and reads on (nothing in the store can crash the job or steer it without t
 from __future__ import annotations
 
 import json
+import queue
+import types
 
 import pytest
 import torch.distributed as dist
 
 from spotpipe.cluster.coordinator import Coordinator
+from spotpipe.cluster.jobloop import JobLoop
 from spotpipe.cluster.rendezvous import read_record
 from spotpipe.plan import Layout
 from spotpipe.protocol import (Abort, AgentArrival, Channel, Event, MessageError, Refused,
@@ -104,3 +107,21 @@ def test_refusal_reasons_are_bounded_whatever_the_record_says(corpus):
     coord.refused("node1", "z" * 1_000_001)  # the same start: said once
     assert len(emitted) == 1 and len(emitted[0]["reason"]) <= 300
     assert all(len(w) + len(r) <= 600 for w, r in coord._refusals)
+
+
+def test_a_mailbox_count_that_promises_more_than_comes_ends_the_drain_not_the_job():
+    """The count is not sealed: raised by a stranger, the drain at the job's end waits out
+    the store's timeout for records that never come, says so, and the job finishes."""
+    store = dist.HashStore()
+    store.add(keys.MAILBOX_COUNT, 5)  # one record posted; four more promised by a stranger
+    written: list[dict] = []
+    loop = JobLoop.__new__(JobLoop)
+    loop._store, loop._inbox, loop._received, loop._recovered = store, queue.Queue(), 0, {}
+    loop.t0 = 0.0
+    loop.cfg = types.SimpleNamespace(cluster=types.SimpleNamespace(timeout_s=0.2))
+    loop.files = types.SimpleNamespace(event=written.append)
+    loop.coordinator = types.SimpleNamespace(refused=lambda writer, reason: None)
+    loop._inbox.put(Refused("no MAC", "node1"))
+    loop._drain()
+    short = [e for e in written if e["kind"] == "mailbox_short"]
+    assert [(e["promised"], e["came"]) for e in short] == [(5, 1)]

@@ -514,12 +514,22 @@ class JobLoop:
     def _drain(self) -> None:
         """Write every record posted so far: a worker posts its last record before it exits,
         so once it has exited, the store's mailbox count says how many records to wait for.
-        (What else comes meanwhile, exits and helpers' events, is dropped: the job is over.)"""
+        (What else comes meanwhile, exits and helpers' events, is dropped: the job is over.)
+        The count is not sealed (anything with the store's address can add to it): records
+        it promises that do not come within the store's timeout end the drain with an event,
+        not the job."""
         store = self._store
         posted = mailbox.posted(store)
         # the count may lag by a record whose writer was killed right after writing it
         while self._received < posted or mailbox.slot_written(store, self._received + 1):
-            item = self._inbox.get(timeout=self.cfg.cluster.timeout_s)
+            try:
+                item = self._inbox.get(timeout=self.cfg.cluster.timeout_s)
+            except queue.Empty:
+                self.files.event({"time_s": self._now(), "kind": "mailbox_short",
+                                  "node": "launcher", "promised": posted,
+                                  "came": self._received,
+                                  "waited_s": self.cfg.cluster.timeout_s})
+                break
             if isinstance(item, (Opened, Refused)):
                 self._handle_record(item)
         self._drain_recovered()
