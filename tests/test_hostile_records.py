@@ -3,6 +3,7 @@ event and reads on (nothing in the store can crash the job or steer it without t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import types
@@ -14,17 +15,18 @@ from spotpipe.cluster.coordinator import Coordinator
 from spotpipe.cluster.jobloop import JobLoop
 from spotpipe.cluster.rendezvous import read_record
 from spotpipe.plan import Layout
-from spotpipe.protocol import (Abort, AgentArrival, Channel, Event, MessageError, Refused,
-                               from_plain, job_key, keys, unseal)
+from spotpipe.protocol import (Abort, AgentArrival, Channel, Event, JoinAnswer, JoinRequest,
+                               MessageError, Refused, from_plain, job_key, keys, unseal)
 from spotpipe.protocol.bounds import MAX_DEPTH, MAX_RECORD_BYTES
+from spotpipe.runtime.worker import JoinRefused, Worker
 from spotpipe.store import board
 from spotpipe.store.abort import AbortSignal
 from spotpipe.store.mailbox import Outbox, read_mailbox
 from spotpipe.store.watchers import watch_abort
 
 from conftest import tiny_config
+from test_coordinator import KEY  # (its key: its helpers read with it)
 
-KEY = job_key(b"sesame", "instance-1")
 DEEP = b"[" * 5000 + b"]" * 5000  # json.loads raises RecursionError on it
 HUGE = b'{"p": 1, "pad": "' + b"x" * MAX_RECORD_BYTES + b'"}'
 
@@ -125,3 +127,109 @@ def test_a_mailbox_count_that_promises_more_than_comes_ends_the_drain_not_the_jo
     loop._drain()
     short = [e for e in written if e["kind"] == "mailbox_short"]
     assert [(e["promised"], e["came"]) for e in short] == [(5, 1)]
+
+
+# ------------------------------------------------------------------ joining
+
+
+def _coordinator(corpus, nodes: list[str]) -> tuple[Coordinator, list[dict]]:
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy")
+    emitted: list[dict] = []
+    coord = Coordinator(cfg=cfg, store=dist.HashStore(), layout=Layout.build(2, 1, nodes),
+                        kill=lambda node: None, emit=emitted.append, now=lambda: 0.0,
+                        channel=Channel(KEY, "coordinator"), partition=[(0, 1), (1, 2)])
+    return coord, emitted
+
+
+def _answers(coord: Coordinator, node: str) -> list:
+    """What the coordinator posted on `node`'s join board, as `node` reads it."""
+    found, index = [], 1
+    while coord.store.check([keys.board_slot(keys.join_board(node), index)]):
+        blob = coord.store.get(keys.board_slot(keys.join_board(node), index))
+        found.append(Channel(KEY, node).open(blob).message)
+        index += 1
+    return found
+
+
+def _loop(coord: Coordinator, written: list[dict]) -> JobLoop:
+    """A job loop with only what taking in a mailbox record needs."""
+    loop = JobLoop.__new__(JobLoop)
+    loop._received, loop.coordinator = 0, coord
+    loop.files = types.SimpleNamespace(event=written.append)
+    return loop
+
+
+def _unkeyed_join(node: str, incarnation: str) -> Refused:
+    """A join request written without the key, in `node`'s name, as the job's loop gets it."""
+    forged = json.dumps({"p": 1, "type": "join", "ver": 1, "writer": node, "inc": incarnation,
+                         "gen": 0, "seq": 1, "body": {"node": node}}).encode()
+    with pytest.raises(Refused) as refused:
+        Channel(KEY, "coordinator").open(forged)
+    return refused.value
+
+
+def test_an_unkeyed_join_in_a_known_nodes_name_posts_nothing_on_its_board(corpus):
+    coord, emitted = _coordinator(corpus, ["node0", "node1"])
+    _loop(coord, [])._handle_record(_unkeyed_join("node1", "abc"))
+    assert _answers(coord, "node1") == []
+    refused = [e for e in emitted if e["kind"] == "join_refused"]
+    assert [e["node"] for e in refused] == ["node1"] and "not answered" in refused[0]["reason"]
+    # a stranger of a name the job does not know is answered, addressed to its request
+    _loop(coord, [])._handle_record(_unkeyed_join("node91", "def"))
+    [answer] = _answers(coord, "node91")
+    assert (answer.outcome, answer.to) == ("refused", "def")
+
+
+def test_a_keyed_join_refusal_names_the_request_and_one_in_another_name_posts_nothing(corpus):
+    coord, emitted = _coordinator(corpus, ["node0", "node1"])
+    cfg = coord.cfg
+    coord.join(JoinRequest("node5", 0.0, cfg.digest(), cfg.model_digest()), "node0", "inc0")
+    assert _answers(coord, "node5") == []
+    assert [e["node"] for e in emitted if e["kind"] == "join_refused"] == ["node5"]
+    coord.join(JoinRequest("node6", 0.0, "another config", cfg.model_digest()), "node6", "inc6")
+    [answer] = _answers(coord, "node6")
+    assert (answer.outcome, answer.to) == ("refused", "inc6")
+
+
+def _waiting_node(store: dist.Store, key: bytes, events: list[dict]) -> Worker:
+    """node5 waiting to be placed, with only what that wait needs (its answers on a board of
+    an in-memory store, its events in a list)."""
+    worker = Worker.__new__(Worker)
+    worker.node, worker.protocol, worker._answers = "node5", Channel(key, "node5"), None
+    worker.spares = types.SimpleNamespace(take=lambda: store)
+    worker.state = types.SimpleNamespace(generation=0)
+    worker.activity = types.SimpleNamespace(begin=lambda *_: None,
+                                            waiting=contextlib.nullcontext)
+    worker.notices = types.SimpleNamespace(is_set=lambda: False)
+    worker.channel = types.SimpleNamespace(event=lambda kind, **d: events.append(d))
+    return worker
+
+
+def test_a_waiting_node_reads_past_junk_and_refusals_of_other_requests(corpus):
+    coord, _ = _coordinator(corpus, ["node0", "node1"])
+    store, events = coord.store, []
+    worker = _waiting_node(store, KEY, events)
+    board_key = keys.join_board("node5")
+    stranger = Channel(job_key(b"guess", "test"), "coordinator")
+    for blob in (DEEP, b"junk", stranger.seal(JoinAnswer("node5", "refused", message="go")),
+                 stranger.seal(JoinAnswer("node5", "refused", to="another", message="go"))):
+        board.post(store, board_key, blob)
+    # a keyed request another process made in node5's name, refused by the job
+    coord.join(JoinRequest("node5", 0.0, "another config", coord.cfg.model_digest()), "node5",
+               "another incarnation")
+    board.publish(store, coord.channel, board_key, JoinAnswer("node5", "finished"))
+    assert worker._await_placement() == -1
+    assert len(events) == 5
+
+
+def test_a_node_with_another_token_learns_it_from_the_refusal_of_its_own_request(corpus):
+    coord, _ = _coordinator(corpus, ["node0", "node1"])
+    events: list[dict] = []
+    worker = _waiting_node(coord.store, job_key(b"guess", "test"), events)
+    board.post(coord.store, keys.join_board("node5"), b"junk")
+    loop = _loop(coord, [])
+    loop._handle_record(_unkeyed_join("node5", "someone else"))
+    loop._handle_record(_unkeyed_join("node5", worker.protocol.sealer.incarnation))
+    with pytest.raises(JoinRefused, match="did not present this job's join token"):
+        worker._await_placement()
+    assert len(events) == 3  # the junk, the refusal of the other request, its own

@@ -549,7 +549,9 @@ class JobLoop:
             if item.claimed.get("type") == JoinRequest.TYPE and isinstance(body, dict):
                 # a node without the job's key asks to join: tell it so (it cannot verify
                 # the answer, and nothing else it wrote is acted on)
-                self.coordinator.join_without_key(str(body.get("node", item.writer))[:100])
+                inc = item.claimed.get("inc")
+                self.coordinator.join_without_key(str(body.get("node", item.writer))[:100],
+                                                  inc[:100] if isinstance(inc, str) else "")
             return
         self._received += 1
         message, writer = item.message, item.writer
@@ -581,7 +583,7 @@ class JobLoop:
         elif isinstance(message, JoinRequest):
             files.event({"time_s": message.time_s, "kind": "join_requested",
                          "node": message.node})
-            self.coordinator.join(message, writer)
+            self.coordinator.join(message, writer, item.sealed.incarnation)
         elif isinstance(message, Report):
             files.event({"kind": "report", **message.to_json()})
             self.coordinator.report(message, writer)

@@ -45,8 +45,8 @@ class Refused(ValueError):
         super().__init__(reason)
         self.reason = reason
         self.writer = _cut(str(writer), WRITER_CHARS)
-        # what the record says of itself (type, body), unauthenticated: only for answering a
-        # stranger that it is refused, never for acting on
+        # what the record says of itself (type, body, its writer's incarnation),
+        # unauthenticated: only for answering a stranger that it is refused, never for acting on
         self.claimed = claimed or {}
 
 
@@ -148,7 +148,8 @@ def unseal(key: bytes, blob: bytes | str) -> Sealed:
     mac = fields.pop("mac", None)
     if not isinstance(mac, str):
         raise Refused("no MAC (written without the job's key)", writer,
-                      {"type": fields.get("type"), "body": fields.get("body")})
+                      {"type": fields.get("type"), "body": fields.get("body"),
+                       "inc": fields.get("inc")})
     if fields.get("p") != PROTOCOL:
         raise Refused(f"unknown protocol version {repr(fields.get('p'))[:40]}", writer)
     try:
@@ -157,7 +158,8 @@ def unseal(key: bytes, blob: bytes | str) -> Sealed:
         raise Refused("malformed envelope", writer) from None
     if not hmac.compare_digest(expected.encode(), mac.encode("utf-8", "replace")):
         raise Refused("bad MAC (not written with this job's key)", writer,
-                      {"type": fields.get("type"), "body": fields.get("body")})
+                      {"type": fields.get("type"), "body": fields.get("body"),
+                       "inc": fields.get("inc")})
     types = {"type": str, "ver": int, "writer": str, "inc": str, "gen": int, "seq": int,
              "body": dict}
     for name, kind in types.items():

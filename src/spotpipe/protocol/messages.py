@@ -370,6 +370,11 @@ class JoinAnswer(Message):
     outcome: str  # placed | refused | finished
     generation: int = -1  # placed: the generation whose Decision places it
     message: str = ""
+    # refused: the request it answers, as the incarnation of the process that asked (its
+    # seal's; for a request without the key, the one its envelope claims). Anyone can ask in
+    # a node's name: only the process that asked acts on the refusal, the node of that name
+    # (another process) reads on.
+    to: str = ""
 
 
 @dataclass(frozen=True)
