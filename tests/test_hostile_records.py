@@ -25,7 +25,7 @@ from spotpipe.store.mailbox import Outbox, read_mailbox
 from spotpipe.store.watchers import watch_abort
 
 from conftest import tiny_config
-from test_coordinator import KEY  # (its key: its helpers read with it)
+from test_coordinator import KEY, _boundary, _plan, _report  # (its key: its helpers read with it)
 
 DEEP = b"[" * 5000 + b"]" * 5000  # json.loads raises RecursionError on it
 HUGE = b'{"p": 1, "pad": "' + b"x" * MAX_RECORD_BYTES + b'"}'
@@ -189,6 +189,54 @@ def test_a_keyed_join_refusal_names_the_request_and_one_in_another_name_posts_no
     coord.join(JoinRequest("node6", 0.0, "another config", cfg.model_digest()), "node6", "inc6")
     [answer] = _answers(coord, "node6")
     assert (answer.outcome, answer.to) == ("refused", "inc6")
+
+
+def test_a_join_request_from_a_node_running_or_joining_is_ignored(corpus):
+    coord, emitted = _coordinator(corpus, ["node0", "node1"])
+    cfg = coord.cfg
+    request = lambda node: JoinRequest(node, 0.0, cfg.digest(), cfg.model_digest())  # noqa: E731
+    coord.join(request("node1"), "node1")  # running a stage
+    coord.join(request("node2"), "node2")
+    coord.join(request("node2"), "node2")  # joining already
+    assert coord.joining == ["node2"]
+    assert [e["node"] for e in emitted if e["kind"] == "join_accepted"] == ["node2"]
+    ignored = [e for e in emitted if e["kind"] == "record_refused"]
+    assert [e["node"] for e in ignored] == ["node1", "node2"]
+    assert all("ignored" in e["reason"] for e in ignored)
+
+
+def test_a_node_counted_out_asks_again_and_is_accepted(corpus):
+    """A plan places a joiner that then lacks its state: the next Decision counts it out
+    (`rejoin`), and its process asks to join again, under its own name."""
+    coord, emitted = _coordinator(corpus, ["node0", "node1"])
+    cfg = coord.cfg
+    coord.node_exited("node1", -9)
+    _report(coord, "node0", formed=True)
+    assert _plan(coord, 0)["action"] == "failover"
+    coord.join(JoinRequest("node2", 0.0, cfg.digest(), cfg.model_digest()), "node2")
+    coord.report(_boundary(coord, "node0"), "node0")
+    assert [0, 1, "node2"] in _plan(coord, 1)["layout"]["owners"]
+    _report(coord, "node0", untouched=True, committed_through=6)
+    _report(coord, "node2", lacking=["stage 1", "replica 0"], committed_through=-1)
+    assert _plan(coord, 2)["rejoin"] == ["node2"]
+    coord.join(JoinRequest("node2", 0.0, cfg.digest(), cfg.model_digest()), "node2")
+    assert coord.joining == ["node2"]
+    assert [e["node"] for e in emitted if e["kind"] == "join_accepted"] == ["node2", "node2"]
+
+
+def test_a_fenced_node_asks_again_once_it_is_gone(corpus):
+    """A fenced node's agent starts a new node in its place once the fenced process has
+    exited; a request in the fenced node's own name while it still runs is its hung process's,
+    and is ignored."""
+    coord, emitted = _coordinator(corpus, ["node0", "node1"])
+    cfg = coord.cfg
+    coord._fence("node1", "hung")
+    coord.join(JoinRequest("node1", 0.0, cfg.digest(), cfg.model_digest()), "node1")
+    assert coord.joining == []
+    coord.node_exited("node1", -9)
+    for node in ("node1", "node2"):  # (its agent arrives again: the new node's is a new name)
+        coord.join(JoinRequest(node, 0.0, cfg.digest(), cfg.model_digest()), node)
+    assert coord.joining == ["node1", "node2"]
 
 
 def _waiting_node(store: dist.Store, key: bytes, events: list[dict]) -> Worker:

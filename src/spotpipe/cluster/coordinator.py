@@ -405,13 +405,23 @@ class Coordinator:
     def join(self, request: JoinRequest, writer: str, incarnation: str = "") -> None:
         """A node asks to join: check it, then reshape at the next iteration boundary. Its
         seal already proved it holds the job's key (the token); the rest is checked here.
-        `incarnation` is the seal's (the process that asked): a refusal names it."""
+        `incarnation` is the seal's (the process that asked): a refusal names it.
+
+        A request from a node that runs a stage or is joining already is ignored (a copy of
+        an earlier one, or a confused process): accepted, it would be placed a second time
+        and force a regroup. The nodes that legitimately ask again are not among them: one a
+        Decision counted out (`rejoin`) is no longer in its layout when it reads it, and a
+        fenced node comes back as a new node (its agent arrives again, `_rejoin`)."""
         node = request.node
         if writer != node:
             # (only a process with the key does this; the node of that name did not ask, and
             # the asker does not read that board: nothing is posted on it)
             self.emit({"time_s": self.now(), "kind": "join_refused", "node": node,
                        "reason": f"{writer} asked under this node's name"[:300]})
+            return
+        if node in self.live or node in self.joining:
+            self.refused(writer, "a join request from a node that runs a stage or is "
+                                 "joining already: ignored")
             return
         problem = join_problem(self.cfg, token_ok=True, model_digest=request.model_digest,
                                config_digest=request.config_digest,
