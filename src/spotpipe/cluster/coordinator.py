@@ -31,6 +31,7 @@ from spotpipe.plan.recovery import (CARRIED_OUT, Decision, History, NodeReport, 
 from spotpipe.cluster import succession
 from spotpipe.protocol import (Abort, Channel, CoordinatorState, DecisionRecord, JoinAnswer,
                                JoinRequest, Notice, Prepare, Regroup, Report, Stalled, keys)
+from spotpipe.protocol.auth import REASON_CHARS, WRITER_CHARS
 from spotpipe.store import board
 
 
@@ -180,12 +181,14 @@ class Coordinator:
 
     def refused(self, writer: str, reason: str) -> None:
         """A record dropped: said once per writer and reason (a flood of forged records must
-        not flood the events)."""
+        not flood the events). Both are cut as `Refused` cuts them, so that what is kept to
+        say each once is bounded too (a forger chooses the text of most reasons)."""
+        writer, reason = writer[:WRITER_CHARS], reason[:REASON_CHARS]
         if (writer, reason) in self._refusals:
             return
         self._refusals.add((writer, reason))
         self.emit({"time_s": self.now(), "kind": "record_refused", "node": writer,
-                   "reason": reason[:300]})
+                   "reason": reason})
 
     # ------------------------------------------------------------------ succession
 
@@ -407,16 +410,32 @@ class Coordinator:
         self._fence(stall.node, hung(stall.still_s, stall.iteration, stall.position, stall.step)
                     + " (its own report)")
 
-    def join(self, request: JoinRequest, writer: str) -> None:
+    def join(self, request: JoinRequest, writer: str, incarnation: str = "") -> None:
         """A node asks to join: check it, then reshape at the next iteration boundary. Its
-        seal already proved it holds the job's key (the token); the rest is checked here."""
+        seal already proved it holds the job's key (the token); the rest is checked here.
+        `incarnation` is the seal's (the process that asked): a refusal names it.
+
+        A request from a node that runs a stage or is joining already is ignored (a copy of
+        an earlier one, or a confused process): accepted, it would be placed a second time
+        and force a regroup. The nodes that legitimately ask again are not among them: one a
+        Decision counted out (`rejoin`) is no longer in its layout when it reads it, and a
+        fenced node comes back as a new node (its agent arrives again, `_rejoin`)."""
         node = request.node
-        problem = ("it asked under another node's name" if writer != node else
-                   join_problem(self.cfg, token_ok=True, model_digest=request.model_digest,
-                                config_digest=request.config_digest,
-                                config_keys=request.config_keys))
+        if writer != node:
+            # (only a process with the key does this; the node of that name did not ask, and
+            # the asker does not read that board: nothing is posted on it)
+            self.emit({"time_s": self.now(), "kind": "join_refused", "node": node,
+                       "reason": f"{writer} asked under this node's name"[:300]})
+            return
+        if node in self.live or node in self.joining:
+            self.refused(writer, "a join request from a node that runs a stage or is "
+                                 "joining already: ignored")
+            return
+        problem = join_problem(self.cfg, token_ok=True, model_digest=request.model_digest,
+                               config_digest=request.config_digest,
+                               config_keys=request.config_keys)
         if problem:
-            self._answer(node, JoinAnswer(node, "refused",
+            self._answer(node, JoinAnswer(node, "refused", to=incarnation,
                                           message=f"{node} refused by the job: {problem}"))
             self.emit({"time_s": self.now(), "kind": "join_refused", "node": node,
                        "reason": problem})
@@ -435,14 +454,20 @@ class Coordinator:
             self._prepare_following(f"{node} joined", placing=True)
             self.request_regroup(f"{node} joined")
 
-    def join_without_key(self, node: str) -> None:
+    def join_without_key(self, node: str, incarnation: str = "") -> None:
         """A join request that did not open under the job's key: refused, with an answer its
-        writer can read (but not authenticate) on its board."""
+        writer can read (but not authenticate) on its board, addressed to the incarnation its
+        envelope claims. Anyone can write such a request in any name, so none is posted on
+        the board of a node the job knows (running a stage, on standby, joining): its
+        refusal is an event only."""
         problem = join_problem(self.cfg, token_ok=False, model_digest=None, config_digest=None)
-        self._answer(node, JoinAnswer(node, "refused",
-                                      message=f"{node} refused by the job: {problem}"))
+        known = node in self.layout.all_nodes or node in self.joining
+        if not known:
+            self._answer(node, JoinAnswer(node, "refused", to=incarnation,
+                                          message=f"{node} refused by the job: {problem}"))
         self.emit({"time_s": self.now(), "kind": "join_refused", "node": node,
-                   "reason": problem})
+                   "reason": problem + (" (not answered: the job has a node of that name)"
+                                        if known else "")})
 
     def release_standby(self) -> None:
         """The job is over: nodes still waiting to be placed may go."""

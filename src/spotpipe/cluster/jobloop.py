@@ -531,12 +531,22 @@ class JobLoop:
     def _drain(self) -> None:
         """Write every record posted so far: a worker posts its last record before it exits,
         so once it has exited, the store's mailbox count says how many records to wait for.
-        (What else comes meanwhile, exits and helpers' events, is dropped: the job is over.)"""
+        (What else comes meanwhile, exits and helpers' events, is dropped: the job is over.)
+        The count is not sealed (anything with the store's address can add to it): records
+        it promises that do not come within the store's timeout end the drain with an event,
+        not the job."""
         store = self._store
         posted = mailbox.posted(store)
         # the count may lag by a record whose writer was killed right after writing it
         while self._received < posted or mailbox.slot_written(store, self._received + 1):
-            item = self._inbox.get(timeout=self.cfg.cluster.timeout_s)
+            try:
+                item = self._inbox.get(timeout=self.cfg.cluster.timeout_s)
+            except queue.Empty:
+                self.files.event({"time_s": self._now(), "kind": "mailbox_short",
+                                  "node": "launcher", "promised": posted,
+                                  "came": self._received,
+                                  "waited_s": self.cfg.cluster.timeout_s})
+                break
             if isinstance(item, (Opened, Refused)):
                 self._handle_record(item)
         self._drain_recovered()
@@ -556,7 +566,9 @@ class JobLoop:
             if item.claimed.get("type") == JoinRequest.TYPE and isinstance(body, dict):
                 # a node without the job's key asks to join: tell it so (it cannot verify
                 # the answer, and nothing else it wrote is acted on)
-                self.coordinator.join_without_key(str(body.get("node", item.writer))[:100])
+                inc = item.claimed.get("inc")
+                self.coordinator.join_without_key(str(body.get("node", item.writer))[:100],
+                                                  inc[:100] if isinstance(inc, str) else "")
             return
         self._received += 1
         message, writer = item.message, item.writer
@@ -588,7 +600,7 @@ class JobLoop:
         elif isinstance(message, JoinRequest):
             files.event({"time_s": message.time_s, "kind": "join_requested",
                          "node": message.node})
-            self.coordinator.join(message, writer)
+            self.coordinator.join(message, writer, item.sealed.incarnation)
         elif isinstance(message, Report):
             files.event({"kind": "report", **message.to_json()})
             self.coordinator.report(message, writer)

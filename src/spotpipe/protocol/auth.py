@@ -31,20 +31,35 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from spotpipe.protocol.bounds import Unreadable, load_record
+
 PROTOCOL = 1  # the envelope's version
 _INFO = b"spotpipe job key v1"
 
 
+REASON_CHARS = 300  # the most of a refusal's reason that is kept (its start)
+WRITER_CHARS = 200
+
+
 class Refused(ValueError):
-    """A record that a reader drops: its writer (as far as it can be told) and why."""
+    """A record that a reader drops: its writer (as far as it can be told) and why.
+
+    The reason and the writer are cut to a bounded length here, once for every reader: both
+    may quote what a forger wrote (a megabyte of "protocol version"), and they go into events
+    and into the coordinator's memory of what it has said (`Coordinator.refused`)."""
 
     def __init__(self, reason: str, writer: str = "?", claimed: dict[str, Any] | None = None) -> None:
+        reason = _cut(str(reason), REASON_CHARS)
         super().__init__(reason)
         self.reason = reason
-        self.writer = writer
-        # what the record says of itself (type, body), unauthenticated: only for answering a
-        # stranger that it is refused, never for acting on
+        self.writer = _cut(str(writer), WRITER_CHARS)
+        # what the record says of itself (type, body, its writer's incarnation),
+        # unauthenticated: only for answering a stranger that it is refused, never for acting on
         self.claimed = claimed or {}
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def token_bytes(token: str | bytes | None) -> bytes:
@@ -133,8 +148,10 @@ def unseal(key: bytes, blob: bytes | str) -> Sealed:
     else: a reader's loop must not end on what someone wrote into the store."""
     try:
         raw = blob.encode() if isinstance(blob, str) else bytes(blob)
-        fields = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, TypeError) as exc:
+        fields = load_record(raw)  # (a cap on its size and its nesting: see bounds.py)
+    except Unreadable as exc:
+        raise Refused(str(exc)) from None
+    except (UnicodeError, ValueError, TypeError) as exc:
         raise Refused(f"not a JSON record ({type(exc).__name__})") from None
     if not isinstance(fields, dict):
         raise Refused("not a JSON object")
@@ -143,16 +160,18 @@ def unseal(key: bytes, blob: bytes | str) -> Sealed:
     mac = fields.pop("mac", None)
     if not isinstance(mac, str):
         raise Refused("no MAC (written without the job's key)", writer,
-                      {"type": fields.get("type"), "body": fields.get("body")})
+                      {"type": fields.get("type"), "body": fields.get("body"),
+                       "inc": fields.get("inc")})
     if fields.get("p") != PROTOCOL:
-        raise Refused(f"unknown protocol version {fields.get('p')!r}", writer)
+        raise Refused(f"unknown protocol version {repr(fields.get('p'))[:40]}", writer)
     try:
         expected = hmac.new(key, _canonical(fields), hashlib.sha256).hexdigest()
     except (TypeError, ValueError):
         raise Refused("malformed envelope", writer) from None
     if not hmac.compare_digest(expected.encode(), mac.encode("utf-8", "replace")):
         raise Refused("bad MAC (not written with this job's key)", writer,
-                      {"type": fields.get("type"), "body": fields.get("body")})
+                      {"type": fields.get("type"), "body": fields.get("body"),
+                       "inc": fields.get("inc")})
     types = {"type": str, "ver": int, "writer": str, "inc": str, "gen": int, "seq": int,
              "body": dict, "at": str}
     for name, kind in types.items():

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from spotpipe.protocol.auth import proof, same_secret
+from spotpipe.protocol.bounds import Unreadable, load_record
 
 JSON = Any  # a JSON value: checked as such, interpreted by its owner
 
@@ -373,6 +374,11 @@ class JoinAnswer(Message):
     outcome: str  # placed | refused | finished
     generation: int = -1  # placed: the generation whose Decision places it
     message: str = ""
+    # refused: the request it answers, as the incarnation of the process that asked (its
+    # seal's; for a request without the key, the one its envelope claims). Anyone can ask in
+    # a node's name: only the process that asked acts on the refusal, the node of that name
+    # (another process) reads on.
+    to: str = ""
 
 
 @dataclass(frozen=True)
@@ -581,9 +587,9 @@ def from_plain(blob: bytes | str, *expect: type[Message]) -> Message:
     """The message in an unsealed record, if it is one of `expect`; MessageError (naming what
     is wrong) for anything else: not JSON, another type, a field missing or mistyped."""
     try:
-        fields = json.loads(blob)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MessageError(f"not a JSON record ({type(exc).__name__})") from None
+        fields = load_record(blob)  # (a cap on its size and its nesting: see bounds.py)
+    except Unreadable as exc:
+        raise MessageError(str(exc)) from None
     if not isinstance(fields, dict) or not isinstance(fields.get("type"), str) \
             or not isinstance(fields.get("ver"), int):
         raise MessageError("not a spotpipe record (no type or version)")

@@ -17,7 +17,7 @@ import os
 import resource
 import time
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -387,12 +387,18 @@ class Worker:
             index, opened = item
             if isinstance(opened, Refused):
                 self._unreadable_answer(opened, index)
+                continue
             answer = opened.message
             if isinstance(answer, Prepare):  # the plan that will place this node, known ahead
                 self.groups.prepare(answer)
                 continue
             assert isinstance(answer, JoinAnswer)
             if answer.outcome == "refused":
+                if answer.to != self.protocol.sealer.incarnation:
+                    # the answer to a request another process made in this node's name
+                    self._refused(Refused(f"a join refusal of another request ({answer.to!r})",
+                                          opened.writer))
+                    continue
                 raise JoinRefused(answer.message)
             if answer.outcome == "finished":
                 return -1
@@ -406,12 +412,20 @@ class Worker:
                 self.formed = False
                 return self.recover(why)
 
-    def _unreadable_answer(self, why: Refused, index: int) -> NoReturn:
-        """An answer on this node's join board that does not open under its key: the job runs
-        under another token (a forger could say the same; either way this node cannot join)."""
+    def _unreadable_answer(self, why: Refused, index: int) -> None:
+        """A record on this node's join board that does not open under its key. A node whose
+        token differs from the job's learns it so: the job's refusal of its request does not
+        open here, and says it is a refusal addressed to this process (its incarnation). This
+        node quits on such a record (a forger could write the same; without the key nothing
+        here can be checked either way); any other is refused with an event, and it waits on
+        (anyone can write into the store: junk on its board says nothing of its token)."""
         self._refused(why)
         said = why.claimed.get("body")
-        message = said.get("message") if isinstance(said, dict) else None
+        if (why.claimed.get("type") != JoinAnswer.TYPE or not isinstance(said, dict)
+                or said.get("outcome") != "refused"
+                or said.get("to") != self.protocol.sealer.incarnation):
+            return
+        message = said.get("message")
         raise JoinRefused(f"{str(message)[:300] if message else 'the job answered'} (the "
                           "answer does not open under this node's key: its SPOTPIPE_JOIN_TOKEN "
                           "differs from the job's)")
