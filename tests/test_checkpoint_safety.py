@@ -102,6 +102,30 @@ def test_manifest_lists_only_files_inside_the_checkpoint(tmp_path):
         durable.verify(ckpt)
 
 
+@pytest.mark.parametrize("damage, problem", [
+    (lambda m: [], "not a JSON object"),
+    (lambda m: {**m, "checksums": {"stage0/a\0b": "0" * 64}}, "not a file of the checkpoint"),
+    (lambda m: {**m, "checksums": {k: 7 for k in m["checksums"]}}, "not a string"),
+    (lambda m: {**m, "checksums": ["stage0"]}, "lists no files"),
+    (lambda m: {**m, "next_iteration": "10"}, "not an iteration number"),
+], ids=["a list", "a NUL in a name", "a number for a checksum", "a list of files",
+        "a string for an iteration"])
+def test_a_manifest_of_the_wrong_shape_is_named_and_skipped(tmp_path, damage, problem):
+    """Valid JSON of the wrong shape (planted, or written by something else) is a
+    CheckpointError naming the file, like any other damage: resuming takes the one before,
+    and retention counts it for nothing instead of failing the commit."""
+    good = _commit(tmp_path, 1)
+    bad = _commit(tmp_path, 2)
+    manifest = bad / "manifest.json"
+    manifest.write_text(json.dumps(damage(json.loads(manifest.read_text()))))
+    with pytest.raises(CheckpointError, match=f"{manifest}: .*{problem}"):
+        durable.verify(bad)
+    found, problems = durable.resolve(tmp_path)
+    assert found.path == good and problem in problems[0]
+    newer = _commit(tmp_path, 3, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == [good.name, bad.name, newer.name]
+
+
 def test_mac_is_checked_under_the_key(tmp_path):
     ckpt = durable.verify(_commit(tmp_path, 1))
     assert ckpt.origin_problem(KEY) == ""

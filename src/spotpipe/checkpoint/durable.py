@@ -272,6 +272,8 @@ def read_manifest(manifest_path: Path, version: int = FORMAT_VERSION) -> dict[st
         manifest = json.loads(manifest_path.read_text())
     except ValueError as exc:
         raise CheckpointError(f"{manifest_path}: not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{manifest_path}: not a JSON object (a {type(manifest).__name__})")
     if manifest.get("format_version") != version:
         raise CheckpointError(f"{manifest_path}: format version {manifest.get('format_version')}"
                               f" is not supported (this spotpipe reads {version})")
@@ -285,13 +287,16 @@ def verify(path: Path, layers: Collection[int] | None = None) -> Checkpoint:
     copy of a checkpoint may hold only the folders its workers load, `cluster.resume_copy`);
     a file of another folder is checked where it is there. Every file there must be listed."""
     manifest = read_manifest(path / MANIFEST)
-    checksums = manifest.get("checksums")
-    if not isinstance(checksums, dict) or not checksums:
-        raise CheckpointError(f"{path / MANIFEST}: lists no files")
+    checksums = _checksums(path / MANIFEST, manifest)
+    next_iteration = manifest.get("next_iteration")
+    if not isinstance(next_iteration, int) or isinstance(next_iteration, bool):
+        raise CheckpointError(f"{path / MANIFEST}: next_iteration is {next_iteration!r}, not "
+                              "an iteration number")
     needed = None if layers is None else folders_holding(_partition(path, manifest), layers)
     for name, digest in checksums.items():
         file = path / name
-        if not file.resolve().is_relative_to(path.resolve()) or name == MANIFEST:
+        if "\0" in name or not file.resolve().is_relative_to(path.resolve()) \
+                or name == MANIFEST:
             raise CheckpointError(f"{path / MANIFEST}: lists {name!r}, not a file of the "
                                   "checkpoint")
         if not file.is_file() and needed is not None and folder_of(name) not in needed:
@@ -306,6 +311,20 @@ def verify(path: Path, layers: Collection[int] | None = None) -> Checkpoint:
             raise CheckpointError(f"{file}: not listed in the manifest (not written by the job "
                                   "that committed this checkpoint)")
     return Checkpoint(path, manifest)
+
+
+def _checksums(manifest_path: Path, manifest: dict[str, Any]) -> dict[str, str]:
+    """The manifest's file -> SHA-256 table, checked for shape: a manifest is read before its
+    MAC is (a checkpoint of another key is named, not trusted), so anything may be in it, and
+    what is wrong must be a CheckpointError naming it, never a TypeError later on."""
+    checksums = manifest.get("checksums")
+    if not isinstance(checksums, dict) or not checksums:
+        raise CheckpointError(f"{manifest_path}: lists no files")
+    for name, digest in checksums.items():
+        if not isinstance(digest, str):
+            raise CheckpointError(f"{manifest_path}: the checksum of {name!r} is {digest!r}, "
+                                  "not a string")
+    return checksums
 
 
 def newest(root: Path, problems: list[str] | None = None) -> Checkpoint | None:
