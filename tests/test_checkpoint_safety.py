@@ -176,6 +176,41 @@ def test_partial_folders_are_cleaned(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["iter_00000001"]
 
 
+class _Stopped(BaseException):
+    """The job stops here (a kill, a lost machine)."""
+
+
+def test_a_job_stopped_between_the_renames_of_a_replacing_commit_loses_neither(tmp_path,
+                                                                              monkeypatch):
+    """Committing onto an existing iteration moves the old folder aside, then renames the new
+    one into place; a job stopped between the two finds, at its next start, the old one put
+    back (the commit was not made), not both removed as partials."""
+    _commit(tmp_path, 1)
+    old = _commit(tmp_path, 2, seed=0)
+    module, optimizer = _stage(seed=1)
+    sums = durable.save_stage(tmp_path, 2, 0, module, optimizer)
+    real = os.replace
+
+    def stopping(src, dst):
+        real(src, dst)
+        if str(dst).endswith(".replaced"):
+            raise _Stopped
+
+    monkeypatch.setattr(durable.os, "replace", stopping)
+    with pytest.raises(_Stopped):
+        durable.commit(tmp_path, 2, {"partition": [[0, 1]]}, sums, keep=5, key=KEY)
+    monkeypatch.setattr(durable.os, "replace", real)
+    assert not old.exists()
+    assert durable.clean_partials(tmp_path) == [durable.iter_dir(tmp_path, 2, partial=True)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_00000001", old.name]
+    found = durable.newest(tmp_path)
+    assert found.path == old and found.origin_problem(KEY) == ""
+    loaded, optimizer = _stage(seed=3)
+    durable.load_stage(found, loaded, optimizer)
+    want, _ = _stage(seed=0)
+    assert torch.equal(loaded[0].weight, want[0].weight)
+
+
 def test_a_peers_discard_between_folder_and_stage_does_not_fail_the_write(tmp_path,
                                                                            monkeypatch):
     """Seen in CI: stage 1's write failed, and its `discard_stage` removed the still empty

@@ -229,9 +229,38 @@ def retain(root: Path, keep: int, key: bytes | None) -> list[Path]:
     return deleted
 
 
+def restore_replaced(root: Path) -> list[Path]:
+    """Put back each checkpoint that a commit had moved aside to replace it (`commit`) and
+    that the job stopped before replacing: the folders restored.
+
+    A commit onto an existing iteration renames the old folder aside, then the new one into
+    place; a job that stops between the two leaves neither under the iteration's name. The old
+    one is put back, not the new one rolled forward: a commit is made by the rename into place
+    (a job that stops before it leaves a partial folder, removed at the next start, whatever
+    it holds), and nothing was told of the new one (no checkpoint_committed event), so this
+    makes the two renames one step, done or not done. Only an aside folder that verifies is
+    put back (a damaged one is removed with the partials)."""
+    restored = []
+    for aside in sorted(root.glob(f".iter_*{_ASIDE}")):
+        final = root / aside.name[1:-len(_ASIDE)]
+        if not aside.is_dir() or final.exists():
+            continue  # the commit was done: only removing the aside folder was left
+        try:
+            verify(aside)
+        except CheckpointError:
+            continue
+        os.replace(aside, final)
+        restored.append(final)
+    if restored:
+        fsync_path(root)
+    return restored
+
+
 def clean_partials(root: Path) -> list[Path]:
     """Remove folders of checkpoints that were never committed (a job that stopped while
-    writing): called at start, by the job that holds the folder's lock."""
+    writing), once a replaced checkpoint the stop left aside is put back (`restore_replaced`):
+    called at start, by the job that holds the folder's lock."""
+    restore_replaced(root)
     found = [p for p in root.glob(".iter_*") if p.is_dir()
              and (p.name.endswith(".partial") or p.name.endswith(_ASIDE))]
     for path in found:
