@@ -326,6 +326,32 @@ def test_a_second_job_on_the_same_checkpoint_dir_is_refused(tmp_path, corpus):
     assert sorted(p.name for p in shared.iterdir()) == ["iter_00000003", "iter_00000005"]
 
 
+def test_two_jobs_taking_over_a_stale_lock_at_once_do_not_both_win(tmp_path, monkeypatch):
+    """Job B has found the lock's holder dead; before it acts, job A takes the lock over,
+    completely. B must then be refused, naming A, and A's lock stay (B used to remove it as
+    the dead holder's and create its own: both ran)."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / lock.LOCK).write_text(json.dumps(
+        {"host": os.uname().nodename, "pid": gone.pid, "run": "/runs/dead"}))
+    real = lock.refuse_if_held
+    took: list[lock.Holder] = []
+
+    def then_a_takes_it_over(folder: Path) -> None:
+        real(folder)  # B: the holder is dead
+        if not took:
+            monkeypatch.setattr(lock, "refuse_if_held", real)
+            took.append(lock.acquire(folder, Path("/runs/a")))  # A, from start to end
+            monkeypatch.setattr(lock, "refuse_if_held", then_a_takes_it_over)
+
+    monkeypatch.setattr(lock, "refuse_if_held", then_a_takes_it_over)
+    with pytest.raises(lock.LockHeld, match=r"in use by another job \(pid \d+ on .*run "
+                                            r"folder /runs/a\)"):
+        lock.acquire(tmp_path, Path("/runs/b"))
+    assert took and json.loads((tmp_path / lock.LOCK).read_text())["run"] == "/runs/a"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [lock.LOCK]  # no takeover file left
+
+
 def test_a_failed_checkpoint_write_is_an_event_and_training_goes_on(tmp_path, corpus):
     from spotpipe.runtime.faults import Fault
 
