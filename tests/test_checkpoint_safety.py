@@ -158,6 +158,22 @@ def test_retention_counts_only_checkpoints_signed_under_the_key(tmp_path):
     assert good.is_dir()
 
 
+def test_retention_never_deletes_the_checkpoint_just_committed_for_a_later_one(tmp_path):
+    """A job resumed from an older checkpoint (or started afresh) in a folder that holds
+    another run's later checkpoints: at keep = 1 its commit of 44 used to be deleted at once
+    for the other run's 49. Later folders are not this job's: they neither count nor go."""
+    _commit(tmp_path, 39, keep=1)
+    other = _commit(tmp_path, 49, keep=1, seed=1)
+    mine = _commit(tmp_path, 44, keep=1, seed=2)
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == [mine.name, other.name]
+    module, optimizer = _stage(seed=3)
+    durable.load_stage(durable.verify(mine), module, optimizer)
+    want, _ = _stage(seed=2)
+    assert torch.equal(module[0].weight, want[0].weight)
+    _commit(tmp_path, 46, keep=1)  # its next one: the one before it goes, the later one stays
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_00000046", other.name]
+
+
 def test_committing_onto_an_existing_checkpoint_folder_replaces_it(tmp_path):
     _commit(tmp_path, 2, seed=0)
     again = _commit(tmp_path, 2, seed=1)  # a job resumed from an earlier one, same folder

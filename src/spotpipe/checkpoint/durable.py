@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,7 +198,7 @@ def commit(root: Path, iteration: int, info: dict[str, Any], checksums: dict[str
     fsync_path(root)
     shutil.rmtree(aside, ignore_errors=True)
     if apply_retention:
-        retain(root, keep, key)
+        retain(root, keep, key, upto=iteration)
     for stale in root.glob(".iter_*.partial"):  # writes of earlier iterations that failed
         if _iteration_of(stale) < iteration:
             shutil.rmtree(stale, ignore_errors=True)
@@ -210,12 +210,19 @@ def _iteration_of(folder: Path) -> int:
     return int(digits) if digits else -1
 
 
-def retain(root: Path, keep: int, key: bytes | None) -> list[Path]:
+def retain(root: Path, keep: int, key: bytes | None, upto: int | None = None) -> list[Path]:
     """Delete what is older than the newest `keep` checkpoints that verify (checksums, and the
-    MAC under `key`); folders that do not verify count for nothing. Returns what was deleted."""
+    MAC under `key`); folders that do not verify count for nothing. Returns what was deleted.
+
+    `upto`: the iteration just committed. Folders of later iterations are not this job's
+    timeline (another run's, left in the folder, or the one a job resumed from an older
+    checkpoint is rewriting): they neither count nor go, so the checkpoint just committed and
+    this job's good ones before it are never deleted for them."""
     good = 0
     deleted = []
     for path in sorted((p for p in root.glob("iter_*") if p.is_dir()), reverse=True):
+        if upto is not None and _iteration_of(path) > upto:
+            continue
         if good >= keep:
             shutil.rmtree(path, ignore_errors=True)
             deleted.append(path)
@@ -276,6 +283,11 @@ class Checkpoint:
     @property
     def next_iteration(self) -> int:
         return int(self.manifest["next_iteration"])
+
+    @property
+    def iteration(self) -> int:
+        """The iteration whose state it holds (the last one done)."""
+        return self.next_iteration - 1
 
     @property
     def partition(self) -> list[tuple[int, int]]:
@@ -358,13 +370,18 @@ def _checksums(manifest_path: Path, manifest: dict[str, Any]) -> dict[str, str]:
 
 def newest(root: Path, problems: list[str] | None = None) -> Checkpoint | None:
     """The newest checkpoint under `root` that verifies; skipped ones are named in `problems`."""
+    return next(verified(root, problems), None)
+
+
+def verified(root: Path, problems: list[str] | None = None) -> Iterator[Checkpoint]:
+    """The checkpoints under `root` that verify, newest first; skipped ones are named in
+    `problems`."""
     for path in sorted((p for p in root.glob("iter_*") if p.is_dir()), reverse=True):
         try:
-            return verify(path)
+            yield verify(path)
         except CheckpointError as exc:
             if problems is not None:
                 problems.append(str(exc))
-    return None
 
 
 def resolve(path: Path, layers: Collection[int] | None = None) -> tuple[Checkpoint, list[str]]:
