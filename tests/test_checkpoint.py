@@ -75,6 +75,25 @@ def test_resume_reshards_and_continues_like_the_uninterrupted_run(tmp_path, corp
         assert metrics[0]["loss"] == pytest.approx(loss[6], rel=1e-4)
 
 
+def test_resume_with_an_explicit_partition_and_activation_checkpointing(tmp_path, corpus,
+                                                                        saved):
+    """How the model is cut and run is not part of the model: the P=4 checkpoint resumes at
+    P=3 with an explicit partition and activation checkpointing (both used to be refused as
+    another model), and the run ends as the uninterrupted one, bit for bit."""
+    from test_equivalence import reference
+
+    iters = {**SAVE, "checkpoint.every": 0, "num_microbatches": 4}
+    cfg = tiny_config(corpus, stages=3, pipelines=1, **iters,
+                      **{"model.partition": "explicit", "model.stage_of_layer": [0, 0, 1, 2],
+                         "model.activation_checkpointing": "layers"})
+    resumed = tmp_path / "resumed"
+    assert train(cfg, resumed, progress=False,
+                 resume=saved / "checkpoints" / "iter_00000005") == 0
+    got = final(resumed)
+    want, _ = reference(tiny_config(corpus, pipelines=1, **iters))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 def _copy(saved: Path, tmp_path: Path) -> Path:
     import shutil
 
