@@ -126,6 +126,56 @@ def test_a_manifest_of_the_wrong_shape_is_named_and_skipped(tmp_path, damage, pr
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == [good.name, bad.name, newer.name]
 
 
+def _adamw(*layers: torch.nn.Module):
+    module = torch.nn.Sequential(*layers)
+    return module, torch.optim.AdamW(module.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("other, problem", [
+    (lambda: _adamw(torch.nn.Linear(4, 3), torch.nn.Linear(3, 3)),
+     r"manifest.json: no stage holds layer 1 \(1.weight\): the checkpoint's partition "
+     r"\[\(0, 1\)\] has layers 0 to 0"),
+    (lambda: _adamw(torch.nn.Linear(4, 5)),
+     r"stage0/dcp_metadata.json: 0.weight is float32 of shape \[3, 4\] in the checkpoint, "
+     r"float32 of shape \[5, 4\] in this stage's"),
+    (lambda: _adamw(torch.nn.Linear(4, 3).double()),
+     r"stage0/dcp_metadata.json: 0.weight is float32 of shape \[3, 4\] in the checkpoint, "
+     r"float64 of shape \[3, 4\]"),
+], ids=["more layers", "wider", "another dtype"])
+def test_a_checkpoint_that_does_not_hold_every_tensor_of_the_stage_is_refused(tmp_path, other,
+                                                                             problem):
+    """Each tensor the stage wants must be in the checkpoint with its shape and dtype: a
+    model with more layers than the checkpoint's used to load "successfully", its extra
+    layers left at their initial values."""
+    ckpt = durable.verify(_commit(tmp_path, 1))
+    module, optimizer = other()
+    with pytest.raises(CheckpointError, match=problem):
+        durable.load_stage(ckpt, module, optimizer)
+
+
+def test_a_tensor_the_checkpoint_lacks_is_named(tmp_path):
+    module, optimizer = _adamw(torch.nn.Linear(4, 3, bias=False))
+    sums = durable.save_stage(tmp_path, 1, 0, module, optimizer)
+    ckpt = durable.verify(durable.commit(tmp_path, 1, {"partition": [[0, 1]]}, sums, keep=5,
+                                         key=KEY))
+    module, optimizer = _adamw(torch.nn.Linear(4, 3))
+    with pytest.raises(CheckpointError, match=r"stage0/dcp_metadata.json: has no tensor "
+                                              r"0.bias"):
+        durable.load_stage(ckpt, module, optimizer)
+
+
+def test_a_failed_load_says_its_cause(tmp_path):
+    """DCP's exception leads with the ranks that failed; the cause after it is what the
+    message must say (here: the data file is gone since the checkpoint was verified)."""
+    ckpt = durable.verify(_commit(tmp_path, 1))
+    shard = next((ckpt.path / "stage0").glob("*.distcp"))
+    shard.unlink()
+    module, optimizer = _stage(seed=1)
+    with pytest.raises(CheckpointError, match=f"stage0: cannot be loaded \\(FileNotFoundError: "
+                                              f".*{shard.name}"):
+        durable.load_stage(ckpt, module, optimizer)
+
+
 def test_mac_is_checked_under_the_key(tmp_path):
     ckpt = durable.verify(_commit(tmp_path, 1))
     assert ckpt.origin_problem(KEY) == ""

@@ -433,24 +433,68 @@ def folders_holding(partition: Sequence[tuple[int, int]], layers: Collection[int
 
 def load_stage(ckpt: Checkpoint, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Fill `module` (layers `layers` of the model) and its optimizer from the checkpoint,
-    reading from every old stage folder that holds some of those layers."""
+    reading from every old stage folder that holds some of those layers.
+
+    Every tensor the stage wants must be in a folder of the checkpoint, with its shape and
+    dtype (each folder's JSON metadata says what it holds), or CheckpointError names the
+    tensor, both shapes or dtypes, and the file: a tensor left at its initial value would
+    train on silently (a model with more layers than the checkpoint's, or wider ones)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     from spotpipe.checkpoint.dcp_json import JsonMetadataReader, MetadataError
 
     wanted = stage_tensors(module, materialise_optimizer_state(module, optimizer))
-    for old, (start, end) in enumerate(ckpt.partition):
-        keys = {k: v for k, v in wanted.items() if start <= layer_of(k) < end}
-        if not keys:
-            continue
-        buffers = {k: torch.empty_like(v, device="cpu") for k, v in keys.items()}
+    by_folder: dict[int, dict[str, torch.Tensor]] = {}
+    partition = ckpt.partition
+    for k, v in wanted.items():
+        layer = layer_of(k)
+        old = next((i for i, (start, end) in enumerate(partition) if start <= layer < end),
+                   None)
+        if old is None:
+            raise CheckpointError(f"{ckpt.path / MANIFEST}: no stage holds layer {layer} "
+                                  f"({k}): the checkpoint's partition {partition} has layers "
+                                  f"0 to {max(end for _, end in partition) - 1} (it is of a "
+                                  "model with fewer layers)")
+        by_folder.setdefault(old, {})[k] = v
+    for old, keys in sorted(by_folder.items()):
+        folder = ckpt.path / f"stage{old}"
+        reader = JsonMetadataReader(str(folder))
         try:
-            dcp.load(buffers, storage_reader=JsonMetadataReader(str(ckpt.path / f"stage{old}")),
-                     no_dist=True)
+            _check_held(folder, keys, reader.read_metadata().state_dict_metadata)
+            buffers = {k: torch.empty_like(v, device="cpu") for k, v in keys.items()}
+            dcp.load(buffers, storage_reader=reader, no_dist=True)
         except (MetadataError, CheckpointException) as exc:
-            raise CheckpointError(f"{ckpt.path / f'stage{old}'}: cannot be loaded "
-                                  f"({str(exc).splitlines()[0][:300]})") from None
+            raise CheckpointError(f"{folder}: cannot be loaded ({dcp_cause(exc)})") from None
         with torch.no_grad():
             for k, v in buffers.items():
                 keys[k].copy_(v)
+
+
+def _check_held(folder: Path, keys: dict[str, torch.Tensor], held: dict[str, Any]) -> None:
+    """Each of `keys` is in the folder's metadata (`held`) with its shape and dtype."""
+    from spotpipe.checkpoint.dcp_json import METADATA
+
+    for k, v in keys.items():
+        meta = held.get(k)
+        if meta is None:
+            raise CheckpointError(f"{folder / METADATA}: has no tensor {k} (this stage's model "
+                                  "or optimizer has one the checkpoint's does not)")
+        size, dtype = list(meta.size), meta.properties.dtype
+        if size != list(v.shape) or dtype != v.dtype:
+            raise CheckpointError(
+                f"{folder / METADATA}: {k} is {_described(size, dtype)} in the checkpoint, "
+                f"{_described(list(v.shape), v.dtype)} in this stage's model or optimizer")
+
+
+def _described(size: list[int], dtype: torch.dtype) -> str:
+    return f"{str(dtype).removeprefix('torch.')} of shape {size}"
+
+
+def dcp_cause(exc: BaseException) -> str:
+    """What DCP's exception says went wrong: the cause each rank raised (its CheckpointException
+    leads with the ranks, then their tracebacks), else its message."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"{type(cause).__name__}: {cause}" for cause, _ in failures.values())
+    return str(exc)
