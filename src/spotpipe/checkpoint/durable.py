@@ -57,22 +57,33 @@ def iter_dir(root: Path, iteration: int, partial: bool = False) -> Path:
     return root / (f".{name}.partial" if partial else name)
 
 
-def _optimizer_items(module: nn.Module, optimizer: torch.optim.Optimizer
+def _optimizer_items(module: nn.Module, optimizer: torch.optim.Optimizer, aliases: bool
                      ) -> dict[str, torch.Tensor]:
-    by_param = {id(p): name for name, p in module.named_parameters()}
+    """The optimizer's state under the global name of its parameter; with `aliases`, under
+    every name of a parameter that has several (tied embeddings: `wte` and `lm_head` are one
+    parameter in a stage that holds both layers, two in separate stages, updated alike), so
+    that a checkpoint written with both in one stage loads at any P, where a stage may hold
+    only the second name. Without, under the first only: what a stage holding both loads (a
+    checkpoint written before the aliases were has only that one)."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=not aliases):
+        names.setdefault(id(p), []).append(name)
     out = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
-                    out[f"optim/{by_param[id(p)]}/{key}"] = value
+                    for name in names[id(p)]:
+                        out[f"optim/{name}/{key}"] = value
     return out
 
 
-def stage_tensors(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Everything that defines a stage's training state, under global names."""
+def stage_tensors(module: nn.Module, optimizer: torch.optim.Optimizer, aliases: bool = True
+                  ) -> dict[str, torch.Tensor]:
+    """Everything that defines a stage's training state, under global names (`aliases`: see
+    `_optimizer_items`; False for what a load wants)."""
     return {**{k: v.detach() for k, v in module.state_dict().items()},
-            **_optimizer_items(module, optimizer)}
+            **_optimizer_items(module, optimizer, aliases)}
 
 
 def file_checksums(folder: Path) -> dict[str, str]:
@@ -444,7 +455,8 @@ def load_stage(ckpt: Checkpoint, module: nn.Module, optimizer: torch.optim.Optim
 
     from spotpipe.checkpoint.dcp_json import JsonMetadataReader, MetadataError
 
-    wanted = stage_tensors(module, materialise_optimizer_state(module, optimizer))
+    wanted = stage_tensors(module, materialise_optimizer_state(module, optimizer),
+                           aliases=False)
     by_folder: dict[int, dict[str, torch.Tensor]] = {}
     partition = ckpt.partition
     for k, v in wanted.items():
