@@ -75,6 +75,64 @@ def test_resume_reshards_and_continues_like_the_uninterrupted_run(tmp_path, corp
         assert metrics[0]["loss"] == pytest.approx(loss[6], rel=1e-4)
 
 
+def test_resume_with_an_explicit_partition_and_activation_checkpointing(tmp_path, corpus,
+                                                                        saved):
+    """How the model is cut and run is not part of the model: the P=4 checkpoint resumes at
+    P=3 with an explicit partition and activation checkpointing (both used to be refused as
+    another model), and the run ends as the uninterrupted one, bit for bit."""
+    from test_equivalence import reference
+
+    iters = {**SAVE, "checkpoint.every": 0, "num_microbatches": 4}
+    cfg = tiny_config(corpus, stages=3, pipelines=1, **iters,
+                      **{"model.partition": "explicit", "model.stage_of_layer": [0, 0, 1, 2],
+                         "model.activation_checkpointing": "layers"})
+    resumed = tmp_path / "resumed"
+    assert train(cfg, resumed, progress=False,
+                 resume=saved / "checkpoints" / "iter_00000005") == 0
+    got = final(resumed)
+    want, _ = reference(tiny_config(corpus, pipelines=1, **iters))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_tied_embeddings_saved_at_p1_load_at_p2(tmp_path):
+    """With tied embeddings, `wte` and `lm_head` are one parameter at P=1 and two (updated
+    alike) at P=2: the optimizer state written at P=1 must load into the second stage's
+    `lm_head` too (it was written under the first name only, and P=2 could not load it)."""
+    from spotpipe.model.gpt import GPTConfig, build_gpt
+    from spotpipe.model.partition import build_stage
+
+    gc = GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=1, n_embd=4,
+                   tie_embeddings=True)
+    layers = gc.n_layer + 2
+    whole = build_stage(build_gpt(gc, 0), 0, layers)
+    optimizer = torch.optim.AdamW(whole.parameters(), lr=1e-2)
+    whole(torch.randint(0, 16, (2, 4))).sum().backward()
+    optimizer.step()
+    weights, state = whole.state_dict(), optimizer.state[whole.get_parameter("0.wte.weight")]
+    sums = durable.save_stage(tmp_path, 0, 0, whole, optimizer)
+    ckpt = durable.verify(durable.commit(tmp_path, 0, {"partition": [[0, layers]]}, sums,
+                                         keep=2, key=b"k" * 32))
+    for start, end, tied in [(0, 2, "0.wte.weight"), (2, layers, "3.lm_head.weight")]:
+        stage = build_stage(build_gpt(gc, 1), start, end)  # another seed: nothing shared
+        stage_optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+        durable.load_stage(ckpt, stage, stage_optimizer)
+        for name, value in stage.state_dict().items():
+            assert torch.equal(value, weights[name]), name
+        loaded = stage_optimizer.state[stage.get_parameter(tied)]
+        assert set(loaded) == set(state) and all(torch.equal(loaded[k], state[k]) for k in state)
+    # one written before the state went under both names (the first only) still loads at P=1
+    folder = durable.prepare_stage_folder(tmp_path, 1, 0)
+    durable.dcp_save(durable.stage_tensors(whole, optimizer, aliases=False), folder)
+    old = durable.verify(durable.commit(tmp_path, 1, {"partition": [[0, layers]]},
+                                        durable.stage_checksums(folder, 0), keep=2,
+                                        key=b"k" * 32))
+    stage = build_stage(build_gpt(gc, 1), 0, layers)
+    stage_optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    durable.load_stage(old, stage, stage_optimizer)
+    loaded = stage_optimizer.state[stage.get_parameter("0.wte.weight")]
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
 def _copy(saved: Path, tmp_path: Path) -> Path:
     import shutil
 

@@ -102,6 +102,80 @@ def test_manifest_lists_only_files_inside_the_checkpoint(tmp_path):
         durable.verify(ckpt)
 
 
+@pytest.mark.parametrize("damage, problem", [
+    (lambda m: [], "not a JSON object"),
+    (lambda m: {**m, "checksums": {"stage0/a\0b": "0" * 64}}, "not a file of the checkpoint"),
+    (lambda m: {**m, "checksums": {k: 7 for k in m["checksums"]}}, "not a string"),
+    (lambda m: {**m, "checksums": ["stage0"]}, "lists no files"),
+    (lambda m: {**m, "next_iteration": "10"}, "not an iteration number"),
+], ids=["a list", "a NUL in a name", "a number for a checksum", "a list of files",
+        "a string for an iteration"])
+def test_a_manifest_of_the_wrong_shape_is_named_and_skipped(tmp_path, damage, problem):
+    """Valid JSON of the wrong shape (planted, or written by something else) is a
+    CheckpointError naming the file, like any other damage: resuming takes the one before,
+    and retention counts it for nothing instead of failing the commit."""
+    good = _commit(tmp_path, 1)
+    bad = _commit(tmp_path, 2)
+    manifest = bad / "manifest.json"
+    manifest.write_text(json.dumps(damage(json.loads(manifest.read_text()))))
+    with pytest.raises(CheckpointError, match=f"{manifest}: .*{problem}"):
+        durable.verify(bad)
+    found, problems = durable.resolve(tmp_path)
+    assert found.path == good and problem in problems[0]
+    newer = _commit(tmp_path, 3, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == [good.name, bad.name, newer.name]
+
+
+def _adamw(*layers: torch.nn.Module):
+    module = torch.nn.Sequential(*layers)
+    return module, torch.optim.AdamW(module.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("other, problem", [
+    (lambda: _adamw(torch.nn.Linear(4, 3), torch.nn.Linear(3, 3)),
+     r"manifest.json: no stage holds layer 1 \(1.weight\): the checkpoint's partition "
+     r"\[\(0, 1\)\] has layers 0 to 0"),
+    (lambda: _adamw(torch.nn.Linear(4, 5)),
+     r"stage0/dcp_metadata.json: 0.weight is float32 of shape \[3, 4\] in the checkpoint, "
+     r"float32 of shape \[5, 4\] in this stage's"),
+    (lambda: _adamw(torch.nn.Linear(4, 3).double()),
+     r"stage0/dcp_metadata.json: 0.weight is float32 of shape \[3, 4\] in the checkpoint, "
+     r"float64 of shape \[3, 4\]"),
+], ids=["more layers", "wider", "another dtype"])
+def test_a_checkpoint_that_does_not_hold_every_tensor_of_the_stage_is_refused(tmp_path, other,
+                                                                             problem):
+    """Each tensor the stage wants must be in the checkpoint with its shape and dtype: a
+    model with more layers than the checkpoint's used to load "successfully", its extra
+    layers left at their initial values."""
+    ckpt = durable.verify(_commit(tmp_path, 1))
+    module, optimizer = other()
+    with pytest.raises(CheckpointError, match=problem):
+        durable.load_stage(ckpt, module, optimizer)
+
+
+def test_a_tensor_the_checkpoint_lacks_is_named(tmp_path):
+    module, optimizer = _adamw(torch.nn.Linear(4, 3, bias=False))
+    sums = durable.save_stage(tmp_path, 1, 0, module, optimizer)
+    ckpt = durable.verify(durable.commit(tmp_path, 1, {"partition": [[0, 1]]}, sums, keep=5,
+                                         key=KEY))
+    module, optimizer = _adamw(torch.nn.Linear(4, 3))
+    with pytest.raises(CheckpointError, match=r"stage0/dcp_metadata.json: has no tensor "
+                                              r"0.bias"):
+        durable.load_stage(ckpt, module, optimizer)
+
+
+def test_a_failed_load_says_its_cause(tmp_path):
+    """DCP's exception leads with the ranks that failed; the cause after it is what the
+    message must say (here: the data file is gone since the checkpoint was verified)."""
+    ckpt = durable.verify(_commit(tmp_path, 1))
+    shard = next((ckpt.path / "stage0").glob("*.distcp"))
+    shard.unlink()
+    module, optimizer = _stage(seed=1)
+    with pytest.raises(CheckpointError, match=f"stage0: cannot be loaded \\(FileNotFoundError: "
+                                              f".*{shard.name}"):
+        durable.load_stage(ckpt, module, optimizer)
+
+
 def test_mac_is_checked_under_the_key(tmp_path):
     ckpt = durable.verify(_commit(tmp_path, 1))
     assert ckpt.origin_problem(KEY) == ""
@@ -134,6 +208,22 @@ def test_retention_counts_only_checkpoints_signed_under_the_key(tmp_path):
     assert good.is_dir()
 
 
+def test_retention_never_deletes_the_checkpoint_just_committed_for_a_later_one(tmp_path):
+    """A job resumed from an older checkpoint (or started afresh) in a folder that holds
+    another run's later checkpoints: at keep = 1 its commit of 44 used to be deleted at once
+    for the other run's 49. Later folders are not this job's: they neither count nor go."""
+    _commit(tmp_path, 39, keep=1)
+    other = _commit(tmp_path, 49, keep=1, seed=1)
+    mine = _commit(tmp_path, 44, keep=1, seed=2)
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == [mine.name, other.name]
+    module, optimizer = _stage(seed=3)
+    durable.load_stage(durable.verify(mine), module, optimizer)
+    want, _ = _stage(seed=2)
+    assert torch.equal(module[0].weight, want[0].weight)
+    _commit(tmp_path, 46, keep=1)  # its next one: the one before it goes, the later one stays
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_00000046", other.name]
+
+
 def test_committing_onto_an_existing_checkpoint_folder_replaces_it(tmp_path):
     _commit(tmp_path, 2, seed=0)
     again = _commit(tmp_path, 2, seed=1)  # a job resumed from an earlier one, same folder
@@ -150,6 +240,41 @@ def test_partial_folders_are_cleaned(tmp_path):
     durable.save_stage(tmp_path, 2, 0, module, optimizer)  # never committed
     assert durable.clean_partials(tmp_path) == [durable.iter_dir(tmp_path, 2, partial=True)]
     assert [p.name for p in tmp_path.iterdir()] == ["iter_00000001"]
+
+
+class _Stopped(BaseException):
+    """The job stops here (a kill, a lost machine)."""
+
+
+def test_a_job_stopped_between_the_renames_of_a_replacing_commit_loses_neither(tmp_path,
+                                                                              monkeypatch):
+    """Committing onto an existing iteration moves the old folder aside, then renames the new
+    one into place; a job stopped between the two finds, at its next start, the old one put
+    back (the commit was not made), not both removed as partials."""
+    _commit(tmp_path, 1)
+    old = _commit(tmp_path, 2, seed=0)
+    module, optimizer = _stage(seed=1)
+    sums = durable.save_stage(tmp_path, 2, 0, module, optimizer)
+    real = os.replace
+
+    def stopping(src, dst):
+        real(src, dst)
+        if str(dst).endswith(".replaced"):
+            raise _Stopped
+
+    monkeypatch.setattr(durable.os, "replace", stopping)
+    with pytest.raises(_Stopped):
+        durable.commit(tmp_path, 2, {"partition": [[0, 1]]}, sums, keep=5, key=KEY)
+    monkeypatch.setattr(durable.os, "replace", real)
+    assert not old.exists()
+    assert durable.clean_partials(tmp_path) == [durable.iter_dir(tmp_path, 2, partial=True)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_00000001", old.name]
+    found = durable.newest(tmp_path)
+    assert found.path == old and found.origin_problem(KEY) == ""
+    loaded, optimizer = _stage(seed=3)
+    durable.load_stage(found, loaded, optimizer)
+    want, _ = _stage(seed=0)
+    assert torch.equal(loaded[0].weight, want[0].weight)
 
 
 def test_a_peers_discard_between_folder_and_stage_does_not_fail_the_write(tmp_path,
@@ -265,6 +390,32 @@ def test_a_second_job_on_the_same_checkpoint_dir_is_refused(tmp_path, corpus):
     assert not (shared / ".iter_00000009.partial").exists()
     assert not (shared / lock.LOCK).exists()  # released at the end
     assert sorted(p.name for p in shared.iterdir()) == ["iter_00000003", "iter_00000005"]
+
+
+def test_two_jobs_taking_over_a_stale_lock_at_once_do_not_both_win(tmp_path, monkeypatch):
+    """Job B has found the lock's holder dead; before it acts, job A takes the lock over,
+    completely. B must then be refused, naming A, and A's lock stay (B used to remove it as
+    the dead holder's and create its own: both ran)."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / lock.LOCK).write_text(json.dumps(
+        {"host": os.uname().nodename, "pid": gone.pid, "run": "/runs/dead"}))
+    real = lock.refuse_if_held
+    took: list[lock.Holder] = []
+
+    def then_a_takes_it_over(folder: Path) -> None:
+        real(folder)  # B: the holder is dead
+        if not took:
+            monkeypatch.setattr(lock, "refuse_if_held", real)
+            took.append(lock.acquire(folder, Path("/runs/a")))  # A, from start to end
+            monkeypatch.setattr(lock, "refuse_if_held", then_a_takes_it_over)
+
+    monkeypatch.setattr(lock, "refuse_if_held", then_a_takes_it_over)
+    with pytest.raises(lock.LockHeld, match=r"in use by another job \(pid \d+ on .*run "
+                                            r"folder /runs/a\)"):
+        lock.acquire(tmp_path, Path("/runs/b"))
+    assert took and json.loads((tmp_path / lock.LOCK).read_text())["run"] == "/runs/a"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [lock.LOCK]  # no takeover file left
 
 
 def test_a_failed_checkpoint_write_is_an_event_and_training_goes_on(tmp_path, corpus):

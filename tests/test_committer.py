@@ -164,6 +164,31 @@ def test_a_checkpoint_is_cut_by_the_partition_its_stages_were_written_under():
         parts.saved(8, 1, {"stage1/a": "1"}, ((0, 3), (3, 6), (6, 8)))
 
 
+def test_a_commit_that_raises_anything_fails_its_iteration_and_the_thread_goes_on(
+        tmp_path, monkeypatch):
+    """Not only the disk's errors: whatever a commit raises is that iteration's failure (an
+    event), and the commits behind it are still made, so the committer becomes idle again
+    (a coordinator's hand-over waits for that)."""
+    root = tmp_path / "ckpt"
+    real = durable.commit
+
+    def commit(root, iteration, *args, **kwargs):
+        if iteration == 1:
+            raise AttributeError("'list' object has no attribute 'get'")
+        return real(root, iteration, *args, **kwargs)
+
+    monkeypatch.setattr(durable, "commit", commit)
+    committer = Committer(root, keep=2, key=KEY, now=lambda: 0.0)
+    committer.submit(1, {"stages": 1}, _written(root, 1))
+    committer.submit(2, {"stages": 1}, _written(root, 2))
+    done = committer.close()
+    assert [(c.iteration, c.path is not None, c.error) for c in done] == [
+        (1, False, "commit: AttributeError: 'list' object has no attribute 'get'"),
+        (2, True, "")]
+    assert committer.idle()
+    assert durable.newest(root).manifest["iteration"] == 2
+
+
 def test_a_commit_with_a_newer_one_ready_behind_it_leaves_retention_to_it(tmp_path,
                                                                            monkeypatch):
     """Commits that come faster than they run (each one's retention hashes every checkpoint

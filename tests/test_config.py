@@ -45,3 +45,25 @@ def test_digest_changes_with_what_matters():
     base = {"data": {"path": "x.txt"}}
     assert from_dict(base).digest() == from_dict(base).digest()
     assert from_dict(base).digest() != from_dict(base, ["seed=1"]).digest()
+
+
+@pytest.mark.parametrize("override", [
+    "model.partition=parameters", "model.stage_of_layer=[0, 0, 1, 1]",
+    "model.split_points=['layers.2']", "model.activation_checkpointing=layers",
+    "model.gpt.dropout=0.1", "stages=3", "optimizer.lr=0.5"])
+def test_the_model_digest_ignores_how_the_model_is_cut_and_run(override):
+    """A checkpoint is resharded on load: keys that decide the stages and how they run change
+    no tensor, so a checkpoint written without them loads with them."""
+    base = from_dict({"data": {"path": "x.txt"}})
+    assert from_dict({"data": {"path": "x.txt"}}, [override]).model_digest() == \
+        base.model_digest()
+
+
+@pytest.mark.parametrize("override", [
+    "model.gpt.n_embd=32", "model.gpt.n_layer=2", "model.gpt.vocab_size=512",
+    "model.gpt.bias=false", "model.gpt.tie_embeddings=true",
+    "optimizer.name=sgd"])
+def test_the_model_digest_covers_what_decides_the_tensors(override):
+    base = from_dict({"data": {"path": "x.txt"}})
+    assert from_dict({"data": {"path": "x.txt"}}, [override]).model_digest() != \
+        base.model_digest()

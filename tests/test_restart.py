@@ -8,12 +8,15 @@ reference loop), after exactly one restart from the checkpoint before the loss.
 from __future__ import annotations
 
 import json
+import types
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from spotpipe.cluster.launcher import train
+from spotpipe.checkpoint import durable
+from spotpipe.cluster.launcher import _restart_point, train
 from spotpipe.config import ConfigError
 from spotpipe.faults import Fault
 
@@ -68,3 +71,42 @@ def test_restart_without_a_checkpoint_starts_over(tmp_path, corpus):
                                                          "iterations": 4}))
     for key in want:
         assert torch.equal(got[key], want[key]), f"{key} differs from the failure-free run"
+
+
+def _checkpoint(root: Path, iteration: int, info: dict, key: bytes) -> durable.Checkpoint:
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    sums = durable.save_stage(root, iteration, 0, module, optimizer)
+    return durable.verify(durable.commit(root, iteration, {"partition": [[0, 1]], **info},
+                                         sums, keep=9, key=key))
+
+
+def test_the_restart_point_is_this_jobs_newest_checkpoint_that_resuming_would_accept(
+        tmp_path, corpus):
+    """After a loss it cannot fail over, the job restarts from its own newest checkpoint:
+    not a later folder signed under another key or of another model (what --resume refuses),
+    nor a later one of another run under the same key and configuration (this job never
+    committed it); a job that committed nothing and resumed from nothing starts over."""
+    cfg = tiny_config(corpus, stages=1, **FAST)
+    key, root, out = b"k" * 32, tmp_path / "ckpt", tmp_path / "run"
+    mine = {"model_digest": cfg.model_digest(), "global_batch": cfg.global_batch,
+            "seed": cfg.seed}
+    first = _checkpoint(root, 1, mine, key)
+    own = _checkpoint(root, 3, mine, key)
+    _checkpoint(root, 4, {**mine, "seed": cfg.seed + 1}, key)
+    _checkpoint(root, 5, {**mine, "model_digest": "another"}, key)
+    _checkpoint(root, 6, mine, b"x" * 32)
+    _checkpoint(root, 7, mine, key)  # another run's, under the same key and configuration
+    out.mkdir()
+    (out / "events.jsonl").write_text("".join(json.dumps(
+        {"time_s": 0.0, "kind": "checkpoint_committed", "node": "launcher", "iteration": t})
+        + "\n" for t in (1, 3, 6)))
+    launcher = types.SimpleNamespace(
+        coordinator=types.SimpleNamespace(stop_message="two adjacent stages lost"), cfg=cfg,
+        out=out, resume=None, checkpoint_root=root, checkpoint_key=key)
+    again, found = _restart_point(launcher, 1)  # type: ignore[arg-type]
+    assert again and found is not None and found.path == own.path
+    (out / "events.jsonl").write_text("")
+    assert _restart_point(launcher, 1) == (True, None)  # type: ignore[arg-type]
+    launcher.resume = first  # resumed from 1, committed nothing yet
+    assert _restart_point(launcher, 1)[1].path == first.path  # type: ignore[arg-type]

@@ -211,6 +211,10 @@ class ClusterSection:
     etcd_endpoint: str = ""  # host:port of etcd's client URL, when store is etcd
 
 
+# model keys that decide how the model is cut into stages and run, not its tensors
+_RUN_NOT_TENSORS = ("partition", "stage_of_layer", "split_points", "activation_checkpointing")
+
+
 @dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
@@ -268,10 +272,18 @@ class Config:
         return data
 
     def model_digest(self) -> str:
-        """A hash of what a checkpoint's tensors depend on: the model and the optimizer kind.
-        P, D, the schedule and the data layout may differ between save and load."""
-        blob = json.dumps({"model": dataclasses.asdict(self.model),
-                           "optimizer": self.optimizer.name}, sort_keys=True).encode()
+        """A hash of what a checkpoint's tensors depend on: the model's keys that decide the
+        tensors' names, shapes and dtypes (and initial values), and the optimizer kind. P, D,
+        the schedule and the data layout may differ between save and load, and so may how
+        the model is cut into stages and run (`_RUN_NOT_TENSORS`): a checkpoint is resharded
+        on load. (A node joining a running job is checked against `digest` as well, which
+        covers those keys.)"""
+        model = dataclasses.asdict(self.model)
+        for key in _RUN_NOT_TENSORS:
+            model.pop(key)
+        model["gpt"].pop("dropout")  # (a GPT's dropout changes no tensor either)
+        blob = json.dumps({"model": model, "optimizer": self.optimizer.name},
+                          sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def digest(self) -> str:

@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,22 +57,33 @@ def iter_dir(root: Path, iteration: int, partial: bool = False) -> Path:
     return root / (f".{name}.partial" if partial else name)
 
 
-def _optimizer_items(module: nn.Module, optimizer: torch.optim.Optimizer
+def _optimizer_items(module: nn.Module, optimizer: torch.optim.Optimizer, aliases: bool
                      ) -> dict[str, torch.Tensor]:
-    by_param = {id(p): name for name, p in module.named_parameters()}
+    """The optimizer's state under the global name of its parameter; with `aliases`, under
+    every name of a parameter that has several (tied embeddings: `wte` and `lm_head` are one
+    parameter in a stage that holds both layers, two in separate stages, updated alike), so
+    that a checkpoint written with both in one stage loads at any P, where a stage may hold
+    only the second name. Without, under the first only: what a stage holding both loads (a
+    checkpoint written before the aliases were has only that one)."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=not aliases):
+        names.setdefault(id(p), []).append(name)
     out = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
-                    out[f"optim/{by_param[id(p)]}/{key}"] = value
+                    for name in names[id(p)]:
+                        out[f"optim/{name}/{key}"] = value
     return out
 
 
-def stage_tensors(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Everything that defines a stage's training state, under global names."""
+def stage_tensors(module: nn.Module, optimizer: torch.optim.Optimizer, aliases: bool = True
+                  ) -> dict[str, torch.Tensor]:
+    """Everything that defines a stage's training state, under global names (`aliases`: see
+    `_optimizer_items`; False for what a load wants)."""
     return {**{k: v.detach() for k, v in module.state_dict().items()},
-            **_optimizer_items(module, optimizer)}
+            **_optimizer_items(module, optimizer, aliases)}
 
 
 def file_checksums(folder: Path) -> dict[str, str]:
@@ -198,7 +209,7 @@ def commit(root: Path, iteration: int, info: dict[str, Any], checksums: dict[str
     fsync_path(root)
     shutil.rmtree(aside, ignore_errors=True)
     if apply_retention:
-        retain(root, keep, key)
+        retain(root, keep, key, upto=iteration)
     for stale in root.glob(".iter_*.partial"):  # writes of earlier iterations that failed
         if _iteration_of(stale) < iteration:
             shutil.rmtree(stale, ignore_errors=True)
@@ -210,12 +221,19 @@ def _iteration_of(folder: Path) -> int:
     return int(digits) if digits else -1
 
 
-def retain(root: Path, keep: int, key: bytes | None) -> list[Path]:
+def retain(root: Path, keep: int, key: bytes | None, upto: int | None = None) -> list[Path]:
     """Delete what is older than the newest `keep` checkpoints that verify (checksums, and the
-    MAC under `key`); folders that do not verify count for nothing. Returns what was deleted."""
+    MAC under `key`); folders that do not verify count for nothing. Returns what was deleted.
+
+    `upto`: the iteration just committed. Folders of later iterations are not this job's
+    timeline (another run's, left in the folder, or the one a job resumed from an older
+    checkpoint is rewriting): they neither count nor go, so the checkpoint just committed and
+    this job's good ones before it are never deleted for them."""
     good = 0
     deleted = []
     for path in sorted((p for p in root.glob("iter_*") if p.is_dir()), reverse=True):
+        if upto is not None and _iteration_of(path) > upto:
+            continue
         if good >= keep:
             shutil.rmtree(path, ignore_errors=True)
             deleted.append(path)
@@ -229,9 +247,38 @@ def retain(root: Path, keep: int, key: bytes | None) -> list[Path]:
     return deleted
 
 
+def restore_replaced(root: Path) -> list[Path]:
+    """Put back each checkpoint that a commit had moved aside to replace it (`commit`) and
+    that the job stopped before replacing: the folders restored.
+
+    A commit onto an existing iteration renames the old folder aside, then the new one into
+    place; a job that stops between the two leaves neither under the iteration's name. The old
+    one is put back, not the new one rolled forward: a commit is made by the rename into place
+    (a job that stops before it leaves a partial folder, removed at the next start, whatever
+    it holds), and nothing was told of the new one (no checkpoint_committed event), so this
+    makes the two renames one step, done or not done. Only an aside folder that verifies is
+    put back (a damaged one is removed with the partials)."""
+    restored = []
+    for aside in sorted(root.glob(f".iter_*{_ASIDE}")):
+        final = root / aside.name[1:-len(_ASIDE)]
+        if not aside.is_dir() or final.exists():
+            continue  # the commit was done: only removing the aside folder was left
+        try:
+            verify(aside)
+        except CheckpointError:
+            continue
+        os.replace(aside, final)
+        restored.append(final)
+    if restored:
+        fsync_path(root)
+    return restored
+
+
 def clean_partials(root: Path) -> list[Path]:
     """Remove folders of checkpoints that were never committed (a job that stopped while
-    writing): called at start, by the job that holds the folder's lock."""
+    writing), once a replaced checkpoint the stop left aside is put back (`restore_replaced`):
+    called at start, by the job that holds the folder's lock."""
+    restore_replaced(root)
     found = [p for p in root.glob(".iter_*") if p.is_dir()
              and (p.name.endswith(".partial") or p.name.endswith(_ASIDE))]
     for path in found:
@@ -247,6 +294,11 @@ class Checkpoint:
     @property
     def next_iteration(self) -> int:
         return int(self.manifest["next_iteration"])
+
+    @property
+    def iteration(self) -> int:
+        """The iteration whose state it holds (the last one done)."""
+        return self.next_iteration - 1
 
     @property
     def partition(self) -> list[tuple[int, int]]:
@@ -272,6 +324,8 @@ def read_manifest(manifest_path: Path, version: int = FORMAT_VERSION) -> dict[st
         manifest = json.loads(manifest_path.read_text())
     except ValueError as exc:
         raise CheckpointError(f"{manifest_path}: not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{manifest_path}: not a JSON object (a {type(manifest).__name__})")
     if manifest.get("format_version") != version:
         raise CheckpointError(f"{manifest_path}: format version {manifest.get('format_version')}"
                               f" is not supported (this spotpipe reads {version})")
@@ -285,13 +339,16 @@ def verify(path: Path, layers: Collection[int] | None = None) -> Checkpoint:
     copy of a checkpoint may hold only the folders its workers load, `cluster.resume_copy`);
     a file of another folder is checked where it is there. Every file there must be listed."""
     manifest = read_manifest(path / MANIFEST)
-    checksums = manifest.get("checksums")
-    if not isinstance(checksums, dict) or not checksums:
-        raise CheckpointError(f"{path / MANIFEST}: lists no files")
+    checksums = _checksums(path / MANIFEST, manifest)
+    next_iteration = manifest.get("next_iteration")
+    if not isinstance(next_iteration, int) or isinstance(next_iteration, bool):
+        raise CheckpointError(f"{path / MANIFEST}: next_iteration is {next_iteration!r}, not "
+                              "an iteration number")
     needed = None if layers is None else folders_holding(_partition(path, manifest), layers)
     for name, digest in checksums.items():
         file = path / name
-        if not file.resolve().is_relative_to(path.resolve()) or name == MANIFEST:
+        if "\0" in name or not file.resolve().is_relative_to(path.resolve()) \
+                or name == MANIFEST:
             raise CheckpointError(f"{path / MANIFEST}: lists {name!r}, not a file of the "
                                   "checkpoint")
         if not file.is_file() and needed is not None and folder_of(name) not in needed:
@@ -308,15 +365,34 @@ def verify(path: Path, layers: Collection[int] | None = None) -> Checkpoint:
     return Checkpoint(path, manifest)
 
 
+def _checksums(manifest_path: Path, manifest: dict[str, Any]) -> dict[str, str]:
+    """The manifest's file -> SHA-256 table, checked for shape: a manifest is read before its
+    MAC is (a checkpoint of another key is named, not trusted), so anything may be in it, and
+    what is wrong must be a CheckpointError naming it, never a TypeError later on."""
+    checksums = manifest.get("checksums")
+    if not isinstance(checksums, dict) or not checksums:
+        raise CheckpointError(f"{manifest_path}: lists no files")
+    for name, digest in checksums.items():
+        if not isinstance(digest, str):
+            raise CheckpointError(f"{manifest_path}: the checksum of {name!r} is {digest!r}, "
+                                  "not a string")
+    return checksums
+
+
 def newest(root: Path, problems: list[str] | None = None) -> Checkpoint | None:
     """The newest checkpoint under `root` that verifies; skipped ones are named in `problems`."""
+    return next(verified(root, problems), None)
+
+
+def verified(root: Path, problems: list[str] | None = None) -> Iterator[Checkpoint]:
+    """The checkpoints under `root` that verify, newest first; skipped ones are named in
+    `problems`."""
     for path in sorted((p for p in root.glob("iter_*") if p.is_dir()), reverse=True):
         try:
-            return verify(path)
+            yield verify(path)
         except CheckpointError as exc:
             if problems is not None:
                 problems.append(str(exc))
-    return None
 
 
 def resolve(path: Path, layers: Collection[int] | None = None) -> tuple[Checkpoint, list[str]]:
@@ -368,24 +444,69 @@ def folders_holding(partition: Sequence[tuple[int, int]], layers: Collection[int
 
 def load_stage(ckpt: Checkpoint, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Fill `module` (layers `layers` of the model) and its optimizer from the checkpoint,
-    reading from every old stage folder that holds some of those layers."""
+    reading from every old stage folder that holds some of those layers.
+
+    Every tensor the stage wants must be in a folder of the checkpoint, with its shape and
+    dtype (each folder's JSON metadata says what it holds), or CheckpointError names the
+    tensor, both shapes or dtypes, and the file: a tensor left at its initial value would
+    train on silently (a model with more layers than the checkpoint's, or wider ones)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     from spotpipe.checkpoint.dcp_json import JsonMetadataReader, MetadataError
 
-    wanted = stage_tensors(module, materialise_optimizer_state(module, optimizer))
-    for old, (start, end) in enumerate(ckpt.partition):
-        keys = {k: v for k, v in wanted.items() if start <= layer_of(k) < end}
-        if not keys:
-            continue
-        buffers = {k: torch.empty_like(v, device="cpu") for k, v in keys.items()}
+    wanted = stage_tensors(module, materialise_optimizer_state(module, optimizer),
+                           aliases=False)
+    by_folder: dict[int, dict[str, torch.Tensor]] = {}
+    partition = ckpt.partition
+    for k, v in wanted.items():
+        layer = layer_of(k)
+        old = next((i for i, (start, end) in enumerate(partition) if start <= layer < end),
+                   None)
+        if old is None:
+            raise CheckpointError(f"{ckpt.path / MANIFEST}: no stage holds layer {layer} "
+                                  f"({k}): the checkpoint's partition {partition} has layers "
+                                  f"0 to {max(end for _, end in partition) - 1} (it is of a "
+                                  "model with fewer layers)")
+        by_folder.setdefault(old, {})[k] = v
+    for old, keys in sorted(by_folder.items()):
+        folder = ckpt.path / f"stage{old}"
+        reader = JsonMetadataReader(str(folder))
         try:
-            dcp.load(buffers, storage_reader=JsonMetadataReader(str(ckpt.path / f"stage{old}")),
-                     no_dist=True)
+            _check_held(folder, keys, reader.read_metadata().state_dict_metadata)
+            buffers = {k: torch.empty_like(v, device="cpu") for k, v in keys.items()}
+            dcp.load(buffers, storage_reader=reader, no_dist=True)
         except (MetadataError, CheckpointException) as exc:
-            raise CheckpointError(f"{ckpt.path / f'stage{old}'}: cannot be loaded "
-                                  f"({str(exc).splitlines()[0][:300]})") from None
+            raise CheckpointError(f"{folder}: cannot be loaded ({dcp_cause(exc)})") from None
         with torch.no_grad():
             for k, v in buffers.items():
                 keys[k].copy_(v)
+
+
+def _check_held(folder: Path, keys: dict[str, torch.Tensor], held: dict[str, Any]) -> None:
+    """Each of `keys` is in the folder's metadata (`held`) with its shape and dtype."""
+    from spotpipe.checkpoint.dcp_json import METADATA
+
+    for k, v in keys.items():
+        meta = held.get(k)
+        if meta is None:
+            raise CheckpointError(f"{folder / METADATA}: has no tensor {k} (this stage's model "
+                                  "or optimizer has one the checkpoint's does not)")
+        size, dtype = list(meta.size), meta.properties.dtype
+        if size != list(v.shape) or dtype != v.dtype:
+            raise CheckpointError(
+                f"{folder / METADATA}: {k} is {_described(size, dtype)} in the checkpoint, "
+                f"{_described(list(v.shape), v.dtype)} in this stage's model or optimizer")
+
+
+def _described(size: list[int], dtype: torch.dtype) -> str:
+    return f"{str(dtype).removeprefix('torch.')} of shape {size}"
+
+
+def dcp_cause(exc: BaseException) -> str:
+    """What DCP's exception says went wrong: the cause each rank raised (its CheckpointException
+    leads with the ranks, then their tracebacks), else its message."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"{type(cause).__name__}: {cause}" for cause, _ in failures.values())
+    return str(exc)

@@ -6,18 +6,29 @@ and partial folders (the clean-up at start). The job that starts first creates
 pid and run folder. A second job is refused with the holder's name. A lock left by a process
 that is gone (same host, pid not alive) is taken over; one from another host cannot be
 checked from here, so the message says which file to remove if that job is over.
+
+Taking a stale lock over is removing it and creating ours, two steps: two jobs doing it at
+once could each remove the lock the other had just made, and both run. So takeovers are done
+one at a time, under an flock of `DIR/.spotpipe.lock.takeover` (which the kernel releases when
+its holder dies, so it is never stale itself): under it, a lock is removed only while it is
+still a dead process's, and creating ours stays O_EXCL. A lock is only ever judged dead on
+the host it names, so the jobs that race to take it over are on one host, where flock holds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
 
 LOCK = ".spotpipe.lock"
+TAKEOVER = LOCK + ".takeover"  # flocked while a stale lock is taken over (`_takeover`)
 
 
 class LockHeld(RuntimeError):
@@ -77,17 +88,64 @@ def acquire(folder: Path, run: Path) -> Holder:
     folder.mkdir(parents=True, exist_ok=True)
     me = Holder(socket.gethostname(), os.getpid(), str(run.resolve()))
     path = folder / LOCK
-    for _ in range(2):
+    try:
+        return _create(path, me)
+    except FileExistsError:
+        refuse_if_held(folder)  # a live holder: refused without waiting for the takeover
+    with _takeover(folder):
+        # the holder seen dead above may have been taken over since, by a job whose takeover
+        # came first: only a lock that is a dead process's now is removed
+        if _stale(path):
+            path.unlink(missing_ok=True)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            return _create(path, me)
         except FileExistsError:
-            refuse_if_held(folder)
-            path.unlink(missing_ok=True)  # a dead process's lock: taken over
-            continue
-        _write(os.fdopen(fd, "w"), me)
-        return me
+            pass
     refuse_if_held(folder)
     raise LockHeld(f"{path}: could not be taken (another job started at the same moment)")
+
+
+def _create(path: Path, me: Holder) -> Holder:
+    """Create the lock naming `me` (FileExistsError when there is one)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    _write(os.fdopen(fd, "w"), me)
+    return me
+
+
+def _stale(path: Path) -> bool:
+    """Whether the lock file is there and is a process's of this host that is gone (an
+    unreadable one is not: its writer may be between creating and writing it)."""
+    held = _read(path)
+    return held is not None and held.host == socket.gethostname() and not _alive(held.pid)
+
+
+@contextlib.contextmanager
+def _takeover(folder: Path) -> Iterator[None]:
+    """Hold the folder's takeover flock: one job at a time takes a stale lock over. The file
+    is removed by whoever holds it when done; a job that locked a file removed meanwhile
+    (its inode is no longer the path's) locks the path's file again."""
+    path = folder / TAKEOVER
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as exc:  # a file system without locks: no safe takeover
+                raise LockHeld(f"{folder / LOCK} is a stale lock, but {path} cannot be locked "
+                               f"to take it over ({exc}); remove {folder / LOCK} if that job "
+                               "is over") from None
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                try:
+                    yield
+                finally:
+                    path.unlink(missing_ok=True)  # still locked: no one else is in it
+                return
+        finally:
+            os.close(fd)
 
 
 def release(folder: Path) -> None:

@@ -132,6 +132,13 @@ class Committer:
             result = Committed(item.iteration, self.now(), path=path, retention_left_to=newer)
         except OSError as exc:  # the disk is full or failing
             result = Committed(item.iteration, self.now(), error=f"commit: {exc}")
+        except Exception as exc:  # noqa: BLE001 (a bug or a folder's surprise: see below)
+            # Anything else (a damaged checkpoint that retention reads, a bug) must not end
+            # this thread: it would go silently, with no checkpoint_failed event, and every
+            # later item would stay handed over for ever, so `idle` would never be true again
+            # (and a coordinator's hand-over, which waits for it, would never come).
+            result = Committed(item.iteration, self.now(),
+                               error=f"commit: {type(exc).__name__}: {exc}")
         with self._lock:
             self._done.append(result)
 

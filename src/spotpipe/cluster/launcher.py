@@ -304,29 +304,40 @@ def check_resume(cfg: Config, path: Path, key: bytes | None = None, trust: bool 
         raise LaunchError(f"--resume: {exc}") from None
     for problem in skipped:
         print(f"spotpipe: warning: skipped a bad checkpoint: {problem}", file=sys.stderr)
-    if key is not None:
+    problem = resume_problem(cfg, ckpt, key, trust)
+    if problem:
+        raise LaunchError(f"--resume {ckpt.path}: {problem}")
+    origin = ckpt.origin_problem(key) if key is not None else ""
+    if origin and notes is not None:
+        print(f"spotpipe: warning: --trust-checkpoint: loading {ckpt.path} although {origin}",
+              file=sys.stderr)
+        notes.append({"kind": "checkpoint_trusted", "path": str(ckpt.path), "reason": origin})
+    return ckpt
+
+
+def resume_problem(cfg: Config, ckpt: durable.Checkpoint, key: bytes | None,
+                   trust: bool = False) -> str:
+    """Why this job cannot go on from `ckpt` ("" when it can): its MAC does not vouch for it
+    under `key` (unless `trust`), it is of another model or optimizer, its data order differs
+    (global batch, seed), or it is at the job's end. What `--resume` checks, and a restart
+    after a failure (`_restart_point`) alike."""
+    if key is not None and not trust:
         problem = ckpt.origin_problem(key)
-        if problem and not trust:
-            raise LaunchError(f"--resume {ckpt.path}: {problem}; pass --trust-checkpoint to "
-                              "load it anyway (only a checkpoint whose origin you know)")
-        if problem and notes is not None:
-            print(f"spotpipe: warning: --trust-checkpoint: loading {ckpt.path} although {problem}",
-                  file=sys.stderr)
-            notes.append({"kind": "checkpoint_trusted", "path": str(ckpt.path),
-                          "reason": problem})
+        if problem:
+            return (f"{problem}; pass --trust-checkpoint to load it anyway (only a checkpoint "
+                    "whose origin you know)")
     m = ckpt.manifest
     if m.get("model_digest") != cfg.model_digest():
-        raise LaunchError(f"--resume {ckpt.path}: the checkpoint is of another model or "
-                          "optimizer (model/optimizer configuration differs)")
+        return "the checkpoint is of another model or optimizer (model/optimizer configuration " \
+               "differs)"
     if m.get("global_batch") != cfg.global_batch or m.get("seed") != cfg.seed:
-        raise LaunchError(
-            f"--resume {ckpt.path}: written with global batch {m.get('global_batch')} and seed "
-            f"{m.get('seed')}, this job has {cfg.global_batch} and {cfg.seed}; the data order "
-            "depends on both (keep micro_batch_size x num_microbatches x pipelines the same)")
+        return (f"written with global batch {m.get('global_batch')} and seed {m.get('seed')}, "
+                f"this job has {cfg.global_batch} and {cfg.seed}; the data order depends on "
+                "both (keep micro_batch_size x num_microbatches x pipelines the same)")
     if ckpt.next_iteration >= cfg.iterations:
-        raise LaunchError(f"--resume {ckpt.path}: it is at iteration {ckpt.next_iteration}, the "
-                          f"job has only {cfg.iterations} iterations")
-    return ckpt
+        return (f"it is at iteration {ckpt.next_iteration}, the job has only {cfg.iterations} "
+                "iterations")
+    return ""
 
 
 def check_out(cfg: Config, out: Path, overwrite: bool, resume: Path | None,
@@ -350,18 +361,45 @@ def check_out(cfg: Config, out: Path, overwrite: bool, resume: Path | None,
                               "replacing it would delete it. Choose another --out")
 
 
-def _restart_point(launcher: Launcher, code: int) -> tuple[bool, durable.Checkpoint | None]:
+def _restart_point(launcher: Launcher, code: int, trust: bool = False
+                   ) -> tuple[bool, durable.Checkpoint | None]:
     """Whether to restart the workers, and from which checkpoint (None: from the start, as a
     torchrun script that finds none). Not when the round completed, or failed for another
-    reason than a loss the job could not fail over (a software error would only repeat)."""
+    reason than a loss the job could not fail over (a software error would only repeat).
+
+    The checkpoint is this job's newest that `--resume` would accept (`resume_problem`; `trust`
+    as given to the job). Only iterations up to the newest this job committed or started from
+    are looked at: a later folder there is another run's (a job resumed from an older
+    checkpoint, or started afresh, in a folder that holds them), not this job's to go on from."""
     coordinator = launcher.coordinator
     if code == 0 or coordinator is None or not coordinator.stop_message:
         return False, None
-    try:
-        found, _ = durable.resolve(launcher.checkpoint_root)
-    except durable.CheckpointError:
+    ours = _committed(launcher.out)
+    if launcher.resume is not None:
+        ours.append(launcher.resume.iteration)
+    if not ours:
         return True, None
-    return True, found
+    problems: list[str] = []
+    chosen = None
+    for found in durable.verified(launcher.checkpoint_root, problems):
+        if found.iteration > max(ours):
+            continue
+        problem = resume_problem(launcher.cfg, found, launcher.checkpoint_key, trust)
+        if not problem:
+            chosen = found
+            break
+        problems.append(f"{found.path}: {problem}")
+    for problem in problems:
+        print(f"spotpipe: warning: restart: skipped a checkpoint: {problem}", file=sys.stderr)
+    return True, chosen
+
+
+def _committed(out: Path) -> list[int]:
+    """The iterations this job committed checkpoints of (its events say)."""
+    from spotpipe.runfiles import read_jsonl
+
+    return [e["iteration"] for e in read_jsonl(out / "events.jsonl")
+            if e["kind"] == "checkpoint_committed"]
 
 
 def _unfired(faults: list[Fault], out: Path) -> list[Fault]:
@@ -414,7 +452,7 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
     try:
         code = launcher.run(store, address)
         for restart in range(1, cfg.failover.restarts + 1):
-            again, newest = _restart_point(launcher, code)
+            again, newest = _restart_point(launcher, code, trust_checkpoint)
             if not again:
                 break
             # as torchrun's agent: this process and its store stay; only the workers start
