@@ -50,12 +50,13 @@ def test_deep_and_huge_records_are_refused_by_both_parsers():
     # a record nested as deep as a legitimate one gets: opened
     channel = Channel(KEY, "node1")
     deep_event = Event("e", "node1", 0.0, {"d": _nested(20)})
-    assert channel.open(channel.seal(deep_event)).message == deep_event
+    at = keys.mailbox_slot(1)
+    assert channel.open(channel.seal(deep_event, at=at), at=at).message == deep_event
 
 
 def test_the_mailbox_reads_on_past_a_deep_record():
     store = dist.HashStore()
-    board.post(store, keys.MAILBOX, DEEP, count_key=keys.MAILBOX_COUNT)
+    board.post(store, keys.MAILBOX, lambda _: DEEP, count_key=keys.MAILBOX_COUNT)
     Outbox(store, Channel(KEY, "node1"), 0.0).event("e", n=1)
     refused: list[Refused] = []
     records = read_mailbox(store, Channel(KEY, "coordinator"), refused.append, timeout_s=5)
@@ -68,9 +69,10 @@ def test_a_watcher_reads_on_past_every_kind_of_refused_record():
     coordinator, node = Channel(KEY, "coordinator"), Channel(KEY, "node1")
     stranger = Channel(job_key(b"guess", "instance-1"), "coordinator")
     abort_board = keys.abort_board(7)
-    for blob in (DEEP, HUGE, b"\xff not json", b'{"type": "abort"}',
-                 stranger.seal(Abort(7, "forged"), 7)):
-        board.post(store, abort_board, blob)
+    for seal in (lambda _: DEEP, lambda _: HUGE, lambda _: b"\xff not json",
+                 lambda _: b'{"type": "abort"}',
+                 lambda at: stranger.seal(Abort(7, "forged"), 7, at=at)):
+        board.post(store, abort_board, seal)
     board.publish(store, coordinator, abort_board, Abort(7, "node2 lost"), 7)
     signal = AbortSignal()
     refused: list[Refused] = []
@@ -94,7 +96,7 @@ def test_refusal_reasons_are_bounded_whatever_the_record_says(corpus):
         blob = json.dumps({"p": "x" * 1_000_000 + str(i), "mac": "0",
                            "writer": "node1"}).encode()
         with pytest.raises(Refused) as refused:
-            channel.open(blob)
+            channel.open(blob, at="anywhere")
         assert len(refused.value.reason) <= 300 and len(str(refused.value)) <= 300
         reasons.add(refused.value.reason)
     assert len(Refused("y" * 10_000, "w" * 10_000).reason) == 300
@@ -144,9 +146,8 @@ def _coordinator(corpus, nodes: list[str]) -> tuple[Coordinator, list[dict]]:
 def _answers(coord: Coordinator, node: str) -> list:
     """What the coordinator posted on `node`'s join board, as `node` reads it."""
     found, index = [], 1
-    while coord.store.check([keys.board_slot(keys.join_board(node), index)]):
-        blob = coord.store.get(keys.board_slot(keys.join_board(node), index))
-        found.append(Channel(KEY, node).open(blob).message)
+    while coord.store.check([slot := keys.board_slot(keys.join_board(node), index)]):
+        found.append(Channel(KEY, node).open(coord.store.get(slot), at=slot).message)
         index += 1
     return found
 
@@ -164,7 +165,7 @@ def _unkeyed_join(node: str, incarnation: str) -> Refused:
     forged = json.dumps({"p": 1, "type": "join", "ver": 1, "writer": node, "inc": incarnation,
                          "gen": 0, "seq": 1, "body": {"node": node}}).encode()
     with pytest.raises(Refused) as refused:
-        Channel(KEY, "coordinator").open(forged)
+        Channel(KEY, "coordinator").open(forged, at=keys.mailbox_slot(1))
     return refused.value
 
 
@@ -259,9 +260,11 @@ def test_a_waiting_node_reads_past_junk_and_refusals_of_other_requests(corpus):
     worker = _waiting_node(store, KEY, events)
     board_key = keys.join_board("node5")
     stranger = Channel(job_key(b"guess", "test"), "coordinator")
-    for blob in (DEEP, b"junk", stranger.seal(JoinAnswer("node5", "refused", message="go")),
-                 stranger.seal(JoinAnswer("node5", "refused", to="another", message="go"))):
-        board.post(store, board_key, blob)
+    for seal in (lambda _: DEEP, lambda _: b"junk",
+                 lambda at: stranger.seal(JoinAnswer("node5", "refused", message="go"), at=at),
+                 lambda at: stranger.seal(JoinAnswer("node5", "refused", to="another",
+                                                     message="go"), at=at)):
+        board.post(store, board_key, seal)
     # a keyed request another process made in node5's name, refused by the job
     coord.join(JoinRequest("node5", 0.0, "another config", coord.cfg.model_digest()), "node5",
                "another incarnation")
@@ -274,7 +277,7 @@ def test_a_node_with_another_token_learns_it_from_the_refusal_of_its_own_request
     coord, _ = _coordinator(corpus, ["node0", "node1"])
     events: list[dict] = []
     worker = _waiting_node(coord.store, job_key(b"guess", "test"), events)
-    board.post(coord.store, keys.join_board("node5"), b"junk")
+    board.post(coord.store, keys.join_board("node5"), lambda _: b"junk")
     loop = _loop(coord, [])
     loop._handle_record(_unkeyed_join("node5", "someone else"))
     loop._handle_record(_unkeyed_join("node5", worker.protocol.sealer.incarnation))
