@@ -284,3 +284,29 @@ def test_bench_gpu_without_a_gpu_says_so():
     assert result.returncode == 1
     assert result.stderr.strip() == ("spotpipe: error: bench gpu: it needs a CUDA GPU, and "
                                      "torch finds none on this machine")
+
+
+def run_main(monkeypatch, capsys, *argv: str) -> tuple[int, str]:
+    """`spotpipe ARGV` in this process (what is refused is refused before anything starts):
+    the exit code and stderr."""
+    from spotpipe.cli.main import main
+
+    monkeypatch.setenv("RES_OPTIONS", os.environ.get("RES_OPTIONS", ""))  # (main sets it)
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content,expected", [
+    (b"stages: 2\n\xff\xfe: 3\n", "not UTF-8 text: byte 10 (line 2)"),
+    (b"model:\n  factory_kwargs: {when: 2024-01-01 10:00:00}\n", "model.factory_kwargs.when"),
+    (b"stages: 2\nstages: 3\n", "stages: given twice, on line 1 and line 2"),
+    (b"", "the file is empty"),
+], ids=["non-utf8", "datetime", "duplicate", "empty"])
+def test_a_config_file_that_cannot_be_read_is_named(tmp_path, monkeypatch, capsys, content,
+                                                    expected):
+    path = tmp_path / "job.yaml"
+    path.write_bytes(content)
+    out = tmp_path / "out"
+    code, err = run_main(monkeypatch, capsys, "train", str(path), "--out", str(out))
+    assert code == 2 and f"spotpipe: error: {path}: " in err and expected in err, err
+    assert not out.exists()

@@ -123,6 +123,8 @@ class ReplicaSection:
 
 
 REPLAY_MODES = ("rest", "iteration")
+# failover.heartbeat_timeout_s and hang_timeout_s are at least this many heartbeat_s (`_check`)
+BEATS_PER_TIMEOUT = 2
 
 
 @dataclass
@@ -363,6 +365,9 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if not -2**63 <= value < 2**63:  # (torch, numpy and the store take 64 bits)
+            raise ConfigError(f"{key}: expected an integer in -2**63..2**63-1 (64 bits), got "
+                              f"{_shown(value)}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
@@ -372,7 +377,10 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return finite(float(value), key)
+        try:
+            return finite(float(value), key)
+        except OverflowError:  # an integer beyond any float
+            raise ConfigError(f"{key}: expected a finite number, got {_shown(value)}") from None
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
@@ -381,6 +389,11 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         _finite_inside(value, key)
         return value
     raise TypeError(f"unsupported config type {tp!r} at {key}")
+
+
+def _shown(value: int) -> str:
+    """An integer as a message shows it (a huge one by its size: it may not even print)."""
+    return str(value) if abs(value) < 10**30 else f"an integer of {value.bit_length()} bits"
 
 
 def finite(value: float, key: str) -> float:
@@ -448,9 +461,22 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"optimizer.grad_clip: expected >= 0 (0 disables), got {o.grad_clip}")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         raise ConfigError(f"optimizer.betas: expected two numbers in [0, 1), got {o.betas}")
-    if cfg.lr_schedule.warmup_iters < 0:
-        raise ConfigError("lr_schedule.warmup_iters: expected >= 0, got "
-                          f"{cfg.lr_schedule.warmup_iters}")
+    if o.weight_decay < 0:
+        raise ConfigError(f"optimizer.weight_decay: expected >= 0, got {o.weight_decay}")
+    if o.eps <= 0:
+        raise ConfigError(f"optimizer.eps: expected a positive number, got {o.eps}")
+    if o.momentum < 0:
+        raise ConfigError(f"optimizer.momentum: expected >= 0, got {o.momentum}")
+    s = cfg.lr_schedule
+    if s.warmup_iters < 0:
+        raise ConfigError(f"lr_schedule.warmup_iters: expected >= 0, got {s.warmup_iters}")
+    # (cosine and linear decay from optimizer.lr to min_lr; constant does not read min_lr)
+    if s.min_lr < 0:
+        raise ConfigError(f"lr_schedule.min_lr: expected >= 0 (a negative rate climbs the "
+                          f"loss), got {s.min_lr}")
+    if s.kind != "constant" and s.min_lr > o.lr:
+        raise ConfigError(f"lr_schedule.min_lr: expected at most optimizer.lr ({o.lr}): the "
+                          f"{s.kind} schedule decays from optimizer.lr to min_lr, got {s.min_lr}")
     if cfg.model.kind == "factory" and ":" not in cfg.model.factory:
         raise ConfigError("model.factory: expected 'package.module:function' when model.kind is "
                           f"'factory', got {cfg.model.factory!r}")
@@ -490,9 +516,19 @@ def _check(cfg: Config) -> None:
     if not isinstance(f.restarts, int) or f.restarts < 0:
         raise ConfigError(f"failover.restarts: expected a non-negative integer, got "
                           f"{f.restarts!r}")
-    if f.heartbeat_timeout_s <= f.heartbeat_s:
-        raise ConfigError(f"failover.heartbeat_timeout_s ({f.heartbeat_timeout_s}) must exceed "
-                          f"failover.heartbeat_s ({f.heartbeat_s})")
+    # beats are sent, and read by the coordinator, once every heartbeat_s each, out of step:
+    # a working node's newest beat (and its progress) may be up to two beats old when read
+    for key in ("heartbeat_timeout_s", "hang_timeout_s"):
+        if getattr(f, key) < BEATS_PER_TIMEOUT * f.heartbeat_s:
+            raise ConfigError(
+                f"failover.{key}: expected at least {BEATS_PER_TIMEOUT} x failover.heartbeat_s "
+                f"= {BEATS_PER_TIMEOUT * f.heartbeat_s:g} s (a node's beats, sent and read once "
+                "per heartbeat_s, can be that old while it works: a shorter timeout fences "
+                f"working nodes), got {getattr(f, key)}")
+    memory = cfg.cluster.device_memory_gb
+    if memory < 0:
+        raise ConfigError("cluster.device_memory_gb: expected >= 0 (0: the device's memory, or "
+                          f"the host's RAM shared by its workers), got {memory}")
     if not 0 <= cfg.cluster.port < 65536:
         raise ConfigError(f"cluster.port: expected 0..65535, got {cfg.cluster.port}")
     if cfg.cluster.timeout_s <= 0:
@@ -537,6 +573,93 @@ def _check_checkpoint(cfg: Config) -> None:
                           "and needs at least 2 nodes (stages x pipelines), got 1")
 
 
+# what a configuration value may be: what JSON holds (the config is hashed, stored and sent
+# as JSON), not the dates, binary data or sets YAML also reads
+_SCALARS = (str, int, float, bool, type(None))
+_YAML_TYPES = {"date": "a YAML date", "datetime": "a YAML date and time",
+               "bytes": "YAML binary data (!!binary)", "set": "a YAML set (!!set)"}
+
+
+def _plain(value: Any, key: str, _inside: tuple[int, ...] = ()) -> Any:
+    """A copy of `value` with only JSON's types (mapping keys as JSON writes them), or a
+    ConfigError naming the key that holds something else."""
+    where = key or "the top level"
+    if isinstance(value, _SCALARS):
+        return value
+    if id(value) in _inside:
+        raise ConfigError(f"{where}: refers to itself (a YAML alias inside its own anchor)")
+    inside = _inside + (id(value),)
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, _SCALARS):
+                raise ConfigError(f"{where}: a key is {_kind(k)}; keys are names (strings)")
+            name = k if isinstance(k, str) else json.dumps(k)
+            out[name] = _plain(v, f"{key}.{name}" if key else name, inside)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{key}[{i}]", inside) for i, v in enumerate(value)]
+    raise ConfigError(f"{where}: {_kind(value)} is not a configuration value (numbers, strings, "
+                      "true/false, null, lists and mappings are); quote it to make it a string")
+
+
+def _kind(value: Any) -> str:
+    kind = _YAML_TYPES.get(type(value).__name__, f"a {type(value).__name__}")
+    return f"{kind} ({value})" if kind in ("a YAML date", "a YAML date and time") else kind
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key given twice in one mapping (PyYAML keeps the
+    last and drops the first without a word)."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        _no_duplicate_keys(node, "", set())
+        return super().construct_document(node)
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # (Python reads at most 4300 digits)
+            raise ConfigError(f"line {node.start_mark.line + 1}: an integer of "
+                              f"{len(node.value)} digits; expected 64 bits at most") from None
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+
+
+def _no_duplicate_keys(node: yaml.Node, key: str, walked: set[int]) -> None:
+    if id(node) in walked:  # (an alias: walked where its anchor is)
+        return
+    walked.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        own: dict[tuple[str, str], yaml.Node] = {}
+        for key_node, value_node in node.value:
+            name = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
+            dotted = f"{key}.{name}" if key else name
+            if isinstance(key_node, yaml.ScalarNode) and not key_node.tag.endswith(":merge"):
+                # (`<<: *base` merges a mapping; the mapping's own keys override its keys)
+                first = own.setdefault((key_node.tag, name), key_node)
+                if first is not key_node:
+                    raise ConfigError(
+                        f"{dotted}: given twice, on line {first.start_mark.line + 1} and line "
+                        f"{key_node.start_mark.line + 1} (YAML would keep the second and drop "
+                        "the first without a word); remove one")
+            _no_duplicate_keys(value_node, dotted, walked)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _no_duplicate_keys(item, f"{key}[{i}]", walked)
+
+
+def _read_yaml(text: str) -> Any:
+    """YAML text -> data (yaml.YAMLError, or ConfigError for a key given twice)."""
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except ValueError as exc:  # (a date that is none, such as 2024-13-45)
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"cannot read a value: {exc}") from None
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b=value` -> (['a', 'b'], value); the value is read as YAML (numbers, lists, bools)."""
     if "=" not in text:
@@ -545,9 +668,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key.strip():
         raise ConfigError(f"--set {text!r}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _plain(_read_yaml(raw) if raw.strip() else "", key.strip())
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {text!r}: cannot read the value: {exc}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"--set {text!r}: {exc}") from None
     return key.strip().split("."), value
 
 
@@ -565,7 +690,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> Config:
-    data = apply_overrides(json.loads(json.dumps(data or {})), overrides or [])
+    data = apply_overrides(_plain(data or {}, ""), overrides or [])
     cfg = _build(Config, data, "")
     _check(cfg)
     return cfg
@@ -574,12 +699,29 @@ def from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> Confi
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read a YAML file; relative data paths are taken relative to the file's folder."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a folder, not a configuration file")
     if not path.is_file():
         raise ConfigError(f"{path}: no such configuration file")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"{path}: not UTF-8 text: byte {exc.start} (line {line}) is "
+                          f"0x{raw[exc.start]:02x}; save the file as UTF-8") from None
+    try:
+        data = _read_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    if data is None:
+        raise ConfigError(f"{path}: the file is empty (no keys); expected a mapping of "
+                          "configuration keys")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     try:
