@@ -310,3 +310,64 @@ def test_a_config_file_that_cannot_be_read_is_named(tmp_path, monkeypatch, capsy
     code, err = run_main(monkeypatch, capsys, "train", str(path), "--out", str(out))
     assert code == 2 and f"spotpipe: error: {path}: " in err and expected in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("at", ["-1", "1", "999"])
+def test_a_join_outside_the_job_is_refused(tmp_path, config, monkeypatch, capsys, at):
+    """The job runs iterations 0..1: a node joining when iteration 1 (the last) or 999
+    completes would have nothing to train, and one at -1 joined at once."""
+    out = tmp_path / "out"
+    code, err = run_main(monkeypatch, capsys, "train", str(config), "--out", str(out),
+                         f"--join={at}")
+    assert code == 2 and f"--join {at}: " in err and "ITER must be 0..0" in err, err
+    assert not out.exists()
+
+
+def _a_file(tmp_path: Path) -> Path:
+    path = tmp_path / "afile"
+    path.write_text("keep me")
+    return path
+
+
+@pytest.mark.parametrize("where,scheme", [("out", "durable"), ("dir", "durable"),
+                                          ("dir", "torch_save"), ("dir/sub", "durable")])
+def test_a_file_in_the_way_of_a_folder_is_refused_before_anything_is_written(
+        tmp_path, config, monkeypatch, capsys, where, scheme):
+    """--out under a file, or checkpoint.dir that is (or is under) a file: refused naming
+    the option before the model is built or --out written (the workers' fork server is off:
+    the refusal comes before any process would start)."""
+    blocker = _a_file(tmp_path)
+    out = tmp_path / "out"
+    args = ["--set", "cluster.fork_server=false", "--set", "checkpoint.every=1",
+            "--set", f"checkpoint.scheme={scheme}"]
+    if where == "out":
+        out = blocker / "sub"
+        expected = f"--out {out}: cannot be made, {blocker} is a file"
+    elif where == "dir":
+        args += ["--set", f"checkpoint.dir={blocker}"]
+        expected = f"checkpoint.dir {blocker}: is a file, not a folder"
+    else:
+        args += ["--set", f"checkpoint.dir={blocker}/sub"]
+        expected = f"checkpoint.dir {blocker}/sub: cannot be made, {blocker} is a file"
+    code, err = run_main(monkeypatch, capsys, "train", str(config), "--out", str(out), *args)
+    assert code == 2 and expected in err and "Traceback" not in err, err
+    assert blocker.read_text() == "keep me" and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--node-rank", "-5"], "--node-rank -5: expected 0..1, or -1 (by order of arrival)"),
+    (["--node-rank", "2"], "--node-rank 2: expected 0..1, or -1"),
+    (["--out", "FILE"], "--out FILE: is a file, not a folder"),
+    (["--out", "FILE/sub"], "--out FILE/sub: cannot be made, FILE is a file"),
+], ids=["rank-negative", "rank-too-big", "out-file", "out-under-file"])
+def test_agent_flags_are_refused_before_anything_starts(tmp_path, config, monkeypatch, capsys,
+                                                        flags, expected):
+    blocker = _a_file(tmp_path)
+    monkeypatch.setenv("SPOTPIPE_JOIN_TOKEN", "secret")
+    flags = [f.replace("FILE", str(blocker)) for f in flags]
+    out = ["--out", str(tmp_path / "out")] if "--out" not in flags else []
+    code, err = run_main(monkeypatch, capsys, "agent", str(config), "--rdzv-backend", "c10d",
+                         "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "x", "--nnodes", "2",
+                         *out, *flags)
+    assert code == 2 and expected.replace("FILE", str(blocker)) in err, err
+    assert blocker.read_text() == "keep me" and not (tmp_path / "out").exists()

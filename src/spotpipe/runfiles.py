@@ -23,3 +23,14 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from None
     return out
+
+
+def blocking_file(folder: str | Path) -> Path | None:
+    """What stops `folder` from being made (mkdir parents=True): the folder itself or the
+    nearest of its parents that exists, when that is not a folder; None otherwise."""
+    for path in (Path(folder), *Path(folder).parents):
+        if path.exists():
+            return None if path.is_dir() else path
+        if path.is_symlink():  # (a dangling link: mkdir would fail on it too)
+            return path
+    return None

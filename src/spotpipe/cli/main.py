@@ -113,6 +113,13 @@ def _faults(args: argparse.Namespace, cfg):
         if f.iteration >= cfg.iterations:
             raise FaultSpecError(f"--{f.kind} {f.node}@{f.iteration}: the job runs iterations "
                                  f"0..{cfg.iterations - 1}")
+    last = cfg.iterations - 1
+    for at in args.join or []:
+        if not 0 <= at < last:  # (it trains the iterations after `at`)
+            expected = f"ITER must be 0..{last - 1}" if last else "no node can join"
+            raise FaultSpecError(f"--join {at}: a node joins when iteration ITER completes and "
+                                 f"trains the ones after it; the job runs iterations 0..{last},"
+                                 f" so {expected}")
     actions = None
     if args.trace:
         from spotpipe.sim.traces import TraceError, load_trace

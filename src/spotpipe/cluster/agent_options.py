@@ -13,6 +13,7 @@ from pathlib import Path
 
 from spotpipe.config import Config, parse_endpoint
 from spotpipe.faults import Fault
+from spotpipe.runfiles import blocking_file
 
 
 class AgentError(RuntimeError):
@@ -97,8 +98,9 @@ def check_options(opts: AgentOptions, cfg: Config, overwrite: bool = False) -> s
             f"--nnodes {opts.min_nodes}:{opts.max_nodes}: the job starts with stages x pipelines"
             f" = {cfg.stages} x {cfg.pipelines} = {world} nodes, so MIN x --nproc-per-node "
             f"({opts.min_nodes} x {opts.nproc}) must be {world}; agents beyond MIN join later")
-    if opts.node_rank >= opts.min_nodes:
-        raise AgentError(f"--node-rank {opts.node_rank}: expected 0..{opts.min_nodes - 1}")
+    if not -1 <= opts.node_rank < opts.min_nodes:
+        raise AgentError(f"--node-rank {opts.node_rank}: expected 0..{opts.min_nodes - 1}, or "
+                         "-1 (by order of arrival)")
     most = opts.max_nodes * opts.nproc  # nodes are named by rank, joiners after the first
     for f in opts.faults:
         if not f.node.startswith("node") or not f.node[4:].isdigit() or int(f.node[4:]) >= most:
@@ -108,6 +110,10 @@ def check_options(opts: AgentOptions, cfg: Config, overwrite: bool = False) -> s
             raise AgentError(f"--{f.kind} {f.node}@{f.iteration}: the job runs iterations "
                              f"0..{cfg.iterations - 1}")
     out = opts.out = opts.out.resolve()
+    blocker = blocking_file(out)
+    if blocker is not None:
+        raise AgentError(f"--out {out}: is a file, not a folder" if blocker == out else
+                         f"--out {out}: cannot be made, {blocker} is a file")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise AgentError(f"--out {out}: the folder exists and is not empty; pass --overwrite "
                          "to replace it")

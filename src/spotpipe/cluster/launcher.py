@@ -34,6 +34,7 @@ from spotpipe.store.address import StoreAddress, host_tcp_store, job_prefix
 from spotpipe.cluster.supervisor import WORKER, Supervisor, search_path, starter, worker_env
 from spotpipe.cluster.trace_replay import Action as TraceAction
 from spotpipe.faults import Fault
+from spotpipe.runfiles import blocking_file
 from spotpipe import job
 from spotpipe.model import LayeredModel, template
 
@@ -344,8 +345,13 @@ def check_out(cfg: Config, out: Path, overwrite: bool, resume: Path | None,
               config_path: Path | None) -> None:
     """--out must be a folder that is new or empty, or, with --overwrite, one that holds none
     of the job's inputs (replacing it would delete them)."""
-    if out.exists() and not out.is_dir():
-        raise LaunchError(f"--out {out}: is a file, not a folder")
+    folders = {"--out": out, "checkpoint.dir": Path(cfg.checkpoint.dir or out)}
+    for what, folder in folders.items():
+        blocker = blocking_file(folder)
+        if blocker == folder:
+            raise LaunchError(f"{what} {folder}: is a file, not a folder")
+        if blocker is not None:
+            raise LaunchError(f"{what} {folder}: cannot be made, {blocker} is a file")
     if not (out.exists() and any(out.iterdir())):
         return
     if not overwrite:
@@ -437,12 +443,16 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
     store, address = bind_store(cfg, job_id)
     if out.exists() and overwrite:
         shutil.rmtree(out)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     notes += prepared.write_initial(out)
     if root is not None:
         try:
             durable.lock.acquire(root, out)
-        except durable.lock.LockHeld as exc:
+        except (durable.lock.LockHeld, OSError) as exc:  # (nothing of this job stays)
+            (out / template.INITIAL_FILE).unlink(missing_ok=True)
+            if created:
+                shutil.rmtree(out, ignore_errors=True)
             raise LaunchError(f"checkpoint.dir: {exc}") from None
         notes += [{"kind": "checkpoint_partial_removed", "path": str(p)}
                   for p in durable.clean_partials(root)]
