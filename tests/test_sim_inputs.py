@@ -57,3 +57,58 @@ def test_train_refuses_a_trace_count_beyond_a_float(tmp_path, capsys, monkeypatc
     err = capsys.readouterr().err
     assert f"{trace}:3: data[1]" in err and "Traceback" not in err
     assert not out.exists()
+
+
+# -- profile, prices and calibration files ----------------------------------------------------
+
+PROFILE = {"forward_s": [0.1, 0.1], "backward_s": [0.2, 0.2], "micro_batch_size": 4,
+           "global_microbatches": 8}
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"forward_s": [float("nan"), 0.1]}, "forward_s[0] must be a finite number > 0 seconds"),
+    ({"forward_s": [0, 0], "backward_s": [0, 0]}, "forward_s[0] must be a finite number > 0"),
+    ({"backward_s": [0.2, 0]}, "backward_s[1]"),
+    ({"backward_s": [0.2, 1e400]}, "backward_s[1]"),
+    ({"network_bytes_s": -5}, "network_bytes_s must be a finite number > 0 bytes/s"),
+    ({"network_bytes_s": 0}, "network_bytes_s"),
+    ({"param_bytes": [-1e9, -1e9]}, "param_bytes[0] must be a finite number >= 0 bytes"),
+    ({"activation_bytes": float("nan")}, "activation_bytes"),
+    ({"micro_batch_size": 1e400}, "micro_batch_size must be a whole number >= 1"),
+    ({"global_microbatches": 2.5}, "global_microbatches"),
+    ({"forward_s": []}, "forward_s must be a non-empty list"),
+    ({"forward_s": [0.1]}, "forward_s and backward_s must be equally long"),
+])
+def test_a_bad_profile_names_the_file_and_key(tmp_path, capsys, change, words):
+    prof = write(tmp_path / "prof.json", json.dumps({**PROFILE, **change}))
+    assert simulate(["--model", str(prof), "--stages", "2", "--pipelines", "1",
+                     "--synthetic", "fixed", "--hours", "1", "--policy", "spotpipe"]) == 2
+    err = capsys.readouterr().err
+    assert f"{prof}: {words}" in err, err
+
+
+def test_a_good_profile_still_simulates(tmp_path, capsys):
+    prof = write(tmp_path / "prof.json", json.dumps({**PROFILE, "network_bytes_s": 1e9}))
+    assert simulate(["--model", str(prof), "--stages", "2", "--pipelines", "1",
+                     "--synthetic", "fixed", "--hours", "1", "--policy", "spotpipe"]) == 0
+
+
+@pytest.mark.parametrize("prices,words", [
+    ('{"instances": {"p3.2xlarge": {"spot": NaN, "on_demand": 3.06}}}',
+     "instances.p3.2xlarge.spot must be a finite price >= 0 $/h, got nan"),
+    ('{"instances": {"p3.2xlarge": {"spot": 0.9, "on_demand": 1e400}}}',
+     "instances.p3.2xlarge.on_demand"),
+    ('{"instances": {"p3.2xlarge": {"spot": -1, "on_demand": 3}}}', "instances.p3.2xlarge.spot must be"),
+])
+def test_a_bad_price_names_the_file_and_key(tmp_path, capsys, prices, words):
+    path = write(tmp_path / "prices.json", prices)
+    assert simulate(["--prices", str(path), "--synthetic", "fixed", "--hours", "1"]) == 2
+    assert f"{path}: {words}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--prices", "--calibrate", "--model"])
+def test_a_file_that_is_not_text_is_named(tmp_path, capsys, flag):
+    path = write(tmp_path / "input.json", b'{"a": "\xff\xfe"}')
+    assert simulate([flag, str(path), "--synthetic", "fixed", "--hours", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: cannot read" in err and "not a text file" in err
