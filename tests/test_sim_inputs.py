@@ -112,3 +112,54 @@ def test_a_file_that_is_not_text_is_named(tmp_path, capsys, flag):
     assert simulate([flag, str(path), "--synthetic", "fixed", "--hours", "1"]) == 2
     err = capsys.readouterr().err
     assert f"{path}: cannot read" in err and "not a text file" in err
+
+
+# -- simulate's outputs and synthetic traces --------------------------------------------------
+
+@pytest.mark.parametrize("extra", [
+    ["--synthetic", "fixed", "--hours", "1", "--policy", "spotpipe"],
+    ["--table", "--seeds", "1", "--processes", "1", "--rates", "0.1", "--hours", "1"],
+])
+def test_plot_under_a_file_is_refused_before_simulating(tmp_path, capsys, extra):
+    afile = write(tmp_path / "afile", "hi\n")
+    assert simulate(extra + ["--plot", str(afile / "sub" / "deeper")]) == 2
+    captured = capsys.readouterr()
+    assert f"--plot {afile}/sub/deeper: {afile} is a file, not a directory" in captured.err
+    assert captured.out == ""  # refused before anything was simulated
+    assert afile.read_text() == "hi\n"
+
+
+def test_plot_into_a_new_nested_folder(tmp_path, capsys):
+    out = tmp_path / "a" / "b"
+    assert simulate(["--synthetic", "fixed", "--hours", "1", "--policy", "spotpipe",
+                     "--plot", str(out)]) == 0
+    assert (out / "run.png").is_file()
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--synthetic", "fixed", "--interval", "1e-9", "--hours", "1"], "--interval 1e-09"),
+    (["--synthetic", "fixed", "--interval", "0.001", "--hours", "1"], "longer interval"),
+    (["--synthetic", "poisson", "--rate", "1e12", "--hours", "1"], "--rate 1e+12"),
+    (["--synthetic", "bamboo", "--rate", "0.1", "--hours", "1e9"], "--hours 1e+09"),
+    (["--table", "--seeds", "1", "--processes", "1", "--hours", "1e9"], "--hours 1e+09"),
+])
+def test_a_synthetic_trace_too_big_to_generate_is_refused_at_once(tmp_path, capsys, argv,
+                                                                  words):
+    # (each would take hours or run out of memory: refused from the arithmetic alone)
+    plots = tmp_path / "plots"
+    assert simulate(argv + ["--policy", "spotpipe", "--plot", str(plots)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "more than the 1000000 a synthetic trace may take" in err, err
+    assert not plots.exists()
+
+
+def test_the_synthetic_bound_is_on_the_steps_taken(monkeypatch):
+    from spotpipe.sim import synthetic
+
+    monkeypatch.setattr(synthetic, "MAX_STEPS", 1000)
+    assert synthetic.fixed_interval_trace(3.6, 1.0, 8).duration_s == 3600.0  # 1000 steps
+    with pytest.raises(ValueError, match="every 3.59 s for 1 h makes preemptions: 1e"):
+        synthetic.fixed_interval_trace(3.59, 1.0, 8)
+    assert synthetic.bamboo_trace(0.1, 10, 100, 0).duration_s == 36000.0
+    with pytest.raises(ValueError, match="100 nodes for 10.5 h are node-hours to draw: 1.1e"):
+        synthetic.bamboo_trace(0.1, 10.5, 100, 0)
