@@ -163,3 +163,79 @@ def test_the_synthetic_bound_is_on_the_steps_taken(monkeypatch):
     assert synthetic.bamboo_trace(0.1, 10, 100, 0).duration_s == 36000.0
     with pytest.raises(ValueError, match="100 nodes for 10.5 h are node-hours to draw: 1.1e"):
         synthetic.bamboo_trace(0.1, 10.5, 100, 0)
+
+
+# -- spotpipe plot ----------------------------------------------------------------------------
+
+METRIC = {"iter": 0, "loss": 5.5, "samples": 32, "time_s": 1.0, "samples_per_s": 73.7,
+          "live_nodes": 2, "carriers": 0}
+EVENT = {"time_s": 0.5, "kind": "node_lost", "node": "node1"}
+
+
+def plot(argv: list[str]) -> int:
+    from spotpipe.cli import plot as plot_cli
+
+    parser = argparse.ArgumentParser(prog="spotpipe")
+    plot_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["plot"] + argv)
+    return args.func(args)
+
+
+def run_folder(tmp_path: Path, metrics: list | bytes = (METRIC,), events: list = (EVENT,),
+               summary: str | None = None) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    write(run / "metrics.jsonl", metrics if isinstance(metrics, bytes)
+          else "".join(json.dumps(m) + "\n" for m in metrics))
+    write(run / "events.jsonl", "".join(json.dumps(e) + "\n" for e in events))
+    if summary is not None:
+        write(run / "summary.json", summary)
+    return run
+
+
+@pytest.mark.parametrize("files,where,words", [
+    ({"metrics": [METRIC, {"iter": 0}]}, "metrics.jsonl:2", "the record has no 'time_s'"),
+    ({"metrics": [[1, 2]]}, "metrics.jsonl:1", "expected a JSON object, got [1, 2]"),
+    ({"metrics": [{**METRIC, "live_nodes": "two"}]}, "metrics.jsonl:1",
+     'live_nodes must be a number, got "two"'),
+    ({"events": [{"kind": "node_lost"}]}, "events.jsonl:1", "the record has no 'time_s'"),
+    ({"metrics": b'\xff\xfe\n'}, "metrics.jsonl", "cannot read: not a text file"),
+    ({"summary": "{bad"}, "summary.json:1", "invalid JSON"),
+    ({"summary": "[1]"}, "summary.json", "expected a JSON object"),
+])
+def test_plot_names_the_file_line_and_key_of_a_bad_record(tmp_path, capsys, files, where,
+                                                          words):
+    run = run_folder(tmp_path, **files)
+    assert plot([str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"{run}/{where}: {words}" in err, err
+    assert not (run / "run.png").exists()
+
+
+def test_plot_draws_a_run_with_a_non_finite_loss(tmp_path, capsys):
+    run = run_folder(tmp_path, [METRIC, {**METRIC, "time_s": 2.0, "loss": None}],
+                     summary='{"status": "completed", "iterations": 2}')
+    assert plot([str(run)]) == 0
+    assert (run / "run.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_out_as_a_folder_or_a_png_or_neither(tmp_path, capsys):
+    run = run_folder(tmp_path)
+    folder = tmp_path / "pictures"
+    folder.mkdir()
+    assert plot([str(run), "--out", str(folder)]) == 0  # into the folder, as --help says
+    assert f"wrote {folder / 'run.png'}" in capsys.readouterr().out
+    assert (folder / "run.png").is_file() and not (tmp_path / "pictures.png").exists()
+    assert plot([str(run), "--out", str(tmp_path / "new" / "x.png")]) == 0
+    assert (tmp_path / "new" / "x.png").is_file()
+    assert plot([str(run), "--out", str(tmp_path / "nothing")]) == 2
+    assert "neither a folder nor a .png file name" in capsys.readouterr().err
+    assert not list(tmp_path.glob("nothing*"))
+
+
+def test_plot_out_under_a_file_is_refused(tmp_path, capsys):
+    run = run_folder(tmp_path)
+    afile = write(tmp_path / "afile", "hi\n")
+    assert plot([str(run), "--out", str(afile / "x.png")]) == 2
+    assert f"--out {afile}/x.png: {afile} is a file, not a folder" in capsys.readouterr().err
+    assert afile.read_text() == "hi\n"
