@@ -239,3 +239,35 @@ def test_plot_out_under_a_file_is_refused(tmp_path, capsys):
     assert plot([str(run), "--out", str(afile / "x.png")]) == 2
     assert f"--out {afile}/x.png: {afile} is a file, not a folder" in capsys.readouterr().err
     assert afile.read_text() == "hi\n"
+
+
+# -- python -m spotpipe.sim.validate ----------------------------------------------------------
+
+@pytest.mark.parametrize("argv,words", [
+    (["--time-scale", "nan"], "--time-scale: expected a finite number, got 'nan'"),
+    (["--time-scale", "0"], "--time-scale: expected a number above 0"),
+    (["--time-scale", "inf"], "--time-scale"),
+    (["--calibration-repeats", "0"], "--calibration-repeats: expected a whole number >= 1"),
+    (["--calibration-repeats", "two"], "--calibration-repeats: expected a whole number"),
+])
+def test_validate_refuses_bad_flags_before_writing(tmp_path, capsys, argv, words):
+    from spotpipe.sim.validate import main
+
+    work = tmp_path / "work"
+    with pytest.raises(SystemExit) as exc:
+        main(argv + ["--work", str(work)])
+    assert exc.value.code == 2
+    assert words in capsys.readouterr().err
+    assert not work.exists()
+
+
+@pytest.mark.parametrize("kw,words", [
+    ({"time_scale": float("nan")}, "time_scale"),
+    ({"calibration_repeats": 0}, "calibration_repeats"),
+])
+def test_validate_checks_its_arguments_before_writing(tmp_path, kw, words):
+    from spotpipe.sim.validate import validate
+
+    with pytest.raises(ValueError, match=words):
+        validate(tmp_path / "work", **kw)
+    assert not (tmp_path / "work").exists()
