@@ -20,7 +20,7 @@ import math
 import random
 from functools import lru_cache
 
-from spotpipe.sim.traces import ADD, REMOVE, Event, Trace
+from spotpipe.sim.traces import ADD, MAX_NODES, REMOVE, Event, Trace
 
 HOUR = 3600.0
 # the most steps a generator may take (preemption times, node-hours, node lifetimes):
@@ -36,8 +36,11 @@ def _validate(rate: float, hours: float, nodes: int) -> None:
         raise ValueError(f"need hours > 0 and nodes >= 1, got hours={hours}, nodes={nodes}")
 
 
-def _bound(steps: float, what: str, fix: str) -> None:
-    """Refuse a trace whose generator would take about `steps` steps, beyond MAX_STEPS."""
+def _bound(steps: float, what: str, fix: str, nodes: int) -> None:
+    """Refuse a trace of more nodes than a loaded trace may offer, or whose generator would
+    take about `steps` steps, beyond MAX_STEPS."""
+    if nodes > MAX_NODES:
+        raise ValueError(f"{nodes} nodes: more than the {MAX_NODES} a trace may offer")
     if not steps <= MAX_STEPS:
         raise ValueError(f"{what} {steps:.3g}, more than the {MAX_STEPS} a synthetic trace "
                          f"may take; {fix}")
@@ -87,7 +90,7 @@ def check_bamboo(rate: float, hours: float, nodes: int, add_probability: float =
     if not 0.0 <= add_probability <= 1.0:
         raise ValueError(f"add_probability must be in [0, 1], got {add_probability}")
     _bound(nodes * math.ceil(hours), f"{nodes} nodes for {hours:g} h are node-hours to draw:",
-           "use fewer hours or nodes")
+           "use fewer hours or nodes", nodes)
 
 
 @lru_cache(maxsize=16)
@@ -109,7 +112,7 @@ def poisson_trace(rate: float, hours: float, nodes: int, seed: int,
         raise ValueError("need rate >= 0, hours > 0, nodes >= 1, replace_s > 0")
     # (a slot's lifetimes average 1/rate h)
     _bound(nodes * (1 + rate * hours), f"rate {rate:g}/h on {nodes} nodes for {hours:g} h "
-           f"makes node lifetimes: about", "use a lower rate, fewer hours or fewer nodes")
+           f"makes node lifetimes: about", "use a lower rate, fewer hours or fewer nodes", nodes)
     rng = random.Random(seed)
     end = hours * HOUR
     events: list[Event] = []
@@ -138,7 +141,7 @@ def fixed_interval_trace(interval_s: float, hours: float, nodes: int,
         raise ValueError("need interval_s > 0, hours > 0, nodes >= 1, replace_s >= 0")
     _bound(hours * HOUR / interval_s,
            f"a preemption every {interval_s:g} s for {hours:g} h makes preemptions:",
-           "use a longer interval or fewer hours")
+           "use a longer interval or fewer hours", nodes)
     end = hours * HOUR
     events = [Event(0.0, ADD, f"n{i}") for i in range(nodes)]
     held = [f"n{i}" for i in range(nodes)]

@@ -4,6 +4,6 @@ from spotpipe.traces import (ADD, BUNDLED, MAX_NODES, PADDING_S, REMOVE, VICTIMS
                              TraceError, counts_to_trace, find_trace, load_trace,
                              parse_dated_series, parse_event_csv, parse_tick_json)
 
-__all__ = ["ADD", "BUNDLED", "MAX_NODES", "PADDING_S", "REMOVE", "VICTIMS", "Event", "Trace", "TraceError",
-           "counts_to_trace", "find_trace", "load_trace", "parse_dated_series",
+__all__ = ["ADD", "BUNDLED", "MAX_NODES", "PADDING_S", "REMOVE", "VICTIMS", "Event", "Trace",
+           "TraceError", "counts_to_trace", "find_trace", "load_trace", "parse_dated_series",
            "parse_event_csv", "parse_tick_json"]
