@@ -135,6 +135,50 @@ def test_non_finite_numbers_are_refused_naming_the_line(tmp_path, name, text, li
         load_trace(write(tmp_path, name, text))
     assert f":{line}:" in str(err.value) and err.value.line == line
 
+@pytest.mark.parametrize("name,text,line,words", [
+    # json reads a number beyond a float's range as inf, with no NaN/Infinity to see
+    ("t.json", '{"metadata": {"gap_seconds": 1e400},\n "data": [2, 1, 2]}', 1, "gap_seconds"),
+    ("t.json", '{"metadata": {"gap_seconds": 60},\n "data": [2,\n 1e400]}', 3, "data[1]"),
+    ("t.json", '{"metadata": {"gap_seconds": -1e400}, "data": [2]}', 1, "gap_seconds"),
+    # a finite gap whose span of time is not (2 x 1e308 s)
+    ("t.json", '{"metadata": {"gap_seconds": 1e308},\n "data": [2, 1, 2]}', 1, "finite span"),
+    ("t.txt", "2021-03-01, 10:00:00, 4\n2021-03-01, 10:05:00, 1e400\n", 2, "instance count"),
+    ("t.csv", "0,add,a\n1e400,remove,a\n", 2, "delta_ms"),
+])
+def test_numbers_beyond_a_float_are_refused_naming_the_line(tmp_path, name, text, line, words):
+    assert_rejected(write(tmp_path, name, text), line, words)
+
+
+@pytest.mark.parametrize("name,text,line,words", [
+    ("t.json", '{"metadata": {"gap_seconds": 60},\n "data": [1e15, 0]}', 2, "data[0]"),
+    ("t.json", '{"metadata": {"gap_seconds": 60}, "data": [2, 100001]}', 1, "100000"),
+    ("t.txt", "2021-03-01, 10:00:00, 4\n2021-03-01, 10:05:00, 1e15\n", 2, "more than"),
+])
+def test_node_counts_are_bounded(tmp_path, name, text, line, words):
+    # (1e15 nodes would be made one by one: refused at once instead)
+    assert_rejected(write(tmp_path, name, text), line, words)
+
+
+def test_the_largest_count_loads(tmp_path):
+    from spotpipe.sim.traces import MAX_NODES
+
+    tr = load_trace(write(tmp_path, "t.json", '{"metadata": {"gap_seconds": 60}, '
+                                              f"\"data\": [{MAX_NODES}]}}"))
+    assert tr.peak_nodes == MAX_NODES
+
+
+@pytest.mark.parametrize("name,text", [
+    ("t.csv", ""),
+    ("t.csv", "\n\n"),
+    ("t.csv", "delta_ms,kind,node\n"),
+    ("t.json", '{"metadata": {"gap_seconds": 60}, "data": []}'),
+    ("t.txt", "\n"),
+])
+def test_a_trace_without_data_is_refused(tmp_path, name, text):
+    # every format alike: an empty trace is a mistake, not a cluster that never had a node
+    assert_rejected(write(tmp_path, name, text), 1, "no data")
+
+
 @pytest.mark.parametrize("text,line,words", [
     ("2021-03-01, 10:00:00, 4\n2021-03-01, 09:00:00, 2\n", 2, "backwards"),
     ("2021-03-01, 10:00:00, 4\n2021-13-01, 10:00:00, 2\n", 2, "bad date"),

@@ -9,19 +9,26 @@ from pathlib import Path
 from typing import Any
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+def read_jsonl(path: str | Path, require: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file. With `require` ({key: "number" | "number or null" |
+    "string"}), each record must be an object holding those keys with values of that kind."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as exc:
         raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: cannot read: not a text file: {exc.reason}") from None
     out = []
     for lineno, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
-                out.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from None
+            if require is not None:
+                _check_record(record, require, f"{path}:{lineno}")
+            out.append(record)
     return out
 
 
@@ -34,3 +41,17 @@ def blocking_file(folder: str | Path) -> Path | None:
         if path.is_symlink():  # (a dangling link: mkdir would fail on it too)
             return path
     return None
+
+
+_KINDS = {"number": (int, float), "number or null": (int, float, type(None)), "string": (str,)}
+
+
+def _check_record(record: Any, require: dict[str, str], where: str) -> None:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {json.dumps(record)[:60]}")
+    for key, kind in require.items():
+        if key not in record:
+            raise ValueError(f"{where}: the record has no {key!r}")
+        value = record[key]
+        if isinstance(value, bool) or not isinstance(value, _KINDS[kind]):
+            raise ValueError(f"{where}: {key} must be a {kind}, got {json.dumps(value)[:60]}")

@@ -45,6 +45,9 @@ REMOVE = "remove"
 VICTIMS = ("random", "oldest", "newest")
 PADDING_S = (60.0, 120.0)  # Bamboo's dated series repeat each reading 1 and 2 minutes later
 BUNDLED = ("bamboo-p3.csv", "bamboo-g4dn.csv")
+# the most nodes a count series may offer at once: far above any spot trace (Bamboo's peak
+# 32), and a count beyond it is a typo that would take hours to turn into node events
+MAX_NODES = 100_000
 
 
 class TraceError(ValueError):
@@ -197,6 +200,8 @@ def parse_event_csv(text: str, source: str = "<string>") -> Trace:
         (live.add if kind == ADD else live.remove)(node)
         events.append(Event(t, kind, node))
         last = t
+    if not events:
+        raise TraceError(source, 1, "no data lines")
     return Trace(events, Path(source).name)
 
 
@@ -215,21 +220,24 @@ def parse_tick_json(text: str, source: str = "<string>", victims: str = "random"
     if not isinstance(raw, dict) or not isinstance(raw.get("metadata"), dict):
         raise TraceError(source, 1, "expected an object with 'metadata' and 'data'")
     gap = raw["metadata"].get("gap_seconds")
-    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not gap > 0:
+    # (json reads a number too big for a float, like 1e400, as inf without parse_constant)
+    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 < gap < math.inf:
         raise TraceError(source, _line_of(text, '"gap_seconds"'),
-                         f"metadata.gap_seconds must be a positive number, got {gap!r}")
+                         f"metadata.gap_seconds must be a finite positive number, got {gap!r}")
     data = raw.get("data")
     if not isinstance(data, list):
         raise TraceError(source, _line_of(text, '"data"'), "'data' must be a list of counts")
-    counts = []
-    for i, n in enumerate(data):
-        if isinstance(n, bool) or not isinstance(n, (int, float)) or n < 0 or n != int(n):
-            raise TraceError(source, _element_line(text, i),
-                             f"data[{i}] must be a non-negative whole count, got {n!r}")
-        counts.append(int(n))
+    if not data:
+        raise TraceError(source, _line_of(text, '"data"'), "no data: 'data' is an empty list")
+    span = len(data) * float(gap)
+    if not math.isfinite(span):
+        raise TraceError(source, _line_of(text, '"gap_seconds"'),
+                         f"metadata.gap_seconds {gap!r} x {len(data)} counts is not a finite "
+                         f"span of time")
+    counts = [_count(n, source, _element_line(text, i), f"data[{i}]")
+              for i, n in enumerate(data)]
     times = [i * float(gap) for i in range(len(counts))]
-    return counts_to_trace(times, counts, Path(source).name, len(counts) * float(gap),
-                           victims, seed)
+    return counts_to_trace(times, counts, Path(source).name, span, victims, seed)
 
 
 def parse_dated_series(text: str, source: str = "<string>", victims: str = "random",
@@ -251,10 +259,8 @@ def parse_dated_series(text: str, source: str = "<string>", victims: str = "rand
             when = datetime.strptime(f"{parts[0]} {parts[1]}", "%Y-%m-%d %H:%M:%S")
         except ValueError:
             raise TraceError(source, lineno, f"bad date or time {parts[0]!r}, {parts[1]!r}") from None
-        n = _number(parts[2], source, lineno, "instance count")
-        if n < 0 or n != int(n):
-            raise TraceError(source, lineno, f"instance count must be a non-negative whole "
-                                             f"number, got {parts[2]!r}")
+        n = _count(_number(parts[2], source, lineno, "instance count"), source, lineno,
+                   "instance count", parts[2])
         start = start or when
         t = (when - start).total_seconds()
         span = max(span, t)
@@ -313,6 +319,19 @@ def _number(text: str, source: str, lineno: int, what: str) -> float:
         raise TraceError(source, lineno, f"{what} must be a finite non-negative number, "
                                          f"got {text!r}")
     return value
+
+
+def _count(value: object, source: str, lineno: int, what: str, text: str | None = None) -> int:
+    """A node count: a finite whole number from 0 to MAX_NODES (`text`: as the file wrote it)."""
+    shown = repr(text) if text is not None else repr(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 <= value < math.inf) or value != int(value):
+        raise TraceError(source, lineno, f"{what} must be a non-negative whole count, "
+                                         f"got {shown}")
+    if value > MAX_NODES:
+        raise TraceError(source, lineno, f"{what} is {shown} nodes, more than the {MAX_NODES} "
+                                         f"a trace may offer")
+    return int(value)
 
 
 def _line_of(text: str, needle: str) -> int:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -20,11 +22,16 @@ MARKED = {"node_lost": ("tab:red", "lost"), "node_fenced": ("tab:red", "fenced")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plot", help="draw a run (loss, throughput, live nodes, events) as PNG")
     p.add_argument("run", help="a run's output folder (with metrics.jsonl and events.jsonl)")
-    p.add_argument("--out", help="PNG file to write (default RUN/run.png)")
+    p.add_argument("--out", help="a .png file to write, or a folder to write run.png into "
+                   "(default RUN/run.png); missing folders are made")
     p.set_defaults(func=run)
 
 
 _read = read_jsonl
+# what the plot reads of each record (a non-finite loss is recorded as null)
+METRIC_KEYS = {"time_s": "number", "loss": "number or null", "samples_per_s": "number",
+               "live_nodes": "number"}
+EVENT_KEYS = {"time_s": "number", "kind": "string"}
 
 
 def plot_run(run_dir: Path, out: Path) -> Path:
@@ -33,13 +40,15 @@ def plot_run(run_dir: Path, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = _read(run_dir / "metrics.jsonl")
-    events = _read(run_dir / "events.jsonl")
+    metrics = _read(run_dir / "metrics.jsonl", METRIC_KEYS)
+    events = _read(run_dir / "events.jsonl", EVENT_KEYS)
     if not metrics:
         raise ValueError(f"{run_dir / 'metrics.jsonl'}: no iterations recorded yet")
+    title = _title(run_dir)
     t = [m["time_s"] for m in metrics]
     fig, axes = plt.subplots(3, 1, figsize=(10, 7.5), sharex=True)
-    axes[0].plot(t, [m["loss"] for m in metrics], color="tab:purple")
+    axes[0].plot(t, [math.nan if m["loss"] is None else m["loss"] for m in metrics],
+                 color="tab:purple")
     axes[0].set_ylabel("loss")
     axes[1].plot(t, [m["samples_per_s"] for m in metrics], color="tab:gray", lw=0.8)
     axes[1].set_ylabel("samples/s")
@@ -64,17 +73,51 @@ def plot_run(run_dir: Path, out: Path) -> Path:
                          fontsize=7, rotation=90, va="top", color=color)
     if labelled:
         axes[0].legend(loc="upper right", fontsize=8)
-    summary = run_dir / "summary.json"
-    title = run_dir.name
-    if summary.exists():
-        s = json.loads(summary.read_text())
-        title += (f": {s.get('status')}, {s.get('iterations')} iterations, "
-                  f"P={s.get('stages')} D={s.get('pipelines')}")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=110)
+    except OSError as exc:
+        plt.close(fig)
+        raise ValueError(f"{out}: cannot write: {exc.strerror or exc}") from None
     plt.close(fig)
     return out
+
+
+def _title(run_dir: Path) -> str:
+    """The run's name, with its status from summary.json when there is one."""
+    summary = run_dir / "summary.json"
+    if not summary.exists():
+        return run_dir.name
+    try:
+        s = json.loads(summary.read_text())
+    except OSError as exc:
+        raise ValueError(f"{summary}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{summary}: cannot read: not a text file: {exc.reason}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{summary}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+    if not isinstance(s, dict):
+        raise ValueError(f"{summary}: expected a JSON object")
+    return (f"{run_dir.name}: {s.get('status')}, {s.get('iterations')} iterations, "
+            f"P={s.get('stages')} D={s.get('pipelines')}")
+
+
+def _out_path(run_dir: Path, out: str | None) -> Path:
+    """Where the PNG goes: --out as a .png file, or run.png in the folder --out names; the
+    folders above it must be folders (missing ones are made when it is written)."""
+    if out is None:
+        return run_dir / "run.png"
+    path = Path(out)
+    if path.is_dir():
+        path = path / "run.png"
+    elif path.suffix.lower() != ".png":
+        raise ValueError(f"--out {out}: neither a folder nor a .png file name")
+    existing = next(p for p in path.absolute().parents if os.path.exists(p))
+    if not existing.is_dir():
+        raise ValueError(f"--out {out}: {existing} is a file, not a folder")
+    return path
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"spotpipe: error: {run_dir / name}: not found (is {run_dir} a run folder?)",
                   file=sys.stderr)
             return 2
-    out = Path(args.out) if args.out else run_dir / "run.png"
     try:
+        out = _out_path(run_dir, args.out)
         plot_run(run_dir, out)
     except ValueError as exc:
         print(f"spotpipe: error: {exc}", file=sys.stderr)

@@ -19,7 +19,8 @@ from spotpipe.sim.params import SimConfig, SimParams, calibrate, calibrate_shape
 from spotpipe.sim.policies import ALL_POLICIES
 from spotpipe.sim.prices import price_of
 from spotpipe.sim.sweep import DEFAULT_RATES, SweepSpec
-from spotpipe.sim.synthetic import bamboo_trace, fixed_interval_trace, poisson_trace
+from spotpipe.sim.synthetic import (bamboo_trace, check_bamboo, fixed_interval_trace,
+                                    poisson_trace)
 from spotpipe.sim.traces import Trace, TraceError, load_trace
 
 SYNTHETIC = ("bamboo", "poisson", "fixed")
@@ -185,11 +186,16 @@ def _prepare(args: argparse.Namespace) -> tuple[SimConfig, Any]:
         if args.seeds < 1 or args.processes < 1:
             raise UsageError("--seeds and --processes must be >= 1")
         rates = _rates(args.rates)
+        hours, nodes = args.hours or 3.0, args.nodes or cfg.nodes
+        try:
+            check_bamboo(max(rates), hours, nodes)
+        except ValueError as exc:
+            raise UsageError(f"--table --hours {hours:g} --nodes {nodes}: {exc}") from None
         policies = ALL_POLICIES if args.policy == "all" else ("on_demand", args.policy) \
             if args.policy != "on_demand" else ("on_demand",)
         policies = tuple(dict.fromkeys(policies))
         check_policies(cfg, policies)
-        return cfg, SweepSpec(cfg, rates, args.seeds, args.hours or 3.0, args.nodes,
+        return cfg, SweepSpec(cfg, rates, args.seeds, hours, args.nodes,
                               policies=policies, processes=args.processes)
     trace = _trace(args, cfg)
     policies = list(ALL_POLICIES) if args.policy == "all" else [args.policy]
@@ -203,11 +209,16 @@ def _trace(args: argparse.Namespace, cfg: SimConfig) -> Trace:
     kind = args.synthetic or "bamboo"
     hours = args.hours or 10.0
     nodes = args.nodes or cfg.nodes
-    if kind == "bamboo":
-        return bamboo_trace(args.rate, hours, nodes, args.seed)
-    if kind == "poisson":
-        return poisson_trace(args.rate, hours, nodes, args.seed)
-    return fixed_interval_trace(args.interval, hours, nodes)
+    flags = f"--synthetic {kind} --hours {hours:g} --nodes {nodes}"
+    try:
+        if kind == "bamboo":
+            return bamboo_trace(args.rate, hours, nodes, args.seed)
+        if kind == "poisson":
+            return poisson_trace(args.rate, hours, nodes, args.seed)
+        return fixed_interval_trace(args.interval, hours, nodes)
+    except ValueError as exc:  # the generator's own check, named by the flags that set it
+        extra = f" --interval {args.interval:g}" if kind == "fixed" else f" --rate {args.rate:g}"
+        raise UsageError(f"{flags}{extra}: {exc}") from None
 
 
 def _rates(text: str) -> tuple[float, ...]:
@@ -221,7 +232,17 @@ def _rates(text: str) -> tuple[float, ...]:
 
 
 def _check_dir(path: str) -> None:
+    """--plot DIR can be a folder: it is one, or the nearest part of it that exists is a
+    folder this user may create in (checked before simulating, which may take minutes)."""
     import os
+    from pathlib import Path
 
     if os.path.exists(path) and not os.path.isdir(path):
         raise UsageError(f"--plot {path}: exists and is not a directory")
+    existing = next(p for p in (Path(path).absolute(), *Path(path).absolute().parents)
+                    if os.path.exists(p))
+    if not existing.is_dir():
+        raise UsageError(f"--plot {path}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--plot {path}: cannot create files in {existing} (permission "
+                         f"denied)")

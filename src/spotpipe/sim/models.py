@@ -17,6 +17,7 @@ Assumptions shared by the presets (V100, mixed precision):
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,29 +127,62 @@ def load_profile(path: str | Path) -> ModelCosts:
     path = Path(path)
     try:
         raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read profile: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read profile: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: cannot read profile: not a text file: {exc.reason}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{exc.lineno}: cannot read profile: invalid JSON: "
+                         f"{exc.msg}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: profile must be a JSON object")
-    try:
-        fwd = tuple(float(x) for x in raw["forward_s"])
-        bwd = tuple(float(x) for x in raw["backward_s"])
-        mbs = int(raw["micro_batch_size"])
-        gmb = int(raw["global_microbatches"])
-    except KeyError as exc:
-        raise ValueError(f"{path}: profile lacks key {exc.args[0]!r}") from None
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: bad profile value: {exc}") from None
-    if not fwd or len(fwd) != len(bwd) or min(fwd + bwd) < 0 or mbs < 1 or gmb < 1:
-        raise ValueError(f"{path}: forward_s and backward_s must be equally long lists of "
-                         f"non-negative seconds, batch sizes positive")
-    params = tuple(float(x) for x in raw.get("param_bytes", [0.0] * len(fwd)))
+    for key in ("forward_s", "backward_s", "micro_batch_size", "global_microbatches"):
+        if key not in raw:
+            raise ValueError(f"{path}: profile lacks key {key!r}")
+    fwd = _numbers(path, raw, "forward_s", "seconds", positive=True)
+    bwd = _numbers(path, raw, "backward_s", "seconds", positive=True)
+    if len(fwd) != len(bwd):
+        raise ValueError(f"{path}: forward_s and backward_s must be equally long lists (one "
+                         f"entry per stage), got {len(fwd)} and {len(bwd)}")
+    params = _numbers(path, raw, "param_bytes", "bytes", default=[0.0] * len(fwd))
     if len(params) != len(fwd):
         raise ValueError(f"{path}: param_bytes must have one entry per stage")
     return ModelCosts(name=str(raw.get("name", path.stem)), forward_s=fwd, backward_s=bwd,
-                      param_bytes=params, activation_bytes=float(raw.get("activation_bytes", 0)),
-                      micro_batch_size=mbs, global_microbatches=gmb,
-                      network_bytes_s=float(raw.get("network_bytes_s", NETWORK_BYTES_S)))
+                      param_bytes=params,
+                      activation_bytes=_number(path, "activation_bytes",
+                                               raw.get("activation_bytes", 0.0), "bytes"),
+                      micro_batch_size=_whole(path, raw, "micro_batch_size"),
+                      global_microbatches=_whole(path, raw, "global_microbatches"),
+                      network_bytes_s=_number(path, "network_bytes_s",
+                                              raw.get("network_bytes_s", NETWORK_BYTES_S),
+                                              "bytes/s", positive=True))
+
+
+def _number(path: Path, what: str, value: object, unit: str, positive: bool = False) -> float:
+    """A finite number, > 0 if `positive` (a duration, a bandwidth), else >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and (value > 0 if positive else value >= 0)):
+        raise ValueError(f"{path}: {what} must be a finite number {'>' if positive else '>='} "
+                         f"0 {unit}, got {value!r}")
+    return float(value)
+
+
+def _numbers(path: Path, raw: dict, key: str, unit: str, default: list | None = None,
+             positive: bool = False) -> tuple[float, ...]:
+    """raw[key]: a non-empty list of such numbers, one per stage."""
+    values = raw.get(key, default)
+    if not isinstance(values, list) or not values:
+        raise ValueError(f"{path}: {key} must be a non-empty list of {unit}, one per stage, "
+                         f"got {values!r}")
+    return tuple(_number(path, f"{key}[{i}]", v, unit, positive) for i, v in enumerate(values))
+
+
+def _whole(path: Path, raw: dict, key: str) -> int:
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value >= 1 and value == int(value)):
+        raise ValueError(f"{path}: {key} must be a whole number >= 1, got {value!r}")
+    return int(value)
 
 
 def model_from_arg(arg: str) -> ModelCosts:

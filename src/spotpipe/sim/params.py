@@ -84,6 +84,9 @@ def _read_calibration(path: Path) -> dict:
         raw = json.loads(path.read_text())
     except OSError as exc:
         raise ValueError(f"{path}: cannot read calibration: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: cannot read calibration: not a text file: "
+                         f"{exc.reason}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
     if isinstance(raw, dict) and isinstance(raw.get("figures"), dict):

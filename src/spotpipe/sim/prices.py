@@ -7,6 +7,7 @@ file of the same shape, because spot prices move and a stale price skews samples
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -30,6 +31,9 @@ def load_prices(path: str | Path | None = None) -> dict[str, Price]:
             text = Path(path).read_text()
         except OSError as exc:
             raise ValueError(f"{where}: cannot read prices: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{where}: cannot read prices: not a text file: "
+                             f"{exc.reason}") from None
     try:
         raw = json.loads(text)
         table = raw["instances"]
@@ -39,8 +43,11 @@ def load_prices(path: str | Path | None = None) -> dict[str, Price]:
         raise ValueError(f"{where}: expected {{\"instances\": {{NAME: {{\"spot\": $, "
                          f"\"on_demand\": $}}}}}}: {exc}") from None
     for p in out.values():
-        if p.spot < 0 or p.on_demand < 0:
-            raise ValueError(f"{where}: negative price for {p.instance}")
+        for key in ("spot", "on_demand"):
+            value = getattr(p, key)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{where}: instances.{p.instance}.{key} must be a finite "
+                                 f"price >= 0 $/h, got {value!r}")
     return out
 
 

@@ -16,12 +16,17 @@ deterministic across platforms for a given seed.
 
 from __future__ import annotations
 
+import math
 import random
 from functools import lru_cache
 
-from spotpipe.sim.traces import ADD, REMOVE, Event, Trace
+from spotpipe.sim.traces import ADD, MAX_NODES, REMOVE, Event, Trace
 
 HOUR = 3600.0
+# the most steps a generator may take (preemption times, node-hours, node lifetimes):
+# thousands of times what a real trace needs (Bamboo's have a few hundred events); beyond it
+# generating the trace would not finish in reason
+MAX_STEPS = 1_000_000
 
 
 def _validate(rate: float, hours: float, nodes: int) -> None:
@@ -31,13 +36,21 @@ def _validate(rate: float, hours: float, nodes: int) -> None:
         raise ValueError(f"need hours > 0 and nodes >= 1, got hours={hours}, nodes={nodes}")
 
 
+def _bound(steps: float, what: str, fix: str, nodes: int) -> None:
+    """Refuse a trace of more nodes than a loaded trace may offer, or whose generator would
+    take about `steps` steps, beyond MAX_STEPS."""
+    if nodes > MAX_NODES:
+        raise ValueError(f"{nodes} nodes: more than the {MAX_NODES} a trace may offer")
+    if not steps <= MAX_STEPS:
+        raise ValueError(f"{what} {steps:.3g}, more than the {MAX_STEPS} a synthetic trace "
+                         f"may take; {fix}")
+
+
 def bamboo_trace(rate: float, hours: float, nodes: int, seed: int,
                  add_probability: float = 0.5) -> Trace:
     """Hourly preemption probability `rate` per node, hourly grant probability per missing
     node; the cluster starts full at t = 0."""
-    _validate(rate, hours, nodes)
-    if not 0.0 <= add_probability <= 1.0:
-        raise ValueError(f"add_probability must be in [0, 1], got {add_probability}")
+    check_bamboo(rate, hours, nodes, add_probability)
     rng = random.Random(seed)
     rnd = rng.random
     events, held = _full_start(nodes)
@@ -70,6 +83,16 @@ def bamboo_trace(rate: float, hours: float, nodes: int, seed: int,
     return Trace(events, f"bamboo(rate={rate},seed={seed})", end)
 
 
+def check_bamboo(rate: float, hours: float, nodes: int, add_probability: float = 0.5) -> None:
+    """The arguments of `bamboo_trace`, checked without generating (a sweep checks them
+    before it starts its processes)."""
+    _validate(rate, hours, nodes)
+    if not 0.0 <= add_probability <= 1.0:
+        raise ValueError(f"add_probability must be in [0, 1], got {add_probability}")
+    _bound(nodes * math.ceil(hours), f"{nodes} nodes for {hours:g} h are node-hours to draw:",
+           "use fewer hours or nodes", nodes)
+
+
 @lru_cache(maxsize=16)
 def _start_events(nodes: int) -> tuple[tuple[Event, ...], tuple[str, ...]]:
     return tuple(Event(0.0, ADD, f"n{i}") for i in range(nodes)), \
@@ -87,6 +110,9 @@ def poisson_trace(rate: float, hours: float, nodes: int, seed: int,
     """Per node slot: lifetime ~ Exp(mean 1/rate h), then a replacement after ~ Exp(replace_s)."""
     if rate < 0 or hours <= 0 or nodes < 1 or replace_s <= 0:
         raise ValueError("need rate >= 0, hours > 0, nodes >= 1, replace_s > 0")
+    # (a slot's lifetimes average 1/rate h)
+    _bound(nodes * (1 + rate * hours), f"rate {rate:g}/h on {nodes} nodes for {hours:g} h "
+           f"makes node lifetimes: about", "use a lower rate, fewer hours or fewer nodes", nodes)
     rng = random.Random(seed)
     end = hours * HOUR
     events: list[Event] = []
@@ -113,6 +139,9 @@ def fixed_interval_trace(interval_s: float, hours: float, nodes: int,
     """A preemption every `interval_s`, oldest node first, replaced `replace_s` later."""
     if interval_s <= 0 or hours <= 0 or nodes < 1 or replace_s < 0:
         raise ValueError("need interval_s > 0, hours > 0, nodes >= 1, replace_s >= 0")
+    _bound(hours * HOUR / interval_s,
+           f"a preemption every {interval_s:g} s for {hours:g} h makes preemptions:",
+           "use a longer interval or fewer hours", nodes)
     end = hours * HOUR
     events = [Event(0.0, ADD, f"n{i}") for i in range(nodes)]
     held = [f"n{i}" for i in range(nodes)]

@@ -460,6 +460,12 @@ def validate(work_dir: str | Path, *, trace_path: str | Path = SHARED_TRACE,
     The calibration runs bracket the replay (half before it, half after), so that their
     median sees the machine as it was around the replay, not only before it.
     """
+    if not (isinstance(time_scale, (int, float)) and 0 < time_scale < math.inf):
+        raise ValueError(f"time_scale must be a finite number above 0, got {time_scale!r}")
+    if isinstance(calibration_repeats, bool) or not isinstance(calibration_repeats, int) \
+            or calibration_repeats < 1:
+        raise ValueError(f"calibration_repeats must be a whole number >= 1, got "
+                         f"{calibration_repeats!r}")
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     seg = work / "segment.csv"
@@ -518,17 +524,33 @@ def _config_value(run_dir: Path, key: str) -> Any:
 _jsonl = read_jsonl
 
 
+def _at_least_one(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m spotpipe.sim.validate [--work DIR]`: the per-phase table, then one JSON."""
     import argparse
     import tempfile
 
+    from spotpipe.cli.argtypes import positive_number
+
     ap = argparse.ArgumentParser(prog="python -m spotpipe.sim.validate",
                                  description="replay a trace segment locally and compare it "
                                              "with the simulator's prediction")
     ap.add_argument("--work", help="keep the runs here (default: a temporary directory)")
-    ap.add_argument("--time-scale", type=float, default=4.0)
-    ap.add_argument("--calibration-repeats", type=int, default=4)
+    ap.add_argument("--time-scale", type=positive_number, default=4.0,
+                    help="trace seconds per second of the replay (default 4)")
+    ap.add_argument("--calibration-repeats", type=_at_least_one, default=4,
+                    help="calibration runs around the replay (default 4)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="spotpipe-validate-") as tmp:
         out = validate(args.work or tmp, time_scale=args.time_scale,
