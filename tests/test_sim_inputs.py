@@ -247,8 +247,8 @@ def test_plot_out_under_a_file_is_refused(tmp_path, capsys):
 # -- python -m spotpipe.sim.validate ----------------------------------------------------------
 
 @pytest.mark.parametrize("argv,words", [
-    (["--time-scale", "nan"], "--time-scale: expected a finite number, got 'nan'"),
-    (["--time-scale", "0"], "--time-scale: expected a number above 0"),
+    (["--time-scale", "nan"], "--time-scale: expected a finite number above 0, got 'nan'"),
+    (["--time-scale", "0"], "--time-scale: expected a finite number above 0, got '0'"),
     (["--time-scale", "inf"], "--time-scale"),
     (["--calibration-repeats", "0"], "--calibration-repeats: expected a whole number >= 1"),
     (["--calibration-repeats", "two"], "--calibration-repeats: expected a whole number"),

@@ -536,18 +536,30 @@ def _at_least_one(text: str) -> int:
     return value
 
 
+def _above_zero(text: str) -> float:
+    """A finite number above 0 (argparse's `float` takes "nan" and "inf"). The simulator's
+    layer does not reach `spotpipe.cli.argtypes`, whose `positive_number` this is."""
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m spotpipe.sim.validate [--work DIR]`: the per-phase table, then one JSON."""
     import argparse
     import tempfile
 
-    from spotpipe.cli.argtypes import positive_number
-
     ap = argparse.ArgumentParser(prog="python -m spotpipe.sim.validate",
                                  description="replay a trace segment locally and compare it "
                                              "with the simulator's prediction")
     ap.add_argument("--work", help="keep the runs here (default: a temporary directory)")
-    ap.add_argument("--time-scale", type=positive_number, default=4.0,
+    ap.add_argument("--time-scale", type=_above_zero, default=4.0,
                     help="trace seconds per second of the replay (default 4)")
     ap.add_argument("--calibration-repeats", type=_at_least_one, default=4,
                     help="calibration runs around the replay (default 4)")
