@@ -118,3 +118,28 @@ def test_a_decision_copied_to_a_later_generations_board_is_refused():
                          expect=DecisionRecord, writers={"coordinator"})
     assert opened.message == DecisionRecord(5, {"n": 5})
     assert len(refused) == 1 and "a copy" in refused[0]
+
+
+def test_the_count_keeps_up_with_a_burst_of_writers():
+    """Writers posting at once: every slot is filled once, and the count ends at the last
+    one (a count left behind makes each later writer try the filled slots again)."""
+    import threading
+
+    store = _store()
+    port = store.port
+
+    def writer(n: int) -> None:
+        mine = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        outbox = Outbox(mine, Channel(KEY, f"node{n}"), 0.0)
+        for i in range(25):
+            outbox.event("e", n=n * 100 + i)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert mailbox.posted(store) == 150
+    records = read_mailbox(store, Channel(KEY, "coordinator"), lambda why: None, timeout_s=5)
+    assert sorted(_n(next(records)) for _ in range(150)) == sorted(
+        n * 100 + i for n in range(6) for i in range(25))

@@ -62,12 +62,25 @@ def _number(raw: bytes | None) -> int | None:
 
 
 def _advance(store: dist.Store, count_key: str, index: int) -> None:
-    """Raise the count to `index`, unless another writer moved it meanwhile (then it lags,
-    which writers tolerate: they move past filled slots)."""
-    raw = _peek(store, count_key)
-    count = _number(raw)
-    if count is None or count < index:
-        store.compare_set(count_key, raw or b"", str(index).encode())
+    """Raise the count to `index` unless it is there already. A compare-and-set loop: first
+    from `index` - 1 (the count when no other writer came between: one round trip), then
+    from whatever the store says it holds, until the count is at `index` or past it. Under a
+    burst of writers a single try would leave the count behind by every writer whose raise
+    came second, and each later writer would try one filled slot more for each."""
+    new = str(index).encode()
+    expected = str(index - 1).encode()
+    for _ in range(64):  # (a count that keeps changing under it past this is not a writer's)
+        now = store.compare_set(count_key, expected, new)
+        now = now.encode() if isinstance(now, str) else bytes(now)
+        if now == new:
+            return
+        if now == expected:  # (c10d's answer for a missing key: create it)
+            expected = b""
+            continue
+        count = _number(now)
+        if count is not None and count >= index:
+            return
+        expected = now
 
 
 def lower_hint(store: dist.Store, count_key: str, found: int, to: int) -> None:
