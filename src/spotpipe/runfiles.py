@@ -1,6 +1,7 @@
-"""Reading a run's JSON-lines files (metrics.jsonl, events.jsonl): one reader for the plot,
-the benchmarks and the simulator's validation, with errors that name file and line.
-Standard library only, so the torch-free simulator can use it."""
+"""Reading a run's JSON-lines files (metrics.jsonl, events.jsonl) and the JSON files users
+give (a run's summary, a simulator profile, prices, a calibration): one reader for the plot,
+the benchmarks and the simulator, with errors that name file and line. Standard library
+only, so the torch-free simulator can use it."""
 
 from __future__ import annotations
 
@@ -13,14 +14,8 @@ def read_jsonl(path: str | Path, require: dict[str, str] | None = None) -> list[
     """The records of a JSON-lines file. With `require` ({key: "number" | "number or null" |
     "string"}), each record must be an object holding those keys with values of that kind."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: cannot read: not a text file: {exc.reason}") from None
     out = []
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(read_text(path).splitlines(), 1):
         if line.strip():
             try:
                 record = json.loads(line)
@@ -30,6 +25,29 @@ def read_jsonl(path: str | Path, require: dict[str, str] | None = None) -> list[
                 _check_record(record, require, f"{path}:{lineno}")
             out.append(record)
     return out
+
+
+def read_text(path: str | Path, what: str = "") -> str:
+    """A file's text; ValueError naming the file (and `what` it was read as) when it cannot
+    be read or is not UTF-8."""
+    cannot = f"cannot read {what}" if what else "cannot read"
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"{path}: {cannot}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: {cannot}: not a text file: {exc.reason}") from None
+
+
+def read_json(path: str | Path, what: str = "") -> Any:
+    """A JSON file's value; ValueError naming the file and line (`read_text`'s, or the line
+    where the JSON breaks)."""
+    try:
+        return json.loads(read_text(path, what))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{exc.lineno}: "
+                         f"{f'cannot read {what}: ' if what else ''}invalid JSON: "
+                         f"{exc.msg}") from None
 
 
 def blocking_file(folder: str | Path) -> Path | None:

@@ -6,13 +6,12 @@ Reads only the run's output files, so it works on a finished, failed or still ru
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 from pathlib import Path
 
-from spotpipe.runfiles import read_jsonl
+from spotpipe.runfiles import read_json, read_jsonl
 
 MARKED = {"node_lost": ("tab:red", "lost"), "node_fenced": ("tab:red", "fenced"),
           "notice": ("tab:orange", "notice"), "takeover": ("tab:green", "takeover"),
@@ -90,14 +89,7 @@ def _title(run_dir: Path) -> str:
     summary = run_dir / "summary.json"
     if not summary.exists():
         return run_dir.name
-    try:
-        s = json.loads(summary.read_text())
-    except OSError as exc:
-        raise ValueError(f"{summary}: cannot read: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{summary}: cannot read: not a text file: {exc.reason}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{summary}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+    s = read_json(summary)
     if not isinstance(s, dict):
         raise ValueError(f"{summary}: expected a JSON object")
     return (f"{run_dir.name}: {s.get('status')}, {s.get('iterations')} iterations, "

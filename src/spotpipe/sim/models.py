@@ -16,12 +16,12 @@ Assumptions shared by the presets (V100, mixed precision):
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from spotpipe.plan.memory import LayerMemory, TransformerShape, transformer_layers
+from spotpipe.runfiles import read_json
 
 EFFECTIVE_FLOPS = 40e12
 NETWORK_BYTES_S = 1.0e9
@@ -125,15 +125,7 @@ def load_profile(path: str | Path) -> ModelCosts:
     re-partitions only at depths that divide its stage count.
     """
     path = Path(path)
-    try:
-        raw = json.loads(path.read_text())
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read profile: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: cannot read profile: not a text file: {exc.reason}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}:{exc.lineno}: cannot read profile: invalid JSON: "
-                         f"{exc.msg}") from None
+    raw = read_json(path, "profile")
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: profile must be a JSON object")
     for key in ("forward_s", "backward_s", "micro_batch_size", "global_microbatches"):

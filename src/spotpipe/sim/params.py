@@ -7,7 +7,6 @@ is only as good as these pauses.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from spotpipe.plan.layout import splits_evenly
 from spotpipe.plan.memory import GIB, MemoryRules
+from spotpipe.runfiles import read_json
 
 if TYPE_CHECKING:
     from spotpipe.sim.models import ModelCosts
@@ -80,15 +80,7 @@ def calibrate(paths: str | Path | list[str | Path], base: SimParams | None = Non
 
 
 def _read_calibration(path: Path) -> dict:
-    try:
-        raw = json.loads(path.read_text())
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read calibration: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: cannot read calibration: not a text file: "
-                         f"{exc.reason}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+    raw = read_json(path, "calibration")
     if isinstance(raw, dict) and isinstance(raw.get("figures"), dict):
         raw = raw["figures"]
     if not isinstance(raw, dict):

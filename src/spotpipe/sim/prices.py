@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from spotpipe.runfiles import read_text
+
 
 @dataclass(frozen=True)
 class Price:
@@ -27,13 +29,7 @@ def load_prices(path: str | Path | None = None) -> dict[str, Price]:
         where = "spotpipe/sim/data/prices.json"
     else:
         where = str(path)
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ValueError(f"{where}: cannot read prices: {exc.strerror or exc}") from None
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{where}: cannot read prices: not a text file: "
-                             f"{exc.reason}") from None
+        text = read_text(path, "prices")
     try:
         raw = json.loads(text)
         table = raw["instances"]
