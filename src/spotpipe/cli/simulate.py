@@ -237,12 +237,15 @@ def _check_dir(path: str) -> None:
     import os
     from pathlib import Path
 
-    if os.path.exists(path) and not os.path.isdir(path):
+    from spotpipe.runfiles import blocking_file
+
+    folder = Path(path).absolute()
+    blocker = blocking_file(folder)
+    if blocker == folder:
         raise UsageError(f"--plot {path}: exists and is not a directory")
-    existing = next(p for p in (Path(path).absolute(), *Path(path).absolute().parents)
-                    if os.path.exists(p))
-    if not existing.is_dir():
-        raise UsageError(f"--plot {path}: {existing} is a file, not a directory")
+    if blocker is not None:
+        raise UsageError(f"--plot {path}: {blocker} is a file, not a directory")
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"--plot {path}: cannot create files in {existing} (permission "
                          f"denied)")
