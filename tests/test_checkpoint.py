@@ -36,7 +36,8 @@ def final(run: Path) -> dict:
 
 def test_checkpoints_are_committed_with_a_manifest(saved):
     names = sorted(p.name for p in (saved / "checkpoints").iterdir())
-    assert names == ["iter_00000002", "iter_00000005"]  # no partial folder left
+    assert names == ["iter_00000002", "iter_00000005", "latest"]  # no partial folder left
+    assert durable.latest.read(saved / "checkpoints").iteration == 5
     ckpt = durable.verify(saved / "checkpoints" / "iter_00000005")
     m = ckpt.manifest
     assert m["iteration"] == 5 and m["next_iteration"] == 6 and m["stages"] == 4
@@ -230,7 +231,7 @@ def test_a_failure_is_handled_while_a_commit_is_still_running(tmp_path, corpus, 
     evs = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     committed = [e["iteration"] for e in evs if e["kind"] == "checkpoint_committed"]
     assert sorted(committed) == [2, 5, 8, 11][:len(committed)] and 2 in committed
-    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == \
+    assert [p.name for p in sorted((run / "checkpoints").iterdir()) if p.is_dir()] == \
         [f"iter_{t:08d}" for t in sorted(committed)[-cfg.checkpoint.keep:]]
-    for path in (run / "checkpoints").iterdir():
+    for path in (run / "checkpoints").glob("iter_*"):
         durable.verify(path)

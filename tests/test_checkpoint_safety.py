@@ -20,7 +20,6 @@ from spotpipe.checkpoint import durable, lock
 from spotpipe.checkpoint.durable import CheckpointError
 from spotpipe.cluster.launcher import LaunchError, train
 from spotpipe.runfiles import read_jsonl
-from spotpipe.runtime import node as nodelib
 
 from conftest import tiny_config
 
@@ -231,7 +230,7 @@ def test_committing_onto_an_existing_checkpoint_folder_replaces_it(tmp_path):
     durable.load_stage(durable.verify(again), module, optimizer)
     want, _ = _stage(seed=1)
     assert torch.equal(module[0].weight, want[0].weight)
-    assert [p.name for p in tmp_path.iterdir()] == [again.name]
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == [again.name]
 
 
 def test_partial_folders_are_cleaned(tmp_path):
@@ -239,22 +238,20 @@ def test_partial_folders_are_cleaned(tmp_path):
     module, optimizer = _stage()
     durable.save_stage(tmp_path, 2, 0, module, optimizer)  # never committed
     assert durable.clean_partials(tmp_path) == [durable.iter_dir(tmp_path, 2, partial=True)]
-    assert [p.name for p in tmp_path.iterdir()] == ["iter_00000001"]
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == ["iter_00000001"]
 
 
 class _Stopped(BaseException):
     """The job stops here (a kill, a lost machine)."""
 
 
-def test_a_job_stopped_between_the_renames_of_a_replacing_commit_loses_neither(tmp_path,
-                                                                              monkeypatch):
-    """Committing onto an existing iteration moves the old folder aside, then renames the new
-    one into place; a job stopped between the two finds, at its next start, the old one put
-    back (the commit was not made), not both removed as partials."""
-    _commit(tmp_path, 1)
-    old = _commit(tmp_path, 2, seed=0)
+def _stopped_between_renames(root: Path, monkeypatch) -> Path:
+    """Commit 1 and 2, then a commit replacing 2 that stops once the old 2 is moved aside:
+    the old 2's folder (gone from its name)."""
+    _commit(root, 1)
+    old = _commit(root, 2, seed=0)
     module, optimizer = _stage(seed=1)
-    sums = durable.save_stage(tmp_path, 2, 0, module, optimizer)
+    sums = durable.save_stage(root, 2, 0, module, optimizer)
     real = os.replace
 
     def stopping(src, dst):
@@ -264,17 +261,79 @@ def test_a_job_stopped_between_the_renames_of_a_replacing_commit_loses_neither(t
 
     monkeypatch.setattr(durable.os, "replace", stopping)
     with pytest.raises(_Stopped):
-        durable.commit(tmp_path, 2, {"partition": [[0, 1]]}, sums, keep=5, key=KEY)
+        durable.commit(root, 2, {"partition": [[0, 1]]}, sums, keep=5, key=KEY)
     monkeypatch.setattr(durable.os, "replace", real)
+    return old
+
+
+def test_a_job_stopped_between_the_renames_of_a_replacing_commit_loses_neither(tmp_path,
+                                                                              monkeypatch):
+    """Committing onto an existing iteration moves the old folder aside, then renames the new
+    one into place; a job stopped between the two finds, at its next start, the old one put
+    back (the commit was not made), not both removed as partials."""
+    old = _stopped_between_renames(tmp_path, monkeypatch)
     assert not old.exists()
     assert durable.clean_partials(tmp_path) == [durable.iter_dir(tmp_path, 2, partial=True)]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_00000001", old.name]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["iter_00000001",
+                                                                         old.name]
     found = durable.newest(tmp_path)
     assert found.path == old and found.origin_problem(KEY) == ""
     loaded, optimizer = _stage(seed=3)
     durable.load_stage(found, loaded, optimizer)
     want, _ = _stage(seed=0)
     assert torch.equal(loaded[0].weight, want[0].weight)
+
+
+def test_a_checkpoint_moved_aside_by_a_stopped_commit_is_found_before_the_folder_is_held(
+        tmp_path, monkeypatch):
+    """`--resume` resolves its checkpoint before the job takes the folder's lock (which puts a
+    moved-aside checkpoint back): it used to find nothing, or an older checkpoint, there."""
+    old = _stopped_between_renames(tmp_path, monkeypatch)
+    found, problems = durable.resolve(tmp_path)
+    assert found.iteration == 2 and found.path.name == ".iter_00000002.replaced", problems
+    durable.clean_partials(tmp_path)  # what the job does once it holds the folder
+    assert durable.settled(found).path == old and old.is_dir()
+    loaded, optimizer = _stage(seed=3)
+    durable.load_stage(durable.settled(found), loaded, optimizer)
+    want, _ = _stage(seed=0)
+    assert torch.equal(loaded[0].weight, want[0].weight)
+
+
+def test_resume_from_a_folder_takes_the_newest_of_the_timeline_that_last_held_it(tmp_path):
+    """A folder can hold two runs' checkpoints: the highest iteration there need not be the
+    last job's. Reference: which checkpoint each step committed, by hand."""
+    for iteration in (50, 100):  # run A
+        _commit(tmp_path, iteration)
+    assert durable.newest(tmp_path).iteration == 100
+    durable.begin_timeline(tmp_path, durable.verify(durable.iter_dir(tmp_path, 50)))
+    assert durable.newest(tmp_path).iteration == 50  # resumed from 50, nothing committed
+    _commit(tmp_path, 60, seed=1)
+    assert durable.newest(tmp_path).iteration == 60
+    durable.begin_timeline(tmp_path, None)  # run B starts afresh in the folder
+    with pytest.raises(CheckpointError, match="latest: the job that last started in this "
+                                              "folder has committed no checkpoint yet"):
+        durable.resolve(tmp_path)
+    _commit(tmp_path, 10, seed=2)
+    found, _ = durable.resolve(tmp_path)
+    assert found.iteration == 10
+    assert durable.resolve(durable.iter_dir(tmp_path, 100))[0].iteration == 100  # by name
+    (tmp_path / "latest").unlink()  # a folder an older spotpipe wrote: by the names
+    assert durable.newest(tmp_path).iteration == 100
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("{", "not valid JSON|Expecting"), ("[1]", "iteration is 'absent'"),
+    ('{"iteration": "7"}', "iteration is '7'"), ('{"iteration": -1}', "iteration is -1"),
+    ('{"iteration": true}', "iteration is True"), (" " * 5000, "over 4096 bytes"),
+    ("\udcff", "codec|utf-8")])
+def test_a_pointer_spotpipe_did_not_write_is_named_not_guessed(tmp_path, text, problem):
+    _commit(tmp_path, 3)
+    (tmp_path / "latest").write_text(text, errors="surrogateescape")
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'latest'}: not a pointer to a "
+                                              "checkpoint") as exc:
+        durable.resolve(tmp_path)
+    import re
+    assert re.search(problem, str(exc.value)), exc.value
 
 
 def test_a_peers_discard_between_folder_and_stage_does_not_fail_the_write(tmp_path,
@@ -341,6 +400,25 @@ def test_a_checkpoint_without_a_valid_mac_is_refused_unless_trusted(tmp_path, co
     assert not any(e["kind"] == "checkpoint_trusted" for e in read_jsonl(own / "events.jsonl"))
 
 
+def test_a_job_started_afresh_in_a_folder_is_what_resume_goes_on_from(tmp_path, corpus,
+                                                                         signed):
+    """A run of 4 iterations started afresh in a folder that holds a run of 6: it commits
+    iteration 1 and 3 over the older run's; the older run's 5 stays (retention never deletes a
+    later run's). `--resume` of the folder used to take that 5."""
+    run, key = signed
+    folder = tmp_path / "shared"
+    shutil.copytree(run / "checkpoints", folder)
+    cfg = tiny_config(corpus, **{**RUN, "iterations": 4, "checkpoint.dir": str(folder),
+                                 "checkpoint.key": key})
+    assert train(cfg, tmp_path / "b", progress=False) == 0
+    assert durable.iter_dir(folder, 5).is_dir()
+    found, _ = durable.resolve(folder)
+    assert found.iteration == 3
+    committed = [e for e in read_jsonl(tmp_path / "b" / "events.jsonl")
+                 if e["kind"] == "checkpoint_committed"]
+    assert committed[-1]["iteration"] == 3
+
+
 def test_overwrite_refuses_an_out_that_holds_the_inputs(tmp_path, corpus, signed):
     run, _ = signed
     before = sorted(str(p) for p in run.rglob("*"))
@@ -389,7 +467,8 @@ def test_a_second_job_on_the_same_checkpoint_dir_is_refused(tmp_path, corpus):
     assert any(e["kind"] == "checkpoint_partial_removed" for e in events)
     assert not (shared / ".iter_00000009.partial").exists()
     assert not (shared / lock.LOCK).exists()  # released at the end
-    assert sorted(p.name for p in shared.iterdir()) == ["iter_00000003", "iter_00000005"]
+    assert sorted(p.name for p in shared.iterdir()) == ["iter_00000003", "iter_00000005",
+                                                        "latest"]
 
 
 def test_two_jobs_taking_over_a_stale_lock_at_once_do_not_both_win(tmp_path, monkeypatch):
@@ -431,7 +510,7 @@ def test_a_failed_checkpoint_write_is_an_event_and_training_goes_on(tmp_path, co
     committed = [e["iteration"] for e in events if e["kind"] == "checkpoint_committed"]
     assert committed == [1, 5]  # 3 never, and the next one as scheduled
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
-        "iter_00000001", "iter_00000005"]
+        "iter_00000001", "iter_00000005", "latest"]
     # the checkpoint before the failed one resumes to the uninterrupted run's parameters
     resumed = tmp_path / "resumed"
     assert train(cfg, resumed, progress=False,

@@ -87,7 +87,7 @@ def test_durable_tier_commits_exact_state_only_after_the_write(tmp_path, corpus,
     cfg = tiny_config(corpus, **{**RUN, "checkpoint.scheme": scheme})
     want = owner_digests(run)
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
-    assert names == ["iter_00000003", "iter_00000005"]  # keep 2, nothing partial left
+    assert names == ["iter_00000003", "iter_00000005", "latest"]  # keep 2, nothing partial
     for t in (3, 5):
         for s in (0, 1):
             assert _load_durable(cfg, run / "checkpoints" / f"iter_{t:08d}", s) == want[(t, s)]

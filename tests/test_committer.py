@@ -222,7 +222,8 @@ def test_a_commit_with_a_newer_one_ready_behind_it_leaves_retention_to_it(tmp_pa
         (1, True, "", (2, 4)), (2, True, "", (4,)), (3, False, "it arrived damaged", ()),
         (4, True, "", ())]
     assert retained == [["iter_00000001", "iter_00000002", "iter_00000004"]]  # once, at 4
-    assert sorted(p.name for p in root.iterdir()) == ["iter_00000002", "iter_00000004"]
+    assert sorted(p.name for p in root.iterdir()) == ["iter_00000002", "iter_00000004",
+                                                      "latest"]
 
 
 def test_a_commit_that_left_retention_to_a_newer_one_stays_when_that_one_fails(tmp_path):

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from spotpipe.checkpoint import lock, origin, transfer  # noqa: F401 (used through this module)
+from spotpipe.checkpoint import latest, lock, origin, transfer  # noqa: F401 (used through this module)
 from spotpipe.checkpoint.origin import KeyFileError, resolve_key  # noqa: F401 (re-exported)
 from spotpipe.checkpoint.fsync import fsync_path, sha256_file
 from spotpipe.runtime.optim import materialise_optimizer_state  # noqa: F401 (re-exported)
@@ -207,6 +207,7 @@ def commit(root: Path, iteration: int, info: dict[str, Any], checksums: dict[str
         os.replace(final, aside)
     os.replace(partial, final)
     fsync_path(root)
+    latest.write(root, iteration)
     shutil.rmtree(aside, ignore_errors=True)
     if apply_retention:
         retain(root, keep, key, upto=iteration)
@@ -380,19 +381,61 @@ def _checksums(manifest_path: Path, manifest: dict[str, Any]) -> dict[str, str]:
 
 
 def newest(root: Path, problems: list[str] | None = None) -> Checkpoint | None:
-    """The newest checkpoint under `root` that verifies; skipped ones are named in `problems`."""
-    return next(verified(root, problems), None)
+    """The newest checkpoint under `root` that verifies, on the timeline of the job that last
+    held the folder (its `latest` pointer, `latest.py`; by the folders' names where there is
+    none); skipped ones are named in `problems`. CheckpointError for a pointer that is not
+    one spotpipe wrote."""
+    try:
+        pointer = latest.read(root)
+    except latest.PointerError as exc:
+        raise CheckpointError(str(exc)) from None
+    if pointer is not None and pointer.iteration is None:
+        if problems is not None:
+            problems.append(f"{root / latest.NAME}: the job that last started in this folder "
+                            "has committed no checkpoint yet (the older ones there are another "
+                            "run's: name one, iter_N, to resume from it)")
+        return None
+    return next(verified(root, problems, upto=pointer and pointer.iteration), None)
 
 
-def verified(root: Path, problems: list[str] | None = None) -> Iterator[Checkpoint]:
-    """The checkpoints under `root` that verify, newest first; skipped ones are named in
-    `problems`."""
-    for path in sorted((p for p in root.glob("iter_*") if p.is_dir()), reverse=True):
+def verified(root: Path, problems: list[str] | None = None, upto: int | None = None
+             ) -> Iterator[Checkpoint]:
+    """The checkpoints under `root` that verify, newest first, none past iteration `upto`;
+    skipped ones are named in `problems`. A checkpoint that a stopped commit left moved aside
+    (`restore_replaced`, which puts it back once a job holds the folder) is one of them."""
+    for path in _folders(root):
+        if upto is not None and _iteration_of(path) > upto:
+            continue
         try:
             yield verify(path)
         except CheckpointError as exc:
             if problems is not None:
                 problems.append(str(exc))
+
+
+def _folders(root: Path) -> list[Path]:
+    """Checkpoint folders under `root`, newest first: `iter_N`, or where a commit replacing
+    it stopped between its two renames, `.iter_N.replaced`."""
+    found = {p.name: p for p in root.glob("iter_*") if p.is_dir()}
+    for aside in root.glob(f".iter_*{_ASIDE}"):
+        found.setdefault(aside.name[1:-len(_ASIDE)], aside)
+    return [found[name] for name in sorted(found, reverse=True) if found[name].is_dir()]
+
+
+def settled(ckpt: Checkpoint) -> Checkpoint:
+    """`ckpt` where it lies once the job holds its folder: a checkpoint found moved aside is
+    put back under its name by `clean_partials`."""
+    if ckpt.path.exists() or not ckpt.path.name.endswith(_ASIDE):
+        return ckpt
+    return Checkpoint(ckpt.path.with_name(ckpt.path.name[1:-len(_ASIDE)]), ckpt.manifest)
+
+
+def begin_timeline(root: Path, start: Checkpoint | None) -> None:
+    """The job that now holds `root` goes on from `start` (None: from iteration 0): point the
+    folder there (`latest.py`), so that a `--resume` of it before this job's first commit takes
+    what this job started from, not a later checkpoint of the timeline it left."""
+    here = start is not None and start.path.parent.resolve() == root.resolve()
+    latest.write(root, start.iteration if here and start is not None else None)
 
 
 def resolve(path: Path, layers: Collection[int] | None = None) -> tuple[Checkpoint, list[str]]:

@@ -404,6 +404,9 @@ class Coordinating:
     def _run(self, store: dist.Store, root: Path | None) -> int:
         notes = [{"kind": "checkpoint_partial_removed", "path": str(p)}
                  for p in (durable.clean_partials(root) if root is not None else [])]
+        if root is not None:
+            self.checkpoint = self.checkpoint and durable.settled(self.checkpoint)
+            durable.begin_timeline(root, self.checkpoint)
         k = 0
         while len(self._slots) < self.opts.min_nodes:
             k += 1

@@ -456,6 +456,8 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
             raise LaunchError(f"checkpoint.dir: {exc}") from None
         notes += [{"kind": "checkpoint_partial_removed", "path": str(p)}
                   for p in durable.clean_partials(root)]
+        checkpoint = checkpoint and durable.settled(checkpoint)
+        durable.begin_timeline(root, checkpoint)
     launcher = Launcher(prepared, out, progress=progress, faults=faults,
                         trace_actions=trace_actions, resume=checkpoint, joins=joins)
     launcher.notes = notes
@@ -467,6 +469,8 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
                 break
             # as torchrun's agent: this process and its store stay; only the workers start
             # again, under a new round of keys, from the newest checkpoint
+            if root is not None:
+                durable.begin_timeline(root, newest)
             launcher = Launcher(prepared, out, progress=progress,
                                 faults=_unfired(launcher.faults, out),
                                 resume=newest, t0=launcher.t0, restart=restart)
