@@ -163,6 +163,25 @@ def test_a_tensor_the_checkpoint_lacks_is_named(tmp_path):
         durable.load_stage(ckpt, module, optimizer)
 
 
+def test_a_checkpoint_written_in_fp32_loads_in_fp16_with_a_fresh_loss_scale(tmp_path, corpus):
+    """It was refused (no loss_scale tensor): the scaler's state starts where a fresh
+    GradScaler's does, `loss_scale.init`, and everything else is the checkpoint's."""
+    from spotpipe.runtime.optim import build_optimizer
+
+    _commit(tmp_path, 2, seed=4)
+    cfg = tiny_config(corpus, precision="fp16", **{"loss_scale.init": 1024.0})
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    optimizer = build_optimizer(module.parameters(), cfg)
+    fresh = durable.load_stage(durable.newest(tmp_path), module, optimizer)
+    assert sorted(fresh) == sorted(f"optim/0.{n}/{s}" for n in ("weight", "bias")
+                                   for s in ("loss_scale", "loss_scale_growth"))
+    want, want_optimizer = _stage(seed=4)
+    assert torch.equal(module[0].weight, want[0].weight)
+    state, want_state = optimizer.state[module[0].weight], want_optimizer.state[want[0].weight]
+    assert torch.equal(state["exp_avg"], want_state["exp_avg"])
+    assert state["loss_scale"].item() == 1024.0 and state["loss_scale_growth"].item() == 0
+
+
 def test_a_failed_load_says_its_cause(tmp_path):
     """DCP's exception leads with the ranks that failed; the cause after it is what the
     message must say (here: the data file is gone since the checkpoint was verified)."""

@@ -34,6 +34,7 @@ from spotpipe.checkpoint import latest, lock, origin, transfer  # noqa: F401 (us
 from spotpipe.checkpoint.origin import KeyFileError, resolve_key  # noqa: F401 (re-exported)
 from spotpipe.checkpoint.fsync import fsync_path, sha256_file
 from spotpipe.runtime.optim import materialise_optimizer_state  # noqa: F401 (re-exported)
+from spotpipe.runtime.precision import SCALER_STATE
 
 
 class WriteError(OSError):
@@ -485,14 +486,19 @@ def folders_holding(partition: Sequence[tuple[int, int]], layers: Collection[int
             if any(start <= layer < end for layer in layers)}
 
 
-def load_stage(ckpt: Checkpoint, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_stage(ckpt: Checkpoint, module: nn.Module, optimizer: torch.optim.Optimizer
+               ) -> list[str]:
     """Fill `module` (layers `layers` of the model) and its optimizer from the checkpoint,
     reading from every old stage folder that holds some of those layers.
 
     Every tensor the stage wants must be in a folder of the checkpoint, with its shape and
     dtype (each folder's JSON metadata says what it holds), or CheckpointError names the
     tensor, both shapes or dtypes, and the file: a tensor left at its initial value would
-    train on silently (a model with more layers than the checkpoint's, or wider ones)."""
+    train on silently (a model with more layers than the checkpoint's, or wider ones).
+
+    The one exception is fp16's loss-scaler state (`runtime.precision`), which a checkpoint
+    written in fp32 or bf16 does not hold: it starts at `loss_scale.init`, where the optimizer
+    put it, as a fresh GradScaler does. Returns the names of those left so."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -512,11 +518,15 @@ def load_stage(ckpt: Checkpoint, module: nn.Module, optimizer: torch.optim.Optim
                                   f"0 to {max(end for _, end in partition) - 1} (it is of a "
                                   "model with fewer layers)")
         by_folder.setdefault(old, {})[k] = v
+    fresh: list[str] = []
     for old, keys in sorted(by_folder.items()):
         folder = ckpt.path / f"stage{old}"
         reader = JsonMetadataReader(str(folder))
         try:
-            _check_held(folder, keys, reader.read_metadata().state_dict_metadata)
+            held = reader.read_metadata().state_dict_metadata
+            fresh += [k for k in keys if k not in held and k.rsplit("/", 1)[-1] in SCALER_STATE]
+            keys = {k: v for k, v in keys.items() if k not in fresh}
+            _check_held(folder, keys, held)
             buffers = {k: torch.empty_like(v, device="cpu") for k, v in keys.items()}
             dcp.load(buffers, storage_reader=reader, no_dist=True)
         except (MetadataError, CheckpointException) as exc:
@@ -524,6 +534,7 @@ def load_stage(ckpt: Checkpoint, module: nn.Module, optimizer: torch.optim.Optim
         with torch.no_grad():
             for k, v in buffers.items():
                 keys[k].copy_(v)
+    return fresh
 
 
 def _check_held(folder: Path, keys: dict[str, torch.Tensor], held: dict[str, Any]) -> None:

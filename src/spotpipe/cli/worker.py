@@ -48,8 +48,12 @@ def restore_from(path: Path, pairs: list[StagePair]) -> int:
     folders it loads must be there whole; a host's copy may lack the others (an agent's,
     `cluster.resume_copy`)."""
     ckpt = durable.verify(path, layers=set().union(*(durable.layers_of(m) for m, _ in pairs)))
-    for module, optimizer in pairs:
-        durable.load_stage(ckpt, module, optimizer)
+    fresh = [k for module, optimizer in pairs for k in durable.load_stage(ckpt, module,
+                                                                          optimizer)]
+    if fresh:
+        print(f"spotpipe worker: {ckpt.path} holds no fp16 loss scale (written in another "
+              f"precision): the scale starts at loss_scale.init ({len(fresh)} tensors)",
+              file=sys.stderr)
     return ckpt.next_iteration
 
 

@@ -19,8 +19,11 @@ from torch import Tensor, nn
 from spotpipe.config import Config
 from spotpipe.model.precision import DTYPES, Draws, Precision, loss_of, run_layers
 
-__all__ = ["DTYPES", "Draws", "Precision", "current_scale", "init_loss_scale", "loss_of", "run_layers",
+__all__ = ["DTYPES", "Draws", "Precision", "SCALER_STATE", "current_scale", "init_loss_scale", "loss_of", "run_layers",
            "unscale", "update_scale"]
+
+
+SCALER_STATE = ("loss_scale", "loss_scale_growth")  # its names in a parameter's state
 
 
 def init_loss_scale(optimizer: torch.optim.Optimizer, cfg: Config) -> None:
@@ -30,10 +33,10 @@ def init_loss_scale(optimizer: torch.optim.Optimizer, cfg: Config) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state[p]
-            state.setdefault("loss_scale", torch.full((), cfg.loss_scale.init,
-                                                      dtype=torch.float32, device=p.device))
-            state.setdefault("loss_scale_growth", torch.zeros((), dtype=torch.int32,
-                                                              device=p.device))
+            scale, growth = SCALER_STATE
+            state.setdefault(scale, torch.full((), cfg.loss_scale.init, dtype=torch.float32,
+                                               device=p.device))
+            state.setdefault(growth, torch.zeros((), dtype=torch.int32, device=p.device))
 
 
 def current_scale(optimizer: torch.optim.Optimizer) -> Tensor:
