@@ -20,10 +20,11 @@ from typing import Any, Literal
 
 import yaml
 
+from spotpipe.config_yaml import (ConfigError, apply_overrides, parse_override, plain_value,
+                                  read_yaml)
 
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the key and what was expected."""
-
+__all__ = ["Config", "ConfigError", "apply_overrides", "from_dict", "load_config",
+           "parse_override"]
 
 @dataclass
 class GPTSection:
@@ -573,124 +574,8 @@ def _check_checkpoint(cfg: Config) -> None:
                           "and needs at least 2 nodes (stages x pipelines), got 1")
 
 
-# what a configuration value may be: what JSON holds (the config is hashed, stored and sent
-# as JSON), not the dates, binary data or sets YAML also reads
-_SCALARS = (str, int, float, bool, type(None))
-_YAML_TYPES = {"date": "a YAML date", "datetime": "a YAML date and time",
-               "bytes": "YAML binary data (!!binary)", "set": "a YAML set (!!set)"}
-
-
-def _plain(value: Any, key: str, _inside: tuple[int, ...] = ()) -> Any:
-    """A copy of `value` with only JSON's types (mapping keys as JSON writes them), or a
-    ConfigError naming the key that holds something else."""
-    where = key or "the top level"
-    if isinstance(value, _SCALARS):
-        return value
-    if id(value) in _inside:
-        raise ConfigError(f"{where}: refers to itself (a YAML alias inside its own anchor)")
-    inside = _inside + (id(value),)
-    if isinstance(value, dict):
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, _SCALARS):
-                raise ConfigError(f"{where}: a key is {_kind(k)}; keys are names (strings)")
-            name = k if isinstance(k, str) else json.dumps(k)
-            out[name] = _plain(v, f"{key}.{name}" if key else name, inside)
-        return out
-    if isinstance(value, (list, tuple)):
-        return [_plain(v, f"{key}[{i}]", inside) for i, v in enumerate(value)]
-    raise ConfigError(f"{where}: {_kind(value)} is not a configuration value (numbers, strings, "
-                      "true/false, null, lists and mappings are); quote it to make it a string")
-
-
-def _kind(value: Any) -> str:
-    kind = _YAML_TYPES.get(type(value).__name__, f"a {type(value).__name__}")
-    return f"{kind} ({value})" if kind in ("a YAML date", "a YAML date and time") else kind
-
-
-class _Loader(yaml.SafeLoader):
-    """YAML's safe loader that refuses a key given twice in one mapping (PyYAML keeps the
-    last and drops the first without a word)."""
-
-    def construct_document(self, node: yaml.Node) -> Any:
-        _no_duplicate_keys(node, "", set())
-        return super().construct_document(node)
-
-    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
-        try:
-            return super().construct_yaml_int(node)
-        except ValueError:  # (Python reads at most 4300 digits)
-            raise ConfigError(f"line {node.start_mark.line + 1}: an integer of "
-                              f"{len(node.value)} digits; expected 64 bits at most") from None
-
-
-_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
-
-
-def _no_duplicate_keys(node: yaml.Node, key: str, walked: set[int]) -> None:
-    if id(node) in walked:  # (an alias: walked where its anchor is)
-        return
-    walked.add(id(node))
-    if isinstance(node, yaml.MappingNode):
-        own: dict[tuple[str, str], yaml.Node] = {}
-        for key_node, value_node in node.value:
-            name = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
-            dotted = f"{key}.{name}" if key else name
-            if isinstance(key_node, yaml.ScalarNode) and not key_node.tag.endswith(":merge"):
-                # (`<<: *base` merges a mapping; the mapping's own keys override its keys)
-                first = own.setdefault((key_node.tag, name), key_node)
-                if first is not key_node:
-                    raise ConfigError(
-                        f"{dotted}: given twice, on line {first.start_mark.line + 1} and line "
-                        f"{key_node.start_mark.line + 1} (YAML would keep the second and drop "
-                        "the first without a word); remove one")
-            _no_duplicate_keys(value_node, dotted, walked)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _no_duplicate_keys(item, f"{key}[{i}]", walked)
-
-
-def _read_yaml(text: str) -> Any:
-    """YAML text -> data (yaml.YAMLError, or ConfigError for a key given twice)."""
-    try:
-        return yaml.load(text, Loader=_Loader)
-    except ValueError as exc:  # (a date that is none, such as 2024-13-45)
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError(f"cannot read a value: {exc}") from None
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`a.b=value` -> (['a', 'b'], value); the value is read as YAML (numbers, lists, bools)."""
-    if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected key=value")
-    key, raw = text.split("=", 1)
-    if not key.strip():
-        raise ConfigError(f"--set {text!r}: empty key")
-    try:
-        value = _plain(_read_yaml(raw) if raw.strip() else "", key.strip())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {text!r}: cannot read the value: {exc}") from None
-    except ConfigError as exc:
-        raise ConfigError(f"--set {text!r}: {exc}") from None
-    return key.strip().split("."), value
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    for text in overrides:
-        path, value = parse_override(text)
-        node = data
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set {text!r}: {part!r} is not a section")
-            node = child
-        node[path[-1]] = value
-    return data
-
-
 def from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> Config:
-    data = apply_overrides(_plain(data or {}, ""), overrides or [])
+    data = apply_overrides(plain_value(data or {}, ""), overrides or [])
     cfg = _build(Config, data, "")
     _check(cfg)
     return cfg
@@ -714,7 +599,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         raise ConfigError(f"{path}: not UTF-8 text: byte {exc.start} (line {line}) is "
                           f"0x{raw[exc.start]:02x}; save the file as UTF-8") from None
     try:
-        data = _read_yaml(text)
+        data = read_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     except ConfigError as exc:
