@@ -16,13 +16,13 @@ from spotpipe.cluster.jobloop import JobLoop
 from spotpipe.cluster.rendezvous import read_record
 from spotpipe.plan import Layout
 from spotpipe.protocol import (Abort, AgentArrival, Channel, Event, JoinAnswer, JoinRequest,
-                               MessageError, Refused, from_plain, job_key, keys, unseal)
+                               MessageError, Prepare, Refused, from_plain, job_key, keys, unseal)
 from spotpipe.protocol.bounds import MAX_DEPTH, MAX_RECORD_BYTES
-from spotpipe.runtime.worker import JoinRefused, Worker
+from spotpipe.runtime.standby import JoinRefused, Standby
 from spotpipe.store import board
 from spotpipe.store.abort import AbortSignal
 from spotpipe.store.mailbox import Outbox, read_mailbox
-from spotpipe.store.watchers import watch_abort
+from spotpipe.store.watchers import BoardReader, watch_abort
 
 from conftest import tiny_config
 from test_coordinator import KEY, _boundary, _plan, _report  # (its key: its helpers read with it)
@@ -240,18 +240,17 @@ def test_a_fenced_node_asks_again_once_it_is_gone(corpus):
     assert coord.joining == ["node1", "node2"]
 
 
-def _waiting_node(store: dist.Store, key: bytes, events: list[dict]) -> Worker:
+def _waiting_node(store: dist.Store, key: bytes, events: list) -> Standby:
     """node5 waiting to be placed, with only what that wait needs (its answers on a board of
-    an in-memory store, its events in a list)."""
-    worker = Worker.__new__(Worker)
-    worker.node, worker.protocol, worker._answers = "node5", Channel(key, "node5"), None
-    worker.spares = types.SimpleNamespace(take=lambda: store)
-    worker.state = types.SimpleNamespace(generation=0)
-    worker.activity = types.SimpleNamespace(begin=lambda *_: None,
-                                            waiting=contextlib.nullcontext)
-    worker.notices = types.SimpleNamespace(is_set=lambda: False)
-    worker.channel = types.SimpleNamespace(event=lambda kind, **d: events.append(d))
-    return worker
+    an in-memory store, the records it refuses in a list)."""
+    protocol = Channel(key, "node5")
+    answers = BoardReader(store, protocol, keys.join_board("node5"),
+                          expect=(JoinAnswer, Prepare), writers={"coordinator"})
+    return Standby(answers, protocol.sealer.incarnation,
+                   outbox=types.SimpleNamespace(event=lambda kind, **d: events.append(d)),
+                   notices=types.SimpleNamespace(is_set=lambda: False, source=""),
+                   activity=types.SimpleNamespace(waiting=contextlib.nullcontext),
+                   prepare=lambda plan: None, refused=events.append)
 
 
 def test_a_waiting_node_reads_past_junk_and_refusals_of_other_requests(corpus):
@@ -269,7 +268,7 @@ def test_a_waiting_node_reads_past_junk_and_refusals_of_other_requests(corpus):
     coord.join(JoinRequest("node5", 0.0, "another config", coord.cfg.model_digest()), "node5",
                "another incarnation")
     board.publish(store, coord.channel, board_key, JoinAnswer("node5", "finished"))
-    assert worker._await_placement() == -1
+    assert worker.wait() is None
     assert len(events) == 5
 
 
@@ -280,7 +279,7 @@ def test_a_node_with_another_token_learns_it_from_the_refusal_of_its_own_request
     board.post(coord.store, keys.join_board("node5"), lambda _: b"junk")
     loop = _loop(coord, [])
     loop._handle_record(_unkeyed_join("node5", "someone else"))
-    loop._handle_record(_unkeyed_join("node5", worker.protocol.sealer.incarnation))
+    loop._handle_record(_unkeyed_join("node5", worker.incarnation))
     with pytest.raises(JoinRefused, match="did not present this job's join token"):
-        worker._await_placement()
+        worker.wait()
     assert len(events) == 3  # the junk, the refusal of the other request, its own

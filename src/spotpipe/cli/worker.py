@@ -37,7 +37,8 @@ from spotpipe.protocol import Channel, channel_from_env
 from spotpipe.runtime import replica, stacks
 from spotpipe.runtime.faults import per_node, skew_clock
 from spotpipe.runtime.hooks import SendFinal, StagePair
-from spotpipe.runtime.worker import JobStopped, JoinRefused, Worker
+from spotpipe.runtime.standby import JoinRefused
+from spotpipe.runtime.worker import JobStopped, Worker
 from spotpipe.store.address import StoreAddress
 from spotpipe.store.mailbox import Outbox
 from spotpipe.store.sealed import SealedStore

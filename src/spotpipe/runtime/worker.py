@@ -45,6 +45,7 @@ from spotpipe.runtime.metrics_post import MetricsPost
 from spotpipe.runtime.optim import build_optimizer
 from spotpipe.runtime.reshape import Reshaper
 from spotpipe.runtime.shadow_link import ShadowError, ShadowWriter
+from spotpipe.runtime.standby import Standby
 from spotpipe.runtime.stall import StallWatch, Still
 from spotpipe.runtime.state import NodeState, build_stage_state
 from spotpipe.schedule.replay import done_from, rest_of_iteration
@@ -56,10 +57,6 @@ from spotpipe.store.waiting import wait_unbounded
 from spotpipe.store.watchers import BoardReader, Heartbeat, SpareConnections, client
 
 COORDINATOR = "coordinator"  # the writer name of every Decision and join answer
-# how often a node waiting on standby looks at its notices: a SIGTERM's handler only sets a
-# flag (taking a lock there could deadlock against the code it interrupted), so the wait
-# returns now and then to read it; a notice gives a node 30 s (AWS: 2 min) to go
-NOTICE_CHECK_S = 0.25
 
 
 class Leave(Exception):
@@ -68,10 +65,6 @@ class Leave(Exception):
 
 class JobStopped(Exception):
     """The coordinator decided the job cannot go on (e.g. adjacent stages lost)."""
-
-
-class JoinRefused(Exception):
-    """The job refused this node (token, model or configuration differ)."""
 
 
 class Worker:
@@ -148,7 +141,7 @@ class Worker:
         self.groups = GenerationGroups(node=node, protocol=self.protocol, spares=self.spares,
                                        namespace=namespace, form=self._new_comm,
                                        coordinator=COORDINATOR, refused=self._refused)
-        self._answers: BoardReader | None = None  # this node's join answers, once it waits
+        self._standby: Standby | None = None  # this node's join board, once it waits
         beats = client(address, timeout)
         # the node's own hang watch runs on the heartbeat's thread and posts on its connection
         stalls = Outbox(beats, channel, t0, lambda: self.state.generation)
@@ -365,70 +358,28 @@ class Worker:
                                       self.cfg.model_digest(), self.cfg.key_digests()))
 
     def _await_placement(self) -> int:
-        """Wait on standby until a Decision places this node (-1: the job ended first, or a
-        preemption notice came while it waited). Answers are read in order from this node's
-        board, so a node placed, put on standby and placed again waits for its new answer."""
+        """Wait on standby until a Decision places this node (`runtime.standby`), and take
+        its place; -1: the job ended first, or a notice came while it waited."""
         self.activity.begin("waiting to be placed", self.generation)
-        if self._answers is None:  # one reader for the node's life, reading ahead in order
-            self._answers = BoardReader(self.spares.take(), self.protocol,
-                                        keys.join_board(self.node),
-                                        expect=(JoinAnswer, Prepare), writers={COORDINATOR})
-        while True:
-            with self.activity.waiting():
-                item = self._answers.next(NOTICE_CHECK_S)
-            if item is None:
-                if self.notices.is_set():
-                    # nothing here to hand over: leave now, so that no plan places a node
-                    # about to go (the coordinator counts a waiting node's exit out
-                    # without a plan)
-                    self.channel.event("leaving_standby", source=self.notices.source)
-                    return -1
-                continue
-            index, opened = item
-            if isinstance(opened, Refused):
-                self._unreadable_answer(opened, index)
-                continue
-            answer = opened.message
-            if isinstance(answer, Prepare):  # the plan that will place this node, known ahead
-                self.groups.prepare(answer)
-                continue
-            assert isinstance(answer, JoinAnswer)
-            if answer.outcome == "refused":
-                if answer.to != self.protocol.sealer.incarnation:
-                    # the answer to a request another process made in this node's name
-                    self._refused(Refused(f"a join refusal of another request ({answer.to!r})",
-                                          opened.writer))
-                    continue
-                raise JoinRefused(answer.message)
-            if answer.outcome == "finished":
-                return -1
-            with self.activity.waiting():
-                decision, prepared = self._decision(answer.generation)
-            self.state.layout = decision.previous_layout
-            self.state.start_iteration = decision.resume
-            try:
-                return self._apply(decision, prepared)
-            except PeerFailure as why:  # a peer lost while this node was being placed
-                self.formed = False
-                return self.recover(why)
-
-    def _unreadable_answer(self, why: Refused, index: int) -> None:
-        """A record on this node's join board that does not open under its key. A node whose
-        token differs from the job's learns it so: the job's refusal of its request does not
-        open here, and says it is a refusal addressed to this process (its incarnation). This
-        node quits on such a record (a forger could write the same; without the key nothing
-        here can be checked either way); any other is refused with an event, and it waits on
-        (anyone can write into the store: junk on its board says nothing of its token)."""
-        self._refused(why)
-        said = why.claimed.get("body")
-        if (why.claimed.get("type") != JoinAnswer.TYPE or not isinstance(said, dict)
-                or said.get("outcome") != "refused"
-                or said.get("to") != self.protocol.sealer.incarnation):
-            return
-        message = said.get("message")
-        raise JoinRefused(f"{str(message)[:300] if message else 'the job answered'} (the "
-                          "answer does not open under this node's key: its SPOTPIPE_JOIN_TOKEN "
-                          "differs from the job's)")
+        if self._standby is None:  # one reader for the node's life, reading ahead in order
+            answers = BoardReader(self.spares.take(), self.protocol, keys.join_board(self.node),
+                                  expect=(JoinAnswer, Prepare), writers={COORDINATOR})
+            self._standby = Standby(answers, self.protocol.sealer.incarnation,
+                                    outbox=self.channel, notices=self.notices,
+                                    activity=self.activity, prepare=self.groups.prepare,
+                                    refused=self._refused)
+        generation = self._standby.wait()
+        if generation is None:
+            return -1
+        with self.activity.waiting():
+            decision, prepared = self._decision(generation)
+        self.state.layout = decision.previous_layout
+        self.state.start_iteration = decision.resume
+        try:
+            return self._apply(decision, prepared)
+        except PeerFailure as why:  # a peer lost while this node was being placed
+            self.formed = False
+            return self.recover(why)
 
     def train(self, joining: bool = False) -> None:
         cfg = self.cfg
