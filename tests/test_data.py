@@ -166,3 +166,69 @@ def test_demo_corpus(tmp_path) -> None:
     path.write_text("kept")
     assert ensure_demo_corpus(path).read_text() == "kept"  # an existing corpus is not rewritten
     assert len(TextDataset(ensure_demo_corpus(tmp_path / "d2.txt"), 64)) > 3000
+
+
+def test_a_worker_refuses_data_of_another_length_than_the_launchers(tmp_path) -> None:
+    """A host whose copy of the data file differs (here: cut short) must not train on it:
+    its sampler would permute another count of samples, and its pipelines would take
+    samples that other pipelines take too."""
+    from spotpipe import job
+
+    from conftest import tiny_config
+
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(demo_corpus_text(4000).encode())
+    cfg = tiny_config(path)
+    launched = len(job.build_dataset(cfg))
+    assert len(job.build_job_dataset(cfg, launched)) == launched
+    path.write_bytes(path.read_bytes()[:2000])  # this host's copy, cut short
+    with pytest.raises(DataError, match=f"{path}.* holds {(2000 - 1) // 16} samples.*"
+                                        f"launched with {launched}"):
+        job.build_job_dataset(cfg, launched)
+
+
+HOST_DATA = '''
+import os
+import torch
+
+
+class Tokens:
+    def __init__(self, n):  # node1's "host" holds 7 samples more
+        self.n = n + (7 if os.environ.get("RANK") == "1" else 0)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        t = torch.randint(0, 256, (17,), generator=torch.Generator().manual_seed(i))
+        return t[:-1], t[1:]
+
+
+def make(n=64):
+    return Tokens(n)
+'''
+
+
+def test_a_job_whose_processes_see_different_data_stops_naming_it(tmp_path, monkeypatch,
+                                                                  corpus) -> None:
+    """End to end: before, node1 drew its half of each batch from a permutation of 71
+    samples and the job ended with status 0, its batches not the launcher's."""
+    import json
+    import os
+
+    from spotpipe.cluster.launcher import train
+
+    from conftest import tiny_config
+
+    (tmp_path / "sp_host_data.py").write_text(HOST_DATA)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    cfg = tiny_config(corpus, stages=1, pipelines=2, iterations=2,
+                      **{"data.kind": "factory", "data.factory": "sp_host_data:make"})
+    out = tmp_path / "run"
+    assert train(cfg, out, progress=False) != 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert "dataset spec 'sp_host_data:make' holds 71 samples" in summary["message"]
+    assert "launched with 64" in summary["message"]
