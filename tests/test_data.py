@@ -119,6 +119,42 @@ def test_token_file_errors(tmp_path) -> None:
         TokenFileDataset(short, 1, dtype="int8")
 
 
+def test_token_ids_beyond_the_vocabulary_are_named(tmp_path) -> None:
+    """A token id the model has no embedding for (a file of another dtype or tokenizer) is a
+    DataError naming the file and the sample when that sample is read; before, training ran
+    until the embedding raised a bare "index out of range in self" (on a GPU, a device-side
+    assert)."""
+    tokens = np.arange(41) % 50
+    tokens[19] = 300  # in sample 2 (tokens 16..24), as its input and its neighbour's target
+    path = write_token_file(tmp_path / "t.bin", tokens, "uint16")
+    ds = TokenFileDataset(path, block_size=8, vocab_size=256)
+    assert ds[0][0].tolist() == tokens[:8].tolist() and len(ds[4][1]) == 8
+    with pytest.raises(DataError, match=f"{path}.*sample 2 holds token id 300 .token 19.*"
+                                        "vocabulary of 256"):
+        ds[2]
+    ds[1]  # (tokens 8..16: untouched)
+    assert TokenFileDataset(path, block_size=8)[2][0][3] == 300  # no vocabulary: no check
+    text = tmp_path / "t.txt"
+    text.write_bytes(b"abc" * 10 + b"\xff" + b"abc" * 10)
+    with pytest.raises(DataError, match=f"{text}.*sample 3 holds token id 255"):
+        TextDataset(text, block_size=8, vocab_size=128)[3]
+
+
+def test_a_token_file_read_as_another_dtype_is_refused_at_launch(tmp_path) -> None:
+    """uint16 ids read as uint32 pair into ids far beyond the vocabulary: the launch names
+    the data file (before: "model: cannot profile its layers ...: index out of range")."""
+    from spotpipe.cluster.launcher import LaunchError, prepare
+
+    from conftest import tiny_config
+
+    path = write_token_file(tmp_path / "t.bin", np.arange(17 * 40) % 256, "uint16")
+    cfg = tiny_config(tmp_path, **{"data.kind": "tokens", "data.path": str(path),
+                                   "data.dtype": "uint32"})
+    with pytest.raises(LaunchError, match=f"^data: data file '{path}': sample .* holds token "
+                                          "id .* beyond the model's vocabulary of 256"):
+        prepare(cfg)
+
+
 def test_text_dataset_is_bytes(tmp_path) -> None:
     text = "héllo wörld, " * 5
     path = tmp_path / "t.txt"

@@ -107,10 +107,12 @@ def block_size(cfg: Config) -> int:
 
 def build_dataset(cfg: Config) -> Any:
     d = cfg.data
+    # (the built-in GPT's vocabulary bounds the token ids; another model's is not known here)
+    vocab = cfg.model.gpt.vocab_size if cfg.model.kind == "gpt" else None
     if d.kind == "tokens":
-        return TokenFileDataset(d.path, block_size(cfg), dtype=d.dtype)
+        return TokenFileDataset(d.path, block_size(cfg), dtype=d.dtype, vocab_size=vocab)
     if d.kind == "text":
-        return TextDataset(d.path, block_size(cfg))
+        return TextDataset(d.path, block_size(cfg), vocab_size=vocab)
     return load_user_dataset(d.factory, dict(d.factory_kwargs))
 
 

@@ -115,6 +115,8 @@ def prepare(cfg: Config, workers_here: int | None = None) -> Prepared:
             f"{cfg.num_microbatches} x pipelines {cfg.pipelines})")
     try:
         profile = job.profile_model(cfg, model, dataset)
+    except job.DataError as exc:  # (its first micro-batch cannot be read)
+        raise LaunchError(f"data: {exc}") from None
     except Exception as exc:
         raise LaunchError(f"model: cannot profile its layers on one micro-batch: {exc}") from None
     try:
