@@ -177,6 +177,20 @@ def test_resume_with_another_global_batch_is_refused(tmp_path, corpus, saved):
         train(cfg, tmp_path / "out", progress=False, resume=saved)
 
 
+def test_resume_with_data_of_another_count_of_samples_is_refused(tmp_path, corpus, saved):
+    """Another block size cuts the same corpus into another count of samples: each epoch is
+    a permutation of another range, and the samples the checkpoint's epoch had consumed
+    would come again (accepted before: only the global batch and the seed were compared)."""
+    saved_samples = durable.verify(
+        saved / "checkpoints" / "iter_00000005").manifest["num_samples"]
+    cfg = tiny_config(corpus, stages=2, **{**SAVE, "data.block_size": 8})
+    samples = (corpus.stat().st_size - 1) // 8
+    with pytest.raises(LaunchError, match=f"data of {saved_samples} samples, this job's data "
+                                          f"file '{corpus}' holds {samples}"):
+        train(cfg, tmp_path / "out", progress=False, resume=saved)
+    assert not (tmp_path / "out").exists()
+
+
 def test_checkpoint_of_another_model_is_refused(tmp_path, corpus, saved):
     cfg = tiny_config(corpus, stages=2, **{**SAVE, "model.gpt.n_embd": 64})
     with pytest.raises(LaunchError, match="another model"):

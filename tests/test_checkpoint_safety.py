@@ -107,8 +107,13 @@ def test_manifest_lists_only_files_inside_the_checkpoint(tmp_path):
     (lambda m: {**m, "checksums": {k: 7 for k in m["checksums"]}}, "not a string"),
     (lambda m: {**m, "checksums": ["stage0"]}, "lists no files"),
     (lambda m: {**m, "next_iteration": "10"}, "not an iteration number"),
+    (lambda m: {**m, "next_iteration": -3}, "next_iteration -3 does not follow iteration 2"),
+    (lambda m: {**m, "next_iteration": 0, "iteration": -1}, "next_iteration 0 does not"),
+    (lambda m: {**m, "next_iteration": 1}, "next_iteration 1 does not follow iteration 2"),
+    (lambda m: {**m, "iteration": "2"}, "next_iteration 3 does not follow iteration '2'"),
 ], ids=["a list", "a NUL in a name", "a number for a checksum", "a list of files",
-        "a string for an iteration"])
+        "a string for an iteration", "a negative iteration", "iteration -1",
+        "an earlier next iteration", "a string for the iteration done"])
 def test_a_manifest_of_the_wrong_shape_is_named_and_skipped(tmp_path, damage, problem):
     """Valid JSON of the wrong shape (planted, or written by something else) is a
     CheckpointError naming the file, like any other damage: resuming takes the one before,

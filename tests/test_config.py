@@ -25,6 +25,7 @@ def test_defaults_and_overrides():
     ({}, ["optimizer.grad_clip=-1"], "optimizer.grad_clip"),
     ({"model": {"kind": "factory"}}, [], "model.factory: expected 'package.module:function'"),
     ({"data": {"kind": "tokens"}}, [], "data.path: required"),
+    ({}, ["data.block_size=65"], "data.block_size: expected at most model.gpt.block_size (64)"),
     # optimizer and schedule values the workers would refuse, or train on silently
     ({}, ["optimizer.weight_decay=-1"], "optimizer.weight_decay: expected >= 0, got -1.0"),
     ({}, ["optimizer.eps=0"], "optimizer.eps: expected a positive number, got 0.0"),

@@ -50,6 +50,33 @@ def test_sampler_deterministic_resumable_and_seeded() -> None:
     assert sequential[:16] != [list(range(t * 4, t * 4 + 4)) for t in range(16)]  # shuffled
 
 
+def test_the_batches_are_the_documented_scheme_by_hand() -> None:
+    """Epoch e is torch.randperm from a generator seeded (seed * 1_000_003 + e) mod 2**63,
+    cut into whole global batches in order (the sampler's docstring), computed here without
+    the sampler: the data order of checkpoints written before stays what it was."""
+    n, b, seed = 103, 10, -7
+    s = GlobalSampler(n, b, seed)
+    for epoch in (0, 2):
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**63)
+        perm = torch.randperm(n, generator=gen).tolist()
+        for step in range(10):
+            got = s.indices(epoch * 10 + step)
+            assert got == perm[step * b : (step + 1) * b]
+            assert all(type(i) is int for i in got)
+
+
+def test_the_epoch_permutation_is_held_compactly() -> None:
+    """Millions of samples: the cached permutation is not a tuple of Python ints (about 44
+    bytes each, hundreds of MiB per worker at a corpus's size)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    GlobalSampler(2_000_000, 64, seed=5).indices(3)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 4 * 2**20, peak  # (a tuple of 2M ints: over 70 MiB)
+
+
 def test_microbatch_and_pipeline_slicing_cover_the_batch_once() -> None:
     s = GlobalSampler(1000, 24, seed=1)
     for t in (0, 7, 41):
@@ -119,6 +146,42 @@ def test_token_file_errors(tmp_path) -> None:
         TokenFileDataset(short, 1, dtype="int8")
 
 
+def test_token_ids_beyond_the_vocabulary_are_named(tmp_path) -> None:
+    """A token id the model has no embedding for (a file of another dtype or tokenizer) is a
+    DataError naming the file and the sample when that sample is read; before, training ran
+    until the embedding raised a bare "index out of range in self" (on a GPU, a device-side
+    assert)."""
+    tokens = np.arange(41) % 50
+    tokens[19] = 300  # in sample 2 (tokens 16..24), as its input and its neighbour's target
+    path = write_token_file(tmp_path / "t.bin", tokens, "uint16")
+    ds = TokenFileDataset(path, block_size=8, vocab_size=256)
+    assert ds[0][0].tolist() == tokens[:8].tolist() and len(ds[4][1]) == 8
+    with pytest.raises(DataError, match=f"{path}.*sample 2 holds token id 300 .token 19.*"
+                                        "vocabulary of 256"):
+        ds[2]
+    ds[1]  # (tokens 8..16: untouched)
+    assert TokenFileDataset(path, block_size=8)[2][0][3] == 300  # no vocabulary: no check
+    text = tmp_path / "t.txt"
+    text.write_bytes(b"abc" * 10 + b"\xff" + b"abc" * 10)
+    with pytest.raises(DataError, match=f"{text}.*sample 3 holds token id 255"):
+        TextDataset(text, block_size=8, vocab_size=128)[3]
+
+
+def test_a_token_file_read_as_another_dtype_is_refused_at_launch(tmp_path) -> None:
+    """uint16 ids read as uint32 pair into ids far beyond the vocabulary: the launch names
+    the data file (before: "model: cannot profile its layers ...: index out of range")."""
+    from spotpipe.cluster.launcher import LaunchError, prepare
+
+    from conftest import tiny_config
+
+    path = write_token_file(tmp_path / "t.bin", np.arange(17 * 40) % 256, "uint16")
+    cfg = tiny_config(tmp_path, **{"data.kind": "tokens", "data.path": str(path),
+                                   "data.dtype": "uint32"})
+    with pytest.raises(LaunchError, match=f"^data: data file '{path}': sample .* holds token "
+                                          "id .* beyond the model's vocabulary of 256"):
+        prepare(cfg)
+
+
 def test_text_dataset_is_bytes(tmp_path) -> None:
     text = "héllo wörld, " * 5
     path = tmp_path / "t.txt"
@@ -166,3 +229,69 @@ def test_demo_corpus(tmp_path) -> None:
     path.write_text("kept")
     assert ensure_demo_corpus(path).read_text() == "kept"  # an existing corpus is not rewritten
     assert len(TextDataset(ensure_demo_corpus(tmp_path / "d2.txt"), 64)) > 3000
+
+
+def test_a_worker_refuses_data_of_another_length_than_the_launchers(tmp_path) -> None:
+    """A host whose copy of the data file differs (here: cut short) must not train on it:
+    its sampler would permute another count of samples, and its pipelines would take
+    samples that other pipelines take too."""
+    from spotpipe import job
+
+    from conftest import tiny_config
+
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(demo_corpus_text(4000).encode())
+    cfg = tiny_config(path)
+    launched = len(job.build_dataset(cfg))
+    assert len(job.build_job_dataset(cfg, launched)) == launched
+    path.write_bytes(path.read_bytes()[:2000])  # this host's copy, cut short
+    with pytest.raises(DataError, match=f"{path}.* holds {(2000 - 1) // 16} samples.*"
+                                        f"launched with {launched}"):
+        job.build_job_dataset(cfg, launched)
+
+
+HOST_DATA = '''
+import os
+import torch
+
+
+class Tokens:
+    def __init__(self, n):  # node1's "host" holds 7 samples more
+        self.n = n + (7 if os.environ.get("RANK") == "1" else 0)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        t = torch.randint(0, 256, (17,), generator=torch.Generator().manual_seed(i))
+        return t[:-1], t[1:]
+
+
+def make(n=64):
+    return Tokens(n)
+'''
+
+
+def test_a_job_whose_processes_see_different_data_stops_naming_it(tmp_path, monkeypatch,
+                                                                  corpus) -> None:
+    """End to end: before, node1 drew its half of each batch from a permutation of 71
+    samples and the job ended with status 0, its batches not the launcher's."""
+    import json
+    import os
+
+    from spotpipe.cluster.launcher import train
+
+    from conftest import tiny_config
+
+    (tmp_path / "sp_host_data.py").write_text(HOST_DATA)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    cfg = tiny_config(corpus, stages=1, pipelines=2, iterations=2,
+                      **{"data.kind": "factory", "data.factory": "sp_host_data:make"})
+    out = tmp_path / "run"
+    assert train(cfg, out, progress=False) != 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert "dataset spec 'sp_host_data:make' holds 71 samples" in summary["message"]
+    assert "launched with 64" in summary["message"]

@@ -84,15 +84,17 @@ def _checkpoint(root: Path, iteration: int, info: dict, key: bytes) -> durable.C
 def test_the_restart_point_is_this_jobs_newest_checkpoint_that_resuming_would_accept(
         tmp_path, corpus):
     """After a loss it cannot fail over, the job restarts from its own newest checkpoint:
-    not a later folder signed under another key or of another model (what --resume refuses),
-    nor a later one of another run under the same key and configuration (this job never
+    not a later folder signed under another key, of another model or of another count of
+    samples (what --resume refuses), nor a later one of another run under the same key and configuration (this job never
     committed it); a job that committed nothing and resumed from nothing starts over."""
     cfg = tiny_config(corpus, stages=1, **FAST)
     key, root, out = b"k" * 32, tmp_path / "ckpt", tmp_path / "run"
+    samples = 1000
     mine = {"model_digest": cfg.model_digest(), "global_batch": cfg.global_batch,
-            "seed": cfg.seed}
+            "seed": cfg.seed, "num_samples": samples}
     first = _checkpoint(root, 1, mine, key)
-    own = _checkpoint(root, 3, mine, key)
+    own = _checkpoint(root, 2, mine, key)
+    _checkpoint(root, 3, {**mine, "num_samples": samples + 1}, key)
     _checkpoint(root, 4, {**mine, "seed": cfg.seed + 1}, key)
     _checkpoint(root, 5, {**mine, "model_digest": "another"}, key)
     _checkpoint(root, 6, mine, b"x" * 32)
@@ -100,10 +102,11 @@ def test_the_restart_point_is_this_jobs_newest_checkpoint_that_resuming_would_ac
     out.mkdir()
     (out / "events.jsonl").write_text("".join(json.dumps(
         {"time_s": 0.0, "kind": "checkpoint_committed", "node": "launcher", "iteration": t})
-        + "\n" for t in (1, 3, 6)))
+        + "\n" for t in (1, 2, 6)))
     launcher = types.SimpleNamespace(
         coordinator=types.SimpleNamespace(stop_message="two adjacent stages lost"), cfg=cfg,
-        out=out, resume=None, checkpoint_root=root, checkpoint_key=key)
+        out=out, resume=None, checkpoint_root=root, checkpoint_key=key,
+        spec=types.SimpleNamespace(num_samples=samples))
     again, found = _restart_point(launcher, 1)  # type: ignore[arg-type]
     assert again and found is not None and found.path == own.path
     (out / "events.jsonl").write_text("")

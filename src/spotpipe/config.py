@@ -489,6 +489,10 @@ def _check(cfg: Config) -> None:
                           f"'factory', got {cfg.data.factory!r}")
     if cfg.data.block_size < 0:
         raise ConfigError(f"data.block_size: expected >= 0, got {cfg.data.block_size}")
+    if cfg.model.kind == "gpt" and cfg.data.block_size > g.block_size:
+        raise ConfigError(f"data.block_size: expected at most model.gpt.block_size "
+                          f"({g.block_size}), the longest sequence the GPT takes, got "
+                          f"{cfg.data.block_size}")
     if cfg.data.kind in ("text", "tokens") and not cfg.data.path:
         raise ConfigError(f"data.path: required when data.kind is {cfg.data.kind!r}")
     if cfg.model.partition == "explicit" and not cfg.model.stage_of_layer:

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from spotpipe.config import Config
-from spotpipe.data import GlobalSampler, TextDataset, TokenFileDataset, collate, load_user_dataset
+from spotpipe.data import (DataError, GlobalSampler, TextDataset, TokenFileDataset, collate,
+                           load_user_dataset)
 from spotpipe.model import (GPTConfig, LayeredModel, PartitionError, build_gpt, build_user_model,
                             template)
 from spotpipe.model.measure import profile_layer_memory
@@ -106,15 +107,41 @@ def block_size(cfg: Config) -> int:
 
 def build_dataset(cfg: Config) -> Any:
     d = cfg.data
+    # (the built-in GPT's vocabulary bounds the token ids; another model's is not known here)
+    vocab = cfg.model.gpt.vocab_size if cfg.model.kind == "gpt" else None
     if d.kind == "tokens":
-        return TokenFileDataset(d.path, block_size(cfg), dtype=d.dtype)
+        return TokenFileDataset(d.path, block_size(cfg), dtype=d.dtype, vocab_size=vocab)
     if d.kind == "text":
-        return TextDataset(d.path, block_size(cfg))
+        return TextDataset(d.path, block_size(cfg), vocab_size=vocab)
     return load_user_dataset(d.factory, dict(d.factory_kwargs))
 
 
 def build_sampler(cfg: Config, dataset: Any) -> GlobalSampler:
     return GlobalSampler(len(dataset), cfg.global_batch, cfg.seed)
+
+
+def data_source(cfg: Config) -> str:
+    """The data as a user names it: the file, or the factory spec."""
+    d = cfg.data
+    return f"data file {d.path!r}" if d.kind in ("text", "tokens") else \
+        f"dataset spec {d.factory!r}"
+
+
+def build_job_dataset(cfg: Config, num_samples: int) -> Any:
+    """The dataset of a worker: the one the launcher counted `num_samples` in (`RunSpec`).
+
+    Every process draws its pipelines' samples from the permutation of `num_samples`
+    (`GlobalSampler`): a process whose copy of the data holds another count (a file copied
+    to its host in part, or since changed; a factory that gives another length there) would
+    take its share of each batch from another permutation, consuming samples twice and
+    skipping others without any error. It is refused instead, naming the data."""
+    dataset = build_dataset(cfg)
+    if len(dataset) != num_samples:
+        raise DataError(
+            f"{data_source(cfg)} holds {len(dataset)} samples in this process, the job was "
+            f"launched with {num_samples}: every process must read the same data (is this "
+            "host's copy complete and the launcher's?)")
+    return dataset
 
 
 def profile_model(cfg: Config, model: LayeredModel, dataset: Any) -> LayerProfile:

@@ -346,6 +346,14 @@ def verify(path: Path, layers: Collection[int] | None = None) -> Checkpoint:
     if not isinstance(next_iteration, int) or isinstance(next_iteration, bool):
         raise CheckpointError(f"{path / MANIFEST}: next_iteration is {next_iteration!r}, not "
                               "an iteration number")
+    # where the data resumes (the sampler is a function of the iteration): a checkpoint holds
+    # the state after iteration `iteration` >= 0, and is resumed at the one after it. One
+    # that said otherwise (with --trust-checkpoint: a MAC is not asked for) would consume
+    # samples twice, or fail at the first batch
+    if next_iteration < 1 or manifest.get("iteration") != next_iteration - 1:
+        raise CheckpointError(f"{path / MANIFEST}: next_iteration {next_iteration} does not "
+                              f"follow iteration {manifest.get('iteration')!r} (a checkpoint "
+                              "holds the state after an iteration >= 0)")
     needed = None if layers is None else folders_holding(_partition(path, manifest), layers)
     for name, digest in checksums.items():
         file = path / name

@@ -354,7 +354,7 @@ class Agent:
         layers = job.start_layers(self.cfg, partition, [f"node{r}" for r in ranks])
         try:
             checkpoint = _checked_resume(replace(self.opts, resume=folder), self.cfg, [],
-                                         layers=layers)
+                                         self.spec.num_samples, layers=layers)
         except LaunchError as exc:
             return f"--resume: the coordinating agent's copy, received: {exc}"
         assert checkpoint is not None
@@ -588,8 +588,8 @@ def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> in
     token = check_options(opts, cfg, overwrite)
     out = opts.out
     notes: list[dict[str, Any]] = []
-    checkpoint = _checked_resume(opts, cfg, notes)
     prepared = prepare(cfg, opts.nproc)
+    checkpoint = _checked_resume(opts, cfg, notes, prepared.spec.num_samples)
     address, hosted = connect_rendezvous(opts, cfg)
     import shutil
 
@@ -617,10 +617,11 @@ def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> in
 
 
 def _checked_resume(opts: AgentOptions, cfg: Config, notes: list[dict[str, Any]],
-                    layers: set[int] | None = None) -> durable.Checkpoint | None:
+                    num_samples: int, layers: set[int] | None = None
+                    ) -> durable.Checkpoint | None:
     """--resume as `spotpipe train` checks it, on this host: every file against the manifest
     (with `layers`, a copy that holds only the stage folders of these layers), the manifest's
-    MAC, the model and the data order. Each agent checks its own copy; the coordinating agent
+    MAC, the model and the data order (`num_samples`: of this job's data). Each agent checks its own copy; the coordinating agent
     then admits only agents whose copy is the same checkpoint as its own
     (`Coordinating._problem`). None when there is none, or when this host does not have it
     (then the coordinating agent sends its copy, `Agent._fetch_resume`)."""
@@ -630,7 +631,8 @@ def _checked_resume(opts: AgentOptions, cfg: Config, notes: list[dict[str, Any]]
         key = durable.resolve_key(cfg.checkpoint.key)
     except durable.KeyFileError as exc:
         raise AgentError(str(exc)) from None
-    return check_resume(cfg, opts.resume, key, opts.trust_checkpoint, notes, layers=layers)
+    return check_resume(cfg, opts.resume, key, opts.trust_checkpoint, notes,
+                        num_samples=num_samples, layers=layers)
 
 
 def _signal_name(number: int) -> str:

@@ -115,6 +115,8 @@ def prepare(cfg: Config, workers_here: int | None = None) -> Prepared:
             f"{cfg.num_microbatches} x pipelines {cfg.pipelines})")
     try:
         profile = job.profile_model(cfg, model, dataset)
+    except job.DataError as exc:  # (its first micro-batch cannot be read)
+        raise LaunchError(f"data: {exc}") from None
     except Exception as exc:
         raise LaunchError(f"model: cannot profile its layers on one micro-batch: {exc}") from None
     try:
@@ -294,10 +296,11 @@ class Launcher(JobLoop):
 
 
 def check_resume(cfg: Config, path: Path, key: bytes | None = None, trust: bool = False,
-                 notes: list[dict[str, Any]] | None = None, *,
+                 notes: list[dict[str, Any]] | None = None, *, num_samples: int,
                  layers: set[int] | None = None) -> durable.Checkpoint:
-    """The checkpoint to resume from, refused clearly if it belongs to another model, or if
-    its MAC does not vouch for it under `key` (unless `trust`: then a note says so).
+    """The checkpoint to resume from, refused clearly if it belongs to another model or data
+    order (`num_samples`: the samples of this job's data), or if its MAC does not vouch for
+    it under `key` (unless `trust`: then a note says so).
     `layers`: a copy that need hold only the stage folders of these (`durable.verify`)."""
     try:
         ckpt, skipped = durable.resolve(path, layers)
@@ -305,7 +308,7 @@ def check_resume(cfg: Config, path: Path, key: bytes | None = None, trust: bool 
         raise LaunchError(f"--resume: {exc}") from None
     for problem in skipped:
         print(f"spotpipe: warning: skipped a bad checkpoint: {problem}", file=sys.stderr)
-    problem = resume_problem(cfg, ckpt, key, trust)
+    problem = resume_problem(cfg, ckpt, key, trust, num_samples=num_samples)
     if problem:
         raise LaunchError(f"--resume {ckpt.path}: {problem}")
     origin = ckpt.origin_problem(key) if key is not None else ""
@@ -317,11 +320,12 @@ def check_resume(cfg: Config, path: Path, key: bytes | None = None, trust: bool 
 
 
 def resume_problem(cfg: Config, ckpt: durable.Checkpoint, key: bytes | None,
-                   trust: bool = False) -> str:
+                   trust: bool = False, *, num_samples: int) -> str:
     """Why this job cannot go on from `ckpt` ("" when it can): its MAC does not vouch for it
     under `key` (unless `trust`), it is of another model or optimizer, its data order differs
-    (global batch, seed), or it is at the job's end. What `--resume` checks, and a restart
-    after a failure (`_restart_point`) alike."""
+    (global batch, seed, or the count of samples the epochs permute: `num_samples`, this
+    job's data), or it is at the job's end. What `--resume` checks, and a restart after a
+    failure (`_restart_point`) alike."""
     if key is not None and not trust:
         problem = ckpt.origin_problem(key)
         if problem:
@@ -335,6 +339,11 @@ def resume_problem(cfg: Config, ckpt: durable.Checkpoint, key: bytes | None,
         return (f"written with global batch {m.get('global_batch')} and seed {m.get('seed')}, "
                 f"this job has {cfg.global_batch} and {cfg.seed}; the data order depends on "
                 "both (keep micro_batch_size x num_microbatches x pipelines the same)")
+    if m.get("num_samples") != num_samples:
+        return (f"written for data of {m.get('num_samples')} samples, this job's "
+                f"{job.data_source(cfg)} holds {num_samples} (at block size "
+                f"{job.block_size(cfg)}): the epochs would be other permutations, and the "
+                "samples the checkpoint's epoch already consumed would be consumed again")
     if ckpt.next_iteration >= cfg.iterations:
         return (f"it is at iteration {ckpt.next_iteration}, the job has only {cfg.iterations} "
                 "iterations")
@@ -390,7 +399,8 @@ def _restart_point(launcher: Launcher, code: int, trust: bool = False
     for found in durable.verified(launcher.checkpoint_root, problems):
         if found.iteration > max(ours):
             continue
-        problem = resume_problem(launcher.cfg, found, launcher.checkpoint_key, trust)
+        problem = resume_problem(launcher.cfg, found, launcher.checkpoint_key, trust,
+                                 num_samples=launcher.spec.num_samples)
         if not problem:
             chosen = found
             break
@@ -431,7 +441,8 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
     except durable.KeyFileError as exc:
         raise LaunchError(str(exc)) from None
     notes: list[dict[str, Any]] = []
-    checkpoint = (check_resume(cfg, resume, key, trust_checkpoint, notes)
+    checkpoint = (check_resume(cfg, resume, key, trust_checkpoint, notes,
+                               num_samples=prepared.spec.num_samples)
                   if resume is not None else None)
     root = durable.written_root(cfg, out)  # one job per checkpoint folder
     try:

@@ -32,9 +32,16 @@ class Dataset(Protocol):
 
 
 class _TokenChunks:
-    """Non-overlapping (x, y) samples of ``block_size`` tokens over a 1-D token array."""
+    """Non-overlapping (x, y) samples of ``block_size`` tokens over a 1-D token array.
 
-    def __init__(self, tokens: np.ndarray, block_size: int, source: str) -> None:
+    ``vocab_size``: the model's, where known. A token id beyond it (a file of another dtype
+    or tokenizer) is a DataError naming the file and sample when that sample is read, not
+    an embedding's bare IndexError (or a device-side assert on a GPU) mid-run; checked per
+    sample, since scanning a memory-mapped corpus of gigabytes at launch would cost minutes.
+    """
+
+    def __init__(self, tokens: np.ndarray, block_size: int, source: str,
+                 vocab_size: int | None = None) -> None:
         if block_size < 1:
             raise DataError(f"block_size must be >= 1, got {block_size}")
         if len(tokens) < block_size + 1:
@@ -44,6 +51,8 @@ class _TokenChunks:
             )
         self.tokens = tokens
         self.block_size = block_size
+        self.source = source
+        self.vocab_size = vocab_size
         self._len = (len(tokens) - 1) // block_size
 
     def __len__(self) -> int:
@@ -54,6 +63,12 @@ class _TokenChunks:
             raise IndexError(f"sample {i} is out of range for {self._len} samples")
         start = i * self.block_size
         window = self.tokens[start : start + self.block_size + 1]
+        if self.vocab_size is not None and int(window.max()) >= self.vocab_size:
+            at = start + int(np.argmax(window >= self.vocab_size))
+            raise DataError(
+                f"data file {self.source}: sample {i} holds token id {int(self.tokens[at])} (token {at} "
+                f"of the file), beyond the model's vocabulary of {self.vocab_size}: a file of "
+                "another dtype or tokenizer?")
         chunk = torch.from_numpy(np.array(window, dtype=np.int64))
         return chunk[:-1], chunk[1:]
 
@@ -70,7 +85,8 @@ def _existing_file(path: str | os.PathLike) -> Path:
 class TokenFileDataset(_TokenChunks):
     """A nanoGPT-style ``.bin``: raw little-endian token ids, memory-mapped (not loaded)."""
 
-    def __init__(self, path: str | os.PathLike, block_size: int, dtype: str = "uint16") -> None:
+    def __init__(self, path: str | os.PathLike, block_size: int, dtype: str = "uint16",
+                 vocab_size: int | None = None) -> None:
         if dtype not in DTYPES:
             raise DataError(f"token dtype {dtype!r} is not one of {sorted(DTYPES)}")
         p = _existing_file(path)
@@ -82,7 +98,8 @@ class TokenFileDataset(_TokenChunks):
                 f"({dtype}): wrong dtype or a truncated file"
             )
         self.path = p
-        super().__init__(np.memmap(p, dtype=DTYPES[dtype], mode="r"), block_size, repr(str(p)))
+        super().__init__(np.memmap(p, dtype=DTYPES[dtype], mode="r"), block_size, repr(str(p)),
+                         vocab_size)
 
 
 class TextDataset(_TokenChunks):
@@ -90,11 +107,12 @@ class TextDataset(_TokenChunks):
 
     vocab_size = 256
 
-    def __init__(self, path: str | os.PathLike, block_size: int) -> None:
+    def __init__(self, path: str | os.PathLike, block_size: int,
+                 vocab_size: int | None = None) -> None:
         p = _existing_file(path)
         self.path = p
         tokens = np.frombuffer(p.read_bytes(), dtype=np.uint8)
-        super().__init__(tokens, block_size, repr(str(p)))
+        super().__init__(tokens, block_size, repr(str(p)), vocab_size)
 
 
 def write_token_file(

@@ -101,7 +101,7 @@ class Worker:
         # (the layers a --resume copy sent to this host holds: `cluster.resume_copy`)
         self.model, self.built = job.build_model_holding(
             cfg, run_dir, job.start_layers(cfg, spec.partition, [node]))
-        self.dataset = job.build_dataset(cfg)
+        self.dataset = job.build_job_dataset(cfg, spec.num_samples)
         self.sampler = job.build_sampler(cfg, self.dataset)
         self.digests = (DigestLog(run_dir / "logs" / f"digests.{node}.jsonl")
                         if cfg.logging.state_digests else None)
