@@ -173,8 +173,13 @@ def _stranger(run, node, token, config_path=None):
                SPOTPIPE_JOIN="1", SPOTPIPE_JOIN_TOKEN=token, SPOTPIPE_FAULTS="[]",
                SPOTPIPE_INSTANCE=launch["instance"],
                SPOTPIPE_RESUME="", SPOTPIPE_CONFIG=str(config_path or run / "config.yaml"))
-    return subprocess.run([sys.executable, "-m", "spotpipe.cli.worker"], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.Popen([sys.executable, "-m", "spotpipe.cli.worker"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _answered(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def test_strangers_are_refused_and_the_job_is_undisturbed(tmp_path, tmp_path_factory, corpus,
@@ -196,11 +201,14 @@ def test_strangers_are_refused_and_the_job_is_undisturbed(tmp_path, tmp_path_fac
     other_model.write_text(text.replace("n_embd: 32", "n_embd: 16"))
     other_config = tmp_path / "other_config.yaml"
     other_config.write_text(text.replace("seed: 1", "seed: 7"))
-    answers = {
+    # all three at once: one after the other, the job (600 iterations of 10-30 ms) could end
+    # before the last one asked, on a loaded machine
+    strangers = {
         "token": _stranger(run, "node91", "not-the-token"),
         "model": _stranger(run, "node92", "sesame", other_model),
         "config": _stranger(run, "node93", "sesame", other_config),
     }
+    answers = {what: _answered(proc) for what, proc in strangers.items()}
     job.join()
     assert result["code"] == 0
     for what, answer in answers.items():
