@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from spotpipe.cluster.checkpoint_parts import CheckpointParts
 from spotpipe.cluster.coordinator import Agreed, Coordinator
-from spotpipe.cluster.jobloop import JobLoop, RunFiles
+from spotpipe.cluster.jobloop import JobLoop
+from spotpipe.cluster.run_files import RunFiles
 from spotpipe.cluster.recovered_metrics import recovered_metrics
 from spotpipe.plan import Layout
 from spotpipe.protocol import Channel, CoordinatorState, Metrics, Report, job_key, keys

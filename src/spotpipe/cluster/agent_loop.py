@@ -16,7 +16,8 @@ import yaml
 
 from spotpipe.checkpoint import transfer
 from spotpipe.cluster.inbox import HelperEvent, Inbox, NodeExit, RefusedUpload
-from spotpipe.cluster.jobloop import Deposed, HandedOver, JobLoop, RunFiles
+from spotpipe.cluster.jobloop import Deposed, HandedOver, JobLoop
+from spotpipe.cluster.run_files import RunFiles
 from spotpipe.cluster.agent_options import AgentOptions
 from spotpipe.cluster.rendezvous import write_atomic
 from spotpipe.protocol import CoordinatorState, FinalUpload, Journal, Kill, keys

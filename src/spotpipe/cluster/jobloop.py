@@ -19,7 +19,6 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -35,6 +34,7 @@ from spotpipe.cluster.coordinator import Agreed, Coordinator
 from spotpipe.cluster.inbox import (HelperEvent, Inbox, Item, MailboxClosed, NodeExit,
                                     RefusedUpload, ShadowExit)
 from spotpipe.cluster.recovered_metrics import recovered_metrics
+from spotpipe.cluster.run_files import RunFiles, RunFilesError
 from spotpipe.protocol import (Channel, CheckpointSaved, Close, CoordinatorState, Event, Exit,
                                FinalUpload, JoinRequest, Journal, Metrics, Notice, Opened,
                                Refused, Report, StageUpload, Stalled, job_key, keys)
@@ -46,10 +46,6 @@ from spotpipe.config import Config
 from spotpipe.store.sealed import SealedStore
 
 
-class RunFilesError(RuntimeError):
-    """The launcher cannot write its own files: the job stops, naming the file."""
-
-
 class Deposed(RuntimeError):
     """This coordinator lost its office (its lease expired): a successor may be acting."""
 
@@ -57,67 +53,6 @@ class Deposed(RuntimeError):
 class HandedOver(Deposed):
     """This coordinator left its office on its host's notice, its books whole in the store:
     a successor goes on from them. The loop ends as a deposed one does, but not in failure."""
-
-
-@dataclass
-class RunFiles:
-    """The run's output files, written by the launcher only."""
-
-    out: Path
-    append: bool = False  # a restart's round goes on with the files of the rounds before
-    metrics: TextIO = field(init=False)
-    events: TextIO = field(init=False)
-    tensorboard: Any = None
-    # keep the lines written since the last `take`, for a successor (the journal)
-    journaled: bool = False
-    _new: tuple[list[dict[str, Any]], list[dict[str, Any]]] = field(
-        init=False, default_factory=lambda: ([], []))
-
-    def __post_init__(self) -> None:
-        mode = "a" if self.append else "w"
-        self.metrics = open(self.out / "metrics.jsonl", mode)
-        self.events = open(self.out / "events.jsonl", mode)
-
-    def _append(self, stream: TextIO, name: str, record: dict[str, Any]) -> None:
-        try:
-            stream.write(json.dumps(record) + "\n")
-            stream.flush()
-        except OSError as exc:
-            raise RunFilesError(f"cannot write {self.out / name}: {exc.strerror or exc}") \
-                from None
-
-    def event(self, record: dict[str, Any]) -> None:
-        self._append(self.events, "events.jsonl", record)
-        if self.journaled:
-            self._new[1].append(record)
-
-    def metric(self, record: dict[str, Any]) -> None:
-        self._append(self.metrics, "metrics.jsonl", record)
-        if self.journaled:
-            self._new[0].append(record)
-        if self.tensorboard is not None:
-            step = record["iter"]
-            for key in ("loss", "samples_per_s", "lr", "grad_norm", "live_nodes"):
-                if key in record:
-                    self.tensorboard.add_scalar(key, record[key], step)
-
-    def take(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """The lines written since the last call (metrics, events)."""
-        new, self._new = self._new, ([], [])
-        return new
-
-    def replay(self, journal: Journal) -> None:
-        """A predecessor's lines, written again here (not journaled twice)."""
-        for record in journal.metrics:
-            self._append(self.metrics, "metrics.jsonl", record)
-        for record in journal.events:
-            self._append(self.events, "events.jsonl", record)
-
-    def close(self) -> None:
-        self.metrics.close()
-        self.events.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
 
 
 class JobLoop:

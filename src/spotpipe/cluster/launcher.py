@@ -28,7 +28,8 @@ import torch.distributed as dist
 from spotpipe.checkpoint import durable
 from spotpipe.config import Config, parse_endpoint
 from spotpipe.cluster.inbox import Inbox, NodeExit
-from spotpipe.cluster.jobloop import JobLoop, RunFiles
+from spotpipe.cluster.jobloop import JobLoop
+from spotpipe.cluster.run_files import RunFiles
 from spotpipe.protocol import keys, new_instance_id
 from spotpipe.store.address import StoreAddress, host_tcp_store, job_prefix
 from spotpipe.cluster.supervisor import WORKER, Supervisor, search_path, starter, worker_env
