@@ -120,7 +120,8 @@ def test_a_mailbox_count_that_promises_more_than_comes_ends_the_drain_not_the_jo
     store.add(keys.MAILBOX_COUNT, 5)  # one record posted; four more promised by a stranger
     written: list[dict] = []
     loop = JobLoop.__new__(JobLoop)
-    loop._store, loop._inbox, loop._received, loop._recovered = store, queue.Queue(), 0, {}
+    loop._store, loop._inbox, loop._received = store, queue.Queue(), 0
+    loop.lines = types.SimpleNamespace(drain=lambda: None)
     loop.t0 = 0.0
     loop.cfg = types.SimpleNamespace(cluster=types.SimpleNamespace(timeout_s=0.2))
     loop.files = types.SimpleNamespace(event=written.append)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from spotpipe.cluster.checkpoint_parts import CheckpointParts
 from spotpipe.cluster.coordinator import Agreed, Coordinator
-from spotpipe.cluster.jobloop import JobLoop
+from spotpipe.cluster.metrics_lines import MetricsLines
 from spotpipe.cluster.run_files import RunFiles
 from spotpipe.cluster.recovered_metrics import recovered_metrics
 from spotpipe.plan import Layout
@@ -107,29 +107,39 @@ def test_a_loss_is_whole_once_every_micro_batch_went_through_the_last_stage():
 KEY = job_key(b"k", "t")
 
 
-def _loop(tmp_path) -> tuple[JobLoop, list[dict]]:
-    """The job loop's part that writes metrics lines, on a run folder of its own."""
-    events: list[dict] = []
-    loop = JobLoop.__new__(JobLoop)  # (no store, no processes: only its metrics bookkeeping)
-    loop.cfg = tiny_config("unused", stages=P, pipelines=D, iterations=20)
-    loop.resume, loop._last, loop._recovered, loop._bar, loop._received = None, None, {}, None, 0
-    loop._exited, loop._checkpoints, loop._first = {}, CheckpointParts(), 0
-    loop.t0 = time.time()
+def _loop(tmp_path) -> tuple[MetricsLines, list[dict]]:
+    """The job loop's metrics lines, on a run folder of their own; the records refused."""
+    refused: list[dict] = []
     tmp_path.mkdir(exist_ok=True)
-    loop.files = RunFiles(tmp_path)
-    loop.coordinator = Coordinator(
-        cfg=loop.cfg, store=dist.HashStore(), layout=LAYOUT, kill=lambda n: None,
-        emit=events.append, now=lambda: 0.0, channel=Channel(KEY, "coordinator"))
-    return loop, events
+    files, t0 = RunFiles(tmp_path), time.time()
+    lines = MetricsLines(tiny_config("unused", stages=P, pipelines=D, iterations=20), 0,
+                         write=files.metric, event=files.event,
+                         refused=lambda writer, why: refused.append({"writer": writer,
+                                                                     "reason": why}),
+                         now=lambda: time.time() - t0, current=lambda: (0, LAYOUT))
+    return lines, refused
 
 
-def _posted(loop: JobLoop, iteration: int, loss: float = 2.0, generation: int = 0) -> None:
-    """node1's Metrics record of `iteration`, read from the mailbox."""
-    sealed = Channel(KEY, "node1").seal(Metrics(
+def _posted(lines: MetricsLines, iteration: int, loss: float = 2.0, generation: int = 0) -> None:
+    """node1's Metrics record of `iteration`, as read from the mailbox."""
+    lines.posted(Metrics(
         iter=iteration, loss=loss, samples=0, time_s=float(iteration), iter_time_s=1.0,
         samples_per_s=1.0, lr=0.01, grad_norm=1.0, live_nodes=4, carriers=0,
-        generation=generation), generation, at=keys.mailbox_slot(1))
-    loop._handle_record(Channel(KEY, "coordinator").open(sealed, at=keys.mailbox_slot(1)))
+        generation=generation), "node1")
+
+
+def _handed_on(lines: MetricsLines) -> CoordinatorState:
+    """The books a coordinator leaves with these lines, through the store as a successor
+    reads them."""
+    coord = Coordinator(cfg=lines.cfg, store=dist.HashStore(), layout=LAYOUT,
+                        kill=lambda n: None, emit=lambda e: None, now=lambda: 0.0,
+                        channel=Channel(KEY, "coordinator"))
+    sealed = Channel(KEY, "coordinator").seal(
+        CoordinatorState(**coord.books(), **lines.books(), cursor=0, exited={},
+                         checkpoints=CheckpointParts().to_json(), journal=0, admission={},
+                         time_s=0.0), 0, at=keys.COORDINATOR_STATE)
+    return Channel(KEY, "successor").open(sealed, at=keys.COORDINATOR_STATE,
+                                          expect=CoordinatorState).message
 
 
 def _lines(tmp_path) -> list[tuple[int, float | None, bool]]:
@@ -143,11 +153,11 @@ def test_the_first_agreement_makes_the_line_and_the_gap_writes_it(tmp_path):
         _posted(loop, t)
     reports = _reports(node1=dict(unposted_iteration=3, unposted_loss=1.0),
                        node3=dict(unposted_iteration=3, unposted_loss=0.5))
-    loop._agreed(Agreed(0, LAYOUT, 4, reports))
+    loop.agreed(Agreed(0, LAYOUT, 4, reports))
     # a second failure while the first is carried out: its layout's last stages hold nothing
     # of iteration 3, and it does not replace the line the first made
     other = Layout.build(P, D, ["node2", "node3", "node0", "node1"])
-    loop._agreed(Agreed(1, other, 4, _reports(node3=dict(committed_through=3))))
+    loop.agreed(Agreed(1, other, 4, _reports(node3=dict(committed_through=3))))
     assert _lines(tmp_path) == [(0, 2.0, False), (1, 2.0, False), (2, 2.0, False)]  # not yet
     _posted(loop, 4, generation=2)
     assert _lines(tmp_path)[3:] == [(3, 1.5, True), (4, 2.0, False)]
@@ -158,45 +168,36 @@ def test_the_first_agreement_makes_the_line_and_the_gap_writes_it(tmp_path):
 
 
 def test_a_record_on_its_way_at_the_agreement_wins_over_its_line(tmp_path):
-    loop, events = _loop(tmp_path)
+    loop, refused = _loop(tmp_path)
     _posted(loop, 0)
-    loop._agreed(Agreed(0, LAYOUT, 2, _reports()))  # iteration 1's record not read yet
+    loop.agreed(Agreed(0, LAYOUT, 2, _reports()))  # iteration 1's record not read yet
     _posted(loop, 1, loss=3.0)
     _posted(loop, 2)
     assert _lines(tmp_path) == [(0, 2.0, False), (1, 3.0, False), (2, 2.0, False)]
     _posted(loop, 1, loss=4.0, generation=1)  # a late copy: refused, naming its generation
     assert _lines(tmp_path)[-1] == (2, 2.0, False)
-    assert [e["reason"] for e in events if e["kind"] == "record_refused"] == [
-        "metrics of iteration 1 (generation 1), which metrics.jsonl has already"]
+    assert refused == [{"writer": "node1", "reason": "metrics of iteration 1 (generation 1), "
+                                                     "which metrics.jsonl has already"}]
 
 
 def test_the_last_iterations_lines_are_kept_in_the_books_and_written_at_the_end(tmp_path):
     loop, _ = _loop(tmp_path / "predecessor")
     _posted(loop, 0)
-    loop._agreed(Agreed(0, LAYOUT, 3, _reports(
+    loop.agreed(Agreed(0, LAYOUT, 3, _reports(
         node1=dict(unposted_iteration=1, unposted_loss=1.0))))
     # the predecessor is lost before the gap shows; a successor restores from its books
-    sealed = Channel(KEY, "coordinator").seal(
-        CoordinatorState(**loop._books(), journal=0, admission={}, time_s=0.0), 0,
-        at=keys.COORDINATOR_STATE)
-    state = Channel(KEY, "successor").open(sealed, at=keys.COORDINATOR_STATE,
-                                           expect=CoordinatorState).message
+    state = _handed_on(loop)
     successor, _ = _loop(tmp_path / "successor")
-    successor._restore(successor.files, state)
-    successor._drain_recovered()  # (what the end of the job does after the last records)
+    successor.restore(state)
+    successor.drain()  # (what the end of the job does after the last records)
     assert _lines(tmp_path / "successor") == [(1, None, True), (2, None, True)]
 
 
 def test_a_successor_of_a_resumed_job_makes_no_line_below_its_first_iteration(tmp_path):
     first, _ = _loop(tmp_path / "first")
-    first._first = 50  # (resumed from a checkpoint of iteration 49; no line written yet)
-    sealed = Channel(KEY, "coordinator").seal(
-        CoordinatorState(**first._books(), journal=0, admission={}, time_s=0.0), 0,
-        at=keys.COORDINATOR_STATE)
+    first.first = 50  # (resumed from a checkpoint of iteration 49; no line written yet)
     successor, _ = _loop(tmp_path / "successor")  # (a successor is given no checkpoint)
-    successor._restore(successor.files,
-                       Channel(KEY, "successor").open(sealed, at=keys.COORDINATOR_STATE,
-                                                      expect=CoordinatorState).message)
-    successor._agreed(Agreed(0, LAYOUT, 51, _reports()))
+    successor.restore(_handed_on(first))
+    successor.agreed(Agreed(0, LAYOUT, 51, _reports()))
     _posted(successor, 51)
     assert _lines(tmp_path / "successor") == [(50, None, True), (51, 2.0, False)]

@@ -261,7 +261,7 @@ class AgentJobLoop(JobLoop):
                                      receiving=self._receiving))
 
     def _gather_final(self) -> str:
-        last = self._last
+        last = self.lines.last
         if self.coordinator.stop_message or last is None or last["iter"] + 1 < self.cfg.iterations:
             return ""  # the run did not finish; _completion_problem says why
         final = self.out / "final"

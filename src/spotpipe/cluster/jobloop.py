@@ -30,10 +30,10 @@ from spotpipe import job
 from spotpipe.checkpoint import durable
 from spotpipe.cluster.checkpoint_parts import CheckpointParts
 from spotpipe.cluster.committer import Committed, Committer
-from spotpipe.cluster.coordinator import Agreed, Coordinator
+from spotpipe.cluster.coordinator import Coordinator
 from spotpipe.cluster.inbox import (HelperEvent, Inbox, Item, MailboxClosed, NodeExit,
                                     RefusedUpload, ShadowExit)
-from spotpipe.cluster.recovered_metrics import recovered_metrics
+from spotpipe.cluster.metrics_lines import MetricsLines
 from spotpipe.cluster.run_files import RunFiles, RunFilesError
 from spotpipe.protocol import (Channel, CheckpointSaved, Close, CoordinatorState, Event, Exit,
                                FinalUpload, JoinRequest, Journal, Metrics, Notice, Opened,
@@ -160,23 +160,22 @@ class JobLoop:
             files.tensorboard = SummaryWriter(str(self.out / "tensorboard"))
         if self.takeover is None:
             self._launch_event(files, address)
+        self.lines = MetricsLines(
+            cfg, self.resume.next_iteration if self.resume else 0, write=self._line_written,
+            event=files.event, refused=lambda writer, why: self.coordinator.refused(writer, why),
+            now=self._now, current=lambda: (self.coordinator.generation,
+                                            self.coordinator.layout))
         self.coordinator = Coordinator(
             cfg=cfg, store=store, layout=job.first_layout(cfg),
             kill=self._kill, emit=files.event, now=self._now, channel=self.channel,
             partition=self.spec.partition, partition_for=self._partition_for,
-            start=self.resume.next_iteration if self.resume else 0, agreed=self._agreed)
+            start=self.resume.next_iteration if self.resume else 0, agreed=self.lines.agreed)
         inbox: Inbox = queue.Queue()
         self._inbox, self._address, self._store = inbox, address, store
         self._receiving = durable.transfer.Receiving()  # uploads the committer takes
         self._sealed_here = SealedStore(store, self.channel.key)  # (this loop's connection)
         self._exited: dict[str, int] = {}
         self._errors: dict[str, str] = {}  # a node's error, as it reported it
-        self._last: dict[str, Any] | None = None
-        # lines of committed iterations whose records a failure took, made at the agreement
-        # and written once the gap shows (`_agreed`, `_fill_to`), by iteration
-        self._recovered: dict[int, dict[str, Any]] = {}
-        # the job's first iteration (a resumed checkpoint's next): no line is made below it
-        self._first = self.resume.next_iteration if self.resume else 0
         self._received = 0
         if self.takeover is not None:
             self._restore(files, self.takeover)
@@ -271,7 +270,7 @@ class JobLoop:
             except OSError:
                 pass
             try:
-                self._write_summary(status, message, self._last, wall)
+                self._write_summary(status, message, self.lines.last, wall)
             except OSError as exc:
                 print(f"spotpipe: cannot write {self.out / 'summary.json'}: {exc}",
                       file=self.stream)
@@ -374,8 +373,9 @@ class JobLoop:
         final = self.out / "final"
         missing = [s for s in range(self._stage_count())
                    if not (final / f"stage{s}.safetensors").exists()]
-        if missing or self._last is None:
-            done = 0 if self._last is None else self._last["iter"] + 1
+        last = self.lines.last
+        if missing or last is None:
+            done = 0 if last is None else last["iter"] + 1
             return f"workers exited after {done} of {self.cfg.iterations} iterations"
         return ""
 
@@ -484,12 +484,7 @@ class JobLoop:
                 break
             if isinstance(item, (Opened, Refused)):
                 self._handle_record(item)
-        self._drain_recovered()
-
-    def _drain_recovered(self) -> None:
-        """The lines still held (`_agreed`): the last iterations', if a failure took them."""
-        if self._recovered:
-            self._fill_to(max(self._recovered) + 1)
+        self.lines.drain()
 
     def _handle_record(self, item: Opened | Refused) -> None:
         """A slot of the mailbox: a record to act on, or one that did not open."""
@@ -510,16 +505,7 @@ class JobLoop:
         if isinstance(message, Exit):  # an agent's report, read while draining
             self._exited.setdefault(message.node, message.code)
         elif isinstance(message, Metrics):
-            if self._last is not None and message.iter <= self._last["iter"]:
-                # the iteration run again: its poster committed it alone and was lost, and
-                # the survivors replayed it (to the same figures); or a record of a node
-                # counted out (cut off), later than the line written for it (`_fill_to`)
-                self.coordinator.refused(writer, f"metrics of iteration {message.iter} "
-                                                 f"(generation {message.generation}), which "
-                                                 "metrics.jsonl has already")
-            else:
-                self._fill_to(message.iter)
-                self._metrics(message.to_json(), files)
+            self.lines.posted(message, writer)
         elif isinstance(message, CheckpointSaved):
             files.event({"time_s": message.time_s, "kind": "checkpoint_saved",
                          "node": message.node, "iteration": message.iteration,
@@ -556,56 +542,17 @@ class JobLoop:
         else:
             self.coordinator.refused(writer, f"a {type(message).__name__} record in the mailbox")
 
-    def _metrics(self, item: dict[str, Any], files: RunFiles) -> None:
-        if self._last is None:
+    def _line_written(self, item: dict[str, Any]) -> None:
+        """A line of metrics.jsonl (`MetricsLines`): written, shown, and acted on."""
+        if self.lines.last is None:
             self._train_start = time.time()
-        files.metric(item)
-        self._last = item
+        self.files.metric(item)
         self._update_bar(self._bar, item)
         if item["iter"] >= self.cfg.iterations - 1:
             # the last iteration is committed: no plan will place a node any more, so a
             # node asking to join from now on is told so instead of being accepted
             self.coordinator.release_standby()
-        self._on_metrics(item, files)
-
-    def _next_line(self) -> int:
-        """The iteration whose metrics line comes next."""
-        return self._last["iter"] + 1 if self._last is not None else self._first
-
-    def _agreed(self, agreed: Agreed) -> None:
-        """Make the lines of the iterations the agreement counts committed that no record has
-        brought yet (`spotpipe.cluster.recovered_metrics`), from its reports. The first
-        agreement that covers an iteration makes its line: a later one (a second failure
-        during the recovery) has another layout, whose last stages do not hold its loss."""
-        now = self._now()
-        for t in range(self._next_line(), agreed.resume):
-            if t not in self._recovered:
-                self._recovered[t] = recovered_metrics(
-                    self.cfg, t, generation=agreed.generation, layout=agreed.layout,
-                    reports=agreed.reports, previous=self._recovered.get(t - 1, self._last),
-                    now=now)
-
-    def _fill_to(self, upto: int) -> None:
-        """Write the lines of the iterations before `upto` that no record brought, once the
-        gap shows (at the record of `upto`, or at the job's end): an iteration's record may
-        still be on its way at the agreement (a lost poster's exit comes from its
-        supervisor, outside the mailbox, and can complete the agreement before the poster's
-        last record is read), but not after the resumed iteration's record, posted after the
-        agreement. The real record wins over the agreement's line."""
-        for t in range(self._next_line(), upto):
-            line = self._recovered.pop(t, None)
-            if line is None:  # no agreement here covers it (a successor's whose predecessor
-                # agreed after its last books): what is known without the reports
-                line = recovered_metrics(self.cfg, t, generation=self.coordinator.generation,
-                                         layout=self.coordinator.layout, reports={},
-                                         previous=self._last, now=self._now())
-            self.files.event({"time_s": self._now(), "kind": "metrics_recovered",
-                              "node": "launcher", "iteration": t,
-                              "loss_known": line["loss"] is not None,
-                              "generation": line["generation"]})
-            self._metrics(line, self.files)
-        for t in [t for t in self._recovered if t <= upto]:
-            del self._recovered[t]
+        self._on_metrics(item, self.files)
 
     def _restore(self, files: RunFiles, state: CoordinatorState) -> None:
         """Take over from a predecessor's books: its run-file lines first (the files continue
@@ -622,20 +569,15 @@ class JobLoop:
             files.replay(opened.message)
         self._journal = state.journal
         self.coordinator.restore(state)
-        self._last = state.last_metrics
+        self.lines.restore(state)
         self._exited = dict(state.exited)
         self._received = state.cursor
         self._checkpoints = CheckpointParts.from_json(state.checkpoints)
-        self._recovered = {int(line["iter"]): dict(line) for line in state.recovered_lines}
-        self._first = state.first_iteration  # (a successor is given no checkpoint to resume)
 
     def _books(self) -> dict[str, Any]:
         """This loop's part of a CoordinatorState, with the coordinator's."""
-        return {**self.coordinator.books(), "cursor": self._received,
-                "last_metrics": self._last, "exited": dict(self._exited),
-                "checkpoints": self._checkpoints.to_json(),
-                "recovered_lines": tuple(self._recovered[t] for t in sorted(self._recovered)),
-                "first_iteration": self._first}
+        return {**self.coordinator.books(), **self.lines.books(), "cursor": self._received,
+                "exited": dict(self._exited), "checkpoints": self._checkpoints.to_json()}
 
     def _watch_mailbox(self, address: StoreAddress, inbox: Inbox, start: int = 1) -> None:
         client = address.connect(self.cfg.cluster.timeout_s)

@@ -7,7 +7,7 @@ norm gather (the commit point) after a peer had completed it, so the agreement r
 the iteration; or a pipeline's last stage lost in the loss's all-reduce. `metrics.jsonl`
 would then skip an iteration that training did: a hole in the plot, and a reader counting
 lines one short. The coordinator writes the line instead, from what the agreement's reports
-say, once the gap shows (`JobLoop._fill_to`), marked `"recovered": true`; what no report
+say, once the gap shows (`MetricsLines.fill_to`), marked `"recovered": true`; what no report
 knows stays null rather than being made up (the loss when a pipeline's loss went with its
 node).
 """
