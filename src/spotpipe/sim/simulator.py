@@ -242,24 +242,25 @@ def instants_of(trace: Trace, boot_s: float, end: float) -> Instants:
             t = boots[j][0]
         if t > end:
             break
-        removes: list[str] = []
-        adds: list[str] = []
-        while i < n_ev and events[i].time_s == t:  # trace events first, then boots
+        # trace events first, in trace order (a node may be granted and taken away in the
+        # same millisecond: it is held, for no time, and lost), then boots
+        removed: list[str] = []
+        while i < n_ev and events[i].time_s == t:
             ev = events[i]
-            (adds if ev.kind == ADD else removes).append(ev.node)
+            if ev.kind == ADD:
+                held.add(ev.node)
+                booting.add(ev.node)
+            elif ev.node in held:
+                held.discard(ev.node)
+                booting.discard(ev.node)
+                removed.append(ev.node)
             i += 1
+        lost = tuple(removed)
+        preemptions += len(lost)
         readies: list[str] = []
         while j < n_boot and boots[j][0] == t:
             readies.append(boots[j][1])
             j += 1
-        lost = tuple(n for n in removes if n in held) if removes else ()
-        if lost:
-            held.difference_update(lost)
-            booting.difference_update(lost)
-            preemptions += len(lost)
-        if adds:
-            held.update(adds)
-            booting.update(adds)
         ready = [n for n in readies if n in booting]
         if ready:
             booting.difference_update(ready)
