@@ -37,3 +37,16 @@ def test_a_node_granted_and_taken_in_one_millisecond_is_not_held_after_it():
         r = run(trace, policy, tiny_cfg(), duration_s=3600.0)
         assert r.dollars == pytest.approx(2.0), policy
         assert r.preemptions == 1, policy
+
+
+def test_a_node_granted_again_under_its_name_boots_anew():
+    # c is granted at 0, taken at 50 s and granted again at 80 s: with a 100 s boot it is
+    # ready at 180 s, not at 100 s (when its first grant would have been). A job of fixed
+    # depth P = 2 needs a and c: it starts at 180 s, runs from 190 s after the 10 s rendezvous, and
+    # makes (3600 - 190) / 10 iterations of 4 samples by the end of the hour
+    trace = parse_event_csv("0,add,a\n0,add,c\n50000,remove,c\n80000,add,c\n")
+    ready = [(t, r) for t, _, r, _ in instants_of(trace, 100.0, 3600.0).points if r]
+    assert ready == [(100.0, ["a"]), (180.0, ["c"])]
+    for policy in ("bamboo", "checkpoint_restart"):
+        r = run(trace, policy, tiny_cfg(), duration_s=3600.0)
+        assert r.samples == pytest.approx((3600.0 - 190.0) / 10.0 * 4), policy

@@ -227,7 +227,9 @@ def instants_of(trace: Trace, boot_s: float, end: float) -> Instants:
     its boot completions (both sorted by time)."""
     out: list[tuple[float, tuple[str, ...], list[str], int]] = []
     held: set[str] = set()
-    booting: set[str] = set()
+    # node -> when its boot completes: a node taken away and granted again under the same
+    # name boots anew, and the first grant's completion must not make it ready early
+    booting: dict[str, float] = {}
     events = trace.events
     boots = [(ev.time_s + boot_s, ev.node) for ev in events if ev.kind == ADD]
     i = j = 0
@@ -249,10 +251,10 @@ def instants_of(trace: Trace, boot_s: float, end: float) -> Instants:
             ev = events[i]
             if ev.kind == ADD:
                 held.add(ev.node)
-                booting.add(ev.node)
+                booting[ev.node] = t + boot_s
             elif ev.node in held:
                 held.discard(ev.node)
-                booting.discard(ev.node)
+                booting.pop(ev.node, None)
                 removed.append(ev.node)
             i += 1
         lost = tuple(removed)
@@ -261,9 +263,9 @@ def instants_of(trace: Trace, boot_s: float, end: float) -> Instants:
         while j < n_boot and boots[j][0] == t:
             readies.append(boots[j][1])
             j += 1
-        ready = [n for n in readies if n in booting]
-        if ready:
-            booting.difference_update(ready)
+        ready = [n for n in readies if booting.get(n) == t]
+        for n in ready:
+            del booting[n]
         node_seconds += count * (t - last_t)
         last_t = t
         count = len(held)
