@@ -50,3 +50,18 @@ def test_a_node_granted_again_under_its_name_boots_anew():
     for policy in ("bamboo", "checkpoint_restart"):
         r = run(trace, policy, tiny_cfg(), duration_s=3600.0)
         assert r.samples == pytest.approx((3600.0 - 190.0) / 10.0 * 4), policy
+
+
+def test_bamboos_value_formula_applies_to_on_demand_too():
+    # P x D = 2 on-demand nodes at $3/h: after the 100 s boot and 10 s rendezvous, 4 samples
+    # every 10 s; Bamboo's value is samples/s per $/h while running: 0.4 / 6 (its simulator's
+    # `on_demand_value = on_demand_performance / on_demand_cost`), not samples per dollar
+    trace = parse_event_csv("0,add,a\n0,add,b\n")
+    r = run(trace, "on_demand", tiny_cfg(value_formula="bamboo"), duration_s=3600.0)
+    assert r.value == pytest.approx(0.4 / 6.0)
+    per_dollar = run(trace, "on_demand", tiny_cfg(), duration_s=3600.0)
+    assert per_dollar.value == pytest.approx((3600.0 - 110.0) / 10.0 * 4 / 6.0)
+    from spotpipe.sim.report import run_table
+
+    table = run_table([r])
+    assert "(samples/s)/($/h)" in table and "0.0667" in table

@@ -290,15 +290,20 @@ def on_demand(cfg: SimConfig, duration_s: float, *, record: bool = True) -> Resu
     form = on_demand_closed_form(cfg, duration_s)
     breakdown = {"useful": form["useful_s"], "redundant": 0.0, "recovering": 0.0,
                  "restarting": 0.0, "idle": form["idle_s"]}
+    n = cfg.nodes
+    start = form["idle_s"]
+    rate = cfg.model.samples_per_iteration / form["iteration_s"]
+    per_hour = n * cfg.price.on_demand
     timeline = []
     if record:
-        n = cfg.nodes
-        start = form["idle_s"]
-        rate = cfg.model.samples_per_iteration / form["iteration_s"]
-        per_s = n * cfg.price.on_demand / HOUR
+        per_s = per_hour / HOUR
         timeline = [TimelinePoint(0.0, n, n, 0, 0.0, 0.0, 0.0),
                     TimelinePoint(start, n, n, n, rate, 0.0, per_s * start),
                     TimelinePoint(duration_s, n, n, n, rate, form["samples"], form["dollars"])]
+    # Bamboo's value formula compares it with the spot policies' (`Result.value`), so it
+    # needs the same integral of (samples/s) / ($/h) while running as `Job` keeps for them
+    integral = rate / per_hour * form["useful_s"] if per_hour > 0 else 0.0
     return Result("on_demand", duration_s, form["samples"], form["dollars"], 0, 0, breakdown,
-                  timeline, (form["idle_s"], duration_s), form["dollars"],
+                  timeline, (start, duration_s), form["dollars"], integral,
+                  cfg.value_formula,
                   shapes=frozenset({(cfg.num_stages, cfg.num_pipelines, False)}))
