@@ -65,3 +65,16 @@ def test_bamboos_value_formula_applies_to_on_demand_too():
 
     table = run_table([r])
     assert "(samples/s)/($/h)" in table and "0.0667" in table
+
+
+def test_the_shadows_host_is_in_every_cost_figure():
+    # two spot nodes at $1/h and the shadows' CPU host at $2/h: $4/h all along. The job
+    # runs from 110 s (boot, rendezvous) at 0.4 samples/s, so Bamboo's average cost is
+    # $4/h and its value 0.4 / 4, as the dollars billed say
+    trace = parse_event_csv("0,add,a\n0,add,b\n")
+    cfg = tiny_cfg(shadows=True, shadow_host_price=2.0, value_formula="bamboo")
+    r = run(trace, "spotpipe", cfg, duration_s=3600.0)
+    assert r.dollars == pytest.approx(4.0)
+    assert r.run_window == (110.0, 3600.0)
+    assert r.window_cost_per_hour == pytest.approx(4.0)
+    assert r.value == pytest.approx(0.4 / 4.0)

@@ -161,7 +161,7 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
         if timers and pol.wakeup < t:
             _wake(pol, job, t, False)
         job.advance(t)
-        job.cost_rate = held_after * price
+        job.cost_rate = held_after * price + fixed  # $/h billed now, the shadows' host too
         if lost or ready:
             pol.on_events(t, lost, ready, index)
         if timers and pol.wakeup <= t:
