@@ -80,3 +80,17 @@ def test_bench_simulator_keys():
                         "value_vs_on_demand"):
                 assert row[key] > 0, (mode, rate, key)
     assert set(out["growth"]) == {"48_nodes_3h", "48_nodes_12h"}
+
+
+def test_a_step_slowed_by_a_takeover_is_checked_at_its_deferred_end():
+    """24 nodes at P = 12 (D = 2), running from 75 s in 1.085 s steps; node25 is ready at
+    545 s (a waiting node: a check at the end of step 434, 545.89 s), then node2 is lost at
+    545.5 s: its predecessor carries two stages and the rest of step 434 runs 1.5x slower,
+    so the step ends at 545.89 + 0.195 = 546.085 s (Bamboo's simulator defers the step's
+    completion event by int(390 ms x 0.5) and checks only then). There the waiting node
+    relieves the carrier: a 20 s local rendezvous, then 1.085 s steps again to 600 s."""
+    lines = [f"0,add,node{i}" for i in range(1, 25)] + ["500000,add,node25",
+                                                       "545500,remove,node2"]
+    r = run(parse_event_csv("\n".join(lines)), "bamboo", reference_config(REF),
+            duration_s=600.0)
+    assert r.samples / 32 == pytest.approx(434 + (600.0 - 566.085) / 1.085)

@@ -100,7 +100,9 @@ class BambooPolicy:
         _, _, kind, version = heapq.heappop(timers)
         self.wakeup = timers[0][0] if timers else inf
         if kind == CHECK:
-            if version == self.version and self.stepping:
+            # a check superseded by a later one is no step's end: a takeover slowed the step
+            # after it was set (its simulator defers that step's end, and checks only then)
+            if version == self.version and self.stepping and self._check == (t, version):
                 self._step_end(t)
         else:
             self._rendezvous_timeout(t, kind)

@@ -18,15 +18,18 @@ def result_dict(result: Result, *, timeline: bool = False) -> dict[str, Any]:
 
 
 def run_table(results: list[Result]) -> str:
-    """One row per run: throughput, cost, value, failures, and the time breakdown in %."""
-    head = ["policy", "samples/s", "$/h", "samples/$", "preempt", "fatal", "useful%",
-            "redund%", "recover%", "restart%", "idle%"]
+    """One row per run: throughput, cost, value, failures, and the time breakdown in %.
+    Under Bamboo's value formula the value is samples/s per $/h (about 1 where samples per
+    dollar are thousands): its column says so and keeps three digits."""
+    bamboo = any(r.value_formula == "bamboo" for r in results)
+    head = ["policy", "samples/s", "$/h", "(samples/s)/($/h)" if bamboo else "samples/$",
+            "preempt", "fatal", "useful%", "redund%", "recover%", "restart%", "idle%"]
     rows = []
     for r in results:
         total = sum(r.breakdown.values()) or 1.0
         pct = [100.0 * r.breakdown[k] / total
                for k in ("useful", "redundant", "recovering", "restarting", "idle")]
-        rows.append([r.policy, f"{r.throughput:.2f}", f"{r.cost_per_hour:.2f}", f"{r.value:.0f}",
+        rows.append([r.policy, f"{r.throughput:.2f}", f"{r.cost_per_hour:.2f}", f"{r.value:.3g}" if bamboo else f"{r.value:.0f}",
                      str(r.preemptions), str(r.fatal_failures)] + [f"{p:.1f}" for p in pct])
     return format_table(head, rows)
 

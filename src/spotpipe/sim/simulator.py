@@ -161,7 +161,7 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
         if timers and pol.wakeup < t:
             _wake(pol, job, t, False)
         job.advance(t)
-        job.cost_rate = held_after * price
+        job.cost_rate = held_after * price + fixed  # $/h billed now, the shadows' host too
         if lost or ready:
             pol.on_events(t, lost, ready, index)
         if timers and pol.wakeup <= t:
@@ -227,7 +227,9 @@ def instants_of(trace: Trace, boot_s: float, end: float) -> Instants:
     its boot completions (both sorted by time)."""
     out: list[tuple[float, tuple[str, ...], list[str], int]] = []
     held: set[str] = set()
-    booting: set[str] = set()
+    # node -> when its boot completes: a node taken away and granted again under the same
+    # name boots anew, and the first grant's completion must not make it ready early
+    booting: dict[str, float] = {}
     events = trace.events
     boots = [(ev.time_s + boot_s, ev.node) for ev in events if ev.kind == ADD]
     i = j = 0
@@ -242,27 +244,28 @@ def instants_of(trace: Trace, boot_s: float, end: float) -> Instants:
             t = boots[j][0]
         if t > end:
             break
-        removes: list[str] = []
-        adds: list[str] = []
-        while i < n_ev and events[i].time_s == t:  # trace events first, then boots
+        # trace events first, in trace order (a node may be granted and taken away in the
+        # same millisecond: it is held, for no time, and lost), then boots
+        removed: list[str] = []
+        while i < n_ev and events[i].time_s == t:
             ev = events[i]
-            (adds if ev.kind == ADD else removes).append(ev.node)
+            if ev.kind == ADD:
+                held.add(ev.node)
+                booting[ev.node] = t + boot_s
+            elif ev.node in held:
+                held.discard(ev.node)
+                booting.pop(ev.node, None)
+                removed.append(ev.node)
             i += 1
+        lost = tuple(removed)
+        preemptions += len(lost)
         readies: list[str] = []
         while j < n_boot and boots[j][0] == t:
             readies.append(boots[j][1])
             j += 1
-        lost = tuple(n for n in removes if n in held) if removes else ()
-        if lost:
-            held.difference_update(lost)
-            booting.difference_update(lost)
-            preemptions += len(lost)
-        if adds:
-            held.update(adds)
-            booting.update(adds)
-        ready = [n for n in readies if n in booting]
-        if ready:
-            booting.difference_update(ready)
+        ready = [n for n in readies if booting.get(n) == t]
+        for n in ready:
+            del booting[n]
         node_seconds += count * (t - last_t)
         last_t = t
         count = len(held)
@@ -287,15 +290,20 @@ def on_demand(cfg: SimConfig, duration_s: float, *, record: bool = True) -> Resu
     form = on_demand_closed_form(cfg, duration_s)
     breakdown = {"useful": form["useful_s"], "redundant": 0.0, "recovering": 0.0,
                  "restarting": 0.0, "idle": form["idle_s"]}
+    n = cfg.nodes
+    start = form["idle_s"]
+    rate = cfg.model.samples_per_iteration / form["iteration_s"]
+    per_hour = n * cfg.price.on_demand
     timeline = []
     if record:
-        n = cfg.nodes
-        start = form["idle_s"]
-        rate = cfg.model.samples_per_iteration / form["iteration_s"]
-        per_s = n * cfg.price.on_demand / HOUR
+        per_s = per_hour / HOUR
         timeline = [TimelinePoint(0.0, n, n, 0, 0.0, 0.0, 0.0),
                     TimelinePoint(start, n, n, n, rate, 0.0, per_s * start),
                     TimelinePoint(duration_s, n, n, n, rate, form["samples"], form["dollars"])]
+    # Bamboo's value formula compares it with the spot policies' (`Result.value`), so it
+    # needs the same integral of (samples/s) / ($/h) while running as `Job` keeps for them
+    integral = rate / per_hour * form["useful_s"] if per_hour > 0 else 0.0
     return Result("on_demand", duration_s, form["samples"], form["dollars"], 0, 0, breakdown,
-                  timeline, (form["idle_s"], duration_s), form["dollars"],
+                  timeline, (start, duration_s), form["dollars"], integral,
+                  cfg.value_formula,
                   shapes=frozenset({(cfg.num_stages, cfg.num_pipelines, False)}))

@@ -1,0 +1,80 @@
+"""The simulator's figures on tiny traces, against sums worked by hand.
+
+Each config has a measured iteration time (10 s at P = 2 x D = 1), 4 samples per iteration,
+spot $1/h and on-demand $3/h, so every figure below is a few lines of arithmetic.
+"""
+
+from dataclasses import replace
+
+import pytest
+
+from spotpipe.sim.models import gpt2_1_5b
+from spotpipe.sim.params import SimConfig, SimParams
+from spotpipe.sim.prices import Price
+from spotpipe.sim.simulator import instants_of, run
+from spotpipe.sim.traces import parse_event_csv
+
+SPOT = ("spotpipe", "bamboo", "checkpoint_restart")
+
+
+def tiny_cfg(**kw) -> SimConfig:
+    model = replace(gpt2_1_5b(), micro_batch_size=1, global_microbatches=4)
+    kw.setdefault("params", SimParams(boot_s=100.0, rendezvous_s=10.0))
+    return SimConfig(model, Price("tiny", 1.0, 3.0), 2, 1,
+                     shape_times=(((2, 1, ((),)), 10.0),), memory=None, redundancy="none",
+                     **kw)
+
+
+def test_a_node_granted_and_taken_in_one_millisecond_is_not_held_after_it():
+    # a and b for the whole hour; c is granted and preempted at the same millisecond (the
+    # event CSV allows it, in this order): 2 instance-hours at $1/h, one preemption
+    trace = parse_event_csv("0,add,a\n0,add,b\n500000,add,c\n500000,remove,c\n")
+    instants = instants_of(trace, 100.0, 3600.0)
+    assert instants.held_at_end == 2 == trace.nodes_available_at(3600.0)
+    assert instants.node_seconds == pytest.approx(2 * 3600.0)
+    assert instants.preemptions == 1 == trace.removals
+    for policy in SPOT:
+        r = run(trace, policy, tiny_cfg(), duration_s=3600.0)
+        assert r.dollars == pytest.approx(2.0), policy
+        assert r.preemptions == 1, policy
+
+
+def test_a_node_granted_again_under_its_name_boots_anew():
+    # c is granted at 0, taken at 50 s and granted again at 80 s: with a 100 s boot it is
+    # ready at 180 s, not at 100 s (when its first grant would have been). A job of fixed
+    # depth P = 2 needs a and c: it starts at 180 s, runs from 190 s after the 10 s rendezvous, and
+    # makes (3600 - 190) / 10 iterations of 4 samples by the end of the hour
+    trace = parse_event_csv("0,add,a\n0,add,c\n50000,remove,c\n80000,add,c\n")
+    ready = [(t, r) for t, _, r, _ in instants_of(trace, 100.0, 3600.0).points if r]
+    assert ready == [(100.0, ["a"]), (180.0, ["c"])]
+    for policy in ("bamboo", "checkpoint_restart"):
+        r = run(trace, policy, tiny_cfg(), duration_s=3600.0)
+        assert r.samples == pytest.approx((3600.0 - 190.0) / 10.0 * 4), policy
+
+
+def test_bamboos_value_formula_applies_to_on_demand_too():
+    # P x D = 2 on-demand nodes at $3/h: after the 100 s boot and 10 s rendezvous, 4 samples
+    # every 10 s; Bamboo's value is samples/s per $/h while running: 0.4 / 6 (its simulator's
+    # `on_demand_value = on_demand_performance / on_demand_cost`), not samples per dollar
+    trace = parse_event_csv("0,add,a\n0,add,b\n")
+    r = run(trace, "on_demand", tiny_cfg(value_formula="bamboo"), duration_s=3600.0)
+    assert r.value == pytest.approx(0.4 / 6.0)
+    per_dollar = run(trace, "on_demand", tiny_cfg(), duration_s=3600.0)
+    assert per_dollar.value == pytest.approx((3600.0 - 110.0) / 10.0 * 4 / 6.0)
+    from spotpipe.sim.report import run_table
+
+    table = run_table([r])
+    assert "(samples/s)/($/h)" in table and "0.0667" in table
+
+
+def test_the_shadows_host_is_in_every_cost_figure():
+    # two spot nodes at $1/h and the shadows' CPU host at $2/h: $4/h all along. The job
+    # runs from 110 s (boot, rendezvous) at 0.4 samples/s, so Bamboo's average cost is
+    # $4/h and its value 0.4 / 4, as the dollars billed say
+    trace = parse_event_csv("0,add,a\n0,add,b\n")
+    cfg = tiny_cfg(shadows=True, shadow_host_price=2.0, value_formula="bamboo")
+    r = run(trace, "spotpipe", cfg, duration_s=3600.0)
+    assert r.dollars == pytest.approx(4.0)
+    assert r.run_window == (110.0, 3600.0)
+    assert r.window_cost_per_hour == pytest.approx(4.0)
+    assert r.value == pytest.approx(0.4 / 4.0)
