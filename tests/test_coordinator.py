@@ -520,3 +520,32 @@ def _plan_like(coord: Coordinator):
     from spotpipe.plan.recovery import settle
 
     return settle(coord.history, coord.rules, leaving=["node1"], with_transfers=False)[0].decision
+
+
+def test_a_joiner_that_received_its_state_in_a_plan_rolled_back_stays_in_the_job(corpus):
+    """node2 and node3 join and form a second pipeline; node1, a sender, is lost while the
+    states move. node3 misses its stage and is counted out, node0 is untouched, so the plan
+    is rolled back; node2 received all it was sent and reports nothing lacking. The layout
+    before the plan never listed node2, yet it must stay in the job, waiting to be placed: a
+    node that a Decision neither runs, keeps on standby nor counts out leaves the job
+    (`Worker._recover_once`), and a healthy node was lost without a word. (Found by a run:
+    node2 left with "worker_left" right after the rollback.)"""
+    coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
+    cfg = coord.cfg
+    for node in ("node2", "node3"):
+        coord.join(JoinRequest(node, 0.0, cfg.digest(), cfg.model_digest()), node)
+    coord.report(_boundary(coord, "node0"), "node0")
+    coord.report(_boundary(coord, "node1"), "node1")
+    add = _plan(coord, 0)
+    assert add["action"] == "add_pipeline", add["action"]
+    coord.node_exited("node1", -9)
+    _report(coord, "node0", untouched=True, committed_through=6)
+    _report(coord, "node2", formed=True, untouched=False, committed_through=6)
+    _report(coord, "node3", lacking=["stage 1", "replica 0"], committed_through=6)
+    agreement = [e for e in emitted if e["kind"] == "agreement"][-1]
+    assert agreement.get("rolled_back") and "node2" not in agreement["lost"], agreement
+    plan = _plan(coord, 1)
+    assert plan["rejoin"] == ["node3"]
+    layout = Layout.from_json(plan["layout"])
+    assert "node2" in layout.all_nodes, plan["layout"]
+    assert "node2" not in coord.left

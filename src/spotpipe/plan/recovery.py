@@ -231,10 +231,17 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     rolled_back = False
     if lacking and history.before is not None and _untouched(
             history.before[0], reports, frozenset(dead), frozenset(layout.standby)):
+        placed = layout.active_nodes - history.before[0].all_nodes
         layout, partition = history.before
         rolled_back = True
         # the nodes of the layout before hold their places; joiners do not
         lacking = {n: w for n, w in lacking.items() if n not in layout.active_nodes}
+        # a joiner the plan placed that received all it was sent is in no place of the layout
+        # before: it waits on standby again (a node that a Decision neither runs, keeps on
+        # standby nor counts out leaves the job)
+        back = sorted(placed - frozenset(dead) - leaving - frozenset(lacking))
+        if back:
+            layout = layout.with_standby(layout.standby + tuple(back))
     lost = frozenset(dead) | leaving | frozenset(lacking)
     if set(layout.standby) & lost:  # a standby node lost (or counted out) is no spare
         layout = layout.with_standby(tuple(n for n in layout.standby if n not in lost))
