@@ -549,3 +549,22 @@ def test_a_joiner_that_received_its_state_in_a_plan_rolled_back_stays_in_the_job
     layout = Layout.from_json(plan["layout"])
     assert "node2" in layout.all_nodes, plan["layout"]
     assert "node2" not in coord.left
+
+
+def test_a_stop_names_the_iteration_in_flight_when_only_a_joiner_reports(corpus):
+    """node1 leaves on a notice and hands its stage to node2, which waited on standby; node0,
+    the only source, dies while the states move. node2, which never ran an iteration,
+    reports iteration -1: the stop names the job's iteration, not that."""
+    coord, _ = _coordinator(corpus, 2, ["node0", "node1"])
+    _with_standby(coord, ("node2",))
+    coord.report(_boundary(coord, "node0"), "node0")
+    coord.report(dataclasses.replace(_boundary(coord, "node1"), leaving=True), "node1")
+    assert _plan(coord, 0)["action"] == "handover"
+    coord.node_exited("node1", 0)  # (left on its notice, as the plan says)
+    coord.node_exited("node0", -9)
+    _report(coord, "node2", iteration=-1, committed_through=-1,
+            lacking=["stage 1", "replica 0"])
+    plan = _plan(coord, 1)
+    assert plan["action"] == "stop", plan["action"]
+    assert "in iteration 7 (the last committed iteration is 6)" in plan["message"], \
+        plan["message"]

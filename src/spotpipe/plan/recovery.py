@@ -254,7 +254,8 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     # committed nothing yet, joiners whose placement failed)
     committed = max([r.committed_through for r in reports.values()] + [history.resumed_at - 1])
     resume = committed + 1
-    in_flight = max((r.iteration for r in reports.values()), default=resume)
+    # (a joiner whose placement failed ran no iteration: it reports -1)
+    in_flight = max((r.iteration for r in reports.values() if r.iteration >= 0), default=resume)
     when = f"in iteration {in_flight} (the last committed iteration is {committed})"
     hit = lost & layout.active_nodes
     state = replace(history, layout=layout, partition=partition)
