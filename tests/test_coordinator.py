@@ -568,3 +568,32 @@ def test_a_stop_names_the_iteration_in_flight_when_only_a_joiner_reports(corpus)
     assert plan["action"] == "stop", plan["action"]
     assert "in iteration 7 (the last committed iteration is 6)" in plan["message"], \
         plan["message"]
+
+
+def test_a_node_that_reported_is_not_answered_on_its_join_board(corpus):
+    """node0 carries both stages; the rebalance places node2, which receives its state, while
+    node0's part fails with its state untouched: the plan is rolled back, node2 waits on
+    standby in the layout before it, and the same Decision places it again at once. node2
+    reported in that generation and reads the Decision on its board, as every node that
+    reported does: a placement answer on its join board too would lie there unread until it
+    next waits to be placed, and then place it by a Decision long past."""
+    coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
+    coord.node_exited("node1", -9)
+    _report(coord, "node0", formed=True)
+    assert _plan(coord, 0)["action"] == "failover"
+    cfg = coord.cfg
+    coord.join(JoinRequest("node2", 0.0, cfg.digest(), cfg.model_digest()), "node2")
+    coord.report(_boundary(coord, "node0"), "node0")
+    assert _plan(coord, 1)["action"] == "rebalance"
+    _report(coord, "node0", untouched=True, lacking=["replica 1"], committed_through=6)
+    _report(coord, "node2", formed=True, untouched=False, committed_through=6)
+    assert [e for e in emitted if e["kind"] == "agreement"][-1].get("rolled_back")
+    plan = _plan(coord, 2)
+    assert plan["action"] == "rebalance" and "node2" in str(plan["layout"]["owners"])
+    answers, slot = [], 1
+    while coord.store.check([key := keys.board_slot(keys.join_board("node2"), slot)]):
+        message = Channel(KEY, "node2").open(coord.store.get(key), at=key).message
+        if isinstance(message, JoinAnswer):
+            answers.append(message)
+        slot += 1
+    assert [a.generation for a in answers] == [1], answers  # (its first placement only)

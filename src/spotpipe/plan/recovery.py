@@ -151,10 +151,6 @@ class Decision:
         return ([f"{t.kind} {t.stage}" for t in self.transfers if t.dst == node]
                 + [f"stage {m.stage}" for m in self.restores(node)])
 
-    def placed(self) -> frozenset[str]:
-        """Nodes that run a stage now and did not before (joiners, standby nodes)."""
-        return self.layout.active_nodes - self.previous_layout.active_nodes
-
     def released(self) -> frozenset[str]:
         """Nodes of the layout before that the new one neither runs nor keeps on standby."""
         return (self.previous_layout.active_nodes - self.layout.active_nodes
