@@ -520,3 +520,80 @@ def _plan_like(coord: Coordinator):
     from spotpipe.plan.recovery import settle
 
     return settle(coord.history, coord.rules, leaving=["node1"], with_transfers=False)[0].decision
+
+
+def test_a_joiner_that_received_its_state_in_a_plan_rolled_back_stays_in_the_job(corpus):
+    """node2 and node3 join and form a second pipeline; node1, a sender, is lost while the
+    states move. node3 misses its stage and is counted out, node0 is untouched, so the plan
+    is rolled back; node2 received all it was sent and reports nothing lacking. The layout
+    before the plan never listed node2, yet it must stay in the job, waiting to be placed: a
+    node that a Decision neither runs, keeps on standby nor counts out leaves the job
+    (`Worker._recover_once`), and a healthy node was lost without a word. (Found by a run:
+    node2 left with "worker_left" right after the rollback.)"""
+    coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
+    cfg = coord.cfg
+    for node in ("node2", "node3"):
+        coord.join(JoinRequest(node, 0.0, cfg.digest(), cfg.model_digest()), node)
+    coord.report(_boundary(coord, "node0"), "node0")
+    coord.report(_boundary(coord, "node1"), "node1")
+    add = _plan(coord, 0)
+    assert add["action"] == "add_pipeline", add["action"]
+    coord.node_exited("node1", -9)
+    _report(coord, "node0", untouched=True, committed_through=6)
+    _report(coord, "node2", formed=True, untouched=False, committed_through=6)
+    _report(coord, "node3", lacking=["stage 1", "replica 0"], committed_through=6)
+    agreement = [e for e in emitted if e["kind"] == "agreement"][-1]
+    assert agreement.get("rolled_back") and "node2" not in agreement["lost"], agreement
+    plan = _plan(coord, 1)
+    assert plan["rejoin"] == ["node3"]
+    layout = Layout.from_json(plan["layout"])
+    assert "node2" in layout.all_nodes, plan["layout"]
+    assert "node2" not in coord.left
+
+
+def test_a_stop_names_the_iteration_in_flight_when_only_a_joiner_reports(corpus):
+    """node1 leaves on a notice and hands its stage to node2, which waited on standby; node0,
+    the only source, dies while the states move. node2, which never ran an iteration,
+    reports iteration -1: the stop names the job's iteration, not that."""
+    coord, _ = _coordinator(corpus, 2, ["node0", "node1"])
+    _with_standby(coord, ("node2",))
+    coord.report(_boundary(coord, "node0"), "node0")
+    coord.report(dataclasses.replace(_boundary(coord, "node1"), leaving=True), "node1")
+    assert _plan(coord, 0)["action"] == "handover"
+    coord.node_exited("node1", 0)  # (left on its notice, as the plan says)
+    coord.node_exited("node0", -9)
+    _report(coord, "node2", iteration=-1, committed_through=-1,
+            lacking=["stage 1", "replica 0"])
+    plan = _plan(coord, 1)
+    assert plan["action"] == "stop", plan["action"]
+    assert "in iteration 7 (the last committed iteration is 6)" in plan["message"], \
+        plan["message"]
+
+
+def test_a_node_that_reported_is_not_answered_on_its_join_board(corpus):
+    """node0 carries both stages; the rebalance places node2, which receives its state, while
+    node0's part fails with its state untouched: the plan is rolled back, node2 waits on
+    standby in the layout before it, and the same Decision places it again at once. node2
+    reported in that generation and reads the Decision on its board, as every node that
+    reported does: a placement answer on its join board too would lie there unread until it
+    next waits to be placed, and then place it by a Decision long past."""
+    coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
+    coord.node_exited("node1", -9)
+    _report(coord, "node0", formed=True)
+    assert _plan(coord, 0)["action"] == "failover"
+    cfg = coord.cfg
+    coord.join(JoinRequest("node2", 0.0, cfg.digest(), cfg.model_digest()), "node2")
+    coord.report(_boundary(coord, "node0"), "node0")
+    assert _plan(coord, 1)["action"] == "rebalance"
+    _report(coord, "node0", untouched=True, lacking=["replica 1"], committed_through=6)
+    _report(coord, "node2", formed=True, untouched=False, committed_through=6)
+    assert [e for e in emitted if e["kind"] == "agreement"][-1].get("rolled_back")
+    plan = _plan(coord, 2)
+    assert plan["action"] == "rebalance" and "node2" in str(plan["layout"]["owners"])
+    answers, slot = [], 1
+    while coord.store.check([key := keys.board_slot(keys.join_board("node2"), slot)]):
+        message = Channel(KEY, "node2").open(coord.store.get(key), at=key).message
+        if isinstance(message, JoinAnswer):
+            answers.append(message)
+        slot += 1
+    assert [a.generation for a in answers] == [1], answers  # (its first placement only)

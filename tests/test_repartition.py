@@ -183,3 +183,84 @@ def test_a_repartition_cuts_the_profile_measured_at_launch(tmp_path, corpus, mon
     done = [e for e in events(run) if e["kind"] == "repartitioned"]
     assert sorted(tuple(map(tuple, e["layers"])) for e in done) == [((0, 3),), ((3, 4),)]
     assert_samples_exactly_once(run, cfg)
+
+
+
+class _Comm:
+    """The part of a generation's `Comm` that the exchange's commit uses: its wait for the
+    marks, which the generation's abort ends once it is set."""
+
+    def __init__(self, store, aborted: bool) -> None:
+        self.store, self.aborted = store, aborted
+
+    def wait_keys(self, keys, timeout_s, what) -> None:
+        from datetime import timedelta
+
+        from spotpipe.runtime.comm import PeerFailure
+
+        if self.aborted:
+            raise PeerFailure("aborted: a node was lost")
+        self.store.wait(keys, timedelta(seconds=timeout_s))
+
+
+def _committer(store, node: str, nodes: list[str]):
+    """A node's `Reshaper`, as far as committing a re-partition's exchange goes."""
+    from types import SimpleNamespace
+
+    from spotpipe.plan import Layout
+    from spotpipe.protocol import Channel, job_key
+    from spotpipe.runtime.reshape import Reshaper
+
+    state = SimpleNamespace(node=node, generation=3, layout=Layout.build(len(nodes), 1, nodes),
+                            cfg=SimpleNamespace(cluster=SimpleNamespace(timeout_s=30.0)))
+    return Reshaper(state, store=store, sealed=None, namespace="t",  # type: ignore[arg-type]
+                    channel=Channel(job_key(b"sesame", "test"), node), shadow=None,
+                    digests=None, inject=lambda *_: None, refused=lambda why: None)
+
+
+def _switches(reshaper, comm) -> bool:
+    """Whether the node switches to the new partition (else it keeps the old one)."""
+    from spotpipe.runtime.comm import PeerFailure
+
+    try:
+        reshaper._commit_exchange(comm)
+    except PeerFailure:
+        return False
+    return True
+
+
+def _together(store, nodes: list[str], aborted: set[str]) -> list[bool]:
+    """Every node commits at once; those in `aborted` after the others wrote their marks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from spotpipe.protocol import keys
+
+    committers = [_committer(store, n, nodes) for n in nodes]
+    with ThreadPoolExecutor(len(nodes)) as pool:
+        running = {n: pool.submit(_switches, r, _Comm(store, False))
+                   for n, r in zip(nodes, committers) if n not in aborted}
+        store.wait([keys.exchanged("t", 3, n) for n in running])
+        late = {n: pool.submit(_switches, r, _Comm(store, True))
+                for n, r in zip(nodes, committers) if n in aborted}
+        return [{**running, **late}[n].result(timeout=30) for n in nodes]
+
+
+def test_a_repartition_cut_short_switches_every_node_or_none():
+    """node2 writes its mark that its layers are exchanged and dies; node0, woken by the
+    abort, looks at the marks while node1 (slower, its exchange done) has not written its
+    own yet; node1 then writes it and finds every mark there. Both must decide alike: node0
+    once kept the old partition while node1 switched, and the job, which cannot roll back a
+    plan that changed a node, counted node0 out with state it could have run on."""
+    import torch.distributed as dist
+
+    nodes = ["node0", "node1", "node2"]
+    store = dist.HashStore()
+    node0, node1, node2 = (_committer(store, n, nodes) for n in nodes)
+    _switches(node2, _Comm(store, aborted=True))  # (its own outcome is moot: it dies)
+    decided = [_switches(node0, _Comm(store, aborted=True)),
+               _switches(node1, _Comm(store, aborted=True))]
+    assert decided[0] == decided[1], decided
+    # with no node lost every node switches, and a node woken by the abort once every mark
+    # is there switches with the others
+    assert _together(dist.HashStore(), nodes, set()) == [True, True, True]
+    assert _together(dist.HashStore(), nodes, {"node0"}) == [True, True, True]

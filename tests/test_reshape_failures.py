@@ -21,8 +21,14 @@ import pytest
 
 
 def _run(tmp_path, corpus, faults, joins, nodes, **extra):
-    cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
-                      **{**FAST, **SGD, "iterations": 40, **extra})
+    return _train(tmp_path, corpus, 2, 2, faults, joins, nodes, **{**SGD, "iterations": 40,
+                                                                   **extra})
+
+
+def _train(tmp_path, corpus, stages, pipelines, faults, joins, nodes, **extra):
+    """Train P x D with `faults` (kind, NODE@ITER[:PHASE]) and `joins`; it must complete."""
+    cfg = tiny_config(corpus, stages=stages, pipelines=pipelines, redundancy="lazy",
+                      **{**FAST, **extra})
     run = tmp_path / "run"
     parsed = [Fault.parse(kind, text, nodes) for kind, text in faults]
     assert train(cfg, run, progress=False, faults=parsed, joins=joins) == 0
@@ -243,5 +249,30 @@ def test_shadows_follow_their_new_writers_when_pipeline_zero_is_dropped(tmp_path
     assert_samples_exactly_once(run, cfg)
     want = failure_free(tmp_path_factory, tiny_config(corpus, stages=4, pipelines=2,
                                                       **{**FAST, "iterations": 10}))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert_close_where_width_changed(got, want)
+
+
+def test_standby_node_whose_placement_fails_does_not_replay_its_old_stream(tmp_path,
+                                                                          tmp_path_factory,
+                                                                          corpus):
+    """P = 4 x D = 2: node1 crashes and the job re-partitions to P = 3 x D = 2, node7 waiting
+    on standby with the state it had; a node joins and the job returns to P = 4, placing
+    node7, but node4 dies before the groups form. node7's recovery must not finish an
+    iteration on the stream it ran before it waited (it missed every iteration since): it
+    once stepped that stale executor, which fed its kept replica an update with no gradient,
+    and the replica's failure stopped the whole job. Now node7 is counted out, joins again
+    and is placed by a later plan, and the job trains on (every sample once, the failure-free
+    run's parameters to float tolerance: D changes)."""
+    cfg, run = _train(tmp_path, corpus, 4, 2, [("fail", "node1@3:backward"),
+                                               ("fail", "node4@10:regroup")],
+                      [10], [f"node{r}" for r in range(9)], iterations=20)
+    ev = events(run)
+    assert [e["node"] for e in ev if e["kind"] == "standby"][:1] == ["node7"]
+    assert "node7" in {e["node"] for e in ev if e["kind"] == "rejoining"}
+    assert not [e for e in ev if e["kind"] == "worker_error"]
+    assert_samples_exactly_once(run, cfg)
+    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=4, pipelines=2,
+                                                      **{**FAST, "iterations": 20}))
     got = load_file(str(run / "final" / "model.safetensors"))
     assert_close_where_width_changed(got, want)

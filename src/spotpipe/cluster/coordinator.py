@@ -624,10 +624,13 @@ class Coordinator:
         # until a later plan places them
         self.left |= decision.released()
         # nodes waiting on standby that the decision runs: placed now, or given back their
-        # place by a plan rolled back (they kept their state on standby)
+        # place by a plan rolled back (they kept their state on standby). Only they read
+        # their join board: a node that reported in this generation reads the Decision on
+        # its board, also one that a plan rolled back places again (an answer would lie
+        # unread until it next waits, and then place it by a Decision long past)
         waiting = set(self.layout.standby) | set(self.joining)
         self.history = outcome.history
-        for node in sorted(decision.placed() | (decision.layout.active_nodes & waiting)):
+        for node in sorted(decision.layout.active_nodes & waiting):
             self._answer(node, JoinAnswer(node, "placed", generation=g))
         # nodes waiting to be placed that the new layout does not list and nothing released
         # (a joiner that a failed plan put on standby, which its rollback does not know):

@@ -151,10 +151,6 @@ class Decision:
         return ([f"{t.kind} {t.stage}" for t in self.transfers if t.dst == node]
                 + [f"stage {m.stage}" for m in self.restores(node)])
 
-    def placed(self) -> frozenset[str]:
-        """Nodes that run a stage now and did not before (joiners, standby nodes)."""
-        return self.layout.active_nodes - self.previous_layout.active_nodes
-
     def released(self) -> frozenset[str]:
         """Nodes of the layout before that the new one neither runs nor keeps on standby."""
         return (self.previous_layout.active_nodes - self.layout.active_nodes
@@ -231,10 +227,17 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     rolled_back = False
     if lacking and history.before is not None and _untouched(
             history.before[0], reports, frozenset(dead), frozenset(layout.standby)):
+        placed = layout.active_nodes - history.before[0].all_nodes
         layout, partition = history.before
         rolled_back = True
         # the nodes of the layout before hold their places; joiners do not
         lacking = {n: w for n, w in lacking.items() if n not in layout.active_nodes}
+        # a joiner the plan placed that received all it was sent is in no place of the layout
+        # before: it waits on standby again (a node that a Decision neither runs, keeps on
+        # standby nor counts out leaves the job)
+        back = sorted(placed - frozenset(dead) - leaving - frozenset(lacking))
+        if back:
+            layout = layout.with_standby(layout.standby + tuple(back))
     lost = frozenset(dead) | leaving | frozenset(lacking)
     if set(layout.standby) & lost:  # a standby node lost (or counted out) is no spare
         layout = layout.with_standby(tuple(n for n in layout.standby if n not in lost))
@@ -247,7 +250,8 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     # committed nothing yet, joiners whose placement failed)
     committed = max([r.committed_through for r in reports.values()] + [history.resumed_at - 1])
     resume = committed + 1
-    in_flight = max((r.iteration for r in reports.values()), default=resume)
+    # (a joiner whose placement failed ran no iteration: it reports -1)
+    in_flight = max((r.iteration for r in reports.values() if r.iteration >= 0), default=resume)
     when = f"in iteration {in_flight} (the last committed iteration is {committed})"
     hit = lost & layout.active_nodes
     state = replace(history, layout=layout, partition=partition)

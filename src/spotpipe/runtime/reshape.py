@@ -233,36 +233,52 @@ class Reshaper:
 
         A re-partition cut short by a loss must leave the nodes either all on the old
         partition (the coordinator then rolls the plan back) or all on the new one, never
-        mixed. Each node writes a sealed mark that its exchange is complete, then waits for
-        every mark; the last mark written is the commit point. A node woken by the abort
-        before it saw every mark looks once more: if they are all there, every node holds its
-        new state and it switches over too. A mark that does not open (forged) counts as
-        absent: a forger can at worst make the re-partition roll back, never mix partitions.
+        mixed. Each node's mark is written once (compare-and-set, so the first writer wins):
+        by the node itself, "exchanged", when its exchange is complete, or, once the
+        generation is aborted, "abandoned" by any node that finds it missing. A node then
+        switches only if every mark says "exchanged", and since no mark changes once
+        written, every node reads the same marks and decides alike. (A node woken by the
+        abort once only looked whether every mark was there: a slower node that wrote its
+        own just after switched alone.) A mark that does not open (forged) counts as not
+        exchanged: a forger can at worst make the re-partition roll back, never mix
+        partitions.
         """
         st = self.state
         g = st.generation
         nodes = sorted(st.layout.active_nodes)
         marks = [keys.exchanged(self.namespace, g, n) for n in nodes]
-        mine = keys.exchanged(self.namespace, g, st.node)
-        self.store.set(mine, self.channel.seal(Mark(st.node, g, "exchanged"), g, at=mine))
+        self._mark(keys.exchanged(self.namespace, g, st.node), "exchanged")
         try:
             comm.wait_keys(marks, st.cfg.cluster.timeout_s, "every node's exchange")
         except PeerFailure:
-            if not self.store.check(marks) or not self._genuine(marks, nodes, g):
+            for key in marks:  # (a mark written by now, by its node or another, stays)
+                self._mark(key, "abandoned")
+            if not self._exchanged(marks, nodes, g):
                 raise
             return
-        if not self._genuine(marks, nodes, g):
-            raise PeerFailure("an exchange mark did not open under the job's key")
+        if not self._exchanged(marks, nodes, g):
+            raise PeerFailure("the re-partition was abandoned: a node's exchange did not "
+                              "complete before the generation was aborted")
 
-    def _genuine(self, marks: list[str], nodes: list[str], generation: int) -> bool:
+    def _mark(self, key: str, what: str) -> None:
+        """Write this node's `what` as the mark at `key`, unless a mark is there already."""
+        st = self.state
+        self.store.compare_set(key, "", self.channel.seal(Mark(st.node, st.generation, what),
+                                                          st.generation, at=key))
+
+    def _exchanged(self, marks: list[str], nodes: list[str], generation: int) -> bool:
+        """Whether every node's mark says, under its own seal, that its exchange is done."""
         for key, node in zip(marks, nodes):
             try:
                 opened = self.channel.open(self.store.get(key), at=key, expect=Mark,
-                                           writers={node})
+                                           writers=set(nodes))
             except Refused as why:
                 self.refused(why)
                 return False
-            if opened.message.generation != generation:  # type: ignore[attr-defined]
+            mark = opened.message
+            assert isinstance(mark, Mark)
+            if (opened.writer != node or mark.node != node or mark.generation != generation
+                    or mark.what != "exchanged"):
                 return False
         return True
 

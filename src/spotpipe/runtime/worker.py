@@ -570,6 +570,10 @@ class Worker:
                 self.shadow.links.clear()
         if not keep_state:
             self.state.drop_all()
+        # the stream it ran is over: a plan that places it builds a new one, and a recovery
+        # while it is placed must not finish an iteration on this one (its stages and replica
+        # are the ones it kept, or none, and it missed every iteration since)
+        self.executor = None
         self.groups.early.discard("the node waits to be placed", self.generation)
         self.reshaper.progress.lacking = []
         resume = self._await_placement()
