@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from spotpipe.checkpoint import latest, lock, origin, transfer  # noqa: F401 (used through this module)
+from spotpipe.checkpoint import (latest, lock, origin,  # noqa: F401 (used through this module)
+                                 transfer)
 from spotpipe.checkpoint.origin import KeyFileError, resolve_key  # noqa: F401 (re-exported)
 from spotpipe.checkpoint.fsync import fsync_path, sha256_file
 from spotpipe.runtime.optim import materialise_optimizer_state  # noqa: F401 (re-exported)

@@ -621,8 +621,9 @@ def _checked_resume(opts: AgentOptions, cfg: Config, notes: list[dict[str, Any]]
                     ) -> durable.Checkpoint | None:
     """--resume as `spotpipe train` checks it, on this host: every file against the manifest
     (with `layers`, a copy that holds only the stage folders of these layers), the manifest's
-    MAC, the model and the data order (`num_samples`: of this job's data). Each agent checks its own copy; the coordinating agent
-    then admits only agents whose copy is the same checkpoint as its own
+    MAC, the model and the data order (`num_samples`: of this job's data). Each agent checks
+    its own copy; the coordinating agent then admits only agents whose copy is the same
+    checkpoint as its own
     (`Coordinating._problem`). None when there is none, or when this host does not have it
     (then the coordinating agent sends its copy, `Agent._fetch_resume`)."""
     if opts.resume is None or not opts.resume.exists():

@@ -265,7 +265,8 @@ class Launcher(JobLoop):
 
     def _fire_trace(self, files: RunFiles) -> None:
         """Carry out the trace's actions that are due (the clock starts at the first metrics)."""
-        while self.trace_actions and self.lines.last is not None and time.time() >= self._trace_due():
+        while (self.trace_actions and self.lines.last is not None
+               and time.time() >= self._trace_due()):
             action = self.trace_actions.pop(0)
             if action.kind == "available":
                 files.event({"time_s": self._now(), "kind": "trace_available",

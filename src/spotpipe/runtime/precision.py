@@ -19,8 +19,8 @@ from torch import Tensor, nn
 from spotpipe.config import Config
 from spotpipe.model.precision import DTYPES, Draws, Precision, loss_of, run_layers
 
-__all__ = ["DTYPES", "Draws", "Precision", "SCALER_STATE", "current_scale", "init_loss_scale", "loss_of", "run_layers",
-           "unscale", "update_scale"]
+__all__ = ["DTYPES", "Draws", "Precision", "SCALER_STATE", "current_scale", "init_loss_scale",
+           "loss_of", "run_layers", "unscale", "update_scale"]
 
 
 SCALER_STATE = ("loss_scale", "loss_scale_growth")  # its names in a parameter's state

@@ -29,7 +29,8 @@ def run_table(results: list[Result]) -> str:
         total = sum(r.breakdown.values()) or 1.0
         pct = [100.0 * r.breakdown[k] / total
                for k in ("useful", "redundant", "recovering", "restarting", "idle")]
-        rows.append([r.policy, f"{r.throughput:.2f}", f"{r.cost_per_hour:.2f}", f"{r.value:.3g}" if bamboo else f"{r.value:.0f}",
+        value = f"{r.value:.3g}" if bamboo else f"{r.value:.0f}"
+        rows.append([r.policy, f"{r.throughput:.2f}", f"{r.cost_per_hour:.2f}", value,
                      str(r.preemptions), str(r.fatal_failures)] + [f"{p:.1f}" for p in pct])
     return format_table(head, rows)
 
