@@ -67,8 +67,8 @@ class _TokenChunks:
             at = start + int(np.argmax(window >= self.vocab_size))
             raise DataError(
                 f"data file {self.source}: sample {i} holds token id {int(self.tokens[at])} "
-                f"(token {at} of the file), beyond the model's vocabulary of {self.vocab_size}: a file of "
-                "another dtype or tokenizer?")
+                f"(token {at} of the file), beyond the model's vocabulary of {self.vocab_size}: "
+                "a file of another dtype or tokenizer?")
         chunk = torch.from_numpy(np.array(window, dtype=np.int64))
         return chunk[:-1], chunk[1:]
 
