@@ -28,13 +28,14 @@ checkpoint-restart and over on-demand.
 Why the ratios differ from the paper (3.7x the throughput of checkpointing, 2.4x lower cost
 than on-demand): value vs on-demand = (spot price ratio 3.33) x (spot throughput / on-demand
 throughput) x (on-demand nodes / spot nodes held). Lazy redundancy costs 3 % (measured) and a
-takeover is followed by a re-partition in place, so spotpipe keeps about 3x on-demand's value
-at every rate; with eager FRC our timing model charges FRC its full cost where 1F1B's bubbles
+takeover is followed by a re-partition in place, so spotpipe keeps about 2.9x on-demand's value
+at every rate (3.0-3.2x on the flat synthetic model before 2026-12-06, whose clusters started
+full); with eager FRC our timing model charges FRC its full cost where 1F1B's bubbles
 cannot hold it (M = 32 micro-batches per pipeline at D = 3: bubbles are 18 % of the iteration,
 FRC a third of the compute, which FRC placed by the parameters each layer multiplies by
-partly fits), and value drops to 2.6-2.9x (the paper: 2.4x).
+partly fits), and value drops to 2.5-2.6x (the paper: 2.4x).
 Throughput vs checkpoint-restart depends almost entirely on the rate and on the baseline's
-restart (300 s) and checkpoint interval (30 min): about 1.1x at 0.01, 2x at 0.10, 13x at 0.5.
+restart (300 s) and checkpoint interval (30 min): about 1.1x at 0.01, 1.8x at 0.10, 15x at 0.5.
 """
 
 from __future__ import annotations
