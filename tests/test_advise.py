@@ -12,7 +12,7 @@ from spotpipe.sim.itertime import iteration_time
 from spotpipe.sim.models import gpt2_1_5b
 from spotpipe.sim.params import SimConfig, SimParams
 from spotpipe.sim.prices import price_of
-from spotpipe.sim.synthetic import bamboo_trace, poisson_trace
+from spotpipe.sim.synthetic import poisson_trace, simple_trace
 
 CFG = SimConfig(gpt2_1_5b(), price_of("p3.2xlarge"), 8, 2,
                 params=SimParams(checkpoint_cost_s=10.0))
@@ -34,7 +34,7 @@ def test_spot_when_preemptions_are_rare_and_the_clear_winner_is_picked():
     spot (a third of the price), without redundancy or shadows (they only cost), with the
     longest checkpoint interval (each checkpoint stalls 10 s), on all 16 nodes, in the layout
     that iterates fastest (all nodes are billed whether used or not)."""
-    trace = bamboo_trace(0.0, 3, 16, seed=0)
+    trace = simple_trace(0.0, 3, 16, seed=0)
     ranked = ranked_on(trace)
     best = ranked[0].candidate
     assert (best.market, best.redundancy, best.shadows) == ("spot", "none", False)
@@ -48,7 +48,7 @@ def test_spot_when_preemptions_are_rare_and_the_clear_winner_is_picked():
 
 
 def test_never_picks_a_layout_that_does_not_fit():
-    trace = bamboo_trace(0.25, 2, 16, seed=1)
+    trace = simple_trace(0.25, 2, 16, seed=1)
     ranked = ranked_on(trace)
     refused = [r for r in ranked if r.refused]
     assert refused and all("does not fit" in r.refused for r in refused)
@@ -63,7 +63,7 @@ def test_never_picks_a_layout_that_does_not_fit():
 
 
 def test_young_daly():
-    trace = bamboo_trace(0.25, 2, 16, seed=1)
+    trace = simple_trace(0.25, 2, 16, seed=1)
     mtbf = trace.duration_s / trace.removals
     assert young_daly_interval(CFG, trace) == pytest.approx((2 * 10.0 * mtbf) ** 0.5)
     assert young_daly_interval(SimConfig(gpt2_1_5b(), price_of("p3.2xlarge")), trace) is None

@@ -30,7 +30,7 @@ from spotpipe.sim.bench import bench_config
 from spotpipe.sim.planmemo import settle_steps
 from spotpipe.sim.policies import Planner
 from spotpipe.sim.simulator import run, run_policies
-from spotpipe.sim.synthetic import bamboo_trace
+from spotpipe.sim.synthetic import simple_trace
 from spotpipe.sim.traces import load_trace
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sim_outputs.json"
@@ -77,7 +77,7 @@ def _generate():
             yield f"{name}/{cfg_name}", trace, cfg, None
     lazy, shadows = _configs()["lazy"], _configs()["lazy_shadows"]
     for rate, seed in SYNTHETIC:
-        trace = bamboo_trace(rate, 3.0, lazy.nodes, seed)
+        trace = simple_trace(rate, 3.0, lazy.nodes, seed)
         yield f"synthetic-{rate}-{seed}/lazy", trace, lazy, 3.0
         yield f"synthetic-{rate}-{seed}/lazy_shadows", trace, shadows, 3.0
 
@@ -139,7 +139,7 @@ def test_the_shape_memo_decides_as_the_planner_does(cfg_name):
     replays = 0
     for rate in (0.1, 0.5):
         for seed in range(12):
-            trace = bamboo_trace(rate, 3.0, cfg.nodes, 100 + seed)
+            trace = simple_trace(rate, 3.0, cfg.nodes, 100 + seed)
             run(trace, "spotpipe", cfg, record=False, planner=_Recording(calls))
     for layout, lost, ready, rules, move, names in calls:
         want = [(d.action, d.needs_restore, before.num_pipelines > 0, d.layout.to_json())
@@ -153,7 +153,7 @@ def test_the_shape_memo_decides_as_the_planner_does(cfg_name):
 def test_results_with_and_without_the_memo_are_equal():
     cfg = _configs()["lazy_shadows"]
     for seed in range(6):
-        trace = bamboo_trace(0.25, 3.0, cfg.nodes, 200 + seed)
+        trace = simple_trace(0.25, 3.0, cfg.nodes, 200 + seed)
         on = run(trace, "spotpipe", cfg, planner=Planner(memo=True))
         off = run(trace, "spotpipe", cfg, planner=Planner(memo=False))
         assert (on.samples, on.dollars, on.breakdown, on.shapes) == \

@@ -15,7 +15,7 @@ from spotpipe.sim.params import SimConfig, SimParams, calibrate
 from spotpipe.sim.prices import load_prices, price_of
 from spotpipe.sim.simulator import on_demand_closed_form, run, run_policies
 from spotpipe.sim.sweep import SweepSpec, run_sweep
-from spotpipe.sim.synthetic import bamboo_trace
+from spotpipe.sim.synthetic import bamboo_trace, simple_trace
 from spotpipe.sim.traces import find_trace, load_trace, parse_event_csv
 
 SPOT = ["spotpipe", "bamboo", "checkpoint_restart"]
@@ -40,7 +40,7 @@ def billed(trace, price: float, end: float) -> float:
 
 @pytest.mark.parametrize("trace_name", ["bamboo-p3.csv", "bamboo-g4dn.csv", "synthetic"])
 def test_never_uses_more_nodes_than_offered_and_bills_only_held(trace_name):
-    trace = bamboo_trace(0.5, 4, 32, seed=7) if trace_name == "synthetic" \
+    trace = simple_trace(0.5, 4, 32, seed=7) if trace_name == "synthetic" \
         else load_trace(trace_name)
     cfg = gpt_cfg()
     for name, r in run_policies(trace, SPOT, cfg).items():
@@ -58,7 +58,7 @@ def test_never_uses_more_nodes_than_offered_and_bills_only_held(trace_name):
 def test_on_demand_equals_closed_form():
     cfg = gpt_cfg(num_stages=8, num_pipelines=2)
     hours = 7.5
-    r = run(bamboo_trace(0.5, hours, 16, 0), "on_demand", cfg, duration_s=hours * 3600)
+    r = run(simple_trace(0.5, hours, 16, 0), "on_demand", cfg, duration_s=hours * 3600)
     it = iteration_time(cfg.model, cfg.schedule, 8, 2, ((),), False)
     start = cfg.params.boot_s + cfg.params.rendezvous_s
     assert r.samples == pytest.approx((hours * 3600 - start) / it * BATCH)
@@ -69,7 +69,7 @@ def test_on_demand_equals_closed_form():
 
 
 def test_spot_without_preemptions_runs_at_redundant_speed():
-    trace = bamboo_trace(0.0, 2, 32, 0)
+    trace = simple_trace(0.0, 2, 32, 0)
     cfg = gpt_cfg()
     results = run_policies(trace, SPOT, cfg)
     red = iteration_time(cfg.model, "1f1b", 8, 4, ((),), True)
@@ -83,19 +83,19 @@ def test_spot_without_preemptions_runs_at_redundant_speed():
 
 def test_deterministic_per_seed():
     cfg = gpt_cfg()
-    a = run_policies(bamboo_trace(0.25, 3, 32, 11), SPOT, cfg)
-    b = run_policies(bamboo_trace(0.25, 3, 32, 11), SPOT, cfg)
-    c = run_policies(bamboo_trace(0.25, 3, 32, 12), SPOT, cfg)
+    a = run_policies(simple_trace(0.25, 3, 32, 11), SPOT, cfg)
+    b = run_policies(simple_trace(0.25, 3, 32, 11), SPOT, cfg)
+    c = run_policies(simple_trace(0.25, 3, 32, 12), SPOT, cfg)
     for name in SPOT:
         assert a[name].summary() == b[name].summary()
         assert a[name].samples != c[name].samples
     # sharing decisions between spotpipe and bamboo changes nothing
-    alone = run(bamboo_trace(0.25, 3, 32, 11), "bamboo", cfg)
+    alone = run(simple_trace(0.25, 3, 32, 11), "bamboo", cfg)
     assert alone.summary() == a["bamboo"].summary()
 
 
 def test_spotpipe_runs_its_redundancy_bamboo_eager_as_published():
-    trace = bamboo_trace(0.0, 2, 32, 0)
+    trace = simple_trace(0.0, 2, 32, 0)
     lazy = gpt_cfg(redundancy="lazy", params=SimParams(lazy_ratio=0.95))
     res = run_policies(trace, ["spotpipe", "bamboo"], lazy)
     plain = iteration_time(lazy.model, "1f1b", 8, 4, ((),), False)
@@ -119,7 +119,7 @@ def test_spotpipe_runs_its_redundancy_bamboo_eager_as_published():
 
 
 def test_measured_shape_times_replace_the_timing_model():
-    trace = bamboo_trace(0.0, 1, 8, 0)
+    trace = simple_trace(0.0, 1, 8, 0)
     cfg = gpt_cfg(num_stages=4, num_pipelines=2, redundancy="none",
                   shape_times=(((4, 2, ((), ())), 2.0),))
     r = run(trace, "spotpipe", cfg)
@@ -338,7 +338,7 @@ def test_calibrated_shape_times_apply_to_every_policy(tmp_path):
     cfg = gpt_cfg(num_stages=8, num_pipelines=2, shape_times=shapes, params=calibrate(cal))
     od = on_demand_closed_form(cfg, 3600.0)
     assert od["iteration_s"] == 3.0
-    trace = bamboo_trace(0.0, 1, 16, 0)
+    trace = simple_trace(0.0, 1, 16, 0)
     cr = run(trace, "checkpoint_restart", cfg)
     running = 3600 - cfg.params.boot_s - cfg.params.rendezvous_s
     assert cr.samples == pytest.approx(running / 3.0 * BATCH)

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from spotpipe.sim.synthetic import bamboo_trace, fixed_interval_trace, poisson_trace
+from spotpipe.sim.synthetic import (bamboo_trace, fixed_interval_trace, poisson_trace,
+                                    simple_trace)
 from spotpipe.sim.traces import ADD, REMOVE, TraceError, find_trace, load_trace
 
 
@@ -199,7 +200,8 @@ def test_synthetic_traces_are_deterministic_and_consistent():
     b = bamboo_trace(0.25, 5, 16, seed=3)
     c = bamboo_trace(0.25, 5, 16, seed=4)
     assert a.events == b.events and a.events != c.events
-    for tr in (a, poisson_trace(0.5, 5, 16, 1), fixed_interval_trace(600, 5, 16)):
+    for tr in (a, simple_trace(0.25, 5, 16, 3), poisson_trace(0.5, 5, 16, 1),
+               fixed_interval_trace(600, 5, 16)):
         live: set[str] = set()
         for ev in tr.events:  # a valid trace never removes an absent node
             if ev.kind == ADD:
@@ -210,9 +212,12 @@ def test_synthetic_traces_are_deterministic_and_consistent():
                 live.remove(ev.node)
             assert len(live) <= 16
     assert bamboo_trace(0.0, 5, 16, 0).removals == 0
-    assert bamboo_trace(1.0, 1, 16, 0).removals == 16
+    assert simple_trace(0.0, 5, 16, 0).removals == 0
+    assert simple_trace(1.0, 1, 16, 0).removals == 16  # it starts full
     with pytest.raises(ValueError):
         bamboo_trace(1.5, 1, 4, 0)
+    with pytest.raises(ValueError):
+        simple_trace(1.5, 1, 4, 0)
 
 
 def test_traces_are_found_beside_the_checkout_or_in_the_package(tmp_path, monkeypatch):

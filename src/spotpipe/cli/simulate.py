@@ -19,11 +19,11 @@ from spotpipe.sim.params import SimConfig, SimParams, calibrate, calibrate_shape
 from spotpipe.sim.policies import ALL_POLICIES
 from spotpipe.sim.prices import price_of
 from spotpipe.sim.sweep import DEFAULT_RATES, SweepSpec
-from spotpipe.sim.synthetic import (bamboo_trace, check_bamboo, fixed_interval_trace,
-                                    poisson_trace)
+from spotpipe.sim.synthetic import (ADD_PROBABILITIES, SYNTHETIC_MODELS, SyntheticModel,
+                                    fixed_interval_trace, poisson_trace)
 from spotpipe.sim.traces import Trace, TraceError, load_trace
 
-SYNTHETIC = ("bamboo", "poisson", "fixed")
+SYNTHETIC = ("bamboo", "simple", "poisson", "fixed")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -32,9 +32,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--trace", metavar="FILE", help="preemption trace (event CSV, tick JSON, "
                      "or dated count series)")
-    src.add_argument("--synthetic", choices=SYNTHETIC, help="generate a trace instead")
+    src.add_argument("--synthetic", choices=SYNTHETIC, help="generate a trace instead "
+                     "(default for --table and without --trace: bamboo, Bamboo's simulator's "
+                     "model; simple: the cluster starts full, each missing node granted "
+                     "with probability 0.5 an hour)")
     p.add_argument("--rate", type=finite_number, default=0.1,
-                   help="hourly preemption probability (bamboo), rate per hour (poisson)")
+                   help="hourly preemption probability (bamboo, simple), rate per hour "
+                        "(poisson)")
+    p.add_argument("--add-probabilities", choices=ADD_PROBABILITIES, default=None,
+                   help="bamboo: each hour of the day's grant probability, drawn uniformly "
+                        "per seed as Bamboo's 10,000-seed table does (drawn, the default), or "
+                        "Bamboo's fixed table (hourly: 0.05, 0.5 at 3-5 h, 0 at 15-22 h)")
+    p.add_argument("--start-hour", type=int, default=None, help="bamboo: the hour of the "
+                   "day the trace starts at, 0-23 (default 0, as Bamboo's table)")
     p.add_argument("--interval", type=positive_number, default=1800.0, help="seconds between "
                    "preemptions (--synthetic fixed)")
     p.add_argument("--hours", type=positive_number, default=None, help="simulated hours (default: the "
@@ -187,15 +197,17 @@ def _prepare(args: argparse.Namespace) -> tuple[SimConfig, Any]:
             raise UsageError("--seeds and --processes must be >= 1")
         rates = _rates(args.rates)
         hours, nodes = args.hours or 3.0, args.nodes or cfg.nodes
+        synthetic = _synthetic_model(args)
         try:
-            check_bamboo(max(rates), hours, nodes)
+            synthetic.check(max(rates), hours, nodes)
         except ValueError as exc:
-            raise UsageError(f"--table --hours {hours:g} --nodes {nodes}: {exc}") from None
+            raise UsageError(f"--table --synthetic {synthetic.model} --hours {hours:g} "
+                             f"--nodes {nodes}: {exc}") from None
         policies = ALL_POLICIES if args.policy == "all" else ("on_demand", args.policy) \
             if args.policy != "on_demand" else ("on_demand",)
         policies = tuple(dict.fromkeys(policies))
         check_policies(cfg, policies)
-        return cfg, SweepSpec(cfg, rates, args.seeds, hours, args.nodes,
+        return cfg, SweepSpec(cfg, rates, args.seeds, hours, args.nodes, synthetic,
                               policies=policies, processes=args.processes)
     trace = _trace(args, cfg)
     policies = list(ALL_POLICIES) if args.policy == "all" else [args.policy]
@@ -203,7 +215,30 @@ def _prepare(args: argparse.Namespace) -> tuple[SimConfig, Any]:
     return cfg, (trace, args.hours, policies)
 
 
+def _synthetic_model(args: argparse.Namespace) -> SyntheticModel:
+    """The generator --table or a synthetic run draws from; Bamboo's settings are refused
+    where no Bamboo trace is generated, rather than silently ignored."""
+    kind = args.synthetic or "bamboo"
+    bamboo_flags = [f for f, v in (("--add-probabilities", args.add_probabilities),
+                                   ("--start-hour", args.start_hour)) if v is not None]
+    if bamboo_flags and (args.trace or kind != "bamboo"):
+        source = f"--trace {args.trace}" if args.trace else f"--synthetic {kind}"
+        one = len(bamboo_flags) == 1
+        raise UsageError(f"{' and '.join(bamboo_flags)} {'sets' if one else 'set'} Bamboo's "
+                         f"synthetic model; {source} does not take "
+                         f"{'it' if one else 'them'}")
+    if args.table and kind not in SYNTHETIC_MODELS:
+        raise UsageError(f"--table draws {' or '.join(SYNTHETIC_MODELS)} traces, not "
+                         f"--synthetic {kind}")
+    if args.start_hour is not None and not 0 <= args.start_hour <= 23:
+        raise UsageError(f"--start-hour must be an hour of the day, 0 to 23, got "
+                         f"{args.start_hour}")
+    return SyntheticModel(kind if kind in SYNTHETIC_MODELS else "bamboo",
+                          args.add_probabilities or "drawn", args.start_hour or 0)
+
+
 def _trace(args: argparse.Namespace, cfg: SimConfig) -> Trace:
+    synthetic = _synthetic_model(args)
     if args.trace:
         return load_trace(args.trace, victims=args.victims, seed=args.seed)
     kind = args.synthetic or "bamboo"
@@ -211,8 +246,8 @@ def _trace(args: argparse.Namespace, cfg: SimConfig) -> Trace:
     nodes = args.nodes or cfg.nodes
     flags = f"--synthetic {kind} --hours {hours:g} --nodes {nodes}"
     try:
-        if kind == "bamboo":
-            return bamboo_trace(args.rate, hours, nodes, args.seed)
+        if kind in SYNTHETIC_MODELS:
+            return synthetic.trace(args.rate, hours, nodes, args.seed)
         if kind == "poisson":
             return poisson_trace(args.rate, hours, nodes, args.seed)
         return fixed_interval_trace(args.interval, hours, nodes)

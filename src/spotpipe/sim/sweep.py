@@ -21,7 +21,7 @@ from spotpipe.sim.params import SimConfig
 from spotpipe.sim import itertime
 from spotpipe.sim.policies import Planner
 from spotpipe.sim.simulator import instants_of, on_demand, run
-from spotpipe.sim.synthetic import bamboo_trace
+from spotpipe.sim.synthetic import SyntheticModel
 
 DEFAULT_RATES = (0.01, 0.05, 0.10, 0.25, 0.50)
 SPOT_POLICIES = ("spotpipe", "bamboo", "checkpoint_restart")
@@ -35,7 +35,7 @@ class SweepSpec:
     seeds: int = 10000
     hours: float = 3.0  # per run; see bench.py for why the table uses 3 h runs
     nodes: int = 0  # trace target size; 0: the configured P x D
-    add_probability: float = 0.5
+    synthetic: SyntheticModel = SyntheticModel()  # Bamboo's model unless told
     policies: tuple[str, ...] = SPOT_POLICIES + ("on_demand",)
     processes: int = 2
     # spotpipe once more per mode here, on the same traces and sharing its decisions (rows
@@ -53,7 +53,7 @@ def _chunk(args: tuple[SweepSpec, float, int, int]) -> "dict[str, np.ndarray]":
     nodes = spec.nodes or spec.cfg.nodes
     end = spec.hours * 3600.0
     for i, seed in enumerate(range(lo, hi)):
-        trace = bamboo_trace(rate, spec.hours, nodes, seed, spec.add_probability)
+        trace = spec.synthetic.trace(rate, spec.hours, nodes, seed)
         planner = Planner()
         instants = instants_of(trace, spec.cfg.params.boot_s, end)
         runs = [(name, name, spec.cfg) for name in spot]
@@ -111,7 +111,7 @@ def run_sweep(spec: SweepSpec) -> dict:
     return {"rows": rows, "seconds": time.perf_counter() - start,
             "cpu_seconds": _cpu_seconds() - cpu0, "seeds": spec.seeds,
             "hours": spec.hours, "rates": list(spec.rates),
-            "nodes": spec.nodes or spec.cfg.nodes, "add_probability": spec.add_probability}
+            "nodes": spec.nodes or spec.cfg.nodes, "synthetic": spec.synthetic.describe()}
 
 
 def _cpu_seconds() -> float:

@@ -5,9 +5,18 @@ cannot tell synthetic from real. They use `random.Random(seed)` (not numpy): at 
 draws per trace the pure-Python generator is faster than numpy's per-call overhead, and it is
 deterministic across platforms for a given seed.
 
-- `bamboo_trace`: the model of Bamboo's simulator. Hour by hour, every node held at the start
-  of the hour is preempted with probability `rate` at a uniform time in that hour, and every
-  missing node (below the target size) is granted with probability `add_probability`.
+- `bamboo_trace`: the model of Bamboo's simulator (uclasystem/bamboo,
+  project_pactum/simulation/simulator.py, `Simulator.generate_spot_instance_events`), rule
+  for rule and, as it also draws from `random.Random(seed)`, draw for draw. At t = 0 each
+  node is granted with the start hour's add probability. At each whole hour every node held
+  draws its removal (probability `rate`, a whole second of the hour); one grant is drawn per
+  missing node plus per removal drawn, with the hour of day's add probability (24 drawn per
+  seed, or Bamboo's fixed table); in time order, a grant while the cluster is full is
+  dropped, and a node granted may be removed in the same hour.
+- `simple_trace`: the model this project used before (not Bamboo's): the cluster starts
+  full; hour by hour every node held at the start of the hour is preempted with probability
+  `rate` at a uniform time in that hour, and every node missing at the start is granted
+  with probability `add_probability` (0.5). The simulator's recorded figures use it.
 - `poisson_trace`: exponential lifetimes (mean 1/rate hours) per node slot, a replacement
   after an exponential wait.
 - `fixed_interval_trace`: one preemption every `interval_s`, the oldest node first, its
@@ -16,9 +25,14 @@ deterministic across platforms for a given seed.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import random
+from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Protocol
 
 from spotpipe.sim.traces import ADD, MAX_NODES, REMOVE, Event, Trace
 
@@ -46,11 +60,187 @@ def _bound(steps: float, what: str, fix: str, nodes: int) -> None:
                          f"may take; {fix}")
 
 
+# Bamboo's probability that a missing node is granted, by hour of day: the table its
+# Simulator.__init__ uses unless generate_addition_probabilities is set
+# (project_pactum/simulation/simulator.py; hours 3-5 are 0.5, 15-22 are 0)
+BAMBOO_HOURLY_ADD: tuple[float, ...] = (0.05,) * 3 + (0.5,) * 3 + (0.05,) * 9 + (0.0,) * 8 \
+    + (0.05,)
+# "drawn": 24 uniform draws per seed (generate_addition_probabilities=True, what Bamboo's own
+# 10,000-seed table, api.generate_table, runs); "hourly": BAMBOO_HOURLY_ADD
+ADD_PROBABILITIES = ("drawn", "hourly")
+SECONDS_PER_HOUR = 3600  # Bamboo draws event times as whole seconds: randrange(0, 3600)
+
+
+class Stream(Protocol):
+    """The two draws Bamboo's generator makes (`random.Random`'s), so a test can script them."""
+
+    def random(self) -> float: ...
+
+    def randrange(self, start: int, stop: int) -> int: ...
+
+
 def bamboo_trace(rate: float, hours: float, nodes: int, seed: int,
+                 add_probabilities: str = "drawn", start_hour: int = 0) -> Trace:
+    """Bamboo's synthetic preemptions, rule for rule and draw for draw: its simulator seeded
+    with `seed` (`Simulator(seed, start_hour, generate_addition_probabilities=
+    add_probabilities == "drawn", removal_probability=rate)` at capacity `nodes`) generates
+    these events, the same times, kinds and names (`node1`, `node2`, ...), except which of
+    the nodes granted at t = 0 a removal names (its heap pops those in an arbitrary order).
+    Unlike `simple_trace` the cluster does not start full: each node is granted at t = 0
+    with the start hour's add probability."""
+    check_bamboo(rate, hours, nodes, add_probabilities, start_hour)
+    events = bamboo_events(random.Random(seed), rate, hours, nodes, add_probabilities,
+                           start_hour)
+    return Trace(events, f"bamboo(rate={rate},seed={seed},add={add_probabilities},"
+                         f"start_hour={start_hour})", hours * HOUR)
+
+
+def check_bamboo(rate: float, hours: float, nodes: int, add_probabilities: str = "drawn",
+                 start_hour: int = 0) -> None:
+    """The arguments of `bamboo_trace`, checked without generating (a sweep checks them
+    before it starts its processes)."""
+    _validate(rate, hours, nodes)
+    if add_probabilities not in ADD_PROBABILITIES:
+        raise ValueError(f"add_probabilities must be one of {', '.join(ADD_PROBABILITIES)}, "
+                         f"got {add_probabilities!r}")
+    if isinstance(start_hour, bool) or not isinstance(start_hour, int) \
+            or not 0 <= start_hour <= 23:
+        raise ValueError(f"start_hour must be an hour of the day, 0 to 23, got {start_hour!r}")
+    # (a node-hour takes at most three pairs of draws: its removal, its replacement's grant
+    # and that one's removal)
+    _bound(nodes * math.ceil(hours), f"{nodes} nodes for {hours:g} h are node-hours to draw:",
+           "use fewer hours or nodes", nodes)
+
+
+def bamboo_events(rng: Stream, rate: float, hours: float, nodes: int,
+                  add_probabilities: str = "drawn", start_hour: int = 0) -> list[Event]:
+    """The events of `bamboo_trace` from any stream of draws, in Bamboo's order of draws:
+    the add probabilities (Simulator.__init__), the grants at t = 0
+    (generate_spot_instance_initial_events), then hour by hour
+    (generate_spot_instance_events, run at each whole hour); events at or after the end
+    are left out, as its event loop stops there."""
+    add = hourly_add_probabilities(rng, add_probabilities)
+    names = (f"node{i}" for i in itertools.count(1))  # Simulator.get_spot_instance_next_name
+    held: dict[str, None] = {}  # insertion-ordered, as its spot_instances dict
+    events = _initial_grants(rng, add[start_hour], nodes, names, held)
+    end = hours * HOUR
+    h = 0
+    while h * HOUR < end:
+        hour = _bamboo_hour(rng, held, h * HOUR, add[(start_hour + h) % 24], rate, nodes,
+                            names)
+        events += [e for e in hour if e.time_s < end]
+        h += 1
+    return events
+
+
+def hourly_add_probabilities(rng: Stream, add_probabilities: str) -> tuple[float, ...]:
+    """The add probability of each hour of the day. "drawn" takes the stream's first 24
+    draws, as Simulator.generate_probabilities does in its constructor before any event."""
+    if add_probabilities == "hourly":
+        return BAMBOO_HOURLY_ADD
+    return tuple(rng.random() for _ in range(24))
+
+
+def _draw_time(rng: Stream, p: float, base: float) -> float | None:
+    """Simulator.generate_spot_instance_probability_delta: with probability p (one draw,
+    `p > random()`), a whole second of the hour starting at `base` (a second draw)."""
+    if p > rng.random():
+        return base + rng.randrange(0, SECONDS_PER_HOUR)
+    return None
+
+
+def _initial_grants(rng: Stream, p: float, nodes: int, names: Iterator[str],
+                    held: dict[str, None]) -> list[Event]:
+    """generate_spot_instance_initial_events: each of the `nodes` slots is granted at t = 0
+    with the start hour's add probability, one draw each."""
+    events = []
+    for _ in range(nodes):
+        if p > rng.random():
+            name = next(names)
+            held[name] = None
+            events.append(Event(0.0, ADD, name))
+    return events
+
+
+def _bamboo_hour(rng: Stream, held: dict[str, None], base: float, p_add: float,
+                 p_remove: float, nodes: int, names: Iterator[str]) -> list[Event]:
+    """One hour of generate_spot_instance_events. Every node held at the hour's start draws
+    its removal; then one grant is drawn per node missing at the start plus per removal
+    drawn (the most the hour can use). Both are merged in time order (a removal first only
+    if strictly earlier): a grant while `nodes` are held is dropped, else it names the
+    next node, which draws its own removal in this hour, kept if not before its grant."""
+    removals = []
+    for name in held:
+        t = _draw_time(rng, p_remove, base)
+        if t is not None:
+            removals.append((t, name))
+    heapq.heapify(removals)
+    grants = []
+    for _ in range(nodes - len(held) + len(removals)):
+        t = _draw_time(rng, p_add, base)
+        if t is not None:
+            grants.append(t)
+    heapq.heapify(grants)
+    events = []
+    while removals or grants:
+        if removals and (not grants or removals[0][0] < grants[0]):
+            t, name = heapq.heappop(removals)
+            del held[name]
+            events.append(Event(t, REMOVE, name))
+            continue
+        t = heapq.heappop(grants)
+        if len(held) == nodes:
+            continue  # at capacity: skipped, no name used
+        name = next(names)
+        held[name] = None
+        events.append(Event(t, ADD, name))
+        gone = _draw_time(rng, p_remove, base)
+        if gone is not None and gone >= t:
+            heapq.heappush(removals, (gone, name))
+    return events
+
+
+SYNTHETIC_MODELS = ("bamboo", "simple")
+
+
+@dataclass(frozen=True)
+class SyntheticModel:
+    """Which generator draws a rates x seeds table's traces, with its settings (a sweep
+    carries it into its worker processes)."""
+
+    model: str = "bamboo"
+    add_probabilities: str = "drawn"  # bamboo's
+    start_hour: int = 0  # bamboo's
+    add_probability: float = 0.5  # simple's
+
+    def check(self, rate: float, hours: float, nodes: int) -> None:
+        if self.model == "bamboo":
+            check_bamboo(rate, hours, nodes, self.add_probabilities, self.start_hour)
+        elif self.model == "simple":
+            check_simple(rate, hours, nodes, self.add_probability)
+        else:
+            raise ValueError(f"synthetic model must be one of {', '.join(SYNTHETIC_MODELS)}, "
+                             f"got {self.model!r}")
+
+    def trace(self, rate: float, hours: float, nodes: int, seed: int) -> Trace:
+        if self.model == "simple":
+            return simple_trace(rate, hours, nodes, seed, self.add_probability)
+        return bamboo_trace(rate, hours, nodes, seed, self.add_probabilities, self.start_hour)
+
+    def describe(self) -> dict:
+        """The settings that apply to this model, for a sweep's output."""
+        if self.model == "simple":
+            return {"model": "simple", "add_probability": self.add_probability}
+        return {"model": "bamboo", "add_probabilities": self.add_probabilities,
+                "start_hour": self.start_hour}
+
+
+def simple_trace(rate: float, hours: float, nodes: int, seed: int,
                  add_probability: float = 0.5) -> Trace:
     """Hourly preemption probability `rate` per node, hourly grant probability per missing
-    node; the cluster starts full at t = 0."""
-    check_bamboo(rate, hours, nodes, add_probability)
+    node; the cluster starts full at t = 0. Not Bamboo's model (see `bamboo_trace`): kept
+    because the simulator's recorded figures and tests were computed on it."""
+    check_simple(rate, hours, nodes, add_probability)
     rng = random.Random(seed)
     rnd = rng.random
     events, held = _full_start(nodes)
@@ -80,11 +270,11 @@ def bamboo_trace(rate: float, hours: float, nodes: int, seed: int,
         events += hour_events
         held = keep
         h += 1
-    return Trace(events, f"bamboo(rate={rate},seed={seed})", end)
+    return Trace(events, f"simple(rate={rate},seed={seed})", end)
 
 
-def check_bamboo(rate: float, hours: float, nodes: int, add_probability: float = 0.5) -> None:
-    """The arguments of `bamboo_trace`, checked without generating (a sweep checks them
+def check_simple(rate: float, hours: float, nodes: int, add_probability: float = 0.5) -> None:
+    """The arguments of `simple_trace`, checked without generating (a sweep checks them
     before it starts its processes)."""
     _validate(rate, hours, nodes)
     if not 0.0 <= add_probability <= 1.0:
