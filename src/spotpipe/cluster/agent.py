@@ -66,9 +66,10 @@ from spotpipe.cluster.agent_options import (AgentError, AgentOptions, check_opti
                                             parse_nnodes)
 from spotpipe.cluster.launcher import LaunchError, check_resume, prepare, search_path
 from spotpipe.cluster.office import Office
-from spotpipe.cluster.rendezvous import (ALL_LEFT, ARRIVALS, JOB, LEFT, OVER, agent_key,
-                                         assign_key, connect_rendezvous, proof_key,
-                                         read_record, read_vouched, wait_get, write_atomic)
+from spotpipe.cluster.rendezvous import (ALL_LEFT, ARRIVALS, JOB, LEFT, agent_key,
+                                         assign_key, connect_rendezvous, posted_over,
+                                         proof_key, read_record, read_vouched, wait_get,
+                                         write_atomic)
 from spotpipe.cluster.supervisor import WORKER, Supervisor, starter, worker_env
 from spotpipe.config import Config
 from spotpipe.model import template
@@ -139,7 +140,7 @@ class Agent:
             self.say(f"refused: the job at this rendezvous (--rdzv-id {opts.rdzv_id}) was not "
                      "started with this SPOTPIPE_JOIN_TOKEN; this agent did not join it")
             return 2
-        if store.check([OVER]):
+        if posted_over(store, self.token, opts.rdzv_id) is not None:
             self.say(f"job {opts.rdzv_id} is over already")
             return 1
         answer = self._assignment(store, me)
@@ -190,14 +191,10 @@ class Agent:
         assert isinstance(answer, Assignment)
         return answer
 
-    def _job_over(self, store: dist.Store) -> JobOver:
-        """The job's end; a record without the job's proof reads as a failure saying so."""
-        try:
-            over = read_vouched(store, OVER, self.token, self.opts.rdzv_id, JobOver)
-        except MessageError as exc:
-            return JobOver("failed", f"the job's end record is not the coordinator's ({exc})")
-        assert isinstance(over, JobOver)
-        return over
+    def _job_over(self, store: dist.Store) -> JobOver | None:
+        """The job's end as its coordinator posted it; None while there is none (a record at
+        its key without the job's proof is no end: `Office.wait_over` waited past it)."""
+        return posted_over(store, self.token, self.opts.rdzv_id)
 
     def _work(self, store: dist.Store, posted: JobPosted, answer: Assignment) -> int:
         """Run this host's workers until the job is over; the job's outcome as exit code."""
@@ -297,7 +294,7 @@ class Agent:
             # (a connection of its own: the one given is held by the wait for the job's end,
             # abandoned, and a TCPStore client answers its calls in turn)
             store = self.address.connect(self.timeout_s)
-            if not store.check([OVER]):
+            if self._job_over(store) is None:
                 store.add(LEFT, 1)  # one of the agents that confirm the job's end (answering)
                 handed = (" and it handed the coordinator's office on (another agent "
                           "coordinates from its books)" if self.office.coordinating is not None
@@ -305,9 +302,9 @@ class Agent:
                 self.say("left the job on this host's preemption notice: its workers have "
                          f"left{handed}, and the job goes on without them")
                 return 0
-        if not store.check([OVER]):  # deposed: the job goes on without this host
-            return 1
         over = self._job_over(store)
+        if over is None:  # deposed: the job goes on without this host
+            return 1
         coordinating = self.office.coordinating is not None
         leadership = self.office.leadership
         last = store.add(LEFT, 1) >= over.agents
@@ -475,7 +472,7 @@ class Agent:
                 if self._signalling:  # the host leaves, or the job ended
                     return
                 store = self.address.connect(self.timeout_s)
-                if store.check([OVER]):
+                if self._job_over(store) is not None:
                     return
                 me = self._arrive(store, rejoin_of=self.me, nproc=1)
                 answer = self._assignment(store, me) or Assignment(refused="no answer")

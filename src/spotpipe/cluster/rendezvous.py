@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from spotpipe.config import Config, parse_endpoint
 from spotpipe.protocol import (JobOver, Message, MessageError, from_plain, keys, plain, vouch,
                                vouched)
 from spotpipe.store.address import StoreAddress, host_tcp_store, job_prefix
+from spotpipe.store.waiting import wait_unbounded
 
 ARRIVALS, COORDINATOR, JOB, OVER = keys.ARRIVALS, keys.COORDINATOR, keys.JOB, keys.OVER
 LEFT, ALL_LEFT = keys.LEFT, keys.ALL_LEFT
@@ -75,6 +78,49 @@ def read_vouched(store: dist.Store, key: str, token: str, rdzv_id: str,
     if not vouched(message, token, proof_key(rdzv_id, key)):
         raise MessageError("it lacks the job's proof")
     return message
+
+
+def over_record(raw: bytes, token: str, rdzv_id: str) -> JobOver:
+    """The job's end in `raw`, the value at its key; MessageError when it is not the one its
+    coordinator posts (the key is plain: anything with the store's address can write there,
+    and a forged end read as the job's stopped every host's workers)."""
+    message = from_plain(raw, JobOver)
+    if not vouched(message, token, proof_key(rdzv_id, OVER)):
+        raise MessageError("it lacks the job's proof")
+    assert isinstance(message, JobOver)
+    return message
+
+
+def posted_over(store: dist.Store, token: str, rdzv_id: str) -> JobOver | None:
+    """The job's end as its coordinator posted it; None while there is none (nothing at its
+    key, or a record there that is not the coordinator's)."""
+    if not store.check([OVER]):
+        return None
+    try:
+        return over_record(store.get(OVER), token, rdzv_id)
+    except MessageError:
+        return None
+
+
+def wait_for_over(store: dist.Store, is_over: Callable[[bytes], bool],
+                  poll_s: float = 1.0) -> None:
+    """Block until the job's end key holds a record that `is_over` accepts (a c10d store,
+    whose waits end when a key exists: a record squatting the key is looked at again every
+    `poll_s` until the coordinator's end replaces it, `post_over` overwriting whatever is
+    there; etcd's waits watch the key for changes instead, `Leadership.wait_vacant`)."""
+    while True:
+        wait_unbounded(store, [OVER])
+        raw = store.get(OVER)
+        if is_over(raw):
+            return
+        while _value_now(store, raw) == raw:
+            time.sleep(poll_s)  # no watch for a change of value on a TCPStore: a poll
+
+
+def _value_now(store: dist.Store, raw: bytes) -> bytes:
+    """The end key's value (a compare_set that changes nothing reads it without blocking)."""
+    now = store.compare_set(OVER, raw, raw)
+    return now.encode() if isinstance(now, str) else bytes(now)
 
 
 def post_over(store: dist.Store, token: str, rdzv_id: str, status: str, message: str,

@@ -84,22 +84,25 @@ class Leadership:
                     self._on_deposed()
                 return
 
-    def wait_vacant(self, also: str, timeout_s: float) -> str | None:
-        """Block until the office is vacant (returns "vacant") or key `also` exists (returns
-        `also`), or `timeout_s` passes (None). A watch, not a poll."""
+    def wait_vacant(self, also: str, timeout_s: float,
+                    accept: Callable[[bytes], bool] = lambda _: True) -> str | None:
+        """Block until the office is vacant (returns "vacant") or key `also` holds a value
+        that `accept`s (returns `also`), or `timeout_s` passes (None). A watch, not a poll:
+        a value `also` holds that is not accepted is waited past until it changes."""
         def done(values: dict[str, bytes]) -> bool:
-            return keys.LEADER not in values or also in values
+            return keys.LEADER not in values or _holds(values, also, accept)
 
         values = self.store.wait_until([keys.LEADER, also], done, timeout_s)
         if values is None:
             return None
-        return also if also in values else "vacant"
+        return also if _holds(values, also, accept) else "vacant"
 
-    def wait_taken(self, also: str, timeout_s: float) -> bool:
-        """Block until an agent holds the office or key `also` exists (True), or `timeout_s`
-        passes with the office vacant (False). A watch, not a poll."""
+    def wait_taken(self, also: str, timeout_s: float,
+                   accept: Callable[[bytes], bool] = lambda _: True) -> bool:
+        """Block until an agent holds the office or key `also` holds a value that `accept`s
+        (True), or `timeout_s` passes with the office vacant (False). A watch, not a poll."""
         def done(values: dict[str, bytes]) -> bool:
-            return keys.LEADER in values or also in values
+            return keys.LEADER in values or _holds(values, also, accept)
 
         return self.store.wait_until([keys.LEADER, also], done, timeout_s) is not None
 
@@ -112,3 +115,7 @@ class Leadership:
             except Exception:  # the store is gone: the lease expires on its own
                 pass
         self._lease = None
+
+
+def _holds(values: dict[str, bytes], key: str, accept: Callable[[bytes], bool]) -> bool:
+    return key in values and accept(values[key])

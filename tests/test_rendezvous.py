@@ -1,0 +1,94 @@
+"""The agents' rendezvous and the coordinator's office, one piece at a time: what an agent
+makes of the records it finds at the rendezvous's keys (`cluster.rendezvous`,
+`cluster.office`), on a real etcd and on a store like c10d's."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from spotpipe.cluster.agent_options import AgentOptions
+from spotpipe.cluster.office import Office
+from spotpipe.cluster.rendezvous import OVER, post_over, posted_over
+from spotpipe.protocol import Channel, Event, JobPosted, job_key, keys, new_instance_id
+from spotpipe.protocol import JobOver, plain, vouch
+from spotpipe.store.leader import Leadership
+
+TOKEN = "sesame"
+
+
+def _office(tmp_path, backend: str, said: list[str], refused: threading.Event) -> Office:
+    def say(text: str) -> None:
+        said.append(text)
+        if "refused" in text:
+            refused.set()
+
+    opts = AgentOptions(backend=backend, endpoint="127.0.0.1:1", rdzv_id="job1", min_nodes=2,
+                        max_nodes=2, out=tmp_path)
+    return Office(opts, None, TOKEN, None, say,  # type: ignore[arg-type]
+                  on_handed_over=lambda: None)
+
+
+def _posted(instance: str) -> JobPosted:
+    return JobPosted(proof="", spec={}, t0=0.0, instance=instance, world=2, config_digest="",
+                     model_digest="")
+
+
+def _forged_end_is_waited_past(office: Office, store: dist.Store, said: list[str],
+                               refused: threading.Event) -> None:
+    """Forged ends at the end's key (bytes that are no record; a JobOver without the job's
+    proof) neither end the agent's wait for the job's end (read as the end, they stopped every
+    host's workers and failed the job) nor count as the end elsewhere; the coordinator's end,
+    written over them, does end it."""
+    instance = new_instance_id()
+    channel = Channel(job_key(TOKEN, instance), "agent2")
+    noticed = threading.Event()
+    waiter = threading.Thread(target=office.wait_over,
+                              args=(store, _posted(instance), channel, noticed), daemon=True)
+    waiter.start()
+    for forged in (b"\xff not a record",
+                   plain(vouch(JobOver("failed", "stop"), "not the token", f"job1/{OVER}"))):
+        refused.clear()
+        store.set(OVER, forged)
+        assert refused.wait(30), said
+        assert waiter.is_alive(), "a forged end record ended the wait for the job's end"
+        assert posted_over(store, TOKEN, "job1") is None
+    assert any("not the coordinator's end of the job" in s for s in said), said
+    # the job hears of it: a record_refused event in its mailbox, from this agent
+    opened = channel.open(store.get(keys.board_slot(keys.MAILBOX, 1)),
+                          at=keys.board_slot(keys.MAILBOX, 1), expect=Event)
+    assert opened.message.kind == "record_refused" and opened.writer == "agent2"
+    post_over(store, TOKEN, "job1", "completed", "", 2)
+    waiter.join(30)
+    assert not waiter.is_alive()
+    over = posted_over(store, TOKEN, "job1")
+    assert over is not None and over.status == "completed"
+
+
+def test_a_forged_end_of_the_job_is_refused_under_etcd(tmp_path, etcd):
+    from spotpipe.store.etcd import EtcdStore
+
+    host, port = etcd.endpoint.split(":")
+
+    def store() -> EtcdStore:
+        return EtcdStore(host, int(port), "/rdzv-over", timeout=timedelta(seconds=10))
+
+    coordinator = Leadership(store(), "1", ttl_s=5)
+    assert coordinator.campaign()  # the office is held: only the end ends the wait
+    said: list[str] = []
+    refused = threading.Event()
+    office = _office(tmp_path, "etcd", said, refused)
+    office.leadership = Leadership(store(), "2", ttl_s=5)
+    try:
+        _forged_end_is_waited_past(office, store(), said, refused)
+    finally:
+        coordinator.resign()
+
+
+def test_a_forged_end_of_the_job_is_refused_under_c10d(tmp_path):
+    said: list[str] = []
+    refused = threading.Event()
+    _forged_end_is_waited_past(_office(tmp_path, "c10d", said, refused), dist.HashStore(),
+                               said, refused)
