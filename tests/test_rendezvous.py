@@ -92,3 +92,60 @@ def test_a_forged_end_of_the_job_is_refused_under_c10d(tmp_path):
     refused = threading.Event()
     _forged_end_is_waited_past(_office(tmp_path, "c10d", said, refused), dist.HashStore(),
                                said, refused)
+
+
+def test_a_coordinator_that_fails_before_its_loop_ends_the_rendezvous_saying_why(
+        tmp_path, corpus, etcd, monkeypatch):
+    """The elected agent fails between posting the job and starting the job's loop (here the
+    checkpoint folder's partial checkpoints cannot be removed). Its lease keeps the office
+    taken, so no agent campaigns; before, no end was posted either, and every agent (its
+    own included) waited for the job's end for ever. Now the end is posted, failed, naming
+    the coordinator and the error."""
+    from spotpipe.checkpoint import durable
+    from spotpipe.cluster.admission import Coordinating
+    from spotpipe.store.address import StoreAddress, job_prefix
+
+    from conftest import tiny_config
+
+    host, port = etcd.endpoint.split(":")
+    address = StoreAddress("etcd", host, int(port), job_prefix("job1"))
+    store = address.connect(10.0)
+    leadership = Leadership(store, "1", ttl_s=5)
+    assert leadership.campaign()
+    cfg = tiny_config(corpus, stages=2, pipelines=1, **{"checkpoint.every": 2})
+
+    class Spec:  # (only posted: the loop that would use it is never reached)
+        def to_json(self) -> dict:
+            return {}
+
+    def cannot(root):
+        raise PermissionError(13, "Permission denied", str(root / ".iter_4"))
+
+    monkeypatch.setattr(durable, "clean_partials", cannot)
+    opts = AgentOptions(backend="etcd", endpoint=etcd.endpoint, rdzv_id="job1",
+                        min_nodes=2, max_nodes=2, out=tmp_path / "out")
+    (tmp_path / "out").mkdir()
+    coordinating = Coordinating(opts, cfg, Spec(), TOKEN, address, 1,  # type: ignore[arg-type]
+                                leadership)
+    # another admitted agent, waiting for the job's end while it watches the office
+    said: list[str] = []
+    other = _office(tmp_path, "etcd", said, threading.Event())
+    other.leadership = Leadership(address.connect(10.0), "2", ttl_s=5)
+    instance = coordinating.instance
+    waiter = threading.Thread(target=other.wait_over, daemon=True, args=(
+        address.connect(10.0), _posted(instance), Channel(job_key(TOKEN, instance), "agent2"),
+        threading.Event()))
+    waiter.start()
+    try:
+        try:
+            coordinating.run()
+        except PermissionError:
+            pass  # (raised on: the coordinator's thread says it)
+        waiter.join(30)
+        assert not waiter.is_alive(), "an agent waits for the job's end for ever"
+        over = posted_over(store, TOKEN, "job1")
+        assert over is not None and over.status == "failed", over
+        assert "the coordinator (agent 1) failed: PermissionError" in over.message, over
+        assert ".iter_4" in over.message
+    finally:
+        leadership.resign()

@@ -79,6 +79,7 @@ class Coordinating:
         self.instance = new_instance_id()  # the job's key is derived from it and the token
         self.code = 1
         self._crash = ""  # why the coordinator's loop raised, for the agents' end message
+        self._closed = False  # the rendezvous was ended (`_close`), or tried to be
         self._next = 1
         self._probe = ""  # the checkpoint folder's probe (`JobPosted.checkpoint_probe`)
 
@@ -362,8 +363,24 @@ class Coordinating:
         return True
 
     def run(self) -> int:
-        if self.takeover is not None:
-            return self._take_over()
+        """Coordinate the job (or go on with it from the books) to its end; the job's exit
+        code. Whatever raises on the way still ends the rendezvous, saying why: before,
+        an error ahead of the job's loop (which ends it itself) left no end record while
+        this agent's lease kept the office taken, and every agent waited for ever."""
+        try:
+            return self._take_over() if self.takeover is not None else self._start()
+        except Exception as exc:
+            if not self._closed:
+                self._crash = (f"the coordinator (agent {self.me}) failed: "
+                               f"{type(exc).__name__}: {exc}")[:500]
+                try:
+                    self._close(self.address.connect(self.cfg.cluster.timeout_s))
+                except Exception as lost:  # noqa: BLE001 - the store is gone: said, and raised
+                    print(f"spotpipe agent: the job's end could not be posted: {lost}",
+                          file=sys.stderr)
+            raise
+
+    def _start(self) -> int:
         store = self.address.connect(self.cfg.cluster.timeout_s)
         root = durable.written_root(self.cfg, self.opts.out)
         nonce, refused = secrets.token_hex(16), ""
@@ -478,6 +495,7 @@ class Coordinating:
     def _close(self, store: dist.Store) -> None:
         """The job is over (unless this coordinator was deposed or handed the office on: then
         its successor ends it)."""
+        self._closed = True
         if self.handed_over.is_set() and self.leadership is not None:
             # the office falls vacant now, the key going with the lease: the other agents
             # elect a successor at once, rather than one lease TTL after this host is gone
