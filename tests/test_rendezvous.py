@@ -149,3 +149,99 @@ def test_a_coordinator_that_fails_before_its_loop_ends_the_rendezvous_saying_why
         assert ".iter_4" in over.message
     finally:
         leadership.resign()
+
+
+class _KilledAfterFirstWrite:
+    """A store client whose process is killed right after its first write reaches the store
+    (a host preempted at that instant): reads pass, the first write is done, then `Killed`."""
+
+    class Killed(BaseException):
+        pass
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store, self.wrote = store, False
+
+    def _write(self, call, *args):
+        if self.wrote:
+            raise self.Killed()
+        call(*args)
+        self.wrote = True
+        raise self.Killed()
+
+    def add(self, key: str, amount: int) -> int:
+        return self._write(self.store.add, key, amount)
+
+    def set(self, key: str, value) -> None:
+        self._write(self.store.set, key, value)
+
+    def compare_set(self, key: str, expected, desired):
+        if expected == desired:  # (a read: it changes nothing)
+            return self.store.compare_set(key, expected, desired)
+        return self._write(self.store.compare_set, key, expected, desired)
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+
+def test_an_agent_killed_as_it_arrives_holds_up_no_later_agent(tmp_path, corpus):
+    """The coordinator reads the arrivals in order. An agent took its arrival number (an
+    atomic add) and wrote its record in a second call: killed between the two, it left its
+    slot empty for good, the coordinator's admission waited on that slot for ever, and no
+    later agent was answered (every late host, every fenced node's host coming again, timed
+    out unadmitted). The slot is now claimed with the whole record, so an agent killed at any
+    instant of its arrival leaves a whole record or none."""
+    import queue
+
+    from spotpipe.cluster.admission import Coordinating
+    from spotpipe.cluster.agent import Agent
+    from spotpipe.protocol import Assignment, from_plain
+    from spotpipe.store.address import StoreAddress, host_tcp_store
+
+    from conftest import tiny_config
+
+    hosted = host_tcp_store("127.0.0.1", 0, timedelta(seconds=10))
+    address = StoreAddress("tcp", "127.0.0.1", hosted.port)
+    cfg = tiny_config(corpus, stages=2, pipelines=1)
+    opts = AgentOptions(backend="c10d", endpoint=f"127.0.0.1:{hosted.port}", rdzv_id="job1",
+                        min_nodes=1, max_nodes=4, out=tmp_path, nproc=1)
+    store = address.connect(10.0)
+    agent = Agent(opts, cfg, None, TOKEN, address, None)  # type: ignore[arg-type]
+    first = agent._arrive(store)  # the coordinator's own agent
+    c = Coordinating(opts, cfg, None, TOKEN, address, me=first)  # type: ignore[arg-type]
+    c._admitted, c._nodes, c._agent_nodes, c._slots = [first], ["node0"], {first: ["node0"]}, \
+        {0: first}
+    c._next = first + 1
+    inbox: queue.Queue = queue.Queue()
+    c.go(inbox)
+    dying = _KilledAfterFirstWrite(store)
+    try:
+        agent._arrive(dying)  # type: ignore[arg-type]
+    except _KilledAfterFirstWrite.Killed:
+        pass
+    assert dying.wrote
+    late = agent._arrive(store)
+    store.wait([keys.assignment(late)], timedelta(seconds=30))
+    answer = from_plain(store.get(keys.assignment(late)), Assignment)
+    assert not answer.refused and answer.joining, answer
+
+
+def test_two_agents_of_one_host_arriving_at_once_take_two_slots(tmp_path, corpus):
+    """Two agents of one host (the same name, flags and configuration) bring records alike
+    but for their nonce: both trying the same free slot at once, only one may take it (a
+    slot is claimed by a compare_set that answers what the slot holds; alike records would
+    each read as their own, and both agents were given the same node)."""
+    from spotpipe.cluster.agent import Agent
+
+    from conftest import tiny_config
+
+    opts = AgentOptions(backend="c10d", endpoint="127.0.0.1:1", rdzv_id="job1", min_nodes=2,
+                        max_nodes=2, out=tmp_path)
+    cfg = tiny_config(corpus, stages=2, pipelines=1)
+    store = dist.HashStore()
+    a, b = (Agent(opts, cfg, None, TOKEN, None, None)  # type: ignore[arg-type]
+            for _ in range(2))
+    first = a._arrive(store)
+    # b read the count before a raised it: it tries the slot a took
+    store.compare_set(keys.ARRIVALS, str(first).encode(), b"0")
+    assert b._arrive(store) == first + 1
+

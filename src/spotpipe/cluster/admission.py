@@ -19,7 +19,7 @@ from spotpipe.cluster.agent_loop import AgentJobLoop
 from spotpipe.cluster.coordinator import join_problem
 from spotpipe.cluster.inbox import HelperEvent, Inbox
 from spotpipe.cluster.agent_options import AgentOptions
-from spotpipe.cluster.rendezvous import (ARRIVALS, JOB, agent_key, assign_key, post_over,
+from spotpipe.cluster.rendezvous import (JOB, agent_key, arrive, assign_key, post_over,
                                          proof_key, read_record, wait_get)
 from spotpipe.config import Config
 from spotpipe.protocol import (AgentArrival, ArrivalsClosed, Assignment, Channel,
@@ -503,9 +503,8 @@ class Coordinating:
         if not self.acting():
             return
         # wake the admission thread: a marker in the next arrival slot it will read
-        close = store.add(ARRIVALS, 1)
-        store.set(agent_key(close), plain(vouch(ArrivalsClosed(), self.token,
-                                                self.rdzv_key(agent_key(close)))))
+        close = arrive(store, lambda key: plain(vouch(ArrivalsClosed(), self.token,
+                                                      self.rdzv_key(key))))
         # the admission thread answers every arrival before the marker, then stops: only then
         # are the unanswered ones known (two writers could otherwise both answer one agent,
         # admitted by one and refused by the other; and its answers go through a connection

@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import secrets
 import signal
 import socket
 import sys
@@ -66,7 +67,7 @@ from spotpipe.cluster.agent_options import (AgentError, AgentOptions, check_opti
                                             parse_nnodes)
 from spotpipe.cluster.launcher import LaunchError, check_resume, prepare, search_path
 from spotpipe.cluster.office import Office
-from spotpipe.cluster.rendezvous import (ALL_LEFT, ARRIVALS, JOB, LEFT, agent_key,
+from spotpipe.cluster.rendezvous import (ALL_LEFT, JOB, LEFT, arrive,
                                          assign_key, connect_rendezvous, posted_over,
                                          proof_key, read_record, read_vouched, wait_get,
                                          write_atomic)
@@ -161,8 +162,7 @@ class Agent:
         """Take an arrival number and say what this agent brings (`nproc`: coming again, as
         many nodes as were fenced); the number."""
         opts = self.opts
-        me = store.add(ARRIVALS, 1)
-        store.set(agent_key(me), plain(vouch(AgentArrival(
+        return arrive(store, lambda key: plain(vouch(AgentArrival(
             host=socket.gethostname(), nproc=opts.nproc if nproc is None else nproc,
             node_rank=opts.node_rank, proof="",
             model_digest=self.cfg.model_digest(), config_digest=self.cfg.digest(),
@@ -170,9 +170,8 @@ class Agent:
             config_keys=self.cfg.key_digests(),
             resume_from=str(self.checkpoint.path) if self.checkpoint else "",
             resume_digest=self.checkpoint.digest if self.checkpoint else "",
-            resume_fetch=self._lacks_resume), self.token,
-            self.rdzv_key(agent_key(me)))))
-        return me
+            resume_fetch=self._lacks_resume, nonce=secrets.token_hex(8)), self.token,
+            self.rdzv_key(key))))
 
     def _assignment(self, store: dist.Store, me: int) -> Assignment | None:
         """The coordinator's answer to arrival `me`; None (said) when none comes in time. An

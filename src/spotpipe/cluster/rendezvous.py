@@ -18,6 +18,7 @@ from spotpipe.cluster.agent_options import AgentError, AgentOptions, is_local
 from spotpipe.config import Config, parse_endpoint
 from spotpipe.protocol import (JobOver, Message, MessageError, from_plain, keys, plain, vouch,
                                vouched)
+from spotpipe.store import board
 from spotpipe.store.address import StoreAddress, host_tcp_store, job_prefix
 from spotpipe.store.waiting import wait_unbounded
 
@@ -121,6 +122,15 @@ def _value_now(store: dist.Store, raw: bytes) -> bytes:
     """The end key's value (a compare_set that changes nothing reads it without blocking)."""
     now = store.compare_set(OVER, raw, raw)
     return now.encode() if isinstance(now, str) else bytes(now)
+
+
+def arrive(store: dist.Store, record: Callable[[str], bytes]) -> int:
+    """Take the next arrival number by writing `record(its key)` there: one compare_set
+    claims the slot with the whole record (`store.board`), and the count, a hint of where to
+    start, is raised after. An agent took a number (an add) and then wrote its record: one
+    killed between the two (a host preempted at that instant) left its slot empty for good,
+    and the coordinator, which reads the arrivals in order, answered no later agent."""
+    return board.post(store, keys.ARRIVAL_BOARD, record, count_key=ARRIVALS)
 
 
 def post_over(store: dist.Store, token: str, rdzv_id: str, status: str, message: str,
