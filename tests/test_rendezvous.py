@@ -245,3 +245,59 @@ def test_two_agents_of_one_host_arriving_at_once_take_two_slots(tmp_path, corpus
     store.compare_set(keys.ARRIVALS, str(first).encode(), b"0")
     assert b._arrive(store) == first + 1
 
+
+
+def _arrival(cfg, k: int, node_rank: int = -1) -> bytes:
+    from spotpipe.protocol import AgentArrival
+
+    return plain(vouch(AgentArrival(
+        host=f"host{k}", nproc=1, node_rank=node_rank, proof="",
+        model_digest=cfg.model_digest(), config_digest=cfg.digest(),
+        config_keys=cfg.key_digests()), TOKEN, f"job1/{keys.arrival(k)}"))
+
+
+def _first_layout(corpus, tmp_path, me: int, ranks: dict[int, int], max_nodes: int = 2):
+    """The elected agent `me` admits the first layout of a 2-agent job from the arrivals
+    `ranks` (arrival number -> its --node-rank); the answers, by arrival number."""
+    from types import SimpleNamespace
+
+    from spotpipe.cluster.admission import Coordinating
+    from spotpipe.protocol import Assignment, from_plain
+
+    from conftest import tiny_config
+
+    cfg = tiny_config(corpus, stages=2, pipelines=1)
+    opts = AgentOptions(backend="c10d", endpoint="127.0.0.1:1", rdzv_id="job1", min_nodes=2,
+                        max_nodes=max_nodes, out=tmp_path, rdzv_timeout_s=5.0)
+    store = dist.HashStore()
+    for k, rank in ranks.items():
+        store.set(keys.arrival(k), _arrival(cfg, k, rank))
+    c = Coordinating(opts, cfg, None, TOKEN, None, me=me)  # type: ignore[arg-type]
+    c._loop = lambda: SimpleNamespace()  # (the job's loop is not this test's)
+    c._run_loop = lambda loop, store: 0
+    assert c._run(store, None) == 0
+    return {k: from_plain(store.get(keys.assignment(k)), Assignment)
+            for k in ranks if store.check([keys.assignment(k)])}
+
+
+def test_the_elected_agent_is_in_the_first_layout_whatever_its_arrival_number(corpus,
+                                                                             tmp_path):
+    """Agents take arrival numbers, then campaign: the winner need not be the first to
+    arrive. The elected agent admitted the first layout in arrival order, its own arrival
+    among them: one that came after MIN others was left to the late admission, as a node
+    joining the running job, or refused at MAX (then its agent exited 2, taking the
+    coordinator with it, and the job was lost). It admits itself first now."""
+    answers = _first_layout(corpus, tmp_path, me=3, ranks={1: -1, 2: -1, 3: -1})
+    assert 3 in answers and not answers[3].refused and not answers[3].joining, answers
+    assert answers[3].ranks == (0,)
+    assert [a.ranks for k, a in sorted(answers.items()) if k != 3] == [(1,)]
+
+
+def test_a_node_rank_taken_twice_refuses_the_other_agent_not_the_coordinator(corpus,
+                                                                          tmp_path):
+    """Two agents given the same --node-rank: the one refused must not be the agent that
+    coordinates (refused, it exited 2 and took the job's coordinator with it)."""
+    answers = _first_layout(corpus, tmp_path, me=2, ranks={1: 0, 2: 0, 3: -1})
+    assert not answers[2].refused and answers[2].ranks == (0,), answers
+    assert "--node-rank 0 is taken" in answers[1].refused, answers
+    assert not answers[3].refused and answers[3].ranks == (1,), answers

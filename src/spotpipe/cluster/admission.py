@@ -350,8 +350,10 @@ class Coordinating:
 
     def _admit_next(self, store: dist.Store, k: int) -> bool:
         """Answer the arrival in slot `k`; False at the job's end (its closing marker)."""
-        if store.check([assign_key(k)]):  # answered by a predecessor already
-            self._event({"kind": "agent_answered_before", "node": f"agent{k}"})
+        if store.check([assign_key(k)]):
+            # answered already: by a predecessor, or (its own arrival) by this one in `_run`
+            if k != self.me:
+                self._event({"kind": "agent_answered_before", "node": f"agent{k}"})
         else:
             info = self._arrival(store, k)
             if isinstance(info, ArrivalsClosed):  # this coordinator's: the job is over
@@ -424,9 +426,18 @@ class Coordinating:
         if root is not None:
             self.checkpoint = self.checkpoint and durable.settled(self.checkpoint)
             durable.begin_timeline(root, self.checkpoint)
+        # this agent's own arrival first: written before it campaigned, but not always
+        # before the others'. Taken in arrival order, it could come after MIN others (and be
+        # left to the late admission, a joiner of the running job or refused at MAX) or find
+        # its --node-rank taken: refused, its agent exited 2, taking the coordinator along
+        own = self._arrival(store, self.me)
+        if isinstance(own, AgentArrival):
+            self._admit(store, self.me, own, late=False)
         k = 0
         while len(self._slots) < self.opts.min_nodes:
             k += 1
+            if k == self.me:
+                continue
             raw = wait_get(store, agent_key(k), self.opts.rdzv_timeout_s)
             if raw is None:
                 message = (f"rendezvous: {len(self._slots)} of {self.opts.min_nodes} agents "
