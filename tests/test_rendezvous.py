@@ -301,3 +301,29 @@ def test_a_node_rank_taken_twice_refuses_the_other_agent_not_the_coordinator(cor
     assert not answers[2].refused and answers[2].ranks == (0,), answers
     assert "--node-rank 0 is taken" in answers[1].refused, answers
     assert not answers[3].refused and answers[3].ranks == (1,), answers
+
+
+def test_a_store_lost_during_the_rendezvous_is_said_as_such_not_as_a_timeout(tmp_path,
+                                                                            corpus):
+    """etcd gone while an agent waits for its answer: the error names the store, within the
+    store's reconnect deadline; it was taken for the wait's end, and the agent said at once
+    that it had not been admitted within --rdzv-timeout (600 s)."""
+    import pytest
+
+    from spotpipe.cluster.agent import Agent
+    from spotpipe.store.etcd import EtcdStore, EtcdStoreError
+
+    from conftest import tiny_config
+    from etcd_server import free_port
+
+    said: list[str] = []
+    opts = AgentOptions(backend="etcd", endpoint="127.0.0.1:1", rdzv_id="job1", min_nodes=2,
+                        max_nodes=2, out=tmp_path, rdzv_timeout_s=600.0)
+    agent = Agent(opts, tiny_config(corpus, stages=2, pipelines=1), None, TOKEN,
+                  None, None)  # type: ignore[arg-type]
+    agent.say = said.append  # type: ignore[method-assign]
+    gone = EtcdStore("127.0.0.1", free_port(), "/gone", timeout=timedelta(seconds=600),
+                     reconnect_s=0.5)
+    with pytest.raises(EtcdStoreError, match="unreachable"):
+        agent._assignment(gone, 1)
+    assert not any("not admitted" in s for s in said), said

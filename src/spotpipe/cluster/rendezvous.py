@@ -54,8 +54,14 @@ def connect_rendezvous(opts: AgentOptions,
 
 
 def wait_get(store: dist.Store, key: str, timeout_s: float) -> bytes | None:
+    """The value at `key` once it is there; None when it is not within `timeout_s`. A store
+    that is gone raises (DistNetworkError, etcd's too): taken for a timeout, it was said within
+    a second as "no job appeared within 600 s", "not admitted within 600 s (--rdzv-timeout)"
+    or too few agents arriving, none of which names the store."""
     try:
         store.wait([key], timedelta(seconds=timeout_s))
+    except dist.DistNetworkError:
+        raise
     except Exception:  # a timeout (the store raises its own error types)
         return None
     return store.get(key)
