@@ -327,3 +327,28 @@ def test_a_store_lost_during_the_rendezvous_is_said_as_such_not_as_a_timeout(tmp
     with pytest.raises(EtcdStoreError, match="unreachable"):
         agent._assignment(gone, 1)
     assert not any("not admitted" in s for s in said), said
+
+
+def test_a_fresh_host_replaces_a_lost_one_under_max(corpus, tmp_path):
+    """--nnodes MIN:MAX bounds the agents in the job, not every agent it ever admitted: a
+    host lost (its nodes counted out) or gone on its notice makes room for a fresh one, the
+    spot cloud's replacement. Every admitted agent counted toward MAX for good: under
+    --nnodes 2:2 one lost host left the job a node short to its end, each replacement
+    refused with "the job has its maximum of 2 agents"."""
+    from spotpipe.cluster.admission import Coordinating
+    from spotpipe.protocol import AgentArrival
+
+    from conftest import tiny_config
+
+    cfg = tiny_config(corpus, stages=2, pipelines=1)
+    opts = AgentOptions(backend="etcd", endpoint="127.0.0.1:1", rdzv_id="job1", min_nodes=2,
+                        max_nodes=2, out=tmp_path)
+    c = Coordinating(opts, cfg, None, TOKEN, None, me=1)  # type: ignore[arg-type]
+    c._admitted, c._nodes = [1, 2], ["node0", "node1"]
+    c._agent_nodes = {1: ["node0"], 2: ["node1"]}
+    fresh = AgentArrival(host="replacement", nproc=1, node_rank=-1, proof="",
+                         model_digest=cfg.model_digest(), config_digest=cfg.digest())
+    fresh = vouch(fresh, TOKEN, f"job1/{keys.arrival(3)}")
+    assert "maximum of 2 agents" in (c._problem(3, fresh, late=True) or "")
+    c.node_gone("node1")  # agent 2's host is lost: its node counted out
+    assert c._problem(3, fresh, late=True) is None

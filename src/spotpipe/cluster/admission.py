@@ -71,6 +71,9 @@ class Coordinating:
         self._admitted: list[int] = []
         self._agent_nodes: dict[int, list[str]] = {}
         self._silent: set[str] = set()  # nodes whose agent never reported their end
+        # nodes the job counted out (exited, lost with their host, left on a notice): an
+        # agent with none left no longer counts toward --nnodes MAX (`_present`)
+        self._gone: set[str] = set()
         self._slots: dict[int, int] = {}  # slot (node rank / nproc) -> agent
         self._events: list[dict[str, Any]] = []
         self._inbox: Inbox | None = None
@@ -97,6 +100,7 @@ class Coordinating:
         self._admitted = [int(k) for k in a["admitted"]]
         self._agent_nodes = {int(k): [str(n) for n in v] for k, v in a["agent_nodes"].items()}
         self._silent = {str(n) for n in a["silent"]}
+        self._gone = set(state.exited)
         self._slots = {int(s): int(k) for s, k in a["slots"].items()}
         self._next = int(a["next"])
         self._probe = posted.checkpoint_probe
@@ -162,6 +166,19 @@ class Coordinating:
     def silent(self, node: str) -> None:
         with self._lock:
             self._silent.add(node)
+
+    def node_gone(self, node: str) -> None:
+        """The job counted `node` out (`AgentJobLoop._node_exited`)."""
+        with self._lock:
+            self._gone.add(node)
+
+    def _present(self) -> list[int]:
+        """Admitted agents with a node the job has not counted out: those that count toward
+        --nnodes MAX. Every agent ever admitted counted, so a host lost (or gone on its
+        notice) kept its place, and the spot cloud's replacement for it was refused for good."""
+        with self._lock:
+            return [k for k in self._admitted
+                    if not set(self._agent_nodes.get(k, [])) <= self._gone]
 
     def answering(self) -> int:
         """Admitted agents that may still confirm the end: not all of their nodes went silent
@@ -234,8 +251,9 @@ class Coordinating:
             if problem:
                 return problem
         # an agent whose node was fenced (cut off, then back) comes again in its own place
-        again = 1 if self._rejoin_of(info) is not None else 0
-        if len(self._admitted) - again >= self.opts.max_nodes:
+        present = self._present()
+        again = 1 if self._rejoin_of(info) in present else 0
+        if len(present) - again >= self.opts.max_nodes:
             return f"the job has its maximum of {self.opts.max_nodes} agents (--nnodes)"
         rank = info.node_rank
         if not late and rank >= 0 and (rank >= self.opts.min_nodes or rank in self._slots):
