@@ -352,3 +352,31 @@ def test_a_fresh_host_replaces_a_lost_one_under_max(corpus, tmp_path):
     assert "maximum of 2 agents" in (c._problem(3, fresh, late=True) or "")
     c.node_gone("node1")  # agent 2's host is lost: its node counted out
     assert c._problem(3, fresh, late=True) is None
+
+
+def test_an_agent_at_the_rendezvous_of_a_lost_job_says_so(tmp_path, corpus, etcd, capfd):
+    """A job lost whole (every host gone, or etcd away past its reconnect deadline) leaves
+    its keys in etcd: its vouched job record, no end, no coordinator. Agents started again
+    under the same --rdzv-id (to --resume it) found a job, asked to be admitted and waited
+    out --rdzv-timeout (600 s) for an answer no coordinator would give, saying only that
+    they were not admitted. An agent now finds the office vacant past the time a successor
+    takes, and says that the job there is not running and what to do."""
+    from spotpipe.cluster.agent import Agent
+    from spotpipe.store.address import StoreAddress, job_prefix
+
+    from conftest import tiny_config
+
+    cfg = tiny_config(corpus, stages=2, pipelines=1,
+                      **{"failover.heartbeat_timeout_s": 2.0, "failover.heartbeat_s": 0.2,
+                         "failover.hang_timeout_s": 2.0})
+    host, port = etcd.endpoint.split(":")
+    address = StoreAddress("etcd", host, int(port), job_prefix("job1"))
+    store = address.connect(10.0)
+    store.set(keys.JOB, plain(vouch(_posted(new_instance_id()), TOKEN, f"job1/{keys.JOB}")))
+    opts = AgentOptions(backend="etcd", endpoint=etcd.endpoint, rdzv_id="job1", min_nodes=2,
+                        max_nodes=2, out=tmp_path, rdzv_timeout_s=30.0)
+    agent = Agent(opts, cfg, None, TOKEN, address, None)  # type: ignore[arg-type]
+    assert agent.run() == 1
+    said = capfd.readouterr().err
+    assert "not running" in said and "--rdzv-id" in said, said
+    assert "not admitted" not in said, said

@@ -67,10 +67,9 @@ from spotpipe.cluster.agent_options import (AgentError, AgentOptions, check_opti
                                             parse_nnodes)
 from spotpipe.cluster.launcher import LaunchError, check_resume, prepare, search_path
 from spotpipe.cluster.office import Office
-from spotpipe.cluster.rendezvous import (ALL_LEFT, JOB, LEFT, arrive,
-                                         assign_key, connect_rendezvous, posted_over,
-                                         proof_key, read_record, read_vouched, wait_get,
-                                         write_atomic)
+from spotpipe.cluster.rendezvous import (ALL_LEFT, JOB, LEFT, OVER, arrive, assign_key,
+                                         connect_rendezvous, is_over, posted_over, proof_key,
+                                         read_record, read_vouched, wait_get, write_atomic)
 from spotpipe.cluster.supervisor import WORKER, Supervisor, starter, worker_env
 from spotpipe.config import Config
 from spotpipe.model import template
@@ -144,6 +143,8 @@ class Agent:
         if posted_over(store, self.token, opts.rdzv_id) is not None:
             self.say(f"job {opts.rdzv_id} is over already")
             return 1
+        if self._abandoned(store):
+            return 1
         answer = self._assignment(store, me)
         if answer is None:
             return 1
@@ -156,6 +157,27 @@ class Agent:
 
     def rdzv_key(self, key: str) -> str:
         return proof_key(self.opts.rdzv_id, key)
+
+    def _abandoned(self, store: dist.Store) -> bool:
+        """etcd: whether the job at this rendezvous has no coordinator and none is coming
+        (said). A job lost whole (every host gone, or etcd away past the reconnect deadline)
+        leaves its keys: agents started again under its --rdzv-id asked to be admitted and
+        waited out --rdzv-timeout for an answer nobody would give. In a running job the
+        office is vacant only until an admitted agent takes it: within a lease TTL of its
+        holder's loss, or of a hand-over that nobody took (`Office.take_back`)."""
+        leadership = self.office.leadership
+        if leadership is None:
+            return False
+        wait_s = 3.0 * leadership.ttl_s
+        if leadership.wait_taken(OVER, wait_s, accept=lambda raw: is_over(
+                raw, self.token, self.opts.rdzv_id)):
+            return False
+        self.say(f"job {self.opts.rdzv_id} at this rendezvous is not running: it has no "
+                 f"coordinator, and none took the office within {wait_s:.0f} s (its keys are "
+                 "left from a job that was lost whole, to etcd or with every host). Start "
+                 "with another --rdzv-id, or remove them: etcdctl del --prefix "
+                 f"{self.address.prefix}/")
+        return True
 
     def _arrive(self, store: dist.Store, rejoin_of: int | None = None,
                 nproc: int | None = None) -> int:

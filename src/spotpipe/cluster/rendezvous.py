@@ -98,6 +98,15 @@ def over_record(raw: bytes, token: str, rdzv_id: str) -> JobOver:
     return message
 
 
+def is_over(raw: bytes, token: str, rdzv_id: str) -> bool:
+    """Whether `raw` is the job's end as its coordinator posted it (`over_record`)."""
+    try:
+        over_record(raw, token, rdzv_id)
+    except MessageError:
+        return False
+    return True
+
+
 def posted_over(store: dist.Store, token: str, rdzv_id: str) -> JobOver | None:
     """The job's end as its coordinator posted it; None while there is none (nothing at its
     key, or a record there that is not the coordinator's)."""
