@@ -183,18 +183,14 @@ class _KilledAfterFirstWrite:
         return getattr(self.store, name)
 
 
-def test_an_agent_killed_as_it_arrives_holds_up_no_later_agent(tmp_path, corpus):
-    """The coordinator reads the arrivals in order. An agent took its arrival number (an
-    atomic add) and wrote its record in a second call: killed between the two, it left its
-    slot empty for good, the coordinator's admission waited on that slot for ever, and no
-    later agent was answered (every late host, every fenced node's host coming again, timed
-    out unadmitted). The slot is now claimed with the whole record, so an agent killed at any
-    instant of its arrival leaves a whole record or none."""
+def _admitting(tmp_path, corpus):
+    """A running job's admission on a TCPStore: the coordinator's own agent arrived and was
+    admitted, and its admission thread waits for the next arrival. The store, and an agent
+    (its flags and configuration the job's) to arrive with."""
     import queue
 
     from spotpipe.cluster.admission import Coordinating
     from spotpipe.cluster.agent import Agent
-    from spotpipe.protocol import Assignment, from_plain
     from spotpipe.store.address import StoreAddress, host_tcp_store
 
     from conftest import tiny_config
@@ -211,18 +207,34 @@ def test_an_agent_killed_as_it_arrives_holds_up_no_later_agent(tmp_path, corpus)
     c._admitted, c._nodes, c._agent_nodes, c._slots = [first], ["node0"], {first: ["node0"]}, \
         {0: first}
     c._next = first + 1
-    inbox: queue.Queue = queue.Queue()
-    c.go(inbox)
+    c.go(queue.Queue())
+    return store, agent, first, hosted
+
+
+def _admitted_late(store: dist.Store, k: int) -> None:
+    """Arrival `k` is answered (within 30 s), admitted to the running job."""
+    from spotpipe.protocol import Assignment, from_plain
+
+    store.wait([keys.assignment(k)], timedelta(seconds=30))
+    answer = from_plain(store.get(keys.assignment(k)), Assignment)
+    assert not answer.refused and answer.joining, answer
+
+
+def test_an_agent_killed_as_it_arrives_holds_up_no_later_agent(tmp_path, corpus):
+    """The coordinator reads the arrivals in order. An agent took its arrival number (an
+    atomic add) and wrote its record in a second call: killed between the two, it left its
+    slot empty for good, the coordinator's admission waited on that slot for ever, and no
+    later agent was answered (every late host, every fenced node's host coming again, timed
+    out unadmitted). The slot is now claimed with the whole record, so an agent killed at any
+    instant of its arrival leaves a whole record or none."""
+    store, agent, _, hosted = _admitting(tmp_path, corpus)
     dying = _KilledAfterFirstWrite(store)
     try:
         agent._arrive(dying)  # type: ignore[arg-type]
     except _KilledAfterFirstWrite.Killed:
         pass
     assert dying.wrote
-    late = agent._arrive(store)
-    store.wait([keys.assignment(late)], timedelta(seconds=30))
-    answer = from_plain(store.get(keys.assignment(late)), Assignment)
-    assert not answer.refused and answer.joining, answer
+    _admitted_late(store, agent._arrive(store))
 
 
 def test_two_agents_of_one_host_arriving_at_once_take_two_slots(tmp_path, corpus):
@@ -380,3 +392,16 @@ def test_an_agent_at_the_rendezvous_of_a_lost_job_says_so(tmp_path, corpus, etcd
     said = capfd.readouterr().err
     assert "not running" in said and "--rdzv-id" in said, said
     assert "not admitted" not in said, said
+
+
+def test_an_arrival_count_moved_ahead_by_a_stranger_holds_up_no_agent(tmp_path, corpus):
+    """The arrivals' count is a plain hint of where writers start. Moved ahead by anyone with
+    the store's address (an add, no record), it sent every later agent past slots nobody
+    would fill, while the coordinator's admission waits on the first of them: no agent was
+    answered again. A writer now finds the slot the count names empty, and starts from the
+    first slot instead (as the coordinator puts the mailbox's count back)."""
+    store, agent, first, hosted = _admitting(tmp_path, corpus)
+    store.add(keys.ARRIVALS, 5)  # a stranger moves the count ahead, writing nothing
+    late = agent._arrive(store)
+    assert late == first + 1
+    _admitted_late(store, late)

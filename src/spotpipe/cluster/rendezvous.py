@@ -144,7 +144,15 @@ def arrive(store: dist.Store, record: Callable[[str], bytes]) -> int:
     claims the slot with the whole record (`store.board`), and the count, a hint of where to
     start, is raised after. An agent took a number (an add) and then wrote its record: one
     killed between the two (a host preempted at that instant) left its slot empty for good,
-    and the coordinator, which reads the arrivals in order, answered no later agent."""
+    and the coordinator, which reads the arrivals in order, answered no later agent.
+
+    The count is plain: moved ahead by anyone with the store's address, it sent every later
+    agent past slots nobody fills, the first of which the coordinator waits on. Writers fill
+    a slot before they raise the count to it, so a count that names an empty slot was moved:
+    it is put back to 0, and this writer claims the first free slot from the first on."""
+    count = board.hint(store, ARRIVALS)
+    if count and not store.check([keys.arrival(count)]):
+        board.lower_hint(store, ARRIVALS, count, 0)
     return board.post(store, keys.ARRIVAL_BOARD, record, count_key=ARRIVALS)
 
 
