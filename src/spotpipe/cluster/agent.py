@@ -9,8 +9,10 @@ to the endpoint's address only, loopback unless configured otherwise).
 
 Rendezvous, under `spotpipe/rdzv/` in the job's store:
 
-1. Each agent takes an arrival number (an atomic add) and publishes what it brings: its nodes
-   and the digests of its model and configuration. Every rendezvous record is a typed
+1. Each agent takes an arrival number by claiming the next free slot of the arrivals' board
+   with what it brings (one compare_set, `rendezvous.arrive`: a slot is whole or empty,
+   whatever instant its agent dies at): its nodes and the digests of its model and
+   configuration. Every rendezvous record is a typed
    `spotpipe.protocol` message, unsealed (no job key exists yet) but vouched for: an HMAC
    under the join token (SPOTPIPE_JOIN_TOKEN, a shared secret that never enters the store)
    over its key and body, which its reader checks; a record that is not one is refused with
