@@ -405,3 +405,41 @@ def test_an_arrival_count_moved_ahead_by_a_stranger_holds_up_no_agent(tmp_path, 
     late = agent._arrive(store)
     assert late == first + 1
     _admitted_late(store, late)
+
+
+def test_a_leader_key_no_lease_holds_is_taken_in_its_place(tmp_path, etcd):
+    """Every agent holds the leader key under its lease, so that the key goes with a lost
+    holder. One written without a lease (by anything that reaches etcd) never expired: put
+    there before the election, no agent ever won it (and the job never started); written
+    over a coordinator's, it deposed the coordinator, and no agent could succeed it, all of
+    them waiting for the office to fall vacant for ever. Now a campaign takes such a key,
+    and a coordinator finding its own overwritten puts it back under its lease."""
+    from spotpipe.store.etcd import EtcdStore
+
+    host, port = etcd.endpoint.split(":")
+
+    def store() -> EtcdStore:
+        return EtcdStore(host, int(port), "/squat", timeout=timedelta(seconds=10))
+
+    forger = store()
+    forger.set(keys.LEADER, "99")  # before any agent arrives
+    a = Leadership(store(), "1", ttl_s=2)
+    assert a.campaign() and a.leader() == "1"
+    forger.set(keys.LEADER, "99")  # over the coordinator's
+    assert a.leader() == "99" and a.reclaim() and a.leader() == "1"
+    assert store().lease_of(keys.LEADER) == a._lease
+    a.resign()
+    # a waiting agent finds the office taken by no lease, and takes it (rather than wait)
+    forger.set(keys.LEADER, "99")
+    said: list[str] = []
+    office = _office(tmp_path, "etcd", said, threading.Event())
+    office.leadership = Leadership(store(), "3", ttl_s=2)
+    office.me = 3
+    instance = new_instance_id()
+    waiter = threading.Thread(target=office.wait_over, daemon=True, args=(
+        store(), _posted(instance), Channel(job_key(TOKEN, instance), "agent3"),
+        threading.Event()))
+    waiter.start()
+    waiter.join(30)  # (no books: it takes the office, then ends the job saying so)
+    assert not waiter.is_alive(), said
+    assert any("takes over" in s or "books cannot be read" in s for s in said), said

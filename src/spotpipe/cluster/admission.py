@@ -148,8 +148,11 @@ class Coordinating:
 
     def still_leader(self) -> bool:
         """Whether the leader key still names this agent (one read: a coordinator that was cut
-        off may come back before its keep-alive learns that its lease is gone)."""
-        return self.leadership is not None and self.leadership.leader() == str(self.me)
+        off may come back before its keep-alive learns that its lease is gone). A key written
+        over without a lease is no successor's: it is put back under this agent's lease (it
+        deposed the coordinator, and, never expiring, kept every agent from succeeding it)."""
+        return self.leadership is not None and (self.leadership.leader() == str(self.me)
+                                                or self.leadership.reclaim())
 
     def depose(self) -> None:
         if self.leadership is not None:

@@ -155,6 +155,9 @@ class Office:
             seen = leadership.wait_vacant(OVER, slice_s, accept=is_over)
             if seen == OVER:
                 return
+            if seen is None and self.coordinating is None and not noticed.is_set() \
+                    and leadership.squatted():
+                seen = "vacant"  # (a key no agent holds never expires: taken in its place)
             if seen == "vacant" and self.coordinating is not None:
                 leadership.deposed.wait(slice_s)  # its own lease gone: deposed at the next renewal
                 continue

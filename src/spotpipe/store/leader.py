@@ -52,15 +52,30 @@ class Leadership:
         """The agent that coordinates now, or None while the office is vacant."""
         values = self.store.wait_until([keys.LEADER], lambda _: True, 0.0) or {}
         raw = values.get(keys.LEADER)
-        return None if raw is None else raw.decode()
+        return None if raw is None else raw.decode(errors="replace")
+
+    def squatted(self) -> bool:
+        """Whether the leader key holds a value attached to no lease: no agent's (each holds
+        it under its lease), but something's that reached the store. Such a key never
+        expires: the office looked taken for good, and every agent waited for ever."""
+        return self.store.lease_of(keys.LEADER) == 0
+
+    def reclaim(self) -> bool:
+        """The leader holds its lease, but the key was written over without one: put it back
+        under the lease; whether it was (False: not this agent's office to take back)."""
+        lease = self._lease
+        return lease is not None and not self.deposed.is_set() and \
+            self.store.claim_unleased(keys.LEADER, self.me, lease)
 
     def campaign(self) -> bool:
-        """Try to take the office (put-if-absent under a fresh lease); whether this agent has
-        it. A lost campaign leaves no lease behind."""
+        """Try to take the office (put-if-absent under a fresh lease, or in place of a key
+        that no lease holds: `squatted`); whether this agent has it. A lost campaign leaves
+        no lease behind."""
         if self.leading:
             return True
         lease = self.store.grant_lease(self.ttl_s)
-        if self.store.create_leased(keys.LEADER, self.me, lease) != self.me.encode():
+        if self.store.create_leased(keys.LEADER, self.me, lease) != self.me.encode() \
+                and not self.store.claim_unleased(keys.LEADER, self.me, lease):
             self.store.revoke_lease(lease)
             return False
         # (a fresh term: an office handed on and then taken back)
