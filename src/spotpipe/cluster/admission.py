@@ -19,7 +19,7 @@ from spotpipe.cluster.agent_loop import AgentJobLoop
 from spotpipe.cluster.coordinator import join_problem
 from spotpipe.cluster.inbox import HelperEvent, Inbox
 from spotpipe.cluster.agent_options import AgentOptions
-from spotpipe.cluster.rendezvous import (ARRIVALS, JOB, agent_key, assign_key, post_over,
+from spotpipe.cluster.rendezvous import (JOB, agent_key, arrive, assign_key, post_over,
                                          proof_key, read_record, wait_get)
 from spotpipe.config import Config
 from spotpipe.protocol import (AgentArrival, ArrivalsClosed, Assignment, Channel,
@@ -71,6 +71,9 @@ class Coordinating:
         self._admitted: list[int] = []
         self._agent_nodes: dict[int, list[str]] = {}
         self._silent: set[str] = set()  # nodes whose agent never reported their end
+        # nodes the job counted out (exited, lost with their host, left on a notice): an
+        # agent with none left no longer counts toward --nnodes MAX (`_present`)
+        self._gone: set[str] = set()
         self._slots: dict[int, int] = {}  # slot (node rank / nproc) -> agent
         self._events: list[dict[str, Any]] = []
         self._inbox: Inbox | None = None
@@ -79,6 +82,7 @@ class Coordinating:
         self.instance = new_instance_id()  # the job's key is derived from it and the token
         self.code = 1
         self._crash = ""  # why the coordinator's loop raised, for the agents' end message
+        self._closed = False  # the rendezvous was ended (`_close`), or tried to be
         self._next = 1
         self._probe = ""  # the checkpoint folder's probe (`JobPosted.checkpoint_probe`)
 
@@ -96,6 +100,7 @@ class Coordinating:
         self._admitted = [int(k) for k in a["admitted"]]
         self._agent_nodes = {int(k): [str(n) for n in v] for k, v in a["agent_nodes"].items()}
         self._silent = {str(n) for n in a["silent"]}
+        self._gone = set(state.exited)
         self._slots = {int(s): int(k) for s, k in a["slots"].items()}
         self._next = int(a["next"])
         self._probe = posted.checkpoint_probe
@@ -143,8 +148,11 @@ class Coordinating:
 
     def still_leader(self) -> bool:
         """Whether the leader key still names this agent (one read: a coordinator that was cut
-        off may come back before its keep-alive learns that its lease is gone)."""
-        return self.leadership is not None and self.leadership.leader() == str(self.me)
+        off may come back before its keep-alive learns that its lease is gone). A key written
+        over without a lease is no successor's: it is put back under this agent's lease (it
+        deposed the coordinator, and, never expiring, kept every agent from succeeding it)."""
+        return self.leadership is not None and (self.leadership.leader() == str(self.me)
+                                                or self.leadership.reclaim())
 
     def depose(self) -> None:
         if self.leadership is not None:
@@ -161,6 +169,19 @@ class Coordinating:
     def silent(self, node: str) -> None:
         with self._lock:
             self._silent.add(node)
+
+    def node_gone(self, node: str) -> None:
+        """The job counted `node` out (`AgentJobLoop._node_exited`)."""
+        with self._lock:
+            self._gone.add(node)
+
+    def _present(self) -> list[int]:
+        """Admitted agents with a node the job has not counted out: those that count toward
+        --nnodes MAX. Every agent ever admitted counted, so a host lost (or gone on its
+        notice) kept its place, and the spot cloud's replacement for it was refused for good."""
+        with self._lock:
+            return [k for k in self._admitted
+                    if not set(self._agent_nodes.get(k, [])) <= self._gone]
 
     def answering(self) -> int:
         """Admitted agents that may still confirm the end: not all of their nodes went silent
@@ -233,8 +254,9 @@ class Coordinating:
             if problem:
                 return problem
         # an agent whose node was fenced (cut off, then back) comes again in its own place
-        again = 1 if self._rejoin_of(info) is not None else 0
-        if len(self._admitted) - again >= self.opts.max_nodes:
+        present = self._present()
+        again = 1 if self._rejoin_of(info) in present else 0
+        if len(present) - again >= self.opts.max_nodes:
             return f"the job has its maximum of {self.opts.max_nodes} agents (--nnodes)"
         rank = info.node_rank
         if not late and rank >= 0 and (rank >= self.opts.min_nodes or rank in self._slots):
@@ -349,8 +371,10 @@ class Coordinating:
 
     def _admit_next(self, store: dist.Store, k: int) -> bool:
         """Answer the arrival in slot `k`; False at the job's end (its closing marker)."""
-        if store.check([assign_key(k)]):  # answered by a predecessor already
-            self._event({"kind": "agent_answered_before", "node": f"agent{k}"})
+        if store.check([assign_key(k)]):
+            # answered already: by a predecessor, or (its own arrival) by this one in `_run`
+            if k != self.me:
+                self._event({"kind": "agent_answered_before", "node": f"agent{k}"})
         else:
             info = self._arrival(store, k)
             if isinstance(info, ArrivalsClosed):  # this coordinator's: the job is over
@@ -362,8 +386,24 @@ class Coordinating:
         return True
 
     def run(self) -> int:
-        if self.takeover is not None:
-            return self._take_over()
+        """Coordinate the job (or go on with it from the books) to its end; the job's exit
+        code. Whatever raises on the way still ends the rendezvous, saying why: before,
+        an error ahead of the job's loop (which ends it itself) left no end record while
+        this agent's lease kept the office taken, and every agent waited for ever."""
+        try:
+            return self._take_over() if self.takeover is not None else self._start()
+        except Exception as exc:
+            if not self._closed:
+                self._crash = (f"the coordinator (agent {self.me}) failed: "
+                               f"{type(exc).__name__}: {exc}")[:500]
+                try:
+                    self._close(self.address.connect(self.cfg.cluster.timeout_s))
+                except Exception as lost:  # noqa: BLE001 - the store is gone: said, and raised
+                    print(f"spotpipe agent: the job's end could not be posted: {lost}",
+                          file=sys.stderr)
+            raise
+
+    def _start(self) -> int:
         store = self.address.connect(self.cfg.cluster.timeout_s)
         root = durable.written_root(self.cfg, self.opts.out)
         nonce, refused = secrets.token_hex(16), ""
@@ -407,9 +447,18 @@ class Coordinating:
         if root is not None:
             self.checkpoint = self.checkpoint and durable.settled(self.checkpoint)
             durable.begin_timeline(root, self.checkpoint)
+        # this agent's own arrival first: written before it campaigned, but not always
+        # before the others'. Taken in arrival order, it could come after MIN others (and be
+        # left to the late admission, a joiner of the running job or refused at MAX) or find
+        # its --node-rank taken: refused, its agent exited 2, taking the coordinator along
+        own = self._arrival(store, self.me)
+        if isinstance(own, AgentArrival):
+            self._admit(store, self.me, own, late=False)
         k = 0
         while len(self._slots) < self.opts.min_nodes:
             k += 1
+            if k == self.me:
+                continue
             raw = wait_get(store, agent_key(k), self.opts.rdzv_timeout_s)
             if raw is None:
                 message = (f"rendezvous: {len(self._slots)} of {self.opts.min_nodes} agents "
@@ -478,6 +527,7 @@ class Coordinating:
     def _close(self, store: dist.Store) -> None:
         """The job is over (unless this coordinator was deposed or handed the office on: then
         its successor ends it)."""
+        self._closed = True
         if self.handed_over.is_set() and self.leadership is not None:
             # the office falls vacant now, the key going with the lease: the other agents
             # elect a successor at once, rather than one lease TTL after this host is gone
@@ -485,9 +535,8 @@ class Coordinating:
         if not self.acting():
             return
         # wake the admission thread: a marker in the next arrival slot it will read
-        close = store.add(ARRIVALS, 1)
-        store.set(agent_key(close), plain(vouch(ArrivalsClosed(), self.token,
-                                                self.rdzv_key(agent_key(close)))))
+        close = arrive(store, lambda key: plain(vouch(ArrivalsClosed(), self.token,
+                                                      self.rdzv_key(key))))
         # the admission thread answers every arrival before the marker, then stops: only then
         # are the unanswered ones known (two writers could otherwise both answer one agent,
         # admitted by one and refused by the other; and its answers go through a connection

@@ -9,8 +9,10 @@ to the endpoint's address only, loopback unless configured otherwise).
 
 Rendezvous, under `spotpipe/rdzv/` in the job's store:
 
-1. Each agent takes an arrival number (an atomic add) and publishes what it brings: its nodes
-   and the digests of its model and configuration. Every rendezvous record is a typed
+1. Each agent takes an arrival number by claiming the next free slot of the arrivals' board
+   with what it brings (one compare_set, `rendezvous.arrive`: a slot is whole or empty,
+   whatever instant its agent dies at): its nodes and the digests of its model and
+   configuration. Every rendezvous record is a typed
    `spotpipe.protocol` message, unsealed (no job key exists yet) but vouched for: an HMAC
    under the join token (SPOTPIPE_JOIN_TOKEN, a shared secret that never enters the store)
    over its key and body, which its reader checks; a record that is not one is refused with
@@ -47,6 +49,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import secrets
 import signal
 import socket
 import sys
@@ -66,8 +69,8 @@ from spotpipe.cluster.agent_options import (AgentError, AgentOptions, check_opti
                                             parse_nnodes)
 from spotpipe.cluster.launcher import LaunchError, check_resume, prepare, search_path
 from spotpipe.cluster.office import Office
-from spotpipe.cluster.rendezvous import (ALL_LEFT, ARRIVALS, JOB, LEFT, OVER, agent_key,
-                                         assign_key, connect_rendezvous, proof_key,
+from spotpipe.cluster.rendezvous import (ALL_LEFT, JOB, LEFT, OVER, arrive, assign_key,
+                                         connect_rendezvous, is_over, posted_over, proof_key,
                                          read_record, read_vouched, wait_get, write_atomic)
 from spotpipe.cluster.supervisor import WORKER, Supervisor, starter, worker_env
 from spotpipe.config import Config
@@ -139,8 +142,10 @@ class Agent:
             self.say(f"refused: the job at this rendezvous (--rdzv-id {opts.rdzv_id}) was not "
                      "started with this SPOTPIPE_JOIN_TOKEN; this agent did not join it")
             return 2
-        if store.check([OVER]):
+        if posted_over(store, self.token, opts.rdzv_id) is not None:
             self.say(f"job {opts.rdzv_id} is over already")
+            return 1
+        if self._abandoned(store):
             return 1
         answer = self._assignment(store, me)
         if answer is None:
@@ -155,13 +160,33 @@ class Agent:
     def rdzv_key(self, key: str) -> str:
         return proof_key(self.opts.rdzv_id, key)
 
+    def _abandoned(self, store: dist.Store) -> bool:
+        """etcd: whether the job at this rendezvous has no coordinator and none is coming
+        (said). A job lost whole (every host gone, or etcd away past the reconnect deadline)
+        leaves its keys: agents started again under its --rdzv-id asked to be admitted and
+        waited out --rdzv-timeout for an answer nobody would give. In a running job the
+        office is vacant only until an admitted agent takes it: within a lease TTL of its
+        holder's loss, or of a hand-over that nobody took (`Office.take_back`)."""
+        leadership = self.office.leadership
+        if leadership is None:
+            return False
+        wait_s = 3.0 * leadership.ttl_s
+        if leadership.wait_taken(OVER, wait_s, accept=lambda raw: is_over(
+                raw, self.token, self.opts.rdzv_id)):
+            return False
+        self.say(f"job {self.opts.rdzv_id} at this rendezvous is not running: it has no "
+                 f"coordinator, and none took the office within {wait_s:.0f} s (its keys are "
+                 "left from a job that was lost whole, to etcd or with every host). Start "
+                 "with another --rdzv-id, or remove them: etcdctl del --prefix "
+                 f"{self.address.prefix}/")
+        return True
+
     def _arrive(self, store: dist.Store, rejoin_of: int | None = None,
                 nproc: int | None = None) -> int:
         """Take an arrival number and say what this agent brings (`nproc`: coming again, as
         many nodes as were fenced); the number."""
         opts = self.opts
-        me = store.add(ARRIVALS, 1)
-        store.set(agent_key(me), plain(vouch(AgentArrival(
+        return arrive(store, lambda key: plain(vouch(AgentArrival(
             host=socket.gethostname(), nproc=opts.nproc if nproc is None else nproc,
             node_rank=opts.node_rank, proof="",
             model_digest=self.cfg.model_digest(), config_digest=self.cfg.digest(),
@@ -169,9 +194,8 @@ class Agent:
             config_keys=self.cfg.key_digests(),
             resume_from=str(self.checkpoint.path) if self.checkpoint else "",
             resume_digest=self.checkpoint.digest if self.checkpoint else "",
-            resume_fetch=self._lacks_resume), self.token,
-            self.rdzv_key(agent_key(me)))))
-        return me
+            resume_fetch=self._lacks_resume, nonce=secrets.token_hex(8)), self.token,
+            self.rdzv_key(key))))
 
     def _assignment(self, store: dist.Store, me: int) -> Assignment | None:
         """The coordinator's answer to arrival `me`; None (said) when none comes in time. An
@@ -190,14 +214,10 @@ class Agent:
         assert isinstance(answer, Assignment)
         return answer
 
-    def _job_over(self, store: dist.Store) -> JobOver:
-        """The job's end; a record without the job's proof reads as a failure saying so."""
-        try:
-            over = read_vouched(store, OVER, self.token, self.opts.rdzv_id, JobOver)
-        except MessageError as exc:
-            return JobOver("failed", f"the job's end record is not the coordinator's ({exc})")
-        assert isinstance(over, JobOver)
-        return over
+    def _job_over(self, store: dist.Store) -> JobOver | None:
+        """The job's end as its coordinator posted it; None while there is none (a record at
+        its key without the job's proof is no end: `Office.wait_over` waited past it)."""
+        return posted_over(store, self.token, self.opts.rdzv_id)
 
     def _work(self, store: dist.Store, posted: JobPosted, answer: Assignment) -> int:
         """Run this host's workers until the job is over; the job's outcome as exit code."""
@@ -297,7 +317,7 @@ class Agent:
             # (a connection of its own: the one given is held by the wait for the job's end,
             # abandoned, and a TCPStore client answers its calls in turn)
             store = self.address.connect(self.timeout_s)
-            if not store.check([OVER]):
+            if self._job_over(store) is None:
                 store.add(LEFT, 1)  # one of the agents that confirm the job's end (answering)
                 handed = (" and it handed the coordinator's office on (another agent "
                           "coordinates from its books)" if self.office.coordinating is not None
@@ -305,9 +325,9 @@ class Agent:
                 self.say("left the job on this host's preemption notice: its workers have "
                          f"left{handed}, and the job goes on without them")
                 return 0
-        if not store.check([OVER]):  # deposed: the job goes on without this host
-            return 1
         over = self._job_over(store)
+        if over is None:  # deposed: the job goes on without this host
+            return 1
         coordinating = self.office.coordinating is not None
         leadership = self.office.leadership
         last = store.add(LEFT, 1) >= over.agents
@@ -475,7 +495,7 @@ class Agent:
                 if self._signalling:  # the host leaves, or the job ended
                     return
                 store = self.address.connect(self.timeout_s)
-                if store.check([OVER]):
+                if self._job_over(store) is not None:
                     return
                 me = self._arrive(store, rejoin_of=self.me, nproc=1)
                 answer = self._assignment(store, me) or Assignment(refused="no answer")

@@ -28,12 +28,13 @@ from spotpipe import job
 from spotpipe.checkpoint import durable
 from spotpipe.cluster.admission import Coordinating
 from spotpipe.cluster.agent_options import AgentOptions
-from spotpipe.cluster.rendezvous import COORDINATOR, JOB, OVER, post_over
+from spotpipe.cluster.rendezvous import (COORDINATOR, JOB, OVER, over_record, post_over,
+                                         wait_for_over)
 from spotpipe.config import Config
-from spotpipe.protocol import Channel, CoordinatorState, JobPosted, Refused, keys
+from spotpipe.protocol import Channel, CoordinatorState, JobPosted, MessageError, Refused, keys
 from spotpipe.store.address import StoreAddress
 from spotpipe.store.leader import Leadership, lease_ttl
-from spotpipe.store.waiting import wait_unbounded
+from spotpipe.store.mailbox import Outbox
 
 
 class Office:
@@ -50,6 +51,7 @@ class Office:
         self.coordinating: Coordinating | None = None  # this agent's, if elected
         self.thread: threading.Thread | None = None  # the coordinator's
         self.leadership: Leadership | None = None  # etcd: the office, under a lease
+        self._refused_over = b""  # the last record at the job's end key refused (said once)
 
     @property
     def handed_over(self) -> bool:
@@ -140,8 +142,9 @@ class Office:
         (`noticed`) does not campaign. A leader that finds itself deposed leaves (its
         workers with it: the successor counts its host lost)."""
         leadership = self.leadership
+        is_over = self._over_check(store, posted, channel)
         if leadership is None:  # c10d: the store's host is on-demand; so is the coordinator
-            wait_unbounded(store, [OVER])  # (a job runs for weeks)
+            wait_for_over(store, is_over)  # (a job runs for weeks)
             return
         slice_s = float(leadership.ttl_s)
         while True:
@@ -149,22 +152,49 @@ class Office:
                 self.say("lost the coordinator's lease (cut off from etcd for longer than its "
                          "TTL): a successor coordinates; this host leaves the job")
                 return
-            seen = leadership.wait_vacant(OVER, slice_s)
+            seen = leadership.wait_vacant(OVER, slice_s, accept=is_over)
             if seen == OVER:
                 return
+            if seen is None and self.coordinating is None and not noticed.is_set() \
+                    and leadership.squatted():
+                seen = "vacant"  # (a key no agent holds never expires: taken in its place)
             if seen == "vacant" and self.coordinating is not None:
                 leadership.deposed.wait(slice_s)  # its own lease gone: deposed at the next renewal
                 continue
             if seen == "vacant" and noticed.is_set():
                 # a host being reclaimed waits for another to take the office (or the job's
                 # end), rather than asking again at once
-                leadership.wait_taken(OVER, slice_s)
+                leadership.wait_taken(OVER, slice_s, accept=is_over)
                 continue
             if seen == "vacant" and self.coordinating is None and leadership.campaign():
                 if not self._succeed(store, posted, channel):
                     return
                 if noticed.is_set():  # (the notice came while it campaigned)
                     self.coordinating.noticed()  # type: ignore[union-attr]
+
+    def _over_check(self, store: dist.Store, posted: JobPosted,
+                    channel: Channel) -> Callable[[bytes], bool]:
+        """Whether a value at the job's end key is the end its coordinator posted. One that
+        is not (anything with the store's address can write there) is refused, said once and
+        told to the job as a `record_refused` event, and the wait for the end goes on: read
+        as the end, it stopped every host's workers."""
+        def is_over(raw: bytes) -> bool:
+            try:
+                over_record(raw, self.token, self.opts.rdzv_id)
+                return True
+            except MessageError as exc:
+                if raw != self._refused_over:
+                    self._refused_over = raw
+                    reason = f"{OVER}: not the coordinator's end of the job ({exc})"
+                    self.say(f"refused the record at {reason}; the job goes on")
+                    try:
+                        Outbox(store, channel, posted.t0).event(
+                            "record_refused", writer="unknown", reason=reason)
+                    except Exception:  # noqa: BLE001 - the store gone: said above
+                        pass
+                return False
+
+        return is_over
 
     def take_back(self, store: dist.Store, posted: JobPosted, channel: Channel) -> bool:
         """After handing the office on, wait one lease TTL for another agent to take it. If
@@ -178,7 +208,8 @@ class Office:
         assert self.thread is not None
         self.thread.join()  # (it resigned: the office is vacant from there)
         try:
-            if leadership.wait_taken(OVER, float(leadership.ttl_s)):
+            if leadership.wait_taken(OVER, float(leadership.ttl_s),
+                                     accept=self._over_check(store, posted, channel)):
                 return False
             # a candidate under this agent's newest number (a rejoin renamed it while it led)
             leadership.me = str(self.me)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,7 +18,9 @@ from spotpipe.cluster.agent_options import AgentError, AgentOptions, is_local
 from spotpipe.config import Config, parse_endpoint
 from spotpipe.protocol import (JobOver, Message, MessageError, from_plain, keys, plain, vouch,
                                vouched)
+from spotpipe.store import board
 from spotpipe.store.address import StoreAddress, host_tcp_store, job_prefix
+from spotpipe.store.waiting import wait_unbounded
 
 ARRIVALS, COORDINATOR, JOB, OVER = keys.ARRIVALS, keys.COORDINATOR, keys.JOB, keys.OVER
 LEFT, ALL_LEFT = keys.LEFT, keys.ALL_LEFT
@@ -50,8 +54,14 @@ def connect_rendezvous(opts: AgentOptions,
 
 
 def wait_get(store: dist.Store, key: str, timeout_s: float) -> bytes | None:
+    """The value at `key` once it is there; None when it is not within `timeout_s`. A store
+    that is gone raises (DistNetworkError, etcd's too): taken for a timeout, it was said within
+    a second as "no job appeared within 600 s", "not admitted within 600 s (--rdzv-timeout)"
+    or too few agents arriving, none of which names the store."""
     try:
         store.wait([key], timedelta(seconds=timeout_s))
+    except dist.DistNetworkError:
+        raise
     except Exception:  # a timeout (the store raises its own error types)
         return None
     return store.get(key)
@@ -75,6 +85,75 @@ def read_vouched(store: dist.Store, key: str, token: str, rdzv_id: str,
     if not vouched(message, token, proof_key(rdzv_id, key)):
         raise MessageError("it lacks the job's proof")
     return message
+
+
+def over_record(raw: bytes, token: str, rdzv_id: str) -> JobOver:
+    """The job's end in `raw`, the value at its key; MessageError when it is not the one its
+    coordinator posts (the key is plain: anything with the store's address can write there,
+    and a forged end read as the job's stopped every host's workers)."""
+    message = from_plain(raw, JobOver)
+    if not vouched(message, token, proof_key(rdzv_id, OVER)):
+        raise MessageError("it lacks the job's proof")
+    assert isinstance(message, JobOver)
+    return message
+
+
+def is_over(raw: bytes, token: str, rdzv_id: str) -> bool:
+    """Whether `raw` is the job's end as its coordinator posted it (`over_record`)."""
+    try:
+        over_record(raw, token, rdzv_id)
+    except MessageError:
+        return False
+    return True
+
+
+def posted_over(store: dist.Store, token: str, rdzv_id: str) -> JobOver | None:
+    """The job's end as its coordinator posted it; None while there is none (nothing at its
+    key, or a record there that is not the coordinator's)."""
+    if not store.check([OVER]):
+        return None
+    try:
+        return over_record(store.get(OVER), token, rdzv_id)
+    except MessageError:
+        return None
+
+
+def wait_for_over(store: dist.Store, is_over: Callable[[bytes], bool],
+                  poll_s: float = 1.0) -> None:
+    """Block until the job's end key holds a record that `is_over` accepts (a c10d store,
+    whose waits end when a key exists: a record squatting the key is looked at again every
+    `poll_s` until the coordinator's end replaces it, `post_over` overwriting whatever is
+    there; etcd's waits watch the key for changes instead, `Leadership.wait_vacant`)."""
+    while True:
+        wait_unbounded(store, [OVER])
+        raw = store.get(OVER)
+        if is_over(raw):
+            return
+        while _value_now(store, raw) == raw:
+            time.sleep(poll_s)  # no watch for a change of value on a TCPStore: a poll
+
+
+def _value_now(store: dist.Store, raw: bytes) -> bytes:
+    """The end key's value (a compare_set that changes nothing reads it without blocking)."""
+    now = store.compare_set(OVER, raw, raw)
+    return now.encode() if isinstance(now, str) else bytes(now)
+
+
+def arrive(store: dist.Store, record: Callable[[str], bytes]) -> int:
+    """Take the next arrival number by writing `record(its key)` there: one compare_set
+    claims the slot with the whole record (`store.board`), and the count, a hint of where to
+    start, is raised after. An agent took a number (an add) and then wrote its record: one
+    killed between the two (a host preempted at that instant) left its slot empty for good,
+    and the coordinator, which reads the arrivals in order, answered no later agent.
+
+    The count is plain: moved ahead by anyone with the store's address, it sent every later
+    agent past slots nobody fills, the first of which the coordinator waits on. Writers fill
+    a slot before they raise the count to it, so a count that names an empty slot was moved:
+    it is put back to 0, and this writer claims the first free slot from the first on."""
+    count = board.hint(store, ARRIVALS)
+    if count and not store.check([keys.arrival(count)]):
+        board.lower_hint(store, ARRIVALS, count, 0)
+    return board.post(store, keys.ARRIVAL_BOARD, record, count_key=ARRIVALS)
 
 
 def post_over(store: dist.Store, token: str, rdzv_id: str, status: str, message: str,

@@ -114,9 +114,13 @@ def checkpoint_layout(namespace: str, stage: int) -> str:
     return f"{namespace}/checkpoint/layout/{stage}"
 
 
+# the arrivals: a board (`store.board`), each agent claiming its slot with its record
+ARRIVAL_BOARD = f"{RDZV}/agent"
+
+
 def arrival(k: int) -> str:
     """What the `k`-th arriving agent brings (AgentArrival; ArrivalsClosed once the job ends)."""
-    return f"{RDZV}/agent/{k}"
+    return board_slot(ARRIVAL_BOARD, k)
 
 
 def assignment(k: int) -> str:

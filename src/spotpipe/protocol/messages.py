@@ -480,6 +480,9 @@ class AgentArrival(Message):
     resume_digest: str = ""
     # given --resume, but its host does not have it: the coordinating agent sends its copy
     resume_fetch: bool = False
+    # fresh for each arrival: the record claims its slot (`cluster.rendezvous.arrive`), and
+    # two agents of one host bring the same record otherwise, each taking the slot for its own
+    nonce: str = ""
 
 
 @dataclass(frozen=True)

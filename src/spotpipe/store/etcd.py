@@ -332,6 +332,29 @@ class EtcdStore(dist.Store):
         kvs = reply["responses"][0].get("response_range", {}).get("kvs", [])
         return _decode(kvs[0].get("value", "")) if kvs else b""
 
+    def lease_of(self, key: str) -> int | None:
+        """The lease `key` is attached to (0: none), or None when the key does not exist."""
+        k = self._key(key)
+        reply = self._retry("get", lambda: self._txn({"compare": [], "success": [
+            {"request_range": {"key": _encode(k)}}], "failure": []}))
+        kvs = reply["responses"][0].get("response_range", {}).get("kvs", [])
+        return int(kvs[0].get("lease", 0)) if kvs else None
+
+    def claim_unleased(self, key: str, value: str | bytes, lease: int) -> bool:
+        """Put `value` under `key`, attached to `lease`, only if the key exists attached to no
+        lease (a value written over the election's key by something that is not an agent:
+        every agent's is leased); whether it was put."""
+        k = self._key(key)
+        data = value.encode() if isinstance(value, str) else value
+        reply = self._retry("claim", lambda: self._txn({
+            "compare": [{"key": _encode(k), "target": "CREATE", "result": "NOT_EQUAL",
+                         "create_revision": 0},
+                        {"key": _encode(k), "target": "LEASE", "result": "EQUAL", "lease": 0}],
+            "success": [{"request_put": {"key": _encode(k), "value": _encode(data),
+                                         "lease": lease}}],
+            "failure": []}))
+        return bool(reply.get("succeeded"))
+
     # ------------------------------------------------------------------ housekeeping
 
     def delete_prefix(self) -> None:

@@ -52,15 +52,30 @@ class Leadership:
         """The agent that coordinates now, or None while the office is vacant."""
         values = self.store.wait_until([keys.LEADER], lambda _: True, 0.0) or {}
         raw = values.get(keys.LEADER)
-        return None if raw is None else raw.decode()
+        return None if raw is None else raw.decode(errors="replace")
+
+    def squatted(self) -> bool:
+        """Whether the leader key holds a value attached to no lease: no agent's (each holds
+        it under its lease), but something's that reached the store. Such a key never
+        expires: the office looked taken for good, and every agent waited for ever."""
+        return self.store.lease_of(keys.LEADER) == 0
+
+    def reclaim(self) -> bool:
+        """The leader holds its lease, but the key was written over without one: put it back
+        under the lease; whether it was (False: not this agent's office to take back)."""
+        lease = self._lease
+        return lease is not None and not self.deposed.is_set() and \
+            self.store.claim_unleased(keys.LEADER, self.me, lease)
 
     def campaign(self) -> bool:
-        """Try to take the office (put-if-absent under a fresh lease); whether this agent has
-        it. A lost campaign leaves no lease behind."""
+        """Try to take the office (put-if-absent under a fresh lease, or in place of a key
+        that no lease holds: `squatted`); whether this agent has it. A lost campaign leaves
+        no lease behind."""
         if self.leading:
             return True
         lease = self.store.grant_lease(self.ttl_s)
-        if self.store.create_leased(keys.LEADER, self.me, lease) != self.me.encode():
+        if self.store.create_leased(keys.LEADER, self.me, lease) != self.me.encode() \
+                and not self.store.claim_unleased(keys.LEADER, self.me, lease):
             self.store.revoke_lease(lease)
             return False
         # (a fresh term: an office handed on and then taken back)
@@ -84,22 +99,25 @@ class Leadership:
                     self._on_deposed()
                 return
 
-    def wait_vacant(self, also: str, timeout_s: float) -> str | None:
-        """Block until the office is vacant (returns "vacant") or key `also` exists (returns
-        `also`), or `timeout_s` passes (None). A watch, not a poll."""
+    def wait_vacant(self, also: str, timeout_s: float,
+                    accept: Callable[[bytes], bool] = lambda _: True) -> str | None:
+        """Block until the office is vacant (returns "vacant") or key `also` holds a value
+        that `accept`s (returns `also`), or `timeout_s` passes (None). A watch, not a poll:
+        a value `also` holds that is not accepted is waited past until it changes."""
         def done(values: dict[str, bytes]) -> bool:
-            return keys.LEADER not in values or also in values
+            return keys.LEADER not in values or _holds(values, also, accept)
 
         values = self.store.wait_until([keys.LEADER, also], done, timeout_s)
         if values is None:
             return None
-        return also if also in values else "vacant"
+        return also if _holds(values, also, accept) else "vacant"
 
-    def wait_taken(self, also: str, timeout_s: float) -> bool:
-        """Block until an agent holds the office or key `also` exists (True), or `timeout_s`
-        passes with the office vacant (False). A watch, not a poll."""
+    def wait_taken(self, also: str, timeout_s: float,
+                   accept: Callable[[bytes], bool] = lambda _: True) -> bool:
+        """Block until an agent holds the office or key `also` holds a value that `accept`s
+        (True), or `timeout_s` passes with the office vacant (False). A watch, not a poll."""
         def done(values: dict[str, bytes]) -> bool:
-            return keys.LEADER in values or also in values
+            return keys.LEADER in values or _holds(values, also, accept)
 
         return self.store.wait_until([keys.LEADER, also], done, timeout_s) is not None
 
@@ -112,3 +130,7 @@ class Leadership:
             except Exception:  # the store is gone: the lease expires on its own
                 pass
         self._lease = None
+
+
+def _holds(values: dict[str, bytes], key: str, accept: Callable[[bytes], bool]) -> bool:
+    return key in values and accept(values[key])
