@@ -116,17 +116,17 @@ class Office:
         """This agent won the vacant office: take over from the predecessor's books; False
         when there are none that open (then the job cannot go on, and is ended). `stays`: it
         coordinates until its host goes (an office taken back)."""
+        if not store.check([keys.COORDINATOR_STATE]):
+            # (lost before its first turn: no books to go on from, nothing trained yet)
+            return self._cannot_go_on(store, "the coordinator was lost before it kept any "
+                                             "books (during the rendezvous or the job's "
+                                             "start): the job cannot go on; start it again")
         try:
-            opened = channel.open(store.get(keys.COORDINATOR_STATE) if store.check(
-                [keys.COORDINATOR_STATE]) else b"", at=keys.COORDINATOR_STATE,
-                expect=CoordinatorState,
-                writers={"coordinator"})
+            opened = channel.open(store.get(keys.COORDINATOR_STATE), at=keys.COORDINATOR_STATE,
+                                  expect=CoordinatorState, writers={"coordinator"})
         except Refused as why:
-            message = (f"the coordinator was lost and its books cannot be read ({why.reason});"
-                       " the job cannot go on")
-            self.say(message)
-            post_over(store, self.token, self.opts.rdzv_id, "failed", message, 0)
-            return False
+            return self._cannot_go_on(store, f"the coordinator was lost and its books cannot "
+                                             f"be read ({why.reason}); the job cannot go on")
         assert isinstance(opened.message, CoordinatorState) and self.leadership is not None
         self.say(f"agent {self.me} takes over as the coordinator of job {self.opts.rdzv_id}")
         successor = Coordinating.successor(self.opts, self.cfg, self.token, self.address,
@@ -134,6 +134,12 @@ class Office:
         successor.stays = stays
         self._coordinate(successor)
         return True
+
+    def _cannot_go_on(self, store: dist.Store, message: str) -> bool:
+        """End the job, saying why no successor can take it on: False."""
+        self.say(message)
+        post_over(store, self.token, self.opts.rdzv_id, "failed", message, 0)
+        return False
 
     def wait_over(self, store: dist.Store, posted: JobPosted, channel: Channel,
                   noticed: threading.Event) -> None:
