@@ -27,8 +27,8 @@ def _run(tmp_path, corpus, faults, joins, nodes, **extra):
 
 def _train(tmp_path, corpus, stages, pipelines, faults, joins, nodes, **extra):
     """Train P x D with `faults` (kind, NODE@ITER[:PHASE]) and `joins`; it must complete."""
-    cfg = tiny_config(corpus, stages=stages, pipelines=pipelines, redundancy="lazy",
-                      **{**FAST, **extra})
+    cfg = tiny_config(corpus, stages=stages, pipelines=pipelines,
+                      **{"redundancy": "lazy", **FAST, **extra})
     run = tmp_path / "run"
     parsed = [Fault.parse(kind, text, nodes) for kind, text in faults]
     assert train(cfg, run, progress=False, faults=parsed, joins=joins) == 0
@@ -276,3 +276,31 @@ def test_standby_node_whose_placement_fails_does_not_replay_its_old_stream(tmp_p
                                                       **{**FAST, "iterations": 20}))
     got = load_file(str(run / "final" / "model.safetensors"))
     assert_close_where_width_changed(got, want)
+
+
+def test_restorer_lost_before_it_relinks_keeps_the_committed_clipping_scale(tmp_path, corpus):
+    """P = 2 without redundancy, CPU shadows, gradient clipping, node2 waiting on standby:
+    node1, stage 1's writer, dies after iteration 5 committed and before its COMMIT reached
+    the shadow; node2 is to restore stage 1 and dies before it relinks (its transfer phase),
+    while node0, the one survivor, has already started the plan's generation. The shadow
+    still holds iteration 5's gradient uncommitted, so the next plan's writer (node0) must
+    bring its clipping scale: node0 committed iteration 5 and must still report the scale
+    from the new generation's executor (it once reported none, and the shadow stopped the
+    job with "committed without its clipping scale")."""
+    from test_equivalence import reference
+
+    cfg, run = _train(tmp_path, corpus, 2, 1, [("fail", "node1@5:optimizer"),
+                                               ("fail", "node2@5:transfer")],
+                      [2], [f"node{r}" for r in range(3)], redundancy="none", iterations=10,
+                      **{"shadow.enabled": True})
+    assert cfg.optimizer.grad_clip > 0
+    ev = events(run)
+    plans = [(e["action"], e["resume"]) for e in ev if e["kind"] == "plan"]
+    assert plans[:3] == [("keep", plans[0][1]), ("restore_from_shadow", 6),
+                         ("restore_from_shadow", 6)], plans
+    assert [e["iteration"] for e in ev if e["kind"] == "shadow_settled"] == [5]
+    assert not [e for e in ev if e["kind"] in ("worker_error", "shadow_error")]
+    want, _ = reference(cfg)
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert_samples_exactly_once(run, cfg)
