@@ -304,3 +304,33 @@ def test_restorer_lost_before_it_relinks_keeps_the_committed_clipping_scale(tmp_
     got = load_file(str(run / "final" / "model.safetensors"))
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert_samples_exactly_once(run, cfg)
+
+
+def test_restore_cut_short_in_another_pipelines_copy_is_rolled_back(tmp_path,
+                                                                   tmp_path_factory, corpus):
+    """P = 3 x D = 2 without redundancy, CPU shadows, node6 waiting on standby: stage 1 is lost
+    in both pipelines at once (node1 and node4, after iteration 5 committed), so the plan
+    restores it from its shadow onto node6 in pipeline 0 and onto node5 in pipeline 1, which
+    copies it from node6 once node6 holds it. node6 dies first (its transfer phase). The other
+    survivors' states did not change (node5 received nothing), so the plan is rolled back and
+    decided again from the layout before it: node5 keeps its place instead of being counted
+    out (every survivor once said its state changed whenever the plan had such a copy)."""
+    cfg, run = _train(tmp_path, corpus, 3, 2, [("fail", "node1@5:optimizer"),
+                                               ("fail", "node4@5:optimizer"),
+                                               ("fail", "node6@5:transfer")],
+                      [2], [f"node{r}" for r in range(7)], redundancy="none", iterations=10,
+                      **{"shadow.enabled": True})
+    ev = events(run)
+    plans = [e["action"] for e in ev if e["kind"] == "plan"]
+    assert plans[:3] == ["keep", "restore_from_shadow", "restore_from_shadow"], plans
+    first = next(e for e in ev if e["kind"] == "plan" and e["action"] != "keep")
+    assert {(m["pipeline"], m["stage"]): m["dst"] for m in first["moves"]} == {
+        (0, 1): "node6", (1, 1): "node5"}
+    rolled = [e for e in ev if e["kind"] == "agreement" and e.get("rolled_back")]
+    assert len(rolled) == 1, [e for e in ev if e["kind"] == "agreement"]
+    assert not [e for e in ev if e["kind"] in ("rejoining", "worker_error", "shadow_error")]
+    assert_samples_exactly_once(run, cfg)
+    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=3, pipelines=2,
+                                                      **{**FAST, "iterations": 10}))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -97,11 +97,10 @@ class Reshaper:
                             decision.generation)
         if repartition or progress.lacking or any(me in (t.src, t.dst) for t in moves):
             self.inject("transfer", resume)  # (only a plan that moves this node's state)
-        held = ({s: id(x) for s, x in st.stages.items()}, id(st.holding))
+        held = self._held()
         received = (self._repartition(decision, comm) if repartition
                     else self._migrate(moves, comm, resume))
-        progress.untouched = progress.untouched and held == (
-            {s: id(x) for s, x in st.stages.items()}, id(st.holding))
+        progress.untouched = progress.untouched and held == self._held()
         if st.holding is not None and me in st.layout.active_nodes:
             # a kept replica may be fed by a new owner now (a hand-over to a standby node)
             st.holding.owner = st.layout.owner(st.pipeline, st.holding.replica.index)
@@ -123,15 +122,23 @@ class Reshaper:
         after = [Transfer("stage", m.stage, decision.layout.owner(0, m.stage), m.dst)
                  for m in restores if m.pipeline != 0] + late
         if after:
-            progress.untouched = False
+            # (only a node that receives one changes: the others, uninvolved or sending, can
+            # still take their places in the layout before, if the plan is rolled back)
             self.activity.begin("moving states", decision.generation)
-            before = progress.bytes_received
+            before, held = progress.bytes_received, self._held()
             received += self._migrate(after, comm, resume)
+            progress.untouched = progress.untouched and held == self._held()
             progress.bytes_received += before
         progress.lacking = []
         return comm, Carried(promoted, received, formed - started, exchanged - formed)
 
     # ------------------------------------------------------------------ the parts
+
+    def _held(self) -> tuple[dict[int, int], int]:
+        """Which stage and replica objects this node holds: a plan that replaces or drops
+        any of them changed its state (`Progress.untouched`)."""
+        st = self.state
+        return {s: id(x) for s, x in st.stages.items()}, id(st.holding)
 
     def _promote(self, stage: int, resume: int) -> None:
         """The replica becomes an owned stage: it is already exact, nothing is transferred."""
