@@ -309,14 +309,14 @@ def test_restorer_lost_before_it_relinks_keeps_the_committed_clipping_scale(tmp_
 def test_restore_cut_short_in_another_pipelines_copy_is_rolled_back(tmp_path,
                                                                    tmp_path_factory, corpus):
     """P = 3 x D = 2 without redundancy, CPU shadows, node6 waiting on standby: stage 1 is lost
-    in both pipelines at once (node1 and node4, after iteration 5 committed), so the plan
+    in both pipelines at once (node1 and node4, as iteration 5 starts: neither waits on a
+    peer between its commit of iteration 4 and that point, so both are gone), so the plan
     restores it from its shadow onto node6 in pipeline 0 and onto node5 in pipeline 1, which
     copies it from node6 once node6 holds it. node6 dies first (its transfer phase). The other
     survivors' states did not change (node5 received nothing), so the plan is rolled back and
     decided again from the layout before it: node5 keeps its place instead of being counted
     out (every survivor once said its state changed whenever the plan had such a copy)."""
-    cfg, run = _train(tmp_path, corpus, 3, 2, [("fail", "node1@5:optimizer"),
-                                               ("fail", "node4@5:optimizer"),
+    cfg, run = _train(tmp_path, corpus, 3, 2, [("fail", "node1@5"), ("fail", "node4@5"),
                                                ("fail", "node6@5:transfer")],
                       [2], [f"node{r}" for r in range(7)], redundancy="none", iterations=10,
                       **{"shadow.enabled": True})
@@ -334,3 +334,28 @@ def test_restore_cut_short_in_another_pipelines_copy_is_rolled_back(tmp_path,
                                                       **{**FAST, "iterations": 10}))
     got = load_file(str(run / "final" / "model.safetensors"))
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_restorer_that_holds_its_stage_is_not_counted_out_when_its_copy_fails(
+        tmp_path, tmp_path_factory, corpus):
+    """As above, but node5, which was to receive pipeline 1's copy of stage 1, dies instead
+    (its transfer phase): node6 has restored stage 1 from its shadow and fails sending the
+    copy. It holds all the plan gave it, so it keeps its place (the job drops pipeline 1)
+    rather than being counted out for the stage it already restored."""
+    cfg, run = _train(tmp_path, corpus, 3, 2, [("fail", "node1@5"), ("fail", "node4@5"),
+                                               ("fail", "node5@5:transfer")],
+                      [2], [f"node{r}" for r in range(7)], redundancy="none", iterations=10,
+                      **{"shadow.enabled": True})
+    ev = events(run)
+    plans = [e["action"] for e in ev if e["kind"] == "plan"]
+    assert plans[:2] == ["keep", "restore_from_shadow"], plans
+    assert {e["node"] for e in ev if e["kind"] == "shadow_restored"} >= {"shadow1"}
+    lacked = [e for e in ev if e["kind"] == "agreement" and e.get("lacking")]
+    assert not lacked, lacked
+    assert not [e for e in ev if e["kind"] in ("rejoining", "worker_error", "shadow_error")]
+    assert any(e["kind"] == "worker_done" and e["node"] == "node6" for e in ev)
+    assert_samples_exactly_once(run, cfg)
+    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=3, pipelines=2,
+                                                      **{**FAST, "iterations": 10}))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert_close_where_width_changed(got, want)
