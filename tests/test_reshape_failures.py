@@ -359,3 +359,37 @@ def test_restorer_that_holds_its_stage_is_not_counted_out_when_its_copy_fails(
                                                       **{**FAST, "iterations": 10}))
     got = load_file(str(run / "final" / "model.safetensors"))
     assert_close_where_width_changed(got, want)
+
+
+def test_sender_of_a_copy_made_from_a_restored_stage_lost_in_its_transfer_phase(
+        tmp_path, tmp_path_factory, corpus):
+    """As above, with stage 1 lost in pipeline 0 and stage 2 in pipeline 1 (node1 and node5):
+    node6 restores stage 1, and node3 gets stage 2 copied from node2, pipeline 0's owner of
+    it, once the restores are done. node2 moves nothing else, and its `transfer` phase must
+    still fire in this plan (it never did: the phase looked only at the transfers before the
+    restores). node2 dies there; no survivor's state changed but node6's, a standby node,
+    so the plan is rolled back, and the next one has node6 restore stage 1 again: it must
+    load it again from the shadow (it once kept the link of the plan rolled back, skipped
+    the load and trained on an empty stage: a non-finite loss). D stays 2: the result is
+    the failure-free run's, bit for bit."""
+    cfg, run = _train(tmp_path, corpus, 3, 2, [("fail", "node1@5"), ("fail", "node5@5"),
+                                               ("fail", "node2@5:transfer")],
+                      [2], [f"node{r}" for r in range(7)], redundancy="none", iterations=10,
+                      **{"shadow.enabled": True})
+    ev = events(run)
+    first = next(e for e in ev if e["kind"] == "plan" and e["action"] != "keep")
+    assert first["action"] == "restore_from_shadow"
+    assert {(m["pipeline"], m["stage"]): m["dst"] for m in first["moves"]} == {
+        (0, 1): "node6", (1, 2): "node3"}
+    fired = [e for e in ev if e["kind"] == "fault_injected" and e["node"] == "node2"]
+    lost = [e for e in ev if e["kind"] == "node_lost" and e["node"] == "node2"]
+    assert fired and lost and lost[0]["generation"] == first["generation"], (fired, lost)
+    assert [e for e in ev if e["kind"] == "agreement" and e.get("rolled_back")]
+    assert [e["iteration"] for e in ev if e["kind"] == "shadow_restored"
+            and e["node"] == "shadow1"] == [4, 4]
+    assert not [e for e in ev if e["kind"] in ("worker_error", "shadow_error")]
+    assert_samples_exactly_once(run, cfg)
+    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=3, pipelines=2,
+                                                      **{**FAST, "iterations": 10}))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -103,8 +103,10 @@ class Reshaper:
         to_come = [f"{t.kind} {t.stage}" for t in after if t.dst == me]
         self.activity.begin("re-partitioning" if repartition else "moving states",
                             decision.generation)
-        if repartition or progress.lacking or any(me in (t.src, t.dst) for t in moves):
-            self.inject("transfer", resume)  # (only a plan that moves this node's state)
+        if repartition or progress.lacking or any(me in (t.src, t.dst) for t in moves + after):
+            # (only a plan that moves this node's state: a sender of copies made once a stage
+            # is restored from its shadow included, though those go after the restore)
+            self.inject("transfer", resume)
         held = self._held()
         received = (self._repartition(decision, comm) if repartition
                     else self._migrate(moves, comm, resume))
