@@ -11,6 +11,7 @@ the update of the replica it holds, must be the bits a completed gather gives.
 from __future__ import annotations
 
 import copy
+import math
 from types import SimpleNamespace
 
 import torch
@@ -84,6 +85,27 @@ def test_a_node_that_missed_the_gather_steps_from_the_decisions_scale():
         assert torch.equal(got, want)
     for got, want in zip(ex.holding.replica.module.parameters(), ref_other.parameters()):
         assert torch.equal(got, want)
+    ex.holding.applier.close()
+
+
+def test_a_node_that_missed_the_gather_reports_the_commit_it_adopted():
+    """Stepped from the Decision's record, the iteration is committed on this node too, with
+    that scale: its next report must say so, as the nodes that completed the gather do (they
+    may be lost next, before a new shadow writer brings the scale to a shadow still holding
+    the iteration's gradient)."""
+    cfg = _cfg()
+    own, other = torch.nn.Linear(6, 5), torch.nn.Linear(5, 4)
+    ex = _executor(cfg, own, other)
+    _grads(own, 1)
+    ex._replica_recv = Lease(flatten_grads(list(other.parameters())), None)
+    ex.step(0, 0.25)
+    ex.holding.applier.drain()
+    assert (ex.committed_through, ex.committed_clip_scale) == (0, 0.25)
+    _grads(own, 3)
+    ex._replica_recv = Lease(flatten_grads(list(other.parameters())), None)
+    ex.step(1, "skip")
+    ex.holding.applier.drain()
+    assert ex.committed_through == 1 and math.isnan(ex.committed_clip_scale)
     ex.holding.applier.close()
 
 

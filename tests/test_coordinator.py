@@ -339,6 +339,24 @@ def test_a_node_the_last_plan_put_on_standby_is_a_loss_like_any(corpus):
     assert coord.store.check([keys.board_slot(keys.abort_board(g), 1)])
 
 
+def test_a_node_the_last_plan_put_on_standby_is_a_spare_once_that_plan_committed(corpus):
+    """Once the plan's first iteration is committed nothing can give the node its old place
+    back (no rollback after a commit) and it sends nothing: its exit aborts nothing, and the
+    iteration in flight is not replayed for it."""
+    coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
+    _with_standby(coord, ("node2",))
+    coord.history = dataclasses.replace(coord.history, resumed_at=6, before=(
+        Layout.build(2, 1, ["node0", "node2"]), coord.history.partition))
+    g = coord.generation
+    coord.committed(5)  # (a line of the iteration before the plan: not yet)
+    assert not coord._spare("node2")
+    coord.committed(6)
+    coord.node_exited("node2", -9)
+    assert [(e["kind"], e["node"]) for e in emitted] == [("standby_lost", "node2")]
+    assert coord.collecting is None and coord.generation == g
+    assert not coord.store.check([keys.board_slot(keys.abort_board(g), 1)])
+
+
 # ---------------------------------------------------------------------- groups formed ahead
 
 def _record(coord: Coordinator, generation: int) -> DecisionRecord:

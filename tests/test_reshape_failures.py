@@ -27,8 +27,8 @@ def _run(tmp_path, corpus, faults, joins, nodes, **extra):
 
 def _train(tmp_path, corpus, stages, pipelines, faults, joins, nodes, **extra):
     """Train P x D with `faults` (kind, NODE@ITER[:PHASE]) and `joins`; it must complete."""
-    cfg = tiny_config(corpus, stages=stages, pipelines=pipelines, redundancy="lazy",
-                      **{**FAST, **extra})
+    cfg = tiny_config(corpus, stages=stages, pipelines=pipelines,
+                      **{"redundancy": "lazy", **FAST, **extra})
     run = tmp_path / "run"
     parsed = [Fault.parse(kind, text, nodes) for kind, text in faults]
     assert train(cfg, run, progress=False, faults=parsed, joins=joins) == 0
@@ -276,3 +276,120 @@ def test_standby_node_whose_placement_fails_does_not_replay_its_old_stream(tmp_p
                                                       **{**FAST, "iterations": 20}))
     got = load_file(str(run / "final" / "model.safetensors"))
     assert_close_where_width_changed(got, want)
+
+
+def test_restorer_lost_before_it_relinks_keeps_the_committed_clipping_scale(tmp_path, corpus):
+    """P = 2 without redundancy, CPU shadows, gradient clipping, node2 waiting on standby:
+    node1, stage 1's writer, dies after iteration 5 committed and before its COMMIT reached
+    the shadow; node2 is to restore stage 1 and dies before it relinks (its transfer phase),
+    while node0, the one survivor, has already started the plan's generation. The shadow
+    still holds iteration 5's gradient uncommitted, so the next plan's writer (node0) must
+    bring its clipping scale: node0 committed iteration 5 and must still report the scale
+    from the new generation's executor (it once reported none, and the shadow stopped the
+    job with "committed without its clipping scale")."""
+    from test_equivalence import reference
+
+    cfg, run = _train(tmp_path, corpus, 2, 1, [("fail", "node1@5:optimizer"),
+                                               ("fail", "node2@5:transfer")],
+                      [2], [f"node{r}" for r in range(3)], redundancy="none", iterations=10,
+                      **{"shadow.enabled": True})
+    assert cfg.optimizer.grad_clip > 0
+    ev = events(run)
+    plans = [(e["action"], e["resume"]) for e in ev if e["kind"] == "plan"]
+    assert plans[:3] == [("keep", plans[0][1]), ("restore_from_shadow", 6),
+                         ("restore_from_shadow", 6)], plans
+    assert [e["iteration"] for e in ev if e["kind"] == "shadow_settled"] == [5]
+    assert not [e for e in ev if e["kind"] in ("worker_error", "shadow_error")]
+    want, _ = reference(cfg)
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert_samples_exactly_once(run, cfg)
+
+
+def test_restore_cut_short_in_another_pipelines_copy_is_rolled_back(tmp_path,
+                                                                   tmp_path_factory, corpus):
+    """P = 3 x D = 2 without redundancy, CPU shadows, node6 waiting on standby: stage 1 is lost
+    in both pipelines at once (node1 and node4, as iteration 5 starts: neither waits on a
+    peer between its commit of iteration 4 and that point, so both are gone), so the plan
+    restores it from its shadow onto node6 in pipeline 0 and onto node5 in pipeline 1, which
+    copies it from node6 once node6 holds it. node6 dies first (its transfer phase). The other
+    survivors' states did not change (node5 received nothing), so the plan is rolled back and
+    decided again from the layout before it: node5 keeps its place instead of being counted
+    out (every survivor once said its state changed whenever the plan had such a copy)."""
+    cfg, run = _train(tmp_path, corpus, 3, 2, [("fail", "node1@5"), ("fail", "node4@5"),
+                                               ("fail", "node6@5:transfer")],
+                      [2], [f"node{r}" for r in range(7)], redundancy="none", iterations=10,
+                      **{"shadow.enabled": True})
+    ev = events(run)
+    plans = [e["action"] for e in ev if e["kind"] == "plan"]
+    assert plans[:3] == ["keep", "restore_from_shadow", "restore_from_shadow"], plans
+    first = next(e for e in ev if e["kind"] == "plan" and e["action"] != "keep")
+    assert {(m["pipeline"], m["stage"]): m["dst"] for m in first["moves"]} == {
+        (0, 1): "node6", (1, 1): "node5"}
+    rolled = [e for e in ev if e["kind"] == "agreement" and e.get("rolled_back")]
+    assert len(rolled) == 1, [e for e in ev if e["kind"] == "agreement"]
+    assert not [e for e in ev if e["kind"] in ("rejoining", "worker_error", "shadow_error")]
+    assert_samples_exactly_once(run, cfg)
+    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=3, pipelines=2,
+                                                      **{**FAST, "iterations": 10}))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_restorer_that_holds_its_stage_is_not_counted_out_when_its_copy_fails(
+        tmp_path, tmp_path_factory, corpus):
+    """As above, but node5, which was to receive pipeline 1's copy of stage 1, dies instead
+    (its transfer phase): node6 has restored stage 1 from its shadow and fails sending the
+    copy. It holds all the plan gave it, so it keeps its place (the job drops pipeline 1)
+    rather than being counted out for the stage it already restored."""
+    cfg, run = _train(tmp_path, corpus, 3, 2, [("fail", "node1@5"), ("fail", "node4@5"),
+                                               ("fail", "node5@5:transfer")],
+                      [2], [f"node{r}" for r in range(7)], redundancy="none", iterations=10,
+                      **{"shadow.enabled": True})
+    ev = events(run)
+    plans = [e["action"] for e in ev if e["kind"] == "plan"]
+    assert plans[:2] == ["keep", "restore_from_shadow"], plans
+    assert {e["node"] for e in ev if e["kind"] == "shadow_restored"} >= {"shadow1"}
+    lacked = [e for e in ev if e["kind"] == "agreement" and e.get("lacking")]
+    assert not lacked, lacked
+    assert not [e for e in ev if e["kind"] in ("rejoining", "worker_error", "shadow_error")]
+    assert any(e["kind"] == "worker_done" and e["node"] == "node6" for e in ev)
+    assert_samples_exactly_once(run, cfg)
+    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=3, pipelines=2,
+                                                      **{**FAST, "iterations": 10}))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert_close_where_width_changed(got, want)
+
+
+def test_sender_of_a_copy_made_from_a_restored_stage_lost_in_its_transfer_phase(
+        tmp_path, tmp_path_factory, corpus):
+    """As above, with stage 1 lost in pipeline 0 and stage 2 in pipeline 1 (node1 and node5):
+    node6 restores stage 1, and node3 gets stage 2 copied from node2, pipeline 0's owner of
+    it, once the restores are done. node2 moves nothing else, and its `transfer` phase must
+    still fire in this plan (it never did: the phase looked only at the transfers before the
+    restores). node2 dies there; no survivor's state changed but node6's, a standby node,
+    so the plan is rolled back, and the next one has node6 restore stage 1 again: it must
+    load it again from the shadow (it once kept the link of the plan rolled back, skipped
+    the load and trained on an empty stage: a non-finite loss). D stays 2: the result is
+    the failure-free run's, bit for bit."""
+    cfg, run = _train(tmp_path, corpus, 3, 2, [("fail", "node1@5"), ("fail", "node5@5"),
+                                               ("fail", "node2@5:transfer")],
+                      [2], [f"node{r}" for r in range(7)], redundancy="none", iterations=10,
+                      **{"shadow.enabled": True})
+    ev = events(run)
+    first = next(e for e in ev if e["kind"] == "plan" and e["action"] != "keep")
+    assert first["action"] == "restore_from_shadow"
+    assert {(m["pipeline"], m["stage"]): m["dst"] for m in first["moves"]} == {
+        (0, 1): "node6", (1, 2): "node3"}
+    fired = [e for e in ev if e["kind"] == "fault_injected" and e["node"] == "node2"]
+    lost = [e for e in ev if e["kind"] == "node_lost" and e["node"] == "node2"]
+    assert fired and lost and lost[0]["generation"] == first["generation"], (fired, lost)
+    assert [e for e in ev if e["kind"] == "agreement" and e.get("rolled_back")]
+    assert [e["iteration"] for e in ev if e["kind"] == "shadow_restored"
+            and e["node"] == "shadow1"] == [4, 4]
+    assert not [e for e in ev if e["kind"] in ("worker_error", "shadow_error")]
+    assert_samples_exactly_once(run, cfg)
+    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=3, pipelines=2,
+                                                      **{**FAST, "iterations": 10}))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -141,6 +141,7 @@ class Coordinator:
         self.over = False  # training is over: late joiners are sent home
         self.left: set[str] = set()  # left after a notice, by plan
         self.left_on_notice: set[str] = set()  # of those, the ones that had a notice
+        self.newest_committed = start - 1  # the newest iteration with a metrics line
         self.collecting: Collecting | None = None
         self.stop_message: str | None = None
         self.liveness = Liveness(store, channel, self.refused)
@@ -299,11 +300,19 @@ class Coordinator:
         self._begin(f"{node} exited with code {code}")
         self._maybe_decide()
 
+    def committed(self, iteration: int) -> None:
+        """Iteration `iteration` is committed (its metrics line is written)."""
+        self.newest_committed = max(self.newest_committed, iteration)
+
     def _spare(self, node: str) -> bool:
         """Waiting to be placed (on standby, accepted to join, or asking to) since before the
         last plan, so that plan moves nothing to or from it, and not let go by a plan or at
-        the end. A node the last plan put on standby may still be sending its layers."""
-        before = self.history.before[0].active_nodes if self.history.before else ()
+        the end. A node the last plan put on standby may still be sending its layers, and
+        takes its old place again if the plan fails before it commits: until the plan's first
+        iteration is committed, its loss is a loss like any."""
+        settled = self.newest_committed >= self.history.resumed_at
+        before = (self.history.before[0].active_nodes
+                  if self.history.before and not settled else ())
         return (node not in self.left and node not in self.layout.active_nodes
                 and node not in before)
 

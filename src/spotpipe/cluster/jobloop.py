@@ -547,6 +547,7 @@ class JobLoop:
         if self.lines.last is None:
             self._train_start = time.time()
         self.files.metric(item)
+        self.coordinator.committed(item["iter"])
         self._update_bar(self._bar, item)
         if item["iter"] >= self.cfg.iterations - 1:
             # the last iteration is committed: no plan will place a node any more, so a

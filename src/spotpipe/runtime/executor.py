@@ -400,7 +400,10 @@ class Executor:
     def _adopt_commit(self, iteration: int, scale: float | str | None) -> None:
         """What the norm gather of `iteration` would have told this node, from the record of a
         node that completed it: the gradients here are reduced but not yet clipped (the
-        gather is the last thing the reduction does before clipping)."""
+        gather is the last thing the reduction does before clipping). The node then reports
+        the iteration committed, with that scale, as a node that completed the gather does: if
+        those are lost next, before a new shadow writer has relinked, the next Decision takes
+        the scale from this node's report."""
         self.skipped, self.nonfinite, self.clip_scale = False, None, None
         if scale == "skip":
             if self.precision.scaled:
@@ -412,6 +415,8 @@ class Executor:
             self.clip_scale = torch.tensor(float(scale), dtype=torch.float32)
             self._clip()
         self.gathered_through = iteration
+        self.committed_through = max(self.committed_through, iteration)
+        self.committed_clip_scale = float("nan") if scale == "skip" else scale
 
     def _clip(self) -> None:
         """Replace the owned gradients by themselves times `clip_scale` (out of place)."""

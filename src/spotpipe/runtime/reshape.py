@@ -93,24 +93,31 @@ class Reshaper:
                                                         if m.kind == MoveKind.RESTORE
                                                         and m.pipeline == 0})
         moves = [t for t in decision.transfers if t not in late]
-        self.activity.begin("re-partitioning" if repartition else "moving states",
-                            decision.generation)
-        if repartition or progress.lacking or any(me in (t.src, t.dst) for t in moves):
-            self.inject("transfer", resume)  # (only a plan that moves this node's state)
-        held = ({s: id(x) for s, x in st.stages.items()}, id(st.holding))
-        received = (self._repartition(decision, comm) if repartition
-                    else self._migrate(moves, comm, resume))
-        progress.untouched = progress.untouched and held == (
-            {s: id(x) for s, x in st.stages.items()}, id(st.holding))
-        if st.holding is not None and me in st.layout.active_nodes:
-            # a kept replica may be fed by a new owner now (a hand-over to a standby node)
-            st.holding.owner = st.layout.owner(st.pipeline, st.holding.replica.index)
-        exchanged = time.perf_counter()
         # shadows are fed by pipeline 0's owners: those restore from them; a lost stage of
         # another pipeline is the same state (data parallel), copied from pipeline 0's owner
         # once that one holds it
         restores = [m for m in decision.moves if m.kind == MoveKind.RESTORE]
         restored = sorted(m.stage for m in restores if m.dst == me and m.pipeline == 0)
+        after = [Transfer("stage", m.stage, decision.layout.owner(0, m.stage), m.dst)
+                 for m in restores if m.pipeline != 0] + late
+        to_come = [f"{t.kind} {t.stage}" for t in after if t.dst == me]
+        self.activity.begin("re-partitioning" if repartition else "moving states",
+                            decision.generation)
+        if repartition or progress.lacking or any(me in (t.src, t.dst) for t in moves + after):
+            # (only a plan that moves this node's state: a sender of copies made once a stage
+            # is restored from its shadow included, though those go after the restore)
+            self.inject("transfer", resume)
+        held = self._held()
+        received = (self._repartition(decision, comm) if repartition
+                    else self._migrate(moves, comm, resume))
+        progress.untouched = progress.untouched and held == self._held()
+        # what this node lacks from now on is only what waits for a shadow restore: a failure
+        # after its receives (waiting on its sends of those copies) must not count it out
+        progress.lacking = [f"stage {s}" for s in restored] + to_come
+        if st.holding is not None and me in st.layout.active_nodes:
+            # a kept replica may be fed by a new owner now (a hand-over to a standby node)
+            st.holding.owner = st.layout.owner(st.pipeline, st.holding.replica.index)
+        exchanged = time.perf_counter()
         if restored:
             progress.untouched = False
             self.activity.begin(f"restoring stage(s) {', '.join(map(str, restored))} from "
@@ -120,18 +127,25 @@ class Reshaper:
         scale = decision.clip_scale
         self._relink(resume, set(restored), float("nan") if scale == "skip" else scale)
         received += [f"stage {s} from its shadow" for s in restored]
-        after = [Transfer("stage", m.stage, decision.layout.owner(0, m.stage), m.dst)
-                 for m in restores if m.pipeline != 0] + late
+        progress.lacking = to_come
         if after:
-            progress.untouched = False
+            # (only a node that receives one changes: the others, uninvolved or sending, can
+            # still take their places in the layout before, if the plan is rolled back)
             self.activity.begin("moving states", decision.generation)
-            before = progress.bytes_received
+            before, held = progress.bytes_received, self._held()
             received += self._migrate(after, comm, resume)
+            progress.untouched = progress.untouched and held == self._held()
             progress.bytes_received += before
         progress.lacking = []
         return comm, Carried(promoted, received, formed - started, exchanged - formed)
 
     # ------------------------------------------------------------------ the parts
+
+    def _held(self) -> tuple[dict[int, int], int]:
+        """Which stage and replica objects this node holds: a plan that replaces or drops
+        any of them changed its state (`Progress.untouched`)."""
+        st = self.state
+        return {s: id(x) for s, x in st.stages.items()}, id(st.holding)
 
     def _promote(self, stage: int, resume: int) -> None:
         """The replica becomes an owned stage: it is already exact, nothing is transferred."""

@@ -157,7 +157,12 @@ class ShadowWriter:
             self._end(self.links.pop(s))
         for s in sorted(set(writes)):
             if s in self.links:
-                continue
+                if s not in restore:
+                    continue
+                # a link kept from a plan that failed and was rolled back, whose stage this
+                # node restored then: the node has an empty module for it now, so the state
+                # comes again, over a new link (skipping it trained on that empty module)
+                self._end(self.links.pop(s))
             module, optimizer = writes[s]
             self.links[s] = self._open(s, resume, module, optimizer, s in restore, scale)
 

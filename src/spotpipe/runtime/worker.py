@@ -593,6 +593,13 @@ class Worker:
         flight = self.executor.flight if self.executor is not None else None
         self.activity.begin("starting the generation", decision.generation)
         self._form(comm)
+        ex = self.executor
+        if ex.committed_through == resume - 1 and ex.committed_clip_scale is None:
+            # the new executor reports the committed iteration's clipping scale as the old
+            # one did (a joiner: as the Decision recorded it), for a shadow whose new writer
+            # is lost before it relinks: the next Decision takes the scale from the reports
+            ex.committed_clip_scale = (float("nan") if decision.clip_scale == "skip"
+                                       else decision.clip_scale)
         if flight is not None:
             self.executor.flight = flight
             self.rest = self._rest_of_iteration(decision, carried.promoted, flight)
