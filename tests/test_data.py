@@ -206,6 +206,20 @@ def test_load_user_dataset(tmp_path, monkeypatch) -> None:
 
             def nothing():
                 return 42
+
+            class Broken:
+                def __len__(self):
+                    return 4
+
+                def __getitem__(self, i):
+                    if i == 1:
+                        raise KeyError("row 1 is missing")
+                    if i == 2:
+                        return [1, 2]  # not tensors
+                    return torch.zeros(i + 1), torch.zeros(i + 1)  # shapes differ
+
+            def broken():
+                return Broken()
             """
         )
     )
@@ -218,6 +232,20 @@ def test_load_user_dataset(tmp_path, monkeypatch) -> None:
         load_user_dataset("sp_user_data:pairs", {"n": 0})
     with pytest.raises(FactoryError, match="no attribute"):
         load_user_dataset("sp_user_data:missing", {})
+    # a sample that is not a pair of tensors, or cannot be read, or a batch whose shapes
+    # differ: a DataError naming the spec and the samples (a bare KeyError, or torch.stack's
+    # "stack expects each tensor to be equal size", before)
+    broken = load_user_dataset("sp_user_data:broken", {})
+    with pytest.raises(DataError, match=r"dataset spec 'sp_user_data:broken': sample 1 cannot "
+                                        r"be read \(KeyError: 'row 1 is missing'\)"):
+        collate(broken, [1])
+    with pytest.raises(DataError, match=r"sp_user_data:broken'?: sample 2 is \(int, int\); "
+                                        "expected a pair"):
+        collate(broken, [2])
+    with pytest.raises(DataError, match=r"sp_user_data:broken'?: samples \[0, 3\] do not "
+                                        r"stack into a batch \(x -> y shapes \(1,\)->\(1,\), "
+                                        r"\(4,\)->\(4,\)\)"):
+        collate(broken, [0, 3])
 
 
 def test_demo_corpus(tmp_path) -> None:

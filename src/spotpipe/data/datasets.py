@@ -144,7 +144,36 @@ def load_user_dataset(spec: str, kwargs: dict[str, Any]) -> Dataset:
         )
     if len(ds) == 0:
         raise DataError(f"dataset spec {spec!r} returned an empty dataset")
-    return ds
+    return CheckedDataset(ds, f"dataset spec {spec!r}")
+
+
+class CheckedDataset:
+    """A user's dataset, each sample checked as it is read: a pair ``(x, y)`` of tensors.
+
+    A sample of another kind, or one whose ``__getitem__`` raises, used to surface as a bare
+    error from ``torch.stack`` or the model's first layer, naming neither the dataset nor the
+    sample; the job now stops with a DataError that names both (`collate` names the samples
+    of a batch whose shapes or dtypes differ)."""
+
+    def __init__(self, dataset: Any, name: str) -> None:
+        self.dataset, self.name = dataset, name
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        try:
+            sample = self.dataset[i]
+        except Exception as exc:
+            raise DataError(f"{self.name}: sample {i} cannot be read "
+                            f"({type(exc).__name__}: {exc})"[:500]) from exc
+        if not (isinstance(sample, (tuple, list)) and len(sample) == 2
+                and all(isinstance(t, Tensor) for t in sample)):
+            kinds = (", ".join(type(t).__name__ for t in sample)
+                     if isinstance(sample, (tuple, list)) else type(sample).__name__)
+            raise DataError(f"{self.name}: sample {i} is ({kinds}); expected a pair (x, y) of "
+                            "tensors")
+        return sample[0], sample[1]
 
 
 def collate(dataset: Dataset, indices: Sequence[int]) -> tuple[Tensor, Tensor]:
@@ -152,4 +181,10 @@ def collate(dataset: Dataset, indices: Sequence[int]) -> tuple[Tensor, Tensor]:
     if len(indices) == 0:
         raise DataError("cannot collate an empty list of indices")
     xs, ys = zip(*(dataset[i] for i in indices))
-    return torch.stack(xs), torch.stack(ys)
+    try:
+        return torch.stack(xs), torch.stack(ys)
+    except RuntimeError as exc:  # shapes (or devices) that differ within the batch
+        shapes = sorted({f"{tuple(x.shape)}->{tuple(y.shape)}" for x, y in zip(xs, ys)})
+        name = getattr(dataset, "name", type(dataset).__name__)
+        raise DataError(f"{name}: samples {list(indices)[:16]} do not stack into a batch "
+                        f"(x -> y shapes {', '.join(shapes[:8])}): {exc}"[:600]) from exc
