@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from spotpipe.cluster.agent_options import AgentOptions
@@ -444,3 +445,69 @@ def test_a_leader_key_no_lease_holds_is_taken_in_its_place(tmp_path, etcd):
     assert not waiter.is_alive(), said
     # (the misleading "books cannot be read (not a JSON record ...)" before)
     assert any("the coordinator was lost before it kept any books" in s for s in said), said
+
+
+def _silent_listener():
+    """A port that accepts connections (the kernel's backlog) and never answers: what another
+    service holding the port is to a TCPStore client."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    return sock
+
+
+def test_a_store_address_where_something_else_listens_is_said_not_waited_on(monkeypatch):
+    """torch's TCPStore client waits for its handshake's answer for ever, whatever its
+    timeout, where something that is no store accepts the connection."""
+    from spotpipe.store import address as addresses
+    from spotpipe.store.address import StoreAddress, StoreSilent
+
+    monkeypatch.setattr(addresses, "ANSWER_GRACE_S", 0.5)
+    sock = _silent_listener()
+    port = sock.getsockname()[1]
+    try:
+        with pytest.raises(StoreSilent, match=f"127.0.0.1:{port}: something accepts "
+                                              "connections there but does not answer as a "
+                                              "store within 2 s"):
+            StoreAddress("tcp", "127.0.0.1", port).connect_answered(1.5)
+        server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        client = StoreAddress("tcp", "127.0.0.1", server.port).connect_answered(5.0)
+        client.set("k", "v")
+        assert server.get("k") == b"v"
+    finally:
+        sock.close()
+
+
+def test_an_agent_whose_c10d_endpoint_another_service_holds_stops_saying_so(tmp_path, corpus):
+    """It hung for ever (its c10d store's port taken, it connected as a client of whatever
+    held it); now it exits 2 naming the endpoint."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from conftest import REPO, tiny_config
+
+    cfg = tiny_config(corpus, stages=2, **{"cluster.timeout_s": 2.0,
+                                           "failover.heartbeat_s": 0.2,
+                                           "failover.heartbeat_timeout_s": 1.0,
+                                           "failover.hang_timeout_s": 1.0})
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(cfg.to_dict()))
+    sock = _silent_listener()
+    port = sock.getsockname()[1]
+    try:
+        env = dict(os.environ, PYTHONPATH=str(REPO / "src"), SPOTPIPE_JOIN_TOKEN="t")
+        p = subprocess.run([sys.executable, "-m", "spotpipe", "agent", str(config),
+                            "--nnodes", "2", "--rdzv-backend", "c10d", "--on-demand",
+                            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "x",
+                            "--out", str(tmp_path / "out")],
+                           env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        sock.close()
+    assert p.returncode == 2, p.stderr[-1000:]
+    assert f"--rdzv-endpoint: 127.0.0.1:{port}: something accepts connections there but " \
+           "does not answer as a store" in p.stderr, p.stderr[-1000:]

@@ -78,7 +78,7 @@ from spotpipe.model import template
 from spotpipe.notices import NoticeWatcher
 from spotpipe.protocol import (AgentArrival, Assignment, Channel, Exit, JobOver, JobPosted,
                                Kill, MessageError, job_key, keys, plain, vouch, vouched)
-from spotpipe.store.address import StoreAddress
+from spotpipe.store.address import StoreAddress, StoreSilent
 from spotpipe.store.mailbox import Outbox
 from spotpipe.store.watchers import BoardWatcher
 
@@ -123,7 +123,10 @@ class Agent:
 
     def run(self) -> int:
         opts = self.opts
-        store = self.address.connect(self.timeout_s)
+        try:  # (the endpoint a user gave: bounded even where another service holds it)
+            store = self.address.connect_answered(self.timeout_s)
+        except StoreSilent as exc:
+            raise AgentError(f"--rdzv-endpoint: {exc}") from None
         me = self._arrive(store)
         self.me = me  # (the office keeps it too: `elect` here, `Office.renamed` on a rejoin)
         self.office.elect(store, me, self.spec, hosts_store=self.hosted is not None,

@@ -9,6 +9,8 @@ coordinator) is opened from it, so nothing else in the code cares which store it
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,6 +19,12 @@ from typing import Literal
 import torch.distributed as dist
 
 StoreKind = Literal["tcp", "etcd"]
+# past the connection's own timeout, how long a first connection may take to answer
+ANSWER_GRACE_S = 5.0
+
+
+class StoreSilent(ConnectionError):
+    """Something accepts connections at the store's address but does not answer as a store."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,33 @@ class StoreAddress:
             return EtcdStore(self.host, self.port, self.prefix, timeout=timeout)
         store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
         return dist.PrefixStore(self.prefix, store) if self.prefix else store
+
+    def connect_answered(self, timeout_s: float) -> dist.Store:
+        """`connect`, bounded even where something else than a store listens at the address.
+
+        A TCPStore client whose connection something else accepts (an HTTP server, a port
+        another service holds: a mistyped `--rdzv-endpoint`) waits for its handshake's answer
+        for ever, whatever its timeout (torch 2.13's client against `python -m http.server`,
+        measured): the first connection to an address a user gave is made on a thread of its
+        own, and StoreSilent says so past its timeout and a grace."""
+        got: queue.Queue[dist.Store | BaseException] = queue.Queue()
+
+        def connect() -> None:
+            try:
+                got.put(self.connect(timeout_s))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                got.put(exc)
+
+        threading.Thread(target=connect, name="store-first-connection", daemon=True).start()
+        try:
+            result = got.get(timeout=timeout_s + ANSWER_GRACE_S)
+        except queue.Empty:
+            raise StoreSilent(f"{self.describe()}: something accepts connections there but does "
+                              f"not answer as a store within {timeout_s + ANSWER_GRACE_S:.0f} s "
+                              "(another service on that port?)") from None
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def within(self, part: str) -> StoreAddress:
         """The same store with keys under one more part (a restart's round, as torchrun's
