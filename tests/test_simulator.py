@@ -229,6 +229,15 @@ def test_profile_and_prediction_error(tmp_path):
         json.dumps({"iter": i, "loss": 1.0, "samples": 16 * (i + 1), "time_s": 2 * it * (i + 1)})
         for i in range(100)))
     assert prediction_error_from(run_dir, None, model)["relative_error"] == pytest.approx(1.0)
+    # a run that restarted from its checkpoint of iteration 49 after iteration 59, and then
+    # trained to 99: 100 iterations' samples at the end, in the time of 110 (a hand sum; the
+    # redone lines were summed as per-iteration counts, 65 times the work)
+    lines = [(i, 16 * (i + 1)) for i in range(60)] + [(i, 16 * (i + 1)) for i in range(50, 100)]
+    (run_dir / "metrics.jsonl").write_text("\n".join(
+        json.dumps({"iter": i, "loss": 1.0, "samples": n, "time_s": it * (k + 1)})
+        for k, (i, n) in enumerate(lines)))
+    pe = prediction_error_from(run_dir, None, model)
+    assert pe["measured_samples_per_s"] == pytest.approx(16 * 100 / (it * 110))
 
 
 def test_small_sweep_orders_policies():

@@ -248,8 +248,9 @@ def prediction_error_from(measured_run_dir: str | Path, trace: Trace | str | Pat
     """Compare a run's measured goodput (samples/s) with the simulator's prediction.
 
     metrics.jsonl: one object per iteration with `iter`, `loss`, `samples` (cumulative
-    samples consumed; if the values ever decrease they are read as per-iteration counts and
-    summed) and `time_s` (since the start). events.jsonl: cluster events with `time_s`,
+    samples consumed, as spotpipe writes them; a run restarted from a checkpoint writes the
+    iterations after it again, with lower counts: the last line's is the work done at the end,
+    the redone part counted once) and `time_s` (since the start). events.jsonl: cluster events with `time_s`,
     `kind`, `node`; when `trace` is None it is rebuilt from them (nodes first seen leaving are
     taken as present from t = 0, and the configured P x D fill up the rest). P and D come from
     arguments or from summary.json (`stages`, `pipelines`) in the run dir.
@@ -285,8 +286,9 @@ def _measured(path: Path) -> tuple[float, float]:
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: each line needs numeric 'samples' and 'time_s': {exc}") \
             from None
-    cumulative = all(b >= a for a, b in zip(values, values[1:]))
-    total = values[-1] if cumulative else sum(values)
+    # (counts that went down were read as per-iteration counts and summed: a restarted
+    # run's goodput came out several times what it trained)
+    total = values[-1]
     if end <= 0:
         raise ValueError(f"{path}: time_s never exceeds 0")
     return total, end
