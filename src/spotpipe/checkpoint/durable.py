@@ -440,6 +440,17 @@ def settled(ckpt: Checkpoint) -> Checkpoint:
     return Checkpoint(ckpt.path.with_name(ckpt.path.name[1:-len(_ASIDE)]), ckpt.manifest)
 
 
+def take_up(root: Path, start: Checkpoint | None) -> tuple[list[Path], Checkpoint | None]:
+    """The job now holds `root` (its lock) and goes on from `start`: remove what jobs stopped
+    mid-write left (`clean_partials`, which puts back a checkpoint a stopped commit moved
+    aside), find `start` where it now lies (`settled`) and point the folder's timeline at it
+    (`begin_timeline`). Returns the folders removed and `start`."""
+    removed = clean_partials(root)
+    start = settled(start) if start is not None else None
+    begin_timeline(root, start)
+    return removed, start
+
+
 def begin_timeline(root: Path, start: Checkpoint | None) -> None:
     """The job that now holds `root` goes on from `start` (None: from iteration 0): point the
     folder there (`latest.py`), so that a `--resume` of it before this job's first commit takes

@@ -442,11 +442,10 @@ class Coordinating:
         durable.lock.release(root)
 
     def _run(self, store: dist.Store, root: Path | None) -> int:
-        notes = [{"kind": "checkpoint_partial_removed", "path": str(p)}
-                 for p in (durable.clean_partials(root) if root is not None else [])]
+        removed: list[Path] = []
         if root is not None:
-            self.checkpoint = self.checkpoint and durable.settled(self.checkpoint)
-            durable.begin_timeline(root, self.checkpoint)
+            removed, self.checkpoint = durable.take_up(root, self.checkpoint)
+        notes = [{"kind": "checkpoint_partial_removed", "path": str(p)} for p in removed]
         # this agent's own arrival first: written before it campaigned, but not always
         # before the others'. Taken in arrival order, it could come after MIN others (and be
         # left to the late admission, a joiner of the running job or refused at MAX) or find

@@ -467,10 +467,8 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
             if created:
                 shutil.rmtree(out, ignore_errors=True)
             raise LaunchError(f"checkpoint.dir: {exc}") from None
-        notes += [{"kind": "checkpoint_partial_removed", "path": str(p)}
-                  for p in durable.clean_partials(root)]
-        checkpoint = checkpoint and durable.settled(checkpoint)
-        durable.begin_timeline(root, checkpoint)
+        removed, checkpoint = durable.take_up(root, checkpoint)
+        notes += [{"kind": "checkpoint_partial_removed", "path": str(p)} for p in removed]
     launcher = Launcher(prepared, out, progress=progress, faults=faults,
                         trace_actions=trace_actions, resume=checkpoint, joins=joins)
     launcher.notes = notes
