@@ -12,7 +12,6 @@ the store and the job's protocol channel, injected faults, and the boundary hook
 
 from __future__ import annotations
 
-import math
 import os
 import resource
 import time
@@ -30,8 +29,8 @@ from spotpipe.faults import Fault
 from spotpipe.notices import NoticeWatcher
 from spotpipe.plan import Layout
 from spotpipe.plan.recovery import Decision
-from spotpipe.protocol import (Abort, Channel, DecisionRecord, JoinAnswer, JoinRequest, Notice,
-                               Prepare, Refused, Report, Stalled, keys)
+from spotpipe.protocol import (Channel, JoinAnswer, JoinRequest, Notice, Prepare, Refused,
+                               Stalled, keys)
 from spotpipe.runtime import node as nodelib
 from spotpipe.runtime import stacks
 from spotpipe.runtime.activity import Activity
@@ -43,20 +42,18 @@ from spotpipe.runtime.faults import Injector
 from spotpipe.runtime.hooks import Boundary, BoundaryHook, NoHook, Restore, SendFinal
 from spotpipe.runtime.metrics_post import MetricsPost
 from spotpipe.runtime.optim import build_optimizer
+from spotpipe.runtime.recovery import (COORDINATOR, read_decision, report_failure,
+                                       rest_after_takeover, standing)
 from spotpipe.runtime.reshape import Reshaper
 from spotpipe.runtime.shadow_link import ShadowError, ShadowWriter
 from spotpipe.runtime.standby import Standby
 from spotpipe.runtime.stall import StallWatch, Still
 from spotpipe.runtime.state import NodeState, build_stage_state
-from spotpipe.schedule.replay import done_from, rest_of_iteration
-from spotpipe.store import board
 from spotpipe.store.address import StoreAddress
-from spotpipe.store.mailbox import Outbox, finite
+from spotpipe.store.mailbox import Outbox
 from spotpipe.store.sealed import SealedStore
 from spotpipe.store.waiting import wait_unbounded
 from spotpipe.store.watchers import BoardReader, Heartbeat, SpareConnections, client
-
-COORDINATOR = "coordinator"  # the writer name of every Decision and join answer
 
 
 class Leave(Exception):
@@ -452,50 +449,16 @@ class Worker:
                 self.formed = False
                 why = again
 
-    def _where(self) -> dict[str, Any]:
-        """Where this node stands, for its report after a failure."""
-        ex = self.executor
-        if ex is None:  # a joining node whose placement failed: it has committed nothing
-            return {"iteration": -1, "position": 0, "instruction": "", "committed_through": -1,
-                    "stepped_through": -1, "done": (), "clip_scale": None, "flight": -1}
-        unposted, loss = self.metrics.unposted(ex)
-        return {
-            "iteration": ex.iteration, "position": ex.position,
-            "instruction": (str(ex.current[ex.position]) if ex.position < len(ex.current)
-                            else ""),
-            "committed_through": ex.committed_through, "stepped_through": ex.stepped_through,
-            # what this node finished of the iteration in flight: the Decision's rest builds
-            # on it
-            "done": tuple(tuple(e) for e in ex.flight.done_list()) if ex.flight is not None
-            else (),
-            # the committed iteration's clipping scale: a new shadow writer brings it along
-            "clip_scale": scale_to_wire(ex.committed_clip_scale),
-            "flight": ex.flight.iteration if ex.flight is not None else -1,
-            "committed_grad_norm": ex.committed_grad_norm,
-            "unposted_iteration": unposted, "unposted_loss": finite(loss)}
-
     def _decision(self, generation: int) -> tuple[Decision, bool]:
-        """The coordinator's Decision for `generation`: the first record of its board that
-        opens and parses (a forged one is skipped with an event), and whether its nodes take
-        the groups formed ahead for it (`DecisionRecord.prepared`); when they do not, those
-        formed ahead for it and before are cancelled."""
-        for _, opened in board.read(
-                self.store, keys.decision_board(generation), self.protocol,
-                on_refused=lambda why, _: self._refused(why),
-                timeout_s=self.cfg.cluster.timeout_s * 4, expect=DecisionRecord,
-                writers={COORDINATOR}):
-            record = opened.message
-            assert isinstance(record, DecisionRecord)
-            try:
-                decision = Decision.from_json(record.decision)
-            except (KeyError, TypeError, ValueError) as exc:
-                self._refused(Refused(f"a decision that does not parse: {exc}", opened.writer))
-                continue
-            if not record.prepared:  # (what was formed ahead for it is nobody's)
-                self.groups.early.discard(f"the plan for generation {decision.generation} did "
-                                          "not take the groups formed ahead", decision.generation)
-            return decision, record.prepared
-        raise AssertionError("unreachable")
+        """The coordinator's Decision for `generation` and whether its nodes take the groups
+        formed ahead for it; when they do not, those formed ahead for it and before are
+        cancelled (they are nobody's)."""
+        decision, prepared = read_decision(self.store, self.protocol, generation,
+                                           self.cfg.cluster.timeout_s * 4, self._refused)
+        if not prepared:
+            self.groups.early.discard(f"the plan for generation {decision.generation} did "
+                                      "not take the groups formed ahead", decision.generation)
+        return decision, prepared
 
     def _recover_once(self, why: Exception) -> int:
         act = self.activity
@@ -509,7 +472,10 @@ class Worker:
         flight = ex.flight if ex is not None else None
         progress = self.reshaper.progress
         with act.waiting():  # the store's, then the coordinator's (for every survivor's report)
-            self._report_failure(g, why, boundary, leaving, progress)
+            report_failure(self.store, self.protocol, self.channel, self.node, g, why,
+                           boundary=boundary, leaving=leaving, formed=self.formed,
+                           progress=progress, where=standing(ex, self.metrics))
+            self.formed = True
             decision, prepared = self._decision(g)
         if decision.stopped:
             raise JobStopped(decision.message)
@@ -541,21 +507,6 @@ class Worker:
             self._finish(left=True)
             return -1
         return self._apply(decision, prepared)
-
-    def _report_failure(self, g: int, why: Exception, boundary: bool, leaving: bool,
-                        progress: Any) -> None:
-        """Wake the generation's other nodes (unless all saw the same boundary) and tell the
-        coordinator where this node stands."""
-        if not boundary:
-            board.publish(self.store, self.protocol, keys.abort_board(g),
-                          Abort(g, f"{self.node}: {why}"[:300]), g)
-        self.channel.post(Report(
-            node=self.node, generation=g, boundary=boundary, **self._where(),
-            # after a plan this node could not carry out: what it misses (the coordinator
-            # counts it out of the layout; it joins again) and that nothing in flight is kept
-            formed=self.formed, lacking=tuple(progress.lacking), untouched=progress.untouched,
-            leaving=leaving, reason=str(why)[:300], time_s=self.channel.now()))
-        self.formed = True
 
     def _wait_unplaced(self, keep_state: bool) -> int:
         """Wait to be placed (without `keep_state`, having dropped every state); -1 when the
@@ -602,7 +553,10 @@ class Worker:
                                        else decision.clip_scale)
         if flight is not None:
             self.executor.flight = flight
-            self.rest = self._rest_of_iteration(decision, carried.promoted, flight)
+            d = self.state.pipeline
+            self.rest = rest_after_takeover(
+                decision, self.node, self.stream, lambda q: self.layout.owner(d, q),
+                carried.promoted, flight.frc_outputs, self.layout.num_stages - 1)
         self.activity.end()
         repartition = decision.action.value == "repartition"
         kind = "takeover" if carried.promoted else ("migrated" if carried.received
@@ -622,22 +576,6 @@ class Worker:
                                           sorted(self.stages)]}
                               if repartition else {}))
         return resume
-
-    def _rest_of_iteration(self, decision: Decision, promoted: list[int], flight: Any) -> list:
-        """This node's share of the in-flight iteration still to run after a takeover: what
-        it finished stays, the promoted stages are redone (FRC outputs sent, BRC), and sends
-        its peers already received are left out (`spotpipe.schedule.replay`)."""
-        assert decision.salvage is not None
-        done = {n: done_from([list(e) for e in entries])
-                for n, entries in decision.salvage.items()}
-        d = self.state.pipeline
-        frc: dict[int, list[int]] = {}
-        for stage, mb in flight.frc_outputs:
-            frc.setdefault(stage, []).append(mb)
-        return rest_of_iteration(
-            self.stream, done.get(self.node, frozenset()),
-            lambda q: done.get(self.layout.owner(d, q), frozenset()), fresh=promoted,
-            frc_ready=frc, last_stage=self.layout.num_stages - 1)
 
     def _finish(self, left: bool = False) -> None:
         # the beats go on until the end, saying "finishing": a final save longer than the hang
@@ -693,11 +631,6 @@ class Worker:
                 except Exception as exc:  # noqa: BLE001 - said; the job's end names the stage
                     self.channel.event("final_upload_failed", stage=s,
                                        message=f"{type(exc).__name__}: {exc}"[:300])
-
-
-def scale_to_wire(scale: float | None) -> float | str | None:
-    """A clipping scale as a record carries it: NaN (a skipped step) is "skip"."""
-    return "skip" if scale is not None and math.isnan(scale) else scale
 
 
 def _device_peak(device: torch.device) -> dict[str, float]:
