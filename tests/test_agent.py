@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +26,8 @@ from test_cli_errors import workers_running
 from test_failover import FAST, assert_samples_exactly_once, events, failure_free
 
 TOKEN = "sesame"
+# a run spec where a test reaches only the data digest of it (one host's data: none)
+UNREAD_SPEC = SimpleNamespace(data_digest="")
 
 
 def _config(corpus, iterations: int, **extra):
@@ -305,7 +308,7 @@ def test_the_coordinators_host_is_followed_when_it_comes_again(corpus, tmp_path)
 
     opts = AgentOptions(backend="etcd", endpoint="127.0.0.1:1", rdzv_id="x", min_nodes=2,
                         max_nodes=3, out=tmp_path, nproc=2)
-    c = Coordinating(opts, _config(corpus, 3), None, TOKEN, None, me=1)  # type: ignore[arg-type]
+    c = Coordinating(opts, _config(corpus, 3), UNREAD_SPEC, TOKEN, None, me=1)  # type: ignore[arg-type]
     c._admitted, c._nodes = [1, 2], ["node0", "node1", "node2", "node3"]
     c._agent_nodes = {1: ["node0", "node1"], 2: ["node2", "node3"]}
     c._problem = lambda k, info, late: None  # (admission's checks: tested above)
@@ -332,7 +335,7 @@ def test_no_worker_starts_once_the_host_leaves_or_the_job_ended(corpus, tmp_path
     cfg = _config(corpus, 3)
     opts = AgentOptions(backend="c10d", endpoint="127.0.0.1:1", rdzv_id="x", min_nodes=2,
                         max_nodes=2, out=tmp_path)
-    agent = Agent(opts, cfg, None, TOKEN, None, None)  # type: ignore[arg-type]
+    agent = Agent(opts, cfg, UNREAD_SPEC, TOKEN, None, None)  # type: ignore[arg-type]
     started: list[list[int]] = []
     agent._spawn = lambda ranks, world, joining, places: started.append(ranks)
     agent._spawns = queue.Queue()
@@ -580,7 +583,7 @@ def test_the_first_layout_admits_only_agents_that_resume_from_the_jobs_checkpoin
 
     def problem(job_resumes: Checkpoint | None, brings: Checkpoint | None,
                 fetch: bool = False) -> str | None:
-        coordinating = Coordinating(opts, cfg, None,  # type: ignore[arg-type] (spec: unread)
+        coordinating = Coordinating(opts, cfg, UNREAD_SPEC,  # type: ignore[arg-type] (spec: unread)
                                     TOKEN, StoreAddress("tcp", "127.0.0.1", 1),
                                     checkpoint=job_resumes)
         arrival = AgentArrival(host="h", nproc=1, node_rank=-1, proof="", model_digest="",

@@ -323,3 +323,26 @@ def test_a_job_whose_processes_see_different_data_stops_naming_it(tmp_path, monk
     assert summary["status"] == "failed"
     assert "dataset spec 'sp_host_data:make' holds 71 samples" in summary["message"]
     assert "launched with 64" in summary["message"]
+
+
+def test_the_data_digest_is_every_bytes_sha256_and_names_an_unreadable_file(corpus, tmp_path):
+    """What hosts compare before an agent is admitted (`job.data_digest`): the SHA-256 of
+    the file's bytes, so two copies of one length that differ in one byte differ; a factory
+    dataset has none; a file that cannot be read is a DataError naming it."""
+    import hashlib
+
+    from spotpipe import job
+
+    from conftest import tiny_config
+
+    assert job.data_digest(tiny_config(corpus)) == hashlib.sha256(corpus.read_bytes()).hexdigest()
+    edited = tmp_path / "edited.txt"
+    text = bytearray(corpus.read_bytes())
+    text[-1] ^= 1
+    edited.write_bytes(bytes(text))
+    assert job.data_digest(tiny_config(edited)) != job.data_digest(tiny_config(corpus))
+    factory = tiny_config(corpus, **{"data.kind": "factory", "data.factory": "m:f"})
+    assert job.data_digest(factory) == ""
+    gone = tiny_config(tmp_path / "gone.txt")
+    with pytest.raises(DataError, match="gone.txt"):
+        job.data_digest(gone)

@@ -56,6 +56,11 @@ def test_a_tie_split_away_from_the_ends_is_refused_at_any_depth(corpus):
 def test_the_run_spec_travels_and_comes_back_equal():
     spec = job.RunSpec([(0, 3), (3, 4)], 64, _profile())
     assert job.RunSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    hosts = job.RunSpec([(0, 3), (3, 4)], 64, _profile(), data_digest="0a" * 32)
+    assert job.RunSpec.from_json(json.loads(json.dumps(hosts.to_json()))) == hosts
+    older = spec.to_json()
+    del older["data_digest"]  # (a run.json of a spotpipe from before the digest)
+    assert job.RunSpec.from_json(older) == spec
 
 
 @pytest.mark.parametrize("change, named", [
@@ -71,6 +76,9 @@ def test_the_run_spec_travels_and_comes_back_equal():
     (lambda d: d.__setitem__("partition", [[0, 3]]), "does not cover"),
     (lambda d: d.__setitem__("num_samples", 0), "num_samples"),
     (lambda d: d.pop("profile"), "layer profile: not an object"),
+    (lambda d: d.__setitem__("data_digest", "abc"), "data_digest"),
+    (lambda d: d.__setitem__("data_digest", "Z" * 64), "data_digest"),
+    (lambda d: d.__setitem__("data_digest", 7), "data_digest"),
 ])
 def test_a_bad_run_spec_is_refused_naming_the_field(change, named):
     data = json.loads(json.dumps(job.RunSpec([(0, 3), (3, 4)], 64, _profile()).to_json()))

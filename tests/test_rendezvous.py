@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -18,6 +19,8 @@ from spotpipe.protocol import JobOver, plain, vouch
 from spotpipe.store.leader import Leadership
 
 TOKEN = "sesame"
+# a run spec where a test reaches only the data digest of it (one host's data: none)
+UNREAD_SPEC = SimpleNamespace(data_digest="")
 
 
 def _office(tmp_path, backend: str, said: list[str], refused: threading.Event) -> Office:
@@ -116,6 +119,8 @@ def test_a_coordinator_that_fails_before_its_loop_ends_the_rendezvous_saying_why
     cfg = tiny_config(corpus, stages=2, pipelines=1, **{"checkpoint.every": 2})
 
     class Spec:  # (only posted: the loop that would use it is never reached)
+        data_digest = ""
+
         def to_json(self) -> dict:
             return {}
 
@@ -202,9 +207,9 @@ def _admitting(tmp_path, corpus):
     opts = AgentOptions(backend="c10d", endpoint=f"127.0.0.1:{hosted.port}", rdzv_id="job1",
                         min_nodes=1, max_nodes=4, out=tmp_path, nproc=1)
     store = address.connect(10.0)
-    agent = Agent(opts, cfg, None, TOKEN, address, None)  # type: ignore[arg-type]
+    agent = Agent(opts, cfg, UNREAD_SPEC, TOKEN, address, None)  # type: ignore[arg-type]
     first = agent._arrive(store)  # the coordinator's own agent
-    c = Coordinating(opts, cfg, None, TOKEN, address, me=first)  # type: ignore[arg-type]
+    c = Coordinating(opts, cfg, UNREAD_SPEC, TOKEN, address, me=first)  # type: ignore[arg-type]
     c._admitted, c._nodes, c._agent_nodes, c._slots = [first], ["node0"], {first: ["node0"]}, \
         {0: first}
     c._next = first + 1
@@ -251,7 +256,7 @@ def test_two_agents_of_one_host_arriving_at_once_take_two_slots(tmp_path, corpus
                         max_nodes=2, out=tmp_path)
     cfg = tiny_config(corpus, stages=2, pipelines=1)
     store = dist.HashStore()
-    a, b = (Agent(opts, cfg, None, TOKEN, None, None)  # type: ignore[arg-type]
+    a, b = (Agent(opts, cfg, UNREAD_SPEC, TOKEN, None, None)  # type: ignore[arg-type]
             for _ in range(2))
     first = a._arrive(store)
     # b read the count before a raised it: it tries the slot a took
@@ -260,18 +265,21 @@ def test_two_agents_of_one_host_arriving_at_once_take_two_slots(tmp_path, corpus
 
 
 
-def _arrival(cfg, k: int, node_rank: int = -1) -> bytes:
+def _arrival(cfg, k: int, node_rank: int = -1, data_digest: str = "") -> bytes:
     from spotpipe.protocol import AgentArrival
 
     return plain(vouch(AgentArrival(
         host=f"host{k}", nproc=1, node_rank=node_rank, proof="",
         model_digest=cfg.model_digest(), config_digest=cfg.digest(),
-        config_keys=cfg.key_digests()), TOKEN, f"job1/{keys.arrival(k)}"))
+        config_keys=cfg.key_digests(), data_digest=data_digest), TOKEN,
+        f"job1/{keys.arrival(k)}"))
 
 
-def _first_layout(corpus, tmp_path, me: int, ranks: dict[int, int], max_nodes: int = 2):
+def _first_layout(corpus, tmp_path, me: int, ranks: dict[int, int], max_nodes: int = 2,
+                  data: dict[int, str] | None = None, spec=UNREAD_SPEC):
     """The elected agent `me` admits the first layout of a 2-agent job from the arrivals
-    `ranks` (arrival number -> its --node-rank); the answers, by arrival number."""
+    `ranks` (arrival number -> its --node-rank, `data`: its data digest); the answers, by
+    arrival number."""
     from types import SimpleNamespace
 
     from spotpipe.cluster.admission import Coordinating
@@ -284,8 +292,8 @@ def _first_layout(corpus, tmp_path, me: int, ranks: dict[int, int], max_nodes: i
                         max_nodes=max_nodes, out=tmp_path, rdzv_timeout_s=5.0)
     store = dist.HashStore()
     for k, rank in ranks.items():
-        store.set(keys.arrival(k), _arrival(cfg, k, rank))
-    c = Coordinating(opts, cfg, None, TOKEN, None, me=me)  # type: ignore[arg-type]
+        store.set(keys.arrival(k), _arrival(cfg, k, rank, (data or {}).get(k, "")))
+    c = Coordinating(opts, cfg, spec, TOKEN, None, me=me)  # type: ignore[arg-type]
     c._loop = lambda: SimpleNamespace()  # (the job's loop is not this test's)
     c._run_loop = lambda loop, store: 0
     assert c._run(store, None) == 0
@@ -314,6 +322,31 @@ def test_a_node_rank_taken_twice_refuses_the_other_agent_not_the_coordinator(cor
     assert not answers[2].refused and answers[2].ranks == (0,), answers
     assert "--node-rank 0 is taken" in answers[1].refused, answers
     assert not answers[3].refused and answers[3].ranks == (1,), answers
+
+
+def test_an_agent_whose_copy_of_the_data_differs_is_refused_naming_the_file(corpus, tmp_path):
+    """Two hosts whose data files have one length but other contents: a sample's inputs are
+    read on its pipeline's first stage and its targets on the last, often on two hosts, so
+    the job would train on one copy's inputs against the other's targets, without an error
+    (the workers compare counts only). The agent whose copy is not the coordinating agent's
+    is refused, naming the file."""
+    from spotpipe import job
+
+    from conftest import tiny_config
+
+    cfg = tiny_config(corpus, stages=2, pipelines=1)
+    ours = job.data_digest(cfg)
+    copy = tmp_path / "copy.txt"
+    text = corpus.read_bytes()
+    copy.write_bytes(text[:100] + bytes([text[100] ^ 1]) + text[101:])  # one bit, one byte
+    theirs = job.data_digest(tiny_config(copy, stages=2, pipelines=1))
+    assert len(ours) == 64 and theirs != ours
+    spec = SimpleNamespace(data_digest=ours)
+    answers = _first_layout(corpus, tmp_path, me=1, ranks={1: -1, 2: -1, 3: -1},
+                            max_nodes=3, data={1: ours, 2: theirs, 3: ours}, spec=spec)
+    assert not answers[1].refused and not answers[3].refused, answers
+    assert str(corpus) in answers[2].refused and "not the coordinating agent's" in \
+        answers[2].refused, answers
 
 
 def test_a_store_lost_during_the_rendezvous_is_said_as_such_not_as_a_timeout(tmp_path,
@@ -356,7 +389,7 @@ def test_a_fresh_host_replaces_a_lost_one_under_max(corpus, tmp_path):
     cfg = tiny_config(corpus, stages=2, pipelines=1)
     opts = AgentOptions(backend="etcd", endpoint="127.0.0.1:1", rdzv_id="job1", min_nodes=2,
                         max_nodes=2, out=tmp_path)
-    c = Coordinating(opts, cfg, None, TOKEN, None, me=1)  # type: ignore[arg-type]
+    c = Coordinating(opts, cfg, UNREAD_SPEC, TOKEN, None, me=1)  # type: ignore[arg-type]
     c._admitted, c._nodes = [1, 2], ["node0", "node1"]
     c._agent_nodes = {1: ["node0"], 2: ["node1"]}
     fresh = AgentArrival(host="replacement", nproc=1, node_rank=-1, proof="",
@@ -388,7 +421,7 @@ def test_an_agent_at_the_rendezvous_of_a_lost_job_says_so(tmp_path, corpus, etcd
     store.set(keys.JOB, plain(vouch(_posted(new_instance_id()), TOKEN, f"job1/{keys.JOB}")))
     opts = AgentOptions(backend="etcd", endpoint=etcd.endpoint, rdzv_id="job1", min_nodes=2,
                         max_nodes=2, out=tmp_path, rdzv_timeout_s=30.0)
-    agent = Agent(opts, cfg, None, TOKEN, address, None)  # type: ignore[arg-type]
+    agent = Agent(opts, cfg, UNREAD_SPEC, TOKEN, address, None)  # type: ignore[arg-type]
     assert agent.run() == 1
     said = capfd.readouterr().err
     assert "not running" in said and "--rdzv-id" in said, said

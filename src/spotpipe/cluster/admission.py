@@ -240,6 +240,11 @@ class Coordinating:
             config_keys=info.config_keys)
         if problem:
             return problem
+        if info.data_digest != self.spec.data_digest:
+            return (f"its copy of {job.data_source(self.cfg)} is not the coordinating agent's "
+                    f"(SHA-256 {info.data_digest[:12] or 'none'}..., the job's "
+                    f"{self.spec.data_digest[:12] or 'none'}...): every host must read the "
+                    "same data")
         if self._rejoin_of(info) is not None and late:
             # an agent whose fenced nodes come again brings as many as were fenced: its other
             # workers run on, in their places on the host (its GPUs)

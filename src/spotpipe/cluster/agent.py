@@ -54,6 +54,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
@@ -197,7 +198,8 @@ class Agent:
             config_keys=self.cfg.key_digests(),
             resume_from=str(self.checkpoint.path) if self.checkpoint else "",
             resume_digest=self.checkpoint.digest if self.checkpoint else "",
-            resume_fetch=self._lacks_resume, nonce=secrets.token_hex(8)), self.token,
+            resume_fetch=self._lacks_resume, data_digest=self.spec.data_digest,
+            nonce=secrets.token_hex(8)), self.token,
             self.rdzv_key(key))))
 
     def _assignment(self, store: dist.Store, me: int) -> Assignment | None:
@@ -612,7 +614,8 @@ def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> in
     out = opts.out
     notes: list[dict[str, Any]] = []
     prepared = prepare(cfg, opts.nproc)
-    checkpoint = _checked_resume(opts, cfg, notes, prepared.spec.num_samples)
+    spec = replace(prepared.spec, data_digest=_data_digest(cfg))
+    checkpoint = _checked_resume(opts, cfg, notes, spec.num_samples)
     address, hosted = connect_rendezvous(opts, cfg)
     import shutil
 
@@ -633,10 +636,25 @@ def run_agent(opts: AgentOptions, cfg: Config, *, overwrite: bool = False) -> in
         print(f"spotpipe agent: the initial weights were not written ({note['message']}): "
               "this host's workers build the whole model", file=sys.stderr)
     try:
-        return Agent(opts, prepared.cfg, prepared.spec, token, address, hosted,
+        return Agent(opts, prepared.cfg, spec, token, address, hosted,
                      checkpoint, notes).run()
     finally:  # (reproducible from the seed, and as large as the model)
         (out / template.INITIAL_FILE).unlink(missing_ok=True)
+
+
+def _data_digest(cfg: Config) -> str:
+    """This host's copy of the data, as a digest the coordinating agent compares with its own
+    (`Coordinating._problem`); said when it takes long enough to be noticed."""
+    started = time.monotonic()
+    try:
+        digest = job.data_digest(cfg)
+    except job.DataError as exc:
+        raise AgentError(f"data: {exc}") from None
+    took = time.monotonic() - started
+    if took > 2.0:
+        print(f"spotpipe agent: read {job.data_source(cfg)} for its digest in {took:.1f} s",
+              file=sys.stderr)
+    return digest
 
 
 def _checked_resume(opts: AgentOptions, cfg: Config, notes: list[dict[str, Any]],

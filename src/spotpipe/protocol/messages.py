@@ -480,6 +480,8 @@ class AgentArrival(Message):
     resume_digest: str = ""
     # given --resume, but its host does not have it: the coordinating agent sends its copy
     resume_fetch: bool = False
+    # the SHA-256 of its host's copy of the data (`job.data_digest`; "": a factory dataset)
+    data_digest: str = ""
     # fresh for each arrival: the record claims its slot (`cluster.rendezvous.arrive`), and
     # two agents of one host bring the same record otherwise, each taking the slot for its own
     nonce: str = ""
