@@ -124,3 +124,15 @@ def test_hf_config_errors(corpus, tmp_path):
         job.build_model(hf_config(corpus, "no-such-model-type", {}))
     with pytest.raises(ValueError, match="config.json"):
         job.build_model(hf_config(corpus, str(tmp_path), {}))
+
+
+def test_token_ids_beyond_a_transformers_models_vocabulary_are_refused_at_launch(corpus):
+    """The vocabulary check covered the built-in GPT only: a transformers model with 64
+    tokens read the byte-level corpus (ids to 255) into its embedding's bare IndexError, at
+    the launch's profiling ("model: cannot profile its layers"); now the data is named."""
+    from spotpipe.cluster.launcher import LaunchError, prepare
+
+    cfg = hf_config(corpus, "gpt2", {**TINY["gpt2"], "vocab_size": 64})
+    assert job.model_vocabulary(cfg) == 64  # (read from the transformers config: 64)
+    with pytest.raises(LaunchError, match=r"^data: .* beyond the model's vocabulary of 64"):
+        prepare(cfg)

@@ -106,10 +106,24 @@ def block_size(cfg: Config) -> int:
     return cfg.data.block_size or cfg.model.gpt.block_size
 
 
+def model_vocabulary(cfg: Config) -> int | None:
+    """The size of the model's vocabulary, which bounds the data's token ids (None for a
+    factory model: only its code knows). Checked as samples are read, since an id past it
+    ends in the embedding's bare IndexError on a CPU and a device assert on a GPU."""
+    if cfg.model.kind == "gpt":
+        return cfg.model.gpt.vocab_size
+    if cfg.model.kind == "hf":
+        from spotpipe.model.hf import load_config  # transformers: the hf extra
+
+        vocab = getattr(load_config(cfg.model.hf.config, dict(cfg.model.hf.overrides)),
+                        "vocab_size", None)
+        return vocab if isinstance(vocab, int) and vocab > 0 else None
+    return None
+
+
 def build_dataset(cfg: Config) -> Any:
     d = cfg.data
-    # (the built-in GPT's vocabulary bounds the token ids; another model's is not known here)
-    vocab = cfg.model.gpt.vocab_size if cfg.model.kind == "gpt" else None
+    vocab = model_vocabulary(cfg) if d.kind in ("tokens", "text") else None
     if d.kind == "tokens":
         return TokenFileDataset(d.path, block_size(cfg), dtype=d.dtype, vocab_size=vocab)
     if d.kind == "text":
