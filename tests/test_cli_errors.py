@@ -371,3 +371,42 @@ def test_agent_flags_are_refused_before_anything_starts(tmp_path, config, monkey
                          *out, *flags)
     assert code == 2 and expected.replace("FILE", str(blocker)) in err, err
     assert blocker.read_text() == "keep me" and not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_stops_the_workers_and_says_so_without_a_traceback(tmp_path, config):
+    """Ctrl-C in a terminal sends SIGINT to the whole process group, and users press it
+    twice. The fork server died of it first (a KeyboardInterrupt traceback on the user's
+    terminal, the workers killed before they were told), and a second one cut the stop short
+    with another traceback and no summary. Now: the stop runs to its end, the job says it was
+    interrupted, exits 130, and leaves no worker, no lock and a summary."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=f"{REPO / 'tests'}{os.pathsep}"
+                                      f"{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.Popen([sys.executable, "-m", "spotpipe", "train", str(config), "--out",
+                             str(out), "--stages", "2", "--set", "iterations=100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.time() + 180
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.2)  # (polling for the condition: training has begun)
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole group
+        while workers_running(out) and proc.poll() is None:
+            time.sleep(0.05)  # (the stop is under way: a second Ctrl-C now)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "training interrupted (Ctrl-C)" in stderr and "Traceback" not in stderr, stderr
+    assert workers_running(out) == []
+    summary = (out / "summary.json").read_text()
+    assert '"status": "failed"' in summary and "interrupted" in summary
+    assert not (out / "checkpoints" / ".spotpipe.lock").exists()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -291,6 +292,7 @@ def main() -> int:
     # messages, and a writer's send completes only once this thread has posted the receive,
     # so at idle priority on a busy host every writer's commit would wait for a free core.
     torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (its supervisor's to stop: see cli.worker)
     spec = job.RunSpec.from_json(json.loads((run_dir / "run.json").read_text()))
     address = StoreAddress.from_env()
     store = address.connect(cfg.cluster.timeout_s)

@@ -118,6 +118,10 @@ def run(args: argparse.Namespace) -> int:
     except (AgentError, LaunchError) as exc:
         print(f"spotpipe agent: error: {exc}", file=sys.stderr)
         code = 2
+    except KeyboardInterrupt:  # (before its workers started: they take Ctrl-C as a notice)
+        print("spotpipe agent: interrupted (Ctrl-C) before this host's workers started",
+              file=sys.stderr)
+        code = 130
     except Exception as exc:  # the rendezvous store went away, or a bug: say so, exit 1
         import traceback
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -84,6 +85,10 @@ def main() -> int:
     store = address.connect(cfg.cluster.timeout_s)
     node = f"node{rank}"
     stacks.install()  # `kill -USR1` writes this worker's stacks to its log
+    # a terminal's Ctrl-C reaches the whole process group; a worker's end is its supervisor's
+    # to decide (it stops its workers, then says the job was interrupted): a worker dying of
+    # it first would be taken for a failure, and the job said to have failed for it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # test knobs: a host whose clock is off, a replica update starved of CPU
     offset = per_node(os.environ.get("SPOTPIPE_TEST_CLOCK_OFFSET", ""), node)
     if offset:

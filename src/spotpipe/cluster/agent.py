@@ -266,6 +266,7 @@ class Agent:
             out / "logs", self._exited, starter=starter(self.cfg, WORKER, out / "logs"))
         # a SIGTERM to the agent is the host's preemption notice: pass it on to the workers
         signal.signal(signal.SIGTERM, lambda *_: self._pass_notice())
+        signal.signal(signal.SIGINT, lambda *_: self._interrupted())
         # and the cloud's own notice for this host, read from its metadata service as its
         # workers read it (the host's first node's, where the URL names nodes)
         if ranks:
@@ -435,17 +436,35 @@ class Agent:
         self._fenced.add(node)
         self.supervisor.kill(node)
 
-    def _pass_notice(self) -> None:
+    def _pass_notice(self, why: str = "it is being reclaimed") -> None:
         """The host is being reclaimed (a SIGTERM to this agent): its workers leave at the
         next boundary, and none of them is restarted from now on. A signal handler must not
         wait for the spawner: it sets the flag and signals the workers there are; a worker
         the spawner is starting meanwhile is either among them or signalled by the spawner,
         which checks the flag once it has started it."""
         self._passing_on = True
-        self._reclaimed()
+        self._reclaimed(why)
         for node in list(self.supervisor.procs):
             self.supervisor.signal(node, signal.SIGTERM)
         self._done_with(0)  # (none may be left to wait for)
+
+    _interrupts = 0
+
+    def _interrupted(self) -> None:
+        """Ctrl-C: the operator takes this host out of the job. The first leaves as a
+        preemption notice does (the workers leave at their next boundary, the job goes on
+        without them where it can, an office held here is handed on); a second stops the
+        workers now, as a lost host (the job fails over). Before, the agent died of it with a
+        traceback, then of its store's threads (SIGABRT), and its workers with it unsaid."""
+        self._interrupts += 1
+        if self._interrupts == 1:
+            self.say("Ctrl-C: this host leaves the job as at a preemption notice: its workers "
+                     "leave at their next boundary (Ctrl-C again to stop them now)")
+            self._pass_notice("it leaves the job (Ctrl-C)")
+            return
+        self.say("Ctrl-C again: stopping this host's workers now")
+        for node in list(self.supervisor.procs):
+            self.supervisor.signal(node, signal.SIGKILL)
 
     def _heard_notice(self, source: str) -> None:
         """The cloud's metadata service says this host is being reclaimed. Its workers poll
@@ -462,11 +481,11 @@ class Agent:
         self._reclaimed()
         self._done_with(0)  # (its workers may have left already)
 
-    def _reclaimed(self) -> None:
+    def _reclaimed(self, why: str = "it is being reclaimed") -> None:
         if self.hosted is not None and not self._noticed.is_set():
             # (--on-demand was required of it: `check_options`)
             self.say("this host hosts the job's c10d store and its coordinator, and was "
-                     "started as on-demand (--on-demand), yet it is being reclaimed: the job "
+                     f"started as on-demand (--on-demand), yet {why}: the job "
                      "cannot outlive it (its store goes with the host). A job that must "
                      "outlive any host uses --rdzv-backend etcd, with etcd on on-demand "
                      "machines")

@@ -180,6 +180,10 @@ def serve(preload: Sequence[str]) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # (the wake-up byte is what matters)
+    # a Ctrl-C in the terminal reaches the whole process group: the supervisor stops the
+    # workers and then closes stdin, which ends this server; it must not die first (with a
+    # traceback on the user's terminal, and its children killed before they were told)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     me, pending = os.getpid(), b""
     while True:
         ready, _, _ = select.select([0, wake_r], [], [])

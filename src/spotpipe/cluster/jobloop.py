@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -205,7 +206,7 @@ class JobLoop:
         cfg = self.cfg
         bar = self._bar = self._progress_bar()
         status, message = "failed", ""
-        deposed = handed_over = False
+        deposed = handed_over = interrupted = False
         self._shadow_exited: dict[str, int] = {}
         try:
             if cfg.shadow.enabled and self.takeover is None:
@@ -233,7 +234,8 @@ class JobLoop:
                     break
                 self._persist(files)
         except KeyboardInterrupt:
-            message = "interrupted"
+            message, interrupted = "interrupted (Ctrl-C)", True
+            _hold_interrupts(self.stream)
         except RunFilesError as exc:
             message = str(exc)
         except Deposed as exc:
@@ -274,6 +276,9 @@ class JobLoop:
             except OSError as exc:
                 print(f"spotpipe: cannot write {self.out / 'summary.json'}: {exc}",
                       file=self.stream)
+        if interrupted:
+            print("spotpipe: training interrupted (Ctrl-C)", file=self.stream)
+            return 130  # (as a shell reports a process ended by SIGINT)
         if status != "completed":
             print(f"spotpipe: training failed: {message}", file=self.stream)
             return 1
@@ -667,3 +672,21 @@ class JobLoop:
         bar.set_postfix_str(f"loss {loss} | {record['samples_per_s']:.1f} samples/s"
                             f" | nodes {record['live_nodes']}/{self.cfg.stages * self.cfg.pipelines}"
                             f" double {record.get('carriers', 0)} gen {record['generation']}")
+
+
+def _hold_interrupts(stream: TextIO) -> None:
+    """After a Ctrl-C, the stop runs to its end: the workers are stopped (SIGTERM, SIGKILL
+    after their grace), the commit in progress finishes, and the summary is written. A second
+    Ctrl-C (a terminal's reaches the whole process group, and users press it again) would cut
+    that short with a traceback and leave no summary; it is said and ignored instead, for the
+    rest of the process, which is on its way out (a Ctrl-C during the interpreter's shutdown
+    printed a traceback as well)."""
+    def said(*_: Any) -> None:
+        print("spotpipe: stopping the workers; this ends within their grace of 10 s",
+              file=stream, flush=True)
+
+    try:
+        signal.signal(signal.SIGINT, said)
+    except ValueError:  # (not the main thread: an agent's loop; its own Ctrl-C stays)
+        return
+    said()
