@@ -89,3 +89,30 @@ def test_lost_iterations_every_k_and_late_or_partial_checkpoints():
     held = [[9, s, "checkpoint_held", 11.0] for s in (0, 1)]
     lost = lost_iterations(sent + held, _timeline(14)[10:14], 2, kills=200, seed=5)
     assert set(lost) == {2, 3, 4}  # a kill during iteration 10 finds nothing complete yet
+
+
+def test_summary_figures_against_hand_computed_values():
+    """Four rounds: the ratios, their nearest-rank quartiles (the 1st and 3rd of 4 ratios), the
+    bytes, the blocked seconds and the blocking-only ratio, each worked out by hand."""
+    from spotpipe.bench.checkpoint import summarize
+
+    names = [name for name, _, _ in VARIANTS]
+    # blocks of 10 iterations: none's take 1.0 s; every variant's 1.0, 1.25, 2.0, 1.0 s
+    blocks = {name: [1.0, 1.25, 2.0, 1.0] for name in names[1:]}
+    blocks["none"] = [1.0] * 4
+    # per rank: [bytes, blocked_s, checkpoints, iterations]; the slower rank blocked 0.2 s
+    # over 4 checkpoints, 0.05 s each
+    per_rank = {name: [[1000.0, 0.1, 4.0, 50.0], [3000.0, 0.2, 4.0, 50.0]] for name in names}
+    raw = {"block_s": blocks, "iters_per_block": 10, "per_rank": per_rank,
+           "records": {name: [] for name in names}, "timeline": {name: [] for name in names}}
+    out = summarize(raw, {"kills": 5, "seed": 0, "rounds": 4})
+    # ratios 1.0, 0.8, 0.5, 1.0 -> sorted 0.5, 0.8, 1.0, 1.0: median 0.9; quartiles the 1st
+    # (ceil(0.25 * 4) = 1) and the 3rd (ceil(0.75 * 4) = 3)
+    assert out["torch_save_k1_ratio"] == 0.9
+    assert out["ratio_quartiles"]["torch_save_k1"] == [0.5, 1.0]
+    assert out["torch_save_k1_bytes_per_iteration"] == 80  # 4000 bytes over 50 iterations
+    assert out["torch_save_k1_blocked_s_per_checkpoint"] == 0.05
+    # iteration 0.1 s; k = 1: 0.1 / (0.1 + 0.05); k = 10: 0.1 / (0.1 + 0.005)
+    assert out["torch_save_k1_blocking_only_ratio"] == round(0.1 / 0.15, 4)
+    assert out["torch_save_k10_blocking_only_ratio"] == round(0.1 / 0.105, 4)
+    assert out["none_iter_s"] == 0.1 and out["lost_iterations_per_failure"] == {}

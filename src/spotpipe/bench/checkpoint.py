@@ -7,8 +7,9 @@ every k = 1 and k = 10 iterations. Variants alternate in blocks of 10 iterations
 in turn, so that drift in the machine's load spreads over all of them (see
 `_checkpoint_worker`). `<variant>_ratio` is throughput as a fraction of no checkpointing: in
 each round, the block time without checkpoints over the variant's; the median over rounds
-(`ratio_quartiles` gives the spread). Each process has one core: a background write (checkfreq,
-dcp_async) competes with training for it, as it would on a machine without spare cores.
+(`ratio_quartiles` gives the spread: the rounds' first and third quartiles, nearest rank).
+Each process has one core: a background write (checkfreq, dcp_async) competes with training
+for it, as it would on a machine without spare cores.
 
 Bytes per iteration: what the variant wrote to disk or sent to a peer, both stages together,
 over the iterations it ran. Blocked seconds per checkpoint: what the training loop waited for
@@ -57,8 +58,9 @@ from pathlib import Path
 from typing import Any
 
 from spotpipe.bench import durable_costs
-from spotpipe.bench.harness import describe_setup, launch, pinned_cores, quantile
+from spotpipe.bench.harness import describe_setup, launch, pinned_cores
 from spotpipe.bench.pipeline import MODEL
+from spotpipe.bench.stats import percentile
 
 BASELINES = ("torch_save", "checkfreq", "dcp_async", "gemini")
 INTERVALS = (1, 10)
@@ -130,7 +132,7 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
         # machine's drift between rounds cancels; the median over rounds
         ratios = sorted(a / b for a, b in zip(blocks["none"], blocks[name]))
         out[f"{name}_ratio"] = round(statistics.median(ratios), 4)
-        spread[name] = [round(quantile(ratios, 0.25), 3), round(quantile(ratios, 0.75), 3)]
+        spread[name] = [round(percentile(ratios, 25), 3), round(percentile(ratios, 75), 3)]
     out["ratio_quartiles"] = spread
     for name, _, every in VARIANTS[1:]:
         per_rank = raw["per_rank"][name]  # [bytes, blocked_s, checkpoints, iterations] by rank
