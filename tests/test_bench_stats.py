@@ -103,3 +103,14 @@ def test_repeat_runs_a_bench_several_times(tmp_path, monkeypatch, capsys):
     assert bench.run_bench("counting", as_json=True, repeat=0) == 2
     assert "--repeat 0" in capsys.readouterr().err
     sys.modules.pop("counting_bench", None)
+
+
+def test_bad_bench_input_is_a_usage_error_naming_it(monkeypatch, capsys):
+    """An unknown prototype in SPOTPIPE_BENCH_PROTOTYPES stops `bench redundancy` before any
+    process starts, with exit 2 and one line naming the variable, not a traceback."""
+    from spotpipe import bench
+
+    monkeypatch.setenv("SPOTPIPE_BENCH_PROTOTYPES", "inline-replica-update,bogus")
+    assert bench.run_bench("redundancy", as_json=True) == 2
+    err = capsys.readouterr().err
+    assert "bench redundancy: SPOTPIPE_BENCH_PROTOTYPES: unknown ['bogus']" in err

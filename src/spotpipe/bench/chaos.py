@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from spotpipe.bench import BenchInputError
 from spotpipe.bench.pipeline import MICROBATCHES as PIPELINE_MICROBATCHES
 from spotpipe.bench.pipeline import MODEL as PIPELINE_GPT
 from spotpipe.bench.stats import distribution
@@ -354,7 +355,7 @@ def run(quick: bool = False, faults: int | None = None) -> dict[str, Any]:
     headline; "tiny"'s are under the key "tiny"). `quick` runs the tiny model only."""
     n = faults if faults is not None else (3 if quick else 50)
     if n < 1:
-        raise ValueError(f"--faults {n}: expected at least one fault")
+        raise BenchInputError(f"--faults {n}: expected at least one fault")
     started = time.time()
     cases = draw_cases(n)
     models = ["tiny"] if quick else ["gpt", "tiny"]

@@ -38,6 +38,7 @@ import os
 import statistics
 from typing import Any
 
+from spotpipe.bench import BenchInputError
 from spotpipe.bench.harness import (describe_setup, launch_and_summarize, pinned_cores,
                                     stage_costs)
 from spotpipe.bench.pipeline import MICROBATCHES, MODEL
@@ -65,8 +66,8 @@ def _prototypes() -> list[str]:
     names = [x for x in os.environ.get("SPOTPIPE_BENCH_PROTOTYPES", "").split(",") if x]
     unknown = sorted(set(names) - set(PROTOTYPES))
     if unknown:
-        raise ValueError(f"SPOTPIPE_BENCH_PROTOTYPES: unknown {unknown}; known: "
-                         f"{list(PROTOTYPES)}")
+        raise BenchInputError(f"SPOTPIPE_BENCH_PROTOTYPES: unknown {unknown}; known: "
+                              f"{list(PROTOTYPES)}")
     return names
 
 
