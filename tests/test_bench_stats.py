@@ -114,3 +114,21 @@ def test_bad_bench_input_is_a_usage_error_naming_it(monkeypatch, capsys):
     assert bench.run_bench("redundancy", as_json=True) == 2
     err = capsys.readouterr().err
     assert "bench redundancy: SPOTPIPE_BENCH_PROTOTYPES: unknown ['bogus']" in err
+
+
+def test_a_failover_pause_counts_the_iterations_before_the_fault(tmp_path):
+    """Iterations of 0.1 s until the kill at 10.0 s, 0.3 s on the smaller layout after it:
+    the pause is counted in the 0.1 s iterations (the first 3, warm-up, left out), not in
+    the median of the whole run (0.3 s here)."""
+    from spotpipe.bench.failover import iteration_before_faults
+
+    _write(tmp_path / "events.jsonl", [
+        {"time_s": 0.0, "kind": "launch", "node": "launcher", "t0": 1000.0},
+        {"time_s": 10.0, "kind": "fault_injected", "node": "node1", "fault": "fail",
+         "iteration": 8, "phase": "backward"},
+        {"time_s": 14.0, "kind": "fault_injected", "node": "node3", "fault": "fail",
+         "iteration": 16, "phase": "forward"}])
+    slow = [0.5, 0.5, 0.5] + [0.1] * 5 + [0.3] * 12  # warm-up, healthy, after the kill
+    _write(tmp_path / "metrics.jsonl", [
+        {"iter": t, "iter_time_s": it, "time_s": 1.0 + t * 1.2} for t, it in enumerate(slow)])
+    assert iteration_before_faults(tmp_path) == 0.1
