@@ -116,3 +116,20 @@ def test_summary_figures_against_hand_computed_values():
     assert out["torch_save_k1_blocking_only_ratio"] == round(0.1 / 0.15, 4)
     assert out["torch_save_k10_blocking_only_ratio"] == round(0.1 / 0.105, 4)
     assert out["none_iter_s"] == 0.1 and out["lost_iterations_per_failure"] == {}
+
+
+def test_the_restart_baseline_starts_its_workers_as_torchrun_does(monkeypatch):
+    """`recovery_s` is bench failover's cold restart: both jobs (the one killed and the one
+    that resumes) start every worker in a fresh interpreter, not as forks of a server that
+    imported torch already."""
+    from spotpipe.bench import checkpoint, failover
+
+    jobs: list[tuple[str, ...]] = []
+    monkeypatch.setattr(failover, "_train", lambda out, *args, check=True: jobs.append(args))
+    monkeypatch.setattr(failover, "restart_pause", lambda first, second: {
+        "restart_first_iteration_s": 5.0, "restart_pause_s": 6.0,
+        "restart_lost_iterations": 4})
+    assert checkpoint.recovery(quick=True)["recovery_s"] == 5.0
+    assert len(jobs) == 2
+    for args in jobs:
+        assert "cluster.fork_server=false" in args, args

@@ -31,7 +31,8 @@ Recovery time (`recovery_s`): a real restart, as `bench failover` measures it: a
 the durable tier written by `dcp_async` every 5 iterations, no redundancy, one node killed (the
 job stops), then every worker started again with `--resume`; the figure runs from the kill to
 the first iteration completed by the restarted job (`recovery_with_replay_s` adds the lost
-iterations run again).
+iterations run again). Its workers start in fresh interpreters, as torchrun's and bench
+failover's restarts do (`cluster.fork_server=false`).
 
 What the durable tier's safety costs (fsync before the commit, the manifest's MAC, the
 commit's checks): `durable_*` figures, measured directly on one stage's write
@@ -161,12 +162,14 @@ def recovery(quick: bool) -> dict[str, float]:
     restart everything from the newest checkpoint (`bench failover`'s restart baseline)."""
     import shutil
 
-    from spotpipe.bench.failover import _train, restart_pause
+    from spotpipe.bench.failover import FRESH, _train, restart_pause
 
     iters, every, kill_at = (8, 3, 7) if quick else (30, 5, 23)
     tmp = Path(tempfile.mkdtemp(prefix="spotpipe-bench-ckpt-restart-"))
     try:
-        common = ["--stages", "2", "--set", f"iterations={iters}", "--set", "redundancy=none"]
+        # the workers start as torchrun starts them, in fresh interpreters (bench failover's)
+        common = ["--stages", "2", "--set", f"iterations={iters}", "--set", "redundancy=none",
+                  *FRESH]
         first, second = tmp / "first", tmp / "second"
         _train(first, *common, "--set", f"checkpoint.every={every}",
                "--set", "checkpoint.scheme=dcp_async", "--fail", f"node1@{kill_at}:backward",
