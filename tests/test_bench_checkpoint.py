@@ -133,3 +133,20 @@ def test_the_restart_baseline_starts_its_workers_as_torchrun_does(monkeypatch):
     assert len(jobs) == 2
     for args in jobs:
         assert "cluster.fork_server=false" in args, args
+
+
+def test_a_failed_checkpoint_stops_the_bench_by_name():
+    """A scheme's failed write (a record without a completion time) is reported, named, not
+    a KeyError from the rows the lost-work figure is computed from."""
+    import pytest
+
+    from spotpipe.bench._checkpoint_worker import record_rows
+
+    done = {"kind": "checkpoint_saved", "iteration": 9, "stage": 0, "done_time": 12.5,
+            "bytes": 10, "blocked_s": 0.1}
+    assert record_rows("dcp_async_k10", [done]) == [[9, 0, "checkpoint_saved", 12.5]]
+    failed = {"kind": "checkpoint_failed", "iteration": 19, "stage": 1,
+              "message": "OSError: [Errno 28] No space left on device"}
+    with pytest.raises(RuntimeError, match=r"dcp_async_k10: the checkpoint of iteration 19, "
+                       r"stage 1 failed \(1 in all\): OSError: \[Errno 28\]"):
+        record_rows("dcp_async_k10", [done, failed])

@@ -109,12 +109,23 @@ class CheckpointBench:
         """Every rank's completed checkpoints (iteration, stage, kind, wall time), through the
         store as JSON."""
         store = self.workers[self.names[0]].store
-        mine = {n: [[r["iteration"], r["stage"], r["kind"], r["done_time"]]
-                    for r in self.workers[n].checkpoints.records] for n in self.names}
+        mine = {n: record_rows(n, self.workers[n].checkpoints.records) for n in self.names}
         store.set(f"bench/ckpt-records/{self.rank}", json.dumps(mine))
         dist.barrier()
         ranks = [json.loads(store.get(f"bench/ckpt-records/{r}")) for r in range(self.world)]
         return {n: [rec for rank in ranks for rec in rank[n]] for n in self.names}
+
+
+def record_rows(name: str, records: list[dict[str, Any]]) -> list[list[Any]]:
+    """A variant's completed checkpoints as [iteration, stage, kind, wall time] rows. A
+    checkpoint that failed stops the bench, named: its figures would time a write that did
+    not happen (and it has no completion time to count lost work from)."""
+    failed = [r for r in records if r["kind"] == "checkpoint_failed"]
+    if failed:
+        r = failed[0]
+        raise RuntimeError(f"{name}: the checkpoint of iteration {r['iteration']}, stage "
+                           f"{r['stage']} failed ({len(failed)} in all): {r['message']}")
+    return [[r["iteration"], r["stage"], r["kind"], r["done_time"]] for r in records]
 
 
 def _measure(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
