@@ -9,7 +9,9 @@ in turn, so that drift in the machine's load spreads over all of them (see
 each round, the block time without checkpoints over the variant's; the median over rounds
 (`ratio_quartiles` gives the spread: the rounds' first and third quartiles, nearest rank).
 Each process has one core: a background write (checkfreq, dcp_async) competes with training
-for it, as it would on a machine without spare cores.
+for it, as it would on a machine without spare cores. Each baseline writes what its system
+writes (`Scheme.checksums` false): none of them hashes its files as spotpipe's durable tier
+does for its commit and safe resume.
 
 Bytes per iteration: what the variant wrote to disk or sent to a peer, both stages together,
 over the iterations it ran. Blocked seconds per checkpoint: what the training loop waited for
