@@ -133,6 +133,10 @@ def test_the_pause_past_the_timeout_is_judged_on_its_p99():
     out = summarize(results + [result("hang", (2.2, 4.0))])
     assert out["past_timeout_p99_iterations"] == 4.0
     assert out["pause_p99_within_target"] is False
+    # a p99 of 2.004 iterations misses the target of 2, though its figure rounds to 2.0
+    out = summarize(results + [result("crash", (0.1, 2.004))])
+    assert out["past_timeout_p99_iterations"] == 2.0
+    assert out["pause_p99_within_target"] is False
 
 
 def test_the_regroup_is_told_by_the_workers_sharing_the_machine():

@@ -89,3 +89,64 @@ def test_lost_iterations_every_k_and_late_or_partial_checkpoints():
     held = [[9, s, "checkpoint_held", 11.0] for s in (0, 1)]
     lost = lost_iterations(sent + held, _timeline(14)[10:14], 2, kills=200, seed=5)
     assert set(lost) == {2, 3, 4}  # a kill during iteration 10 finds nothing complete yet
+
+
+def test_summary_figures_against_hand_computed_values():
+    """Four rounds: the ratios, their nearest-rank quartiles (the 1st and 3rd of 4 ratios), the
+    bytes, the blocked seconds and the blocking-only ratio, each worked out by hand."""
+    from spotpipe.bench.checkpoint import summarize
+
+    names = [name for name, _, _ in VARIANTS]
+    # blocks of 10 iterations: none's take 1.0 s; every variant's 1.0, 1.25, 2.0, 1.0 s
+    blocks = {name: [1.0, 1.25, 2.0, 1.0] for name in names[1:]}
+    blocks["none"] = [1.0] * 4
+    # per rank: [bytes, blocked_s, checkpoints, iterations]; the slower rank blocked 0.2 s
+    # over 4 checkpoints, 0.05 s each
+    per_rank = {name: [[1000.0, 0.1, 4.0, 50.0], [3000.0, 0.2, 4.0, 50.0]] for name in names}
+    raw = {"block_s": blocks, "iters_per_block": 10, "per_rank": per_rank,
+           "records": {name: [] for name in names}, "timeline": {name: [] for name in names}}
+    out = summarize(raw, {"kills": 5, "seed": 0, "rounds": 4})
+    # ratios 1.0, 0.8, 0.5, 1.0 -> sorted 0.5, 0.8, 1.0, 1.0: median 0.9; quartiles the 1st
+    # (ceil(0.25 * 4) = 1) and the 3rd (ceil(0.75 * 4) = 3)
+    assert out["torch_save_k1_ratio"] == 0.9
+    assert out["ratio_quartiles"]["torch_save_k1"] == [0.5, 1.0]
+    assert out["torch_save_k1_bytes_per_iteration"] == 80  # 4000 bytes over 50 iterations
+    assert out["torch_save_k1_blocked_s_per_checkpoint"] == 0.05
+    # iteration 0.1 s; k = 1: 0.1 / (0.1 + 0.05); k = 10: 0.1 / (0.1 + 0.005)
+    assert out["torch_save_k1_blocking_only_ratio"] == round(0.1 / 0.15, 4)
+    assert out["torch_save_k10_blocking_only_ratio"] == round(0.1 / 0.105, 4)
+    assert out["none_iter_s"] == 0.1 and out["lost_iterations_per_failure"] == {}
+
+
+def test_the_restart_baseline_starts_its_workers_as_torchrun_does(monkeypatch):
+    """`recovery_s` is bench failover's cold restart: both jobs (the one killed and the one
+    that resumes) start every worker in a fresh interpreter, not as forks of a server that
+    imported torch already."""
+    from spotpipe.bench import checkpoint, failover
+
+    jobs: list[tuple[str, ...]] = []
+    monkeypatch.setattr(failover, "_train", lambda out, *args, check=True: jobs.append(args))
+    monkeypatch.setattr(failover, "restart_pause", lambda first, second: {
+        "restart_first_iteration_s": 5.0, "restart_pause_s": 6.0,
+        "restart_lost_iterations": 4})
+    assert checkpoint.recovery(quick=True)["recovery_s"] == 5.0
+    assert len(jobs) == 2
+    for args in jobs:
+        assert "cluster.fork_server=false" in args, args
+
+
+def test_a_failed_checkpoint_stops_the_bench_by_name():
+    """A scheme's failed write (a record without a completion time) is reported, named, not
+    a KeyError from the rows the lost-work figure is computed from."""
+    import pytest
+
+    from spotpipe.bench._checkpoint_worker import record_rows
+
+    done = {"kind": "checkpoint_saved", "iteration": 9, "stage": 0, "done_time": 12.5,
+            "bytes": 10, "blocked_s": 0.1}
+    assert record_rows("dcp_async_k10", [done]) == [[9, 0, "checkpoint_saved", 12.5]]
+    failed = {"kind": "checkpoint_failed", "iteration": 19, "stage": 1,
+              "message": "OSError: [Errno 28] No space left on device"}
+    with pytest.raises(RuntimeError, match=r"dcp_async_k10: the checkpoint of iteration 19, "
+                       r"stage 1 failed \(1 in all\): OSError: \[Errno 28\]"):
+        record_rows("dcp_async_k10", [done, failed])

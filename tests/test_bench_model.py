@@ -19,3 +19,20 @@ def test_bench_model_quick_json():
             assert row["peak_rss_mib"] >= row["rss_built_mib"] > 0
     assert set(figures["failover_parts_s"]) >= {"detection_s", "agreement_s", "takeover_s",
                                                 "replay_s"}
+
+
+def test_bf16_over_fp32_is_the_ratio_of_the_speeds_not_of_their_rounded_figures(monkeypatch):
+    """On a CPU without bf16 units bf16 runs at 0.0244 samples/s, fp32 at 0.2694: the ratio is
+    0.0906, where the figures rounded to 3 decimals (0.024, 0.269) would give 0.0892."""
+    from types import SimpleNamespace
+
+    from spotpipe.bench import model
+
+    speeds = {"fp32": (0.2694, 14.85), "bf16": (0.0244, 164.0), "failover": (0.0244, 164.0)}
+    monkeypatch.setattr(model, "train_example", lambda out, args: SimpleNamespace(stderr=""))
+    monkeypatch.setattr(model, "throughput", lambda run: speeds[run.name])
+    monkeypatch.setattr(model, "_rss", lambda run: {})
+    monkeypatch.setattr(model, "failover_pauses", lambda run: [])
+    figures = model.run(quick=True)
+    assert (figures["fp32_samples_per_s"], figures["bf16_samples_per_s"]) == (0.269, 0.024)
+    assert figures["bf16_over_fp32"] == round(0.0244 / 0.2694, 3) == 0.091

@@ -101,3 +101,53 @@ def test_the_executed_streams_come_back_as_the_schedule_that_ran():
     reported = [[[i.op.value, i.stage, i.mb, i.peer] for i in stream]
                 for stream in placed.streams]
     assert executed_schedule(plain, reported) == placed
+
+
+def _streams(schedule):
+    return [[[i.op.value, i.stage, i.mb, i.peer] for i in stream] for stream in schedule.streams]
+
+
+def test_summary_ratios_count_the_catching_up_against_hand_computed_values():
+    """Ten rounds of two-iteration blocks. Every mode's iterations take what none's take
+    (block i: 0.10 + 0.01 i s each), but the redundant modes' replicas catch up for 0.02 s
+    after each block: 0.01 s per iteration. Both the median ratio and the fastest tenth's
+    must show that cost (the fastest tenth of 10 blocks: the fastest block, nearest rank)."""
+    from spotpipe.bench.redundancy import MODES, REDUNDANT, summarize
+    from spotpipe.schedule import with_frc
+
+    m, n, rounds = 4, 2, 10
+    iterations = [0.10 + 0.01 * i for i in range(rounds) for _ in range(n)]
+    catch_up = {mode: [0.0 if mode == "none" else 0.02] * rounds for mode in MODES}
+    profile = {"forward_s": [1e-3, 1e-3], "backward_s": [2e-3, 2e-3], "comm_s": 1e-4,
+               "reduce_s": [0.0, 0.0], "optimizer_s": [1e-4, 1e-4], "frc_s": [5e-4, 5e-4],
+               "replica_update_s": [1e-4, 1e-4], "samples_per_rank": 3,
+               "partition": [[0, 3], [3, 6]]}
+    ops = {"forward": [m * 1e-3] * 2, "backward": [m * 2e-3] * 2, "optimizer_step": [1e-4] * 2}
+    plain = build_schedule("1f1b", 2, m)
+    every = with_frc(plain, StageCosts((1e-3, 1e-3), (2e-3, 2e-3), comm=1e-4,
+                                       frc=(5e-4, 5e-4)), every_stage=True)
+    raw = {"iter_times": {mode: list(iterations) for mode in MODES}, "catch_up_s": catch_up,
+           "profile": profile, "eager_streams": _streams(plain),
+           "eager_every_streams": _streams(every),
+           **{f"{mode}_op_s": dict(ops) for mode in MODES},
+           "own_state_bytes": [300.0, 300.0], "replica_state_bytes": [300.0, 300.0],
+           "gradient_bytes_per_iteration": [100.0, 100.0], "state_bytes": [300.0, 300.0],
+           **{f"{mode}_activation_bytes": [1.0, 1.0] for mode in REDUNDANT},
+           **{f"{mode}_{k}": [0.0, 0.0] for mode in REDUNDANT
+              for k in ("max_lag_seen", "waited_in_timed_s")},
+           **{f"{mode}_replicas_exact": True for mode in REDUNDANT},
+           "lazy_eager_states_identical": True, "first_loss": dict.fromkeys(MODES, 1.0),
+           "iterations": dict.fromkeys(MODES, 23)}
+    raw["eager_every_op_s"] = dict(ops, frc_forward=[m * 5e-4] * 2)
+    spec = {"num_microbatches": m, "micro_batch_size": 2, "iters_per_round": n,
+            "schedule": "1f1b", "max_lag": 2, "prototypes": [], "rounds": rounds, "cores": [],
+            "gpt": {"n_layer": 2, "n_embd": 8, "n_head": 2, "block_size": 4, "vocab_size": 16}}
+    out = summarize(raw, spec)
+    # blocks' seconds per iteration: none 0.10 .. 0.19, medians 0.145; the others + 0.01
+    assert out["none_iter_s"] == 0.145 and out["lazy_iter_s"] == 0.155
+    assert out["lazy_ratio"] == round(0.145 / 0.155, 4)
+    assert out["lazy_ratio_q10"] == round(0.10 / 0.11, 4)
+    assert out["lazy_catch_up_s_per_iteration"] == 0.01
+    assert out["lazy_ratio_rounds_min_median_max"] == [round(0.10 / 0.11, 4),
+                                                       round((0.14 / 0.15 + 0.15 / 0.16) / 2,
+                                                             4), round(0.19 / 0.20, 4)]

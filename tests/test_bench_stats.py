@@ -103,3 +103,32 @@ def test_repeat_runs_a_bench_several_times(tmp_path, monkeypatch, capsys):
     assert bench.run_bench("counting", as_json=True, repeat=0) == 2
     assert "--repeat 0" in capsys.readouterr().err
     sys.modules.pop("counting_bench", None)
+
+
+def test_bad_bench_input_is_a_usage_error_naming_it(monkeypatch, capsys):
+    """An unknown prototype in SPOTPIPE_BENCH_PROTOTYPES stops `bench redundancy` before any
+    process starts, with exit 2 and one line naming the variable, not a traceback."""
+    from spotpipe import bench
+
+    monkeypatch.setenv("SPOTPIPE_BENCH_PROTOTYPES", "inline-replica-update,bogus")
+    assert bench.run_bench("redundancy", as_json=True) == 2
+    err = capsys.readouterr().err
+    assert "bench redundancy: SPOTPIPE_BENCH_PROTOTYPES: unknown ['bogus']" in err
+
+
+def test_a_failover_pause_counts_the_iterations_before_the_fault(tmp_path):
+    """Iterations of 0.1 s until the kill at 10.0 s, 0.3 s on the smaller layout after it:
+    the pause is counted in the 0.1 s iterations (the first 3, warm-up, left out), not in
+    the median of the whole run (0.3 s here)."""
+    from spotpipe.bench.failover import iteration_before_faults
+
+    _write(tmp_path / "events.jsonl", [
+        {"time_s": 0.0, "kind": "launch", "node": "launcher", "t0": 1000.0},
+        {"time_s": 10.0, "kind": "fault_injected", "node": "node1", "fault": "fail",
+         "iteration": 8, "phase": "backward"},
+        {"time_s": 14.0, "kind": "fault_injected", "node": "node3", "fault": "fail",
+         "iteration": 16, "phase": "forward"}])
+    slow = [0.5, 0.5, 0.5] + [0.1] * 5 + [0.3] * 12  # warm-up, healthy, after the kill
+    _write(tmp_path / "metrics.jsonl", [
+        {"iter": t, "iter_time_s": it, "time_s": 1.0 + t * 1.2} for t, it in enumerate(slow)])
+    assert iteration_before_faults(tmp_path) == 0.1

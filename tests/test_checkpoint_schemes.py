@@ -537,3 +537,36 @@ def test_an_upload_runs_beside_training_and_is_reported_once_taken(tmp_path, cor
     assert (kind, fields["iteration"], fields["stage"], fields["uploaded"]) == \
         ("checkpoint_saved", 1, 1, True)
     assert fields["checksums"] == announced["checksums"]
+
+
+@pytest.mark.parametrize("scheme", ["torch_save", "checkfreq", "dcp_async"])
+def test_a_baseline_without_checksums_writes_as_its_system_does(tmp_path, corpus, scheme,
+                                                                monkeypatch):
+    """bench checkpoint's baselines (`Scheme.checksums` false) write what torch.save,
+    CheckFreq or DCP write, and hash nothing: spotpipe's SHA-256 of every file (for its commit
+    and safe resume) would be a cost the baseline systems do not pay."""
+    from spotpipe.checkpoint import registry, schemes
+    from spotpipe.runtime.hooks import Boundary
+
+    def hashed(path):
+        raise AssertionError(f"{path} hashed")
+
+    monkeypatch.setattr(snapshot, "sha256_file", hashed)
+    monkeypatch.setattr(durable, "sha256_file", hashed)
+    cfg = tiny_config(corpus, **{"checkpoint.scheme": scheme, "checkpoint.every": 1,
+                                 "checkpoint.keep": 2, "checkpoint.dir": str(tmp_path / "c")})
+    ctx = schemes.SchemeContext(cfg, "node0", tmp_path, lambda *a, **k: None, _Store())
+    built = registry.build(ctx)
+    built.checksums = False
+    module, optimizer = _stage()
+    for t in range(3):
+        built.after_iteration(Boundary(t, {0: (module, optimizer)}, None, None,
+                                       ((0, 1), (1, 2))))
+    built.close()
+    assert [(r["kind"], r["iteration"]) for r in built.records] == [
+        ("checkpoint_saved" if scheme == "dcp_async" else "checkpoint_done", t)
+        for t in range(3)]
+    assert all(r["bytes"] > 0 for r in built.records) and built.bytes > 0
+    if scheme != "dcp_async":  # the newest `keep` files, and no sidecar beside them
+        assert sorted(p.name for p in (tmp_path / "c" / "stage0").iterdir()) == [
+            "iter_00000001.pt", "iter_00000002.pt"]

@@ -34,6 +34,11 @@ BENCHES = {
 TAKES_FAULTS = ("chaos",)
 
 
+class BenchInputError(ValueError):
+    """Bad input to a bench (a flag's value, an environment variable it reads), found before
+    anything runs: a usage error (exit 2, one line naming it), not a traceback."""
+
+
 def run_bench(name: str, *, as_json: bool = False, quick: bool = False,
               faults: int | None = None, repeat: int = 1) -> int:
     if name not in BENCHES:
@@ -59,6 +64,9 @@ def run_bench(name: str, *, as_json: bool = False, quick: bool = False,
     try:
         runs = [module.run(quick=quick, **({"faults": faults} if faults is not None else {}))
                 for _ in range(repeat)]
+    except BenchInputError as exc:
+        print(f"spotpipe: error: bench {name}: {exc}", file=sys.stderr)
+        return 2
     except RuntimeError as exc:  # a job that failed, a machine without what the bench needs
         print(f"spotpipe: error: bench {name}: {exc}", file=sys.stderr)
         return 1

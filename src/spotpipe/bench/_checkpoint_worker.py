@@ -41,6 +41,9 @@ class CheckpointBench:
                                iterations=10 ** 6)
             self.workers[name] = bench_worker(cfg, rank, run_dir / name,
                                               namespace=f"bench-ckpt-{name}")
+            # the baselines write as their systems do: spotpipe's SHA-256 of every file (for
+            # its commit and safe resume) is no part of a torch.save, CheckFreq or DCP write
+            self.workers[name].checkpoints.checksums = False
         self.mbs = {name: w.batches(0) for name, w in self.workers.items()}
         self.iteration = dict.fromkeys(self.names, spec["first_iteration"])
         self.block_s: dict[str, list[float]] = {name: [] for name in self.names}
@@ -109,12 +112,23 @@ class CheckpointBench:
         """Every rank's completed checkpoints (iteration, stage, kind, wall time), through the
         store as JSON."""
         store = self.workers[self.names[0]].store
-        mine = {n: [[r["iteration"], r["stage"], r["kind"], r["done_time"]]
-                    for r in self.workers[n].checkpoints.records] for n in self.names}
+        mine = {n: record_rows(n, self.workers[n].checkpoints.records) for n in self.names}
         store.set(f"bench/ckpt-records/{self.rank}", json.dumps(mine))
         dist.barrier()
         ranks = [json.loads(store.get(f"bench/ckpt-records/{r}")) for r in range(self.world)]
         return {n: [rec for rank in ranks for rec in rank[n]] for n in self.names}
+
+
+def record_rows(name: str, records: list[dict[str, Any]]) -> list[list[Any]]:
+    """A variant's completed checkpoints as [iteration, stage, kind, wall time] rows. A
+    checkpoint that failed stops the bench, named: its figures would time a write that did
+    not happen (and it has no completion time to count lost work from)."""
+    failed = [r for r in records if r["kind"] == "checkpoint_failed"]
+    if failed:
+        r = failed[0]
+        raise RuntimeError(f"{name}: the checkpoint of iteration {r['iteration']}, stage "
+                           f"{r['stage']} failed ({len(failed)} in all): {r['message']}")
+    return [[r["iteration"], r["stage"], r["kind"], r["done_time"]] for r in records]
 
 
 def _measure(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:

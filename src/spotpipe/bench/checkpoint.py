@@ -7,8 +7,11 @@ every k = 1 and k = 10 iterations. Variants alternate in blocks of 10 iterations
 in turn, so that drift in the machine's load spreads over all of them (see
 `_checkpoint_worker`). `<variant>_ratio` is throughput as a fraction of no checkpointing: in
 each round, the block time without checkpoints over the variant's; the median over rounds
-(`ratio_quartiles` gives the spread). Each process has one core: a background write (checkfreq,
-dcp_async) competes with training for it, as it would on a machine without spare cores.
+(`ratio_quartiles` gives the spread: the rounds' first and third quartiles, nearest rank).
+Each process has one core: a background write (checkfreq, dcp_async) competes with training
+for it, as it would on a machine without spare cores. Each baseline writes what its system
+writes (`Scheme.checksums` false): none of them hashes its files as spotpipe's durable tier
+does for its commit and safe resume.
 
 Bytes per iteration: what the variant wrote to disk or sent to a peer, both stages together,
 over the iterations it ran. Blocked seconds per checkpoint: what the training loop waited for
@@ -30,7 +33,8 @@ Recovery time (`recovery_s`): a real restart, as `bench failover` measures it: a
 the durable tier written by `dcp_async` every 5 iterations, no redundancy, one node killed (the
 job stops), then every worker started again with `--resume`; the figure runs from the kill to
 the first iteration completed by the restarted job (`recovery_with_replay_s` adds the lost
-iterations run again).
+iterations run again). Its workers start in fresh interpreters, as torchrun's and bench
+failover's restarts do (`cluster.fork_server=false`).
 
 What the durable tier's safety costs (fsync before the commit, the manifest's MAC, the
 commit's checks): `durable_*` figures, measured directly on one stage's write
@@ -57,8 +61,9 @@ from pathlib import Path
 from typing import Any
 
 from spotpipe.bench import durable_costs
-from spotpipe.bench.harness import describe_setup, launch, pinned_cores, quantile
+from spotpipe.bench.harness import describe_setup, launch, pinned_cores
 from spotpipe.bench.pipeline import MODEL
+from spotpipe.bench.stats import percentile
 
 BASELINES = ("torch_save", "checkfreq", "dcp_async", "gemini")
 INTERVALS = (1, 10)
@@ -130,7 +135,7 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
         # machine's drift between rounds cancels; the median over rounds
         ratios = sorted(a / b for a, b in zip(blocks["none"], blocks[name]))
         out[f"{name}_ratio"] = round(statistics.median(ratios), 4)
-        spread[name] = [round(quantile(ratios, 0.25), 3), round(quantile(ratios, 0.75), 3)]
+        spread[name] = [round(percentile(ratios, 25), 3), round(percentile(ratios, 75), 3)]
     out["ratio_quartiles"] = spread
     for name, _, every in VARIANTS[1:]:
         per_rank = raw["per_rank"][name]  # [bytes, blocked_s, checkpoints, iterations] by rank
@@ -159,12 +164,14 @@ def recovery(quick: bool) -> dict[str, float]:
     restart everything from the newest checkpoint (`bench failover`'s restart baseline)."""
     import shutil
 
-    from spotpipe.bench.failover import _train, restart_pause
+    from spotpipe.bench.failover import FRESH, _train, restart_pause
 
     iters, every, kill_at = (8, 3, 7) if quick else (30, 5, 23)
     tmp = Path(tempfile.mkdtemp(prefix="spotpipe-bench-ckpt-restart-"))
     try:
-        common = ["--stages", "2", "--set", f"iterations={iters}", "--set", "redundancy=none"]
+        # the workers start as torchrun starts them, in fresh interpreters (bench failover's)
+        common = ["--stages", "2", "--set", f"iterations={iters}", "--set", "redundancy=none",
+                  *FRESH]
         first, second = tmp / "first", tmp / "second"
         _train(first, *common, "--set", f"checkpoint.every={every}",
                "--set", "checkpoint.scheme=dcp_async", "--fail", f"node1@{kill_at}:backward",

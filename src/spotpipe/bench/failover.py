@@ -19,6 +19,9 @@ paths as real failures) and reads the pauses from their events:
   only the workers are stopped and started again from the newest checkpoint
   (`failover.restarts`), timed in the same way. Every ratio is stated against both.
 
+Pauses in iterations (`pause_iterations`, `notice_pause_iterations`) count the crash run's
+median iteration before its first fault (`iteration_s`), as `bench chaos` counts its own.
+
 Both baselines start every worker in a fresh interpreter that imports torch, as torchrun does
 (`cluster.fork_server=false`). The full run also times spotpipe's own restart
 (`failover.restarts` with the workers forked from the fork server): what a job without
@@ -100,6 +103,15 @@ def iteration_time(run: Path, before_s: float | None = None) -> float:
     times = [m["iter_time_s"] for m in _jsonl(run / "metrics.jsonl")[3:]
              if before_s is None or m["time_s"] < before_s]
     return statistics.median(times)
+
+
+def iteration_before_faults(run: Path) -> float:
+    """The run's median iteration before its first fault (after the first 3, warm-up): what a
+    pause is counted in. Iterations after a loss run on another layout (a node carrying two
+    stages), and the ones around a recovery hold part of the pause itself."""
+    first = min(e["time_s"] for e in _jsonl(run / "events.jsonl")
+                if e["kind"] in ("fault_injected", "trace_kill"))
+    return iteration_time(run, before_s=first)
 
 
 def restart_pause(first: Path, second: Path) -> dict[str, float]:
@@ -190,7 +202,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         variants["forked_restart_pause_s"] = round(forked_pause, 3)
         variants["forked_restart_over_failover_ratio"] = round(ratio_of_medians(
             [forked_pause], [p["pause_s"] for p in crashes]), 1)
-    it = iteration_time(crash, before_s=None)
+    it = iteration_before_faults(crash)
     pause = statistics.median(p["pause_s"] for p in crashes)
     figures: dict[str, Any] = {
         "pause_s": round(pause, 4),

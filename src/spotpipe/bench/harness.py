@@ -121,11 +121,6 @@ def _tails(logs: list[Any]) -> str:
     return "\n".join(tails)
 
 
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def describe_setup(spec: dict[str, Any], partition: Any) -> str:
     """The processes and the model, for a benchmark's `config` figure."""
     g = spec["gpt"]

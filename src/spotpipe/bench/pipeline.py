@@ -30,7 +30,8 @@ import statistics
 from typing import Any
 
 from spotpipe.bench.harness import (describe_setup, launch_and_summarize, pinned_cores,
-                                    quantile, stage_costs)
+                                    stage_costs)
+from spotpipe.bench.stats import fastest_tenth_ratio
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -145,8 +146,8 @@ def summarize(raw: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
         out[f"ratio_{kind}_rounds_min_median_max"] = _round_ratios(raw, kind, spec)
         # the fastest tenth of each system's iterations: less sensitive to other processes
         # taking the cores, which only ever adds time
-        out[f"ratio_{kind}_q10"] = round(quantile(raw["iter_times"][f"torch_{kind}"], 0.1)
-                                         / quantile(raw["iter_times"][f"spotpipe_{kind}"], 0.1), 4)
+        out[f"ratio_{kind}_q10"] = round(fastest_tenth_ratio(
+            raw["iter_times"][f"torch_{kind}"], raw["iter_times"][f"spotpipe_{kind}"]), 4)
         out[f"spotpipe_{kind}_samples_per_s"] = round(batch / sp, 2)
         out[f"torch_{kind}_samples_per_s"] = round(batch / th, 2)
         out[f"measured_iter_s_{kind}"] = round(sp, 6)

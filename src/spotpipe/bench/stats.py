@@ -1,6 +1,7 @@
 """The few statistics the benchmarks report, pure so that tests can check them by hand:
-nearest-rank percentiles (a figure that is one of the samples, as p99 of 50 pauses should be)
-and ratios of medians (a restart's pause over a failover's, each measured several times)."""
+nearest-rank percentiles (a figure that is one of the samples, as p99 of 50 pauses should be;
+every percentile a bench reports is one of these) and ratios of medians (a restart's pause
+over a failover's, each measured several times)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,12 @@ def ratio_of_medians(slow: Sequence[float], fast: Sequence[float]) -> float:
     if base <= 0:
         raise ValueError(f"a ratio over a median of {base}")
     return statistics.median(slow) / base
+
+
+def fastest_tenth_ratio(base: Sequence[float], other: Sequence[float]) -> float:
+    """p10(base) / p10(other), nearest rank: `other`'s throughput over `base`'s, each side
+    judged on its fastest tenth (other processes taking the cores only ever add time)."""
+    return percentile(base, 10) / percentile(other, 10)
 
 
 def distribution(values: Sequence[float], digits: int = 4) -> dict[str, float]:

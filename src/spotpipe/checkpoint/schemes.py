@@ -176,6 +176,10 @@ class Scheme:
         self.blocked_s = 0.0  # total seconds the loop waited in this scheme
         self.bytes = 0  # total bytes written or sent
         self.checkpoints = 0  # boundaries at which this node checkpointed
+        # False: files written as the baseline systems write them, with no SHA-256 of spotpipe's
+        # own (bench checkpoint's baselines: a torchrun user's torch.save or DCP save hashes
+        # nothing); such a checkpoint is neither committed nor resumed from
+        self.checksums = True
         self.uploads = Uploader(ctx) if ctx.upload else None
 
     def after_iteration(self, b: Boundary) -> None:
@@ -413,6 +417,8 @@ class DcpAsyncScheme(_Background):
                 upload.result()
             except CheckpointException as exc:
                 raise durable.write_error(folder, exc) from exc
+            if not self.checksums:  # as DCP leaves it
+                return sum(f.stat().st_size for f in folder.iterdir()), {"checksums": {}}
             sums = durable.stage_checksums(folder, stage)  # hashed here, off the training loop
             size = sum((folder.parent / name).stat().st_size for name in sums)
             return size, {"checksums": sums}
@@ -432,7 +438,7 @@ class TorchSaveScheme(Scheme):
             try:
                 self.ctx.inject("checkpoint", b.iteration)
                 nbytes = snapshot.write_file(self.ctx.root, snap, self.cfg.model_digest(),
-                                             self.cfg.checkpoint.keep)
+                                             self.cfg.checkpoint.keep, sidecar=self.checksums)
             except WRITE_ERRORS as exc:
                 self._failed(b.iteration, s, exc)
                 continue
@@ -452,6 +458,6 @@ class CheckFreqScheme(_Background):
 
         def persist() -> tuple[int, dict[str, Any]]:
             return snapshot.write_file(self.ctx.root, snap, self.cfg.model_digest(),
-                                       self.cfg.checkpoint.keep), {}
+                                       self.cfg.checkpoint.keep, sidecar=self.checksums), {}
 
         return persist

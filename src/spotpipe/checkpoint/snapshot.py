@@ -107,8 +107,11 @@ def file_path(folder: Path, stage: int, iteration: int) -> Path:
     return folder / f"stage{stage}" / f"iter_{iteration:08d}{SUFFIX}"
 
 
-def write_file(folder: Path, snapshot: Snapshot, model_digest: str, keep: int) -> int:
-    """Write, rename, then commit with the sidecar; keep the newest `keep`; return bytes."""
+def write_file(folder: Path, snapshot: Snapshot, model_digest: str, keep: int, *,
+               sidecar: bool = True) -> int:
+    """Write, rename, then commit with the sidecar; keep the newest `keep`; return bytes.
+    Without `sidecar`, the file alone, as a plain torch.save user writes it (nothing hashed):
+    bench checkpoint's baselines, which no resume reads (`read_file` needs the sidecar)."""
     path = file_path(folder, snapshot.stage, snapshot.iteration)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -116,6 +119,10 @@ def write_file(folder: Path, snapshot: Snapshot, model_digest: str, keep: int) -
                 "stage": snapshot.stage, "model_digest": model_digest,
                 "params": snapshot.params, "tensors": snapshot.tensors}, tmp)
     os.replace(tmp, path)
+    if not sidecar:
+        for old in sorted(path.parent.glob(f"iter_*{SUFFIX}"))[:-keep]:
+            old.unlink(missing_ok=True)
+        return path.stat().st_size
     digest = sha256_file(path)
     side = path.with_suffix(SIDECAR)
     side_tmp = side.with_name(side.name + ".tmp")
