@@ -132,3 +132,32 @@ def test_a_failover_pause_counts_the_iterations_before_the_fault(tmp_path):
     _write(tmp_path / "metrics.jsonl", [
         {"iter": t, "iter_time_s": it, "time_s": 1.0 + t * 1.2} for t, it in enumerate(slow)])
     assert iteration_before_faults(tmp_path) == 0.1
+
+
+def test_a_layout_changes_pause_skips_recovered_lines_and_takes_off_the_new_layouts_iteration(
+        tmp_path):
+    """`bench reconfigure`'s stall, on a run written by hand: iterations of 0.1 s, a crash
+    whose agreement recovered iteration 5's line at 1.05 s (after the loss, before the plan
+    at 1.1 s), then the new layout's iterations of 0.2 s from 1.6 s. The stall runs from the
+    last line a worker wrote (iteration 4 at 0.5 s; iteration 5's is the coordinator's)
+    to the first after the plan (1.6 s), less one of the new layout's iterations (0.2 s):
+    0.9 s. Before, the recovered line at 1.05 s was taken for the last iteration (0.55 s less
+    the run's median iteration, 0.2 s: 0.35 s)."""
+    import json
+
+    from spotpipe.bench.reconfigure import _stall
+
+    lines = [{"iter": i, "time_s": round(0.1 * (i + 1), 6), "iter_time_s": 0.1}
+             for i in range(5)]
+    lines.append({"iter": 5, "time_s": 1.05, "iter_time_s": 0.55, "recovered": True})
+    lines += [{"iter": 6 + k, "time_s": round(1.6 + 0.2 * k, 6), "iter_time_s": 0.2}
+              for k in range(6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    events = [{"kind": "plan", "action": "drop_pipeline", "time_s": 1.1, "resume": 6,
+               "generation": 1},
+              {"kind": "regrouped", "generation": 1, "bytes_received": 7}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    got = _stall(tmp_path, "drop_pipeline")
+    assert got["iteration_s"] == pytest.approx(0.2)
+    assert got["pause_s"] == pytest.approx(1.6 - 0.5 - 0.2)
+    assert got["bytes"] == 7

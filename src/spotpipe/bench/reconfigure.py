@@ -42,14 +42,27 @@ from spotpipe.bench.stats import ratio_of_medians
 
 
 def _stall(run: Path, action: str, nth: int = 0) -> dict[str, float]:
-    """The pause around the `nth` plan with `action`, and the bytes it moved."""
+    """The pause around the `nth` plan with `action`, and the bytes it moved.
+
+    Lines the coordinator recovered at a failure (`"recovered": true`) are written when the
+    failure is agreed, not when their iteration completed: taken for the last iteration
+    before the change they cut the stall short, so only the workers' own lines count. The
+    ordinary iteration taken off is the new layout's (the median of the iterations after the
+    first one of the change, up to the next plan), which the first iteration after it runs
+    on; the run's median mixed every layout the run went through."""
     events = _jsonl(run / "events.jsonl")
-    metrics = _jsonl(run / "metrics.jsonl")
-    plan = [e for e in events if e["kind"] == "plan" and e["action"] == action][nth]
+    metrics = [m for m in _jsonl(run / "metrics.jsonl") if not m.get("recovered")]
+    plans = [e for e in events if e["kind"] == "plan"]
+    plan = [e for e in plans if e["action"] == action][nth]
     resume = plan["resume"]
     before = max((m for m in metrics if m["time_s"] <= plan["time_s"]), key=lambda m: m["time_s"])
     after = next(m for m in metrics if m["time_s"] > plan["time_s"] and m["iter"] >= resume)
-    normal = statistics.median(m["iter_time_s"] for m in metrics[3:])
+    following = [p["time_s"] for p in plans if p["time_s"] > after["time_s"]]
+    until = min(following, default=float("inf"))
+    layout = [m["iter_time_s"] for m in metrics if after["time_s"] < m["time_s"] < until]
+    normal = statistics.median(layout if len(layout) >= 3 else
+                               [m["iter_time_s"] for m in metrics[3:]
+                                if m["time_s"] <= plan["time_s"]])
     moved = sum(e.get("bytes_received", 0) for e in events
                 if e["kind"] in ("migrated", "takeover", "regrouped", "repartitioned")
                 and e.get("generation") == plan["generation"])
