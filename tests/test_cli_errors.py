@@ -406,6 +406,7 @@ def test_ctrl_c_stops_the_workers_and_says_so_without_a_traceback(tmp_path, conf
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, stderr[-3000:]
     assert "training interrupted (Ctrl-C)" in stderr and "Traceback" not in stderr, stderr
+    assert "spotpipe: interrupted: " in stdout and " iterations, " in stdout, stdout
     assert workers_running(out) == []
     summary = (out / "summary.json").read_text()
     assert '"status": "failed"' in summary and "interrupted" in summary

@@ -101,8 +101,9 @@ class JobLoop:
     def _kill(self, node: str) -> None:
         raise NotImplementedError
 
-    def _stop_workers(self) -> None:
-        """The loop is leaving: no worker may outlive the job."""
+    def _stop_workers(self, grace_s: float = 10.0) -> None:
+        """The loop is leaving: no worker may outlive the job (SIGTERM, SIGKILL after
+        `grace_s`)."""
 
     def _launch_details(self) -> dict[str, Any]:
         return {}
@@ -245,14 +246,17 @@ class JobLoop:
             # cluster.timeout_s): the workers are cut off from its records too; say so
             message, self.store_lost = f"lost the store: {exc}", True
         finally:
-            self._stop_workers()
+            # after a Ctrl-C nobody coordinates the workers any more: the grace a SIGTERM
+            # gives them (their preemption notice: leave at the next boundary, on a plan)
+            # would only be waited out
+            self._stop_workers(grace_s=0.0 if interrupted else 10.0)
             try:
                 self._record_commits(files, self.committer.abandon() if deposed
                                      else self.committer.close())
             except RunFilesError:
                 pass  # (the job's own outcome is reported below)
             if self._shadows is not None:
-                self._shadows.stop_all()
+                self._shadows.stop_all(0.0 if interrupted else 10.0)
             if not deposed:  # (a successor reads this mailbox on: no closing record in it)
                 self._close_mailbox(store)
             if bar is not None:
@@ -675,15 +679,15 @@ class JobLoop:
 
 
 def _hold_interrupts(stream: TextIO) -> None:
-    """After a Ctrl-C, the stop runs to its end: the workers are stopped (SIGTERM, SIGKILL
-    after their grace), the commit in progress finishes, and the summary is written. A second
+    """After a Ctrl-C, the stop runs to its end: the workers are stopped (SIGKILL right after
+    the SIGTERM: nobody coordinates them any more), the commit in progress finishes, and the
+    summary is written. A second
     Ctrl-C (a terminal's reaches the whole process group, and users press it again) would cut
     that short with a traceback and leave no summary; it is said and ignored instead, for the
     rest of the process, which is on its way out (a Ctrl-C during the interpreter's shutdown
     printed a traceback as well)."""
     def said(*_: Any) -> None:
-        print("spotpipe: stopping the workers; this ends within their grace of 10 s",
-              file=stream, flush=True)
+        print("spotpipe: interrupted: stopping the workers", file=stream, flush=True)
 
     try:
         signal.signal(signal.SIGINT, said)

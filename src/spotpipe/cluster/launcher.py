@@ -220,9 +220,9 @@ class Launcher(JobLoop):
         if node not in self._exited:
             self.supervisor.kill(node)
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, grace_s: float = 10.0) -> None:
         if hasattr(self, "supervisor"):
-            self.supervisor.stop_all()
+            self.supervisor.stop_all(grace_s)
 
     def _wait_limit(self) -> float:
         wait = self.cfg.failover.heartbeat_s

@@ -81,6 +81,8 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
             lines.append(f"{at}  training resumed at iteration {ev['iteration']}{pause}")
             incident = None
     status = summary.get("status")
+    if status == "failed" and str(summary.get("message", "")).startswith("interrupted"):
+        status = "interrupted"  # (by the user: nothing failed)
     head = (f"spotpipe: {status}: {summary.get('iterations')} iterations, "
             f"{summary.get('samples')} samples in {summary.get('wall_s')} s"
             + (f", final loss {summary['final_loss']:.4f}" if summary.get("final_loss") is not None
