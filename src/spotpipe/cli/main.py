@@ -174,9 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     # (before this process opens any store connection: see `cluster.supervisor.RESOLVER_OPTIONS`)
     os.environ["RES_OPTIONS"] = resolver_options(os.environ)
     args = build_parser().parse_args(argv)
-    if getattr(args, "func", None) is None:
-        return args.run_command(args)
-    return int(args.func(args) or 0)
+    try:
+        if getattr(args, "func", None) is None:
+            return args.run_command(args)
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:  # (a running job's loop stops it itself, and says so)
+        print("spotpipe: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -150,6 +150,10 @@ def serve(preload: Sequence[str]) -> None:
     only a head start), then fork on each request and report each exit.
     Ends when its stdin closes (the supervisor is done or gone); children still running
     then die with it (PR_SET_PDEATHSIG)."""
+    # a Ctrl-C in the terminal reaches the whole process group: the supervisor stops the
+    # workers and then closes stdin, which ends this server; it must not die first (with a
+    # traceback on the user's terminal, and its children killed before they were told)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # the messages go out on a copy of fd 1, and fd 1 itself to the server's log (its stderr):
     # what a preloaded module prints, from Python or from C, cannot corrupt a message
     channel = os.dup(1)
@@ -180,10 +184,6 @@ def serve(preload: Sequence[str]) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # (the wake-up byte is what matters)
-    # a Ctrl-C in the terminal reaches the whole process group: the supervisor stops the
-    # workers and then closes stdin, which ends this server; it must not die first (with a
-    # traceback on the user's terminal, and its children killed before they were told)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     me, pending = os.getpid(), b""
     while True:
         ready, _, _ = select.select([0, wake_r], [], [])
