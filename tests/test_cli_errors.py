@@ -411,3 +411,6 @@ def test_ctrl_c_stops_the_workers_and_says_so_without_a_traceback(tmp_path, conf
     summary = (out / "summary.json").read_text()
     assert '"status": "failed"' in summary and "interrupted" in summary
     assert not (out / "checkpoints" / ".spotpipe.lock").exists()
+    from spotpipe.cli.plot import _title
+
+    assert _title(out).startswith("out: interrupted, ")  # (the plot's title says it too)

@@ -50,6 +50,15 @@ def read_json(path: str | Path, what: str = "") -> Any:
                          f"{exc.msg}") from None
 
 
+def run_status(summary: dict[str, Any]) -> str:
+    """A run's outcome as a user reads it: summary.json says "failed" for a run stopped by
+    Ctrl-C (every consumer of the file knows two statuses), but nothing failed there."""
+    status = str(summary.get("status"))
+    if status == "failed" and str(summary.get("message", "")).startswith("interrupted"):
+        return "interrupted"
+    return status
+
+
 def blocking_file(folder: str | Path) -> Path | None:
     """What stops `folder` from being made (mkdir parents=True): the folder itself or the
     nearest of its parents that exists, when that is not a folder; None otherwise."""

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from spotpipe.runfiles import read_json, read_jsonl
+from spotpipe.runfiles import read_json, read_jsonl, run_status
 
 MARKED = {"node_lost": ("tab:red", "lost"), "node_fenced": ("tab:red", "fenced"),
           "notice": ("tab:orange", "notice"), "takeover": ("tab:green", "takeover"),
@@ -92,7 +92,7 @@ def _title(run_dir: Path) -> str:
     s = read_json(summary)
     if not isinstance(s, dict):
         raise ValueError(f"{summary}: expected a JSON object")
-    return (f"{run_dir.name}: {s.get('status')}, {s.get('iterations')} iterations, "
+    return (f"{run_dir.name}: {run_status(s)}, {s.get('iterations')} iterations, "
             f"P={s.get('stages')} D={s.get('pipelines')}")
 
 

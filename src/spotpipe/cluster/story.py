@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from spotpipe.job import NO_INITIAL_FILE
+from spotpipe.runfiles import run_status
 
 _START = ("fault_injected", "node_lost", "node_fenced", "notice", "trace_kill", "trace_notice")
 
@@ -80,9 +81,7 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
             pause = f" after a {t - incident:.2f} s pause" if incident is not None else ""
             lines.append(f"{at}  training resumed at iteration {ev['iteration']}{pause}")
             incident = None
-    status = summary.get("status")
-    if status == "failed" and str(summary.get("message", "")).startswith("interrupted"):
-        status = "interrupted"  # (by the user: nothing failed)
+    status = run_status(summary)
     head = (f"spotpipe: {status}: {summary.get('iterations')} iterations, "
             f"{summary.get('samples')} samples in {summary.get('wall_s')} s"
             + (f", final loss {summary['final_loss']:.4f}" if summary.get("final_loss") is not None
