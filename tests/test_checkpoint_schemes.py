@@ -373,6 +373,75 @@ def test_gemini_needs_a_second_node(corpus):
     tiny_config(corpus, **{"checkpoint.scheme": "gemini", "checkpoint.every": 1, "stages": 2})
 
 
+# ---------------------------------------------------------------------- failed writes
+
+def _scheme(corpus, tmp_path: Path, scheme: str, said: list, **extra):
+    """A scheme as a worker builds it, writing under tmp_path/c, its events in `said`."""
+    from spotpipe.checkpoint import registry, schemes
+
+    cfg = tiny_config(corpus, **{"checkpoint.scheme": scheme, "checkpoint.every": 2,
+                                 "checkpoint.dir": str(tmp_path / "c"), **extra})
+    ctx = schemes.SchemeContext(cfg, "node0", tmp_path,
+                                lambda kind, **f: said.append((kind, f)), _Store())
+    return registry.build(ctx)
+
+
+def _boundary(iteration: int, module, optimizer):
+    from spotpipe.runtime.hooks import Boundary
+
+    return Boundary(iteration, {0: (module, optimizer)}, None, None, ((0, 1),))
+
+
+@pytest.mark.parametrize("scheme", ["torch_save", "checkfreq"])
+def test_a_full_disk_is_a_failed_checkpoint_and_training_goes_on(tmp_path, corpus, scheme):
+    """The file's temporary is /dev/full, the kernel's always-full device: the write fails with
+    ENOSPC as on a full disk. It must be a checkpoint_failed naming the cause (torch.save to a
+    path said only "unexpected pos", as a RuntimeError that ended the worker and the job),
+    leave nothing behind, and the next checkpoint must be written as scheduled."""
+    said: list = []
+    scheme_ = _scheme(corpus, tmp_path, scheme, said)
+    module, optimizer = _stage()
+    path = snapshot.file_path(tmp_path / "c", 0, 1)
+    path.parent.mkdir(parents=True)
+    Path(f"{path}.tmp").symlink_to("/dev/full")
+    scheme_.after_iteration(_boundary(1, module, optimizer))
+    # (checkfreq's next checkpoint waits for the previous write, and so reports it)
+    scheme_.after_iteration(_boundary(3, module, optimizer))
+    scheme_.close()
+    [(kind, fields), *rest] = said
+    assert (kind, fields["iteration"], fields["stage"]) == ("checkpoint_failed", 1, 0)
+    assert "No space left on device" in fields["message"] and str(path) in fields["message"]
+    assert [(k, f["iteration"]) for k, f in rest] == [("checkpoint_done", 3)]
+    # neither the file of iteration 1, its sidecar nor the temporary is left
+    assert sorted(p.name for p in path.parent.iterdir()) == ["iter_00000003.json",
+                                                              "iter_00000003.pt"]
+    assert snapshot.read_file(snapshot.file_path(tmp_path / "c", 0, 3)).iteration == 3
+
+
+def test_snapshot_files_are_flushed_to_the_disk_before_their_renames(tmp_path, monkeypatch):
+    """A rename is atomic, but without an fsync of the data first a crash can leave the new
+    name on a file whose blocks never reached the disk; the folder is fsynced after, so the
+    renames themselves survive."""
+    import os
+
+    seen: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        seen.append("fsync " + Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+        real_fsync(fd)
+
+    def replace(src, dst):
+        seen.append(f"rename {Path(src).name}")
+        real_replace(src, dst)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    _write(tmp_path, 7)
+    assert seen == ["fsync iter_00000007.pt.tmp", "rename iter_00000007.pt.tmp",
+                    "fsync iter_00000007.json.tmp", "rename iter_00000007.json.tmp",
+                    "fsync stage0"]
+
+
 # ---------------------------------------------------------------------- across a failover
 
 @pytest.mark.parametrize("scheme", ["gemini", "dcp_async"])
