@@ -178,6 +178,28 @@ def test_mtbf_estimate_updates_the_prior_with_failures_seen():
         interval.mtbf_estimate(0.0, 1.0, 0)
 
 
+def test_huge_or_non_finite_interval_inputs_give_a_cap_or_a_clear_error(corpus):
+    """An MTBF of 1e308 s is finite and accepted by the config, but 2 C M overflowed to
+    infinity and `round` of it raised OverflowError in every worker at the first checkpoint of
+    `every: auto`. The optimum there is astronomically long: the cap. NaN or infinite inputs
+    are named, never passed on as a NaN MTBF."""
+    assert interval.young_interval_s(2.0, 1e308) == pytest.approx(2e154)
+    assert interval.daly_interval_s(2.0, 1e308) == pytest.approx(2e154)
+    assert interval.interval_iterations(1.0, 1e308, 0.1, max_iterations=10_000) == 10_000
+    assert interval.interval_iterations(1e308, 1e308, 1e-300, max_iterations=7) == 7
+    with pytest.raises(ValueError, match="no whole number of iterations"):
+        interval.interval_iterations(1e308, 1e308, 1e-300)
+    for args in ((math.nan, 1.0, 0), (math.inf, 1.0, 0), (3600.0, math.nan, 0),
+                 (3600.0, math.inf, 0)):
+        with pytest.raises(ValueError, match="mtbf_estimate: expected a finite prior"):
+            interval.mtbf_estimate(*args)
+    cfg = tiny_config(corpus, **{"checkpoint.every": "auto", "checkpoint.mtbf_s": 1e308})
+    cadence = Cadence(cfg, lambda: 0, _Store(), "ns")
+    assert cadence.due(1)
+    cadence.checkpointed(1, 2.0, _Comm([]))
+    assert cadence.k == cadence.max_k and cadence.next_at == 1 + cadence.max_k
+
+
 class _Store(dict):
     def check(self, keys):
         return all(k in self for k in keys)
