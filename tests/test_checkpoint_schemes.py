@@ -440,6 +440,55 @@ def test_a_full_disk_is_a_failed_checkpoint_and_training_goes_on(tmp_path, corpu
     assert snapshot.read_file(snapshot.file_path(tmp_path / "c", 0, 3)).iteration == 3
 
 
+class _Lazy:
+    """A background write still going on when the loop waits for it: it runs when its result
+    is asked for."""
+
+    def __init__(self, job):
+        self.job = job
+
+    def done(self):
+        return False
+
+    def result(self):
+        return self.job()
+
+
+class _LazyPool:
+    def submit(self, job):
+        return _Lazy(job)
+
+    def shutdown(self, wait=True):
+        pass
+
+
+def test_a_failed_background_write_counts_the_loop_wait_once(tmp_path, corpus, monkeypatch):
+    """On a clock that moves only when the write does, a write that takes 5 s and fails is
+    waited for once, at close: the loop was blocked 5 s. A failure added its wait to the total
+    a second time, on top of the call's own span (10 s), and the benches read that total."""
+    import errno
+    import types
+
+    from spotpipe.checkpoint import schemes
+
+    clock = types.SimpleNamespace(now=100.0)
+    monkeypatch.setattr(schemes, "time", types.SimpleNamespace(perf_counter=lambda: clock.now,
+                                                               time=lambda: clock.now))
+
+    def full(*args, **kwargs):
+        clock.now += 5.0
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(snapshot, "write_file", full)
+    said: list = []
+    scheme = _scheme(corpus, tmp_path, "checkfreq", said)
+    scheme._thread = _LazyPool()
+    module, optimizer = _stage()
+    scheme.after_iteration(_boundary(1, module, optimizer))
+    scheme.close()
+    assert [(k, f["iteration"]) for k, f in said] == [("checkpoint_failed", 1)]
+    assert scheme.blocked_s == 5.0
+
+
 def test_snapshot_files_are_flushed_to_the_disk_before_their_renames(tmp_path, monkeypatch):
     """A rename is atomic, but without an fsync of the data first a crash can leave the new
     name on a file whose blocks never reached the disk; the folder is fsynced after, so the

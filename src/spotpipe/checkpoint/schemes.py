@@ -381,8 +381,7 @@ class _Background(Scheme):
             waited = time.perf_counter()
             try:
                 nbytes, extra, done_time = job.result()
-            except WRITE_ERRORS as exc:
-                self.blocked_s += time.perf_counter() - waited
+            except WRITE_ERRORS as exc:  # (the wait is in the caller's span, as any)
                 self._failed(iteration, s, exc)
                 continue
             spent += time.perf_counter() - waited
