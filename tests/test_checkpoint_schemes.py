@@ -440,6 +440,30 @@ def test_a_full_disk_is_a_failed_checkpoint_and_training_goes_on(tmp_path, corpu
     assert snapshot.read_file(snapshot.file_path(tmp_path / "c", 0, 3)).iteration == 3
 
 
+def test_dcp_async_on_a_full_disk_names_the_cause_and_leaves_no_partial(tmp_path, corpus,
+                                                                        monkeypatch):
+    """DCP's data file of the stage is /dev/full (ENOSPC, as on a full disk): the failure named
+    only DCP's wrapper ("CheckpointException ranks:dict_keys([0])"), not the disk, and the
+    half-written stage folder stayed, taking space on the disk that is full; the synchronous
+    durable scheme removes its own."""
+    prepare = durable.prepare_stage_folder
+
+    def on_full_disk(root, iteration, stage):
+        folder = prepare(root, iteration, stage)
+        (folder / "__0_0.distcp").symlink_to("/dev/full")  # (DCP's one data file here)
+        return folder
+    monkeypatch.setattr(durable, "prepare_stage_folder", on_full_disk)
+    said: list = []
+    scheme = _scheme(corpus, tmp_path, "dcp_async", said)
+    module, optimizer = _stage()
+    scheme.after_iteration(_boundary(1, module, optimizer))
+    scheme.close()
+    [(kind, fields)] = said
+    assert (kind, fields["iteration"], fields["stage"]) == ("checkpoint_failed", 1, 0)
+    assert "No space left on device" in fields["message"], fields["message"]
+    assert list((tmp_path / "c").iterdir()) == []
+
+
 class _Lazy:
     """A background write still going on when the loop waits for it: it runs when its result
     is asked for."""

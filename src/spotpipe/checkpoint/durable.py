@@ -153,8 +153,10 @@ def dcp_save(tensors: dict[str, torch.Tensor], folder: Path, sync: bool = True) 
 
 
 def write_error(folder: Path, exc: Exception) -> WriteError:
-    """DCP's failure to write `folder`, as the WriteError the schemes catch."""
-    return WriteError(f"{folder}: {str(exc).splitlines()[0][:300]}")
+    """DCP's failure to write `folder`, as the WriteError the schemes catch, naming what the
+    write raised (DCP's own first line names only the ranks that failed, not a full disk)."""
+    cause = dcp_cause(exc)
+    return WriteError(f"{folder}: {cause.splitlines()[0][:300] if cause else type(exc).__name__}")
 
 
 def stage_checksums(folder: Path, stage: int, sync: bool = True) -> dict[str, str]:

@@ -363,6 +363,7 @@ class _Background(Scheme):
                 self.ctx.inject("checkpoint", b.iteration)
                 write = self.start(b.iteration, s, module, optimizer)
             except WRITE_ERRORS as exc:
+                self._discard(b.iteration, s)
                 self._failed(b.iteration, s, exc)
                 continue
             job = self._thread.submit(lambda write=write: (*write(), time.time()))
@@ -382,6 +383,7 @@ class _Background(Scheme):
             try:
                 nbytes, extra, done_time = job.result()
             except WRITE_ERRORS as exc:  # (the wait is in the caller's span, as any)
+                self._discard(iteration, s)
                 self._failed(iteration, s, exc)
                 continue
             spent += time.perf_counter() - waited
@@ -389,6 +391,9 @@ class _Background(Scheme):
                 extra["partition"] = partition
             self._record(self.kind, iteration, s, spent, nbytes, done_time=done_time,
                          persist_s=round(done_time - started, 6), **extra)
+
+    def _discard(self, iteration: int, stage: int) -> None:
+        """Remove what a failed write of one stage left (nothing, where the write cleans up)."""
 
     def close(self) -> None:
         super().close()
@@ -423,6 +428,11 @@ class DcpAsyncScheme(_Background):
             return size, {"checksums": sums}
 
         return finish
+
+    def _discard(self, iteration: int, stage: int) -> None:
+        """A failed stage's folder is never committed, but would take space (on a disk that
+        may be the full one) until the next job takes the folder up."""
+        durable.discard_stage(self.ctx.root, iteration, stage)
 
 
 class TorchSaveScheme(Scheme):
