@@ -362,6 +362,23 @@ def test_snapshot_loading_never_unpickles_arbitrary_objects(tmp_path):
         snapshot.read_file(path)
 
 
+def test_resume_of_baseline_snapshots_says_they_are_not_resumable(tmp_path):
+    """A run of torch_save or checkfreq leaves committed files that --resume cannot take: it
+    said "no committed checkpoint there", or for a file "manifest.json: missing (the
+    checkpoint was not committed)", which sends the user looking for a fault."""
+    run = tmp_path / "run"
+    path = _write(run / "checkpoints_torch_save", 3)
+    for given in (run, run / "checkpoints_torch_save", path.parent, path):
+        with pytest.raises(CheckpointError) as err:
+            durable.resolve(given)
+        assert str(err.value).startswith(f"{given}: "), err.value
+        assert "baseline checkpoint scheme" in str(err.value), err.value
+        assert "checkpoint.scheme durable or dcp_async" in str(err.value)
+    with pytest.raises(CheckpointError) as err:  # an empty folder: nothing else is said
+        durable.resolve(tmp_path / "empty")
+    assert "baseline checkpoint scheme" not in str(err.value)
+
+
 def test_snapshot_loads_into_a_stage(tmp_path):
     path = _write(tmp_path, 4)
     module, optimizer = torch.nn.Linear(3, 2), None
