@@ -273,6 +273,108 @@ def test_fixed_cadence(corpus):
 
 # ---------------------------------------------------------------------- peers
 
+class _Net:
+    """Point-to-point messages between in-process nodes, in order per channel."""
+
+    def __init__(self):
+        import collections
+        import queue
+
+        self.channels = collections.defaultdict(queue.Queue)
+
+
+class _Work:
+    def __init__(self, complete=lambda: None):
+        self.complete = complete
+
+    def wait(self):
+        self.complete()
+
+
+class _PeerComm:
+    """What gemini uses of a generation's Comm, over `_Net`."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, net, me):
+        import types
+
+        self.net, self.me = net, me
+        self.abort = types.SimpleNamespace(wait=lambda event: event.wait())
+
+    def send(self, tensor, node, tag_):
+        self.net.channels[(self.me, node, tag_)].put(tensor.clone())
+
+    def recv(self, node, tag_):
+        return self.net.channels[(node, self.me, tag_)].get(timeout=60)
+
+    def post_send(self, tensor, node, tag_):
+        self.send(tensor, node, tag_)
+        return _Work()
+
+    def post_recv(self, buffer, node, tag_):
+        return _Work(lambda: buffer.copy_(self.recv(node, tag_)))
+
+
+def _both(schemes_, boundaries):
+    """Each node's boundary at once (each one's receive waits for the other's send)."""
+    import threading
+
+    errors = []
+
+    def run(scheme, boundary):
+        try:
+            scheme.after_iteration(boundary)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=pair) for pair in zip(schemes_, boundaries)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def test_gemini_copy_keeps_its_layout_when_a_stage_changes_shape(tmp_path, corpus):
+    """A re-partition changes a stage's layers in place (nothing restarts): its writer put the
+    stage's layout (names, shapes) in the store once, at its first copy, and its peer kept the
+    first one it read, so a copy of the stage's new layers was cut by the old layout (a
+    CheckpointError in the peer's report, or wrong names where the sizes happened to agree)."""
+    from spotpipe.checkpoint import registry, schemes
+    from spotpipe.runtime.hooks import Boundary
+
+    cfg = tiny_config(corpus, **{"checkpoint.scheme": "gemini", "checkpoint.every": 2,
+                                 "stages": 2, "logging.state_digests": True})
+    store, net, said = _Store(), _Net(), []
+    nodes = ["node0", "node1"]
+    layout = Layout.build(2, 1, nodes)
+    pair = [registry.build(schemes.SchemeContext(
+        cfg, n, tmp_path, lambda kind, n=n, **f: said.append((n, kind, f)), store))
+        for n in nodes]
+    comms = [_PeerComm(net, n) for n in nodes]
+
+    def stage(*widths):
+        torch.manual_seed(len(widths))
+        module = torch.nn.Sequential(*[torch.nn.Linear(w, w) for w in widths])
+        optimizer = torch.optim.AdamW(module.parameters())
+        module(torch.randn(2, widths[0])).sum().backward()
+        optimizer.step()
+        return module, optimizer
+
+    for t, stage0 in ((1, stage(3)), (3, stage(3, 3))):  # stage 0 gains a layer after 1
+        stage1 = stage(4)
+        _both(pair, [Boundary(t, {s: st}, comms[s], layout, ((0, 1), (1, 2)))
+                     for s, st in ((0, stage0), (1, stage1))])
+        _both(pair, [Boundary(t + 1, {}, comms[s], layout, ((0, 1), (1, 2))) for s in (0, 1)])
+        held = {(f["iteration"], f["stage"]): f["digest"] for n, kind, f in said
+                if kind == "checkpoint_held"}
+        assert held[(t, 0)] == stage_digest(*stage0) and held[(t, 1)] == stage_digest(*stage1)
+        got = pair[1].tensors(0)
+        want = durable.stage_tensors(*stage0)
+        assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_peer_is_the_replica_holder_or_the_next_node():
     layout = Layout.build(3, 1, ["node0", "node1", "node2"])
     assert [peer_of(layout, s) for s in range(3)] == ["node2", "node0", "node1"]
