@@ -366,7 +366,8 @@ def test_gemini_copy_keeps_its_layout_when_a_stage_changes_shape(tmp_path, corpu
         stage1 = stage(4)
         _both(pair, [Boundary(t, {s: st}, comms[s], layout, ((0, 1), (1, 2)))
                      for s, st in ((0, stage0), (1, stage1))])
-        _both(pair, [Boundary(t + 1, {}, comms[s], layout, ((0, 1), (1, 2))) for s in (0, 1)])
+        for s in (0, 1):  # (both copies are on their way: each peer's wait ends)
+            pair[s].poll(Boundary(t + 1, {}, comms[s], layout, ((0, 1), (1, 2))), wait=True)
         held = {(f["iteration"], f["stage"]): f["digest"] for n, kind, f in said
                 if kind == "checkpoint_held"}
         assert held[(t, 0)] == stage_digest(*stage0) and held[(t, 1)] == stage_digest(*stage1)
@@ -630,6 +631,25 @@ def test_a_failed_background_write_counts_the_loop_wait_once(tmp_path, corpus, m
     scheme.close()
     assert [(k, f["iteration"]) for k, f in said] == [("checkpoint_failed", 1)]
     assert scheme.blocked_s == 5.0
+
+
+def test_checkfreq_persists_the_boundary_state_though_the_optimizer_went_on(tmp_path, corpus):
+    """The persist runs only after three more optimizer steps (in place) on the live stage:
+    the file must hold the state at the boundary, bit for bit, so the snapshot is a copy."""
+    said: list = []
+    scheme = _scheme(corpus, tmp_path, "checkfreq", said)
+    scheme._thread = _LazyPool()
+    module, optimizer = _stage()
+    scheme.after_iteration(_boundary(1, module, optimizer))
+    want = stage_digest(module, optimizer)
+    for _ in range(3):
+        module(torch.randn(4, 3)).sum().backward()
+        optimizer.step()
+    assert stage_digest(module, optimizer) != want
+    scheme.close()
+    assert [(k, f["iteration"]) for k, f in said] == [("checkpoint_done", 1)]
+    snap = snapshot.read_file(snapshot.file_path(tmp_path / "c", 0, 1))
+    assert snapshot.fingerprint(snap.tensors, snap.params) == want
 
 
 def test_snapshot_files_are_flushed_to_the_disk_before_their_renames(tmp_path, monkeypatch):
