@@ -708,6 +708,25 @@ def test_schemes_go_on_exactly_after_a_takeover(tmp_path, corpus, scheme):
             assert _load_durable(cfg, newest.path, s) == want[(5, s)]
 
 
+def test_a_baseline_write_that_fails_does_not_cost_the_shadows_their_checkpoint(tmp_path,
+                                                                              corpus):
+    """With shadows the durable tier is theirs, and a baseline scheme may run in the workers
+    beside it, on files of its own. node0's torch_save write of iteration 1 fails (ENOSPC):
+    the launcher dropped the shadows' checkpoint of iteration 1 too, though both its stages
+    were written; only the baseline's file is lost."""
+    from spotpipe.faults import Fault
+
+    cfg = tiny_config(corpus, **{**RUN, "iterations": 4, "logging.state_digests": False,
+                                 "checkpoint.scheme": "torch_save", "shadow.enabled": True})
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False,
+                 faults=[Fault("ioerror", "node0", 1, "checkpoint")]) == 0
+    failed = [(e["node"], e["iteration"], e.get("scheme"))
+              for e in events(run, "checkpoint_failed")]
+    assert failed == [("node0", 1, "torch_save")]
+    assert sorted(e["iteration"] for e in events(run, "checkpoint_committed")) == [1, 3]
+
+
 # ---------------------------------------------------------------------- durable tier: the gaps
 # (tests/test_checkpoint.py covers a flipped byte, a truncated shard, a deleted manifest,
 # another model and another format version on real runs)
