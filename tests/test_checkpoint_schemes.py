@@ -227,7 +227,7 @@ def test_auto_cadence_agrees_on_the_slowest_node_and_publishes_it(corpus):
     cadence = Cadence(cfg, lambda: 0, store, "ns")
     assert not cadence.due(0) and cadence.due(1)
     # another node blocked 0.2 s with 0.1 s iterations: the slowest decides for all
-    cadence.checkpointed(1, 0.01, _Comm([[0.2, 0.1, 0.0]]))
+    cadence.checkpointed(1, 0.01, _Comm([[0.2, 0.1, 0.0, 0.0]]))
     k = interval.interval_iterations(0.2, 10.0, 0.1)  # 18.7 s of work: 19 iterations
     assert k == 19 and cadence.k == k  # (the elapsed milliseconds barely move the MTBF)
     assert cadence.next_at == 1 + k
@@ -239,6 +239,51 @@ def test_auto_cadence_agrees_on_the_slowest_node_and_publishes_it(corpus):
     failing.due(1)
     failing.checkpointed(1, 0.2, _Comm([]))
     assert failing.k < k
+
+
+class _Gather:
+    """An all-gather among in-process nodes, one thread each (a barrier, no sleeps)."""
+
+    def __init__(self, world: int):
+        import threading
+
+        self.barrier = threading.Barrier(world, timeout=60)
+        self.slots: list = [None] * world
+
+    def comm(self, rank: int):
+        import types
+
+        def all_gather(tensor):
+            self.slots[rank] = tensor.clone()
+            self.barrier.wait()
+            out = list(self.slots)
+            self.barrier.wait()  # (everyone has read before a next round writes)
+            return out
+        return types.SimpleNamespace(device=torch.device("cpu"), all_gather=all_gather)
+
+
+def test_auto_cadence_agrees_though_nodes_saw_different_failures(corpus):
+    """A node that joined after a failure (or one that left through a regroup) counts fewer
+    failures than the others: each took its own count into the MTBF, so the nodes chose
+    different intervals and checkpointed different iterations (no iteration complete to
+    commit, and the next all-gather of the cadence met another collective). They agree on
+    the most failures seen, as on the slowest node's costs."""
+    import threading
+
+    cfg = tiny_config(corpus, **{"checkpoint.every": "auto", "checkpoint.mtbf_s": 10.0})
+    seen = [0, 3]
+    cadences = [Cadence(cfg, lambda n=n: n, _Store(), "ns") for n in seen]
+    gather = _Gather(2)
+    threads = [threading.Thread(target=c.checkpointed, args=(1, 0.2, gather.comm(r)))
+               for r, c in enumerate(cadences)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert cadences[0].k == cadences[1].k and cadences[0].next_at == cadences[1].next_at
+    alone = Cadence(cfg, lambda: 0, _Store(), "ns")
+    alone.checkpointed(1, 0.2, _Comm([]))
+    assert cadences[0].k < alone.k  # (the failures count: 3 of them, not 0)
 
 
 def test_a_cadence_record_written_without_the_key_is_not_followed(corpus):
@@ -258,7 +303,7 @@ def test_a_cadence_record_written_without_the_key_is_not_followed(corpus):
     cfg = tiny_config(corpus, **{"checkpoint.every": "auto", "checkpoint.mtbf_s": 10.0})
     cadence = Cadence(cfg, lambda: 0, store, "ns")
     cadence.due(1)
-    cadence.checkpointed(1, 0.01, _Comm([[0.2, 0.1, 0.0]]))
+    cadence.checkpointed(1, 0.01, _Comm([[0.2, 0.1, 0.0, 0.0]]))
     assert Cadence(cfg, lambda: 0, store, "ns").due(cadence.next_at)
     server.set("ns/checkpoint/next_at", "1000000")
     late = Cadence(cfg, lambda: 0, store, "ns")

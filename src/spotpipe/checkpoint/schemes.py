@@ -96,10 +96,10 @@ class Cadence:
 
     With `auto`, the first checkpoint is taken after iteration `first_at` (the first iteration
     carries warm-up costs, not representative ones); after each checkpoint the nodes agree, by
-    an all-gather in the generation's group, on the largest blocked time, iteration time and
-    elapsed time, so that every node picks the same next iteration (the launcher commits an
-    iteration only when every stage has written it). The agreed next iteration is also put in
-    the store, where a node that joins later reads it.
+    an all-gather in the generation's group, on the largest blocked time, iteration time,
+    elapsed time and count of failures seen, so that every node picks the same next iteration
+    (the launcher commits an iteration only when every stage has written it). The agreed next
+    iteration is also put in the store, where a node that joins later reads it.
     """
 
     def __init__(self, cfg: Config, ctx_failures: Callable[[], int], store: Any,
@@ -149,12 +149,14 @@ class Cadence:
         if not self.auto:
             return
         it = statistics.median(self._iteration_s) if self._iteration_s else 0.0  # unknown
-        mine = torch.tensor([blocked_s, it, time.perf_counter() - self.started],
-                            dtype=torch.float64, device=comm.device)
+        # (the failures too: a node that joined late, or left a generation by a regroup,
+        # counts fewer, and a count of its own would give it an interval of its own)
+        mine = torch.tensor([blocked_s, it, time.perf_counter() - self.started,
+                             self.failures()], dtype=torch.float64, device=comm.device)
         agreed = torch.stack(comm.all_gather(mine)).max(dim=0).values.tolist()
-        cost, it, elapsed = agreed
+        cost, it, elapsed, failures = agreed
         it = it if it > 0 else 1.0  # no node has timed an iteration yet
-        mtbf = mtbf_estimate(self.mtbf_prior_s, elapsed, self.failures())
+        mtbf = mtbf_estimate(self.mtbf_prior_s, elapsed, int(failures))
         self.k = interval_iterations(cost, mtbf, it, max_iterations=self.max_k)
         self.next_at = iteration + self.k
         self.store.set(self.key, str(self.next_at))
