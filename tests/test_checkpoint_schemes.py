@@ -421,6 +421,32 @@ def test_gemini_copy_keeps_its_layout_when_a_stage_changes_shape(tmp_path, corpu
         assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_gemini_peer_lets_go_of_copies_it_no_longer_keeps(tmp_path, corpus):
+    """P = 2 -> 1 (a re-partition onto one stage, two pipelines): node0 kept the copy of stage
+    1, which is gone, for the rest of the run, beside the whole model it now holds itself;
+    node1, the new peer of stage 0, holds the copies of the new layout."""
+    from spotpipe.checkpoint import registry, schemes
+    from spotpipe.runtime.hooks import Boundary
+
+    cfg = tiny_config(corpus, **{"checkpoint.scheme": "gemini", "checkpoint.every": 2,
+                                 "stages": 2})
+    store, net = _Store(), _Net()
+    nodes = ["node0", "node1"]
+    pair = [registry.build(schemes.SchemeContext(cfg, n, tmp_path, lambda kind, **f: None,
+                                                 store)) for n in nodes]
+    comms = [_PeerComm(net, n) for n in nodes]
+    two, one = Layout.build(2, 1, nodes), Layout.build(1, 2, nodes)
+    _both(pair, [Boundary(1, {s: _stage()}, comms[s], two, ((0, 1), (1, 2))) for s in (0, 1)])
+    for s in (0, 1):
+        pair[s].poll(Boundary(2, {}, comms[s], two, ((0, 1), (1, 2))), wait=True)
+    assert set(pair[0].held) == {1} and set(pair[1].held) == {0}
+    _both(pair, [Boundary(3, {0: _stage()} if s == 0 else {}, comms[s], one, ((0, 2),))
+                 for s in (0, 1)])
+    for s in (0, 1):
+        pair[s].poll(Boundary(4, {}, comms[s], one, ((0, 2),)), wait=True)
+    assert set(pair[0].held) == set() and pair[1].held[0].iteration == 3
+
+
 def test_peer_is_the_replica_holder_or_the_next_node():
     layout = Layout.build(3, 1, ["node0", "node1", "node2"])
     assert [peer_of(layout, s) for s in range(3)] == ["node2", "node0", "node1"]

@@ -5,7 +5,8 @@ flat byte buffer and sends it over torch.distributed point-to-point, in the gene
 groups (`Comm`, message kinds CKPT and CKPT_DATA), to its peer: the node that holds the stage's
 replica in the ring (the owner of the previous stage of pipeline 0), or, when that is the writer
 itself (one stage, or a node carrying two), the next node of the ring that is not. The peer
-keeps the latest complete copy of each stage it is peer for, in CPU memory.
+keeps the latest complete copy of each stage it is peer for, in CPU memory, and lets go of the
+copies of stages it no longer keeps at its next checkpoint.
 
 The transfer overlaps training: the sends and receives are posted at the boundary (a small
 header carrying the size first, which the peer waits for, then the data), and a helper thread
@@ -137,6 +138,16 @@ class GeminiScheme(Scheme):
                                          time.perf_counter() - started, writer,
                                          layout).start())
         self._comm = comm
+        self._let_go(b.layout)
+
+    def _let_go(self, layout: Any) -> None:
+        """Drop the copies of stages this node no longer keeps (their peer moved, or a
+        re-partition removed the stage): each would hold a stage's memory for the rest of the
+        run, on a node that may now carry more of the model itself."""
+        me = self.ctx.node
+        for s in [s for s in self.held
+                  if s >= layout.num_stages or peer_of(layout, s) != me]:
+            del self.held[s]
 
     def _put_layout(self, stage: int, tensors: dict[str, torch.Tensor],
                     params: list[str]) -> str:
