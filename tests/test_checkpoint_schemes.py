@@ -178,6 +178,28 @@ def test_mtbf_estimate_updates_the_prior_with_failures_seen():
         interval.mtbf_estimate(0.0, 1.0, 0)
 
 
+def test_huge_or_non_finite_interval_inputs_give_a_cap_or_a_clear_error(corpus):
+    """An MTBF of 1e308 s is finite and accepted by the config, but 2 C M overflowed to
+    infinity and `round` of it raised OverflowError in every worker at the first checkpoint of
+    `every: auto`. The optimum there is astronomically long: the cap. NaN or infinite inputs
+    are named, never passed on as a NaN MTBF."""
+    assert interval.young_interval_s(2.0, 1e308) == pytest.approx(2e154)
+    assert interval.daly_interval_s(2.0, 1e308) == pytest.approx(2e154)
+    assert interval.interval_iterations(1.0, 1e308, 0.1, max_iterations=10_000) == 10_000
+    assert interval.interval_iterations(1e308, 1e308, 1e-300, max_iterations=7) == 7
+    with pytest.raises(ValueError, match="no whole number of iterations"):
+        interval.interval_iterations(1e308, 1e308, 1e-300)
+    for args in ((math.nan, 1.0, 0), (math.inf, 1.0, 0), (3600.0, math.nan, 0),
+                 (3600.0, math.inf, 0)):
+        with pytest.raises(ValueError, match="mtbf_estimate: expected a finite prior"):
+            interval.mtbf_estimate(*args)
+    cfg = tiny_config(corpus, **{"checkpoint.every": "auto", "checkpoint.mtbf_s": 1e308})
+    cadence = Cadence(cfg, lambda: 0, _Store(), "ns")
+    assert cadence.due(1)
+    cadence.checkpointed(1, 2.0, _Comm([]))
+    assert cadence.k == cadence.max_k and cadence.next_at == 1 + cadence.max_k
+
+
 class _Store(dict):
     def check(self, keys):
         return all(k in self for k in keys)
@@ -205,7 +227,7 @@ def test_auto_cadence_agrees_on_the_slowest_node_and_publishes_it(corpus):
     cadence = Cadence(cfg, lambda: 0, store, "ns")
     assert not cadence.due(0) and cadence.due(1)
     # another node blocked 0.2 s with 0.1 s iterations: the slowest decides for all
-    cadence.checkpointed(1, 0.01, _Comm([[0.2, 0.1, 0.0]]))
+    cadence.checkpointed(1, 0.01, _Comm([[0.2, 0.1, 0.0, 0.0]]))
     k = interval.interval_iterations(0.2, 10.0, 0.1)  # 18.7 s of work: 19 iterations
     assert k == 19 and cadence.k == k  # (the elapsed milliseconds barely move the MTBF)
     assert cadence.next_at == 1 + k
@@ -217,6 +239,51 @@ def test_auto_cadence_agrees_on_the_slowest_node_and_publishes_it(corpus):
     failing.due(1)
     failing.checkpointed(1, 0.2, _Comm([]))
     assert failing.k < k
+
+
+class _Gather:
+    """An all-gather among in-process nodes, one thread each (a barrier, no sleeps)."""
+
+    def __init__(self, world: int):
+        import threading
+
+        self.barrier = threading.Barrier(world, timeout=60)
+        self.slots: list = [None] * world
+
+    def comm(self, rank: int):
+        import types
+
+        def all_gather(tensor):
+            self.slots[rank] = tensor.clone()
+            self.barrier.wait()
+            out = list(self.slots)
+            self.barrier.wait()  # (everyone has read before a next round writes)
+            return out
+        return types.SimpleNamespace(device=torch.device("cpu"), all_gather=all_gather)
+
+
+def test_auto_cadence_agrees_though_nodes_saw_different_failures(corpus):
+    """A node that joined after a failure (or one that left through a regroup) counts fewer
+    failures than the others: each took its own count into the MTBF, so the nodes chose
+    different intervals and checkpointed different iterations (no iteration complete to
+    commit, and the next all-gather of the cadence met another collective). They agree on
+    the most failures seen, as on the slowest node's costs."""
+    import threading
+
+    cfg = tiny_config(corpus, **{"checkpoint.every": "auto", "checkpoint.mtbf_s": 10.0})
+    seen = [0, 3]
+    cadences = [Cadence(cfg, lambda n=n: n, _Store(), "ns") for n in seen]
+    gather = _Gather(2)
+    threads = [threading.Thread(target=c.checkpointed, args=(1, 0.2, gather.comm(r)))
+               for r, c in enumerate(cadences)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert cadences[0].k == cadences[1].k and cadences[0].next_at == cadences[1].next_at
+    alone = Cadence(cfg, lambda: 0, _Store(), "ns")
+    alone.checkpointed(1, 0.2, _Comm([]))
+    assert cadences[0].k < alone.k  # (the failures count: 3 of them, not 0)
 
 
 def test_a_cadence_record_written_without_the_key_is_not_followed(corpus):
@@ -236,7 +303,7 @@ def test_a_cadence_record_written_without_the_key_is_not_followed(corpus):
     cfg = tiny_config(corpus, **{"checkpoint.every": "auto", "checkpoint.mtbf_s": 10.0})
     cadence = Cadence(cfg, lambda: 0, store, "ns")
     cadence.due(1)
-    cadence.checkpointed(1, 0.01, _Comm([[0.2, 0.1, 0.0]]))
+    cadence.checkpointed(1, 0.01, _Comm([[0.2, 0.1, 0.0, 0.0]]))
     assert Cadence(cfg, lambda: 0, store, "ns").due(cadence.next_at)
     server.set("ns/checkpoint/next_at", "1000000")
     late = Cadence(cfg, lambda: 0, store, "ns")
@@ -250,6 +317,135 @@ def test_fixed_cadence(corpus):
 
 
 # ---------------------------------------------------------------------- peers
+
+class _Net:
+    """Point-to-point messages between in-process nodes, in order per channel."""
+
+    def __init__(self):
+        import collections
+        import queue
+
+        self.channels = collections.defaultdict(queue.Queue)
+
+
+class _Work:
+    def __init__(self, complete=lambda: None):
+        self.complete = complete
+
+    def wait(self):
+        self.complete()
+
+
+class _PeerComm:
+    """What gemini uses of a generation's Comm, over `_Net`."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, net, me):
+        import types
+
+        self.net, self.me = net, me
+        self.abort = types.SimpleNamespace(wait=lambda event: event.wait())
+
+    def send(self, tensor, node, tag_):
+        self.net.channels[(self.me, node, tag_)].put(tensor.clone())
+
+    def recv(self, node, tag_):
+        return self.net.channels[(node, self.me, tag_)].get(timeout=60)
+
+    def post_send(self, tensor, node, tag_):
+        self.send(tensor, node, tag_)
+        return _Work()
+
+    def post_recv(self, buffer, node, tag_):
+        return _Work(lambda: buffer.copy_(self.recv(node, tag_)))
+
+
+def _both(schemes_, boundaries):
+    """Each node's boundary at once (each one's receive waits for the other's send)."""
+    import threading
+
+    errors = []
+
+    def run(scheme, boundary):
+        try:
+            scheme.after_iteration(boundary)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=pair) for pair in zip(schemes_, boundaries)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def test_gemini_copy_keeps_its_layout_when_a_stage_changes_shape(tmp_path, corpus):
+    """A re-partition changes a stage's layers in place (nothing restarts): its writer put the
+    stage's layout (names, shapes) in the store once, at its first copy, and its peer kept the
+    first one it read, so a copy of the stage's new layers was cut by the old layout (a
+    CheckpointError in the peer's report, or wrong names where the sizes happened to agree)."""
+    from spotpipe.checkpoint import registry, schemes
+    from spotpipe.runtime.hooks import Boundary
+
+    cfg = tiny_config(corpus, **{"checkpoint.scheme": "gemini", "checkpoint.every": 2,
+                                 "stages": 2, "logging.state_digests": True})
+    store, net, said = _Store(), _Net(), []
+    nodes = ["node0", "node1"]
+    layout = Layout.build(2, 1, nodes)
+    pair = [registry.build(schemes.SchemeContext(
+        cfg, n, tmp_path, lambda kind, n=n, **f: said.append((n, kind, f)), store))
+        for n in nodes]
+    comms = [_PeerComm(net, n) for n in nodes]
+
+    def stage(*widths):
+        torch.manual_seed(len(widths))
+        module = torch.nn.Sequential(*[torch.nn.Linear(w, w) for w in widths])
+        optimizer = torch.optim.AdamW(module.parameters())
+        module(torch.randn(2, widths[0])).sum().backward()
+        optimizer.step()
+        return module, optimizer
+
+    for t, stage0 in ((1, stage(3)), (3, stage(3, 3))):  # stage 0 gains a layer after 1
+        stage1 = stage(4)
+        _both(pair, [Boundary(t, {s: st}, comms[s], layout, ((0, 1), (1, 2)))
+                     for s, st in ((0, stage0), (1, stage1))])
+        for s in (0, 1):  # (both copies are on their way: each peer's wait ends)
+            pair[s].poll(Boundary(t + 1, {}, comms[s], layout, ((0, 1), (1, 2))), wait=True)
+        held = {(f["iteration"], f["stage"]): f["digest"] for n, kind, f in said
+                if kind == "checkpoint_held"}
+        assert held[(t, 0)] == stage_digest(*stage0) and held[(t, 1)] == stage_digest(*stage1)
+        got = pair[1].tensors(0)
+        want = durable.stage_tensors(*stage0)
+        assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_gemini_peer_lets_go_of_copies_it_no_longer_keeps(tmp_path, corpus):
+    """P = 2 -> 1 (a re-partition onto one stage, two pipelines): node0 kept the copy of stage
+    1, which is gone, for the rest of the run, beside the whole model it now holds itself;
+    node1, the new peer of stage 0, holds the copies of the new layout."""
+    from spotpipe.checkpoint import registry, schemes
+    from spotpipe.runtime.hooks import Boundary
+
+    cfg = tiny_config(corpus, **{"checkpoint.scheme": "gemini", "checkpoint.every": 2,
+                                 "stages": 2})
+    store, net = _Store(), _Net()
+    nodes = ["node0", "node1"]
+    pair = [registry.build(schemes.SchemeContext(cfg, n, tmp_path, lambda kind, **f: None,
+                                                 store)) for n in nodes]
+    comms = [_PeerComm(net, n) for n in nodes]
+    two, one = Layout.build(2, 1, nodes), Layout.build(1, 2, nodes)
+    _both(pair, [Boundary(1, {s: _stage()}, comms[s], two, ((0, 1), (1, 2))) for s in (0, 1)])
+    for s in (0, 1):
+        pair[s].poll(Boundary(2, {}, comms[s], two, ((0, 1), (1, 2))), wait=True)
+    assert set(pair[0].held) == {1} and set(pair[1].held) == {0}
+    _both(pair, [Boundary(3, {0: _stage()} if s == 0 else {}, comms[s], one, ((0, 2),))
+                 for s in (0, 1)])
+    for s in (0, 1):
+        pair[s].poll(Boundary(4, {}, comms[s], one, ((0, 2),)), wait=True)
+    assert set(pair[0].held) == set() and pair[1].held[0].iteration == 3
+
 
 def test_peer_is_the_replica_holder_or_the_next_node():
     layout = Layout.build(3, 1, ["node0", "node1", "node2"])
@@ -340,6 +536,23 @@ def test_snapshot_loading_never_unpickles_arbitrary_objects(tmp_path):
         snapshot.read_file(path)
 
 
+def test_resume_of_baseline_snapshots_says_they_are_not_resumable(tmp_path):
+    """A run of torch_save or checkfreq leaves committed files that --resume cannot take: it
+    said "no committed checkpoint there", or for a file "manifest.json: missing (the
+    checkpoint was not committed)", which sends the user looking for a fault."""
+    run = tmp_path / "run"
+    path = _write(run / "checkpoints_torch_save", 3)
+    for given in (run, run / "checkpoints_torch_save", path.parent, path):
+        with pytest.raises(CheckpointError) as err:
+            durable.resolve(given)
+        assert str(err.value).startswith(f"{given}: "), err.value
+        assert "baseline checkpoint scheme" in str(err.value), err.value
+        assert "checkpoint.scheme durable or dcp_async" in str(err.value)
+    with pytest.raises(CheckpointError) as err:  # an empty folder: nothing else is said
+        durable.resolve(tmp_path / "empty")
+    assert "baseline checkpoint scheme" not in str(err.value)
+
+
 def test_snapshot_loads_into_a_stage(tmp_path):
     path = _write(tmp_path, 4)
     module, optimizer = torch.nn.Linear(3, 2), None
@@ -373,6 +586,167 @@ def test_gemini_needs_a_second_node(corpus):
     tiny_config(corpus, **{"checkpoint.scheme": "gemini", "checkpoint.every": 1, "stages": 2})
 
 
+# ---------------------------------------------------------------------- failed writes
+
+def _scheme(corpus, tmp_path: Path, scheme: str, said: list, **extra):
+    """A scheme as a worker builds it, writing under tmp_path/c, its events in `said`."""
+    from spotpipe.checkpoint import registry, schemes
+
+    cfg = tiny_config(corpus, **{"checkpoint.scheme": scheme, "checkpoint.every": 2,
+                                 "checkpoint.dir": str(tmp_path / "c"), **extra})
+    ctx = schemes.SchemeContext(cfg, "node0", tmp_path,
+                                lambda kind, **f: said.append((kind, f)), _Store())
+    return registry.build(ctx)
+
+
+def _boundary(iteration: int, module, optimizer):
+    from spotpipe.runtime.hooks import Boundary
+
+    return Boundary(iteration, {0: (module, optimizer)}, None, None, ((0, 1),))
+
+
+@pytest.mark.parametrize("scheme", ["torch_save", "checkfreq"])
+def test_a_full_disk_is_a_failed_checkpoint_and_training_goes_on(tmp_path, corpus, scheme):
+    """The file's temporary is /dev/full, the kernel's always-full device: the write fails with
+    ENOSPC as on a full disk. It must be a checkpoint_failed naming the cause (torch.save to a
+    path said only "unexpected pos", as a RuntimeError that ended the worker and the job),
+    leave nothing behind, and the next checkpoint must be written as scheduled."""
+    said: list = []
+    scheme_ = _scheme(corpus, tmp_path, scheme, said)
+    module, optimizer = _stage()
+    path = snapshot.file_path(tmp_path / "c", 0, 1)
+    path.parent.mkdir(parents=True)
+    Path(f"{path}.tmp").symlink_to("/dev/full")
+    scheme_.after_iteration(_boundary(1, module, optimizer))
+    # (checkfreq's next checkpoint waits for the previous write, and so reports it)
+    scheme_.after_iteration(_boundary(3, module, optimizer))
+    scheme_.close()
+    [(kind, fields), *rest] = said
+    assert (kind, fields["iteration"], fields["stage"]) == ("checkpoint_failed", 1, 0)
+    assert "No space left on device" in fields["message"] and str(path) in fields["message"]
+    assert [(k, f["iteration"]) for k, f in rest] == [("checkpoint_done", 3)]
+    # neither the file of iteration 1, its sidecar nor the temporary is left
+    assert sorted(p.name for p in path.parent.iterdir()) == ["iter_00000003.json",
+                                                              "iter_00000003.pt"]
+    assert snapshot.read_file(snapshot.file_path(tmp_path / "c", 0, 3)).iteration == 3
+
+
+def test_dcp_async_on_a_full_disk_names_the_cause_and_leaves_no_partial(tmp_path, corpus,
+                                                                        monkeypatch):
+    """DCP's data file of the stage is /dev/full (ENOSPC, as on a full disk): the failure named
+    only DCP's wrapper ("CheckpointException ranks:dict_keys([0])"), not the disk, and the
+    half-written stage folder stayed, taking space on the disk that is full; the synchronous
+    durable scheme removes its own."""
+    prepare = durable.prepare_stage_folder
+
+    def on_full_disk(root, iteration, stage):
+        folder = prepare(root, iteration, stage)
+        (folder / "__0_0.distcp").symlink_to("/dev/full")  # (DCP's one data file here)
+        return folder
+    monkeypatch.setattr(durable, "prepare_stage_folder", on_full_disk)
+    said: list = []
+    scheme = _scheme(corpus, tmp_path, "dcp_async", said)
+    module, optimizer = _stage()
+    scheme.after_iteration(_boundary(1, module, optimizer))
+    scheme.close()
+    [(kind, fields)] = said
+    assert (kind, fields["iteration"], fields["stage"]) == ("checkpoint_failed", 1, 0)
+    assert "No space left on device" in fields["message"], fields["message"]
+    assert list((tmp_path / "c").iterdir()) == []
+
+
+class _Lazy:
+    """A background write still going on when the loop waits for it: it runs when its result
+    is asked for."""
+
+    def __init__(self, job):
+        self.job = job
+
+    def done(self):
+        return False
+
+    def result(self):
+        return self.job()
+
+
+class _LazyPool:
+    def submit(self, job):
+        return _Lazy(job)
+
+    def shutdown(self, wait=True):
+        pass
+
+
+def test_a_failed_background_write_counts_the_loop_wait_once(tmp_path, corpus, monkeypatch):
+    """On a clock that moves only when the write does, a write that takes 5 s and fails is
+    waited for once, at close: the loop was blocked 5 s. A failure added its wait to the total
+    a second time, on top of the call's own span (10 s), and the benches read that total."""
+    import errno
+    import types
+
+    from spotpipe.checkpoint import schemes
+
+    clock = types.SimpleNamespace(now=100.0)
+    monkeypatch.setattr(schemes, "time", types.SimpleNamespace(perf_counter=lambda: clock.now,
+                                                               time=lambda: clock.now))
+
+    def full(*args, **kwargs):
+        clock.now += 5.0
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(snapshot, "write_file", full)
+    said: list = []
+    scheme = _scheme(corpus, tmp_path, "checkfreq", said)
+    scheme._thread = _LazyPool()
+    module, optimizer = _stage()
+    scheme.after_iteration(_boundary(1, module, optimizer))
+    scheme.close()
+    assert [(k, f["iteration"]) for k, f in said] == [("checkpoint_failed", 1)]
+    assert scheme.blocked_s == 5.0
+
+
+def test_checkfreq_persists_the_boundary_state_though_the_optimizer_went_on(tmp_path, corpus):
+    """The persist runs only after three more optimizer steps (in place) on the live stage:
+    the file must hold the state at the boundary, bit for bit, so the snapshot is a copy."""
+    said: list = []
+    scheme = _scheme(corpus, tmp_path, "checkfreq", said)
+    scheme._thread = _LazyPool()
+    module, optimizer = _stage()
+    scheme.after_iteration(_boundary(1, module, optimizer))
+    want = stage_digest(module, optimizer)
+    for _ in range(3):
+        module(torch.randn(4, 3)).sum().backward()
+        optimizer.step()
+    assert stage_digest(module, optimizer) != want
+    scheme.close()
+    assert [(k, f["iteration"]) for k, f in said] == [("checkpoint_done", 1)]
+    snap = snapshot.read_file(snapshot.file_path(tmp_path / "c", 0, 1))
+    assert snapshot.fingerprint(snap.tensors, snap.params) == want
+
+
+def test_snapshot_files_are_flushed_to_the_disk_before_their_renames(tmp_path, monkeypatch):
+    """A rename is atomic, but without an fsync of the data first a crash can leave the new
+    name on a file whose blocks never reached the disk; the folder is fsynced after, so the
+    renames themselves survive."""
+    import os
+
+    seen: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        seen.append("fsync " + Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+        real_fsync(fd)
+
+    def replace(src, dst):
+        seen.append(f"rename {Path(src).name}")
+        real_replace(src, dst)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    _write(tmp_path, 7)
+    assert seen == ["fsync iter_00000007.pt.tmp", "rename iter_00000007.pt.tmp",
+                    "fsync iter_00000007.json.tmp", "rename iter_00000007.json.tmp",
+                    "fsync stage0"]
+
+
 # ---------------------------------------------------------------------- across a failover
 
 @pytest.mark.parametrize("scheme", ["gemini", "dcp_async"])
@@ -403,6 +777,25 @@ def test_schemes_go_on_exactly_after_a_takeover(tmp_path, corpus, scheme):
         assert newest is not None and newest.manifest["iteration"] == 5
         for s in range(3):
             assert _load_durable(cfg, newest.path, s) == want[(5, s)]
+
+
+def test_a_baseline_write_that_fails_does_not_cost_the_shadows_their_checkpoint(tmp_path,
+                                                                              corpus):
+    """With shadows the durable tier is theirs, and a baseline scheme may run in the workers
+    beside it, on files of its own. node0's torch_save write of iteration 1 fails (ENOSPC):
+    the launcher dropped the shadows' checkpoint of iteration 1 too, though both its stages
+    were written; only the baseline's file is lost."""
+    from spotpipe.faults import Fault
+
+    cfg = tiny_config(corpus, **{**RUN, "iterations": 4, "logging.state_digests": False,
+                                 "checkpoint.scheme": "torch_save", "shadow.enabled": True})
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False,
+                 faults=[Fault("ioerror", "node0", 1, "checkpoint")]) == 0
+    failed = [(e["node"], e["iteration"], e.get("scheme"))
+              for e in events(run, "checkpoint_failed")]
+    assert failed == [("node0", 1, "torch_save")]
+    assert sorted(e["iteration"] for e in events(run, "checkpoint_committed")) == [1, 3]
 
 
 # ---------------------------------------------------------------------- durable tier: the gaps

@@ -66,3 +66,17 @@ def test_a_metrics_line_written_from_the_reports_is_told():
         "went with the failure)",
         "      5.00s  iteration 9's metrics line written from the failure's reports (its record "
         "went with the failure; its loss with a lost node)"]
+
+
+def test_every_kind_of_injected_fault_is_told():
+    """`--nan` and `--io-error` runs ended in a KeyError traceback (exit 1) after training,
+    while the story was told: it knew only crashes, notices and hangs."""
+    from spotpipe.faults import KINDS
+
+    events = [{"kind": "fault_injected", "time_s": 1.0, "node": "node0", "fault": kind,
+               "iteration": 1, "phase": "checkpoint"} for kind in KINDS]
+    text = "\n".join(describe(events, {"status": "completed", "iterations": 4, "samples": 8,
+                                       "wall_s": 2.0, "final_loss": 1.5}))
+    for told in ("crash (SIGKILL)", "preemption notice", "hang", "NaN gradient",
+                 "checkpoint write error (ENOSPC)"):
+        assert f"node0: injected {told}" in text, text

@@ -153,8 +153,10 @@ def dcp_save(tensors: dict[str, torch.Tensor], folder: Path, sync: bool = True) 
 
 
 def write_error(folder: Path, exc: Exception) -> WriteError:
-    """DCP's failure to write `folder`, as the WriteError the schemes catch."""
-    return WriteError(f"{folder}: {str(exc).splitlines()[0][:300]}")
+    """DCP's failure to write `folder`, as the WriteError the schemes catch, naming what the
+    write raised (DCP's own first line names only the ranks that failed, not a full disk)."""
+    cause = dcp_cause(exc)
+    return WriteError(f"{folder}: {cause.splitlines()[0][:300] if cause else type(exc).__name__}")
 
 
 def stage_checksums(folder: Path, stage: int, sync: bool = True) -> dict[str, str]:
@@ -463,6 +465,9 @@ def resolve(path: Path, layers: Collection[int] | None = None) -> tuple[Checkpoi
     """A checkpoint folder, a checkpoints root, or a run folder -> the checkpoint to load
     (`layers`: see `verify`)."""
     problems: list[str] = []
+    baseline = _baseline_snapshots(path)
+    if path.is_file() and baseline:
+        raise CheckpointError(f"{path}: {baseline}")
     if (path / MANIFEST).exists() or path.name.startswith("iter_"):
         return verify(path, layers), problems
     for root in (path, path / "checkpoints"):
@@ -470,7 +475,22 @@ def resolve(path: Path, layers: Collection[int] | None = None) -> tuple[Checkpoi
         if found is not None:
             return found, problems
     detail = "; ".join(problems) if problems else "no committed checkpoint there"
-    raise CheckpointError(f"{path}: nothing to resume from ({detail})")
+    raise CheckpointError(f"{path}: nothing to resume from ({detail})"
+                          + (f"; it {baseline}" if baseline else ""))
+
+
+def _baseline_snapshots(path: Path) -> str:
+    """What to say where `path` holds the files of a baseline scheme (`snapshot.py`:
+    `stageS/iter_N.pt`, in a run's `checkpoints_<scheme>`), which no job resumes from; "not
+    committed" or "nothing there" alone would send the user looking for a fault."""
+    if path.is_file():
+        found = path.suffix == ".pt" and path.name.startswith("iter_")
+    else:
+        found = any(next(path.glob(pattern), None) is not None for pattern in (
+            "iter_*.pt", "stage*/iter_*.pt", "checkpoints_*/stage*/iter_*.pt"))
+    return ("holds snapshots of a baseline checkpoint scheme (torch_save or checkfreq), "
+            "written to measure what checkpointing costs, not to resume from: --resume takes "
+            "the durable tier (checkpoint.scheme durable or dcp_async)") if found else ""
 
 
 def _partition(path: Path, manifest: dict[str, Any]) -> list[tuple[int, int]]:

@@ -20,7 +20,7 @@ import math
 def young_interval_s(cost_s: float, mtbf_s: float) -> float:
     """Young's first-order optimum: seconds of work between two checkpoints."""
     _check(cost_s, mtbf_s)
-    return math.sqrt(2.0 * cost_s * mtbf_s)
+    return _root_2cm(cost_s, mtbf_s)
 
 
 def daly_interval_s(cost_s: float, mtbf_s: float) -> float:
@@ -29,8 +29,13 @@ def daly_interval_s(cost_s: float, mtbf_s: float) -> float:
     if cost_s >= 2.0 * mtbf_s:
         return mtbf_s
     ratio = cost_s / (2.0 * mtbf_s)
-    return (math.sqrt(2.0 * cost_s * mtbf_s)
-            * (1.0 + math.sqrt(ratio) / 3.0 + ratio / 9.0) - cost_s)
+    return _root_2cm(cost_s, mtbf_s) * (1.0 + math.sqrt(ratio) / 3.0 + ratio / 9.0) - cost_s
+
+
+def _root_2cm(cost_s: float, mtbf_s: float) -> float:
+    """sqrt(2 C M), taken factor by factor: the product 2 C M overflows to infinity for large
+    but finite inputs (an MTBF of 1e308 s, a config's way of saying "never")."""
+    return math.sqrt(2.0) * math.sqrt(cost_s) * math.sqrt(mtbf_s)
 
 
 def interval_iterations(cost_s: float, mtbf_s: float, iteration_s: float, *,
@@ -44,8 +49,13 @@ def interval_iterations(cost_s: float, mtbf_s: float, iteration_s: float, *,
         seconds = daly_interval_s(cost_s, mtbf_s)
     else:
         raise ValueError(f"formula: expected 'young' or 'daly', got {formula!r}")
-    k = max(1, round(seconds / iteration_s))
-    return min(k, max_iterations) if max_iterations else k
+    iterations = seconds / iteration_s  # (infinite where finite inputs are huge enough)
+    if max_iterations and iterations >= max_iterations:
+        return max_iterations
+    if not math.isfinite(iterations):
+        raise ValueError(f"interval_iterations: {seconds} s of work at {iteration_s} s per "
+                         f"iteration is no whole number of iterations (give max_iterations)")
+    return max(1, round(iterations))
 
 
 def mtbf_estimate(prior_mtbf_s: float, elapsed_s: float, failures: int) -> float:
@@ -55,8 +65,9 @@ def mtbf_estimate(prior_mtbf_s: float, elapsed_s: float, failures: int) -> float
     Gamma prior on the failure rate): with no failures the estimate drifts up from the prior as
     the run survives, each failure pulls it down, and a single early failure cannot make it
     collapse to a few seconds."""
-    if prior_mtbf_s <= 0 or elapsed_s < 0 or failures < 0:
-        raise ValueError(f"mtbf_estimate: expected prior > 0, elapsed >= 0, failures >= 0; got "
+    if not (0 < prior_mtbf_s < math.inf and 0 <= elapsed_s < math.inf and failures >= 0):
+        raise ValueError(f"mtbf_estimate: expected a finite prior > 0, a finite elapsed >= 0 "
+                         f"and failures >= 0; got "
                          f"{prior_mtbf_s}, {elapsed_s}, {failures}")
     return (prior_mtbf_s + elapsed_s) / (1.0 + failures)
 

@@ -5,7 +5,8 @@ flat byte buffer and sends it over torch.distributed point-to-point, in the gene
 groups (`Comm`, message kinds CKPT and CKPT_DATA), to its peer: the node that holds the stage's
 replica in the ring (the owner of the previous stage of pipeline 0), or, when that is the writer
 itself (one stage, or a node carrying two), the next node of the ring that is not. The peer
-keeps the latest complete copy of each stage it is peer for, in CPU memory.
+keeps the latest complete copy of each stage it is peer for, in CPU memory, and lets go of the
+copies of stages it no longer keeps at its next checkpoint.
 
 The transfer overlaps training: the sends and receives are posted at the boundary (a small
 header carrying the size first, which the peer waits for, then the data), and a helper thread
@@ -15,12 +16,15 @@ fails. The main thread reports completed copies at the next boundary, and waits 
 copy before starting another (Gemini's single checkpoint in flight). A transfer of a generation
 that ended is abandoned; the held copies stay.
 
-The layout (names, dtypes, shapes) of a stage's buffer travels as JSON through the store, once
-per writer and stage, so nothing is unpickled from the network.
+The layout (names, dtypes, shapes) of a stage's buffer travels as JSON through the store, so
+nothing is unpickled from the network: the writer puts it whenever it changes (a re-partition
+changes a stage's layers in place), and the header carries a digest of it, by which the peer
+reads the new one and keeps with each copy the layout that copy was cut by.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -46,11 +50,17 @@ def peer_of(layout: Any, stage: int) -> str | None:
     return next((n for n in ring + others if n != writer), None)
 
 
+def layout_tag(layout: str) -> int:
+    """A layout's digest as one int64 (it travels in the copy's header)."""
+    return int.from_bytes(hashlib.sha256(layout.encode()).digest()[:7], "big")
+
+
 @dataclass
 class HeldCopy:
     iteration: int
     flat: torch.Tensor  # uint8, CPU
     writer: str
+    layout: dict[str, Any]  # what `flat` holds (snapshot.layout_of)
 
 
 @dataclass
@@ -62,6 +72,7 @@ class _InFlight:
     comm: Any
     blocked_s: float
     peer: str  # the other end
+    layout: dict[str, Any] | None = None  # a received copy's
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
     done_time: float = 0.0
@@ -88,9 +99,9 @@ class GeminiScheme(Scheme):
         self.held: dict[int, HeldCopy] = {}
         self._sends: list[_InFlight] = []
         self._recvs: list[_InFlight] = []
-        self._layout_put: set[int] = set()
+        self._layout_put: dict[int, str] = {}  # stage -> the layout this node last put
         self._comm: Any = None
-        self._layouts: dict[int, dict[str, Any]] = {}
+        self._layouts: dict[int, tuple[int, dict[str, Any]]] = {}  # stage -> (tag, layout)
 
     def _layout_key(self, stage: int) -> str:
         return keys.checkpoint_layout(self.ctx.namespace, stage)
@@ -107,14 +118,10 @@ class GeminiScheme(Scheme):
                 continue
             started = time.perf_counter()
             tensors = durable.stage_tensors(module, optimizer)
-            if s not in self._layout_put:
-                params = [n for n, _ in module.named_parameters()]
-                self.ctx.store.set(self._layout_key(s),
-                                   json.dumps(snapshot.layout_of(tensors, params)))
-                self._layout_put.add(s)
+            layout = self._put_layout(s, tensors, [n for n, _ in module.named_parameters()])
             flat = snapshot.flatten(tensors)  # a copy, on the device (NCCL sends from there)
-            comm.send(torch.tensor([flat.numel()], dtype=torch.int64, device=device), peer,
-                      tag(CKPT, s))
+            comm.send(torch.tensor([flat.numel(), layout_tag(layout)], dtype=torch.int64,
+                                   device=device), peer, tag(CKPT, s))
             work = comm.post_send(flat, peer, tag(CKPT_DATA, s))
             self._sends.append(_InFlight(b.iteration, s, work, flat, comm,
                                          time.perf_counter() - started, peer).start())
@@ -123,12 +130,47 @@ class GeminiScheme(Scheme):
             if writer == me or peer_of(b.layout, s) != me:
                 continue
             started = time.perf_counter()
-            size = int(comm.recv(writer, tag(CKPT, s)).item())
+            size, tag_of_layout = (int(v) for v in comm.recv(writer, tag(CKPT, s)).tolist())
+            layout = self._layout(s, tag_of_layout, writer)
             buffer = torch.empty(size, dtype=torch.uint8, device=device)
             work = comm.post_recv(buffer, writer, tag(CKPT_DATA, s))
             self._recvs.append(_InFlight(b.iteration, s, work, buffer, comm,
-                                         time.perf_counter() - started, writer).start())
+                                         time.perf_counter() - started, writer,
+                                         layout).start())
         self._comm = comm
+        self._let_go(b.layout)
+
+    def _let_go(self, layout: Any) -> None:
+        """Drop the copies of stages this node no longer keeps (their peer moved, or a
+        re-partition removed the stage): each would hold a stage's memory for the rest of the
+        run, on a node that may now carry more of the model itself."""
+        me = self.ctx.node
+        for s in [s for s in self.held
+                  if s >= layout.num_stages or peer_of(layout, s) != me]:
+            del self.held[s]
+
+    def _put_layout(self, stage: int, tensors: dict[str, torch.Tensor],
+                    params: list[str]) -> str:
+        """The stage's layout, put in the store where it is not the one this node put last."""
+        layout = json.dumps(snapshot.layout_of(tensors, params))
+        if self._layout_put.get(stage) != layout:
+            self.ctx.store.set(self._layout_key(stage), layout)
+            self._layout_put[stage] = layout
+        return layout
+
+    def _layout(self, stage: int, tag_: int, writer: str) -> dict[str, Any]:
+        """The layout a copy's header names: the one read last, or the store's (the writer put
+        it before it sent the header), which must be that one."""
+        cached = self._layouts.get(stage)
+        if cached is None or cached[0] != tag_:
+            text = self.ctx.store.get(self._layout_key(stage))
+            text = text.decode() if isinstance(text, bytes) else text
+            if layout_tag(text) != tag_:
+                raise durable.CheckpointError(
+                    f"{self._layout_key(stage)}: not the layout of the copy of stage {stage} "
+                    f"that {writer} is sending")
+            cached = self._layouts[stage] = (tag_, json.loads(text))
+        return cached[1]
 
     def close(self) -> None:
         """Complete the last copies; a generation that ended in a failure (this node leaves
@@ -165,7 +207,8 @@ class GeminiScheme(Scheme):
                          item.buffer.numel(), done_time=item.done_time, peer=item.peer)
             return
         flat = item.buffer.to("cpu")
-        self.held[item.stage] = HeldCopy(item.iteration, flat, item.peer)
+        assert item.layout is not None  # (a received copy's, read when its header came)
+        self.held[item.stage] = HeldCopy(item.iteration, flat, item.peer, item.layout)
         extra = ({"digest": self.fingerprint(item.stage)}
                  if self.cfg.logging.state_digests else {})
         self._record("checkpoint_held", item.iteration, item.stage, item.blocked_s,
@@ -174,10 +217,8 @@ class GeminiScheme(Scheme):
 
     def tensors(self, stage: int) -> dict[str, torch.Tensor]:
         """The held copy of `stage`, by name (for a restore, or a check)."""
-        if stage not in self._layouts:
-            self._layouts[stage] = json.loads(self.ctx.store.get(self._layout_key(stage)))
-        return snapshot.unflatten(self.held[stage].flat, self._layouts[stage])
+        held = self.held[stage]
+        return snapshot.unflatten(held.flat, held.layout)
 
     def fingerprint(self, stage: int) -> dict[str, str]:
-        tensors = self.tensors(stage)
-        return snapshot.fingerprint(tensors, self._layouts[stage]["params"])
+        return snapshot.fingerprint(self.tensors(stage), self.held[stage].layout["params"])

@@ -96,10 +96,10 @@ class Cadence:
 
     With `auto`, the first checkpoint is taken after iteration `first_at` (the first iteration
     carries warm-up costs, not representative ones); after each checkpoint the nodes agree, by
-    an all-gather in the generation's group, on the largest blocked time, iteration time and
-    elapsed time, so that every node picks the same next iteration (the launcher commits an
-    iteration only when every stage has written it). The agreed next iteration is also put in
-    the store, where a node that joins later reads it.
+    an all-gather in the generation's group, on the largest blocked time, iteration time,
+    elapsed time and count of failures seen, so that every node picks the same next iteration
+    (the launcher commits an iteration only when every stage has written it). The agreed next
+    iteration is also put in the store, where a node that joins later reads it.
     """
 
     def __init__(self, cfg: Config, ctx_failures: Callable[[], int], store: Any,
@@ -149,12 +149,14 @@ class Cadence:
         if not self.auto:
             return
         it = statistics.median(self._iteration_s) if self._iteration_s else 0.0  # unknown
-        mine = torch.tensor([blocked_s, it, time.perf_counter() - self.started],
-                            dtype=torch.float64, device=comm.device)
+        # (the failures too: a node that joined late, or left a generation by a regroup,
+        # counts fewer, and a count of its own would give it an interval of its own)
+        mine = torch.tensor([blocked_s, it, time.perf_counter() - self.started,
+                             self.failures()], dtype=torch.float64, device=comm.device)
         agreed = torch.stack(comm.all_gather(mine)).max(dim=0).values.tolist()
-        cost, it, elapsed = agreed
+        cost, it, elapsed, failures = agreed
         it = it if it > 0 else 1.0  # no node has timed an iteration yet
-        mtbf = mtbf_estimate(self.mtbf_prior_s, elapsed, self.failures())
+        mtbf = mtbf_estimate(self.mtbf_prior_s, elapsed, int(failures))
         self.k = interval_iterations(cost, mtbf, it, max_iterations=self.max_k)
         self.next_at = iteration + self.k
         self.store.set(self.key, str(self.next_at))
@@ -363,6 +365,7 @@ class _Background(Scheme):
                 self.ctx.inject("checkpoint", b.iteration)
                 write = self.start(b.iteration, s, module, optimizer)
             except WRITE_ERRORS as exc:
+                self._discard(b.iteration, s)
                 self._failed(b.iteration, s, exc)
                 continue
             job = self._thread.submit(lambda write=write: (*write(), time.time()))
@@ -381,8 +384,8 @@ class _Background(Scheme):
             waited = time.perf_counter()
             try:
                 nbytes, extra, done_time = job.result()
-            except WRITE_ERRORS as exc:
-                self.blocked_s += time.perf_counter() - waited
+            except WRITE_ERRORS as exc:  # (the wait is in the caller's span, as any)
+                self._discard(iteration, s)
                 self._failed(iteration, s, exc)
                 continue
             spent += time.perf_counter() - waited
@@ -390,6 +393,9 @@ class _Background(Scheme):
                 extra["partition"] = partition
             self._record(self.kind, iteration, s, spent, nbytes, done_time=done_time,
                          persist_s=round(done_time - started, 6), **extra)
+
+    def _discard(self, iteration: int, stage: int) -> None:
+        """Remove what a failed write of one stage left (nothing, where the write cleans up)."""
 
     def close(self) -> None:
         super().close()
@@ -424,6 +430,11 @@ class DcpAsyncScheme(_Background):
             return size, {"checksums": sums}
 
         return finish
+
+    def _discard(self, iteration: int, stage: int) -> None:
+        """A failed stage's folder is never committed, but would take space (on a disk that
+        may be the full one) until the next job takes the folder up."""
+        durable.discard_stage(self.ctx.root, iteration, stage)
 
 
 class TorchSaveScheme(Scheme):

@@ -6,7 +6,8 @@
 - `flatten` / `unflatten`: one byte buffer and a JSON layout (names, dtypes, shapes), for a copy
   sent to a peer over torch.distributed (tensors travel as tensors, metadata as JSON).
 - `write_file` / `read_file`: one torch.save file per stage and iteration, written to a
-  temporary name and renamed, then a JSON sidecar with its SHA-256 that commits it. Loading
+  temporary name, fsynced and renamed, then a JSON sidecar with its SHA-256 (written the same
+  way) that commits it; a failed write leaves neither and is a `durable.WriteError`. Loading
   checks the sidecar first and reads with `torch.load(weights_only=True)`, which unpickles
   nothing but tensors and plain containers; a file of another model or format is refused.
 - `fingerprint`: the SHA-256 digests `spotpipe.runtime.digest.stage_digest` computes for a live
@@ -18,16 +19,17 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
 
 from spotpipe.checkpoint import durable
 from spotpipe.checkpoint.durable import CheckpointError
-from spotpipe.checkpoint.fsync import sha256_file
+from spotpipe.checkpoint.fsync import fsync_path, sha256_file
 from spotpipe.runtime.digest import tensors_digest
 
 FORMAT_VERSION = 1
@@ -109,31 +111,65 @@ def file_path(folder: Path, stage: int, iteration: int) -> Path:
 
 def write_file(folder: Path, snapshot: Snapshot, model_digest: str, keep: int, *,
                sidecar: bool = True) -> int:
-    """Write, rename, then commit with the sidecar; keep the newest `keep`; return bytes.
-    Without `sidecar`, the file alone, as a plain torch.save user writes it (nothing hashed):
-    bench checkpoint's baselines, which no resume reads (`read_file` needs the sidecar)."""
+    """Write, fsync, rename, then commit with the sidecar; keep the newest `keep`; return bytes.
+    Without `sidecar`, the file alone, as a plain torch.save user writes it (nothing hashed,
+    nothing fsynced): bench checkpoint's baselines, which no resume reads (`read_file` needs
+    the sidecar).
+
+    A write that fails (a full disk: torch's own file writer says so only as a RuntimeError
+    about stream positions, so the file is written through a Python file, whose error is the
+    OS's) is a `durable.WriteError` naming the file, which the schemes report as
+    checkpoint_failed; neither the file nor its temporary is left, so nothing half-written
+    takes the space or later reads as a checkpoint."""
     path = file_path(folder, snapshot.stage, snapshot.iteration)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"format_version": FORMAT_VERSION, "iteration": snapshot.iteration,
-                "stage": snapshot.stage, "model_digest": model_digest,
-                "params": snapshot.params, "tensors": snapshot.tensors}, tmp)
-    os.replace(tmp, path)
-    if not sidecar:
-        for old in sorted(path.parent.glob(f"iter_*{SUFFIX}"))[:-keep]:
-            old.unlink(missing_ok=True)
-        return path.stat().st_size
-    digest = sha256_file(path)
     side = path.with_suffix(SIDECAR)
-    side_tmp = side.with_name(side.name + ".tmp")
-    side_tmp.write_text(json.dumps({"format_version": FORMAT_VERSION, "sha256": digest,
-                                    "iteration": snapshot.iteration, "stage": snapshot.stage}))
-    os.replace(side_tmp, side)
-    committed = sorted(path.parent.glob(f"iter_*{SIDECAR}"))
-    for old in committed[:-keep]:
-        old.with_suffix(SUFFIX).unlink(missing_ok=True)
-        old.unlink(missing_ok=True)
+    replaced = False  # (until then, a file of this iteration there is whole, and stays)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _replace_durably(path, lambda f: torch.save(
+            {"format_version": FORMAT_VERSION, "iteration": snapshot.iteration,
+             "stage": snapshot.stage, "model_digest": model_digest,
+             "params": snapshot.params, "tensors": snapshot.tensors}, f), sync=sidecar)
+        replaced = True
+        if sidecar:
+            digest = sha256_file(path)
+            text = json.dumps({"format_version": FORMAT_VERSION, "sha256": digest,
+                               "iteration": snapshot.iteration, "stage": snapshot.stage})
+            _replace_durably(side, lambda f: f.write(text.encode()))
+            fsync_path(path.parent)  # (the renames are durable once their folder is)
+    except (OSError, RuntimeError) as exc:
+        if replaced:  # a file without its sidecar (or with an older one) commits nothing
+            side.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+        cause = str(exc).splitlines()[0][:300] if str(exc) else ""
+        raise durable.WriteError(f"{path}: {type(exc).__name__}: {cause}") from exc
+    _keep_newest(path.parent, keep, SIDECAR if sidecar else SUFFIX)
     return path.stat().st_size
+
+
+def _keep_newest(folder: Path, keep: int, by: str) -> None:
+    """Remove all but the newest `keep` files of a stage, each with its sidecar; `by`: the
+    suffix that marks a file as written (the sidecar, or the file where there is none)."""
+    for old in sorted(folder.glob(f"iter_*{by}"))[:-keep]:
+        old.with_suffix(SUFFIX).unlink(missing_ok=True)
+        old.with_suffix(SIDECAR).unlink(missing_ok=True)
+
+
+def _replace_durably(path: Path, write: Callable[[BinaryIO], Any], sync: bool = True) -> None:
+    """`write` into a temporary file beside `path`, flushed to the disk (unless not `sync`),
+    then renamed to `path` (the temporary removed if anything fails), so `path` is whole or
+    absent."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_file(path: Path, model_digest: str | None = None) -> Snapshot:

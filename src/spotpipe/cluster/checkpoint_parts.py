@@ -15,6 +15,16 @@ from typing import Any
 
 Checksums = dict[str, str]  # a file's path in the checkpoint -> its SHA-256
 Partition = tuple[tuple[int, int], ...]  # the layer ranges of the stages
+# the worker schemes (`checkpoint.scheme`) that write the durable tier; the shadows, which
+# write it too, name no scheme in their events
+DURABLE_SCHEMES = ("durable", "dcp_async")
+
+
+def durable_tier(event: dict[str, Any]) -> bool:
+    """Whether a checkpoint event is about the durable tier, the checkpoint committed here. A
+    baseline scheme's (torch_save, checkfreq) writes files of its own: its failure says nothing
+    of the shadows' checkpoint of the same iteration, which must still be committed."""
+    return event.get("scheme") in (None, *DURABLE_SCHEMES)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from spotpipe import job
 from spotpipe.checkpoint import durable
-from spotpipe.cluster.checkpoint_parts import CheckpointParts
+from spotpipe.cluster.checkpoint_parts import CheckpointParts, durable_tier
 from spotpipe.cluster.committer import Committed, Committer
 from spotpipe.cluster.coordinator import Coordinator
 from spotpipe.cluster.inbox import (HelperEvent, Inbox, Item, MailboxClosed, NodeExit,
@@ -544,8 +544,8 @@ class JobLoop:
         elif isinstance(message, Event):
             record = message.record()
             files.event(record)
-            if message.kind == "checkpoint_failed":  # (the previous checkpoint stays newest)
-                self._checkpoints.fail(record["iteration"])
+            if message.kind == "checkpoint_failed" and durable_tier(record):
+                self._checkpoints.fail(record["iteration"])  # (the previous stays newest)
             if message.kind in ("worker_error", "shadow_error"):
                 self._errors[message.node] = str(message.details.get("message", ""))
         else:

@@ -8,6 +8,9 @@ from spotpipe.job import NO_INITIAL_FILE
 from spotpipe.runfiles import run_status
 
 _START = ("fault_injected", "node_lost", "node_fenced", "notice", "trace_kill", "trace_notice")
+# each kind of spotpipe.faults.KINDS, as told (an unknown one by its name: a story never fails)
+_FAULTS = {"fail": "crash (SIGKILL)", "notice": "preemption notice (SIGTERM)", "hang": "hang",
+           "nan": "NaN gradient", "ioerror": "checkpoint write error (ENOSPC)"}
 
 
 def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]:
@@ -22,8 +25,7 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
         if kind in _START and incident is None:
             incident, started_by = t, node
         if kind == "fault_injected":
-            what = {"fail": "crash (SIGKILL)", "notice": "preemption notice (SIGTERM)",
-                    "hang": "hang"}[ev["fault"]]
+            what = _FAULTS.get(ev["fault"], str(ev["fault"]))
             lines.append(f"{at}  {node}: injected {what} at iteration {ev['iteration']}"
                          + (f", {ev['phase']}" if ev.get("phase", "start") != "start" else ""))
         elif kind in ("trace_kill", "trace_notice"):
