@@ -80,3 +80,21 @@ def test_every_kind_of_injected_fault_is_told():
     for told in ("crash (SIGKILL)", "preemption notice", "hang", "NaN gradient",
                  "checkpoint write error (ENOSPC)"):
         assert f"node0: injected {told}" in text, text
+
+
+def test_events_are_told_in_time_order_and_the_pause_counts_from_the_first():
+    """A crash's `node_lost` (the launcher's own) reaches the file before its injection's
+    event (a worker's, through the mailbox): told in file order, the loss came first and the
+    pause was counted from it, 10 ms short (as the demo printed it)."""
+    events = [
+        {"kind": "node_lost", "time_s": 11.39, "node": "node1", "returncode": -9},
+        {"kind": "fault_injected", "time_s": 11.38, "node": "node1", "fault": "fail",
+         "iteration": 40, "phase": "backward"},
+        {"kind": "resumed", "time_s": 11.74, "node": "node0", "generation": 1,
+         "iteration": 40},
+    ]
+    lines = describe(events, {"status": "completed", "iterations": 150, "samples": 4800,
+                              "wall_s": 30.0, "final_loss": 1.78})
+    told = [line for line in lines if line.startswith("  ")]
+    assert "injected crash" in told[1] and "lost (exit code -9)" in told[2], lines
+    assert "after a 0.36 s pause" in told[3], lines

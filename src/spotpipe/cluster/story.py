@@ -19,7 +19,9 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
     started_by = ""  # the node whose event started the incident
     resumed_gens: set[int] = set()
     built_whole: set[str] = set()  # reasons told already (every worker may give the same)
-    for ev in events:
+    # in time order: a worker's events reach the file through the mailbox, after the
+    # launcher's own of the same instant (a crash's `node_lost` came before its injection)
+    for ev in sorted(events, key=lambda e: e["time_s"]):
         kind, t, node = ev["kind"], ev["time_s"], ev.get("node", "")
         at = f"  {t:8.2f}s"
         if kind in _START and incident is None:
