@@ -327,7 +327,6 @@ def test_a_shadow_that_dies_ends_the_job_naming_it(tmp_path, corpus):
     import os
     import signal
     import threading
-    import time
 
     cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy",
                       **{**FAST, "iterations": 2000, "shadow.enabled": True})
@@ -371,3 +370,29 @@ def test_a_shadow_that_dies_ends_the_job_naming_it(tmp_path, corpus):
                                   f"(log: {run}/logs/shadow1.log)"), summary["message"]
     assert ev[-1]["kind"] == "job_failed"
     assert_nothing_left(run, store_port(run))
+
+
+@pytest.mark.parametrize("clip", [0.5, 0.0], ids=["clipped", "unclipped"])
+def test_a_skipped_step_whose_commit_message_was_lost_is_skipped_by_the_shadow(
+        tmp_path, corpus, clip):
+    """training.nonfinite: skip, and the writer of stage 1 killed after the commit of the
+    iteration whose norm was not finite, before its COMMIT message: the new writer's HELLO is
+    all the shadow hears of that iteration. The shadow must skip it as every node did (it once
+    applied the non-finite gradient it held, and restored NaN parameters onto the new owner)."""
+    from spotpipe.runtime.reference import train_reference
+
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="none",
+                      **{**FAST, "shadow.enabled": True, "training.nonfinite": "skip",
+                         "optimizer.grad_clip": clip})
+    nodes = ["node0", "node1"]
+    faults = [Fault("nan", "node1", 3, "all-reduce"),
+              Fault.parse("fail", "node1@3:optimizer", nodes)]
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, faults=faults) == 0
+    evs = events(run)
+    assert [e["iteration"] for e in evs if e["kind"] == "shadow_settled"] == [3]
+    model, _ = train_reference(cfg, skip=frozenset({3}))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    want = model.state_dict()
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs from the loop without step 3"

@@ -244,11 +244,14 @@ class Shadow:
         if iteration != self.submitted + 1:
             raise RuntimeError(f"shadow of stage {self.stage}: iteration {iteration} after "
                                f"{self.submitted}")
-        if skip:  # training.nonfinite: skip: no step of this iteration anywhere
+        nan = scale is not None and bool(torch.isnan(scale))
+        # a NaN scale, which a HELLO brings for a commit whose COMMIT was lost: a skipped step
+        # (fp16's, which backs the loss scale off; else training.nonfinite's, no step at all)
+        if skip or (nan and self.cfg.precision != "fp16"):
             self.applier.submit(iteration, "none", None)
         else:
             clip = None
-            if scale is not None and torch.isnan(scale):  # fp16: skipped, the scale backs off
+            if nan:  # fp16: skipped, the scale backs off
                 mark_skipped(flat, self.num_params)
             elif self.cfg.optimizer.grad_clip > 0:
                 if scale is None:
