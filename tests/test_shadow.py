@@ -178,24 +178,20 @@ def test_shadows_write_checkpoints_that_resume_onto_another_depth(tmp_path, corp
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_a_shadow_between_writers_marks_what_it_applies(tmp_path, corpus, monkeypatch):
-    # Between two writers the shadow's main thread waits for the next link; its applier goes
-    # on stepping the backlog, and a writer's max_lag wait reads the marks it sets. Were the
-    # wait on the applier's connection, those marks would queue behind it until a writer came
-    # (a TCPStore client serves one request at a time).
-    import threading
+def _one_shadow_setup(corpus, monkeypatch, **overrides):
+    """What a shadow run in the test's own process needs: the job's config (with shadows), its
+    run spec, and a way to open a connection to a fresh store (the job's key from the
+    environment, as the launcher gives it)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     from spotpipe import job
-    from spotpipe.checkpoint.shadow import Shadow
     from spotpipe.protocol.auth import new_instance_id
-    from spotpipe.runtime.shadow_link import applied_key, link_key
 
     monkeypatch.setenv("SPOTPIPE_JOIN_TOKEN", "t")
     monkeypatch.setenv("SPOTPIPE_INSTANCE", new_instance_id())
-    cfg = tiny_config(corpus, **{"shadow.enabled": "true"})
+    cfg = tiny_config(corpus, **{"shadow.enabled": "true", **overrides})
     model = job.build_model(cfg)
     profile = job.profile_model(cfg, model, job.build_dataset(cfg))
     spec = job.RunSpec(job.compute_partition(cfg, profile), 64, profile)
@@ -204,6 +200,23 @@ def test_a_shadow_between_writers_marks_what_it_applies(tmp_path, corpus, monkey
     def connect():
         return dist.TCPStore("127.0.0.1", server.port, is_master=False,
                              timeout=timedelta(seconds=30))
+
+    return cfg, spec, connect  # (which holds the server)
+
+
+def test_a_shadow_between_writers_marks_what_it_applies(tmp_path, corpus, monkeypatch):
+    # Between two writers the shadow's main thread waits for the next link; its applier goes
+    # on stepping the backlog, and a writer's max_lag wait reads the marks it sets. Were the
+    # wait on the applier's connection, those marks would queue behind it until a writer came
+    # (a TCPStore client serves one request at a time).
+    import threading
+    from datetime import timedelta
+
+
+    from spotpipe.checkpoint.shadow import Shadow
+    from spotpipe.runtime.shadow_link import applied_key, link_key
+
+    cfg, spec, connect = _one_shadow_setup(corpus, monkeypatch)
 
     class Waiting:
         """The link connection, telling when the shadow's main thread waits on it."""
@@ -230,7 +243,7 @@ def test_a_shadow_between_writers_marks_what_it_applies(tmp_path, corpus, monkey
     assert links.entered.wait(timeout=30)  # waiting for its first writer
     shadow._submit(0, torch.ones(shadow.grad_size), torch.tensor(1.0))
     # the mark lands while no writer has come
-    server.wait([applied_key("spotpipe", 0, 0)], timedelta(seconds=20))
+    connect().wait([applied_key("spotpipe", 0, 0)], timedelta(seconds=20))
     # no writer will come: a sealed record that does not parse ends the shadow
     shadow.sealed.set(link_key("spotpipe", 0, 1), "not json")
     waiter.join(timeout=30)
@@ -396,3 +409,83 @@ def test_a_skipped_step_whose_commit_message_was_lost_is_skipped_by_the_shadow(
     want = model.state_dict()
     for key in want:
         assert torch.equal(got[key], want[key]), f"{key} differs from the loop without step 3"
+
+
+def test_a_writer_silent_longer_than_the_timeout_writes_on_over_a_new_link(tmp_path, corpus,
+                                                                           monkeypatch):
+    """A shadow gives up a link whose writer says nothing for cluster.timeout_s (its receive
+    times out, as for a writer that is gone) and waits for the next one; a writer that was
+    merely silent that long (a recovery that kept its link, a slow final save) must write on
+    over a new link, not fail on the old one (it once raised gloo's "Connection closed by
+    peer" at its next gradient, and at its END when the job was over, failing the job). Here
+    the silence falls before a gradient, between a gradient and its commit (the new link's
+    HELLO brings the commit), and before the END. The shadow then holds the iterations as a
+    plain optimizer stepping the same gradients does."""
+    import queue
+    import threading
+
+
+    from spotpipe import job
+    from spotpipe.checkpoint.shadow import Shadow
+    from spotpipe.protocol import channel_from_env
+    from spotpipe.runtime.node import build_stage_state
+    from spotpipe.runtime.optim import set_lr
+    from spotpipe.runtime.replica import flatten_grads
+    from spotpipe.runtime.shadow_link import ShadowWriter
+    from spotpipe.store.sealed import SealedStore
+
+    cfg, spec, connect = _one_shadow_setup(corpus, monkeypatch, iterations=3,
+                                           **{"cluster.timeout_s": 1, "optimizer.grad_clip": 0})
+    shadow = Shadow(cfg, spec, tmp_path, 0, connect(), 0.0, link_store=connect())
+    lost: queue.Queue = queue.Queue()
+    told = shadow.channel.event
+
+    def event(kind, **details):
+        if kind == "shadow_link_lost":
+            lost.put(details)
+        told(kind, **details)
+
+    shadow.channel.event = event
+    ended: list[BaseException] = []
+
+    def run():
+        try:
+            shadow.run()
+        except BaseException as exc:
+            ended.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    writer = ShadowWriter(SealedStore(connect(), channel_from_env("node0").key), "spotpipe",
+                          "node0", max_lag=4, timeout_s=1)
+    owner = build_stage_state(job.build_model(cfg), spec.partition, 0, cfg,
+                              torch.device("cpu"))
+    reference = build_stage_state(job.build_model(cfg), spec.partition, 0, cfg,
+                                  torch.device("cpu"))
+    writer.relink({0: (owner.module, owner.optimizer)}, 0, set())
+
+    def silence() -> None:
+        """Until the shadow gives up the link that the writer has left silent."""
+        assert lost.get(timeout=60) and not ended, ended
+
+    for t in range(cfg.iterations):
+        if t == 1:
+            silence()
+        for p in owner.params:
+            p.grad = torch.full_like(p, 0.01 * (t + 1))
+        writer.post_grad(t, 0, flatten_grads(owner.params))
+        writer.confirm()
+        if t == 1:
+            silence()
+        writer.commit(t, None)
+        set_lr(reference.optimizer, cfg, t)
+        for p in reference.params:
+            p.grad = torch.full_like(p, 0.01 * (t + 1))
+        reference.optimizer.step()
+    silence()
+    writer.close()  # the shadow's last writer: it ends when the link does
+    runner.join(timeout=60)
+    assert not runner.is_alive() and not ended, ended
+    assert shadow.applied == cfg.iterations - 1
+    for mine, want in zip(shadow.module.parameters(), reference.module.parameters()):
+        assert torch.equal(mine, want)
