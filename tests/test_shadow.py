@@ -489,3 +489,53 @@ def test_a_writer_silent_longer_than_the_timeout_writes_on_over_a_new_link(tmp_p
     assert shadow.applied == cfg.iterations - 1
     for mine, want in zip(shadow.module.parameters(), reference.module.parameters()):
         assert torch.equal(mine, want)
+
+
+def test_a_shadow_keeps_nothing_of_the_links_its_writers_ended(tmp_path, corpus, monkeypatch):
+    """Each writer change opens a link and ends it (END). The shadow posts the receive of the
+    next gradient ahead on a link; it must complete it and drop the link when the link ends.
+    It once kept that receive for as long as it ran, and with it a gradient's buffer and the
+    link's sockets: four descriptors here for each writer, ten writers here forty."""
+    import os
+    import threading
+
+    from spotpipe import job
+    from spotpipe.checkpoint.shadow import Shadow
+    from spotpipe.protocol import channel_from_env
+    from spotpipe.runtime.node import build_stage_state
+    from spotpipe.runtime.replica import flatten_grads
+    from spotpipe.runtime.shadow_link import ShadowWriter
+    from spotpipe.store.sealed import SealedStore
+
+    cfg, spec, connect = _one_shadow_setup(corpus, monkeypatch, iterations=12,
+                                           **{"optimizer.grad_clip": 0})
+    shadow = Shadow(cfg, spec, tmp_path, 0, connect(), 0.0, link_store=connect())
+    runner = threading.Thread(target=shadow.run, daemon=True)
+    runner.start()
+    owner = build_stage_state(job.build_model(cfg), spec.partition, 0, cfg,
+                              torch.device("cpu"))
+    for p in owner.params:
+        p.grad = torch.full_like(p, 0.01)
+
+    def write(t: int) -> None:
+        """Iteration t, by a writer of its own, which ends its link."""
+        writer = ShadowWriter(SealedStore(connect(), channel_from_env(f"node{t}").key),
+                              "spotpipe", f"node{t}", max_lag=4, timeout_s=30)
+        writer.relink({0: (owner.module, owner.optimizer)}, t, set())
+        writer.post_grad(t, 0, flatten_grads(owner.params))
+        writer.confirm()
+        writer.commit(t, None)
+        writer.close()
+
+    def descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    write(0)
+    write(1)
+    before = descriptors()
+    for t in range(2, cfg.iterations):
+        write(t)
+    grew = descriptors() - before
+    runner.join(timeout=60)
+    assert not runner.is_alive() and shadow.applied == cfg.iterations - 1
+    assert grew < cfg.iterations - 2, f"{grew} descriptors more after ten writers"

@@ -52,11 +52,6 @@ from spotpipe.runtime.shadow_link import (ACK, COMMIT, END, GRAD, GRAD_TAG, HELL
                                           scale_from_bits)
 
 
-# receives posted ahead on links that ended: kept, not destroyed, as the generations' groups
-# are (a gloo object with a pending operation can block in its destructor)
-_UNMATCHED: list[Any] = []
-
-
 T = TypeVar("T")
 
 
@@ -210,14 +205,25 @@ class Shadow:
                                            f"{self.pending and self.pending[0]})")
                     # arg 1: the step is skipped on every node (training.nonfinite: skip)
                     self._submit(*self.pending, scale_from_bits(bits), skip=bool(arg))
-                elif kind == END:
+                elif kind == END:  # (with it, what completes the receive posted ahead)
                     return True
                 else:
                     raise RuntimeError(f"shadow of stage {self.stage}: unknown message kind "
                                        f"{kind}")
         finally:
-            if ahead is not None:  # never matched now: the link's group is dropped with it
-                _UNMATCHED.append(ahead)
+            if ahead is not None:
+                self._finish_ahead(*ahead)
+
+    def _finish_ahead(self, work: Any, buffer: torch.Tensor) -> None:
+        """Complete the receive posted ahead on a link that ends, before the link's group is
+        dropped: the writer's END comes with a short message under GRAD_TAG that matches it,
+        and on a link that broke it fails at once. (A gloo object with an operation pending
+        can block in its destructor; kept instead, each link left a gradient's buffer and
+        its sockets behind for as long as the shadow ran.)"""
+        try:
+            work.wait()
+        except RuntimeError:
+            pass
 
     def _post_gradient(self, group: Any) -> tuple[Any, torch.Tensor]:
         buffer = torch.empty(self.grad_size)

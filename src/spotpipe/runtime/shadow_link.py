@@ -26,7 +26,9 @@ a payload:
   clipping scale (sent before clipping, because the scale needs the global norm, which the
   commit's own collective gathers) and applies it. A HELLO carries the scale of iteration
   `resume - 1`, for a gradient whose COMMIT its writer did not live to send.
-- END: the writer hands the stage over (or the job is over); the shadow waits for the next link.
+- END + one value under GRAD_TAG: the writer hands the stage over (or the job is over); the
+  shadow waits for the next link. The value completes the shadow's receive of the next
+  gradient, posted ahead (gloo takes a shorter message into a receive), which it then drops.
 
 The shadow gives up a link whose writer has said nothing for `cluster.timeout_s` (its receive
 times out, as it fails at once for a writer that is gone), and waits for the next link. A
@@ -218,9 +220,17 @@ class ShadowWriter:
         link = self._current(link)
         self._finish_sends(link)
         try:
-            link.group.send([header(END)], 0, 0).wait()
+            self._say_end(link)
         except RuntimeError as exc:
             raise _unreachable(link.stage, exc) from None
+
+    @staticmethod
+    def _say_end(link: _Link) -> None:
+        """END, and the value that completes the gradient's receive posted ahead."""
+        ends = [link.group.send([header(END)], 0, 0),
+                link.group.send([torch.zeros(1)], 0, GRAD_TAG)]
+        for work in ends:
+            work.wait()
 
     def _current(self, link: _Link) -> _Link:
         """`link`, or a new link in its place if it has been silent for half of the timeout
@@ -230,7 +240,7 @@ class ShadowWriter:
             return link
         try:
             self._finish_sends(link)
-            link.group.send([header(END)], 0, 0).wait()
+            self._say_end(link)
         except RuntimeError:  # (given up: the shadow waits for the next link)
             link.sends.clear()
         self.waiting = True
