@@ -539,3 +539,28 @@ def test_a_shadow_keeps_nothing_of_the_links_its_writers_ended(tmp_path, corpus,
     runner.join(timeout=60)
     assert not runner.is_alive() and shadow.applied == cfg.iterations - 1
     assert grew < cfg.iterations - 2, f"{grew} descriptors more after ten writers"
+
+
+def test_a_shadow_lagging_past_the_timeout_stops_its_writer_naming_it():
+    """A writer waits once its shadow lags shadow.max_lag iterations behind (the documented
+    policy), for at most cluster.timeout_s: a shadow that has not caught up by then is hung or
+    too slow, and the error names it and the setting (it once passed on the store's "wait
+    timeout after 500ms, keys: /spotpipe/shadow/1/applied/5")."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from spotpipe.runtime.shadow_link import ShadowError, ShadowWriter, _Link
+    from spotpipe.store.sealed import SealedStore
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = SealedStore(dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                      timeout=timedelta(seconds=30)), b"k" * 32)
+    writer = ShadowWriter(store, "spotpipe", "node0", max_lag=2, timeout_s=0.5)
+    # the shadow of stage 1 has applied iteration 4, and marks nothing more
+    writer.links[1] = _Link(1, 1, None, applied=4, store=store, resume=7, scale=None,
+                            used=float("inf"))  # (never silent for long)
+    with pytest.raises(ShadowError, match=r"the shadow of stage 1 has not applied iteration 5 "
+                                          r"within cluster.timeout_s \(0.5 s\).*shadow.max_lag"):
+        writer.post_grad(7, 1, torch.zeros(3))
+    assert not writer.waiting

@@ -268,9 +268,8 @@ class ShadowWriter:
             waited = time.perf_counter()
             self.waiting = True
             try:
-                mark = applied_key(self.namespace, stage, behind)
-                self.store.wait([mark], timedelta(seconds=self.timeout_s))
-                link.store.get(mark)  # a genuine mark, not one put there ahead of the shadow
+                self._await_mark(stage, behind)
+                link.store.get(applied_key(self.namespace, stage, behind))  # (a genuine one)
             finally:
                 self.waiting = False
             link.applied = behind
@@ -282,6 +281,19 @@ class ShadowWriter:
         link.sends.append((link.group.send([flat], 0, GRAD_TAG), flat))
         link.used = time.monotonic()
         self.spent("post", started)
+
+    def _await_mark(self, stage: int, iteration: int) -> None:
+        """Until the shadow of `stage` has applied `iteration`; a shadow that does not within
+        cluster.timeout_s stops the job, named (the store's own error names only a key)."""
+        try:
+            self.store.wait([applied_key(self.namespace, stage, iteration)],
+                            timedelta(seconds=self.timeout_s))
+        except dist.DistStoreError as exc:
+            raise ShadowError(
+                f"the shadow of stage {stage} has not applied iteration {iteration} within "
+                f"cluster.timeout_s ({self.timeout_s:g} s): it lags more than shadow.max_lag "
+                f"({self.max_lag}) iterations behind its writer, and is hung or too slow for "
+                f"this job ({str(exc).splitlines()[0][:120]})") from None
 
     def confirm(self) -> None:
         """Every gradient posted so far has left this node (before the commit)."""
