@@ -564,3 +564,31 @@ def test_a_shadow_lagging_past_the_timeout_stops_its_writer_naming_it():
                                           r"within cluster.timeout_s \(0.5 s\).*shadow.max_lag"):
         writer.post_grad(7, 1, torch.zeros(3))
     assert not writer.waiting
+
+
+def test_a_shadow_keeps_a_bounded_number_of_marks_in_the_store(tmp_path, corpus, monkeypatch):
+    """The shadow marks each iteration it applies in the store (its writer waits on those
+    marks past shadow.max_lag). A writer waits on none older than max_lag iterations behind
+    what it sends, so only those need to stay: the store (in the launcher's memory, or etcd
+    with its quota) must not hold one more key per iteration for as long as the job runs."""
+    from spotpipe.checkpoint.shadow import Shadow
+    from spotpipe.runtime.shadow_link import applied_key
+
+    cfg, spec, connect = _one_shadow_setup(corpus, monkeypatch, iterations=40)
+    store = connect()
+    shadow = Shadow(cfg, spec, tmp_path, 0, store, 0.0, link_store=connect())
+
+    def apply(iterations: range) -> int:
+        """Apply `iterations` as if committed; the keys in the store then."""
+        for t in iterations:
+            shadow._submit(t, torch.zeros(shadow.grad_size), torch.tensor(1.0))
+        assert shadow.applied == iterations[-1]
+        return store.num_keys()
+
+    before = apply(range(0, 10))
+    after = apply(range(10, 40))
+    assert after - before < 10, f"{after - before} keys more after 30 iterations"
+    # the marks a writer may still wait on are there
+    max_lag = cfg.shadow.max_lag
+    assert store.check([applied_key("spotpipe", 0, t) for t in range(39 - max_lag, 40)])
+    shadow.applier.close()

@@ -272,6 +272,11 @@ class Shadow:
         """On the applier's thread, after iteration `iteration`'s step."""
         self.sealed.set(applied_key(self.namespace, self.stage, iteration), "")
         self.sealed.set(latest_key(self.namespace, self.stage), str(iteration))
+        # a writer waits on no mark older than shadow.max_lag iterations behind the one it
+        # sends (`ShadowWriter.post_grad`), which is past this one: older marks go, so that
+        # the store holds a few per stage, not one per iteration of the job
+        self.sealed.delete_key(applied_key(self.namespace, self.stage,
+                                           iteration - self.cfg.shadow.max_lag - 1))
         every = self.cfg.checkpoint.every
         if every and (iteration + 1) % every == 0:
             started = time.perf_counter()
