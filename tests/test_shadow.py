@@ -592,3 +592,67 @@ def test_a_shadow_keeps_a_bounded_number_of_marks_in_the_store(tmp_path, corpus,
     max_lag = cfg.shadow.max_lag
     assert store.check([applied_key("spotpipe", 0, t) for t in range(39 - max_lag, 40)])
     shadow.applier.close()
+
+
+def test_a_writer_held_back_by_its_lagging_shadow_past_the_timeout_writes_on(tmp_path, corpus,
+                                                                             monkeypatch):
+    """The writer waits for a shadow that lags shadow.max_lag behind before it sends the next
+    gradient; that wait leaves the link silent too, and the shadow gives the link up after
+    cluster.timeout_s. The writer must renew a link that went silent during the wait (it
+    looked only before it, and sent on the given-up link)."""
+    import queue
+    import threading
+
+    from spotpipe import job
+    from spotpipe.checkpoint.shadow import LinkBroken, Shadow
+    from spotpipe.protocol import channel_from_env
+    from spotpipe.runtime.node import build_stage_state
+    from spotpipe.runtime.replica import flatten_grads
+    from spotpipe.runtime.shadow_link import ShadowWriter
+    from spotpipe.store.sealed import SealedStore
+
+    cfg, spec, connect = _one_shadow_setup(
+        corpus, monkeypatch, iterations=4,
+        **{"cluster.timeout_s": 1, "optimizer.grad_clip": 0, "shadow.max_lag": 1})
+    shadow = Shadow(cfg, spec, tmp_path, 0, connect(), 0.0, link_store=connect())
+    lost: queue.Queue = queue.Queue()
+    told, gate = shadow.channel.event, threading.Event()
+
+    serve = shadow._serve
+
+    def serving(group) -> bool:
+        try:
+            return serve(group)
+        except LinkBroken:
+            gate.set()  # the shadow catches up only once it has given the link up
+            raise
+
+    def event(kind, **details):
+        if kind == "shadow_link_lost":
+            lost.put(details)
+        told(kind, **details)
+
+    def applied(t: int) -> None:
+        assert t == 0 or gate.wait(timeout=60)
+        shadow._applied(t)
+
+    shadow._serve, shadow.channel.event, shadow.applier.on_applied = serving, event, applied
+    runner = threading.Thread(target=shadow.run, daemon=True)
+    runner.start()
+    # the writer's own timeout is long: what renews the link is its silence
+    writer = ShadowWriter(SealedStore(connect(), channel_from_env("node0").key), "spotpipe",
+                          "node0", max_lag=1, timeout_s=30)
+    writer.silent_s = 0.5  # (less than the shadow's 1 s, as half of one timeout is)
+    owner = build_stage_state(job.build_model(cfg), spec.partition, 0, cfg,
+                              torch.device("cpu"))
+    for p in owner.params:
+        p.grad = torch.full_like(p, 0.01)
+    writer.relink({0: (owner.module, owner.optimizer)}, 0, set())
+    for t in range(cfg.iterations):  # at t = 2 the writer waits for iteration 1's mark
+        writer.post_grad(t, 0, flatten_grads(owner.params))
+        writer.confirm()
+        writer.commit(t, None)
+    writer.close()
+    runner.join(timeout=60)
+    assert not runner.is_alive() and shadow.applied == cfg.iterations - 1
+    assert lost.qsize() == 1 and writer.waited_s > 0

@@ -151,6 +151,9 @@ class ShadowWriter:
         """`store`: the job's, sealed (the links and the shadows' marks are records too)."""
         self.store, self.namespace, self.node = store, namespace, node
         self.max_lag, self.timeout_s = max_lag, timeout_s
+        # a link silent this long is renewed before its next message: the shadow gives it up
+        # after timeout_s (`_current`)
+        self.silent_s = timeout_s / 2
         self.links: dict[int, _Link] = {}
         self.waited_s = 0.0  # time spent waiting on a shadow beyond max_lag
         # all the time shadows add to the writer's critical path, lag waits aside: copying and
@@ -236,7 +239,7 @@ class ShadowWriter:
         """`link`, or a new link in its place if it has been silent for half of the timeout
         after which the shadow gives it up (see the module doc). The old one is ended, in
         case the shadow still follows it; one it gave up already fails, and needs no END."""
-        if time.monotonic() - link.used < self.timeout_s / 2:
+        if time.monotonic() - link.used < self.silent_s:
             return link
         try:
             self._finish_sends(link)
@@ -255,7 +258,7 @@ class ShadowWriter:
     def post_grad(self, iteration: int, stage: int, flat: torch.Tensor) -> None:
         """Ship iteration `iteration`'s final gradient of `stage` (asynchronously)."""
         started = time.perf_counter()
-        link = self._current(self.links[stage])
+        link = self.links[stage]
         behind = iteration - self.max_lag
         if behind > link.applied:  # the shadow marks each iteration it applies in the store
             latest = latest_key(self.namespace, stage)
@@ -275,6 +278,8 @@ class ShadowWriter:
             link.applied = behind
             self.waited_s += time.perf_counter() - waited
             started += time.perf_counter() - waited
+        # (after the wait, which leaves the link silent too)
+        link = self._current(link)
         flat = flat.detach().to("cpu")
         h = header(GRAD, iteration)
         link.sends.append((link.group.send([h], 0, 0), h))
