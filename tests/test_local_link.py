@@ -283,3 +283,35 @@ def test_a_node_that_cannot_listen_sends_through_the_group_and_says_why(monkeypa
     assert out["links"] == []
     assert out["in_place"] == [False] * 4
     assert out["local_off"] == "cannot listen for local links: [Errno 1] Operation not permitted"
+
+
+def test_a_stranger_that_connects_and_says_nothing_does_not_hold_up_the_genuine_sender():
+    """Abstract socket names are listed in /proc/net/unix to every process of the host, so a
+    stranger can connect without the key; one that then says nothing must not stop the
+    receiver from taking the genuine sender's hello behind it (it waited for the stranger's
+    hello until the generation's abort, and the pipeline with it)."""
+    listener = local_link.Listener(KEY, _name(), lambda why: None)
+    listed = [line.split()[-1] for line in open("/proc/net/unix").read().splitlines()]
+    assert "@" + _name()[1:].decode() in listed  # what the stranger reads
+    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stranger.connect(_name())
+    genuine = local_link.Sender.connect(KEY, _name(), CHANNEL, 2, 4)
+    genuine.send(torch.tensor([5.0]), AbortSignal(), lambda _: None)
+    abort, got = AbortSignal(), []
+
+    def receive() -> None:
+        try:
+            receiver = listener.accept(CHANNEL, abort, lambda _: None)
+            got.append(receiver.recv(torch.empty(1), abort, lambda _: None).item())
+            receiver.close()
+        except PeerFailure as why:
+            got.append(why)
+
+    taker = threading.Thread(target=receive, daemon=True)
+    taker.start()
+    taker.join(timeout=30)  # (a guard against a hang: the receive needs no time to pass)
+    abort.trigger("the test is over")  # ends a wait that is still held up, if any
+    taker.join(timeout=30)
+    assert got == [5.0], got
+    for end in (stranger, genuine, listener):
+        end.close()

@@ -178,24 +178,20 @@ def test_shadows_write_checkpoints_that_resume_onto_another_depth(tmp_path, corp
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_a_shadow_between_writers_marks_what_it_applies(tmp_path, corpus, monkeypatch):
-    # Between two writers the shadow's main thread waits for the next link; its applier goes
-    # on stepping the backlog, and a writer's max_lag wait reads the marks it sets. Were the
-    # wait on the applier's connection, those marks would queue behind it until a writer came
-    # (a TCPStore client serves one request at a time).
-    import threading
+def _one_shadow_setup(corpus, monkeypatch, **overrides):
+    """What a shadow run in the test's own process needs: the job's config (with shadows), its
+    run spec, and a way to open a connection to a fresh store (the job's key from the
+    environment, as the launcher gives it)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     from spotpipe import job
-    from spotpipe.checkpoint.shadow import Shadow
     from spotpipe.protocol.auth import new_instance_id
-    from spotpipe.runtime.shadow_link import applied_key, link_key
 
     monkeypatch.setenv("SPOTPIPE_JOIN_TOKEN", "t")
     monkeypatch.setenv("SPOTPIPE_INSTANCE", new_instance_id())
-    cfg = tiny_config(corpus, **{"shadow.enabled": "true"})
+    cfg = tiny_config(corpus, **{"shadow.enabled": "true", **overrides})
     model = job.build_model(cfg)
     profile = job.profile_model(cfg, model, job.build_dataset(cfg))
     spec = job.RunSpec(job.compute_partition(cfg, profile), 64, profile)
@@ -204,6 +200,23 @@ def test_a_shadow_between_writers_marks_what_it_applies(tmp_path, corpus, monkey
     def connect():
         return dist.TCPStore("127.0.0.1", server.port, is_master=False,
                              timeout=timedelta(seconds=30))
+
+    return cfg, spec, connect  # (which holds the server)
+
+
+def test_a_shadow_between_writers_marks_what_it_applies(tmp_path, corpus, monkeypatch):
+    # Between two writers the shadow's main thread waits for the next link; its applier goes
+    # on stepping the backlog, and a writer's max_lag wait reads the marks it sets. Were the
+    # wait on the applier's connection, those marks would queue behind it until a writer came
+    # (a TCPStore client serves one request at a time).
+    import threading
+    from datetime import timedelta
+
+
+    from spotpipe.checkpoint.shadow import Shadow
+    from spotpipe.runtime.shadow_link import applied_key, link_key
+
+    cfg, spec, connect = _one_shadow_setup(corpus, monkeypatch)
 
     class Waiting:
         """The link connection, telling when the shadow's main thread waits on it."""
@@ -230,7 +243,7 @@ def test_a_shadow_between_writers_marks_what_it_applies(tmp_path, corpus, monkey
     assert links.entered.wait(timeout=30)  # waiting for its first writer
     shadow._submit(0, torch.ones(shadow.grad_size), torch.tensor(1.0))
     # the mark lands while no writer has come
-    server.wait([applied_key("spotpipe", 0, 0)], timedelta(seconds=20))
+    connect().wait([applied_key("spotpipe", 0, 0)], timedelta(seconds=20))
     # no writer will come: a sealed record that does not parse ends the shadow
     shadow.sealed.set(link_key("spotpipe", 0, 1), "not json")
     waiter.join(timeout=30)
@@ -327,7 +340,6 @@ def test_a_shadow_that_dies_ends_the_job_naming_it(tmp_path, corpus):
     import os
     import signal
     import threading
-    import time
 
     cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy",
                       **{**FAST, "iterations": 2000, "shadow.enabled": True})
@@ -371,3 +383,276 @@ def test_a_shadow_that_dies_ends_the_job_naming_it(tmp_path, corpus):
                                   f"(log: {run}/logs/shadow1.log)"), summary["message"]
     assert ev[-1]["kind"] == "job_failed"
     assert_nothing_left(run, store_port(run))
+
+
+@pytest.mark.parametrize("clip", [0.5, 0.0], ids=["clipped", "unclipped"])
+def test_a_skipped_step_whose_commit_message_was_lost_is_skipped_by_the_shadow(
+        tmp_path, corpus, clip):
+    """training.nonfinite: skip, and the writer of stage 1 killed after the commit of the
+    iteration whose norm was not finite, before its COMMIT message: the new writer's HELLO is
+    all the shadow hears of that iteration. The shadow must skip it as every node did (it once
+    applied the non-finite gradient it held, and restored NaN parameters onto the new owner)."""
+    from spotpipe.runtime.reference import train_reference
+
+    cfg = tiny_config(corpus, stages=2, pipelines=1, redundancy="none",
+                      **{**FAST, "shadow.enabled": True, "training.nonfinite": "skip",
+                         "optimizer.grad_clip": clip})
+    nodes = ["node0", "node1"]
+    faults = [Fault("nan", "node1", 3, "all-reduce"),
+              Fault.parse("fail", "node1@3:optimizer", nodes)]
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, faults=faults) == 0
+    evs = events(run)
+    assert [e["iteration"] for e in evs if e["kind"] == "shadow_settled"] == [3]
+    model, _ = train_reference(cfg, skip=frozenset({3}))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    want = model.state_dict()
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs from the loop without step 3"
+
+
+def test_a_writer_silent_longer_than_the_timeout_writes_on_over_a_new_link(tmp_path, corpus,
+                                                                           monkeypatch):
+    """A shadow gives up a link whose writer says nothing for cluster.timeout_s (its receive
+    times out, as for a writer that is gone) and waits for the next one; a writer that was
+    merely silent that long (a recovery that kept its link, a slow final save) must write on
+    over a new link, not fail on the old one (it once raised gloo's "Connection closed by
+    peer" at its next gradient, and at its END when the job was over, failing the job). Here
+    the silence falls before a gradient, between a gradient and its commit (the new link's
+    HELLO brings the commit), and before the END. The shadow then holds the iterations as a
+    plain optimizer stepping the same gradients does."""
+    import queue
+    import threading
+
+
+    from spotpipe import job
+    from spotpipe.checkpoint.shadow import Shadow
+    from spotpipe.protocol import channel_from_env
+    from spotpipe.runtime.node import build_stage_state
+    from spotpipe.runtime.optim import set_lr
+    from spotpipe.runtime.replica import flatten_grads
+    from spotpipe.runtime.shadow_link import ShadowWriter
+    from spotpipe.store.sealed import SealedStore
+
+    cfg, spec, connect = _one_shadow_setup(corpus, monkeypatch, iterations=3,
+                                           **{"cluster.timeout_s": 1, "optimizer.grad_clip": 0})
+    shadow = Shadow(cfg, spec, tmp_path, 0, connect(), 0.0, link_store=connect())
+    lost: queue.Queue = queue.Queue()
+    told = shadow.channel.event
+
+    def event(kind, **details):
+        if kind == "shadow_link_lost":
+            lost.put(details)
+        told(kind, **details)
+
+    shadow.channel.event = event
+    ended: list[BaseException] = []
+
+    def run():
+        try:
+            shadow.run()
+        except BaseException as exc:
+            ended.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    writer = ShadowWriter(SealedStore(connect(), channel_from_env("node0").key), "spotpipe",
+                          "node0", max_lag=4, timeout_s=1)
+    owner = build_stage_state(job.build_model(cfg), spec.partition, 0, cfg,
+                              torch.device("cpu"))
+    reference = build_stage_state(job.build_model(cfg), spec.partition, 0, cfg,
+                                  torch.device("cpu"))
+    writer.relink({0: (owner.module, owner.optimizer)}, 0, set())
+
+    def silence() -> None:
+        """Until the shadow gives up the link that the writer has left silent."""
+        assert lost.get(timeout=60) and not ended, ended
+
+    for t in range(cfg.iterations):
+        if t == 1:
+            silence()
+        for p in owner.params:
+            p.grad = torch.full_like(p, 0.01 * (t + 1))
+        writer.post_grad(t, 0, flatten_grads(owner.params))
+        writer.confirm()
+        if t == 1:
+            silence()
+        writer.commit(t, None)
+        set_lr(reference.optimizer, cfg, t)
+        for p in reference.params:
+            p.grad = torch.full_like(p, 0.01 * (t + 1))
+        reference.optimizer.step()
+    silence()
+    writer.close()  # the shadow's last writer: it ends when the link does
+    runner.join(timeout=60)
+    assert not runner.is_alive() and not ended, ended
+    assert shadow.applied == cfg.iterations - 1
+    for mine, want in zip(shadow.module.parameters(), reference.module.parameters()):
+        assert torch.equal(mine, want)
+
+
+def test_a_shadow_keeps_nothing_of_the_links_its_writers_ended(tmp_path, corpus, monkeypatch):
+    """Each writer change opens a link and ends it (END). The shadow posts the receive of the
+    next gradient ahead on a link; it must complete it and drop the link when the link ends.
+    It once kept that receive for as long as it ran, and with it a gradient's buffer and the
+    link's sockets: four descriptors here for each writer, ten writers here forty."""
+    import os
+    import threading
+
+    from spotpipe import job
+    from spotpipe.checkpoint.shadow import Shadow
+    from spotpipe.protocol import channel_from_env
+    from spotpipe.runtime.node import build_stage_state
+    from spotpipe.runtime.replica import flatten_grads
+    from spotpipe.runtime.shadow_link import ShadowWriter
+    from spotpipe.store.sealed import SealedStore
+
+    cfg, spec, connect = _one_shadow_setup(corpus, monkeypatch, iterations=12,
+                                           **{"optimizer.grad_clip": 0})
+    shadow = Shadow(cfg, spec, tmp_path, 0, connect(), 0.0, link_store=connect())
+    runner = threading.Thread(target=shadow.run, daemon=True)
+    runner.start()
+    owner = build_stage_state(job.build_model(cfg), spec.partition, 0, cfg,
+                              torch.device("cpu"))
+    for p in owner.params:
+        p.grad = torch.full_like(p, 0.01)
+
+    def write(t: int) -> None:
+        """Iteration t, by a writer of its own, which ends its link."""
+        writer = ShadowWriter(SealedStore(connect(), channel_from_env(f"node{t}").key),
+                              "spotpipe", f"node{t}", max_lag=4, timeout_s=30)
+        writer.relink({0: (owner.module, owner.optimizer)}, t, set())
+        writer.post_grad(t, 0, flatten_grads(owner.params))
+        writer.confirm()
+        writer.commit(t, None)
+        writer.close()
+
+    def descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    write(0)
+    write(1)
+    before = descriptors()
+    for t in range(2, cfg.iterations):
+        write(t)
+    grew = descriptors() - before
+    runner.join(timeout=60)
+    assert not runner.is_alive() and shadow.applied == cfg.iterations - 1
+    assert grew < cfg.iterations - 2, f"{grew} descriptors more after ten writers"
+
+
+def test_a_shadow_lagging_past_the_timeout_stops_its_writer_naming_it():
+    """A writer waits once its shadow lags shadow.max_lag iterations behind (the documented
+    policy), for at most cluster.timeout_s: a shadow that has not caught up by then is hung or
+    too slow, and the error names it and the setting (it once passed on the store's "wait
+    timeout after 500ms, keys: /spotpipe/shadow/1/applied/5")."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from spotpipe.runtime.shadow_link import ShadowError, ShadowWriter, _Link
+    from spotpipe.store.sealed import SealedStore
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = SealedStore(dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                      timeout=timedelta(seconds=30)), b"k" * 32)
+    writer = ShadowWriter(store, "spotpipe", "node0", max_lag=2, timeout_s=0.5)
+    # the shadow of stage 1 has applied iteration 4, and marks nothing more
+    writer.links[1] = _Link(1, 1, None, applied=4, store=store, resume=7, scale=None,
+                            used=float("inf"))  # (never silent for long)
+    with pytest.raises(ShadowError, match=r"the shadow of stage 1 has not applied iteration 5 "
+                                          r"within cluster.timeout_s \(0.5 s\).*shadow.max_lag"):
+        writer.post_grad(7, 1, torch.zeros(3))
+    assert not writer.waiting
+
+
+def test_a_shadow_keeps_a_bounded_number_of_marks_in_the_store(tmp_path, corpus, monkeypatch):
+    """The shadow marks each iteration it applies in the store (its writer waits on those
+    marks past shadow.max_lag). A writer waits on none older than max_lag iterations behind
+    what it sends, so only those need to stay: the store (in the launcher's memory, or etcd
+    with its quota) must not hold one more key per iteration for as long as the job runs."""
+    from spotpipe.checkpoint.shadow import Shadow
+    from spotpipe.runtime.shadow_link import applied_key
+
+    cfg, spec, connect = _one_shadow_setup(corpus, monkeypatch, iterations=40)
+    store = connect()
+    shadow = Shadow(cfg, spec, tmp_path, 0, store, 0.0, link_store=connect())
+
+    def apply(iterations: range) -> int:
+        """Apply `iterations` as if committed; the keys in the store then."""
+        for t in iterations:
+            shadow._submit(t, torch.zeros(shadow.grad_size), torch.tensor(1.0))
+        assert shadow.applied == iterations[-1]
+        return store.num_keys()
+
+    before = apply(range(0, 10))
+    after = apply(range(10, 40))
+    assert after - before < 10, f"{after - before} keys more after 30 iterations"
+    # the marks a writer may still wait on are there
+    max_lag = cfg.shadow.max_lag
+    assert store.check([applied_key("spotpipe", 0, t) for t in range(39 - max_lag, 40)])
+    shadow.applier.close()
+
+
+def test_a_writer_held_back_by_its_lagging_shadow_past_the_timeout_writes_on(tmp_path, corpus,
+                                                                             monkeypatch):
+    """The writer waits for a shadow that lags shadow.max_lag behind before it sends the next
+    gradient; that wait leaves the link silent too, and the shadow gives the link up after
+    cluster.timeout_s. The writer must renew a link that went silent during the wait (it
+    looked only before it, and sent on the given-up link)."""
+    import queue
+    import threading
+
+    from spotpipe import job
+    from spotpipe.checkpoint.shadow import LinkBroken, Shadow
+    from spotpipe.protocol import channel_from_env
+    from spotpipe.runtime.node import build_stage_state
+    from spotpipe.runtime.replica import flatten_grads
+    from spotpipe.runtime.shadow_link import ShadowWriter
+    from spotpipe.store.sealed import SealedStore
+
+    cfg, spec, connect = _one_shadow_setup(
+        corpus, monkeypatch, iterations=4,
+        **{"cluster.timeout_s": 1, "optimizer.grad_clip": 0, "shadow.max_lag": 1})
+    shadow = Shadow(cfg, spec, tmp_path, 0, connect(), 0.0, link_store=connect())
+    lost: queue.Queue = queue.Queue()
+    told, gate = shadow.channel.event, threading.Event()
+
+    serve = shadow._serve
+
+    def serving(group) -> bool:
+        try:
+            return serve(group)
+        except LinkBroken:
+            gate.set()  # the shadow catches up only once it has given the link up
+            raise
+
+    def event(kind, **details):
+        if kind == "shadow_link_lost":
+            lost.put(details)
+        told(kind, **details)
+
+    def applied(t: int) -> None:
+        assert t == 0 or gate.wait(timeout=60)
+        shadow._applied(t)
+
+    shadow._serve, shadow.channel.event, shadow.applier.on_applied = serving, event, applied
+    runner = threading.Thread(target=shadow.run, daemon=True)
+    runner.start()
+    # the writer's own timeout is long: what renews the link is its silence
+    writer = ShadowWriter(SealedStore(connect(), channel_from_env("node0").key), "spotpipe",
+                          "node0", max_lag=1, timeout_s=30)
+    writer.silent_s = 0.5  # (less than the shadow's 1 s, as half of one timeout is)
+    owner = build_stage_state(job.build_model(cfg), spec.partition, 0, cfg,
+                              torch.device("cpu"))
+    for p in owner.params:
+        p.grad = torch.full_like(p, 0.01)
+    writer.relink({0: (owner.module, owner.optimizer)}, 0, set())
+    for t in range(cfg.iterations):  # at t = 2 the writer waits for iteration 1's mark
+        writer.post_grad(t, 0, flatten_grads(owner.params))
+        writer.confirm()
+        writer.commit(t, None)
+    writer.close()
+    runner.join(timeout=60)
+    assert not runner.is_alive() and shadow.applied == cfg.iterations - 1
+    assert lost.qsize() == 1 and writer.waited_s > 0

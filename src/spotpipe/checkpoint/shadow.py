@@ -53,11 +53,6 @@ from spotpipe.runtime.shadow_link import (ACK, COMMIT, END, GRAD, GRAD_TAG, HELL
                                           scale_from_bits)
 
 
-# receives posted ahead on links that ended: kept, not destroyed, as the generations' groups
-# are (a gloo object with a pending operation can block in its destructor)
-_UNMATCHED: list[Any] = []
-
-
 T = TypeVar("T")
 
 
@@ -211,14 +206,25 @@ class Shadow:
                                            f"{self.pending and self.pending[0]})")
                     # arg 1: the step is skipped on every node (training.nonfinite: skip)
                     self._submit(*self.pending, scale_from_bits(bits), skip=bool(arg))
-                elif kind == END:
+                elif kind == END:  # (with it, what completes the receive posted ahead)
                     return True
                 else:
                     raise RuntimeError(f"shadow of stage {self.stage}: unknown message kind "
                                        f"{kind}")
         finally:
-            if ahead is not None:  # never matched now: the link's group is dropped with it
-                _UNMATCHED.append(ahead)
+            if ahead is not None:
+                self._finish_ahead(*ahead)
+
+    def _finish_ahead(self, work: Any, buffer: torch.Tensor) -> None:
+        """Complete the receive posted ahead on a link that ends, before the link's group is
+        dropped: the writer's END comes with a short message under GRAD_TAG that matches it,
+        and on a link that broke it fails at once. (A gloo object with an operation pending
+        can block in its destructor; kept instead, each link left a gradient's buffer and
+        its sockets behind for as long as the shadow ran.)"""
+        try:
+            work.wait()
+        except RuntimeError:
+            pass
 
     def _post_gradient(self, group: Any) -> tuple[Any, torch.Tensor]:
         buffer = torch.empty(self.grad_size)
@@ -245,11 +251,14 @@ class Shadow:
         if iteration != self.submitted + 1:
             raise RuntimeError(f"shadow of stage {self.stage}: iteration {iteration} after "
                                f"{self.submitted}")
-        if skip:  # training.nonfinite: skip: no step of this iteration anywhere
+        nan = scale is not None and bool(torch.isnan(scale))
+        # a NaN scale, which a HELLO brings for a commit whose COMMIT was lost: a skipped step
+        # (fp16's, which backs the loss scale off; else training.nonfinite's, no step at all)
+        if skip or (nan and self.cfg.precision != "fp16"):
             self.applier.submit(iteration, "none", None)
         else:
             clip = None
-            if scale is not None and torch.isnan(scale):  # fp16: skipped, the scale backs off
+            if nan:  # fp16: skipped, the scale backs off
                 mark_skipped(flat, self.num_params)
             elif self.cfg.optimizer.grad_clip > 0:
                 if scale is None:
@@ -264,6 +273,11 @@ class Shadow:
         """On the applier's thread, after iteration `iteration`'s step."""
         self.sealed.set(applied_key(self.namespace, self.stage, iteration), "")
         self.sealed.set(latest_key(self.namespace, self.stage), str(iteration))
+        # a writer waits on no mark older than shadow.max_lag iterations behind the one it
+        # sends (`ShadowWriter.post_grad`), which is past this one: older marks go, so that
+        # the store holds a few per stage, not one per iteration of the job
+        self.sealed.delete_key(applied_key(self.namespace, self.stage,
+                                           iteration - self.cfg.shadow.max_lag - 1))
         every = self.cfg.checkpoint.every
         if every and (iteration + 1) % every == 0:
             started = time.perf_counter()

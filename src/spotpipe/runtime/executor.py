@@ -617,7 +617,9 @@ class Executor:
                  if not bool(torch.isfinite(gathered[rank][offset: offset + count]).all())),
                 self.w.num_stages - 1))
         self.clip_scale = None
-        if self.skipped:  # no step: the shadows learn it from a NaN scale with COMMIT
+        if self.skipped or self.nonfinite is not None:
+            # no step: NaN says so with COMMIT and in this node's report, whence a new shadow
+            # writer's HELLO carries it (a scale of None there would apply the gradient)
             self.clip_scale = torch.tensor(float("nan"))
         elif self.cfg.optimizer.grad_clip > 0:
             self.clip_scale = gradlib.clip_scale(total, self.cfg.optimizer.grad_clip)

@@ -25,7 +25,9 @@ key, the generation and the node. A sender that can connect to its receiver's na
 same host (and network namespace); one that cannot uses the process group. Names nobody
 without the key can compute cannot be squatted, and the receiver still checks each
 connection's hello (an HMAC of the channel under the key), and that the memory is as large as
-the hello says and sealed against shrinking, before it maps anything.
+the hello says and sealed against shrinking, before it maps anything. Anyone on the host can
+connect all the same (/proc/net/unix lists the names), so the listener waits for the hellos
+of all its connections at once: one that says nothing holds up none of the others.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from spotpipe.store.abort import AbortSignal, PeerFailure
 _HELLO = struct.Struct("!32sII")  # channel name, slots, slot bytes
 _MAC = 32
 _MAX_READ = 4096  # notification bytes read at once (each one message)
+_MAX_SILENT = 64  # connections without a hello kept at once (the oldest goes beyond that)
 # the ring's size is fixed for good before the receiver maps it: memory that its sender could
 # shrink under the mapping would kill the reader with SIGBUS instead of a PeerFailure
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -67,23 +70,30 @@ def _mac(key: bytes, channel: bytes, slots: int, nbytes: int) -> bytes:
 
 def _wait_readable(sock: socket.socket, abort: AbortSignal,
                    blocked: Callable[[bool], None]) -> None:
-    """Until `sock` has data (or its peer closed it); PeerFailure if the abort comes first.
-    (poll, not select: a worker's descriptors can number past select's 1024.)"""
+    """Until `sock` has data (or its peer closed it); PeerFailure if the abort comes first."""
+    _wait_any([sock], abort, blocked)
+
+
+def _wait_any(socks: list[socket.socket], abort: AbortSignal,
+              blocked: Callable[[bool], None]) -> list[socket.socket]:
+    """Until some of `socks` have data (or their peers closed them): those; PeerFailure if the
+    abort comes first. (poll, not select: a worker's descriptors can number past select's
+    1024.)"""
     abort.check()
     poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    if poller.poll(0):
-        return
-    poller.register(abort.wakeup_fd(), select.POLLIN)
-    blocked(True)
-    try:
-        while True:
-            ready = {fd for fd, _ in poller.poll()}
-            abort.check()
-            if sock.fileno() in ready:
-                return
-    finally:
-        blocked(False)
+    for sock in socks:
+        poller.register(sock, select.POLLIN)
+    ready = {fd for fd, _ in poller.poll(0)}
+    if not ready:
+        poller.register(abort.wakeup_fd(), select.POLLIN)
+        blocked(True)
+        try:
+            while not any(sock.fileno() in ready for sock in socks):
+                ready = {fd for fd, _ in poller.poll()}
+                abort.check()
+        finally:
+            blocked(False)
+    return [sock for sock in socks if sock.fileno() in ready]
 
 
 def _lost(peer: str, exc: OSError | None = None) -> PeerFailure:
@@ -120,6 +130,7 @@ class Listener:
         self.sock.bind(name)
         self.sock.listen(64)
         self._arrived: dict[bytes, tuple[socket.socket, int, int, int]] = {}
+        self._silent: list[socket.socket] = []  # connections whose hello has not come yet
 
     def close(self) -> None:
         self.sock.close()
@@ -127,14 +138,21 @@ class Listener:
             conn.close()
             os.close(fd)
         self._arrived.clear()
+        for conn in self._silent:
+            conn.close()
+        self._silent.clear()
 
     def accept(self, channel: bytes, abort: AbortSignal,
                blocked: Callable[[bool], None]) -> Receiver:
-        """The receiving end of `channel`, once its sender's connection has arrived."""
+        """The receiving end of `channel`, once its sender's connection has arrived. New
+        connections and the hellos of those taken are awaited together (see the module doc)."""
         while channel not in self._arrived:
-            _wait_readable(self.sock, abort, blocked)
-            conn, _ = self.sock.accept()
-            self._hello(conn, abort, blocked)
+            ready = _wait_any([self.sock, *self._silent], abort, blocked)
+            for conn in ready[1:] if ready[0] is self.sock else ready:
+                self._silent.remove(conn)
+                self._hello(conn)
+            if ready[0] is self.sock:
+                self._take_connection()
         conn, fd, slots, nbytes = self._arrived.pop(channel)
         try:
             return Receiver(conn, fd, slots, nbytes)
@@ -145,9 +163,16 @@ class Listener:
         conn.close()
         self.on_refused(reason)
 
-    def _hello(self, conn: socket.socket, abort: AbortSignal,
-               blocked: Callable[[bool], None]) -> None:
-        _wait_readable(conn, abort, blocked)
+    def _take_connection(self) -> None:
+        """A new connection, kept until its hello comes; beyond `_MAX_SILENT` without one, the
+        oldest is dropped (a genuine sender's hello comes with its connection)."""
+        conn, _ = self.sock.accept()
+        self._silent.append(conn)
+        if len(self._silent) > _MAX_SILENT:
+            self._refuse(self._silent.pop(0), "a local connection sent no hello")
+
+    def _hello(self, conn: socket.socket) -> None:
+        """Take the hello of `conn`, which has data (or was closed by its peer)."""
         try:
             data, fds, _, _ = socket.recv_fds(conn, _HELLO.size + _MAC, 1)
         except OSError as exc:

@@ -26,7 +26,15 @@ a payload:
   clipping scale (sent before clipping, because the scale needs the global norm, which the
   commit's own collective gathers) and applies it. A HELLO carries the scale of iteration
   `resume - 1`, for a gradient whose COMMIT its writer did not live to send.
-- END: the writer hands the stage over (or the job is over); the shadow waits for the next link.
+- END + one value under GRAD_TAG: the writer hands the stage over (or the job is over); the
+  shadow waits for the next link. The value completes the shadow's receive of the next
+  gradient, posted ahead (gloo takes a shorter message into a receive), which it then drops.
+
+The shadow gives up a link whose writer has said nothing for `cluster.timeout_s` (its receive
+times out, as it fails at once for a writer that is gone), and waits for the next link. A
+writer that was silent half that long (a recovery that kept its link, a slow final save)
+therefore opens a new link before its next message (`ShadowWriter._current`): its HELLO
+settles what the shadow holds, as a new writer's does.
 
 Gloo carries the links whatever the job's backend: shadows live on CPU hosts.
 """
@@ -115,6 +123,13 @@ class ShadowError(RuntimeError):
     """A shadow cannot provide what the job needs (it fell out of step, or is gone)."""
 
 
+def _unreachable(stage: int, exc: RuntimeError) -> ShadowError:
+    """A failed operation on a link, named for the shadow (gloo's own words blame "a remote
+    worker crashing")."""
+    return ShadowError(f"the shadow of stage {stage} is unreachable: "
+                       f"{str(exc).splitlines()[0][:200]}")
+
+
 @dataclass
 class _Link:
     stage: int
@@ -122,7 +137,10 @@ class _Link:
     group: Any
     applied: int  # the newest iteration known applied by the shadow
     store: SealedStore  # the group's rendezvous (referenced while the group lives)
+    resume: int  # the next iteration to commit on it (its HELLO's, then each COMMIT's + 1)
+    scale: torch.Tensor | float | None  # the clipping scale of iteration resume - 1
     sends: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+    used: float = field(default_factory=time.monotonic)  # when its last message was posted
 
 
 class ShadowWriter:
@@ -133,6 +151,9 @@ class ShadowWriter:
         """`store`: the job's, sealed (the links and the shadows' marks are records too)."""
         self.store, self.namespace, self.node = store, namespace, node
         self.max_lag, self.timeout_s = max_lag, timeout_s
+        # a link silent this long is renewed before its next message: the shadow gives it up
+        # after timeout_s (`_current`)
+        self.silent_s = timeout_s / 2
         self.links: dict[int, _Link] = {}
         self.waited_s = 0.0  # time spent waiting on a shadow beyond max_lag
         # all the time shadows add to the writer's critical path, lag waits aside: copying and
@@ -163,36 +184,76 @@ class ShadowWriter:
                 # node restored then: the node has an empty module for it now, so the state
                 # comes again, over a new link (skipping it trained on that empty module)
                 self._end(self.links.pop(s))
-            module, optimizer = writes[s]
-            self.links[s] = self._open(s, resume, module, optimizer, s in restore, scale)
+            self.links[s] = self._open(s, resume, scale, writes[s] if s in restore else None)
 
-    def _open(self, stage: int, resume: int, module: nn.Module,
-              optimizer: torch.optim.Optimizer, want_state: bool,
-              scale: float | None) -> _Link:
+    def _open(self, stage: int, resume: int, scale: torch.Tensor | float | None,
+              state: tuple[nn.Module, torch.optim.Optimizer] | None = None) -> _Link:
+        """A new link to the shadow of `stage`, from iteration `resume` on; with `state`, the
+        stage's (empty) module and optimizer, loaded from the shadow."""
+        want_state = state is not None
         number = self.store.add(links_key(self.namespace, stage), 1)
         self.store.set(link_key(self.namespace, stage, number),
                        json.dumps({"node": self.node, "resume": resume}))
         rendezvous = self.store.rendezvous(self.timeout_s)
-        group = pair_group(rendezvous, self.namespace, stage, number, 1, self.timeout_s)
-        group.send([header(HELLO, resume, int(want_state), scale)], 0, 0).wait()
         ack = torch.empty(_HEADER, dtype=torch.int64)
-        group.recv([ack], 0, 0).wait()
+        try:
+            group = pair_group(rendezvous, self.namespace, stage, number, 1, self.timeout_s)
+            group.send([header(HELLO, resume, int(want_state), scale)], 0, 0).wait()
+            group.recv([ack], 0, 0).wait()
+        except RuntimeError as exc:
+            raise _unreachable(stage, exc) from None
         applied = int(ack[1])
-        link = _Link(stage, number, group, applied, rendezvous)
+        link = _Link(stage, number, group, applied, rendezvous, resume, scale)
         if applied != resume - 1:
             raise ShadowError(f"the shadow of stage {stage} holds iteration {applied}, but the "
                               f"job resumes at iteration {resume}")
-        if want_state:
+        if state is not None:
+            module, optimizer = state
             flat = torch.empty(state_size(module, optimizer))
-            group.recv([flat], 0, 0).wait()
+            try:  # (whole or not at all: a cut link leaves the module unloaded, and fails)
+                group.recv([flat], 0, 0).wait()
+            except RuntimeError as exc:
+                raise _unreachable(stage, exc) from None
             device = next(module.parameters()).device
             unflatten(flat.to(device), module, optimizer)
             self.bytes_received += flat.numel() * flat.element_size()
         return link
 
     def _end(self, link: _Link) -> None:
+        link = self._current(link)
         self._finish_sends(link)
-        link.group.send([header(END)], 0, 0).wait()
+        try:
+            self._say_end(link)
+        except RuntimeError as exc:
+            raise _unreachable(link.stage, exc) from None
+
+    @staticmethod
+    def _say_end(link: _Link) -> None:
+        """END, and the value that completes the gradient's receive posted ahead."""
+        ends = [link.group.send([header(END)], 0, 0),
+                link.group.send([torch.zeros(1)], 0, GRAD_TAG)]
+        for work in ends:
+            work.wait()
+
+    def _current(self, link: _Link) -> _Link:
+        """`link`, or a new link in its place if it has been silent for half of the timeout
+        after which the shadow gives it up (see the module doc). The old one is ended, in
+        case the shadow still follows it; one it gave up already fails, and needs no END."""
+        if time.monotonic() - link.used < self.silent_s:
+            return link
+        try:
+            self._finish_sends(link)
+            self._say_end(link)
+        except RuntimeError:  # (given up: the shadow waits for the next link)
+            link.sends.clear()
+        self.waiting = True
+        try:
+            fresh = self._open(link.stage, link.resume, link.scale)
+        finally:
+            self.waiting = False
+        if self.links.get(link.stage) is link:
+            self.links[link.stage] = fresh
+        return fresh
 
     def post_grad(self, iteration: int, stage: int, flat: torch.Tensor) -> None:
         """Ship iteration `iteration`'s final gradient of `stage` (asynchronously)."""
@@ -210,19 +271,34 @@ class ShadowWriter:
             waited = time.perf_counter()
             self.waiting = True
             try:
-                mark = applied_key(self.namespace, stage, behind)
-                self.store.wait([mark], timedelta(seconds=self.timeout_s))
-                link.store.get(mark)  # a genuine mark, not one put there ahead of the shadow
+                self._await_mark(stage, behind)
+                link.store.get(applied_key(self.namespace, stage, behind))  # (a genuine one)
             finally:
                 self.waiting = False
             link.applied = behind
             self.waited_s += time.perf_counter() - waited
             started += time.perf_counter() - waited
+        # (after the wait, which leaves the link silent too)
+        link = self._current(link)
         flat = flat.detach().to("cpu")
         h = header(GRAD, iteration)
         link.sends.append((link.group.send([h], 0, 0), h))
         link.sends.append((link.group.send([flat], 0, GRAD_TAG), flat))
+        link.used = time.monotonic()
         self.spent("post", started)
+
+    def _await_mark(self, stage: int, iteration: int) -> None:
+        """Until the shadow of `stage` has applied `iteration`; a shadow that does not within
+        cluster.timeout_s stops the job, named (the store's own error names only a key)."""
+        try:
+            self.store.wait([applied_key(self.namespace, stage, iteration)],
+                            timedelta(seconds=self.timeout_s))
+        except dist.DistStoreError as exc:
+            raise ShadowError(
+                f"the shadow of stage {stage} has not applied iteration {iteration} within "
+                f"cluster.timeout_s ({self.timeout_s:g} s): it lags more than shadow.max_lag "
+                f"({self.max_lag}) iterations behind its writer, and is hung or too slow for "
+                f"this job ({str(exc).splitlines()[0][:120]})") from None
 
     def confirm(self) -> None:
         """Every gradient posted so far has left this node (before the commit)."""
@@ -234,14 +310,20 @@ class ShadowWriter:
     def commit(self, iteration: int, scale: torch.Tensor | None, skip: bool = False) -> None:
         """`skip`: the step of `iteration` is skipped on every node (a non-finite norm)."""
         started = time.perf_counter()
-        for link in self.links.values():
+        said = float("nan") if skip else scale  # (a HELLO says a skip with a NaN scale)
+        for stage in sorted(self.links):
+            link = self.links[stage]
+            link.resume, link.scale = iteration + 1, said
+            if self._current(link) is not link:
+                continue  # the new link's HELLO brought the commit (and settled the gradient)
             h = header(COMMIT, iteration, int(skip), scale=scale)
             link.sends.append((link.group.send([h], 0, 0), h))
+            link.used = time.monotonic()
         self.spent("commit_message", started)
 
     def close(self) -> None:
-        for link in self.links.values():
-            self._end(link)
+        for stage in sorted(self.links):
+            self._end(self.links[stage])
         self.links.clear()
 
     def _finish_sends(self, link: _Link) -> None:
@@ -250,8 +332,7 @@ class ShadowWriter:
             for work, _ in link.sends:
                 work.wait()
         except RuntimeError as exc:
-            raise ShadowError(f"the shadow of stage {link.stage} is unreachable: "
-                              f"{str(exc).splitlines()[0][:200]}") from None
+            raise _unreachable(link.stage, exc) from None
         finally:
             self.waiting = False
         link.sends.clear()
