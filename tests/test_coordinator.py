@@ -615,3 +615,29 @@ def test_a_node_that_reported_is_not_answered_on_its_join_board(corpus):
             answers.append(message)
         slot += 1
     assert [a.generation for a in answers] == [1], answers  # (its first placement only)
+
+
+def test_a_successor_counts_a_standby_node_spare_once_the_plan_committed(corpus):
+    """The books say the last plan's first iteration is committed (its metrics line): a
+    successor restored from them counts the loss of the node that plan put on standby as
+    the coordinator it succeeds does, a spare lost (no abort), not a loss that aborts the
+    generation for nothing."""
+    from spotpipe.protocol import CoordinatorState
+
+    def at_the_plan(coord: Coordinator) -> None:
+        _with_standby(coord, ("node2",))
+        coord.history = dataclasses.replace(coord.history, resumed_at=6, before=(
+            Layout.build(2, 1, ["node0", "node2"]), coord.history.partition))
+
+    original, emitted = _coordinator(corpus, 2, ["node0", "node1"])
+    at_the_plan(original)
+    original.committed(6)
+    successor, heard = _coordinator(corpus, 2, ["node0", "node1"])
+    successor.restore(CoordinatorState(
+        **original.books(), cursor=0, journal=0, last_metrics={"iter": 6}, exited={},
+        checkpoints={}, admission={}, time_s=0.0))
+    for coord, events in ((original, emitted), (successor, heard)):
+        coord.node_exited("node2", -9)
+        assert [(e["kind"], e["node"]) for e in events] == [("standby_lost", "node2")]
+        assert coord.collecting is None
+        assert not coord.store.check([keys.board_slot(keys.abort_board(0), 1)])

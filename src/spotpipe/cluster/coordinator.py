@@ -225,6 +225,7 @@ class Coordinator:
         self.collecting = None if rec is None else Collecting(
             int(rec["generation"]), float(rec["started_s"]), [str(r) for r in rec["reasons"]],
             {r["node"]: Report.from_json(r) for r in rec["reports"]})
+        self.newest_committed = _newest_committed(state)
 
     def decided_after_books(self) -> bool:
         """Whether the predecessor published the Decision of the books' generation after it
@@ -655,6 +656,17 @@ class Coordinator:
             # job trains (prepared before the request, so that they start before the boundary)
             self._prepare_following("the layout can improve further")
             self.request_regroup("the layout can improve further")
+
+
+def _newest_committed(state: CoordinatorState) -> int:
+    """The newest iteration the books' metrics.jsonl has a line of (the job's first, less
+    one, before any): a successor that started from -1 took every plan for uncommitted, and
+    the loss of a node the last plan had put on standby aborted the generation for nothing
+    (`Coordinator._spare`), where its predecessor went on training."""
+    last = state.last_metrics
+    if isinstance(last, dict) and isinstance(last.get("iter"), int):
+        return max(int(last["iter"]), state.first_iteration - 1)
+    return state.first_iteration - 1
 
 
 def _node_report(r: Report) -> NodeReport:
