@@ -71,7 +71,15 @@ class Leadership:
         transaction): the keep-alive hears of a lost lease only after its retries give up
         (`cluster.timeout_s`), long after a successor took the office, and a write that was
         under way while this agent was cut off lands when it is back. Refused, it deposes."""
-        return store.guarded(keys.LEADER, name, on_refused=self.deposed.set)
+        return store.guarded(keys.LEADER, name, on_refused=self._refused)
+
+    def _refused(self) -> None:
+        """A write refused for want of the office: deposed, and its lease, which holds no key
+        any more, is no longer renewed."""
+        self._stop.set()
+        self.deposed.set()
+        if self._on_deposed is not None:
+            self._on_deposed()
 
     def reclaim(self) -> bool:
         """The leader holds its lease, but the key was written over without one: put it back
