@@ -351,3 +351,34 @@ def test_a_deposed_coordinators_plan_never_reaches_the_board(etcd, corpus):
     finally:
         successor.resign()
         store.delete_prefix()
+
+
+def test_a_write_refused_for_want_of_the_office_ends_the_renewals():
+    """A coordinator deposed by a write its guard refused holds a lease that holds no key:
+    it is deposed, and its keep-alive thread stops renewing that lease."""
+    from spotpipe.store.leader import Leadership, NotLeader
+
+    class Store:  # etcd's part that the recipe uses; every guarded write refused
+        def grant_lease(self, ttl: int) -> int:
+            return 7
+
+        def create_leased(self, key: str, value: str, lease: int) -> bytes:
+            return value.encode()
+
+        def keep_alive(self, lease: int) -> bool:
+            return True
+
+        def guarded(self, key: str, holds: str, on_refused):
+            class Guarded:
+                def set(self, key: str, value: str) -> None:
+                    on_refused()
+                    raise NotLeader(key)
+            return Guarded()
+
+    leader = Leadership(Store(), "1", ttl_s=2)  # type: ignore[arg-type]
+    assert leader.campaign()
+    with pytest.raises(NotLeader):
+        leader.fenced(leader.store, "1").set("k", "v")
+    assert leader.deposed.is_set()
+    leader._thread.join(10)
+    assert not leader._thread.is_alive()
