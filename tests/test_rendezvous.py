@@ -189,10 +189,11 @@ class _KilledAfterFirstWrite:
         return getattr(self.store, name)
 
 
-def _admitting(tmp_path, corpus):
+def _admitting(tmp_path, corpus, me: int | None = None):
     """A running job's admission on a TCPStore: the coordinator's own agent arrived and was
     admitted, and its admission thread waits for the next arrival. The store, and an agent
-    (its flags and configuration the job's) to arrive with."""
+    (its flags and configuration the job's) to arrive with. `me`: the number the coordinator
+    goes by, if not that first arrival's (a successor whose agent came again since)."""
     import queue
 
     from spotpipe.cluster.admission import Coordinating
@@ -209,7 +210,8 @@ def _admitting(tmp_path, corpus):
     store = address.connect(10.0)
     agent = Agent(opts, cfg, UNREAD_SPEC, TOKEN, address, None)  # type: ignore[arg-type]
     first = agent._arrive(store)  # the coordinator's own agent
-    c = Coordinating(opts, cfg, UNREAD_SPEC, TOKEN, address, me=first)  # type: ignore[arg-type]
+    c = Coordinating(opts, cfg, UNREAD_SPEC, TOKEN, address,  # type: ignore[arg-type]
+                     me=first if me is None else me)
     c._admitted, c._nodes, c._agent_nodes, c._slots = [first], ["node0"], {first: ["node0"]}, \
         {0: first}
     c._next = first + 1
@@ -569,7 +571,7 @@ def _deposed_unaware(etcd, tmp_path, corpus):
     cfg = tiny_config(corpus, stages=2, pipelines=1)
     opts = AgentOptions(backend="etcd", endpoint=etcd.endpoint, rdzv_id="job1", min_nodes=1,
                         max_nodes=4, out=tmp_path, nproc=1)
-    c = Coordinating(opts, cfg, None, TOKEN, address, 1, old)  # type: ignore[arg-type]
+    c = Coordinating(opts, cfg, UNREAD_SPEC, TOKEN, address, 1, old)  # type: ignore[arg-type]
     c._admitted, c._nodes, c._agent_nodes, c._slots = [1], ["node0"], {1: ["node0"]}, {0: 1}
     c._inbox = queue.Queue()  # (the job's loop: its events)
     return c, store, successor
@@ -587,7 +589,7 @@ def test_a_deposed_coordinator_answers_no_arrival(tmp_path, corpus, etcd):
 
     c, store, successor = _deposed_unaware(etcd, tmp_path, corpus)
     try:
-        agent = Agent(c.opts, tiny_config(corpus, stages=2, pipelines=1), None, TOKEN,
+        agent = Agent(c.opts, tiny_config(corpus, stages=2, pipelines=1), UNREAD_SPEC, TOKEN,
                       c.address, None)  # type: ignore[arg-type]
         assert agent._arrive(store) == c.me  # (the coordinator's own arrival)
         k = agent._arrive(store)
@@ -607,16 +609,19 @@ def test_a_deposed_coordinator_answers_no_arrival(tmp_path, corpus, etcd):
         successor.resign()
 
 
-def test_an_arrival_answered_before_the_books_is_taken_into_them(tmp_path, corpus):
+@pytest.mark.parametrize("own", [False, True])
+def test_an_arrival_answered_before_the_books_is_taken_into_them(tmp_path, corpus, own):
     """The coordinator answered an arrival (admitted it, ranks [1]) and was lost before its
     next books: its successor, reading on from the books' next arrival, finds it answered.
     It must take that agent into its books from the answer: before, it only said so, and
     gave the same ranks to the next agent (two workers named node1, two hosts' processes
-    under one name), and the job never counted the first one's node."""
+    under one name), and the job never counted the first one's node. `own`: the arrival is
+    the successor's own agent's, come again (a fenced node) under the number it now goes by."""
     from spotpipe.protocol import Assignment, from_plain
 
-    store, agent, first, hosted = _admitting(tmp_path, corpus)
+    store, agent, first, hosted = _admitting(tmp_path, corpus, me=2 if own else None)
     predecessor_answered = first + 1
+    assert not own or predecessor_answered == 2
     store.set(keys.assignment(predecessor_answered), plain(vouch(
         Assignment(ranks=(1,), world=2, joining=True), TOKEN,
         f"job1/{keys.assignment(predecessor_answered)}")))

@@ -426,7 +426,7 @@ class Coordinating:
             # answered already: by a predecessor, or (its own arrival) by this one in `_run`
             if k != self.me:
                 self._event({"kind": "agent_answered_before", "node": f"agent{k}"})
-                self._take_in(store, k)
+            self._take_in(store, k)  # (its own too: a rejoin the predecessor admitted)
         else:
             info = self._arrival(store, k)
             if isinstance(info, ArrivalsClosed):  # this coordinator's: the job is over
