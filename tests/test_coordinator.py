@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import pytest
 import torch.distributed as dist
 
 from spotpipe.cluster.coordinator import Coordinator
@@ -615,3 +616,58 @@ def test_a_node_that_reported_is_not_answered_on_its_join_board(corpus):
             answers.append(message)
         slot += 1
     assert [a.generation for a in answers] == [1], answers  # (its first placement only)
+
+
+def test_a_successor_counts_a_standby_node_spare_once_the_plan_committed(corpus):
+    """The books say the last plan's first iteration is committed (its metrics line): a
+    successor restored from them counts the loss of the node that plan put on standby as
+    the coordinator it succeeds does, a spare lost (no abort), not a loss that aborts the
+    generation for nothing."""
+    from spotpipe.protocol import CoordinatorState
+
+    def at_the_plan(coord: Coordinator) -> None:
+        _with_standby(coord, ("node2",))
+        coord.history = dataclasses.replace(coord.history, resumed_at=6, before=(
+            Layout.build(2, 1, ["node0", "node2"]), coord.history.partition))
+
+    original, emitted = _coordinator(corpus, 2, ["node0", "node1"])
+    at_the_plan(original)
+    original.committed(6)
+    successor, heard = _coordinator(corpus, 2, ["node0", "node1"])
+    successor.restore(CoordinatorState(
+        **original.books(), cursor=0, journal=0, last_metrics={"iter": 6}, exited={},
+        checkpoints={}, admission={}, time_s=0.0))
+    for coord, events in ((original, emitted), (successor, heard)):
+        coord.node_exited("node2", -9)
+        assert [(e["kind"], e["node"]) for e in events] == [("standby_lost", "node2")]
+        assert coord.collecting is None
+        assert not coord.store.check([keys.board_slot(keys.abort_board(0), 1)])
+
+
+@pytest.mark.parametrize("again", [False, True])
+def test_a_successor_takes_the_groups_its_predecessor_prepared(corpus, again):
+    """node1 of P = 3 has a notice and the coordinator has the next layout's groups formed
+    ahead; then its host is lost and a successor takes over from its books (same store). The
+    boundary's Decision says, as the predecessor's would, that the nodes take the groups they
+    formed: from books that forgot the preparation, it told them to form fresh ones (a
+    regroup's cost again). `again`: the notice, not yet in the books, is read again from the
+    mailbox: it prepares nothing a second time (nor does it keep node1 from being prepared
+    for as leaving, which the books forgot too)."""
+    from spotpipe.protocol import CoordinatorState
+
+    nodes = ["node0", "node1", "node2"]
+    predecessor, _ = _coordinator(corpus, 3, nodes)
+    notice = Notice("node1", 0, "SIGTERM", 1.0)
+    predecessor.noticed(notice, "node1")
+    successor, emitted = _coordinator(corpus, 3, nodes)
+    successor.store = successor.liveness.store = predecessor.store
+    successor.restore(CoordinatorState(
+        **predecessor.books(), cursor=0, journal=0, last_metrics=None, exited={},
+        checkpoints={}, admission={}, time_s=0.0))
+    if again:
+        successor.noticed(notice, "node1")
+    assert [e for e in emitted if e["kind"] == "groups_prepared"] == []
+    assert successor.leaving_now() == {"node1"}
+    _at_boundary(successor, "node1", nodes)
+    record = _record(successor, 0)
+    assert record.decision["action"] == "failover" and record.prepared

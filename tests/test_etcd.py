@@ -280,3 +280,105 @@ def test_shadow_restore_on_etcd(tmp_path, corpus, etcd):
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert_samples_exactly_once(run, cfg)
     assert workers_running(run) == []
+
+
+def test_a_guarded_client_writes_only_while_its_guard_holds(etcd):
+    """The coordinator writes through a client guarded by the leader key (`guarded`): each
+    write lands in one transaction with the check that the key still names it. Once another
+    agent holds the office, every kind of write is refused whole (NotLeader, after telling
+    `on_refused`), and nothing of it is in the store; a compare_set that fails on its own
+    compare while the guard holds answers as usual."""
+    from spotpipe.protocol import keys
+    from spotpipe.store.leader import NotLeader
+
+    store = _store(etcd, "/guarded")
+    store.set(keys.LEADER, "1")
+    refused: list[int] = []
+    g = store.guarded(keys.LEADER, "1", on_refused=lambda: refused.append(1))
+    g.set("a", "x")
+    assert g.compare_set("b", "", "y") == b"y" and g.compare_set("b", "", "z") == b"y"
+    assert g.add("n", 2) == 2
+    g.multi_set(["c", "d"], ["1", "2"])
+    assert g.delete_key("d") and refused == []
+    store.set(keys.LEADER, "2")  # a successor holds the office
+    writes = [lambda: g.set("a", "stale"), lambda: g.compare_set("e", "", "stale"),
+              lambda: g.compare_set("b", "y", "stale"), lambda: g.add("n", 1),
+              lambda: g.multi_set(["c", "f"], ["stale", "stale"]), lambda: g.delete_key("c")]
+    for write in writes:
+        with pytest.raises(NotLeader):
+            write()
+    assert len(refused) == len(writes)
+    assert [store.get(k) for k in ("a", "b", "n", "c")] == [b"x", b"y", b"2", b"1"]
+    assert not store.check(["e"]) and not store.check(["f"])
+    store.delete_key(keys.LEADER)  # (vacant: no one's guard holds)
+    with pytest.raises(NotLeader):
+        g.set("a", "stale")
+    store.delete_prefix()
+
+
+def test_a_deposed_coordinators_plan_never_reaches_the_board(etcd, corpus):
+    """A coordinator cut off past its lease, back before its keep-alive heard, publishes the
+    plan its last report completed: through its guarded client the plan is refused and the
+    coordinator deposed, so the nodes never see two plans of one generation (the successor
+    then had to stop the job: `test_coordinator`)."""
+    from spotpipe.cluster.coordinator import Coordinator
+    from spotpipe.plan import Layout
+    from spotpipe.protocol import Channel, Report, job_key, keys
+    from spotpipe.store.leader import Leadership, NotLeader
+
+    store = _store(etcd, "/deposed-plan")
+    old = Leadership(store, "1", ttl_s=5)
+    assert old.campaign()
+    old._stop.set()  # (cut off: its renewals no longer reach etcd)
+    store.revoke_lease(old._lease)
+    successor = Leadership(_store(etcd, "/deposed-plan"), "2", ttl_s=5)
+    assert successor.campaign()
+    try:
+        coord = Coordinator(
+            cfg=tiny_config(corpus, stages=2, pipelines=1, redundancy="lazy"),
+            store=old.fenced(store, "1"), layout=Layout.build(2, 1, ["node0", "node1"]),
+            kill=lambda node: None, emit=lambda e: None, now=lambda: 0.0,
+            channel=Channel(job_key(b"sesame", "t"), "coordinator"), partition=[(0, 1), (1, 2)])
+        report = dict(generation=0, boundary=True, iteration=5, position=0, instruction="",
+                      committed_through=5, stepped_through=5, done=(), clip_scale=None,
+                      flight=-1, formed=True, lacking=(), untouched=True, leaving=False,
+                      reason="the layout changes at this iteration boundary", time_s=0.0)
+        coord.report(Report(node="node0", **report), "node0")
+        with pytest.raises(NotLeader):
+            coord.report(Report(node="node1", **report), "node1")
+        assert old.deposed.is_set()
+        assert not store.check([keys.board_slot(keys.decision_board(0), 1)])
+    finally:
+        successor.resign()
+        store.delete_prefix()
+
+
+def test_a_write_refused_for_want_of_the_office_ends_the_renewals():
+    """A coordinator deposed by a write its guard refused holds a lease that holds no key:
+    it is deposed, and its keep-alive thread stops renewing that lease."""
+    from spotpipe.store.leader import Leadership, NotLeader
+
+    class Store:  # etcd's part that the recipe uses; every guarded write refused
+        def grant_lease(self, ttl: int) -> int:
+            return 7
+
+        def create_leased(self, key: str, value: str, lease: int) -> bytes:
+            return value.encode()
+
+        def keep_alive(self, lease: int) -> bool:
+            return True
+
+        def guarded(self, key: str, holds: str, on_refused):
+            class Guarded:
+                def set(self, key: str, value: str) -> None:
+                    on_refused()
+                    raise NotLeader(key)
+            return Guarded()
+
+    leader = Leadership(Store(), "1", ttl_s=2)  # type: ignore[arg-type]
+    assert leader.campaign()
+    with pytest.raises(NotLeader):
+        leader.fenced(leader.store, "1").set("k", "v")
+    assert leader.deposed.is_set()
+    leader._thread.join(10)
+    assert not leader._thread.is_alive()

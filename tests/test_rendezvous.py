@@ -189,10 +189,11 @@ class _KilledAfterFirstWrite:
         return getattr(self.store, name)
 
 
-def _admitting(tmp_path, corpus):
+def _admitting(tmp_path, corpus, me: int | None = None):
     """A running job's admission on a TCPStore: the coordinator's own agent arrived and was
     admitted, and its admission thread waits for the next arrival. The store, and an agent
-    (its flags and configuration the job's) to arrive with."""
+    (its flags and configuration the job's) to arrive with. `me`: the number the coordinator
+    goes by, if not that first arrival's (a successor whose agent came again since)."""
     import queue
 
     from spotpipe.cluster.admission import Coordinating
@@ -209,7 +210,8 @@ def _admitting(tmp_path, corpus):
     store = address.connect(10.0)
     agent = Agent(opts, cfg, UNREAD_SPEC, TOKEN, address, None)  # type: ignore[arg-type]
     first = agent._arrive(store)  # the coordinator's own agent
-    c = Coordinating(opts, cfg, UNREAD_SPEC, TOKEN, address, me=first)  # type: ignore[arg-type]
+    c = Coordinating(opts, cfg, UNREAD_SPEC, TOKEN, address,  # type: ignore[arg-type]
+                     me=first if me is None else me)
     c._admitted, c._nodes, c._agent_nodes, c._slots = [first], ["node0"], {first: ["node0"]}, \
         {0: first}
     c._next = first + 1
@@ -544,3 +546,87 @@ def test_an_agent_whose_c10d_endpoint_another_service_holds_stops_saying_so(tmp_
     assert p.returncode == 2, p.stderr[-1000:]
     assert f"--rdzv-endpoint: 127.0.0.1:{port}: something accepts connections there but " \
            "does not answer as a store" in p.stderr, p.stderr[-1000:]
+
+
+def _deposed_unaware(etcd, tmp_path, corpus):
+    """A running job's coordinator (agent 1) on etcd whose lease expired while it was cut off
+    (its keep-alive has not heard yet, so nothing in it says deposed), and the successor
+    (agent 2) that holds the office since. The coordinator, its store, and the successor."""
+    import queue
+
+    from spotpipe.cluster.admission import Coordinating
+    from spotpipe.store.address import StoreAddress, job_prefix
+
+    from conftest import tiny_config
+
+    host, port = etcd.endpoint.split(":")
+    address = StoreAddress("etcd", host, int(port), job_prefix("job1"))
+    store = address.connect(10.0)
+    old = Leadership(store, "1", ttl_s=5)
+    assert old.campaign()
+    old._stop.set()  # (cut off: its renewals no longer reach etcd)
+    store.revoke_lease(old._lease)  # the lease expires on etcd's clock
+    successor = Leadership(address.connect(10.0), "2", ttl_s=5)
+    assert successor.campaign() and not old.deposed.is_set()
+    cfg = tiny_config(corpus, stages=2, pipelines=1)
+    opts = AgentOptions(backend="etcd", endpoint=etcd.endpoint, rdzv_id="job1", min_nodes=1,
+                        max_nodes=4, out=tmp_path, nproc=1)
+    c = Coordinating(opts, cfg, UNREAD_SPEC, TOKEN, address, 1, old)  # type: ignore[arg-type]
+    c._admitted, c._nodes, c._agent_nodes, c._slots = [1], ["node0"], {1: ["node0"]}, {0: 1}
+    c._inbox = queue.Queue()  # (the job's loop: its events)
+    return c, store, successor
+
+
+def test_a_deposed_coordinator_answers_no_arrival(tmp_path, corpus, etcd):
+    """The successor answers the job's arrivals from its own books; a coordinator deposed
+    while cut off, whose admission thread reads an arrival before anything tells it it lost
+    the office, must not answer it: two coordinators answered one agent (the deposed one's
+    ranks in no successor's books, given again to the next agent), or it answered first and
+    the successor, finding an answer, admitted nobody. Nor may it end the job."""
+    from spotpipe.cluster.agent import Agent
+
+    from conftest import tiny_config
+
+    c, store, successor = _deposed_unaware(etcd, tmp_path, corpus)
+    try:
+        agent = Agent(c.opts, tiny_config(corpus, stages=2, pipelines=1), UNREAD_SPEC, TOKEN,
+                      c.address, None)  # type: ignore[arg-type]
+        assert agent._arrive(store) == c.me  # (the coordinator's own arrival)
+        k = agent._arrive(store)
+        c._next = k
+        c.go(c._inbox)  # its admission thread reads the arrival
+        c._late.join(30)
+        assert not store.check([keys.assignment(k)]), "a deposed coordinator answered"
+        assert not c._late.is_alive()  # it stopped admitting, deposed
+        assert c.deposed()
+        c.leadership.deposed.clear()  # (unaware again) its end of the job is refused too
+        try:
+            c._close(store)
+        except Exception:  # noqa: BLE001
+            pass
+        assert not store.check([OVER]), "a deposed coordinator ended the job"
+    finally:
+        successor.resign()
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_an_arrival_answered_before_the_books_is_taken_into_them(tmp_path, corpus, own):
+    """The coordinator answered an arrival (admitted it, ranks [1]) and was lost before its
+    next books: its successor, reading on from the books' next arrival, finds it answered.
+    It must take that agent into its books from the answer: before, it only said so, and
+    gave the same ranks to the next agent (two workers named node1, two hosts' processes
+    under one name), and the job never counted the first one's node. `own`: the arrival is
+    the successor's own agent's, come again (a fenced node) under the number it now goes by."""
+    from spotpipe.protocol import Assignment, from_plain
+
+    store, agent, first, hosted = _admitting(tmp_path, corpus, me=2 if own else None)
+    predecessor_answered = first + 1
+    assert not own or predecessor_answered == 2
+    store.set(keys.assignment(predecessor_answered), plain(vouch(
+        Assignment(ranks=(1,), world=2, joining=True), TOKEN,
+        f"job1/{keys.assignment(predecessor_answered)}")))
+    assert agent._arrive(store) == predecessor_answered
+    k = agent._arrive(store)
+    _admitted_late(store, k)
+    answer = from_plain(store.get(keys.assignment(k)), Assignment)
+    assert answer.ranks == (2,), f"node{answer.ranks[0]} given twice"

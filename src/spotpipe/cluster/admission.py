@@ -20,13 +20,13 @@ from spotpipe.cluster.coordinator import join_problem
 from spotpipe.cluster.inbox import HelperEvent, Inbox
 from spotpipe.cluster.agent_options import AgentOptions
 from spotpipe.cluster.rendezvous import (JOB, agent_key, arrive, assign_key, post_over,
-                                         proof_key, read_record, wait_get)
+                                         proof_key, read_record, read_vouched, wait_get)
 from spotpipe.config import Config
 from spotpipe.protocol import (AgentArrival, ArrivalsClosed, Assignment, Channel,
                                CoordinatorState, JobPosted, MessageError, job_key,
                                new_instance_id, plain, vouch, vouched)
 from spotpipe.store.address import StoreAddress
-from spotpipe.store.leader import Leadership
+from spotpipe.store.leader import Leadership, NotLeader
 from spotpipe.store.waiting import wait_unbounded
 
 
@@ -123,6 +123,16 @@ class Coordinating:
 
     def deposed(self) -> bool:
         return self.leadership is not None and self.leadership.deposed.is_set()
+
+    def office_store(self, store: dist.Store) -> dist.Store:
+        """`store` as this coordinator writes through it: with etcd, each write lands only
+        while the leader key names this agent (`Leadership.fenced`). Its checks of the key
+        (each turn's, the keep-alive's) come too late for a write already on its way: a
+        coordinator cut off past its lease, back before it heard, answered an arrival the
+        successor answered too, or ended the job the successor was running."""
+        if self.leadership is None:
+            return store
+        return self.leadership.fenced(store, str(self.me))  # type: ignore[arg-type]
 
     def acting(self) -> bool:
         """Whether this agent still coordinates (neither deposed nor handed the office on)."""
@@ -344,6 +354,16 @@ class Coordinating:
             self._slots[slot] = k
             first = slot * n
         ranks = list(range(first, first + n))
+        self._book(k, before, ranks)
+        if info.resume_fetch and not late:
+            self._start_send(k)
+        self._answer(store, k, Assignment(ranks=tuple(ranks), world=self.world, joining=late))
+        self._event({"kind": "agent_admitted", "node": name, "ranks": ranks, "joining": late,
+                     **({"rejoin_of": f"agent{before}"} if before is not None else {})})
+
+    def _book(self, k: int, before: int | None, ranks: list[int]) -> None:
+        """Agent `k` runs the nodes of `ranks`, and, coming again in place of agent `before`
+        (its node fenced), that agent's nodes that still run: the admission books."""
         with self._lock:
             kept: list[str] = []
             if before is not None:  # the same host: its nodes that still run stay its own
@@ -354,14 +374,37 @@ class Coordinating:
             self._admitted.append(k)
             self._agent_nodes[k] = [*kept, *(f"node{r}" for r in ranks)]
             self._nodes.extend(f"node{r}" for r in ranks)
-        if info.resume_fetch and not late:
-            self._start_send(k)
-        self._answer(store, k, Assignment(ranks=tuple(ranks), world=self.world, joining=late))
-        self._event({"kind": "agent_admitted", "node": name, "ranks": ranks, "joining": late,
+
+    def _take_in(self, store: dist.Store, k: int) -> None:
+        """Arrival `k` is answered, and these books do not have it: a predecessor admitted it
+        after its last books were written (lost in that turn). Its answer, with the job's
+        proof, goes into the books as an admission made here: only said, it left that agent's
+        nodes out of the job's count, and the next agent was given the same ranks (two
+        workers of one name). A refusal, or an answer without the proof, admitted no one."""
+        if k in self._admitted:
+            return
+        try:
+            answer = read_vouched(store, assign_key(k), self.token, self.opts.rdzv_id,
+                                  Assignment)
+        except MessageError as exc:
+            self._event({"kind": "record_refused", "node": "launcher", "writer": "unknown",
+                         "reason": f"the answer to arrival {k}: {exc}"[:300]})
+            return
+        assert isinstance(answer, Assignment)
+        if answer.refused or not answer.ranks:
+            return
+        try:
+            info = read_record(store, agent_key(k), AgentArrival)
+        except MessageError:
+            info = None
+        before = self._rejoin_of(info) if isinstance(info, AgentArrival) else None
+        self._book(k, before, list(answer.ranks))
+        self._event({"kind": "agent_admitted", "node": f"agent{k}", "ranks": list(answer.ranks),
+                     "joining": answer.joining, "answered_by": "predecessor",
                      **({"rejoin_of": f"agent{before}"} if before is not None else {})})
 
     def _admit_late(self) -> None:
-        store = self.address.connect(self.cfg.cluster.timeout_s)
+        store = self.office_store(self.address.connect(self.cfg.cluster.timeout_s))
         while True:
             k = self._next
             try:  # (an agent may come late in a job of weeks)
@@ -371,7 +414,10 @@ class Coordinating:
             if not self.acting():
                 return
             with self.admitting:
-                if not self.acting() or not self._admit_next(store, k):
+                try:
+                    if not self.acting() or not self._admit_next(store, k):
+                        return
+                except NotLeader:  # (deposed: the successor answers it)
                     return
 
     def _admit_next(self, store: dist.Store, k: int) -> bool:
@@ -380,6 +426,7 @@ class Coordinating:
             # answered already: by a predecessor, or (its own arrival) by this one in `_run`
             if k != self.me:
                 self._event({"kind": "agent_answered_before", "node": f"agent{k}"})
+            self._take_in(store, k)  # (its own too: a rejoin the predecessor admitted)
         else:
             info = self._arrival(store, k)
             if isinstance(info, ArrivalsClosed):  # this coordinator's: the job is over
@@ -403,13 +450,15 @@ class Coordinating:
                                f"{type(exc).__name__}: {exc}")[:500]
                 try:
                     self._close(self.address.connect(self.cfg.cluster.timeout_s))
+                except NotLeader:
+                    pass  # (deposed: its successor ends the job)
                 except Exception as lost:  # noqa: BLE001 - the store is gone: said, and raised
                     print(f"spotpipe agent: the job's end could not be posted: {lost}",
                           file=sys.stderr)
             raise
 
     def _start(self) -> int:
-        store = self.address.connect(self.cfg.cluster.timeout_s)
+        store = self.office_store(self.address.connect(self.cfg.cluster.timeout_s))
         root = durable.written_root(self.cfg, self.opts.out)
         nonce, refused = secrets.token_hex(16), ""
         if self.opts.resume is not None and self.checkpoint is None:
@@ -501,7 +550,8 @@ class Coordinating:
         loop = self._loop()
         loop.takeover = self.takeover
         try:
-            return self._run_loop(loop, self.address.connect(self.cfg.cluster.timeout_s))
+            return self._run_loop(loop, self.office_store(
+                self.address.connect(self.cfg.cluster.timeout_s)))
         finally:
             if seen:
                 self._free_folder(root)  # type: ignore[arg-type]
@@ -515,7 +565,8 @@ class Coordinating:
         """Run the job's loop on a connection of its own; then end the rendezvous, with the
         loop's error as the job's end message if it raised."""
         try:
-            self.code = loop.run(self.address.connect(self.cfg.cluster.timeout_s), self.address)
+            self.code = loop.run(self.office_store(
+                self.address.connect(self.cfg.cluster.timeout_s)), self.address)
         except BaseException as exc:
             self._crash = f"the coordinator failed: {type(exc).__name__}: {exc}"
             raise
@@ -523,6 +574,8 @@ class Coordinating:
             self._store_lost = loop.store_lost
             try:  # (the store may be back: the agents wait for this end record)
                 self._close(store)
+            except NotLeader:
+                pass  # (deposed: its successor ends the job)
             except dist.DistNetworkError as exc:
                 print(f"spotpipe agent: the job's end could not be posted: {exc}",
                       file=sys.stderr)
@@ -538,6 +591,7 @@ class Coordinating:
             self.leadership.resign()
         if not self.acting():
             return
+        store = self.office_store(store)
         # wake the admission thread: a marker in the next arrival slot it will read
         close = arrive(store, lambda key: plain(vouch(ArrivalsClosed(), self.token,
                                                       self.rdzv_key(key))))

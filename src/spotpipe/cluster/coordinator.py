@@ -205,6 +205,9 @@ class Coordinator:
             "left_on_notice": tuple(sorted(self.left_on_notice)),
             "joining": tuple(self.joining), "over": self.over,
             "stop_message": self.stop_message, "regroup_asked": self._regroup_asked,
+            "prepared_ahead": {"generation": self._prepared_in[0],
+                         "layouts": [layout.to_json() for layout in self._prepared_in[1]]},
+            "noticed": {"generation": self._noticed[0], "nodes": sorted(self._noticed[1])},
             "collecting": None if rec is None else {
                 "generation": rec.generation, "started_s": rec.started_s,
                 "reasons": list(rec.reasons),
@@ -225,6 +228,15 @@ class Coordinator:
         self.collecting = None if rec is None else Collecting(
             int(rec["generation"]), float(rec["started_s"]), [str(r) for r in rec["reasons"]],
             {r["node"]: Report.from_json(r) for r in rec["reports"]})
+        self.newest_committed = _newest_committed(state)
+        # what the nodes were asked to form ahead, and who leaves on a notice: forgotten, the
+        # boundary's Decision told the nodes to form fresh groups instead of the ones formed,
+        # and a notice read again prepared them a second time
+        prepared = state.prepared_ahead or {"generation": -1, "layouts": []}
+        self._prepared_in = (int(prepared["generation"]),
+                             [Layout.from_json(layout) for layout in prepared["layouts"]])
+        noticed = state.noticed or {"generation": -1, "nodes": []}
+        self._noticed = (int(noticed["generation"]), frozenset(map(str, noticed["nodes"])))
 
     def decided_after_books(self) -> bool:
         """Whether the predecessor published the Decision of the books' generation after it
@@ -655,6 +667,17 @@ class Coordinator:
             # job trains (prepared before the request, so that they start before the boundary)
             self._prepare_following("the layout can improve further")
             self.request_regroup("the layout can improve further")
+
+
+def _newest_committed(state: CoordinatorState) -> int:
+    """The newest iteration the books' metrics.jsonl has a line of (the job's first, less
+    one, before any): a successor that started from -1 took every plan for uncommitted, and
+    the loss of a node the last plan had put on standby aborted the generation for nothing
+    (`Coordinator._spare`), where its predecessor went on training."""
+    last = state.last_metrics
+    if isinstance(last, dict) and isinstance(last.get("iter"), int):
+        return max(int(last["iter"]), state.first_iteration - 1)
+    return state.first_iteration - 1
 
 
 def _node_report(r: Report) -> NodeReport:

@@ -44,6 +44,7 @@ from spotpipe.store.address import StoreAddress
 from spotpipe.cluster.supervisor import (SHADOW, Supervisor, search_path, starter,
                                          worker_env)
 from spotpipe.config import Config
+from spotpipe.store.leader import NotLeader
 from spotpipe.store.sealed import SealedStore
 
 
@@ -242,6 +243,8 @@ class JobLoop:
         except Deposed as exc:
             message, deposed = str(exc), True
             handed_over = isinstance(exc, HandedOver)
+        except NotLeader as exc:  # (a write of this turn refused: another agent coordinates)
+            message, deposed = f"this agent no longer holds the coordinator's office: {exc}", True
         except dist.DistNetworkError as exc:  # the store is gone (etcd unreachable past
             # cluster.timeout_s): the workers are cut off from its records too; say so
             message, self.store_lost = f"lost the store: {exc}", True
@@ -617,6 +620,8 @@ class JobLoop:
                 mailbox.Outbox(store, self.channel, self.t0).post(Close())
             except dist.DistNetworkError:
                 self.store_lost = True
+            except NotLeader:  # (deposed as it ended: the successor reads the mailbox on)
+                pass
         self._pump.join(timeout=10 if not self.store_lost else self.cfg.cluster.timeout_s)
 
     def _merge_final(self) -> None:

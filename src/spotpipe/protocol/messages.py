@@ -441,6 +441,11 @@ class CoordinatorState(Message):
     # agreement's reports and not written yet (`spotpipe.cluster.recovered_metrics`)
     recovered_lines: tuple[dict[str, Any], ...] = ()
     first_iteration: int = 0  # the job's (a resumed checkpoint's next): its first line
+    # the layouts whose groups the nodes were asked to form ahead, with the generation that
+    # asked, and the nodes whose notices came in a generation (`Coordinator._prepared_in`,
+    # `_noticed`): {"generation": g, "layouts": [...]} and {"generation": g, "nodes": [...]}
+    prepared_ahead: dict[str, Any] | None = None
+    noticed: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

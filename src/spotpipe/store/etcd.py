@@ -31,6 +31,8 @@ from etcd3gw import exceptions as etcd_errors
 from etcd3gw.client import Etcd3Client
 from etcd3gw.utils import _decode, _encode, _increment_last_byte
 
+from spotpipe.store.leader import NotLeader
+
 T = TypeVar("T")
 
 # Errors that mean "etcd is not reachable right now", worth retrying until the deadline.
@@ -58,6 +60,51 @@ class EtcdStore(dist.Store):
         # a requests.Session per thread: sessions are not thread-safe, and gloo, heartbeat and
         # watcher threads may share one store object
         self._local = threading.local()
+        # (key, value) that every write of this client requires, and who hears a refusal
+        self._guard: tuple[bytes, bytes] | None = None
+        self._on_refused: Callable[[], None] = lambda: None
+
+    def guarded(self, key: str, holds: str | bytes,
+                on_refused: Callable[[], None] = lambda: None) -> "EtcdStore":
+        """A client of the same store each of whose writes (`set`, `compare_set`, `add`,
+        `multi_set`, `delete_key`) is made only while `key` holds `holds`, in the same
+        transaction: a refused one raises NotLeader after calling `on_refused`. The
+        coordinator's writes go through one, so that a coordinator deposed while cut off
+        writes nothing once it is back (a plan, an answer to an arrival, the job's end)."""
+        other = EtcdStore(self.host, self.port, self.prefix, timeout=self.timeout,
+                          reconnect_s=self.reconnect_s)
+        other._guard = (self._key(key), holds.encode() if isinstance(holds, str) else holds)
+        other._on_refused = on_refused
+        return other
+
+    def _guards(self) -> list[dict[str, Any]]:
+        if self._guard is None:
+            return []
+        key, holds = self._guard
+        return [{"key": _encode(key), "target": "VALUE", "result": "EQUAL",
+                 "value": _encode(holds)}]
+
+    def _guard_read(self) -> list[dict[str, Any]]:
+        return [] if self._guard is None else [{"request_range": {"key": _encode(self._guard[0])}}]
+
+    def _refused_unless_guard_held(self, reply: dict[str, Any], at: int) -> None:
+        """A failed transaction's reply, whose response `at` reads the guard's key: raise
+        NotLeader when the guard no longer holds (rather than the compare of the write)."""
+        if self._guard is None:
+            return
+        kvs = reply.get("responses", [])[at].get("response_range", {}).get("kvs", [])
+        if not kvs or _decode(kvs[0].get("value", "")) != self._guard[1]:
+            self._on_refused()
+            raise NotLeader(f"{self._guard[0].decode(errors='replace')} no longer holds "
+                            f"{self._guard[1].decode(errors='replace')!r}: the write was refused")
+
+    def _put_guarded(self, what: str, success: list[dict[str, Any]]) -> dict[str, Any]:
+        """`success` in one transaction, under the guard if there is one."""
+        reply = self._retry(what, lambda: self._txn({
+            "compare": self._guards(), "success": success, "failure": self._guard_read()}))
+        if not reply.get("succeeded"):  # (the gateway leaves a false out)
+            self._refused_unless_guard_held(reply, 0)
+        return reply
 
     # ------------------------------------------------------------------ plumbing
 
@@ -106,6 +153,10 @@ class EtcdStore(dist.Store):
 
     def set(self, key: str, value: str | bytes) -> None:
         data = value.encode() if isinstance(value, str) else value
+        if self._guard is not None:
+            self._put_guarded("set", [{"request_put": {"key": _encode(self._key(key)),
+                                                       "value": _encode(data)}}])
+            return
         self._retry("set", lambda: self._client().put(self._key(key), data))
 
     def get(self, key: str) -> bytes:
@@ -123,6 +174,10 @@ class EtcdStore(dist.Store):
 
     def delete_key(self, key: str) -> bool:
         k = self._key(key)
+        if self._guard is not None:
+            reply = self._put_guarded("delete", [{"request_delete_range": {"key": _encode(k)}}])
+            deleted = reply["responses"][0].get("response_delete_range", {})
+            return int(deleted.get("deleted", 0)) > 0
         reply = self._retry("delete", lambda: self._client().post(
             self._client().get_url("/kv/deleterange"), json={"key": _encode(k)}))
         return int(reply.get("deleted", 0)) > 0
@@ -165,10 +220,13 @@ class EtcdStore(dist.Store):
                 current, compare = 0, {"target": "CREATE", "result": "EQUAL",
                                        "create_revision": 0}
             new = str(current + amount)
-            result = self._txn({"compare": [{"key": _encode(k), **compare}], "success": [
+            result = self._txn({"compare": [{"key": _encode(k), **compare}, *self._guards()],
+                                "success": [
                 {"request_put": {"key": _encode(k), "value": _encode(new)}},
                 {"request_put": {"key": _encode(receipt), "value": _encode(new)}}],
-                "failure": []})
+                "failure": self._guard_read()})
+            if not result.get("succeeded"):
+                self._refused_unless_guard_held(result, 0)
             return int(new) if result.get("succeeded") else None
 
         while True:
@@ -190,11 +248,12 @@ class EtcdStore(dist.Store):
         else:
             compare = {"target": "CREATE", "result": "EQUAL", "create_revision": 0}
         reply = self._retry("compare_set", lambda: self._txn({
-            "compare": [{"key": _encode(k), **compare}],
+            "compare": [{"key": _encode(k), **compare}, *self._guards()],
             "success": [{"request_put": {"key": _encode(k), "value": _encode(desired)}}],
-            "failure": [{"request_range": {"key": _encode(k)}}]}))
+            "failure": [{"request_range": {"key": _encode(k)}}, *self._guard_read()]}))
         if reply.get("succeeded"):
             return desired
+        self._refused_unless_guard_held(reply, 1)
         kvs = reply["responses"][0].get("response_range", {}).get("kvs", [])
         return _decode(kvs[0].get("value", "")) if kvs else expected
 
@@ -219,9 +278,9 @@ class EtcdStore(dist.Store):
         return bool(reply.get("succeeded"))
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        self._retry("multi_set", lambda: self._txn({"compare": [], "success": [
+        self._put_guarded("multi_set", [
             {"request_put": {"key": _encode(self._key(k)), "value": _encode(v)}}
-            for k, v in zip(keys, values)], "failure": []}))
+            for k, v in zip(keys, values)])
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         self._wait([self._key(k) for k in keys], timeout or self.timeout)

@@ -26,6 +26,12 @@ if TYPE_CHECKING:  # (etcd3gw is an optional dependency: the `etcd` extra)
     from spotpipe.store.etcd import EtcdStore
 
 
+class NotLeader(RuntimeError):
+    """etcd refused a write of the coordinator's because the leader key no longer names it
+    (`EtcdStore.guarded`): its lease expired while it was cut off, and a successor may be
+    coordinating. The writer is deposed; nothing of that write reached the store."""
+
+
 def lease_ttl(heartbeat_timeout_s: float) -> int:
     """The leader's lease TTL: the heartbeat timeout, in whole seconds (etcd's unit), at
     least 2 (etcd refuses shorter leases)."""
@@ -59,6 +65,21 @@ class Leadership:
         it under its lease), but something's that reached the store. Such a key never
         expires: the office looked taken for good, and every agent waited for ever."""
         return self.store.lease_of(keys.LEADER) == 0
+
+    def fenced(self, store: "EtcdStore", name: str) -> "EtcdStore":
+        """`store`, each of whose writes lands only while the leader key names `name` (one
+        transaction): the keep-alive hears of a lost lease only after its retries give up
+        (`cluster.timeout_s`), long after a successor took the office, and a write that was
+        under way while this agent was cut off lands when it is back. Refused, it deposes."""
+        return store.guarded(keys.LEADER, name, on_refused=self._refused)
+
+    def _refused(self) -> None:
+        """A write refused for want of the office: deposed, and its lease, which holds no key
+        any more, is no longer renewed."""
+        self._stop.set()
+        self.deposed.set()
+        if self._on_deposed is not None:
+            self._on_deposed()
 
     def reclaim(self) -> bool:
         """The leader holds its lease, but the key was written over without one: put it back
