@@ -169,6 +169,30 @@ def test_failover_is_exact(tmp_path, tmp_path_factory, corpus, stages, pipelines
     assert_nothing_left(run, store_port(run))
 
 
+@pytest.mark.parametrize("stages,mode,lost", [(2, "lazy", "node1"), (3, "eager", "node0")])
+def test_a_node_lost_after_the_last_commit_is_taken_over_and_the_job_completes(
+        tmp_path, tmp_path_factory, corpus, stages, mode, lost):
+    """A node killed in the last iteration's optimizer step (after the commit): the others
+    saved their final stages and left before its loss was seen, so its stages' final
+    parameters went with it, and the job failed saying every node was lost "in iteration 0
+    (the last committed iteration is -1)". Every node now waits for the others to complete
+    the last iteration: the loss is met by a takeover, and the survivor saves the stages."""
+    cfg = config(corpus, stages, 1, mode)
+    nodes = [f"node{r}" for r in range(stages)]
+    run = tmp_path / "run"
+    faults = [Fault.parse("fail", f"{lost}@{ITERS - 1}:optimizer", nodes)]
+    assert train(cfg, run, progress=False, faults=faults) == 0
+    got = load_file(str(run / "final" / "model.safetensors"))
+    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=stages, **FAST))
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs from the failure-free run"
+    plans = [e for e in events(run) if e["kind"] == "plan"]
+    assert [(p["action"], p["resume"]) for p in plans] == [("failover", ITERS)]
+    assert_samples_exactly_once(run, cfg)
+    assert_every_iteration_logged(run, cfg)
+    assert_nothing_left(run, store_port(run))
+
+
 def test_adjacent_losses_drop_the_pipeline_when_another_survives(tmp_path, tmp_path_factory,
                                                                  corpus):
     """D = 2 -> 1: the broken pipeline's survivor leaves, the other pipeline takes all the

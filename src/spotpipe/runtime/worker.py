@@ -397,9 +397,14 @@ class Worker:
                            joined=joining, built=self.built)
         t = self.state.start_iteration
         resumed_at: float | None = None
-        while t < cfg.iterations:
+        finished = False  # every node of the generation completed the last iteration
+        while not finished:
             ex = self.executor
             try:
+                if t >= cfg.iterations:
+                    self._await_the_others_finished()
+                    finished = True
+                    continue
                 self.inject("start", t)
                 t_start = time.perf_counter()
                 lr = ex.set_lr(t)
@@ -428,6 +433,16 @@ class Worker:
                     return  # this node left the job
                 resumed_at = time.time()
         self._finish()
+
+    def _await_the_others_finished(self) -> None:
+        """Wait until every node of the generation has completed the last iteration, before
+        any saves its final stages and leaves. A node lost in the last iteration after its
+        commit (in its optimizer step, posting its metrics) is then met by the usual
+        recovery: a survivor holding its replica takes its stages over and saves them. Before,
+        the others had saved theirs and left by the time its loss was seen: its stages'
+        final parameters were lost with it, and the job failed, counting every node lost."""
+        with self.activity.waiting():
+            self.executor.comm.all_reduce(torch.zeros(1))
 
     # ------------------------------------------------------------------ recovery
 
