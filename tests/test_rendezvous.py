@@ -630,3 +630,38 @@ def test_an_arrival_answered_before_the_books_is_taken_into_them(tmp_path, corpu
     _admitted_late(store, k)
     answer = from_plain(store.get(keys.assignment(k)), Assignment)
     assert answer.ranks == (2,), f"node{answer.ranks[0]} given twice"
+
+
+def test_a_strangers_answer_to_an_arrival_is_waited_past(corpus, tmp_path, monkeypatch):
+    """Anyone who reaches the store can write at an arrival's answer key before the
+    coordinator does. The agent took that record for a refusal and left (a stranger could
+    keep every host out of the job); it now says so once and waits for the coordinator's
+    answer, which overwrites it."""
+    from spotpipe.cluster.agent import Agent
+    from spotpipe.protocol import Assignment
+
+    from conftest import tiny_config
+
+    cfg = tiny_config(corpus, stages=2, pipelines=1)
+    opts = AgentOptions(backend="c10d", endpoint="127.0.0.1:1", rdzv_id="job1", min_nodes=2,
+                        max_nodes=2, out=tmp_path, rdzv_timeout_s=60.0)
+    agent = Agent(opts, cfg, UNREAD_SPEC, TOKEN, None, None)  # type: ignore[arg-type]
+    waiting = threading.Event()
+    said: list[str] = []
+
+    def say(text: str) -> None:
+        said.append(text)
+        if "waiting for the coordinator's answer" in text:
+            waiting.set()
+
+    monkeypatch.setattr(agent, "say", say)
+    store = dist.HashStore()
+    store.set(keys.assignment(3), b'{"type": "assignment", "refused": "go away"}')
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(agent._assignment(store, 3)))
+    reader.start()
+    assert waiting.wait(timeout=60), said
+    real = Assignment(ranks=(1,), world=2)
+    store.set(keys.assignment(3), plain(vouch(real, TOKEN, f"job1/{keys.assignment(3)}")))
+    reader.join(timeout=60)
+    assert got and got[0].ranks == (1,) and not got[0].refused, (got, said)

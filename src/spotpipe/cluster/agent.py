@@ -203,21 +203,33 @@ class Agent:
             self.rdzv_key(key))))
 
     def _assignment(self, store: dist.Store, me: int) -> Assignment | None:
-        """The coordinator's answer to arrival `me`; None (said) when none comes in time. An
-        answer without the job's proof is a refusal that says so: someone without the token
-        wrote into this job's rendezvous."""
+        """The coordinator's answer to arrival `me`; None (said) when none comes in time.
+        Anyone who reaches the store can write at the answer's key before the coordinator
+        does: a record there without the job's proof is said once and waited past (the
+        coordinator's answer overwrites it), where the agent took it for a refusal and left:
+        a stranger could keep every host out of the job."""
+        deadline = time.monotonic() + self.opts.rdzv_timeout_s
         if wait_get(store, assign_key(me), self.opts.rdzv_timeout_s) is None:
             self.say(f"not admitted within {self.opts.rdzv_timeout_s:.0f} s (--rdzv-timeout)")
             return None
-        try:
-            answer = read_vouched(store, assign_key(me), self.token, self.opts.rdzv_id,
-                                  Assignment)
-        except MessageError as exc:
-            return Assignment(refused=f"the answer to this agent's arrival ({me}) is not the "
-                                      f"coordinator's: {exc}; something without the join "
-                                      "token writes into this rendezvous")
-        assert isinstance(answer, Assignment)
-        return answer
+        said = False
+        while True:
+            try:
+                answer = read_vouched(store, assign_key(me), self.token, self.opts.rdzv_id,
+                                      Assignment)
+                assert isinstance(answer, Assignment)
+                return answer
+            except MessageError as exc:
+                if not said:
+                    said = True
+                    self.say(f"the answer to this agent's arrival ({me}) is not the "
+                             f"coordinator's ({exc}): something without the join token writes "
+                             "into this rendezvous; waiting for the coordinator's answer")
+            if time.monotonic() >= deadline:
+                self.say(f"not admitted within {self.opts.rdzv_timeout_s:.0f} s "
+                         "(--rdzv-timeout): no answer with the job's proof came")
+                return None
+            time.sleep(_REREAD_S)  # (a store has no wait for a key's change: read again)
 
     def _job_over(self, store: dist.Store) -> JobOver | None:
         """The job's end as its coordinator posted it; None while there is none (a record at
@@ -602,6 +614,9 @@ class Agent:
             # a record that is not the job's kill (refused), or the store gone (the job is
             # over already): nothing to act on either way
             return False
+
+
+_REREAD_S = 0.2  # how often an agent reads an answer again that was not the coordinator's
 
 
 def _with_main_thread_free(wait: Callable[[], None], done: threading.Event) -> None:
