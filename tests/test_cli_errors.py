@@ -218,7 +218,7 @@ def test_a_host_that_settled_auto_otherwise_is_refused_by_name(corpus):
     import dataclasses
 
     from conftest import tiny_config
-    from spotpipe.cluster.coordinator import join_problem
+    from spotpipe.cluster.join_checks import join_problem
 
     job = tiny_config(corpus, stages=2)
     job = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, backend="nccl"))

@@ -16,7 +16,7 @@ from spotpipe import job
 from spotpipe.checkpoint import durable
 from spotpipe.cluster import resume_copy
 from spotpipe.cluster.agent_loop import AgentJobLoop
-from spotpipe.cluster.coordinator import join_problem
+from spotpipe.cluster.join_checks import data_problem, join_problem
 from spotpipe.cluster.inbox import HelperEvent, Inbox
 from spotpipe.cluster.agent_options import AgentOptions
 from spotpipe.cluster.rendezvous import (JOB, agent_key, arrive, assign_key, post_over,
@@ -250,11 +250,9 @@ class Coordinating:
             config_keys=info.config_keys)
         if problem:
             return problem
-        if info.data_digest != self.spec.data_digest:
-            return (f"its copy of {job.data_source(self.cfg)} is not the coordinating agent's "
-                    f"(SHA-256 {info.data_digest[:12] or 'none'}..., the job's "
-                    f"{self.spec.data_digest[:12] or 'none'}...): every host must read the "
-                    "same data")
+        problem = data_problem(self.cfg, info.data_digest, self.spec.data_digest)
+        if problem:
+            return problem
         if self._rejoin_of(info) is not None and late:
             # an agent whose fenced nodes come again brings as many as were fenced: its other
             # workers run on, in their places on the host (its GPUs)

@@ -20,7 +20,7 @@ Rendezvous, under `spotpipe/rdzv/` in the job's store:
 2. The first agent to win the election (`spotpipe.cluster.office`, which holds this agent's
    part in the coordinator's office) runs the coordinator: it publishes the job (its
    partition, clock, and an HMAC proving it holds the token), admits agents in arrival order
-   with the same checks a joining worker gets (`coordinator.join_problem`), and once MIN agents
+   with the same checks a joining worker gets (`join_checks.join_problem`), and once MIN agents
    are in, runs the same `JobLoop` as `spotpipe train`. Agents arriving later, up to MAX, join
    the running job through the joining-node path (a new pipeline, a rebalance). With etcd the
    election is etcd's own recipe (`spotpipe.store.leader`: a leader key created under a lease

@@ -23,7 +23,8 @@ from typing import Any
 import torch.distributed as dist
 
 from spotpipe.cluster.liveness import Liveness, hung
-from spotpipe.config import HOST_DECIDED, Config, differing_keys
+from spotpipe.cluster.join_checks import join_problem
+from spotpipe.config import Config
 from spotpipe.plan import Layout
 from spotpipe.plan.policy import Action
 from spotpipe.plan.recovery import (CARRIED_OUT, Decision, History, NodeReport, Outcome, Rules,
@@ -33,44 +34,6 @@ from spotpipe.protocol import (Abort, Channel, CoordinatorState, DecisionRecord,
                                JoinRequest, Notice, Prepare, Regroup, Report, Stalled, keys)
 from spotpipe.protocol.auth import REASON_CHARS, WRITER_CHARS
 from spotpipe.store import board
-
-
-def join_problem(cfg: Config, *, token_ok: bool, model_digest: str | None,
-                 config_digest: str | None,
-                 config_keys: dict[str, str] | None = None) -> str | None:
-    """Why a node (a worker, or a whole node agent) may not join this job, or None.
-
-    The same three checks guard a worker joining a running job and an agent arriving at the
-    rendezvous: the shared secret, then the model and the configuration it would train.
-    `config_keys` (the node's `Config.key_digests()`) lets the refusal name what differs."""
-    if not token_ok:
-        return "it did not present this job's join token"
-    if model_digest != cfg.model_digest():
-        return "it runs another model or optimizer" + _naming(cfg, config_keys)
-    if config_digest != cfg.digest():
-        return "it runs another configuration" + _naming(cfg, config_keys)
-    return None
-
-
-def _naming(cfg: Config, config_keys: dict[str, str] | None) -> str:
-    """`` (keys differ: ...)`` for a refusal, with a hint where `auto` settled a key on each
-    host from what the host has (a host with GPUs and one without choose other backends)."""
-    keys = differing_keys(cfg, config_keys) if config_keys else []
-    if not keys:
-        return ""
-    shown = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
-    hints = [f"{k} is settled on each host from {HOST_DECIDED[k]} when it is 'auto' (here: "
-             f"{_value(cfg, k)}); set it to one value in every host's configuration"
-             for k in keys if k in HOST_DECIDED]
-    return f" ({shown} differ{'s' if len(keys) == 1 else ''}" + \
-        "".join(f"; {h}" for h in hints) + ")"
-
-
-def _value(cfg: Config, key: str) -> Any:
-    value: Any = cfg
-    for part in key.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def rules_for(cfg: Config, partition_for: Callable[[int], Any] | None) -> Rules:

@@ -31,7 +31,7 @@ from etcd3gw import exceptions as etcd_errors
 from etcd3gw.client import Etcd3Client
 from etcd3gw.utils import _decode, _encode, _increment_last_byte
 
-from spotpipe.store.leader import NotLeader
+from spotpipe.store.fenced import NotLeader
 
 T = TypeVar("T")
 

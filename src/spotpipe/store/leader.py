@@ -21,15 +21,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from spotpipe.protocol import keys
+from spotpipe.store.fenced import NotLeader  # noqa: F401 (re-exported: a fenced write's error)
 
 if TYPE_CHECKING:  # (etcd3gw is an optional dependency: the `etcd` extra)
     from spotpipe.store.etcd import EtcdStore
-
-
-class NotLeader(RuntimeError):
-    """etcd refused a write of the coordinator's because the leader key no longer names it
-    (`EtcdStore.guarded`): its lease expired while it was cut off, and a successor may be
-    coordinating. The writer is deposed; nothing of that write reached the store."""
 
 
 def lease_ttl(heartbeat_timeout_s: float) -> int:
