@@ -48,6 +48,10 @@ class Job:
         self.first_run_s: float | None = None
         self.last_run_s = 0.0
         self.dollars_at_last_run = 0.0
+        # a job that ends after `goal` iterations (Bamboo's table runs to the end of its job):
+        # time stops at the instant the goal is reached, `done_at`
+        self.goal = math.inf
+        self.done_at: float | None = None
 
     # -- time passes ----------------------------------------------------------------------
     def advance(self, t: float) -> None:
@@ -55,7 +59,7 @@ class Job:
         # with conditionals, not min/max, and the attributes read once)
         now = self.t
         dt = t - now
-        if dt <= 0:
+        if dt <= 0 or self.done_at is not None:
             return
         paused = self.paused_until - now
         if paused > 0:
@@ -65,12 +69,16 @@ class Job:
             run = dt - paused
         else:
             run = dt
+        iter_s = self.iter_s
+        if run > 0 and iter_s is not None and self.iters + run / iter_s >= self.goal:
+            past = run - (self.goal - self.iters) * iter_s  # run time after the goal
+            run, dt, t = run - past, dt - past, t - past
+            self.done_at = t
         cost_rate = self.cost_rate
         self.dollars += cost_rate * dt / 3600.0
         self.t = t
         if run <= 0:
             return
-        iter_s = self.iter_s
         if iter_s is None:
             self.buckets[self.idle_bucket] += run
             return
