@@ -35,7 +35,7 @@ SETUP: dict = {
                   "value": 264 / 2.51 / (20 * 3.06)},
 }
 # its table's synthetic traces: generate_addition_probabilities=True, start_hour=0
-SYNTHETIC = SyntheticModel("bamboo", "drawn", 0)
+SYNTHETIC = SyntheticModel("bamboo", "drawn", 0, boot_order=True)
 FIRST_HOURS = 48.0  # trace length tried first; doubled until the job ends within it
 MAX_HOURS = 3072.0
 

@@ -129,6 +129,14 @@ class Job:
         start = self.paused_until if self.paused_until > self.t else self.t
         return start + left * self.iter_s
 
+    def end_in_flight_at(self, end_s: float) -> None:
+        """The iteration in flight ends at `end_s` at the present speed, not when its work
+        left says (a policy whose clock is coarser than this one's: Bamboo's whole ms)."""
+        if self.iter_s is None or end_s <= self.t:
+            return
+        whole = math.floor(self.iters + 1e-9)
+        self.iters = whole + 1 - (end_s - self.t) / self.iter_s
+
     def pause(self, seconds: float, bucket: str) -> None:
         """Stop computing for `seconds` from now (or from the end of a pause under way)."""
         start = self.paused_until if self.paused_until > self.t else self.t

@@ -150,10 +150,12 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
     if iterations is not None:
         job.goal = float(iterations)
     pol = make_policy(policy, cfg, job, planner)
-    price = cfg.price.spot
-    timeline: list[TimelinePoint] = []
     if instants is None or instants.end != end:
         instants = instants_of(trace, cfg.params.boot_s, end)
+    if hasattr(pol, "grants"):
+        pol.grants = instants.grants
+    price = cfg.price.spot
+    timeline: list[TimelinePoint] = []
     held = 0
     node_seconds = 0.0  # (only the timeline needs it as it goes)
     last_t = 0.0
@@ -231,6 +233,9 @@ class Instants:
     preemptions: int  # held instances taken away
     node_seconds: float  # instance-seconds held from 0 to `end`
     held_at_end: int
+    # node -> the place of its latest grant among the trace's grants (Bamboo's rendezvous
+    # lists nodes in the order they were granted)
+    grants: dict[str, int] = field(default_factory=dict)
 
 
 def instants_of(trace: Trace, boot_s: float, end: float) -> Instants:
@@ -244,6 +249,8 @@ def instants_of(trace: Trace, boot_s: float, end: float) -> Instants:
     booting: dict[str, float] = {}
     events = trace.events
     boots = [(ev.time_s + boot_s, ev.node) for ev in events if ev.kind == ADD]
+    grants = {node: i for i, (_, node) in enumerate(boots)}
+    tied = {node: i for i, node in enumerate(trace.boot_order)}
     i = j = 0
     n_ev, n_boot = len(events), len(boots)
     preemptions = 0
@@ -276,6 +283,8 @@ def instants_of(trace: Trace, boot_s: float, end: float) -> Instants:
             readies.append(boots[j][1])
             j += 1
         ready = [n for n in readies if booting.get(n) == t]
+        if tied and len(ready) > 1:
+            ready.sort(key=lambda n: tied.get(n, len(tied)))
         for n in ready:
             del booting[n]
         node_seconds += count * (t - last_t)
@@ -283,7 +292,7 @@ def instants_of(trace: Trace, boot_s: float, end: float) -> Instants:
         count = len(held)
         out.append((t, lost, ready, count))
     node_seconds += count * (end - last_t)
-    return Instants(end, out, preemptions, node_seconds, count)
+    return Instants(end, out, preemptions, node_seconds, count, grants)
 
 
 def on_demand_closed_form(cfg: SimConfig, duration_s: float) -> dict[str, float]:

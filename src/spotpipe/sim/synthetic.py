@@ -80,19 +80,23 @@ class Stream(Protocol):
 
 
 def bamboo_trace(rate: float, hours: float, nodes: int, seed: int,
-                 add_probabilities: str = "drawn", start_hour: int = 0) -> Trace:
+                 add_probabilities: str = "drawn", start_hour: int = 0,
+                 boot_order: bool = False) -> Trace:
     """Bamboo's synthetic preemptions, rule for rule and draw for draw: its simulator seeded
     with `seed` (`Simulator(seed, start_hour, generate_addition_probabilities=
     add_probabilities == "drawn", removal_probability=rate)` at capacity `nodes`) generates
     these events, the same times, kinds and names (`node1`, `node2`, ...), except which of
     the nodes granted at t = 0 a removal names (its heap pops those in an arbitrary order).
     Unlike `simple_trace` the cluster does not start full: each node is granted at t = 0
-    with the start hour's add probability."""
+    with the start hour's add probability. With `boot_order` the trace also says in which
+    order its simulator takes the boots of those nodes, which all complete at 45 s
+    (`bamboo_boot_order`): it decides the first layout."""
     check_bamboo(rate, hours, nodes, add_probabilities, start_hour)
-    events = bamboo_events(random.Random(seed), rate, hours, nodes, add_probabilities,
-                           start_hour)
+    events, initial = _generate(random.Random(seed), rate, hours, nodes, add_probabilities,
+                                start_hour)
+    order = bamboo_boot_order(events, initial) if boot_order and initial else ()
     return Trace(events, f"bamboo(rate={rate},seed={seed},add={add_probabilities},"
-                         f"start_hour={start_hour})", hours * HOUR)
+                         f"start_hour={start_hour})", hours * HOUR, boot_order=order)
 
 
 def check_bamboo(rate: float, hours: float, nodes: int, add_probabilities: str = "drawn",
@@ -119,10 +123,17 @@ def bamboo_events(rng: Stream, rate: float, hours: float, nodes: int,
     (generate_spot_instance_initial_events), then hour by hour
     (generate_spot_instance_events, run at each whole hour); events at or after the end
     are left out, as its event loop stops there."""
+    return _generate(rng, rate, hours, nodes, add_probabilities, start_hour)[0]
+
+
+def _generate(rng: Stream, rate: float, hours: float, nodes: int, add_probabilities: str,
+              start_hour: int) -> tuple[list[Event], int]:
+    """`bamboo_events`, and how many of them are the grants at t = 0 (the first)."""
     add = hourly_add_probabilities(rng, add_probabilities)
     names = (f"node{i}" for i in itertools.count(1))  # Simulator.get_spot_instance_next_name
     held: dict[str, None] = {}  # insertion-ordered, as its spot_instances dict
     events = _initial_grants(rng, add[start_hour], nodes, names, held)
+    initial = len(events)
     end = hours * HOUR
     h = 0
     while h * HOUR < end:
@@ -130,7 +141,7 @@ def bamboo_events(rng: Stream, rate: float, hours: float, nodes: int,
                             names)
         events += [e for e in hour if e.time_s < end]
         h += 1
-    return events
+    return events, initial
 
 
 def hourly_add_probabilities(rng: Stream, add_probabilities: str) -> tuple[float, ...]:
@@ -152,14 +163,91 @@ def _draw_time(rng: Stream, p: float, base: float) -> float | None:
 def _initial_grants(rng: Stream, p: float, nodes: int, names: Iterator[str],
                     held: dict[str, None]) -> list[Event]:
     """generate_spot_instance_initial_events: each of the `nodes` slots is granted at t = 0
-    with the start hour's add probability, one draw each."""
-    events = []
-    for _ in range(nodes):
-        if p > rng.random():
-            name = next(names)
-            held[name] = None
-            events.append(Event(0.0, ADD, name))
-    return events
+    with the start hour's add probability, one draw each. They are named in that order but
+    held (and later draw their removals) in the order its event loop applies them
+    (`applied_order`), and are given in that order."""
+    granted = [next(names) for _ in range(nodes) if p > rng.random()]
+    order = [granted[i] for i in applied_order(len(granted))]
+    held.update(dict.fromkeys(order))
+    return [Event(0.0, ADD, name) for name in order]
+
+
+class _Tied:
+    """An entry of Bamboo's event heap, ordered as its `Event` dataclass is: by (time, kind)
+    only (its data has compare=False), so among equals heapq's own layout decides."""
+
+    __slots__ = ("key", "index")
+
+    def __init__(self, key: tuple[int, int], index: int) -> None:
+        self.key, self.index = key, index
+
+    def __lt__(self, other: "_Tied") -> bool:
+        return self.key < other.key
+
+
+BOOT_MS = 45_000  # its spot_instance_creation_time: a node is ready 45 s after its grant
+# its event kinds (project_pactum/simulation/simulator.py, EventKind)
+_ADD, _REMOVE, _GENERATE, _READY, _GLOBAL_TIMEOUT = 1, 2, 3, 4, 5
+
+
+def bamboo_boot_order(events: list[Event], initial: int) -> tuple[str, ...]:
+    """The order Bamboo's event loop takes the boots of the nodes granted at t = 0 in (their
+    ready events all fall at 45 s): the order its heap pops them, replayed from what it holds
+    until then. Its heap compares (time, kind) only, so among equal entries the order
+    depends on everything pushed before: the grants at t = 0 and their ready events, the
+    first hour's events in the order they were made, the next hour's generate event, ready
+    events of the grants before 45 s and the global rendezvous timeout the first ready node
+    starts. `events` are `bamboo_events`' (its first `initial` the grants at t = 0, then the
+    first hour's in the order made); nothing but the trace is pushed before 45 s, as no
+    step runs before a node is ready."""
+    names = [""] * initial  # in the order made (events has them in the order applied)
+    for place, made in enumerate(applied_order(initial)):
+        names[made] = events[place].node
+    heap: list[_Tied] = []
+    for i in range(initial):
+        heapq.heappush(heap, _Tied((0, _ADD), i))
+    heapq.heappush(heap, _Tied((0, _GENERATE), -1))
+    hour = [e for e in events[initial:] if e.time_s < HOUR]
+    nodes = names + [e.node for e in hour]
+    held: set[str] = set()
+    stopped, order = True, []
+    while heap and heap[0].key <= (BOOT_MS, _READY):
+        entry = heapq.heappop(heap)
+        t, kind = entry.key
+        if kind == _ADD:
+            held.add(nodes[entry.index])
+            heapq.heappush(heap, _Tied((t + BOOT_MS, _READY), entry.index))
+        elif kind == _REMOVE:
+            held.discard(nodes[entry.index])
+        elif kind == _GENERATE:
+            heapq.heappush(heap, _Tied((int(HOUR) * 1000, _GENERATE), -1))
+            for j, e in enumerate(hour, start=initial):
+                heapq.heappush(heap, _Tied((int(e.time_s * 1000), _ADD if e.kind == ADD
+                                            else _REMOVE), j))
+        elif kind == _READY:
+            order.append(nodes[entry.index])
+            if stopped and nodes[entry.index] in held:  # the first ready node starts a rendezvous
+                stopped = False
+                heapq.heappush(heap, _Tied((t + 30_000, _GLOBAL_TIMEOUT), -1))
+    return tuple(order)
+
+
+@lru_cache(maxsize=None)
+def applied_order(granted: int) -> tuple[int, ...]:
+    """The order Bamboo's event loop applies the `granted` adds at t = 0 in: it pushes them
+    and the hour's generate event (kind 3) on its heap, then pops the adds, each pushing its
+    ready event (kind 4, 45 s on). Equal entries pop in an order heapq's layout decides, not
+    the order of creation; it is replayed here, as it decides which node draws which
+    removal at every later hour."""
+    heap: list[_Tied] = []
+    for i in range(granted):
+        heapq.heappush(heap, _Tied((0, 1), i))
+    heapq.heappush(heap, _Tied((0, 3), -1))
+    order = []
+    while heap[0].key == (0, 1):
+        order.append(heapq.heappop(heap).index)
+        heapq.heappush(heap, _Tied((BOOT_MS, _READY), -1))
+    return tuple(order)
 
 
 def _bamboo_hour(rng: Stream, held: dict[str, None], base: float, p_add: float,
@@ -212,6 +300,8 @@ class SyntheticModel:
     add_probabilities: str = "drawn"  # bamboo's
     start_hour: int = 0  # bamboo's
     add_probability: float = 0.5  # simple's
+    # bamboo's: the order its simulator takes simultaneous boots at 45 s in (its table)
+    boot_order: bool = False
 
     def check(self, rate: float, hours: float, nodes: int) -> None:
         if self.model == "bamboo":
@@ -225,7 +315,8 @@ class SyntheticModel:
     def trace(self, rate: float, hours: float, nodes: int, seed: int) -> Trace:
         if self.model == "simple":
             return simple_trace(rate, hours, nodes, seed, self.add_probability)
-        return bamboo_trace(rate, hours, nodes, seed, self.add_probabilities, self.start_hour)
+        return bamboo_trace(rate, hours, nodes, seed, self.add_probabilities, self.start_hour,
+                            self.boot_order)
 
     def describe(self) -> dict:
         """The settings that apply to this model, for a sweep's output."""
