@@ -77,6 +77,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="JSON output of spotpipe bench failover / reconfigure / checkpoint "
                         "(or a hand-written one with *_pause_s figures); later files win")
     p.add_argument("--table", action="store_true", help="rates x seeds table of synthetic runs")
+    p.add_argument("--setup", default="ours", choices=("ours", "bamboo"),
+                   help="--table's setup: ours (the configured model at P x D nodes, "
+                        "--hours per run, every policy) or bamboo (Bamboo's own table: its "
+                        "simulator's BERT job, 12 stages, capacity 48, run to its last step, "
+                        "the bamboo policy, its columns)")
     p.add_argument("--advise", action="store_true", help="rank configurations (spot or "
                    "on-demand, P x D, redundancy, shadows, checkpoint interval) by samples "
                    "per dollar on this trace and name the best")
@@ -106,6 +111,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.advise:
         return _advise(cfg, job, args.json)
+    if args.table and args.setup == "bamboo":
+        from spotpipe.sim.bamboo_table import run_table, table_text
+
+        table = run_table(*job)
+        print(table_text(table))
+        if args.json:
+            print(report.to_json(table))
+        return 0
     if args.table:
         from spotpipe.sim.sweep import run_sweep
 
@@ -166,6 +179,8 @@ def _advise(cfg: SimConfig, job: Any, as_json: bool) -> int:
 
 def _prepare(args: argparse.Namespace) -> tuple[SimConfig, Any]:
     """Check every input; return the config and either a sweep spec or (trace, hours, policies)."""
+    if args.setup == "bamboo":
+        return _bamboo_setup(args)
     if args.stages < 1 or args.pipelines < 1:
         raise UsageError(f"--stages and --pipelines must be >= 1, got {args.stages}, "
                          f"{args.pipelines}")
@@ -213,6 +228,33 @@ def _prepare(args: argparse.Namespace) -> tuple[SimConfig, Any]:
     policies = list(ALL_POLICIES) if args.policy == "all" else [args.policy]
     check_policies(cfg, policies)
     return cfg, (trace, args.hours, policies)
+
+
+# what --setup bamboo fixes as Bamboo's table has it: refused rather than silently ignored
+_BAMBOO_FIXED = (("--trace", "trace", None), ("--synthetic", "synthetic", None),
+                 ("--hours", "hours", None), ("--nodes", "nodes", 0),
+                 ("--add-probabilities", "add_probabilities", None),
+                 ("--start-hour", "start_hour", None), ("--advise", "advise", False),
+                 ("--plot", "plot", None), ("--calibrate", "calibrate", None))
+
+
+def _bamboo_setup(args: argparse.Namespace) -> tuple[SimConfig, Any]:
+    """--table --setup bamboo: its model, capacity and traces are its own; only the rates,
+    seeds and processes are taken."""
+    from spotpipe.sim.bamboo_table import setup_config
+
+    if not args.table:
+        raise UsageError("--setup bamboo sets up Bamboo's table; it needs --table")
+    given = [flag for flag, name, unset in _BAMBOO_FIXED if getattr(args, name) != unset]
+    if args.policy not in ("all", "bamboo"):
+        given.append(f"--policy {args.policy}")
+    if given:
+        raise UsageError(f"--setup bamboo runs Bamboo's table as its code has it (its model, "
+                         f"capacity 48, its traces, to the job's end, the bamboo policy); it "
+                         f"does not take {', '.join(given)}")
+    if args.seeds < 1 or args.processes < 1:
+        raise UsageError("--seeds and --processes must be >= 1")
+    return setup_config(), (_rates(args.rates), args.seeds, args.processes)
 
 
 def _synthetic_model(args: argparse.Namespace) -> SyntheticModel:
