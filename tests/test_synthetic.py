@@ -29,8 +29,10 @@ SIGMAS = 5.0
 
 def _ours(case: dict) -> list[list]:
     add = "drawn" if case["generate_addition_probabilities"] else "hourly"
-    trace = bamboo_trace(case["removal_probability"], case["hours"], case["capacity"],
-                         case["seed"], add, case["start_hour"])
+    removal = case["removal_probability"]  # None: its hour-of-day removal table
+    trace = bamboo_trace(removal or 0.0, case["hours"], case["capacity"], case["seed"], add,
+                         case["start_hour"],
+                         removal_probabilities="hourly" if removal is None else "flat")
     return [[e.time_s, e.kind, e.node] for e in trace.events]
 
 
@@ -61,6 +63,10 @@ def test_the_reference_covers_the_rules():
     cases = REF["cases"]
     assert {c["generate_addition_probabilities"] for c in cases} == {True, False}
     assert any(c["events"] and c["events"][0][0] > 0 for c in cases)
+    # its hour-of-day removal table, with removals in its 0.25 hours (15-22 h)
+    table = [c for c in cases if c["removal_probability"] is None]
+    assert any(k == REMOVE and 15 <= (c["start_hour"] + t // HOUR) % 24 <= 22
+               for c in table for t, k, _ in c["events"])
     same_hour = 0
     for c in cases:
         granted = {n: t for t, k, n in c["events"] if k == ADD and t > 0}

@@ -19,8 +19,9 @@ from spotpipe.sim.params import SimConfig, SimParams, calibrate, calibrate_shape
 from spotpipe.sim.policies import ALL_POLICIES
 from spotpipe.sim.prices import price_of
 from spotpipe.sim.sweep import DEFAULT_RATES, SweepSpec
-from spotpipe.sim.synthetic import (ADD_PROBABILITIES, SYNTHETIC_MODELS, SyntheticModel,
-                                    fixed_interval_trace, poisson_trace)
+from spotpipe.sim.synthetic import (ADD_PROBABILITIES, REMOVAL_PROBABILITIES,
+                                    SYNTHETIC_MODELS, SyntheticModel, fixed_interval_trace,
+                                    poisson_trace)
 from spotpipe.sim.traces import Trace, TraceError, load_trace
 
 SYNTHETIC = ("bamboo", "simple", "poisson", "fixed")
@@ -45,6 +46,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "Bamboo's fixed table (hourly: 0.05, 0.5 at 3-5 h, 0 at 15-22 h)")
     p.add_argument("--start-hour", type=int, default=None, help="bamboo: the hour of the "
                    "day the trace starts at, 0-23 (default 0, as Bamboo's table)")
+    p.add_argument("--removal-probabilities", choices=REMOVAL_PROBABILITIES, default=None,
+                   help="bamboo: each hour's removal probability, --rate (flat, the default, "
+                        "as Bamboo's table) or Bamboo's hour-of-day table (hourly: 0.05, 0.01 "
+                        "at 3-5 h, 0.25 at 15-22 h; --rate is not used)")
     p.add_argument("--interval", type=positive_number, default=1800.0, help="seconds between "
                    "preemptions (--synthetic fixed)")
     p.add_argument("--hours", type=positive_number, default=None, help="simulated hours (default: the "
@@ -235,6 +240,7 @@ _BAMBOO_FIXED = (("--trace", "trace", None), ("--synthetic", "synthetic", None),
                  ("--hours", "hours", None), ("--nodes", "nodes", 0),
                  ("--add-probabilities", "add_probabilities", None),
                  ("--start-hour", "start_hour", None), ("--advise", "advise", False),
+                 ("--removal-probabilities", "removal_probabilities", None),
                  ("--plot", "plot", None), ("--calibrate", "calibrate", None))
 
 
@@ -262,7 +268,9 @@ def _synthetic_model(args: argparse.Namespace) -> SyntheticModel:
     where no Bamboo trace is generated, rather than silently ignored."""
     kind = args.synthetic or "bamboo"
     bamboo_flags = [f for f, v in (("--add-probabilities", args.add_probabilities),
-                                   ("--start-hour", args.start_hour)) if v is not None]
+                                   ("--start-hour", args.start_hour),
+                                   ("--removal-probabilities", args.removal_probabilities))
+                    if v is not None]
     if bamboo_flags and (args.trace or kind != "bamboo"):
         source = f"--trace {args.trace}" if args.trace else f"--synthetic {kind}"
         one = len(bamboo_flags) == 1
@@ -272,11 +280,16 @@ def _synthetic_model(args: argparse.Namespace) -> SyntheticModel:
     if args.table and kind not in SYNTHETIC_MODELS:
         raise UsageError(f"--table draws {' or '.join(SYNTHETIC_MODELS)} traces, not "
                          f"--synthetic {kind}")
+    if args.table and args.removal_probabilities == "hourly":
+        raise UsageError("--table's rows are removal rates; --removal-probabilities hourly "
+                         "removes by Bamboo's hour-of-day table instead: run it without "
+                         "--table")
     if args.start_hour is not None and not 0 <= args.start_hour <= 23:
         raise UsageError(f"--start-hour must be an hour of the day, 0 to 23, got "
                          f"{args.start_hour}")
     return SyntheticModel(kind if kind in SYNTHETIC_MODELS else "bamboo",
-                          args.add_probabilities or "drawn", args.start_hour or 0)
+                          args.add_probabilities or "drawn", args.start_hour or 0,
+                          removal_probabilities=args.removal_probabilities or "flat")
 
 
 def _trace(args: argparse.Namespace, cfg: SimConfig) -> Trace:

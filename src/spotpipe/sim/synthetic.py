@@ -68,6 +68,13 @@ BAMBOO_HOURLY_ADD: tuple[float, ...] = (0.05,) * 3 + (0.5,) * 3 + (0.05,) * 9 + 
 # "drawn": 24 uniform draws per seed (generate_addition_probabilities=True, what Bamboo's own
 # 10,000-seed table, api.generate_table, runs); "hourly": BAMBOO_HOURLY_ADD
 ADD_PROBABILITIES = ("drawn", "hourly")
+# Bamboo's probability that a node held is removed, by hour of day: the table its
+# Simulator.__init__ uses when no removal_probability is given (hours 3-5 are 0.01, 15-22 are
+# 0.25, the rest 0.05); its own table (api.generate_table) always gives one
+BAMBOO_HOURLY_REMOVE: tuple[float, ...] = (0.05,) * 3 + (0.01,) * 3 + (0.05,) * 9 \
+    + (0.25,) * 8 + (0.05,)
+# "flat": the rate at every hour; "hourly": BAMBOO_HOURLY_REMOVE (the rate is not used)
+REMOVAL_PROBABILITIES = ("flat", "hourly")
 SECONDS_PER_HOUR = 3600  # Bamboo draws event times as whole seconds: randrange(0, 3600)
 
 
@@ -81,7 +88,7 @@ class Stream(Protocol):
 
 def bamboo_trace(rate: float, hours: float, nodes: int, seed: int,
                  add_probabilities: str = "drawn", start_hour: int = 0,
-                 boot_order: bool = False) -> Trace:
+                 boot_order: bool = False, removal_probabilities: str = "flat") -> Trace:
     """Bamboo's synthetic preemptions, rule for rule and draw for draw: its simulator seeded
     with `seed` (`Simulator(seed, start_hour, generate_addition_probabilities=
     add_probabilities == "drawn", removal_probability=rate)` at capacity `nodes`) generates
@@ -90,20 +97,25 @@ def bamboo_trace(rate: float, hours: float, nodes: int, seed: int,
     Unlike `simple_trace` the cluster does not start full: each node is granted at t = 0
     with the start hour's add probability. With `boot_order` the trace also says in which
     order its simulator takes the boots of those nodes, which all complete at 45 s
-    (`bamboo_boot_order`): it decides the first layout."""
-    check_bamboo(rate, hours, nodes, add_probabilities, start_hour)
+    (`bamboo_boot_order`): it decides the first layout. `removal_probabilities="hourly"`
+    removes by its hour-of-day table instead of `rate` (its `removal_probability=None`)."""
+    check_bamboo(rate, hours, nodes, add_probabilities, start_hour, removal_probabilities)
     events, initial = _generate(random.Random(seed), rate, hours, nodes, add_probabilities,
-                                start_hour)
+                                start_hour, removal_probabilities)
+    removal = "hourly" if removal_probabilities == "hourly" else rate
     order = bamboo_boot_order(events, initial) if boot_order and initial else ()
-    return Trace(events, f"bamboo(rate={rate},seed={seed},add={add_probabilities},"
+    return Trace(events, f"bamboo(rate={removal},seed={seed},add={add_probabilities},"
                          f"start_hour={start_hour})", hours * HOUR, boot_order=order)
 
 
 def check_bamboo(rate: float, hours: float, nodes: int, add_probabilities: str = "drawn",
-                 start_hour: int = 0) -> None:
+                 start_hour: int = 0, removal_probabilities: str = "flat") -> None:
     """The arguments of `bamboo_trace`, checked without generating (a sweep checks them
     before it starts its processes)."""
     _validate(rate, hours, nodes)
+    if removal_probabilities not in REMOVAL_PROBABILITIES:
+        raise ValueError(f"removal_probabilities must be one of "
+                         f"{', '.join(REMOVAL_PROBABILITIES)}, got {removal_probabilities!r}")
     if add_probabilities not in ADD_PROBABILITIES:
         raise ValueError(f"add_probabilities must be one of {', '.join(ADD_PROBABILITIES)}, "
                          f"got {add_probabilities!r}")
@@ -127,9 +139,10 @@ def bamboo_events(rng: Stream, rate: float, hours: float, nodes: int,
 
 
 def _generate(rng: Stream, rate: float, hours: float, nodes: int, add_probabilities: str,
-              start_hour: int) -> tuple[list[Event], int]:
+              start_hour: int, removal_probabilities: str = "flat") -> tuple[list[Event], int]:
     """`bamboo_events`, and how many of them are the grants at t = 0 (the first)."""
     add = hourly_add_probabilities(rng, add_probabilities)
+    remove = BAMBOO_HOURLY_REMOVE if removal_probabilities == "hourly" else (rate,) * 24
     names = (f"node{i}" for i in itertools.count(1))  # Simulator.get_spot_instance_next_name
     held: dict[str, None] = {}  # insertion-ordered, as its spot_instances dict
     events = _initial_grants(rng, add[start_hour], nodes, names, held)
@@ -137,8 +150,8 @@ def _generate(rng: Stream, rate: float, hours: float, nodes: int, add_probabilit
     end = hours * HOUR
     h = 0
     while h * HOUR < end:
-        hour = _bamboo_hour(rng, held, h * HOUR, add[(start_hour + h) % 24], rate, nodes,
-                            names)
+        of_day = (start_hour + h) % 24
+        hour = _bamboo_hour(rng, held, h * HOUR, add[of_day], remove[of_day], nodes, names)
         events += [e for e in hour if e.time_s < end]
         h += 1
     return events, initial
@@ -302,10 +315,12 @@ class SyntheticModel:
     add_probability: float = 0.5  # simple's
     # bamboo's: the order its simulator takes simultaneous boots at 45 s in (its table)
     boot_order: bool = False
+    removal_probabilities: str = "flat"  # bamboo's: "hourly", its hour-of-day table
 
     def check(self, rate: float, hours: float, nodes: int) -> None:
         if self.model == "bamboo":
-            check_bamboo(rate, hours, nodes, self.add_probabilities, self.start_hour)
+            check_bamboo(rate, hours, nodes, self.add_probabilities, self.start_hour,
+                         self.removal_probabilities)
         elif self.model == "simple":
             check_simple(rate, hours, nodes, self.add_probability)
         else:
@@ -316,14 +331,17 @@ class SyntheticModel:
         if self.model == "simple":
             return simple_trace(rate, hours, nodes, seed, self.add_probability)
         return bamboo_trace(rate, hours, nodes, seed, self.add_probabilities, self.start_hour,
-                            self.boot_order)
+                            self.boot_order, self.removal_probabilities)
 
     def describe(self) -> dict:
         """The settings that apply to this model, for a sweep's output."""
         if self.model == "simple":
             return {"model": "simple", "add_probability": self.add_probability}
-        return {"model": "bamboo", "add_probabilities": self.add_probabilities,
-                "start_hour": self.start_hour}
+        out = {"model": "bamboo", "add_probabilities": self.add_probabilities,
+               "start_hour": self.start_hour}
+        if self.removal_probabilities != "flat":
+            out["removal_probabilities"] = self.removal_probabilities
+        return out
 
 
 def simple_trace(rate: float, hours: float, nodes: int, seed: int,
