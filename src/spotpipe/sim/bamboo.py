@@ -20,6 +20,13 @@ differently, and the figures it published come from these rules:
   is pending (a fatal failure during a rendezvous) does not cancel the pending timeout, and
   a waiting node that is preempted stays counted as waiting until the next rendezvous: both
   change its figures, so both are kept.
+- a rendezvous lists the nodes in the order they were granted (its `spot_instances`), which
+  differs from the order they became ready only where boots of one instant are taken in
+  another order (`Trace.boot_order`: its heap's, for the nodes granted at t = 0);
+- with a measured step table (its, in whole milliseconds) its clock's truncations are kept:
+  a slowed step is `int(step_ms * 1.5)` ms and the step in flight at a takeover ends
+  `int(0.5 x its ms left)` later; without them hundreds of slowed steps drift a run by a
+  step within hours, and a later removal falls on the other side of a step's end.
 Nodes are ready `params.boot_s` after they are granted (its 45 s). Its step times per D come
 from `cfg.shape_times` when given (its table), else from the timing model with eager FRC of
 every replica, the last stage's included, as its engine runs it.
