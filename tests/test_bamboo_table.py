@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from spotpipe.sim.bamboo_table import (COLUMNS, SETUP, figures, reproduction_errors, run_table,
-                                       run_to_end)
+                                       run_to_end, setup_config)
+from spotpipe.sim.simulator import HOUR, run
+from spotpipe.sim.traces import ADD, Event, Trace
 
 REF = json.loads((Path(__file__).parent / "fixtures" / "bamboo_table_reference.json")
                  .read_text())
@@ -85,3 +87,20 @@ def test_cli_runs_it_and_refuses_what_it_fixes():
     assert bad.returncode == 2 and "--nodes" in bad.stderr
     alone = subprocess.run(run[:4] + ["--setup", "bamboo"], capture_output=True, text=True)
     assert alone.returncode == 2 and "needs --table" in alone.stderr
+
+
+def test_a_run_ends_at_its_last_iteration_by_hand():
+    """12 nodes granted at t = 0, none lost: ready at 45 s, the global rendezvous completes
+    30 s later, then 1 x 12 steps of 4.31 s each; 100 steps end at 75 + 431 s, the nodes are
+    billed to then and the run stops there, however long the trace."""
+    cfg = setup_config()
+    trace = Trace([Event(0.0, ADD, f"node{i}") for i in range(1, 13)], "hand", 10 * HOUR)
+    r = run(trace, "bamboo", cfg, iterations=100, record=False)
+    assert r.duration_s == pytest.approx(75.0 + 100 * 4.31)
+    assert r.samples == pytest.approx(100 * 264)
+    assert r.run_window == pytest.approx((75.0, 75.0 + 431.0))
+    assert r.dollars == pytest.approx(12 * 0.91 * r.duration_s / HOUR)
+    assert r.window_throughput == pytest.approx(264 / 4.31)
+    # not reached within the trace: the run ends with it
+    short = run(trace, "bamboo", cfg, iterations=10_000, record=False)
+    assert short.duration_s == 10 * HOUR and short.samples < 10_000 * 264
