@@ -7,7 +7,8 @@ deterministic across platforms for a given seed.
 
 - `bamboo_trace`: the model of Bamboo's simulator (uclasystem/bamboo,
   project_pactum/simulation/simulator.py, `Simulator.generate_spot_instance_events`), rule
-  for rule and, as it also draws from `random.Random(seed)`, draw for draw. At t = 0 each
+  for rule and, as it also draws from `random.Random(seed)`, draw for draw (and, where its
+  heap orders simultaneous events, in its heap's order: `applied_order`). At t = 0 each
   node is granted with the start hour's add probability. At each whole hour every node held
   draws its removal (probability `rate`, a whole second of the hour); one grant is drawn per
   missing node plus per removal drawn, with the hour of day's add probability (24 drawn per
@@ -92,9 +93,9 @@ def bamboo_trace(rate: float, hours: float, nodes: int, seed: int,
     """Bamboo's synthetic preemptions, rule for rule and draw for draw: its simulator seeded
     with `seed` (`Simulator(seed, start_hour, generate_addition_probabilities=
     add_probabilities == "drawn", removal_probability=rate)` at capacity `nodes`) generates
-    these events, the same times, kinds and names (`node1`, `node2`, ...), except which of
-    the nodes granted at t = 0 a removal names (its heap pops those in an arbitrary order).
-    Unlike `simple_trace` the cluster does not start full: each node is granted at t = 0
+    these events, the same times, kinds and names (`node1`, `node2`, ...); the nodes granted
+    at t = 0 come in the order its heap applies them (`applied_order`), which is the order
+    they draw their removals in. Unlike `simple_trace` the cluster does not start full: each node is granted at t = 0
     with the start hour's add probability. With `boot_order` the trace also says in which
     order its simulator takes the boots of those nodes, which all complete at 45 s
     (`bamboo_boot_order`): it decides the first layout. `removal_probabilities="hourly"`
