@@ -25,9 +25,11 @@ REF = json.loads((Path(__file__).parent / "fixtures" / "bamboo_table_reference.j
                  .read_text())
 RATES = list(REF["runs"])
 # Per seed, each of its figures within 0.1 %, fatal failures and preemptions equal; the mean
-# per rate within 0.01 %. What is left (measured: at most 0.07 % on one seed in 100, 0.003 %
-# of a rate's mean) is its heap's order among simultaneous events other than the boots at
-# 45 s (two grants in the same second), and the time its cost curve starts from.
+# per rate within 0.01 %. What is left (measured: 0.062 % on one seed in 100, at most
+# 0.0031 % of a rate's mean) is its heap's order among simultaneous events other than the
+# boots at 45 s (two nodes granted in the same second boot in its heap's order, here in the
+# trace's), and its value's cost per step: the mean $/h over a step, where ours integrates
+# samples/s per $/h (at most 0.007 % on a seed).
 PER_SEED = 1e-3
 PER_RATE = 1e-4
 

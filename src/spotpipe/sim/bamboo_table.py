@@ -7,7 +7,8 @@ its figures cannot be set beside Bamboo's. Bamboo's table runs its simulator's d
 (BERT: 264 samples a step, 22,194 steps, 12 stages, a step table per number of pipelines) on
 a cluster of capacity 48 until the job's last step, at start hour 0 with the add
 probabilities drawn per seed, and reports per rate the mean over seeds of: preemptions,
-fatal failures, instances, performance (samples/s from the first rendezvous to the last
+hours between removals ("interruptions"), node lifetimes, fatal failures, instances,
+performance (samples/s from the first rendezvous to the last
 step), cost ($/h from 0 to the last step) and value (the time average of samples/s per $/h
 while running). The constants below are read from its `Simulator.__init__`;
 tests/test_bamboo_table.py checks them against the ones its code reported
@@ -55,7 +56,8 @@ def run_to_end(rate: float, seed: int, cfg: SimConfig | None = None,
                synthetic: SyntheticModel = SYNTHETIC) -> tuple[Result, Trace]:
     """One seed of its table: the `bamboo` policy on its synthetic trace until the job's
     last step. The trace is generated hour by hour, so a longer one starts with the same
-    events: it is lengthened until the job ends within it."""
+    events: it is lengthened until the job ends within it (up to MAX_HOURS: a job that has
+    not ended then is cut there)."""
     cfg = cfg or setup_config()
     hours = FIRST_HOURS
     while True:
@@ -75,15 +77,33 @@ COLUMNS = (("num_preemptions", "Preemptions"), ("preemption_mean", "Interruption
 
 
 def figures(r: Result, trace: Trace) -> dict[str, float]:
-    """A run's figures under the names of Bamboo's `Result`."""
+    """A run's figures under the names of Bamboo's `Result`, by its formulas."""
     interruptions, lifetimes = _lifetimes(trace, r.duration_s)
+    end = r.run_window[1]
+    cost = r.window_cost_per_hour + (_backdated(trace) / (end / HOUR) if end > 0 else 0.0)
     return {"num_preemptions": r.preemptions, "preemption_mean": interruptions,
             "lifetime_mean": lifetimes, "num_fatal_failures": r.fatal_failures,
-            "average_instances": r.window_cost_per_hour / SETUP["spot_price"],
+            "average_instances": cost / SETUP["spot_price"],
             "average_performance": r.window_throughput,
-            "average_cost": r.window_cost_per_hour,
+            "average_cost": cost,
             "average_value": r.time_average_value,
             "end_hours": r.duration_s / HOUR, "start_hours": r.run_window[0] / HOUR}
+
+
+def _backdated(trace: Trace) -> float:
+    """Dollars its cost curve counts that were not billed: it starts at 0 with the number
+    of instances held after its first event past 0 (the first grant or removal, or the
+    boots of the nodes granted at 0, 45 s on), so a change at that event counts from 0."""
+    boot = SETUP["creation_s"]
+    first = boot if any(e.time_s == 0.0 for e in trace.events) else float("inf")
+    changed = 0
+    for ev in trace.events:
+        if ev.time_s > first:
+            break
+        if ev.time_s > 0.0:
+            first = ev.time_s
+            changed += 1 if ev.kind == ADD else -1
+    return changed * first * SETUP["spot_price"] / HOUR if changed else 0.0
 
 
 def _lifetimes(trace: Trace, end: float) -> tuple[float, float]:
