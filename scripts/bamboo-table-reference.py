@@ -6,8 +6,9 @@ Bamboo's table (project_pactum/simulation/api.py, `generate_table`) runs
 with its default model (BERT: 264 samples a step, 22,194 steps, 12 stages, capacity 48) to the
 end of the job (`simulate()` without a duration) for seeds 1 to 10,000 at rates 0.01, 0.05,
 0.10, 0.25 and 0.50, and prints the mean of each `Result` field. This runs the same call,
-unchanged, for fewer seeds and keeps every seed's `Result`, the time of its last step and its
-step table; nothing of its code is kept. Usage, with a checkout of uclasystem/bamboo:
+unchanged, for fewer seeds and keeps every seed's `Result`, the time of its last step, the
+order its heap took simultaneous events in, and its step table; nothing of its code is
+kept. Usage, with a checkout of uclasystem/bamboo:
 
     python scripts/bamboo-table-reference.py BAMBOO_CHECKOUT [SEEDS [COMMIT]] > \
         tests/fixtures/bamboo_table_reference.json
@@ -36,15 +37,48 @@ def _load(checkout: Path):
 
 
 def _run(module, rate: float, seed: int) -> dict:
-    """api.simulate((rate, seed)), and the time of its last step."""
-    sim = module.Simulator(seed=seed, start_hour=0, generate_addition_probabilities=True,
-                           removal_probability=rate)
+    """api.simulate((rate, seed)), the time of its last step, and the order its heap took
+    simultaneous grants, removals and boots in (`ties`: each a group of node names)."""
+    applied: list[tuple[int, str, str]] = []  # (ms, kind, node) in the order taken
+
+    class Recording(module.Simulator):
+        def simulate_spot_instance_add(self, delta, data):
+            applied.append((delta, "add", data["name"]))
+            super().simulate_spot_instance_add(delta, data)
+
+        def simulate_spot_instance_remove(self, delta, data):
+            applied.append((delta, "remove", data["name"]))
+            super().simulate_spot_instance_remove(delta, data)
+
+        def simulate_spot_instance_ready(self, delta, data):
+            if data["name"] in self.spot_instances:
+                applied.append((delta, "ready", data["name"]))
+            super().simulate_spot_instance_ready(delta, data)
+
+    sim = Recording(seed=seed, start_hour=0, generate_addition_probabilities=True,
+                    removal_probability=rate)
     result = sim.simulate()
     out = dataclasses.asdict(result)
     out["seed"] = seed
     out["end_hours"] = sim.performance_xs[-1]
     out["start_hours"] = sim.start_delta / sim.milliseconds_per_hour
+    out["ties"] = _ties(applied)
     return out
+
+
+def _ties(applied: list[tuple[int, str, str]]) -> dict[str, list[str]]:
+    """Per kind, the groups of two or more events of one millisecond, in the order taken
+    (each the names joined by spaces)."""
+    groups: dict[str, list[str]] = {"add": [], "remove": [], "ready": []}
+    i = 0
+    while i < len(applied):
+        j = i
+        while j < len(applied) and applied[j][:2] == applied[i][:2]:
+            j += 1
+        if j - i > 1:
+            groups[applied[i][1]].append(" ".join(name for _, _, name in applied[i:j]))
+        i = j
+    return groups
 
 
 def _config(module) -> dict:
