@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 BUCKETS = ("useful", "redundant", "recovering", "restarting", "idle")
+_INF = math.inf
 
 
 class Job:
@@ -70,7 +71,8 @@ class Job:
         else:
             run = dt
         iter_s = self.iter_s
-        if run > 0 and iter_s is not None and self.iters + run / iter_s >= self.goal:
+        if self.goal < _INF and run > 0 and iter_s is not None \
+                and self.iters + run / iter_s >= self.goal:
             past = run - (self.goal - self.iters) * iter_s  # run time after the goal
             run, dt, t = run - past, dt - past, t - past
             self.done_at = t

@@ -152,7 +152,9 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
     pol = make_policy(policy, cfg, job, planner)
     if instants is None or instants.end != end:
         instants = instants_of(trace, cfg.params.boot_s, end)
-    if hasattr(pol, "grants"):
+    if trace.boot_order and hasattr(pol, "grants"):
+        # (otherwise nodes become ready in the order granted, and Bamboo's rendezvous need
+        # not sort them)
         pol.grants = instants.grants
     price = cfg.price.spot
     timeline: list[TimelinePoint] = []
