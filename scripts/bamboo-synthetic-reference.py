@@ -21,7 +21,8 @@ from pathlib import Path
 
 SIMULATOR = "project_pactum/simulation/simulator.py"
 HOUR_MS = 3_600_000
-# (model, seed, start_hour, generated addition probabilities, removal probability, hours):
+# (model, seed, start_hour, generated addition probabilities, removal probability or None
+# for its hour-of-day table, hours):
 # the models set the capacity (GPT-2 48, ResNet 32, VGG 24 nodes)
 CASES = [
     ("GPT-2", 1, 0, True, 0.10, 6),
@@ -30,6 +31,9 @@ CASES = [
     ("VGG", 4, 2, False, 0.25, 8),
     ("GPT-2", 5, 22, False, 0.05, 10),
     ("VGG", 6, 3, False, 0.50, 4),
+    # no removal probability: its hour-of-day removal table (0.25 from 15 to 22 h)
+    ("GPT-2", 7, 12, False, None, 14),
+    ("ResNet", 8, 20, True, None, 10),
 ]
 
 

@@ -71,6 +71,9 @@ def test_bench_simulator_keys():
     out = bench_simulator(seeds=2, processes=1, growth_sizes=(48,))
     assert 0 <= out["bamboo_reproduction_error"] < 0.06
     assert out["bamboo_reproduction_error_ties_in_order"] < 0.02
+    # its own table's setup, to the job's end (tests/test_bamboo_table.py)
+    assert 0 <= out["bamboo_table_reproduction_error"] < 1e-4
+    assert out["bamboo_table_reproduction_error_worst_seed"] < 1e-3
     assert out["cold_run_s"] > 0 and out["table_seconds"] > 0
     for mode in ("lazy", "eager"):
         for rate in ("0.01", "0.05", "0.1", "0.25", "0.5"):

@@ -68,10 +68,14 @@ class Trace:
     """Sorted events plus fast availability queries (counts as a step function of time)."""
 
     def __init__(self, events: Iterable[Event], name: str = "trace",
-                 duration_s: float | None = None, victims: str | None = None) -> None:
+                 duration_s: float | None = None, victims: str | None = None,
+                 boot_order: tuple[str, ...] = ()) -> None:
         self.events: tuple[Event, ...] = tuple(events)
         self.name = name
         self.victims = victims  # how a count series chose who leaves (None: events name them)
+        # the order boots that complete at one instant are taken in, where it is not the
+        # grants' (Bamboo's simulator's heap order, `synthetic.bamboo_boot_order`)
+        self.boot_order = boot_order
         last = self.events[-1].time_s if self.events else 0.0
         self.duration_s = float(duration_s) if duration_s is not None else last
         self._series: tuple[list[float], list[int]] | None = None

@@ -19,8 +19,9 @@ from spotpipe.sim.params import SimConfig, SimParams, calibrate, calibrate_shape
 from spotpipe.sim.policies import ALL_POLICIES
 from spotpipe.sim.prices import price_of
 from spotpipe.sim.sweep import DEFAULT_RATES, SweepSpec
-from spotpipe.sim.synthetic import (ADD_PROBABILITIES, SYNTHETIC_MODELS, SyntheticModel,
-                                    fixed_interval_trace, poisson_trace)
+from spotpipe.sim.synthetic import (ADD_PROBABILITIES, REMOVAL_PROBABILITIES,
+                                    SYNTHETIC_MODELS, SyntheticModel, fixed_interval_trace,
+                                    poisson_trace)
 from spotpipe.sim.traces import Trace, TraceError, load_trace
 
 SYNTHETIC = ("bamboo", "simple", "poisson", "fixed")
@@ -45,6 +46,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "Bamboo's fixed table (hourly: 0.05, 0.5 at 3-5 h, 0 at 15-22 h)")
     p.add_argument("--start-hour", type=int, default=None, help="bamboo: the hour of the "
                    "day the trace starts at, 0-23 (default 0, as Bamboo's table)")
+    p.add_argument("--removal-probabilities", choices=REMOVAL_PROBABILITIES, default=None,
+                   help="bamboo: each hour's removal probability, --rate (flat, the default, "
+                        "as Bamboo's table) or Bamboo's hour-of-day table (hourly: 0.05, 0.01 "
+                        "at 3-5 h, 0.25 at 15-22 h; --rate is not used)")
     p.add_argument("--interval", type=positive_number, default=1800.0, help="seconds between "
                    "preemptions (--synthetic fixed)")
     p.add_argument("--hours", type=positive_number, default=None, help="simulated hours (default: the "
@@ -77,6 +82,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="JSON output of spotpipe bench failover / reconfigure / checkpoint "
                         "(or a hand-written one with *_pause_s figures); later files win")
     p.add_argument("--table", action="store_true", help="rates x seeds table of synthetic runs")
+    p.add_argument("--setup", default="ours", choices=("ours", "bamboo"),
+                   help="--table's setup: ours (the configured model at P x D nodes, "
+                        "--hours per run, every policy) or bamboo (Bamboo's own table: its "
+                        "simulator's BERT job, 12 stages, capacity 48, run to its last step, "
+                        "the bamboo policy, its columns)")
     p.add_argument("--advise", action="store_true", help="rank configurations (spot or "
                    "on-demand, P x D, redundancy, shadows, checkpoint interval) by samples "
                    "per dollar on this trace and name the best")
@@ -106,6 +116,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.advise:
         return _advise(cfg, job, args.json)
+    if args.table and args.setup == "bamboo":
+        from spotpipe.sim.bamboo_table import run_table, table_text
+
+        table = run_table(*job)
+        print(table_text(table))
+        if args.json:
+            print(report.to_json(table))
+        return 0
     if args.table:
         from spotpipe.sim.sweep import run_sweep
 
@@ -166,6 +184,8 @@ def _advise(cfg: SimConfig, job: Any, as_json: bool) -> int:
 
 def _prepare(args: argparse.Namespace) -> tuple[SimConfig, Any]:
     """Check every input; return the config and either a sweep spec or (trace, hours, policies)."""
+    if args.setup == "bamboo":
+        return _bamboo_setup(args)
     if args.stages < 1 or args.pipelines < 1:
         raise UsageError(f"--stages and --pipelines must be >= 1, got {args.stages}, "
                          f"{args.pipelines}")
@@ -215,12 +235,42 @@ def _prepare(args: argparse.Namespace) -> tuple[SimConfig, Any]:
     return cfg, (trace, args.hours, policies)
 
 
+# what --setup bamboo fixes as Bamboo's table has it: refused rather than silently ignored
+_BAMBOO_FIXED = (("--trace", "trace", None), ("--synthetic", "synthetic", None),
+                 ("--hours", "hours", None), ("--nodes", "nodes", 0),
+                 ("--add-probabilities", "add_probabilities", None),
+                 ("--start-hour", "start_hour", None), ("--advise", "advise", False),
+                 ("--removal-probabilities", "removal_probabilities", None),
+                 ("--plot", "plot", None), ("--calibrate", "calibrate", None))
+
+
+def _bamboo_setup(args: argparse.Namespace) -> tuple[SimConfig, Any]:
+    """--table --setup bamboo: its model, capacity and traces are its own; only the rates,
+    seeds and processes are taken."""
+    from spotpipe.sim.bamboo_table import setup_config
+
+    if not args.table:
+        raise UsageError("--setup bamboo sets up Bamboo's table; it needs --table")
+    given = [flag for flag, name, unset in _BAMBOO_FIXED if getattr(args, name) != unset]
+    if args.policy not in ("all", "bamboo"):
+        given.append(f"--policy {args.policy}")
+    if given:
+        raise UsageError(f"--setup bamboo runs Bamboo's table as its code has it (its model, "
+                         f"capacity 48, its traces, to the job's end, the bamboo policy); it "
+                         f"does not take {', '.join(given)}")
+    if args.seeds < 1 or args.processes < 1:
+        raise UsageError("--seeds and --processes must be >= 1")
+    return setup_config(), (_rates(args.rates), args.seeds, args.processes)
+
+
 def _synthetic_model(args: argparse.Namespace) -> SyntheticModel:
     """The generator --table or a synthetic run draws from; Bamboo's settings are refused
     where no Bamboo trace is generated, rather than silently ignored."""
     kind = args.synthetic or "bamboo"
     bamboo_flags = [f for f, v in (("--add-probabilities", args.add_probabilities),
-                                   ("--start-hour", args.start_hour)) if v is not None]
+                                   ("--start-hour", args.start_hour),
+                                   ("--removal-probabilities", args.removal_probabilities))
+                    if v is not None]
     if bamboo_flags and (args.trace or kind != "bamboo"):
         source = f"--trace {args.trace}" if args.trace else f"--synthetic {kind}"
         one = len(bamboo_flags) == 1
@@ -230,11 +280,16 @@ def _synthetic_model(args: argparse.Namespace) -> SyntheticModel:
     if args.table and kind not in SYNTHETIC_MODELS:
         raise UsageError(f"--table draws {' or '.join(SYNTHETIC_MODELS)} traces, not "
                          f"--synthetic {kind}")
+    if args.table and args.removal_probabilities == "hourly":
+        raise UsageError("--table's rows are removal rates; --removal-probabilities hourly "
+                         "removes by Bamboo's hour-of-day table instead: run it without "
+                         "--table")
     if args.start_hour is not None and not 0 <= args.start_hour <= 23:
         raise UsageError(f"--start-hour must be an hour of the day, 0 to 23, got "
                          f"{args.start_hour}")
     return SyntheticModel(kind if kind in SYNTHETIC_MODELS else "bamboo",
-                          args.add_probabilities or "drawn", args.start_hour or 0)
+                          args.add_probabilities or "drawn", args.start_hour or 0,
+                          removal_probabilities=args.removal_probabilities or "flat")
 
 
 def _trace(args: argparse.Namespace, cfg: SimConfig) -> Trace:

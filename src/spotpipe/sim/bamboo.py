@@ -20,6 +20,13 @@ differently, and the figures it published come from these rules:
   is pending (a fatal failure during a rendezvous) does not cancel the pending timeout, and
   a waiting node that is preempted stays counted as waiting until the next rendezvous: both
   change its figures, so both are kept.
+- a rendezvous lists the nodes in the order they were granted (its `spot_instances`), which
+  differs from the order they became ready only where boots of one instant are taken in
+  another order (`Trace.boot_order`: its heap's, for the nodes granted at t = 0);
+- with a measured step table (its, in whole milliseconds) its clock's truncations are kept:
+  a slowed step is `int(step_ms * 1.5)` ms and the step in flight at a takeover ends
+  `int(0.5 x its ms left)` later; without them hundreds of slowed steps drift a run by a
+  step within hours, and a later removal falls on the other side of a step's end.
 Nodes are ready `params.boot_s` after they are granted (its 45 s). Its step times per D come
 from `cfg.shape_times` when given (its table), else from the timing model with eager FRC of
 every replica, the last stage's included, as its engine runs it.
@@ -76,6 +83,11 @@ class BambooPolicy:
         self.nodes: dict[str, list[tuple[int, int]]] = {}  # ready nodes -> coordinates
         self.owner: dict[tuple[int, int], str] = {}  # coordinate -> the node that ran it last
         self.members: list[str] = []
+        # node -> the place of its grant (set by the simulator): a rendezvous lists the
+        # nodes in the order they were granted, as its simulator's `spot_instances` holds
+        # them, not in the order they became ready (the two differ only where boots that
+        # complete at one instant are taken in another order: `Trace.boot_order`)
+        self.grants: dict[str, int] = {}
         self.waiting = 0
         self.carriers = 0  # nodes of `nodes` that carry two stages
         self.slowed = False
@@ -139,7 +151,13 @@ class BambooPolicy:
         if self.status == "running" and not self.slowed:
             self.slowed = True
             full, plain = self._steps[self.width]  # the whole step slows down
-            self.job.set_iteration(full * self.fallback_slowdown, plain * self.fallback_slowdown)
+            end = self.job.next_iteration_end()
+            self.job.set_iteration(self._slowed(full), self._slowed(plain))
+            if self.cfg.shape_times and end is not None:
+                # its in-flight step: its end is put off by int(0.5 x the ms left)
+                left_ms = round((end - t) * 1000.0)
+                self.job.end_in_flight_at(
+                    end + int(left_ms * (self.fallback_slowdown - 1.0)) / 1000.0)
         self._check_at_step_end()
 
     def _ready(self, t: float, name: str) -> None:
@@ -161,13 +179,19 @@ class BambooPolicy:
 
     def _start_rendezvous(self, t: float, kind: int) -> None:
         self.status = "rendezvous"
-        self.members = list(self.nodes)
+        self.members = self._in_grant_order()
         self._timer(t + self._timeout(kind), kind)
         if kind == LOCAL or not self.stepping:
             self.stepping = False
             bucket = "idle" if self.version == 0 else "restarting" if kind == GLOBAL \
                 else "recovering"
             self.job.set_iteration(None, idle_bucket=bucket)
+
+    def _in_grant_order(self) -> list[str]:
+        grants = self.grants
+        if not grants:
+            return list(self.nodes)
+        return sorted(self.nodes, key=lambda n: grants.get(n, -1))
 
     def _timeout(self, kind: int) -> float:
         p = self.cfg.params
@@ -176,7 +200,7 @@ class BambooPolicy:
     def _rendezvous_timeout(self, t: float, kind: int) -> None:
         members = self.members
         if not self.nodes.keys() >= set(members):  # one of them was lost meanwhile
-            self.members = list(self.nodes)
+            self.members = self._in_grant_order()
             self._timer(t + self._timeout(kind), kind)
             return
         n = len(members)
@@ -233,6 +257,16 @@ class BambooPolicy:
         self._seq += 1
         heapq.heappush(self._timers, (t, self._seq, kind, self.version))
         self.wakeup = self._timers[0][0]
+
+    def _slowed(self, step_s: float) -> float:
+        """A step after a takeover. Its simulator's clock counts whole milliseconds and
+        truncates the slowed step (`int(step_delta * fallback_slowdown)`: 2707 ms for its
+        BERT table's 1805 ms, not 2707.5); a measured step table is taken as its, in whole
+        milliseconds, and truncated alike, else hundreds of slowed steps drift a run's
+        clock from its by a step's length within a few hours."""
+        if self.cfg.shape_times:
+            return int(round(step_s * 1000.0) * self.fallback_slowdown) / 1000.0
+        return step_s * self.fallback_slowdown
 
     def _step_s(self, width: int) -> tuple[float, float]:
         """(step seconds, of which without FRC): a measured step has no split."""

@@ -12,15 +12,17 @@ from spotpipe.sim.simulator import run
 from spotpipe.sim.traces import Trace
 
 
-def reference_config(ref: dict) -> SimConfig:
+def reference_config(ref: dict, name: str = "bamboo") -> SimConfig:
     """The configuration of Bamboo's GPT-2 runs from the `config` of a reference file
-    (tests/fixtures/bamboo_reference.json): its step table, prices, timings and batch."""
+    (tests/fixtures/bamboo_reference.json): its step table, prices, timings and batch.
+    Its table's BERT runs take the same keys (`spotpipe.sim.bamboo_table.SETUP`); the
+    GPT-2 preset only carries the batch there, as the step table replaces its timing."""
     c = ref["config"]
     p = int(c["num_stages"])
     steps = {int(d): float(s) for d, s in c["step_s_by_pipelines"].items()}
     model = replace(gpt2_1_5b(), micro_batch_size=1,
                     global_microbatches=int(c["samples_per_step"]))
-    return SimConfig(model, Price("bamboo", float(c["spot_price"]), float(c["on_demand_price"])),
+    return SimConfig(model, Price(name, float(c["spot_price"]), float(c["on_demand_price"])),
                      p, max(steps),
                      params=SimParams(boot_s=float(c["creation_s"]),
                                       rendezvous_s=float(c["global_rendezvous_s"]),

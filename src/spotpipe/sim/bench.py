@@ -120,6 +120,7 @@ def bench_simulator(seeds: int = 10000, measured_run_dir: str | Path | None = No
     }
     out.update(_trace_figures(cfg))
     out.update(bamboo_reproduction())
+    out.update(bamboo_table_reproduction())
     out["cold_run_s"], out["cold_run_cpu_s"] = cold_run()
     out["growth"] = growth(growth_sizes)
     out["shape_cache"] = {"dir": str(itertime.cache_dir()),
@@ -191,6 +192,28 @@ def bamboo_reproduction(reference: Path = BAMBOO_REFERENCE) -> dict[str, Any]:
                          if k != "fatal_failures")
         out[label + "_by_trace"] = errs
     return out
+
+
+BAMBOO_TABLE_REFERENCE = BAMBOO_REFERENCE.with_name("bamboo_table_reference.json")
+
+
+def bamboo_table_reproduction(reference: Path = BAMBOO_TABLE_REFERENCE) -> dict[str, Any]:
+    """The error of `--table --setup bamboo` against Bamboo's own simulator's table, seed by
+    seed (tests/test_bamboo_table.py): per rate, the relative error of the mean of each of
+    its columns and the largest of one seed."""
+    from spotpipe.sim.bamboo_table import reproduction_errors
+
+    if not reference.exists():
+        return {"bamboo_table_reproduction_error": None,
+                "bamboo_table_reproduction_note": f"{reference} not found (a source checkout "
+                                                  "has it)"}
+    errs = reproduction_errors(json.loads(reference.read_text()))
+    return {"bamboo_table_reproduction_error": max(
+                abs(v) for e in errs.values() for k, v in e.items()
+                if not k.endswith("_worst_seed")),
+            "bamboo_table_reproduction_error_worst_seed": max(
+                v for e in errs.values() for k, v in e.items() if k.endswith("_worst_seed")),
+            "bamboo_table_reproduction_by_rate": errs}
 
 
 def cold_run() -> tuple[float, float]:

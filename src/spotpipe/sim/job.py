@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 BUCKETS = ("useful", "redundant", "recovering", "restarting", "idle")
+_INF = math.inf
 
 
 class Job:
@@ -48,6 +49,10 @@ class Job:
         self.first_run_s: float | None = None
         self.last_run_s = 0.0
         self.dollars_at_last_run = 0.0
+        # a job that ends after `goal` iterations (Bamboo's table runs to the end of its job):
+        # time stops at the instant the goal is reached, `done_at`
+        self.goal = math.inf
+        self.done_at: float | None = None
 
     # -- time passes ----------------------------------------------------------------------
     def advance(self, t: float) -> None:
@@ -55,7 +60,7 @@ class Job:
         # with conditionals, not min/max, and the attributes read once)
         now = self.t
         dt = t - now
-        if dt <= 0:
+        if dt <= 0 or self.done_at is not None:
             return
         paused = self.paused_until - now
         if paused > 0:
@@ -65,12 +70,17 @@ class Job:
             run = dt - paused
         else:
             run = dt
+        iter_s = self.iter_s
+        if self.goal < _INF and run > 0 and iter_s is not None \
+                and self.iters + run / iter_s >= self.goal:
+            past = run - (self.goal - self.iters) * iter_s  # run time after the goal
+            run, dt, t = run - past, dt - past, t - past
+            self.done_at = t
         cost_rate = self.cost_rate
         self.dollars += cost_rate * dt / 3600.0
         self.t = t
         if run <= 0:
             return
-        iter_s = self.iter_s
         if iter_s is None:
             self.buckets[self.idle_bucket] += run
             return
@@ -120,6 +130,14 @@ class Job:
             left = 0.0
         start = self.paused_until if self.paused_until > self.t else self.t
         return start + left * self.iter_s
+
+    def end_in_flight_at(self, end_s: float) -> None:
+        """The iteration in flight ends at `end_s` at the present speed, not when its work
+        left says (a policy whose clock is coarser than this one's: Bamboo's whole ms)."""
+        if self.iter_s is None or end_s <= self.t:
+            return
+        whole = math.floor(self.iters + 1e-9)
+        self.iters = whole + 1 - (end_s - self.t) / self.iter_s
 
     def pause(self, seconds: float, bucket: str) -> None:
         """Stop computing for `seconds` from now (or from the end of a pause under way)."""

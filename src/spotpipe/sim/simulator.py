@@ -133,23 +133,31 @@ def run_policies(trace: Trace, policies: list[str], cfg: SimConfig, *,
 
 def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None = None,
         record: bool = True, planner: Planner | None = None,
-        instants: Instants | None = None) -> Result:
+        instants: Instants | None = None, iterations: float | None = None) -> Result:
     """Simulate `policy` on `trace` for `duration_s` (default: the trace's span).
 
     `instants` (from `instants_of`, for this `duration_s`) may be passed in when several
     policies run on one trace: what the trace does to the instances held is the same for
-    every spot policy.
+    every spot policy. With `iterations` the run ends when the job has run that many (as
+    Bamboo's table runs its job to the end), or at `duration_s` if that comes first: the
+    result's `duration_s` says which.
     """
     end = trace.duration_s if duration_s is None else float(duration_s)
     if policy == "on_demand":
         return on_demand(cfg, end, record=record)
     job = Job(cfg.model.samples_per_iteration, checkpoint_interval(policy, cfg),
               cfg.params.checkpoint_cost_s)
+    if iterations is not None:
+        job.goal = float(iterations)
     pol = make_policy(policy, cfg, job, planner)
-    price = cfg.price.spot
-    timeline: list[TimelinePoint] = []
     if instants is None or instants.end != end:
         instants = instants_of(trace, cfg.params.boot_s, end)
+    if trace.boot_order and hasattr(pol, "grants"):
+        # (otherwise nodes become ready in the order granted, and Bamboo's rendezvous need
+        # not sort them)
+        pol.grants = instants.grants
+    price = cfg.price.spot
+    timeline: list[TimelinePoint] = []
     held = 0
     node_seconds = 0.0  # (only the timeline needs it as it goes)
     last_t = 0.0
@@ -161,6 +169,8 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
         if timers and pol.wakeup < t:
             _wake(pol, job, t, False)
         job.advance(t)
+        if job.done_at is not None:
+            break
         job.cost_rate = held_after * price + fixed  # $/h billed now, the shadows' host too
         if lost or ready:
             pol.on_events(t, lost, ready, index)
@@ -182,10 +192,14 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
                                        cfg.model.samples_per_iteration / job.iter_s,
                                        job.samples,
                                        dollars + (held * price + fixed) * (until - t) / HOUR)
+    if timers and job.done_at is None:
+        _wake(pol, job, end, False)
+    job.advance(end)  # (the goal may come after the trace's last instant)
+    if job.done_at is not None:  # the goal was reached: the run ends there
+        end = job.done_at
+        instants = instants_of(trace, cfg.params.boot_s, end)
     if resume is not None and resume.time_s < end:
         timeline.append(resume)
-    if timers:
-        _wake(pol, job, end, False)
     held = instants.held_at_end
     dollars = (instants.node_seconds * price + fixed * end) / HOUR
     breakdown = job.finish(end)
@@ -200,11 +214,13 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
 
 def _wake(pol, job: Job, t: float, inclusive: bool) -> None:
     """Fire the policy's own timers due before t (or at t, after t's events)."""
-    while True:
+    while job.done_at is None:
         w = pol.wakeup
         if w > t or (w == t and not inclusive):
             return
         job.advance(w)
+        if job.done_at is not None:  # the job's goal came before this timer
+            return
         pol.on_wakeup(w)
 
 
@@ -219,6 +235,9 @@ class Instants:
     preemptions: int  # held instances taken away
     node_seconds: float  # instance-seconds held from 0 to `end`
     held_at_end: int
+    # node -> the place of its latest grant among the trace's grants (Bamboo's rendezvous
+    # lists nodes in the order they were granted)
+    grants: dict[str, int] = field(default_factory=dict)
 
 
 def instants_of(trace: Trace, boot_s: float, end: float) -> Instants:
@@ -232,6 +251,8 @@ def instants_of(trace: Trace, boot_s: float, end: float) -> Instants:
     booting: dict[str, float] = {}
     events = trace.events
     boots = [(ev.time_s + boot_s, ev.node) for ev in events if ev.kind == ADD]
+    grants = {node: i for i, (_, node) in enumerate(boots)}
+    tied = {node: i for i, node in enumerate(trace.boot_order)}
     i = j = 0
     n_ev, n_boot = len(events), len(boots)
     preemptions = 0
@@ -264,6 +285,8 @@ def instants_of(trace: Trace, boot_s: float, end: float) -> Instants:
             readies.append(boots[j][1])
             j += 1
         ready = [n for n in readies if booting.get(n) == t]
+        if tied and len(ready) > 1:
+            ready.sort(key=lambda n: tied.get(n, len(tied)))
         for n in ready:
             del booting[n]
         node_seconds += count * (t - last_t)
@@ -271,7 +294,7 @@ def instants_of(trace: Trace, boot_s: float, end: float) -> Instants:
         count = len(held)
         out.append((t, lost, ready, count))
     node_seconds += count * (end - last_t)
-    return Instants(end, out, preemptions, node_seconds, count)
+    return Instants(end, out, preemptions, node_seconds, count, grants)
 
 
 def on_demand_closed_form(cfg: SimConfig, duration_s: float) -> dict[str, float]:

@@ -7,7 +7,8 @@ deterministic across platforms for a given seed.
 
 - `bamboo_trace`: the model of Bamboo's simulator (uclasystem/bamboo,
   project_pactum/simulation/simulator.py, `Simulator.generate_spot_instance_events`), rule
-  for rule and, as it also draws from `random.Random(seed)`, draw for draw. At t = 0 each
+  for rule and, as it also draws from `random.Random(seed)`, draw for draw (and, where its
+  heap orders simultaneous events, in its heap's order: `applied_order`). At t = 0 each
   node is granted with the start hour's add probability. At each whole hour every node held
   draws its removal (probability `rate`, a whole second of the hour); one grant is drawn per
   missing node plus per removal drawn, with the hour of day's add probability (24 drawn per
@@ -68,6 +69,13 @@ BAMBOO_HOURLY_ADD: tuple[float, ...] = (0.05,) * 3 + (0.5,) * 3 + (0.05,) * 9 + 
 # "drawn": 24 uniform draws per seed (generate_addition_probabilities=True, what Bamboo's own
 # 10,000-seed table, api.generate_table, runs); "hourly": BAMBOO_HOURLY_ADD
 ADD_PROBABILITIES = ("drawn", "hourly")
+# Bamboo's probability that a node held is removed, by hour of day: the table its
+# Simulator.__init__ uses when no removal_probability is given (hours 3-5 are 0.01, 15-22 are
+# 0.25, the rest 0.05); its own table (api.generate_table) always gives one
+BAMBOO_HOURLY_REMOVE: tuple[float, ...] = (0.05,) * 3 + (0.01,) * 3 + (0.05,) * 9 \
+    + (0.25,) * 8 + (0.05,)
+# "flat": the rate at every hour; "hourly": BAMBOO_HOURLY_REMOVE (the rate is not used)
+REMOVAL_PROBABILITIES = ("flat", "hourly")
 SECONDS_PER_HOUR = 3600  # Bamboo draws event times as whole seconds: randrange(0, 3600)
 
 
@@ -80,26 +88,35 @@ class Stream(Protocol):
 
 
 def bamboo_trace(rate: float, hours: float, nodes: int, seed: int,
-                 add_probabilities: str = "drawn", start_hour: int = 0) -> Trace:
+                 add_probabilities: str = "drawn", start_hour: int = 0,
+                 boot_order: bool = False, removal_probabilities: str = "flat") -> Trace:
     """Bamboo's synthetic preemptions, rule for rule and draw for draw: its simulator seeded
     with `seed` (`Simulator(seed, start_hour, generate_addition_probabilities=
     add_probabilities == "drawn", removal_probability=rate)` at capacity `nodes`) generates
-    these events, the same times, kinds and names (`node1`, `node2`, ...), except which of
-    the nodes granted at t = 0 a removal names (its heap pops those in an arbitrary order).
-    Unlike `simple_trace` the cluster does not start full: each node is granted at t = 0
-    with the start hour's add probability."""
-    check_bamboo(rate, hours, nodes, add_probabilities, start_hour)
-    events = bamboo_events(random.Random(seed), rate, hours, nodes, add_probabilities,
-                           start_hour)
-    return Trace(events, f"bamboo(rate={rate},seed={seed},add={add_probabilities},"
-                         f"start_hour={start_hour})", hours * HOUR)
+    these events, the same times, kinds and names (`node1`, `node2`, ...); the nodes granted
+    at t = 0 come in the order its heap applies them (`applied_order`), which is the order
+    they draw their removals in. Unlike `simple_trace` the cluster does not start full: each node is granted at t = 0
+    with the start hour's add probability. With `boot_order` the trace also says in which
+    order its simulator takes the boots of those nodes, which all complete at 45 s
+    (`bamboo_boot_order`): it decides the first layout. `removal_probabilities="hourly"`
+    removes by its hour-of-day table instead of `rate` (its `removal_probability=None`)."""
+    check_bamboo(rate, hours, nodes, add_probabilities, start_hour, removal_probabilities)
+    events, initial = _generate(random.Random(seed), rate, hours, nodes, add_probabilities,
+                                start_hour, removal_probabilities)
+    removal = "hourly" if removal_probabilities == "hourly" else rate
+    order = bamboo_boot_order(events, initial) if boot_order and initial else ()
+    return Trace(events, f"bamboo(rate={removal},seed={seed},add={add_probabilities},"
+                         f"start_hour={start_hour})", hours * HOUR, boot_order=order)
 
 
 def check_bamboo(rate: float, hours: float, nodes: int, add_probabilities: str = "drawn",
-                 start_hour: int = 0) -> None:
+                 start_hour: int = 0, removal_probabilities: str = "flat") -> None:
     """The arguments of `bamboo_trace`, checked without generating (a sweep checks them
     before it starts its processes)."""
     _validate(rate, hours, nodes)
+    if removal_probabilities not in REMOVAL_PROBABILITIES:
+        raise ValueError(f"removal_probabilities must be one of "
+                         f"{', '.join(REMOVAL_PROBABILITIES)}, got {removal_probabilities!r}")
     if add_probabilities not in ADD_PROBABILITIES:
         raise ValueError(f"add_probabilities must be one of {', '.join(ADD_PROBABILITIES)}, "
                          f"got {add_probabilities!r}")
@@ -119,18 +136,26 @@ def bamboo_events(rng: Stream, rate: float, hours: float, nodes: int,
     (generate_spot_instance_initial_events), then hour by hour
     (generate_spot_instance_events, run at each whole hour); events at or after the end
     are left out, as its event loop stops there."""
+    return _generate(rng, rate, hours, nodes, add_probabilities, start_hour)[0]
+
+
+def _generate(rng: Stream, rate: float, hours: float, nodes: int, add_probabilities: str,
+              start_hour: int, removal_probabilities: str = "flat") -> tuple[list[Event], int]:
+    """`bamboo_events`, and how many of them are the grants at t = 0 (the first)."""
     add = hourly_add_probabilities(rng, add_probabilities)
+    remove = BAMBOO_HOURLY_REMOVE if removal_probabilities == "hourly" else (rate,) * 24
     names = (f"node{i}" for i in itertools.count(1))  # Simulator.get_spot_instance_next_name
     held: dict[str, None] = {}  # insertion-ordered, as its spot_instances dict
     events = _initial_grants(rng, add[start_hour], nodes, names, held)
+    initial = len(events)
     end = hours * HOUR
     h = 0
     while h * HOUR < end:
-        hour = _bamboo_hour(rng, held, h * HOUR, add[(start_hour + h) % 24], rate, nodes,
-                            names)
+        of_day = (start_hour + h) % 24
+        hour = _bamboo_hour(rng, held, h * HOUR, add[of_day], remove[of_day], nodes, names)
         events += [e for e in hour if e.time_s < end]
         h += 1
-    return events
+    return events, initial
 
 
 def hourly_add_probabilities(rng: Stream, add_probabilities: str) -> tuple[float, ...]:
@@ -152,14 +177,91 @@ def _draw_time(rng: Stream, p: float, base: float) -> float | None:
 def _initial_grants(rng: Stream, p: float, nodes: int, names: Iterator[str],
                     held: dict[str, None]) -> list[Event]:
     """generate_spot_instance_initial_events: each of the `nodes` slots is granted at t = 0
-    with the start hour's add probability, one draw each."""
-    events = []
-    for _ in range(nodes):
-        if p > rng.random():
-            name = next(names)
-            held[name] = None
-            events.append(Event(0.0, ADD, name))
-    return events
+    with the start hour's add probability, one draw each. They are named in that order but
+    held (and later draw their removals) in the order its event loop applies them
+    (`applied_order`), and are given in that order."""
+    granted = [next(names) for _ in range(nodes) if p > rng.random()]
+    order = [granted[i] for i in applied_order(len(granted))]
+    held.update(dict.fromkeys(order))
+    return [Event(0.0, ADD, name) for name in order]
+
+
+class _Tied:
+    """An entry of Bamboo's event heap, ordered as its `Event` dataclass is: by (time, kind)
+    only (its data has compare=False), so among equals heapq's own layout decides."""
+
+    __slots__ = ("key", "index")
+
+    def __init__(self, key: tuple[int, int], index: int) -> None:
+        self.key, self.index = key, index
+
+    def __lt__(self, other: "_Tied") -> bool:
+        return self.key < other.key
+
+
+BOOT_MS = 45_000  # its spot_instance_creation_time: a node is ready 45 s after its grant
+# its event kinds (project_pactum/simulation/simulator.py, EventKind)
+_ADD, _REMOVE, _GENERATE, _READY, _GLOBAL_TIMEOUT = 1, 2, 3, 4, 5
+
+
+def bamboo_boot_order(events: list[Event], initial: int) -> tuple[str, ...]:
+    """The order Bamboo's event loop takes the boots of the nodes granted at t = 0 in (their
+    ready events all fall at 45 s): the order its heap pops them, replayed from what it holds
+    until then. Its heap compares (time, kind) only, so among equal entries the order
+    depends on everything pushed before: the grants at t = 0 and their ready events, the
+    first hour's events in the order they were made, the next hour's generate event, ready
+    events of the grants before 45 s and the global rendezvous timeout the first ready node
+    starts. `events` are `bamboo_events`' (its first `initial` the grants at t = 0, then the
+    first hour's in the order made); nothing but the trace is pushed before 45 s, as no
+    step runs before a node is ready."""
+    names = [""] * initial  # in the order made (events has them in the order applied)
+    for place, made in enumerate(applied_order(initial)):
+        names[made] = events[place].node
+    heap: list[_Tied] = []
+    for i in range(initial):
+        heapq.heappush(heap, _Tied((0, _ADD), i))
+    heapq.heappush(heap, _Tied((0, _GENERATE), -1))
+    hour = [e for e in events[initial:] if e.time_s < HOUR]
+    nodes = names + [e.node for e in hour]
+    held: set[str] = set()
+    stopped, order = True, []
+    while heap and heap[0].key <= (BOOT_MS, _READY):
+        entry = heapq.heappop(heap)
+        t, kind = entry.key
+        if kind == _ADD:
+            held.add(nodes[entry.index])
+            heapq.heappush(heap, _Tied((t + BOOT_MS, _READY), entry.index))
+        elif kind == _REMOVE:
+            held.discard(nodes[entry.index])
+        elif kind == _GENERATE:
+            heapq.heappush(heap, _Tied((int(HOUR) * 1000, _GENERATE), -1))
+            for j, e in enumerate(hour, start=initial):
+                heapq.heappush(heap, _Tied((int(e.time_s * 1000), _ADD if e.kind == ADD
+                                            else _REMOVE), j))
+        elif kind == _READY:
+            order.append(nodes[entry.index])
+            if stopped and nodes[entry.index] in held:  # the first ready node starts a rendezvous
+                stopped = False
+                heapq.heappush(heap, _Tied((t + 30_000, _GLOBAL_TIMEOUT), -1))
+    return tuple(order)
+
+
+@lru_cache(maxsize=None)
+def applied_order(granted: int) -> tuple[int, ...]:
+    """The order Bamboo's event loop applies the `granted` adds at t = 0 in: it pushes them
+    and the hour's generate event (kind 3) on its heap, then pops the adds, each pushing its
+    ready event (kind 4, 45 s on). Equal entries pop in an order heapq's layout decides, not
+    the order of creation; it is replayed here, as it decides which node draws which
+    removal at every later hour."""
+    heap: list[_Tied] = []
+    for i in range(granted):
+        heapq.heappush(heap, _Tied((0, 1), i))
+    heapq.heappush(heap, _Tied((0, 3), -1))
+    order = []
+    while heap[0].key == (0, 1):
+        order.append(heapq.heappop(heap).index)
+        heapq.heappush(heap, _Tied((BOOT_MS, _READY), -1))
+    return tuple(order)
 
 
 def _bamboo_hour(rng: Stream, held: dict[str, None], base: float, p_add: float,
@@ -212,10 +314,14 @@ class SyntheticModel:
     add_probabilities: str = "drawn"  # bamboo's
     start_hour: int = 0  # bamboo's
     add_probability: float = 0.5  # simple's
+    # bamboo's: the order its simulator takes simultaneous boots at 45 s in (its table)
+    boot_order: bool = False
+    removal_probabilities: str = "flat"  # bamboo's: "hourly", its hour-of-day table
 
     def check(self, rate: float, hours: float, nodes: int) -> None:
         if self.model == "bamboo":
-            check_bamboo(rate, hours, nodes, self.add_probabilities, self.start_hour)
+            check_bamboo(rate, hours, nodes, self.add_probabilities, self.start_hour,
+                         self.removal_probabilities)
         elif self.model == "simple":
             check_simple(rate, hours, nodes, self.add_probability)
         else:
@@ -225,14 +331,18 @@ class SyntheticModel:
     def trace(self, rate: float, hours: float, nodes: int, seed: int) -> Trace:
         if self.model == "simple":
             return simple_trace(rate, hours, nodes, seed, self.add_probability)
-        return bamboo_trace(rate, hours, nodes, seed, self.add_probabilities, self.start_hour)
+        return bamboo_trace(rate, hours, nodes, seed, self.add_probabilities, self.start_hour,
+                            self.boot_order, self.removal_probabilities)
 
     def describe(self) -> dict:
         """The settings that apply to this model, for a sweep's output."""
         if self.model == "simple":
             return {"model": "simple", "add_probability": self.add_probability}
-        return {"model": "bamboo", "add_probabilities": self.add_probabilities,
-                "start_hour": self.start_hour}
+        out = {"model": "bamboo", "add_probabilities": self.add_probabilities,
+               "start_hour": self.start_hour}
+        if self.removal_probabilities != "flat":
+            out["removal_probabilities"] = self.removal_probabilities
+        return out
 
 
 def simple_trace(rate: float, hours: float, nodes: int, seed: int,
