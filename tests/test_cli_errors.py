@@ -388,7 +388,10 @@ def test_ctrl_c_stops_the_workers_and_says_so_without_a_traceback(tmp_path, conf
     proc = subprocess.Popen([sys.executable, "-m", "spotpipe", "train", str(config), "--out",
                              str(out), "--stages", "2", "--set", "iterations=100000"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
+                            env=env, start_new_session=True,
+                            # (as from a terminal: a shell's background job, as a CI runner
+                            # may be, passes SIGINT on ignored, and Python then keeps it so)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         metrics = out / "metrics.jsonl"
         deadline = time.time() + 180
@@ -396,7 +399,9 @@ def test_ctrl_c_stops_the_workers_and_says_so_without_a_traceback(tmp_path, conf
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
             time.sleep(0.2)  # (polling for the condition: training has begun)
         os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole group
+        deadline = time.time() + 60
         while workers_running(out) and proc.poll() is None:
+            assert time.time() < deadline, "the workers outlived a Ctrl-C by 60 s"
             time.sleep(0.05)  # (the stop is under way: a second Ctrl-C now)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
