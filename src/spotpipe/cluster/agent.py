@@ -476,7 +476,7 @@ class Agent:
             return
         self.say("Ctrl-C again: stopping this host's workers now")
         for node in list(self.supervisor.procs):
-            self.supervisor.signal(node, signal.SIGKILL)
+            self.supervisor.kill(node)
 
     def _heard_notice(self, source: str) -> None:
         """The cloud's metadata service says this host is being reclaimed. Its workers poll

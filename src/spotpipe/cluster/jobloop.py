@@ -41,8 +41,8 @@ from spotpipe.protocol import (Channel, CheckpointSaved, Close, CoordinatorState
                                Refused, Report, StageUpload, Stalled, job_key, keys)
 from spotpipe.store import mailbox
 from spotpipe.store.address import StoreAddress
-from spotpipe.cluster.supervisor import (SHADOW, Supervisor, search_path, starter,
-                                         worker_env)
+from spotpipe.cluster.supervisor import (SHADOW, STOP_GRACE_S, Supervisor, search_path,
+                                         starter, worker_env)
 from spotpipe.config import Config
 from spotpipe.store.leader import NotLeader
 from spotpipe.store.sealed import SealedStore
@@ -102,7 +102,7 @@ class JobLoop:
     def _kill(self, node: str) -> None:
         raise NotImplementedError
 
-    def _stop_workers(self, grace_s: float = 10.0) -> None:
+    def _stop_workers(self, grace_s: float = STOP_GRACE_S) -> None:
         """The loop is leaving: no worker may outlive the job (SIGTERM, SIGKILL after
         `grace_s`)."""
 
@@ -252,14 +252,15 @@ class JobLoop:
             # after a Ctrl-C nobody coordinates the workers any more: the grace a SIGTERM
             # gives them (their preemption notice: leave at the next boundary, on a plan)
             # would only be waited out
-            self._stop_workers(grace_s=0.0 if interrupted else 10.0)
+            grace_s = 0.0 if interrupted else STOP_GRACE_S
+            self._stop_workers(grace_s)
             try:
                 self._record_commits(files, self.committer.abandon() if deposed
                                      else self.committer.close())
             except RunFilesError:
                 pass  # (the job's own outcome is reported below)
             if self._shadows is not None:
-                self._shadows.stop_all(0.0 if interrupted else 10.0)
+                self._shadows.stop_all(grace_s)
             if not deposed:  # (a successor reads this mailbox on: no closing record in it)
                 self._close_mailbox(store)
             if bar is not None:
@@ -686,11 +687,10 @@ class JobLoop:
 def _hold_interrupts(stream: TextIO) -> None:
     """After a Ctrl-C, the stop runs to its end: the workers are stopped (SIGKILL right after
     the SIGTERM: nobody coordinates them any more), the commit in progress finishes, and the
-    summary is written. A second
-    Ctrl-C (a terminal's reaches the whole process group, and users press it again) would cut
-    that short with a traceback and leave no summary; it is said and ignored instead, for the
-    rest of the process, which is on its way out (a Ctrl-C during the interpreter's shutdown
-    printed a traceback as well)."""
+    summary is written. A second Ctrl-C (a terminal's reaches the whole process group, and
+    users press it again) would cut that short with a traceback and leave no summary; it is
+    said and ignored instead, for the rest of the process, which is on its way out (a Ctrl-C
+    during the interpreter's shutdown printed a traceback as well)."""
     def said(*_: Any) -> None:
         print("spotpipe: interrupted: stopping the workers", file=stream, flush=True)
 

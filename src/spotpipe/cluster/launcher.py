@@ -32,7 +32,8 @@ from spotpipe.cluster.jobloop import JobLoop
 from spotpipe.cluster.run_files import RunFiles
 from spotpipe.protocol import keys, new_instance_id
 from spotpipe.store.address import StoreAddress, host_tcp_store, job_prefix
-from spotpipe.cluster.supervisor import WORKER, Supervisor, search_path, starter, worker_env
+from spotpipe.cluster.supervisor import (STOP_GRACE_S, WORKER, Supervisor, search_path,
+                                         starter, worker_env)
 from spotpipe.cluster.trace_replay import Action as TraceAction
 from spotpipe.faults import Fault
 from spotpipe.runfiles import blocking_file
@@ -220,7 +221,7 @@ class Launcher(JobLoop):
         if node not in self._exited:
             self.supervisor.kill(node)
 
-    def _stop_workers(self, grace_s: float = 10.0) -> None:
+    def _stop_workers(self, grace_s: float = STOP_GRACE_S) -> None:
         if hasattr(self, "supervisor"):
             self.supervisor.stop_all(grace_s)
 

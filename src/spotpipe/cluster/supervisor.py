@@ -31,6 +31,10 @@ from spotpipe.faults import Fault
 if TYPE_CHECKING:  # (this module stays free of torch: `prestart` runs before it is imported)
     from spotpipe.store.address import StoreAddress
 
+# how long a stopped process has after its SIGTERM before the SIGKILL (a worker's final save,
+# a node leaving on its notice)
+STOP_GRACE_S = 10.0
+
 
 def search_path(cfg: Config) -> list[str]:
     """Where user factories are imported from: the working folder and the config's folder."""
@@ -309,7 +313,7 @@ class Supervisor:
             if signum is not None:
                 exit_.report(-signum)
 
-    def stop_all(self, grace_s: float = 10.0) -> None:
+    def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM, then SIGKILL after `grace_s`; returns when every process is gone, and with
         them the way they were started."""
         self._stopped.set()
