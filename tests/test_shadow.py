@@ -408,8 +408,16 @@ def test_a_skipped_step_whose_commit_message_was_lost_is_skipped_by_the_shadow(
     run = tmp_path / "run"
     assert train(cfg, run, progress=False, faults=faults) == 0
     evs = events(run)
-    assert [e["iteration"] for e in evs if e["kind"] == "shadow_settled"] == [3]
-    model, _ = train_reference(cfg, skip=frozenset({3}))
+    settled = [e["iteration"] for e in evs if e["kind"] == "shadow_settled"]
+    agreement = next(e for e in evs if e["kind"] == "agreement")
+    # (the race of test_lost_stages_without_replica_are_restored_from_shadows: node1's norm
+    # gather may return while node0's has not yet received node1's part, which the kill
+    # discards; node0 then never committed iteration 3, and the job replays it, its NaN
+    # injected once: the step is taken then, as the plain loop takes it)
+    assert agreement["resume"] in (3, 4), agreement
+    replayed = agreement["resume"] == 3
+    assert settled == ([] if replayed else [3]), (settled, agreement)
+    model, _ = train_reference(cfg, skip=frozenset() if replayed else frozenset({3}))
     got = load_file(str(run / "final" / "model.safetensors"))
     want = model.state_dict()
     for key in want:
