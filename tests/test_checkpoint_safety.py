@@ -247,6 +247,17 @@ def test_retention_never_deletes_the_checkpoint_just_committed_for_a_later_one(t
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_00000046", other.name]
 
 
+def test_checkpoints_past_iteration_10_to_the_8_are_newer_than_those_before(tmp_path):
+    """`iter_{:08d}` grows a ninth digit at 10^8: ordered as text, iter_100000000 came before
+    iter_99999999, so the newest checkpoint was taken for the oldest (resumed from the older,
+    and deleted first by retention)."""
+    older = _commit(tmp_path, 99_999_999, keep=1)
+    assert older.name == "iter_99999999"
+    newer = _commit(tmp_path, 100_000_000, keep=1, seed=1)
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == [newer.name]
+    assert durable.newest(tmp_path).path == newer
+
+
 def test_committing_onto_an_existing_checkpoint_folder_replaces_it(tmp_path):
     _commit(tmp_path, 2, seed=0)
     again = _commit(tmp_path, 2, seed=1)  # a job resumed from an earlier one, same folder

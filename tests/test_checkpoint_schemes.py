@@ -482,6 +482,33 @@ def _write(folder: Path, iteration: int, digest: str = "m1") -> Path:
     return snapshot.file_path(folder, 0, iteration)
 
 
+def test_a_snapshot_written_before_later_ones_in_its_folder_is_kept(tmp_path):
+    """A run gone back to an older iteration in a folder holding later files: at keep = 3 the
+    file just written was deleted for the later ones (and its size then read from nothing)."""
+    for iteration in (10, 20, 30):
+        _write(tmp_path, iteration)
+    mine = _write(tmp_path, 15)  # (no FileNotFoundError)
+    assert mine.is_file() and snapshot.read_file(mine, "m1").iteration == 15
+    names = sorted(p.name for p in (tmp_path / "stage0").glob("iter_*.pt"))
+    assert names == ["iter_00000010.pt", "iter_00000015.pt", "iter_00000020.pt",
+                     "iter_00000030.pt"]  # later ones neither count nor go
+    _write(tmp_path, 16)
+    _write(tmp_path, 17)  # the oldest before the one just written goes
+    names = sorted(p.name for p in (tmp_path / "stage0").glob("iter_*.pt"))
+    assert names == ["iter_00000015.pt", "iter_00000016.pt", "iter_00000017.pt",
+                     "iter_00000020.pt", "iter_00000030.pt"]
+
+
+def test_snapshots_past_iteration_10_to_the_8_are_newer_than_those_before(tmp_path):
+    _write(tmp_path, 99_999_999)
+    _write(tmp_path, 100_000_000)
+    assert snapshot.newest_file(tmp_path, 0, "m1").iteration == 100_000_000
+    for iteration in (100_000_001, 100_000_002):
+        _write(tmp_path, iteration)  # keep = 3: the oldest, 99999999, goes
+    names = sorted(p.name for p in (tmp_path / "stage0").glob("iter_*.pt"))
+    assert names == ["iter_100000000.pt", "iter_100000001.pt", "iter_100000002.pt"]
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "sidecar", "version", "model"])
 def test_damaged_snapshot_file_is_named_and_the_previous_one_used(tmp_path, damage):
     _write(tmp_path, 1)

@@ -222,6 +222,9 @@ def commit(root: Path, iteration: int, info: dict[str, Any], checksums: dict[str
 
 
 def _iteration_of(folder: Path) -> int:
+    """The iteration a checkpoint's name carries (-1: none). Names are ordered by it, not as
+    text: `iter_{:08d}` grows a ninth digit at iteration 10^8, and `iter_100000000` sorts
+    before `iter_99999999` as text, which made the newest checkpoint the oldest."""
     digits = "".join(c for c in folder.name if c.isdigit())
     return int(digits) if digits else -1
 
@@ -236,7 +239,8 @@ def retain(root: Path, keep: int, key: bytes | None, upto: int | None = None) ->
     this job's good ones before it are never deleted for them."""
     good = 0
     deleted = []
-    for path in sorted((p for p in root.glob("iter_*") if p.is_dir()), reverse=True):
+    for path in sorted((p for p in root.glob("iter_*") if p.is_dir()), key=_iteration_of,
+                       reverse=True):
         if upto is not None and _iteration_of(path) > upto:
             continue
         if good >= keep:
@@ -431,7 +435,8 @@ def _folders(root: Path) -> list[Path]:
     found = {p.name: p for p in root.glob("iter_*") if p.is_dir()}
     for aside in root.glob(f".iter_*{_ASIDE}"):
         found.setdefault(aside.name[1:-len(_ASIDE)], aside)
-    return [found[name] for name in sorted(found, reverse=True) if found[name].is_dir()]
+    return [found[name] for name in sorted(found, key=lambda n: _iteration_of(Path(n)),
+                                           reverse=True) if found[name].is_dir()]
 
 
 def settled(ckpt: Checkpoint) -> Checkpoint:

@@ -143,16 +143,29 @@ def write_file(folder: Path, snapshot: Snapshot, model_digest: str, keep: int, *
             path.unlink(missing_ok=True)
         cause = str(exc).splitlines()[0][:300] if str(exc) else ""
         raise durable.WriteError(f"{path}: {type(exc).__name__}: {cause}") from exc
-    _keep_newest(path.parent, keep, SIDECAR if sidecar else SUFFIX)
-    return path.stat().st_size
+    nbytes = path.stat().st_size
+    _keep_newest(path.parent, keep, SIDECAR if sidecar else SUFFIX, snapshot.iteration)
+    return nbytes
 
 
-def _keep_newest(folder: Path, keep: int, by: str) -> None:
-    """Remove all but the newest `keep` files of a stage, each with its sidecar; `by`: the
-    suffix that marks a file as written (the sidecar, or the file where there is none)."""
-    for old in sorted(folder.glob(f"iter_*{by}"))[:-keep]:
+def _keep_newest(folder: Path, keep: int, by: str, upto: int) -> None:
+    """Remove all but the newest `keep` files of a stage up to iteration `upto` (the one just
+    written), each with its sidecar; `by`: the suffix that marks a file as written (the
+    sidecar, or the file where there is none). Files of later iterations are another
+    timeline's (a run gone back to an older checkpoint in this folder): they neither count nor
+    go, as in `durable.retain`; counting them deleted the file just written. Ordered by the
+    iteration, not the name (which grows a digit at 10^8)."""
+    files = sorted((f for f in folder.glob(f"iter_*{by}") if 0 <= _iteration_of(f) <= upto),
+                   key=_iteration_of)
+    for old in files[:-keep]:
         old.with_suffix(SUFFIX).unlink(missing_ok=True)
         old.with_suffix(SIDECAR).unlink(missing_ok=True)
+
+
+def _iteration_of(path: Path) -> int:
+    """The iteration in a file's name, `iter_N.pt` or its sidecar; -1 for a name not ours."""
+    digits = path.name[len("iter_"):].split(".", 1)[0]
+    return int(digits) if digits.isdigit() else -1
 
 
 def _replace_durably(path: Path, write: Callable[[BinaryIO], Any], sync: bool = True) -> None:
@@ -199,7 +212,8 @@ def newest_file(folder: Path, stage: int, model_digest: str | None = None,
                 problems: list[str] | None = None) -> Snapshot | None:
     """The newest snapshot of `stage` that verifies; the ones skipped are named in
     `problems`."""
-    for path in sorted((folder / f"stage{stage}").glob(f"iter_*{SUFFIX}"), reverse=True):
+    for path in sorted((folder / f"stage{stage}").glob(f"iter_*{SUFFIX}"), key=_iteration_of,
+                       reverse=True):
         try:
             return read_file(path, model_digest)
         except CheckpointError as exc:
