@@ -332,8 +332,8 @@ def test_a_gradient_received_just_before_the_writer_died_stays_pending():
     shadow.applier = SimpleNamespace(applied=2, drain=lambda: None)
     with pytest.raises(LinkBroken, match="Connection closed"):
         shadow._serve(_WriterDiesAfterAGradient())
-    assert shadow.pending is not None and shadow.pending[0] == 3
-    assert torch.equal(shadow.pending[1], torch.full((4,), 0.5))
+    assert shadow.pending is not None and shadow.pending.iteration == 3
+    assert torch.equal(shadow.pending.flat, torch.full((4,), 0.5))
 
 
 def test_a_shadow_that_dies_ends_the_job_naming_it(tmp_path, corpus):
@@ -504,6 +504,94 @@ def test_a_writer_silent_longer_than_the_timeout_writes_on_over_a_new_link(tmp_p
         assert torch.equal(mine, want)
 
 
+def test_a_commit_its_writer_alone_completed_is_not_applied_before_the_survivors_agree(
+        tmp_path, corpus, monkeypatch):
+    """The norm gather that commits an iteration can return on one node and be cut short on
+    another (the first killed right after, its part discarded with its socket). A writer that
+    completed it sends its shadow COMMIT(1) and is lost; the survivors never committed 1, and
+    the new writer resumes at 1 and sends iteration 1 again. The shadow once applied the lost
+    writer's COMMIT at once, held iteration 1, and failed the new writer ("holds iteration 1,
+    but the job resumes at iteration 1"): a recoverable loss stopped the job. It now applies a
+    commit once the writer's next message shows every node has it, and holds what the
+    survivors agreed: the plain optimizer's state after gradient 0 and the new writer's 1."""
+    import queue
+    import threading
+
+    from spotpipe import job
+    from spotpipe.checkpoint.shadow import Shadow
+    from spotpipe.protocol import channel_from_env
+    from spotpipe.runtime.node import build_stage_state
+    from spotpipe.runtime.optim import set_lr
+    from spotpipe.runtime.replica import flatten_grads
+    from spotpipe.runtime.shadow_link import ShadowWriter
+    from spotpipe.store.sealed import SealedStore
+
+    cfg, spec, connect = _one_shadow_setup(corpus, monkeypatch, iterations=3,
+                                           **{"cluster.timeout_s": 1, "optimizer.grad_clip": 0})
+    shadow = Shadow(cfg, spec, tmp_path, 0, connect(), 0.0, link_store=connect())
+    lost: queue.Queue = queue.Queue()
+    told = shadow.channel.event
+
+    def event(kind, **details):
+        if kind == "shadow_link_lost":
+            lost.put(details)
+        told(kind, **details)
+
+    shadow.channel.event = event
+    ended: list[BaseException] = []
+
+    def run():
+        try:
+            shadow.run()
+        except BaseException as exc:
+            ended.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+
+    def stage():
+        return build_stage_state(job.build_model(cfg), spec.partition, 0, cfg,
+                                 torch.device("cpu"))
+
+    def writer(node: str) -> ShadowWriter:
+        return ShadowWriter(SealedStore(connect(), channel_from_env(node).key), "spotpipe",
+                            node, max_lag=1, timeout_s=1)
+
+    owner, reference = stage(), stage()
+
+    def step(w: ShadowWriter, t: int, value: float, commit: bool = True) -> None:
+        for p in owner.params:
+            p.grad = torch.full_like(p, value)
+        w.post_grad(t, 0, flatten_grads(owner.params))
+        w.confirm()
+        if commit:
+            w.commit(t, None)
+
+    def reference_step(t: int, value: float) -> None:
+        set_lr(reference.optimizer, cfg, t)
+        for p in reference.params:
+            p.grad = torch.full_like(p, value)
+        reference.optimizer.step()
+
+    first = writer("node1")
+    first.relink({0: (owner.module, owner.optimizer)}, 0, set())
+    step(first, 0, 0.01)
+    step(first, 1, 0.02)  # committed by this writer alone; then it is lost (it says no more)
+    reference_step(0, 0.01)
+    assert lost.get(timeout=60) and not ended, ended  # (the shadow gives the link up)
+    second = writer("node0")  # the survivor, which resumes at 1 (max_lag 1: no wait on 1)
+    second.relink({0: (owner.module, owner.optimizer)}, 1, set())
+    for t, value in ((1, 0.05), (2, 0.07)):
+        step(second, t, value)
+        reference_step(t, value)
+    second.close()
+    runner.join(timeout=60)
+    assert not runner.is_alive() and not ended, ended
+    assert shadow.applied == cfg.iterations - 1
+    for mine, want in zip(shadow.module.parameters(), reference.module.parameters()):
+        assert torch.equal(mine, want)
+
+
 def test_a_shadow_keeps_nothing_of_the_links_its_writers_ended(tmp_path, corpus, monkeypatch):
     """Each writer change opens a link and ends it (END). The shadow posts the receive of the
     next gradient ahead on a link; it must complete it and drop the link when the link ends.
@@ -556,9 +644,10 @@ def test_a_shadow_keeps_nothing_of_the_links_its_writers_ended(tmp_path, corpus,
 
 def test_a_shadow_lagging_past_the_timeout_stops_its_writer_naming_it():
     """A writer waits once its shadow lags shadow.max_lag iterations behind (the documented
-    policy), for at most cluster.timeout_s: a shadow that has not caught up by then is hung or
-    too slow, and the error names it and the setting (it once passed on the store's "wait
-    timeout after 500ms, keys: /spotpipe/shadow/1/applied/5")."""
+    policy; behind the iteration that the gradient it sends confirms, see `_Pending`), for at
+    most cluster.timeout_s: a shadow that has not caught up by then is hung or too slow, and
+    the error names it and the setting (it once passed on the store's "wait timeout after
+    500ms, keys: /spotpipe/shadow/1/applied/5")."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -571,11 +660,11 @@ def test_a_shadow_lagging_past_the_timeout_stops_its_writer_naming_it():
                                       timeout=timedelta(seconds=30)), b"k" * 32)
     writer = ShadowWriter(store, "spotpipe", "node0", max_lag=2, timeout_s=0.5)
     # the shadow of stage 1 has applied iteration 4, and marks nothing more
-    writer.links[1] = _Link(1, 1, None, applied=4, store=store, resume=7, scale=None,
+    writer.links[1] = _Link(1, 1, None, applied=4, store=store, resume=8, scale=None,
                             used=float("inf"))  # (never silent for long)
     with pytest.raises(ShadowError, match=r"the shadow of stage 1 has not applied iteration 5 "
                                           r"within cluster.timeout_s \(0.5 s\).*shadow.max_lag"):
-        writer.post_grad(7, 1, torch.zeros(3))
+        writer.post_grad(8, 1, torch.zeros(3))  # (it confirms 7, which is 2 past 5)
     assert not writer.waiting
 
 

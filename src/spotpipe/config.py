@@ -186,7 +186,9 @@ class TrainingSection:
 @dataclass
 class ShadowSection:
     enabled: bool = False  # one CPU shadow process per stage holds a checkpoint of every iteration
-    max_lag: int = 4  # iterations a shadow may fall behind before the stage's writer waits
+    # iterations a shadow may fall behind before the stage's writer waits (behind the one it
+    # holds until the writer's next gradient confirms its commit)
+    max_lag: int = 4
 
 
 @dataclass

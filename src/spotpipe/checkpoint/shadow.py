@@ -29,6 +29,7 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -54,6 +55,24 @@ from spotpipe.runtime.shadow_link import (ACK, COMMIT, END, GRAD, GRAD_TAG, HELL
 
 
 T = TypeVar("T")
+
+
+@dataclass
+class _Pending:
+    """A gradient received and not yet applied. Its writer's COMMIT (`commit`: the clipping
+    scale, and whether the step is skipped) says the writer's own norm gather completed, not
+    that every node's did: the gather can return on one node and be cut short on another (the
+    first killed right after, its part discarded with its socket), and the survivors then
+    replay the iteration. So a committed gradient is applied only once the writer's next
+    message shows every node committed it: its next gradient (reduced after every node ran
+    the next iteration, which none starts before its own gather completes), or an END or a
+    new writer's HELLO, which say the iteration the nodes agreed to resume at. Applied at the
+    COMMIT, the shadow was an iteration ahead of the job after such a loss, and the new
+    writer stopped the job."""
+
+    iteration: int
+    flat: torch.Tensor
+    commit: tuple[torch.Tensor | None, bool] | None = None
 
 
 class LinkBroken(Exception):
@@ -109,7 +128,9 @@ class Shadow:
             ckpt = durable.verify(Path(resume))
             durable.load_stage(ckpt, self.module, self.optimizer)
             self.submitted = ckpt.next_iteration - 1
-        self.pending: tuple[int, torch.Tensor] | None = None  # received, not yet committed
+        # the newest gradient received and not yet applied, with its writer's COMMIT once that
+        # came: applied when the writer's next message shows every node committed it
+        self.pending: _Pending | None = None
         self.digests = (DigestLog(run_dir / "logs" / f"digests.{self.name}.jsonl")
                         if cfg.logging.state_digests else None)
         # the writer waits once the backlog reaches shadow.max_lag: from there on the
@@ -193,20 +214,24 @@ class Shadow:
                                            "HELLO")
                     flat = self._wait(*ahead)
                     ahead = None
+                    # the writer reduced this gradient: every node committed the iteration
+                    # before it (see `_Pending`)
+                    self._confirm(t - 1)
                     # kept before the next receive is posted: a writer gone right after this
                     # gradient makes that post raise (LinkBroken), and the new writer's HELLO
                     # settles the pending gradient with the scale the survivors committed
-                    self.pending = (t, flat)
+                    self.pending = _Pending(t, flat)
                     self.max_lag_seen = max(self.max_lag_seen, t - self.applier.applied)
                     ahead = self._post_gradient(group)
                 elif kind == COMMIT:
-                    if self.pending is None or self.pending[0] != t:
+                    if self.pending is None or self.pending.iteration != t:
                         raise RuntimeError(f"shadow of stage {self.stage}: commit of iteration "
                                            f"{t} without its gradient (holding "
-                                           f"{self.pending and self.pending[0]})")
+                                           f"{self.pending and self.pending.iteration})")
                     # arg 1: the step is skipped on every node (training.nonfinite: skip)
-                    self._submit(*self.pending, scale_from_bits(bits), skip=bool(arg))
+                    self.pending.commit = (scale_from_bits(bits), bool(arg))
                 elif kind == END:  # (with it, what completes the receive posted ahead)
+                    self._settle(resume=t, scale=scale_from_bits(bits))
                     return True
                 else:
                     raise RuntimeError(f"shadow of stage {self.stage}: unknown message kind "
@@ -234,16 +259,32 @@ class Shadow:
         _on_link(work.wait)
         return tensor
 
+    def _confirm(self, iteration: int) -> None:
+        """Every node committed `iteration`: apply its gradient if it is the one pending with
+        its writer's COMMIT. (A gradient pending without one is replaced by the next, as
+        before: the iteration is replayed on this link.)"""
+        held = self.pending
+        if held is not None and held.commit is not None:
+            if held.iteration != iteration:
+                raise RuntimeError(f"shadow of stage {self.stage}: gradient of iteration "
+                                   f"{iteration + 1} after the commit of {held.iteration}")
+            self._submit(held.iteration, held.flat, *held.commit)
+
     def _settle(self, resume: int, scale: torch.Tensor | None) -> None:
-        """A new writer starts at `resume`: iteration resume - 1 was committed by the
-        survivors, so a gradient of it still pending is applied (with the clipping scale the
-        new writer brings); a later one was not, and will be sent again when the iteration is
-        replayed."""
-        if self.pending is not None:
-            t, flat = self.pending
-            if t == resume - 1 and self.submitted == t - 1:
-                self._submit(t, flat, scale)
-                self.channel.event("shadow_settled", stage=self.stage, iteration=t)
+        """A writer starts (HELLO) or ends (END) its link at `resume`, which every node agreed:
+        iteration resume - 1 was committed by the survivors, so a gradient of it still pending
+        is applied (with its COMMIT's scale, or the one the writer brings where its COMMIT was
+        lost); a later one was not, and will be sent again when the iteration is replayed,
+        even if its writer, lost since, had committed it alone."""
+        held = self.pending
+        if held is not None:
+            if held.iteration == resume - 1 and self.submitted == held.iteration - 1:
+                if held.commit is not None:
+                    self._submit(held.iteration, held.flat, *held.commit)
+                else:
+                    self._submit(held.iteration, held.flat, scale)
+                    self.channel.event("shadow_settled", stage=self.stage,
+                                       iteration=held.iteration)
             self.pending = None
 
     def _submit(self, iteration: int, flat: torch.Tensor, scale: torch.Tensor | None,

@@ -12,8 +12,9 @@ Messages on a link are a header of four int64 `[kind, iteration, arg, 0]`, some 
 a payload:
 
 - HELLO(resume, want_state), writer -> shadow: the writer starts writing at iteration
-  `resume`. The shadow settles a gradient it holds uncommitted (applies it if it is of
-  `resume - 1`, which survivors committed, drops it otherwise), answers ACK(applied), and if
+  `resume`. The shadow settles a gradient it holds unapplied (applies it if it is of
+  `resume - 1`, which survivors committed, drops it otherwise, even one whose lost writer
+  committed it alone), answers ACK(applied), and if
   `want_state` sends the stage's state (a restore onto a node that lost it).
 - GRAD(t) + the flat gradient (`replica.flatten_grads`): iteration t's final gradient. Sent
   when the gradient is reduced and confirmed before the iteration commits, as for replicas, so
@@ -22,13 +23,17 @@ a payload:
   the next one ahead of time: the writer's send then completes as soon as the bytes are
   copied, without waiting for the shadow's process to be scheduled (the confirm is on the
   training's critical path).
-- COMMIT(t, scale): iteration t committed everywhere: the shadow scales the gradient by the
-  clipping scale (sent before clipping, because the scale needs the global norm, which the
-  commit's own collective gathers) and applies it. A HELLO carries the scale of iteration
-  `resume - 1`, for a gradient whose COMMIT its writer did not live to send.
-- END + one value under GRAD_TAG: the writer hands the stage over (or the job is over); the
-  shadow waits for the next link. The value completes the shadow's receive of the next
-  gradient, posted ahead (gloo takes a shorter message into a receive), which it then drops.
+- COMMIT(t, scale): the writer committed iteration t (its norm gather completed): the shadow
+  will scale the gradient by the clipping scale (sent before clipping, because the scale
+  needs the global norm, which the commit's own collective gathers) and apply it, once the
+  writer's next message shows that every node committed t too (the next GRAD, or an END or
+  HELLO resuming after t: `checkpoint.shadow._Pending` says why). A HELLO carries the scale
+  of iteration `resume - 1`, for a gradient whose COMMIT its writer did not live to send.
+- END(resume, scale) + one value under GRAD_TAG: the writer hands the stage over (or the job
+  is over), every node having agreed to resume at `resume`; the shadow settles what it holds
+  as at a HELLO and waits for the next link. The value completes the shadow's receive of the
+  next gradient, posted ahead (gloo takes a shorter message into a receive), which it then
+  drops.
 
 The shadow gives up a link whose writer has said nothing for `cluster.timeout_s` (its receive
 times out, as it fails at once for a writer that is gone), and waits for the next link. A
@@ -229,8 +234,11 @@ class ShadowWriter:
 
     @staticmethod
     def _say_end(link: _Link) -> None:
-        """END, and the value that completes the gradient's receive posted ahead."""
-        ends = [link.group.send([header(END)], 0, 0),
+        """END(resume), and the value that completes the gradient's receive posted ahead. A
+        link ends after every node agreed where the job resumes (at a Decision, at the job's
+        end, or before a gradient: see `_Pending` in the shadow), so END's `resume` settles a
+        commit the shadow holds."""
+        ends = [link.group.send([header(END, link.resume, scale=link.scale)], 0, 0),
                 link.group.send([torch.zeros(1)], 0, GRAD_TAG)]
         for work in ends:
             work.wait()
@@ -239,7 +247,7 @@ class ShadowWriter:
         """`link`, or a new link in its place if it has been silent for half of the timeout
         after which the shadow gives it up (see the module doc). The old one is ended, in
         case the shadow still follows it; one it gave up already fails, and needs no END."""
-        if time.monotonic() - link.used < self.silent_s:
+        if not self._silent(link):
             return link
         try:
             self._finish_sends(link)
@@ -255,11 +263,18 @@ class ShadowWriter:
             self.links[link.stage] = fresh
         return fresh
 
+    def _silent(self, link: _Link) -> bool:
+        """Whether `link` has been silent so long that the shadow may give it up before the
+        next message arrives (`_current` renews it)."""
+        return time.monotonic() - link.used >= self.silent_s
+
     def post_grad(self, iteration: int, stage: int, flat: torch.Tensor) -> None:
         """Ship iteration `iteration`'s final gradient of `stage` (asynchronously)."""
         started = time.perf_counter()
         link = self.links[stage]
-        behind = iteration - self.max_lag
+        # (one more than max_lag: the shadow applies an iteration once this gradient confirms
+        # that every node committed it, so it is always at least one behind what it received)
+        behind = iteration - self.max_lag - 1
         if behind > link.applied:  # the shadow marks each iteration it applies in the store
             latest = latest_key(self.namespace, stage)
             if self.store.check([latest]):
@@ -314,8 +329,12 @@ class ShadowWriter:
         for stage in sorted(self.links):
             link = self.links[stage]
             link.resume, link.scale = iteration + 1, said
-            if self._current(link) is not link:
-                continue  # the new link's HELLO brought the commit (and settled the gradient)
+            if self._silent(link):
+                # not renewed here: a new link's HELLO(resume) settles the iteration before it
+                # as agreed by every node, which this node's commit alone does not say. The
+                # link is renewed before its next message (a gradient, once every node is past
+                # this commit, or END), whose HELLO brings this commit.
+                continue
             h = header(COMMIT, iteration, int(skip), scale=scale)
             link.sends.append((link.group.send([h], 0, 0), h))
             link.used = time.monotonic()
