@@ -209,6 +209,37 @@ def _one_shadow_setup(corpus, monkeypatch, **overrides):
     return cfg, spec, connect  # (which holds the server)
 
 
+def _shadow_running(cfg, spec, connect, tmp_path):
+    """A shadow of stage 0 serving on a thread of the test's process: the shadow, its thread,
+    a queue of the links it gives up (`shadow_link_lost` events) and what its run raised."""
+    import queue
+    import threading
+
+    from spotpipe.checkpoint.shadow import Shadow
+
+    shadow = Shadow(cfg, spec, tmp_path, 0, connect(), 0.0, link_store=connect())
+    lost: queue.Queue = queue.Queue()
+    told = shadow.channel.event
+
+    def event(kind, **details):
+        if kind == "shadow_link_lost":
+            lost.put(details)
+        told(kind, **details)
+
+    shadow.channel.event = event
+    ended: list[BaseException] = []
+
+    def run():
+        try:
+            shadow.run()
+        except BaseException as exc:
+            ended.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    return shadow, runner, lost, ended
+
+
 def test_a_shadow_between_writers_marks_what_it_applies(tmp_path, corpus, monkeypatch):
     # Between two writers the shadow's main thread waits for the next link; its applier goes
     # on stepping the backlog, and a writer's max_lag wait reads the marks it sets. Were the
@@ -434,12 +465,9 @@ def test_a_writer_silent_longer_than_the_timeout_writes_on_over_a_new_link(tmp_p
     the silence falls before a gradient, between a gradient and its commit (the new link's
     HELLO brings the commit), and before the END. The shadow then holds the iterations as a
     plain optimizer stepping the same gradients does."""
-    import queue
-    import threading
 
 
     from spotpipe import job
-    from spotpipe.checkpoint.shadow import Shadow
     from spotpipe.protocol import channel_from_env
     from spotpipe.runtime.node import build_stage_state
     from spotpipe.runtime.optim import set_lr
@@ -449,26 +477,7 @@ def test_a_writer_silent_longer_than_the_timeout_writes_on_over_a_new_link(tmp_p
 
     cfg, spec, connect = _one_shadow_setup(corpus, monkeypatch, iterations=3,
                                            **{"cluster.timeout_s": 1, "optimizer.grad_clip": 0})
-    shadow = Shadow(cfg, spec, tmp_path, 0, connect(), 0.0, link_store=connect())
-    lost: queue.Queue = queue.Queue()
-    told = shadow.channel.event
-
-    def event(kind, **details):
-        if kind == "shadow_link_lost":
-            lost.put(details)
-        told(kind, **details)
-
-    shadow.channel.event = event
-    ended: list[BaseException] = []
-
-    def run():
-        try:
-            shadow.run()
-        except BaseException as exc:
-            ended.append(exc)
-
-    runner = threading.Thread(target=run, daemon=True)
-    runner.start()
+    shadow, runner, lost, ended = _shadow_running(cfg, spec, connect, tmp_path)
     writer = ShadowWriter(SealedStore(connect(), channel_from_env("node0").key), "spotpipe",
                           "node0", max_lag=4, timeout_s=1)
     owner = build_stage_state(job.build_model(cfg), spec.partition, 0, cfg,
@@ -514,11 +523,8 @@ def test_a_commit_its_writer_alone_completed_is_not_applied_before_the_survivors
     but the job resumes at iteration 1"): a recoverable loss stopped the job. It now applies a
     commit once the writer's next message shows every node has it, and holds what the
     survivors agreed: the plain optimizer's state after gradient 0 and the new writer's 1."""
-    import queue
-    import threading
 
     from spotpipe import job
-    from spotpipe.checkpoint.shadow import Shadow
     from spotpipe.protocol import channel_from_env
     from spotpipe.runtime.node import build_stage_state
     from spotpipe.runtime.optim import set_lr
@@ -528,26 +534,7 @@ def test_a_commit_its_writer_alone_completed_is_not_applied_before_the_survivors
 
     cfg, spec, connect = _one_shadow_setup(corpus, monkeypatch, iterations=3,
                                            **{"cluster.timeout_s": 1, "optimizer.grad_clip": 0})
-    shadow = Shadow(cfg, spec, tmp_path, 0, connect(), 0.0, link_store=connect())
-    lost: queue.Queue = queue.Queue()
-    told = shadow.channel.event
-
-    def event(kind, **details):
-        if kind == "shadow_link_lost":
-            lost.put(details)
-        told(kind, **details)
-
-    shadow.channel.event = event
-    ended: list[BaseException] = []
-
-    def run():
-        try:
-            shadow.run()
-        except BaseException as exc:
-            ended.append(exc)
-
-    runner = threading.Thread(target=run, daemon=True)
-    runner.start()
+    shadow, runner, lost, ended = _shadow_running(cfg, spec, connect, tmp_path)
 
     def stage():
         return build_stage_state(job.build_model(cfg), spec.partition, 0, cfg,
