@@ -161,14 +161,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _advise(cfg: SimConfig, job: Any, as_json: bool) -> int:
     from spotpipe.sim import report
-    from spotpipe.sim.advise import advice_table, advise
+    from spotpipe.sim.advise import advice_table, advise, no_advice
 
     trace, hours, _ = job
     duration = hours * 3600.0 if hours is not None else trace.duration_s
     ranked = advise(cfg, trace, duration_s=duration)
-    if not any(r.refused is None for r in ranked):
-        print("spotpipe simulate: error: no configuration fits memory: "
-              f"{ranked[0].refused if ranked else 'no candidates'}", file=sys.stderr)
+    why = no_advice(ranked, trace, cfg, duration)
+    if why is not None:
+        print(f"spotpipe simulate: error: {trace.name}: {why}", file=sys.stderr)
         return 2
     best = ranked[0]
     print(f"{trace!r}: model {cfg.model.name}, {cfg.price.instance} (spot "
