@@ -79,3 +79,37 @@ def test_cli_advise_json(capsys):
     data = json.loads(out[-1])
     assert data["advice"] == data["table"][0] and data["advice"]["market"] == "spot"
     assert any(line.startswith("advice: spot") for line in out)
+
+
+def _advise_cli(trace_file, capsys) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="spotpipe")
+    cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["simulate", "--trace", str(trace_file), "--advise"])
+    rc = args.func(args)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_advise_refuses_a_trace_on_which_nothing_trains(tmp_path, capsys):
+    """8 nodes for 100 s: a node boots for 120 s and an on-demand job for 120 s + a 10 s
+    rendezvous (SimParams' defaults), so no configuration trains a sample; the advice used
+    to be the first candidate tried, 'on-demand 2x1: 0 samples/$', exit 0."""
+    assert SimParams().boot_s + SimParams().rendezvous_s > 100
+    trace = tmp_path / "short.csv"
+    trace.write_text("".join(f"0,add,n{i}\n" for i in range(8))
+                     + "".join(f"100000,remove,n{i}\n" for i in range(8)))
+    rc, out, err = _advise_cli(trace, capsys)
+    assert rc == 2 and "advice:" not in out
+    assert "short.csv: no configuration trains a sample in the 100 s" in err
+    assert "Traceback" not in err
+
+
+def test_cli_advise_says_the_trace_has_too_few_nodes(tmp_path, capsys):
+    """One node at most: no depth of 2 or more can be tried; the error used to blame memory
+    ('no configuration fits memory: no candidates')."""
+    trace = tmp_path / "one.csv"
+    trace.write_text("0,add,a\n3600000,remove,a\n")
+    rc, out, err = _advise_cli(trace, capsys)
+    assert rc == 2 and "advice:" not in out
+    assert "one.csv: no configuration to try: the trace offers at most 1 nodes" in err
+    assert "memory" not in err

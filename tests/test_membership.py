@@ -247,6 +247,28 @@ def test_trace_additions_join_the_job(tmp_path, tmp_path_factory, corpus):
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+
+def test_a_worker_started_for_a_trace_grant_is_lost_with_it(tmp_path, corpus):
+    """The trace grants e after b is lost, then takes e away: the worker started for e
+    (node4) must be the one killed (it was never killed, and the trace's later preemptions
+    missed the job)."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("0,add,a\n0,add,b\n0,add,c\n0,add,d\n500,remove,b\n1500,add,e\n"
+                     "4000,remove,e\n")
+    cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy",
+                      **{**FAST, "iterations": 600})
+    from spotpipe.cluster.trace_replay import replay_actions
+    from spotpipe.sim.traces import load_trace
+
+    actions = replay_actions(load_trace(trace), [f"node{r}" for r in range(4)], 1.0)
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, trace_actions=actions) == 0
+    evs = events(run)
+    started = [e["node"] for e in evs if e["kind"] == "node_started"]
+    killed = [(e["node"], e["trace_node"]) for e in evs if e["kind"] == "trace_kill"]
+    assert started == ["node4"] and killed == [("node1", "b"), ("node4", "e")], evs
+    assert_samples_exactly_once(run, cfg)
+
 def _signalled_on_standby(cfg, run, signum: int) -> bool:
     """Train `cfg` (P = 2 x D = 1) with node2 joining at iteration 5, and send it `signum`
     once a plan puts it on standby; whether it was sent."""

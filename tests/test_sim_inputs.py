@@ -95,11 +95,15 @@ def test_a_good_profile_still_simulates(tmp_path, capsys):
 
 @pytest.mark.parametrize("prices,words", [
     ('{"instances": {"p3.2xlarge": {"spot": NaN, "on_demand": 3.06}}}',
-     "instances.p3.2xlarge.spot must be a finite price >= 0 $/h, got nan"),
+     "instances.p3.2xlarge.spot must be a finite price > 0 $/h, got nan"),
     ('{"instances": {"p3.2xlarge": {"spot": 0.9, "on_demand": 1e400}}}',
      "instances.p3.2xlarge.on_demand"),
     ('{"instances": {"p3.2xlarge": {"spot": -1, "on_demand": 3}}}',
      "instances.p3.2xlarge.spot must be"),
+    # free: samples per dollar is undefined (reported as 0, so --advise ranked the spot
+    # configurations that cost nothing below every paid one)
+    ('{"instances": {"p3.2xlarge": {"spot": 0, "on_demand": 3}}}',
+     "instances.p3.2xlarge.spot must be a finite price > 0 $/h, got 0.0"),
 ])
 def test_a_bad_price_names_the_file_and_key(tmp_path, capsys, prices, words):
     path = write(tmp_path / "prices.json", prices)

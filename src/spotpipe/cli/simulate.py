@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     from spotpipe.sim.simulator import run as simulate_run
 
     trace, hours, policies = job
-    duration = hours * 3600.0 if hours is not None else trace.duration_s
+    duration = _duration(trace, hours)
     results = [simulate_run(trace, name, cfg, duration_s=duration) for name in policies]
     victims = f", victims {trace.victims}" if trace.victims else ""
     print(f"{trace!r}: peak {trace.peak_nodes} nodes, {trace.removals} removals{victims}; "
@@ -161,14 +161,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _advise(cfg: SimConfig, job: Any, as_json: bool) -> int:
     from spotpipe.sim import report
-    from spotpipe.sim.advise import advice_table, advise
+    from spotpipe.sim.advise import advice_table, advise, no_advice
 
     trace, hours, _ = job
-    duration = hours * 3600.0 if hours is not None else trace.duration_s
+    duration = _duration(trace, hours)
     ranked = advise(cfg, trace, duration_s=duration)
-    if not any(r.refused is None for r in ranked):
-        print("spotpipe simulate: error: no configuration fits memory: "
-              f"{ranked[0].refused if ranked else 'no candidates'}", file=sys.stderr)
+    why = no_advice(ranked, trace, cfg, duration)
+    if why is not None:
+        print(f"spotpipe simulate: error: {trace.name}: {why}", file=sys.stderr)
         return 2
     best = ranked[0]
     print(f"{trace!r}: model {cfg.model.name}, {cfg.price.instance} (spot "
@@ -180,6 +180,19 @@ def _advise(cfg: SimConfig, job: Any, as_json: bool) -> int:
                               "victims": trace.victims, "advice": best.row(),
                               "table": [r.row() for r in ranked]}))
     return 0
+
+
+def _duration(trace: Trace, hours: float | None) -> float:
+    """The seconds simulated: --hours, else the trace's span. Past the trace's end the nodes
+    it holds then are held, never preempted, to the end: the trace does not say so, and the
+    figures (and the advice) may change with it, so it is said."""
+    if hours is None:
+        return trace.duration_s
+    if hours * 3600.0 > trace.duration_s:
+        print(f"spotpipe simulate: note: --hours {hours:g} runs past the end of {trace.name} "
+              f"({trace.duration_s / 3600.0:.2f} h): the nodes it holds then are taken to be "
+              f"held, never preempted, to the end", file=sys.stderr)
+    return hours * 3600.0
 
 
 def _prepare(args: argparse.Namespace) -> tuple[SimConfig, Any]:

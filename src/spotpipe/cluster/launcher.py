@@ -272,7 +272,7 @@ class Launcher(JobLoop):
             if action.kind == "available":
                 files.event({"time_s": self._now(), "kind": "trace_available",
                              "node": "launcher", "trace_node": action.trace_node})
-                self._trace_join(files)
+                self._trace_join(action.node, files)
                 continue
             if action.node not in self.supervisor.procs or action.node in self._exited:
                 continue
@@ -283,15 +283,16 @@ class Launcher(JobLoop):
                          "trace_node": action.trace_node, "due_s": round(
                              self._trace_due_of(action) - self.t0, 6)})
 
-    def _trace_join(self, files: RunFiles) -> None:
-        """A trace adds a spot instance: start a node that joins at once, while the job runs
+    def _trace_join(self, node: str, files: RunFiles) -> None:
+        """A trace adds a spot instance: start `node`, the worker the replay named to stand
+        for it (so that the instance's removal kills it), joining at once, while the job runs
         on fewer nodes than it started with (the local machine is not grown beyond that)."""
         world = self.cfg.stages * self.cfg.pipelines
         running = [n for n in self.supervisor.procs if n not in self._exited]
-        if len(running) >= world or self.coordinator.over:
+        if not node or node in self.supervisor.procs or len(running) >= world \
+                or self.coordinator.over:
             return
-        rank = len(self.supervisor.procs)
-        node = f"node{rank}"
+        rank = int(node.removeprefix("node"))
         files.event({"time_s": self._now(), "kind": "node_started", "node": node,
                      "joining": True, "reason": "trace"})
         self._store.set(keys.join_gate(node), "trace")

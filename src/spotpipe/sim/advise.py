@@ -127,6 +127,23 @@ def advise(cfg: SimConfig, trace: Trace, *, duration_s: float | None = None,
     return ok + [r for r in ranked if r.refused is not None]
 
 
+def no_advice(ranked: list[Ranked], trace: Trace, cfg: SimConfig,
+              duration_s: float) -> str | None:
+    """Why no configuration can be advised, or None. Advice must train something: were every
+    configuration worth 0 samples/$, the first in search order would be named the best."""
+    if not ranked:
+        return (f"no configuration to try: the trace offers at most {trace.peak_nodes} nodes "
+                f"at once and the model has {cfg.model.num_layers} layers, and the smallest "
+                f"depth tried is {min(DEPTHS)}")
+    ok = [r for r in ranked if r.refused is None]
+    if not ok:
+        return f"no configuration fits memory: {ranked[0].refused}"
+    if ok[0].value <= 0:
+        return (f"no configuration trains a sample in the {duration_s:g} s simulated (a "
+                f"spot or on-demand node boots for {cfg.params.boot_s:g} s first)")
+    return None
+
+
 def advice_table(ranked: list[Ranked], top: int = 15) -> str:
     from spotpipe.sim.report import format_table
 

@@ -41,9 +41,11 @@ def load_prices(path: str | Path | None = None) -> dict[str, Price]:
     for p in out.values():
         for key in ("spot", "on_demand"):
             value = getattr(p, key)
-            if not (math.isfinite(value) and value >= 0):
+            # (at 0 $/h samples per dollar is undefined: the simulator reports 0 for it, and
+            # --advise would rank a free configuration last)
+            if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{where}: instances.{p.instance}.{key} must be a finite "
-                                 f"price >= 0 $/h, got {value!r}")
+                                 f"price > 0 $/h, got {value!r}")
     return out
 
 
