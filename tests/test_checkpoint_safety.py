@@ -356,6 +356,18 @@ def test_resume_from_a_folder_takes_the_newest_of_the_timeline_that_last_held_it
     assert durable.newest(tmp_path).iteration == 100
 
 
+def test_a_late_commit_of_a_deposed_coordinator_does_not_move_the_pointer_back(tmp_path):
+    """A coordinator that lost the store goes on committing what it held while its successor
+    commits on: the pointer must stay at the successor's later checkpoint (a commit of 55
+    after 60 once made `--resume` go on from 55)."""
+    _commit(tmp_path, 50)
+    _commit(tmp_path, 60, seed=1)  # the successor's
+    _commit(tmp_path, 55, seed=2)  # the deposed coordinator's, late
+    assert durable.newest(tmp_path).iteration == 60
+    assert durable.resolve(tmp_path)[0].iteration == 60
+    assert (tmp_path / "iter_00000055").is_dir()  # (a good checkpoint, kept)
+
+
 @pytest.mark.parametrize("text, problem", [
     ("{", "not valid JSON|Expecting"), ("[1]", "iteration is 'absent'"),
     ('{"iteration": "7"}', "iteration is '7'"), ('{"iteration": -1}', "iteration is -1"),

@@ -211,7 +211,7 @@ def commit(root: Path, iteration: int, info: dict[str, Any], checksums: dict[str
         os.replace(final, aside)
     os.replace(partial, final)
     fsync_path(root)
-    latest.write(root, iteration)
+    latest.advance(root, iteration)
     shutil.rmtree(aside, ignore_errors=True)
     if apply_retention:
         retain(root, keep, key, upto=iteration)

@@ -78,3 +78,19 @@ def read(root: Path) -> Latest | None:
 def _unreadable(path: Path, why: str) -> str:
     return (f"{path}: not a pointer to a checkpoint ({why}); remove it to resume from the "
             "highest iteration there, or name the checkpoint folder (iter_N) to resume from")
+
+
+def advance(root: Path, iteration: int) -> None:
+    """Point the folder at `iteration`, just committed, unless it points at a later one
+    already. Within a job's timeline commits only go forward (`write` at its start sets where
+    it goes on from); a later pointer there is the job's own, written by the coordinator that
+    succeeded one which lost the store and went on committing what it held: moving the
+    pointer back to that one's commit made a `--resume` go on from the older checkpoint."""
+    try:
+        now = read(root)
+    except PointerError:
+        now = None  # (one `write` did not write: this commit's pointer replaces it)
+    if now is not None and now.iteration is not None and now.iteration > iteration:
+        return
+    write(root, iteration)
+
