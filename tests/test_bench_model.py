@@ -36,3 +36,20 @@ def test_bf16_over_fp32_is_the_ratio_of_the_speeds_not_of_their_rounded_figures(
     figures = model.run(quick=True)
     assert (figures["fp32_samples_per_s"], figures["bf16_samples_per_s"]) == (0.269, 0.024)
     assert figures["bf16_over_fp32"] == round(0.0244 / 0.2694, 3) == 0.091
+
+
+def test_the_failover_pause_is_counted_in_the_failure_free_runs_iterations(monkeypatch):
+    """The fault comes right after the warm-up, so the failover run's median iteration is of
+    iterations after the takeover (20 s here, a node carrying two stages); the pause (33 s)
+    is 2.0 of the failure-free bf16 run's 16.5 s iterations, not 1.65 of those."""
+    from types import SimpleNamespace
+
+    from spotpipe.bench import model
+
+    speeds = {"fp32": (0.27, 14.85), "bf16": (0.24, 16.5), "failover": (0.2, 20.0)}
+    monkeypatch.setattr(model, "train_example", lambda out, args: SimpleNamespace(stderr=""))
+    monkeypatch.setattr(model, "throughput", lambda run: speeds[run.name])
+    monkeypatch.setattr(model, "_rss", lambda run: {})
+    monkeypatch.setattr(model, "failover_pauses", lambda run: [{"pause_s": 33.0}])
+    figures = model.run(quick=True)
+    assert figures["failover_pause_iterations"] == 2.0
