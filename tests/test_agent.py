@@ -40,12 +40,33 @@ def _config(corpus, iterations: int, **extra):
 LENIENT = {"failover.heartbeat_timeout_s": 30.0, "failover.hang_timeout_s": 30.0}
 
 
-# An agent whose interpreter has imported torch and spotpipe's agent, then waits for a line on
-# its stdin before it runs `spotpipe agent`: the test opens the gate at the moment it chooses,
-# and the agent then acts within a second instead of after its imports. Its stdin closed
-# without a line (the test ended first), it exits 3 without acting.
-GATED = ("import sys; import spotpipe.cluster.agent; from spotpipe.cli.main import main; "
-         "raise SystemExit(main(sys.argv[1:]) if sys.stdin.readline() else 3)")
+# An agent that has done everything `spotpipe agent` does before it meets the rendezvous
+# (imports, the model's profile, the data's digest: seconds on a busy machine), says so on its
+# stdout (AT_THE_GATE), then waits for a line on its stdin: the test opens the gate at the
+# moment it chooses, and the agent then acts at once. (Gated before its imports only, a
+# stranger once came after the job had ended, took the vacant rendezvous for a job of its own
+# and waited there for a second agent.) Its stdin closed without a line, it exits 3.
+AT_THE_GATE = "at the gate"
+GATED = ("import sys\n"
+         "from spotpipe.cluster import agent\n"
+         "from spotpipe.cli.main import main\n"
+         "run = agent.Agent.run\n"
+         "def gated(self):\n"
+         f"    print({AT_THE_GATE!r}, flush=True)\n"
+         "    return run(self) if sys.stdin.readline() else 3\n"
+         "agent.Agent.run = gated\n"
+         "raise SystemExit(main(sys.argv[1:]))\n")
+
+
+def _at_the_gate(proc: subprocess.Popen) -> None:
+    """Until a gated agent waits at its gate (it says so on its stdout)."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.strip() == AT_THE_GATE:
+            return
+    proc.wait(timeout=60)
+    raise AssertionError(f"the gated agent exited {proc.returncode} before its gate: "
+                         f"{proc.stderr.read()[-2000:] if proc.stderr else ''}")
 
 
 def _agent(config: Path, out: Path, backend: str, endpoint: str, *, token: str = TOKEN,
@@ -136,14 +157,16 @@ def test_stranger_agents_are_refused_and_the_job_completes(tmp_path, tmp_path_fa
     other_model.write_text(text.replace("n_embd: 32", "n_embd: 16"))
     other_config = tmp_path / "other_config.yaml"
     other_config.write_text(text.replace("seed: 1", "seed: 7"))
-    # the strangers start with the job but come only once it trains (the gate, see GATED):
-    # their imports are done by then, so the job need only outlast their refusal
+    # the strangers are ready before the job starts, and come only once it trains (the gate,
+    # see GATED): the job need only outlast their refusal
     strangers = {
         "token": _agent(config, tmp_path / "s_token", "etcd", etcd.endpoint, token="nope",
                         gated=True),
         "model": _agent(other_model, tmp_path / "s_model", "etcd", etcd.endpoint, gated=True),
         "config": _agent(other_config, tmp_path / "s_config", "etcd", etcd.endpoint,
                          gated=True)}
+    for stranger in strangers.values():
+        _at_the_gate(stranger)
     outs = [tmp_path / "host_a", tmp_path / "host_b"]
     agents = [_agent(config, out, "etcd", etcd.endpoint) for out in outs]
 
