@@ -39,20 +39,32 @@ def _quiet_env(monkeypatch):
     monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"))
 
 
-@pytest.fixture
-def etcd(tmp_path_factory):
+def _etcd_server(tmp_path_factory, tls: bool):
     """An etcd server on loopback (free ports, a temporary data directory), stopped after the
-    test. Skipped only when the etcd binary is missing (.ci/run installs it)."""
+    test; with `tls`, serving TLS only, to clients whose certificate its CA signed (the
+    server's `tls` holds the certificates' paths). Skipped only when the etcd binary is
+    missing (.ci/run installs it)."""
     import shutil
 
-    from etcd_server import EtcdServer
+    from etcd_server import EtcdServer, make_certificates
 
     if shutil.which("etcd") is None:
         pytest.skip("etcd is not installed (apt-get install etcd-server)")
-    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data")
+    folder = tmp_path_factory.mktemp("etcd")
+    server = EtcdServer(folder / "data", make_certificates(folder / "certs") if tls else None)
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def etcd(tmp_path_factory):
+    yield from _etcd_server(tmp_path_factory, tls=False)
+
+
+@pytest.fixture
+def etcd_tls(tmp_path_factory):
+    yield from _etcd_server(tmp_path_factory, tls=True)
 
 
 def positive(value: object) -> bool:

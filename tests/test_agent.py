@@ -119,17 +119,24 @@ def _write_config(cfg, path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("backend", ["c10d", "etcd"])
+@pytest.mark.parametrize("backend", ["c10d", "etcd-tls"])
 def test_agents_train_like_spotpipe_train(tmp_path, tmp_path_factory, corpus, backend,
                                           request):
+    """etcd-tls: over an etcd that serves only hosts whose certificate its CA signed (the
+    other agent tests meet etcd over plain HTTP); the workers reach it with their agent's
+    certificate."""
     cfg = _config(corpus, 12)
     config = _write_config(cfg, tmp_path / "job.yaml")
-    if backend == "etcd":
-        endpoint = request.getfixturevalue("etcd").endpoint
+    extra: tuple[str, ...] = ()
+    if backend == "etcd-tls":
+        server = request.getfixturevalue("etcd_tls")
+        endpoint, backend, certs = server.endpoint, "etcd", server.tls
+        extra = ("--rdzv-conf", f"protocol=https,cacert={certs.ca_crt},cert={certs.client_crt}"
+                                f",key={certs.client_key}")
     else:
         endpoint = f"127.0.0.1:{free_port()}"
     outs = [tmp_path / "host_a", tmp_path / "host_b"]
-    results = _finish([_agent(config, out, backend, endpoint) for out in outs])
+    results = _finish([_agent(config, out, backend, endpoint, extra=extra) for out in outs])
     for code, err in results:
         assert code == 0, err[-2000:]
     run = _coordinator_out(outs)
@@ -146,6 +153,38 @@ def test_agents_train_like_spotpipe_train(tmp_path, tmp_path_factory, corpus, ba
     assert sorted(p.name for out in outs for p in (out / "logs").glob("node*.log")) == \
         ["node0.log", "node1.log"]
     assert all(workers_running(out) == [] for out in outs)
+
+
+def test_a_host_that_comes_later_than_the_store_timeout_still_starts_the_job(
+        tmp_path, tmp_path_factory, corpus):
+    """The second of the first layout's hosts comes more than cluster.timeout_s after the
+    first (a slower boot), within --rdzv-timeout. The first host's workers once started at
+    its admission and gave up forming the job's groups after cluster.timeout_s, and the job
+    failed ("timed out after 3.0 s waiting for .../gen0/world/0/1"); the agents are now
+    answered once all of them came, and the job completes as the plain loop trains."""
+    import time
+
+    cfg = _config(corpus, 12, **{"cluster.timeout_s": 3.0})
+    config = _write_config(cfg, tmp_path / "job.yaml")
+    endpoint = f"127.0.0.1:{free_port()}"
+    outs = [tmp_path / "host_a", tmp_path / "host_b"]
+    first = _agent(config, outs[0], "c10d", endpoint)  # (it hosts the store, and coordinates)
+    said = _Lines(first)
+    said.wait_for("coordinates job")
+    late = _agent(config, outs[1], "c10d", endpoint, gated=True)
+    _at_the_gate(late)  # (ready to arrive at once when told)
+    time.sleep(2 * cfg.cluster.timeout_s)  # the late host's delay: what is tested, no wait
+    assert first.poll() is None and late.stdin is not None
+    late.stdin.write("go\n")
+    late.stdin.flush()
+    code, err = _finish([late])[0]
+    assert code == 0, err[-2000:]
+    assert first.wait(timeout=600) == 0, "".join(said.lines)[-2000:]
+    summary = json.loads((outs[0] / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["iterations"] == cfg.iterations
+    got = load_file(str(outs[0] / "final" / "model.safetensors"))
+    want = failure_free(tmp_path_factory, cfg)
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_stranger_agents_are_refused_and_the_job_completes(tmp_path, tmp_path_factory, corpus,

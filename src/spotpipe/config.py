@@ -214,6 +214,9 @@ class ClusterSection:
     device_memory_gb: float = 0.0
     store: Literal["tcp", "etcd"] = "tcp"  # tcp: embedded TCPStore; etcd: an etcd server
     etcd_endpoint: str = ""  # host:port of etcd's client URL, when store is etcd
+    # etcd over TLS, as torchrun's --rdzv-conf: "protocol=https,cacert=CA,cert=CERT,key=KEY"
+    # (`spotpipe.store.tls`; its files are checked at launch, on the launching host)
+    etcd_conf: str = ""
 
 
 # model keys that decide how the model is cut into stages and run, not its tensors
@@ -547,6 +550,9 @@ def _check(cfg: Config) -> None:
         except ValueError as exc:
             raise ConfigError(f"cluster.etcd_endpoint: {exc} (required when cluster.store is "
                               "etcd)") from None
+    elif cfg.cluster.etcd_conf:
+        raise ConfigError("cluster.etcd_conf: given, but cluster.store is tcp (it says how to "
+                          "reach etcd)")
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:

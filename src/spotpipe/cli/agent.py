@@ -30,6 +30,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "endpoint's host (default c10d)")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint",
                    default=_env("rdzv_endpoint"), metavar="HOST:PORT")
+    p.add_argument("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf",
+                   default=_env("rdzv_conf", ""), metavar="KEY=VALUE,...",
+                   help="etcd over TLS, as torchrun's etcd rendezvous: protocol=https,"
+                        "cacert=CA,cert=CERT,key=KEY (etcd started with --client-cert-auth "
+                        "serves only hosts whose certificate its CA signed)")
     p.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=_env("rdzv_id"),
                    metavar="JOB", help="the job's id; agents with the same id form one job")
     p.add_argument("--nnodes", default=_env("nnodes"), metavar="MIN:MAX",
@@ -83,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         parse_nnodes
     from spotpipe.config import ConfigError, load_config
     from spotpipe.faults import Fault, FaultSpecError
+    from spotpipe.store.tls import TLSConfError, parse_conf
 
     try:  # every check that needs no torch, before anything starts (see agent_options)
         for flag in REQUIRED:
@@ -99,10 +105,11 @@ def run(args: argparse.Namespace) -> int:
                             on_demand=args.on_demand, resume=args.resume,
                             trust_checkpoint=args.trust_checkpoint,
                             max_restarts=args.max_restarts,
+                            tls=parse_conf(args.rdzv_conf, "--rdzv-conf"),
                             faults=tuple(Fault.parse(kind, text) for kind in FAULT_FLAGS
                                          for text in getattr(args, kind)))
         check_options(opts, cfg, overwrite=args.overwrite)
-    except (AgentError, ConfigError, FaultSpecError) as exc:
+    except (AgentError, ConfigError, FaultSpecError, TLSConfError) as exc:
         print(f"spotpipe agent: error: {exc}", file=sys.stderr)
         return 2
     from spotpipe.cluster.supervisor import prestart

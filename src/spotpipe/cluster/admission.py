@@ -45,6 +45,8 @@ class Coordinating:
         # the checkpoint on its way to agents whose hosts lack it: (agent, its sending
         # thread, and once that ended, "" or why the copy did not arrive whole)
         self._sends: list[tuple[int, threading.Thread, list[str]]] = []
+        # the first layout's agents, admitted and not yet answered (`_answer_first`)
+        self._first: list[tuple[int, Assignment, dict[str, Any], bool]] = []
         self.me = me  # this agent's arrival number (its candidacy's name)
         # the arrival number under which this agent's host holds its nodes now: a fenced
         # node's host comes again under a new one (`Agent._rejoin`), its nodes moved to it
@@ -353,11 +355,28 @@ class Coordinating:
             first = slot * n
         ranks = list(range(first, first + n))
         self._book(k, before, ranks)
-        if info.resume_fetch and not late:
-            self._start_send(k)
-        self._answer(store, k, Assignment(ranks=tuple(ranks), world=self.world, joining=late))
-        self._event({"kind": "agent_admitted", "node": name, "ranks": ranks, "joining": late,
-                     **({"rejoin_of": f"agent{before}"} if before is not None else {})})
+        answer = Assignment(ranks=tuple(ranks), world=self.world, joining=late)
+        event = {"kind": "agent_admitted", "node": name, "ranks": ranks, "joining": late,
+                 **({"rejoin_of": f"agent{before}"} if before is not None else {})}
+        if late:
+            self._answer(store, k, answer)
+            self._event(event)
+        else:  # answered once the first layout is whole (`_answer_first`)
+            self._first.append((k, answer, event, info.resume_fetch))
+
+    def _answer_first(self, store: dist.Store) -> None:
+        """Answer the first layout's agents, once all of them have come. An agent starts its
+        workers at its answer, and they wait to form the job's groups for cluster.timeout_s:
+        answered as each came, a host that came later than that (a slower boot) found the
+        first host's workers gone, and the job failed forming its groups ("timed out ...
+        waiting for .../gen0/world/0/2") although --rdzv-timeout still waited for it. The
+        checkpoint's sends to hosts that lack it start here too, as their receivers do."""
+        for k, answer, event, fetches in self._first:
+            if fetches:
+                self._start_send(k)
+            self._answer(store, k, answer)
+            self._event(event)
+        self._first = []
 
     def _book(self, k: int, before: int | None, ranks: list[int]) -> None:
         """Agent `k` runs the nodes of `ranks`, and, coming again in place of agent `before`
@@ -514,7 +533,7 @@ class Coordinating:
             if raw is None:
                 message = (f"rendezvous: {len(self._slots)} of {self.opts.min_nodes} agents "
                            f"arrived within {self.opts.rdzv_timeout_s:.0f} s (--rdzv-timeout)")
-                for j in range(1, k):
+                for j in sorted(set(range(1, k)) | {self.me}):  # (the admitted: unanswered)
                     if not store.check([assign_key(j)]):
                         self._answer(store, j, Assignment(refused=message))
                 print(f"spotpipe agent: {message}", file=sys.stderr)
@@ -525,6 +544,7 @@ class Coordinating:
             if isinstance(info, AgentArrival):
                 self._admit(store, k, info, late=False)
         self._next = k + 1
+        self._answer_first(store)
         failed = self._sent()
         if failed:
             print(f"spotpipe agent: {failed}", file=sys.stderr)

@@ -14,6 +14,7 @@ from pathlib import Path
 from spotpipe.config import Config, parse_endpoint
 from spotpipe.faults import Fault
 from spotpipe.runfiles import blocking_file
+from spotpipe.store.tls import EtcdTLS
 
 
 class AgentError(RuntimeError):
@@ -41,6 +42,7 @@ class AgentOptions:
     # torchrun's --max-restarts, per host: a worker that dies of a signal while its host
     # lives (the OOM killer, a crash) is replaced by a fresh node that joins the running job
     max_restarts: int = 0
+    tls: EtcdTLS | None = None  # etcd over TLS (--rdzv-conf)
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -84,6 +86,9 @@ def check_options(opts: AgentOptions, cfg: Config, overwrite: bool = False) -> s
         raise AgentError(f"--nproc-per-node {opts.nproc}: expected >= 1")
     if opts.max_restarts < 0:
         raise AgentError(f"--max-restarts {opts.max_restarts}: expected >= 0")
+    if opts.tls is not None and opts.backend != "etcd":
+        raise AgentError("--rdzv-conf protocol=https: TLS is for --rdzv-backend etcd (the c10d "
+                         "store speaks plain TCP: keep it on a private network)")
     if opts.backend == "etcd" and cfg.shadow.enabled:
         # (the shadows run beside the coordinator, `JobLoop._spawn_shadows`)
         raise AgentError(

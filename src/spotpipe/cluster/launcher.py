@@ -32,6 +32,7 @@ from spotpipe.cluster.jobloop import JobLoop
 from spotpipe.cluster.run_files import RunFiles
 from spotpipe.protocol import keys, new_instance_id
 from spotpipe.store.address import StoreAddress, host_tcp_store, job_prefix
+from spotpipe.store.tls import EtcdTLS, TLSConfError, parse_conf
 from spotpipe.cluster.supervisor import (STOP_GRACE_S, WORKER, Supervisor, search_path,
                                          starter, worker_env)
 from spotpipe.cluster.trace_replay import Action as TraceAction
@@ -139,6 +140,14 @@ def prepare(cfg: Config, workers_here: int | None = None) -> Prepared:
     return Prepared(cfg, job.RunSpec(partition, len(dataset), profile), model)
 
 
+def etcd_tls(cfg: Config) -> EtcdTLS | None:
+    """cluster.etcd_conf, its files checked on this host; LaunchError naming what is wrong."""
+    try:
+        return parse_conf(cfg.cluster.etcd_conf, "cluster.etcd_conf")
+    except TLSConfError as exc:
+        raise LaunchError(str(exc)) from None
+
+
 def bind_store(cfg: Config, job_id: str) -> tuple[dist.Store, StoreAddress]:
     """The job's store and its address: an embedded TCPStore hosted by this process, or a
     connection to the configured etcd (keys under the job's own prefix)."""
@@ -147,14 +156,15 @@ def bind_store(cfg: Config, job_id: str) -> tuple[dist.Store, StoreAddress]:
         from spotpipe.store.etcd import EtcdStore, EtcdStoreError
 
         host, port = parse_endpoint(cfg.cluster.etcd_endpoint)
-        address = StoreAddress("etcd", host, port, job_prefix(job_id))
+        tls = etcd_tls(cfg)
+        address = StoreAddress("etcd", host, port, job_prefix(job_id), tls)
         # a launch fails fast when etcd is not there; a running job waits out restarts
-        store = EtcdStore(host, port, address.prefix, timeout=timeout, reconnect_s=5.0)
+        store = EtcdStore(host, port, address.prefix, timeout=timeout, reconnect_s=5.0, tls=tls)
         try:
             store.reachable()
         except EtcdStoreError as exc:
             raise LaunchError(f"cluster.etcd_endpoint: {exc}") from None
-        return EtcdStore(host, port, address.prefix, timeout=timeout), address
+        return EtcdStore(host, port, address.prefix, timeout=timeout, tls=tls), address
     try:
         store = host_tcp_store(cfg.cluster.host, cfg.cluster.port, timeout)
     except Exception as exc:

@@ -38,9 +38,10 @@ def connect_rendezvous(opts: AgentOptions,
     if opts.backend == "etcd":
         from spotpipe.store.etcd import EtcdStore, EtcdStoreError
 
-        address = StoreAddress("etcd", host, port, job_prefix(opts.rdzv_id))
+        address = StoreAddress("etcd", host, port, job_prefix(opts.rdzv_id), opts.tls)
         try:
-            EtcdStore(host, port, address.prefix, timeout=timeout, reconnect_s=5.0).reachable()
+            EtcdStore(host, port, address.prefix, timeout=timeout, reconnect_s=5.0,
+                      tls=opts.tls).reachable()
         except EtcdStoreError as exc:
             raise AgentError(f"--rdzv-endpoint: {exc}") from None
         return address, None

@@ -18,6 +18,8 @@ from typing import Literal
 
 import torch.distributed as dist
 
+from spotpipe.store.tls import EtcdTLS
+
 StoreKind = Literal["tcp", "etcd"]
 # past the connection's own timeout, how long a first connection may take to answer
 ANSWER_GRACE_S = 5.0
@@ -34,6 +36,7 @@ class StoreAddress:
     port: int
     # etcd: the job's namespace (several jobs share one etcd); either store: a restart's round
     prefix: str = ""
+    tls: EtcdTLS | None = None  # etcd over TLS (`store.tls`)
 
     def connect(self, timeout_s: float) -> dist.Store:
         """A client connection (the TCPStore's server is hosted by the launcher or agent)."""
@@ -41,7 +44,7 @@ class StoreAddress:
         if self.kind == "etcd":
             from spotpipe.store.etcd import EtcdStore
 
-            return EtcdStore(self.host, self.port, self.prefix, timeout=timeout)
+            return EtcdStore(self.host, self.port, self.prefix, timeout=timeout, tls=self.tls)
         store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
         return dist.PrefixStore(self.prefix, store) if self.prefix else store
 
@@ -76,11 +79,12 @@ class StoreAddress:
         """The same store with keys under one more part (a restart's round, as torchrun's
         rendezvous rounds): a fresh set of keys without a new server."""
         return StoreAddress(self.kind, self.host, self.port,
-                            f"{self.prefix}/{part}" if self.prefix else part)
+                            f"{self.prefix}/{part}" if self.prefix else part, self.tls)
 
     def env(self) -> dict[str, str]:
         return {"MASTER_ADDR": self.host, "MASTER_PORT": str(self.port),
-                "SPOTPIPE_STORE": self.kind, "SPOTPIPE_STORE_PREFIX": self.prefix}
+                "SPOTPIPE_STORE": self.kind, "SPOTPIPE_STORE_PREFIX": self.prefix,
+                **(self.tls.env() if self.tls else {})}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreAddress:
@@ -89,12 +93,13 @@ class StoreAddress:
         if kind not in ("tcp", "etcd"):
             raise ValueError(f"SPOTPIPE_STORE: expected tcp or etcd, got {kind!r}")
         return cls(kind, env["MASTER_ADDR"], int(env["MASTER_PORT"]),  # type: ignore[arg-type]
-                   env.get("SPOTPIPE_STORE_PREFIX", ""))
+                   env.get("SPOTPIPE_STORE_PREFIX", ""), EtcdTLS.from_env(env))
 
     def describe(self) -> str:
         """host:port, as the launch event records it (plus the namespace for etcd)."""
-        return f"{self.host}:{self.port}" + (f" (etcd, keys under {self.prefix})"
-                                             if self.kind == "etcd" else "")
+        return f"{self.host}:{self.port}" + (
+            f" (etcd{' over TLS' if self.tls else ''}, keys under {self.prefix})"
+            if self.kind == "etcd" else "")
 
 
 def job_prefix(job_id: str) -> str:

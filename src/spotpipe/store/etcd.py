@@ -32,6 +32,7 @@ from etcd3gw.client import Etcd3Client
 from etcd3gw.utils import _decode, _encode, _increment_last_byte
 
 from spotpipe.store.fenced import NotLeader
+from spotpipe.store.tls import EtcdTLS, speaks_tls, tls_problem
 
 T = TypeVar("T")
 
@@ -43,6 +44,13 @@ _RETRYABLE = (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutEr
 _WATCH_SLICE_S = 10.0  # a long wait re-checks its keys this often (covers a lost watch)
 
 
+def _cause(exc: BaseException) -> str:
+    """The innermost error under `exc` (etcd3gw's own carry no text), as `Type: text`."""
+    while (exc.__cause__ or exc.__context__) is not None:
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return f"{type(exc).__name__}" + (f": {str(exc)[:300]}" if str(exc) else "")
+
+
 class EtcdStoreError(dist.DistNetworkError):
     """etcd stayed unreachable past the reconnect deadline, or answered nonsense. The error a
     TCPStore client raises when its server is gone (`torch.distributed.DistNetworkError`, not
@@ -51,9 +59,9 @@ class EtcdStoreError(dist.DistNetworkError):
 
 class EtcdStore(dist.Store):
     def __init__(self, host: str, port: int, prefix: str, *, timeout: timedelta,
-                 reconnect_s: float | None = None) -> None:
+                 reconnect_s: float | None = None, tls: EtcdTLS | None = None) -> None:
         super().__init__()  # the pybind trampoline needs it
-        self.host, self.port = host, port
+        self.host, self.port, self.tls = host, port, tls
         self.prefix = prefix.rstrip("/") + "/"
         self.set_timeout(timeout)
         self.reconnect_s = timeout.total_seconds() if reconnect_s is None else reconnect_s
@@ -72,7 +80,7 @@ class EtcdStore(dist.Store):
         coordinator's writes go through one, so that a coordinator deposed while cut off
         writes nothing once it is back (a plan, an answer to an arrival, the job's end)."""
         other = EtcdStore(self.host, self.port, self.prefix, timeout=self.timeout,
-                          reconnect_s=self.reconnect_s)
+                          reconnect_s=self.reconnect_s, tls=self.tls)
         other._guard = (self._key(key), holds.encode() if isinstance(holds, str) else holds)
         other._on_refused = on_refused
         return other
@@ -112,7 +120,8 @@ class EtcdStore(dist.Store):
         client = getattr(self._local, "client", None)
         if client is None:
             # api_path fixed: etcd >= 3.4 serves /v3/, and discovery would cost a request
-            client = Etcd3Client(host=self.host, port=self.port, timeout=30, api_path="/v3/")
+            client = Etcd3Client(host=self.host, port=self.port, timeout=30, api_path="/v3/",
+                                 **(self.tls.client_args() if self.tls else {}))
             self._local.client = client
         return client
 
@@ -130,8 +139,7 @@ class EtcdStore(dist.Store):
                 if time.monotonic() + delay > deadline:
                     raise EtcdStoreError(
                         f"etcd at {self.host}:{self.port} unreachable for {self.reconnect_s:.0f}"
-                        f" s ({what}): {type(exc).__name__}"
-                        + (f": {exc}" if str(exc) else "")) from None
+                        f" s ({what}): {_cause(exc)}{tls_problem(exc, self.tls)}") from None
                 self._local.client = None  # a fresh connection after the server came back
                 time.sleep(delay)  # backoff between reconnection attempts, not a sync point
                 delay = min(delay * 2, 1.0)
@@ -423,5 +431,13 @@ class EtcdStore(dist.Store):
             start, range_end=_increment_last_byte(start)))
 
     def reachable(self) -> None:
-        """Raise EtcdStoreError unless etcd answers within the reconnect deadline."""
-        self._range([self._key("__ping")])
+        """Raise EtcdStoreError unless etcd answers within the reconnect deadline; one that
+        speaks TLS to a client that does not is said so (it only closes the connection)."""
+        try:
+            self._range([self._key("__ping")])
+        except EtcdStoreError as exc:
+            if self.tls is None and speaks_tls(self.host, self.port):
+                raise EtcdStoreError(f"{exc}; etcd there speaks TLS: connect with "
+                                     "protocol=https and its CA (--rdzv-conf for `spotpipe "
+                                     "agent`, cluster.etcd_conf for `spotpipe train`)") from None
+            raise
