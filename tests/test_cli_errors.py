@@ -373,20 +373,16 @@ def test_agent_flags_are_refused_before_anything_starts(tmp_path, config, monkey
     assert blocker.read_text() == "keep me" and not (tmp_path / "out").exists()
 
 
-def test_ctrl_c_stops_the_workers_and_says_so_without_a_traceback(tmp_path, config):
-    """Ctrl-C in a terminal sends SIGINT to the whole process group, and users press it
-    twice. The fork server died of it first (a KeyboardInterrupt traceback on the user's
-    terminal, the workers killed before they were told), and a second one cut the stop short
-    with another traceback and no summary. Now: the stop runs to its end, the job says it was
-    interrupted, exits 130, and leaves no worker, no lock and a summary."""
+def _training(config: Path, out: Path, *args: str) -> subprocess.Popen:
+    """`spotpipe train` of a long job in a session of its own, once it has trained two
+    iterations."""
     import signal
     import time
 
-    out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=f"{REPO / 'tests'}{os.pathsep}"
                                       f"{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.Popen([sys.executable, "-m", "spotpipe", "train", str(config), "--out",
-                             str(out), "--stages", "2", "--set", "iterations=100000"],
+                             str(out), "--stages", "2", "--set", "iterations=100000", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True,
                             # (as from a terminal: a shell's background job, as a CI runner
@@ -398,6 +394,24 @@ def test_ctrl_c_stops_the_workers_and_says_so_without_a_traceback(tmp_path, conf
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
             time.sleep(0.2)  # (polling for the condition: training has begun)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc
+
+
+def test_ctrl_c_stops_the_workers_and_says_so_without_a_traceback(tmp_path, config):
+    """Ctrl-C in a terminal sends SIGINT to the whole process group, and users press it
+    twice. The fork server died of it first (a KeyboardInterrupt traceback on the user's
+    terminal, the workers killed before they were told), and a second one cut the stop short
+    with another traceback and no summary. Now: the stop runs to its end, the job says it was
+    interrupted, exits 130, and leaves no worker, no lock and a summary."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    proc = _training(config, out)
+    try:
         os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole group
         deadline = time.time() + 60
         while workers_running(out) and proc.poll() is None:
@@ -419,3 +433,31 @@ def test_ctrl_c_stops_the_workers_and_says_so_without_a_traceback(tmp_path, conf
     from spotpipe.cli.plot import _title
 
     assert _title(out).startswith("out: interrupted, ")  # (the plot's title says it too)
+
+
+def test_sigterm_stops_the_job_as_ctrl_c_does(tmp_path, config):
+    """A batch scheduler stops a job with SIGTERM (Slurm's scancel or time limit, SIGKILL
+    after its grace), to the launcher alone with `kill PID`. The launcher died of it at once:
+    no summary, no last event, the initial weights and the checkpoint folder's lock left
+    behind, and an exit by signal. Now it stops as on a Ctrl-C: the workers stopped, the job
+    said interrupted, exit 143 (128 + SIGTERM, as a shell reports it)."""
+    import signal
+
+    out = tmp_path / "out"
+    proc = _training(config, out, "--set", "checkpoint.every=1")
+    try:
+        assert len(workers_running(out)) == 2
+        proc.send_signal(signal.SIGTERM)  # the launcher alone
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, (proc.returncode, stderr[-3000:])
+    assert "training interrupted (SIGTERM)" in stderr and "Traceback" not in stderr, stderr
+    assert "spotpipe: interrupted: " in stdout, stdout
+    assert workers_running(out) == []
+    summary = (out / "summary.json").read_text()
+    assert '"status": "failed"' in summary and "interrupted (SIGTERM)" in summary
+    assert '"kind": "job_failed"' in (out / "events.jsonl").read_text()
+    assert not (out / "checkpoints" / ".spotpipe.lock").exists()
+    assert not (out / "initial.safetensors").exists()
