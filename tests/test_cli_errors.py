@@ -103,20 +103,39 @@ def test_existing_output_is_not_overwritten(tmp_path, config):
     assert (out / "precious.txt").read_text() == "keep me"
 
 
+def _factory_job(config: Path, out: Path, model: str, *args: str
+                 ) -> subprocess.CompletedProcess:
+    """`spotpipe train` of 2 stages of `fixtures.user_models`'s `model` for 20 iterations."""
+    return spotpipe("train", str(config), "--out", str(out), "--stages", "2",
+                    "--set", "model.kind=factory",
+                    "--set", f"model.factory=fixtures.user_models:{model}",
+                    "--set", "data.kind=factory",
+                    "--set", "data.factory=fixtures.user_models:regression",
+                    "--set", "iterations=20", *args)
+
+
 def test_worker_failure_stops_the_job_and_names_the_node(tmp_path, config):
     out = tmp_path / "out"
-    result = spotpipe("train", str(config), "--out", str(out), "--stages", "2",
-                      "--set", "model.kind=factory",
-                      "--set", "model.factory=fixtures.user_models:failing",
-                      "--set", "data.kind=factory",
-                      "--set", "data.factory=fixtures.user_models:regression",
-                      "--set", "iterations=20")
+    result = _factory_job(config, out, "failing")
     assert result.returncode == 1, result.stderr
     assert "node1 failed: RuntimeError: boom: this layer fails on purpose" in result.stderr
     assert workers_running(out) == [], "no worker may outlive a failed job"
     events = (out / "events.jsonl").read_text()
     assert '"kind": "worker_failed"' in events and '"kind": "job_failed"' in events
     assert '"status": "failed"' in (out / "summary.json").read_text()
+
+
+def test_a_worker_that_calls_sys_exit_mid_job_fails_the_job_naming_it(tmp_path, config):
+    """User code that calls sys.exit(0) in a worker ended it with code 0, which the launcher
+    takes for a node done at the job's end: no loss was seen, the others waited for it in
+    three plans of `cluster.timeout_s` each (6 minutes by default), and the job failed
+    saying it could not re-form. It is a software error in the worker, which names it."""
+    out = tmp_path / "out"
+    result = _factory_job(config, out, "exiting", "--set", "cluster.timeout_s=15")
+    assert result.returncode == 1, result.stderr
+    assert "node1 failed: SystemExit: sys.exit(0) called while training" in result.stderr, \
+        result.stderr[-3000:]
+    assert workers_running(out) == []
 
 
 def test_out_that_is_a_file(tmp_path, config):
