@@ -146,6 +146,16 @@ def test_out_that_is_a_file(tmp_path, config):
     assert "Traceback" not in result.stderr and out.read_text() == "a file"
 
 
+def test_an_out_folder_that_cannot_be_made_is_named_without_a_traceback(tmp_path, config):
+    """An --out on a file system that takes no new folder (read-only, say: /proc takes none,
+    for root as well) ended the launch in a traceback from mkdir."""
+    out = Path("/proc/spotpipe-no-such-folder/out")
+    result = spotpipe("train", str(config), "--out", str(out))
+    assert result.returncode == 2, result.stderr
+    assert f"--out {out}: cannot be made" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "-1"])
 def test_time_scale_must_be_a_finite_positive_number(tmp_path, config, value):
     result = spotpipe("train", str(config), "--out", str(tmp_path / "out"),

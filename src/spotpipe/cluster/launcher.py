@@ -379,6 +379,15 @@ def check_out(cfg: Config, out: Path, overwrite: bool, resume: Path | None,
                               "replacing it would delete it. Choose another --out")
 
 
+def make_out(out: Path) -> None:
+    """Make the run folder and its logs folder, the first things the job writes; a file system
+    that takes neither (read-only, full, not ours) is a LaunchError naming --out."""
+    try:
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LaunchError(f"--out {out}: cannot be made: {exc.strerror or exc}") from None
+
+
 def _restart_point(launcher: Launcher, code: int, trust: bool = False
                    ) -> tuple[bool, durable.Checkpoint | None]:
     """Whether to restart the workers, and from which checkpoint (None: from the start, as a
@@ -458,7 +467,7 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
     if out.exists() and overwrite:
         shutil.rmtree(out)
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    make_out(out)
     notes += prepared.write_initial(out)
     if root is not None:
         try:
