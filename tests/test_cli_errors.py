@@ -490,3 +490,28 @@ def test_sigterm_stops_the_job_as_ctrl_c_does(tmp_path, config):
     assert '"kind": "job_failed"' in (out / "events.jsonl").read_text()
     assert not (out / "checkpoints" / ".spotpipe.lock").exists()
     assert not (out / "initial.safetensors").exists()
+
+
+def test_overwrite_of_a_running_jobs_folder_is_refused(tmp_path, config):
+    """Two `spotpipe train --overwrite` on one --out (the default, runs/latest, in two
+    terminals): the second deleted the running job's folder under it and wrote its own
+    there, and both said they completed, with their results in that folder. A job without
+    durable checkpoints had no lock to stop it. Now the run folder is locked too."""
+    import signal
+
+    out = tmp_path / "out"
+    first = _training(config, out)
+    try:
+        second = spotpipe("train", str(config), "--out", str(out), "--overwrite")
+        assert first.poll() is None
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert f"--out {out} --overwrite: {out} is in use by another job (pid {first.pid}" \
+        in second.stderr and "another --out" in second.stderr, second.stderr[-3000:]
+    summary = (out / "summary.json").read_text()
+    assert "interrupted (SIGTERM)" in summary  # (the first job's, in its own folder)
+    assert not (out / ".spotpipe.lock").exists()
