@@ -103,14 +103,20 @@ def test_existing_output_is_not_overwritten(tmp_path, config):
     assert (out / "precious.txt").read_text() == "keep me"
 
 
+def _factory_job(config: Path, out: Path, model: str, *args: str
+                 ) -> subprocess.CompletedProcess:
+    """`spotpipe train` of 2 stages of `fixtures.user_models`'s `model` for 20 iterations."""
+    return spotpipe("train", str(config), "--out", str(out), "--stages", "2",
+                    "--set", "model.kind=factory",
+                    "--set", f"model.factory=fixtures.user_models:{model}",
+                    "--set", "data.kind=factory",
+                    "--set", "data.factory=fixtures.user_models:regression",
+                    "--set", "iterations=20", *args)
+
+
 def test_worker_failure_stops_the_job_and_names_the_node(tmp_path, config):
     out = tmp_path / "out"
-    result = spotpipe("train", str(config), "--out", str(out), "--stages", "2",
-                      "--set", "model.kind=factory",
-                      "--set", "model.factory=fixtures.user_models:failing",
-                      "--set", "data.kind=factory",
-                      "--set", "data.factory=fixtures.user_models:regression",
-                      "--set", "iterations=20")
+    result = _factory_job(config, out, "failing")
     assert result.returncode == 1, result.stderr
     assert "node1 failed: RuntimeError: boom: this layer fails on purpose" in result.stderr
     assert workers_running(out) == [], "no worker may outlive a failed job"
@@ -119,12 +125,35 @@ def test_worker_failure_stops_the_job_and_names_the_node(tmp_path, config):
     assert '"status": "failed"' in (out / "summary.json").read_text()
 
 
+def test_a_worker_that_calls_sys_exit_mid_job_fails_the_job_naming_it(tmp_path, config):
+    """User code that calls sys.exit(0) in a worker ended it with code 0, which the launcher
+    takes for a node done at the job's end: no loss was seen, the others waited for it in
+    three plans of `cluster.timeout_s` each (6 minutes by default), and the job failed
+    saying it could not re-form. It is a software error in the worker, which names it."""
+    out = tmp_path / "out"
+    result = _factory_job(config, out, "exiting", "--set", "cluster.timeout_s=15")
+    assert result.returncode == 1, result.stderr
+    assert "node1 failed: SystemExit: sys.exit(0) called while training" in result.stderr, \
+        result.stderr[-3000:]
+    assert workers_running(out) == []
+
+
 def test_out_that_is_a_file(tmp_path, config):
     out = tmp_path / "out"
     out.write_text("a file")
     result = spotpipe("train", str(config), "--out", str(out))
     assert result.returncode == 2 and f"--out {out}: is a file, not a folder" in result.stderr
     assert "Traceback" not in result.stderr and out.read_text() == "a file"
+
+
+def test_an_out_folder_that_cannot_be_made_is_named_without_a_traceback(tmp_path, config):
+    """An --out on a file system that takes no new folder (read-only, say: /proc takes none,
+    for root as well) ended the launch in a traceback from mkdir."""
+    out = Path("/proc/spotpipe-no-such-folder/out")
+    result = spotpipe("train", str(config), "--out", str(out))
+    assert result.returncode == 2, result.stderr
+    assert f"--out {out}: cannot be made" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-1"])
@@ -373,20 +402,16 @@ def test_agent_flags_are_refused_before_anything_starts(tmp_path, config, monkey
     assert blocker.read_text() == "keep me" and not (tmp_path / "out").exists()
 
 
-def test_ctrl_c_stops_the_workers_and_says_so_without_a_traceback(tmp_path, config):
-    """Ctrl-C in a terminal sends SIGINT to the whole process group, and users press it
-    twice. The fork server died of it first (a KeyboardInterrupt traceback on the user's
-    terminal, the workers killed before they were told), and a second one cut the stop short
-    with another traceback and no summary. Now: the stop runs to its end, the job says it was
-    interrupted, exits 130, and leaves no worker, no lock and a summary."""
+def _training(config: Path, out: Path, *args: str) -> subprocess.Popen:
+    """`spotpipe train` of a long job in a session of its own, once it has trained two
+    iterations."""
     import signal
     import time
 
-    out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=f"{REPO / 'tests'}{os.pathsep}"
                                       f"{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.Popen([sys.executable, "-m", "spotpipe", "train", str(config), "--out",
-                             str(out), "--stages", "2", "--set", "iterations=100000"],
+                             str(out), "--stages", "2", "--set", "iterations=100000", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True,
                             # (as from a terminal: a shell's background job, as a CI runner
@@ -398,6 +423,24 @@ def test_ctrl_c_stops_the_workers_and_says_so_without_a_traceback(tmp_path, conf
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
             time.sleep(0.2)  # (polling for the condition: training has begun)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc
+
+
+def test_ctrl_c_stops_the_workers_and_says_so_without_a_traceback(tmp_path, config):
+    """Ctrl-C in a terminal sends SIGINT to the whole process group, and users press it
+    twice. The fork server died of it first (a KeyboardInterrupt traceback on the user's
+    terminal, the workers killed before they were told), and a second one cut the stop short
+    with another traceback and no summary. Now: the stop runs to its end, the job says it was
+    interrupted, exits 130, and leaves no worker, no lock and a summary."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    proc = _training(config, out)
+    try:
         os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole group
         deadline = time.time() + 60
         while workers_running(out) and proc.poll() is None:
@@ -419,3 +462,56 @@ def test_ctrl_c_stops_the_workers_and_says_so_without_a_traceback(tmp_path, conf
     from spotpipe.cli.plot import _title
 
     assert _title(out).startswith("out: interrupted, ")  # (the plot's title says it too)
+
+
+def test_sigterm_stops_the_job_as_ctrl_c_does(tmp_path, config):
+    """A batch scheduler stops a job with SIGTERM (Slurm's scancel or time limit, SIGKILL
+    after its grace), to the launcher alone with `kill PID`. The launcher died of it at once:
+    no summary, no last event, the initial weights and the checkpoint folder's lock left
+    behind, and an exit by signal. Now it stops as on a Ctrl-C: the workers stopped, the job
+    said interrupted, exit 143 (128 + SIGTERM, as a shell reports it)."""
+    import signal
+
+    out = tmp_path / "out"
+    proc = _training(config, out, "--set", "checkpoint.every=1")
+    try:
+        assert len(workers_running(out)) == 2
+        proc.send_signal(signal.SIGTERM)  # the launcher alone
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, (proc.returncode, stderr[-3000:])
+    assert "training interrupted (SIGTERM)" in stderr and "Traceback" not in stderr, stderr
+    assert "spotpipe: interrupted: " in stdout, stdout
+    assert workers_running(out) == []
+    summary = (out / "summary.json").read_text()
+    assert '"status": "failed"' in summary and "interrupted (SIGTERM)" in summary
+    assert '"kind": "job_failed"' in (out / "events.jsonl").read_text()
+    assert not (out / "checkpoints" / ".spotpipe.lock").exists()
+    assert not (out / "initial.safetensors").exists()
+
+
+def test_overwrite_of_a_running_jobs_folder_is_refused(tmp_path, config):
+    """Two `spotpipe train --overwrite` on one --out (the default, runs/latest, in two
+    terminals): the second deleted the running job's folder under it and wrote its own
+    there, and both said they completed, with their results in that folder. A job without
+    durable checkpoints had no lock to stop it. Now the run folder is locked too."""
+    import signal
+
+    out = tmp_path / "out"
+    first = _training(config, out)
+    try:
+        second = spotpipe("train", str(config), "--out", str(out), "--overwrite")
+        assert first.poll() is None
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert f"--out {out} --overwrite: {out} is in use by another job (pid {first.pid}" \
+        in second.stderr and "another --out" in second.stderr, second.stderr[-3000:]
+    summary = (out / "summary.json").read_text()
+    assert "interrupted (SIGTERM)" in summary  # (the first job's, in its own folder)
+    assert not (out / ".spotpipe.lock").exists()

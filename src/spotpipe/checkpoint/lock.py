@@ -76,11 +76,13 @@ def holder(folder: Path) -> Holder | None:
     return held
 
 
-def refuse_if_held(folder: Path) -> None:
+def refuse_if_held(folder: Path, instead: str = "checkpoint.dir") -> None:
+    """LockHeld if a live job holds `folder`; its message says to give this one another
+    `instead` (the setting that chose the folder)."""
     held = holder(folder)
     if held is not None:
         raise LockHeld(f"{folder} is in use by another job ({held.describe()}); give this job "
-                       f"another checkpoint.dir, or remove {folder / LOCK} if that job is over")
+                       f"another {instead}, or remove {folder / LOCK} if that job is over")
 
 
 def acquire(folder: Path, run: Path) -> Holder:

@@ -1,7 +1,7 @@
 """`spotpipe` command line: train, agent, simulate, bench, plot.
 
 Exit codes: 0 success, 1 the job failed while running, 2 bad input (nothing was started or
-written).
+written), 130 interrupted by Ctrl-C, 143 by SIGTERM.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from spotpipe.cli.argtypes import add_fault_flags, positive_number
-from spotpipe.cluster.supervisor import resolver_options
+from spotpipe.cluster.supervisor import interruption, resolver_options
 from spotpipe.config import ConfigError, load_config
 from spotpipe.faults import FaultSpecError
 
@@ -67,8 +67,9 @@ def _train(args: argparse.Namespace) -> int:
     except (ConfigError, FaultSpecError) as exc:
         print(f"spotpipe: error: {exc}", file=sys.stderr)
         return 2
-    from spotpipe.cluster.supervisor import prestart
+    from spotpipe.cluster.supervisor import prestart, stop_on_sigterm
 
+    stop_on_sigterm()  # (a scheduler's stop: the job stops as on a Ctrl-C, and says so)
     prestart(cfg)  # the workers' fork server imports torch while this process does
     from spotpipe.cluster.launcher import LaunchError, train
 
@@ -178,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "func", None) is None:
             return args.run_command(args)
         return int(args.func(args) or 0)
-    except KeyboardInterrupt:  # (a running job's loop stops it itself, and says so)
-        print("spotpipe: interrupted (Ctrl-C)", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # (a running job's loop stops it itself, and says so)
+        how, code = interruption(exc)
+        print(f"spotpipe: interrupted ({how})", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

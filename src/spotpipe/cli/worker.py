@@ -118,6 +118,13 @@ def main() -> int:
         traceback.print_exc()
         outbox.event("worker_error", message=f"{type(exc).__name__}: {exc}")
         return 1
+    except SystemExit as exc:
+        # user code (a model, a data set, a library) ended the process: with code 0 the
+        # launcher would take it for a node done at the job's end, and wait for it in vain
+        traceback.print_exc()
+        outbox.event("worker_error", message=f"SystemExit: sys.exit({exc.code!r}) called "
+                                             "while training (a worker ends only with the job)")
+        return 1
     return 0
 
 

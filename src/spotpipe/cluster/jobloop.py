@@ -41,8 +41,8 @@ from spotpipe.protocol import (Channel, CheckpointSaved, Close, CoordinatorState
                                Refused, Report, StageUpload, Stalled, job_key, keys)
 from spotpipe.store import mailbox
 from spotpipe.store.address import StoreAddress
-from spotpipe.cluster.supervisor import (SHADOW, STOP_GRACE_S, Supervisor, search_path,
-                                         starter, worker_env)
+from spotpipe.cluster.supervisor import (SHADOW, STOP_GRACE_S, Supervisor, interruption,
+                                         search_path, starter, worker_env)
 from spotpipe.config import Config
 from spotpipe.store.leader import NotLeader
 from spotpipe.store.sealed import SealedStore
@@ -235,8 +235,9 @@ class JobLoop:
                     status, message = ended
                     break
                 self._persist(files)
-        except KeyboardInterrupt:
-            message, interrupted = "interrupted (Ctrl-C)", True
+        except KeyboardInterrupt as exc:
+            (how, interrupted_code), interrupted = interruption(exc), True
+            message = f"interrupted ({how})"
             _hold_interrupts(self.stream)
         except RunFilesError as exc:
             message = str(exc)
@@ -285,8 +286,8 @@ class JobLoop:
                 print(f"spotpipe: cannot write {self.out / 'summary.json'}: {exc}",
                       file=self.stream)
         if interrupted:
-            print("spotpipe: training interrupted (Ctrl-C)", file=self.stream)
-            return 130  # (as a shell reports a process ended by SIGINT)
+            print(f"spotpipe: training {message}", file=self.stream)
+            return interrupted_code  # (as a shell reports a process ended by that signal)
         if status != "completed":
             print(f"spotpipe: training failed: {message}", file=self.stream)
             return 1
@@ -685,17 +686,19 @@ class JobLoop:
 
 
 def _hold_interrupts(stream: TextIO) -> None:
-    """After a Ctrl-C, the stop runs to its end: the workers are stopped (SIGKILL right after
-    the SIGTERM: nobody coordinates them any more), the commit in progress finishes, and the
-    summary is written. A second Ctrl-C (a terminal's reaches the whole process group, and
-    users press it again) would cut that short with a traceback and leave no summary; it is
-    said and ignored instead, for the rest of the process, which is on its way out (a Ctrl-C
-    during the interpreter's shutdown printed a traceback as well)."""
+    """After a Ctrl-C (or a SIGTERM), the stop runs to its end: the workers are stopped
+    (SIGKILL right after the SIGTERM: nobody coordinates them any more), the commit in
+    progress finishes, and the summary is written. A second Ctrl-C (a terminal's reaches the
+    whole process group, and users press it again) or SIGTERM would cut that short with a
+    traceback and leave no summary; it is said and ignored instead, for the rest of the
+    process, which is on its way out (a Ctrl-C during the interpreter's shutdown printed a
+    traceback as well)."""
     def said(*_: Any) -> None:
         print("spotpipe: interrupted: stopping the workers", file=stream, flush=True)
 
     try:
         signal.signal(signal.SIGINT, said)
+        signal.signal(signal.SIGTERM, said)
     except ValueError:  # (not the main thread: an agent's loop; its own Ctrl-C stays)
         return
     said()

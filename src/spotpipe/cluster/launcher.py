@@ -390,6 +390,32 @@ def check_out(cfg: Config, out: Path, overwrite: bool, resume: Path | None,
                               "replacing it would delete it. Choose another --out")
 
 
+def make_out(out: Path) -> None:
+    """Make the run folder and its logs folder, the first things the job writes; a file system
+    that takes neither (read-only, full, not ours) is a LaunchError naming --out."""
+    try:
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LaunchError(f"--out {out}: cannot be made: {exc.strerror or exc}") from None
+
+
+def _refuse_if_running(out: Path) -> None:
+    """--overwrite of a run folder whose job still runs would delete its files under it."""
+    try:
+        durable.lock.refuse_if_held(out, "--out")
+    except durable.lock.LockHeld as exc:
+        raise LaunchError(f"--out {out} --overwrite: {exc}") from None
+
+
+def _lock_out(out: Path) -> None:
+    """One job per run folder: a second job started on it with --overwrite at the same
+    moment is refused here (its files are the job's own; nothing of it is removed)."""
+    try:
+        durable.lock.acquire(out, out)
+    except (durable.lock.LockHeld, OSError) as exc:
+        raise LaunchError(f"--out {out}: {exc}") from None
+
+
 def _restart_point(launcher: Launcher, code: int, trust: bool = False
                    ) -> tuple[bool, durable.Checkpoint | None]:
     """Whether to restart the workers, and from which checkpoint (None: from the start, as a
@@ -464,18 +490,24 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
             durable.lock.refuse_if_held(root)
     except durable.lock.LockHeld as exc:
         raise LaunchError(f"checkpoint.dir: {exc}") from None
+    own_lock = root is None or root.resolve() != out.resolve()  # (else the root's is out's)
     job_id = secrets.token_hex(8)
     store, address = bind_store(cfg, job_id)
     if out.exists() and overwrite:
+        _refuse_if_running(out)
         shutil.rmtree(out)
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    make_out(out)
+    if own_lock:
+        _lock_out(out)
     notes += prepared.write_initial(out)
     if root is not None:
         try:
             durable.lock.acquire(root, out)
         except (durable.lock.LockHeld, OSError) as exc:  # (nothing of this job stays)
             (out / template.INITIAL_FILE).unlink(missing_ok=True)
+            if own_lock:
+                durable.lock.release(out)
             if created:
                 shutil.rmtree(out, ignore_errors=True)
             raise LaunchError(f"checkpoint.dir: {exc}") from None
@@ -505,6 +537,8 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
         (out / template.INITIAL_FILE).unlink(missing_ok=True)
         if root is not None:
             durable.lock.release(root)
+        if own_lock:
+            durable.lock.release(out)
         if address.kind == "etcd":  # the job is over: its keys go (other jobs keep theirs)
             from spotpipe.store.etcd import EtcdStore
 

@@ -36,6 +36,30 @@ if TYPE_CHECKING:  # (this module stays free of torch: `prestart` runs before it
 STOP_GRACE_S = 10.0
 
 
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM to the supervising process: what a batch scheduler sends (Slurm's scancel or
+    time limit, then SIGKILL after its grace), or `kill PID`. It stops the job as a Ctrl-C
+    does (a KeyboardInterrupt, so every path that stops on one stops on it), where the default
+    action killed the launcher at once: no summary, the run's files and lock left as they were,
+    and the exit told only as a signal."""
+
+
+def stop_on_sigterm() -> None:
+    """From now on a SIGTERM to this process raises `Terminated` in its main thread."""
+    def terminated(*_: object) -> None:
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, terminated)
+
+
+def interruption(exc: KeyboardInterrupt) -> tuple[str, int]:
+    """What stopped the job, as its messages say it, and the exit code a shell reports for a
+    process that signal ends (128 + the signal's number)."""
+    if isinstance(exc, Terminated):
+        return "SIGTERM", 128 + signal.SIGTERM
+    return "Ctrl-C", 128 + signal.SIGINT
+
+
 def search_path(cfg: Config) -> list[str]:
     """Where user factories are imported from: the working folder and the config's folder."""
     return [p for p in dict.fromkeys([os.getcwd(), cfg.source_dir]) if p]
