@@ -157,15 +157,14 @@ class JobLoop:
         self._write_inputs()
         files = self.files = RunFiles(self.out, append=self.restart > 0,
                                       journaled=not self._tombstone_on_read)
+        first = self.resume.next_iteration if self.resume else 0
         if cfg.logging.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            files.tensorboard = SummaryWriter(str(self.out / "tensorboard"))
+            files.tensorboard = self._tensorboard(first)
         if self.takeover is None:
             self._launch_event(files, address)
         self.lines = MetricsLines(
-            cfg, self.resume.next_iteration if self.resume else 0, write=self._line_written,
-            event=files.event, refused=lambda writer, why: self.coordinator.refused(writer, why),
+            cfg, first, write=self._line_written, event=files.event,
+            refused=lambda writer, why: self.coordinator.refused(writer, why),
             now=self._now, current=lambda: (self.coordinator.generation,
                                             self.coordinator.layout))
         self.coordinator = Coordinator(
@@ -184,6 +183,15 @@ class JobLoop:
             self._restore(files, self.takeover)
         self._watch_mailbox(address, inbox, start=self._received + 1)
         return self._loop(files, inbox, store, address)
+
+    def _tensorboard(self, first: int) -> Any:
+        """TensorBoard's writer. A restart's round trains again the iterations after its
+        checkpoint, in the same folder: TensorBoard is told to drop the round before's points
+        from `first` on (`purge_step`), or it would show those steps twice, going back."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(self.out / "tensorboard"),
+                             purge_step=first if self.restart else None)
 
     def _launch_event(self, files: RunFiles, address: StoreAddress) -> None:
         cfg = self.cfg
