@@ -136,3 +136,7 @@ def test_a_restart_leaves_one_tensorboard_point_per_iteration(tmp_path, corpus):
     # the points of the steps trained again are the restarted round's
     assert [e.value for e in acc.Scalars("samples_per_s")][2:] == \
         pytest.approx([m["samples_per_s"] for m in metrics[3:]])
+    # the summary counts the job from its first round: 6 iterations of 8 samples since launch
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["first_iteration"] == 0
+    assert summary["samples_per_s"] == round(48 / metrics[-1]["time_s"], 3)

@@ -87,12 +87,21 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
             incident = None
     status = run_status(summary)
     head = (f"spotpipe: {status}: {summary.get('iterations')} iterations, "
-            f"{summary.get('samples')} samples in {summary.get('wall_s')} s"
+            f"{summary.get('samples')} samples{_this_run(summary)} in {summary.get('wall_s')} s"
             + (f", final loss {summary['final_loss']:.4f}" if summary.get("final_loss") is not None
                else ""))
     if not lines:
         return [head, "  no preemptions or failures"]
     return [head, "  what happened:"] + lines
+
+
+def _this_run(summary: dict[str, Any]) -> str:
+    """What of the totals this run trained, when it resumed from a checkpoint: the totals
+    count from iteration 0, and the time is this run's alone."""
+    first, iterations = summary.get("first_iteration"), summary.get("iterations")
+    if not isinstance(first, int) or not isinstance(iterations, int) or first <= 0:
+        return ""
+    return f", resumed at iteration {first}: {max(0, iterations - first)} iterations"
 
 
 def _moves(plan: dict[str, Any]) -> list[str]:
