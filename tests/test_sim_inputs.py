@@ -226,6 +226,26 @@ def test_plot_draws_a_run_with_a_non_finite_loss(tmp_path, capsys):
     assert (run / "run.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_plot_draws_a_run_whose_last_line_was_cut_short(tmp_path, capsys):
+    """A run killed mid-write (or a full disk) leaves a last line without its end, and a
+    running job's last line can be read half written: the plot refused the whole run
+    ("metrics.jsonl:3: invalid JSON"). That line is left out; a broken line that ended, or
+    one before the last, is still named."""
+    whole = "".join(json.dumps({**METRIC, "iter": t, "time_s": 1.0 + t}) + "\n" for t in (0, 1))
+    cut = json.dumps({**METRIC, "iter": 2, "time_s": 3.0})[:40]
+    run = run_folder(tmp_path, (whole + cut).encode())
+    events = run / "events.jsonl"
+    write(events, events.read_text() + json.dumps(EVENT)[:20])
+    assert plot([str(run)]) == 0, capsys.readouterr().err
+    assert (run / "run.png").read_bytes()[:4] == b"\x89PNG"
+    write(run / "metrics.jsonl", whole + cut + "\n")
+    assert plot([str(run)]) == 2
+    assert f"{run}/metrics.jsonl:3: invalid JSON" in capsys.readouterr().err
+    write(run / "metrics.jsonl", cut + "\n" + whole)
+    assert plot([str(run)]) == 2
+    assert f"{run}/metrics.jsonl:1: invalid JSON" in capsys.readouterr().err
+
+
 def test_plot_out_as_a_folder_or_a_png_or_neither(tmp_path, capsys):
     run = run_folder(tmp_path)
     folder = tmp_path / "pictures"

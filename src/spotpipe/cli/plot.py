@@ -10,6 +10,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from spotpipe.runfiles import read_json, read_jsonl, run_status
 
@@ -26,7 +27,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-_read = read_jsonl
+def _read(path: Path, require: dict[str, str]) -> list[dict[str, Any]]:
+    """A run file's records; its last line may be unfinished (a running job's, or a killed
+    one's) and is then left out."""
+    return read_jsonl(path, require, partial_tail=True)
+
+
 # what the plot reads of each record (a non-finite loss is recorded as null)
 METRIC_KEYS = {"time_s": "number", "loss": "number or null", "samples_per_s": "number",
                "live_nodes": "number"}
