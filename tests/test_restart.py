@@ -113,3 +113,30 @@ def test_the_restart_point_is_this_jobs_newest_checkpoint_that_resuming_would_ac
     assert _restart_point(launcher, 1) == (True, None)  # type: ignore[arg-type]
     launcher.resume = first  # resumed from 1, committed nothing yet
     assert _restart_point(launcher, 1)[1].path == first.path  # type: ignore[arg-type]
+
+
+def test_a_restart_leaves_one_tensorboard_point_per_iteration(tmp_path, corpus):
+    """The restarted round trains again the iterations after its checkpoint, and its lines
+    go on in the same folder (metrics.jsonl keeps both, in time order). TensorBoard showed
+    both as well: step 2 twice, the line going back from 2 to 2 (the round before wrote 0-2).
+    The round's writer tells TensorBoard to drop the steps from its first on."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = tiny_config(corpus, stages=2, **FAST, **{"failover.restarts": 1,
+                                                   "logging.tensorboard": True})
+    run = tmp_path / "run"
+    faults = [Fault.parse("fail", "node1@3:backward", ["node0", "node1"])]
+    assert train(cfg, run, progress=False, faults=faults) == 0
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [m["iter"] for m in metrics] == [0, 1, 2, 2, 3, 4, 5]
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    for tag in ("loss", "lr", "samples_per_s"):
+        assert [e.step for e in acc.Scalars(tag)] == [0, 1, 2, 3, 4, 5], tag
+    # the points of the steps trained again are the restarted round's
+    assert [e.value for e in acc.Scalars("samples_per_s")][2:] == \
+        pytest.approx([m["samples_per_s"] for m in metrics[3:]])
+    # the summary counts the job from its first round: 6 iterations of 8 samples since launch
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["first_iteration"] == 0
+    assert summary["samples_per_s"] == round(48 / metrics[-1]["time_s"], 3)

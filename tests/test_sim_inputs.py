@@ -226,6 +226,47 @@ def test_plot_draws_a_run_with_a_non_finite_loss(tmp_path, capsys):
     assert (run / "run.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_plot_draws_a_run_whose_last_line_was_cut_short(tmp_path, capsys):
+    """A run killed mid-write (or a full disk) leaves a last line without its end, and a
+    running job's last line can be read half written: the plot refused the whole run
+    ("metrics.jsonl:3: invalid JSON"). That line is left out; a broken line that ended, or
+    one before the last, is still named."""
+    whole = "".join(json.dumps({**METRIC, "iter": t, "time_s": 1.0 + t}) + "\n" for t in (0, 1))
+    cut = json.dumps({**METRIC, "iter": 2, "time_s": 3.0})[:40]
+    run = run_folder(tmp_path, (whole + cut).encode())
+    events = run / "events.jsonl"
+    write(events, events.read_text() + json.dumps(EVENT)[:20])
+    assert plot([str(run)]) == 0, capsys.readouterr().err
+    assert (run / "run.png").read_bytes()[:4] == b"\x89PNG"
+    write(run / "metrics.jsonl", whole + cut + "\n")
+    assert plot([str(run)]) == 2
+    assert f"{run}/metrics.jsonl:3: invalid JSON" in capsys.readouterr().err
+    write(run / "metrics.jsonl", cut + "\n" + whole)
+    assert plot([str(run)]) == 2
+    assert f"{run}/metrics.jsonl:1: invalid JSON" in capsys.readouterr().err
+
+
+def test_plot_throughput_drops_over_a_pause(tmp_path, capsys, monkeypatch):
+    """A line's samples_per_s is its iteration's own rate, the pause before it left out (and
+    after a takeover that replays the rest of an iteration, the rest's alone): a failover or
+    a 5 s hang drew no dip at all. The plot draws what the run did between its lines."""
+    import matplotlib.pyplot as plt
+
+    drawn = []
+    real = plt.subplots
+    monkeypatch.setattr(plt, "subplots", lambda *a, **k: drawn.append(real(*a, **k))
+                        or drawn[-1])
+    # 8 samples an iteration, every 0.1 s, then 2.0 s between iterations 2 and 3 (a pause);
+    # each line says 80 samples/s, or 160 for the rest of iteration 3 after the takeover
+    times = [1.0, 1.1, 1.2, 3.2, 3.3]
+    run = run_folder(tmp_path, [{**METRIC, "iter": t, "samples": 8 * (t + 1), "time_s": at,
+                                 "samples_per_s": 160.0 if t == 3 else 80.0}
+                                for t, at in enumerate(times)])
+    assert plot([str(run)]) == 0, capsys.readouterr().err
+    fig, axes = drawn[0]
+    assert list(axes[1].lines[0].get_ydata()) == pytest.approx([80.0, 80.0, 80.0, 4.0, 80.0])
+
+
 def test_plot_out_as_a_folder_or_a_png_or_neither(tmp_path, capsys):
     run = run_folder(tmp_path)
     folder = tmp_path / "pictures"

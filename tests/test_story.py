@@ -98,3 +98,24 @@ def test_events_are_told_in_time_order_and_the_pause_counts_from_the_first():
     told = [line for line in lines if line.startswith("  ")]
     assert "injected crash" in told[1] and "lost (exit code -9)" in told[2], lines
     assert "after a 0.36 s pause" in told[3], lines
+
+
+def test_a_fault_that_stops_no_node_starts_no_pause():
+    """A NaN gradient skipped (`training.nonfinite: skip`) or a checkpoint write that failed
+    stops no node, and nothing resumes after it. The next real failure's pause was counted
+    from that injection: a crash at 0.63 s, resumed at 0.67 s, told as a 0.21 s pause since
+    the NaN at iteration 2 (`--nan node1@2 --fail node0@9:backward`, a real run)."""
+    events = [
+        {"kind": "fault_injected", "time_s": 0.46, "node": "node1", "fault": "nan",
+         "iteration": 2, "phase": "all-reduce"},
+        {"kind": "step_skipped", "time_s": 0.47, "node": "node1", "iteration": 2},
+        {"kind": "fault_injected", "time_s": 0.50, "node": "node0", "fault": "ioerror",
+         "iteration": 4, "phase": "checkpoint"},
+        {"kind": "fault_injected", "time_s": 0.63, "node": "node0", "fault": "fail",
+         "iteration": 9, "phase": "backward"},
+        {"kind": "node_lost", "time_s": 0.64, "node": "node0", "returncode": -9},
+        {"kind": "resumed", "time_s": 0.67, "node": "node1", "generation": 1, "iteration": 9},
+    ]
+    text = "\n".join(describe(events, {"status": "completed", "iterations": 12,
+                                       "samples": 96, "wall_s": 0.7, "final_loss": 3.7}))
+    assert "training resumed at iteration 9 after a 0.04 s pause" in text, text

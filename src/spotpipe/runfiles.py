@@ -10,16 +10,23 @@ from pathlib import Path
 from typing import Any
 
 
-def read_jsonl(path: str | Path, require: dict[str, str] | None = None) -> list[dict[str, Any]]:
+def read_jsonl(path: str | Path, require: dict[str, str] | None = None, *,
+               partial_tail: bool = False) -> list[dict[str, Any]]:
     """The records of a JSON-lines file. With `require` ({key: "number" | "number or null" |
-    "string"}), each record must be an object holding those keys with values of that kind."""
+    "string"}), each record must be an object holding those keys with values of that kind.
+    With `partial_tail`, a last line without its newline that is not JSON is left out: the
+    line a running job is writing, or the one a job killed mid-write (a full disk) cut."""
     path = Path(path)
+    text = read_text(path)
+    lines = text.splitlines()
     out = []
-    for lineno, line in enumerate(read_text(path).splitlines(), 1):
+    for lineno, line in enumerate(lines, 1):
         if line.strip():
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
+                if partial_tail and lineno == len(lines) and not text.endswith("\n"):
+                    break
                 raise ValueError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from None
             if require is not None:
                 _check_record(record, require, f"{path}:{lineno}")

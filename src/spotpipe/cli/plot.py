@@ -10,6 +10,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from spotpipe.runfiles import read_json, read_jsonl, run_status
 
@@ -26,7 +27,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-_read = read_jsonl
+def _read(path: Path, require: dict[str, str]) -> list[dict[str, Any]]:
+    """A run file's records; its last line may be unfinished (a running job's, or a killed
+    one's) and is then left out."""
+    return read_jsonl(path, require, partial_tail=True)
+
+
 # what the plot reads of each record (a non-finite loss is recorded as null)
 METRIC_KEYS = {"time_s": "number", "loss": "number or null", "samples_per_s": "number",
                "live_nodes": "number"}
@@ -49,7 +55,7 @@ def plot_run(run_dir: Path, out: Path) -> Path:
     axes[0].plot(t, [math.nan if m["loss"] is None else m["loss"] for m in metrics],
                  color="tab:purple")
     axes[0].set_ylabel("loss")
-    axes[1].plot(t, [m["samples_per_s"] for m in metrics], color="tab:gray", lw=0.8)
+    axes[1].plot(t, _throughput(metrics), color="tab:gray", lw=0.8)
     axes[1].set_ylabel("samples/s")
     axes[2].step(t, [m["live_nodes"] for m in metrics], where="post", color="tab:green",
                  label="live nodes")
@@ -81,6 +87,22 @@ def plot_run(run_dir: Path, out: Path) -> Path:
         plt.close(fig)
         raise ValueError(f"{out}: cannot write: {exc.strerror or exc}") from None
     plt.close(fig)
+    return out
+
+
+def _throughput(metrics: list[dict[str, Any]]) -> list[float]:
+    """Samples per second of run time between each line and the one before. A line's own
+    `samples_per_s` is its iteration's rate alone: the pause before a resumed iteration is
+    not in it, nor, after a takeover, the part of the iteration done before the loss; drawn
+    as they are, a failover's or a hang's pause showed no dip. The first line (startup before
+    it), and one without `iter` and `samples` (a global batch), keep their own rate."""
+    out = [float(metrics[0]["samples_per_s"])]
+    for before, m in zip(metrics, metrics[1:]):
+        took = m["time_s"] - before["time_s"]
+        if took > 0 and isinstance(m.get("iter"), int) and isinstance(m.get("samples"), int):
+            out.append(m["samples"] / (m["iter"] + 1) / took)
+        else:
+            out.append(float(m["samples_per_s"]))
     return out
 
 

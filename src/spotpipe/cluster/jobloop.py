@@ -63,7 +63,8 @@ class JobLoop:
     def __init__(self, cfg: Config, spec: job.RunSpec, out: Path, *, token: str | bytes,
                  instance: str, progress: bool = True, stream: TextIO | None = None,
                  resume: durable.Checkpoint | None = None, t0: float | None = None,
-                 writer: str = "coordinator", restart: int = 0) -> None:
+                 writer: str = "coordinator", restart: int = 0,
+                 first: int | None = None) -> None:
         self.cfg = cfg
         self.spec = spec
         self.out = out
@@ -77,6 +78,9 @@ class JobLoop:
         self._train_start = self.t0
         self.resume = resume
         self.restart = restart  # 0, or which restart of the job this round is
+        # the job's first iteration, where `t0`'s round started (a restart's round is given
+        # it: it resumes past it); None: this loop's first line
+        self.first = first
         self._checkpoints = CheckpointParts()  # stages on disk of checkpoints not committed
         self.checkpoint_root = Path(cfg.checkpoint.dir or out / "checkpoints")
         self.checkpoint_key = durable.resolve_key(cfg.checkpoint.key)
@@ -157,15 +161,14 @@ class JobLoop:
         self._write_inputs()
         files = self.files = RunFiles(self.out, append=self.restart > 0,
                                       journaled=not self._tombstone_on_read)
+        first = self.resume.next_iteration if self.resume else 0
         if cfg.logging.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            files.tensorboard = SummaryWriter(str(self.out / "tensorboard"))
+            files.tensorboard = self._tensorboard(first)
         if self.takeover is None:
             self._launch_event(files, address)
         self.lines = MetricsLines(
-            cfg, self.resume.next_iteration if self.resume else 0, write=self._line_written,
-            event=files.event, refused=lambda writer, why: self.coordinator.refused(writer, why),
+            cfg, first, write=self._line_written, event=files.event,
+            refused=lambda writer, why: self.coordinator.refused(writer, why),
             now=self._now, current=lambda: (self.coordinator.generation,
                                             self.coordinator.layout))
         self.coordinator = Coordinator(
@@ -184,6 +187,15 @@ class JobLoop:
             self._restore(files, self.takeover)
         self._watch_mailbox(address, inbox, start=self._received + 1)
         return self._loop(files, inbox, store, address)
+
+    def _tensorboard(self, first: int) -> Any:
+        """TensorBoard's writer. A restart's round trains again the iterations after its
+        checkpoint, in the same folder: TensorBoard is told to drop the round before's points
+        from `first` on (`purge_step`), or it would show those steps twice, going back."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(self.out / "tensorboard"),
+                             purge_step=first if self.restart else None)
 
     def _launch_event(self, files: RunFiles, address: StoreAddress) -> None:
         cfg = self.cfg
@@ -657,13 +669,24 @@ class JobLoop:
             "final_loss": None if last is None else last["loss"],
             "wall_s": round(wall, 3),
             "train_s": None if last is None else last["time_s"],
-            "samples_per_s": None if not last else round(last["samples"] / last["time_s"], 3),
+            "first_iteration": self.job_start(),
+            "samples_per_s": None if not last else round(self._trained(last) / last["time_s"],
+                                                         3),
             "stages": cfg.stages, "pipelines": cfg.pipelines, "schedule": cfg.schedule,
             "partition": self.spec.partition, "config_digest": cfg.digest(),
         }
         tmp = self.out / ".summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=1))
         os.replace(tmp, self.out / "summary.json")
+
+    def job_start(self) -> int:
+        """The job's first iteration: a resumed checkpoint's next, or 0."""
+        return self.first if self.first is not None else self.lines.first
+
+    def _trained(self, last: dict[str, Any]) -> int:
+        """The samples this job trained since `t0`, up to the line `last`: its `samples`
+        count from the first iteration of all, the resumed checkpoint's included."""
+        return last["samples"] - self.job_start() * self.cfg.global_batch
 
     # ------------------------------------------------------------------ progress
 
@@ -672,8 +695,10 @@ class JobLoop:
             return None
         from tqdm import tqdm
 
-        return tqdm(total=self.cfg.iterations, desc="train", unit="it", file=self.stream,
-                    dynamic_ncols=True)
+        # (from the job's next line: a resumed job, or a successor's, counts the iterations
+        # trained before it as done, not as still to come)
+        return tqdm(initial=self.lines.next_line(), total=self.cfg.iterations, desc="train",
+                    unit="it", file=self.stream, dynamic_ncols=True)
 
     def _update_bar(self, bar: Any, record: dict[str, Any]) -> None:
         if bar is None:

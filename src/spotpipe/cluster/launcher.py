@@ -183,11 +183,12 @@ class Launcher(JobLoop):
                  trace_actions: list[TraceAction] | None = None,
                  resume: durable.Checkpoint | None = None,
                  joins: list[int] | None = None, t0: float | None = None,
-                 restart: int = 0) -> None:
+                 restart: int = 0, first: int | None = None) -> None:
         # every node must present the token to join (a node from another job or a stray
         # process cannot disturb this one); real clusters pass it to their agents
         super().__init__(prepared.cfg, prepared.spec, out, progress=progress, stream=stream,
                          resume=resume, instance=new_instance_id(), t0=t0, restart=restart,
+                         first=first,
                          token=os.environ.get("SPOTPIPE_JOIN_TOKEN") or secrets.token_hex(16))
         self.faults = list(faults or [])
         self.joins = sorted(joins or [])
@@ -528,7 +529,8 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
                 durable.begin_timeline(root, newest)
             launcher = Launcher(prepared, out, progress=progress,
                                 faults=_unfired(launcher.faults, out),
-                                resume=newest, t0=launcher.t0, restart=restart)
+                                resume=newest, t0=launcher.t0, first=launcher.job_start(),
+                                restart=restart)
             round_address = address.within(f"restart{restart}")
             code = launcher.run(round_address.connect(cfg.cluster.timeout_s), round_address)
         return code

@@ -60,7 +60,9 @@ class RunFiles:
         if self.tensorboard is not None:
             step = record["iter"]
             for key in ("loss", "samples_per_s", "lr", "grad_norm", "live_nodes"):
-                if key in record:
+                # (a null figure, one not known or not finite, has no point: TensorBoard
+                # takes no null, and raised)
+                if record.get(key) is not None:
                     self.tensorboard.add_scalar(key, record[key], step)
 
     def take(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -8,6 +8,9 @@ from spotpipe.job import NO_INITIAL_FILE
 from spotpipe.runfiles import run_status
 
 _START = ("fault_injected", "node_lost", "node_fenced", "notice", "trace_kill", "trace_notice")
+# injected faults that stop no node, so that nothing resumes after them: a NaN gradient
+# (skipped, or the job stops) and a checkpoint write error (the previous checkpoint stays)
+_NO_PAUSE = ("nan", "ioerror")
 # each kind of spotpipe.faults.KINDS, as told (an unknown one by its name: a story never fails)
 _FAULTS = {"fail": "crash (SIGKILL)", "notice": "preemption notice (SIGTERM)", "hang": "hang",
            "nan": "NaN gradient", "ioerror": "checkpoint write error (ENOSPC)"}
@@ -24,7 +27,7 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
     for ev in sorted(events, key=lambda e: e["time_s"]):
         kind, t, node = ev["kind"], ev["time_s"], ev.get("node", "")
         at = f"  {t:8.2f}s"
-        if kind in _START and incident is None:
+        if kind in _START and incident is None and ev.get("fault") not in _NO_PAUSE:
             incident, started_by = t, node
         if kind == "fault_injected":
             what = _FAULTS.get(ev["fault"], str(ev["fault"]))
@@ -87,12 +90,21 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
             incident = None
     status = run_status(summary)
     head = (f"spotpipe: {status}: {summary.get('iterations')} iterations, "
-            f"{summary.get('samples')} samples in {summary.get('wall_s')} s"
+            f"{summary.get('samples')} samples{_this_run(summary)} in {summary.get('wall_s')} s"
             + (f", final loss {summary['final_loss']:.4f}" if summary.get("final_loss") is not None
                else ""))
     if not lines:
         return [head, "  no preemptions or failures"]
     return [head, "  what happened:"] + lines
+
+
+def _this_run(summary: dict[str, Any]) -> str:
+    """What of the totals this run trained, when it resumed from a checkpoint: the totals
+    count from iteration 0, and the time is this run's alone."""
+    first, iterations = summary.get("first_iteration"), summary.get("iterations")
+    if not isinstance(first, int) or not isinstance(iterations, int) or first <= 0:
+        return ""
+    return f", resumed at iteration {first}: {max(0, iterations - first)} iterations"
 
 
 def _moves(plan: dict[str, Any]) -> list[str]:
