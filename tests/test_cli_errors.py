@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -135,6 +136,25 @@ def test_a_worker_that_calls_sys_exit_mid_job_fails_the_job_naming_it(tmp_path, 
     assert result.returncode == 1, result.stderr
     assert "node1 failed: SystemExit: sys.exit(0) called while training" in result.stderr, \
         result.stderr[-3000:]
+    assert workers_running(out) == []
+
+
+def test_a_worker_that_ends_with_code_0_below_python_is_lost_not_finished(tmp_path, config):
+    """A worker ended with code 0 mid-job without a SystemExit to catch (os._exit, a C
+    library's exit): the launcher took it for a node done at the job's end, and the recovery
+    its peer began waited for its report through plans of cluster.timeout_s each (300 s
+    here: past this test's bound). It is lost as soon as that recovery begins, and the job
+    goes on from there (here its survivor takes the stage over, and ends the same way)."""
+    out = tmp_path / "out"
+    result = _factory_job(config, out, "exiting_below_python", "--set", "redundancy=lazy",
+                          "--set", "cluster.timeout_s=300")
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    lost = [e for e in events if e["kind"] == "node_lost"]
+    assert lost and lost[0]["node"] == "node1" and lost[0]["returncode"] == 0, lost
+    assert "exited with code 0 before the job's end" in lost[0]["reason"]
+    assert any(e["kind"] == "takeover" and e["node"] == "node0" for e in events), \
+        [e["kind"] for e in events]
+    assert result.returncode == 1, result.stderr[-3000:]  # (node0 too ended the same way)
     assert workers_running(out) == []
 
 

@@ -100,6 +100,9 @@ class Coordinator:
         self.now = now
         self.dead: set[str] = set()
         self.finished: set[str] = set()  # exited 0 at the end of training
+        # exited 0 before the last iteration's line came: finished once it comes, lost if a
+        # recovery begins first (`node_exited`)
+        self.exited_early: set[str] = set()
         self.fenced: set[str] = set()
         self.over = False  # training is over: late joiners are sent home
         self.left: set[str] = set()  # left after a notice, by plan
@@ -255,14 +258,21 @@ class Coordinator:
     def node_exited(self, node: str, code: int) -> None:
         spare = self._spare(node)
         if code == 0 and (node in self.left or self.collecting is None) and not spare:
-            if node in self.layout.active_nodes:
-                self.finished.add(node)
+            if node in self.left or self.newest_committed >= self.cfg.iterations - 1:
+                if node in self.layout.active_nodes:
+                    self.finished.add(node)
+            elif node in self.layout.active_nodes:
+                # a worker ends with 0 after the job's last iteration, whose line may still
+                # be on its way; or mid-job, where something in it ended the process (a C
+                # library's exit, os._exit): taken for finished, the recovery its peers then
+                # began waited for its report through plans of cluster.timeout_s each
+                self.exited_early.add(node)
             return
         if node in self.dead:
             return
-        self.dead.add(node)
-        self.liveness.forget(node)
         if spare and self.collecting is None:
+            self.dead.add(node)
+            self.liveness.forget(node)
             # it holds no stage and takes no part in the last plan: training goes on
             # untouched (no abort, no regroup), and no plan places it (`recover` counts the
             # dead out of the spares; the joiners here)
@@ -270,14 +280,16 @@ class Coordinator:
             self.emit({"time_s": self.now(), "kind": "standby_lost", "node": node,
                        "returncode": code, "generation": self.generation})
             return
-        self.emit({"time_s": self.now(), "kind": "node_lost", "node": node, "returncode": code,
-                   "generation": self.generation})
+        self._lose(node, code)
         self._begin(f"{node} exited with code {code}")
         self._maybe_decide()
 
     def committed(self, iteration: int) -> None:
         """Iteration `iteration` is committed (its metrics line is written)."""
         self.newest_committed = max(self.newest_committed, iteration)
+        if self.newest_committed >= self.cfg.iterations - 1:
+            self.finished |= self.exited_early
+            self.exited_early.clear()
 
     def _spare(self, node: str) -> bool:
         """Waiting to be placed (on standby, accepted to join, or asking to) since before the
@@ -546,6 +558,15 @@ class Coordinator:
             self.emit({"time_s": self.now(), "kind": "failure_detected", "node": "launcher",
                        "generation": self.generation, "reason": reason})
         self.collecting.reasons.append(reason)
+        for node in sorted(self.exited_early):  # gone before the job's end: lost
+            self.exited_early.discard(node)
+            self._lose(node, 0, "it exited with code 0 before the job's end")
+
+    def _lose(self, node: str, code: int, why: str = "") -> None:
+        self.dead.add(node)
+        self.liveness.forget(node)
+        self.emit({"time_s": self.now(), "kind": "node_lost", "node": node, "returncode": code,
+                   "generation": self.generation, **({"reason": why} if why else {})})
 
     def _abort(self, reason: str) -> None:
         g = self.generation
