@@ -103,7 +103,10 @@ class TokenFileDataset(_TokenChunks):
 
 
 class TextDataset(_TokenChunks):
-    """A text file's bytes as tokens 0..255 (byte-level; any bytes work, UTF-8 or not)."""
+    """A text file's bytes as tokens 0..255 (byte-level; any bytes work, UTF-8 or not).
+
+    Memory-mapped like a token file: every worker opens the dataset, and a corpus read into
+    memory cost each of them the file's whole size."""
 
     vocab_size = 256
 
@@ -111,8 +114,8 @@ class TextDataset(_TokenChunks):
                  vocab_size: int | None = None) -> None:
         p = _existing_file(path)
         self.path = p
-        tokens = np.frombuffer(p.read_bytes(), dtype=np.uint8)
-        super().__init__(tokens, block_size, repr(str(p)), vocab_size)
+        super().__init__(np.memmap(p, dtype=np.uint8, mode="r"), block_size, repr(str(p)),
+                         vocab_size)
 
 
 def write_token_file(
