@@ -136,3 +136,22 @@ def test_token_ids_beyond_a_transformers_models_vocabulary_are_refused_at_launch
     assert job.model_vocabulary(cfg) == 64  # (read from the transformers config: 64)
     with pytest.raises(LaunchError, match=r"^data: .* beyond the model's vocabulary of 64"):
         prepare(cfg)
+
+
+def test_samples_longer_than_a_transformers_models_positions_are_refused_at_launch(corpus):
+    """`data.block_size` over `model.gpt.block_size` is refused naming both keys, but a
+    transformers GPT-2 of 8 positions read samples of 16 tokens into its position
+    embedding's bare IndexError at the launch's profiling ("model: cannot profile its layers
+    on one micro-batch: index out of range in self"); now the keys are named."""
+    from spotpipe.cluster.launcher import LaunchError, prepare
+
+    cfg = hf_config(corpus, "gpt2", {**TINY["gpt2"], "n_positions": 8})
+    with pytest.raises(LaunchError, match=r"^data: data.block_size: 16 tokens a sample, more "
+                                          r"than the model's n_positions \(8\)"):
+        prepare(cfg)
+    cfg = hf_config(corpus, "gpt2", {**TINY["gpt2"], "n_positions": 8}, **{"data.block_size": 8})
+    assert len(job.build_dataset(cfg)) == (len(corpus.read_bytes()) - 1) // 8  # (8 is fine)
+    cfg = hf_config(corpus, "llama", {**TINY["llama"], "max_position_embeddings": 8})
+    with pytest.raises(job.DataError, match=r"16 tokens a sample, more than the model's "
+                                            r"max_position_embeddings \(8\)"):
+        job.build_dataset(cfg)

@@ -121,8 +121,37 @@ def model_vocabulary(cfg: Config) -> int | None:
     return None
 
 
+def model_positions(cfg: Config) -> tuple[str, int] | None:
+    """The longest sequence a transformers model takes, with the name its config gives it
+    (`max_position_embeddings`, GPT-2's `n_positions`), or None where unknown. The built-in
+    GPT's bound is a key (`model.gpt.block_size`), checked with the configuration."""
+    if cfg.model.kind != "hf":
+        return None
+    from spotpipe.model.hf import load_config  # transformers: the hf extra
+
+    config = load_config(cfg.model.hf.config, dict(cfg.model.hf.overrides))
+    positions = getattr(config, "max_position_embeddings", None)
+    name = getattr(config, "attribute_map", {}).get("max_position_embeddings",
+                                                    "max_position_embeddings")
+    return (name, positions) if isinstance(positions, int) and positions > 0 else None
+
+
+def _check_positions(cfg: Config) -> None:
+    """Samples longer than the model's positions: refused naming the keys, as over
+    `model.gpt.block_size` (GPT-2's learned positions ended in a bare IndexError at launch)."""
+    bound = model_positions(cfg)
+    if bound is not None and block_size(cfg) > bound[1]:
+        raise DataError(
+            f"data.block_size: {block_size(cfg)} tokens a sample, more than the model's "
+            f"{bound[0]} ({bound[1]}), the longest sequence it takes"
+            + ("" if cfg.data.block_size else " (data.block_size 0 takes "
+               "model.gpt.block_size)"))
+
+
 def build_dataset(cfg: Config) -> Any:
     d = cfg.data
+    if d.kind in ("tokens", "text"):
+        _check_positions(cfg)
     vocab = model_vocabulary(cfg) if d.kind in ("tokens", "text") else None
     if d.kind == "tokens":
         return TokenFileDataset(d.path, block_size(cfg), dtype=d.dtype, vocab_size=vocab)
