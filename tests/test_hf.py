@@ -155,3 +155,24 @@ def test_samples_longer_than_a_transformers_models_positions_are_refused_at_laun
     with pytest.raises(job.DataError, match=r"16 tokens a sample, more than the model's "
                                             r"max_position_embeddings \(8\)"):
         job.build_dataset(cfg)
+
+
+SLIDING = {**TINY["llama"], "vocab_size": 64, "max_position_embeddings": 32, "sliding_window": 4}
+
+
+@pytest.mark.parametrize("kind,overrides", [
+    ("mistral", SLIDING),  # every block attends within the window
+    ("qwen2", {**SLIDING, "use_sliding_window": True, "max_window_layers": 1}),  # block 1 only
+    ("qwen3", {**SLIDING, "use_sliding_window": True, "max_window_layers": 1, "head_dim": 16}),
+])
+def test_sliding_window_blocks_attend_as_in_the_transformers_forward(kind, overrides):
+    """Each block got the full causal mask: a Mistral, or a Qwen2/Qwen3 with sliding layers,
+    attended past its window (here 4 tokens of 16) and trained another model than the
+    transformers one, without any error."""
+    from spotpipe.model.hf import build_hf_model, split_hf
+
+    model, config = build_hf_model(kind, overrides, "", seed=0)
+    layers = split_hf(model, config).to_sequential().eval()
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(layers(x), model.eval()(input_ids=x).logits)

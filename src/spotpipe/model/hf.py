@@ -4,7 +4,8 @@ The transformers model is built whole (randomly initialised from its config with
 or loaded from local safetensors; nothing is downloaded), then cut into single-tensor layers
 that share its modules: the embedding, each decoder block, the final norm and the head. A
 block wrapper recomputes what the model's forward hands every block (position ids, the causal
-mask from transformers' own `create_causal_mask`, Llama's rotary embeddings from the model's
+mask from transformers' own `create_causal_mask` or, for a sliding-window block, its
+`create_sliding_window_causal_mask`, Llama's rotary embeddings from the model's
 own rotary module), so a stage runs exactly the model's arithmetic, and a pipeline at D = 1
 trains the same bits as a plain loop over the transformers model.
 
@@ -78,15 +79,17 @@ class Embedding(nn.Module):
 class Block(nn.Module):
     """One decoder block, given what the model's forward would pass it."""
 
-    def __init__(self, block: nn.Module, config: Any, rotary: nn.Module | None) -> None:
+    def __init__(self, block: nn.Module, config: Any, rotary: nn.Module | None,
+                 sliding: bool = False) -> None:
         super().__init__()
         self.block = block
         self.rotary = rotary
         self.config = config
+        self.sliding = sliding
 
     def forward(self, h: Tensor) -> Tensor:
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask = causal_mask(self.config, h, position_ids)
+        mask = causal_mask(self.config, h, position_ids, self.sliding)
         extra = {}
         if self.rotary is not None:
             extra["position_embeddings"] = self.rotary(h, position_ids=position_ids)
@@ -95,13 +98,26 @@ class Block(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-def causal_mask(config: Any, h: Tensor, position_ids: Tensor) -> Any:
-    """transformers' own causal mask for a block's input without a cache. Its keyword names
-    changed within 5.x (5.0: `input_embeds`, `cache_position`, `past_key_values`; 5.17:
-    `inputs_embeds`, `past_key_values`; 5.25: `cache`), so they are read off its signature."""
-    from transformers.masking_utils import create_causal_mask
+def sliding_window(config: Any, index: int) -> bool:
+    """Whether block `index` attends within `config.sliding_window` only, as the model's
+    forward decides it: by `config.layer_types` where the config has them (Qwen2, Qwen3:
+    the blocks from `max_window_layers` on, with `use_sliding_window`), else every block
+    once a window is set (Mistral)."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return types[index] == "sliding_attention"
+    return getattr(config, "sliding_window", None) is not None
 
-    names = inspect.signature(create_causal_mask).parameters
+
+def causal_mask(config: Any, h: Tensor, position_ids: Tensor, sliding: bool = False) -> Any:
+    """transformers' own causal mask (`sliding`: its sliding-window one) for a block's input
+    without a cache. Its keyword names changed within 5.x (5.0: `input_embeds`,
+    `cache_position`, `past_key_values`; 5.17: `inputs_embeds`, `past_key_values`; 5.25:
+    `cache`), so they are read off its signature."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    create = create_sliding_window_causal_mask if sliding else create_causal_mask
+    names = inspect.signature(create).parameters
     kwargs: dict[str, Any] = {"config": config, "attention_mask": None,
                               "position_ids": position_ids}
     kwargs["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = h
@@ -109,7 +125,7 @@ def causal_mask(config: Any, h: Tensor, position_ids: Tensor) -> Any:
     kwargs["cache" if "cache" in names else "past_key_values"] = None
     if "cache_position" in names:
         kwargs["cache_position"] = position_ids[0]
-    return create_causal_mask(**kwargs)
+    return create(**kwargs)
 
 
 def load_config(spec: str, overrides: dict[str, Any]) -> Any:
@@ -171,7 +187,8 @@ def split_hf(model: nn.Module, config: Any) -> LayeredModel:
     parts = {path.rsplit(".", 1)[-1]: model.get_submodule(path) for path in family.embed}
     rotary = model.get_submodule(family.rotary) if family.rotary else None
     layers: list[nn.Module] = [Embedding(parts)]
-    layers += [Block(b, config, rotary) for b in model.get_submodule(family.blocks)]
+    layers += [Block(b, config, rotary, sliding_window(config, i))
+               for i, b in enumerate(model.get_submodule(family.blocks))]
     layers += [model.get_submodule(family.norm), model.get_submodule(family.head)]
     names = [family.embed[0]] + [f"{family.blocks}.{i}" for i in range(len(layers) - 3)]
     return LayeredModel(layers=layers, loss_fn=gpt_loss, tied=find_tied(layers),
