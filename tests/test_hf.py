@@ -176,3 +176,24 @@ def test_sliding_window_blocks_attend_as_in_the_transformers_forward(kind, overr
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(layers(x), model.eval()(input_ids=x).logits)
+
+
+def test_a_config_folder_in_bf16_trains_fp32_master_weights(tmp_path, corpus):
+    """A published config.json names the dtype its weights were saved in (`"dtype":
+    "bfloat16"`, `torch_dtype` before), and transformers' `from_config` builds the model in
+    it: spotpipe trained bf16 parameters, gradients and AdamW state, whatever `precision`
+    said (fp32 master weights, README), and ended elsewhere than the same model in fp32."""
+    folder = tmp_path / "llama"
+    AutoConfig.for_model("llama", **TINY["llama"], dtype="bfloat16").save_pretrained(folder)
+    cfg = hf_config(corpus, "llama", {}, **{"model.hf.config": str(folder)})
+    params = job.build_model(cfg).to_sequential().parameters()
+    assert all(p.dtype == torch.float32 for p in params)
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False) == 0
+    got = load_file(str(run / "final" / "model.safetensors"))
+    want = plain_transformers_loop(cfg, "llama", TINY["llama"]).state_dict()
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs from the fp32 loop"
+    loaded = AutoModelForCausalLM.from_pretrained(run / "final")  # the weights as trained
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, got[key]), key

@@ -645,10 +645,10 @@ class JobLoop:
         `--out` is not this one."""
         final = self.out / "final"
         if self.cfg.model.kind == "hf":
-            from spotpipe.model.hf import load_config
+            from spotpipe.model.hf import save_config
 
             h = self.cfg.model.hf
-            load_config(h.config, dict(h.overrides)).save_pretrained(final)
+            save_config(h.config, dict(h.overrides), final)
         merged: dict[str, Any] = {}
         parts = [final / f"stage{s}.safetensors" for s in range(self._stage_count())]
         for part in parts:

@@ -147,6 +147,16 @@ def load_config(spec: str, overrides: dict[str, Any]) -> Any:
                            f"nor a transformers model type: {exc}") from None
 
 
+def save_config(spec: str, overrides: dict[str, Any], folder: Path) -> None:
+    """config.json for the final weights: the job's config naming the dtype they are in
+    (fp32, `build_hf_model`), as `save_pretrained` writes a model's; `from_pretrained` builds
+    the model in the dtype a config names, and would round the weights to a published
+    config's bf16."""
+    config = load_config(spec, overrides)
+    config.dtype = torch.float32
+    config.save_pretrained(folder)
+
+
 def build_hf_model(config_spec: str, overrides: dict[str, Any], weights: str,
                    seed: int) -> tuple[nn.Module, Any]:
     """The whole transformers causal LM: from `weights` (a local safetensors file or a folder
@@ -159,7 +169,10 @@ def build_hf_model(config_spec: str, overrides: dict[str, Any], weights: str,
                            f"spotpipe splits; known: {', '.join(sorted(FAMILIES))}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
+        # fp32 master weights whatever dtype the config names (a published config.json names
+        # the one its weights were saved in, which `from_config` would build the model in);
+        # `precision` decides what the layers compute in
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if weights:
         _load_weights(model, Path(weights))
     model.train()
