@@ -197,3 +197,21 @@ def test_a_config_folder_in_bf16_trains_fp32_master_weights(tmp_path, corpus):
     loaded = AutoModelForCausalLM.from_pretrained(run / "final")  # the weights as trained
     for key, value in loaded.state_dict().items():
         assert torch.equal(value, got[key]), key
+
+
+def test_weights_without_the_head_are_refused_for_an_untied_model(tmp_path, corpus):
+    """A tied model's published file has no lm_head.weight (GPT-2's, Qwen2-0.5B's). The key
+    was excused for any model whose class can tie it: with `tie_word_embeddings: false` the
+    head was left at its random init, and the job trained on without a word."""
+    torch.manual_seed(123)
+    tied = {**TINY["gpt2"], "tie_word_embeddings": True}
+    source = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", **tied))
+    state = {k: v.contiguous() for k, v in source.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp_path / "tied.safetensors"))
+    weights = {"model.hf.weights": str(tmp_path / "tied.safetensors")}
+    loaded = job.build_model(hf_config(corpus, "gpt2", tied, **weights))  # tied: it fits
+    head = loaded.layers[-1].weight
+    assert head is loaded.layers[0].wte.weight
+    assert torch.equal(head, source.lm_head.weight)
+    with pytest.raises(ValueError, match=r"does not fit the model: missing \['lm_head.weight'\]"):
+        job.build_model(hf_config(corpus, "gpt2", **weights))  # TINY's GPT-2 is untied

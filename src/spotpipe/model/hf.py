@@ -187,11 +187,19 @@ def _load_weights(model: nn.Module, path: Path) -> None:
         raise HFModelError(f"model.hf.weights: {file} does not exist")
     state = load_file(str(file))
     result = model.load_state_dict(state, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or ())  # e.g. GPT-2's lm_head
-    missing = [k for k in result.missing_keys if k not in tied]
+    missing = [k for k in result.missing_keys if not _tied_to_loaded(model, k, state)]
     if missing or result.unexpected_keys:
         raise HFModelError(f"model.hf.weights: {file} does not fit the model: missing "
                            f"{missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+
+
+def _tied_to_loaded(model: nn.Module, key: str, state: dict[str, Tensor]) -> bool:
+    """Whether `key` is the same tensor as one that `state` filled: a tied head (GPT-2's
+    lm_head), which a tied model's file leaves out. Whether the class can tie it is not
+    enough: untied (`tie_word_embeddings: false`), the head is a tensor of its own, and
+    without it in the file it would stay at its random init."""
+    where = {name: id(t) for name, t in model.state_dict(keep_vars=True).items()}
+    return any(where.get(other) == where[key] for other in state if other != key)
 
 
 def split_hf(model: nn.Module, config: Any) -> LayeredModel:
