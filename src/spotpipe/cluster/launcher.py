@@ -381,6 +381,7 @@ def check_out(cfg: Config, out: Path, overwrite: bool, resume: Path | None,
     if not overwrite:
         raise LaunchError(f"--out {out}: the folder exists and is not empty; pass --overwrite "
                           "to replace it")
+    _refuse_if_running(out)  # (said before the launch's work; checked again before deleting)
     inputs = {"--resume": resume, "the configuration": config_path,
               "data.path": Path(cfg.data.path) if cfg.data.path else None,
               "checkpoint.key": Path(cfg.checkpoint.key) if cfg.checkpoint.key else None}
