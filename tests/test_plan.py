@@ -430,3 +430,21 @@ def test_a_restart_runs_as_many_pipelines_as_the_micro_batches_split_over():
     assert d.action == Action.RESTORE_FROM_CHECKPOINT
     assert d.layout.num_pipelines == 2 and len(d.layout.standby) == 2
     assert decide(lay, set(nodes("n", 4)), [], shadows=True).layout.num_pipelines == 3
+
+
+def test_shadows_repair_the_pipeline_that_keeps_a_node_and_drop_the_one_wholly_lost():
+    """Every pipeline broken, one of them wholly lost: the shadows repair the pipeline that
+    keeps a live node (the lost one held the same state, data parallel) and the job goes on at
+    D = 1. Before, one pipeline with no live node sent the whole job to a restart from its
+    checkpoint, which the runtime does not carry out: it stopped, with the state at hand."""
+    lay = Layout.build(3, 2, ["a", "b", "c", "d", "e", "f", "g"])  # g waits on standby
+    d = decide(lay, {"b", "c", "d", "e", "f"}, [], shadows=True, microbatches=4)
+    assert d.action == Action.RESTORE_FROM_SHADOW
+    assert d.layout.grid == (("a", "a", "g"),) and d.layout.standby == ()
+    assert [(m.kind, m.pipeline, m.stage, m.dst) for m in d.moves] == [
+        (MoveKind.PROMOTE, 0, 1, "a"), (MoveKind.RESTORE, 0, 2, "g")]
+    assert d.lost_pipelines == (1,)
+    # the pipeline wholly lost may be pipeline 0: the survivor's becomes pipeline 0
+    d = decide(lay, {"a", "b", "c", "e", "f"}, [], shadows=True, microbatches=4)
+    assert d.action == Action.RESTORE_FROM_SHADOW
+    assert d.layout.grid == (("d", "d", "g"),) and d.lost_pipelines == (0,)

@@ -15,7 +15,7 @@ Order of preference, and why:
    repaired instead (RESTORE_FROM_SHADOW): stages with a live replica are promoted as in a
    failover, the others are loaded from their shadow by a standby node or the nearest live
    node of the pipeline; the survivors keep their state and only the in-flight iteration is
-   replayed.
+   replayed; a pipeline with no live node left is dropped (the repaired ones hold its state).
 3. If every pipeline is broken, state must come from the shadows/checkpoint
    (RESTORE_FROM_CHECKPOINT), at depth P if enough nodes remain, else at a smaller depth
    (REPARTITION), else STOP.
@@ -130,9 +130,10 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
     alive_pipes = [d for d in range(layout.num_pipelines) if d not in broken]
     if alive_pipes:
         return _drop(layout, lost, standby, broken, alive_pipes, widths)
-    if shadows and all(set(n for (d_, _), n in layout.mapping.items() if d_ == d) - lost
-                       for d in broken):
-        return _shadow_repair(layout, lost, standby, replicas)
+    # (a pipeline with no live node left is dropped: the others hold its state)
+    kept = [d for d in broken if set(layout.grid[d]) - lost] if shadows else []
+    if kept:
+        return _shadow_repair(layout, lost, standby, replicas, kept, widths)
     survivors = sorted(layout.active_nodes - lost) + list(standby)
     return restart(layout, survivors, min_stages, broken, microbatches)
 
@@ -214,31 +215,46 @@ def _handover(layout: Layout, hit: frozenset[str], leaving: frozenset[str],
 
 
 def _shadow_repair(layout: Layout, lost: frozenset[str], standby: tuple[str, ...],
-                   replicas: bool) -> Decision:
-    """Every broken pipeline keeps a live node: promote what has a replica, restore the rest
-    from the shadows onto a standby node or the nearest live node of the same pipeline."""
-    mapping = layout.mapping
+                   replicas: bool, kept: list[int], widths: _Widths) -> Decision:
+    """Repair the broken pipelines `kept` (each keeps a live node): promote what has a
+    replica, restore the rest from the shadows onto a standby node or the nearest live node of
+    the same pipeline. The other pipelines (wholly lost, or more than the batch splits over)
+    are dropped, as in `_drop`: every pipeline holds the same state, so one wholly lost does
+    not send the job back to its checkpoint while another can be repaired."""
+    hits = {d: sum(1 for d_, _ in _lost_slots(layout, lost) if d_ == d) for d in kept}
+    kept = sorted(sorted(kept, key=lambda d: (hits[d], d))[:widths.at_most(len(kept))])
+    mapping: dict[Slot, str] = {}
     spare = list(standby)
     moves: list[Move] = []
     p = layout.num_stages
-    for d, s in _lost_slots(layout, lost):
-        holder = layout.replica_holder(d, s)
-        if replicas and holder not in lost and layout.has_replica(d, s):
-            mapping[(d, s)] = holder
-            moves.append(Move(MoveKind.PROMOTE, d, s, holder, holder))
-            continue
-        if spare:
-            target = spare.pop(0)
-        else:  # the nearest live owner, looking forward first (it receives s's activations)
-            near = [mapping[(d, (s + k) % p)] for j in range(1, p) for k in (j, -j)]
-            target = next(n for n in near if n not in lost)
-        mapping[(d, s)] = target
-        moves.append(Move(MoveKind.RESTORE, d, s, SHADOW, target))
-    new = _replace(layout, mapping, tuple(spare))
+    for new_d, d in enumerate(kept):
+        for s in range(p):
+            mapping[(new_d, s)] = layout.owner(d, s)
+        for d_, s in _lost_slots(layout, lost):
+            if d_ != d:
+                continue
+            holder = layout.replica_holder(d, s)
+            if replicas and holder not in lost and layout.has_replica(d, s):
+                mapping[(new_d, s)] = holder
+                moves.append(Move(MoveKind.PROMOTE, new_d, s, holder, holder))
+                continue
+            if spare:
+                target = spare.pop(0)
+            else:  # the nearest live owner, looking forward first (it receives s's activations)
+                near = [mapping[(new_d, (s + k) % p)] for j in range(1, p) for k in (j, -j)]
+                target = next(n for n in near if n not in lost)
+            mapping[(new_d, s)] = target
+            moves.append(Move(MoveKind.RESTORE, new_d, s, SHADOW, target))
+    dropped = [d for d in range(layout.num_pipelines) if d not in kept]
+    # (in slot order, as `_drop` frees them)
+    freed = [n for n in dict.fromkeys(layout.owner(d, s) for d in dropped for s in range(p))
+             if n not in lost]
+    new = _replace(layout, mapping, tuple(spare) + tuple(freed), len(kept))
     restored = [m.stage for m in moves if m.kind == MoveKind.RESTORE]
+    why = f"; pipeline(s) {dropped} dropped" if dropped else ""
     return Decision(Action.RESTORE_FROM_SHADOW, new, tuple(moves),
                     f"stage(s) {restored} have no live replica; restored from their shadows, "
-                    "the survivors keep their state")
+                    f"the survivors keep their state{why}", tuple(dropped))
 
 
 def _drop(layout: Layout, lost: frozenset[str], standby: tuple[str, ...], broken: list[int],
