@@ -153,3 +153,29 @@ def test_balanced_partition_keeps_every_stage_under_the_bound(corpus):
                                              "cluster.device_memory_gb": bound * 1.000001 / 2**30})
     got = job.compute_partition(tight, job.profile_model(tight, model, data))
     assert worst(got) <= bound * 1.000001, got
+
+
+def test_the_planner_re_partitions_no_lower_than_the_depth_whose_stages_fit(corpus):
+    """The runtime's planner took any depth down to 1 (`Rules.min_stages` was left at 1;
+    only the simulator passed its own bound): a job that lost nodes could re-partition onto
+    stages too large for its memory. The bound is the smallest depth at which the launch's
+    own check (`memory_report`) passes. Reference: the stages' estimates at each depth, with a
+    budget set between the largest stage's need at depth 2 and at depth 1."""
+    from spotpipe.cluster.coordinator import rules_for
+
+    cfg = tiny_config(corpus, stages=4, redundancy="none")
+    profile = job.profile_model(cfg, job.build_model(cfg), job.build_dataset(cfg))
+
+    def largest(depth: int) -> float:
+        ranges = job.partition_at_depth(cfg, profile, depth)
+        return max(e.device_bytes + e.host_bytes
+                   for e in job.memory_estimates(cfg, profile.memory, ranges))
+
+    assert largest(1) > largest(2) > largest(4)
+    assert job.min_stages(cfg, profile) == 1  # (the host's RAM: every depth fits)
+    between = (largest(1) + largest(2)) / 2 / 2**30
+    tight = tiny_config(corpus, stages=4, redundancy="none",
+                        **{"cluster.device_memory_gb": between})
+    assert job.min_stages(tight, profile) == 2
+    assert rules_for(tight, lambda d: job.partition_at_depth(tight, profile, d),
+                     job.min_stages(tight, profile)).min_stages == 2

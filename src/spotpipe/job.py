@@ -266,6 +266,24 @@ def partition_at_depth(cfg: Config, profile: LayerProfile,
     return ranges
 
 
+def min_stages(cfg: Config, profile: LayerProfile) -> int:
+    """The smallest depth at which every stage fits its memory as the launch checks it
+    (`memory_report`): a re-partition goes no lower. Without it the runtime's planner took
+    any depth down to 1 (the simulator alone passed its own bound), and a job that lost
+    nodes could re-partition onto stages too large for its devices. 1 where the layers'
+    memory was not measured."""
+    if not profile.memory:
+        return 1
+    for depth in range(1, cfg.stages):
+        try:
+            ranges = partition_at_depth(cfg, profile, depth)
+        except PartitionError:  # (no partition at this depth: the planner refuses it and
+            return depth        # says why, `plan.recovery._choose`)
+        if memory_report(cfg, profile.memory, ranges)[1] is None:
+            return depth
+    return cfg.stages
+
+
 def misplaced_tie(tied: tuple[tuple[str, str], ...] | list[tuple[str, str]],
                   ranges: list[tuple[int, int]]) -> str | None:
     """A tied parameter split across stages away from the first and last stage, if any: the

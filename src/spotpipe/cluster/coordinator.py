@@ -36,9 +36,10 @@ from spotpipe.protocol.auth import REASON_CHARS, WRITER_CHARS
 from spotpipe.store import board
 
 
-def rules_for(cfg: Config, partition_for: Callable[[int], Any] | None) -> Rules:
+def rules_for(cfg: Config, partition_for: Callable[[int], Any] | None,
+              min_stages: int = 1) -> Rules:
     """The job's configuration as recovery rules (the simulator builds the same from its
-    own options)."""
+    own options); `min_stages`: the smallest depth whose stages fit (`job.min_stages`)."""
     blocked = None
     if cfg.shadow.enabled or cfg.checkpoint.scheme == "gemini":
         blocked = ("the " + ("CPU shadows" if cfg.shadow.enabled else "gemini peer copies")
@@ -46,7 +47,7 @@ def rules_for(cfg: Config, partition_for: Callable[[int], Any] | None) -> Rules:
     return Rules(replicas=cfg.redundancy != "none", shadows=cfg.shadow.enabled,
                  repartition=cfg.failover.repartition, replay_rest=cfg.failover.replay == "rest",
                  microbatches=cfg.num_microbatches * cfg.pipelines, repartition_blocked=blocked,
-                 partition_for=partition_for)
+                 partition_for=partition_for, min_stages=min_stages)
 
 
 @dataclass
@@ -78,10 +79,11 @@ class Coordinator:
                  kill: Callable[[str], None], emit: Callable[[dict[str, Any]], None],
                  now: Callable[[], float], channel: Channel,
                  partition: Partition | None = None,
-                 partition_for: Callable[[int], Partition] | None = None,
+                 partition_for: Callable[[int], Partition] | None = None, min_stages: int = 1,
                  start: int = 0, agreed: Callable[[Agreed], None] = lambda _: None) -> None:
         """`partition` is the layer ranges per stage at launch; `partition_for(P)` computes
-        them for another depth the way the launch did (None: the job never re-partitions);
+        them for another depth the way the launch did (None: the job never re-partitions),
+        down to `min_stages`;
         `start` the iteration the job starts at (a resumed checkpoint's next); `agreed` hears
         each agreement (the job loop writes from its reports the metrics lines that a
         failure kept the nodes from posting)."""
@@ -89,7 +91,8 @@ class Coordinator:
         self.channel = channel
         self._partitions: dict[int, tuple[tuple[int, int], ...]] = {}
         self._partition_for = partition_for
-        self.rules = rules_for(cfg, self._partition_at if partition_for else None)
+        self.rules = rules_for(cfg, self._partition_at if partition_for else None,
+                               min_stages)
         self.history = History(layout, tuple(tuple(r) for r in partition or []),
                                resumed_at=start)
         self.joining: list[str] = []  # accepted, not yet placed
