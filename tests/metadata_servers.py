@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import json
+import socket
 import threading
 import urllib.parse
 import uuid
@@ -208,3 +209,29 @@ class MetadataServer:
                 if event is not None and event["EventId"] == event_id:
                     event["EventStatus"] = "Started"  # (as Azure does once it is approved)
         self._reply(req, 200, b"", "application/json")
+
+
+class BrokenServer:
+    """A service that answers every request with the same bytes, whatever was asked: a reply
+    cut short, one that is not HTTP, or JSON of the wrong shape. `calls` counts requests."""
+
+    def __init__(self, reply: bytes) -> None:
+        self.reply = reply
+        self.calls = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.base = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            with conn:
+                conn.recv(65536)
+                self.calls += 1
+                conn.sendall(self.reply)
+
+    def close(self) -> None:
+        self.sock.close()

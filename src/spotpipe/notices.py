@@ -21,6 +21,7 @@ refuse anything else:
 
 from __future__ import annotations
 
+import http.client
 import json
 import signal
 import threading
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
     from spotpipe.config import FailoverSection
 
 AWS_ACTIONS = ("terminate", "stop", "hibernate")
+# what a service that did not answer this time raises: no connection or a timeout (OSError), a
+# reply cut short or not HTTP at all (http.client's own errors, which are no OSErrors), a body
+# that is not what the cloud documents (ValueError). Each is asked again, never the watch's end.
+UNANSWERED = (OSError, http.client.HTTPException, ValueError)
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,14 @@ def _request(url: str, *, method: str = "GET", headers: dict[str, str] | None = 
             return err.code, dict(err.headers.items()), err.read()
 
 
+def _json_object(body: bytes) -> dict:
+    """The JSON object a 200 carries; anything else (a list, null, HTML) is a ValueError."""
+    doc = json.loads(body or b"{}")
+    if not isinstance(doc, dict):
+        raise ValueError(f"expected a JSON object, got {type(doc).__name__}")
+    return doc
+
+
 class _Polled:
     """A source read once per polling period."""
 
@@ -77,7 +90,7 @@ class _Polled:
         while not stop.is_set():
             try:
                 notice = self.check()
-            except (urllib.error.URLError, OSError, ValueError):
+            except UNANSWERED:
                 notice = None  # the service did not answer this time: ask again
             if notice is not None:
                 return notice
@@ -124,7 +137,7 @@ class AwsImds(_Polled):
             return None
         if status != 200:  # 404: no interruption scheduled
             return None
-        action = json.loads(body or b"{}").get("action")
+        action = _json_object(body).get("action")
         if action not in AWS_ACTIONS:
             return None
         return Notice(f"AWS spot instance-action {action} ({self.url}"
@@ -165,7 +178,7 @@ class GcpMetadata:
                     return Notice(f"GCP preempted ({self.url})")
                 if not self.etag:  # a server without ETags cannot be long-polled
                     stop.wait(poll_s)
-            except (urllib.error.URLError, OSError, ValueError):
+            except UNANSWERED:
                 self.etag = ""
                 stop.wait(poll_s)
         return None
@@ -205,9 +218,15 @@ class AzureScheduledEvents(_Polled):
                                    timeout_s=self.timeout_s)
         if status != 200:
             return None
-        for event in json.loads(body).get("Events", []):
-            if (event.get("EventType") == "Preempt" and name in event.get("Resources", [])
-                    and event.get("EventStatus") in self.statuses):
+        events = _json_object(body).get("Events", [])
+        if not isinstance(events, list):
+            raise ValueError(f"Events: expected a list, got {type(events).__name__}")
+        for event in events:
+            if not isinstance(event, dict) or "EventId" not in event:
+                continue
+            resources = event.get("Resources")
+            if (event.get("EventType") == "Preempt" and isinstance(resources, list)
+                    and name in resources and event.get("EventStatus") in self.statuses):
                 event_id = str(event["EventId"])
                 return Notice(f"Azure Scheduled Events Preempt {event_id} for {name} "
                               f"(not before {event.get('NotBefore', '?')})",
@@ -287,5 +306,5 @@ class NoticeWatcher:
         if ack is not None:
             try:
                 ack()
-            except (urllib.error.URLError, OSError):
+            except UNANSWERED:
                 pass  # the eviction comes at NotBefore anyway
