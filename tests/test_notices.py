@@ -72,6 +72,25 @@ def test_aws_falls_back_to_imdsv1_only_when_the_token_put_is_refused(refused):
         server.close()
 
 
+def test_aws_reads_without_a_token_when_the_token_reply_never_comes():
+    """In a container behind the default hop limit of 1 the token PUT's reply is dropped and
+    the PUT times out; AWS documents that the SDKs then fall back to IMDSv1 (botocore: a read
+    timeout on the PUT is a fallback), which an instance with IMDSv1 optional answers. Before,
+    the timeout ended each poll without a read: the notice was never heard."""
+    server = MetadataServer(token_lost_s=3.0)
+    try:
+        aws = AwsImds(server.urls("h1")["aws"], timeout_s=0.3)
+        server.preempt("h1")
+        stop = threading.Event()
+        threading.Timer(10, stop.set).start()
+        notice = aws.next_notice(stop, 0.05)
+        stop.set()
+        assert notice is not None and "IMDSv1" in notice.source
+        assert not aws.v1  # the token is asked for again at the next read
+    finally:
+        server.close()
+
+
 def test_aws_a_failing_token_service_is_no_fallback():
     server = MetadataServer(token_status=503)
     try:

@@ -7,8 +7,9 @@ leaves on it) and by the tests that serve the endpoints.
 Each cloud is read the way it asks to be read, because the defaults of today's instances
 refuse anything else:
 - AWS: IMDSv2, a session token by PUT, then the `spot/instance-action` read with it (404 is
-  "no notice"); IMDSv1 (a plain GET) only when the PUT is refused with 403/404/405, the cases
-  where botocore falls back too. A 401 means the token expired: a new one is asked for.
+  "no notice"); IMDSv1 (a plain GET) only when the PUT is refused with 403/404/405 or its
+  reply never comes (a container behind the default hop limit of 1), the cases where botocore
+  falls back too. A 401 means the token expired: a new one is asked for.
 - GCP: the `preempted` value with `Metadata-Flavor: Google`, then long polls with
   `wait_for_change=true` and the last ETag, so a change between two polls is never missed and
   the notice arrives when the value flips, not at the next poll. An answer without the
@@ -113,12 +114,18 @@ class AwsImds(_Polled):
         self.token_until = 0.0
         self.v1 = False  # the PUT was refused: IMDSv1 is all this instance offers
 
-    def _token(self) -> str:
+    def _token(self) -> str | None:
+        """The session token; "" when none came (no read this time); None to read without
+        one this time: the PUT's reply never came, as in a container behind the default hop
+        limit of 1, which drops IMDSv2's replies only (botocore falls back on it too)."""
         if self.v1 or (self.token and time.monotonic() < self.token_until):
             return self.token
-        status, _, body = _request(self.token_url, method="PUT", timeout_s=self.timeout_s,
-                                   headers={"X-aws-ec2-metadata-token-ttl-seconds":
-                                            str(self.TTL_S)})
+        try:
+            status, _, body = _request(self.token_url, method="PUT", timeout_s=self.timeout_s,
+                                       headers={"X-aws-ec2-metadata-token-ttl-seconds":
+                                                str(self.TTL_S)})
+        except TimeoutError:  # (a connect timeout is a URLError: no service to read at all)
+            return None
         if status == 200:
             self.token = body.decode().strip()
             self.token_until = time.monotonic() + self.TTL_S - 60
@@ -128,7 +135,7 @@ class AwsImds(_Polled):
 
     def check(self) -> Notice | None:
         token = self._token()
-        if not token and not self.v1:
+        if token == "" and not self.v1:
             return None
         headers = {"X-aws-ec2-metadata-token": token} if token else {}
         status, _, body = _request(self.url, headers=headers, timeout_s=self.timeout_s)
@@ -141,7 +148,7 @@ class AwsImds(_Polled):
         if action not in AWS_ACTIONS:
             return None
         return Notice(f"AWS spot instance-action {action} ({self.url}"
-                      f"{', IMDSv1' if self.v1 else ''})")
+                      f"{', IMDSv1' if not token else ''})")
 
 
 class GcpMetadata:
