@@ -7,7 +7,9 @@ providers' documentation:
   else 400) and returns the token as text; a GET without a valid token is 401 when IMDSv2 is
   required (the default of current instances); spot/instance-action is 404 (an HTML page)
   until a notice, then 200 with {"action": "terminate", "time": "...Z"}. With
-  `token_status` set (e.g. 403), the PUT is refused and plain GETs (IMDSv1) are served.
+  `token_status` set (e.g. 403), the PUT is refused and plain GETs (IMDSv1) are served. With
+  `token_lost_s`, the PUT's reply comes that late (a container behind the default hop limit
+  of 1, which drops IMDSv2's replies only) and plain GETs are served (IMDSv1 optional).
 - GCP: every request needs `Metadata-Flavor: Google` (else 403); answers carry
   `Metadata-Flavor: Google` and an ETag; `?wait_for_change=true&last_etag=E` holds the request
   until the value's ETag differs from E or timeout_sec passes.
@@ -22,7 +24,9 @@ from __future__ import annotations
 import hashlib
 import http.server
 import json
+import socket
 import threading
+import time
 import urllib.parse
 import uuid
 from collections import Counter
@@ -36,8 +40,10 @@ NOT_FOUND_HTML = (b'<?xml version="1.0" encoding="iso-8859-1"?>\n<!DOCTYPE html>
 class MetadataServer:
     """AWS, GCP and Azure metadata endpoints for named hosts, on one loopback port."""
 
-    def __init__(self, host: str = "127.0.0.1", *, token_status: int = 200) -> None:
+    def __init__(self, host: str = "127.0.0.1", *, token_status: int = 200,
+                 token_lost_s: float = 0.0) -> None:
         self.token_status = token_status
+        self.token_lost_s = token_lost_s
         self.preempted: set[str] = set()
         self.tokens: set[str] = set()
         self.calls: Counter = Counter()  # (host, what) -> count
@@ -120,6 +126,7 @@ class MetadataServer:
         if path != "/latest/api/token":
             return self._reply(req, 403, b"")
         self.calls[(host, "aws-token")] += 1
+        time.sleep(self.token_lost_s)
         if self.token_status != 200:
             return self._reply(req, self.token_status, b"")
         ttl = req.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
@@ -142,7 +149,7 @@ class MetadataServer:
 
     def _aws(self, req, host: str, path: str) -> None:
         token = req.headers.get("X-aws-ec2-metadata-token")
-        v2_required = self.token_status == 200
+        v2_required = self.token_status == 200 and not self.token_lost_s
         if (token is not None and token not in self.tokens) or (token is None and v2_required):
             return self._reply(req, 401, b"")
         if path != "/latest/meta-data/spot/instance-action":
@@ -208,3 +215,29 @@ class MetadataServer:
                 if event is not None and event["EventId"] == event_id:
                     event["EventStatus"] = "Started"  # (as Azure does once it is approved)
         self._reply(req, 200, b"", "application/json")
+
+
+class BrokenServer:
+    """A service that answers every request with the same bytes, whatever was asked: a reply
+    cut short, one that is not HTTP, or JSON of the wrong shape. `calls` counts requests."""
+
+    def __init__(self, reply: bytes) -> None:
+        self.reply = reply
+        self.calls = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.base = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            with conn:
+                conn.recv(65536)
+                self.calls += 1
+                conn.sendall(self.reply)
+
+    def close(self) -> None:
+        self.sock.close()

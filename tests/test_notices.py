@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -16,7 +17,7 @@ import pytest
 
 from spotpipe.notices import AwsImds, AzureScheduledEvents, GcpMetadata, NoticeWatcher
 
-from metadata_servers import MetadataServer
+from metadata_servers import BrokenServer, MetadataServer
 
 
 @pytest.fixture
@@ -67,6 +68,25 @@ def test_aws_falls_back_to_imdsv1_only_when_the_token_put_is_refused(refused):
         server.preempt("h1")
         notice = aws.check()
         assert notice is not None and "IMDSv1" in notice.source
+    finally:
+        server.close()
+
+
+def test_aws_reads_without_a_token_when_the_token_reply_never_comes():
+    """In a container behind the default hop limit of 1 the token PUT's reply is dropped and
+    the PUT times out; AWS documents that the SDKs then fall back to IMDSv1 (botocore: a read
+    timeout on the PUT is a fallback), which an instance with IMDSv1 optional answers. Before,
+    the timeout ended each poll without a read: the notice was never heard."""
+    server = MetadataServer(token_lost_s=3.0)
+    try:
+        aws = AwsImds(server.urls("h1")["aws"], timeout_s=0.3)
+        server.preempt("h1")
+        stop = threading.Event()
+        threading.Timer(10, stop.set).start()
+        notice = aws.next_notice(stop, 0.05)
+        stop.set()
+        assert notice is not None and "IMDSv1" in notice.source
+        assert not aws.v1  # the token is asked for again at the next read
     finally:
         server.close()
 
@@ -135,6 +155,59 @@ def test_an_acknowledged_azure_event_is_a_notice_only_to_a_reader_that_watches(m
     assert AzureScheduledEvents(meta.urls("h1")["azure"]).check() is None
     watching = AzureScheduledEvents(meta.urls("h1")["azure"], started_too=True).check()
     assert watching is not None and meta.events["h1"]["EventId"] in watching.source
+
+
+BROKEN = {"cut short": b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"action\"",
+          "not HTTP": b"\x00\x01 not HTTP at all\r\n\r\n",
+          "JSON, not an object": b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\nMetadata-Flavor: Google"
+                                 b"\r\n\r\nnull",
+          "events, not a list": b'HTTP/1.1 200 OK\r\nContent-Length: 13\r\n\r\n{"Events": 7}'}
+
+
+@pytest.mark.parametrize("reply", list(BROKEN))
+@pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])
+def test_a_broken_service_is_asked_again_not_the_end_of_the_watch(cloud, reply):
+    """A reply cut short or not HTTP (http.client's own errors, not OSErrors) or of the wrong
+    shape is one unanswered poll: the watch goes on. Before, the watcher's thread died on it
+    and the node never heard its cloud's notice for the rest of the job."""
+    server = BrokenServer(BROKEN[reply])
+    path = {"aws": "/latest/meta-data/spot/instance-action",
+            "gcp": "/computeMetadata/v1/instance/preempted",
+            "azure": "/metadata/scheduledevents?api-version=2020-07-01"}[cloud]
+    source = {"aws": AwsImds, "gcp": GcpMetadata, "azure": AzureScheduledEvents}[cloud](
+        server.base + path, timeout_s=2.0)
+    if cloud == "azure":
+        source.vm_name = "vm-h1"
+    if cloud == "aws":  # the token from a service that works, the rest from the broken one
+        source.token, source.token_until = "t", float("inf")
+    stop = threading.Event()
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append(source.next_notice(stop, 0.02)))
+    try:
+        thread.start()
+        deadline = time.monotonic() + 10
+        while server.calls < 3 and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert thread.is_alive() and server.calls >= 3, "the watch ended on a broken reply"
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        server.close()
+    assert got == [None]
+
+
+def test_an_acknowledgement_cut_short_does_not_raise_in_the_leaving_worker():
+    """The worker acknowledges on its way out (its main thread): a reply cut short is no
+    reason to crash there, as a refused connection is not (Azure evicts at NotBefore)."""
+    server = BrokenServer(BROKEN["cut short"])
+    try:
+        az = AzureScheduledEvents(server.base + "/metadata/scheduledevents?api-version=2020-07-01")
+        watcher = NoticeWatcher(sigterm=False)
+        watcher.set("Azure", lambda: az.acknowledge("E1"))
+        watcher.acknowledge()
+        assert server.calls == 1
+    finally:
+        server.close()
 
 
 def test_watcher_sets_once_and_acknowledges_azure_once(meta):

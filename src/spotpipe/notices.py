@@ -7,8 +7,9 @@ leaves on it) and by the tests that serve the endpoints.
 Each cloud is read the way it asks to be read, because the defaults of today's instances
 refuse anything else:
 - AWS: IMDSv2, a session token by PUT, then the `spot/instance-action` read with it (404 is
-  "no notice"); IMDSv1 (a plain GET) only when the PUT is refused with 403/404/405, the cases
-  where botocore falls back too. A 401 means the token expired: a new one is asked for.
+  "no notice"); IMDSv1 (a plain GET) only when the PUT is refused with 403/404/405 or its
+  reply never comes (a container behind the default hop limit of 1), the cases where botocore
+  falls back too. A 401 means the token expired: a new one is asked for.
 - GCP: the `preempted` value with `Metadata-Flavor: Google`, then long polls with
   `wait_for_change=true` and the last ETag, so a change between two polls is never missed and
   the notice arrives when the value flips, not at the next poll. An answer without the
@@ -21,6 +22,7 @@ refuse anything else:
 
 from __future__ import annotations
 
+import http.client
 import json
 import signal
 import threading
@@ -35,6 +37,10 @@ if TYPE_CHECKING:
     from spotpipe.config import FailoverSection
 
 AWS_ACTIONS = ("terminate", "stop", "hibernate")
+# what a service that did not answer this time raises: no connection or a timeout (OSError), a
+# reply cut short or not HTTP at all (http.client's own errors, which are no OSErrors), a body
+# that is not what the cloud documents (ValueError). Each is asked again, never the watch's end.
+UNANSWERED = (OSError, http.client.HTTPException, ValueError)
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,14 @@ def _request(url: str, *, method: str = "GET", headers: dict[str, str] | None = 
             return err.code, dict(err.headers.items()), err.read()
 
 
+def _json_object(body: bytes) -> dict:
+    """The JSON object a 200 carries; anything else (a list, null, HTML) is a ValueError."""
+    doc = json.loads(body or b"{}")
+    if not isinstance(doc, dict):
+        raise ValueError(f"expected a JSON object, got {type(doc).__name__}")
+    return doc
+
+
 class _Polled:
     """A source read once per polling period."""
 
@@ -77,7 +91,7 @@ class _Polled:
         while not stop.is_set():
             try:
                 notice = self.check()
-            except (urllib.error.URLError, OSError, ValueError):
+            except UNANSWERED:
                 notice = None  # the service did not answer this time: ask again
             if notice is not None:
                 return notice
@@ -100,12 +114,18 @@ class AwsImds(_Polled):
         self.token_until = 0.0
         self.v1 = False  # the PUT was refused: IMDSv1 is all this instance offers
 
-    def _token(self) -> str:
+    def _token(self) -> str | None:
+        """The session token; "" when none came (no read this time); None to read without
+        one this time: the PUT's reply never came, as in a container behind the default hop
+        limit of 1, which drops IMDSv2's replies only (botocore falls back on it too)."""
         if self.v1 or (self.token and time.monotonic() < self.token_until):
             return self.token
-        status, _, body = _request(self.token_url, method="PUT", timeout_s=self.timeout_s,
-                                   headers={"X-aws-ec2-metadata-token-ttl-seconds":
-                                            str(self.TTL_S)})
+        try:
+            status, _, body = _request(self.token_url, method="PUT", timeout_s=self.timeout_s,
+                                       headers={"X-aws-ec2-metadata-token-ttl-seconds":
+                                                str(self.TTL_S)})
+        except TimeoutError:  # (a connect timeout is a URLError: no service to read at all)
+            return None
         if status == 200:
             self.token = body.decode().strip()
             self.token_until = time.monotonic() + self.TTL_S - 60
@@ -115,7 +135,7 @@ class AwsImds(_Polled):
 
     def check(self) -> Notice | None:
         token = self._token()
-        if not token and not self.v1:
+        if token == "" and not self.v1:
             return None
         headers = {"X-aws-ec2-metadata-token": token} if token else {}
         status, _, body = _request(self.url, headers=headers, timeout_s=self.timeout_s)
@@ -124,11 +144,11 @@ class AwsImds(_Polled):
             return None
         if status != 200:  # 404: no interruption scheduled
             return None
-        action = json.loads(body or b"{}").get("action")
+        action = _json_object(body).get("action")
         if action not in AWS_ACTIONS:
             return None
         return Notice(f"AWS spot instance-action {action} ({self.url}"
-                      f"{', IMDSv1' if self.v1 else ''})")
+                      f"{', IMDSv1' if not token else ''})")
 
 
 class GcpMetadata:
@@ -165,7 +185,7 @@ class GcpMetadata:
                     return Notice(f"GCP preempted ({self.url})")
                 if not self.etag:  # a server without ETags cannot be long-polled
                     stop.wait(poll_s)
-            except (urllib.error.URLError, OSError, ValueError):
+            except UNANSWERED:
                 self.etag = ""
                 stop.wait(poll_s)
         return None
@@ -205,9 +225,15 @@ class AzureScheduledEvents(_Polled):
                                    timeout_s=self.timeout_s)
         if status != 200:
             return None
-        for event in json.loads(body).get("Events", []):
-            if (event.get("EventType") == "Preempt" and name in event.get("Resources", [])
-                    and event.get("EventStatus") in self.statuses):
+        events = _json_object(body).get("Events", [])
+        if not isinstance(events, list):
+            raise ValueError(f"Events: expected a list, got {type(events).__name__}")
+        for event in events:
+            if not isinstance(event, dict) or "EventId" not in event:
+                continue
+            resources = event.get("Resources")
+            if (event.get("EventType") == "Preempt" and isinstance(resources, list)
+                    and name in resources and event.get("EventStatus") in self.statuses):
                 event_id = str(event["EventId"])
                 return Notice(f"Azure Scheduled Events Preempt {event_id} for {name} "
                               f"(not before {event.get('NotBefore', '?')})",
@@ -287,5 +313,5 @@ class NoticeWatcher:
         if ack is not None:
             try:
                 ack()
-            except (urllib.error.URLError, OSError):
+            except UNANSWERED:
                 pass  # the eviction comes at NotBefore anyway
