@@ -224,3 +224,38 @@ def test_watcher_sets_once_and_acknowledges_azure_once(meta):
     body = json.loads(urllib.request.urlopen(urllib.request.Request(
         meta.urls("h1")["azure"], headers={"Metadata": "true"}), timeout=5).read())
     assert body["Events"][0]["EventType"] == "Preempt"
+
+
+@pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])
+def test_a_service_that_never_answers_is_said_once(cloud, capsys):
+    """A notice URL that names no service (a typo, or a host on another cloud) was asked at
+    every poll and never said anything: the job could not hear its notices, and nobody knew.
+    Its first unanswered poll is said, once, naming the URL and the setting; the watch goes
+    on (a notice given later is still heard)."""
+    import socket
+
+    with socket.socket() as s:  # a port with nobody listening: the connection is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/notice"
+    source = {"aws": AwsImds, "gcp": GcpMetadata, "azure": AzureScheduledEvents}[cloud](
+        url, timeout_s=2.0)
+    if cloud == "azure":
+        source.vm_name = "vm-h1"
+    polls = 0
+    stop = threading.Event()
+    real_wait = stop.wait
+
+    def wait(timeout):  # (the poll's pause: counts the polls, stops after the third)
+        nonlocal polls
+        polls += 1
+        if polls == 3:
+            stop.set()
+        return real_wait(0)
+
+    stop.wait = wait
+    assert source.next_notice(stop, 0.01) is None and polls == 3
+    said = [line for line in capsys.readouterr().err.splitlines() if "did not answer" in line]
+    assert len(said) == 1, said
+    assert f"{source.name} preemption notice service at {url} did not answer" in said[0]
+    assert f"failover.{cloud}_notice_url" in said[0]

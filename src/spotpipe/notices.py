@@ -25,13 +25,14 @@ from __future__ import annotations
 import http.client
 import json
 import signal
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from spotpipe.config import FailoverSection
@@ -71,6 +72,22 @@ def _request(url: str, *, method: str = "GET", headers: dict[str, str] | None = 
             return err.code, dict(err.headers.items()), err.read()
 
 
+def _unanswered(source: Any, exc: BaseException, poll_s: float) -> None:
+    """Say, once per source, that its service did not answer: it is asked again at every
+    poll, so a notice it gives later is still heard, but a URL that names no service (a typo
+    in `failover.*_notice_url`, or a host on another cloud) was never said, and the job
+    never heard its notices without anyone knowing."""
+    if getattr(source, "said_unanswered", False):
+        return
+    source.said_unanswered = True
+    why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" if str(exc) \
+        else type(exc).__name__
+    print(f"spotpipe: the {source.name} preemption notice service at {source.url} did not "
+          f"answer ({why}); it is asked again every {poll_s:g} s (said once): check "
+          f"failover.{source.name.lower()}_notice_url if this host is not on {source.name}",
+          file=sys.stderr, flush=True)
+
+
 def _json_object(body: bytes) -> dict:
     """The JSON object a 200 carries; anything else (a list, null, HTML) is a ValueError."""
     doc = json.loads(body or b"{}")
@@ -91,7 +108,8 @@ class _Polled:
         while not stop.is_set():
             try:
                 notice = self.check()
-            except UNANSWERED:
+            except UNANSWERED as exc:
+                _unanswered(self, exc, poll_s)
                 notice = None  # the service did not answer this time: ask again
             if notice is not None:
                 return notice
@@ -185,7 +203,8 @@ class GcpMetadata:
                     return Notice(f"GCP preempted ({self.url})")
                 if not self.etag:  # a server without ETags cannot be long-polled
                     stop.wait(poll_s)
-            except UNANSWERED:
+            except UNANSWERED as exc:
+                _unanswered(self, exc, poll_s)
                 self.etag = ""
                 stop.wait(poll_s)
         return None
