@@ -113,12 +113,16 @@ def model_vocabulary(cfg: Config) -> int | None:
     if cfg.model.kind == "gpt":
         return cfg.model.gpt.vocab_size
     if cfg.model.kind == "hf":
-        from spotpipe.model.hf import load_config  # transformers: the hf extra
-
-        vocab = getattr(load_config(cfg.model.hf.config, dict(cfg.model.hf.overrides)),
-                        "vocab_size", None)
+        vocab = getattr(_hf_config(cfg), "vocab_size", None)
         return vocab if isinstance(vocab, int) and vocab > 0 else None
     return None
+
+
+def _hf_config(cfg: Config) -> Any:
+    """The transformers model's config (the hf extra), with the job's overrides."""
+    from spotpipe.model.hf import load_config
+
+    return load_config(cfg.model.hf.config, dict(cfg.model.hf.overrides))
 
 
 def model_positions(cfg: Config) -> tuple[str, int] | None:
@@ -127,9 +131,7 @@ def model_positions(cfg: Config) -> tuple[str, int] | None:
     GPT's bound is a key (`model.gpt.block_size`), checked with the configuration."""
     if cfg.model.kind != "hf":
         return None
-    from spotpipe.model.hf import load_config  # transformers: the hf extra
-
-    config = load_config(cfg.model.hf.config, dict(cfg.model.hf.overrides))
+    config = _hf_config(cfg)
     positions = getattr(config, "max_position_embeddings", None)
     name = getattr(config, "attribute_map", {}).get("max_position_embeddings",
                                                     "max_position_embeddings")

@@ -261,7 +261,7 @@ class Coordinator:
     def node_exited(self, node: str, code: int) -> None:
         spare = self._spare(node)
         if code == 0 and (node in self.left or self.collecting is None) and not spare:
-            if node in self.left or self.newest_committed >= self.cfg.iterations - 1:
+            if node in self.left or self._trained_to_the_end():
                 if node in self.layout.active_nodes:
                     self.finished.add(node)
             elif node in self.layout.active_nodes:
@@ -290,7 +290,7 @@ class Coordinator:
     def committed(self, iteration: int) -> None:
         """Iteration `iteration` is committed (its metrics line is written)."""
         self.newest_committed = max(self.newest_committed, iteration)
-        if self.newest_committed >= self.cfg.iterations - 1:
+        if self._trained_to_the_end():
             self.finished |= self.exited_early
             self.exited_early.clear()
 
@@ -564,6 +564,10 @@ class Coordinator:
         for node in sorted(self.exited_early):  # gone before the job's end: lost
             self.exited_early.discard(node)
             self._lose(node, 0, "it exited with code 0 before the job's end")
+
+    def _trained_to_the_end(self) -> bool:
+        """The job's last iteration has its line: a node that exits 0 now has finished."""
+        return self.newest_committed >= self.cfg.iterations - 1
 
     def _lose(self, node: str, code: int, why: str = "") -> None:
         self.dead.add(node)
