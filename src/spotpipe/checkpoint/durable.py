@@ -22,7 +22,9 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,13 +143,26 @@ def stage_writer(folder: Path, sync: bool = True) -> Any:
     return JsonMetadataWriter(str(folder), sync_files=sync)
 
 
+@contextmanager
+def _one_process() -> Iterator[None]:
+    """DCP warns "torch.distributed is disabled, unavailable or uninitialized, assuming the
+    intent is to save in a single process" on every save and load without a default process
+    group, even told `no_dist=True` (torch 2.13): each stage is its own DCP checkpoint here, so
+    that is always the intent, and the line in every worker's log only misleads."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled",
+                                category=UserWarning)
+        yield
+
+
 def dcp_save(tensors: dict[str, torch.Tensor], folder: Path, sync: bool = True) -> None:
     """DCP's save into one stage folder, its failure a WriteError."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.save(tensors, storage_writer=stage_writer(folder, sync), no_dist=True)
+        with _one_process():
+            dcp.save(tensors, storage_writer=stage_writer(folder, sync), no_dist=True)
     except CheckpointException as exc:
         raise write_error(folder, exc) from exc
 
@@ -573,7 +588,8 @@ def load_stage(ckpt: Checkpoint, module: nn.Module, optimizer: torch.optim.Optim
             keys = {k: v for k, v in keys.items() if k not in fresh}
             _check_held(folder, keys, held)
             buffers = {k: torch.empty_like(v, device="cpu") for k, v in keys.items()}
-            dcp.load(buffers, storage_reader=reader, no_dist=True)
+            with _one_process():
+                dcp.load(buffers, storage_reader=reader, no_dist=True)
         except (MetadataError, CheckpointException) as exc:
             raise CheckpointError(f"{folder}: cannot be loaded ({dcp_cause(exc)})") from None
         with torch.no_grad():
