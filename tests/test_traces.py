@@ -1,6 +1,5 @@
 """Trace loaders: the shared real traces load; malformed ones are rejected naming file+line."""
 
-import os
 from pathlib import Path
 
 import pytest
@@ -221,8 +220,6 @@ def test_synthetic_traces_are_deterministic_and_consistent():
 
 
 def test_traces_are_found_beside_the_checkout_or_in_the_package(tmp_path, monkeypatch):
-    from spotpipe.sim.traces import find_trace
-
     monkeypatch.setenv("SPOTPIPE_SHARED", str(tmp_path))  # nothing there
     monkeypatch.chdir(tmp_path)
     bundled = find_trace("p3")
