@@ -19,31 +19,39 @@ def rules(**kw):
 
 
 def test_state_bytes_per_precision_and_optimizer():
-    # fp32 Adam: 4 (weights) + 4 (grads) + 8 (two moments) = 16 B/param; activations 4 x 1000
+    # fp32 Adam: 4 (weights) + 4 (grads) + 8 (two moments) = 16 B/param; activations 4 x 1000,
+    # and the 4 in-flight outputs held until their backward
     e = estimate_stage(0, FACTS, rules())
     assert e.breakdown() == {"device:weights": 4e6, "device:gradients": 4e6,
-                             "device:optimizer": 8e6, "device:activations": 4000.0}
-    assert e.device_bytes == 16_004_000 and e.host_bytes == 0
-    # mixed precision Adam: 2 + 2 + 4 (fp32 master) + 8 = 16, the ZeRO paper's figure
+                             "device:optimizer": 8e6, "device:activations": 4000.0,
+                             "device:outputs": 400.0}
+    assert e.device_bytes == 16_004_400 and e.host_bytes == 0
+    # bf16 under autocast: the same fp32 state (test_memory_measured: against a real stage)
     bf = estimate_stage(0, FACTS, rules(precision="bf16"))
-    assert bf.breakdown()["device:weights"] == 6e6
-    assert bf.breakdown()["device:gradients"] == 2e6
-    assert bf.device_bytes == 16_004_000
+    assert bf.breakdown()["device:weights"] == 4e6
+    assert bf.breakdown()["device:gradients"] == 4e6
+    assert bf.device_bytes == 16_004_400
     # SGD with momentum in fp32: 4 + 4 + 4
-    assert estimate_stage(0, FACTS, rules(optimizer="sgd")).device_bytes == 12_004_000
+    assert estimate_stage(0, FACTS, rules(optimizer="sgd")).device_bytes == 12_004_400
 
 
 def test_activations_follow_the_schedule():
     assert [in_flight("1f1b", 4, s, 8) for s in range(4)] == [4, 3, 2, 1]
     assert [in_flight("1f1b", 4, s, 2) for s in range(4)] == [2, 2, 2, 1]
     assert [in_flight("gpipe", 4, s, 8) for s in range(4)] == [8] * 4
-    act = lambda s, **kw: estimate_stage(s, FACTS, rules(**kw)).breakdown()["device:activations"]
+    part = lambda name, s, **kw: estimate_stage(s, FACTS, rules(**kw)).breakdown().get(
+        "device:" + name, 0)
+    act = lambda s, **kw: part("activations", s, **kw)
     assert act(3) == 1000
     assert act(1, schedule="gpipe") == 8000
-    # checkpointing per layer: 4 in flight x 4 layers x 100 B input + one layer recomputed
-    assert act(0, activation_checkpointing="layers") == 4 * 4 * 100 + 1000 / 4
-    # per stage: 4 stage inputs + the whole stage recomputed once
-    assert act(0, activation_checkpointing="stage") == 4 * 100 + 1000
+    assert part("outputs", 1, schedule="gpipe") == 8 * 100 and part("outputs", 3) == 0
+    # checkpointing per layer: 4 in flight x (the 100 B input + 3 inner layers' outputs);
+    # one layer recomputed at a time
+    assert act(0, activation_checkpointing="layers") == 4 * (100 + 3 * 100)
+    assert part("backward_working", 0, activation_checkpointing="layers") == 1000 / 4
+    # per stage: 4 stage inputs; the whole stage recomputed once
+    assert act(0, activation_checkpointing="stage") == 4 * 100
+    assert part("backward_working", 0, activation_checkpointing="stage") == 1000
 
 
 def test_redundancy_and_shadows():
@@ -51,10 +59,15 @@ def test_redundancy_and_shadows():
     # the replica (2M params) on the host: fp32 weights + replicated gradient + Adam = 16 B
     assert lazy["host:replica"] == 32e6
     assert lazy["device:kept_inputs"] == 8 * 100  # the iteration's 8 inputs of the successor
+    assert "device:outputs" not in lazy  # the in-flight outputs are among the kept inputs
+    assert "device:sent_gradients" not in lazy  # stage 0 sends no input gradient back
+    # a later stage keeps the gradients of its 8 inputs it sent back, for its heir to re-send
+    assert estimate_stage(1, FACTS, rules(redundancy="lazy")).breakdown()[
+        "device:sent_gradients"] == 8 * 100
     assert "device:frc_outputs" not in lazy
     eager = estimate_stage(0, FACTS, rules(redundancy="eager", replica_on_host=False,
                                            precision="bf16")).breakdown()
-    assert eager["device:replica"] == 2 * N * (4 + 4 + 8 + 2)  # plus a bf16 compute copy
+    assert eager["device:replica"] == 2 * N * (4 + 4 + 8)  # FRC keeps no compute copy
     assert eager["device:frc_outputs"] == 8 * 300
     off = estimate_stage(0, FACTS, rules(redundancy="eager", offload_frc=True)).breakdown()
     assert off["host:frc_outputs"] == 8 * 300
@@ -75,7 +88,7 @@ def test_redundancy_and_shadows():
     sh = estimate_stage(0, FACTS, rules(shadows=True, optimizer="sgd"))
     assert sh.shadow_host_bytes == N * (4 + 4 + 4) and sh.host_bytes == 0
     reserve = estimate_stage(0, FACTS, rules(device_reserve_bytes=GIB))
-    assert reserve.device_bytes == 16_004_000 + GIB
+    assert reserve.device_bytes == 16_004_400 + GIB
 
 
 def test_local_links_count_the_rings_a_stage_sends_on():
@@ -90,10 +103,10 @@ def test_local_links_count_the_rings_a_stage_sends_on():
     assert ring(3)["host:link_buffers"] == 16 * 300  # the last stage sends gradients only
     assert "host:link_buffers" not in ring(0, num_stages=1)  # nothing to send to
     # with redundancy, a stage's gradients to its replica: max_lag + 2 messages (2 unapplied,
-    # one taken, one being written) of 4 bytes (fp32) x N, and 2 bytes x N in bf16
+    # one taken, one being written) of 4 bytes (fp32) x N, in bf16 too (the gradients are fp32)
     assert ring(0, redundancy="lazy")["host:link_buffers"] == 16 * 100 + 4 * 4 * N
     assert ring(3, redundancy="eager", precision="bf16",
-                replica_max_lag=1)["host:link_buffers"] == 16 * 300 + 3 * 2 * N
+                replica_max_lag=1)["host:link_buffers"] == 16 * 300 + 3 * 4 * N
     big = StageFacts(params=N, activation_bytes=1, boundary_bytes=100 * 2 ** 20, layers=1)
     capped = estimate_stage(0, big, rules(link_slots=16)).breakdown()["host:link_buffers"]
     assert capped == 2 * 100 * 2 ** 20  # 256 MiB holds 2 of these (the floor is 2 anyway)
@@ -110,8 +123,10 @@ def test_gpt2_xl_does_not_fit_one_16gb_gpu_but_fits_eight_stages():
     # GPT-2 XL has 1,557,611,200 parameters with a tied head (Hugging Face's count); the
     # pipeline's last stage holds its own copy of the 50257 x 1600 projection
     assert total - 50257 * 1600 == 1_557_611_200
-    # Korthikanti et al.: s b h (34 + 5 a s / h) = 1024*4*1600*(34 + 80) bytes per block (16-bit)
-    assert layers[1].activation_bytes == 1024 * 4 * 1600 * 114
+    # Korthikanti et al.: s b h (34 + 5 a s / h) = 1024*4*1600*(34 + 80) bytes per block (16-bit),
+    # and autocast's fp16 copy of the block's 12 h^2 matrix weights
+    block = 1024 * 4 * 1600 * 114 + 2 * 12 * 1600 ** 2
+    assert layers[1].activation_bytes == block
     gpu = instance("p3.2xlarge")
     whole = estimate_stage(0, stage_facts(layers, [(0, len(layers))], 0),
                            MemoryRules(precision="fp16", microbatches=128))
@@ -125,7 +140,7 @@ def test_gpt2_xl_does_not_fit_one_16gb_gpu_but_fits_eight_stages():
                      device_reserve_bytes=GIB)
     # without activation checkpointing, stage 0 keeps 8 micro-batches x 6 blocks: 33.4 GiB
     plain = estimate_stage(0, stage_facts(layers, parts, 0), r8)
-    assert plain.breakdown()["device:activations"] == 8 * 6 * 1024 * 4 * 1600 * 114
+    assert plain.breakdown()["device:activations"] == 8 * 6 * block
     assert not fits(plain, gpu.device_bytes, gpu.host_bytes)
     r8 = MemoryRules(precision="fp16", num_stages=8, microbatches=32, redundancy="lazy",
                      device_reserve_bytes=GIB, activation_checkpointing="layers")
@@ -145,6 +160,30 @@ def test_stage_facts_and_merge():
     m = merge_facts(a, b)
     assert m.params == a.params + b.params and m.replica_params == 0
     assert m.stage_input_bytes == 0 and m.layers == len(layers)
+    # per-layer checkpointing keeps the outputs of every layer but the last (7 of stage 0's 7
+    # layers are the embedding and 6 blocks: 6 outputs), the head's loss its fp32 softmax
+    boundary = 1024 * 2 * 768 * 4
+    assert a.layer_outputs_bytes == 6 * boundary and a.loss_bytes == 0
+    assert b.loss_bytes == 1024 * 2 * 50257 * 4 and b.layer_outputs_bytes == 6 * boundary
+    assert b.largest_layer_bytes == max(x.activation_bytes - x.loss_bytes for x in layers[7:])
+    assert m.layer_outputs_bytes == 13 * boundary and m.loss_bytes == b.loss_bytes
+
+
+def test_in_flight_is_what_the_schedules_streams_hold():
+    """The formula against the instruction streams the runtime executes: the most forwards a
+    stage has run whose backward has not."""
+    from spotpipe.schedule.builders import build_schedule
+    from spotpipe.schedule.ir import Op
+
+    for kind in ("1f1b", "gpipe"):
+        for p in range(1, 6):
+            for m in range(1, 10):
+                for s, stream in enumerate(build_schedule(kind, p, m).streams):
+                    held = most = 0
+                    for ins in stream:
+                        held += {Op.FORWARD: 1, Op.BACKWARD: -1}.get(ins.op, 0)
+                        most = max(most, held)
+                    assert in_flight(kind, p, s, m) == most, (kind, p, s, m)
 
 
 @pytest.mark.parametrize("kw, word", [({"precision": "fp8"}, "precision"),

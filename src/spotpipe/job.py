@@ -27,8 +27,8 @@ from spotpipe.model.named import SplitError, split_points_map
 from spotpipe.model.partition import (balanced_partition, bounded_partition, cut,
                                       explicit_partition, parameter_counts, profile_layer_times)
 from spotpipe.model.precision import Precision
-from spotpipe.plan.memory import (GIB, LayerMemory, MemoryEstimate, MemoryRules, StageFacts,
-                                  estimate_stage, stage_facts)
+from spotpipe.plan.memory import (GIB, LayerMemory, MemoryEstimate, MemoryRules, estimate_stage,
+                                  range_facts, stage_facts)
 from spotpipe.plan.layers import node_layers
 from spotpipe.plan.layout import Layout
 from spotpipe.plan.profile import LayerProfile, cross_stage_tied
@@ -486,12 +486,8 @@ def balanced_under_memory(cfg: Config, profile: LayerProfile,
 
     def fits(stage: int, start: int, end: int) -> bool:
         # the stage's own needs; its replica (its successor's layers) is checked at launch
-        own = layers[start:end]
-        facts = StageFacts(params=sum(x.params for x in own),
-                           activation_bytes=sum(x.activation_bytes for x in own),
-                           boundary_bytes=own[-1].output_bytes, layers=len(own),
-                           input_bytes=layers[start - 1].output_bytes if start else 0.0)
-        return _needed(estimate_stage(stage, facts, rules), mem) <= mem.bytes
+        return _needed(estimate_stage(stage, range_facts(layers, start, end), rules),
+                       mem) <= mem.bytes
 
     return (bounded_partition(profile.times, num_stages, fits)
             or balanced_partition(profile.times, num_stages))

@@ -110,5 +110,6 @@ def profile_layer_memory(model: LayeredModel, sample_input: Tensor,
             kept_bytes, working = _loss_memory(model, x, target, precision, params)
             last = out[-1]
             out[-1] = dataclasses.replace(last, activation_bytes=last.activation_bytes
-                                          + kept_bytes, transient_bytes=float(working))
+                                          + kept_bytes, transient_bytes=float(working),
+                                          loss_bytes=float(kept_bytes))
     return out

@@ -9,50 +9,67 @@ stage that would not fit its device, with the figures (`refusal`). Standard libr
 Formulas (B = bytes, N = parameters of the stage, in_flight = micro-batches whose
 activations a stage holds at once, M = micro-batches per pipeline and iteration):
 
-Model state (`STATE_BYTES`). Master weights and optimizer state are fp32 whatever the compute
-precision; with bf16/fp16 the weights are also held as a compute copy, and the gradients
-are in the compute dtype (mixed precision as in Micikevicius et al., "Mixed Precision
-Training", ICLR 2018):
-- fp32: weights 4 N, gradients 4 N;
-- bf16 / fp16: compute copy 2 N, gradients 2 N, fp32 master weights 4 N;
+Model state (`state_bytes_per_param`). Weights, their gradients and the optimizer state are
+fp32 whatever the compute precision: spotpipe runs bf16/fp16 under `torch.autocast`
+(model/precision.py), which keeps no compute copy of the weights between operations and
+accumulates the gradients on the fp32 parameters. The compute copies autocast makes are kept
+by autograd for the backward, once per micro-batch in flight, so they are activations
+(measured with them at launch; `transformer_layers` adds them). (The former model, Micikevicius
+et al.'s mixed precision with a 2 N compute copy and 2 N gradients, had the same total for one
+micro-batch but both terms wrong against a measured bf16 stage: weights 1.50, gradients 0.50
+of the real figures.)
+- weights 4 N, gradients 4 N;
 - optimizer state: Adam/AdamW 8 N (two fp32 moments, Kingma & Ba 2015; torch.optim.AdamW
   keeps `exp_avg` and `exp_avg_sq`), SGD with momentum 4 N (torch's `momentum_buffer`).
-  So mixed-precision Adam is 2 + 2 + 4 + 8 = 16 B/param, the ZeRO paper's figure (Rajbhandari
-  et al., SC '20, sec. 3.1: 2Psi + 2Psi + K Psi, K = 12), and fp32 Adam is 4 + 4 + 8 = 16 too.
+  So Adam is 4 + 4 + 8 = 16 B/param, the ZeRO paper's figure for mixed precision too
+  (Rajbhandari et al., SC '20, sec. 3.1: 2Psi + 2Psi + K Psi, K = 12), split otherwise.
 
 Activations (`in_flight`): a stage keeps, per micro-batch in flight, what its backward needs.
 - 1F1B (PipeDream-flush, Narayanan et al., SC '21): stage s of P runs P - s - 1 warm-up
   forwards before its first backward, so it holds min(P - s, M) micro-batches;
 - GPipe (Huang et al., NeurIPS '19): every forward before any backward: M micro-batches.
-Activation checkpointing (Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016):
-- none: in_flight x activation_bytes;
-- layers: in_flight x layers x layer input (a transformer block's input is the size of the
-  boundary activation, so `boundary_bytes` per layer), plus one micro-batch's activations of
-  one layer while it is recomputed (activation_bytes / layers);
-- stage: in_flight x the stage's input (`boundary_bytes`), plus one micro-batch's
-  activations of the whole stage while it is recomputed (activation_bytes).
+Besides what its layers keep, a stage that is not the last holds each in-flight micro-batch's
+output until that micro-batch's backward (the executor's `outputs`: nothing of the layer keeps
+it): in_flight x boundary_bytes (`outputs`), counted with the kept inputs under redundancy
+(the same tensors, M of them). The last stage's loss keeps its fp32 log-softmax per
+micro-batch (`loss_bytes`), outside any activation checkpoint.
+Activation checkpointing (Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016;
+non-reentrant torch.utils.checkpoint), per micro-batch in flight:
+- none: activation_bytes;
+- layers: the stage's input and every layer's output but the last (each the input of the next
+  layer's checkpoint: `inner_outputs_bytes`) and the loss's;
+- stage: the stage's input (`stage_input_bytes`) and the loss's;
+and, once per stage, one micro-batch's activations while they are recomputed, the largest
+layer's (`max_layer_activation_bytes`) or the whole stage's, in `backward_working` (below).
+(Measured on a tiny GPT's stage 0 before these were counted: the estimate took stage 0's layer
+inputs as its input, the token ids, counted as 0, and the average layer's recompute; the
+device total was 0.61 of the measured peak with per-layer checkpointing.)
 Analytic transformer activations (`transformer_layers`) per block and micro-batch are
 s b h (34 + 5 a s / h) bytes with 16-bit activations (Korthikanti et al., "Reducing Activation
 Recomputation in Large Transformer Models", MLSys '23, eq. 1, no tensor parallelism), scaled by
 dtype bytes / 2 for other precisions; the head keeps its logits (s b V in the compute dtype)
-and their fp32 softmax for the loss (s b V x 4). The formula assumes attention that keeps its
-s x s scores and dropout masks; with fused attention and no dropout a block keeps less
-(spotpipe's GPT block on CPU, fp32, saved tensors measured with
-torch.autograd.graph.saved_tensors_hooks: 1.8x less at s = 128, h = 64; 2.8x less at s = 256,
-h = 128), so the analytic estimate errs on the safe side; the runtime passes measured bytes.
+and their fp32 softmax for the loss (s b V x 4); in 16-bit each layer also keeps autocast's
+compute copy of the matrices it multiplies by (`transformer_layers`). The formula assumes
+attention that keeps its s x s scores and dropout masks; with fused attention and no dropout
+a block keeps less (spotpipe's GPT block on CPU, fp32, saved tensors measured with
+torch.autograd.graph.saved_tensors_hooks: 1.8x less at s = 128, h = 64; 2.8x less at
+s = 256, h = 128), so the analytic estimate errs on the safe side; the runtime passes measured
+bytes.
 
 Redundancy (Bamboo, NSDI '23; spotpipe's replicas kept exact by gradient replication):
 - none: nothing more;
 - lazy: the replica of the successor's stage (its fp32 weights 4 N', the replicated gradient
   4 N', its optimizer state) on the replica's device (`replica_on_host`: the runtime's default
   `replica.device: cpu`), plus the successor's inputs of the iteration kept for a replay:
-  M x boundary_bytes (what this stage sends) on the device;
-- eager: as lazy, plus the replica's compute copy (2 N' for bf16/fp16) when it runs on the
-  device, plus FRC's outputs of the iteration, M x the replica's boundary bytes, on the
+  M x boundary_bytes (what this stage sends) on the device; and, on a stage that is not the
+  first, the gradients of its inputs that it sent back (`sent_gradients`, M x
+  stage_input_bytes: its predecessor, should it take over, re-sends them from here);
+- eager: as lazy, plus FRC's outputs of the iteration, M x the replica's boundary bytes, on the
   device, or on the host with `offload_frc` (the runtime's `replica.offload_frc`), where FRC
   runs: not for the last stage's replica nor on two stages (`schedule.frc_serves`), unless
   `frc_every_stage` (`replica.frc: every`). FRC runs under no_grad, so it keeps no
-  activations; BRC recomputes them after a loss.
+  activations and no compute copy of the replica's weights (autocast casts each weight for
+  the one operation that uses it); BRC recomputes them after a loss.
 Shadows (`shadows`): a CPU process per stage holds every iteration's state: fp32 weights, the
 gradient it receives and the optimizer state: (4 + 4 + optimizer) N, in the memory of the
 host the shadows run on (the launcher's or agent's, not a preemptible node: `shadow_host`).
@@ -64,18 +81,24 @@ the activation to the next stage (`boundary_bytes`) and the gradient to the prev
 host's memory.
 Reserve: `device_reserve_bytes` of every device (CUDA context and allocator slack; about
 0.5-1 GiB in practice) is not available to the stage.
-Backward's working memory (`transient_bytes`, measured by the runtime, zero in the analytic
-model): what one micro-batch's backward allocates beyond what its forward kept, once per
-stage. For the last stage it is the loss's: the gradients with respect to the log-softmax and
-to the logits, each as large as the logits in fp32 (GPT-2 small, 8 x 512 tokens: 1.5 GiB,
-which the estimate missed against `torch.cuda.max_memory_allocated` on an H200 before it was
-counted, with the loss's own saved tensors: 0.78 of the measured peak in fp32).
-Not counted: temporary buffers of one kernel, communication buffers (small against the
-above at these sizes), fragmentation beyond the reserve.
+Backward's working memory (`backward_working`): what one micro-batch's backward allocates
+beyond what its forward kept, once per stage: the loss's (`transient_bytes`, measured by the
+runtime, zero in the analytic model) or, under activation checkpointing, the recomputed
+activations, whichever is larger (the loss's backward is done before the first recompute;
+summed, they over-estimated a tiny GPT's last stage by 23-34%). The loss's are the gradients
+with respect to the log-softmax and to the logits, each as large as the logits in fp32
+(GPT-2 small, 8 x 512 tokens: 1.5 GiB, which the estimate missed against
+`torch.cuda.max_memory_allocated` on an H200 before it was counted, with the loss's own saved
+tensors: 0.78 of the measured peak in fp32).
+Not counted: temporary buffers of one kernel, a block's backward working memory (a tiny GPT's
+stage on the CPU: 5-14% of its measured peak, `tests/test_memory_measured.py`), each
+activation checkpoint's copy of the CPU generator's state (5056 bytes), communication buffers
+(small against the above at these sizes), fragmentation beyond the reserve.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -96,9 +119,12 @@ class StageFacts:
     """What the estimate needs to know of one stage (and of the replica its node holds).
 
     activation_bytes: what one micro-batch's forward keeps for its backward, without
-    activation checkpointing; boundary_bytes: the activation this stage sends on per
-    micro-batch; input_bytes: the one it receives (default: boundary_bytes), also taken as
-    the size of each of its layers' inputs for activation checkpointing.
+    activation checkpointing (the loss's `loss_bytes` included); boundary_bytes: the
+    activation this stage sends on per micro-batch; input_bytes: the one it receives
+    (default: boundary_bytes); inner_outputs_bytes: the outputs of its layers but the last,
+    per micro-batch (what per-layer checkpointing keeps besides the input; default: layers - 1
+    boundaries); max_layer_activation_bytes: its largest layer's activation_bytes without the
+    loss's (default: the average, activation_bytes / layers).
     """
 
     params: int
@@ -109,14 +135,32 @@ class StageFacts:
     replica_boundary_bytes: float = 0.0
     input_bytes: float | None = None
     transient_bytes: float = 0.0
+    inner_outputs_bytes: float | None = None
+    loss_bytes: float = 0.0
+    max_layer_activation_bytes: float | None = None
 
     @property
     def stage_input_bytes(self) -> float:
         return self.boundary_bytes if self.input_bytes is None else self.input_bytes
 
+    @property
+    def layer_outputs_bytes(self) -> float:
+        """The outputs of every layer but the last, per micro-batch."""
+        if self.inner_outputs_bytes is not None:
+            return self.inner_outputs_bytes
+        return (self.layers - 1) * self.boundary_bytes
+
+    @property
+    def largest_layer_bytes(self) -> float:
+        """What the largest layer keeps per micro-batch, the loss's part aside."""
+        if self.max_layer_activation_bytes is not None:
+            return self.max_layer_activation_bytes
+        return (self.activation_bytes - self.loss_bytes) / self.layers
+
     def __post_init__(self) -> None:
         for name in ("params", "activation_bytes", "boundary_bytes", "replica_params",
-                     "replica_boundary_bytes", "stage_input_bytes", "transient_bytes"):
+                     "replica_boundary_bytes", "stage_input_bytes", "transient_bytes",
+                     "layer_outputs_bytes", "loss_bytes", "largest_layer_bytes"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"StageFacts.{name} must be >= 0, got {value!r}")
@@ -209,11 +253,12 @@ def link_ring_slots(message_bytes: float, slots: int) -> int:
 
 
 def state_bytes_per_param(precision: str, optimizer: str) -> dict[str, int]:
-    """Bytes per parameter of an owned stage: weights (compute copy + master), gradients,
-    optimizer state."""
-    compute = COMPUTE_BYTES[precision]
-    weights = 4 if compute == 4 else compute + 4
-    return {"weights": weights, "gradients": compute, "optimizer": OPTIMIZER_BYTES[optimizer]}
+    """Bytes per parameter of an owned stage: weights, gradients, optimizer state; fp32 in
+    every precision, as autocast keeps them (the module doc)."""
+    if precision not in COMPUTE_BYTES:
+        raise ValueError(f"unknown precision {precision!r}; expected one of "
+                         f"{', '.join(COMPUTE_BYTES)}")
+    return {"weights": 4, "gradients": 4, "optimizer": OPTIMIZER_BYTES[optimizer]}
 
 
 def estimate_stage(stage: int, facts: StageFacts, rules: MemoryRules) -> MemoryEstimate:
@@ -223,18 +268,22 @@ def estimate_stage(stage: int, facts: StageFacts, rules: MemoryRules) -> MemoryE
     per = state_bytes_per_param(rules.precision, rules.optimizer)
     n = facts.params
     parts = [MemoryPart(name, "device", float(b * n)) for name, b in per.items()]
-    parts.append(MemoryPart("activations", "device", _activations(stage, facts, rules)))
-    parts.append(MemoryPart("backward_working", "device", float(facts.transient_bytes)))
+    parts.append(MemoryPart("activations", "device", _kept_activations(stage, facts, rules)))
+    redundant = rules.redundancy != "none" and rules.num_stages > 1
+    if not redundant and stage < rules.num_stages - 1:  # (else among the kept inputs)
+        parts.append(MemoryPart("outputs", "device", float(_in_flight(stage, rules)
+                                                           * facts.boundary_bytes)))
+    parts.append(MemoryPart("backward_working", "device", _backward_working(facts, rules)))
     m = rules.microbatches
-    if rules.redundancy != "none" and rules.num_stages > 1:
+    if redundant:
         r = facts.replica_params
         where = "host" if rules.replica_on_host else "device"
         replica = (4 + 4 + OPTIMIZER_BYTES[rules.optimizer]) * r
-        if rules.redundancy == "eager" and not rules.replica_on_host \
-                and COMPUTE_BYTES[rules.precision] != 4:
-            replica += COMPUTE_BYTES[rules.precision] * r
         parts.append(MemoryPart("replica", where, float(replica)))
         parts.append(MemoryPart("kept_inputs", "device", float(m * facts.boundary_bytes)))
+        if stage > 0:
+            parts.append(MemoryPart("sent_gradients", "device",
+                                    float(m * facts.stage_input_bytes)))
         if rules.redundancy == "eager" and runs_frc(replica_of(stage, rules.num_stages),
                                                     rules.num_stages, rules.frc_every_stage):
             parts.append(MemoryPart("frc_outputs", "host" if rules.offload_frc else "device",
@@ -255,15 +304,32 @@ def estimate_stage(stage: int, facts: StageFacts, rules: MemoryRules) -> MemoryE
     return MemoryEstimate(stage, tuple(p for p in parts if p.bytes))
 
 
-def _activations(stage: int, facts: StageFacts, rules: MemoryRules) -> float:
-    k = in_flight(rules.schedule, rules.num_stages, stage, rules.microbatches)
+def _in_flight(stage: int, rules: MemoryRules) -> int:
+    return in_flight(rules.schedule, rules.num_stages, stage, rules.microbatches)
+
+
+def _kept_activations(stage: int, facts: StageFacts, rules: MemoryRules) -> float:
+    """What the stage's layers and loss keep for the in-flight micro-batches (the module
+    doc)."""
+    k = _in_flight(stage, rules)
     mode = rules.activation_checkpointing
     if mode == "none":
         return k * facts.activation_bytes
-    kept = facts.stage_input_bytes
+    kept = facts.stage_input_bytes + facts.loss_bytes
     if mode == "layers":
-        return k * facts.layers * kept + facts.activation_bytes / facts.layers
-    return k * kept + facts.activation_bytes
+        return k * (kept + facts.layer_outputs_bytes)
+    return k * kept
+
+
+def _backward_working(facts: StageFacts, rules: MemoryRules) -> float:
+    """What one micro-batch's backward needs beyond what was kept: the loss's working memory
+    (`transient_bytes`) and, under activation checkpointing, the activations recomputed (the
+    largest layer's, or the stage's without the loss's). The loss's backward runs before any
+    recompute, so the larger of the two."""
+    mode = rules.activation_checkpointing
+    recompute = 0.0 if mode == "none" else facts.largest_layer_bytes if mode == "layers" \
+        else facts.activation_bytes - facts.loss_bytes
+    return float(max(facts.transient_bytes, recompute))
 
 
 def fits(estimate: MemoryEstimate, device_bytes: float, host_bytes: float) -> bool:
@@ -307,6 +373,8 @@ class LayerMemory:
     # head and embedding: one tensor where a stage holds both layers, two copies otherwise
     tied_params: int = 0
     tied_to: int = -1
+    # of activation_bytes, what the loss keeps (the last layer's; outside any checkpoint)
+    loss_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -335,17 +403,39 @@ def transformer_layers(shape: TransformerShape, micro_batch: int,
     block: 12 h^2 + 13 h parameters (attention 4 h^2 + 4 h, MLP 8 h^2 + 5 h, two layer norms
     4 h), activations by Korthikanti et al. (module doc);
     head: final layer norm (2 h) and the LM projection (V h); keeps its input, the logits and
-    their fp32 softmax.
+    their fp32 softmax (the loss's).
+    In 16-bit, autocast's copy of every matrix a layer multiplies by (12 h^2 in a block, V h
+    in the head) is kept per micro-batch too (the module doc).
     """
     s, h, a, v, b = shape.seq, shape.hidden, shape.heads, shape.vocab, micro_batch
     dt = COMPUTE_BYTES[precision]
+    copy = 0 if dt == 4 else dt  # bytes per multiplied weight that autocast's copy keeps
     boundary = float(s * b * h * dt)
-    block_act = s * b * h * (34 + 5 * a * s / h) * dt / 2
-    head_act = boundary + s * b * v * dt + s * b * v * 4
+    block_act = s * b * h * (34 + 5 * a * s / h) * dt / 2 + copy * 12 * h * h
+    loss = float(s * b * v * 4)
+    head_act = boundary + s * b * v * dt + loss + copy * v * h
     layers = [LayerMemory(v * h + s * h, 0.0, boundary)]
     layers += [LayerMemory(12 * h * h + 13 * h, block_act, boundary)] * shape.layers
-    layers.append(LayerMemory(v * h + 2 * h, head_act, 0.0))
+    layers.append(LayerMemory(v * h + 2 * h, head_act, 0.0, loss_bytes=loss))
     return tuple(layers)
+
+
+def range_facts(layers: Sequence[LayerMemory], start: int, end: int) -> StageFacts:
+    """Facts of the layers start..end - 1 as one stage, without a replica."""
+    if not 0 <= start < end <= len(layers):
+        raise ValueError(f"layers {start}..{end} outside 0..{len(layers)}")
+    own = layers[start:end]
+    shared = sum(x.tied_params for x in own if start <= x.tied_to < end)
+    return StageFacts(
+        params=sum(x.params for x in own) - shared,
+        activation_bytes=sum(x.activation_bytes for x in own),
+        boundary_bytes=own[-1].output_bytes,
+        layers=len(own),
+        input_bytes=layers[start - 1].output_bytes if start > 0 else 0.0,
+        transient_bytes=max(x.transient_bytes for x in own),
+        inner_outputs_bytes=sum(x.output_bytes for x in own[:-1]),
+        loss_bytes=sum(x.loss_bytes for x in own),
+        max_layer_activation_bytes=max(x.activation_bytes - x.loss_bytes for x in own))
 
 
 def stage_facts(layers: Sequence[LayerMemory], stages: Sequence[tuple[int, int]],
@@ -355,21 +445,14 @@ def stage_facts(layers: Sequence[LayerMemory], stages: Sequence[tuple[int, int]]
     start, end = stages[stage]
     if not 0 <= start < end <= len(layers):
         raise ValueError(f"stage {stage}: layers {start}..{end} outside 0..{len(layers)}")
-    own = layers[start:end]
     replica: Sequence[LayerMemory] = ()
     if redundancy and len(stages) > 1:
         rs, re_ = stages[(stage + 1) % len(stages)]
         replica = layers[rs:re_]
-    shared = sum(x.tied_params for x in own if start <= x.tied_to < end)
-    return StageFacts(
-        params=sum(x.params for x in own) - shared,
-        activation_bytes=sum(x.activation_bytes for x in own),
-        boundary_bytes=own[-1].output_bytes,
-        layers=len(own),
+    return dataclasses.replace(
+        range_facts(layers, start, end),
         replica_params=sum(x.params for x in replica),
-        replica_boundary_bytes=replica[-1].output_bytes if replica else 0.0,
-        input_bytes=layers[start - 1].output_bytes if start > 0 else 0.0,
-        transient_bytes=max(x.transient_bytes for x in own))
+        replica_boundary_bytes=replica[-1].output_bytes if replica else 0.0)
 
 
 def merge_facts(first: StageFacts, second: StageFacts) -> StageFacts:
@@ -379,7 +462,13 @@ def merge_facts(first: StageFacts, second: StageFacts) -> StageFacts:
                       first.activation_bytes + second.activation_bytes,
                       second.boundary_bytes, first.layers + second.layers,
                       input_bytes=first.stage_input_bytes,
-                      transient_bytes=max(first.transient_bytes, second.transient_bytes))
+                      transient_bytes=max(first.transient_bytes, second.transient_bytes),
+                      # the first's output is now the input of the second's first layer
+                      inner_outputs_bytes=first.layer_outputs_bytes + first.boundary_bytes
+                      + second.layer_outputs_bytes,
+                      loss_bytes=first.loss_bytes + second.loss_bytes,
+                      max_layer_activation_bytes=max(first.largest_layer_bytes,
+                                                     second.largest_layer_bytes))
 
 
 # -- instance presets (device memory per GPU, host memory per instance) --------------------

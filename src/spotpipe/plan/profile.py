@@ -58,7 +58,7 @@ class LayerProfile:
     def to_json(self) -> dict[str, Any]:
         return {"names": list(self.names), "params": list(self.params),
                 "memory": [[m.params, m.activation_bytes, m.output_bytes, m.transient_bytes,
-                            m.tied_params, m.tied_to] for m in self.memory],
+                            m.tied_params, m.tied_to, m.loss_bytes] for m in self.memory],
                 "times": None if self.times is None else list(self.times),
                 "tied": [list(pair) for pair in self.tied]}
 
@@ -70,10 +70,11 @@ class LayerProfile:
         params = tuple(_count(v, f"params[{i}]") for i, v in enumerate(_list(data, "params")))
         memory = []
         for i, row in enumerate(_list(data, "memory")):
-            if not isinstance(row, list) or len(row) != 6:
+            # (a profile written before loss_bytes was recorded has 6 entries: no loss part)
+            if not isinstance(row, list) or len(row) not in (6, 7):
                 raise ProfileError(f"layer profile: memory[{i}] is not [params, "
                                    "activation_bytes, output_bytes, transient_bytes, "
-                                   f"tied_params, tied_to]: {row!r}")
+                                   f"tied_params, tied_to, loss_bytes]: {row!r}")
             tied_to = row[5]
             if isinstance(tied_to, bool) or not isinstance(tied_to, int) \
                     or not -1 <= tied_to < i:
@@ -83,7 +84,9 @@ class LayerProfile:
                                       _amount(row[1], f"memory[{i}][1]"),
                                       _amount(row[2], f"memory[{i}][2]"),
                                       _amount(row[3], f"memory[{i}][3]"),
-                                      _count(row[4], f"memory[{i}][4]"), tied_to))
+                                      _count(row[4], f"memory[{i}][4]"), tied_to,
+                                      _amount(row[6], f"memory[{i}][6]") if len(row) == 7
+                                      else 0.0))
         times = None
         if data.get("times") is not None:
             times = tuple(_amount(v, f"times[{i}]")
