@@ -217,6 +217,28 @@ def test_adjacent_losses_drop_the_pipeline_when_another_survives(tmp_path, tmp_p
     assert_nothing_left(run, store_port(run))
 
 
+def test_two_broken_pipelines_are_assembled_into_one(tmp_path, tmp_path_factory, corpus):
+    """P = 3 x D = 2: node1, node2 (pipeline 0's stages 1, 2) and node3, node5 (pipeline 1's
+    stages 0, 2) lost at once. Neither pipeline can be repaired from memory, but node0 owns
+    stage 0 and node4 owns stage 1 and holds stage 2's replica: one pipeline is assembled of
+    them, node4 promoting its replica (the job stopped before), and it goes on at D = 1,
+    re-partitioned to P = 2 at the next boundary. Nothing is reloaded."""
+    cfg = config(corpus, 3, 2)
+    nodes = [f"node{r}" for r in range(6)]
+    run = tmp_path / "run"
+    faults = [Fault.parse("fail", f"node{r}@3", nodes) for r in (1, 2, 3, 5)]
+    assert train(cfg, run, progress=False, faults=faults) == 0
+    plans = [e for e in events(run) if e["kind"] == "plan" and e["action"] != "keep"]
+    assert [p["action"] for p in plans] == ["drop_pipeline", "repartition"], plans
+    assert [(m["kind"], m["stage"], m["dst"]) for m in plans[0]["moves"]] == [
+        ("promote", 2, "node4")]
+    assert_samples_exactly_once(run, cfg)
+    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=3, pipelines=2, **FAST))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert_close_where_width_changed(got, want)  # D changed: other summation orders
+    assert_nothing_left(run, store_port(run))
+
+
 def test_adjacent_losses_stop_clearly(tmp_path, corpus, capsys):
     cfg = config(corpus, 3, 1)
     nodes = [f"node{r}" for r in range(3)]
