@@ -217,6 +217,40 @@ def test_adjacent_losses_drop_the_pipeline_when_another_survives(tmp_path, tmp_p
     assert_nothing_left(run, store_port(run))
 
 
+def test_broken_pipelines_are_assembled_from_their_survivors(tmp_path, tmp_path_factory,
+                                                             corpus):
+    """P = 3 x D = 2 with four spares waiting (4 micro-batches do not split over 3 pipelines):
+    node0, node1 (pipeline 0's stages 0, 1) and node3, node5 (pipeline 1's stages 0, 2) lost
+    as iteration 7 starts (not node2: pipeline 0's last stage posts the metrics and may
+    start the iteration late). Neither pipeline can be repaired from memory, but node2 owns
+    stage 2 and holds stage 0's replica, node4 owns stage 1 (the job stopped here before).
+    Pipeline 0 is assembled of them, node2 promoting its replica; pipeline 1 is copied onto
+    spares from them (stage 0 from node2 once promoted, as is the replica of stage 0, which
+    no survivor owned); a rebalance then relieves node2. D stays 2 and nothing is reloaded:
+    the result is the failure-free run's, bit for bit."""
+    cfg = config(corpus, 3, 2, iterations=10)
+    nodes = [f"node{r}" for r in range(6)]
+    run = tmp_path / "run"
+    faults = [Fault.parse("fail", f"node{r}@7", nodes) for r in (0, 1, 3, 5)]
+    assert train(cfg, run, progress=False, faults=faults, joins=[1, 1, 1, 1]) == 0
+    plans = [e for e in events(run) if e["kind"] == "plan"]
+    assert [(p["action"], len(p["standby"])) for p in plans] == [
+        ("keep", 4), ("drop_pipeline", 1), ("rebalance", 0)], plans
+    spares = plans[0]["standby"]  # in the order they joined
+    assert [(m["kind"], m["pipeline"], m["stage"], m["src"], m["dst"])
+            for m in plans[1]["moves"]] == [
+        ("promote", 0, 0, "node2", "node2"), ("copy", 1, 0, "node2", spares[0]),
+        ("copy", 1, 1, "node4", spares[1]), ("copy", 1, 2, "node2", spares[2])]
+    assert ["replica", 0, "node2", spares[2]] in plans[1]["transfers"]
+    assert_samples_exactly_once(run, cfg)
+    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=3, pipelines=2,
+                                                      **{**FAST, "iterations": 10}))
+    got = load_file(str(run / "final" / "model.safetensors"))
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs from the failure-free run"
+    assert_nothing_left(run, store_port(run))
+
+
 def test_adjacent_losses_stop_clearly(tmp_path, corpus, capsys):
     cfg = config(corpus, 3, 1)
     nodes = [f"node{r}" for r in range(3)]

@@ -173,19 +173,38 @@ def test_layer_moves():
         layer_moves(old, [(0, 9)])
 
 
+def _state_survives(lay: Layout, lost: set[str]) -> bool:
+    """Whether every stage's state is on a node not lost: one that owns the stage in some
+    pipeline, or the owner of the stage before it there, which holds its replica when it runs
+    no other stage (Bamboo's ring; a node running two stages has no room for a replica)."""
+    runs = {n: sum(1 for row in lay.grid for m in row if m == n) for n in lay.active_nodes}
+    return all(any(row[s] not in lost or (row[s - 1] not in lost and row[s - 1] != row[s]
+                                          and runs[row[s - 1]] == 1) for row in lay.grid)
+               for s in range(lay.num_stages))
+
+
 def test_random_event_sequences_keep_layouts_valid():
-    """Decisions build layouts unchecked for speed; re-validate them through Layout(...)."""
+    """Decisions build layouts unchecked for speed; re-validate them through Layout(...).
+    A loss never stops the job nor sends it back to its checkpoint while some survivor holds
+    each stage's state, and always does when one stage's is on no survivor."""
     import random
 
     rng = random.Random(0)
+    assembled = 0
     for trial in range(40):
         lay = Layout.build(4, 2, nodes("n", 9), max_pipelines=3)
         fresh = 0
         for _ in range(30):
             live = sorted(lay.all_nodes)
-            lost = set(rng.sample(live, k=min(len(live), rng.randint(0, 2))))
+            lost = set(rng.sample(live, k=min(len(live), rng.choice((0, 1, 2, 2, 3, 4)))))
             joined = [f"j{trial}_{fresh + i}" for i in range(rng.randint(0, 3))]
             fresh += len(joined)
+            if lost & lay.active_nodes:
+                d = decide(lay, lost, joined)
+                restarts = d.action == Action.STOP or d.needs_restore
+                assert restarts != _state_survives(lay, lost), (lay.to_json(), lost, d)
+                assembled += d.action == Action.DROP_PIPELINE and len(d.lost_pipelines) == (
+                    lay.num_pipelines)
             for _ in range(8):
                 d = decide(lay, lost, joined)
                 lost, joined = set(), []
@@ -197,6 +216,7 @@ def test_random_event_sequences_keep_layouts_valid():
                 lay = d.layout
                 if d.action in (Action.KEEP, Action.STOP):
                     break
+    assert assembled >= 5  # the sequences did meet pipelines assembled from broken ones
 
 
 # -- re-partition in place: policy, layer-ownership diff, deadlock-free order ----------------
@@ -448,3 +468,113 @@ def test_shadows_repair_the_pipeline_that_keeps_a_node_and_drop_the_one_wholly_l
     d = decide(lay, {"a", "b", "c", "e", "f"}, [], shadows=True, microbatches=4)
     assert d.action == Action.RESTORE_FROM_SHADOW
     assert d.layout.grid == (("d", "d", "g"),) and d.lost_pipelines == (0,)
+
+
+# -- every pipeline broken, yet every stage's state on some survivor: assemble ----------------
+
+def _three_by_two(*standby: str) -> Layout:
+    """P = 3 x D = 2: a0 a1 a2 / b0 b1 b2 (a0 holds stage 1's replica, b1 stage 2's)."""
+    return Layout.build(3, 2, ["a0", "a1", "a2", "b0", "b1", "b2", *standby])
+
+
+def _assemble_rules(**extra):
+    from spotpipe.plan.recovery import Rules
+
+    return Rules(**{"replicas": True, "shadows": False, "repartition": True,
+                    "replay_rest": True, "microbatches": 4, **extra})
+
+
+def test_two_broken_pipelines_assemble_one_from_their_survivors():
+    """Pipeline 0 keeps a0 (stage 0, stage 1's replica), pipeline 1 keeps b1 (stage 1, stage
+    2's replica): neither can be repaired from memory, but together they hold every stage.
+    One pipeline of them: a0 keeps stage 0, b1 stage 1 and takes over stage 2 from its
+    replica (as after a failover). Before, the job stopped (a restart, in the simulator)."""
+    from spotpipe.plan.recovery import History, recover
+
+    lost = {"a1", "a2", "b0", "b2"}
+    d = decide(_three_by_two(), lost, [], microbatches=4)
+    assert d.action == Action.DROP_PIPELINE and not d.needs_restore
+    assert d.layout.grid == (("a0", "b1", "b1"),) and d.layout.standby == ()
+    assert [(m.kind, m.pipeline, m.stage, m.src, m.dst) for m in d.moves] == [
+        (MoveKind.PROMOTE, 0, 2, "b1", "b1")]
+    assert d.lost_pipelines == (0, 1)
+    # nothing travels: a0 keeps the replica of stage 1 (now fed by b1), b1 carries two stages
+    out = recover(History(_three_by_two(), ((0, 1), (1, 2), (2, 3))), {}, [], _assemble_rules(),
+                  dead=lost)
+    assert not out.decision.stopped and out.decision.layout == d.layout
+    assert out.decision.transfers == () and out.decision.salvage is None
+    # the carrier then goes as a failover's does: a re-partition down, or a standby node
+    assert decide(d.layout, set(), []).layout.grid == (("a0", "b1"),)
+    d = decide(_three_by_two("x"), lost, [])
+    assert d.layout.grid == (("a0", "b1", "b1"),) and d.layout.standby == ("x",)
+    after = decide(d.layout, set(), [])
+    assert after.action == Action.REBALANCE and after.layout.grid == (("a0", "b1", "x"),)
+
+
+def test_survivors_and_spares_assemble_as_many_pipelines_as_they_make_up():
+    """With four spares the survivors make two pipelines: pipeline 0 as above, pipeline 1
+    copied onto spares from pipeline 0's owners (stage 2 from b1 once it has promoted it).
+    Replicas come from a live owner, or from pipeline 0's owner for stage 2, which none owned.
+    Three micro-batches do not split over two pipelines: one is assembled, spares wait."""
+    from spotpipe.plan.recovery import History, recover
+    from spotpipe.plan.transfers import Transfer
+
+    lay = _three_by_two("s0", "s1", "s2", "s3")
+    lost = {"a1", "a2", "b0", "b2"}
+    d = decide(lay, lost, [], microbatches=4)
+    assert d.action == Action.DROP_PIPELINE
+    assert d.layout.grid == (("a0", "b1", "b1"), ("s0", "s1", "s2"))
+    assert d.layout.standby == ("s3",)
+    assert [(m.kind, m.pipeline, m.stage, m.src, m.dst) for m in d.moves] == [
+        (MoveKind.PROMOTE, 0, 2, "b1", "b1"), (MoveKind.COPY, 1, 0, "a0", "s0"),
+        (MoveKind.COPY, 1, 1, "b1", "s1"), (MoveKind.COPY, 1, 2, "b1", "s2")]
+    out = recover(History(lay, ((0, 1), (1, 2), (2, 3))), {}, [], _assemble_rules(), dead=lost)
+    assert out.decision.transfers == (
+        Transfer("stage", 0, "a0", "s0"), Transfer("stage", 1, "b1", "s1"),
+        Transfer("stage", 2, "b1", "s2"), Transfer("replica", 1, "b1", "s0"),
+        Transfer("replica", 2, "b1", "s1"), Transfer("replica", 0, "a0", "s2"))
+    d = decide(lay, lost, [], microbatches=3)
+    assert d.layout.grid == (("a0", "b1", "b1"),)
+    assert d.layout.standby == ("s0", "s1", "s2", "s3")
+
+
+def test_owners_of_two_broken_pipelines_assemble_one_without_replicas():
+    """Redundancy off: a1 and b2 lost break both pipelines, yet a0/b0, b1 and a2 own stages
+    0, 1 and 2. One pipeline of the owners, in slot order (a0 before b0), nothing moves."""
+    d = decide(_three_by_two(), {"a1", "b2"}, [], replicas=False)
+    assert d.action == Action.DROP_PIPELINE and d.moves == ()
+    assert d.layout.grid == (("a0", "b1", "a2"),) and d.layout.standby == ("b0",)
+
+
+def test_shadows_repair_rather_than_assemble_fewer_pipelines():
+    """With shadows both broken pipelines keep a live node, so a shadow repair keeps D = 2;
+    two survivors assemble only one pipeline: the repair is chosen. With four spares the
+    assembly keeps D = 2 too, and restores nothing: it is chosen."""
+    lost = {"a1", "a2", "b0", "b2"}
+    d = decide(_three_by_two(), lost, [], shadows=True, microbatches=4)
+    assert d.action == Action.RESTORE_FROM_SHADOW and d.layout.num_pipelines == 2
+    d = decide(_three_by_two("s0", "s1", "s2", "s3"), lost, [], shadows=True, microbatches=4)
+    assert d.action == Action.DROP_PIPELINE and d.layout.num_pipelines == 2
+    assert not d.needs_restore
+
+
+def test_a_stage_no_survivor_holds_still_restarts_or_stops():
+    """Stage 2 is owned by a2 and b2 and its replicas are held by a1 and b1: with all four
+    lost no survivor holds it, so the job restores from its shadows/checkpoint (here at
+    P = 2 on a0 and b0), or stops when that is below the depth that fits, and `recover`
+    without restarts stops, saying so."""
+    from spotpipe.plan.recovery import History, recover
+
+    lost = {"a1", "a2", "b1", "b2"}
+    d = decide(_three_by_two(), lost, [])
+    assert d.action == Action.REPARTITION and d.needs_restore
+    assert d.layout.grid == (("a0", "b0"),)
+    assert decide(_three_by_two(), lost, [], min_stages=3).action == Action.STOP
+    out = recover(History(_three_by_two(), ((0, 1), (1, 2), (2, 3))), {}, [],
+                  _assemble_rules(partition_for=lambda p: tuple((s, s + 1) for s in range(p))),
+                  dead=lost)
+    assert out.decision.stopped
+    assert "no layout of the 2 surviving node(s) can hold the job's state" in out.decision.message
+    # the lost replica holders matter: with b1 alive, stage 2 is on it, and the job goes on
+    d = decide(_three_by_two(), {"a1", "a2", "b0", "b2"}, [])
+    assert d.action == Action.DROP_PIPELINE

@@ -132,6 +132,11 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
         return _drop(layout, lost, standby, broken, alive_pipes, widths)
     # (a pipeline with no live node left is dropped: the others hold its state)
     kept = [d for d in broken if set(layout.grid[d]) - lost] if shadows else []
+    # from memory when the survivors hold every stage, unless the shadows keep more pipelines
+    assembled = _assemble(layout, lost, standby, replicas, widths,
+                          widths.at_most(len(kept)))
+    if assembled is not None:
+        return assembled
     if kept:
         return _shadow_repair(layout, lost, standby, replicas, kept, widths)
     survivors = sorted(layout.active_nodes - lost) + list(standby)
@@ -283,6 +288,88 @@ def _drop(layout: Layout, lost: frozenset[str], standby: tuple[str, ...], broken
     return Decision(Action.DROP_PIPELINE, new, tuple(moves),
                     f"pipeline(s) {lost_adjacent} lost adjacent stages; dropped, global batch "
                     f"kept{why}", tuple(broken))
+
+
+def _assemble(layout: Layout, lost: frozenset[str], standby: tuple[str, ...], replicas: bool,
+              widths: _Widths, at_least: int) -> Decision | None:
+    """Every pipeline is broken, yet each stage's state lives on some survivor (data-parallel
+    owners of a stage hold identical state, and a replica is exact every iteration): build
+    whole pipelines of the survivors of all of them, as many as they make up and the batch
+    splits over (at least `at_least`, what a shadow repair would keep, else None). None too
+    when some stage's state is on no survivor."""
+    p = layout.num_stages
+    owners = {s: [layout.owner(d, s) for d in range(layout.num_pipelines)
+                  if layout.owner(d, s) not in lost] for s in range(p)}
+    holders = {s: [layout.replica_holder(d, s) for d in range(layout.num_pipelines)
+                   if replicas and layout.has_replica(d, s)
+                   and layout.replica_holder(d, s) not in lost] for s in range(p)}
+    if not all(owners[s] or holders[s] for s in range(p)):
+        return None
+    # (in slot order, as `_drop` frees them: no decision here compares names)
+    live = [n for n in dict.fromkeys(layout.owner(d, s) for d in range(layout.num_pipelines)
+                                     for s in range(p)) if n not in lost]
+    most = min(layout.num_pipelines, max(1, (len(live) + len(standby)) // p))
+    for width in range(widths.at_most(most), max(1, at_least) - 1, -1):
+        if widths.fits(width):
+            built = _assembled(layout, width, owners, holders, list(standby) + live)
+            if built is not None:
+                return built
+    return None
+
+
+def _assembled(layout: Layout, width: int, owners: dict[int, list[str]],
+               holders: dict[int, list[str]], nodes: list[str]) -> Decision | None:
+    """`width` pipelines from the live `owners` and replica `holders` of each stage and the
+    `nodes` (standby, then survivors): each slot takes a live owner of its stage first (nothing
+    moves), else a live replica, promoted (nothing moves either), else a copy from pipeline
+    0's owner, which has every stage by then (a live owner or a replica is there for each, and
+    pipeline 0 chooses first), onto a spare node or the nearest node of the pipeline that runs
+    one stage. None when a slot finds no node. A node given a stage it did not own runs at
+    most two (a carrier, as after a failover: its replica's room holds the second)."""
+    p = layout.num_stages
+    mapping: dict[Slot, str] = {}
+    pipe: dict[str, int] = {}  # node -> its new pipeline
+    load: dict[str, int] = {}  # node -> how many stages it runs
+    promoted: set[str] = set()
+    moves: list[Move] = []
+
+    def place(j: int, s: int, node: str) -> None:
+        mapping[(j, s)] = node
+        pipe[node] = j
+        load[node] = load.get(node, 0) + 1
+
+    for j in range(width):
+        for s in range(p):
+            node = next((n for n in owners[s] if pipe.get(n, j) == j), None)
+            if node is not None:
+                place(j, s, node)
+        for s in range(p):
+            node = next((n for n in holders[s] if (j, s) not in mapping and n not in promoted
+                         and pipe.get(n, j) == j and load.get(n, 0) < 2), None)
+            if node is not None:
+                place(j, s, node)
+                promoted.add(node)
+                moves.append(Move(MoveKind.PROMOTE, j, s, node, node))
+    spare = [n for n in nodes if n not in pipe]
+    for j in range(1, width):
+        for s in range(p):
+            if (j, s) in mapping:
+                continue
+            near = [mapping.get((j, (s + k) % p)) for i in range(1, p) for k in (i, -i)]
+            target = spare.pop(0) if spare else next(
+                (n for n in near if n is not None and load[n] < 2), None)
+            if target is None:
+                return None
+            place(j, s, target)
+            moves.append(Move(MoveKind.COPY, j, s, mapping[(0, s)], target))
+    new = _replace(layout, mapping, tuple(spare), width)
+    promotions = sum(1 for m in moves if m.kind == MoveKind.PROMOTE)
+    broken = tuple(range(layout.num_pipelines))
+    return Decision(Action.DROP_PIPELINE, new, tuple(moves),
+                    f"every pipeline lost adjacent stages, but the survivors hold every "
+                    f"stage: {width} pipeline(s) assembled from pipelines {list(broken)} "
+                    f"({promotions} replica(s) promoted, {len(moves) - promotions} stage(s) "
+                    "copied), global batch kept", broken)
 
 
 def restart(layout: Layout, nodes: list[str], min_stages: int,
