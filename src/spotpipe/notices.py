@@ -42,6 +42,9 @@ AWS_ACTIONS = ("terminate", "stop", "hibernate")
 # reply cut short or not HTTP at all (http.client's own errors, which are no OSErrors), a body
 # that is not what the cloud documents (ValueError). Each is asked again, never the watch's end.
 UNANSWERED = (OSError, http.client.HTTPException, ValueError)
+# the most a reply may hold: a real one is a few hundred bytes (Azure's events document a few
+# KiB); anything larger is no metadata service's, and is refused before it is read whole
+MAX_REPLY_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -66,10 +69,28 @@ def _request(url: str, *, method: str = "GET", headers: dict[str, str] | None = 
     req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as reply:
-            return reply.status, dict(reply.headers.items()), reply.read()
+            return reply.status, dict(reply.headers.items()), _bounded_body(reply, url)
     except urllib.error.HTTPError as err:
         with err:
-            return err.code, dict(err.headers.items()), err.read()
+            return err.code, dict(err.headers.items()), _bounded_body(err, url)
+
+
+def _bounded_body(reply: Any, url: str) -> bytes:
+    """The body, read up to MAX_REPLY_BYTES: a larger one (declared, or found by reading one
+    byte more) is a ValueError, an unanswered poll, so that a broken or hostile service cannot
+    make the watch read without end; one shorter than declared is an IncompleteRead."""
+    declared = getattr(reply, "length", None)  # None: chunked, or until the connection ends
+    if declared is not None and declared > MAX_REPLY_BYTES:
+        raise ValueError(f"{url} declared a reply of {declared} bytes, over the "
+                         f"{MAX_REPLY_BYTES} any metadata service gives: not read")
+    body = reply.read(MAX_REPLY_BYTES + 1)
+    if len(body) > MAX_REPLY_BYTES:
+        raise ValueError(f"{url} sent a reply over the {MAX_REPLY_BYTES} bytes any metadata "
+                         f"service gives: not read further")
+    left = getattr(reply, "length", None)
+    if left:  # (read(amt) returns what came before the end, where read() would raise)
+        raise http.client.IncompleteRead(body, left)
+    return body
 
 
 def _unanswered(source: Any, exc: BaseException, poll_s: float) -> None:
