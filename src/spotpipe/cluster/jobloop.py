@@ -106,6 +106,10 @@ class JobLoop:
     def _kill(self, node: str) -> None:
         raise NotImplementedError
 
+    def _exit_cause(self, node: str, code: int) -> str:
+        """What this process knows of why `node` exited with `code` ("": nothing more)."""
+        return ""
+
     def _stop_workers(self, grace_s: float = STOP_GRACE_S) -> None:
         """The loop is leaving: no worker may outlive the job (SIGTERM, SIGKILL after
         `grace_s`)."""
@@ -344,7 +348,7 @@ class JobLoop:
         if code == 1:  # a software error: failing over would repeat it elsewhere
             return "failed", self._failed(node, code, "worker_failed")
         if code != 3:  # 3: stopped by the plan, already accounted for
-            self.coordinator.node_exited(node, code)
+            self.coordinator.node_exited(node, code, self._exit_cause(node, code))
         running = [n for n in self._started() if n not in exited]
         if running and not (set(running) & self.coordinator.live):
             self._only_standby_left()
