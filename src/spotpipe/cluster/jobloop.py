@@ -711,8 +711,17 @@ class JobLoop:
         bar.update(1)
         loss = "nan" if record["loss"] is None else f"{record['loss']:.4f}"
         bar.set_postfix_str(f"loss {loss} | {record['samples_per_s']:.1f} samples/s"
-                            f" | nodes {record['live_nodes']}/{self.cfg.stages * self.cfg.pipelines}"
+                            f" | {nodes_label(record, self.cfg.stages * self.cfg.pipelines)}"
                             f" double {record.get('carriers', 0)} gen {record['generation']}")
+
+
+def nodes_label(record: dict[str, Any], configured: int) -> str:
+    """The bar's nodes: those running stages out of the P x D configured, and those waiting
+    on standby beside them ("nodes 4/4 +1 standby"). The bar showed the first alone, so a
+    standby node, which takes a stage at once on a loss or a notice, was not seen."""
+    standby = record.get("standby") or 0
+    return f"nodes {record['live_nodes']}/{configured}" + (
+        f" +{standby} standby" if standby else "")
 
 
 def _hold_interrupts(stream: TextIO) -> None:
