@@ -262,6 +262,40 @@ def test_watcher_sets_once_and_acknowledges_azure_once(meta):
     assert body["Events"][0]["EventType"] == "Preempt"
 
 
+def test_one_host_acknowledges_its_azure_event_once_after_all_its_workers(meta):
+    """Two workers of one host and its node agent read the host's one event. Each worker
+    acknowledged it as it left, and the first acknowledgement let Azure take the host while
+    the other was still leaving. Now the workers of a host with an agent do not; the agent
+    does, once, after both; a worker alone at its URL (the URL names its node) still does."""
+    url = meta.urls("h1")["azure"]
+    heard = threading.Semaphore(0)
+    workers = [NoticeWatcher(azure_url=url, poll_s=0.05, sigterm=False, acknowledges=False,
+                             on_notice=lambda s: heard.release()) for _ in range(2)]
+    host = NoticeWatcher(azure_url=url, poll_s=0.05, sigterm=False, watch_only=True,
+                         acknowledges=True, on_notice=lambda s: heard.release())
+    meta.preempt("h1")
+    assert all(heard.acquire(timeout=10) for _ in range(3))
+    for worker in workers:  # each leaves on it
+        worker.acknowledge()
+    assert meta.acks == []  # nobody told Azure while a worker was still leaving
+    host.acknowledge()  # the agent, once both are gone
+    host.acknowledge()
+    assert meta.acks == [("h1", meta.events["h1"]["EventId"])]
+    # who acknowledges, from the configured URL: a worker alone at it, or the host's agent
+    assert acknowledges(meta.urls()["azure"]) and not acknowledges(url)
+    assert acknowledges(url, for_host=True)
+
+
+def acknowledges(url: str, for_host: bool = False) -> bool:
+    """Whether a node's watcher of `url` (failover.azure_notice_url) acknowledges."""
+    from spotpipe.config import FailoverSection
+
+    watcher = NoticeWatcher.of_node(FailoverSection(azure_notice_url=url), "node1",
+                                    lambda s: None, sigterm=False, for_host=for_host)
+    watcher.set("(the test is done with it: its watch ends)")
+    return watcher.acknowledges
+
+
 @pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])
 def test_a_service_that_never_answers_is_said_once(cloud, capsys):
     """A notice URL that names no service (a typo, or a host on another cloud) was asked at
