@@ -219,11 +219,14 @@ class MetadataServer:
 
 class BrokenServer:
     """A service that answers every request with the same bytes, whatever was asked: a reply
-    cut short, one that is not HTTP, or JSON of the wrong shape. `calls` counts requests."""
+    cut short, one that is not HTTP, or JSON of the wrong shape. `calls` counts requests.
+    `padding` spaces (sent in pieces, never held whole) and then `tail` follow `reply`: an
+    oversized reply; `sent` is the most bytes one connection took before its reader left."""
 
-    def __init__(self, reply: bytes) -> None:
-        self.reply = reply
+    def __init__(self, reply: bytes, padding: int = 0, tail: bytes = b"") -> None:
+        self.reply, self.padding, self.tail = reply, padding, tail
         self.calls = 0
+        self.sent = 0
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.base = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         threading.Thread(target=self._serve, daemon=True).start()
@@ -237,7 +240,23 @@ class BrokenServer:
             with conn:
                 conn.recv(65536)
                 self.calls += 1
-                conn.sendall(self.reply)
+                self.sent = max(self.sent, self._send(conn))
+
+    def _send(self, conn: socket.socket) -> int:
+        sent = 0
+        try:
+            conn.sendall(self.reply)
+            sent += len(self.reply)
+            piece = b" " * (1 << 16)
+            while sent - len(self.reply) < self.padding:
+                n = min(len(piece), self.padding - (sent - len(self.reply)))
+                conn.sendall(piece[:n])
+                sent += n
+            conn.sendall(self.tail)
+            sent += len(self.tail)
+        except OSError:  # the reader closed the connection: it read no further
+            pass
+        return sent
 
     def close(self) -> None:
         self.sock.close()

@@ -1051,8 +1051,8 @@ def test_an_agent_whose_host_is_reclaimed_leaves_with_its_workers_while_the_job_
 
     meta = MetadataServer()
     job = {**FAST, **LENIENT, "iterations": 300, "model.gpt.bias": False}
-    notices = ({"failover.aws_notice_url": meta.urls()["aws"], "failover.notice_poll_s": 0.1}
-               if via == "metadata" else {})
+    notices = ({"failover.azure_notice_url": meta.urls()["azure"],
+                "failover.notice_poll_s": 0.1} if via == "metadata" else {})
     cfg = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy", **{**job, **notices})
     # (notices change no parameter: the reference is shared with the other tests of this job)
     reference = tiny_config(corpus, stages=2, pipelines=2, redundancy="lazy", **job)
@@ -1075,8 +1075,13 @@ def test_an_agent_whose_host_is_reclaimed_leaves_with_its_workers_while_the_job_
             err[-2000:]
         assert via != "ctrl-c" or ("Ctrl-C: this host leaves the job" in err
                                    and "Traceback" not in err), err[-2000:]
-        assert via != "metadata" or "this host's preemption notice (AWS spot" in err, \
+        assert via != "metadata" or "this host's preemption notice (Azure Scheduled" in err, \
             err[-2000:]
+        # the host's event acknowledged once, by its agent after both workers had left (each
+        # worker acknowledged it as it left, the first while the other was still leaving;
+        # here each node has its own URL, and the agent reads its first node's)
+        assert via != "metadata" or meta.acks == [
+            (theirs[0], meta.events[theirs[0]]["EventId"])], meta.acks
         assert first.poll() is None and trained[-1] < cfg.iterations - 1, \
             "the agent did not leave before the job's end"
         assert first.wait(timeout=600) == 0, "".join(said.lines)[-2000:]

@@ -589,6 +589,28 @@ def test_a_stop_names_the_iteration_in_flight_when_only_a_joiner_reports(corpus)
         plan["message"]
 
 
+@pytest.mark.parametrize("committed", [None, 5])
+def test_every_node_lost_with_its_fork_server_is_said_so_with_no_made_up_iteration(
+        corpus, committed):
+    """Every worker died with the fork server that had started them, so no node reported:
+    the stop said "lost node0, node1 in iteration 0 (the last committed iteration is -1)",
+    whatever the job had committed, and nothing of the server. It says what the launcher
+    knew of the cause, and the iteration the job's own commits tell."""
+    coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
+    if committed is not None:
+        coord.committed(committed)
+    why = "the fork server that starts the workers was killed by SIGKILL, and they died with it"
+    coord.node_exited("node0", -9, why)
+    coord.node_exited("node1", -9, why)
+    plan = _plan(coord, 0)
+    assert plan["action"] == "stop", plan["action"]
+    when = ("before any iteration was committed" if committed is None
+            else "in iteration 6 (the last committed iteration is 5)")
+    assert f"(pipeline 0, stage 1) {when}:" in plan["message"], plan["message"]
+    assert coord.stop_message == f"{why}; {plan['message']}"
+    assert [e.get("reason") for e in emitted if e["kind"] == "node_lost"] == [why, why]
+
+
 def test_a_node_that_reported_is_not_answered_on_its_join_board(corpus):
     """node0 carries both stages; the rebalance places node2, which receives its state, while
     node0's part fails with its state untouched: the plan is rolled back, node2 waits on

@@ -182,6 +182,62 @@ def test_a_token_file_read_as_another_dtype_is_refused_at_launch(tmp_path) -> No
         prepare(cfg)
 
 
+@pytest.mark.parametrize("top", [50257, 200_000], ids=["GPT-2 ids", "ids over 65535"])
+def test_a_uint32_token_file_read_as_uint16_is_refused(tmp_path, top: int) -> None:
+    """uint32 ids read as uint16 words are each id's low half, then its high half (0, or
+    under 4 for ids under 2**18): every word is a valid id for a vocabulary that covers the
+    file's, so the job trained on "id, 0, id, 0" without an error. The file is refused at
+    launch, naming it and the key."""
+    from spotpipe.cluster.launcher import LaunchError, prepare
+
+    from conftest import tiny_config
+
+    rng = np.random.default_rng(0)
+    ids = np.minimum(rng.zipf(1.3, 20_000), top - 1)  # a few ids 0..3 in low halves too
+    ids[::97] = 0
+    path = write_token_file(tmp_path / "t.bin", ids, "uint32")
+    with pytest.raises(DataError, match=f"data file '{path}' looks like uint32 token ids "
+                                        "read as uint16.*set data.dtype: uint32"):
+        TokenFileDataset(path, block_size=8, dtype="uint16", vocab_size=top)
+    assert TokenFileDataset(path, 8, dtype="uint32")[3][0].tolist() == ids[24:32].tolist()
+    small = write_token_file(tmp_path / "s.bin", np.arange(4, 4 + 17 * 40) % 256, "uint32")
+    cfg = tiny_config(tmp_path, **{"data.kind": "tokens", "data.path": str(small),
+                                   "data.dtype": "uint16"})
+    with pytest.raises(LaunchError, match=f"^data: data file '{small}' looks like uint32"):
+        prepare(cfg)
+
+
+def uint16_corpora(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """uint16 corpora as real data can be, each the hardest case of its kind for a check
+    of the high halves: many small ids, long runs of padding, a tiny vocabulary."""
+    text = np.minimum(rng.zipf(1.2, 200_000), 50256)
+    padded = np.zeros(200_000, dtype=np.int64)  # documents of 100 tokens, padded to 1000
+    for start in range(0, len(padded), 1000):
+        padded[start:start + 100] = text[start:start + 100]
+    dna = rng.integers(0, 4, 200_000)  # ACGT as 0..3, an N (4) once in a thousand
+    dna[rng.random(len(dna)) < 0.001] = 4
+    frequent_zero = np.where(rng.random(200_000) < 0.9, 0, text)  # id 0 nine times in ten
+    return {"text": text, "padded": padded, "dna": dna, "frequent zero": frequent_zero,
+            "tiny": np.arange(4, 4 + 41) * 7, "short": text[:9]}
+
+
+def test_a_uint16_corpus_is_never_taken_for_uint32(tmp_path) -> None:
+    """A token's place in a uint16 stream is even or odd by chance (documents start
+    anywhere), so all of the >= 64 sampled words at or over 4 in even places happens with a
+    chance of 2**-64 at most; these corpora (5 seeds each) read as uint16 and as nothing
+    else, small test corpora included."""
+    from spotpipe.data.datasets import looks_like_uint32, sampled_words
+
+    for seed in range(5):
+        for name, tokens in uint16_corpora(np.random.default_rng(seed)).items():
+            path = write_token_file(tmp_path / "c.bin", tokens, "uint16")
+            ds = TokenFileDataset(path, block_size=8)
+            assert ds[0][0].tolist() == tokens[:8].tolist(), name
+            # the same ids as uint32 are refused, where the sample holds 64 ids of 4 or more
+            words, places = sampled_words(tokens.astype(np.uint32).view(np.uint16))
+            assert looks_like_uint32(words, places) == (name not in ("dna", "tiny", "short"))
+
+
 def test_text_dataset_is_bytes(tmp_path) -> None:
     text = "héllo wörld, " * 5
     path = tmp_path / "t.txt"

@@ -112,8 +112,12 @@ def test_a_server_lost_takes_its_children_and_says_so(tmp_path: Path) -> None:
     child = sup.procs["node0"].pid
     assert _alive(child)
     assert server._server is not None
+    assert sup.lost_with_its_server("node0") == ""  # (the server runs)
     server._server.kill()
     assert exits.wait_for({"node0"}) == {"node0": -signal.SIGKILL}
+    # the exit's cause, for the job's messages (before: "node0 exited with code -9")
+    assert sup.lost_with_its_server("node0") == (
+        "the fork server that starts the workers was killed by SIGKILL, and they died with it")
     until(lambda: not _alive(child), "the orphaned child to die")
     with pytest.raises(RuntimeError, match="fork server has ended"):
         sup.spawn("node1", dict(os.environ, PYTHONPATH=str(tmp_path)))

@@ -56,6 +56,9 @@ def test_notice_hands_the_stage_to_the_standby_node(tmp_path, tmp_path_factory, 
     metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert all(m["carriers"] == 0 for m in metrics), "a node carried two stages"
     assert metrics[-1]["live_nodes"] == 3
+    # node3 waited on standby beside the three until it took node1's stage
+    assert metrics[0]["standby"] == 0 and metrics[-1]["standby"] == 0
+    assert 1 in [m["standby"] for m in metrics], [m["standby"] for m in metrics]
     migrated = [e for e in evs if e["kind"] == "migrated" and e["node"] == "node3"]
     assert migrated and migrated[0]["stages"] == [1]
     assert any(e["kind"] == "worker_left" and e["node"] == "node1" for e in evs)

@@ -164,13 +164,8 @@ BROKEN = {"cut short": b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"action
           "events, not a list": b'HTTP/1.1 200 OK\r\nContent-Length: 13\r\n\r\n{"Events": 7}'}
 
 
-@pytest.mark.parametrize("reply", list(BROKEN))
-@pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])
-def test_a_broken_service_is_asked_again_not_the_end_of_the_watch(cloud, reply):
-    """A reply cut short or not HTTP (http.client's own errors, not OSErrors) or of the wrong
-    shape is one unanswered poll: the watch goes on. Before, the watcher's thread died on it
-    and the node never heard its cloud's notice for the rest of the job."""
-    server = BrokenServer(BROKEN[reply])
+def make_source(cloud: str, server: BrokenServer):
+    """`cloud`'s reader of `server`, which answers every request alike."""
     path = {"aws": "/latest/meta-data/spot/instance-action",
             "gcp": "/computeMetadata/v1/instance/preempted",
             "azure": "/metadata/scheduledevents?api-version=2020-07-01"}[cloud]
@@ -180,20 +175,61 @@ def test_a_broken_service_is_asked_again_not_the_end_of_the_watch(cloud, reply):
         source.vm_name = "vm-h1"
     if cloud == "aws":  # the token from a service that works, the rest from the broken one
         source.token, source.token_until = "t", float("inf")
+    return source
+
+
+@pytest.mark.parametrize("reply", list(BROKEN))
+@pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])
+def test_a_broken_service_is_asked_again_not_the_end_of_the_watch(cloud, reply):
+    """A reply cut short or not HTTP (http.client's own errors, not OSErrors) or of the wrong
+    shape is one unanswered poll: the watch goes on. Before, the watcher's thread died on it
+    and the node never heard its cloud's notice for the rest of the job."""
+    assert_watch_goes_on(cloud, BrokenServer(BROKEN[reply]))
+
+
+def assert_watch_goes_on(cloud: str, server: BrokenServer) -> None:
+    """`cloud`'s watch of `server` polls it three times and is still watching: no notice,
+    and its thread alive. (The server is closed.)"""
+    source = make_source(cloud, server)
     stop = threading.Event()
     got: list = []
     thread = threading.Thread(target=lambda: got.append(source.next_notice(stop, 0.02)))
     try:
         thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 20
         while server.calls < 3 and thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert thread.is_alive() and server.calls >= 3, "the watch ended on a broken reply"
+        assert thread.is_alive() and server.calls >= 3, f"the watch ended: {got}"
     finally:
         stop.set()
-        thread.join(timeout=10)
+        thread.join(timeout=20)
         server.close()
     assert got == [None]
+
+
+OVERSIZED = 32 << 20  # no metadata service's reply: 32 MiB (of JSON whitespace)
+# (headers, body head, body tail) of a notice each client would take if it read it whole
+OVERSIZED_NOTICE = {
+    "aws": (b"", b'{"action": "terminate"', b"}"),
+    "gcp": (b"Metadata-Flavor: Google\r\n", b"TRUE", b""),
+    "azure": (b"", b'{"Events": [{"EventId": "E1", "EventType": "Preempt", "EventStatus": '
+                   b'"Scheduled", "Resources": ["vm-h1"]}]', b"}")}
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["Content-Length", "until close"])
+@pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])
+def test_an_oversized_reply_is_refused_unread_and_the_watch_goes_on(cloud, declared):
+    """A reply larger than any metadata service's was read whole, into memory, at every
+    poll (and taken for a notice): a broken or hostile service could exhaust the node's
+    memory. Now a reply over 1 MiB (declared, or found by reading one byte more) is an
+    unanswered poll, read no further: the watch goes on, and the server could not send it."""
+    headers, head, tail = OVERSIZED_NOTICE[cloud]
+    length = f"Content-Length: {len(head) + OVERSIZED + len(tail)}\r\n".encode() \
+        if declared else b"Connection: close\r\n"
+    server = BrokenServer(b"HTTP/1.1 200 OK\r\n" + length + headers + b"\r\n" + head,
+                          padding=OVERSIZED, tail=tail)
+    assert_watch_goes_on(cloud, server)
+    assert server.sent < OVERSIZED  # (socket buffers hold a few MiB: never the whole reply)
 
 
 def test_an_acknowledgement_cut_short_does_not_raise_in_the_leaving_worker():
@@ -224,6 +260,40 @@ def test_watcher_sets_once_and_acknowledges_azure_once(meta):
     body = json.loads(urllib.request.urlopen(urllib.request.Request(
         meta.urls("h1")["azure"], headers={"Metadata": "true"}), timeout=5).read())
     assert body["Events"][0]["EventType"] == "Preempt"
+
+
+def test_one_host_acknowledges_its_azure_event_once_after_all_its_workers(meta):
+    """Two workers of one host and its node agent read the host's one event. Each worker
+    acknowledged it as it left, and the first acknowledgement let Azure take the host while
+    the other was still leaving. Now the workers of a host with an agent do not; the agent
+    does, once, after both; a worker alone at its URL (the URL names its node) still does."""
+    url = meta.urls("h1")["azure"]
+    heard = threading.Semaphore(0)
+    workers = [NoticeWatcher(azure_url=url, poll_s=0.05, sigterm=False, acknowledges=False,
+                             on_notice=lambda s: heard.release()) for _ in range(2)]
+    host = NoticeWatcher(azure_url=url, poll_s=0.05, sigterm=False, watch_only=True,
+                         acknowledges=True, on_notice=lambda s: heard.release())
+    meta.preempt("h1")
+    assert all(heard.acquire(timeout=10) for _ in range(3))
+    for worker in workers:  # each leaves on it
+        worker.acknowledge()
+    assert meta.acks == []  # nobody told Azure while a worker was still leaving
+    host.acknowledge()  # the agent, once both are gone
+    host.acknowledge()
+    assert meta.acks == [("h1", meta.events["h1"]["EventId"])]
+    # who acknowledges, from the configured URL: a worker alone at it, or the host's agent
+    assert acknowledges(meta.urls()["azure"]) and not acknowledges(url)
+    assert acknowledges(url, for_host=True)
+
+
+def acknowledges(url: str, for_host: bool = False) -> bool:
+    """Whether a node's watcher of `url` (failover.azure_notice_url) acknowledges."""
+    from spotpipe.config import FailoverSection
+
+    watcher = NoticeWatcher.of_node(FailoverSection(azure_notice_url=url), "node1",
+                                    lambda s: None, sigterm=False, for_host=for_host)
+    watcher.set("(the test is done with it: its watch ends)")
+    return watcher.acknowledges
 
 
 @pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])

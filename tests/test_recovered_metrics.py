@@ -57,9 +57,26 @@ def test_the_loss_is_the_sum_of_every_pipelines_share():
     assert line["samples_per_s"] == 32.0
     assert line["lr"] == pytest.approx(1e-2 * 0.5 * (1 + math.cos(math.pi * 0.4)), rel=1e-12)
     assert (line["iter"], line["time_s"], line["generation"]) == (5, 12.5, 3)
-    assert (line["live_nodes"], line["carriers"]) == (4, 0)
+    assert (line["live_nodes"], line["carriers"], line["standby"]) == (4, 0, 0)
     # the line has the posted lines' fields, so every reader of metrics.jsonl reads it
     assert set(line) - {"recovered"} == {f.name for f in dataclasses.fields(Metrics)}
+
+
+def test_the_nodes_on_standby_are_counted_and_shown_beside_those_running_stages():
+    """The line counted only the nodes running stages, and the progress bar showed that
+    count over P x D: a node waiting on standby (which takes a stage at once on a loss or a
+    notice) was seen nowhere."""
+    from spotpipe.cluster.jobloop import nodes_label
+
+    cfg = tiny_config("unused", stages=P, pipelines=D, iterations=11)
+    line = recovered_metrics(cfg, 5, generation=3, layout=LAYOUT.with_standby(("node4",)),
+                             reports=_reports(node1=dict(unposted_iteration=5)),
+                             previous=None, now=1.0)
+    assert (line["live_nodes"], line["standby"]) == (4, 1)
+    assert nodes_label(line, P * D) == "nodes 4/4 +1 standby"
+    assert nodes_label({**line, "live_nodes": 3, "standby": 0}, P * D) == "nodes 3/4"
+    # a line of a build before `standby`: none shown
+    assert nodes_label({"live_nodes": 4}, P * D) == "nodes 4/4"
 
 
 @pytest.mark.parametrize("reports", [

@@ -16,8 +16,11 @@ refuse anything else:
   `Metadata-Flavor: Google` header is not the metadata server's and is ignored.
 - Azure: Scheduled Events with `Metadata: true`; a `Preempt` event whose Resources name this
   VM (its name from the instance metadata) is the notice. It is acknowledged (POST of its
-  EventId in StartRequests) only when the node has left the job: acknowledging lets Azure
-  evict at once, which would cut the notice window short.
+  EventId in StartRequests) once, when every worker of the host has left the job:
+  acknowledging lets Azure evict at once, which would cut short the notice window of any
+  worker still leaving. So it is done by the one reader that knows: a worker alone at its
+  URL (the URL names its node), or else its host's node agent once all its workers are gone;
+  the workers of a local launcher that share one URL leave it to come at NotBefore.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ AWS_ACTIONS = ("terminate", "stop", "hibernate")
 # reply cut short or not HTTP at all (http.client's own errors, which are no OSErrors), a body
 # that is not what the cloud documents (ValueError). Each is asked again, never the watch's end.
 UNANSWERED = (OSError, http.client.HTTPException, ValueError)
+# the most a reply may hold: a real one is a few hundred bytes (Azure's events document a few
+# KiB); anything larger is no metadata service's, and is refused before it is read whole
+MAX_REPLY_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -66,10 +72,28 @@ def _request(url: str, *, method: str = "GET", headers: dict[str, str] | None = 
     req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as reply:
-            return reply.status, dict(reply.headers.items()), reply.read()
+            return reply.status, dict(reply.headers.items()), _bounded_body(reply, url)
     except urllib.error.HTTPError as err:
         with err:
-            return err.code, dict(err.headers.items()), err.read()
+            return err.code, dict(err.headers.items()), _bounded_body(err, url)
+
+
+def _bounded_body(reply: Any, url: str) -> bytes:
+    """The body, read up to MAX_REPLY_BYTES: a larger one (declared, or found by reading one
+    byte more) is a ValueError, an unanswered poll, so that a broken or hostile service cannot
+    make the watch read without end; one shorter than declared is an IncompleteRead."""
+    declared = getattr(reply, "length", None)  # None: chunked, or until the connection ends
+    if declared is not None and declared > MAX_REPLY_BYTES:
+        raise ValueError(f"{url} declared a reply of {declared} bytes, over the "
+                         f"{MAX_REPLY_BYTES} any metadata service gives: not read")
+    body = reply.read(MAX_REPLY_BYTES + 1)
+    if len(body) > MAX_REPLY_BYTES:
+        raise ValueError(f"{url} sent a reply over the {MAX_REPLY_BYTES} bytes any metadata "
+                         f"service gives: not read further")
+    left = getattr(reply, "length", None)
+    if left:  # (read(amt) returns what came before the end, where read() would raise)
+        raise http.client.IncompleteRead(body, left)
+    return body
 
 
 def _unanswered(source: Any, exc: BaseException, poll_s: float) -> None:
@@ -275,12 +299,15 @@ class NoticeWatcher:
 
     def __init__(self, *, aws_url: str = "", gcp_url: str = "", azure_url: str = "",
                  poll_s: float = 5.0, on_notice: Callable[[str], None] | None = None,
-                 sigterm: bool = True, watch_only: bool = False) -> None:
-        """`sigterm`: a SIGTERM to this process is a notice too. `watch_only`: this reader
-        does not act for the cloud (never acknowledges), so an Azure event others have
-        acknowledged already still counts."""
+                 sigterm: bool = True, watch_only: bool = False,
+                 acknowledges: bool = True) -> None:
+        """`sigterm`: a SIGTERM to this process is a notice too. `watch_only`: an Azure event
+        already acknowledged ("Started") still counts, for a reader beside others (the node
+        agent). `acknowledges`: whether `acknowledge` tells the cloud (see the module's
+        docstring: one reader per host does)."""
         self.notice = threading.Event()
         self.source = ""
+        self.acknowledges = acknowledges
         self._ack: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._on_notice = on_notice
@@ -299,15 +326,19 @@ class NoticeWatcher:
 
     @classmethod
     def of_node(cls, failover: FailoverSection, node: str, on_notice: Callable[[str], None],
-                sigterm: bool = True, watch_only: bool = False) -> NoticeWatcher:
+                sigterm: bool = True, watch_only: bool = False,
+                for_host: bool = False) -> NoticeWatcher:
         """The notices `failover.*_notice_url` configure, read for `node`: "{node}" in a URL is
         the node's name (one metadata service per host in the cloud, where the URLs name
-        no node; one loopback server for every node in the tests)."""
+        no node; one loopback server for every node in the tests). `for_host`: this reader
+        acknowledges for every worker of its host (the node agent, once they are gone);
+        else it does only where it reads its URL alone, which then names its node."""
+        alone = "{node}" in failover.azure_notice_url
         return cls(aws_url=failover.aws_notice_url.replace("{node}", node),
                    gcp_url=failover.gcp_notice_url.replace("{node}", node),
                    azure_url=failover.azure_notice_url.replace("{node}", node),
                    poll_s=failover.notice_poll_s, on_notice=on_notice, sigterm=sigterm,
-                   watch_only=watch_only)
+                   watch_only=watch_only, acknowledges=for_host or alone)
 
     def _watch(self, source: Source, poll_s: float) -> None:
         notice = source.next_notice(self.notice, poll_s)
@@ -327,9 +358,10 @@ class NoticeWatcher:
         return self.notice.is_set()
 
     def acknowledge(self) -> None:
-        """The node has left the job: tell the cloud it may go on (Azure), once."""
+        """What this reader acts for has left the job: tell the cloud it may go on (Azure),
+        once, where this reader acknowledges at all."""
         ack, self._ack = self._ack, None
-        if ack is not None:
+        if ack is not None and self.acknowledges:
             try:
                 ack()
             except UNANSWERED:

@@ -102,6 +102,7 @@ class Agent:
         # on) is done (`_done`)
         self._noticed = threading.Event()
         self._done = threading.Event()  # the job is over for this host
+        self.notices: NoticeWatcher | None = None  # the cloud's, for this host
         self._pending = 0
         self._restarts = 0  # workers replaced after dying of a signal (--max-restarts)
         # signals this agent sends its workers from now on are its own (not a crash): a
@@ -282,8 +283,9 @@ class Agent:
         # and the cloud's own notice for this host, read from its metadata service as its
         # workers read it (the host's first node's, where the URL names nodes)
         if ranks:
-            NoticeWatcher.of_node(self.cfg.failover, f"node{ranks[0]}", self._heard_notice,
-                                  sigterm=False, watch_only=True)
+            self.notices = NoticeWatcher.of_node(self.cfg.failover, f"node{ranks[0]}",
+                                                 self._heard_notice, sigterm=False,
+                                                 watch_only=True, for_host=True)
         self._spawn(ranks, world, answer.joining, list(range(len(ranks))))
         # later workers (a fenced node's agent joining again) are started by one thread that
         # lives as long as the agent: a worker dies with the thread that started it
@@ -331,6 +333,10 @@ class Agent:
     def _leave(self, store: dist.Store) -> int:
         """The job is over (or goes on without this host): confirm its end, the last agent
         out cleaning up; the job's outcome as exit code."""
+        if self._leaves_on_notice and self.notices is not None:
+            # every worker of this host is gone (`stop_all`): the cloud may take it now
+            # (Azure), said once for them all, never by a worker while others still leave
+            self.notices.acknowledge()
         if self._leaves_on_notice:
             # (a connection of its own: the one given is held by the wait for the job's end,
             # abandoned, and a TCPStore client answers its calls in turn)
@@ -417,6 +423,7 @@ class Agent:
                              if self.checkpoint is not None and not joining else "")
             env["SPOTPIPE_CHECKPOINT_UPLOAD"] = "0" if self._shared else "1"
             env["SPOTPIPE_FINAL_UPLOAD"] = "1"  # the result is kept in the coordinator's --out
+            env["SPOTPIPE_HOST_ACKNOWLEDGES"] = "1"  # (this agent does: `_leave`)
             self.supervisor.spawn(node, env)
             BoardWatcher(self.address.connect(self.timeout_s), self.channel,
                          keys.kill_board(node), Kill, lambda _, node=node: self._kill(node),
@@ -480,10 +487,10 @@ class Agent:
 
     def _heard_notice(self, source: str) -> None:
         """The cloud's metadata service says this host is being reclaimed. Its workers poll
-        the same service and leave on it themselves, so nothing is passed on (a SIGTERM
-        first would also take from them the Azure event they acknowledge once they have
-        left); this agent starts no worker from now on, campaigns for nothing, hands the
-        coordinator's office on if it holds it, and leaves once its workers have. Before, only
+        the same service and leave on it themselves, so nothing is passed on; this agent
+        starts no worker from now on, campaigns for nothing, hands the coordinator's office on
+        if it holds it, and leaves once its workers have (acknowledging an Azure event for
+        them all). Before, only
         a SIGTERM told the agent: one whose workers left on the cloud's notice stayed to the
         job's end, and could be elected to coordinate from a host about to go."""
         if self._noticed.is_set():

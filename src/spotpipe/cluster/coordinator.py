@@ -113,6 +113,7 @@ class Coordinator:
         self.newest_committed = start - 1  # the newest iteration with a metrics line
         self.collecting: Collecting | None = None
         self.stop_message: str | None = None
+        self.causes: dict[str, str] = {}  # a lost node's cause, where its launcher knew it
         self.liveness = Liveness(store, channel, self.refused)
         self._grace_until = 0.0  # no fencing before this time (the store was away)
         self._refusals: set[tuple[str, str]] = set()
@@ -258,7 +259,9 @@ class Coordinator:
 
     # ------------------------------------------------------------------ inputs
 
-    def node_exited(self, node: str, code: int) -> None:
+    def node_exited(self, node: str, code: int, why: str = "") -> None:
+        """`node`'s process ended with `code`; `why`: what its launcher knows of the cause
+        (its fork server's end), said with the loss and the stop it leads to."""
         spare = self._spare(node)
         if code == 0 and (node in self.left or self.collecting is None) and not spare:
             if node in self.left or self._trained_to_the_end():
@@ -283,8 +286,10 @@ class Coordinator:
             self.emit({"time_s": self.now(), "kind": "standby_lost", "node": node,
                        "returncode": code, "generation": self.generation})
             return
-        self._lose(node, code)
-        self._begin(f"{node} exited with code {code}")
+        self._lose(node, code, why)
+        if why:
+            self.causes[node] = why
+        self._begin(f"{node} exited with code {code}" + (f" ({why})" if why else ""))
         self._maybe_decide()
 
     def committed(self, iteration: int) -> None:
@@ -584,7 +589,8 @@ class Coordinator:
         if rec is None or set(rec.reports) < self.live:
             return
         reports = {n: _node_report(r) for n, r in rec.reports.items()}
-        outcome = recover(self.history, reports, self.joining, self.rules, dead=self.dead)
+        outcome = recover(self.history, reports, self.joining, self.rules, dead=self.dead,
+                          seen_committed=self.newest_committed)
         self._publish(rec, outcome)
 
     def _publish(self, rec: Collecting, outcome: Outcome) -> None:
@@ -628,7 +634,9 @@ class Coordinator:
         self.left |= outcome.leaving
         self.left_on_notice |= outcome.leaving
         if decision.stopped:
-            self.stop_message = decision.message
+            causes = dict.fromkeys(self.causes[n] for n in sorted(outcome.lost)
+                                   if n in self.causes)
+            self.stop_message = "; ".join([*causes, decision.message])
             self.collecting = None
             return
         # nodes the new layout does not list leave the job; those it puts on standby wait in

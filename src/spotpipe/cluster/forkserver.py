@@ -232,6 +232,7 @@ class ForkedChild:
         self._forked = threading.Event()
         self._ended = threading.Event()
         self._error = ""
+        self.server: ForkServer | None = None  # the server it was forked from
 
     def wait(self, timeout: float | None = None) -> int:
         if not self._ended.wait(timeout):
@@ -275,9 +276,11 @@ class ForkServer:
         self._children: dict[int, ForkedChild] = {}
         self._gone = False
         self._garbled = ""  # a line from the server that was not a message
+        self._reaped = threading.Event()  # the server has ended and been waited for
 
     def start(self, module: str, env: dict[str, str], log: Path, name: str) -> ForkedChild:
         child = ForkedChild(module)
+        child.server = self
         with self._lock:
             if self._gone:
                 raise RuntimeError(f"the fork server has ended (its output: {self._output})")
@@ -348,6 +351,7 @@ class ForkServer:
                     break
                 self._receive(message)
             self._server.wait()
+            self._reaped.set()
             self._lost()
 
         threading.Thread(target=run, name="fork-server", daemon=True).start()
@@ -355,6 +359,21 @@ class ForkServer:
         if failed:
             self._gone = True
             raise RuntimeError(f"cannot start the fork server: {failed[0]}") from failed[0]
+
+    def ended_how(self, wait_s: float = 5.0) -> str:
+        """How the server ended ("was killed by SIGKILL", "exited with code 1"), or "" while
+        it runs. Its children die with it (PR_SET_PDEATHSIG), as it becomes a zombie: a
+        child seen dead may come before this process has read the server's end, which is
+        then waited for (its pipe's end comes at once)."""
+        server = self._server
+        if server is None or not (self._reaped.is_set() or _ended(server.pid)):
+            return ""
+        self._reaped.wait(wait_s)
+        code = server.returncode
+        if code is None:
+            return "ended"
+        return (f"was killed by {signal.Signals(-code).name}" if code < 0
+                else f"exited with code {code}")
 
     def _receive(self, message: Spawn | Spawned | Exited) -> None:
         if isinstance(message, Spawned):
@@ -390,6 +409,15 @@ class ForkServer:
                    and time.monotonic() < deadline):
                 time.sleep(0.001)
             child._ended_with(-signal.SIGKILL)
+
+
+def _ended(pid: int) -> bool:
+    """Whether process `pid` has ended: a zombie, or gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return stat[stat.rindex(b")") + 2:][:1] in (b"Z", b"X")
 
 
 def start_key(preload: Sequence[str], env: dict[str, str]) -> tuple[str, ...]:

@@ -106,6 +106,10 @@ class JobLoop:
     def _kill(self, node: str) -> None:
         raise NotImplementedError
 
+    def _exit_cause(self, node: str, code: int) -> str:
+        """What this process knows of why `node` exited with `code` ("": nothing more)."""
+        return ""
+
     def _stop_workers(self, grace_s: float = STOP_GRACE_S) -> None:
         """The loop is leaving: no worker may outlive the job (SIGTERM, SIGKILL after
         `grace_s`)."""
@@ -344,7 +348,7 @@ class JobLoop:
         if code == 1:  # a software error: failing over would repeat it elsewhere
             return "failed", self._failed(node, code, "worker_failed")
         if code != 3:  # 3: stopped by the plan, already accounted for
-            self.coordinator.node_exited(node, code)
+            self.coordinator.node_exited(node, code, self._exit_cause(node, code))
         running = [n for n in self._started() if n not in exited]
         if running and not (set(running) & self.coordinator.live):
             self._only_standby_left()
@@ -707,8 +711,17 @@ class JobLoop:
         bar.update(1)
         loss = "nan" if record["loss"] is None else f"{record['loss']:.4f}"
         bar.set_postfix_str(f"loss {loss} | {record['samples_per_s']:.1f} samples/s"
-                            f" | nodes {record['live_nodes']}/{self.cfg.stages * self.cfg.pipelines}"
+                            f" | {nodes_label(record, self.cfg.stages * self.cfg.pipelines)}"
                             f" double {record.get('carriers', 0)} gen {record['generation']}")
+
+
+def nodes_label(record: dict[str, Any], configured: int) -> str:
+    """The bar's nodes: those running stages out of the P x D configured, and those waiting
+    on standby beside them ("nodes 4/4 +1 standby"). The bar showed the first alone, so a
+    standby node, which takes a stage at once on a loss or a notice, was not seen."""
+    standby = record.get("standby") or 0
+    return f"nodes {record['live_nodes']}/{configured}" + (
+        f" +{standby} standby" if standby else "")
 
 
 def _hold_interrupts(stream: TextIO) -> None:

@@ -232,6 +232,10 @@ class Launcher(JobLoop):
         if node not in self._exited:
             self.supervisor.kill(node)
 
+    def _exit_cause(self, node: str, code: int) -> str:
+        # (a fork server's end kills its workers with a signal)
+        return self.supervisor.lost_with_its_server(node) if code < 0 else ""
+
     def _stop_workers(self, grace_s: float = STOP_GRACE_S) -> None:
         if hasattr(self, "supervisor"):
             self.supervisor.stop_all(grace_s)

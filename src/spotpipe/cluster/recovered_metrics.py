@@ -51,7 +51,7 @@ def recovered_metrics(cfg: Config, iteration: int, *, generation: int, layout: L
         samples_per_s=round(cfg.global_batch / took, 3) if took > 0 else 0.0,
         lr=cfg.lr_at(iteration), grad_norm=norms[0] if norms else None,
         live_nodes=len(layout.active_nodes), carriers=len(layout.carriers()),
-        generation=generation)
+        generation=generation, standby=len(layout.standby))
     return {**record.to_json(), "recovered": True}
 
 

@@ -40,7 +40,8 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
         elif kind == "join_refused":
             lines.append(f"{at}  {node}: refused ({ev['reason']})")
         elif kind == "node_lost":
-            lines.append(f"{at}  {node}: lost (exit code {ev['returncode']})")
+            lines.append(f"{at}  {node}: lost (exit code {ev['returncode']}"
+                         + (f": {ev['reason']})" if ev.get("reason") else ")"))
         elif kind == "standby_lost":
             lines.append(f"{at}  {node}: lost while waiting to be placed (exit code "
                          f"{ev['returncode']}); training goes on as it was")

@@ -277,6 +277,15 @@ class Supervisor:
 
         threading.Thread(target=wait, name=f"wait-{node}", daemon=True).start()
 
+    def lost_with_its_server(self, node: str) -> str:
+        """Why `node`'s process died, where its fork server's end killed it (every worker
+        it had forked dies with it): "" for a process that died on its own."""
+        proc = self.procs.get(node)
+        server = proc.server if isinstance(proc, ForkedChild) else None
+        how = server.ended_how() if server is not None else ""
+        return f"the fork server that starts the workers {how}, and they died with it" \
+            if how else ""
+
     def signal(self, node: str, signum: int) -> bool:
         """Send a signal to a node's process if it still runs; whether it was sent."""
         proc = self.procs.get(node)

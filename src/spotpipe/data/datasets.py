@@ -98,8 +98,52 @@ class TokenFileDataset(_TokenChunks):
                 f"({dtype}): wrong dtype or a truncated file"
             )
         self.path = p
-        super().__init__(np.memmap(p, dtype=DTYPES[dtype], mode="r"), block_size, repr(str(p)),
-                         vocab_size)
+        tokens = np.memmap(p, dtype=DTYPES[dtype], mode="r")
+        if dtype == "uint16":
+            _refuse_uint32_read_as_uint16(tokens, p)
+        super().__init__(tokens, block_size, repr(str(p)), vocab_size)
+
+
+# uint32 ids read as uint16 words: word 2i is id i's low half, word 2i+1 its high half, which is
+# under 4 for every id under 2**18 (every tokenizer's vocabulary, 256000 at most). Each pair
+# of words reads as two valid ids, so the vocabulary check never fires, and the job trains on
+# "id, 0, id, 0" without an error.
+HIGH_HALF_BOUND = 4
+SAMPLE_WINDOWS, WINDOW_WORDS = 64, 64  # 8 KiB read, spread over the file
+# the words at or over the bound in even places, with none in odd ones, to call it uint32:
+# in a uint16 stream a token's place's parity is a coin toss (documents start anywhere), so
+# a real corpus puts all of them in even places with a chance of 2**-64 at most
+EVIDENCE_WORDS = 64
+
+
+def sampled_words(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the words, their places in the file): windows of WINDOW_WORDS spread evenly over
+    the file, each starting at an even place, or the whole of a small file."""
+    n = len(tokens)
+    if n <= SAMPLE_WINDOWS * WINDOW_WORDS:
+        return np.asarray(tokens), np.arange(n)
+    starts = np.linspace(0, n - WINDOW_WORDS, SAMPLE_WINDOWS).astype(np.int64) & ~1
+    places = (starts[:, None] + np.arange(WINDOW_WORDS)).reshape(-1)
+    return np.asarray(tokens[places]), places
+
+
+def looks_like_uint32(words: np.ndarray, places: np.ndarray) -> bool:
+    """Whether uint16 words are uint32 ids' halves: no word in an odd place reaches
+    HIGH_HALF_BOUND, while EVIDENCE_WORDS in even places do (a small or mostly-zero sample
+    tells nothing either way: it passes)."""
+    large = words >= HIGH_HALF_BOUND
+    odd = (places & 1).astype(bool)
+    return not large[odd].any() and int(large[~odd].sum()) >= EVIDENCE_WORDS
+
+
+def _refuse_uint32_read_as_uint16(tokens: np.ndarray, path: Path) -> None:
+    words, places = sampled_words(tokens)
+    if looks_like_uint32(words, places):
+        raise DataError(
+            f"data file {str(path)!r} looks like uint32 token ids read as uint16: of the "
+            f"{len(words)} words sampled, every second one (an id's high half) is under "
+            f"{HIGH_HALF_BOUND} while the others are not; set data.dtype: uint32 (or write "
+            "the file as uint16)")
 
 
 class TextDataset(_TokenChunks):

@@ -211,11 +211,14 @@ def _partition(data: Iterable[Iterable[int]]) -> Partition:
 
 
 def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterable[str],
-            rules: Rules, *, dead: Iterable[str] = (), with_transfers: bool = True) -> Outcome:
+            rules: Rules, *, dead: Iterable[str] = (), with_transfers: bool = True,
+            seen_committed: int = -1) -> Outcome:
     """Decide what the job does after generation `history.generation` ended.
 
     `reports` are the survivors' (every live node has reported); `dead` the nodes known lost
     (exited, fenced); `joiners` accepted nodes not placed yet, in arrival order.
+    `seen_committed`: the newest iteration the caller saw committed, for the messages only
+    (when every node is lost, no report tells it).
     `with_transfers=False` leaves `Decision.transfers` empty: nothing else depends on them,
     and the simulator, which moves no state, need not pay for them."""
     joiners = list(joiners)
@@ -251,8 +254,8 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     committed = max([r.committed_through for r in reports.values()] + [history.resumed_at - 1])
     resume = committed + 1
     # (a joiner whose placement failed ran no iteration: it reports -1)
-    in_flight = max((r.iteration for r in reports.values() if r.iteration >= 0), default=resume)
-    when = f"in iteration {in_flight} (the last committed iteration is {committed})"
+    when = _when(max((r.iteration for r in reports.values() if r.iteration >= 0),
+                     default=None), max(committed, seen_committed))
     hit = lost & layout.active_nodes
     state = replace(history, layout=layout, partition=partition)
     cached = history.next_choice
@@ -365,6 +368,17 @@ def _partition_at(rules: Rules, partition: Partition, depth: int) -> Partition:
     if rules.partition_for is None:
         raise ValueError("this job cannot compute partitions at another depth")
     return _partition(rules.partition_for(depth))
+
+
+def _when(in_flight: int | None, committed: int) -> str:
+    """When the job was hit, as far as the reports tell: the iteration a node was in (else
+    the one after the last committed), and none made up before the first commit (the job
+    said "iteration 0 (the last committed iteration is -1)" of nodes that never reported)."""
+    if committed < 0:
+        return ("before any iteration was committed" if in_flight is None
+                else f"in iteration {in_flight}, before any iteration was committed")
+    return (f"in iteration {committed + 1 if in_flight is None else in_flight} "
+            f"(the last committed iteration is {committed})")
 
 
 def _continues_in_flight(choice: Choice, layout: Layout, rules: Rules) -> bool:

@@ -199,10 +199,11 @@ class Metrics(Message):
     samples_per_s: float
     lr: float
     grad_norm: float | None
-    live_nodes: int
+    live_nodes: int  # the nodes that run stages (the layout's)
     carriers: int
     generation: int
     replica_lag: int | None = None
+    standby: int = 0  # the nodes waiting on standby beside them
 
 
 @dataclass(frozen=True)

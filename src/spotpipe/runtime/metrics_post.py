@@ -61,7 +61,7 @@ class MetricsPost:
             samples_per_s=round(cfg.global_batch / dt, 3), lr=lr,
             grad_norm=finite(float(result.grad_norm)),
             live_nodes=len(st.layout.active_nodes), carriers=len(st.layout.carriers()),
-            generation=st.generation,
+            generation=st.generation, standby=len(st.layout.standby),
             replica_lag=replica_lag(t) if replica_lag is not None else None))
         self._posting = None
 
