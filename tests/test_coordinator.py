@@ -693,3 +693,19 @@ def test_a_successor_takes_the_groups_its_predecessor_prepared(corpus, again):
     _at_boundary(successor, "node1", nodes)
     record = _record(successor, 0)
     assert record.decision["action"] == "failover" and record.prepared
+
+
+def test_a_node_that_exits_0_mid_job_after_a_recovery_began_is_lost_saying_so(corpus):
+    """A worker ended with code 0 mid-job (os._exit, a C library), its peer's report of the
+    broken connection first: the recovery had begun, and the node was lost with no reason
+    (the order a loaded machine gives `test_cli_errors`' run of it); it is said as when its
+    exit comes first, and its stage is taken over."""
+    coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
+    g = coord.generation
+    _report(coord, "node0", reason="communication failed: Connection closed by peer")
+    assert coord.collecting is not None
+    coord.node_exited("node1", 0)
+    lost = [(e["node"], e["returncode"], e.get("reason")) for e in emitted
+            if e["kind"] == "node_lost"]
+    assert lost == [("node1", 0, "it exited with code 0 before the job's end")]
+    assert _plan(coord, g)["action"] == "failover"

@@ -35,6 +35,9 @@ from spotpipe.protocol import (Abort, Channel, CoordinatorState, DecisionRecord,
 from spotpipe.protocol.auth import REASON_CHARS, WRITER_CHARS
 from spotpipe.store import board
 
+# why a node that ended with code 0 while the job had iterations left is lost
+EXITED_EARLY = "it exited with code 0 before the job's end"
+
 
 def rules_for(cfg: Config, partition_for: Callable[[int], Any] | None,
               min_stages: int = 1) -> Rules:
@@ -286,10 +289,15 @@ class Coordinator:
             self.emit({"time_s": self.now(), "kind": "standby_lost", "node": node,
                        "returncode": code, "generation": self.generation})
             return
-        self._lose(node, code, why)
-        if why:
-            self.causes[node] = why
-        self._begin(f"{node} exited with code {code}" + (f" ({why})" if why else ""))
+        if code == 0 and not why and not self._trained_to_the_end():
+            # (after a recovery began: said as `_begin` says it of one that exited before)
+            self._lose(node, 0, EXITED_EARLY)
+            self._begin(f"{node} exited with code 0 before the job's end")
+        else:
+            self._lose(node, code, why)
+            if why:
+                self.causes[node] = why
+            self._begin(f"{node} exited with code {code}" + (f" ({why})" if why else ""))
         self._maybe_decide()
 
     def committed(self, iteration: int) -> None:
@@ -568,7 +576,7 @@ class Coordinator:
         self.collecting.reasons.append(reason)
         for node in sorted(self.exited_early):  # gone before the job's end: lost
             self.exited_early.discard(node)
-            self._lose(node, 0, "it exited with code 0 before the job's end")
+            self._lose(node, 0, EXITED_EARLY)
 
     def _trained_to_the_end(self) -> bool:
         """The job's last iteration has its line: a node that exits 0 now has finished."""
