@@ -526,6 +526,119 @@ def test_a_stage_that_sends_a_file_outside_its_folder_is_refused(server, tmp_pat
     assert _pieces_left(server, 2, 1) == []
 
 
+@pytest.mark.parametrize("forged", ["unsealed", "another iteration's", "another stage's",
+                                    "not a piece", "truncated", "repeated"])
+def test_a_bad_piece_fails_the_stage_naming_why_and_leaves_nothing(server, tmp_path,
+                                                                    monkeypatch, forged):
+    """Piece 1 of 3 is replaced before the receiver takes it: by a value not sealed, one
+    sealed for the same piece of another iteration or another stage (replayed), a sealed
+    value that is no piece, or a genuine-looking piece cut short or repeated (a buggy
+    sender's). The receive says what is wrong (the key, or the file that arrived damaged),
+    keeps no file, and goes on taking the pieces so that its sender hears the verdict;
+    nothing stays in the store."""
+    from spotpipe.checkpoint import transfer
+
+    monkeypatch.setattr(transfer, "CHUNK", 100)
+    data = bytes(range(250))
+    checksums = _stage_files(tmp_path / "sent", 1, {"s.bin": data})  # 3 pieces
+    s = transfer.Stream.checkpoint(9, 1)
+    key = s.piece(1)
+    value = {"unsealed": b"D" + data[100:200],
+             "another iteration's": seal_value(KEY, transfer.Stream.checkpoint(8, 1).piece(1),
+                                               b"D" + data[100:200]),
+             "another stage's": seal_value(KEY, transfer.Stream.checkpoint(9, 0).piece(1),
+                                           b"D" + data[100:200]),
+             "not a piece": seal_value(KEY, key, b"{}"),
+             "truncated": seal_value(KEY, key, b"D" + data[100:150]),
+             "repeated": seal_value(KEY, key, b"D" + data[:100])}[forged]
+    want = {"unsealed": f"{key}: no seal", "another iteration's": f"{key}: bad seal",
+            "another stage's": f"{key}: bad seal", "not a piece": f"{key}: not a piece",
+            "truncated": "s.bin arrived damaged (checksum differs)",
+            "repeated": "s.bin arrived damaged (checksum differs)"}[forged]
+    gate = threading.Event()
+    store = _Watched(SealedStore(connect(server), KEY), {key: gate})
+    result: dict = {}
+    receiver = threading.Thread(target=lambda: result.update(problem=transfer.receive_stage(
+        store, 9, 1, checksums, tmp_path / "got", timeout_s=30, window=4)), daemon=True)
+    receiver.start()
+    sending = _sending(SealedStore(connect(server), KEY), 9, 1, tmp_path / "sent", checksums,
+                       window=4)
+    landed(server, s.piece(2))  # (all three are out: the sender waits for the verdict)
+    forge(server, key, value)
+    gate.set()
+    receiver.join(30)
+    sending["thread"].join(30)
+    assert want in result["problem"], result
+    assert isinstance(sending.get("error"), transfer.UploadRefused), sending
+    assert want in str(sending["error"])
+    assert not (tmp_path / "got" / "stage1" / "s.bin").exists()
+    assert _pieces_left(server, 9, 1) == []
+
+
+@pytest.mark.parametrize("meta", ["not json", '{"files": [["stage1/s.bin"]]}',
+                                  '{"files": [["stage1/s.bin", 0]]}',
+                                  '{"files": [["stage1/other.bin", 1]]}'])
+def test_a_bad_file_list_fails_the_stage_naming_why(server, tmp_path, meta):
+    """A sealed file list that is no JSON, lacks a file's pieces, gives it none, or names
+    other files than the stage reported: refused with the reason, nothing written."""
+    import hashlib
+
+    from spotpipe.checkpoint import transfer
+
+    checksums = {"stage1/s.bin": hashlib.sha256(b"").hexdigest()}
+    s = transfer.Stream.checkpoint(3, 1)
+    SealedStore(connect(server), KEY).set(s.meta, meta)
+    problem = transfer.receive_stage(SealedStore(connect(server), KEY), 3, 1, checksums,
+                                     tmp_path / "got", timeout_s=30)
+    assert problem == {"not json": "the files of stage 1: an unreadable file list",
+                       '{"files": [["stage1/s.bin"]]}':
+                           "the files of stage 1: an unreadable file list",
+                       '{"files": [["stage1/s.bin", 0]]}': "stage 1: a file in no pieces",
+                       '{"files": [["stage1/other.bin", 1]]}':
+                           "stage 1 sent other files than it reported"}[meta], problem
+    assert not (tmp_path / "got").exists()
+
+
+def test_checkpoints_in_flight_together_arrive_whole_and_leave_no_key(server, tmp_path,
+                                                                       monkeypatch):
+    """Two iterations' uploads of a stage at once (the first still on its way when the next
+    starts), each with an empty file, files of exactly one and two pieces, one a byte over,
+    and many small files: every file arrives as it was written, none mixed with the other
+    iteration's, and after three rounds the store holds no more keys than before (a long job
+    leaks nothing)."""
+    from spotpipe.checkpoint import transfer
+
+    monkeypatch.setattr(transfer, "CHUNK", 64)
+    before = server.num_keys()
+    for round_ in range(3):
+        stages = {}
+        for t in (10 * round_ + 1, 10 * round_ + 2):
+            blobs = {"empty.bin": b"", "one.bin": bytes([t]) * 64, "two.bin": bytes([t]) * 128,
+                     "over.bin": bytes([t]) * 129,
+                     **{f"small{i}.bin": bytes([t, i]) * 3 for i in range(30)}}
+            stages[t] = (blobs, _stage_files(tmp_path / f"sent{t}", 1, blobs))
+        results: dict = {}
+
+        def receive(t: int) -> None:
+            results[t] = transfer.receive_stage(SealedStore(connect(server), KEY), t, 1,
+                                                stages[t][1], tmp_path / f"got{t}",
+                                                timeout_s=30, window=3)
+        receivers = [threading.Thread(target=receive, args=(t,), daemon=True) for t in stages]
+        for receiver in receivers:
+            receiver.start()
+        senders = {t: _sending(SealedStore(connect(server), KEY), t, 1, tmp_path / f"sent{t}",
+                               sums, window=3) for t, (_, sums) in stages.items()}
+        for thread in receivers + [s["thread"] for s in senders.values()]:
+            thread.join(60)
+        assert results == {t: "" for t in stages}, results
+        for t, (blobs, _) in stages.items():
+            assert senders[t].get("sent") == sum(len(d) for d in blobs.values()), senders[t]
+            for name, data in blobs.items():
+                assert (tmp_path / f"got{t}" / "stage1" / name).read_bytes() == data, (t, name)
+            assert _pieces_left(server, t, 1) == []
+    assert server.num_keys() == before
+
+
 def test_a_sender_that_fails_after_its_receiver_refused_leaves_nothing(server, tmp_path,
                                                                        monkeypatch):
     """The receiver refuses the stage (other files than announced) while the sender is
