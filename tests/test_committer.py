@@ -324,3 +324,29 @@ def test_a_stage_that_reports_a_file_outside_its_folder_fails_its_checkpoint(nam
     assert event["kind"] == "checkpoint_failed" and event["iteration"] == 7
     assert event["message"] == ("checkpoint of iteration 7: stage 1 reported a file outside "
                                 f"its folder stage1/: {name!r}")
+
+
+def test_a_stage_upload_in_another_nodes_name_is_refused(tmp_path):
+    """Only a node announces its own stage (as only it announces its final parameters): a
+    receive started in another's name would be ended by that node's loss, not its sender's."""
+    from types import SimpleNamespace
+
+    from spotpipe.cluster.jobloop import JobLoop
+    from spotpipe.protocol import StageUpload
+
+    from conftest import tiny_config
+
+    loop = JobLoop.__new__(JobLoop)  # (no store, no processes: only its dispatch)
+    loop.cfg, loop.checkpoint_root, loop._received = tiny_config("unused"), tmp_path, 0
+    events: list[dict] = []
+    refused: list[tuple[str, str]] = []
+    steps: list[int] = []
+    loop.files = SimpleNamespace(event=events.append)
+    loop.coordinator = SimpleNamespace(refused=lambda writer, why: refused.append((writer, why)))
+    loop.committer = SimpleNamespace(submit_step=lambda t, run: steps.append(t))
+    upload = StageUpload("node1", 0.0, 4, 1, {"stage1/a": "x"})
+    loop._handle_record(SimpleNamespace(message=upload, writer="node2"))
+    assert (steps, events) == ([], [])
+    assert refused == [("node2", "a stage_upload in the name of node1")]
+    loop._handle_record(SimpleNamespace(message=upload, writer="node1"))
+    assert steps == [4] and [e["kind"] for e in events] == ["checkpoint_upload"]
