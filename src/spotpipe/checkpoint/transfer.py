@@ -15,7 +15,8 @@ the store holds WINDOW pieces of a stage, and each end one piece in memory: a st
 real models, and a TCPStore keeps its keys in its host's memory. Whichever end stops early
 says so where the other waits next (a stop in place of the next piece, or of the next
 acknowledgement), and the coordinator's loop puts one there for a sender it counts lost
-(`Receiving`), so that nobody waits out `cluster.timeout_s` for a peer that is gone.
+(`Receiving`), so that nobody waits out `cluster.timeout_s` for a peer that is gone. The one
+exception: a receiver whose host is lost says nothing, and its sender waits out the timeout.
 """
 from __future__ import annotations
 
