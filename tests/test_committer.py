@@ -293,3 +293,60 @@ def test_the_job_loop_commits_by_the_partition_the_stages_report():
     assert submitted[0][0] == 7
     assert submitted[0][1]["partition"] == [list(r) for r in four]
     assert submitted[0][1]["stages"] == 4
+
+
+@pytest.mark.parametrize("name", ["stage0/a", "manifest.json", "stage1/../../outside"])
+def test_a_stage_that_reports_a_file_outside_its_folder_fails_its_checkpoint(name):
+    """Stage 1 reports a file of stage 0, the manifest's place, or a way out of the
+    checkpoint: its iteration is never committed and the event names the file (the commit
+    listed it as stage 1's, over stage 0's own, or a file outside the checkpoint)."""
+    from types import SimpleNamespace
+
+    from spotpipe.cluster.checkpoint_parts import CheckpointParts
+    from spotpipe.cluster.jobloop import JobLoop
+    from spotpipe.protocol import CheckpointSaved
+
+    from conftest import tiny_config
+
+    loop = JobLoop.__new__(JobLoop)  # (no store, no processes: only its checkpoint books)
+    loop.cfg = tiny_config("unused", stages=2, pipelines=1)
+    loop.spec = SimpleNamespace(num_samples=100, partition=[(0, 4), (4, 8)])
+    loop._checkpoints = CheckpointParts()
+    submitted: list[int] = []
+    loop.committer = SimpleNamespace(submit=lambda t, info, sums: submitted.append(t))
+    events: list[dict] = []
+    loop.files, loop._now = SimpleNamespace(event=events.append), lambda: 1.0
+    two = ((0, 4), (4, 8))
+    loop._checkpoint_saved(CheckpointSaved("node0", 0.0, 7, 0, {"stage0/a": "x"}, two))
+    loop._checkpoint_saved(CheckpointSaved("node1", 0.0, 7, 1, {name: "y"}, two))
+    assert submitted == [] and 7 in loop._checkpoints.failed
+    [event] = events
+    assert event["kind"] == "checkpoint_failed" and event["iteration"] == 7
+    assert event["message"] == ("checkpoint of iteration 7: stage 1 reported a file outside "
+                                f"its folder stage1/: {name!r}")
+
+
+def test_a_stage_upload_in_another_nodes_name_is_refused(tmp_path):
+    """Only a node announces its own stage (as only it announces its final parameters): a
+    receive started in another's name would be ended by that node's loss, not its sender's."""
+    from types import SimpleNamespace
+
+    from spotpipe.cluster.jobloop import JobLoop
+    from spotpipe.protocol import StageUpload
+
+    from conftest import tiny_config
+
+    loop = JobLoop.__new__(JobLoop)  # (no store, no processes: only its dispatch)
+    loop.cfg, loop.checkpoint_root, loop._received = tiny_config("unused"), tmp_path, 0
+    events: list[dict] = []
+    refused: list[tuple[str, str]] = []
+    steps: list[int] = []
+    loop.files = SimpleNamespace(event=events.append)
+    loop.coordinator = SimpleNamespace(refused=lambda writer, why: refused.append((writer, why)))
+    loop.committer = SimpleNamespace(submit_step=lambda t, run: steps.append(t))
+    upload = StageUpload("node1", 0.0, 4, 1, {"stage1/a": "x"})
+    loop._handle_record(SimpleNamespace(message=upload, writer="node2"))
+    assert (steps, events) == ([], [])
+    assert refused == [("node2", "a stage_upload in the name of node1")]
+    loop._handle_record(SimpleNamespace(message=upload, writer="node1"))
+    assert steps == [4] and [e["kind"] for e in events] == ["checkpoint_upload"]

@@ -181,18 +181,18 @@ def test_stage_files_through_the_store_arrive_only_when_sealed(server, tmp_path)
 
     from spotpipe.checkpoint import transfer
 
-    (tmp_path / "sent").mkdir()
-    (tmp_path / "sent" / "shard.bin").write_bytes(b"x" * 1000)
-    checksums = {"shard.bin": hashlib.sha256(b"x" * 1000).hexdigest()}
+    (tmp_path / "sent" / "stage1").mkdir(parents=True)
+    (tmp_path / "sent" / "stage1" / "shard.bin").write_bytes(b"x" * 1000)
+    checksums = {"stage1/shard.bin": hashlib.sha256(b"x" * 1000).hexdigest()}
     sealed = SealedStore(connect(server), KEY)
     sending = _sending(SealedStore(connect(server), KEY), 9, 1, tmp_path / "sent", checksums)
     assert transfer.receive_stage(sealed, 9, 1, checksums, tmp_path / "got", timeout_s=30) == ""
     sending["thread"].join(30)
     assert sending.get("sent") == 1000, sending
-    assert (tmp_path / "got" / "shard.bin").read_bytes() == b"x" * 1000
+    assert (tmp_path / "got" / "stage1" / "shard.bin").read_bytes() == b"x" * 1000
     assert _pieces_left(server, 9, 1) == []
     landed_meta = "spotpipe/checkpoint/files/19/1/meta"
-    forge(server, landed_meta, '{"files": [["shard.bin", 100000000]]}')  # before the sender
+    forge(server, landed_meta, '{"files": [["stage1/shard.bin", 100000000]]}')  # before the sender
     problem = transfer.receive_stage(sealed, 19, 1, checksums, tmp_path / "got19", timeout_s=30)
     assert f"{landed_meta}: no seal" in problem, problem
     assert not (tmp_path / "got19").exists()
@@ -214,8 +214,8 @@ def test_a_refused_stage_leaves_nothing_in_the_store(server, tmp_path, monkeypat
     from spotpipe.checkpoint import transfer
 
     monkeypatch.setattr(transfer, "CHUNK", 64)
-    (tmp_path / "sent").mkdir()
-    blobs = {"a.bin": b"a" * (20 * 64 + 5), "b.bin": b"b" * 10}
+    (tmp_path / "sent" / "stage2").mkdir(parents=True)
+    blobs = {"stage2/a.bin": b"a" * (20 * 64 + 5), "stage2/b.bin": b"b" * 10}
     for name, data in blobs.items():
         (tmp_path / "sent" / name).write_bytes(data)
     checksums = {n: hashlib.sha256(d).hexdigest() for n, d in blobs.items()}
@@ -234,7 +234,7 @@ def test_a_refused_stage_leaves_nothing_in_the_store(server, tmp_path, monkeypat
     assert isinstance(sending.get("error"), transfer.UploadRefused), sending
     assert "no seal" in str(sending["error"])
     assert _pieces_left(server, 7, 2) == []
-    assert not list((tmp_path / "got").glob("*.bin")) if (tmp_path / "got").exists() else True
+    assert not list((tmp_path / "got").rglob("*.bin")) if (tmp_path / "got").exists() else True
 
 
 def test_the_store_holds_a_window_of_a_stage_not_the_stage(server, tmp_path, monkeypatch):
@@ -246,9 +246,9 @@ def test_the_store_holds_a_window_of_a_stage_not_the_stage(server, tmp_path, mon
 
     monkeypatch.setattr(transfer, "CHUNK", 100)
     data = bytes(range(256)) * 20  # 52 pieces
-    (tmp_path / "sent").mkdir()
-    (tmp_path / "sent" / "big.bin").write_bytes(data)
-    checksums = {"big.bin": hashlib.sha256(data).hexdigest()}
+    (tmp_path / "sent" / "stage0").mkdir(parents=True)
+    (tmp_path / "sent" / "stage0" / "big.bin").write_bytes(data)
+    checksums = {"stage0/big.bin": hashlib.sha256(data).hexdigest()}
     sending = _sending(SealedStore(connect(server), KEY), 3, 0, tmp_path / "sent", checksums,
                        window=5)
     landed(server, "spotpipe/checkpoint/files/3/0/4")
@@ -260,7 +260,7 @@ def test_the_store_holds_a_window_of_a_stage_not_the_stage(server, tmp_path, mon
                                   timeout_s=30, window=5) == ""
     sending["thread"].join(30)
     assert sending.get("sent") == len(data), sending
-    assert (got / "big.bin").read_bytes() == data
+    assert (got / "stage0" / "big.bin").read_bytes() == data
     assert _pieces_left(server, 3, 0) == []
 
 
@@ -276,9 +276,9 @@ def test_a_receiver_ends_when_its_sender_is_gone(server, tmp_path, monkeypatch, 
 
     monkeypatch.setattr(transfer, "CHUNK", 100)
     data = b"q" * 2000
-    (tmp_path / "sent").mkdir()
-    (tmp_path / "sent" / "s.bin").write_bytes(data)
-    checksums = {"s.bin": hashlib.sha256(data).hexdigest()}
+    (tmp_path / "sent" / "stage1").mkdir(parents=True)
+    (tmp_path / "sent" / "stage1" / "s.bin").write_bytes(data)
+    checksums = {"stage1/s.bin": hashlib.sha256(data).hexdigest()}
     sealed = SealedStore(connect(server), KEY)
     receiving = transfer.Receiving()
     result: dict = {}
@@ -287,13 +287,14 @@ def test_a_receiver_ends_when_its_sender_is_gone(server, tmp_path, monkeypatch, 
         window=4, node="node3", receiving=receiving)), daemon=True)
     receiver.start()
     s = transfer.Stream.checkpoint(4, 1)
-    sealed.set(s.meta, '{"files": [["s.bin", 20]]}')
+    sealed.set(s.meta, '{"files": [["stage1/s.bin", 20]]}')
     for n in range(3):  # three pieces of twenty, then the sender stops
         sealed.set(s.piece(n), b"D" + b"q" * 100)
     landed(server, s.ack(2))
     started = time.monotonic()
     if how == "sender gives up":
-        transfer._take_back(sealed, s, 3, 4, "the sender gave up: disk error")
+        transfer._give_up(sealed, s, 3, 4, "the sender gave up: disk error", listed=True,
+                          unheard=False)
         want = "disk error"
     else:
         receiving.lose("node3", sealed)
@@ -302,7 +303,7 @@ def test_a_receiver_ends_when_its_sender_is_gone(server, tmp_path, monkeypatch, 
     assert not receiver.is_alive() and time.monotonic() - started < 60
     assert want in result["problem"], result
     assert _pieces_left(server, 4, 1) == []
-    assert not (tmp_path / "got" / "s.bin").exists()
+    assert not (tmp_path / "got" / "stage1" / "s.bin").exists()
 
 
 class _CountingStore(dist.Store):
@@ -345,9 +346,9 @@ def test_a_receiver_that_cannot_write_stops_its_sender(server, tmp_path, monkeyp
 
     monkeypatch.setattr(transfer, "CHUNK", 100)
     data = b"w" * 3000
-    (tmp_path / "sent").mkdir()
-    (tmp_path / "sent" / "w.bin").write_bytes(data)
-    checksums = {"w.bin": hashlib.sha256(data).hexdigest()}
+    (tmp_path / "sent" / "stage0").mkdir(parents=True)
+    (tmp_path / "sent" / "stage0" / "w.bin").write_bytes(data)
+    checksums = {"stage0/w.bin": hashlib.sha256(data).hexdigest()}
     sending = _sending(SealedStore(connect(server), KEY), 6, 0, tmp_path / "sent", checksums,
                        window=4, timeout_s=600)
     (tmp_path / "not_a_folder").write_text("")
@@ -359,3 +360,316 @@ def test_a_receiver_that_cannot_write_stops_its_sender(server, tmp_path, monkeyp
     assert not sending["thread"].is_alive() and time.monotonic() - started < 60
     assert isinstance(sending.get("error"), transfer.UploadRefused), sending
     assert _pieces_left(server, 6, 0) == []
+
+
+class _Watched:
+    """A store whose waits say which key they begin on (`waited`, an event per key), and
+    optionally hold until `gates[key]` opens, so that a test knows, not guesses, where a
+    receive stands."""
+
+    def __init__(self, inner, gates: dict | None = None) -> None:
+        self.inner, self.gates, self.waited = inner, gates or {}, {}
+        self._lock = threading.Lock()
+
+    def began(self, key: str) -> threading.Event:
+        with self._lock:
+            return self.waited.setdefault(key, threading.Event())
+
+    def wait(self, keys, timeout=None):
+        for key in keys:
+            self.began(key).set()
+            if key in self.gates:
+                assert self.gates[key].wait(60)
+        return self.inner.wait(keys, timeout)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _stage_files(folder, stage: int, blobs: dict[str, bytes]) -> dict[str, str]:
+    """Write `blobs` into stage `stage`'s folder under `folder`; their checksums, by the
+    names a stage reports (`durable.stage_checksums`: "stage<s>/<file>")."""
+    import hashlib
+
+    (folder / f"stage{stage}").mkdir(parents=True, exist_ok=True)
+    for name, data in blobs.items():
+        (folder / f"stage{stage}" / name).write_bytes(data)
+    return {f"stage{stage}/{n}": hashlib.sha256(d).hexdigest() for n, d in blobs.items()}
+
+
+def test_a_node_lost_with_two_stages_on_their_way_ends_both_receives(server, tmp_path,
+                                                                     monkeypatch):
+    """A worker that holds two stages announces both and sends them one after the other:
+    the committer waits for a piece of the first and for the list of the second at once.
+    When the loop counts the node lost, both receives end (a `Receiving` that kept one wait
+    per node kept the later one, and dropped it when the other's piece came: the second
+    receive waited out its timeout, and the committer behind it)."""
+    from spotpipe.checkpoint import transfer
+
+    monkeypatch.setattr(transfer, "CHUNK", 100)
+    sums = {1: {"stage1/a.bin": "0" * 64}, 2: {"stage2/b.bin": "0" * 64}}
+    receiving = transfer.Receiving()
+    watched = {s: _Watched(SealedStore(connect(server), KEY)) for s in (1, 2)}
+    results: dict = {}
+    receivers = [threading.Thread(target=lambda s=s: results.update({s: transfer.receive_stage(
+        watched[s], 5, s, sums[s], tmp_path / "got", timeout_s=600, window=4, node="node3",
+        receiving=receiving)}), daemon=True) for s in (1, 2)]
+    receivers[1].start()
+    assert watched[2].began(transfer.Stream.checkpoint(5, 2).meta).wait(60)
+    receivers[0].start()
+    sealed = SealedStore(connect(server), KEY)
+    s = transfer.Stream.checkpoint(5, 1)
+    sealed.set(s.meta, '{"files": [["stage1/a.bin", 20]]}')
+    for n in range(3):  # three pieces of the first stage, then the node is gone
+        sealed.set(s.piece(n), b"D" + b"a" * 100)
+    assert watched[1].began(s.piece(3)).wait(60)
+    receiving.lose("node3", sealed)
+    for receiver in receivers:
+        receiver.join(60)
+    assert not any(r.is_alive() for r in receivers), results
+    assert results == {1: "node3 was lost while it sent its stage",
+                       2: "node3 was lost while it sent its stage"}
+    assert _pieces_left(server, 5, 1) == [] and _pieces_left(server, 5, 2) == []
+
+
+def _failing_after(pieces: int):
+    """`transfer.read_pieces` whose reading fails after `pieces` pieces (a disk error)."""
+    from spotpipe.checkpoint import transfer
+
+    real = transfer.read_pieces
+
+    def read(path):
+        for n, part in enumerate(real(path)):
+            if n == pieces:
+                raise OSError(f"{path.name}: disk error")
+            yield part
+    return read
+
+
+@pytest.mark.parametrize("how", ["file missing", "before the receiver starts",
+                                 "ahead of a receiver that lags"])
+def test_a_sender_that_gives_up_ends_its_receiver_wherever_it_stands(server, tmp_path,
+                                                                     monkeypatch, how):
+    """The sender gives up (a file announced but not there, a disk error) while its receiver
+    has not started yet (it starts when the loop reads the announcement) or is pieces behind:
+    the receiver still ends at once, naming why, not at its timeout (600 s here), and nothing
+    stays in the store. (A sender that removed the pieces not taken and left its stop in the
+    next piece's place, or nothing before its list went, held such a receiver.)"""
+    from spotpipe.checkpoint import transfer
+
+    monkeypatch.setattr(transfer, "CHUNK", 100)
+    checksums = _stage_files(tmp_path / "sent", 1, {"s.bin": b"s" * 1000})  # 10 pieces
+    if how == "file missing":
+        (tmp_path / "sent" / "stage1" / "s.bin").unlink()
+        want = "No such file"
+    else:
+        monkeypatch.setattr(transfer, "read_pieces", _failing_after(
+            2 if how == "before the receiver starts" else 6))
+        want = "s.bin: disk error"
+    s = transfer.Stream.checkpoint(8, 1)
+    gate = threading.Event()  # (a receiver that lags: it waits for piece 2 once the sender ended)
+    store = _Watched(SealedStore(connect(server), KEY), {s.piece(2): gate})
+    result: dict = {}
+    receiver = threading.Thread(target=lambda: result.update(problem=transfer.receive_stage(
+        store, 8, 1, checksums, tmp_path / "got", timeout_s=600, window=4)), daemon=True)
+    if how == "ahead of a receiver that lags":
+        receiver.start()
+    sending = _sending(SealedStore(connect(server), KEY), 8, 1, tmp_path / "sent", checksums,
+                       window=4, timeout_s=600)
+    sending["thread"].join(60)
+    assert want in str(sending.get("error")), sending
+    gate.set()
+    if how != "ahead of a receiver that lags":
+        receiver.start()
+    receiver.join(60)
+    assert not receiver.is_alive(), "the receiver waits for a sender that gave up"
+    assert want in result["problem"] and "the sender gave up" in result["problem"], result
+    assert _pieces_left(server, 8, 1) == []
+    assert not (tmp_path / "got" / "stage1" / "s.bin").exists()
+
+
+def test_file_names_outside_a_stages_folder():
+    from spotpipe.checkpoint.transfer import outside
+
+    for name in ["stage1/a.distcp", "stage1/sub/a", "stage1/.metadata"]:
+        assert not outside(name, "stage1"), name
+    for name in ["stage0/a.distcp", "a.distcp", "manifest.json", "stage1", "stage1/",
+                 "/stage1/a", "stage1/../stage0/a", "stage1/./a", "stage1//a", "stage10/a",
+                 "../stage1/a", ""]:
+        assert outside(name, "stage1"), name
+    assert not outside("manifest.json") and not outside("stage0/a")  # (a whole checkpoint)
+    assert outside("../a") and outside("/etc/passwd") and outside("a/../../b")
+
+
+@pytest.mark.parametrize("name", ["stage0/x.bin", "manifest.json", "stage1/../stage0/x.bin"])
+def test_a_stage_that_sends_a_file_outside_its_folder_is_refused(server, tmp_path, name):
+    """Stage 1's upload names a file of stage 0, the manifest's place, or a way out of its
+    folder: the receive refuses the stage naming the file, writes nothing, and its sender
+    hears why (an upload that named stage 0's file wrote over it in the iteration's folder)."""
+    import hashlib
+
+    from spotpipe.checkpoint import transfer
+
+    sent = tmp_path / "sent"
+    (sent / "stage1").mkdir(parents=True)
+    (sent / "stage0").mkdir()
+    (sent / name).write_bytes(b"forged")
+    checksums = {name: hashlib.sha256(b"forged").hexdigest()}
+    sending = _sending(SealedStore(connect(server), KEY), 2, 1, sent, checksums)
+    problem = transfer.receive_stage(SealedStore(connect(server), KEY), 2, 1, checksums,
+                                     tmp_path / "got", timeout_s=30)
+    assert problem == f"stage 1 sent a file outside its folder: {name!r}", problem
+    sending["thread"].join(30)
+    assert isinstance(sending.get("error"), transfer.UploadRefused), sending
+    assert "outside its folder" in str(sending["error"])
+    assert not (tmp_path / "got").exists() or not list((tmp_path / "got").rglob("*"))
+    assert _pieces_left(server, 2, 1) == []
+
+
+@pytest.mark.parametrize("forged", ["unsealed", "another iteration's", "another stage's",
+                                    "not a piece", "truncated", "repeated"])
+def test_a_bad_piece_fails_the_stage_naming_why_and_leaves_nothing(server, tmp_path,
+                                                                    monkeypatch, forged):
+    """Piece 1 of 3 is replaced before the receiver takes it: by a value not sealed, one
+    sealed for the same piece of another iteration or another stage (replayed), a sealed
+    value that is no piece, or a genuine-looking piece cut short or repeated (a buggy
+    sender's). The receive says what is wrong (the key, or the file that arrived damaged),
+    keeps no file, and goes on taking the pieces so that its sender hears the verdict;
+    nothing stays in the store."""
+    from spotpipe.checkpoint import transfer
+
+    monkeypatch.setattr(transfer, "CHUNK", 100)
+    data = bytes(range(250))
+    checksums = _stage_files(tmp_path / "sent", 1, {"s.bin": data})  # 3 pieces
+    s = transfer.Stream.checkpoint(9, 1)
+    key = s.piece(1)
+    value = {"unsealed": b"D" + data[100:200],
+             "another iteration's": seal_value(KEY, transfer.Stream.checkpoint(8, 1).piece(1),
+                                               b"D" + data[100:200]),
+             "another stage's": seal_value(KEY, transfer.Stream.checkpoint(9, 0).piece(1),
+                                           b"D" + data[100:200]),
+             "not a piece": seal_value(KEY, key, b"{}"),
+             "truncated": seal_value(KEY, key, b"D" + data[100:150]),
+             "repeated": seal_value(KEY, key, b"D" + data[:100])}[forged]
+    want = {"unsealed": f"{key}: no seal", "another iteration's": f"{key}: bad seal",
+            "another stage's": f"{key}: bad seal", "not a piece": f"{key}: not a piece",
+            "truncated": "s.bin arrived damaged (checksum differs)",
+            "repeated": "s.bin arrived damaged (checksum differs)"}[forged]
+    gate = threading.Event()
+    store = _Watched(SealedStore(connect(server), KEY), {key: gate})
+    result: dict = {}
+    receiver = threading.Thread(target=lambda: result.update(problem=transfer.receive_stage(
+        store, 9, 1, checksums, tmp_path / "got", timeout_s=30, window=4)), daemon=True)
+    receiver.start()
+    sending = _sending(SealedStore(connect(server), KEY), 9, 1, tmp_path / "sent", checksums,
+                       window=4)
+    landed(server, s.piece(2))  # (all three are out: the sender waits for the verdict)
+    forge(server, key, value)
+    gate.set()
+    receiver.join(30)
+    sending["thread"].join(30)
+    assert want in result["problem"], result
+    assert isinstance(sending.get("error"), transfer.UploadRefused), sending
+    assert want in str(sending["error"])
+    assert not (tmp_path / "got" / "stage1" / "s.bin").exists()
+    assert _pieces_left(server, 9, 1) == []
+
+
+@pytest.mark.parametrize("meta", ["not json", '{"files": [["stage1/s.bin"]]}',
+                                  '{"files": [["stage1/s.bin", 0]]}',
+                                  '{"files": [["stage1/other.bin", 1]]}'])
+def test_a_bad_file_list_fails_the_stage_naming_why(server, tmp_path, meta):
+    """A sealed file list that is no JSON, lacks a file's pieces, gives it none, or names
+    other files than the stage reported: refused with the reason, nothing written."""
+    import hashlib
+
+    from spotpipe.checkpoint import transfer
+
+    checksums = {"stage1/s.bin": hashlib.sha256(b"").hexdigest()}
+    s = transfer.Stream.checkpoint(3, 1)
+    SealedStore(connect(server), KEY).set(s.meta, meta)
+    problem = transfer.receive_stage(SealedStore(connect(server), KEY), 3, 1, checksums,
+                                     tmp_path / "got", timeout_s=30)
+    assert problem == {"not json": "the files of stage 1: an unreadable file list",
+                       '{"files": [["stage1/s.bin"]]}':
+                           "the files of stage 1: an unreadable file list",
+                       '{"files": [["stage1/s.bin", 0]]}': "stage 1: a file in no pieces",
+                       '{"files": [["stage1/other.bin", 1]]}':
+                           "stage 1 sent other files than it reported"}[meta], problem
+    assert not (tmp_path / "got").exists()
+
+
+def test_checkpoints_in_flight_together_arrive_whole_and_leave_no_key(server, tmp_path,
+                                                                       monkeypatch):
+    """Two iterations' uploads of a stage at once (the first still on its way when the next
+    starts), each with an empty file, files of exactly one and two pieces, one a byte over,
+    and many small files: every file arrives as it was written, none mixed with the other
+    iteration's, and after three rounds the store holds no more keys than before (a long job
+    leaks nothing)."""
+    from spotpipe.checkpoint import transfer
+
+    monkeypatch.setattr(transfer, "CHUNK", 64)
+    before = server.num_keys()
+    for round_ in range(3):
+        stages = {}
+        for t in (10 * round_ + 1, 10 * round_ + 2):
+            blobs = {"empty.bin": b"", "one.bin": bytes([t]) * 64, "two.bin": bytes([t]) * 128,
+                     "over.bin": bytes([t]) * 129,
+                     **{f"small{i}.bin": bytes([t, i]) * 3 for i in range(30)}}
+            stages[t] = (blobs, _stage_files(tmp_path / f"sent{t}", 1, blobs))
+        results: dict = {}
+
+        def receive(t: int) -> None:
+            results[t] = transfer.receive_stage(SealedStore(connect(server), KEY), t, 1,
+                                                stages[t][1], tmp_path / f"got{t}",
+                                                timeout_s=30, window=3)
+        receivers = [threading.Thread(target=receive, args=(t,), daemon=True) for t in stages]
+        for receiver in receivers:
+            receiver.start()
+        senders = {t: _sending(SealedStore(connect(server), KEY), t, 1, tmp_path / f"sent{t}",
+                               sums, window=3) for t, (_, sums) in stages.items()}
+        for thread in receivers + [s["thread"] for s in senders.values()]:
+            thread.join(60)
+        assert results == {t: "" for t in stages}, results
+        for t, (blobs, _) in stages.items():
+            assert senders[t].get("sent") == sum(len(d) for d in blobs.values()), senders[t]
+            for name, data in blobs.items():
+                assert (tmp_path / f"got{t}" / "stage1" / name).read_bytes() == data, (t, name)
+            assert _pieces_left(server, t, 1) == []
+    assert server.num_keys() == before
+
+
+def test_a_sender_that_fails_after_its_receiver_refused_leaves_nothing(server, tmp_path,
+                                                                       monkeypatch):
+    """The receiver refuses the stage (other files than announced) while the sender is
+    between two pieces; the sender then fails to read its next piece before it reads the
+    refusal: nobody will take what it put, so it leaves no piece and no stop behind."""
+    from spotpipe.checkpoint import transfer
+
+    monkeypatch.setattr(transfer, "CHUNK", 100)
+    monkeypatch.setattr(transfer, "read_pieces", _failing_after(3))
+    checksums = _stage_files(tmp_path / "sent", 1, {"s.bin": b"s" * 1000})
+    s = transfer.Stream.checkpoint(6, 1)
+
+    class Held:  # the sender's store: its third piece waits until the receiver has ended
+        def __init__(self, inner, gate):
+            self.inner, self.gate = inner, gate
+
+        def set(self, key, value):
+            if key == s.piece(2):
+                assert self.gate.wait(60)
+            self.inner.set(key, value)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+    gate = threading.Event()
+    sending = _sending(Held(SealedStore(connect(server), KEY), gate), 6, 1, tmp_path / "sent",
+                       checksums, window=4, timeout_s=600)
+    problem = transfer.receive_stage(SealedStore(connect(server), KEY), 6, 1,
+                                     {"stage1/other.bin": "0" * 64}, tmp_path / "got",
+                                     timeout_s=30, window=4)
+    assert problem == "stage 1 sent other files than it reported"
+    gate.set()
+    sending["thread"].join(60)
+    assert "s.bin: disk error" in str(sending.get("error")), sending
+    assert _pieces_left(server, 6, 1) == []

@@ -15,7 +15,8 @@ the store holds WINDOW pieces of a stage, and each end one piece in memory: a st
 real models, and a TCPStore keeps its keys in its host's memory. Whichever end stops early
 says so where the other waits next (a stop in place of the next piece, or of the next
 acknowledgement), and the coordinator's loop puts one there for a sender it counts lost
-(`Receiving`), so that nobody waits out `cluster.timeout_s` for a peer that is gone.
+(`Receiving`), so that nobody waits out `cluster.timeout_s` for a peer that is gone. The one
+exception: a receiver whose host is lost says nothing, and its sender waits out the timeout.
 """
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ def receive_stage(store: Any, iteration: int, stage: int, checksums: dict[str, s
                   receiving: Receiving | None = None) -> str:
     """`receive` of one stage of the checkpoint of `iteration`."""
     return receive(store, Stream.checkpoint(iteration, stage), checksums, folder,
-                   timeout_s=timeout_s, window=window, node=node, receiving=receiving)
+                   timeout_s=timeout_s, window=window, node=node, receiving=receiving,
+                   within=f"stage{stage}")
 
 
 def send_final(store: Any, post: Callable[[FinalUpload], None], node: str, stage: int,
@@ -133,30 +135,37 @@ def send(store: Any, s: Stream, folder: Path, checksums: dict[str, str], *,
     piece. The receiver starts when the worker's `StageUpload` reaches the coordinator, and
     every one it is told of runs, so a sender waits at most `timeout_s` for each piece's turn."""
     timeout = timedelta(seconds=timeout_s)
-    files = [(name, pieces_of((folder / name).stat().st_size)) for name in sorted(checksums)]
-    store.set(s.meta, json.dumps({"files": [list(f) for f in files]}))
     n = sent = 0
+    listed = unheard = False  # (the list is out; waiting for the receiver)
     try:
+        files = [(name, pieces_of((folder / name).stat().st_size)) for name in sorted(checksums)]
+        store.set(s.meta, json.dumps({"files": [list(f) for f in files]}))
+        listed = True
         for name, parts in files:
             count = 0
             for part in read_pieces(folder / name):
                 if count == parts:
                     raise OSError(f"{name} grew while it was sent")
                 if n >= window:
+                    unheard = True
                     _acknowledged(store, s, n - window, timeout)
+                    unheard = False
                 store.set(s.piece(n), DATA + part)
                 n, count, sent = n + 1, count + 1, sent + len(part)
             if count != parts:
                 raise OSError(f"{name} shrank while it was sent")
+        unheard = True
         store.wait([s.verdict], timeout)
         verdict = store.get(s.verdict).decode(errors="replace")
+    except UploadRefused:  # a stop from the receiver: it has ended, and reads no stop of ours
+        _take_back(store, s, n, window)
+        raise
     except BaseException as exc:
-        # (a stop from the receiver: it has ended, and no stop of ours is read)
-        _take_back(store, s, n, window, None if isinstance(exc, UploadRefused) else
-                   f"the sender gave up: {exc}"[:300])
+        _give_up(store, s, n, window, f"the sender gave up: {exc}"[:300], listed=listed,
+                 unheard=unheard)
         raise
     if verdict:  # (what the receiver did not take, if it refused before the end)
-        _take_back(store, s, n, window, None)
+        _take_back(store, s, n, window)
         raise UploadRefused(verdict)
     for key in [s.ack(i) for i in range(max(0, n - window), n)] + [s.verdict]:
         store.delete_key(key)
@@ -170,18 +179,45 @@ def _acknowledged(store: Any, s: Stream, n: int, timeout: timedelta) -> None:
         raise UploadRefused(answer[1:].decode(errors="replace"))
 
 
-def _take_back(store: Any, s: Stream, n: int, window: int, why: str | None) -> None:
-    """A sender that stops early removes what it put (the receiver may have taken some) and,
-    with `why`, leaves a stop in the next piece's place, so that a receiver waiting for it
-    ends now instead of at its timeout. Best effort: the store may be what failed."""
+def _take_back(store: Any, s: Stream, n: int, window: int) -> None:
+    """Remove what a sender of `n` pieces put and the receiver, which has ended, did not
+    take. Best effort: the store may be what failed."""
     try:  # (pieces before n - window were taken: piece n - 1 went after their acknowledgement)
         for key in [s.meta, s.verdict] + [s.piece(i) for i in range(max(0, n - window), n)] + \
                 [s.ack(i) for i in range(max(0, n - 2 * window), n + 1)]:
             store.delete_key(key)
-        if why is not None:
-            store.set(s.piece(n), STOP + why.encode())
     except Exception:  # noqa: BLE001 - the error that stopped the upload is the one to report
         pass
+
+
+def _give_up(store: Any, s: Stream, n: int, window: int, why: str, *, listed: bool,
+             unheard: bool) -> None:
+    """A sender that stops early (after `n` pieces) says `why` where the receiver waits next,
+    so that it ends now instead of at its timeout, and with it the committer behind it.
+
+    Its own failure (a file it cannot read, or that changed): the pieces the receiver has not
+    taken yet stay for it to take, and the stop goes after them, or in the list's place when
+    the list did not go: the receiver may be that far behind, or not started yet (it starts
+    when the loop reads the announcement), and a piece removed under it would hold it for
+    `timeout_s`. The receiver removes the stop when it meets it (`receive`). A receiver that
+    has ended (its verdict is there) takes nothing more: what it did not take is removed.
+    When the receiver did not answer in time (`unheard`: it may never come), what it has
+    not taken is removed and the stop goes both in the next piece's place and the list's.
+    A stop the store does not take: everything is removed. Best effort: the store may be
+    what failed."""
+    stop = STOP + why.encode()
+    try:
+        if store.check([s.verdict]):  # (it refused what came, and this end has not read it)
+            _take_back(store, s, n, window)
+            return
+        if not unheard:
+            store.set(s.piece(n) if listed else s.meta, stop)
+            return
+        _take_back(store, s, n, window)
+        store.set(s.piece(n), stop)
+        store.set(s.meta, stop)
+    except Exception:  # noqa: BLE001 - the error that stopped the upload is the one to report
+        _take_back(store, s, n, window)
 
 
 def read_pieces(path: Path) -> Iterator[bytes]:
@@ -222,13 +258,15 @@ class FileWriter:
 
 
 class Receiving:
-    """Which piece the committing host waits for, by sending node, so that the coordinator's
-    loop can end the wait when it counts that node lost: a sender that died mid-stage would
-    otherwise hold the committer (and every commit after it) for `cluster.timeout_s`."""
+    """Which pieces the committing host waits for, by sending node, so that the coordinator's
+    loop can end the waits when it counts that node lost: a sender that died mid-stage would
+    otherwise hold the committer (and every commit after it) for `cluster.timeout_s`. A node
+    may have several streams under way (a worker that holds two stages announces both at
+    once and sends them one after the other): each of their waits is kept."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiting: dict[str, str] = {}  # node -> the piece's key
+        self._waiting: dict[str, set[str]] = {}  # node -> the keys of the pieces awaited
         self._lost: set[str] = set()
 
     def waiting(self, node: str, key: str) -> bool:
@@ -236,41 +274,46 @@ class Receiving:
         with self._lock:
             if node in self._lost:
                 return False
-            self._waiting[node] = key
+            self._waiting.setdefault(node, set()).add(key)
             return True
 
     def lose(self, node: str, store: Any) -> None:
-        """`node` is gone: a stop in place of the piece awaited from it (sealed `store`)."""
+        """`node` is gone: a stop in place of each piece awaited from it (sealed `store`)."""
         with self._lock:
             if node in self._lost:
                 return
             self._lost.add(node)
-            key = self._waiting.pop(node, None)
-            if key is not None:
+            for key in sorted(self._waiting.pop(node, ())):
                 store.set(key, STOP + f"{node} was lost while it sent its stage".encode())
 
-    def done(self, node: str) -> None:
+    def done(self, node: str, *keys: str) -> None:
+        """No longer waiting for `keys` from `node` (taken, or the receive ended)."""
         with self._lock:
-            self._waiting.pop(node, None)
+            awaited = self._waiting.get(node, set())
+            awaited.difference_update(keys)
+            if not awaited:
+                self._waiting.pop(node, None)
 
 
 def receive(store: Any, s: Stream, checksums: dict[str, str], folder: Path, *,
             timeout_s: float, window: int = WINDOW, node: str = "",
-            receiving: Receiving | None = None) -> str:
+            receiving: Receiving | None = None, within: str = "") -> str:
     """Write the stage's files from the store into `folder` (the iteration's uncommitted
     folder) as their pieces come, each file checked against `checksums`; "" when whole, else
-    what is wrong. Each piece is taken out of the store and acknowledged at once (the sender
-    waits for that, `send_stage`), also after a problem, so that the sender is never left
-    waiting: it hears the verdict. `store` is sealed (`store/sealed.py`): a record written
-    without the job's key is what is wrong, never a crash."""
+    what is wrong. With `within`, every file must be in that subfolder of `folder` (a stage's
+    own: one that named another stage's files would overwrite them). Each piece is taken out
+    of the store and acknowledged at once (the sender waits for that, `send_stage`), also
+    after a problem, so that the sender is never left waiting: it hears the verdict. `store`
+    is sealed (`store/sealed.py`): a record written without the job's key is what is wrong,
+    never a crash."""
     stage = s.stage
     timeout = timedelta(seconds=timeout_s)
     taken = 0
     out: FileWriter | None = None
     try:
         _arrived(store, s.meta, timeout, node, receiving)
-        _no_longer_waiting(node, receiving)  # (the sender is there: it wrote its list first)
-        files = _file_list(store, s, stage, checksums)
+        _no_longer_waiting(node, s.meta, receiving)  # (the sender is there: its list came)
+        files = _file_list(store, s, stage, checksums, within)
         problem = ""
         for name, parts in files:
             out = FileWriter(folder / name) if not problem else None
@@ -291,9 +334,7 @@ def receive(store: Any, s: Stream, checksums: dict[str, str], folder: Path, *,
         _refuse(store, s, taken, window, str(why))
         return str(why)
     except _Ended as why:  # the sender is gone, or gave up: nobody waits for a verdict
-        for key in [s.meta] + [s.ack(i) for i in range(max(0, taken - window), taken)] + \
-                [s.piece(i) for i in range(taken, taken + window)]:
-            store.delete_key(key)
+        _clear_after_stop(store, s, taken, window)
         return str(why)
     except Exception as exc:  # noqa: BLE001 - the store or this disk failed: not whole
         why = f"the files of stage {stage}: {str(exc).splitlines()[0][:300]}"
@@ -305,15 +346,24 @@ def receive(store: Any, s: Stream, checksums: dict[str, str], folder: Path, *,
     finally:
         if out is not None:  # ended half-way through a file: no file of the checkpoint
             out.discard()
-        if receiving is not None:
-            receiving.done(node)
+        if receiving is not None:  # (what it waited for when it ended, if anything)
+            receiving.done(node, s.meta, s.piece(taken))
     store.delete_key(s.meta)
     store.set(s.verdict, problem)
     return problem
 
 
-def _file_list(store: Any, s: Stream, stage: int,
-               checksums: dict[str, str]) -> list[tuple[str, int]]:
+def _clear_after_stop(store: Any, s: Stream, taken: int, window: int) -> None:
+    """Remove the stream's keys once a stop ended it (or the wait for a piece did): the last
+    acknowledgements, and the pieces a sender may have put past this end's place, its stop
+    among them (`_give_up`: up to `window` ahead)."""
+    for key in [s.meta] + [s.ack(i) for i in range(max(0, taken - window), taken)] + \
+            [s.piece(i) for i in range(taken, taken + window + 1)]:
+        store.delete_key(key)
+
+
+def _file_list(store: Any, s: Stream, stage: int, checksums: dict[str, str],
+               within: str) -> list[tuple[str, int]]:
     try:
         raw = store.get(s.meta)
         if raw.startswith(STOP):  # the loop's, for a sender lost before its list came
@@ -326,11 +376,23 @@ def _file_list(store: Any, s: Stream, stage: int,
         raise UploadRefused(f"the files of stage {stage}: an unreadable file list") from None
     if sorted(name for name, _ in files) != sorted(checksums):
         raise UploadRefused(f"stage {stage} sent other files than it reported")
-    if any(Path(name).is_absolute() or ".." in Path(name).parts for name, _ in files):
-        raise UploadRefused(f"stage {stage} sent a file outside its folder")
+    astray = [name for name, _ in files if outside(name, within)]
+    if astray:
+        raise UploadRefused(f"stage {stage} sent a file outside its folder: {astray[0]!r}")
     if any(parts < 1 for _, parts in files):
         raise UploadRefused(f"stage {stage}: a file in no pieces")
     return files
+
+
+def outside(name: str, within: str = "") -> bool:
+    """Whether the file `name` (a path relative to a checkpoint's folder) is not a plain
+    relative path (none of its parts empty, "." or ".."), or not in the subfolder `within`
+    (a stage's, "stage3"; "": anywhere in the folder). A stage's files named otherwise would
+    be written, or committed, over another stage's or outside the checkpoint."""
+    parts = name.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        return True
+    return bool(within) and (len(parts) < 2 or parts[0] != within)
 
 
 def _arrived(store: Any, key: str, timeout: timedelta, node: str,
@@ -351,11 +413,11 @@ def _take(store: Any, s: Stream, n: int, window: int, timeout: timedelta, node: 
     try:
         raw = store.get(key)
     except Refused:
-        _no_longer_waiting(node, receiving)
+        _no_longer_waiting(node, key, receiving)
         store.delete_key(key)
         _acknowledge(store, s, n, window)  # (the sender goes on, and hears the verdict)
         raise
-    _no_longer_waiting(node, receiving)
+    _no_longer_waiting(node, key, receiving)
     store.delete_key(key)
     if raw.startswith(STOP):
         raise _Ended(raw[1:].decode(errors="replace"))
@@ -365,11 +427,11 @@ def _take(store: Any, s: Stream, n: int, window: int, timeout: timedelta, node: 
     return raw[1:]
 
 
-def _no_longer_waiting(node: str, receiving: Receiving | None) -> None:
+def _no_longer_waiting(node: str, key: str, receiving: Receiving | None) -> None:
     """Between reading a piece and removing it: a stop the loop writes up to here lands on
     the piece and goes with it; from here on the loop writes none for it (`Receiving`)."""
     if receiving is not None:
-        receiving.done(node)
+        receiving.done(node, key)
 
 
 def _acknowledge(store: Any, s: Stream, n: int, window: int) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from spotpipe.checkpoint.transfer import outside
+
 Checksums = dict[str, str]  # a file's path in the checkpoint -> its SHA-256
 Partition = tuple[tuple[int, int], ...]  # the layer ranges of the stages
 # the worker schemes (`checkpoint.scheme`) that write the durable tier; the shadows, which
@@ -43,9 +45,15 @@ class CheckpointParts:
         them is, every stage's checksums, to commit (the iteration is then forgotten here).
         None before, and for an iteration that failed. The partition is the one its writers
         ran the iteration with: not the job's when the report comes, which a re-partition
-        may have changed meanwhile."""
+        may have changed meanwhile. A stage that reports a file outside its own folder
+        (another stage's, the manifest's place, one out of the checkpoint) is refused: the
+        commit would list it as that stage's."""
         if iteration in self.failed:
             return None
+        astray = sorted(name for name in checksums if outside(name, f"stage{stage}"))
+        if astray:
+            raise ValueError(f"checkpoint of iteration {iteration}: stage {stage} reported a "
+                             f"file outside its folder stage{stage}/: {astray[0][:200]!r}")
         known = self.partitions.setdefault(iteration, partition)
         if known != partition:  # (one iteration runs with one partition: not a real case)
             raise ValueError(f"checkpoint of iteration {iteration}: stage {stage} was written "

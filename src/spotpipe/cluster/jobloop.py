@@ -544,6 +544,9 @@ class JobLoop:
             self._checkpoint_saved(message)
         elif isinstance(message, FinalUpload):
             self._final_upload(message, writer)
+        elif isinstance(message, StageUpload) and writer != message.node:
+            # (its receive would be ended by the named node's loss, not by its sender's)
+            self.coordinator.refused(writer, f"a stage_upload in the name of {message.node}")
         elif isinstance(message, StageUpload):
             files.event({"time_s": message.time_s, "kind": "checkpoint_upload",
                          "node": message.node, "iteration": message.iteration,
