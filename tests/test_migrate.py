@@ -76,12 +76,17 @@ def _stage(dtypes: list[torch.dtype], trained: bool):
 
 @pytest.mark.parametrize("dtypes", [[torch.bfloat16], [torch.bfloat16, torch.float32]],
                          ids=["bf16", "bf16+fp32"])
-def test_stage_moves_keep_every_dtype_bit_for_bit(dtypes):
+def test_stage_moves_keep_every_dtype_bit_for_bit(dtypes, monkeypatch):
     """A stage sent to two nodes (an owned copy, a replica) and kept locally as a replica
     arrives as the sender's bits, whatever its dtypes. Before, a stage travelled as one
     tensor in its first parameter's dtype into a float32 buffer: bf16 parameters arrived as
     whatever the buffer held (gloo fills a longer buffer from a shorter message silently),
-    and every other tensor was rounded to bf16 (AdamW's step 257 became 256)."""
+    and every other tensor was rounded to bf16 (AdamW's step 257 became 256). The sender
+    packs the stage once for both messages (it held a flat copy per transfer, the local one
+    included, until every send was done)."""
+    packs = []
+    pack = migrate._pack
+    monkeypatch.setattr(migrate, "_pack", lambda *a: packs.append(1) or pack(*a))
     source = _stage(dtypes, trained=True)
     plan = [Transfer("stage", 1, "a", "b"), Transfer("replica", 1, "a", "c"),
             Transfer("replica", 1, "a", "a")]
@@ -104,6 +109,7 @@ def test_stage_moves_keep_every_dtype_bit_for_bit(dtypes):
     nbytes = sum(t.numel() * t.element_size() for t in migrate.stage_tensors(*source))
     assert got["b"][("bytes", -1)] == got["c"][("bytes", -1)] == nbytes
     assert got["a"][("bytes", -1)] == 0
+    assert len(packs) == 1
 
 
 def test_a_stage_built_otherwise_is_refused_naming_its_sender():
