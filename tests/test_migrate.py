@@ -135,3 +135,32 @@ def test_a_stage_built_otherwise_is_refused_naming_its_sender():
     got = _as_nodes(["a", "b"], part)
     assert isinstance(got["b"], RuntimeError)
     assert "stage 2 from a" in str(got["b"]) and "built the stage differently" in str(got["b"])
+
+
+def test_a_layer_of_another_shape_is_refused_naming_its_sender():
+    """A re-partition's layer that does not fit the stage its receiver built stops the
+    receiver with an error naming the layer and the node that sent it (it named only the
+    parameter); the mismatched parameter is left as it was built."""
+    from types import SimpleNamespace
+
+    from spotpipe.plan import LayerMove
+
+    def stage(width: int):
+        module = torch.nn.Sequential(torch.nn.Linear(2, width))
+        return module, torch.optim.AdamW(module.parameters(), foreach=False)
+
+    model = SimpleNamespace(layers=[torch.nn.Linear(2, 2)])
+    held, built = stage(2), stage(3)
+    kept = built[0][0].weight.detach().clone()
+
+    def part(comm, me):
+        have = migrate.state_index([held] if me == "a" else [])
+        want = migrate.state_index([built] if me == "b" else [])
+        return migrate.exchange_layers([LayerMove(0, "a", "b")], me, comm, comm.store, "x",
+                                       model, have, want, timeout_s=30)
+
+    got = _as_nodes(["a", "b"], part)
+    assert got["a"] == 0
+    assert isinstance(got["b"], RuntimeError)
+    assert "layer 0 from a" in str(got["b"]) and "0.weight" in str(got["b"])
+    assert torch.equal(built[0][0].weight, kept)

@@ -299,12 +299,17 @@ def exchange_layers(moves: list[LayerMove], me: str, comm: Comm, store: Any, pre
             works.append(comm.post_recv(flat, peer, tag(LAYERS, 0)))
     for work in works:
         comm.wait(work)
-    received: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {}
-    for meta, flat in incoming.values():
-        received.update(unpack_layers(meta, flat))
+    received: dict[str, tuple[str, tuple[torch.Tensor, dict[str, Any]]]] = {}
+    for peer, (meta, flat) in incoming.items():
+        received.update((name, (peer, entry)) for name, entry in unpack_layers(meta, flat).items())
     for name in want:
         if name in received:
-            install(name, *received[name], want)
+            peer, entry = received[name]
+            try:
+                install(name, *entry, want)
+            except RuntimeError as exc:  # (a peer that built its layers otherwise)
+                raise RuntimeError(f"{me}: the re-partition's layer {name.split('.')[0]} "
+                                   f"from {peer} does not fit: {exc}") from None
         elif name in have:
             install(name, *local_entry(name, have), want)
         else:
