@@ -100,9 +100,12 @@ def _header(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 
 def _pack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The tensors' bytes in one buffer on `device`, put together where the stage lives (a
+    CPU replica sent over NCCL takes one copy's room on the GPU, not two)."""
     if not tensors:
         return torch.zeros(0, dtype=torch.uint8, device=device)
-    return torch.cat([_raw(t, device) for t in tensors])
+    home = tensors[0].device
+    return torch.cat([_raw(t, home) for t in tensors]).to(device)
 
 
 def _receive_stage(comm: Comm, t: Transfer, tag_: int, tensors: list[torch.Tensor]) -> int:
