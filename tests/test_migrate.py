@@ -112,22 +112,25 @@ def test_stage_moves_keep_every_dtype_bit_for_bit(dtypes, monkeypatch):
     assert len(packs) == 1
 
 
-def test_a_stage_built_otherwise_is_refused_naming_its_sender():
+@pytest.mark.parametrize("theirs,mine", [((3, 3), (3, 4)), ((2, 6), (3, 4))],
+                         ids=["larger", "same-size-other-shape"])
+def test_a_stage_built_otherwise_is_refused_naming_its_sender(theirs, mine):
     """A receiver whose stage differs from what its sender holds stops with an error that
     names the sender and the stage, and loads nothing (before: a shorter message filled part
-    of its buffer silently, a longer one aborted the process in gloo)."""
-    def build(width: int):
-        module = torch.nn.Sequential(torch.nn.Linear(3, width))
+    of its buffer silently, a longer one aborted the process in gloo, one of the same size
+    was reshaped into the receiver's tensors)."""
+    def build(shape: tuple[int, int]):
+        module = torch.nn.Sequential(torch.nn.Linear(*shape, bias=False))
         return module, torch.optim.AdamW(module.parameters(), foreach=False)
 
-    source = build(3)
+    source = build(theirs)
     plan = [Transfer("replica", 2, "a", "b")]
 
     def part(comm, me):
         if me == "a":
-            return migrate.run(plan, me, comm, {("stage", 2): source}, lambda s: build(3))
+            return migrate.run(plan, me, comm, {("stage", 2): source}, lambda s: build(theirs))
         try:
-            return migrate.run(plan, me, comm, {}, lambda s: build(4))
+            return migrate.run(plan, me, comm, {}, lambda s: build(mine))
         finally:  # take the stage's bytes that the sender posted, so that its send completes
             comm.wait(comm.post_recv(torch.empty(1 << 12, dtype=torch.uint8), "a",
                                      migrate.tag(migrate.REPLICA_COPY, 2)))

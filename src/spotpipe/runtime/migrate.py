@@ -89,8 +89,8 @@ def stage_tensors(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[t
 
 
 def _layout_code(tensors: list[torch.Tensor]) -> int:
-    """A fingerprint of the tensors' dtypes and sizes, in order (63 bits, for an int64)."""
-    text = ";".join(f"{t.dtype}:{t.numel()}" for t in tensors)
+    """A fingerprint of the tensors' dtypes and shapes, in order (63 bits, for an int64)."""
+    text = ";".join(f"{t.dtype}:{list(t.shape)}" for t in tensors)
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
 
 
