@@ -179,3 +179,33 @@ def test_the_planner_re_partitions_no_lower_than_the_depth_whose_stages_fit(corp
     assert job.min_stages(tight, profile) == 2
     assert rules_for(tight, lambda d: job.partition_at_depth(tight, profile, d),
                      job.min_stages(tight, profile)).min_stages == 2
+
+
+def test_a_depth_that_leaves_a_stage_without_parameters_is_refused(corpus):
+    """Launched at P = 5, every stage holds parameters; a re-partition to P = 4 cut stage 2
+    from layers 5-6 alone, which have none (activations), and every node stopped while it
+    built that stage (torch: "optimizer got an empty parameter list"). Such a depth is now
+    refused by the partitioner, so the planner keeps the layout it has and says why."""
+    from spotpipe.cluster.coordinator import rules_for
+    from spotpipe.model.partition import PartitionError
+    from spotpipe.plan import Action, Layout, decide
+    from spotpipe.plan.memory import LayerMemory
+    from spotpipe.plan.profile import LayerProfile
+    from spotpipe.plan.recovery import History, _choose
+
+    cfg = tiny_config(corpus, stages=5)
+    params = (10, 10, 0, 10, 10, 0, 0, 10, 5)
+    profile = LayerProfile(names=(), params=params,
+                           memory=tuple(LayerMemory(p, 0.0, 0.0) for p in params))
+    launched = job.partition_at_depth(cfg, profile, 5)
+    assert all(sum(params[a:b]) for a, b in launched)
+    with pytest.raises(PartitionError, match="stage 2 of 4 .* layers 5-6"):
+        job.partition_at_depth(cfg, profile, 4)
+    rules = rules_for(cfg, lambda d: job.partition_at_depth(cfg, profile, d), 1)
+    # n2 was lost and n1 took its stage over: with no standby node, the job re-partitions
+    carried = decide(Layout.build(5, 1, [f"n{i}" for i in range(5)]), {"n2"}, []).layout
+    assert decide(carried, set(), []).action == Action.REPARTITION
+    choice, refused = _choose(History(layout=carried, partition=launched), frozenset(), [],
+                              rules)
+    assert choice.action == Action.KEEP and choice.layout.num_stages == 5
+    assert refused is not None and "layers 5-6" in refused

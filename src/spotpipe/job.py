@@ -236,15 +236,33 @@ def compute_partition(cfg: Config, profile: LayerProfile,
             stage_of = split_points_map(list(profile.names), list(cfg.model.split_points))
         except SplitError as exc:
             raise PartitionError(str(exc)) from None
-        return explicit_partition(stage_of, p, n)
+        ranges = explicit_partition(stage_of, p, n)
+        refuse_parameterless_stage(profile.params, ranges)
+        return ranges
     method = cfg.model.partition
     if method == "balanced":
         if profile.times is None:
             raise PartitionError("partition method 'balanced' needs the layers' profiled "
                                  "times, and the profile has none")
-        return balanced_under_memory(cfg, profile, p)
-    return cut(method, n, p, params=profile.params, times=profile.times,
-               explicit=list(cfg.model.stage_of_layer) or None)
+        ranges = balanced_under_memory(cfg, profile, p)
+    else:
+        ranges = cut(method, n, p, params=profile.params, times=profile.times,
+                     explicit=list(cfg.model.stage_of_layer) or None)
+    refuse_parameterless_stage(profile.params, ranges)
+    return ranges
+
+
+def refuse_parameterless_stage(params: tuple[int, ...] | list[int],
+                               ranges: list[tuple[int, int]]) -> None:
+    """A stage must hold parameters: its optimizer, its replica's updates and the loss
+    scale all live with them (torch refuses an optimizer of none). A depth whose cut gives
+    a stage only parameterless layers (activations, dropout, reshapes) is refused here, so
+    that a re-partition to it is refused by the planner (`plan.recovery._choose`) instead
+    of stopping the nodes midway with torch's "optimizer got an empty parameter list"."""
+    for stage, (start, end) in enumerate(ranges):
+        if not any(params[start:end]):
+            raise PartitionError(f"stage {stage} of {len(ranges)} would hold only layers "
+                                 f"{start}-{end - 1}, which have no parameters")
 
 
 def partition_at_depth(cfg: Config, profile: LayerProfile,

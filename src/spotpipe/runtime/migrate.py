@@ -13,6 +13,7 @@ A change of depth (re-partition) moves layers instead of stages: see `exchange_l
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -38,40 +39,100 @@ def run(plan: list[Transfer], me: str, comm: Comm, have: dict[tuple[str, int], A
     owned stages, "replica" for its replica); `build(stage)` makes an empty module and
     optimizer of a stage. Returns what this node received, by (kind, stage), and under
     ("bytes", -1) how many bytes came over the network.
+
+    A stage travels as the raw bytes of its tensors (`stage_tensors`), so each keeps its
+    dtype bit for bit, behind a header with their size and layout that the receiver checks
+    against the stage it built before it takes the bytes: gloo fills a larger buffer from a
+    shorter message without a word and aborts the process on a longer one. A stage sent to
+    several nodes is packed once.
     """
+    def source(stage: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        return have.get(("stage", stage)) or have[("replica", stage)]
+
+    def kind_of(t: Transfer) -> int:
+        return STAGE if t.kind == "stage" else REPLICA_COPY
+
     sends = []
-    bytes_moved = [0]
+    packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for t in plan:
         if t.src == me and t.dst != me:
-            module, optimizer = have.get(("stage", t.stage)) or have[("replica", t.stage)]
-            flat = flatten(module, optimizer).to(comm.device)
-            kind = STAGE if t.kind == "stage" else REPLICA_COPY
-            sends.append((comm.post_send(flat, t.dst, tag(kind, t.stage)), flat))
+            if t.stage not in packed:
+                tensors = stage_tensors(*source(t.stage))
+                packed[t.stage] = (_header(tensors, comm.device), _pack(tensors, comm.device))
+            for part in packed[t.stage]:
+                sends.append(comm.post_send(part, t.dst, tag(kind_of(t), t.stage)))
     received: dict[tuple[str, int], Any] = {}
+    bytes_moved = 0
     for t in plan:
         if t.dst != me:
             continue
         module, optimizer = build(t.stage)
+        tensors = stage_tensors(module, optimizer)
         if t.src == me:  # local: the node keeps a copy of a stage it owned
-            src_module, src_optimizer = have.get(("stage", t.stage)) or have[("replica", t.stage)]
-            unflatten(flatten(src_module, src_optimizer), module, optimizer)
+            with torch.no_grad():
+                for target, value in zip(tensors, stage_tensors(*source(t.stage))):
+                    target.copy_(value)
         else:
-            materialise_optimizer_state(module, optimizer)
-            size = sum(p.numel() for p in module.parameters()) + sum(
-                x.numel() for x in optimizer_tensors(optimizer))
-            flat = torch.empty(size, device=comm.device)
-            kind = STAGE if t.kind == "stage" else REPLICA_COPY
-            comm.wait(comm.post_recv(flat, t.src, tag(kind, t.stage)))
-            unflatten(flat, module, optimizer)
+            bytes_moved += _receive_stage(comm, t, tag(kind_of(t), t.stage), tensors)
         received[(t.kind, t.stage)] = (module, optimizer)
-        nbytes = sum(p.numel() * p.element_size() for p in module.parameters()) + sum(
-            x.numel() * x.element_size() for x in optimizer_tensors(optimizer))
-        bytes_moved[0] += 0 if t.src == me else nbytes
-    for work, _ in sends:
+    for work in sends:
         comm.wait(work)
-    received[("bytes", -1)] = bytes_moved[0]
+    received[("bytes", -1)] = bytes_moved
     return received
 
+
+def stage_tensors(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """A stage's state in message order: its parameters, then its optimizer's tensors (the
+    state created first where it is missing, so that both ends list the same tensors)."""
+    materialise_optimizer_state(module, optimizer)
+    return [p.detach() for p in module.parameters()] + optimizer_tensors(optimizer)
+
+
+def _layout_code(tensors: list[torch.Tensor]) -> int:
+    """A fingerprint of the tensors' dtypes and shapes, in order (63 bits, for an int64)."""
+    text = ";".join(f"{t.dtype}:{list(t.shape)}" for t in tensors)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+
+
+def _header(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return torch.tensor([nbytes, _layout_code(tensors)], dtype=torch.int64, device=device)
+
+
+def _pack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The tensors' bytes in one buffer on `device`, put together where the stage lives (a
+    CPU replica sent over NCCL takes one copy's room on the GPU, not two)."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.uint8, device=device)
+    home = tensors[0].device
+    return torch.cat([_raw(t, home) for t in tensors]).to(device)
+
+
+def _receive_stage(comm: Comm, t: Transfer, tag_: int, tensors: list[torch.Tensor]) -> int:
+    """Receive `t`'s state into `tensors` (the stage this node built), once its header says
+    that the message is that stage; returns the bytes received."""
+    header = torch.empty(2, dtype=torch.int64, device=comm.device)
+    comm.wait(comm.post_recv(header, t.src, tag_))
+    expected = _header(tensors, torch.device("cpu")).tolist()
+    got = header.tolist()
+    if got != expected:
+        raise RuntimeError(
+            f"{comm.me}: the {t.kind} of stage {t.stage} from {t.src} is {got[0]} bytes of "
+            f"tensors laid out as {got[1]:x}, this node's stage {t.stage} is {expected[0]} "
+            f"bytes laid out as {expected[1]:x}: the two nodes built the stage differently "
+            "(model, partition or optimizer)")
+    flat = torch.empty(expected[0], dtype=torch.uint8, device=comm.device)
+    comm.wait(comm.post_recv(flat, t.src, tag_))
+    offset = 0
+    with torch.no_grad():
+        for target in tensors:
+            size = target.numel() * target.element_size()
+            part = flat[offset: offset + size]
+            if offset % target.element_size():  # a wider dtype after a narrower one
+                part = part.clone()
+            target.copy_(part.view(target.dtype).view_as(target))
+            offset += size
+    return offset
 
 
 # -- re-partition: layers move, not stages -------------------------------------------------
@@ -241,12 +302,17 @@ def exchange_layers(moves: list[LayerMove], me: str, comm: Comm, store: Any, pre
             works.append(comm.post_recv(flat, peer, tag(LAYERS, 0)))
     for work in works:
         comm.wait(work)
-    received: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {}
-    for meta, flat in incoming.values():
-        received.update(unpack_layers(meta, flat))
+    received: dict[str, tuple[str, tuple[torch.Tensor, dict[str, Any]]]] = {}
+    for peer, (meta, flat) in incoming.items():
+        received.update((name, (peer, entry)) for name, entry in unpack_layers(meta, flat).items())
     for name in want:
         if name in received:
-            install(name, *received[name], want)
+            peer, entry = received[name]
+            try:
+                install(name, *entry, want)
+            except RuntimeError as exc:  # (a peer that built its layers otherwise)
+                raise RuntimeError(f"{me}: the re-partition's layer {name.split('.')[0]} "
+                                   f"from {peer} does not fit: {exc}") from None
         elif name in have:
             install(name, *local_entry(name, have), want)
         else:

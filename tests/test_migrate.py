@@ -1,0 +1,169 @@
+"""Stage and replica moves between nodes (`runtime.migrate.run`), over real gloo groups of
+nodes that are threads of this process: what arrives is the sender's state, bit for bit."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from spotpipe.plan.transfers import Transfer
+from spotpipe.runtime import migrate
+
+
+class _Comm:
+    """The part of a generation's `Comm` that state moves use, on a gloo group of threads."""
+
+    def __init__(self, store: dist.Store, nodes: list[str], me: str) -> None:
+        self.nodes, self.me, self.device = nodes, me, torch.device("cpu")
+        self.store = store
+        self.world = dist.ProcessGroupGloo(dist.PrefixStore("world", store), nodes.index(me),
+                                           len(nodes), timedelta(seconds=30))
+
+    def post_send(self, tensor, node, tag_):
+        return self.world.send([tensor], self.nodes.index(node), tag_)
+
+    def post_recv(self, tensor, node, tag_):
+        return self.world.recv([tensor], self.nodes.index(node), tag_)
+
+    def wait(self, work) -> None:
+        work.wait()
+
+    def wait_keys(self, keys, timeout_s, what) -> None:
+        self.store.wait(keys, timedelta(seconds=timeout_s))
+
+    @contextlib.contextmanager
+    def waiting_on_peer(self):
+        yield
+
+
+def _as_nodes(nodes: list[str], part) -> dict[str, object]:
+    """Run `part(comm, node)` on a thread per node; what each returned or raised, by node."""
+    store, out = dist.HashStore(), {}
+
+    def node(me: str) -> None:
+        try:
+            out[me] = part(_Comm(store, nodes, me), me)
+        except Exception as exc:  # (the test looks at it)
+            out[me] = exc
+
+    threads = [threading.Thread(target=node, args=(n,), daemon=True) for n in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a node did not finish"
+    return out
+
+
+def _stage(dtypes: list[torch.dtype], trained: bool):
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*[torch.nn.Linear(3, 3).to(d) for d in dtypes])
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2, foreach=False)
+    if trained:
+        for _ in range(2):
+            for p in module.parameters():
+                p.grad = torch.randn_like(p)
+            optimizer.step()
+        for p in module.parameters():
+            optimizer.state[p]["step"].fill_(257.0)  # (not a bf16 number)
+    return module, optimizer
+
+
+@pytest.mark.parametrize("dtypes", [[torch.bfloat16], [torch.bfloat16, torch.float32]],
+                         ids=["bf16", "bf16+fp32"])
+def test_stage_moves_keep_every_dtype_bit_for_bit(dtypes, monkeypatch):
+    """A stage sent to two nodes (an owned copy, a replica) and kept locally as a replica
+    arrives as the sender's bits, whatever its dtypes. Before, a stage travelled as one
+    tensor in its first parameter's dtype into a float32 buffer: bf16 parameters arrived as
+    whatever the buffer held (gloo fills a longer buffer from a shorter message silently),
+    and every other tensor was rounded to bf16 (AdamW's step 257 became 256). The sender
+    packs the stage once for both messages (it held a flat copy per transfer, the local one
+    included, until every send was done)."""
+    packs = []
+    pack = migrate._pack
+    monkeypatch.setattr(migrate, "_pack", lambda *a: packs.append(1) or pack(*a))
+    source = _stage(dtypes, trained=True)
+    plan = [Transfer("stage", 1, "a", "b"), Transfer("replica", 1, "a", "c"),
+            Transfer("replica", 1, "a", "a")]
+
+    def part(comm, me):
+        have = {("stage", 1): source} if me == "a" else {}
+        return migrate.run(plan, me, comm, have, lambda stage: _stage(dtypes, trained=False))
+
+    got = _as_nodes(["a", "b", "c"], part)
+    module, optimizer = source
+    for node, key in (("b", ("stage", 1)), ("c", ("replica", 1)), ("a", ("replica", 1))):
+        assert not isinstance(got[node], Exception), got[node]
+        copy, copy_optimizer = got[node][key]
+        for p, q in zip(module.parameters(), copy.parameters()):
+            assert q.dtype == p.dtype and torch.equal(q, p), node
+            state, copied = optimizer.state[p], copy_optimizer.state[q]
+            assert sorted(copied) == sorted(state)
+            for k in state:
+                assert copied[k].dtype == state[k].dtype and torch.equal(copied[k], state[k])
+    nbytes = sum(t.numel() * t.element_size() for t in migrate.stage_tensors(*source))
+    assert got["b"][("bytes", -1)] == got["c"][("bytes", -1)] == nbytes
+    assert got["a"][("bytes", -1)] == 0
+    assert len(packs) == 1
+
+
+@pytest.mark.parametrize("theirs,mine", [((3, 3), (3, 4)), ((2, 6), (3, 4))],
+                         ids=["larger", "same-size-other-shape"])
+def test_a_stage_built_otherwise_is_refused_naming_its_sender(theirs, mine):
+    """A receiver whose stage differs from what its sender holds stops with an error that
+    names the sender and the stage, and loads nothing (before: a shorter message filled part
+    of its buffer silently, a longer one aborted the process in gloo, one of the same size
+    was reshaped into the receiver's tensors)."""
+    def build(shape: tuple[int, int]):
+        module = torch.nn.Sequential(torch.nn.Linear(*shape, bias=False))
+        return module, torch.optim.AdamW(module.parameters(), foreach=False)
+
+    source = build(theirs)
+    plan = [Transfer("replica", 2, "a", "b")]
+
+    def part(comm, me):
+        if me == "a":
+            return migrate.run(plan, me, comm, {("stage", 2): source}, lambda s: build(theirs))
+        try:
+            return migrate.run(plan, me, comm, {}, lambda s: build(mine))
+        finally:  # take the stage's bytes that the sender posted, so that its send completes
+            comm.wait(comm.post_recv(torch.empty(1 << 12, dtype=torch.uint8), "a",
+                                     migrate.tag(migrate.REPLICA_COPY, 2)))
+
+    got = _as_nodes(["a", "b"], part)
+    assert isinstance(got["b"], RuntimeError)
+    assert "stage 2 from a" in str(got["b"]) and "built the stage differently" in str(got["b"])
+
+
+def test_a_layer_of_another_shape_is_refused_naming_its_sender():
+    """A re-partition's layer that does not fit the stage its receiver built stops the
+    receiver with an error naming the layer and the node that sent it (it named only the
+    parameter); the mismatched parameter is left as it was built."""
+    from types import SimpleNamespace
+
+    from spotpipe.plan import LayerMove
+
+    def stage(width: int):
+        module = torch.nn.Sequential(torch.nn.Linear(2, width))
+        return module, torch.optim.AdamW(module.parameters(), foreach=False)
+
+    model = SimpleNamespace(layers=[torch.nn.Linear(2, 2)])
+    held, built = stage(2), stage(3)
+    kept = built[0][0].weight.detach().clone()
+
+    def part(comm, me):
+        have = migrate.state_index([held] if me == "a" else [])
+        want = migrate.state_index([built] if me == "b" else [])
+        return migrate.exchange_layers([LayerMove(0, "a", "b")], me, comm, comm.store, "x",
+                                       model, have, want, timeout_s=30)
+
+    got = _as_nodes(["a", "b"], part)
+    assert got["a"] == 0
+    assert isinstance(got["b"], RuntimeError)
+    assert "layer 0 from a" in str(got["b"]) and "0.weight" in str(got["b"])
+    assert torch.equal(built[0][0].weight, kept)
