@@ -167,3 +167,58 @@ def test_a_layer_of_another_shape_is_refused_naming_its_sender():
     assert isinstance(got["b"], RuntimeError)
     assert "layer 0 from a" in str(got["b"]) and "0.weight" in str(got["b"])
     assert torch.equal(built[0][0].weight, kept)
+
+
+def _stepped_adamw() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    module = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1, foreach=False)
+    module(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    return module, optimizer
+
+
+def _devices(optimizer: torch.optim.Optimizer) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            out.setdefault(key, set()).add(value.device.type)
+    return out
+
+
+def test_optimizer_state_follows_its_parameters_to_another_device():
+    """`module.to` moves parameters, not the optimizer's state: a CPU replica promoted onto a
+    GPU kept its moments on the CPU, and its first step as an owner would fail. (The meta
+    device stands in for a GPU here: what matters is where each tensor ends up.) AdamW's step
+    count stays on the CPU, as torch keeps it, unless the group is fused."""
+    from spotpipe.runtime.optim import follow_parameters
+
+    # as `module.to("cuda")` leaves them: the same parameters on the device, the state not
+    # (`.to("meta")` would make new parameters: meta and CPU tensors do not swap their data)
+    module = torch.nn.Linear(3, 2, device="meta")
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1)
+    for p in module.parameters():
+        optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(p.shape),
+                              "exp_avg_sq": torch.zeros(p.shape)}
+    follow_parameters(optimizer)
+    assert _devices(optimizer) == {"step": {"cpu"}, "exp_avg": {"meta"},
+                                   "exp_avg_sq": {"meta"}}
+    optimizer.param_groups[0]["fused"] = True
+    follow_parameters(optimizer)
+    assert _devices(optimizer)["step"] == {"meta"}
+
+
+def test_a_layer_installed_on_another_device_keeps_its_step_count_on_the_cpu():
+    """A re-partition installs a CPU replica's layer into a GPU stage: its step count went
+    beside the parameter (the sender kept it beside its own, on the CPU), and each step of
+    the stage then waited on the device to read it."""
+    sent, sent_optimizer = _stepped_adamw()
+    name = "0.weight"
+    have = {name: (sent.weight, sent_optimizer)}
+    meta, flat = migrate.pack_layers([name], have, torch.device("cpu"))
+    value, state = migrate.unpack_layers(meta, flat)[name]
+    target = torch.nn.Linear(3, 2, device="meta")
+    target_optimizer = torch.optim.AdamW(target.parameters(), lr=0.1)
+    migrate.install(name, value, state, {name: (target.weight, target_optimizer)})
+    placed = target_optimizer.state[target.weight]
+    assert placed["step"].device.type == "cpu"
+    assert placed["exp_avg"].device.type == placed["exp_avg_sq"].device.type == "meta"

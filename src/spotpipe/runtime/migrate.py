@@ -25,7 +25,7 @@ from spotpipe.plan import LayerMove, exchange_order
 from spotpipe.plan.transfers import Transfer
 from spotpipe.runtime.comm import Comm, tag
 from spotpipe.runtime.digest import optimizer_tensors
-from spotpipe.runtime.optim import materialise_optimizer_state
+from spotpipe.runtime.optim import materialise_optimizer_state, state_device
 from spotpipe.runtime.state import flatten, unflatten  # noqa: F401 (re-exported)
 
 STAGE, REPLICA_COPY = 4, 5  # message kinds (see comm.tag)
@@ -186,8 +186,7 @@ def pack_layers(names: list[str], have: StateIndex,
         for key in sorted(state):
             value = state[key]
             if isinstance(value, torch.Tensor):
-                entry["state"][key] = {"shape": list(value.shape), "dtype": str(value.dtype),
-                                       "on_param_device": value.device == p.device}
+                entry["state"][key] = {"shape": list(value.shape), "dtype": str(value.dtype)}
                 chunks.append(_raw(value, device))
             elif isinstance(value, (bool, int, float)):
                 entry["state"][key] = {"value": value}
@@ -212,8 +211,7 @@ def message_bytes(meta: list[dict[str, Any]]) -> int:
 
 def unpack_layers(meta: list[dict[str, Any]],
                   flat: torch.Tensor) -> dict[str, tuple[torch.Tensor, dict[str, Any]]]:
-    """Inverse of `pack_layers`: name -> (parameter value, {state key: number, or (tensor,
-    whether it was kept on its parameter's device)})."""
+    """Inverse of `pack_layers`: name -> (parameter value, {state key: tensor or number})."""
     out: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {}
     offset = 0
 
@@ -232,8 +230,8 @@ def unpack_layers(meta: list[dict[str, Any]],
 
     for entry in meta:
         value = take(entry)
-        state = {key: (take(spec), bool(spec["on_param_device"])) if "shape" in spec
-                 else spec["value"] for key, spec in entry["state"].items()}
+        state = {key: take(spec) if "shape" in spec else spec["value"]
+                 for key, spec in entry["state"].items()}
         out[entry["name"]] = (value, state)
     if offset != flat.numel():
         raise RuntimeError(f"layer message of {flat.numel()} bytes, its metadata says {offset}")
@@ -243,25 +241,26 @@ def unpack_layers(meta: list[dict[str, Any]],
 def local_entry(name: str, have: StateIndex) -> tuple[torch.Tensor, dict[str, Any]]:
     """A parameter this node already holds, in the form `unpack_layers` gives."""
     p, optimizer = have[name]
-    state = {key: (v, v.device == p.device) if isinstance(v, torch.Tensor) else v
-             for key, v in optimizer.state.get(p, {}).items()}
-    return p.detach(), state
+    return p.detach(), dict(optimizer.state.get(p, {}))
 
 
 def install(name: str, value: torch.Tensor, state: dict[str, Any], want: StateIndex) -> None:
     """Copy one parameter's value and optimizer state into the new module that wants it.
 
-    A state tensor kept beside its parameter goes to the new parameter's device; one kept
-    elsewhere (AdamW's step count stays on the CPU) goes to the CPU."""
+    Each state tensor goes where the new module's optimizer keeps it (`optim.state_device`:
+    beside the parameter; AdamW's step count on the CPU unless fused), not where the sender
+    kept it: a CPU replica's step count would otherwise land on a GPU stage, and each of its
+    steps wait on the device to read it."""
     p, optimizer = want[name]
+    group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
     if tuple(value.shape) != tuple(p.shape) or value.dtype != p.dtype:
         raise RuntimeError(f"{name}: got {value.dtype}{list(value.shape)}, the stage has "
                            f"{p.dtype}{list(p.shape)}")
     with torch.no_grad():
         p.copy_(value)
     optimizer.state[p] = {
-        key: (v[0].detach().to(p.device if v[1] else torch.device("cpu"), copy=True)
-              if isinstance(v, tuple) else v)
+        key: (v.detach().to(state_device(group, key, p), copy=True)
+              if isinstance(v, torch.Tensor) else v)
         for key, v in state.items()}
 
 

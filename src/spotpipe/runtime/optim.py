@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -196,6 +197,32 @@ def set_lr(optimizer: torch.optim.Optimizer, cfg: Config, step: int) -> float:
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
+
+
+def state_device(group: dict[str, Any], key: str, p: torch.Tensor) -> torch.device:
+    """Where torch's optimizer keeps a state tensor of `p`: beside it, except AdamW's step
+    count, which stays on the CPU unless the group is fused or capturable (its kernel then
+    reads it on the device; torch's `_process_value_according_to_param_policy`)."""
+    if key == "step" and not (group.get("fused") or group.get("capturable")):
+        return torch.device("cpu")
+    return p.device
+
+
+def follow_parameters(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Move the optimizer's state to where `state_device` puts it, after its parameters moved
+    (`module.to` moves parameters, not the state the optimizer holds for them): a replica
+    kept on the CPU for a GPU stage is promoted onto the GPU, a stage received on the GPU is
+    held as a CPU replica. Left behind, the next step fails, or each step waits on the device
+    for a step count it reads."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            for key, value in (state or {}).items():
+                if isinstance(value, torch.Tensor):
+                    device = state_device(group, key, p)
+                    if value.device != device:
+                        state[key] = value.to(device)
+    return optimizer
 
 
 def materialise_optimizer_state(module: torch.nn.Module,

@@ -22,6 +22,7 @@ from spotpipe.runtime import migrate
 from spotpipe.runtime import node as nodelib
 from spotpipe.runtime.activity import Activity
 from spotpipe.runtime.comm import Comm, PeerFailure
+from spotpipe.runtime.optim import follow_parameters
 from spotpipe.runtime.shadow_link import ShadowWriter
 from spotpipe.runtime.state import NodeState
 from spotpipe.store.sealed import SealedStore
@@ -160,7 +161,8 @@ class Reshaper:
                                f"{holding.applier.applied}, expected {resume - 1}")
         holding.applier.close()
         holding.replica.optimizer.zero_grad(set_to_none=True)
-        st.own(stage, holding.replica.module.to(st.device), holding.replica.optimizer)
+        st.own(stage, holding.replica.module.to(st.device),
+               follow_parameters(holding.replica.optimizer))
         st.holding = None
 
     def _migrate(self, moves: list[Transfer], comm: Comm, resume: int) -> list[str]:

@@ -19,7 +19,8 @@ from spotpipe.model import LayeredModel, build_stage
 from spotpipe.model.template import swap_tensors
 from spotpipe.model.ties import cross_stage_tied, norm_param_names
 from spotpipe.runtime.digest import optimizer_tensors
-from spotpipe.runtime.optim import build_optimizer, materialise_optimizer_state
+from spotpipe.runtime.optim import (build_optimizer, follow_parameters,
+                                     materialise_optimizer_state)
 from spotpipe.runtime.replica import ReplicaApplier, ReplicaStage
 
 
@@ -153,8 +154,8 @@ class NodeState:
              resume: int, digests: object = None) -> None:
         """Hold the replica of stage `index` (exact through resume - 1), fed by its owner."""
         self.drop_replica()
-        replica = ReplicaStage(index, module.to(self.replica_device), optimizer,
-                               self.replica_device)
+        replica = ReplicaStage(index, module.to(self.replica_device),
+                               follow_parameters(optimizer), self.replica_device)
         applier = ReplicaApplier(replica, self.cfg, digests)  # type: ignore[arg-type]
         applier.start_at(resume)
         self.holding = Holding(replica, applier, self.layout.owner(self.pipeline, index))
