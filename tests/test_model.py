@@ -230,6 +230,7 @@ def test_layered_model_validation() -> None:
 
 USER_MODULE = textwrap.dedent(
     """
+    import torch
     import torch.nn.functional as F
     from torch import nn
 
@@ -254,6 +255,9 @@ USER_MODULE = textwrap.dedent(
 
     def not_layers():
         return [nn.Linear(2, 2), 5]
+
+    def in_bf16():
+        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3).to(torch.bfloat16))
     """
 )
 
@@ -294,3 +298,6 @@ def test_factory_errors(user_module: str) -> None:
         build_user_model(f"{user_module}:empty", {}, seed=0)
     with pytest.raises(FactoryError, match="layer 1 is a int"):
         build_user_model(f"{user_module}:not_layers", {}, seed=0)
+    # weights are fp32 (the master copy); `precision` is how one computes in 16 bits
+    with pytest.raises(FactoryError, match=r"parameter 1\.weight is torch\.bfloat16.*precision"):
+        build_user_model(f"{user_module}:in_bf16", {}, seed=0)

@@ -57,7 +57,25 @@ def build_user_model(spec: str, kwargs: dict[str, Any], seed: int) -> LayeredMod
     between layers (one Parameter assigned to two layers) are recorded as tied pairs.
     """
     torch.manual_seed(seed)
-    out = call_factory(spec, kwargs)
+    return _fp32_weights(_layered(call_factory(spec, kwargs), spec), spec)
+
+
+def _fp32_weights(model: LayeredModel, spec: str) -> LayeredModel:
+    """Refuse weights that are not float32. spotpipe keeps fp32 weights (the master copy),
+    gradients and optimizer state whatever the compute precision, which `precision` sets
+    (autocast); a bf16 weight would be trained as one, and the paths that move a stage's
+    state as one fp32 buffer (CPU shadows, replica gradients) would round or misread it."""
+    for i, layer in enumerate(model.layers):
+        for name, p in layer.named_parameters():
+            if p.is_floating_point() and p.dtype != torch.float32:
+                raise FactoryError(
+                    f"factory spec {spec!r}: parameter {i}.{name} is {p.dtype}; build the "
+                    "model in float32 (spotpipe keeps fp32 weights) and set `precision: "
+                    "bf16` or `fp16` to compute in 16 bits")
+    return model
+
+
+def _layered(out: Any, spec: str) -> LayeredModel:
     if isinstance(out, LayeredModel):
         return out
     loss_fn: Callable = F.cross_entropy
