@@ -193,19 +193,28 @@ def test_a_node_lost_after_the_last_commit_is_taken_over_and_the_job_completes(
     assert_nothing_left(run, store_port(run))
 
 
-def test_adjacent_losses_drop_the_pipeline_when_another_survives(tmp_path, tmp_path_factory,
-                                                                 corpus):
+@pytest.mark.parametrize("mode,lost", [("lazy", ["node0@3:backward", "node1@3:backward"]),
+                                       ("none", ["node1@5:backward"])],
+                         ids=["adjacent-lazy", "one-loss-none"])
+def test_a_broken_pipeline_is_dropped_when_another_survives(tmp_path, tmp_path_factory, corpus,
+                                                           mode, lost):
     """D = 2 -> 1: the broken pipeline's survivor leaves, the other pipeline takes all the
-    micro-batches (the global batch is kept), nothing is reloaded."""
+    micro-batches (the global batch is kept), nothing is reloaded. Adjacent losses break a
+    pipeline with redundancy; without it, one loss does (the job stopped there before), and
+    with no replica to take its share over from, every survivor replays the in-flight
+    iteration whole."""
     sgd = {"optimizer.name": "sgd", "optimizer.momentum": 0.9, "optimizer.lr": 0.05}
-    cfg = config(corpus, 2, 2, **sgd)  # SGD: AdamW magnifies last-bit differences (see README)
+    # SGD: AdamW magnifies last-bit differences (see README)
+    cfg = config(corpus, 2, 2, mode, **sgd)
     nodes = [f"node{r}" for r in range(4)]
-    faults = [Fault.parse("fail", "node0@3:backward", nodes),
-              Fault.parse("fail", "node1@3:backward", nodes)]
     run = tmp_path / "run"
-    assert train(cfg, run, progress=False, faults=faults) == 0
+    assert train(cfg, run, progress=False,
+                 faults=[Fault.parse("fail", spec, nodes) for spec in lost]) == 0
     plans = [e for e in events(run) if e["kind"] == "plan"]
     assert [p["action"] for p in plans][-1] == "drop_pipeline"
+    if mode == "none":
+        assert [(p["action"], p["resume"], p["replay"]) for p in plans] == [
+            ("drop_pipeline", 5, "iteration")]
     metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert metrics[-1]["live_nodes"] == 2
     assert_samples_exactly_once(run, cfg)

@@ -578,3 +578,81 @@ def test_a_stage_no_survivor_holds_still_restarts_or_stops():
     # the lost replica holders matter: with b1 alive, stage 2 is on it, and the job goes on
     d = decide(_three_by_two(), {"a1", "a2", "b0", "b2"}, [])
     assert d.action == Action.DROP_PIPELINE
+
+
+# -- without redundancy: a loss breaks its own pipeline, not the job -------------------------
+
+def _plain_rules(**extra):
+    """A job with `redundancy: none` and no shadows (the runtime's rules; the simulator's add
+    `restarts`)."""
+    from spotpipe.plan.recovery import Rules
+
+    return Rules(**{"replicas": False, "shadows": False, "repartition": True,
+                    "replay_rest": True, "microbatches": 4, **extra})
+
+
+def _reports_in_flight(nodes, iteration=5):
+    """Every survivor was in `iteration` (nothing of it committed) and did part of it."""
+    from spotpipe.plan.recovery import NodeReport
+
+    return {n: NodeReport(n, iteration=iteration, committed_through=iteration - 1,
+                          flight=iteration, done=(("forward", 0, 0),)) for n in nodes}
+
+
+def test_without_redundancy_a_loss_drops_its_pipeline_and_the_iteration_is_replayed_whole():
+    """P = 2 x D = 2 without redundancy, a0 (pipeline 0, stage 0) lost in iteration 5:
+    pipeline 1's owners hold every stage, so pipeline 0 is dropped and the job goes on at
+    D = 1 from iteration 5 (the job stopped here before). Nobody holds a replica to take
+    a0's share over from, so every survivor replays iteration 5 whole (no salvage), and
+    nothing moves. The simulator, which restarts a stopped job, drops it too."""
+    from spotpipe.plan.recovery import History, recover
+
+    lay = Layout.build(2, 2, ["a0", "a1", "b0", "b1"])
+    for rules in (_plain_rules(), _plain_rules(restarts=True)):
+        out = recover(History(lay, ((0, 1), (1, 2)), resumed_at=2),
+                      _reports_in_flight(["a1", "b0", "b1"]), [], rules, dead={"a0"})
+        d = out.decision
+        assert d.action == Action.DROP_PIPELINE and d.message == ""
+        assert d.layout.grid == (("b0", "b1"),) and d.layout.standby == ("a1",)
+        assert d.resume == 5 and d.salvage is None
+        assert d.moves == () and d.transfers == ()
+        assert "redundancy is off" in d.reason and "adjacent" not in d.reason
+
+
+def test_without_redundancy_a_stage_lost_in_every_pipeline_stops_naming_it():
+    """a0 and b0, stage 0's only owners, lost: no layout of the survivors holds stage 0, so
+    the job stops and says which nodes went, where, and what would have kept the stage. The
+    simulator restarts from the checkpoint instead, on the two survivors. With a0 and b1
+    lost instead, every pipeline is broken yet b0 and a1 own stages 0 and 1: they make up
+    one pipeline, nothing moves."""
+    from spotpipe.plan.recovery import History, recover
+
+    lay = Layout.build(2, 2, ["a0", "a1", "b0", "b1"])
+    out = recover(History(lay, ((0, 1), (1, 2))), _reports_in_flight(["a1", "b1"]), [],
+                  _plain_rules(), dead={"a0", "b0"})
+    assert out.decision.stopped
+    assert out.decision.message.startswith(
+        "lost a0 (pipeline 0, stage 0), b0 (pipeline 1, stage 0) in iteration 5 (the last "
+        "committed iteration is 4); redundancy is off, so no other node holds stage 0 "
+        "(set redundancy: lazy or eager, or shadow.enabled)")
+    out = recover(History(lay, ((0, 1), (1, 2))), _reports_in_flight(["a1", "b1"]), [],
+                  _plain_rules(restarts=True), dead={"a0", "b0"})
+    assert out.decision.action == Action.RESTORE_FROM_CHECKPOINT
+    assert out.decision.layout.grid == (("a1", "b1"),)
+    out = recover(History(lay, ((0, 1), (1, 2))), _reports_in_flight(["a1", "b0"]), [],
+                  _plain_rules(), dead={"a0", "b1"})
+    assert out.decision.action == Action.DROP_PIPELINE
+    assert out.decision.layout.grid == (("b0", "a1"),) and out.decision.transfers == ()
+
+
+def test_without_redundancy_a_loss_in_the_only_pipeline_stops():
+    """D = 1: stage 1's one owner lost, nothing else holds it."""
+    from spotpipe.plan.recovery import History, recover
+
+    lay = Layout.build(2, 1, ["n0", "n1"])
+    out = recover(History(lay, ((0, 1), (1, 2))), _reports_in_flight(["n0"]), [],
+                  _plain_rules(), dead={"n1"})
+    assert out.decision.stopped
+    assert out.decision.message.startswith(
+        "lost n1 (pipeline 0, stage 1) in iteration 5 (the last committed iteration is 4); "
+        "redundancy is off, so no other node holds stage 1")

@@ -8,9 +8,10 @@ went from parameter counts to the parameters each layer multiplies by,
 `model.compute_weights`, and once more when spotpipe's eager FRC left out the last stage's
 replica, whose outputs nothing reads: only spotpipe's eager figures moved, Bamboo's did
 not, and once more when on-demand kept Bamboo's value integral and the shadows' host was
-billed in it: only `value_integral` moved, of on_demand and of spotpipe with shadows), to
-the last bit; and the
-planner's memo gives the same decisions as no memo.
+billed in it: only `value_integral` moved, of on_demand and of spotpipe with shadows, and
+once more when a loss without redundancy dropped its pipeline where another survived,
+instead of restarting the job: only spotpipe's `none` figures moved), to the last bit; and
+the planner's memo gives the same decisions as no memo.
 
 Rerecord only for a change meant to alter the simulator's figures, and say so in its commit.
 """

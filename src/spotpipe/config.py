@@ -149,8 +149,8 @@ class FailoverSection:
     # replays the whole iteration (simpler, slower; a baseline for the benchmark)
     replay: str = "rest"
     # torchrun's --max-restarts: when the job stops on a loss it cannot fail over (e.g.
-    # redundancy none), the launcher (and its store) stay up, stop every worker and start them
-    # again from the newest durable checkpoint, at most this many times (0: stop, as before)
+    # redundancy none at D = 1), the launcher (and its store) stay up, stop every worker and
+    # start them again from the newest durable checkpoint, at most this many times (0: stop)
     restarts: int = 0
 
 

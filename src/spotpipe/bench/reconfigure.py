@@ -20,9 +20,10 @@ change to the first one completed after it, less one ordinary iteration. The res
 does what torchrun does for any change of membership: stop everything, start every worker again
 and load the newest torch.distributed.checkpoint checkpoint (written every k iterations), and is
 measured once, on the same P=2 x D=2 job, from the kill to the first iteration completed after
-the restart. Beside it, the torchrun-style restart (`failover.restarts`: the launcher and its
-store survive, only the workers start again from the newest checkpoint), timed the same way;
-every ratio is stated against both. Both baselines' workers are fresh interpreters, as
+the restart (both owners of stage 1 killed: without redundancy one loss drops its pipeline).
+Beside it, the torchrun-style restart (`failover.restarts`: the launcher and its store
+survive, only the workers start again from the newest checkpoint), timed the same way; every
+ratio is stated against both. Both baselines' workers are fresh interpreters, as
 torchrun's are (`cluster.fork_server=false`).
 """
 
@@ -39,6 +40,10 @@ from typing import Any
 from spotpipe.bench.failover import (FRESH, _jsonl, _train, restart_pause,
                                      torchrun_restart_pause)
 from spotpipe.bench.stats import ratio_of_medians
+
+# the restart baselines' loss: stage 1 in both pipelines of P=2 x D=2 (without redundancy one
+# loss only drops its pipeline; with stage 1 on no survivor the job stops and restarts)
+STAGE_1_LOST = ("--fail", "node1@16:backward", "--fail", "node3@16:backward")
 
 
 def _stall(run: Path, action: str, nth: int = 0) -> dict[str, float]:
@@ -94,13 +99,12 @@ def run(quick: bool = False) -> dict[str, Any]:
     first, second = tmp / "restart-1", tmp / "restart-2"
     common = ["--stages", "2", "--pipelines", "2", "--set", f"iterations={iters}",
               "--set", "redundancy=none", "--set", "optimizer.name=sgd", *FRESH]
-    _train(first, *common, "--set", "checkpoint.every=10", "--fail", "node1@16:backward",
-           check=False)
+    _train(first, *common, "--set", "checkpoint.every=10", *STAGE_1_LOST, check=False)
     _train(second, *common, "--resume", str(first))
     restart = restart_pause(first, second)["restart_first_iteration_s"]
     torchrun_run = tmp / "restart-torchrun"
     _train(torchrun_run, *common, "--set", "checkpoint.every=10", "--set", "failover.restarts=1",
-           "--fail", "node1@16:backward")
+           *STAGE_1_LOST)
     torchrun = torchrun_restart_pause(torchrun_run)["restart_first_iteration_s"]
     figures: dict[str, Any] = {}
     pauses: list[float] = []

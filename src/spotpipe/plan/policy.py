@@ -8,9 +8,10 @@ cheaper-to-reason-about step.
 Order of preference, and why:
 1. Lost nodes that own stages come first, because the job cannot take a step until every
    stage has an owner. Taking over from an in-memory replica (FAILOVER) is the cheapest fix.
-2. A pipeline whose lost stage has no live replica (two adjacent losses) cannot be repaired
-   from memory. If another pipeline survives, drop the broken one (DROP_PIPELINE): data
-   parallelism shrinks, the global batch stays, nothing is reloaded.
+2. A pipeline whose lost stage has no live replica (two adjacent losses; without redundancy,
+   `replicas=False`, any loss) cannot be repaired from memory. If another pipeline survives,
+   drop the broken one (DROP_PIPELINE): data parallelism shrinks, the global batch stays,
+   nothing is reloaded.
    With CPU shadows (`shadows=True`) and no pipeline left whole, a broken pipeline is
    repaired instead (RESTORE_FROM_SHADOW): stages with a live replica are promoted as in a
    failover, the others are loaded from their shadow by a standby node or the nearest live
@@ -129,7 +130,7 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
         return _failover(layout, lost, standby)
     alive_pipes = [d for d in range(layout.num_pipelines) if d not in broken]
     if alive_pipes:
-        return _drop(layout, lost, standby, broken, alive_pipes, widths)
+        return _drop(layout, lost, standby, broken, alive_pipes, widths, replicas)
     # (a pipeline with no live node left is dropped: the others hold its state)
     kept = [d for d in broken if set(layout.grid[d]) - lost] if shadows else []
     # from memory when the survivors hold every stage, unless the shadows keep more pipelines
@@ -262,8 +263,14 @@ def _shadow_repair(layout: Layout, lost: frozenset[str], standby: tuple[str, ...
                     f"the survivors keep their state{why}", tuple(dropped))
 
 
+def _broke(replicas: bool) -> str:
+    """What broke a pipeline, in a decision's reason."""
+    return ("lost adjacent stages" if replicas
+            else "lost a stage, with no replica of it (redundancy is off)")
+
+
 def _drop(layout: Layout, lost: frozenset[str], standby: tuple[str, ...], broken: list[int],
-          alive_pipes: list[int], widths: _Widths) -> Decision:
+          alive_pipes: list[int], widths: _Widths, replicas: bool) -> Decision:
     """Drop the broken pipelines, and as many whole ones more as the batch's split needs:
     those with the most lost stages go first (each would need a takeover), then the last."""
     keep = widths.at_most(len(alive_pipes))
@@ -286,7 +293,7 @@ def _drop(layout: Layout, lost: frozenset[str], standby: tuple[str, ...], broken
            f"split over {keep} pipelines, not {len(alive_pipes)}" if extra else "")
     lost_adjacent = [d for d in broken if d not in extra]
     return Decision(Action.DROP_PIPELINE, new, tuple(moves),
-                    f"pipeline(s) {lost_adjacent} lost adjacent stages; dropped, global batch "
+                    f"pipeline(s) {lost_adjacent} {_broke(replicas)}; dropped, global batch "
                     f"kept{why}", tuple(broken))
 
 
@@ -311,14 +318,16 @@ def _assemble(layout: Layout, lost: frozenset[str], standby: tuple[str, ...], re
     most = min(layout.num_pipelines, max(1, (len(live) + len(standby)) // p))
     for width in range(widths.at_most(most), max(1, at_least) - 1, -1):
         if widths.fits(width):
-            built = _assembled(layout, width, owners, holders, list(standby) + live)
+            built = _assembled(layout, width, owners, holders, list(standby) + live,
+                               _broke(replicas))
             if built is not None:
                 return built
     return None
 
 
 def _assembled(layout: Layout, width: int, owners: dict[int, list[str]],
-               holders: dict[int, list[str]], nodes: list[str]) -> Decision | None:
+               holders: dict[int, list[str]], nodes: list[str],
+               broke: str) -> Decision | None:
     """`width` pipelines from the live `owners` and replica `holders` of each stage and the
     `nodes` (standby, then survivors): each slot takes a live owner of its stage first (nothing
     moves), else a live replica, promoted (nothing moves either), else a copy from pipeline
@@ -366,7 +375,7 @@ def _assembled(layout: Layout, width: int, owners: dict[int, list[str]],
     promotions = sum(1 for m in moves if m.kind == MoveKind.PROMOTE)
     broken = tuple(range(layout.num_pipelines))
     return Decision(Action.DROP_PIPELINE, new, tuple(moves),
-                    f"every pipeline lost adjacent stages, but the survivors hold every "
+                    f"every pipeline {broke}, but the survivors hold every "
                     f"stage: {width} pipeline(s) assembled from pipelines {list(broken)} "
                     f"({promotions} replica(s) promoted, {len(moves) - promotions} stage(s) "
                     "copied), global batch kept", broken)

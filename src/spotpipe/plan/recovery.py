@@ -18,7 +18,10 @@ this module owns the rules a running job adds:
   from the layout before it;
 - plans failing again and again with no node lost in between (a partitioned network) stop
   the job instead of looping;
-- without redundancy or shadows, a lost stage is a stop;
+- without redundancy or shadows, a loss is a stop only when some stage's state is on no
+  survivor (D = 1, or every pipeline lost that stage): with D >= 2 `decide` drops the broken
+  pipelines (or assembles whole ones from their survivors), and every survivor replays the
+  in-flight iteration whole, no replica holding the lost share;
 - pipelines must divide the iteration's micro-batches (a new pipeline waits on standby, a
   drop that would not divide them is a stop);
 - a re-partition the job cannot make (shadows hold the launch partition; no partition at that
@@ -406,6 +409,16 @@ def _adjacent(layout: Layout, lost: frozenset[str]) -> bool:
                for (d, s), n in layout.mapping.items() if n in lost)
 
 
+def _unheld(layout: Layout, lost: frozenset[str]) -> str:
+    """The stages whose every data-parallel owner is lost, in words ("their stages" when none
+    is: the job stops for another reason)."""
+    stages = [s for s in range(layout.num_stages)
+              if all(layout.owner(d, s) in lost for d in range(layout.num_pipelines))]
+    if not stages:
+        return "their stages"
+    return f"stage {stages[0]}" if len(stages) == 1 else f"stages {stages}"
+
+
 def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[str],
                  lost: frozenset[str], reports: Mapping[str, NodeReport], futile: int,
                  named: Callable[[], str], when: str) -> str:
@@ -415,14 +428,19 @@ def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[st
         return (f"the job could not re-form {when}: the last {futile} plans failed before their "
                 f"first iteration completed, with no node lost in between ({reasons}); "
                 "stopping")[:2000]
-    if not rules.replicas and not rules.shadows and hit:
-        return (f"lost {named()} {when}; redundancy is off, so no other node holds their stages "
-                "(set redundancy: lazy or eager), and no checkpoint is available")
     restart = choice.action == Action.RESTORE_FROM_CHECKPOINT or (
         choice.action == Action.REPARTITION and choice.needs_restore)
+    goes_on = choice.action in CARRIED_OUT and not restart
+    # without redundancy and shadows, the stages no survivor owns are simply gone (a job with
+    # `rules.restarts` is restarted after this stop, as after the one below)
+    if not rules.replicas and not rules.shadows and hit and not goes_on:
+        return (f"lost {named()} {when}; redundancy is off, so no other node holds "
+                f"{_unheld(layout, lost)} (set redundancy: lazy or eager, or shadow.enabled); "
+                "stopping. Resume with --resume from the newest durable checkpoint if "
+                "checkpoint.every was set")
     if restart and rules.restarts:
         return ""
-    if choice.action not in CARRIED_OUT or restart:
+    if not goes_on:
         survivors = len(layout.active_nodes - lost) + len(layout.standby)
         return (f"lost {named()} {when}: "
                 + ("adjacent stages of one pipeline, so no replica of one of them survives; "

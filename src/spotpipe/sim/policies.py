@@ -9,10 +9,10 @@ same; they differ in how much of that time turns into kept samples.
   failover, rebalance, add/drop pipeline and re-partition come from `spotpipe.plan.recovery`,
   the runtime's own decision (`Planner`, the one call into it), never below the smallest
   depth that fits memory (`spotpipe.sim.fit`); a takeover redoes only the lost stage's share
-  of the in-flight iteration; a fatal failure (two adjacent losses in every pipeline, and
-  some stage's state on no survivor: else the survivors make up a pipeline) reloads
-  from per-iteration CPU shadows (`shadows`, losing at most the in-flight iteration, their
-  host billed) or else from the last durable checkpoint.
+  of the in-flight iteration; a fatal failure (every pipeline broken, by two adjacent losses
+  or, without redundancy, by any loss, and some stage's state on no survivor: else the
+  survivors make up a pipeline) reloads from per-iteration CPU shadows (`shadows`, losing at
+  most the in-flight iteration, their host billed) or else from the last durable checkpoint.
 - bamboo: Bamboo as its simulator has it (P fixed, carriers until a rendezvous, its fatal
   rule, global and local rendezvous); see `spotpipe.sim.bamboo`.
 - checkpoint_restart (torchrun, Varuna): no redundancy; every preemption of a node in use
