@@ -244,51 +244,48 @@ def test_a_commit_that_left_retention_to_a_newer_one_stays_when_that_one_fails(t
     assert durable.newest(root) is not None and durable.newest(root).next_iteration == 2
 
 
+def _intake(stages: int, partition: list[tuple[int, int]], events: list[dict]):
+    """The coordinator's checkpoint intake with no store and no processes: only its books,
+    its events, and what it hands the committer (`intake.committer` is replaced by a fake)."""
+    from types import SimpleNamespace
+
+    from spotpipe.cluster.checkpoint_intake import CheckpointIntake
+
+    from conftest import tiny_config
+
+    return CheckpointIntake(tiny_config("unused", stages=stages, pipelines=1),
+                            SimpleNamespace(num_samples=100, partition=partition),
+                            Path("unused"), KEY, lambda: 1.0, events.append)
+
+
 def test_commit_outcomes_are_events():
     """What the loop writes of each outcome; a commit that left its retention to newer ones
     says which (the commits are behind)."""
     from spotpipe.cluster.committer import Committed
-    from spotpipe.cluster.jobloop import JobLoop
 
-    class Files:
-        def __init__(self) -> None:
-            self.events: list[dict] = []
-
-        def event(self, record: dict) -> None:
-            self.events.append(record)
-
-    files = Files()
-    JobLoop._record_commits(None, files, [  # type: ignore[arg-type]
+    events: list[dict] = []
+    _intake(2, [(0, 4), (4, 8)], events).record([
         Committed(10, 1.0, path=Path("a"), retention_left_to=(20, 30)),
         Committed(20, 2.0, path=Path("b")), Committed(30, 3.0, error="commit: disk full")])
-    assert [(e["kind"], e["iteration"], e.get("retention_left_to")) for e in files.events] == [
+    assert [(e["kind"], e["iteration"], e.get("retention_left_to")) for e in events] == [
         ("checkpoint_committed", 10, [20, 30]), ("checkpoint_committed", 20, None),
         ("checkpoint_failed", 30, None)]
-    assert files.events[2]["message"] == "commit: disk full"
+    assert events[2]["message"] == "commit: disk full"
 
 
 def test_the_job_loop_commits_by_the_partition_the_stages_report():
-    """The job loop's part: the job has been re-partitioned to 3 stages when the reports of
-    a checkpoint written by 4 come in; it is committed once all 4 are, cut as they were."""
+    """The job has been re-partitioned to 3 stages when the reports of a checkpoint written
+    by 4 come in; it is committed once all 4 are, cut as they were."""
     from types import SimpleNamespace
 
-    from spotpipe.cluster.checkpoint_parts import CheckpointParts
-    from spotpipe.cluster.jobloop import JobLoop
     from spotpipe.protocol import CheckpointSaved
 
-    from conftest import tiny_config
-
-    loop = JobLoop.__new__(JobLoop)  # (no store, no processes: only its checkpoint books)
-    loop.cfg = tiny_config("unused", stages=4, pipelines=1)
-    loop.spec = SimpleNamespace(num_samples=100, partition=[(0, 2), (2, 4), (4, 6), (6, 8)])
-    loop.coordinator = SimpleNamespace(partition=[(0, 3), (3, 6), (6, 8)])
-    loop._checkpoints = CheckpointParts()
+    intake = _intake(4, [(0, 2), (2, 4), (4, 6), (6, 8)], [])
     submitted: list[tuple[int, dict]] = []
-    loop.committer = SimpleNamespace(submit=lambda t, info, sums: submitted.append((t, info)))
+    intake.committer = SimpleNamespace(submit=lambda t, info, sums: submitted.append((t, info)))
     four = ((0, 2), (2, 4), (4, 6), (6, 8))
     for stage in range(4):
-        loop._checkpoint_saved(CheckpointSaved("node0", 0.0, 7, stage,
-                                               {f"stage{stage}/a": "x"}, four))
+        intake.saved(CheckpointSaved("node0", 0.0, 7, stage, {f"stage{stage}/a": "x"}, four))
         assert len(submitted) == (1 if stage == 3 else 0)
     assert submitted[0][0] == 7
     assert submitted[0][1]["partition"] == [list(r) for r in four]
@@ -302,31 +299,23 @@ def test_a_stage_that_reports_a_file_outside_its_folder_fails_its_checkpoint(nam
     listed it as stage 1's, over stage 0's own, or a file outside the checkpoint)."""
     from types import SimpleNamespace
 
-    from spotpipe.cluster.checkpoint_parts import CheckpointParts
-    from spotpipe.cluster.jobloop import JobLoop
     from spotpipe.protocol import CheckpointSaved
 
-    from conftest import tiny_config
-
-    loop = JobLoop.__new__(JobLoop)  # (no store, no processes: only its checkpoint books)
-    loop.cfg = tiny_config("unused", stages=2, pipelines=1)
-    loop.spec = SimpleNamespace(num_samples=100, partition=[(0, 4), (4, 8)])
-    loop._checkpoints = CheckpointParts()
-    submitted: list[int] = []
-    loop.committer = SimpleNamespace(submit=lambda t, info, sums: submitted.append(t))
     events: list[dict] = []
-    loop.files, loop._now = SimpleNamespace(event=events.append), lambda: 1.0
+    intake = _intake(2, [(0, 4), (4, 8)], events)
+    submitted: list[int] = []
+    intake.committer = SimpleNamespace(submit=lambda t, info, sums: submitted.append(t))
     two = ((0, 4), (4, 8))
-    loop._checkpoint_saved(CheckpointSaved("node0", 0.0, 7, 0, {"stage0/a": "x"}, two))
-    loop._checkpoint_saved(CheckpointSaved("node1", 0.0, 7, 1, {name: "y"}, two))
-    assert submitted == [] and 7 in loop._checkpoints.failed
+    intake.saved(CheckpointSaved("node0", 0.0, 7, 0, {"stage0/a": "x"}, two))
+    intake.saved(CheckpointSaved("node1", 0.0, 7, 1, {name: "y"}, two))
+    assert submitted == [] and 7 in intake.parts.failed
     [event] = events
     assert event["kind"] == "checkpoint_failed" and event["iteration"] == 7
     assert event["message"] == ("checkpoint of iteration 7: stage 1 reported a file outside "
                                 f"its folder stage1/: {name!r}")
 
 
-def test_a_stage_upload_in_another_nodes_name_is_refused(tmp_path):
+def test_a_stage_upload_in_another_nodes_name_is_refused():
     """Only a node announces its own stage (as only it announces its final parameters): a
     receive started in another's name would be ended by that node's loss, not its sender's."""
     from types import SimpleNamespace
@@ -334,16 +323,16 @@ def test_a_stage_upload_in_another_nodes_name_is_refused(tmp_path):
     from spotpipe.cluster.jobloop import JobLoop
     from spotpipe.protocol import StageUpload
 
-    from conftest import tiny_config
-
     loop = JobLoop.__new__(JobLoop)  # (no store, no processes: only its dispatch)
-    loop.cfg, loop.checkpoint_root, loop._received = tiny_config("unused"), tmp_path, 0
+    loop._received = 0
     events: list[dict] = []
     refused: list[tuple[str, str]] = []
     steps: list[int] = []
     loop.files = SimpleNamespace(event=events.append)
     loop.coordinator = SimpleNamespace(refused=lambda writer, why: refused.append((writer, why)))
-    loop.committer = SimpleNamespace(submit_step=lambda t, run: steps.append(t))
+    loop.intake = _intake(1, [(0, 8)], events)
+    loop.intake.open(SimpleNamespace(), lambda: SimpleNamespace())
+    loop.intake.committer = SimpleNamespace(submit_step=lambda t, run: steps.append(t))
     upload = StageUpload("node1", 0.0, 4, 1, {"stage1/a": "x"})
     loop._handle_record(SimpleNamespace(message=upload, writer="node2"))
     assert (steps, events) == ([], [])

@@ -86,7 +86,7 @@ class AgentJobLoop(JobLoop):
             return
         with self.rdzv.admitting:  # (no agent admitted by this coordinator from now on)
             self._events_now(files)
-            self._record_commits(files, self.committer.finished())
+            self.intake.committed()
             files.event({"time_s": self._now(), "kind": "coordinator_handover",
                          "node": f"agent{self.rdzv.me}", "generation":
                          self.coordinator.generation, "nodes_left": self.rdzv.own_nodes()})
@@ -113,7 +113,7 @@ class AgentJobLoop(JobLoop):
         if (self.rdzv.stays or not own <= exited or self.coordinator.over
                 or self.coordinator.finished or self._finals or self.coordinator.stop_message
                 or self._kill_due or not self._queued_exits <= exited
-                or not self.committer.idle()):
+                or not self.intake.idle()):
             return False
         staying = self.rdzv.others_nodes() - exited - self.coordinator.dead \
             - self.coordinator.leaving_now()
@@ -263,7 +263,7 @@ class AgentJobLoop(JobLoop):
                                      transfer.Stream.final(message.stage),
                                      {name: message.sha256}, incoming,
                                      timeout_s=self.cfg.cluster.timeout_s, node=message.node,
-                                     receiving=self._receiving))
+                                     receiving=self.intake.receiving))
 
     def _gather_final(self) -> str:
         last = self.lines.last

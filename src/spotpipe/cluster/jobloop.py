@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from spotpipe import job
 from spotpipe.checkpoint import durable
 from spotpipe.cluster.checkpoint_parts import CheckpointParts, durable_tier
-from spotpipe.cluster.committer import Committed, Committer
+from spotpipe.cluster.checkpoint_intake import CheckpointIntake
 from spotpipe.cluster.coordinator import Coordinator
 from spotpipe.cluster.inbox import (HelperEvent, Inbox, Item, MailboxClosed, NodeExit,
                                     RefusedUpload, ShadowExit)
@@ -81,11 +81,11 @@ class JobLoop:
         # the job's first iteration, where `t0`'s round started (a restart's round is given
         # it: it resumes past it); None: this loop's first line
         self.first = first
-        self._checkpoints = CheckpointParts()  # stages on disk of checkpoints not committed
         self.checkpoint_root = Path(cfg.checkpoint.dir or out / "checkpoints")
         self.checkpoint_key = durable.resolve_key(cfg.checkpoint.key)
-        self.committer = Committer(self.checkpoint_root, cfg.checkpoint.keep,
-                                   self.checkpoint_key, self._now)
+        # (its events go to the run files, made when the loop runs)
+        self.intake = CheckpointIntake(cfg, spec, self.checkpoint_root, self.checkpoint_key,
+                                       self._now, lambda record: self.files.event(record))
         self.notes: list[dict[str, Any]] = []  # events decided before the run started
         self._shadows: Supervisor | None = None
         # a predecessor's books: this loop takes over a running job instead of starting one
@@ -183,8 +183,7 @@ class JobLoop:
             start=self.resume.next_iteration if self.resume else 0, agreed=self.lines.agreed)
         inbox: Inbox = queue.Queue()
         self._inbox, self._address, self._store = inbox, address, store
-        self._receiving = durable.transfer.Receiving()  # uploads the committer takes
-        self._sealed_here = SealedStore(store, self.channel.key)  # (this loop's connection)
+        self.intake.open(SealedStore(store, self.channel.key), self._upload_connection)
         self._exited: dict[str, int] = {}
         self._errors: dict[str, str] = {}  # a node's error, as it reported it
         self._received = 0
@@ -241,8 +240,7 @@ class JobLoop:
                 except queue.Empty:
                     item = None  # (a turn for the timed checks alone)
                 self._each_turn(files)
-                self._lost_senders()
-                self._record_commits(files, self.committer.finished())
+                self.intake.turn(self.coordinator.dead)
                 if time.time() - last_tick >= cfg.failover.heartbeat_s:
                     last_tick = time.time()
                     self.coordinator.tick()
@@ -273,8 +271,7 @@ class JobLoop:
             grace_s = 0.0 if interrupted else STOP_GRACE_S
             self._stop_workers(grace_s)
             try:
-                self._record_commits(files, self.committer.abandon() if deposed
-                                     else self.committer.close())
+                self.intake.end(abandon=deposed)
             except RunFilesError:
                 pass  # (the job's own outcome is reported below)
             if self._shadows is not None:
@@ -410,38 +407,6 @@ class JobLoop:
             return f"workers exited after {done} of {self.cfg.iterations} iterations"
         return ""
 
-    def _checkpoint_saved(self, message: CheckpointSaved) -> None:
-        """Commit a checkpoint once every stage of its iteration is on disk (single writer).
-        A stage uploaded by a host that does not see this folder was taken by the committer
-        before this report came (`_stage_upload`)."""
-        t = message.iteration
-        partition = message.partition
-        try:
-            checksums = self._checkpoints.saved(t, message.stage, message.checksums, partition)
-        except ValueError as exc:  # (never committed: the previous checkpoint stays newest)
-            self._checkpoints.fail(t)
-            self.files.event({"time_s": self._now(), "kind": "checkpoint_failed",
-                              "node": "launcher", "iteration": t, "message": str(exc)})
-            return
-        if checksums is None:
-            return
-        info = {"partition": [list(r) for r in partition], "stages": len(partition),
-                "pipelines": self.cfg.pipelines, "config_digest": self.cfg.digest(),
-                "model_digest": self.cfg.model_digest(), "num_samples": self.spec.num_samples,
-                "global_batch": self.cfg.global_batch, "seed": self.cfg.seed}
-        self.committer.submit(t, info, checksums)  # (committed off this loop: committer.py)
-
-    def _stage_upload(self, message: StageUpload) -> None:
-        """A host that does not see this checkpoint folder sends a stage through the store:
-        the committer takes its pieces as they come (transfer.py), even for an iteration that
-        failed meanwhile, since the sender waits for each piece to be taken."""
-        t = message.iteration
-        folder = durable.iter_dir(self.checkpoint_root, t, partial=True)
-        self.committer.submit_step(t, lambda: durable.transfer.receive_stage(
-            self._upload_connection(), t, message.stage, message.checksums, folder,
-            timeout_s=self.cfg.cluster.timeout_s, node=message.node,
-            receiving=self._receiving))
-
     def _upload_connection(self) -> SealedStore:
         """A store connection of its own for one upload's receive (a store client serialises
         its calls, and a wait that timed out may leave it unusable). A record there that does
@@ -450,23 +415,6 @@ class JobLoop:
         return SealedStore(
             self._address.connect(self.cfg.cluster.timeout_s), self.channel.key,
             on_refused=lambda why: inbox.put(RefusedUpload(why.writer, why.reason)))
-
-    def _lost_senders(self) -> None:
-        """End the committer's wait for pieces from a node the coordinator counts gone."""
-        for node in self.coordinator.dead:  # (`lose` acts once per node)
-            self._receiving.lose(node, self._sealed_here)
-
-    def _record_commits(self, files: RunFiles, done: list[Committed]) -> None:
-        for c in done:
-            if c.path is None:  # the disk is full or failing: the previous one stays newest
-                files.event({"time_s": c.time_s, "kind": "checkpoint_failed",
-                             "node": "launcher", "iteration": c.iteration, "message": c.error})
-            else:
-                files.event({"time_s": c.time_s, "kind": "checkpoint_committed",
-                             "node": "launcher", "iteration": c.iteration, "path": str(c.path),
-                             # (commits are behind: this one left its retention to these)
-                             **({"retention_left_to": list(c.retention_left_to)}
-                                if c.retention_left_to else {})})
 
     def _partition_for(self, depth: int) -> list[tuple[int, int]]:
         """The partition at another depth, cut from the layer profile measured at launch (in
@@ -541,7 +489,7 @@ class JobLoop:
             files.event({"time_s": message.time_s, "kind": "checkpoint_saved",
                          "node": message.node, "iteration": message.iteration,
                          "stage": message.stage, **message.details})
-            self._checkpoint_saved(message)
+            self.intake.saved(message)
         elif isinstance(message, FinalUpload):
             self._final_upload(message, writer)
         elif isinstance(message, StageUpload) and writer != message.node:
@@ -551,7 +499,7 @@ class JobLoop:
             files.event({"time_s": message.time_s, "kind": "checkpoint_upload",
                          "node": message.node, "iteration": message.iteration,
                          "stage": message.stage})
-            self._stage_upload(message)
+            self.intake.upload(message)
         elif isinstance(message, JoinRequest):
             files.event({"time_s": message.time_s, "kind": "join_requested",
                          "node": message.node})
@@ -570,7 +518,7 @@ class JobLoop:
             record = message.record()
             files.event(record)
             if message.kind == "checkpoint_failed" and durable_tier(record):
-                self._checkpoints.fail(record["iteration"])  # (the previous stays newest)
+                self.intake.failed(record["iteration"])  # (the previous stays newest)
             if message.kind in ("worker_error", "shadow_error"):
                 self._errors[message.node] = str(message.details.get("message", ""))
         else:
@@ -607,12 +555,12 @@ class JobLoop:
         self.lines.restore(state)
         self._exited = dict(state.exited)
         self._received = state.cursor
-        self._checkpoints = CheckpointParts.from_json(state.checkpoints)
+        self.intake.parts = CheckpointParts.from_json(state.checkpoints)
 
     def _books(self) -> dict[str, Any]:
         """This loop's part of a CoordinatorState, with the coordinator's."""
         return {**self.coordinator.books(), **self.lines.books(), "cursor": self._received,
-                "exited": dict(self._exited), "checkpoints": self._checkpoints.to_json()}
+                "exited": dict(self._exited), "checkpoints": self.intake.parts.to_json()}
 
     def _watch_mailbox(self, address: StoreAddress, inbox: Inbox, start: int = 1) -> None:
         client = address.connect(self.cfg.cluster.timeout_s)
