@@ -222,3 +222,64 @@ def test_a_layer_installed_on_another_device_keeps_its_step_count_on_the_cpu():
     placed = target_optimizer.state[target.weight]
     assert placed["step"].device.type == "cpu"
     assert placed["exp_avg"].device.type == placed["exp_avg_sq"].device.type == "meta"
+
+
+class _Blocking:
+    """A transport whose send returns only once its receiver has taken the message, as
+    NCCL's point-to-point operations on one stream do for large messages (gloo's sends
+    never wait): a cycle of sends that wait on each other's receives hangs here too."""
+
+    def __init__(self, nodes: list[str], me: str, mailboxes: dict) -> None:
+        self.nodes, self.me, self.device = nodes, me, torch.device("cpu")
+        self._boxes = mailboxes  # (src, dst, tag) -> a queue of (tensor, taken event)
+
+    def _box(self, src: str, dst: str, tag_: int):
+        import queue
+
+        return self._boxes.setdefault((src, dst, tag_), queue.Queue())
+
+    def post_send(self, tensor, node, tag_):
+        taken = threading.Event()
+        self._box(self.me, node, tag_).put((tensor, taken))
+        if not taken.wait(10):
+            raise TimeoutError(f"{self.me}: its send to {node} was never taken")
+        return None
+
+    def post_recv(self, tensor, node, tag_):
+        sent, taken = self._box(node, self.me, tag_).get(timeout=10)
+        tensor.copy_(sent)
+        taken.set()
+        return None
+
+    def wait(self, work) -> None:
+        pass
+
+
+def test_two_nodes_that_send_each_other_a_stage_do_not_wait_on_each_other():
+    """a sends b a stage while b sends a a replica (crossing moves of one plan): every send
+    posted before any receive hung both on a transport whose sends wait to be taken (NCCL);
+    the pairs now go in one order, the lower rank of each sending first."""
+    source = _stage([torch.float32], trained=True)
+    plan = [Transfer("stage", 0, "a", "b"), Transfer("replica", 1, "b", "a")]
+    boxes: dict = {}
+    out: dict[str, object] = {}
+
+    def node(me: str) -> None:
+        comm = _Blocking(["a", "b"], me, boxes)
+        have = {("stage", 0): source} if me == "a" else {("stage", 1): source}
+        try:
+            out[me] = migrate.run(plan, me, comm, have,
+                                  lambda stage: _stage([torch.float32], trained=False))
+        except Exception as exc:  # (the test looks at it)
+            out[me] = exc
+
+    threads = [threading.Thread(target=node, args=(n,), daemon=True) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(isinstance(v, Exception) for v in out.values()), out
+    got_b, got_a = out["b"][("stage", 0)], out["a"][("replica", 1)]
+    for copy in (got_b, got_a):
+        assert all(torch.equal(p, q) for p, q in zip(copy[0].parameters(),
+                                                     source[0].parameters()))

@@ -9,12 +9,15 @@ stages of different depths have no common unit larger than that.
 
 `exchange_order` then says in which order each node posts its messages so that the exchange
 cannot deadlock even if every operation blocked until its peer took part (NCCL's point-to-point
-operations on one stream behave that way for large messages).
+operations on one stream behave that way for large messages); whole stages moving between
+nodes (`runtime.migrate.run`) take the same order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from spotpipe.plan.layout import Layout
 
@@ -84,7 +87,17 @@ def layer_plan(old: Layout, new: Layout, old_partition: list[tuple[int, int]],
     return moves
 
 
-def exchange_order(moves: list[LayerMove], me: str,
+class Edge(Protocol):
+    """A message between two nodes: a layer's (`LayerMove`) or a stage's (`Transfer`)."""
+
+    @property
+    def src(self) -> str: ...
+
+    @property
+    def dst(self) -> str: ...
+
+
+def exchange_order(moves: Sequence[Edge], me: str,
                    ranks: dict[str, int]) -> list[tuple[str, str]]:
     """This node's messages as ("send" | "recv", peer), one per peer and direction.
 

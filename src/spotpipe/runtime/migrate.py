@@ -52,29 +52,41 @@ def run(plan: list[Transfer], me: str, comm: Comm, have: dict[tuple[str, int], A
     def kind_of(t: Transfer) -> int:
         return STAGE if t.kind == "stage" else REPLICA_COPY
 
-    sends = []
     packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for t in plan:
-        if t.src == me and t.dst != me:
-            if t.stage not in packed:
-                tensors = stage_tensors(*source(t.stage))
-                packed[t.stage] = (_header(tensors, comm.device), _pack(tensors, comm.device))
-            for part in packed[t.stage]:
-                sends.append(comm.post_send(part, t.dst, tag(kind_of(t), t.stage)))
+
+    def send(t: Transfer) -> list[Any]:
+        if t.stage not in packed:  # (packed once, however many nodes it goes to)
+            tensors = stage_tensors(*source(t.stage))
+            packed[t.stage] = (_header(tensors, comm.device), _pack(tensors, comm.device))
+        return [comm.post_send(part, t.dst, tag(kind_of(t), t.stage))
+                for part in packed[t.stage]]
+
     received: dict[tuple[str, int], Any] = {}
-    bytes_moved = 0
-    for t in plan:
-        if t.dst != me:
-            continue
-        module, optimizer = build(t.stage)
-        tensors = stage_tensors(module, optimizer)
-        if t.src == me:  # local: the node keeps a copy of a stage it owned
+    for t in plan:  # local: the node keeps a copy of a stage it owned
+        if t.src == me and t.dst == me:
+            module, optimizer = build(t.stage)
             with torch.no_grad():
-                for target, value in zip(tensors, stage_tensors(*source(t.stage))):
+                for target, value in zip(stage_tensors(module, optimizer),
+                                         stage_tensors(*source(t.stage))):
                     target.copy_(value)
-        else:
-            bytes_moved += _receive_stage(comm, t, tag(kind_of(t), t.stage), tensors)
-        received[(t.kind, t.stage)] = (module, optimizer)
+            received[(t.kind, t.stage)] = (module, optimizer)
+    # peer by peer in `plan.exchange_order`: the lower rank of a pair sends first, so that no
+    # two nodes that send each other a stage wait on each other's receive (NCCL's sends of
+    # one stream block until taken; gloo's never do)
+    sends, bytes_moved = [], 0
+    ranks = {n: i for i, n in enumerate(comm.nodes)}
+    for op, peer in exchange_order(plan, me, ranks):
+        if op == "send":
+            for t in plan:
+                if t.src == me and t.dst == peer:
+                    sends += send(t)
+            continue
+        for t in plan:
+            if t.src == peer and t.dst == me:
+                module, optimizer = build(t.stage)
+                bytes_moved += _receive_stage(comm, t, tag(kind_of(t), t.stage),
+                                              stage_tensors(module, optimizer))
+                received[(t.kind, t.stage)] = (module, optimizer)
     for work in sends:
         comm.wait(work)
     received[("bytes", -1)] = bytes_moved
