@@ -82,3 +82,52 @@ def test_dropout_on_the_gpu_draws_per_layer_and_a_stage_equals_the_loop(tmp_path
     loop, _ = train_reference(cfg, device="cuda")
     for key, value in loop.state_dict().items():
         assert torch.equal(got[key], value.cpu()), f"{key} differs from the loop on the GPU"
+
+
+def test_a_cpu_replica_promoted_onto_the_gpu_steps_and_a_gpu_stage_held_on_the_cpu_too(corpus):
+    """`replica.device: cpu` (the default) on a GPU job: the replica's optimizer state must
+    follow its module onto the GPU at a takeover, and onto the CPU when a stage received on
+    the GPU is held as a replica (`optim.follow_parameters`); left behind, the next step
+    fails on the device mismatch. A re-partition's install keeps AdamW's step count on the
+    CPU, as torch does for an optimizer that is not fused."""
+    from spotpipe import job
+    from spotpipe.plan import Layout
+    from spotpipe.runtime import migrate
+    from spotpipe.runtime.optim import follow_parameters
+    from spotpipe.runtime.state import NodeState
+
+    cfg = tiny_config(corpus, stages=3, pipelines=1)
+    st = NodeState(cfg, job.build_model(cfg), torch.device("cuda"), "node1",
+                   Layout.build(3, 1, ["node0", "node1", "node2"]), [(0, 1), (1, 2), (2, 4)])
+
+    def devices(module, optimizer) -> set[tuple[str, str]]:
+        return {(k, v.device.type) for p in module.parameters()
+                for k, v in optimizer.state[p].items()}
+
+    def step(module, optimizer) -> None:
+        for p in module.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+
+    module, optimizer = st.build_stage(2, torch.device("cpu"))  # a CPU replica, stepped
+    step(module, optimizer)
+    module.to("cuda")  # what a takeover does (`Reshaper._promote`)
+    follow_parameters(optimizer)
+    assert {d for k, d in devices(module, optimizer) if k != "step"} == {"cuda"}
+    step(module, optimizer)
+    st.hold(2, module, optimizer, 1)  # a stage held as a CPU replica (`NodeState.hold`)
+    held = st.holding.replica
+    assert {d for _, d in devices(held.module, held.optimizer)} == {"cpu"}
+    step(held.module, held.optimizer)
+    st.drop_replica()
+    target, target_optimizer = st.build_stage(2)  # a re-partition's install on the GPU
+    names = [n for n, _ in module.named_parameters()]
+    meta, flat = migrate.pack_layers(names, migrate.state_index([(held.module,
+                                                                   held.optimizer)]),
+                                     torch.device("cpu"))
+    want = migrate.state_index([(target, target_optimizer)])
+    for name, (value, state) in migrate.unpack_layers(meta, flat).items():
+        migrate.install(name, value, state, want)
+    placed = devices(target, target_optimizer)
+    assert ("step", "cpu") in placed and ("exp_avg", "cuda") in placed
+    step(target, target_optimizer)
