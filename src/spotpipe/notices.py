@@ -327,13 +327,14 @@ class NoticeWatcher:
     @classmethod
     def of_node(cls, failover: FailoverSection, node: str, on_notice: Callable[[str], None],
                 sigterm: bool = True, watch_only: bool = False,
-                for_host: bool = False) -> NoticeWatcher:
+                for_host: bool = False, host_acknowledges: bool = False) -> NoticeWatcher:
         """The notices `failover.*_notice_url` configure, read for `node`: "{node}" in a URL is
         the node's name (one metadata service per host in the cloud, where the URLs name
         no node; one loopback server for every node in the tests). `for_host`: this reader
         acknowledges for every worker of its host (the node agent, once they are gone);
-        else it does only where it reads its URL alone, which then names its node."""
-        alone = "{node}" in failover.azure_notice_url
+        else it does only where it reads its URL alone, which then names its node, and its
+        host's agent does not (`host_acknowledges`)."""
+        alone = "{node}" in failover.azure_notice_url and not host_acknowledges
         return cls(aws_url=failover.aws_notice_url.replace("{node}", node),
                    gcp_url=failover.gcp_notice_url.replace("{node}", node),
                    azure_url=failover.azure_notice_url.replace("{node}", node),

@@ -138,12 +138,8 @@ def _receive_stage(comm: Comm, t: Transfer, tag_: int, tensors: list[torch.Tenso
     offset = 0
     with torch.no_grad():
         for target in tensors:
-            size = target.numel() * target.element_size()
-            part = flat[offset: offset + size]
-            if offset % target.element_size():  # a wider dtype after a narrower one
-                part = part.clone()
-            target.copy_(part.view(target.dtype).view_as(target))
-            offset += size
+            target.copy_(_typed(flat, offset, target.dtype, list(target.shape)))
+            offset += target.numel() * target.element_size()
     return offset
 
 
@@ -182,6 +178,19 @@ def _dtype(name: str) -> torch.dtype:
 
 def _raw(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
+
+
+def _typed(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """The tensor of `dtype` and `shape` whose bytes start at `offset` of the byte buffer
+    `flat` (the inverse of `_raw`): a view, or a copy where a wider dtype follows a narrower
+    one and its bytes are not aligned for it."""
+    n = 1
+    for d in shape:
+        n *= d
+    part = flat[offset: offset + n * dtype.itemsize]
+    if offset % dtype.itemsize:
+        part = part.clone()
+    return part.view(dtype).view(shape)
 
 
 def pack_layers(names: list[str], have: StateIndex,
@@ -229,16 +238,9 @@ def unpack_layers(meta: list[dict[str, Any]],
 
     def take(spec: dict[str, Any]) -> torch.Tensor:
         nonlocal offset
-        dtype = _dtype(spec["dtype"])
-        n = 1
-        for d in spec["shape"]:
-            n *= d
-        size = n * dtype.itemsize
-        part = flat[offset: offset + size]
-        if offset % dtype.itemsize:  # a wider dtype after a narrower one: realign by a copy
-            part = part.clone()
-        offset += size
-        return part.view(dtype).view(spec["shape"])
+        part = _typed(flat, offset, _dtype(spec["dtype"]), spec["shape"])
+        offset += part.numel() * part.element_size()
+        return part
 
     for entry in meta:
         value = take(entry)

@@ -122,13 +122,12 @@ class Worker:
         self.inject = Injector(faults, node, lambda f: self.channel.event(
             "fault_injected", fault=f.kind, iteration=f.iteration, phase=f.phase))
         self.inject.poison = self._poison_gradient
+        # (under a node agent, the agent tells the cloud once every worker of the host is
+        # gone: the first of several to say so let Azure take the host from the others)
         self.notices = NoticeWatcher.of_node(
             cfg.failover, node, on_notice=lambda src: self.channel.post(Notice(
-                node, self.state.generation, src, self.channel.now())))
-        if os.environ.get("SPOTPIPE_HOST_ACKNOWLEDGES") == "1":
-            # (its node agent tells the cloud once every worker of the host is gone: the
-            # first of several to say so let Azure take the host from the others)
-            self.notices.acknowledges = False
+                node, self.state.generation, src, self.channel.now())),
+            host_acknowledges=os.environ.get("SPOTPIPE_HOST_ACKNOWLEDGES") == "1")
         timeout = cfg.cluster.timeout_s
         self.executor: Executor | None = None
         self.shadow = (ShadowWriter(self.sealed, namespace, node, max_lag=cfg.shadow.max_lag,
