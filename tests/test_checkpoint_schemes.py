@@ -447,6 +447,185 @@ def test_gemini_peer_lets_go_of_copies_it_no_longer_keeps(tmp_path, corpus):
     assert set(pair[0].held) == set() and pair[1].held[0].iteration == 3
 
 
+def _gemini_pair(tmp_path, corpus, store):
+    """Two in-process nodes running gemini over `_Net`, what they said (node, kind, fields),
+    and a maker of a fresh one (a node's new process)."""
+    from spotpipe.checkpoint import registry, schemes
+
+    cfg = tiny_config(corpus, **{"checkpoint.scheme": "gemini", "checkpoint.every": 2,
+                                 "stages": 2, "logging.state_digests": True})
+    net, said = _Net(), []
+    nodes = ["node0", "node1"]
+
+    def fresh(n):
+        return registry.build(schemes.SchemeContext(
+            cfg, n, tmp_path, lambda kind, **f: said.append((n, kind, f)), store))
+    return [fresh(n) for n in nodes], [_PeerComm(net, n) for n in nodes], said, fresh
+
+
+def _checkpoint_both(pair, comms, t, stages, layout):
+    """Iteration `t`'s boundary on both nodes (node i writes `stages[i]`), then each waits
+    for its transfers."""
+    from spotpipe.runtime.hooks import Boundary
+
+    part = ((0, 1), (1, 2))
+    _both(pair, [Boundary(t, stages[i], comms[i], layout, part) for i in (0, 1)])
+    for i in (0, 1):
+        pair[i].poll(Boundary(t + 1, {}, comms[i], layout, part), wait=True)
+
+
+class _TamperedStore(_Store):
+    """A store whose next reads of `key` give what `tamper` makes of the value (or raise)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tamper = {}
+
+    def get(self, key):
+        value = dict.__getitem__(self, key)
+        change = self.tamper.pop(key, None)
+        return value if change is None else change(value)
+
+
+def _forged_layout(value):
+    layout = json.loads(value)
+    layout["tensors"][0][2] = [1]  # a shape of its own: another digest
+    return json.dumps(layout).encode()
+
+
+def _refused(value):
+    from spotpipe.protocol.auth import Refused
+
+    raise Refused("bad seal")
+
+
+@pytest.mark.parametrize("tamper", [_forged_layout, _refused])
+def test_gemini_peer_refuses_a_bad_layout_record_and_keeps_its_copy(tmp_path, corpus, tamper):
+    """The layout record a copy's header names is read from the store, where anyone may
+    write: one that is not the writer's (another digest, or refused by the seal) raised out of
+    the peer's boundary and ended its worker. Now it is a checkpoint_failed event naming the
+    key and the writer; the copy's bytes are still received (and dropped), so the copy of the
+    next checkpoint is not read from them, and the copy held before stays."""
+    store = _TamperedStore()
+    pair, comms, said, _ = _gemini_pair(tmp_path, corpus, store)
+    layout = Layout.build(2, 1, ["node0", "node1"])
+    key = "spotpipe/checkpoint/layout/0"
+    stages = {1: _stage(), 3: _stage(4), 5: _stage(4)}  # a layout of its own from 3 on
+    _checkpoint_both(pair, comms, 1, [{0: stages[1]}, {1: _stage()}], layout)
+    store.tamper[key] = tamper
+    _checkpoint_both(pair, comms, 3, [{0: stages[3]}, {1: _stage()}], layout)
+    failed = [f for n, kind, f in said if kind == "checkpoint_failed"]
+    assert len(failed) == 1 and failed[0]["iteration"] == 3 and failed[0]["stage"] == 0
+    assert key in failed[0]["message"] and "node0" in failed[0]["message"]
+    assert pair[1].held[0].iteration == 1
+    assert pair[1].fingerprint(0) == stage_digest(*stages[1])
+    _checkpoint_both(pair, comms, 5, [{0: stages[5]}, {1: _stage()}], layout)
+    assert pair[1].held[0].iteration == 5
+    assert pair[1].fingerprint(0) == stage_digest(*stages[5])
+
+
+def test_gemini_writer_puts_its_layout_again_after_another_node_wrote_the_stage(tmp_path,
+                                                                               corpus):
+    """Stage 0 moves from node0 to node1 (whose stage 0 has other layers) and back, to a peer
+    that has not read its layout yet (node1 in a new process): node0 remembered that it had
+    put its layout already, while the store held node1's, so the peer refused the copy (and,
+    before refusals were events, its worker ended)."""
+    pair, comms, said, fresh = _gemini_pair(tmp_path, corpus, _Store())
+    first, second = Layout.build(2, 1, ["node0", "node1"]), Layout.build(2, 1, ["node1", "node0"])
+    _checkpoint_both(pair, comms, 1, [{0: _stage()}, {1: _stage()}], first)
+    _checkpoint_both(pair, comms, 3, [{1: _stage()}, {0: _stage(5)}], second)
+    pair[1] = fresh("node1")
+    back = _stage()
+    _checkpoint_both(pair, comms, 5, [{0: back}, {1: _stage()}], first)
+    assert [f for n, kind, f in said if kind == "checkpoint_failed"] == []
+    assert pair[1].held[0].iteration == 5 and pair[1].fingerprint(0) == stage_digest(*back)
+
+
+def test_unflatten_reads_a_tensor_at_any_byte_offset():
+    """A BatchNorm's int64 count follows five float32 tensors of 3 values (84 bytes in):
+    viewing the buffer's bytes there as int64 failed (the offset must be a multiple of 8),
+    so a peer's copy of a stage with such a layer could not be read."""
+    module = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    optimizer = torch.optim.AdamW(module.parameters())
+    module(torch.randn(4, 2)).sum().backward()
+    optimizer.step()
+    tensors = durable.stage_tensors(module, optimizer)
+    layout = json.loads(json.dumps(snapshot.layout_of(tensors, ["0.weight"])))
+    back = snapshot.unflatten(snapshot.flatten(tensors), layout)
+    assert list(back) == list(tensors)
+    assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in tensors.items())
+
+
+def test_flatten_gathers_tensors_of_several_devices_on_one():
+    """AdamW's step count stays on the CPU while the parameters are on the GPU (the portable
+    kernel, or any non-fused AdamW): concatenating them failed. (The meta device stands for
+    the GPU here: what matters is that the tensors' devices differ.)"""
+    tensors = {"w": torch.zeros(3, device="meta"), "optim/w/step": torch.tensor(2.0)}
+    flat = snapshot.flatten(tensors, torch.device("meta"))
+    assert flat.device.type == "meta" and flat.numel() == 16 and flat.dtype == torch.uint8
+
+
+_GOOD = {"params": ["w"], "tensors": [["w", "float32", [2, 3]], ["optim/w/step", "int64", []]]}
+
+
+@pytest.mark.parametrize("record, problem", [
+    (b"\xff{", "not a JSON record"),
+    (b"[" * 100 + b"]" * 100, "nested too deeply"),
+    (b" " * (17 << 20), "over the"),
+    (json.dumps([1, 2]), "an object of params and tensors"),
+    (json.dumps({**_GOOD, "params": "w"}), "params: expected a list"),
+    (json.dumps({**_GOOD, "tensors": [["w", "float32"]]}), "name, dtype, shape"),
+    (json.dumps({**_GOOD, "tensors": [["w", "nn", [6]], ["s", "int64", []]]}), "'nn' is not"),
+    (json.dumps({**_GOOD, "tensors": [["w", "float32", [float("nan")]], ["s", "int64", []]]}),
+     "non-negative integers"),
+    (json.dumps({**_GOOD, "tensors": [["w", "float32", [-2, -3]], ["s", "int64", []]]}),
+     "non-negative integers"),
+    (json.dumps({**_GOOD, "tensors": [["w", "float32", [True]]]}), "non-negative integers"),
+    (json.dumps({**_GOOD, "tensors": [["w", "float32", [2, 3]], ["w", "int64", []]]}),
+     "a name twice"),
+    (json.dumps({**_GOOD, "tensors": [["w", "float32", [2, 4]], ["s", "int64", []]]}),
+     "take 40 bytes, the copy has 32"),
+], ids=["not-utf8", "deep", "oversized", "not-object", "params", "triple", "dtype", "nan",
+        "negative", "bool", "twice", "sum"])
+def test_a_peer_copy_layout_from_the_store_is_checked_before_use(record, problem):
+    """The layout is read from the store: anything but one `layout_of` wrote for the copy's
+    size is a CheckpointError naming the key (a dtype name went to `getattr(torch, ...)`, a
+    NaN or negative shape to the sizes, and a layout whose sizes do not sum to the copy's was
+    held as a copy nobody could read)."""
+    assert snapshot.read_layout(json.dumps(_GOOD), 32, "KEY") == _GOOD
+    with pytest.raises(CheckpointError, match=f"^KEY: .*{problem}"):
+        snapshot.read_layout(record, 32, "KEY")
+
+
+@pytest.mark.parametrize("case", ["float64 weight", "counter past 2^24"])
+def test_a_stage_state_that_float32_cannot_hold_is_refused_by_flatten(case):
+    """`state.flatten` (a shadow's state on its way back to a worker) casts every tensor to the
+    first parameter's dtype: a counter past 2^24 (fp16's loss-scale growth count, with a long
+    growth interval) arrived rounded, and a float64 weight's optimizer state lost its low bits,
+    silently. Now it is refused, naming the tensor; fp32 state (the only kind spotpipe builds)
+    goes as before, exactly."""
+    from spotpipe.runtime import state
+
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    optimizer = torch.optim.AdamW(module.parameters())
+    module(torch.randn(3, 2)).sum().backward()
+    optimizer.step()
+    copy = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    copy_optimizer = torch.optim.AdamW(copy.parameters())
+    state.unflatten(state.flatten(module, optimizer), copy, copy_optimizer)
+    assert stage_digest(copy, copy_optimizer) == stage_digest(module, optimizer)
+    if case == "float64 weight":
+        module[1].double()
+        optimizer.state[module[1].weight]["exp_avg"] = torch.full((1, 2), 1 + 2.0 ** -40,
+                                                                  dtype=torch.float64)
+        name = "parameter 1.weight"
+    else:
+        optimizer.state[module[0].bias]["growth"] = torch.tensor(2 ** 24 + 1, dtype=torch.int32)
+        name = "optimizer state 'growth' of 0.bias"
+    with pytest.raises(ValueError, match=f"^{name} .*float32"):
+        state.flatten(module, optimizer)
+
+
 def test_peer_is_the_replica_holder_or_the_next_node():
     layout = Layout.build(3, 1, ["node0", "node1", "node2"])
     assert [peer_of(layout, s) for s in range(3)] == ["node2", "node0", "node1"]
@@ -468,10 +647,10 @@ def test_flatten_round_trip():
 
 # ---------------------------------------------------------------------- safety of the files
 
-def _stage():
-    module = torch.nn.Linear(3, 2)
+def _stage(inputs: int = 3):
+    module = torch.nn.Linear(inputs, 2)
     optimizer = torch.optim.AdamW(module.parameters())
-    module(torch.randn(4, 3)).sum().backward()
+    module(torch.randn(4, inputs)).sum().backward()
     optimizer.step()
     return module, optimizer
 

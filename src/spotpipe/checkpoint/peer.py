@@ -17,9 +17,14 @@ copy before starting another (Gemini's single checkpoint in flight). A transfer 
 that ended is abandoned; the held copies stay.
 
 The layout (names, dtypes, shapes) of a stage's buffer travels as JSON through the store, so
-nothing is unpickled from the network: the writer puts it whenever it changes (a re-partition
-changes a stage's layers in place), and the header carries a digest of it, by which the peer
-reads the new one and keeps with each copy the layout that copy was cut by.
+nothing is unpickled from the network: the writer puts it with every copy (a re-partition
+changes a stage's layers in place, and the stage's writer may change and change back), and the
+header carries a digest of it, by which the peer reads the new one and keeps with each copy the
+layout that copy was cut by. The store is anyone's to write: a layout that is missing, refused
+by the seal, not the header's digest, or not a layout of the copy's size
+(`snapshot.read_layout`) is a `checkpoint_failed` event naming the key and the writer, never
+an error out of the boundary. The copy's bytes are received all the same (left in the channel,
+they would be taken for the next copy's) and dropped; the copy held before stays.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch
 from spotpipe.checkpoint import durable, snapshot
 from spotpipe.protocol import keys
 from spotpipe.checkpoint.schemes import Boundary, Scheme, SchemeContext
+from spotpipe.protocol.auth import Refused
 from spotpipe.runtime.comm import PeerFailure, tag
 
 CKPT, CKPT_DATA = 4, 5  # message kinds after spotpipe.runtime.comm's ACT, GRAD, REPLICA, TIED
@@ -50,9 +56,10 @@ def peer_of(layout: Any, stage: int) -> str | None:
     return next((n for n in ring + others if n != writer), None)
 
 
-def layout_tag(layout: str) -> int:
+def layout_tag(layout: str | bytes) -> int:
     """A layout's digest as one int64 (it travels in the copy's header)."""
-    return int.from_bytes(hashlib.sha256(layout.encode()).digest()[:7], "big")
+    raw = layout.encode() if isinstance(layout, str) else layout
+    return int.from_bytes(hashlib.sha256(raw).digest()[:7], "big")
 
 
 @dataclass
@@ -99,7 +106,6 @@ class GeminiScheme(Scheme):
         self.held: dict[int, HeldCopy] = {}
         self._sends: list[_InFlight] = []
         self._recvs: list[_InFlight] = []
-        self._layout_put: dict[int, str] = {}  # stage -> the layout this node last put
         self._comm: Any = None
         self._layouts: dict[int, tuple[int, dict[str, Any]]] = {}  # stage -> (tag, layout)
 
@@ -119,7 +125,7 @@ class GeminiScheme(Scheme):
             started = time.perf_counter()
             tensors = durable.stage_tensors(module, optimizer)
             layout = self._put_layout(s, tensors, [n for n, _ in module.named_parameters()])
-            flat = snapshot.flatten(tensors)  # a copy, on the device (NCCL sends from there)
+            flat = snapshot.flatten(tensors, device)  # a copy, there (NCCL sends from it)
             comm.send(torch.tensor([flat.numel(), layout_tag(layout)], dtype=torch.int64,
                                    device=device), peer, tag(CKPT, s))
             work = comm.post_send(flat, peer, tag(CKPT_DATA, s))
@@ -131,9 +137,15 @@ class GeminiScheme(Scheme):
                 continue
             started = time.perf_counter()
             size, tag_of_layout = (int(v) for v in comm.recv(writer, tag(CKPT, s)).tolist())
-            layout = self._layout(s, tag_of_layout, writer)
             buffer = torch.empty(size, dtype=torch.uint8, device=device)
+            # received whatever its layout: left in the channel, the bytes would be taken for
+            # the next copy's, and the writer would wait for them to be taken
             work = comm.post_recv(buffer, writer, tag(CKPT_DATA, s))
+            try:
+                layout = self._layout(s, tag_of_layout, size, writer)
+            except durable.CheckpointError as exc:
+                self._failed(b.iteration, s, exc)  # received and dropped; the held copy stays
+                layout = None
             self._recvs.append(_InFlight(b.iteration, s, work, buffer, comm,
                                          time.perf_counter() - started, writer,
                                          layout).start())
@@ -151,25 +163,35 @@ class GeminiScheme(Scheme):
 
     def _put_layout(self, stage: int, tensors: dict[str, torch.Tensor],
                     params: list[str]) -> str:
-        """The stage's layout, put in the store where it is not the one this node put last."""
+        """The stage's layout, put in the store at every copy: the stage's writer may have
+        been another node since this one last put it (a failover, a re-partition), and then
+        the store holds that node's layout, which is not this copy's."""
         layout = json.dumps(snapshot.layout_of(tensors, params))
-        if self._layout_put.get(stage) != layout:
-            self.ctx.store.set(self._layout_key(stage), layout)
-            self._layout_put[stage] = layout
+        self.ctx.store.set(self._layout_key(stage), layout)
         return layout
 
-    def _layout(self, stage: int, tag_: int, writer: str) -> dict[str, Any]:
+    def _layout(self, stage: int, tag_: int, size: int, writer: str) -> dict[str, Any]:
         """The layout a copy's header names: the one read last, or the store's (the writer put
-        it before it sent the header), which must be that one."""
+        it before it sent the header), which must be that one, for `size` bytes. Anything else
+        is a CheckpointError naming the key and the writer."""
+        key = self._layout_key(stage)
+        where = f"{key} (the copy of stage {stage} that {writer} is sending)"
         cached = self._layouts.get(stage)
         if cached is None or cached[0] != tag_:
-            text = self.ctx.store.get(self._layout_key(stage))
-            text = text.decode() if isinstance(text, bytes) else text
-            if layout_tag(text) != tag_:
-                raise durable.CheckpointError(
-                    f"{self._layout_key(stage)}: not the layout of the copy of stage {stage} "
-                    f"that {writer} is sending")
-            cached = self._layouts[stage] = (tag_, json.loads(text))
+            if not self.ctx.store.check([key]):  # (a get would wait for it)
+                raise durable.CheckpointError(f"{where}: not in the store")
+            try:
+                text = self.ctx.store.get(key)
+            except Refused as exc:  # (the sealed store's: not written with the job's key)
+                raise durable.CheckpointError(f"{where}: refused: {exc.reason}") from None
+            raw = text if isinstance(text, bytes) else text.encode()
+            if layout_tag(raw) != tag_:
+                raise durable.CheckpointError(f"{where}: the store holds another layout")
+            cached = (tag_, snapshot.read_layout(raw, size, where))
+            self._layouts[stage] = cached
+        elif (total := sum(e[-1] for e in snapshot.extents(cached[1]))) != size:
+            raise durable.CheckpointError(f"{where}: its layout takes {total} bytes, the copy "
+                                          f"has {size}")
         return cached[1]
 
     def close(self) -> None:
@@ -206,8 +228,9 @@ class GeminiScheme(Scheme):
             self._record("checkpoint_done", item.iteration, item.stage, item.blocked_s,
                          item.buffer.numel(), done_time=item.done_time, peer=item.peer)
             return
+        if item.layout is None:
+            return  # (its layout was refused when its header came: checkpoint_failed said so)
         flat = item.buffer.to("cpu")
-        assert item.layout is not None  # (a received copy's, read when its header came)
         self.held[item.stage] = HeldCopy(item.iteration, flat, item.peer, item.layout)
         extra = ({"digest": self.fingerprint(item.stage)}
                  if self.cfg.logging.state_digests else {})

@@ -30,6 +30,7 @@ from torch import nn
 from spotpipe.checkpoint import durable
 from spotpipe.checkpoint.durable import CheckpointError
 from spotpipe.checkpoint.fsync import fsync_path, sha256_file
+from spotpipe.protocol.bounds import Unreadable, load_record
 from spotpipe.runtime.digest import tensors_digest
 
 FORMAT_VERSION = 1
@@ -74,31 +75,94 @@ def fingerprint(tensors: dict[str, torch.Tensor], params: list[str]) -> dict[str
 
 # ---------------------------------------------------------------------- flat, for peers
 
+# The dtypes a peer's copy carries, by the names `layout_of` writes: a layout read from the store
+# names one of these or is refused (`getattr(torch, name)` would take any attribute of torch)
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+    torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)}
+
+
 def layout_of(tensors: dict[str, torch.Tensor], params: list[str]) -> dict[str, Any]:
+    for k, v in tensors.items():
+        if str(v.dtype).removeprefix("torch.") not in DTYPES:
+            raise CheckpointError(f"{k}: a {v.dtype} tensor, which a peer's copy does not carry")
     return {"params": params,
             "tensors": [[k, str(v.dtype).removeprefix("torch."), list(v.shape)]
                         for k, v in tensors.items()]}
 
 
-def flatten(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+def flatten(tensors: dict[str, torch.Tensor], device: torch.device | None = None
+            ) -> torch.Tensor:
     """A copy of all tensors' bytes, concatenated in `layout_of` order, as one uint8 tensor on
-    the tensors' device (all must share one)."""
-    parts = [v.detach().contiguous().reshape(-1).view(torch.uint8) for v in tensors.values()]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    `device` (by default the first tensor's). A stage's tensors need not share one: AdamW
+    keeps its step counts on the CPU beside parameters on the GPU unless it is fused."""
+    if not tensors:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    device = device or next(iter(tensors.values())).device
+    return torch.cat([v.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
+                      for v in tensors.values()])
+
+
+def read_layout(text: bytes | str, size: int, where: str) -> dict[str, Any]:
+    """A copy's layout as read from the store (`where`: its key and writer, for the error),
+    checked to be one `layout_of` wrote for a buffer of `size` bytes: CheckpointError naming
+    `where` for anything else (not JSON, over the record cap, a field of the wrong type, a
+    dtype not in DTYPES, names twice, sizes that do not sum to `size`)."""
+    try:
+        layout = load_record(text)
+    except Unreadable as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+    problem = _layout_problem(layout, size)
+    if problem:
+        raise CheckpointError(f"{where}: not a copy's layout: {problem}")
+    return layout
+
+
+def _layout_problem(layout: Any, size: int) -> str:
+    """What makes `layout` other than a layout of `size` bytes ("" if nothing)."""
+    if not isinstance(layout, dict) or set(layout) != {"params", "tensors"}:
+        return "expected an object of params and tensors"
+    params, tensors = layout["params"], layout["tensors"]
+    if not isinstance(params, list) or not all(isinstance(n, str) for n in params):
+        return "params: expected a list of names"
+    if not isinstance(tensors, list) or not all(
+            isinstance(t, list) and len(t) == 3 and isinstance(t[0], str) for t in tensors):
+        return "tensors: expected a list of [name, dtype, shape]"
+    names = [t[0] for t in tensors]
+    if len(set(names)) != len(names) or not set(params) <= set(names):
+        return "tensors: a name twice, or a parameter without its tensor"
+    for name, dtype, shape in tensors:
+        if dtype not in DTYPES:
+            return f"{name[:100]}: {str(dtype)[:40]!r} is not a dtype a copy carries"
+        if not isinstance(shape, list) or not all(
+                type(d) is int and d >= 0 for d in shape):  # (not a bool, a float, a NaN)
+            return f"{name[:100]}: expected a shape of non-negative integers"
+    total = sum(nbytes for *_, nbytes in extents(layout))
+    if total != size:
+        return f"its tensors take {total} bytes, the copy has {size}"
+    return ""
+
+
+def extents(layout: dict[str, Any]) -> list[tuple[str, torch.dtype, list[int], int]]:
+    """(name, dtype, shape, bytes) of each tensor, in buffer order."""
+    out = []
+    for name, dtype, shape in layout["tensors"]:
+        dt = DTYPES[dtype]
+        out.append((name, dt, shape, math.prod(shape) * dt.itemsize))
+    return out
 
 
 def unflatten(flat: torch.Tensor, layout: dict[str, Any]) -> dict[str, torch.Tensor]:
     flat = flat.to("cpu")
-    sizes = []
-    for name, dtype, shape in layout["tensors"]:
-        dt = getattr(torch, dtype)
-        sizes.append((name, dt, shape, math.prod(shape) * torch.empty((), dtype=dt).element_size()))
+    sizes = extents(layout)
     expected = sum(size for *_, size in sizes)
     if expected != flat.numel():
         raise CheckpointError(f"a peer's copy has {flat.numel()} bytes, its layout {expected}")
     out, offset = {}, 0
     for name, dt, shape, size in sizes:
-        out[name] = flat[offset: offset + size].view(dt).reshape(shape).clone()
+        # (cloned before the view: a tensor's bytes may start at an offset that is no multiple
+        # of its element size, a BatchNorm's int64 count after float32s of odd length)
+        out[name] = flat[offset: offset + size].clone().view(dt).reshape(shape)
         offset += size
     return out
 

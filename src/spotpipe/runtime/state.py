@@ -71,12 +71,39 @@ def stage_state_from(model: LayeredModel, partition: list[tuple[int, int]], stag
     return StageState(stage, module, optimizer, norm_params, tied)
 
 
+# the one dtype of `flatten`'s buffer: its receivers allocate it so (`shadow_link`), and a
+# stage's weights and optimizer state are fp32 whatever the compute precision
+FLAT_DTYPE = torch.float32
+
+
 def flatten(module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """The stage's parameters, then its optimizer's tensors, as one float32 buffer. What
+    float32 cannot hold exactly (a float64 or bf16 tensor, a counter past 2^24) is refused:
+    cast, it would arrive as other values than the sender's, and nothing would say so."""
     params = list(module.parameters())
     materialise_optimizer_state(module, optimizer)
-    return torch.cat([p.detach().reshape(-1) for p in params]
-                     + [t.detach().reshape(-1).to(params[0].dtype)
-                        for t in optimizer_tensors(optimizer)])
+    state = optimizer_tensors(optimizer)
+    if any(t.dtype != FLAT_DTYPE for t in params + state):
+        _check_exact(module, optimizer)
+    return torch.cat([t.detach().reshape(-1).to(FLAT_DTYPE) for t in params + state])
+
+
+def _check_exact(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Raise ValueError naming the first tensor whose values `FLAT_DTYPE` would change."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    labelled = [(f"parameter {n}", p) for n, p in module.named_parameters()]
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            labelled += [(f"optimizer state {k!r} of {names.get(id(p), '?')}", state[k])
+                         for k in sorted(state) if isinstance(state[k], torch.Tensor)]
+    for label, t in labelled:
+        if t.dtype == FLAT_DTYPE:
+            continue
+        if t.is_floating_point() or t.is_complex() or not torch.equal(
+                t.detach().to(FLAT_DTYPE).to(t.dtype), t.detach()):
+            raise ValueError(f"{label} ({t.dtype}) does not travel exactly as {FLAT_DTYPE}, "
+                             "the one dtype of a stage's state on its way to another process")
 
 
 def unflatten(flat: torch.Tensor, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
