@@ -118,6 +118,9 @@ def test_a_server_lost_takes_its_children_and_says_so(tmp_path: Path) -> None:
     # the exit's cause, for the job's messages (before: "node0 exited with code -9")
     assert sup.lost_with_its_server("node0") == (
         "the fork server that starts the workers was killed by SIGKILL, and they died with it")
+    # what the local launcher and a node agent say of the exit (the code alone: no more)
+    assert sup.exit_cause("node0", -signal.SIGKILL) == sup.lost_with_its_server("node0")
+    assert sup.exit_cause("node0", 1) == ""
     until(lambda: not _alive(child), "the orphaned child to die")
     with pytest.raises(RuntimeError, match="fork server has ended"):
         sup.spawn("node1", dict(os.environ, PYTHONPATH=str(tmp_path)))

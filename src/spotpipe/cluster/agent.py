@@ -79,6 +79,7 @@ from spotpipe.model import template
 from spotpipe.notices import NoticeWatcher
 from spotpipe.protocol import (AgentArrival, Assignment, Channel, Exit, JobOver, JobPosted,
                                Kill, MessageError, job_key, keys, plain, vouch, vouched)
+from spotpipe.protocol.messages import EXIT_CAUSE_CHARS, plain_text
 from spotpipe.store.address import StoreAddress, StoreSilent
 from spotpipe.store.mailbox import Outbox
 from spotpipe.store.watchers import BoardWatcher
@@ -561,7 +562,7 @@ class Agent:
         store = None
         try:
             store = self.address.connect(self.timeout_s)
-            Outbox(store, self.channel, 0.0).post(Exit(node, code))
+            Outbox(store, self.channel, 0.0).post(Exit(node, code, self._exit_cause(node, code)))
         except Exception as exc:  # the store is gone: the job is over already
             self.say(f"could not report the exit of {node}: {exc}")
         if node in self._fenced or (store is not None and self._was_fenced(store, node)):
@@ -569,6 +570,15 @@ class Agent:
         elif code < 0 and not self._signalling:
             self._crashed(node, code, store)
         self._done_with(1)
+
+    def _exit_cause(self, node: str, code: int) -> str:
+        """Why `node` exited, as the local launcher would say it, and on which host: the
+        coordinator, on another host, says it with the loss and the stop it leads to."""
+        why = self.supervisor.exit_cause(node, code)
+        if not why:
+            return ""
+        host = plain_text(socket.gethostname(), 64)  # (Linux's HOST_NAME_MAX: the cause stays)
+        return plain_text(f"on {host}, {why}", EXIT_CAUSE_CHARS)
 
     def _done_with(self, workers: int) -> None:
         """`workers` of this host's are over (exited, or never started)."""
