@@ -73,6 +73,7 @@ from spotpipe.cluster.office import Office
 from spotpipe.cluster.rendezvous import (ALL_LEFT, JOB, LEFT, OVER, arrive, assign_key,
                                          connect_rendezvous, is_over, posted_over, proof_key,
                                          read_record, read_vouched, wait_get, write_atomic)
+from spotpipe.cluster.proc import signal_name
 from spotpipe.cluster.supervisor import WORKER, Supervisor, starter, worker_env
 from spotpipe.config import Config
 from spotpipe.model import template
@@ -594,7 +595,7 @@ class Agent:
         a fresh node while --max-restarts allows (torchrun's restart, but of one node: the
         job failed over without it and goes on), else said, with the flag that would; in the
         agent's output and in the job's events (`worker_crashed`)."""
-        died = f"{node} died of {_signal_name(-code)} while its host lives"
+        died = f"{node} died of {signal_name(-code)} while its host lives"
         with self._lock:
             restart = self._restarts < self.opts.max_restarts
             if restart:
@@ -603,7 +604,7 @@ class Agent:
         if store is not None:
             try:
                 Outbox(store, self.channel, self._posted.t0).event(
-                    "worker_crashed", worker=node, signal=_signal_name(-code),
+                    "worker_crashed", worker=node, signal=signal_name(-code),
                     replaced=restart, restarts=number, max_restarts=self.opts.max_restarts)
             except Exception as exc:  # the store is gone: the job is over already
                 self.say(f"could not report the crash of {node}: {exc}")
@@ -726,13 +727,6 @@ def _checked_resume(opts: AgentOptions, cfg: Config, notes: list[dict[str, Any]]
         raise AgentError(str(exc)) from None
     return check_resume(cfg, opts.resume, key, opts.trust_checkpoint, notes,
                         num_samples=num_samples, layers=layers)
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 __all__ = ["AgentError", "AgentOptions", "LaunchError", "parse_nnodes", "run_agent"]
