@@ -411,3 +411,16 @@ def test_an_agent_says_its_fork_servers_end_in_one_bounded_line(monkeypatch):
     monkeypatch.setattr(agent_module.socket, "gethostname", lambda: "host-b")
     assert agent._exit_cause("node1", -9) == f"on host-b, {said}"
     assert agent._exit_cause("node1", 0) == ""
+
+
+def test_a_failed_worker_of_another_host_is_said_with_where_its_log_is(corpus, tmp_path):
+    """A worker's error ends the job; its log is on its own host, in its agent's --out (the
+    message named the coordinating agent's folder, where no such file is)."""
+    coord, _ = _coordinator(corpus, ["node0", "node1"])
+    loop = _agents_loop(coord, [], _admitted({1: [0], 2: [1]}))  # (agent1: this host)
+    loop.out, loop._errors, loop._drain = tmp_path, {"node1": "ValueError: boom"}, lambda: None
+    loop.t0 = 0.0
+    assert loop._failed("node1", 1, "worker_failed") == (
+        "node1 failed: ValueError: boom (log: logs/node1.log in the --out of its host's agent)")
+    assert loop._failed("node0", 1, "worker_failed") == (
+        f"node0 failed: exited with code 1 (log: {tmp_path}/logs/node0.log)")

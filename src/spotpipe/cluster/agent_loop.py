@@ -200,6 +200,12 @@ class AgentJobLoop(JobLoop):
         self.rdzv.node_gone(node)  # (its agent may no longer count toward --nnodes MAX)
         return super()._node_exited(node, code, cause)
 
+    def _log_of(self, name: str) -> str:
+        """A node of another host logs there, into its agent's --out: not into this one's."""
+        if name in self.rdzv.others_nodes():
+            return f"logs/{name}.log in the --out of its host's agent"
+        return super()._log_of(name)
+
     def _exit_refusal(self, writer: str, node: str) -> str:
         """Only the agent of `node`'s host reports its exit (and its cause): another's record
         would count a running node out, or lend it a cause it did not die of."""

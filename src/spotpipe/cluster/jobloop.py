@@ -393,7 +393,11 @@ class JobLoop:
         detail = self._errors.get(name) or f"exited with code {code}"
         self.files.event({"time_s": self._now(), "kind": kind, "node": name,
                           "returncode": code, "message": detail})
-        return f"{name} failed: {detail} (log: {self.out}/logs/{name}.log)"
+        return f"{name} failed: {detail} (log: {self._log_of(name)})"
+
+    def _log_of(self, name: str) -> str:
+        """Where the output of the job's process `name` is, as its failure's message says."""
+        return f"{self.out}/logs/{name}.log"
 
     def _shadows_done(self) -> bool:
         return self._shadows is None or len(self._shadow_exited) == len(self._shadows.procs)
