@@ -473,6 +473,9 @@ class CoordinatorState(Message):
     # `_noticed`): {"generation": g, "layouts": [...]} and {"generation": g, "nodes": [...]}
     prepared_ahead: dict[str, Any] | None = None
     noticed: dict[str, Any] | None = None
+    # what the lost nodes' launchers or agents said of why they died (`Exit.cause`), said
+    # again in the stop's message should the agreement their loss began end the job
+    causes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
