@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
+import threading
 import types
 
 import pytest
@@ -400,17 +401,32 @@ def test_an_agent_that_came_again_still_reports_on_its_hosts_nodes(corpus):
 def test_an_agent_says_its_fork_servers_end_in_one_bounded_line(monkeypatch):
     """What the agent sends is what the record's reader accepts, whatever the host's name;
     and nothing where its supervisor knows no more than the code."""
-    agent = Agent.__new__(Agent)
     said = "the fork server that starts the workers was killed by SIGKILL, and they died with it"
-    agent.supervisor = types.SimpleNamespace(
-        exit_cause=lambda node, code: said if code < 0 else "")
     monkeypatch.setattr(agent_module.socket, "gethostname", lambda: "host-b\n\x1b[2J" + "h" * 500)
-    cause = agent._exit_cause("node1", -9)
+    cause = Agent._exit_cause(said)
     assert cause == "on host-b  [2J" + "h" * 50 + "..., " + said  # (the name cut at 64)
     assert Exit("node1", -9, cause).cause == cause  # (accepted by the check)
     monkeypatch.setattr(agent_module.socket, "gethostname", lambda: "host-b")
-    assert agent._exit_cause("node1", -9) == f"on host-b, {said}"
-    assert agent._exit_cause("node1", 0) == ""
+    assert Agent._exit_cause(said) == f"on host-b, {said}"
+    assert Agent._exit_cause("") == ""
+
+
+def test_an_agent_says_its_workers_died_with_their_fork_server_not_of_a_crash():
+    """The agent's own word on a worker it did not stop (its output, `worker_crashed`) names
+    the fork server's end, as the job's does: before, "died of SIGKILL" alone, a crash."""
+    agent = Agent.__new__(Agent)
+    said: list[str] = []
+    agent.say, agent._lock, agent._restarts = said.append, threading.Lock(), 0
+    agent.opts, agent._posted = types.SimpleNamespace(max_restarts=0), types.SimpleNamespace(t0=0)
+    agent.channel, store = Channel(KEY, "agent2"), dist.HashStore()
+    why = "the fork server that starts the workers was killed by SIGKILL, and they died with it"
+    agent._crashed("node1", -9, store, why)
+    assert said == [f"node1 died of SIGKILL ({why}) while its host lives; the job goes on "
+                    "without it (--max-restarts N would start a fresh node in its place)"]
+    event = Channel(KEY, "coordinator").open(store.get(keys.mailbox_slot(1)),
+                                             at=keys.mailbox_slot(1)).message
+    assert (event.kind, event.details["signal"], event.details["cause"]) == (
+        "worker_crashed", "SIGKILL", why)
 
 
 def test_a_failed_worker_of_another_host_is_said_with_where_its_log_is(corpus, tmp_path):

@@ -561,21 +561,23 @@ class Agent:
         tell the job, and join again if the job fenced it or it died of a signal
         (--max-restarts)."""
         store = None
+        why = self.supervisor.exit_cause(node, code)
         try:
             store = self.address.connect(self.timeout_s)
-            Outbox(store, self.channel, 0.0).post(Exit(node, code, self._exit_cause(node, code)))
+            Outbox(store, self.channel, 0.0).post(Exit(node, code, self._exit_cause(why)))
         except Exception as exc:  # the store is gone: the job is over already
             self.say(f"could not report the exit of {node}: {exc}")
         if node in self._fenced or (store is not None and self._was_fenced(store, node)):
             self._rejoin(node, f"{node} was fenced by the job")
         elif code < 0 and not self._signalling:
-            self._crashed(node, code, store)
+            self._crashed(node, code, store, why)
         self._done_with(1)
 
-    def _exit_cause(self, node: str, code: int) -> str:
-        """Why `node` exited, as the local launcher would say it, and on which host: the
-        coordinator, on another host, says it with the loss and the stop it leads to."""
-        why = self.supervisor.exit_cause(node, code)
+    @staticmethod
+    def _exit_cause(why: str) -> str:
+        """`why` a worker exited (its supervisor's `exit_cause`: as the local launcher says
+        it), and on which host: the coordinator, on another host, says it with the loss and
+        the stop it leads to."""
         if not why:
             return ""
         host = plain_text(socket.gethostname(), 64)  # (Linux's HOST_NAME_MAX: the cause stays)
@@ -590,12 +592,14 @@ class Agent:
                 if self._leaves_on_notice:
                     self._done.set()
 
-    def _crashed(self, node: str, code: int, store: dist.Store | None) -> None:
-        """`node` died of a signal this agent did not send while its host lives: replaced by
-        a fresh node while --max-restarts allows (torchrun's restart, but of one node: the
-        job failed over without it and goes on), else said, with the flag that would; in the
-        agent's output and in the job's events (`worker_crashed`)."""
-        died = f"{node} died of {signal_name(-code)} while its host lives"
+    def _crashed(self, node: str, code: int, store: dist.Store | None, why: str = "") -> None:
+        """`node` died of a signal this agent did not send while its host lives (`why`: what
+        its supervisor knows of the cause, its fork server's end): replaced by a fresh node
+        while --max-restarts allows (torchrun's restart, but of one node: the job failed over
+        without it and goes on), else said, with the flag that would; in the agent's output
+        and in the job's events (`worker_crashed`)."""
+        died = f"{node} died of {signal_name(-code)}" + (f" ({why})" if why else "") + \
+            " while its host lives"
         with self._lock:
             restart = self._restarts < self.opts.max_restarts
             if restart:
@@ -605,7 +609,8 @@ class Agent:
             try:
                 Outbox(store, self.channel, self._posted.t0).event(
                     "worker_crashed", worker=node, signal=signal_name(-code),
-                    replaced=restart, restarts=number, max_restarts=self.opts.max_restarts)
+                    replaced=restart, restarts=number, max_restarts=self.opts.max_restarts,
+                    **({"cause": why} if why else {}))
             except Exception as exc:  # the store is gone: the job is over already
                 self.say(f"could not report the crash of {node}: {exc}")
         if restart:
