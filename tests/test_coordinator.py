@@ -281,6 +281,27 @@ def test_books_older_than_the_published_plan_stop_the_job(corpus):
     assert stop["action"] == "stop" and stop["message"] == successor.stop_message
 
 
+def test_a_successor_says_the_cause_of_a_loss_its_predecessor_was_told(corpus):
+    """node1's agent said why node1 died (its host's fork server ended); the coordinator that
+    heard it was lost before node0's loss stopped the job: the successor's stop says it too."""
+    from spotpipe.protocol import CoordinatorState
+
+    make = _on_one_store(corpus)
+    original = make()
+    why = "on host-b, the fork server that starts the workers exited with code 1, and they " \
+          "died with it"
+    original.node_exited("node1", -9, why)
+    fields = dict(original.books(), cursor=1, journal=0, last_metrics=None,
+                  exited={"node1": -9}, checkpoints={}, admission={}, time_s=0.0)
+    blob = Channel(KEY, "coordinator").seal(CoordinatorState(**fields), 0,
+                                            at=keys.COORDINATOR_STATE)
+    successor = make()
+    successor.restore(Channel(KEY, "agent2").open(blob, at=keys.COORDINATOR_STATE,
+                                                  expect=CoordinatorState).message)
+    successor.node_exited("node0", -9)
+    assert successor.stop_message is not None and successor.stop_message.startswith(why + "; ")
+
+
 def test_a_deposed_coordinators_late_plan_stops_the_job_rather_than_split_it(corpus):
     """A coordinator cut off from etcd retries its calls past its lease, so its plan can land
     after its successor read the board and found nothing: then two plans of one generation

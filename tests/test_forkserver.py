@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -118,9 +119,26 @@ def test_a_server_lost_takes_its_children_and_says_so(tmp_path: Path) -> None:
     # the exit's cause, for the job's messages (before: "node0 exited with code -9")
     assert sup.lost_with_its_server("node0") == (
         "the fork server that starts the workers was killed by SIGKILL, and they died with it")
+    # what the local launcher and a node agent say of the exit (the code alone: no more)
+    assert sup.exit_cause("node0", -signal.SIGKILL) == sup.lost_with_its_server("node0")
+    assert sup.exit_cause("node0", 1) == ""
     until(lambda: not _alive(child), "the orphaned child to die")
     with pytest.raises(RuntimeError, match="fork server has ended"):
         sup.spawn("node1", dict(os.environ, PYTHONPATH=str(tmp_path)))
+
+
+def test_a_server_ended_by_a_signal_without_a_name_is_said_by_its_number() -> None:
+    """A real-time signal (SIGRTMIN+6) ends a process that does not handle it, and has no
+    name in `signal.Signals`: the server's end is said by its number. (Before: ValueError,
+    out of the local launcher's loop, which stopped the job with a traceback in place of the
+    loss's message; and out of an agent's report of the exit, which it then never sent.)"""
+    server = ForkServer.__new__(ForkServer)
+    server._reaped = threading.Event()
+    server._reaped.set()
+    for number, said in ((signal.SIGRTMIN + 6, f"signal {signal.SIGRTMIN + 6}"),
+                         (signal.SIGKILL, "SIGKILL")):
+        server._server = types.SimpleNamespace(pid=os.getpid(), returncode=-number)
+        assert server.ended_how() == f"was killed by {said}"
 
 
 def test_no_process_outlives_its_supervisor(tmp_path: Path) -> None:

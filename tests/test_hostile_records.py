@@ -6,16 +6,22 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
+import threading
 import types
 
 import pytest
 import torch.distributed as dist
 
+from spotpipe.cluster import agent as agent_module
+from spotpipe.cluster.admission import Coordinating
+from spotpipe.cluster.agent import Agent
+from spotpipe.cluster.agent_loop import AgentJobLoop
 from spotpipe.cluster.coordinator import Coordinator
 from spotpipe.cluster.jobloop import JobLoop
 from spotpipe.cluster.rendezvous import read_record
 from spotpipe.plan import Layout
-from spotpipe.protocol import (Abort, AgentArrival, Channel, Event, JoinAnswer, JoinRequest,
+from spotpipe.protocol import (Abort, AgentArrival, Channel, Event, Exit, JoinAnswer,
+                               JoinRequest,
                                MessageError, Prepare, Refused, from_plain, job_key, keys, unseal)
 from spotpipe.protocol.bounds import MAX_DEPTH, MAX_RECORD_BYTES
 from spotpipe.runtime.standby import JoinRefused, Standby
@@ -284,3 +290,153 @@ def test_a_node_with_another_token_learns_it_from_the_refusal_of_its_own_request
     with pytest.raises(JoinRefused, match="did not present this job's join token"):
         worker.wait()
     assert len(events) == 3  # the junk, the refusal of the other request, its own
+
+
+# ------------------------------------------------------------------ exits an agent reports
+
+FORK_SERVER_DIED = ("on host-b, the fork server that starts the workers was killed by SIGKILL, "
+                    "and they died with it")
+
+
+def _exit_record(writer: str, exit_: Exit, slot: int = 1):
+    """`exit_` sealed with the job's key by `writer`, as the coordinator's mailbox reader
+    gets it: opened, or refused."""
+    at = keys.mailbox_slot(slot)
+    blob = Channel(KEY, writer).seal(exit_, at=at)
+    try:
+        return Channel(KEY, "coordinator").open(blob, at=at)
+    except Refused as refused:
+        return refused
+
+
+def _admitted(agents: dict[int, list[int]]) -> Coordinating:
+    """The coordinating agent's admission books: agent k runs the nodes of its ranks."""
+    books = Coordinating(None, types.SimpleNamespace(stages=2, pipelines=1), None, "",
+                         None, me=1)  # (what its books need)
+    for k, ranks in agents.items():
+        books._book(k, None, ranks)
+    return books
+
+
+def _agents_loop(coord: Coordinator, written: list[dict], books: Coordinating) -> AgentJobLoop:
+    """The coordinating agent's loop with only what taking in an exit needs."""
+    loop = AgentJobLoop.__new__(AgentJobLoop)
+    loop._received, loop.coordinator, loop._exited, loop._shadows = 0, coord, {}, None
+    loop.files = types.SimpleNamespace(event=written.append)
+    loop.rdzv = books
+    return loop
+
+
+def test_a_workers_cause_of_death_on_another_host_is_said_where_a_local_one_is(corpus):
+    """node1's fork server on host-b died and took node1 with it: its agent says so in the
+    exit record, and the coordinator on another host says it in the loss's events and in the
+    job's final message, as the local launcher does (before: a bare "exited with code -9")."""
+    coord, emitted = _coordinator(corpus, ["node0", "node1"])
+    loop = _agents_loop(coord, [], _admitted({1: [0], 2: [1], 3: [2]}))  # (node2: a spare)
+    loop._take(_exit_record("agent2", Exit("node1", -9, FORK_SERVER_DIED)))
+    lost = [e for e in emitted if e["kind"] == "node_lost"]
+    assert [(e["node"], e["returncode"], e.get("reason")) for e in lost] == [
+        ("node1", -9, FORK_SERVER_DIED)]
+    detected = [e["reason"] for e in emitted if e["kind"] == "failure_detected"]
+    assert detected == [f"node1 exited with code -9 ({FORK_SERVER_DIED})"]
+    loop._take(_exit_record("agent1", Exit("node0", -9)))  # (no cause: a signal of its own)
+    assert coord.stop_message.startswith(FORK_SERVER_DIED + "; "), coord.stop_message
+
+
+def test_an_exit_record_is_taken_only_from_the_agent_of_the_nodes_host(corpus):
+    """A record in the job's key about another host's node, or from a worker, or under the
+    local launcher (whose own supervisor sees its workers' exits) counts nobody out: refused,
+    with an event naming the writer."""
+    coord, emitted = _coordinator(corpus, ["node0", "node1"])
+    loop = _agents_loop(coord, [], _admitted({1: [0], 2: [1]}))
+    for writer in ("agent1", "node0", "node1", "coordinator", "agent", "agent9"):
+        loop._take(_exit_record(writer, Exit("node1", -9, FORK_SERVER_DIED)))
+    local = _loop(coord, [])
+    local._exited = {}
+    local._take(_exit_record("agent2", Exit("node1", -9)))
+    assert not [e for e in emitted if e["kind"] in ("node_lost", "failure_detected")]
+    refused = [(e["node"], e["reason"]) for e in emitted if e["kind"] == "record_refused"]
+    assert refused[0] == ("agent1", "an exit record for node1, which agent1 does not run")
+    assert [w for w, _ in refused] == ["agent1", "node0", "node1", "coordinator", "agent",
+                                       "agent9", "agent2"]
+    assert refused[-1][1] == "an exit record for node1, where no agent runs the workers"
+    assert not loop._exited and not local._exited
+
+
+def test_an_exit_cause_that_is_not_one_short_line_of_plain_text_is_refused(corpus):
+    """The cause goes into the job's output: a record whose cause would forge a line of it
+    (a newline), steer a terminal (an escape), reorder its text (a bidirectional override)
+    or flood it is refused whole, as any malformed record."""
+    coord, emitted = _coordinator(corpus, ["node0", "node1"])
+    loop = _agents_loop(coord, [], _admitted({1: [0], 2: [1]}))
+    for cause in ("died\n  9999.00s  node0: lost", "\x1b[2Jdied", "died \u202egnol",
+                  "x" * 401):
+        forged = Exit("node1", -9)
+        object.__setattr__(forged, "cause", cause)  # (past the writer's own check)
+        refused = _exit_record("agent2", forged)
+        assert isinstance(refused, Refused), cause
+        assert refused.reason.startswith("exit.cause: "), refused.reason
+        loop._take(refused)
+    assert not [e for e in emitted if e["kind"] == "node_lost"]
+    # what a writer sends is always such a line (said in full up to the bound)
+    assert Exit("node1", -9, "x" * 400).cause == "x" * 400
+    with pytest.raises(MessageError, match="not one line of plain text"):
+        Exit("node1", -9, "two\nlines")
+
+
+def test_an_agent_that_came_again_still_reports_on_its_hosts_nodes(corpus):
+    """An agent comes again under a new arrival number when its node is fenced or crashes,
+    but seals its records as before: its exits are its host's, through every renaming, and a
+    successor coordinator's books keep the renamings."""
+    books = _admitted({1: [0, 1], 2: [2, 3]})
+    books._book(3, 1, [4])  # agent1 came again as agent3, with node4 for node0
+    books._book(5, 3, [5])  # and again as agent5
+    assert all(books.runs("agent1", f"node{r}") for r in (0, 1, 4, 5))
+    assert books.runs("agent5", "node5") and books.runs("agent3", "node0")
+    assert not books.runs("agent1", "node2") and not books.runs("agent2", "node0")
+    assert not books.runs("node0", "node0") and not books.runs("agent-1", "node0")
+    assert books.admission()["renamed"] == {"1": 3, "3": 5}
+
+
+def test_an_agent_says_its_fork_servers_end_in_one_bounded_line(monkeypatch):
+    """What the agent sends is what the record's reader accepts, whatever the host's name;
+    and nothing where its supervisor knows no more than the code."""
+    said = "the fork server that starts the workers was killed by SIGKILL, and they died with it"
+    monkeypatch.setattr(agent_module.socket, "gethostname", lambda: "host-b\n\x1b[2J" + "h" * 500)
+    cause = Agent._exit_cause(said)
+    assert cause == "on host-b  [2J" + "h" * 50 + "..., " + said  # (the name cut at 64)
+    assert Exit("node1", -9, cause).cause == cause  # (accepted by the check)
+    monkeypatch.setattr(agent_module.socket, "gethostname", lambda: "host-b")
+    assert Agent._exit_cause(said) == f"on host-b, {said}"
+    assert Agent._exit_cause("") == ""
+
+
+def test_an_agent_says_its_workers_died_with_their_fork_server_not_of_a_crash():
+    """The agent's own word on a worker it did not stop (its output, `worker_crashed`) names
+    the fork server's end, as the job's does: before, "died of SIGKILL" alone, a crash."""
+    agent = Agent.__new__(Agent)
+    said: list[str] = []
+    agent.say, agent._lock, agent._restarts = said.append, threading.Lock(), 0
+    agent.opts, agent._posted = types.SimpleNamespace(max_restarts=0), types.SimpleNamespace(t0=0)
+    agent.channel, store = Channel(KEY, "agent2"), dist.HashStore()
+    why = "the fork server that starts the workers was killed by SIGKILL, and they died with it"
+    agent._crashed("node1", -9, store, why)
+    assert said == [f"node1 died of SIGKILL ({why}) while its host lives; the job goes on "
+                    "without it (--max-restarts N would start a fresh node in its place)"]
+    event = Channel(KEY, "coordinator").open(store.get(keys.mailbox_slot(1)),
+                                             at=keys.mailbox_slot(1)).message
+    assert (event.kind, event.details["signal"], event.details["cause"]) == (
+        "worker_crashed", "SIGKILL", why)
+
+
+def test_a_failed_worker_of_another_host_is_said_with_where_its_log_is(corpus, tmp_path):
+    """A worker's error ends the job; its log is on its own host, in its agent's --out (the
+    message named the coordinating agent's folder, where no such file is)."""
+    coord, _ = _coordinator(corpus, ["node0", "node1"])
+    loop = _agents_loop(coord, [], _admitted({1: [0], 2: [1]}))  # (agent1: this host)
+    loop.out, loop._errors, loop._drain = tmp_path, {"node1": "ValueError: boom"}, lambda: None
+    loop.t0 = 0.0
+    assert loop._failed("node1", 1, "worker_failed") == (
+        "node1 failed: ValueError: boom (log: logs/node1.log in the --out of its host's agent)")
+    assert loop._failed("node0", 1, "worker_failed") == (
+        f"node0 failed: exited with code 1 (log: {tmp_path}/logs/node0.log)")

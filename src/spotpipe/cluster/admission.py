@@ -72,6 +72,10 @@ class Coordinating:
         self._nodes: list[str] = []
         self._admitted: list[int] = []
         self._agent_nodes: dict[int, list[str]] = {}
+        # an agent that came again (its node fenced or crashed) under a new arrival number:
+        # the number it came as, by the one it had. Its records keep the writer's name it
+        # first sealed them under (`Agent.channel`), so `runs` follows the chain
+        self._renamed: dict[int, int] = {}
         self._silent: set[str] = set()  # nodes whose agent never reported their end
         # nodes the job counted out (exited, lost with their host, left on a notice): an
         # agent with none left no longer counts toward --nnodes MAX (`_present`)
@@ -101,6 +105,7 @@ class Coordinating:
         self._nodes = [str(n) for n in a["nodes"]]
         self._admitted = [int(k) for k in a["admitted"]]
         self._agent_nodes = {int(k): [str(n) for n in v] for k, v in a["agent_nodes"].items()}
+        self._renamed = {int(k): int(v) for k, v in a.get("renamed", {}).items()}
         self._silent = {str(n) for n in a["silent"]}
         self._gone = set(state.exited)
         self._slots = {int(s): int(k) for s, k in a["slots"].items()}
@@ -114,6 +119,7 @@ class Coordinating:
             return {"me": self.me, "host": self.host, "nodes": list(self._nodes),
                     "admitted": list(self._admitted),
                     "agent_nodes": {str(k): v for k, v in self._agent_nodes.items()},
+                    "renamed": {str(k): v for k, v in self._renamed.items()},
                     "silent": sorted(self._silent),
                     "slots": {str(s): k for s, k in self._slots.items()}, "next": self._next}
 
@@ -157,6 +163,19 @@ class Coordinating:
         with self._lock:
             return {n for k, nodes in self._agent_nodes.items() if k != self.host
                     for n in nodes}
+
+    def runs(self, writer: str, node: str) -> bool:
+        """Whether the agent that writes as `writer` runs `node` (or ran it: a node's name
+        stays with its host's agent after it exits)."""
+        number = writer.removeprefix("agent")
+        if writer == number or not number.isdecimal():
+            return False
+        k, seen = int(number), set()
+        with self._lock:
+            while k in self._renamed and k not in seen:
+                seen.add(k)
+                k = self._renamed[k]
+            return node in self._agent_nodes.get(k, [])
 
     def still_leader(self) -> bool:
         """Whether the leader key still names this agent (one read: a coordinator that was cut
@@ -386,6 +405,7 @@ class Coordinating:
             if before is not None:  # the same host: its nodes that still run stay its own
                 self._admitted.remove(before)
                 kept = self._agent_nodes.pop(before, [])
+                self._renamed[before] = k
                 if before == self.host:
                     self.host = k
             self._admitted.append(k)

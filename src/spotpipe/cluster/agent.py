@@ -73,12 +73,14 @@ from spotpipe.cluster.office import Office
 from spotpipe.cluster.rendezvous import (ALL_LEFT, JOB, LEFT, OVER, arrive, assign_key,
                                          connect_rendezvous, is_over, posted_over, proof_key,
                                          read_record, read_vouched, wait_get, write_atomic)
+from spotpipe.cluster.proc import signal_name
 from spotpipe.cluster.supervisor import WORKER, Supervisor, starter, worker_env
 from spotpipe.config import Config
 from spotpipe.model import template
 from spotpipe.notices import NoticeWatcher
 from spotpipe.protocol import (AgentArrival, Assignment, Channel, Exit, JobOver, JobPosted,
                                Kill, MessageError, job_key, keys, plain, vouch, vouched)
+from spotpipe.protocol.messages import EXIT_CAUSE_CHARS, plain_text
 from spotpipe.store.address import StoreAddress, StoreSilent
 from spotpipe.store.mailbox import Outbox
 from spotpipe.store.watchers import BoardWatcher
@@ -559,16 +561,27 @@ class Agent:
         tell the job, and join again if the job fenced it or it died of a signal
         (--max-restarts)."""
         store = None
+        why = self.supervisor.exit_cause(node, code)
         try:
             store = self.address.connect(self.timeout_s)
-            Outbox(store, self.channel, 0.0).post(Exit(node, code))
+            Outbox(store, self.channel, 0.0).post(Exit(node, code, self._exit_cause(why)))
         except Exception as exc:  # the store is gone: the job is over already
             self.say(f"could not report the exit of {node}: {exc}")
         if node in self._fenced or (store is not None and self._was_fenced(store, node)):
             self._rejoin(node, f"{node} was fenced by the job")
         elif code < 0 and not self._signalling:
-            self._crashed(node, code, store)
+            self._crashed(node, code, store, why)
         self._done_with(1)
+
+    @staticmethod
+    def _exit_cause(why: str) -> str:
+        """`why` a worker exited (its supervisor's `exit_cause`: as the local launcher says
+        it), and on which host: the coordinator, on another host, says it with the loss and
+        the stop it leads to."""
+        if not why:
+            return ""
+        host = plain_text(socket.gethostname(), 64)  # (Linux's HOST_NAME_MAX: the cause stays)
+        return plain_text(f"on {host}, {why}", EXIT_CAUSE_CHARS)
 
     def _done_with(self, workers: int) -> None:
         """`workers` of this host's are over (exited, or never started)."""
@@ -579,12 +592,14 @@ class Agent:
                 if self._leaves_on_notice:
                     self._done.set()
 
-    def _crashed(self, node: str, code: int, store: dist.Store | None) -> None:
-        """`node` died of a signal this agent did not send while its host lives: replaced by
-        a fresh node while --max-restarts allows (torchrun's restart, but of one node: the
-        job failed over without it and goes on), else said, with the flag that would; in the
-        agent's output and in the job's events (`worker_crashed`)."""
-        died = f"{node} died of {_signal_name(-code)} while its host lives"
+    def _crashed(self, node: str, code: int, store: dist.Store | None, why: str = "") -> None:
+        """`node` died of a signal this agent did not send while its host lives (`why`: what
+        its supervisor knows of the cause, its fork server's end): replaced by a fresh node
+        while --max-restarts allows (torchrun's restart, but of one node: the job failed over
+        without it and goes on), else said, with the flag that would; in the agent's output
+        and in the job's events (`worker_crashed`)."""
+        died = f"{node} died of {signal_name(-code)}" + (f" ({why})" if why else "") + \
+            " while its host lives"
         with self._lock:
             restart = self._restarts < self.opts.max_restarts
             if restart:
@@ -593,8 +608,9 @@ class Agent:
         if store is not None:
             try:
                 Outbox(store, self.channel, self._posted.t0).event(
-                    "worker_crashed", worker=node, signal=_signal_name(-code),
-                    replaced=restart, restarts=number, max_restarts=self.opts.max_restarts)
+                    "worker_crashed", worker=node, signal=signal_name(-code),
+                    replaced=restart, restarts=number, max_restarts=self.opts.max_restarts,
+                    **({"cause": why} if why else {}))
             except Exception as exc:  # the store is gone: the job is over already
                 self.say(f"could not report the crash of {node}: {exc}")
         if restart:
@@ -716,13 +732,6 @@ def _checked_resume(opts: AgentOptions, cfg: Config, notes: list[dict[str, Any]]
         raise AgentError(str(exc)) from None
     return check_resume(cfg, opts.resume, key, opts.trust_checkpoint, notes,
                         num_samples=num_samples, layers=layers)
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 __all__ = ["AgentError", "AgentOptions", "LaunchError", "parse_nnodes", "run_agent"]

@@ -50,6 +50,7 @@ class ElectedAgent(Protocol):
     admitting: threading.Lock
     def own_nodes(self) -> list[str]: ...
     def others_nodes(self) -> set[str]: ...
+    def runs(self, writer: str, node: str) -> bool: ...
 
 
 class AgentJobLoop(JobLoop):
@@ -195,9 +196,22 @@ class AgentJobLoop(JobLoop):
         for node in sorted(self.coordinator.fenced - set(self._exited) - set(lost)):
             self._kill(node)
 
-    def _node_exited(self, node: str, code: int) -> tuple[str, str] | None:
+    def _node_exited(self, node: str, code: int, cause: str = "") -> tuple[str, str] | None:
         self.rdzv.node_gone(node)  # (its agent may no longer count toward --nnodes MAX)
-        return super()._node_exited(node, code)
+        return super()._node_exited(node, code, cause)
+
+    def _log_of(self, name: str) -> str:
+        """A node of another host logs there, into its agent's --out: not into this one's."""
+        if name in self.rdzv.others_nodes():
+            return f"logs/{name}.log in the --out of its host's agent"
+        return super()._log_of(name)
+
+    def _exit_refusal(self, writer: str, node: str) -> str:
+        """Only the agent of `node`'s host reports its exit (and its cause): another's record
+        would count a running node out, or lend it a cause it did not die of."""
+        if self.rdzv.runs(writer, node):
+            return ""
+        return f"an exit record for {node}, which {writer} does not run"
 
     def _write_inputs(self) -> None:
         # the local agent writes the same files into the same folder at the same time

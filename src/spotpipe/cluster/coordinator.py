@@ -181,6 +181,7 @@ class Coordinator:
             "prepared_ahead": {"generation": self._prepared_in[0],
                          "layouts": [layout.to_json() for layout in self._prepared_in[1]]},
             "noticed": {"generation": self._noticed[0], "nodes": sorted(self._noticed[1])},
+            "causes": dict(self.causes),
             "collecting": None if rec is None else {
                 "generation": rec.generation, "started_s": rec.started_s,
                 "reasons": list(rec.reasons),
@@ -197,6 +198,7 @@ class Coordinator:
         self.left_on_notice = set(state.left_on_notice)
         self.joining, self.over = list(state.joining), state.over
         self.stop_message, self._regroup_asked = state.stop_message, state.regroup_asked
+        self.causes = dict(state.causes)
         rec = state.collecting
         self.collecting = None if rec is None else Collecting(
             int(rec["generation"]), float(rec["started_s"]), [str(r) for r in rec["reasons"]],

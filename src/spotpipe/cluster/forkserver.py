@@ -42,7 +42,7 @@ from typing import Any
 
 import setproctitle
 
-from spotpipe.cluster.proc import killed_past_acting
+from spotpipe.cluster.proc import killed_past_acting, signal_name
 
 
 @dataclass(frozen=True)
@@ -372,7 +372,7 @@ class ForkServer:
         code = server.returncode
         if code is None:
             return "ended"
-        return (f"was killed by {signal.Signals(-code).name}" if code < 0
+        return (f"was killed by {signal_name(-code)}" if code < 0
                 else f"exited with code {code}")
 
     def _receive(self, message: Spawn | Spawned | Exited) -> None:

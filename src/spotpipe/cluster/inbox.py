@@ -21,10 +21,11 @@ from spotpipe.protocol import Opened, Refused
 class NodeExit:
     """A worker process exited with `code` (minus the signal that ended it): seen by this
     host's supervisor, reported by its agent (an `Exit` record), or counted by the loop for a
-    node whose agent is gone."""
+    node whose agent is gone. `cause`: what its agent said of why (`Exit.cause`)."""
 
     node: str
     code: int
+    cause: str = ""
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,12 @@ class JobLoop:
         """What this process knows of why `node` exited with `code` ("": nothing more)."""
         return ""
 
+    def _exit_refusal(self, writer: str, node: str) -> str:
+        """Why an exit record from `writer` about `node` is not taken ("": it is). Only a
+        node agent writes them, of its own host's workers; this loop's workers are its own
+        processes, whose exits it sees itself."""
+        return f"an exit record for {node}, where no agent runs the workers"
+
     def _stop_workers(self, grace_s: float = STOP_GRACE_S) -> None:
         """The loop is leaving: no worker may outlive the job (SIGTERM, SIGKILL after
         `grace_s`)."""
@@ -312,6 +318,10 @@ class JobLoop:
         if isinstance(item, Opened) and isinstance(item.message, Exit):  # from an agent
             self._received += 1
             node = item.message.node
+            problem = self._exit_refusal(item.writer, node)
+            if problem:
+                self.coordinator.refused(item.writer, problem)
+                return None
             if node in self._exited:
                 # counted out already, its agent silent past the timeout: the agent was cut
                 # off and is back; the record is stale, and changes nothing
@@ -319,7 +329,7 @@ class JobLoop:
                     item.writer, f"a late exit record for {node} (code {item.message.code}), "
                                  "which the job counted out already")
                 return None
-            item = NodeExit(node, item.message.code)
+            item = NodeExit(node, item.message.code, item.message.cause)
         if isinstance(item, HelperEvent):  # from a helper thread of this process
             self.files.event(item.record)
         elif isinstance(item, RefusedUpload):  # from the committer's thread
@@ -327,7 +337,7 @@ class JobLoop:
         elif isinstance(item, (Opened, Refused)):
             self._handle_record(item)
         elif isinstance(item, NodeExit):
-            return self._node_exited(item.node, item.code)
+            return self._node_exited(item.node, item.code, item.cause)
         elif isinstance(item, ShadowExit):
             self._shadow_exited[item.name] = item.code
             if item.code != 0:
@@ -339,13 +349,15 @@ class JobLoop:
             return "failed", f"lost the store: {item.reason}"
         return None
 
-    def _node_exited(self, node: str, code: int) -> tuple[str, str] | None:
+    def _node_exited(self, node: str, code: int, cause: str = "") -> tuple[str, str] | None:
+        """`node` exited with `code`; `cause`: what its host's agent said of why ("" from
+        this host's own supervisor, which this process asks itself: `_exit_cause`)."""
         exited = self._exited
         exited[node] = code
         if code == 1:  # a software error: failing over would repeat it elsewhere
             return "failed", self._failed(node, code, "worker_failed")
         if code != 3:  # 3: stopped by the plan, already accounted for
-            self.coordinator.node_exited(node, code, self._exit_cause(node, code))
+            self.coordinator.node_exited(node, code, cause or self._exit_cause(node, code))
         running = [n for n in self._started() if n not in exited]
         if running and not (set(running) & self.coordinator.live):
             self._only_standby_left()
@@ -381,7 +393,11 @@ class JobLoop:
         detail = self._errors.get(name) or f"exited with code {code}"
         self.files.event({"time_s": self._now(), "kind": kind, "node": name,
                           "returncode": code, "message": detail})
-        return f"{name} failed: {detail} (log: {self.out}/logs/{name}.log)"
+        return f"{name} failed: {detail} (log: {self._log_of(name)})"
+
+    def _log_of(self, name: str) -> str:
+        """Where the output of the job's process `name` is, as its failure's message says."""
+        return f"{self.out}/logs/{name}.log"
 
     def _shadows_done(self) -> bool:
         return self._shadows is None or len(self._shadow_exited) == len(self._shadows.procs)
@@ -482,7 +498,11 @@ class JobLoop:
         self._received += 1
         message, writer = item.message, item.writer
         if isinstance(message, Exit):  # an agent's report, read while draining
-            self._exited.setdefault(message.node, message.code)
+            problem = self._exit_refusal(writer, message.node)
+            if problem:
+                self.coordinator.refused(writer, problem)
+            else:
+                self._exited.setdefault(message.node, message.code)
         elif isinstance(message, Metrics):
             self.lines.posted(message, writer)
         elif isinstance(message, CheckpointSaved):

@@ -233,8 +233,7 @@ class Launcher(JobLoop):
             self.supervisor.kill(node)
 
     def _exit_cause(self, node: str, code: int) -> str:
-        # (a fork server's end kills its workers with a signal)
-        return self.supervisor.lost_with_its_server(node) if code < 0 else ""
+        return self.supervisor.exit_cause(node, code)
 
     def _stop_workers(self, grace_s: float = STOP_GRACE_S) -> None:
         if hasattr(self, "supervisor"):

@@ -29,6 +29,16 @@ PF_EXITING = 0x4  # include/linux/sched.h
 _FLAGS, _EXIT_CODE = 6, 49  # fields 9 and 52 of proc_pid_stat(5), counted after "(comm)"
 
 
+def signal_name(number: int) -> str:
+    """A signal's name ("SIGKILL"), or "signal 40" for one that has none: the real-time
+    signals between SIGRTMIN and SIGRTMAX, which `signal.Signals` does not list, and which
+    end a process that does not handle them."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def _stat_fields(path: str) -> list[bytes] | None:
     try:
         with open(path, "rb") as f:

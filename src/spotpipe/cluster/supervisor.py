@@ -286,6 +286,11 @@ class Supervisor:
         return f"the fork server that starts the workers {how}, and they died with it" \
             if how else ""
 
+    def exit_cause(self, node: str, code: int) -> str:
+        """What this supervisor knows of why `node` exited with `code`, beyond the code: its
+        fork server's end, which kills its workers with a signal ("": nothing more)."""
+        return self.lost_with_its_server(node) if code < 0 else ""
+
     def signal(self, node: str, signum: int) -> bool:
         """Send a signal to a node's process if it still runs; whether it was sent."""
         proc = self.procs.get(node)

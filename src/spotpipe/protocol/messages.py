@@ -266,13 +266,39 @@ class StageUpload(Message):
     checksums: dict[str, str]
 
 
+# the most of an exit's cause a record may carry: a sentence or two (the fork server's end,
+# the host); the coordinator writes it into the job's log line, events and final message
+EXIT_CAUSE_CHARS = 400
+
+
+def plain_text(text: str, limit: int) -> str:
+    """`text` as one line of plain text of at most `limit` characters: what a sender puts in
+    a field whose reader refuses anything else (`Exit.cause`). Characters that are not
+    printable (newlines, terminal escapes, bidirectional overrides) become spaces."""
+    text = "".join(c if c.isprintable() else " " for c in text)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 @dataclass(frozen=True)
 class Exit(Message):
-    """A worker process ended, as its host's agent saw it."""
+    """A worker process ended, as its host's agent saw it. `cause`: what the agent knows of
+    why, beyond the code (its fork server's end, which killed it; "": nothing more), shown
+    where the local launcher shows its own (the job's log line, events and final message).
+    It comes from another host through the store: refused unless it is one line of at most
+    `EXIT_CAUSE_CHARS` printable characters, so that it cannot forge lines of the job's
+    output or flood it."""
 
     TYPE: ClassVar[str] = "exit"
     node: str
     code: int
+    cause: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.cause) > EXIT_CAUSE_CHARS:
+            raise MessageError(f"exit.cause: {len(self.cause)} characters, over the "
+                               f"{EXIT_CAUSE_CHARS} allowed")
+        if not self.cause.isprintable():
+            raise MessageError(f"exit.cause: not one line of plain text: {_show(self.cause)}")
 
 
 @dataclass(frozen=True)
@@ -447,6 +473,9 @@ class CoordinatorState(Message):
     # `_noticed`): {"generation": g, "layouts": [...]} and {"generation": g, "nodes": [...]}
     prepared_ahead: dict[str, Any] | None = None
     noticed: dict[str, Any] | None = None
+    # what the lost nodes' launchers or agents said of why they died (`Exit.cause`), said
+    # again in the stop's message should the agreement their loss began end the job
+    causes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
