@@ -23,7 +23,8 @@ Pauses in iterations (`pause_iterations`, `notice_pause_iterations`) count the c
 median iteration before its first fault (`iteration_s`), as `bench chaos` counts its own.
 
 Both baselines start every worker in a fresh interpreter that imports torch, as torchrun does
-(`cluster.fork_server=false`). The full run also times spotpipe's own restart
+(`cluster.fork_server=false`). `--quick` (the test of this bench, whose figures nobody reads)
+runs the baselines at P=2: their fresh interpreters are most of its time. The full run also times spotpipe's own restart
 (`failover.restarts` with the workers forked from the fork server): what a job without
 redundancy pays here.
 """
@@ -182,15 +183,15 @@ def run(quick: bool = False) -> dict[str, Any]:
     # the baseline: no redundancy, a checkpoint every k iterations, restart everything
     first, second = tmp / "restart-1", tmp / "restart-2"
     kill_at = crash_at + k // 2 + 1  # mid-interval: the expected loss of periodic checkpoints
-    _train(first, "--stages", "4", "--set", f"iterations={iters}", "--set", "redundancy=none",
-           "--set", f"checkpoint.every={k}", "--fail", f"node1@{kill_at}:backward", *FRESH,
-           check=False)
-    _train(second, "--stages", "4", "--set", f"iterations={iters}", "--set", "redundancy=none",
-           "--resume", str(first), *FRESH)
+    baseline = ["--stages", "2" if quick else "4", "--set", f"iterations={iters}",
+                "--set", "redundancy=none"]
+    _train(first, *baseline, "--set", f"checkpoint.every={k}",
+           "--fail", f"node1@{kill_at}:backward", *FRESH, check=False)
+    _train(second, *baseline, "--resume", str(first), *FRESH)
     restart = restart_pause(first, second)
     # torchrun-style: the same loss, the launcher restarts only the workers
     torchrun = tmp / "restart-torchrun"
-    restarts = ["--stages", "4", "--set", f"iterations={iters}", "--set", "redundancy=none",
+    restarts = [*baseline,
                 "--set", f"checkpoint.every={k}", "--set", "failover.restarts=1",
                 "--fail", f"node1@{kill_at}:backward"]
     _train(torchrun, *restarts, *FRESH)
@@ -234,7 +235,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         "crash_failovers": len(crashes), "notice_failovers": len(notices),
         "checkpoint_every": k,
         "config": "P=4 D=1 gloo, GPT n_layer=4 n_embd=64, micro-batch 4 x M=4, redundancy lazy; "
-                  f"{iters} iterations; crashes at {crash_at} (backward) and {notice_at} (forward)",
+                  f"{iters} iterations; crashes at {crash_at} (backward) and {notice_at} (forward)"
+                  + ("; the restart baselines at P=2 (--quick)" if quick else ""),
         "wall_s": round(time.time() - started, 1),
         "runs": str(tmp),
     }
