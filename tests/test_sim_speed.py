@@ -10,7 +10,9 @@ replica, whose outputs nothing reads: only spotpipe's eager figures moved, Bambo
 not, and once more when on-demand kept Bamboo's value integral and the shadows' host was
 billed in it: only `value_integral` moved, of on_demand and of spotpipe with shadows, and
 once more when a loss without redundancy dropped its pipeline where another survived,
-instead of restarting the job: only spotpipe's `none` figures moved), to the last bit; and
+instead of restarting the job: only spotpipe's `none` figures moved, and once more when
+durable checkpoints held whole iterations only, as the runtime writes them: only
+checkpoint_restart's and spotpipe's without shadows moved), to the last bit; and
 the planner's memo gives the same decisions as no memo.
 
 Rerecord only for a change meant to alter the simulator's figures, and say so in its commit.
