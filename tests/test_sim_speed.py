@@ -12,7 +12,9 @@ billed in it: only `value_integral` moved, of on_demand and of spotpipe with sha
 once more when a loss without redundancy dropped its pipeline where another survived,
 instead of restarting the job: only spotpipe's `none` figures moved, and once more when
 durable checkpoints held whole iterations only, as the runtime writes them: only
-checkpoint_restart's and spotpipe's without shadows moved), to the last bit; and
+checkpoint_restart's and spotpipe's without shadows moved, and once more when a node running
+stages apart was timed as the merged streams it runs: only spotpipe's g4dn figures with
+shadows moved), to the last bit; and
 the planner's memo gives the same decisions as no memo.
 
 Rerecord only for a change meant to alter the simulator's figures, and say so in its commit.
