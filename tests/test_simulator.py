@@ -435,7 +435,7 @@ def test_a_node_running_stages_apart_is_timed_as_the_streams_it_runs(tmp_path):
     p, width, merged = apart.shape_key()
     for eager in (False, True):  # (a pipeline with a carrier runs no FRC)
         assert iteration_time(model, "1f1b", p, width, merged, eager) == pytest.approx(want)
-    assert want > iteration_time(model, "1f1b", 4, 1, plain.shape_key()[2], True)
+    assert want > iteration_time(model, "1f1b", 4, 1, plain.shape_key()[2], False)
     # a measured time of such a shape (as `sim.validate` writes it) reads back under its key
     cal = tmp_path / "shapes.json"
     cal.write_text(json.dumps({"shape_times": [[apart.shape_key(), 30.0]]}))
