@@ -78,3 +78,39 @@ def test_the_shadows_host_is_in_every_cost_figure():
     assert r.run_window == (110.0, 3600.0)
     assert r.window_cost_per_hour == pytest.approx(4.0)
     assert r.value == pytest.approx(0.4 / 4.0)
+
+
+def test_a_rollback_keeps_only_the_iterations_a_checkpoint_holds():
+    # P = 2: a and b run from 110 s, c waits. A checkpoint is due after 25 s of running, at
+    # 2.5 iterations; the runtime writes checkpoints at iteration boundaries, so it holds 2.
+    # b is lost at 145 s, after 3.5 iterations: back to 2, the 15 s since the second
+    # iteration's end are lost, and the restart takes 300 s (to the end of the run)
+    trace = parse_event_csv("0,add,a\n0,add,b\n0,add,c\n145000,remove,b\n")
+    cfg = tiny_cfg(params=SimParams(boot_s=100.0, rendezvous_s=10.0,
+                                    checkpoint_interval_s=25.0))
+    for policy in ("spotpipe", "checkpoint_restart"):
+        r = run(trace, policy, cfg, duration_s=445.0)
+        assert r.samples == pytest.approx(2 * 4), policy
+        assert r.breakdown["useful"] == pytest.approx(20.0), policy
+        assert r.breakdown["restarting"] == pytest.approx(15.0 + 300.0), policy
+
+
+def test_a_takeover_after_a_checkpoint_in_the_same_iteration_counts_no_time_twice():
+    # P = 3, lazy, no re-partition at the boundary, 10 s per iteration (20 s with a carrier):
+    # a, b, c run from 110 s; the checkpoint due at 2.5 iterations (135 s) holds 2. b is lost
+    # at 138 s (2.8 iterations): a takes stage 1 over and redoes half of the in-flight 0.8
+    # (4 s), pausing 5 s; a is lost at 140 s: stage 1 has no replica left, and c restarts the
+    # job alone at P = 1 from the checkpoint (300 s, past the end of the run). Of the 28 s
+    # run, 20 s are kept, 4 s redone by the takeover and 4 s rolled back
+    trace = parse_event_csv("0,add,a\n0,add,b\n0,add,c\n138000,remove,b\n140000,remove,a\n")
+    cfg = replace(tiny_cfg(params=SimParams(boot_s=100.0, rendezvous_s=10.0, pause_s=5.0,
+                                            checkpoint_interval_s=25.0)),
+                  redundancy="lazy", num_stages=3, repartition=False,
+                  shape_times=(((3, 1, ((),)), 10.0), ((3, 1, ((1,),)), 20.0)))
+    r = run(trace, "spotpipe", cfg, duration_s=200.0)
+    assert r.fatal_failures == 1
+    assert r.samples == pytest.approx(2 * 4)
+    assert min(r.breakdown.values()) >= 0, r.breakdown
+    assert r.breakdown["useful"] == pytest.approx(20.0)
+    assert r.breakdown["restarting"] == pytest.approx(4.0 + 60.0)
+    assert sum(r.breakdown.values()) == pytest.approx(200.0)

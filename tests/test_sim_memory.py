@@ -14,7 +14,7 @@ from spotpipe.sim.policies import ALL_POLICIES
 from spotpipe.sim.prices import price_of
 from spotpipe.sim.simulator import run
 from spotpipe.sim.synthetic import bamboo_trace
-from spotpipe.sim.traces import load_trace
+from spotpipe.sim.traces import load_trace, parse_event_csv
 
 
 def layout_fits(cfg: SimConfig, p: int, d: int, carrier: bool, redundancy: str,
@@ -79,3 +79,19 @@ def test_a_layout_that_does_not_fit_is_refused_with_the_figures():
     for name in ALL_POLICIES:
         with pytest.raises(ValueError, match=r"does not fit.*GiB.*16\.00 GiB"):
             run(trace, name, cfg, record=False)
+
+
+def test_a_stage_restored_onto_a_live_node_must_fit_beside_its_own():
+    # no redundancy, CPU shadows, P = 3 and no node waiting: a lost stage is restored from
+    # its shadow onto the nearest live node, which then runs two stages (GPT-2 XL: over 19
+    # GiB on a 16 GiB V100), so the configuration is refused as it is with redundancy; at
+    # P = 8 every layout spotpipe runs fits, carriers included
+    cfg = SimConfig(gpt2_1_5b(), price_of("p3.2xlarge"), 3, 1, redundancy="none",
+                    shadows=True)
+    assert layout_fits(cfg, 3, 1, False, "none", True)
+    assert not layout_fits(cfg, 3, 1, True, "none", True)
+    trace = parse_event_csv("0,add,a\n0,add,b\n0,add,c\n600000,remove,b\n")
+    with pytest.raises(ValueError, match=r"does not fit.*stages \d and \d after a shadow"):
+        run(trace, "spotpipe", cfg, record=False)
+    check_all_policies(bamboo_trace(0.5, 3, 24, 1), replace(cfg, num_stages=8,
+                                                            num_pipelines=3))

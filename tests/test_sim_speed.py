@@ -10,7 +10,11 @@ replica, whose outputs nothing reads: only spotpipe's eager figures moved, Bambo
 not, and once more when on-demand kept Bamboo's value integral and the shadows' host was
 billed in it: only `value_integral` moved, of on_demand and of spotpipe with shadows, and
 once more when a loss without redundancy dropped its pipeline where another survived,
-instead of restarting the job: only spotpipe's `none` figures moved), to the last bit; and
+instead of restarting the job: only spotpipe's `none` figures moved, and once more when
+durable checkpoints held whole iterations only, as the runtime writes them: only
+checkpoint_restart's and spotpipe's without shadows moved, and once more when a node running
+stages apart was timed as the merged streams it runs: only spotpipe's g4dn figures with
+shadows moved), to the last bit; and
 the planner's memo gives the same decisions as no memo.
 
 Rerecord only for a change meant to alter the simulator's figures, and say so in its commit.
@@ -27,9 +31,11 @@ from pathlib import Path
 
 import pytest
 
+from spotpipe.plan import Layout
+from spotpipe.plan.recovery import History, NodeReport, recover
 from spotpipe.sim.bench import bench_config
 from spotpipe.sim.planmemo import settle_steps
-from spotpipe.sim.policies import Planner
+from spotpipe.sim.policies import Planner, recovery_rules
 from spotpipe.sim.simulator import run, run_policies
 from spotpipe.sim.synthetic import simple_trace
 from spotpipe.sim.traces import load_trace
@@ -149,6 +155,59 @@ def test_the_shape_memo_decides_as_the_planner_does(cfg_name):
         replays += id(move) in made
         made.add(id(move))
     assert len(calls) > 200 and replays > 100  # the table was used, and checked
+
+
+class _Coordinator:
+    """What the runtime's coordinator does with `recover`, apart from `settle` and the memo:
+    its history carried from decision to decision, the survivors' reports after a failure
+    (at a boundary when nothing running was lost), then one decision per boundary while the
+    layout can improve."""
+
+    def __init__(self, rules, depth: int, width: int) -> None:
+        self.rules = rules
+        empty = Layout.from_mapping(depth, 0, {}, (), max_pipelines=width)
+        self.history = History(empty, tuple((s, s + 1) for s in range(depth)))
+        self.committed = -1
+
+    def event(self, lost: frozenset[str], joiners: list[str]) -> Layout:
+        layout = self.history.layout
+        failed = bool(lost & layout.active_nodes)
+        self.committed += 3  # iterations committed since the last event
+        out = recover(self.history, self._reports(layout, lost, boundary=not failed), joiners,
+                      self.rules, dead=lost, with_transfers=False)
+        while out.improve and not out.decision.stopped:
+            self.committed = out.decision.resume
+            out = recover(out.history, self._reports(out.history.layout, frozenset(), True),
+                          (), self.rules, with_transfers=False)
+        # (a stopped job is restarted later from the survivors it left waiting)
+        self.history = (History(out.decision.layout, self.history.partition)
+                        if out.decision.stopped else out.history)
+        return out.decision.layout
+
+    def _reports(self, layout: Layout, lost: frozenset[str], boundary: bool) -> dict:
+        live = sorted((layout.active_nodes | set(layout.standby)) - lost)
+        return {n: NodeReport(n, iteration=self.committed + 1,
+                              committed_through=self.committed, boundary=boundary,
+                              flight=self.committed + 1) for n in live}
+
+
+@pytest.mark.parametrize("cfg_name", ["lazy", "lazy_shadows", "none"])
+def test_the_simulators_layouts_are_the_coordinators(cfg_name):
+    """After every instant of a run, the simulator's layout (replayed from its memo) is the
+    one a coordinator reaches by calling `recover` on the same events."""
+    cfg = _configs()[cfg_name]
+    for rate, seed in ((0.25, 300), (0.5, 301), (0.5, 302)):
+        calls: list[tuple] = []
+        run(simple_trace(rate, 3.0, cfg.nodes + 1, seed), "spotpipe", cfg, record=False,
+            planner=_Recording(calls))
+        coordinator = _Coordinator(recovery_rules(cfg, cfg.redundancy), cfg.num_stages,
+                                   cfg.num_pipelines)
+        for before, lost, ready, _, move, names in calls:
+            after = move.after.layout(move.names_after(names, ready))
+            assert coordinator.history.layout == before
+            assert coordinator.event(lost, ready) == after, (before.to_json(), sorted(lost),
+                                                             ready)
+        assert len(calls) > 20
 
 
 def test_results_with_and_without_the_memo_are_equal():

@@ -200,24 +200,39 @@ class Layout:
             return False
         return not self._carriers or len(self._slots[holder]) == 1
 
-    def shape_key(self) -> tuple[int, int, tuple[tuple[int, ...], ...]]:
+    def shape_key(self) -> tuple[int, int, tuple[tuple, ...]]:
         """(P, D, per pipeline the stages merged onto their predecessor's node).
 
         Iteration time depends only on this, so the simulator caches timings by it; the key
-        is computed once per layout.
+        is computed once per layout. A pipeline where a node runs stages apart (a stage
+        restored from a shadow or copied onto the nearest live node) has no such list: its
+        entry is then the stages each node runs, nodes by their first stage (as the runtime
+        orders them, `runtime.node.node_schedule`), so that it is timed as the merged
+        streams it runs and not as a pipeline without a carrier.
         """
         cached = self.__dict__.get("_shape")
         if cached is not None:
             return cached
-        p, width, own = self.num_stages, self.num_pipelines, self._map
+        p, width = self.num_stages, self.num_pipelines
         if not self._carriers:
             key = (p, width, ((),) * width)
-        else:  # stage s is merged when its predecessor's owner runs it too
-            key = (p, width, tuple(tuple(s for s in range(p)
-                                         if own[(d, s)] == own[(d, (s - 1) % p)])
-                                   for d in range(width)))
+        else:
+            key = (p, width, tuple(self._pipeline_shape(d) for d in range(width)))
         object.__setattr__(self, "_shape", key)
         return key
+
+    def _pipeline_shape(self, d: int) -> tuple:
+        """Pipeline d's entry of `shape_key`: its merged stages (stage s is merged when its
+        predecessor's owner runs it too), or its nodes' stages when some node runs stages
+        that are not one run around the ring."""
+        p, own = self.num_stages, self._map
+        merged = tuple(s for s in range(p) if own[(d, s)] == own[(d, (s - 1) % p)])
+        nodes: dict[str, list[int]] = {}
+        for s in range(p):
+            nodes.setdefault(own[(d, s)], []).append(s)
+        if len(nodes) == max(1, p - len(merged)):  # each node's stages are one run
+            return merged
+        return tuple(sorted(tuple(stages) for stages in nodes.values()))
 
 
 def splits_evenly(microbatches: int, pipelines: int) -> bool:

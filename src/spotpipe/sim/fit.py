@@ -3,7 +3,7 @@
 A layout (P stages x D pipelines) fits when every stage's estimate fits one node's device and
 host memory; with redundancy, a node that carries two stages after a takeover (its own and
 its successor's, without a replica) must fit too, so a failover never needs memory the node
-lacks. Memory per stage does not fall monotonically with P (1F1B's first stage keeps P
+lacks, and so must one with shadows, onto which a stage is restored when no node waits. Memory per stage does not fall monotonically with P (1F1B's first stage keeps P
 micro-batches in flight), so the smallest depth a policy may re-partition to is the smallest
 P from which every depth up to the configured one fits. D = 1 is checked because one pipeline
 runs the most micro-batches (the kept inputs of lazy/eager redundancy grow with them): what
@@ -28,17 +28,20 @@ _MIN: PerObject[int] = PerObject()
 
 def layout_refusal(cfg: SimConfig, num_stages: int, num_pipelines: int, redundancy: str,
                    replica_on_host: bool | None = None, *,
-                   frc_every_stage: bool = False) -> str | None:
+                   frc_every_stage: bool = False, carriers: bool | None = None) -> str | None:
     """Why P x D does not fit (one line naming the stage and the figures), or None.
-    `frc_every_stage`: eager FRC of every replica, as Bamboo runs it (its outputs held too)."""
+    `frc_every_stage`: eager FRC of every replica, as Bamboo runs it (its outputs held too).
+    `carriers`: a node may have to run two stages (None: with redundancy, after a takeover)."""
+    if carriers is None:
+        carriers = redundancy != "none"
     return _REFUSALS.get(cfg, (num_stages, num_pipelines, redundancy, replica_on_host,
-                               frc_every_stage),
+                               frc_every_stage, carriers),
                          _refusal, cfg, num_stages, num_pipelines, redundancy, replica_on_host,
-                         frc_every_stage)
+                         frc_every_stage, carriers)
 
 
-def _refusal(cfg: SimConfig, p: int, d: int, redundancy: str,
-             replica_on_host: bool | None, frc_every_stage: bool) -> str | None:
+def _refusal(cfg: SimConfig, p: int, d: int, redundancy: str, replica_on_host: bool | None,
+             frc_every_stage: bool, carriers: bool) -> str | None:
     layers = cfg.model.layer_memory
     if cfg.memory is None or not layers:
         return None
@@ -57,30 +60,35 @@ def _refusal(cfg: SimConfig, p: int, d: int, redundancy: str,
                       node.host_bytes_per_gpu)
         if why:
             return f"{where}: {why}"
-        if rules.redundancy != "none":
+        if carriers and p > 1:
             carrier = estimate_stage(s, merge_facts(facts[s], facts[(s + 1) % p]), plain)
             why = refusal(carrier, node.device_bytes, node.host_bytes_per_gpu)
             if why:
-                return (f"{where}: a node carrying stages {s} and {(s + 1) % p} after a "
-                        f"takeover " + why.split(": it ", 1)[1])
+                after = ("a takeover" if rules.redundancy != "none"
+                         else "a shadow restore onto it")
+                return (f"{where}: a node carrying stages {s} and {(s + 1) % p} after "
+                        f"{after} " + why.split(": it ", 1)[1])
     return None
 
 
 def min_stages(cfg: SimConfig, redundancy: str, replica_on_host: bool | None = None) -> int:
     """The smallest depth from which every depth up to `cfg.num_stages` fits (D = 1); raises
-    ValueError with the refusal when the configured depth itself does not fit."""
+    ValueError with the refusal when the configured depth itself does not fit. A node may
+    carry two stages with redundancy (a takeover) and with shadows too (`plan.policy`
+    restores a stage no replica holds onto the nearest live node when no node waits)."""
     return _MIN.get(cfg, (redundancy, replica_on_host),
                     _min_stages, cfg, cfg.num_stages, redundancy, replica_on_host)
 
 
 def _min_stages(cfg: SimConfig, target: int, redundancy: str,
                 replica_on_host: bool | None) -> int:
-    why = layout_refusal(cfg, target, 1, redundancy, replica_on_host)
+    carriers = redundancy != "none" or cfg.shadows
+    why = layout_refusal(cfg, target, 1, redundancy, replica_on_host, carriers=carriers)
     if why:
         raise ValueError(f"the configured layout does not fit: {why}")
     low = target
-    while low > max(1, cfg.min_stages) and \
-            layout_refusal(cfg, low - 1, 1, redundancy, replica_on_host) is None:
+    while low > max(1, cfg.min_stages) and layout_refusal(
+            cfg, low - 1, 1, redundancy, replica_on_host, carriers=carriers) is None:
         low -= 1
     return max(low, cfg.min_stages)
 

@@ -122,7 +122,7 @@ def _compute_and_store(*key) -> float:
 
 
 def pipeline_time(model: ModelCosts, kind: str, num_stages: int, num_pipelines: int,
-                  merged: tuple[int, ...], redundant: bool, *,
+                  merged: tuple, redundant: bool, *,
                   frc_every_stage: bool = False) -> float:
     """Seconds of one iteration of one pipeline of this shape (merged: stages run by their
     predecessor's node; redundant: eager FRC, `frc_every_stage` as Bamboo runs it)."""
@@ -133,7 +133,7 @@ def pipeline_time(model: ModelCosts, kind: str, num_stages: int, num_pipelines: 
 
 
 def _pipeline_time(model: ModelCosts, kind: str, num_stages: int, num_pipelines: int,
-                   merged: tuple[int, ...], frc: str) -> float:
+                   merged: tuple, frc: str) -> float:
     key = (model, kind, num_stages, num_pipelines, merged, frc)
     value = _TIMES.get(key)
     if value is None:
@@ -145,7 +145,7 @@ def _pipeline_time(model: ModelCosts, kind: str, num_stages: int, num_pipelines:
 
 
 def _compute_pipeline_time(model: ModelCosts, kind: str, num_stages: int, num_pipelines: int,
-                           merged: tuple[int, ...], frc: str) -> float:
+                           merged: tuple, frc: str) -> float:
     fwd, bwd, byt = stage_costs(model, num_stages)
     actors = _actors(num_stages, merged)
     m = microbatches_per_pipeline(model, num_pipelines)
@@ -174,10 +174,13 @@ def iteration_time(model: ModelCosts, kind: str, num_stages: int, num_pipelines:
                for m in set(merged))
 
 
-def _actors(num_stages: int, merged: tuple[int, ...]) -> list[list[int]]:
+def _actors(num_stages: int, merged: tuple) -> list[list[int]]:
     """Stages grouped by the node that runs them, as the runtime orders them: each node's
     stages ascending, nodes by their first stage. A merged stage runs on its predecessor's
-    node (stage 0 merged: on the last stage's node)."""
+    node (stage 0 merged: on the last stage's node); a pipeline whose nodes run stages
+    apart gives its nodes' stages instead (`Layout.shape_key`)."""
+    if merged and isinstance(merged[0], tuple):
+        return [list(stages) for stages in merged]
     merged_set = set(merged)
     if len(merged_set) >= num_stages:
         return [list(range(num_stages))]

@@ -98,9 +98,17 @@ class Job:
         self.run_since_ckpt += run
         if self.run_since_ckpt >= self.interval:
             left = self.run_since_ckpt % self.interval  # run time since the newest checkpoint
-            self.kept_iters = self.iters - left / iter_s
-            self._commit(left * share, left * (1.0 - share))
+            self._checkpoint(self.iters - left / iter_s, iter_s, share)
             self.run_since_ckpt = left
+
+    def _checkpoint(self, progress: float, iter_s: float, share: float) -> None:
+        """A durable checkpoint when the job stood at `progress`: the runtime writes one at an
+        iteration boundary (`checkpoint.every` counts iterations), so it holds the iterations
+        completed by then, and the in-flight one stays at risk with what followed it."""
+        kept = max(self.kept_iters, float(math.floor(progress + 1e-9)))
+        self.kept_iters = kept
+        since = min((self.iters - kept) * iter_s, self.pending[0] + self.pending[1])
+        self._commit(since * share, since * (1.0 - share))
 
     def _commit(self, keep_useful: float, keep_redundant: float) -> None:
         """Move pending run time into the buckets, leaving what is not yet checkpointed."""

@@ -90,7 +90,8 @@ def _read_calibration(path: Path) -> dict:
 
 def calibrate_shapes(paths: str | Path | list[str | Path]) -> tuple[tuple[tuple, float], ...]:
     """Measured iteration seconds per layout shape from calibration JSONs: a "shape_times"
-    list of [[P, D, [[merged stages of pipeline 0], ...]], seconds] (what
+    list of [[P, D, [[merged stages of pipeline 0], ...]], seconds] (or, for a pipeline
+    whose nodes run stages apart, the stages of each of its nodes: `Layout.shape_key`; what
     `spotpipe.sim.validate` writes, also under "calibration"); a later file wins per shape.
     They replace the timing model for those shapes in every policy."""
     shapes: dict[tuple, float] = {}
@@ -102,7 +103,7 @@ def calibrate_shapes(paths: str | Path | list[str | Path]) -> tuple[tuple[tuple,
         for i, item in enumerate(items):
             try:
                 (p, d, merged), seconds = item
-                key = (int(p), int(d), tuple(tuple(int(s) for s in m) for m in merged))
+                key = (int(p), int(d), tuple(tuple(map(_stage_or_stages, m)) for m in merged))
                 seconds = float(seconds)
             except (TypeError, ValueError):
                 raise ValueError(f"{path}: shape_times[{i}]: expected [[P, D, [[...], ...]], "
@@ -112,6 +113,14 @@ def calibrate_shapes(paths: str | Path | list[str | Path]) -> tuple[tuple[tuple,
                                  f"one merged list per pipeline, got {item!r}")
             shapes[key] = seconds
     return tuple(shapes.items())
+
+
+def _stage_or_stages(item: object) -> "int | tuple[int, ...]":
+    """A merged stage, or one node's stages in a pipeline whose nodes run stages apart
+    (`Layout.shape_key`, as `spotpipe.sim.validate` writes it)."""
+    if isinstance(item, list):
+        return tuple(int(s) for s in item)
+    return int(item)  # type: ignore[call-overload]
 
 
 def _calibrate_one(path: Path, base: SimParams) -> SimParams:
