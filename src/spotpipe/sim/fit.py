@@ -3,9 +3,10 @@
 A layout (P stages x D pipelines) fits when every stage's estimate fits one node's device and
 host memory; with redundancy, a node that carries two stages after a takeover (its own and
 its successor's, without a replica) must fit too, so a failover never needs memory the node
-lacks, and so must one with shadows, onto which a stage is restored when no node waits. Memory per stage does not fall monotonically with P (1F1B's first stage keeps P
-micro-batches in flight), so the smallest depth a policy may re-partition to is the smallest
-P from which every depth up to the configured one fits. D = 1 is checked because one pipeline
+lacks, and so must one with shadows, onto which a stage is restored when no node waits.
+Memory per stage does not fall monotonically with P (1F1B's first stage keeps P micro-batches
+in flight), so the smallest depth a policy may re-partition to is the smallest P from which
+every depth up to the configured one fits. D = 1 is checked because one pipeline
 runs the most micro-batches (the kept inputs of lazy/eager redundancy grow with them): what
 fits at D = 1 fits at every D.
 """
