@@ -1,5 +1,7 @@
 """The memory model against figures computed by hand (and GPT-2 XL's published size)."""
 
+import dataclasses
+
 import pytest
 
 from spotpipe.plan.memory import (GIB, GPT2, MemoryRules, StageFacts, estimate_stage, fits,
@@ -20,19 +22,20 @@ def rules(**kw):
 
 def test_state_bytes_per_precision_and_optimizer():
     # fp32 Adam: 4 (weights) + 4 (grads) + 8 (two moments) = 16 B/param; activations 4 x 1000,
-    # and the 4 in-flight outputs held until their backward
+    # the 4 in-flight outputs held until their backward, and the gradient of one received
+    # while its backward runs
     e = estimate_stage(0, FACTS, rules())
     assert e.breakdown() == {"device:weights": 4e6, "device:gradients": 4e6,
                              "device:optimizer": 8e6, "device:activations": 4000.0,
-                             "device:outputs": 400.0}
-    assert e.device_bytes == 16_004_400 and e.host_bytes == 0
+                             "device:outputs": 400.0, "device:backward_working": 100.0}
+    assert e.device_bytes == 16_004_500 and e.host_bytes == 0
     # bf16 under autocast: the same fp32 state (test_memory_measured: against a real stage)
     bf = estimate_stage(0, FACTS, rules(precision="bf16"))
     assert bf.breakdown()["device:weights"] == 4e6
     assert bf.breakdown()["device:gradients"] == 4e6
-    assert bf.device_bytes == 16_004_400
+    assert bf.device_bytes == 16_004_500
     # SGD with momentum in fp32: 4 + 4 + 4
-    assert estimate_stage(0, FACTS, rules(optimizer="sgd")).device_bytes == 12_004_400
+    assert estimate_stage(0, FACTS, rules(optimizer="sgd")).device_bytes == 12_004_500
 
 
 def test_activations_follow_the_schedule():
@@ -46,12 +49,42 @@ def test_activations_follow_the_schedule():
     assert act(1, schedule="gpipe") == 8000
     assert part("outputs", 1, schedule="gpipe") == 8 * 100 and part("outputs", 3) == 0
     # checkpointing per layer: 4 in flight x (the 100 B input + 3 inner layers' outputs);
-    # one layer recomputed at a time
+    # one layer recomputed at a time (and the 100 B gradient received)
     assert act(0, activation_checkpointing="layers") == 4 * (100 + 3 * 100)
-    assert part("backward_working", 0, activation_checkpointing="layers") == 1000 / 4
+    assert part("backward_working", 0, activation_checkpointing="layers") == 1000 / 4 + 100
     # per stage: 4 stage inputs; the whole stage recomputed once
     assert act(0, activation_checkpointing="stage") == 4 * 100
-    assert part("backward_working", 0, activation_checkpointing="stage") == 1000
+    assert part("backward_working", 0, activation_checkpointing="stage") == 1000 + 100
+
+
+def test_a_layers_backward_comes_on_its_recompute_and_the_gradient_received():
+    """A block's backward working memory (GPT's: 4 s b h in the compute dtype and 16 h^2)
+    adds to the recompute and to the gradient received (stage 0 of 4, 100 B); on the last
+    stage the loss's backward has freed what the loss kept (300 B) before any layer's runs,
+    and the larger of the two phases counts."""
+    from spotpipe.plan.memory import block_backward_bytes
+    assert block_backward_bytes(8, 64, 32, "fp32") == 4 * 8 * 64 * 32 * 4 + 16 * 32 ** 2
+    assert block_backward_bytes(8, 64, 32, "bf16") == 4 * 8 * 64 * 32 * 2 + 16 * 32 ** 2
+    blocks = transformer_layers(GPT2["gpt2"], micro_batch=8, precision="bf16")[1:-1]
+    assert {x.backward_bytes for x in blocks} == {4 * 8 * 1024 * 768 * 2 + 16 * 768 ** 2}
+    facts = StageFacts(params=N, activation_bytes=1000, boundary_bytes=100, layers=4,
+                       layer_backward_bytes=500)
+    last = dataclasses.replace(facts, transient_bytes=700, loss_bytes=300)
+    work = lambda s, f, mode: estimate_stage(s, f, rules(activation_checkpointing=mode)
+                                             ).breakdown()["device:backward_working"]
+    assert work(0, facts, "none") == 500 + 100
+    assert work(0, facts, "layers") == 1000 / 4 + 500 + 100
+    assert work(0, facts, "stage") == 1000 + 500 + 100
+    assert work(3, last, "none") == 700  # the loss's phase: its 700 B against 500 - 300
+    assert work(3, last, "layers") == 700  # against (1000 - 300) / 4 + 500 - 300
+    assert work(3, last, "stage") == 1000 - 300 + 500 - 300  # against 700
+    # the loss's 300 B freed make room for the layer's own, never for the recompute
+    big_loss = dataclasses.replace(last, loss_bytes=600, transient_bytes=0)
+    assert work(3, big_loss, "stage") == 1000 - 600
+    merged = merge_facts(facts, dataclasses.replace(facts, layer_backward_bytes=900))
+    assert merged.layer_backward_bytes == 900
+    with pytest.raises(ValueError, match="layer_backward_bytes"):
+        StageFacts(params=1, activation_bytes=1, boundary_bytes=1, layer_backward_bytes=-1)
 
 
 def test_redundancy_and_shadows():
@@ -88,7 +121,7 @@ def test_redundancy_and_shadows():
     sh = estimate_stage(0, FACTS, rules(shadows=True, optimizer="sgd"))
     assert sh.shadow_host_bytes == N * (4 + 4 + 4) and sh.host_bytes == 0
     reserve = estimate_stage(0, FACTS, rules(device_reserve_bytes=GIB))
-    assert reserve.device_bytes == 16_004_400 + GIB
+    assert reserve.device_bytes == 16_004_500 + GIB
 
 
 def test_local_links_count_the_rings_a_stage_sends_on():

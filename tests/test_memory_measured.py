@@ -177,15 +177,22 @@ def test_kept_activations_match_the_forwards_before_the_first_backward(
         s.part("activations"), s.part("outputs"), kept)
 
 
-@pytest.mark.parametrize("stage, checkpointing", [(0, "layers"), (1, "stage")])
-def test_device_total_is_near_the_measured_peak(corpus, stage, checkpointing):
+@pytest.mark.parametrize("stage, checkpointing, precision, shape", [
+    (0, "layers", "fp32", {}), (1, "stage", "fp32", {}), (0, "stage", "fp32", {}),
+    (0, "stage", "bf16", {}), (0, "layers", "bf16", {"model.gpt.block_size": 128}),
+    (0, "stage", "fp32", {"model.gpt.n_embd": 128, "model.gpt.n_head": 8})])
+def test_device_total_is_near_the_measured_peak(corpus, stage, checkpointing, precision,
+                                                shape):
     """Over a whole iteration, weights and optimizer state besides. The estimate was 0.6 of
     stage 0's peak with per-layer checkpointing (its kept outputs missed). On the last stage
     the loss's working memory and the recompute are not summed (one follows the other: 1.2
-    of the peak when they were). What is left (a block's backward working memory, not
-    counted) is under 15%."""
-    s = TinyStage(corpus, stage, 2, schedule="gpipe", num_microbatches=3,
-                  **{"model.activation_checkpointing": checkpointing})
+    of the peak when they were). Stage 0's estimate was 0.83-0.92 of its peak with
+    checkpointing while a block's own backward working memory and the gradient received
+    were not counted (0.96-1.09 now; in bf16 the CPU's matmul scratch is not counted).
+    Short of the peak, the estimate lets a planned depth run out of memory: it may be so by
+    little."""
+    s = TinyStage(corpus, stage, 2, schedule="gpipe", num_microbatches=3, precision=precision,
+                  **{"model.activation_checkpointing": checkpointing, **shape})
     s.step()
     s.state.optimizer.zero_grad(set_to_none=True)
     s.held = {key: {} for key in s.held}
@@ -194,6 +201,27 @@ def test_device_total_is_near_the_measured_peak(corpus, stage, checkpointing):
         t for st in s.state.optimizer.state.values() for t in st.values() if torch.is_tensor(t))
     device = sum(v for k, v in s.estimate.items() if k.startswith("device:"))
     assert close(device, state + peak, within=0.15), (s.estimate, state, peak)
+    assert device >= 0.93 * (state + peak), (s.estimate, state, peak)  # (never much short)
+
+
+@pytest.mark.parametrize("checkpointing, shape", [
+    ("none", {}), ("layers", {}), ("none", {"model.gpt.block_size": 128}),
+    ("layers", {"model.gpt.n_embd": 128, "model.gpt.n_head": 8}),
+    ("none", {"micro_batch_size": 4, "model.gpt.n_head": 8})])
+def test_one_blocks_backward_needs_what_the_estimate_counts(corpus, checkpointing, shape):
+    """Stage 1 of 4 is one GPT block. Its backward (the parameters' gradients already there,
+    as after the first micro-batch) allocates the gradient received, the MLP's hidden
+    gradient (4 b s h) and its weight's (16 h^2), on top of the block's recompute with
+    checkpointing: the estimate counted none of it without checkpointing (0 of a measured
+    5.5 b s h 4) and only the recompute with (0.8 of the measured). fp32: in bf16 the CPU's
+    matmul adds scratch of its own (oneDNN's), which a GPU's does not."""
+    s = TinyStage(corpus, 1, 4, num_microbatches=2,
+                  **{"model.activation_checkpointing": checkpointing, **shape})
+    s.forward(0)
+    s.backward(0)
+    allocated(lambda: s.forward(1))  # (so that the profiler sees what the backward frees)
+    _, _, peak = allocated(lambda: s.backward(1))
+    assert close(s.part("backward_working"), peak), (s.part("backward_working"), peak)
 
 
 def test_what_redundancy_keeps_matches_the_executor(corpus):

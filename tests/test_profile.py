@@ -56,13 +56,18 @@ def test_a_tie_split_away_from_the_ends_is_refused_at_any_depth(corpus):
 def test_the_run_spec_travels_and_comes_back_equal():
     spec = job.RunSpec([(0, 3), (3, 4)], 64, _profile())
     assert job.RunSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
-    # the loss's part of the last layer's activations travels too; a record written before it
-    # was kept (6 entries a layer) reads as none
+    # the loss's part of the last layer's activations travels too, and a block's backward
+    # working memory; a record written before either was kept (6, 7 entries a layer) reads
+    # as none
     lossy = _profile()
     lossy = LayerProfile(lossy.names, lossy.params, lossy.memory[:-1] + (
-        LayerMemory(10, 300.0, 0.0, 50.0, loss_bytes=200.0),), lossy.times, lossy.tied)
+        LayerMemory(10, 300.0, 0.0, 50.0, loss_bytes=200.0, backward_bytes=75.0),),
+        lossy.times, lossy.tied)
     data = json.loads(json.dumps(lossy.to_json()))
     assert LayerProfile.from_json(data) == lossy
+    data["memory"] = [row[:7] for row in data["memory"]]
+    assert LayerProfile.from_json(data).memory[-1].backward_bytes == 0.0
+    assert LayerProfile.from_json(data).memory[-1].loss_bytes == 200.0
     data["memory"] = [row[:6] for row in data["memory"]]
     assert LayerProfile.from_json(data).memory[-1].loss_bytes == 0.0
     hosts = job.RunSpec([(0, 3), (3, 4)], 64, _profile(), data_digest="0a" * 32)

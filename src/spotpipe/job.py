@@ -22,13 +22,15 @@ from spotpipe.data import (DataError, GlobalSampler, TextDataset, TokenFileDatas
                            load_user_dataset)
 from spotpipe.model import (GPTConfig, LayeredModel, PartitionError, build_gpt, build_user_model,
                             template)
+from spotpipe.model.gpt import Block
 from spotpipe.model.measure import profile_layer_memory
 from spotpipe.model.named import SplitError, split_points_map
 from spotpipe.model.partition import (balanced_partition, bounded_partition, cut,
                                       explicit_partition, parameter_counts, profile_layer_times)
 from spotpipe.model.precision import Precision
-from spotpipe.plan.memory import (GIB, LayerMemory, MemoryEstimate, MemoryRules, estimate_stage,
-                                  range_facts, stage_facts)
+from spotpipe.plan.memory import (GIB, LayerMemory, MemoryEstimate, MemoryRules,
+                                  block_backward_bytes, estimate_stage, range_facts,
+                                  stage_facts)
 from spotpipe.plan.layers import node_layers
 from spotpipe.plan.layout import Layout
 from spotpipe.plan.profile import LayerProfile, cross_stage_tied
@@ -217,9 +219,24 @@ def profile_model(cfg: Config, model: LayeredModel, dataset: Any) -> LayerProfil
     times = None
     if cfg.model.partition in ("time", "balanced") and not cfg.model.split_points:
         times = tuple(profile_layer_times(model, sample, precision=precision))
+    memory = with_block_backward(model, profile_layer_memory(model, sample, precision, target),
+                                 sample, precision)
     return LayerProfile(names=tuple(model.layer_names), params=tuple(parameter_counts(model)),
-                        memory=tuple(profile_layer_memory(model, sample, precision, target)),
-                        times=times, tied=tuple(model.tied))
+                        memory=tuple(memory), times=times, tied=tuple(model.tied))
+
+
+def with_block_backward(model: LayeredModel, memory: Sequence[LayerMemory], sample: Any,
+                        precision: Precision) -> list[LayerMemory]:
+    """The layers' facts with each GPT block's backward working memory (`backward_bytes`),
+    from its width and the micro-batch's shape (`block_backward_bytes`): what autograd saves,
+    which the profile measures, does not show what the backward allocates."""
+    out = list(memory)
+    for i, layer in enumerate(model.layers):
+        if isinstance(layer, Block):
+            b, s = sample.shape[:2]
+            out[i] = dataclasses.replace(out[i], backward_bytes=block_backward_bytes(
+                b, s, layer.ln_1.normalized_shape[0], precision.name))
+    return out
 
 
 def compute_partition(cfg: Config, profile: LayerProfile,

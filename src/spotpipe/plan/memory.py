@@ -83,15 +83,27 @@ Reserve: `device_reserve_bytes` of every device (CUDA context and allocator slac
 0.5-1 GiB in practice) is not available to the stage.
 Backward's working memory (`backward_working`): what one micro-batch's backward allocates
 beyond what its forward kept, once per stage: the loss's (`transient_bytes`, measured by the
-runtime, zero in the analytic model) or, under activation checkpointing, the recomputed
-activations, whichever is larger (the loss's backward is done before the first recompute;
-summed, they over-estimated a tiny GPT's last stage by 23-34%). The loss's are the gradients
+runtime, zero in the analytic model) or a layer's own backward (`layer_backward_bytes`) on top
+of the activations recomputed under activation checkpointing and of the gradient received
+for the stage's output (a stage that is not the last), whichever is larger (the loss's
+backward is done before the first recompute; summed, they over-estimated a tiny GPT's last
+stage by 23-34%). A transformer block's own backward (`block_backward_bytes`) peaks in its
+MLP: the gradient of the 4h-wide hidden activation, 4 s b h in the compute dtype, and of the
+MLP's 4h x h weight, 16 h^2 (fp32 as it is added to the parameter's gradient; in 16-bit
+the compute-dtype gradient and the autocast copy it replaces cancel; the block's input
+gradient, made later, is smaller); measured on spotpipe's GPT block on the CPU, exactly in
+fp32, in bf16 less what oneDNN's matmul scratch adds (0.5-1 s b h at h = 64-128). On the last
+stage the loss's kept log-softmax, freed by then, makes room for it. Its attention is fused
+(scaled_dot_product_attention): no a s^2 scores are made in the backward either, so none are
+counted. Without the block's term and the received gradient, a tiny GPT's stage 0 was
+estimated at 0.82-0.92 of its measured peak with activation checkpointing (0.93-1.04
+without), 0.96-1.11 with them (`tests/test_memory_measured.py`). The loss's are the gradients
 with respect to the log-softmax and to the logits, each as large as the logits in fp32
 (GPT-2 small, 8 x 512 tokens: 1.5 GiB, which the estimate missed against
 `torch.cuda.max_memory_allocated` on an H200 before it was counted, with the loss's own saved
 tensors: 0.78 of the measured peak in fp32).
-Not counted: temporary buffers of one kernel, a block's backward working memory (a tiny GPT's
-stage on the CPU: 5-14% of its measured peak, `tests/test_memory_measured.py`), each
+Not counted: temporary buffers of one kernel, the backward working memory of layers other
+than spotpipe's GPT blocks and the loss (Hugging Face and torchtitan-style models), each
 activation checkpoint's copy of the CPU generator's state (5056 bytes), communication buffers
 (small against the above at these sizes), fragmentation beyond the reserve.
 """
@@ -124,7 +136,8 @@ class StageFacts:
     (default: boundary_bytes); inner_outputs_bytes: the outputs of its layers but the last,
     per micro-batch (what per-layer checkpointing keeps besides the input; default: layers - 1
     boundaries); max_layer_activation_bytes: its largest layer's activation_bytes without the
-    loss's (default: the average, activation_bytes / layers).
+    loss's (default: the average, activation_bytes / layers); layer_backward_bytes: the
+    largest working memory of one of its layers' own backward (`block_backward_bytes`).
     """
 
     params: int
@@ -138,6 +151,7 @@ class StageFacts:
     inner_outputs_bytes: float | None = None
     loss_bytes: float = 0.0
     max_layer_activation_bytes: float | None = None
+    layer_backward_bytes: float = 0.0
 
     @property
     def stage_input_bytes(self) -> float:
@@ -160,7 +174,8 @@ class StageFacts:
     def __post_init__(self) -> None:
         for name in ("params", "activation_bytes", "boundary_bytes", "replica_params",
                      "replica_boundary_bytes", "stage_input_bytes", "transient_bytes",
-                     "layer_outputs_bytes", "loss_bytes", "largest_layer_bytes"):
+                     "layer_outputs_bytes", "loss_bytes", "largest_layer_bytes",
+                     "layer_backward_bytes"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"StageFacts.{name} must be >= 0, got {value!r}")
@@ -273,7 +288,9 @@ def estimate_stage(stage: int, facts: StageFacts, rules: MemoryRules) -> MemoryE
     if not redundant and stage < rules.num_stages - 1:  # (else among the kept inputs)
         parts.append(MemoryPart("outputs", "device", float(_in_flight(stage, rules)
                                                            * facts.boundary_bytes)))
-    parts.append(MemoryPart("backward_working", "device", _backward_working(facts, rules)))
+    received = facts.boundary_bytes if stage < rules.num_stages - 1 else 0.0
+    parts.append(MemoryPart("backward_working", "device",
+                            _backward_working(facts, rules, received)))
     m = rules.microbatches
     if redundant:
         r = facts.replica_params
@@ -321,15 +338,22 @@ def _kept_activations(stage: int, facts: StageFacts, rules: MemoryRules) -> floa
     return k * kept
 
 
-def _backward_working(facts: StageFacts, rules: MemoryRules) -> float:
+def _backward_working(facts: StageFacts, rules: MemoryRules, received: float) -> float:
     """What one micro-batch's backward needs beyond what was kept: the loss's working memory
-    (`transient_bytes`) and, under activation checkpointing, the activations recomputed (the
-    largest layer's, or the stage's without the loss's). The loss's backward runs before any
-    recompute, so the larger of the two."""
+    (`transient_bytes`), or a layer's own backward (`layer_backward_bytes`) on top of the
+    activations recomputed under activation checkpointing (the largest layer's, or the
+    stage's without the loss's), which the layer's backward runs on, and of the gradient
+    `received` for the stage's output (the executor holds it until the backward returns).
+    The loss's backward runs before any recompute and frees what the loss kept of the
+    micro-batch, so the larger of the two, the layer's own less the loss's kept bytes."""
     mode = rules.activation_checkpointing
     recompute = 0.0 if mode == "none" else facts.largest_layer_bytes if mode == "layers" \
         else facts.activation_bytes - facts.loss_bytes
-    return float(max(facts.transient_bytes, recompute))
+    # what the loss kept of this micro-batch is freed by then, and its gradient of the logits
+    # (as large) too once the last layer's backward is done: room for the layers' own working
+    # memory, never for the recompute (the last layer's, such as GPT's head, runs with it)
+    own = max(0.0, facts.layer_backward_bytes + received - facts.loss_bytes)
+    return float(max(facts.transient_bytes, recompute + own))
 
 
 def fits(estimate: MemoryEstimate, device_bytes: float, host_bytes: float) -> bool:
@@ -363,7 +387,8 @@ class LayerMemory:
     micro-batch, bytes of its output per micro-batch, and the working memory of one
     micro-batch's backward beyond what is kept (`transient_bytes`, needed by one micro-batch
     at a time; measured for the last layer, whose loss's gradients are as large as the
-    logits in fp32, twice over)."""
+    logits in fp32, twice over), and what its own backward needs (`backward_bytes`: a
+    transformer block's `block_backward_bytes`)."""
 
     params: int
     activation_bytes: float
@@ -375,6 +400,7 @@ class LayerMemory:
     tied_to: int = -1
     # of activation_bytes, what the loss keeps (the last layer's; outside any checkpoint)
     loss_bytes: float = 0.0
+    backward_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -394,6 +420,15 @@ GPT2 = {
 }
 
 
+def block_backward_bytes(micro_batch: int, seq: int, hidden: int,
+                         precision: str = "fp32") -> float:
+    """What one transformer block's (GPT's: 4h-wide MLP, fused attention) backward needs at its
+    peak beyond what its forward kept: the gradient of the MLP's hidden activation (4 s b h in
+    the compute dtype) and of its 4h x h weight (fp32, as it is added to the parameter's
+    gradient); see the module doc."""
+    return float(4 * micro_batch * seq * hidden * COMPUTE_BYTES[precision] + 16 * hidden ** 2)
+
+
 def transformer_layers(shape: TransformerShape, micro_batch: int,
                        precision: str = "fp32") -> tuple[LayerMemory, ...]:
     """[embedding, blocks..., head], as spotpipe's GPT lays them out (untied head: each stage
@@ -401,7 +436,8 @@ def transformer_layers(shape: TransformerShape, micro_batch: int,
 
     embedding: token + position tables (V h + s h), keeps nothing but its output (s b h);
     block: 12 h^2 + 13 h parameters (attention 4 h^2 + 4 h, MLP 8 h^2 + 5 h, two layer norms
-    4 h), activations by Korthikanti et al. (module doc);
+    4 h), activations by Korthikanti et al. (module doc), its backward's working memory by
+    `block_backward_bytes`;
     head: final layer norm (2 h) and the LM projection (V h); keeps its input, the logits and
     their fp32 softmax (the loss's).
     In 16-bit, autocast's copy of every matrix a layer multiplies by (12 h^2 in a block, V h
@@ -415,7 +451,9 @@ def transformer_layers(shape: TransformerShape, micro_batch: int,
     loss = float(s * b * v * 4)
     head_act = boundary + s * b * v * dt + loss + copy * v * h
     layers = [LayerMemory(v * h + s * h, 0.0, boundary)]
-    layers += [LayerMemory(12 * h * h + 13 * h, block_act, boundary)] * shape.layers
+    layers += [LayerMemory(12 * h * h + 13 * h, block_act, boundary,
+                           backward_bytes=block_backward_bytes(b, s, h, precision))] \
+        * shape.layers
     layers.append(LayerMemory(v * h + 2 * h, head_act, 0.0, loss_bytes=loss))
     return tuple(layers)
 
@@ -435,7 +473,8 @@ def range_facts(layers: Sequence[LayerMemory], start: int, end: int) -> StageFac
         transient_bytes=max(x.transient_bytes for x in own),
         inner_outputs_bytes=sum(x.output_bytes for x in own[:-1]),
         loss_bytes=sum(x.loss_bytes for x in own),
-        max_layer_activation_bytes=max(x.activation_bytes - x.loss_bytes for x in own))
+        max_layer_activation_bytes=max(x.activation_bytes - x.loss_bytes for x in own),
+        layer_backward_bytes=max(x.backward_bytes for x in own))
 
 
 def stage_facts(layers: Sequence[LayerMemory], stages: Sequence[tuple[int, int]],
@@ -468,7 +507,9 @@ def merge_facts(first: StageFacts, second: StageFacts) -> StageFacts:
                       + second.layer_outputs_bytes,
                       loss_bytes=first.loss_bytes + second.loss_bytes,
                       max_layer_activation_bytes=max(first.largest_layer_bytes,
-                                                     second.largest_layer_bytes))
+                                                     second.largest_layer_bytes),
+                      layer_backward_bytes=max(first.layer_backward_bytes,
+                                               second.layer_backward_bytes))
 
 
 # -- instance presets (device memory per GPU, host memory per instance) --------------------

@@ -58,7 +58,8 @@ class LayerProfile:
     def to_json(self) -> dict[str, Any]:
         return {"names": list(self.names), "params": list(self.params),
                 "memory": [[m.params, m.activation_bytes, m.output_bytes, m.transient_bytes,
-                            m.tied_params, m.tied_to, m.loss_bytes] for m in self.memory],
+                            m.tied_params, m.tied_to, m.loss_bytes, m.backward_bytes]
+                           for m in self.memory],
                 "times": None if self.times is None else list(self.times),
                 "tied": [list(pair) for pair in self.tied]}
 
@@ -70,11 +71,12 @@ class LayerProfile:
         params = tuple(_count(v, f"params[{i}]") for i, v in enumerate(_list(data, "params")))
         memory = []
         for i, row in enumerate(_list(data, "memory")):
-            # (a profile written before loss_bytes was recorded has 6 entries: no loss part)
-            if not isinstance(row, list) or len(row) not in (6, 7):
+            # (a profile written before loss_bytes was recorded has 6 entries: no loss part;
+            # before backward_bytes, 7: no block's backward working memory)
+            if not isinstance(row, list) or len(row) not in (6, 7, 8):
                 raise ProfileError(f"layer profile: memory[{i}] is not [params, "
                                    "activation_bytes, output_bytes, transient_bytes, "
-                                   f"tied_params, tied_to, loss_bytes]: {row!r}")
+                                   f"tied_params, tied_to, loss_bytes, backward_bytes]: {row!r}")
             tied_to = row[5]
             if isinstance(tied_to, bool) or not isinstance(tied_to, int) \
                     or not -1 <= tied_to < i:
@@ -85,7 +87,9 @@ class LayerProfile:
                                       _amount(row[2], f"memory[{i}][2]"),
                                       _amount(row[3], f"memory[{i}][3]"),
                                       _count(row[4], f"memory[{i}][4]"), tied_to,
-                                      _amount(row[6], f"memory[{i}][6]") if len(row) == 7
+                                      _amount(row[6], f"memory[{i}][6]") if len(row) >= 7
+                                      else 0.0,
+                                      _amount(row[7], f"memory[{i}][7]") if len(row) == 8
                                       else 0.0))
         times = None
         if data.get("times") is not None:
