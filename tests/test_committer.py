@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 from pathlib import Path
 
@@ -339,3 +340,26 @@ def test_a_stage_upload_in_another_nodes_name_is_refused():
     assert refused == [("node2", "a stage_upload in the name of node1")]
     loop._handle_record(SimpleNamespace(message=upload, writer="node1"))
     assert steps == [4] and [e["kind"] for e in events] == ["checkpoint_upload"]
+
+
+@pytest.mark.parametrize("entry", ["absolute", "../outside.bin", "stage0/../../outside.bin",
+                                   "stage0/link", "manifest.json"])
+def test_commit_refuses_a_checksum_entry_outside_the_checkpoint_writing_nothing(tmp_path,
+                                                                                entry):
+    """`durable.commit` is public and the last line of defence: an entry that names a file
+    outside the checkpoint folder (absolute, `..`, a symlink out) or the manifest's own place
+    is refused naming it, before the manifest is written or anything renamed."""
+    root = tmp_path / "ckpt"
+    checksums = _written(root, 1)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not the job's")
+    partial = durable.iter_dir(root, 1, partial=True)
+    (partial / "stage0" / "link").symlink_to(outside)
+    (partial / "manifest.json").write_text("{}")  # (what a listed manifest would hash)
+    name = str(outside) if entry == "absolute" else entry
+    sums = {**checksums, name: hashlib.sha256(b"not the job's").hexdigest()}
+    with pytest.raises(ValueError, match=f"checkpoint 1: .*{re.escape(repr(name))}"):
+        durable.commit(root, 1, {"stages": 1}, sums, keep=2, key=KEY)
+    assert sorted(p.name for p in root.iterdir()) == [partial.name]  # no iter_1, no latest
+    assert (partial / "manifest.json").read_text() == "{}"
+    assert outside.read_bytes() == b"not the job's"

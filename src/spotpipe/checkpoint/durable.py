@@ -209,8 +209,11 @@ def commit(root: Path, iteration: int, info: dict[str, Any], checksums: dict[str
     hashes every kept checkpoint again). A folder of the same iteration already there (a
     job resumed from an older checkpoint into the same folder) is replaced. A stage file the checksums list but
     the folder lacks (its host sent it to a coordinator deposed since, whose successor does not
-    see that coordinator's folder) fails the commit: FileNotFoundError, naming it."""
+    see that coordinator's folder) fails the commit: FileNotFoundError, naming it. A name that
+    is not a file of the checkpoint folder (absolute, `..`, a symlink out, the manifest) is a
+    ValueError naming it, before anything is written."""
     partial = iter_dir(root, iteration, partial=True)
+    _refuse_outside(partial, iteration, checksums)
     missing = sorted(rel for rel in checksums if not (partial / rel).is_file())
     if missing:
         raise FileNotFoundError(f"checkpoint {iteration}: {len(missing)} stage file(s) listed "
@@ -234,6 +237,22 @@ def commit(root: Path, iteration: int, info: dict[str, Any], checksums: dict[str
         if _iteration_of(stale) < iteration:
             shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _refuse_outside(partial: Path, iteration: int, checksums: dict[str, str]) -> None:
+    """ValueError naming the first entry of `checksums` that is not a file of the checkpoint
+    folder `partial`: not a plain relative path (absolute, empty parts, `.` or `..`), the
+    manifest's own place, or one whose path leads out through a symlink. The coordinator
+    checks each stage's names as they are reported, but `commit` is public and the manifest
+    it signs would vouch for whatever file such a name reaches (what `verify` refuses, once
+    the checkpoint is on disk and counted)."""
+    inside = partial.resolve()
+    for name in sorted(checksums):
+        if transfer.outside(name) or name == MANIFEST \
+                or not (partial / name).resolve().is_relative_to(inside):
+            raise ValueError(f"checkpoint {iteration}: the checksums list {name[:200]!r}, "
+                             f"not a file of the checkpoint folder {partial} (nothing was "
+                             "committed)")
 
 
 def _iteration_of(folder: Path) -> int:
