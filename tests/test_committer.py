@@ -322,6 +322,7 @@ def test_a_stage_upload_in_another_nodes_name_is_refused():
     from types import SimpleNamespace
 
     from spotpipe.cluster.jobloop import JobLoop
+    from spotpipe.plan import Layout
     from spotpipe.protocol import StageUpload
 
     loop = JobLoop.__new__(JobLoop)  # (no store, no processes: only its dispatch)
@@ -332,6 +333,7 @@ def test_a_stage_upload_in_another_nodes_name_is_refused():
     loop.files = SimpleNamespace(event=events.append)
     loop.coordinator = SimpleNamespace(refused=lambda writer, why: refused.append((writer, why)))
     loop.intake = _intake(1, [(0, 8)], events)
+    loop.intake.ran(0, Layout.from_mapping(2, 1, {(0, 0): "node0", (0, 1): "node1"}))
     loop.intake.open(SimpleNamespace(), lambda: SimpleNamespace())
     loop.intake.committer = SimpleNamespace(submit_step=lambda t, run: steps.append(t))
     upload = StageUpload("node1", 0.0, 4, 1, {"stage1/a": "x"})
@@ -363,3 +365,99 @@ def test_commit_refuses_a_checksum_entry_outside_the_checkpoint_writing_nothing(
     assert sorted(p.name for p in root.iterdir()) == [partial.name]  # no iter_1, no latest
     assert (partial / "manifest.json").read_text() == "{}"
     assert outside.read_bytes() == b"not the job's"
+
+
+def _dispatching_loop(stages: int, events: list[dict], refused: list[tuple[str, str]],
+                      layouts: list[tuple[int, object]]):
+    """The job loop's dispatch of checkpoint records with no store and no processes: its
+    coordinator a fake whose history is the last of `layouts` (the first iteration each ran,
+    the layout), which the loop is told of one by one, as its turns would."""
+    from types import SimpleNamespace
+
+    from spotpipe.cluster.jobloop import JobLoop
+
+    loop = JobLoop.__new__(JobLoop)
+    loop._received = 0
+    loop.files = SimpleNamespace(event=events.append)
+    loop.coordinator = SimpleNamespace(
+        refused=lambda writer, why: refused.append((writer, why)))
+    loop.intake = _intake(stages, [(2 * s, 2 * s + 2) for s in range(stages)], events)
+    for first, layout in layouts:
+        loop.coordinator.history = SimpleNamespace(resumed_at=first, layout=layout)
+        loop._note_layout()
+    return loop
+
+
+def test_a_checkpoint_stage_reported_by_a_node_that_did_not_write_it_is_refused():
+    """Each stage of a checkpoint counts only from the node that owned it (pipeline 0) in
+    the layout that ran the iteration, in its own name (or from the shadow of that stage):
+    node1 owned stage 1 up to iteration 9, node2 from 10 on (after a failover). A report in
+    another's name, or of a stage its sender did not own for that iteration, is refused
+    (named) and does not count: the commit waits for the true owner's."""
+    from types import SimpleNamespace
+
+    from spotpipe.plan import Layout
+    from spotpipe.protocol import CheckpointSaved, StageUpload
+
+    before = Layout.from_mapping(2, 1, {(0, 0): "node0", (0, 1): "node1"})
+    after = Layout.from_mapping(2, 1, {(0, 0): "node0", (0, 1): "node2"})
+    events: list[dict] = []
+    refused: list[tuple[str, str]] = []
+    loop = _dispatching_loop(2, events, refused, [(0, before), (10, after)])
+    submitted: list[int] = []
+    steps: list[int] = []
+    loop.intake.committer = SimpleNamespace(submit=lambda t, info, sums: submitted.append(t),
+                                            submit_step=lambda t, run: steps.append(t))
+    loop.intake.open(SimpleNamespace(), lambda: SimpleNamespace())
+    two = ((0, 2), (2, 4))
+
+    def saved(writer: str, node: str, t: int, stage: int) -> None:
+        message = CheckpointSaved(node, 0.0, t, stage, {f"stage{stage}/a": writer}, two)
+        loop._handle_record(SimpleNamespace(message=message, writer=writer))
+
+    saved("node0", "node0", 9, 0)
+    saved("node2", "node1", 9, 1)  # in another node's name
+    saved("node2", "node2", 9, 1)  # node2 took stage 1 over only from iteration 10
+    saved("node0", "node0", 9, 1)  # not its stage
+    loop._handle_record(SimpleNamespace(
+        message=StageUpload("node2", 0.0, 9, 1, {"stage1/a": "x"}), writer="node2"))
+    assert submitted == [] and steps == []
+    assert refused == [
+        ("node2", "a checkpoint_saved in the name of node1"),
+        ("node2", "a checkpoint_saved of stage 1 of iteration 9, which node1 wrote"),
+        ("node0", "a checkpoint_saved of stage 1 of iteration 9, which node1 wrote"),
+        ("node2", "a stage_upload of stage 1 of iteration 9, which node1 wrote")]
+    assert [e["node"] for e in events if e["kind"] == "checkpoint_saved"] == ["node0"]
+    saved("node1", "node1", 9, 1)  # the owner's: the checkpoint of 9 is whole
+    assert submitted == [9]
+    saved("shadow0", "shadow0", 11, 0)  # a stage's shadow writes that stage
+    saved("node2", "node2", 11, 1)
+    assert submitted == [9, 11]
+    saved("node1", "node1", 13, 1)  # (node1 owns no stage from 10 on)
+    saved("shadow0", "shadow0", 13, 1)
+    assert refused[4:] == [
+        ("node1", "a checkpoint_saved of stage 1 of iteration 13, which node2 wrote"),
+        ("shadow0", "a checkpoint_saved of stage 1 of iteration 13, which node2 wrote")]
+    assert 13 not in loop.intake.parts.parts
+
+
+def test_the_writers_of_checkpoints_are_kept_for_a_bounded_number_of_layouts():
+    """A roll back replaces the layouts from where it resumes; the books carry the writers to
+    a successor; only the newest KEPT_LAYOUTS are kept."""
+    from spotpipe.cluster.checkpoint_parts import KEPT_LAYOUTS, CheckpointParts
+
+    parts = CheckpointParts()
+    parts.ran(0, ("a", "b"))
+    parts.ran(10, ("a", "c"))
+    parts.ran(10, ("a", "c"))  # (noted again at the next turn: nothing changes)
+    assert [parts.writer_of(t, 1) for t in (0, 9, 10, 99)] == ["b", "b", "c", "c"]
+    assert parts.writer_of(9, 2) is None and parts.writer_of(9, -1) is None
+    parts.ran(5, ("d", "b"))  # rolled back to 5: what ran from 10 on is run again
+    assert parts.writers == [(0, ("a", "b")), (5, ("d", "b"))]
+    successor = CheckpointParts.from_json(json.loads(json.dumps(parts.to_json())))
+    assert successor.writers == parts.writers
+    for first in range(6, 6 + 2 * KEPT_LAYOUTS):
+        parts.ran(first, (f"n{first}",))
+    assert len(parts.writers) == KEPT_LAYOUTS and parts.writer_of(first, 0) == f"n{first}"
+    assert parts.writer_of(6, 0) is None  # too old: refused, never guessed
+
