@@ -461,3 +461,48 @@ def test_the_writers_of_checkpoints_are_kept_for_a_bounded_number_of_layouts():
     assert len(parts.writers) == KEPT_LAYOUTS and parts.writer_of(first, 0) == f"n{first}"
     assert parts.writer_of(6, 0) is None  # too old: refused, never guessed
 
+
+def test_a_stage_uploaded_while_more_receives_than_the_floor_wait_is_taken_at_once(tmp_path):
+    """Every host streams its stage at once and each sender waits for its pieces to be
+    taken: a receive queued behind UPLOADS_AT_ONCE others (here held on purpose) left its
+    sender waiting for its first acknowledgement until its timeout, and the checkpoint was
+    lost. The receives run side by side for as many stages as the job can upload at once."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from spotpipe.checkpoint import transfer
+    from spotpipe.cluster.committer import UPLOADS_AT_ONCE
+    from spotpipe.protocol import StageUpload
+    from spotpipe.store.sealed import SealedStore
+
+    stages = UPLOADS_AT_ONCE + 1
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))
+
+    def connect() -> SealedStore:
+        return SealedStore(dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                         timeout=timedelta(seconds=30)), KEY)
+
+    events: list[dict] = []
+    intake = _intake(stages, [(s, s + 1) for s in range(stages)], events)
+    intake.committer.root = intake.root = tmp_path / "ckpt"
+    intake.open(connect(), connect)
+    release = threading.Event()
+    for _ in range(UPLOADS_AT_ONCE):  # the other hosts' receives, still taking their pieces
+        intake.committer.submit_step(1, lambda: "" if release.wait(60) else "never released")
+    last = stages - 1
+    sent = tmp_path / "sender" / f"stage{last}"
+    sent.mkdir(parents=True)
+    (sent / "x.bin").write_bytes(b"the last stage")
+    checksums = {f"stage{last}/x.bin": hashlib.sha256(b"the last stage").hexdigest()}
+    intake.upload(StageUpload(f"node{last}", 0.0, 1, last, checksums))
+    try:  # (its sender's wait for the stage to be taken: seconds where it is not queued)
+        assert transfer.send_stage(connect(), 1, last, sent.parent, checksums,
+                                   timeout_s=5) == len(b"the last stage")
+    finally:
+        release.set()
+    intake.end(abandon=False)
+    assert events == []  # no receive failed
+    got = durable.iter_dir(tmp_path / "ckpt", 1, partial=True) / f"stage{last}" / "x.bin"
+    assert got.read_bytes() == b"the last stage"

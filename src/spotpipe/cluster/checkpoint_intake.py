@@ -18,7 +18,7 @@ from typing import Any
 
 from spotpipe import job
 from spotpipe.checkpoint import durable, transfer
-from spotpipe.cluster.checkpoint_parts import CheckpointParts
+from spotpipe.cluster.checkpoint_parts import KEPT_LAYOUTS, CheckpointParts
 from spotpipe.cluster.committer import Committed, Committer
 from spotpipe.config import Config
 from spotpipe.plan import Layout
@@ -26,6 +26,14 @@ from spotpipe.protocol import CheckpointSaved, StageUpload
 from spotpipe.store.sealed import SealedStore
 
 Emit = Callable[[dict[str, Any]], None]
+
+
+def uploads_at_once(stages: int) -> int:
+    """The most stage uploads that can be under way together in a job of `stages` stages
+    (the configured depth, which a re-partition never exceeds): one per stage of each layout
+    whose checkpoint reports still count (`refusal`, KEPT_LAYOUTS), since only a stage's
+    owner uploads it, and a worker's next checkpoint waits for its previous upload."""
+    return KEPT_LAYOUTS * stages
 
 
 class CheckpointIntake:
@@ -36,7 +44,8 @@ class CheckpointIntake:
         self.cfg, self.spec, self.root = cfg, spec, root
         self._now, self._emit = now, emit
         self.parts = CheckpointParts()  # stages on disk of checkpoints not committed
-        self.committer = Committer(root, cfg.checkpoint.keep, key, now)
+        self.committer = Committer(root, cfg.checkpoint.keep, key, now,
+                                   uploads_at_once=uploads_at_once(cfg.stages))
         self.receiving = transfer.Receiving()  # uploads the committer's threads take
         self._here: SealedStore | None = None
         self._connect: Callable[[], SealedStore] | None = None
