@@ -506,3 +506,18 @@ def test_a_stage_uploaded_while_more_receives_than_the_floor_wait_is_taken_at_on
     assert events == []  # no receive failed
     got = durable.iter_dir(tmp_path / "ckpt", 1, partial=True) / f"stage{last}" / "x.bin"
     assert got.read_bytes() == b"the last stage"
+
+
+@pytest.mark.parametrize("stage", [2, -1])
+def test_a_stage_outside_its_partition_fails_its_checkpoint_instead_of_completing_it(stage):
+    """A checkpoint of 2 stages is whole once stages 0 and 1 are in: a report of stage 2 (or
+    -1) under that partition is no stage of it, and counted it completed the checkpoint
+    without stage 1 (committed, then unloadable: no folder holds stage 1's layers)."""
+    from spotpipe.cluster.checkpoint_parts import CheckpointParts
+
+    parts = CheckpointParts()
+    two = ((0, 4), (4, 8))
+    assert parts.saved(7, 0, {"stage0/a": "x"}, two) is None
+    with pytest.raises(ValueError, match=f"stage {stage} .*not a stage of the partition"):
+        parts.saved(7, stage, {f"stage{stage}/a": "y"}, two)
+    assert list(parts.parts[7]) == [0]

@@ -71,11 +71,15 @@ class CheckpointParts:
         them is, every stage's checksums, to commit (the iteration is then forgotten here).
         None before, and for an iteration that failed. The partition is the one its writers
         ran the iteration with: not the job's when the report comes, which a re-partition
-        may have changed meanwhile. A stage that reports a file outside its own folder
+        may have changed meanwhile. A stage number that is not one of the partition's, and a
+        stage that reports a file outside its own folder
         (another stage's, the manifest's place, one out of the checkpoint) is refused: the
         commit would list it as that stage's."""
         if iteration in self.failed:
             return None
+        if not 0 <= stage < len(partition):  # (counted, it completed a checkpoint lacking one)
+            raise ValueError(f"checkpoint of iteration {iteration}: stage {stage} is not a "
+                             f"stage of the partition it was written under, {list(partition)}")
         astray = sorted(name for name in checksums if outside(name, f"stage{stage}"))
         if astray:
             raise ValueError(f"checkpoint of iteration {iteration}: stage {stage} reported a "
