@@ -521,3 +521,19 @@ def test_a_stage_outside_its_partition_fails_its_checkpoint_instead_of_completin
     with pytest.raises(ValueError, match=f"stage {stage} .*not a stage of the partition"):
         parts.saved(7, stage, {f"stage{stage}/a": "y"}, two)
     assert list(parts.parts[7]) == [0]
+
+
+def test_a_commit_whose_files_differ_from_their_checksums_fails_and_keeps_the_one_before(
+        tmp_path):
+    """The checksums are the writers' reports; a file that differs on disk (damaged, or
+    written over since) made a checkpoint that was said committed and never verified. The
+    commit that applies retention checks the files before the rename (retention hashed
+    them just after it anyway): the error names the file, and the one before stays newest."""
+    root = tmp_path / "ckpt"
+    durable.commit(root, 1, {"stages": 1}, _written(root, 1), keep=2, key=KEY)
+    checksums = _written(root, 2)
+    (durable.iter_dir(root, 2, partial=True) / "stage0" / "x.bin").write_bytes(b"other")
+    with pytest.raises(durable.CheckpointError, match="stage0/x.bin: checksum mismatch"):
+        durable.commit(root, 2, {"stages": 1}, checksums, keep=2, key=KEY)
+    assert not durable.iter_dir(root, 2).exists()
+    assert durable.newest(root).iteration == 1
