@@ -71,10 +71,10 @@ class CheckpointParts:
         them is, every stage's checksums, to commit (the iteration is then forgotten here).
         None before, and for an iteration that failed. The partition is the one its writers
         ran the iteration with: not the job's when the report comes, which a re-partition
-        may have changed meanwhile. A stage number that is not one of the partition's, and a
-        stage that reports a file outside its own folder
-        (another stage's, the manifest's place, one out of the checkpoint) is refused: the
-        commit would list it as that stage's."""
+        may have changed meanwhile. A stage number that is not one of the partition's is
+        refused (counted, it would complete a checkpoint that lacks a stage), and so is a
+        stage that reports a file outside its own folder (another stage's, the manifest's
+        place, one out of the checkpoint): the commit would list it as that stage's."""
         if iteration in self.failed:
             return None
         if not 0 <= stage < len(partition):  # (counted, it completed a checkpoint lacking one)
