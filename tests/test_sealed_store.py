@@ -724,3 +724,48 @@ def test_a_sender_gives_up_once_its_receivers_coordinator_is_gone_not_while_it_i
         for key in (s.meta, s.piece(4)):
             server.delete_key(key)
         server.set("leader", "agent0")
+
+
+def test_a_later_stage_of_a_node_waits_for_its_list_while_the_nodes_earlier_one_moves(
+        server, tmp_path):
+    """A node holding two stages announces both and sends them one after the other: the
+    second's receive waited `timeout_s` for its file list, so a first stage that took
+    longer to send lost the checkpoint. It waits on while pieces of that node's other
+    streams are being taken (each turn of `timeout_s` that sees some), and no longer."""
+    from spotpipe.checkpoint import transfer
+
+    checksums = _stage_files(tmp_path / "sent", 1, {"s.bin": b"s" * 10})
+    receiving = transfer.Receiving()
+    turns = threading.Semaphore(0)
+
+    class Counted:  # (each wait of the receive for the file list, counted)
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def wait(self, keys, timeout=None):
+            if keys == [transfer.Stream.checkpoint(5, 1).meta]:
+                turns.release()
+            return self.inner.wait(keys, timeout)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    result: dict = {}
+    later = threading.Thread(target=lambda: result.update(problem=transfer.receive_stage(
+        Counted(SealedStore(connect(server), KEY)), 5, 1, checksums, tmp_path / "got",
+        timeout_s=0.3, node="node1", receiving=receiving)), daemon=True)
+    later.start()
+    for n in range(3):  # the node's earlier stage: a piece taken in each turn of the wait
+        assert turns.acquire(timeout=30), f"the receive gave up after {n} turns"
+        assert receiving.waiting("node1", f"earlier/{n}")
+        receiving.done("node1", f"earlier/{n}")
+    assert turns.acquire(timeout=30)
+    sending = _sending(SealedStore(connect(server), KEY), 5, 1, tmp_path / "sent", checksums)
+    later.join(60)
+    sending["thread"].join(60)
+    assert result == {"problem": ""} and sending.get("sent") == 10, (result, sending)
+    # with nothing of the node moving, the wait is one turn of timeout_s, as before
+    alone = transfer.receive_stage(SealedStore(connect(server), KEY), 6, 1, checksums,
+                                   tmp_path / "got6", timeout_s=0.3, node="node1",
+                                   receiving=receiving)
+    assert "meta did not arrive" in alone, alone

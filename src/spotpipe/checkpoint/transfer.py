@@ -340,6 +340,7 @@ class Receiving:
         self._lock = threading.Lock()
         self._waiting: dict[str, set[str]] = {}  # node -> the keys of the pieces awaited
         self._lost: set[str] = set()
+        self._moved: dict[str, int] = {}  # node -> waits of its streams ended so far
 
     def waiting(self, node: str, key: str) -> bool:
         """About to wait for `key` from `node`; False when `node` is lost already."""
@@ -358,9 +359,16 @@ class Receiving:
             for key in sorted(self._waiting.pop(node, ())):
                 store.set(key, STOP + f"{node} was lost while it sent its stage".encode())
 
+    def moved(self, node: str) -> int:
+        """How many waits for `node`'s pieces have ended (a count that grows while any of
+        its streams moves: `_list_arrived`)."""
+        with self._lock:
+            return self._moved.get(node, 0)
+
     def done(self, node: str, *keys: str) -> None:
         """No longer waiting for `keys` from `node` (taken, or the receive ended)."""
         with self._lock:
+            self._moved[node] = self._moved.get(node, 0) + 1
             awaited = self._waiting.get(node, set())
             awaited.difference_update(keys)
             if not awaited:
@@ -383,7 +391,7 @@ def receive(store: Any, s: Stream, checksums: dict[str, str], folder: Path, *,
     taken = 0
     out: FileWriter | None = None
     try:
-        _arrived(store, s.meta, timeout, node, receiving)
+        _list_arrived(store, s.meta, timeout, node, receiving)
         _no_longer_waiting(node, s.meta, receiving)  # (the sender is there: its list came)
         files = _file_list(store, s, stage, checksums, within)
         problem = ""
@@ -465,6 +473,23 @@ def outside(name: str, within: str = "") -> bool:
     if any(part in ("", ".", "..") for part in parts):
         return True
     return bool(within) and (len(parts) < 2 or parts[0] != within)
+
+
+def _list_arrived(store: Any, key: str, timeout: timedelta, node: str,
+                  receiving: Receiving | None) -> None:
+    """The file list's wait. A node sends the stages it announced one after the other (a
+    node that took over a stage holds two), so a later one's list comes only once the
+    earlier ones are through, however long they take: the wait goes on for another
+    `timeout` each time one ends while pieces of that node's other streams were being taken
+    (`Receiving.moved`), and ends as any other at the node's loss."""
+    while True:
+        moved = receiving.moved(node) if receiving is not None else 0
+        try:
+            _arrived(store, key, timeout, node, receiving)
+            return
+        except _Ended:
+            if receiving is None or receiving.moved(node) == moved:
+                raise
 
 
 def _arrived(store: Any, key: str, timeout: timedelta, node: str,
