@@ -215,7 +215,12 @@ def test_keep_one_never_deletes_the_good_one_for_a_damaged_newest(tmp_path):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # damaged after it was hashed, before the commit
     shard.write_bytes(bytes(data))
-    durable.commit(tmp_path, 2, {"partition": [[0, 1]]}, sums, keep=1, key=KEY)
+    with pytest.raises(durable.CheckpointError, match="checksum mismatch"):
+        durable.commit(tmp_path, 2, {"partition": [[0, 1]]}, sums, keep=1, key=KEY)
+    # (checked before its rename; one that leaves retention to a later commit is not)
+    durable.commit(tmp_path, 2, {"partition": [[0, 1]]}, sums, keep=1, key=KEY,
+                   apply_retention=False)
+    assert durable.retain(tmp_path, 1, KEY, upto=2) == []
     assert good.is_dir()
     assert durable.newest(tmp_path).path == good
     newer = _commit(tmp_path, 3, keep=1)  # a good newer one: now the older ones go

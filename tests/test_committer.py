@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 from pathlib import Path
 
@@ -321,6 +322,7 @@ def test_a_stage_upload_in_another_nodes_name_is_refused():
     from types import SimpleNamespace
 
     from spotpipe.cluster.jobloop import JobLoop
+    from spotpipe.plan import Layout
     from spotpipe.protocol import StageUpload
 
     loop = JobLoop.__new__(JobLoop)  # (no store, no processes: only its dispatch)
@@ -331,6 +333,7 @@ def test_a_stage_upload_in_another_nodes_name_is_refused():
     loop.files = SimpleNamespace(event=events.append)
     loop.coordinator = SimpleNamespace(refused=lambda writer, why: refused.append((writer, why)))
     loop.intake = _intake(1, [(0, 8)], events)
+    loop.intake.ran(0, Layout.from_mapping(2, 1, {(0, 0): "node0", (0, 1): "node1"}))
     loop.intake.open(SimpleNamespace(), lambda: SimpleNamespace())
     loop.intake.committer = SimpleNamespace(submit_step=lambda t, run: steps.append(t))
     upload = StageUpload("node1", 0.0, 4, 1, {"stage1/a": "x"})
@@ -339,3 +342,198 @@ def test_a_stage_upload_in_another_nodes_name_is_refused():
     assert refused == [("node2", "a stage_upload in the name of node1")]
     loop._handle_record(SimpleNamespace(message=upload, writer="node1"))
     assert steps == [4] and [e["kind"] for e in events] == ["checkpoint_upload"]
+
+
+@pytest.mark.parametrize("entry", ["absolute", "../outside.bin", "stage0/../../outside.bin",
+                                   "stage0/link", "manifest.json"])
+def test_commit_refuses_a_checksum_entry_outside_the_checkpoint_writing_nothing(tmp_path,
+                                                                                entry):
+    """`durable.commit` is public and the last line of defence: an entry that names a file
+    outside the checkpoint folder (absolute, `..`, a symlink out) or the manifest's own place
+    is refused naming it, before the manifest is written or anything renamed."""
+    root = tmp_path / "ckpt"
+    checksums = _written(root, 1)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not the job's")
+    partial = durable.iter_dir(root, 1, partial=True)
+    (partial / "stage0" / "link").symlink_to(outside)
+    (partial / "manifest.json").write_text("{}")  # (what a listed manifest would hash)
+    name = str(outside) if entry == "absolute" else entry
+    sums = {**checksums, name: hashlib.sha256(b"not the job's").hexdigest()}
+    with pytest.raises(ValueError, match=f"checkpoint 1: .*{re.escape(repr(name))}"):
+        durable.commit(root, 1, {"stages": 1}, sums, keep=2, key=KEY)
+    assert sorted(p.name for p in root.iterdir()) == [partial.name]  # no iter_1, no latest
+    assert (partial / "manifest.json").read_text() == "{}"
+    assert outside.read_bytes() == b"not the job's"
+
+
+def _dispatching_loop(stages: int, events: list[dict], refused: list[tuple[str, str]],
+                      layouts: list[tuple[int, object]]):
+    """The job loop's dispatch of checkpoint records with no store and no processes: its
+    coordinator a fake whose history is the last of `layouts` (the first iteration each ran,
+    the layout), which the loop is told of one by one, as its turns would."""
+    from types import SimpleNamespace
+
+    from spotpipe.cluster.jobloop import JobLoop
+
+    loop = JobLoop.__new__(JobLoop)
+    loop._received = 0
+    loop.files = SimpleNamespace(event=events.append)
+    loop.coordinator = SimpleNamespace(
+        refused=lambda writer, why: refused.append((writer, why)))
+    loop.intake = _intake(stages, [(2 * s, 2 * s + 2) for s in range(stages)], events)
+    for first, layout in layouts:
+        loop.coordinator.history = SimpleNamespace(resumed_at=first, layout=layout)
+        loop._note_layout()
+    return loop
+
+
+def test_a_checkpoint_stage_reported_by_a_node_that_did_not_write_it_is_refused():
+    """Each stage of a checkpoint counts only from the node that owned it (pipeline 0) in
+    the layout that ran the iteration, in its own name (or from the shadow of that stage):
+    node1 owned stage 1 up to iteration 9, node2 from 10 on (after a failover). A report in
+    another's name, or of a stage its sender did not own for that iteration, is refused
+    (named) and does not count: the commit waits for the true owner's."""
+    from types import SimpleNamespace
+
+    from spotpipe.plan import Layout
+    from spotpipe.protocol import CheckpointSaved, StageUpload
+
+    before = Layout.from_mapping(2, 1, {(0, 0): "node0", (0, 1): "node1"})
+    after = Layout.from_mapping(2, 1, {(0, 0): "node0", (0, 1): "node2"})
+    events: list[dict] = []
+    refused: list[tuple[str, str]] = []
+    loop = _dispatching_loop(2, events, refused, [(0, before), (10, after)])
+    submitted: list[int] = []
+    steps: list[int] = []
+    loop.intake.committer = SimpleNamespace(submit=lambda t, info, sums: submitted.append(t),
+                                            submit_step=lambda t, run: steps.append(t))
+    loop.intake.open(SimpleNamespace(), lambda: SimpleNamespace())
+    two = ((0, 2), (2, 4))
+
+    def saved(writer: str, node: str, t: int, stage: int) -> None:
+        message = CheckpointSaved(node, 0.0, t, stage, {f"stage{stage}/a": writer}, two)
+        loop._handle_record(SimpleNamespace(message=message, writer=writer))
+
+    saved("node0", "node0", 9, 0)
+    saved("node2", "node1", 9, 1)  # in another node's name
+    saved("node2", "node2", 9, 1)  # node2 took stage 1 over only from iteration 10
+    saved("node0", "node0", 9, 1)  # not its stage
+    loop._handle_record(SimpleNamespace(
+        message=StageUpload("node2", 0.0, 9, 1, {"stage1/a": "x"}), writer="node2"))
+    assert submitted == [] and steps == []
+    assert refused == [
+        ("node2", "a checkpoint_saved in the name of node1"),
+        ("node2", "a checkpoint_saved of stage 1 of iteration 9, which node1 wrote"),
+        ("node0", "a checkpoint_saved of stage 1 of iteration 9, which node1 wrote"),
+        ("node2", "a stage_upload of stage 1 of iteration 9, which node1 wrote")]
+    assert [e["node"] for e in events if e["kind"] == "checkpoint_saved"] == ["node0"]
+    saved("node1", "node1", 9, 1)  # the owner's: the checkpoint of 9 is whole
+    assert submitted == [9]
+    saved("shadow0", "shadow0", 11, 0)  # a stage's shadow writes that stage
+    saved("node2", "node2", 11, 1)
+    assert submitted == [9, 11]
+    saved("node1", "node1", 13, 1)  # (node1 owns no stage from 10 on)
+    saved("shadow0", "shadow0", 13, 1)
+    assert refused[4:] == [
+        ("node1", "a checkpoint_saved of stage 1 of iteration 13, which node2 wrote"),
+        ("shadow0", "a checkpoint_saved of stage 1 of iteration 13, which node2 wrote")]
+    assert 13 not in loop.intake.parts.parts
+
+
+def test_the_writers_of_checkpoints_are_kept_for_a_bounded_number_of_layouts():
+    """A roll back replaces the layouts from where it resumes; the books carry the writers to
+    a successor; only the newest KEPT_LAYOUTS are kept."""
+    from spotpipe.cluster.checkpoint_parts import KEPT_LAYOUTS, CheckpointParts
+
+    parts = CheckpointParts()
+    parts.ran(0, ("a", "b"))
+    parts.ran(10, ("a", "c"))
+    parts.ran(10, ("a", "c"))  # (noted again at the next turn: nothing changes)
+    assert [parts.writer_of(t, 1) for t in (0, 9, 10, 99)] == ["b", "b", "c", "c"]
+    assert parts.writer_of(9, 2) is None and parts.writer_of(9, -1) is None
+    parts.ran(5, ("d", "b"))  # rolled back to 5: what ran from 10 on is run again
+    assert parts.writers == [(0, ("a", "b")), (5, ("d", "b"))]
+    successor = CheckpointParts.from_json(json.loads(json.dumps(parts.to_json())))
+    assert successor.writers == parts.writers
+    for first in range(6, 6 + 2 * KEPT_LAYOUTS):
+        parts.ran(first, (f"n{first}",))
+    assert len(parts.writers) == KEPT_LAYOUTS and parts.writer_of(first, 0) == f"n{first}"
+    assert parts.writer_of(6, 0) is None  # too old: refused, never guessed
+
+
+def test_a_stage_uploaded_while_more_receives_than_the_floor_wait_is_taken_at_once(tmp_path):
+    """Every host streams its stage at once and each sender waits for its pieces to be
+    taken: a receive queued behind UPLOADS_AT_ONCE others (here held on purpose) left its
+    sender waiting for its first acknowledgement until its timeout, and the checkpoint was
+    lost. The receives run side by side for as many stages as the job can upload at once."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from spotpipe.checkpoint import transfer
+    from spotpipe.cluster.committer import UPLOADS_AT_ONCE
+    from spotpipe.protocol import StageUpload
+    from spotpipe.store.sealed import SealedStore
+
+    stages = UPLOADS_AT_ONCE + 1
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))
+
+    def connect() -> SealedStore:
+        return SealedStore(dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                         timeout=timedelta(seconds=30)), KEY)
+
+    events: list[dict] = []
+    intake = _intake(stages, [(s, s + 1) for s in range(stages)], events)
+    intake.committer.root = intake.root = tmp_path / "ckpt"
+    intake.open(connect(), connect)
+    release = threading.Event()
+    for _ in range(UPLOADS_AT_ONCE):  # the other hosts' receives, still taking their pieces
+        intake.committer.submit_step(1, lambda: "" if release.wait(60) else "never released")
+    last = stages - 1
+    sent = tmp_path / "sender" / f"stage{last}"
+    sent.mkdir(parents=True)
+    (sent / "x.bin").write_bytes(b"the last stage")
+    checksums = {f"stage{last}/x.bin": hashlib.sha256(b"the last stage").hexdigest()}
+    intake.upload(StageUpload(f"node{last}", 0.0, 1, last, checksums))
+    try:  # (its sender's wait for the stage to be taken: seconds where it is not queued)
+        assert transfer.send_stage(connect(), 1, last, sent.parent, checksums,
+                                   timeout_s=5) == len(b"the last stage")
+    finally:
+        release.set()
+    intake.end(abandon=False)
+    assert events == []  # no receive failed
+    got = durable.iter_dir(tmp_path / "ckpt", 1, partial=True) / f"stage{last}" / "x.bin"
+    assert got.read_bytes() == b"the last stage"
+
+
+@pytest.mark.parametrize("stage", [2, -1])
+def test_a_stage_outside_its_partition_fails_its_checkpoint_instead_of_completing_it(stage):
+    """A checkpoint of 2 stages is whole once stages 0 and 1 are in: a report of stage 2 (or
+    -1) under that partition is no stage of it, and counted it completed the checkpoint
+    without stage 1 (committed, then unloadable: no folder holds stage 1's layers)."""
+    from spotpipe.cluster.checkpoint_parts import CheckpointParts
+
+    parts = CheckpointParts()
+    two = ((0, 4), (4, 8))
+    assert parts.saved(7, 0, {"stage0/a": "x"}, two) is None
+    with pytest.raises(ValueError, match=f"stage {stage} .*not a stage of the partition"):
+        parts.saved(7, stage, {f"stage{stage}/a": "y"}, two)
+    assert list(parts.parts[7]) == [0]
+
+
+def test_a_commit_whose_files_differ_from_their_checksums_fails_and_keeps_the_one_before(
+        tmp_path):
+    """The checksums are the writers' reports; a file that differs on disk (damaged, or
+    written over since) made a checkpoint that was said committed and never verified. The
+    commit that applies retention checks the files before the rename (retention hashed
+    them just after it anyway): the error names the file, and the one before stays newest."""
+    root = tmp_path / "ckpt"
+    durable.commit(root, 1, {"stages": 1}, _written(root, 1), keep=2, key=KEY)
+    checksums = _written(root, 2)
+    (durable.iter_dir(root, 2, partial=True) / "stage0" / "x.bin").write_bytes(b"other")
+    with pytest.raises(durable.CheckpointError, match="stage0/x.bin: checksum mismatch"):
+        durable.commit(root, 2, {"stages": 1}, checksums, keep=2, key=KEY)
+    assert not durable.iter_dir(root, 2).exists()
+    assert durable.newest(root).iteration == 1

@@ -107,14 +107,23 @@ def test_leader_election_under_a_lease(etcd):
     from spotpipe.protocol import keys
     from spotpipe.store.leader import Leadership
 
+    from spotpipe.checkpoint.transfer import ReceiverWatch
+    from spotpipe.store.sealed import SealedStore
+
     a = Leadership(_store(etcd, "/el"), "1", ttl_s=2)
     b = Leadership(_store(etcd, "/el"), "2", ttl_s=2)
     assert a.campaign() and a.leader() == "1"
+    # a worker's upload to the coordinator (agent 1) watches its office (transfer.py)
+    upload = ReceiverWatch.of(SealedStore(_store(etcd, "/el"), b"k" * 32), every_s=0.1)
+    assert upload is not None and upload.holder == b"1"
     assert not b.campaign() and b.leader() == "1"
     assert b.wait_vacant("over", 1.0) is None  # renewed: the office stays taken
+    assert upload.gone() == ""
     a._stop.set()  # the leader's host is gone: nothing renews its lease
     assert b.wait_vacant("over", 30.0) == "vacant"
+    assert "agent 1" in upload.gone() and "(vacant)" in upload.gone()
     assert b.campaign() and b.leader() == "2"
+    assert "(now agent 2's)" in upload.gone()
     assert not a.store.keep_alive(a._lease)  # the old leader would learn it is deposed
     store = _store(etcd, "/el")
     store.set("over", "1")

@@ -47,6 +47,23 @@ def test_messages_round_trip_and_refuse_what_does_not_match():
         parse("nonsense", 1, {})
 
 
+@pytest.mark.parametrize("rows, problem", [
+    ([[0, 2, 3]], r"partition\[0\]: expected 2 items, got 3"),
+    ([[0]], r"partition\[0\]: expected 2 items, got 1"),
+    ([[0, "2"]], r"partition\[0\]\[1\]: expected an integer")])
+def test_a_fixed_length_tuple_field_is_refused_at_another_length(rows, problem):
+    """A checkpoint's partition is layer ranges, (start, end) each: a row of another length
+    opened as one (only its first item's type was checked) and reached the manifest, where a
+    resume failed on it."""
+    from spotpipe.protocol import CheckpointSaved
+
+    saved = CheckpointSaved("node0", 0.0, 7, 0, {"stage0/a": "x"}, ((0, 2), (2, 4)))
+    body = json.loads(json.dumps(saved.to_json()))
+    assert parse("checkpoint_saved", 1, body) == saved
+    with pytest.raises(MessageError, match=f"checkpoint_saved.{problem}"):
+        parse("checkpoint_saved", 1, {**body, "partition": rows})
+
+
 def test_seals_bind_key_writer_generation_and_sequence():
     key = job_key("tøken ✓".encode(), "inst")  # any bytes make a token
     assert job_key("tøken ✓".encode(), "inst") == key

@@ -673,3 +673,99 @@ def test_a_sender_that_fails_after_its_receiver_refused_leaves_nothing(server, t
     sending["thread"].join(60)
     assert "s.bin: disk error" in str(sending.get("error")), sending
     assert _pieces_left(server, 6, 1) == []
+
+
+def test_a_sender_gives_up_once_its_receivers_coordinator_is_gone_not_while_it_is_slow(
+        server, tmp_path, monkeypatch):
+    """The coordinating agent (its receive) dies mid-upload and says nothing: its lease lapses
+    and the leader key goes, or names a successor. The sender gives up then, not at its
+    timeout (600 s here), saying so, and leaves its stop in the list's place, where a
+    successor that read the announcement again would start; what the dead receiver did not
+    take is removed. A receiver that is merely slow (its office held throughout) is waited
+    for however many of the sender's checks pass."""
+    from spotpipe.checkpoint import transfer
+
+    monkeypatch.setattr(transfer, "CHUNK", 100)
+    checksums = _stage_files(tmp_path / "sent", 1, {"s.bin": b"s" * 1000})  # 10 pieces
+    server.set("leader", "agent0")
+    checked = threading.Semaphore(0)
+
+    def office() -> bytes | None:
+        checked.release()
+        return server.get("leader") if server.check(["leader"]) else None
+
+    def sending(iteration: int) -> dict:
+        watch = transfer.ReceiverWatch(office, every_s=0.05)
+        return _sending(SealedStore(connect(server), KEY), iteration, 1, tmp_path / "sent",
+                        checksums, window=4, timeout_s=600, receiver=watch)
+
+    slow = sending(3)
+    for _ in range(5):  # (the sender found the office held, five times over)
+        assert checked.acquire(timeout=60)
+    assert transfer.receive_stage(SealedStore(connect(server), KEY), 3, 1, checksums,
+                                  tmp_path / "got", timeout_s=60, window=4) == ""
+    slow["thread"].join(60)
+    assert slow.get("sent") == 1000, slow
+    for successor in ("vacant", "agent1"):
+        orphan = sending(4)
+        assert checked.acquire(timeout=60)  # (it waits for piece 0's acknowledgement)
+        if successor == "vacant":
+            server.delete_key("leader")  # the lease lapsed
+        else:
+            server.set("leader", successor)  # a successor took the office at once
+        orphan["thread"].join(60)
+        assert not orphan["thread"].is_alive(), "the sender waits for a receiver gone"
+        error = orphan.get("error")
+        assert isinstance(error, transfer.ReceiverGone), orphan
+        assert "agent0" in str(error), error
+        s = transfer.Stream.checkpoint(4, 1)
+        assert SealedStore(connect(server), KEY).get(s.meta).startswith(transfer.STOP)
+        assert _pieces_left(server, 4, 1) == ["meta", "4"]  # the stops (4: the next piece)
+        for key in (s.meta, s.piece(4)):
+            server.delete_key(key)
+        server.set("leader", "agent0")
+
+
+def test_a_later_stage_of_a_node_waits_for_its_list_while_the_nodes_earlier_one_moves(
+        server, tmp_path):
+    """A node holding two stages announces both and sends them one after the other: the
+    second's receive waited `timeout_s` for its file list, so a first stage that took
+    longer to send lost the checkpoint. It waits on while pieces of that node's other
+    streams are being taken (each turn of `timeout_s` that sees some), and no longer."""
+    from spotpipe.checkpoint import transfer
+
+    checksums = _stage_files(tmp_path / "sent", 1, {"s.bin": b"s" * 10})
+    receiving = transfer.Receiving()
+    turns = threading.Semaphore(0)
+
+    class Counted:  # (each wait of the receive for the file list, counted)
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def wait(self, keys, timeout=None):
+            if keys == [transfer.Stream.checkpoint(5, 1).meta]:
+                turns.release()
+            return self.inner.wait(keys, timeout)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    result: dict = {}
+    later = threading.Thread(target=lambda: result.update(problem=transfer.receive_stage(
+        Counted(SealedStore(connect(server), KEY)), 5, 1, checksums, tmp_path / "got",
+        timeout_s=0.3, node="node1", receiving=receiving)), daemon=True)
+    later.start()
+    for n in range(3):  # the node's earlier stage: a piece taken in each turn of the wait
+        assert turns.acquire(timeout=30), f"the receive gave up after {n} turns"
+        assert receiving.waiting("node1", f"earlier/{n}")
+        receiving.done("node1", f"earlier/{n}")
+    assert turns.acquire(timeout=30)
+    sending = _sending(SealedStore(connect(server), KEY), 5, 1, tmp_path / "sent", checksums)
+    later.join(60)
+    sending["thread"].join(60)
+    assert result == {"problem": ""} and sending.get("sent") == 10, (result, sending)
+    # with nothing of the node moving, the wait is one turn of timeout_s, as before
+    alone = transfer.receive_stage(SealedStore(connect(server), KEY), 6, 1, checksums,
+                                   tmp_path / "got6", timeout_s=0.3, node="node1",
+                                   receiving=receiving)
+    assert "meta did not arrive" in alone, alone

@@ -209,8 +209,12 @@ def commit(root: Path, iteration: int, info: dict[str, Any], checksums: dict[str
     hashes every kept checkpoint again). A folder of the same iteration already there (a
     job resumed from an older checkpoint into the same folder) is replaced. A stage file the checksums list but
     the folder lacks (its host sent it to a coordinator deposed since, whose successor does not
-    see that coordinator's folder) fails the commit: FileNotFoundError, naming it."""
+    see that coordinator's folder) fails the commit: FileNotFoundError, naming it. A name that
+    is not a file of the checkpoint folder (absolute, `..`, a symlink out, the manifest) is a
+    ValueError naming it, before anything is written; with `apply_retention`, a file that
+    differs from its checksum is a CheckpointError naming it, before the rename."""
     partial = iter_dir(root, iteration, partial=True)
+    _refuse_outside(partial, iteration, checksums)
     missing = sorted(rel for rel in checksums if not (partial / rel).is_file())
     if missing:
         raise FileNotFoundError(f"checkpoint {iteration}: {len(missing)} stage file(s) listed "
@@ -219,6 +223,8 @@ def commit(root: Path, iteration: int, info: dict[str, Any], checksums: dict[str
                             "next_iteration": iteration + 1, **info, "checksums": checksums},
                            key)
     _write_durably(partial / MANIFEST, json.dumps(manifest, indent=1))
+    if apply_retention:
+        _check_before_rename(partial, iteration)
     final = iter_dir(root, iteration)
     aside = root / f".{final.name}{_ASIDE}"
     if final.exists():
@@ -229,11 +235,41 @@ def commit(root: Path, iteration: int, info: dict[str, Any], checksums: dict[str
     latest.advance(root, iteration)
     shutil.rmtree(aside, ignore_errors=True)
     if apply_retention:
-        retain(root, keep, key, upto=iteration)
+        retain(root, keep, key, upto=iteration, checked=final)
     for stale in root.glob(".iter_*.partial"):  # writes of earlier iterations that failed
         if _iteration_of(stale) < iteration:
             shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _check_before_rename(partial: Path, iteration: int) -> None:
+    """Hash the files against the manifest just written (`verify`) before the checkpoint is
+    made visible: the checksums are the writers' reports, and a file that differs on disk
+    would be a checkpoint said committed that never verifies. Done where retention applies,
+    which hashed the new checkpoint just after the rename anyway (it is told it is checked);
+    a commit that leaves retention to a newer one stays a rename (that one's retention
+    hashes it). A failure removes the manifest and names the file (CheckpointError)."""
+    try:
+        verify(partial)
+    except CheckpointError as exc:
+        (partial / MANIFEST).unlink(missing_ok=True)
+        raise CheckpointError(f"checkpoint {iteration} not committed: {exc}") from None
+
+
+def _refuse_outside(partial: Path, iteration: int, checksums: dict[str, str]) -> None:
+    """ValueError naming the first entry of `checksums` that is not a file of the checkpoint
+    folder `partial`: not a plain relative path (absolute, empty parts, `.` or `..`), the
+    manifest's own place, or one whose path leads out through a symlink. The coordinator
+    checks each stage's names as they are reported, but `commit` is public and the manifest
+    it signs would vouch for whatever file such a name reaches (what `verify` refuses, once
+    the checkpoint is on disk and counted)."""
+    inside = partial.resolve()
+    for name in sorted(checksums):
+        if transfer.outside(name) or name == MANIFEST \
+                or not (partial / name).resolve().is_relative_to(inside):
+            raise ValueError(f"checkpoint {iteration}: the checksums list {name[:200]!r}, "
+                             f"not a file of the checkpoint folder {partial} (nothing was "
+                             "committed)")
 
 
 def _iteration_of(folder: Path) -> int:
@@ -244,14 +280,17 @@ def _iteration_of(folder: Path) -> int:
     return int(digits) if digits else -1
 
 
-def retain(root: Path, keep: int, key: bytes | None, upto: int | None = None) -> list[Path]:
+def retain(root: Path, keep: int, key: bytes | None, upto: int | None = None,
+           checked: Path | None = None) -> list[Path]:
     """Delete what is older than the newest `keep` checkpoints that verify (checksums, and the
     MAC under `key`); folders that do not verify count for nothing. Returns what was deleted.
 
     `upto`: the iteration just committed. Folders of later iterations are not this job's
     timeline (another run's, left in the folder, or the one a job resumed from an older
     checkpoint is rewriting): they neither count nor go, so the checkpoint just committed and
-    this job's good ones before it are never deleted for them."""
+    this job's good ones before it are never deleted for them. `checked`: a checkpoint
+    verified just now under `key` (the one just committed), counted without hashing it
+    again."""
     good = 0
     deleted = []
     for path in sorted((p for p in root.glob("iter_*") if p.is_dir()), key=_iteration_of,
@@ -261,6 +300,9 @@ def retain(root: Path, keep: int, key: bytes | None, upto: int | None = None) ->
         if good >= keep:
             shutil.rmtree(path, ignore_errors=True)
             deleted.append(path)
+            continue
+        if path == checked:
+            good += 1
             continue
         try:
             ckpt = verify(path)

@@ -310,9 +310,13 @@ class Uploader:
                 opener = self.ctx.upload_store
                 self._store = opener() if opener is not None else self.ctx.store
             folder = durable.iter_dir(self.ctx.root, upload.iteration, partial=True)
+            # (given up once the coordinator it announced the stage to is gone)
+            receiver = durable.transfer.ReceiverWatch.of(
+                self._store, every_s=self.ctx.cfg.failover.heartbeat_s)
             durable.transfer.send_stage(self._store, upload.iteration, upload.stage, folder,
                                         upload.checksums,
-                                        timeout_s=self.ctx.cfg.cluster.timeout_s)
+                                        timeout_s=self.ctx.cfg.cluster.timeout_s,
+                                        receiver=receiver)
         except Exception as exc:  # noqa: BLE001 - reported by the loop as checkpoint_failed
             upload.error = exc
             if self.ctx.upload_store is not None:

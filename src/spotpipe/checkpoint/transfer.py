@@ -15,8 +15,12 @@ the store holds WINDOW pieces of a stage, and each end one piece in memory: a st
 real models, and a TCPStore keeps its keys in its host's memory. Whichever end stops early
 says so where the other waits next (a stop in place of the next piece, or of the next
 acknowledgement), and the coordinator's loop puts one there for a sender it counts lost
-(`Receiving`), so that nobody waits out `cluster.timeout_s` for a peer that is gone. The one
-exception: a receiver whose host is lost says nothing, and its sender waits out the timeout.
+(`Receiving`), so that nobody waits out `cluster.timeout_s` for a peer that is gone. A
+receiver whose host is lost says nothing: its sender watches the coordinator's office instead
+(`ReceiverWatch`: on etcd, the leader key, under the coordinating agent's lease), and gives up
+once the office is no longer the one it sent to (vacant, or a successor's), not while a slow
+receiver still holds it. (On the c10d store the store lives with the coordinator: its loss
+ends the sender's wait by itself.)
 """
 from __future__ import annotations
 
@@ -24,14 +28,18 @@ import hashlib
 import json
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from torch.distributed import DistStoreError
+
 from spotpipe.checkpoint.fsync import fsync_path, sha256_file
 from spotpipe.protocol import FinalUpload
+from spotpipe.protocol.keys import LEADER
 from spotpipe.protocol.auth import Refused
 
 CHUNK = 512 * 1024  # etcd refuses requests over 1.5 MiB; base64 makes 512 KiB about 683 KiB
@@ -41,6 +49,45 @@ DATA, STOP = b"D", b"X"  # a piece's first byte: its bytes follow, or why the st
 
 class UploadRefused(RuntimeError):
     """The committing host did not take a stage (its reason)."""
+
+
+class ReceiverGone(RuntimeError):
+    """The coordinator that took a stage's announcement lost its office mid-upload: its
+    receive will take no more pieces."""
+
+
+class ReceiverWatch:
+    """Whether the coordinator a sender streams to still holds its office, as the store tells
+    (`office`: the leader key's value now, None while vacant), checked every `every_s` of a
+    wait for the receiver. The office it holds when the sender starts is the receiver's (one
+    vacant then is the next holder's, who reads the announcement from the mailbox)."""
+
+    def __init__(self, office: Callable[[], bytes | None], every_s: float) -> None:
+        self._office, self.every_s = office, every_s
+        self.holder = office()
+
+    @classmethod
+    def of(cls, store: Any, every_s: float) -> ReceiverWatch | None:
+        """The watch for `store` (sealed or not); None where there is no office to watch:
+        the c10d store lives in the coordinator's process, and a wait on it ends with it."""
+        raw = getattr(store, "inner", store)
+        if not hasattr(raw, "wait_until"):  # (etcd's: a read that does not wait, below)
+            return None
+        return cls(lambda: (raw.wait_until([LEADER], lambda _: True, 0.0) or {}).get(LEADER),
+                   every_s)
+
+    def gone(self) -> str:
+        """Why the receiver is gone ("" while its coordinator holds the office)."""
+        now = self._office()
+        if self.holder is None:
+            self.holder = now
+            return ""
+        if now == self.holder:
+            return ""
+        who = self.holder.decode(errors="replace")
+        return (f"the coordinator that took the stage (agent {who}) lost its office mid-upload "
+                + ("(vacant)" if now is None else
+                   f"(now agent {now.decode(errors='replace')}'s)"))
 
 
 class _Ended(Exception):
@@ -93,10 +140,11 @@ def pieces_of(size: int) -> int:
 
 
 def send_stage(store: Any, iteration: int, stage: int, folder: Path,
-               checksums: dict[str, str], *, timeout_s: float, window: int = WINDOW) -> int:
+               checksums: dict[str, str], *, timeout_s: float, window: int = WINDOW,
+               receiver: ReceiverWatch | None = None) -> int:
     """`send` of one stage of the checkpoint of `iteration`."""
     return send(store, Stream.checkpoint(iteration, stage), folder, checksums,
-                timeout_s=timeout_s, window=window)
+                timeout_s=timeout_s, window=window, receiver=receiver)
 
 
 def receive_stage(store: Any, iteration: int, stage: int, checksums: dict[str, str],
@@ -123,7 +171,7 @@ def send_final(store: Any, post: Callable[[FinalUpload], None], node: str, stage
 
 
 def send(store: Any, s: Stream, folder: Path, checksums: dict[str, str], *,
-         timeout_s: float, window: int = WINDOW) -> int:
+         timeout_s: float, window: int = WINDOW, receiver: ReceiverWatch | None = None) -> int:
     """Send the files of one written stage (`checksums`' names, relative to the iteration's
     folder `folder`) through the store (sealed: `store/sealed.py`); return the bytes sent once
     the committing host has written and checked all of them (`receive_stage`), or raise
@@ -133,7 +181,9 @@ def send(store: Any, s: Stream, folder: Path, checksums: dict[str, str], *,
     piece n - `window`: the store holds `window` pieces of the stage, not the stage (a TCPStore
     keeps its keys in its host's memory; etcd has a quota), and neither end holds more than a
     piece. The receiver starts when the worker's `StageUpload` reaches the coordinator, and
-    every one it is told of runs, so a sender waits at most `timeout_s` for each piece's turn."""
+    every one it is told of runs, so a sender waits at most `timeout_s` for each piece's turn,
+    and with `receiver`, only while the receiver's coordinator holds its office
+    (ReceiverGone once it does not)."""
     timeout = timedelta(seconds=timeout_s)
     n = sent = 0
     listed = unheard = False  # (the list is out; waiting for the receiver)
@@ -148,14 +198,14 @@ def send(store: Any, s: Stream, folder: Path, checksums: dict[str, str], *,
                     raise OSError(f"{name} grew while it was sent")
                 if n >= window:
                     unheard = True
-                    _acknowledged(store, s, n - window, timeout)
+                    _acknowledged(store, s, n - window, timeout, receiver)
                     unheard = False
                 store.set(s.piece(n), DATA + part)
                 n, count, sent = n + 1, count + 1, sent + len(part)
             if count != parts:
                 raise OSError(f"{name} shrank while it was sent")
         unheard = True
-        store.wait([s.verdict], timeout)
+        _await(store, s.verdict, timeout, receiver)
         verdict = store.get(s.verdict).decode(errors="replace")
     except UploadRefused:  # a stop from the receiver: it has ended, and reads no stop of ours
         _take_back(store, s, n, window)
@@ -172,11 +222,33 @@ def send(store: Any, s: Stream, folder: Path, checksums: dict[str, str], *,
     return sent
 
 
-def _acknowledged(store: Any, s: Stream, n: int, timeout: timedelta) -> None:
-    store.wait([s.ack(n)], timeout)
+def _acknowledged(store: Any, s: Stream, n: int, timeout: timedelta,
+                  receiver: ReceiverWatch | None) -> None:
+    _await(store, s.ack(n), timeout, receiver)
     answer = store.get(s.ack(n))
     if answer.startswith(STOP):
         raise UploadRefused(answer[1:].decode(errors="replace"))
+
+
+def _await(store: Any, key: str, timeout: timedelta, receiver: ReceiverWatch | None) -> None:
+    """Wait up to `timeout` for the receiver's `key`, in turns of `receiver.every_s` between
+    which its coordinator's office is checked: ReceiverGone once it is lost (a timed-out wait
+    leaves the connection usable, on etcd as on a TCPStore)."""
+    if receiver is None:
+        store.wait([key], timeout)
+        return
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            store.wait([key], timedelta(seconds=max(0.001, min(left, receiver.every_s))))
+            return
+        except DistStoreError:  # a turn without the key (the store gone: raised at once)
+            if left <= receiver.every_s:
+                raise
+        why = receiver.gone()
+        if why:
+            raise ReceiverGone(why)
 
 
 def _take_back(store: Any, s: Stream, n: int, window: int) -> None:
@@ -268,6 +340,7 @@ class Receiving:
         self._lock = threading.Lock()
         self._waiting: dict[str, set[str]] = {}  # node -> the keys of the pieces awaited
         self._lost: set[str] = set()
+        self._moved: dict[str, int] = {}  # node -> waits of its streams ended so far
 
     def waiting(self, node: str, key: str) -> bool:
         """About to wait for `key` from `node`; False when `node` is lost already."""
@@ -286,9 +359,16 @@ class Receiving:
             for key in sorted(self._waiting.pop(node, ())):
                 store.set(key, STOP + f"{node} was lost while it sent its stage".encode())
 
+    def moved(self, node: str) -> int:
+        """How many waits for `node`'s pieces have ended (a count that grows while any of
+        its streams moves: `_list_arrived`)."""
+        with self._lock:
+            return self._moved.get(node, 0)
+
     def done(self, node: str, *keys: str) -> None:
         """No longer waiting for `keys` from `node` (taken, or the receive ended)."""
         with self._lock:
+            self._moved[node] = self._moved.get(node, 0) + 1
             awaited = self._waiting.get(node, set())
             awaited.difference_update(keys)
             if not awaited:
@@ -311,7 +391,7 @@ def receive(store: Any, s: Stream, checksums: dict[str, str], folder: Path, *,
     taken = 0
     out: FileWriter | None = None
     try:
-        _arrived(store, s.meta, timeout, node, receiving)
+        _list_arrived(store, s.meta, timeout, node, receiving)
         _no_longer_waiting(node, s.meta, receiving)  # (the sender is there: its list came)
         files = _file_list(store, s, stage, checksums, within)
         problem = ""
@@ -393,6 +473,23 @@ def outside(name: str, within: str = "") -> bool:
     if any(part in ("", ".", "..") for part in parts):
         return True
     return bool(within) and (len(parts) < 2 or parts[0] != within)
+
+
+def _list_arrived(store: Any, key: str, timeout: timedelta, node: str,
+                  receiving: Receiving | None) -> None:
+    """The file list's wait. A node sends the stages it announced one after the other (a
+    node that took over a stage holds two), so a later one's list comes only once the
+    earlier ones are through, however long they take: the wait goes on for another
+    `timeout` each time one ends while pieces of that node's other streams were being taken
+    (`Receiving.moved`), and ends as any other at the node's loss."""
+    while True:
+        moved = receiving.moved(node) if receiving is not None else 0
+        try:
+            _arrived(store, key, timeout, node, receiving)
+            return
+        except _Ended:
+            if receiving is None or receiving.moved(node) == moved:
+                raise
 
 
 def _arrived(store: Any, key: str, timeout: timedelta, node: str,

@@ -18,13 +18,22 @@ from typing import Any
 
 from spotpipe import job
 from spotpipe.checkpoint import durable, transfer
-from spotpipe.cluster.checkpoint_parts import CheckpointParts
+from spotpipe.cluster.checkpoint_parts import KEPT_LAYOUTS, CheckpointParts
 from spotpipe.cluster.committer import Committed, Committer
 from spotpipe.config import Config
+from spotpipe.plan import Layout
 from spotpipe.protocol import CheckpointSaved, StageUpload
 from spotpipe.store.sealed import SealedStore
 
 Emit = Callable[[dict[str, Any]], None]
+
+
+def uploads_at_once(stages: int) -> int:
+    """The most stage uploads that can be under way together in a job of `stages` stages
+    (the configured depth, which a re-partition never exceeds): one per stage of each layout
+    whose checkpoint reports still count (`refusal`, KEPT_LAYOUTS), since only a stage's
+    owner uploads it, and a worker's next checkpoint waits for its previous upload."""
+    return KEPT_LAYOUTS * stages
 
 
 class CheckpointIntake:
@@ -35,7 +44,8 @@ class CheckpointIntake:
         self.cfg, self.spec, self.root = cfg, spec, root
         self._now, self._emit = now, emit
         self.parts = CheckpointParts()  # stages on disk of checkpoints not committed
-        self.committer = Committer(root, cfg.checkpoint.keep, key, now)
+        self.committer = Committer(root, cfg.checkpoint.keep, key, now,
+                                   uploads_at_once=uploads_at_once(cfg.stages))
         self.receiving = transfer.Receiving()  # uploads the committer's threads take
         self._here: SealedStore | None = None
         self._connect: Callable[[], SealedStore] | None = None
@@ -44,6 +54,30 @@ class CheckpointIntake:
         """The store, once the loop has it: `here`, the loop's own connection (a stop put for
         a lost sender's receive), and `connect`, a connection of its own for each receive."""
         self._here, self._connect = here, connect
+
+    def ran(self, first: int, layout: Layout) -> None:
+        """`layout` runs the job from iteration `first` on: its pipeline 0's owners write the
+        checkpoints of those iterations (the loop says so after each turn that can plan)."""
+        self.parts.ran(first, tuple(layout.owner(0, s) for s in range(layout.num_stages)))
+
+    def refusal(self, message: CheckpointSaved | StageUpload, writer: str) -> str:
+        """Why a stage's report or upload is not to be counted ("" when it is): it must come
+        from the node it names (`writer`, who sealed it), and that node must have written
+        the stage: its owner in pipeline 0 of the layout that ran the iteration, or the
+        stage's shadow (shadows keep the launch partition). Another node's report would
+        complete a checkpoint with files its writer never vouched for, and a receive started
+        for it would write over the owner's stage folder, and be ended by that node's loss,
+        not by its sender's."""
+        kind, node, t, stage = message.TYPE, message.node, message.iteration, message.stage
+        if writer != node:
+            return f"a {kind} in the name of {node}"
+        if node == f"shadow{stage}":
+            return ""
+        owner = self.parts.writer_of(t, stage)
+        if owner == node:
+            return ""
+        return (f"a {kind} of stage {stage} of iteration {t}, which "
+                + (f"{owner} wrote" if owner is not None else "no layout kept here ran"))
 
     def saved(self, message: CheckpointSaved) -> None:
         """Commit a checkpoint once every stage of its iteration is on disk (single writer).

@@ -11,7 +11,8 @@ and each commit when its stages are on disk, writes the outcomes as events on it
 and waits for what is still running when the job ends (a restart reads the newest committed
 checkpoint). Commits run in order on one thread of their own; uploads are taken at once, each
 on a thread of a pool, since every host streams its stage at the same time and a slow host
-must not hold the others' pieces (each sender waits for its pieces to be taken).
+must not hold the others' pieces (each sender waits for its pieces to be taken): the pool has
+room for every receive that can be under way (`UPLOADS_AT_ONCE`).
 
 Commits can come faster than they run: `checkpoint.every` is set (or worked out) from the
 stall a checkpoint costs training, while each commit's retention hashes every checkpoint it
@@ -64,14 +65,23 @@ class _Step:
     result: Future[str]
 
 
-UPLOADS_AT_ONCE = 16  # receives under way together (each mostly waits for its sender)
+# receives under way together, at least (each mostly waits for its sender). Every sender
+# waits for its pieces to be taken, at most `cluster.timeout_s` for each: a receive queued
+# behind others until then lost its checkpoint. So the pool holds as many as can be under way
+# at once (`CheckpointIntake`: one per stage of each layout whose reports still count); its
+# threads start only as receives need them.
+UPLOADS_AT_ONCE = 16
 
 
 class Committer:
     """One thread committing the checkpoints it is handed, oldest first."""
 
-    def __init__(self, root: Path, keep: int, key: bytes, now: Callable[[], float]) -> None:
+    def __init__(self, root: Path, keep: int, key: bytes, now: Callable[[], float],
+                 uploads_at_once: int = UPLOADS_AT_ONCE) -> None:
+        """`uploads_at_once`: the most receives that can be under way together (each runs at
+        once, never queued; no fewer than UPLOADS_AT_ONCE)."""
         self.root, self.keep, self.key, self.now = root, keep, key, now
+        self.uploads_at_once = max(UPLOADS_AT_ONCE, uploads_at_once)
         self._queue: queue.Queue[_Commit | _Step | None] = queue.Queue()
         self._handed = 0  # items handed over and not yet done (`idle`)
         self._failed: set[int] = set()  # iterations whose step failed (this thread's only)
@@ -89,7 +99,7 @@ class Committer:
         problem it returns fails the iteration. It runs even when the iteration has failed
         already (an upload's receive: its sender waits for each piece to be taken)."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(UPLOADS_AT_ONCE, thread_name_prefix="upload")
+            self._pool = ThreadPoolExecutor(self.uploads_at_once, thread_name_prefix="upload")
         self._put(_Step(iteration, self._pool.submit(_problem_of, run)))
 
     def _put(self, item: _Commit | _Step) -> None:

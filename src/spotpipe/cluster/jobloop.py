@@ -195,6 +195,7 @@ class JobLoop:
         self._received = 0
         if self.takeover is not None:
             self._restore(files, self.takeover)
+        self._note_layout()
         self._watch_mailbox(address, inbox, start=self._received + 1)
         return self._loop(files, inbox, store, address)
 
@@ -251,7 +252,9 @@ class JobLoop:
                     last_tick = time.time()
                     self.coordinator.tick()
                     self._repair_mailbox_count(store)
+                    self._note_layout()
                 ended = self._take(item) if item is not None else None
+                self._note_layout()
                 if ended is not None:
                     status, message = ended
                     break
@@ -481,6 +484,13 @@ class JobLoop:
                 self._handle_record(item)
         self.lines.drain()
 
+    def _note_layout(self) -> None:
+        """Tell the checkpoint intake which layout runs the job from which iteration (a plan
+        changes it within a call of the coordinator's; each is noted before the next call):
+        a stage's checkpoint counts only from the node that owned it then."""
+        history = self.coordinator.history
+        self.intake.ran(history.resumed_at, history.layout)
+
     def _handle_record(self, item: Opened | Refused) -> None:
         """A slot of the mailbox: a record to act on, or one that did not open."""
         files = self.files
@@ -505,6 +515,9 @@ class JobLoop:
                 self._exited.setdefault(message.node, message.code)
         elif isinstance(message, Metrics):
             self.lines.posted(message, writer)
+        elif isinstance(message, (CheckpointSaved, StageUpload)) \
+                and (why := self.intake.refusal(message, writer)):
+            self.coordinator.refused(writer, why)  # (it does not count toward the commit)
         elif isinstance(message, CheckpointSaved):
             files.event({"time_s": message.time_s, "kind": "checkpoint_saved",
                          "node": message.node, "iteration": message.iteration,
@@ -512,9 +525,6 @@ class JobLoop:
             self.intake.saved(message)
         elif isinstance(message, FinalUpload):
             self._final_upload(message, writer)
-        elif isinstance(message, StageUpload) and writer != message.node:
-            # (its receive would be ended by the named node's loss, not by its sender's)
-            self.coordinator.refused(writer, f"a stage_upload in the name of {message.node}")
         elif isinstance(message, StageUpload):
             files.event({"time_s": message.time_s, "kind": "checkpoint_upload",
                          "node": message.node, "iteration": message.iteration,

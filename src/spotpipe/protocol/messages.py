@@ -109,6 +109,11 @@ def _check(value: Any, hint: Any, where: str) -> Any:
     if origin in (list, tuple):
         if not isinstance(value, list):
             raise MessageError(f"{where}: expected a list, got {_show(value)}")
+        if origin is tuple and args and args[-1] is not Ellipsis:  # (a pair: its length too)
+            if len(value) != len(args):
+                raise MessageError(f"{where}: expected {len(args)} items, got {len(value)}")
+            return tuple(_check(v, a, f"{where}[{i}]")
+                         for i, (v, a) in enumerate(zip(value, args)))
         item = args[0] if args else Any
         items = [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
