@@ -121,7 +121,7 @@ def test_summary_figures_against_hand_computed_values():
 def test_the_restart_baseline_starts_its_workers_as_torchrun_does(monkeypatch):
     """`recovery_s` is bench failover's cold restart: both jobs (the one killed and the one
     that resumes) start every worker in a fresh interpreter, not as forks of a server that
-    imported torch already."""
+    imported torch already (in the full run: `--quick`, this bench's test, forks them)."""
     from spotpipe.bench import checkpoint, failover
 
     jobs: list[tuple[str, ...]] = []
@@ -129,10 +129,13 @@ def test_the_restart_baseline_starts_its_workers_as_torchrun_does(monkeypatch):
     monkeypatch.setattr(failover, "restart_pause", lambda first, second: {
         "restart_first_iteration_s": 5.0, "restart_pause_s": 6.0,
         "restart_lost_iterations": 4})
+    assert checkpoint.recovery(quick=False)["recovery_s"] == 5.0
     assert checkpoint.recovery(quick=True)["recovery_s"] == 5.0
-    assert len(jobs) == 2
-    for args in jobs:
+    assert len(jobs) == 4
+    for args in jobs[:2]:
         assert "cluster.fork_server=false" in args, args
+    for args in jobs[2:]:
+        assert "cluster.fork_server=false" not in args, args
 
 
 def test_a_failed_checkpoint_stops_the_bench_by_name():

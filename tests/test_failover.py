@@ -268,7 +268,7 @@ def test_adjacent_losses_stop_clearly(tmp_path, corpus, capsys):
     assert train(cfg, run, progress=False, faults=faults) == 1
     message = capsys.readouterr().err
     assert "node1 (pipeline 0, stage 1)" in message and "node2 (pipeline 0, stage 2)" in message
-    assert "in iteration 2" in message and "adjacent" in message
+    assert "in iteration 2" in message and "adjacent" in message, message[-1500:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "failed" and "adjacent" in summary["message"]
     assert_nothing_left(run, store_port(run))

@@ -74,7 +74,8 @@ from spotpipe.cluster.rendezvous import (ALL_LEFT, JOB, LEFT, OVER, arrive, assi
                                          connect_rendezvous, is_over, posted_over, proof_key,
                                          read_record, read_vouched, wait_get, write_atomic)
 from spotpipe.cluster.proc import signal_name
-from spotpipe.cluster.supervisor import WORKER, Supervisor, starter, worker_env
+from spotpipe.cluster.supervisor import (STOP_GRACE_S, WORKER, Supervisor, starter,
+                                         worker_env)
 from spotpipe.config import Config
 from spotpipe.model import template
 from spotpipe.notices import NoticeWatcher
@@ -306,11 +307,27 @@ class Agent:
             lost = f"lost the store: {exc}"
         finally:  # (also at Ctrl-C, which the workers got too: their deaths are no crashes)
             self._stop_spawning()
-        supervisor.stop_all()
+        supervisor.stop_all(self._stop_grace(store, lost))
         self._exits_done.wait(self.timeout_s)
         if lost:  # (a coordinator here writes the job's summary saying so: `Office.outcome`)
             return self._lost(lost)
         return self._leave_unless_lost(store)
+
+    def _stop_grace(self, store: dist.Store, lost: str) -> float:
+        """How long this host's workers still running get to leave once SIGTERM (their
+        preemption notice: leave at the next boundary, on a plan) has told them to: none when
+        nobody will plan any more (the store is lost, or the job ended failed: they would only
+        wait it out, every failed job 10 s more), else the supervisor's grace (this host cut
+        off while the job goes on: its workers leave at a boundary, not as a crash)."""
+        if lost:
+            return 0.0
+        if self._done.is_set():  # left on a notice: its workers are gone, and the store's
+            return STOP_GRACE_S  # connection is held by the wait it abandoned
+        try:
+            over = self._job_over(store)
+        except Exception:  # noqa: BLE001 - the store is gone: the job is, for this host
+            return 0.0
+        return 0.0 if over is not None and over.status == "failed" else STOP_GRACE_S
 
     def _await_end(self, store: dist.Store, posted: JobPosted) -> None:
         """Wait for the job's end, taking part in the office meanwhile (`Office.wait_over`,

@@ -274,10 +274,13 @@ class JobLoop:
             # cluster.timeout_s): the workers are cut off from its records too; say so
             message, self.store_lost = f"lost the store: {exc}", True
         finally:
-            # after a Ctrl-C nobody coordinates the workers any more: the grace a SIGTERM
+            # after a Ctrl-C, or a failure that ends the job while workers run (a worker's
+            # error, the store lost), nobody coordinates them any more: the grace a SIGTERM
             # gives them (their preemption notice: leave at the next boundary, on a plan)
-            # would only be waited out
-            grace_s = 0.0 if interrupted else STOP_GRACE_S
+            # would only be waited out (every failed job took 10 s more to say so). A job
+            # that completed has no worker left; one handed to a successor keeps the grace
+            grace_s = 0.0 if interrupted or (status == "failed" and not deposed) \
+                else STOP_GRACE_S
             self._stop_workers(grace_s)
             try:
                 self.intake.end(abandon=deposed)
