@@ -535,3 +535,18 @@ def test_overwrite_of_a_running_jobs_folder_is_refused(tmp_path, config):
     summary = (out / "summary.json").read_text()
     assert "interrupted (SIGTERM)" in summary  # (the first job's, in its own folder)
     assert not (out / ".spotpipe.lock").exists()
+
+
+def test_workers_left_when_a_job_fails_get_no_grace_to_leave():
+    """SIGTERM is a worker's preemption notice: it leaves at the next boundary, on a plan.
+    Once the job failed or was interrupted nobody plans any more, and the supervisor's grace
+    between SIGTERM and SIGKILL was only waited out (`spotpipe train` of a job whose worker
+    raised said so 10 s after the error); a job handed to a successor coordinator goes on,
+    and its workers keep the grace to leave at a boundary."""
+    from spotpipe.cluster.jobloop import stop_grace
+    from spotpipe.cluster.supervisor import STOP_GRACE_S
+
+    assert stop_grace("failed", interrupted=False, deposed=False) == 0.0
+    assert stop_grace("completed", interrupted=True, deposed=False) == 0.0
+    assert stop_grace("failed", interrupted=False, deposed=True) == STOP_GRACE_S
+    assert stop_grace("completed", interrupted=False, deposed=False) == STOP_GRACE_S

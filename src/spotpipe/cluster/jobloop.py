@@ -57,6 +57,18 @@ class HandedOver(Deposed):
     a successor goes on from them. The loop ends as a deposed one does, but not in failure."""
 
 
+def stop_grace(status: str, *, interrupted: bool, deposed: bool) -> float:
+    """How long the workers still running when the loop leaves get between SIGTERM and
+    SIGKILL. After a Ctrl-C, or a failure that ends the job while workers run (a worker's
+    error, the store lost), nobody coordinates them any more: the grace a SIGTERM gives them
+    (their preemption notice: leave at the next boundary, on a plan) would only be waited out
+    (every failed job took 10 s more to say so). A job that completed has no worker left; one
+    handed to a successor keeps the grace."""
+    if interrupted or (status == "failed" and not deposed):
+        return 0.0
+    return STOP_GRACE_S
+
+
 class JobLoop:
     """The coordinator's loop over one run folder; subclasses say where the workers run."""
 
@@ -274,13 +286,7 @@ class JobLoop:
             # cluster.timeout_s): the workers are cut off from its records too; say so
             message, self.store_lost = f"lost the store: {exc}", True
         finally:
-            # after a Ctrl-C, or a failure that ends the job while workers run (a worker's
-            # error, the store lost), nobody coordinates them any more: the grace a SIGTERM
-            # gives them (their preemption notice: leave at the next boundary, on a plan)
-            # would only be waited out (every failed job took 10 s more to say so). A job
-            # that completed has no worker left; one handed to a successor keeps the grace
-            grace_s = 0.0 if interrupted or (status == "failed" and not deposed) \
-                else STOP_GRACE_S
+            grace_s = stop_grace(status, interrupted=interrupted, deposed=deposed)
             self._stop_workers(grace_s)
             try:
                 self.intake.end(abandon=deposed)
