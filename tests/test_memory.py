@@ -87,6 +87,37 @@ def test_a_layers_backward_comes_on_its_recompute_and_the_gradient_received():
         StageFacts(params=1, activation_bytes=1, boundary_bytes=1, layer_backward_bytes=-1)
 
 
+def test_the_embedding_and_the_loss_backward_working_memory_by_hand():
+    """GPT-2 XL (V = 50257, h = 1600, s = 1024) at micro-batch 4 in fp16: the embedding's
+    backward makes its token table's dense fp32 gradient (4 V h) and, in 16-bit, an fp32 copy
+    of its output's gradient (4 b s h); the loss's, the gradients w.r.t. the log-softmax and
+    the logits (2 x 4 s b V). Both were left out (0 in `transformer_layers`)."""
+    from spotpipe.plan.memory import embedding_backward_bytes, loss_backward_bytes
+    assert embedding_backward_bytes(8, 64, 32, 256, "fp32") == 4 * 256 * 32
+    assert embedding_backward_bytes(8, 64, 32, 256, "bf16") == 4 * 256 * 32 + 4 * 8 * 64 * 32
+    assert loss_backward_bytes(4, 1024, 50257) == 1_646_821_376  # 2 x 0.77 GiB
+    layers = transformer_layers(GPT2["gpt2-1.5b"], micro_batch=4, precision="fp16")
+    assert layers[0].backward_bytes == 321_644_800 + 26_214_400
+    assert layers[-1].transient_bytes == 1_646_821_376
+    assert {x.transient_bytes for x in layers[:-1]} == {0}
+    # a node carrying stages 0 and 1 of 4 (layers 0-25, per-layer checkpointing): one block
+    # recomputed (1024 x 4 x 1600 x 114 + fp16 copies 2 x 12 h^2), the embedding's own backward
+    # (the stage's largest) and the gradient received (b s h x 2)
+    parts = uniform_partition(len(layers), 4)
+    carrier = merge_facts(*(stage_facts(layers, parts, s) for s in (0, 1)))
+    r4 = MemoryRules(precision="fp16", num_stages=4, microbatches=24,
+                     activation_checkpointing="layers", device_reserve_bytes=GIB)
+    e = estimate_stage(0, carrier, dataclasses.replace(r4, redundancy="none"))
+    assert e.breakdown()["device:backward_working"] == \
+        808_550_400 + 347_859_200 + 13_107_200
+    assert e.device_bytes > 16 * GIB  # 16.03 GiB: P = 4 with redundancy no longer fits a V100
+    # the whole model on one device: the loss's phase is the larger
+    whole = estimate_stage(0, stage_facts(layers, [(0, len(layers))], 0),
+                           MemoryRules(precision="fp16", microbatches=96,
+                                       activation_checkpointing="layers"))
+    assert whole.breakdown()["device:backward_working"] == 1_646_821_376
+
+
 def test_redundancy_and_shadows():
     lazy = estimate_stage(0, FACTS, rules(redundancy="lazy")).breakdown()
     # the replica (2M params) on the host: fp32 weights + replicated gradient + Adam = 16 B

@@ -14,7 +14,11 @@ instead of restarting the job: only spotpipe's `none` figures moved, and once mo
 durable checkpoints held whole iterations only, as the runtime writes them: only
 checkpoint_restart's and spotpipe's without shadows moved, and once more when a node running
 stages apart was timed as the merged streams it runs: only spotpipe's g4dn figures with
-shadows moved), to the last bit; and
+shadows moved, and once more when the analytic memory model counted the embedding's and the
+loss's backward working memory, so that GPT-2 XL's smallest depth with redundancy on V100s
+went from 4 to 5: only spotpipe's figures in the entries where it had re-partitioned to
+P = 4 moved, g4dn lazy, eager and p12x2_lazy, synthetic 0.25 seeds 1 and 3 and 0.5 seeds
+0-3, lazy), to the last bit; and
 the planner's memo gives the same decisions as no memo.
 
 Rerecord only for a change meant to alter the simulator's figures, and say so in its commit.

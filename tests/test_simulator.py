@@ -129,7 +129,7 @@ def test_measured_shape_times_replace_the_timing_model():
 
 
 def adjacent_loss_trace(t_loss: float) -> str:
-    lines = [f"0,add,n{i}" for i in range(6)]  # P = 4, D = 1, two standby
+    lines = [f"0,add,n{i}" for i in range(7)]  # P = 5, D = 1, two standby
     lines += [f"{int(t_loss * 1000)},remove,n1", f"{int(t_loss * 1000)},remove,n2"]
     return "\n".join(lines)
 
@@ -137,11 +137,13 @@ def adjacent_loss_trace(t_loss: float) -> str:
 def test_fatal_failure_with_shadows_loses_at_most_one_iteration_without_rolls_back():
     trace = parse_event_csv(adjacent_loss_trace(1500.0))
     trace.duration_s = 3000.0
-    base = dict(num_stages=4, num_pipelines=1, params=SimParams(checkpoint_interval_s=1000.0))
+    # (P = 5: GPT-2 XL's smallest depth on V100s with redundancy, a carrier of two stages
+    # must fit)
+    base = dict(num_stages=5, num_pipelines=1, params=SimParams(checkpoint_interval_s=1000.0))
     sp = run(trace, "spotpipe", gpt_cfg(shadows=True, **base))
     cp = run(trace, "spotpipe", gpt_cfg(shadows=False, **base))
     assert sp.fatal_failures == 1 and cp.fatal_failures == 1
-    it = iteration_time(sp_model := gpt2_1_5b(), "1f1b", 4, 1, ((),), True)
+    it = iteration_time(sp_model := gpt2_1_5b(), "1f1b", 5, 1, ((),), True)
     params = base["params"]
     # the shadows repair the broken pipeline (stage 1's replica promoted, stage 2 loaded from
     # its shadow), then a standby node relieves the carrier: two pauses, and only the

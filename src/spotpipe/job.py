@@ -22,15 +22,15 @@ from spotpipe.data import (DataError, GlobalSampler, TextDataset, TokenFileDatas
                            load_user_dataset)
 from spotpipe.model import (GPTConfig, LayeredModel, PartitionError, build_gpt, build_user_model,
                             template)
-from spotpipe.model.gpt import Block
+from spotpipe.model.gpt import Block, Embedding
 from spotpipe.model.measure import profile_layer_memory
 from spotpipe.model.named import SplitError, split_points_map
 from spotpipe.model.partition import (balanced_partition, bounded_partition, cut,
                                       explicit_partition, parameter_counts, profile_layer_times)
 from spotpipe.model.precision import Precision
 from spotpipe.plan.memory import (GIB, LayerMemory, MemoryEstimate, MemoryRules,
-                                  block_backward_bytes, estimate_stage, range_facts,
-                                  stage_facts)
+                                  block_backward_bytes, embedding_backward_bytes,
+                                  estimate_stage, range_facts, stage_facts)
 from spotpipe.plan.layers import node_layers
 from spotpipe.plan.layout import Layout
 from spotpipe.plan.profile import LayerProfile, cross_stage_tied
@@ -219,24 +219,35 @@ def profile_model(cfg: Config, model: LayeredModel, dataset: Any) -> LayerProfil
     times = None
     if cfg.model.partition in ("time", "balanced") and not cfg.model.split_points:
         times = tuple(profile_layer_times(model, sample, precision=precision))
-    memory = with_block_backward(model, profile_layer_memory(model, sample, precision, target),
+    memory = with_layer_backward(model, profile_layer_memory(model, sample, precision, target),
                                  sample, precision)
     return LayerProfile(names=tuple(model.layer_names), params=tuple(parameter_counts(model)),
                         memory=tuple(memory), times=times, tied=tuple(model.tied))
 
 
-def with_block_backward(model: LayeredModel, memory: Sequence[LayerMemory], sample: Any,
+def with_layer_backward(model: LayeredModel, memory: Sequence[LayerMemory], sample: Any,
                         precision: Precision) -> list[LayerMemory]:
-    """The layers' facts with each GPT block's backward working memory (`backward_bytes`),
-    from its width and the micro-batch's shape (`block_backward_bytes`): what autograd saves,
-    which the profile measures, does not show what the backward allocates."""
+    """The layers' facts with the backward working memory (`backward_bytes`) of each of
+    spotpipe's GPT embeddings and blocks, from its sizes and the micro-batch's shape: what
+    autograd saves, which the profile measures, does not show what the backward allocates."""
     out = list(memory)
     for i, layer in enumerate(model.layers):
-        if isinstance(layer, Block):
-            b, s = sample.shape[:2]
-            out[i] = dataclasses.replace(out[i], backward_bytes=block_backward_bytes(
-                b, s, layer.ln_1.normalized_shape[0], precision.name))
+        own = _own_backward_bytes(layer, sample, precision.name)
+        if own is not None:
+            out[i] = dataclasses.replace(out[i], backward_bytes=own)
     return out
+
+
+def _own_backward_bytes(layer: Any, sample: Any, precision: str) -> float | None:
+    """A GPT layer's own backward working memory on `sample`'s (b, s) token ids
+    (plan/memory.py); None for other layers (whose input may have another shape)."""
+    if not isinstance(layer, (Block, Embedding)):
+        return None
+    micro_batch, seq = sample.shape[:2]
+    if isinstance(layer, Block):
+        return block_backward_bytes(micro_batch, seq, layer.ln_1.normalized_shape[0], precision)
+    return embedding_backward_bytes(micro_batch, seq, layer.wte.embedding_dim,
+                                    layer.wte.num_embeddings, precision)
 
 
 def compute_partition(cfg: Config, profile: LayerProfile,

@@ -83,29 +83,44 @@ Reserve: `device_reserve_bytes` of every device (CUDA context and allocator slac
 0.5-1 GiB in practice) is not available to the stage.
 Backward's working memory (`backward_working`): what one micro-batch's backward allocates
 beyond what its forward kept, once per stage: the loss's (`transient_bytes`, measured by the
-runtime, zero in the analytic model) or a layer's own backward (`layer_backward_bytes`) on top
-of the activations recomputed under activation checkpointing and of the gradient received
-for the stage's output (a stage that is not the last), whichever is larger (the loss's
-backward is done before the first recompute; summed, they over-estimated a tiny GPT's last
-stage by 23-34%). A transformer block's own backward (`block_backward_bytes`) peaks in its
-MLP: the gradient of the 4h-wide hidden activation, 4 s b h in the compute dtype, and of the
-MLP's 4h x h weight, 16 h^2 (fp32 as it is added to the parameter's gradient; in 16-bit
-the compute-dtype gradient and the autocast copy it replaces cancel; the block's input
-gradient, made later, is smaller); measured on spotpipe's GPT block on the CPU, exactly in
-fp32, in bf16 less what oneDNN's matmul scratch adds (0.5-1 s b h at h = 64-128). On the last
-stage the loss's kept log-softmax, freed by then, makes room for it. Its attention is fused
-(scaled_dot_product_attention): no a s^2 scores are made in the backward either, so none are
-counted. Without the block's term and the received gradient, a tiny GPT's stage 0 was
-estimated at 0.82-0.92 of its measured peak with activation checkpointing (0.93-1.04
-without), 0.96-1.11 with them (`tests/test_memory_measured.py`). The loss's are the gradients
+runtime, `loss_backward_bytes` in the analytic model) or a layer's own backward
+(`layer_backward_bytes`) on top of the activations recomputed under activation checkpointing
+and of the gradient received for the stage's output (a stage that is not the last),
+whichever is larger (the loss's backward is done before the first recompute; summed, they
+over-estimated a tiny GPT's last stage by 23-34%). A transformer block's own backward
+(`block_backward_bytes`) peaks in its MLP: the gradient of the 4h-wide hidden activation,
+4 s b h in the compute dtype, and of the MLP's 4h x h weight, 16 h^2 (fp32 as it is added to
+the parameter's gradient; in 16-bit the compute-dtype gradient and the autocast copy it
+replaces cancel; the block's input gradient, made later, is smaller); measured on spotpipe's
+GPT block on the CPU, exactly in fp32, in bf16 less what oneDNN's matmul scratch adds
+(0.5-1 s b h at h = 64-128). On the last stage the loss's kept log-softmax, freed by then,
+makes room for it. Its attention is fused (scaled_dot_product_attention): no a s^2 scores are
+made in the backward either, so none are counted. Without the block's term and the received
+gradient, a tiny GPT's stage 0 was estimated at 0.82-0.92 of its measured peak with
+activation checkpointing (0.93-1.04 without), 0.96-1.11 with them
+(`tests/test_memory_measured.py`). GPT's embedding's own backward
+(`embedding_backward_bytes`) makes its V x h token table's gradient whole, in fp32, before
+adding it to the parameter's (torch's dense embedding backward, whichever tokens the
+micro-batch holds), and in 16-bit an fp32 copy of its output's gradient (4 s b h: the layer
+runs in fp32, its output is cast to the compute dtype); measured on the embedding alone on the
+CPU, to 512 bytes in fp32 and bf16 (V = 256-8192), where the estimate had only the gradient
+received (0.06-0.67 of the peak). At GPT-2's V = 50257 it is larger than a block's (GPT-2 XL,
+micro-batch 4, fp16: 0.32 GiB against 0.09 GiB). The loss's are the gradients
 with respect to the log-softmax and to the logits, each as large as the logits in fp32
 (GPT-2 small, 8 x 512 tokens: 1.5 GiB, which the estimate missed against
 `torch.cuda.max_memory_allocated` on an H200 before it was counted, with the loss's own saved
-tensors: 0.78 of the measured peak in fp32).
+tensors: 0.78 of the measured peak in fp32). The analytic model counts them as the runtime
+measures them (2 x 4 s b V; GPT-2 XL at micro-batch 4: 2 x 0.77 GiB). Both terms were 0 in
+the analytic model; with them a node carrying stages 0 and 1 of GPT-2 XL at P = 4 (after a
+takeover) needs 16.03 GiB, more than a 16 GiB V100 has, and the simulator's smallest depth
+with redundancy there went from 4 to 5.
 Not counted: temporary buffers of one kernel, the backward working memory of layers other
-than spotpipe's GPT blocks and the loss (Hugging Face and torchtitan-style models), each
-activation checkpoint's copy of the CPU generator's state (5056 bytes), communication buffers
-(small against the above at these sizes), fragmentation beyond the reserve.
+than spotpipe's GPT embedding and blocks and the loss (Hugging Face and torchtitan-style
+models), what the embedding's recompute makes under activation checkpointing (at V = 256,
+h = 64 an embedding-only stage's backward peaks there: 0.71-0.76 of it counted; from V = 2048
+the token table's gradient is the larger, within 1%), each activation checkpoint's copy of
+the CPU generator's state (5056 bytes), communication buffers (small against the above at
+these sizes), fragmentation beyond the reserve.
 """
 
 from __future__ import annotations
@@ -429,17 +444,37 @@ def block_backward_bytes(micro_batch: int, seq: int, hidden: int,
     return float(4 * micro_batch * seq * hidden * COMPUTE_BYTES[precision] + 16 * hidden ** 2)
 
 
+def embedding_backward_bytes(micro_batch: int, seq: int, hidden: int, vocab: int,
+                             precision: str = "fp32") -> float:
+    """What a GPT embedding's (token + position tables) backward needs at its peak beyond
+    what its forward kept: the dense gradient of its V x h token table, fp32 as it is added to
+    the parameter's `.grad` (torch's embedding backward makes it whole, whatever the tokens),
+    and in 16-bit the fp32 copy of its output's gradient (4 s b h: the layer runs in fp32 and
+    its output is cast to the compute dtype). The position table's (s x h) is made and freed
+    before the token table's; see the module doc."""
+    copy = 0 if COMPUTE_BYTES[precision] == 4 else 4 * micro_batch * seq * hidden
+    return float(4 * vocab * hidden + copy)
+
+
+def loss_backward_bytes(micro_batch: int, seq: int, vocab: int) -> float:
+    """The loss's backward working memory: the gradients with respect to the log-softmax and
+    to the logits, each as large as the logits in fp32 (what the runtime measures at launch,
+    `spotpipe.model.measure`; see the module doc)."""
+    return float(2 * seq * micro_batch * vocab * 4)
+
+
 def transformer_layers(shape: TransformerShape, micro_batch: int,
                        precision: str = "fp32") -> tuple[LayerMemory, ...]:
     """[embedding, blocks..., head], as spotpipe's GPT lays them out (untied head: each stage
     holds its own copy of what it uses).
 
-    embedding: token + position tables (V h + s h), keeps nothing but its output (s b h);
+    embedding: token + position tables (V h + s h), keeps nothing but its output (s b h),
+    its backward's working memory by `embedding_backward_bytes`;
     block: 12 h^2 + 13 h parameters (attention 4 h^2 + 4 h, MLP 8 h^2 + 5 h, two layer norms
     4 h), activations by Korthikanti et al. (module doc), its backward's working memory by
     `block_backward_bytes`;
     head: final layer norm (2 h) and the LM projection (V h); keeps its input, the logits and
-    their fp32 softmax (the loss's).
+    their fp32 softmax (the loss's); the loss's backward working memory, `loss_backward_bytes`.
     In 16-bit, autocast's copy of every matrix a layer multiplies by (12 h^2 in a block, V h
     in the head) is kept per micro-batch too (the module doc).
     """
@@ -450,11 +485,13 @@ def transformer_layers(shape: TransformerShape, micro_batch: int,
     block_act = s * b * h * (34 + 5 * a * s / h) * dt / 2 + copy * 12 * h * h
     loss = float(s * b * v * 4)
     head_act = boundary + s * b * v * dt + loss + copy * v * h
-    layers = [LayerMemory(v * h + s * h, 0.0, boundary)]
+    layers = [LayerMemory(v * h + s * h, 0.0, boundary,
+                          backward_bytes=embedding_backward_bytes(b, s, h, v, precision))]
     layers += [LayerMemory(12 * h * h + 13 * h, block_act, boundary,
                            backward_bytes=block_backward_bytes(b, s, h, precision))] \
         * shape.layers
-    layers.append(LayerMemory(v * h + 2 * h, head_act, 0.0, loss_bytes=loss))
+    layers.append(LayerMemory(v * h + 2 * h, head_act, 0.0, loss_bytes=loss,
+                              transient_bytes=loss_backward_bytes(b, s, v)))
     return tuple(layers)
 
 

@@ -10,8 +10,8 @@ project_pactum/simulation/simulator.py, and the paper's abstract in shared/seeds
 - GPT-2 1.5B (384 sequences per iteration, which split over 3 pipelines) at P = 8 stages x
   D <= 3 pipelines (24 instances) under our memory model
   (mixed precision, activation checkpointing per layer: `spotpipe.sim.params.DEFAULT_MEMORY`),
-  which lets spotpipe re-partition down to P = 4 and no further (a node carrying two stages
-  after a takeover must fit a 16 GB V100); Bamboo keeps P = 8 and its replica on the GPU;
+  which lets spotpipe re-partition down to P = 5 and no further (a node carrying two stages
+  after a takeover must fit a 16 GB V100: at P = 4 stages 0 and 1 need 16.03 GiB); Bamboo keeps P = 8 and its replica on the GPU;
 - spotpipe without shadows (a fatal failure rolls back to the last durable checkpoint, every
   30 min); its pauses are our runtime's (rendezvous 10 s, failover 5 s, reconfiguration 30 s);
   checkpoint-restart relaunches in 300 s;

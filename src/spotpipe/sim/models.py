@@ -92,8 +92,11 @@ def gpt2_1_5b() -> ModelCosts:
     Batch 384 sequences is the order Bamboo trains GPT-2 with, and its 96 micro-batches split
     evenly over 1, 2, 3, 4, 6, 8, 12, ... pipelines, as the runtime requires (512 would not
     split over 3); with mixed precision and activation checkpointing per layer (the
-    simulator's default memory rules) the memory model fits it on 16 GB V100s from P = 4
-    (plain stages) or more with redundancy.
+    simulator's default memory rules) the memory model fits it on 16 GB V100s from P = 2
+    (plain stages), from P = 5 with redundancy or shadows (a node carrying two stages after
+    a takeover or a restore must fit too), from P = 6 as Bamboo runs it (eager, its replica
+    on the GPU, FRC of every replica: at P = 5 the last stage's loss working memory,
+    1.53 GiB, and its replica of stage 0 need 16.43 GiB).
     """
     return transformer("gpt2-1.5b", layers=48, hidden=1600, seq=1024, vocab=50257,
                        micro_batch=4, global_batch=384, heads=25)
