@@ -11,7 +11,8 @@ project_pactum/simulation/simulator.py, and the paper's abstract in shared/seeds
   D <= 3 pipelines (24 instances) under our memory model
   (mixed precision, activation checkpointing per layer: `spotpipe.sim.params.DEFAULT_MEMORY`),
   which lets spotpipe re-partition down to P = 5 and no further (a node carrying two stages
-  after a takeover must fit a 16 GB V100: at P = 4 stages 0 and 1 need 16.03 GiB); Bamboo keeps P = 8 and its replica on the GPU;
+  after a takeover must fit a 16 GB V100: at P = 4 stages 0 and 1 need 16.03 GiB); Bamboo
+  keeps P = 8 and its replica on the GPU;
 - spotpipe without shadows (a fatal failure rolls back to the last durable checkpoint, every
   30 min); its pauses are our runtime's (rendezvous 10 s, failover 5 s, reconfiguration 30 s);
   checkpoint-restart relaunches in 300 s;
@@ -21,9 +22,10 @@ project_pactum/simulation/simulator.py, and the paper's abstract in shared/seeds
 
 Table: 5 hourly removal rates (0.01, 0.05, 0.10, 0.25, 0.50) x `seeds` traces of Bamboo's
 synthetic model (`spotpipe.sim.synthetic.bamboo_trace`, as its own 10,000-seed table draws
-them: add probabilities drawn per seed, starting at hour 0) of 3 h each, every policy on each; spotpipe once with lazy and once with eager redundancy on the
-same traces (`table_seconds` covers both). `by_rate` has, per mode and rate, throughput and samples per dollar and both over
-checkpoint-restart and over on-demand.
+them: add probabilities drawn per seed, starting at hour 0) of 3 h each, every policy on
+each; spotpipe once with lazy and once with eager redundancy on the same traces
+(`table_seconds` covers both). `by_rate` has, per mode and rate, throughput and samples per
+dollar and both over checkpoint-restart and over on-demand.
 
 Why the ratios differ from the paper (3.7x the throughput of checkpointing, 2.4x lower cost
 than on-demand): value vs on-demand = (spot price ratio 3.33) x (spot throughput / on-demand
@@ -273,8 +275,8 @@ def prediction_error_from(measured_run_dir: str | Path, trace: Trace | str | Pat
     metrics.jsonl: one object per iteration with `iter`, `loss`, `samples` (cumulative
     samples consumed, as spotpipe writes them; a run restarted from a checkpoint writes the
     iterations after it again, with lower counts: the last line's is the work done at the end,
-    the redone part counted once) and `time_s` (since the start). events.jsonl: cluster events with `time_s`,
-    `kind`, `node`; when `trace` is None it is rebuilt from them (nodes first seen leaving are
+    the redone part counted once) and `time_s` (since the start). events.jsonl: cluster
+    events with `time_s`, `kind`, `node`; when `trace` is None it is rebuilt from them (nodes first seen leaving are
     taken as present from t = 0, and the configured P x D fill up the rest). P and D come from
     arguments or from summary.json (`stages`, `pipelines`) in the run dir.
     """
