@@ -24,9 +24,9 @@ median iteration before its first fault (`iteration_s`), as `bench chaos` counts
 
 Both baselines start every worker in a fresh interpreter that imports torch, as torchrun does
 (`cluster.fork_server=false`). `--quick` (the test of this bench, whose figures nobody reads)
-runs the baselines at P=2: their fresh interpreters are most of its time. The full run also times spotpipe's own restart
-(`failover.restarts` with the workers forked from the fork server): what a job without
-redundancy pays here.
+runs the baselines at P=2: their fresh interpreters are most of its time. The full run also
+times spotpipe's own restart (`failover.restarts` with the workers forked from the fork
+server): what a job without redundancy pays here.
 """
 
 from __future__ import annotations

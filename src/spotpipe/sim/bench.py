@@ -276,9 +276,10 @@ def prediction_error_from(measured_run_dir: str | Path, trace: Trace | str | Pat
     samples consumed, as spotpipe writes them; a run restarted from a checkpoint writes the
     iterations after it again, with lower counts: the last line's is the work done at the end,
     the redone part counted once) and `time_s` (since the start). events.jsonl: cluster
-    events with `time_s`, `kind`, `node`; when `trace` is None it is rebuilt from them (nodes first seen leaving are
-    taken as present from t = 0, and the configured P x D fill up the rest). P and D come from
-    arguments or from summary.json (`stages`, `pipelines`) in the run dir.
+    events with `time_s`, `kind`, `node`; when `trace` is None it is rebuilt from them (nodes
+    first seen leaving are taken as present from t = 0, and the configured P x D fill up the
+    rest). P and D come from arguments or from summary.json (`stages`, `pipelines`) in the
+    run dir.
     """
     run_dir = Path(measured_run_dir)
     samples, end = _measured(run_dir / "metrics.jsonl")
