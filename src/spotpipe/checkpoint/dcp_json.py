@@ -28,13 +28,16 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
 
+from spotpipe.checkpoint.dtypes import dtypes_by_name
 from spotpipe.checkpoint.fsync import fsync_path
 
 METADATA = "dcp_metadata.json"
 FORMAT = "spotpipe-dcp-json/1"
-_DTYPES = {str(dt).removeprefix("torch."): dt for dt in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+_DTYPES = dtypes_by_name(torch.float64, torch.float32, torch.float16, torch.bfloat16,
+                         torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+                         torch.bool)
 
 
 class MetadataError(ValueError):

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from spotpipe.checkpoint import durable
+from spotpipe.checkpoint.dtypes import dtypes_by_name
 from spotpipe.checkpoint.durable import CheckpointError
 from spotpipe.checkpoint.fsync import fsync_path, sha256_file
 from spotpipe.protocol.bounds import Unreadable, load_record
@@ -76,10 +77,10 @@ def fingerprint(tensors: dict[str, torch.Tensor], params: list[str]) -> dict[str
 # ---------------------------------------------------------------------- flat, for peers
 
 # The dtypes a peer's copy carries, by the names `layout_of` writes: a layout read from the store
-# names one of these or is refused (`getattr(torch, name)` would take any attribute of torch)
-DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-    torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)}
+# names one of these or is refused
+DTYPES = dtypes_by_name(torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
+                        torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                        torch.complex64, torch.complex128)
 
 
 def layout_of(tensors: dict[str, torch.Tensor], params: list[str]) -> dict[str, Any]:
