@@ -193,7 +193,9 @@ class MetadataServer:
         if path != "/metadata/scheduledevents":
             return self._reply(req, 404, json.dumps({"error": "Not found"}).encode(),
                                "application/json")
-        self.calls[(host, "azure")] += 1
+        with self.changed:
+            self.calls[(host, "azure")] += 1
+            self.changed.notify_all()  # (tests wait for polls)
         events = [self.events[host]] if host in self.events else []
         body = json.dumps({"DocumentIncarnation": len(events), "Events": events}).encode()
         self._reply(req, 200, body, "application/json")

@@ -292,7 +292,7 @@ def acknowledges(url: str, for_host: bool = False) -> bool:
 
     watcher = NoticeWatcher.of_node(FailoverSection(azure_notice_url=url), "node1",
                                     lambda s: None, sigterm=False, for_host=for_host)
-    watcher.set("(the test is done with it: its watch ends)")
+    watcher.close()  # (its reads end here, not after the test's server is gone)
     return watcher.acknowledges
 
 
@@ -329,3 +329,20 @@ def test_a_service_that_never_answers_is_said_once(cloud, capsys):
     assert len(said) == 1, said
     assert f"{source.name} preemption notice service at {url} did not answer" in said[0]
     assert f"failover.{cloud}_notice_url" in said[0]
+
+
+def test_close_ends_the_watch_without_a_notice(meta):
+    """`close` ends the reads (none outlives its reader to say, after the service is gone,
+    that it did not answer) and is no notice: nothing is set, nothing acknowledged."""
+    heard: list[str] = []
+    watcher = NoticeWatcher(azure_url=meta.urls("h1")["azure"], poll_s=0.05, sigterm=False,
+                            on_notice=heard.append)
+    with meta.changed:
+        assert meta.changed.wait_for(lambda: meta.calls[("h1", "azure")] >= 2, timeout=10)
+    watcher.close()
+    assert not any(thread.is_alive() for thread in watcher._threads)
+    polls = meta.calls[("h1", "azure")]
+    meta.preempt("h1")
+    watcher.acknowledge()
+    assert not watcher.is_set() and heard == [] and meta.acks == []
+    assert meta.calls[("h1", "azure")] == polls  # nobody asks any more

@@ -308,6 +308,9 @@ class NoticeWatcher:
         self.notice = threading.Event()
         self.source = ""
         self.acknowledges = acknowledges
+        # what ends the watch: a notice, or `close` (which is no notice)
+        self._done = threading.Event()
+        self._threads: list[threading.Thread] = []
         self._ack: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._on_notice = on_notice
@@ -321,8 +324,10 @@ class NoticeWatcher:
         if azure_url:
             sources.append(AzureScheduledEvents(azure_url, started_too=watch_only))
         for src in sources:
-            threading.Thread(target=self._watch, args=(src, poll_s),
-                             name=f"notice-{src.name.lower()}", daemon=True).start()
+            thread = threading.Thread(target=self._watch, args=(src, poll_s),
+                                      name=f"notice-{src.name.lower()}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
 
     @classmethod
     def of_node(cls, failover: FailoverSection, node: str, on_notice: Callable[[str], None],
@@ -342,8 +347,8 @@ class NoticeWatcher:
                    watch_only=watch_only, acknowledges=for_host or alone)
 
     def _watch(self, source: Source, poll_s: float) -> None:
-        notice = source.next_notice(self.notice, poll_s)
-        if notice is not None:
+        notice = source.next_notice(self._done, poll_s)
+        if notice is not None and not self.closed:
             self.set(notice.source, notice.acknowledge)
 
     def set(self, source: str, acknowledge: Callable[[], None] | None = None) -> None:
@@ -352,11 +357,25 @@ class NoticeWatcher:
                 return
             self.source, self._ack = source, acknowledge
             self.notice.set()
+            self._done.set()
         if self._on_notice is not None:
             self._on_notice(source)
 
     def is_set(self) -> bool:
         return self.notice.is_set()
+
+    @property
+    def closed(self) -> bool:
+        return self._done.is_set() and not self.notice.is_set()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """End the watch without a notice, and wait (at most `timeout_s`) for the reads in
+        flight: a poll still running after its reader is done would say that the service
+        "did not answer" once the service is gone (a test's server, an agent's last moments),
+        where nobody is listening any more."""
+        self._done.set()
+        for thread in self._threads:
+            thread.join(timeout_s)
 
     def acknowledge(self) -> None:
         """What this reader acts for has left the job: tell the cloud it may go on (Azure),
