@@ -131,11 +131,12 @@ def _wait_for(condition, timeout_s: float, what: str) -> None:
 
 
 def _training(tmp_path, corpus, pipelines: int, iterations: int, crash: str,
-              crash_at: int = 40):
+              crash_at: int = 40, trained: bool = True):
     """A P = 2 job (lazy redundancy) training on a thread, `crash` killed at iteration
-    `crash_at`; returns once it has completed an iteration. (The tiny job runs about 7 ms an
-    iteration since pipeline channels went through shared memory: what a test does while it
-    runs needs iterations enough for a loaded machine.)"""
+    `crash_at`; returns once it has completed an iteration (`trained`), else once its store
+    is up. (The tiny job runs about 7 ms an iteration since pipeline channels went through
+    shared memory: what a test does while it runs needs iterations enough for a loaded
+    machine.)"""
     cfg = tiny_config(corpus, stages=2, pipelines=pipelines, redundancy="lazy",
                       **{**FAST, "iterations": iterations, "logging.sample_log": True})
     run = tmp_path / "run"
@@ -143,8 +144,12 @@ def _training(tmp_path, corpus, pipelines: int, iterations: int, crash: str,
     job = threading.Thread(target=lambda: result.update(code=train(
         cfg, run, progress=False, faults=[Fault("fail", crash, crash_at)])))
     job.start()
-    _wait_for(lambda: (run / "metrics.jsonl").exists()
-              and (run / "metrics.jsonl").read_text().strip(), 120, "the job to train")
+    if trained:
+        _wait_for(lambda: (run / "metrics.jsonl").exists()
+                  and (run / "metrics.jsonl").read_text().strip(), 120, "the job to train")
+    else:
+        _wait_for(lambda: (run / "events.jsonl").exists()
+                  and (run / "events.jsonl").read_text().strip(), 120, "the job's store")
     return cfg, run, job, result
 
 
@@ -159,7 +164,9 @@ def test_forged_records_are_refused_and_the_job_is_undisturbed(tmp_path, tmp_pat
     not belong: each is refused with an event; the job (one real crash at iteration 40) ends
     bit-identical to the run without failures."""
     monkeypatch.setenv("SPOTPIPE_JOIN_TOKEN", "sesame")
-    iters = 1500  # long enough for the replays below to meet a coordinator read (see there)
+    # long enough for the replays below to meet a coordinator read (see there): the stale
+    # heartbeat is refused 0.7 s into the job, against 5 s or more of its 500 iterations
+    iters = 500
     cfg, run, job, result = _training(tmp_path, corpus, 1, iters, "node1")
     store = _store_of(run)
     forger = Channel(job_key(b"a guess", "any"), "node0")  # a key, but not the job's
@@ -238,12 +245,14 @@ def test_squatted_group_addresses_are_refused_and_the_job_is_undisturbed(tmp_pat
     every rank of the next generations' process groups (world and data-parallel) before they
     form. The groups form with the genuine addresses (gloo would otherwise connect to the
     forger's), every rendezvous record in the store is sealed, and the job (one real crash at
-    iteration 400, P = 2 x D = 2) ends bit-identical to the run without failures."""
+    iteration 60, P = 2 x D = 2) ends bit-identical to the run without failures."""
     from spotpipe.store.sealed import TAG
 
     monkeypatch.setenv("SPOTPIPE_JOIN_TOKEN", "sesame")
-    # the squats must land before the crash's regroup: a crash well after the job starts
-    cfg, run, job, result = _training(tmp_path, corpus, 2, 500, "node3", crash_at=400)
+    # the squats must land before the crash's regroup: written as soon as the store is up,
+    # before the job has formed its first generation, 60 iterations before the crash
+    cfg, run, job, result = _training(tmp_path, corpus, 2, 100, "node3", crash_at=60,
+                                      trained=False)
     store = _store_of(run)
     forged = b"forged: the forger's own gloo address"
     squatted = [f"spotpipe/gen{g}/{group}/0/{r}" for g in (1, 2)
