@@ -273,8 +273,10 @@ def _give_up(store: Any, s: Stream, n: int, window: int, why: str, *, listed: bo
     when the loop reads the announcement), and a piece removed under it would hold it for
     `timeout_s`. The receiver removes the stop when it meets it (`receive`). A receiver that
     has ended (its verdict is there) takes nothing more: what it did not take is removed.
-    When the receiver did not answer in time (`unheard`: it may never come), what it has
-    not taken is removed and the stop goes both in the next piece's place and the list's.
+    When the receiver did not answer in time (`unheard`: it may never come, or its
+    coordinator lost the office), what it has not taken is removed and the stop goes in the
+    next piece's place, the list's, and the first piece's: a successor's receive that read
+    the list before the stop waits for piece 0, which the receiver before it took long ago.
     A stop the store does not take: everything is removed. Best effort: the store may be
     what failed."""
     stop = STOP + why.encode()
@@ -286,8 +288,8 @@ def _give_up(store: Any, s: Stream, n: int, window: int, why: str, *, listed: bo
             store.set(s.piece(n) if listed else s.meta, stop)
             return
         _take_back(store, s, n, window)
-        store.set(s.piece(n), stop)
-        store.set(s.meta, stop)
+        for key in dict.fromkeys([s.piece(n), s.meta, s.piece(0)]):
+            store.set(key, stop)
     except Exception:  # noqa: BLE001 - the error that stopped the upload is the one to report
         _take_back(store, s, n, window)
 
