@@ -811,3 +811,56 @@ def test_a_successors_receive_under_way_ends_when_the_sender_gives_up_on_the_off
     assert isinstance(sending.get("error"), transfer.ReceiverGone), sending
     successor.join(60)
     assert "lost its office" in result["problem"], result  # (not "... did not arrive")
+
+
+class _WithOffice:
+    """A TCPStore connection that reads keys as etcd's store does without waiting
+    (`wait_until` for 0 s): where a sender's `ReceiverWatch` reads the coordinator's office."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def wait_until(self, keys, done, timeout_s):
+        values = {k: self.inner.get(k) for k in keys if self.inner.check([k])}
+        return values if done(values) else None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_the_final_parameters_upload_gives_up_once_the_coordinators_office_is_lost(
+        server, tmp_path, monkeypatch):
+    """A worker under an agent sends its final stage to the coordinating agent's --out
+    (`final_sender`); that agent dies before it answers. The sender watched nothing and
+    waited `cluster.timeout_s` for the verdict (3 s here; 600 by default), where a
+    checkpoint's upload gives up once the office is vacant or a successor's."""
+    import types
+
+    from spotpipe.checkpoint import transfer
+    from spotpipe.cli.worker import final_sender
+    from spotpipe.protocol import keys
+
+    monkeypatch.setenv("SPOTPIPE_FINAL_UPLOAD", "1")
+    server.set(keys.LEADER, "1")
+    cfg = types.SimpleNamespace(cluster=types.SimpleNamespace(timeout_s=3.0),
+                                failover=types.SimpleNamespace(heartbeat_s=0.05))
+    posted: list = []
+    send = final_sender(cfg, "node0", _WithOffice(connect(server)),
+                        types.SimpleNamespace(key=KEY), types.SimpleNamespace(post=posted.append))
+    path = tmp_path / "stage0.safetensors"
+    path.write_bytes(b"p" * 10)
+    out: dict = {}
+
+    def sending() -> None:
+        try:
+            send(0, path)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            out["error"] = exc
+    thread = threading.Thread(target=sending, daemon=True)
+    thread.start()
+    landed(server, transfer.Stream.final(0).piece(0))  # (announced: it waits for the verdict)
+    assert [p.stage for p in posted] == [0]
+    server.delete_key(keys.LEADER)  # the coordinating agent's lease lapsed
+    thread.join(60)
+    assert isinstance(out.get("error"), transfer.ReceiverGone), out
+    assert "agent 1" in str(out["error"]) and "(vacant)" in str(out["error"])

@@ -157,17 +157,20 @@ def receive_stage(store: Any, iteration: int, stage: int, checksums: dict[str, s
 
 
 def send_final(store: Any, post: Callable[[FinalUpload], None], node: str, stage: int,
-               path: Path, *, timeout_s: float) -> int:
+               path: Path, *, timeout_s: float, receiver: ReceiverWatch | None = None) -> int:
     """Send the final parameters of `stage`, written by `node` at `path`, to the coordinating
     agent's `--out`: announced (`FinalUpload`, which starts the receiver) and streamed like a
     checkpoint's stage. The worker that wrote it sends it, while its beats say "finishing":
     the send, however long, is judged as the node is (a host lost meanwhile stops beating),
     and each stage goes once, from its one writer. (An agent that sent its workers' files
     after their exits sent a stage once per worker of its host, two sends on one stream's
-    keys, and beat for none of them.)"""
+    keys, and beat for none of them.) With `receiver` (made before the announcement: the
+    office then is the receiver's), it gives up once the coordinating agent loses its office,
+    as a checkpoint's stage does."""
     sha = sha256_file(path)
     post(FinalUpload(node, stage, sha))
-    return send(store, Stream.final(stage), path.parent, {path.name: sha}, timeout_s=timeout_s)
+    return send(store, Stream.final(stage), path.parent, {path.name: sha}, timeout_s=timeout_s,
+                receiver=receiver)
 
 
 def send(store: Any, s: Stream, folder: Path, checksums: dict[str, str], *,
