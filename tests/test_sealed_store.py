@@ -167,6 +167,22 @@ def _sending(sealed, iteration, stage, folder, checksums, **kw):
     return out
 
 
+class _WaitsSeen:
+    """A store that calls `seen` at each wait for `key` alone: where the code under test
+    waits, told to the test."""
+
+    def __init__(self, inner, key: str, seen) -> None:
+        self.inner, self.key, self.seen = inner, key, seen
+
+    def wait(self, keys, timeout=None):
+        if keys == [self.key]:
+            self.seen()
+        return self.inner.wait(keys, timeout)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 def _pieces_left(server, iteration, stage, upto=64) -> list[str]:
     base = f"spotpipe/checkpoint/files/{iteration}/{stage}/"
     names = ["meta", "verdict"] + [str(i) for i in range(upto)] + [f"ack{i}" for i in range(upto)]
@@ -720,8 +736,9 @@ def test_a_sender_gives_up_once_its_receivers_coordinator_is_gone_not_while_it_i
         assert "agent0" in str(error), error
         s = transfer.Stream.checkpoint(4, 1)
         assert SealedStore(connect(server), KEY).get(s.meta).startswith(transfer.STOP)
-        assert _pieces_left(server, 4, 1) == ["meta", "4"]  # the stops (4: the next piece)
-        for key in (s.meta, s.piece(4)):
+        # the stops (4: the next piece; 0: where a successor's receive waits first)
+        assert _pieces_left(server, 4, 1) == ["meta", "0", "4"]
+        for key in (s.meta, s.piece(0), s.piece(4)):
             server.delete_key(key)
         server.set("leader", "agent0")
 
@@ -738,21 +755,10 @@ def test_a_later_stage_of_a_node_waits_for_its_list_while_the_nodes_earlier_one_
     receiving = transfer.Receiving()
     turns = threading.Semaphore(0)
 
-    class Counted:  # (each wait of the receive for the file list, counted)
-        def __init__(self, inner) -> None:
-            self.inner = inner
-
-        def wait(self, keys, timeout=None):
-            if keys == [transfer.Stream.checkpoint(5, 1).meta]:
-                turns.release()
-            return self.inner.wait(keys, timeout)
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
     result: dict = {}
     later = threading.Thread(target=lambda: result.update(problem=transfer.receive_stage(
-        Counted(SealedStore(connect(server), KEY)), 5, 1, checksums, tmp_path / "got",
+        _WaitsSeen(SealedStore(connect(server), KEY), transfer.Stream.checkpoint(5, 1).meta,
+                   turns.release), 5, 1, checksums, tmp_path / "got",
         timeout_s=0.3, node="node1", receiving=receiving)), daemon=True)
     later.start()
     for n in range(3):  # the node's earlier stage: a piece taken in each turn of the wait
@@ -769,3 +775,92 @@ def test_a_later_stage_of_a_node_waits_for_its_list_while_the_nodes_earlier_one_
                                    tmp_path / "got6", timeout_s=0.3, node="node1",
                                    receiving=receiving)
     assert "meta did not arrive" in alone, alone
+
+
+def test_a_successors_receive_under_way_ends_when_the_sender_gives_up_on_the_office(
+        server, tmp_path, monkeypatch):
+    """The coordinating agent took two pieces of a stage and died; its successor read the
+    announcement again and started a receive, which read the file list (still there) and
+    waits for the first piece, taken by the dead receiver long ago. The sender then gives up
+    on the office change: its stop went in the list's place and the next piece's, so that
+    receive waited out its whole timeout (`cluster.timeout_s`) for a piece that will never
+    come. It ends at once, with the sender's reason."""
+    from spotpipe.checkpoint import transfer
+
+    monkeypatch.setattr(transfer, "CHUNK", 100)
+    checksums = _stage_files(tmp_path / "sent", 1, {"s.bin": b"s" * 1000})  # 10 pieces
+    server.set("leader", "agent0")
+    s = transfer.Stream.checkpoint(7, 1)
+    watch = transfer.ReceiverWatch(
+        lambda: server.get("leader") if server.check(["leader"]) else None, every_s=0.05)
+    sending = _sending(SealedStore(connect(server), KEY), 7, 1, tmp_path / "sent", checksums,
+                       window=4, timeout_s=600, receiver=watch)
+    dead = SealedStore(connect(server), KEY)  # the first coordinator: two pieces, then gone
+    for n in range(2):
+        transfer._take(dead, s, n, 4, timedelta(seconds=30), "", None)
+    landed(server, s.piece(5))  # (the sender went on to piece 5, and waits for ack 2)
+    at_first_piece = threading.Event()
+    result: dict = {}
+    successor = threading.Thread(target=lambda: result.update(problem=transfer.receive_stage(
+        _WaitsSeen(SealedStore(connect(server), KEY), s.piece(0), at_first_piece.set), 7, 1,
+        checksums, tmp_path / "got", timeout_s=3, window=4)), daemon=True)
+    successor.start()
+    assert at_first_piece.wait(30)
+    server.set("leader", "agent1")  # the successor holds the office: the sender gives up
+    sending["thread"].join(60)
+    assert isinstance(sending.get("error"), transfer.ReceiverGone), sending
+    successor.join(60)
+    assert "lost its office" in result["problem"], result  # (not "... did not arrive")
+
+
+class _WithOffice:
+    """A TCPStore connection that reads keys as etcd's store does without waiting
+    (`wait_until` for 0 s): where a sender's `ReceiverWatch` reads the coordinator's office."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def wait_until(self, keys, done, timeout_s):
+        values = {k: self.inner.get(k) for k in keys if self.inner.check([k])}
+        return values if done(values) else None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_the_final_parameters_upload_gives_up_once_the_coordinators_office_is_lost(
+        server, tmp_path, monkeypatch):
+    """A worker under an agent sends its final stage to the coordinating agent's --out
+    (`final_sender`); that agent dies before it answers. The sender watched nothing and
+    waited `cluster.timeout_s` for the verdict (3 s here; 600 by default), where a
+    checkpoint's upload gives up once the office is vacant or a successor's."""
+    import types
+
+    from spotpipe.checkpoint import transfer
+    from spotpipe.cli.worker import final_sender
+    from spotpipe.protocol import keys
+
+    monkeypatch.setenv("SPOTPIPE_FINAL_UPLOAD", "1")
+    server.set(keys.LEADER, "1")
+    cfg = types.SimpleNamespace(cluster=types.SimpleNamespace(timeout_s=3.0),
+                                failover=types.SimpleNamespace(heartbeat_s=0.05))
+    posted: list = []
+    send = final_sender(cfg, "node0", _WithOffice(connect(server)),
+                        types.SimpleNamespace(key=KEY), types.SimpleNamespace(post=posted.append))
+    path = tmp_path / "stage0.safetensors"
+    path.write_bytes(b"p" * 10)
+    out: dict = {}
+
+    def sending() -> None:
+        try:
+            send(0, path)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            out["error"] = exc
+    thread = threading.Thread(target=sending, daemon=True)
+    thread.start()
+    landed(server, transfer.Stream.final(0).piece(0))  # (announced: it waits for the verdict)
+    assert [p.stage for p in posted] == [0]
+    server.delete_key(keys.LEADER)  # the coordinating agent's lease lapsed
+    thread.join(60)
+    assert isinstance(out.get("error"), transfer.ReceiverGone), out
+    assert "agent 1" in str(out["error"]) and "(vacant)" in str(out["error"])

@@ -157,17 +157,20 @@ def receive_stage(store: Any, iteration: int, stage: int, checksums: dict[str, s
 
 
 def send_final(store: Any, post: Callable[[FinalUpload], None], node: str, stage: int,
-               path: Path, *, timeout_s: float) -> int:
+               path: Path, *, timeout_s: float, receiver: ReceiverWatch | None = None) -> int:
     """Send the final parameters of `stage`, written by `node` at `path`, to the coordinating
     agent's `--out`: announced (`FinalUpload`, which starts the receiver) and streamed like a
     checkpoint's stage. The worker that wrote it sends it, while its beats say "finishing":
     the send, however long, is judged as the node is (a host lost meanwhile stops beating),
     and each stage goes once, from its one writer. (An agent that sent its workers' files
     after their exits sent a stage once per worker of its host, two sends on one stream's
-    keys, and beat for none of them.)"""
+    keys, and beat for none of them.) With `receiver` (made before the announcement: the
+    office then is the receiver's), it gives up once the coordinating agent loses its office,
+    as a checkpoint's stage does."""
     sha = sha256_file(path)
     post(FinalUpload(node, stage, sha))
-    return send(store, Stream.final(stage), path.parent, {path.name: sha}, timeout_s=timeout_s)
+    return send(store, Stream.final(stage), path.parent, {path.name: sha}, timeout_s=timeout_s,
+                receiver=receiver)
 
 
 def send(store: Any, s: Stream, folder: Path, checksums: dict[str, str], *,
@@ -273,8 +276,10 @@ def _give_up(store: Any, s: Stream, n: int, window: int, why: str, *, listed: bo
     when the loop reads the announcement), and a piece removed under it would hold it for
     `timeout_s`. The receiver removes the stop when it meets it (`receive`). A receiver that
     has ended (its verdict is there) takes nothing more: what it did not take is removed.
-    When the receiver did not answer in time (`unheard`: it may never come), what it has
-    not taken is removed and the stop goes both in the next piece's place and the list's.
+    When the receiver did not answer in time (`unheard`: it may never come, or its
+    coordinator lost the office), what it has not taken is removed and the stop goes in the
+    next piece's place, the list's, and the first piece's: a successor's receive that read
+    the list before the stop waits for piece 0, which the receiver before it took long ago.
     A stop the store does not take: everything is removed. Best effort: the store may be
     what failed."""
     stop = STOP + why.encode()
@@ -286,8 +291,8 @@ def _give_up(store: Any, s: Stream, n: int, window: int, why: str, *, listed: bo
             store.set(s.piece(n) if listed else s.meta, stop)
             return
         _take_back(store, s, n, window)
-        store.set(s.piece(n), stop)
-        store.set(s.meta, stop)
+        for key in dict.fromkeys([s.piece(n), s.meta, s.piece(0)]):
+            store.set(key, stop)
     except Exception:  # noqa: BLE001 - the error that stopped the upload is the one to report
         _take_back(store, s, n, window)
 

@@ -68,8 +68,11 @@ def final_sender(cfg: Config, node: str, store: Any, channel: Channel,
     sealed = SealedStore(store, channel.key)
 
     def send(stage: int, path: Path) -> None:
+        # (given up once the coordinating agent it announces the stage to is gone, as a
+        # checkpoint's upload is: `schemes.Uploader`)
+        receiver = durable.transfer.ReceiverWatch.of(sealed, every_s=cfg.failover.heartbeat_s)
         durable.transfer.send_final(sealed, outbox.post, node, stage, path,
-                                    timeout_s=cfg.cluster.timeout_s)
+                                    timeout_s=cfg.cluster.timeout_s, receiver=receiver)
     return send
 
 

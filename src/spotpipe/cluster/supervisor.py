@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from spotpipe.cluster.forkserver import ForkedChild, SharedForkServer, die_with_parent
+from spotpipe.cluster.oom import OomCount, oom_cause, read_oom_kills
 from spotpipe.cluster.proc import DeathWatch, killed_past_acting
 from spotpipe.config import Config
 from spotpipe.faults import Fault
@@ -259,9 +260,16 @@ class Supervisor:
         self._watch: threading.Thread | None = None
         self._deaths: dict[str, DeathWatch] = {}  # the crash watch's, by node
         self._looking = threading.Lock()
+        # the cgroup's OOM kill count, read as each node started (`oom.py`), and the nodes
+        # this supervisor killed: an OOM kill is told apart from a SIGKILL by the count
+        self.oom_kills: Callable[[], OomCount | None] = read_oom_kills
+        self._oom_at_start: dict[str, OomCount | None] = {}
+        self._killed: set[str] = set()
 
     def spawn(self, node: str, env: dict[str, str]) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
+        self._killed.discard(node)
+        self._oom_at_start[node] = self.oom_kills()  # (before: an OOM kill as it starts counts)
         proc = self.starter.start(self.module, env, self.logs / f"{node}.log", node)
         self.procs[node] = proc
         exit_ = self._exits[node] = _Exit(lambda code: self.on_exit(node, code))
@@ -288,14 +296,27 @@ class Supervisor:
 
     def exit_cause(self, node: str, code: int) -> str:
         """What this supervisor knows of why `node` exited with `code`, beyond the code: its
-        fork server's end, which kills its workers with a signal ("": nothing more)."""
-        return self.lost_with_its_server(node) if code < 0 else ""
+        fork server's end, which kills its workers with a signal, or the kernel's OOM killer
+        ("": nothing more)."""
+        if code >= 0:
+            return ""
+        return self.lost_with_its_server(node) or self.oom_killed(node, code)
+
+    def oom_killed(self, node: str, code: int) -> str:
+        """The OOM killer, said with its count (`oom.oom_cause`), where `node` died of a
+        SIGKILL that this supervisor did not send and its cgroup's count of OOM kills grew
+        since the node started; else ""."""
+        if code != -signal.SIGKILL or node in self._killed:
+            return ""
+        return oom_cause(self._oom_at_start.get(node), self.oom_kills())
 
     def signal(self, node: str, signum: int) -> bool:
         """Send a signal to a node's process if it still runs; whether it was sent."""
         proc = self.procs.get(node)
         if proc is None or proc.returncode is not None:
             return False
+        if signum == signal.SIGKILL:  # (before the kill: its exit may be told at once)
+            self._killed.add(node)
         try:
             os.kill(proc.pid, signum)
         except ProcessLookupError:
@@ -359,10 +380,11 @@ class Supervisor:
             if p.poll() is None:
                 p.terminate()
         deadline = time.time() + grace_s
-        for p in self.procs.values():
+        for node, p in list(self.procs.items()):
             try:
                 p.wait(timeout=max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
+                self._killed.add(node)
                 p.kill()
                 p.wait()
         self.starter.close()
