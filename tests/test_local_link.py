@@ -16,13 +16,17 @@ import socket
 import threading
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from spotpipe.job import link_slots
+from spotpipe.plan.memory import pipeline_ring_slots
 from spotpipe.runtime import local_link
 from spotpipe.runtime.comm import Comm
+from spotpipe.schedule import ScheduleError, check, merged_schedule
 from spotpipe.store.abort import AbortSignal, PeerFailure
 
 KEY = b"k" * 32
@@ -315,3 +319,21 @@ def test_a_stranger_that_connects_and_says_nothing_does_not_hold_up_the_genuine_
     assert got == [5.0], got
     for end in (stranger, genuine, listener):
         end.close()
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_a_pipeline_rings_buffers_hold_what_a_schedule_sends_before_its_receiver_reads(kind):
+    """GPipe on a node that took over stage 0 from the last stage (owners (P-1, 0)) sends up
+    to M/2 activations to stage 1 before it reads one of stage 1's, which meanwhile sends on
+    to it: the 256 MiB cap on a ring left messages over 128 MiB 2 buffers, and both nodes
+    then blocked on full rings (shown with real links of 2 slots, P=3, M=8)."""
+    for microbatches, pipelines in [(8, 1), (16, 1), (4, 2)]:
+        m = microbatches * pipelines  # a pipeline's once the others are dropped
+        slots = pipeline_ring_slots(200 * 2 ** 20, link_slots(
+            SimpleNamespace(num_microbatches=microbatches, pipelines=pipelines)))
+        for owners in ([(2, 0), (1,)], [(0, 1), (2,)], [(3, 0), (1,), (2,)],
+                       [(0,), (1,), (2,)]):
+            check(merged_schedule(kind, m, owners), ring_slots=slots)
+    if kind == "gpipe":  # (what the check says of the rings that were too small)
+        with pytest.raises(ScheduleError, match="deadlock"):
+            check(merged_schedule(kind, 8, [(2, 0), (1,)]), ring_slots=2)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spotpipe.plan.memory import link_ring_slots
+from spotpipe.plan.memory import link_ring_slots, pipeline_ring_slots
 from spotpipe.protocol.auth import Refused
 from spotpipe.runtime import local_link
 from spotpipe.runtime.activity import Activity
@@ -357,7 +357,8 @@ class Comm:
             return None
         nbytes = max(1, nbytes)
         # (what the launch's estimate counts)
-        slots = link_ring_slots(nbytes, self._local_slots if ring_slots is None else ring_slots)
+        slots = pipeline_ring_slots(nbytes, self._local_slots) if ring_slots is None \
+            else link_ring_slots(nbytes, ring_slots)
         return local_link.Sender.connect(
             self._key, local_link.address(self._key, self._namespace, self.generation, node),
             local_link.channel_name(self.me, node, tag_), slots, nbytes)

@@ -18,7 +18,9 @@ channels between co-located workers use this one:
   coordinator's abort) ends it as it ends gloo's waits.
 - A sender blocks only when `slots` messages of one channel are unread. Pipeline schedules send
   at most one iteration's micro-batches on a channel before its receiver reads them, and the
-  runtime sizes `slots` to that, so the block is a bound on memory, not a step of the schedule.
+  runtime sizes `slots` to that, so the block is a bound on memory, not a step of the schedule
+  (with fewer, GPipe on a node that runs the last stage and the first deadlocks:
+  `plan.memory.pipeline_ring_slots`).
 
 Who is local: each `Listener` binds an abstract Unix socket whose name is an HMAC of the job's
 key, the generation and the node. A sender that can connect to its receiver's name is on the
