@@ -337,3 +337,37 @@ def test_a_pipeline_rings_buffers_hold_what_a_schedule_sends_before_its_receiver
     if kind == "gpipe":  # (what the check says of the rings that were too small)
         with pytest.raises(ScheduleError, match="deadlock"):
             check(merged_schedule(kind, 8, [(2, 0), (1,)]), ring_slots=2)
+
+
+def test_a_full_queue_of_connections_means_no_link_and_a_listener_lost_later_a_failure(
+        monkeypatch):
+    """Anyone on the host can fill a listener's queue of connections (its name is listed in
+    /proc/net/unix): the sender's connect then waited, beyond any abort, and its receiver for
+    the header it never sent. Now the group carries that channel. A listener lost once
+    connected is the peer's failure, not an OSError out of the send."""
+    listener = local_link.Listener(KEY, _name(), lambda why: None)
+    strangers = []
+    while True:
+        stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stranger.setblocking(False)
+        try:
+            stranger.connect(_name())
+        except BlockingIOError:
+            stranger.close()
+            break
+        strangers.append(stranger)
+    got = []
+    connecting = threading.Thread(target=lambda: got.append(
+        local_link.Sender.connect(KEY, _name(), CHANNEL, 2, 4)), daemon=True)
+    connecting.start()
+    connecting.join(timeout=30)  # (a guard against a hang: no time needs to pass)
+    assert got == [None]
+    for stranger in strangers:
+        stranger.close()
+    listener.close()
+
+    listener = local_link.Listener(KEY, _name(generation=1), lambda why: None)
+    ring = local_link._ring
+    monkeypatch.setattr(local_link, "_ring", lambda *args: (listener.close(), ring(*args))[1])
+    with pytest.raises(PeerFailure, match="closed by its receiver"):
+        local_link.Sender.connect(KEY, _name(generation=1), CHANNEL, 2, 4)

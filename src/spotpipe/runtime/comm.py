@@ -359,9 +359,14 @@ class Comm:
         # (what the launch's estimate counts)
         slots = pipeline_ring_slots(nbytes, self._local_slots) if ring_slots is None \
             else link_ring_slots(nbytes, ring_slots)
-        return local_link.Sender.connect(
-            self._key, local_link.address(self._key, self._namespace, self.generation, node),
-            local_link.channel_name(self.me, node, tag_), slots, nbytes)
+        try:
+            return local_link.Sender.connect(
+                self._key, local_link.address(self._key, self._namespace, self.generation,
+                                              node),
+                local_link.channel_name(self.me, node, tag_), slots, nbytes)
+        except PeerFailure as exc:  # the generation's, as any (`_local`)
+            self.abort.trigger(str(exc))
+            raise
 
     def recv(self, node: str, tag_: int) -> torch.Tensor:
         """The next tensor on this channel.

@@ -24,7 +24,9 @@ channels between co-located workers use this one:
 
 Who is local: each `Listener` binds an abstract Unix socket whose name is an HMAC of the job's
 key, the generation and the node. A sender that can connect to its receiver's name is on the
-same host (and network namespace); one that cannot uses the process group. Names nobody
+same host (and network namespace); one that cannot (also when the listener's queue of
+connections is full, which anyone on the host can make it) uses the process group, and one
+that connects and then loses the listener fails with PeerFailure. Names nobody
 without the key can compute cannot be squatted, and the receiver still checks each
 connection's hello (an HMAC of the channel under the key), and that the memory is as large as
 the hello says and sealed against shrinking, before it maps anything. Anyone on the host can
@@ -115,6 +117,22 @@ def _read(conn: socket.socket, peer: str) -> int:
     if not data:
         raise _lost(peer)
     return len(data)
+
+
+def _connected(name: bytes) -> socket.socket | None:
+    """A connection to the listener `name`, or None if there is none from here. Not blocking:
+    anyone on the host can fill a listener's queue of connections that nobody has taken yet
+    (its name is listed in /proc/net/unix), and a blocking connect would then wait, beyond
+    any abort, for a receive that waits for this sender's header."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.setblocking(False)
+    try:
+        conn.connect(name)
+    except OSError:  # not on this host (or network namespace), or the queue is full
+        conn.close()
+        return None
+    conn.setblocking(True)
+    return conn
 
 
 def _ring(fd: int, slots: int, nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
@@ -210,12 +228,11 @@ class Sender:
     @classmethod
     def connect(cls, key: bytes, name: bytes, channel: bytes, slots: int,
                 nbytes: int) -> Sender | None:
-        """A channel to the listener `name`, or None if nobody listens there from this host."""
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            conn.connect(name)
-        except OSError:  # not on this host (or network namespace): the process group carries it
-            conn.close()
+        """A channel to the listener `name`, or None if none can be made from here (nobody
+        listens there from this host, its queue of connections is full, no shared memory):
+        the process group carries it. PeerFailure if the listener fails once connected."""
+        conn = _connected(name)
+        if conn is None:
             return None
         try:
             fd = os.memfd_create("spotpipe-link", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -223,14 +240,19 @@ class Sender:
             conn.close()
             return None
         try:
-            os.ftruncate(fd, slots * nbytes)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-            sender = cls(conn, fd, slots, nbytes)
-            socket.send_fds(conn, [_HELLO.pack(channel, slots, nbytes)
-                                   + _mac(key, channel, slots, nbytes)], [fd])
-        except BaseException:
-            conn.close()
-            raise
+            try:
+                os.ftruncate(fd, slots * nbytes)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+                sender = cls(conn, fd, slots, nbytes)
+            except OSError:  # no memory for the ring: as above
+                conn.close()
+                return None
+            try:
+                socket.send_fds(conn, [_HELLO.pack(channel, slots, nbytes)
+                                       + _mac(key, channel, slots, nbytes)], [fd])
+            except OSError as exc:  # connected, then lost: not a link we may do without
+                conn.close()
+                raise _lost("its receiver", exc) from None
         finally:
             os.close(fd)  # the mapping and the receiver's copy keep the memory
         return sender
