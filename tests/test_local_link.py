@@ -231,6 +231,14 @@ def _comm(store_port: int, me: str, local_slots: int, out: dict) -> None:
                 rows[:-1] = [buffer[i * 128: (i + 1) * 128].copy_(row)
                              for i, row in enumerate(rows[:-1])]
             comm.send_concatenated(rows, "node1", 6, ring_slots=4)
+            # a message of another shape than its channel's: the receiver knows only the first
+            # shape, and on a local link took a smaller one's tail from the message before
+            try:
+                comm.send(torch.ones(4, 16, 7), "node1", 5)
+            except ValueError as exc:
+                out["other_shape"] = str(exc)
+            comm.send(torch.empty(0, 3), "node1", 8)  # zero-size messages, twice
+            comm.send(torch.empty(0, 3), "node1", 8)
             comm.wait_sends()
         else:
             out["got"] = [comm.recv("node0", 5) for _ in range(12)]
@@ -242,6 +250,7 @@ def _comm(store_port: int, me: str, local_slots: int, out: dict) -> None:
                                for lease in leases]
             for lease in leases:
                 lease.release()
+            out["empty"] = [tuple(comm.recv("node0", 8).shape) for _ in range(2)]
             out["links"] = [type(link).__name__ for link in comm._links.values()]
             out["local_off"] = comm.local_off
         comm.all_reduce(torch.zeros(1))  # both ends done before either closes
@@ -268,13 +277,16 @@ def test_comm_takes_the_local_link_between_nodes_of_one_host_and_the_group_other
         local_slots):
     out = _pair(local_slots)
     assert all(torch.equal(a, b) for a, b in zip(out["got"], _messages(12), strict=True))
-    assert out["links"] == (["Receiver"] * 2 if local_slots else [])
+    assert out["links"] == (["Receiver"] * 3 if local_slots else [])
     # a message sent in parts arrives as their concatenation, lent in place on a local link,
     # also one built in the sender's buffer
     assert all(torch.equal(a, b.reshape(-1))
                for a, b in zip(out["lent"], _messages(4), strict=True))
     assert out["in_place"] == [bool(local_slots)] * 4
     assert out["buffer"] == bool(local_slots)  # (the group has no buffer to build in)
+    assert out["other_shape"] == ("a torch.float32 message of shape [4, 16, 7] to node1 (tag 5) "
+                                  "on a channel of torch.float32 messages of shape [4, 16, 8]")
+    assert out["empty"] == [(0, 3), (0, 3)]
 
 
 def test_a_node_that_cannot_listen_sends_through_the_group_and_says_why(monkeypatch):
@@ -371,3 +383,18 @@ def test_a_full_queue_of_connections_means_no_link_and_a_listener_lost_later_a_f
     monkeypatch.setattr(local_link, "_ring", lambda *args: (listener.close(), ring(*args))[1])
     with pytest.raises(PeerFailure, match="closed by its receiver"):
         local_link.Sender.connect(KEY, _name(generation=1), CHANNEL, 2, 4)
+
+
+def test_a_message_that_does_not_fit_its_slot_is_refused_whole():
+    """Parts beyond a slot were dropped without a word (a copy into nothing), and a tensor too
+    large failed with torch's broadcast error."""
+    listener = local_link.Listener(KEY, _name(), lambda why: None)
+    sender = local_link.Sender.connect(KEY, _name(), CHANNEL, 2, 8)
+    receiver = listener.accept(CHANNEL, AbortSignal(), lambda _: None)
+    for parts in ([torch.tensor([1.0, 2.0]), torch.tensor([3.0])], [torch.zeros(3)]):
+        with pytest.raises(ValueError, match="a 12-byte message on a channel of 8-byte buffers"):
+            sender.send_parts(parts, AbortSignal(), lambda _: None)
+    sender.send_parts([torch.tensor([4.0]), torch.tensor([5.0])], AbortSignal(), lambda _: None)
+    assert receiver.recv(torch.empty(2), AbortSignal(), lambda _: None).tolist() == [4.0, 5.0]
+    for end in (sender, receiver, listener):
+        end.close()

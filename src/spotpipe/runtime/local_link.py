@@ -20,7 +20,7 @@ channels between co-located workers use this one:
   at most one iteration's micro-batches on a channel before its receiver reads them, and the
   runtime sizes `slots` to that, so the block is a bound on memory, not a step of the schedule
   (with fewer, GPipe on a node that runs the last stage and the first deadlocks:
-  `plan.memory.pipeline_ring_slots`).
+  `plan.memory.pipeline_ring_slots`). A message must fit its slot (ValueError otherwise).
 
 Who is local: each `Listener` binds an abstract Unix socket whose name is an HMAC of the job's
 key, the generation and the node. A sender that can connect to its receiver's name is on the
@@ -221,7 +221,7 @@ class Sender:
     """The sending end of one channel: a ring of `slots` buffers of `nbytes` in shared memory."""
 
     def __init__(self, conn: socket.socket, fd: int, slots: int, nbytes: int) -> None:
-        self.conn, self.slots = conn, slots
+        self.conn, self.slots, self.nbytes = conn, slots, nbytes
         self._memory, self.ring = _ring(fd, slots, nbytes)
         self.sent = self.freed = 0
 
@@ -267,7 +267,11 @@ class Sender:
         into the slot, so that a message gathered from many tensors (a stage's gradients) is
         copied once rather than concatenated first; a part already in its place there (see
         `buffer`) is not copied at all."""
-        slot = self.buffer(abort, blocked).view(parts[0].dtype)
+        nbytes = sum(part.numel() for part in parts) * parts[0].element_size()
+        if nbytes > self.nbytes:  # (its parts would be cut off, or the first fail to copy)
+            raise ValueError(f"a {nbytes}-byte message on a channel of {self.nbytes}-byte "
+                             "buffers")
+        slot = self.buffer(abort, blocked)[:nbytes].view(parts[0].dtype)
         at = 0
         for part in parts:
             place = slot[at: at + part.numel()]
