@@ -16,13 +16,17 @@ import socket
 import threading
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from spotpipe.job import link_slots
+from spotpipe.plan.memory import pipeline_ring_slots
 from spotpipe.runtime import local_link
 from spotpipe.runtime.comm import Comm
+from spotpipe.schedule import ScheduleError, check, merged_schedule
 from spotpipe.store.abort import AbortSignal, PeerFailure
 
 KEY = b"k" * 32
@@ -227,6 +231,14 @@ def _comm(store_port: int, me: str, local_slots: int, out: dict) -> None:
                 rows[:-1] = [buffer[i * 128: (i + 1) * 128].copy_(row)
                              for i, row in enumerate(rows[:-1])]
             comm.send_concatenated(rows, "node1", 6, ring_slots=4)
+            # a message of another shape than its channel's: the receiver knows only the first
+            # shape, and on a local link took a smaller one's tail from the message before
+            try:
+                comm.send(torch.ones(4, 16, 7), "node1", 5)
+            except ValueError as exc:
+                out["other_shape"] = str(exc)
+            comm.send(torch.empty(0, 3), "node1", 8)  # zero-size messages, twice
+            comm.send(torch.empty(0, 3), "node1", 8)
             comm.wait_sends()
         else:
             out["got"] = [comm.recv("node0", 5) for _ in range(12)]
@@ -238,6 +250,7 @@ def _comm(store_port: int, me: str, local_slots: int, out: dict) -> None:
                                for lease in leases]
             for lease in leases:
                 lease.release()
+            out["empty"] = [tuple(comm.recv("node0", 8).shape) for _ in range(2)]
             out["links"] = [type(link).__name__ for link in comm._links.values()]
             out["local_off"] = comm.local_off
         comm.all_reduce(torch.zeros(1))  # both ends done before either closes
@@ -264,13 +277,16 @@ def test_comm_takes_the_local_link_between_nodes_of_one_host_and_the_group_other
         local_slots):
     out = _pair(local_slots)
     assert all(torch.equal(a, b) for a, b in zip(out["got"], _messages(12), strict=True))
-    assert out["links"] == (["Receiver"] * 2 if local_slots else [])
+    assert out["links"] == (["Receiver"] * 3 if local_slots else [])
     # a message sent in parts arrives as their concatenation, lent in place on a local link,
     # also one built in the sender's buffer
     assert all(torch.equal(a, b.reshape(-1))
                for a, b in zip(out["lent"], _messages(4), strict=True))
     assert out["in_place"] == [bool(local_slots)] * 4
     assert out["buffer"] == bool(local_slots)  # (the group has no buffer to build in)
+    assert out["other_shape"] == ("a torch.float32 message of shape [4, 16, 7] to node1 (tag 5) "
+                                  "on a channel of torch.float32 messages of shape [4, 16, 8]")
+    assert out["empty"] == [(0, 3), (0, 3)]
 
 
 def test_a_node_that_cannot_listen_sends_through_the_group_and_says_why(monkeypatch):
@@ -314,4 +330,71 @@ def test_a_stranger_that_connects_and_says_nothing_does_not_hold_up_the_genuine_
     taker.join(timeout=30)
     assert got == [5.0], got
     for end in (stranger, genuine, listener):
+        end.close()
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_a_pipeline_rings_buffers_hold_what_a_schedule_sends_before_its_receiver_reads(kind):
+    """GPipe on a node that took over stage 0 from the last stage (owners (P-1, 0)) sends up
+    to M/2 activations to stage 1 before it reads one of stage 1's, which meanwhile sends on
+    to it: the 256 MiB cap on a ring left messages over 128 MiB 2 buffers, and both nodes
+    then blocked on full rings (shown with real links of 2 slots, P=3, M=8)."""
+    for microbatches, pipelines in [(8, 1), (16, 1), (4, 2)]:
+        m = microbatches * pipelines  # a pipeline's once the others are dropped
+        slots = pipeline_ring_slots(200 * 2 ** 20, link_slots(
+            SimpleNamespace(num_microbatches=microbatches, pipelines=pipelines)))
+        for owners in ([(2, 0), (1,)], [(0, 1), (2,)], [(3, 0), (1,), (2,)],
+                       [(0,), (1,), (2,)]):
+            check(merged_schedule(kind, m, owners), ring_slots=slots)
+    if kind == "gpipe":  # (what the check says of the rings that were too small)
+        with pytest.raises(ScheduleError, match="deadlock"):
+            check(merged_schedule(kind, 8, [(2, 0), (1,)]), ring_slots=2)
+
+
+def test_a_full_queue_of_connections_means_no_link_and_a_listener_lost_later_a_failure(
+        monkeypatch):
+    """Anyone on the host can fill a listener's queue of connections (its name is listed in
+    /proc/net/unix): the sender's connect then waited, beyond any abort, and its receiver for
+    the header it never sent. Now the group carries that channel. A listener lost once
+    connected is the peer's failure, not an OSError out of the send."""
+    listener = local_link.Listener(KEY, _name(), lambda why: None)
+    strangers = []
+    while True:
+        stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stranger.setblocking(False)
+        try:
+            stranger.connect(_name())
+        except BlockingIOError:
+            stranger.close()
+            break
+        strangers.append(stranger)
+    got = []
+    connecting = threading.Thread(target=lambda: got.append(
+        local_link.Sender.connect(KEY, _name(), CHANNEL, 2, 4)), daemon=True)
+    connecting.start()
+    connecting.join(timeout=30)  # (a guard against a hang: no time needs to pass)
+    assert got == [None]
+    for stranger in strangers:
+        stranger.close()
+    listener.close()
+
+    listener = local_link.Listener(KEY, _name(generation=1), lambda why: None)
+    ring = local_link._ring
+    monkeypatch.setattr(local_link, "_ring", lambda *args: (listener.close(), ring(*args))[1])
+    with pytest.raises(PeerFailure, match="closed by its receiver"):
+        local_link.Sender.connect(KEY, _name(generation=1), CHANNEL, 2, 4)
+
+
+def test_a_message_that_does_not_fit_its_slot_is_refused_whole():
+    """Parts beyond a slot were dropped without a word (a copy into nothing), and a tensor too
+    large failed with torch's broadcast error."""
+    listener = local_link.Listener(KEY, _name(), lambda why: None)
+    sender = local_link.Sender.connect(KEY, _name(), CHANNEL, 2, 8)
+    receiver = listener.accept(CHANNEL, AbortSignal(), lambda _: None)
+    for parts in ([torch.tensor([1.0, 2.0]), torch.tensor([3.0])], [torch.zeros(3)]):
+        with pytest.raises(ValueError, match="a 12-byte message on a channel of 8-byte buffers"):
+            sender.send_parts(parts, AbortSignal(), lambda _: None)
+    sender.send_parts([torch.tensor([4.0]), torch.tensor([5.0])], AbortSignal(), lambda _: None)
+    assert receiver.recv(torch.empty(2), AbortSignal(), lambda _: None).tolist() == [4.0, 5.0]
+    for end in (sender, receiver, listener):
         end.close()

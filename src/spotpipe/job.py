@@ -459,7 +459,8 @@ def memory_rules(cfg: Config, num_stages: int) -> MemoryRules:
 
 def link_slots(cfg: Config) -> int:
     """Messages a local link buffers per channel: a channel carries at most one iteration's
-    micro-batches unread (all of them once pipelines are dropped), twice that for slack."""
+    micro-batches unread (all of them once pipelines are dropped), twice that for slack; the
+    cap on a ring's memory trims only the slack (`plan.memory.pipeline_ring_slots`)."""
     return 2 * cfg.num_microbatches * cfg.pipelines
 
 

@@ -74,8 +74,8 @@ Shadows (`shadows`): a CPU process per stage holds every iteration's state: fp32
 gradient it receives and the optimizer state: (4 + 4 + optimizer) N, in the memory of the
 host the shadows run on (the launcher's or agent's, not a preemptible node: `shadow_host`).
 Local links (`link_slots`, CPU runs; runtime/local_link.py): a worker makes the shared-memory
-ring of every pipeline channel it sends on, `link_ring_slots` messages of the channel's size:
-the activation to the next stage (`boundary_bytes`) and the gradient to the previous one
+ring of every pipeline channel it sends on, `pipeline_ring_slots` messages of the channel's
+size: the activation to the next stage (`boundary_bytes`) and the gradient to the previous one
 (`stage_input_bytes`), and with redundancy its stage's gradients to their replica
 (`replica_link_slots` messages: the replica's thread applies them where they lie), in the
 host's memory.
@@ -133,7 +133,9 @@ from spotpipe.schedule import replica_of, runs_frc
 
 GIB = 1024 ** 3
 
-LINK_RING_CAP = 256 * 1024 ** 2  # a local link's ring holds at most this, and 2 messages at least
+# a local link's ring holds at most this, and 2 messages at least (a pipeline channel's an
+# iteration's micro-batches at least: `pipeline_ring_slots`)
+LINK_RING_CAP = 256 * 1024 ** 2
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
 SCHEDULES = ("1f1b", "gpipe")
@@ -276,10 +278,22 @@ def replica_link_slots(max_lag: int) -> int:
     return max_lag + 2
 
 
-def link_ring_slots(message_bytes: float, slots: int) -> int:
+def link_ring_slots(message_bytes: float, slots: int, least: int = 2) -> int:
     """Buffers of a local link's ring for messages of `message_bytes`: `slots`, as far as
-    LINK_RING_CAP allows, and never fewer than 2 (one being read, one being written)."""
-    return max(2, min(slots, int(LINK_RING_CAP // max(1.0, message_bytes))))
+    LINK_RING_CAP allows, and never fewer than `least` (what its sender may have to write
+    before its receiver reads: a sender blocks on a full ring) nor 2 (one being read, one
+    being written)."""
+    return max(2, least, min(slots, int(LINK_RING_CAP // max(1.0, message_bytes))))
+
+
+def pipeline_ring_slots(message_bytes: float, link_slots: int) -> int:
+    """Buffers of a pipeline channel's ring (activations, gradients, `link_slots` as
+    `job.link_slots` gives it: twice an iteration's micro-batches per pipeline). The cap
+    trims the slack, never the iteration: GPipe on a node that took over stage 0 from the
+    last stage's (owners (P-1, 0)) sends up to M/2 messages on a channel before its
+    receiver reads one, while that receiver waits to send on the other way; with fewer
+    buffers both ends block on full rings for good."""
+    return link_ring_slots(message_bytes, link_slots, least=link_slots // 2)
 
 
 def state_bytes_per_param(precision: str, optimizer: str) -> dict[str, int]:
@@ -326,7 +340,7 @@ def estimate_stage(stage: int, facts: StageFacts, rules: MemoryRules) -> MemoryE
     if rules.link_slots and rules.num_stages > 1:
         sent = ([facts.boundary_bytes] if stage < rules.num_stages - 1 else []) \
             + ([facts.stage_input_bytes] if stage > 0 else [])
-        ring = sum(link_ring_slots(b, rules.link_slots) * b for b in sent)
+        ring = sum(pipeline_ring_slots(b, rules.link_slots) * b for b in sent)
         if rules.redundancy != "none":  # the stage's gradients to its replica, 2 buffers
             grads = per["gradients"] * n
             ring += link_ring_slots(grads, replica_link_slots(rules.replica_max_lag)) * grads

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spotpipe.plan.memory import link_ring_slots
+from spotpipe.plan.memory import link_ring_slots, pipeline_ring_slots
 from spotpipe.protocol.auth import Refused
 from spotpipe.runtime import local_link
 from spotpipe.runtime.activity import Activity
@@ -343,6 +343,8 @@ class Comm:
             header = header.to(self.device)
             self._pending.append((self._post(self.world.send, [header], dst, tag_), header))
             self._shapes[key] = (shape, dtype)
+        elif self._shapes[key] != (shape, dtype):
+            raise ValueError(self._not_the_channels(key, shape, dtype, node, tag_))
         link = self._links.get(key)
         if link is not None:
             self._local(link.send_parts, parts)
@@ -351,16 +353,31 @@ class Comm:
             self._pending.append((self._post(self.world.send, [whole.view(shape)], dst, tag_),
                                   whole))
 
+    def _not_the_channels(self, key: tuple[str, int, int], shape: torch.Size,
+                          dtype: torch.dtype, node: str, tag_: int) -> str:
+        """Why a message cannot go on its channel: its receiver knows only the first
+        message's shape (the header), and would take a smaller one's bytes from the last
+        (a local link) or fail on it (the group)."""
+        first_shape, first_dtype = self._shapes[key]
+        return (f"a {dtype} message of shape {list(shape)} to {node} (tag {tag_}) on a "
+                f"channel of {first_dtype} messages of shape {list(first_shape)}")
+
     def _connect(self, node: str, tag_: int, nbytes: int, ring_slots: int | None) -> Any:
         """A local link for the channel to `node` if it runs on this host, else None."""
         if self._listener is None:
             return None
-        nbytes = max(1, nbytes)
+        nbytes = max(8, nbytes)  # (a zero-size message too: a slot every dtype can view)
         # (what the launch's estimate counts)
-        slots = link_ring_slots(nbytes, self._local_slots if ring_slots is None else ring_slots)
-        return local_link.Sender.connect(
-            self._key, local_link.address(self._key, self._namespace, self.generation, node),
-            local_link.channel_name(self.me, node, tag_), slots, nbytes)
+        slots = pipeline_ring_slots(nbytes, self._local_slots) if ring_slots is None \
+            else link_ring_slots(nbytes, ring_slots)
+        try:
+            return local_link.Sender.connect(
+                self._key, local_link.address(self._key, self._namespace, self.generation,
+                                              node),
+                local_link.channel_name(self.me, node, tag_), slots, nbytes)
+        except PeerFailure as exc:  # the generation's, as any (`_local`)
+            self.abort.trigger(str(exc))
+            raise
 
     def recv(self, node: str, tag_: int) -> torch.Tensor:
         """The next tensor on this channel.

@@ -18,11 +18,15 @@ channels between co-located workers use this one:
   coordinator's abort) ends it as it ends gloo's waits.
 - A sender blocks only when `slots` messages of one channel are unread. Pipeline schedules send
   at most one iteration's micro-batches on a channel before its receiver reads them, and the
-  runtime sizes `slots` to that, so the block is a bound on memory, not a step of the schedule.
+  runtime sizes `slots` to that, so the block is a bound on memory, not a step of the schedule
+  (with fewer, GPipe on a node that runs the last stage and the first deadlocks:
+  `plan.memory.pipeline_ring_slots`). A message must fit its slot (ValueError otherwise).
 
 Who is local: each `Listener` binds an abstract Unix socket whose name is an HMAC of the job's
 key, the generation and the node. A sender that can connect to its receiver's name is on the
-same host (and network namespace); one that cannot uses the process group. Names nobody
+same host (and network namespace); one that cannot (also when the listener's queue of
+connections is full, which anyone on the host can make it) uses the process group, and one
+that connects and then loses the listener fails with PeerFailure. Names nobody
 without the key can compute cannot be squatted, and the receiver still checks each
 connection's hello (an HMAC of the channel under the key), and that the memory is as large as
 the hello says and sealed against shrinking, before it maps anything. Anyone on the host can
@@ -115,6 +119,22 @@ def _read(conn: socket.socket, peer: str) -> int:
     return len(data)
 
 
+def _connected(name: bytes) -> socket.socket | None:
+    """A connection to the listener `name`, or None if there is none from here. Not blocking:
+    anyone on the host can fill a listener's queue of connections that nobody has taken yet
+    (its name is listed in /proc/net/unix), and a blocking connect would then wait, beyond
+    any abort, for a receive that waits for this sender's header."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.setblocking(False)
+    try:
+        conn.connect(name)
+    except OSError:  # not on this host (or network namespace), or the queue is full
+        conn.close()
+        return None
+    conn.setblocking(True)
+    return conn
+
+
 def _ring(fd: int, slots: int, nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
     memory = mmap.mmap(fd, slots * nbytes)
     return memory, torch.frombuffer(memory, dtype=torch.uint8).view(slots, nbytes)
@@ -201,19 +221,18 @@ class Sender:
     """The sending end of one channel: a ring of `slots` buffers of `nbytes` in shared memory."""
 
     def __init__(self, conn: socket.socket, fd: int, slots: int, nbytes: int) -> None:
-        self.conn, self.slots = conn, slots
+        self.conn, self.slots, self.nbytes = conn, slots, nbytes
         self._memory, self.ring = _ring(fd, slots, nbytes)
         self.sent = self.freed = 0
 
     @classmethod
     def connect(cls, key: bytes, name: bytes, channel: bytes, slots: int,
                 nbytes: int) -> Sender | None:
-        """A channel to the listener `name`, or None if nobody listens there from this host."""
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            conn.connect(name)
-        except OSError:  # not on this host (or network namespace): the process group carries it
-            conn.close()
+        """A channel to the listener `name`, or None if none can be made from here (nobody
+        listens there from this host, its queue of connections is full, no shared memory):
+        the process group carries it. PeerFailure if the listener fails once connected."""
+        conn = _connected(name)
+        if conn is None:
             return None
         try:
             fd = os.memfd_create("spotpipe-link", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -221,14 +240,19 @@ class Sender:
             conn.close()
             return None
         try:
-            os.ftruncate(fd, slots * nbytes)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-            sender = cls(conn, fd, slots, nbytes)
-            socket.send_fds(conn, [_HELLO.pack(channel, slots, nbytes)
-                                   + _mac(key, channel, slots, nbytes)], [fd])
-        except BaseException:
-            conn.close()
-            raise
+            try:
+                os.ftruncate(fd, slots * nbytes)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+                sender = cls(conn, fd, slots, nbytes)
+            except OSError:  # no memory for the ring: as above
+                conn.close()
+                return None
+            try:
+                socket.send_fds(conn, [_HELLO.pack(channel, slots, nbytes)
+                                       + _mac(key, channel, slots, nbytes)], [fd])
+            except OSError as exc:  # connected, then lost: not a link we may do without
+                conn.close()
+                raise _lost("its receiver", exc) from None
         finally:
             os.close(fd)  # the mapping and the receiver's copy keep the memory
         return sender
@@ -243,7 +267,11 @@ class Sender:
         into the slot, so that a message gathered from many tensors (a stage's gradients) is
         copied once rather than concatenated first; a part already in its place there (see
         `buffer`) is not copied at all."""
-        slot = self.buffer(abort, blocked).view(parts[0].dtype)
+        nbytes = sum(part.numel() for part in parts) * parts[0].element_size()
+        if nbytes > self.nbytes:  # (its parts would be cut off, or the first fail to copy)
+            raise ValueError(f"a {nbytes}-byte message on a channel of {self.nbytes}-byte "
+                             "buffers")
+        slot = self.buffer(abort, blocked)[:nbytes].view(parts[0].dtype)
         at = 0
         for part in parts:
             place = slot[at: at + part.numel()]

@@ -2,6 +2,8 @@
 
 The runtime's point-to-point semantics are modelled exactly: sends are asynchronous (buffered),
 receives block, and messages between two stages are matched in the order they were posted.
+Between two workers of one host a send blocks while its channel's ring is full
+(runtime/local_link.py): `check(schedule, ring_slots=n)` models that.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ def _channel(instr: Instr) -> tuple[int, int, str]:
     return (instr.peer, instr.stage, kind)
 
 
-def check(schedule: Schedule) -> Report:
-    """Run the streams against each other; raise ScheduleError on any violation."""
+def check(schedule: Schedule, ring_slots: int | None = None) -> Report:
+    """Run the streams against each other; raise ScheduleError on any violation.
+    `ring_slots`: a send to another actor blocks while that many messages of its channel are
+    unread (None: sends never block)."""
     p, m = schedule.num_stages, schedule.num_microbatches
     local = {s: a for a, stages in enumerate(schedule.owners) for s in stages}
     queues: dict[tuple[int, int, str], deque[int]] = defaultdict(deque)
@@ -57,7 +61,11 @@ def check(schedule: Schedule) -> Report:
                     if instr.peer not in local:
                         raise ScheduleError(f"actor {actor}: {instr} sends to a stage no actor "
                                             "owns")
-                    queues[_channel(instr)].append(instr.mb)
+                    queue = queues[_channel(instr)]
+                    if ring_slots is not None and local[instr.peer] != actor \
+                            and len(queue) >= ring_slots:
+                        break  # blocked on a full ring: try the other actors
+                    queue.append(instr.mb)
                 elif instr.op == Op.FORWARD:
                     if instr.mb in forwarded[instr.stage]:
                         raise ScheduleError(f"{instr}: micro-batch forwarded twice")
