@@ -15,8 +15,12 @@ a payload:
   `resume`. The shadow settles a gradient it holds unapplied (applies it if it is of
   `resume - 1`, which survivors committed, drops it otherwise, even one whose lost writer
   committed it alone), answers ACK(applied), and if
-  `want_state` sends the stage's state (a restore onto a node that lost it).
-- GRAD(t) + the flat gradient (`replica.flatten_grads`): iteration t's final gradient. Sent
+  `want_state` sends the stage's state (a restore onto a node that lost it). A `resume` that
+  neither follows what the shadow applied nor the gradient it holds settles nothing: the
+  writer refuses the ACK, and the next writer finds the shadow as it was.
+- GRAD(t, size) + the flat gradient (`replica.flatten_grads`, `size` values): iteration t's
+  final gradient (gloo takes a shorter message into a receive, so the shadow checks `size`
+  against its stage's, and refuses a gradient that is not the stage's whole one). Sent
   when the gradient is reduced and confirmed before the iteration commits, as for replicas, so
   a committed iteration is always in the shadow's hands even if the writer dies next. The
   gradient travels under its own tag (GRAD_TAG), so that the shadow can post the receive of
@@ -29,6 +33,8 @@ a payload:
   writer's next message shows that every node committed t too (the next GRAD, or an END or
   HELLO resuming after t: `checkpoint.shadow._Pending` says why). A HELLO carries the scale
   of iteration `resume - 1`, for a gradient whose COMMIT its writer did not live to send.
+  A scale is NaN (a skipped step) or in [0, 1] (`grads.clip_scale`); the shadow refuses any
+  other before it touches its state.
 - END(resume, scale) + one value under GRAD_TAG: the writer hands the stage over (or the job
   is over), every node having agreed to resume at `resume`; the shadow settles what it holds
   as at a HELLO and waits for the next link. The value completes the shadow's receive of the
@@ -296,7 +302,7 @@ class ShadowWriter:
         # (after the wait, which leaves the link silent too)
         link = self._current(link)
         flat = flat.detach().to("cpu")
-        h = header(GRAD, iteration)
+        h = header(GRAD, iteration, flat.numel())
         link.sends.append((link.group.send([h], 0, 0), h))
         link.sends.append((link.group.send([flat], 0, GRAD_TAG), flat))
         link.used = time.monotonic()
