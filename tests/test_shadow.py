@@ -470,6 +470,35 @@ def test_a_hello_resuming_where_no_writer_can_leaves_the_shadow_as_it_was():
     assert [(t, kind, float(scale)) for t, kind, scale in submitted] == [(3, "grad", 0.25)]
 
 
+def test_a_restore_refuses_a_state_not_of_the_stages_size(monkeypatch):
+    """A node restoring a stage receives the shadow's state into a buffer of its own stage's
+    size; gloo takes a shorter message into it, and the module was loaded with a tail the
+    shadow never sent. The ACK says the state's size now, and a mismatch loads nothing."""
+    from spotpipe.runtime import shadow_link
+    from spotpipe.runtime.shadow_link import ACK, ShadowError, ShadowWriter, header, state_size
+
+    module = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(module.parameters())
+    size = state_size(module, optimizer)
+    shadows = [header(ACK, 4, size - 2), torch.full((size - 2,), 7.0)]  # two values short
+
+    def recv(tensors, rank, tag):
+        sent = shadows.pop(0)
+        tensors[0][: sent.numel()] = sent
+        return SimpleNamespace(wait=lambda: None)
+
+    group = SimpleNamespace(recv=recv, send=lambda *a: SimpleNamespace(wait=lambda: None))
+    monkeypatch.setattr(shadow_link, "pair_group", lambda *args: group)
+    store = SimpleNamespace(add=lambda key, n: 1, set=lambda key, value: None,
+                            rendezvous=lambda timeout_s: None)
+    writer = ShadowWriter(store, "spotpipe", "node3", max_lag=1, timeout_s=1)
+    before = [p.clone() for p in module.parameters()]
+    with pytest.raises(ShadowError, match=rf"stage 2 holds a state of {size - 2} values, "
+                                          rf"node3's stage has {size}: nothing restored"):
+        writer.relink({2: (module, optimizer)}, 5, {2})
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
+
+
 def test_a_shadow_that_dies_ends_the_job_naming_it(tmp_path, corpus):
     """A shadow runs beside the coordinator, on the host the job cannot lose, and holds the
     only copy of its stage that survives every pipeline losing it: one that dies there is a

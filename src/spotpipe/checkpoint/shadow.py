@@ -200,10 +200,11 @@ class Shadow:
                                                 torch.empty(4, dtype=torch.int64)).tolist()
                 if kind == HELLO:
                     self._settle(resume=t, scale=scale_from_bits(bits))
+                    applied = self.applied  # (drains the applier: the state sent is of `applied`)
+                    flat = flatten(self.module, self.optimizer) if arg else torch.empty(0)
                     _on_link(lambda: group.send(  # type: ignore[attr-defined]
-                        [header(ACK, self.applied)], 1, 0).wait())
+                        [header(ACK, applied, flat.numel())], 1, 0).wait())
                     if arg:
-                        flat = flatten(self.module, self.optimizer)
                         _on_link(lambda: group.send(  # type: ignore[attr-defined]
                             [flat], 1, 0).wait())
                         self.channel.event("shadow_restored", stage=self.stage,

@@ -14,10 +14,11 @@ a payload:
 - HELLO(resume, want_state), writer -> shadow: the writer starts writing at iteration
   `resume`. The shadow settles a gradient it holds unapplied (applies it if it is of
   `resume - 1`, which survivors committed, drops it otherwise, even one whose lost writer
-  committed it alone), answers ACK(applied), and if
-  `want_state` sends the stage's state (a restore onto a node that lost it). A `resume` that
-  neither follows what the shadow applied nor the gradient it holds settles nothing: the
-  writer refuses the ACK, and the next writer finds the shadow as it was.
+  committed it alone), answers ACK(applied, size), and if
+  `want_state` sends the stage's state (a restore onto a node that lost it), `size` values,
+  which the writer checks against its stage's before it takes any (as for GRAD's size). A
+  `resume` that neither follows what the shadow applied nor the gradient it holds settles
+  nothing: the writer refuses the ACK, and the next writer finds the shadow as it was.
 - GRAD(t, size) + the flat gradient (`replica.flatten_grads`, `size` values): iteration t's
   final gradient (gloo takes a shorter message into a receive, so the shadow checks `size`
   against its stage's, and refuses a gradient that is not the stage's whole one). Sent
@@ -213,7 +214,10 @@ class ShadowWriter:
             group.recv([ack], 0, 0).wait()
         except RuntimeError as exc:
             raise _unreachable(stage, exc) from None
-        applied = int(ack[1])
+        kind, applied, size = int(ack[0]), int(ack[1]), int(ack[2])
+        if kind != ACK:
+            raise ShadowError(f"the shadow of stage {stage} answered HELLO with a message of "
+                              f"kind {kind}, not ACK")
         link = _Link(stage, number, group, applied, rendezvous, resume, scale)
         if applied != resume - 1:
             raise ShadowError(f"the shadow of stage {stage} holds iteration {applied}, but the "
@@ -221,6 +225,9 @@ class ShadowWriter:
         if state is not None:
             module, optimizer = state
             flat = torch.empty(state_size(module, optimizer))
+            if size != flat.numel():  # (gloo would take a shorter state, its tail unwritten)
+                raise ShadowError(f"the shadow of stage {stage} holds a state of {size} values, "
+                                  f"{self.node}'s stage has {flat.numel()}: nothing restored")
             try:  # (whole or not at all: a cut link leaves the module unloaded, and fails)
                 group.recv([flat], 0, 0).wait()
             except RuntimeError as exc:
