@@ -425,12 +425,13 @@ def _message(kind, t=0, arg=0, scale=None, grad=None):
     ("short", r"gradient of iteration 3 has 3 values, the stage's has 4"),
     ("inf", r"clipping scale inf, not in \[0, 1\]"),
     ("negative", r"clipping scale -0.5, not in \[0, 1\]"),
-    ("kind", r"unknown message kind 9")])
+    ("kind", r"unknown message kind 9"), ("hello", r"a second HELLO on the link")])
 def test_a_shadow_refuses_a_message_that_breaks_the_protocol_naming_its_writer(bad, refusal):
     """Gloo takes a shorter message into a receive: a gradient short of the stage's was
     applied, its tail and presence flags whatever the buffer held. A clipping scale of inf
-    made every parameter non-finite in one step. Each is refused, naming the stage and the
-    writer, before anything is applied (the shadow stops; the job stops with its message)."""
+    made every parameter non-finite in one step. A second HELLO posted the gradient's receive
+    again, the first left pending. Each is refused, naming the stage and the writer, before
+    anything is applied (the shadow stops; the job stops with its message)."""
     from spotpipe.runtime.shadow_link import COMMIT, GRAD, HELLO
 
     events, submitted = [], []
@@ -442,7 +443,7 @@ def test_a_shadow_refuses_a_message_that_breaks_the_protocol_naming_its_writer(b
                 _message(GRAD, 4, 4, grad=whole)],
         "negative": [_message(GRAD, 3, 4, grad=whole), _message(COMMIT, 3, scale=-0.5),
                      _message(GRAD, 4, 4, grad=whole)],
-        "kind": [_message(9, 3)]}[bad]
+        "kind": [_message(9, 3)], "hello": [_message(HELLO, 3)]}[bad]
     with pytest.raises(RuntimeError, match=rf"shadow of stage 1: .*{refusal} \(writer node7\)"):
         shadow._serve(_ScriptedWriter([_message(HELLO, 3)] + script))
     assert submitted == [] and shadow.submitted == 2

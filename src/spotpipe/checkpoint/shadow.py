@@ -199,6 +199,10 @@ class Shadow:
                 kind, t, arg, bits = self._recv(group,
                                                 torch.empty(4, dtype=torch.int64)).tolist()
                 if kind == HELLO:
+                    # a second HELLO would post the gradient's receive again and leave the
+                    # first pending, on which the group's teardown can block
+                    if ahead is not None:
+                        raise self._refused("a second HELLO on the link")
                     self._settle(resume=t, scale=scale_from_bits(bits))
                     applied = self.applied  # (drains the applier: the state sent is of `applied`)
                     flat = flatten(self.module, self.optimizer) if arg else torch.empty(0)
