@@ -220,7 +220,7 @@ class Shadow:
                         raise self._refused("a gradient before HELLO")
                     flat = self._wait(*ahead)
                     ahead = None
-                    if arg != self.grad_size:  # (gloo took it whole were it shorter)
+                    if arg != self.grad_size:  # (gloo takes a shorter one without a word)
                         raise self._refused(f"the gradient of iteration {t} has {arg} values, "
                                             f"the stage's has {self.grad_size}")
                     # the writer reduced this gradient: every node committed the iteration
@@ -251,8 +251,7 @@ class Shadow:
         """A message that breaks the protocol, from a writer that holds the job's key (a bug,
         not a loss): refused before it touches the state, and the shadow stops, named with
         its writer, so the job stops with that message rather than train on a wrong shadow."""
-        return RuntimeError(f"shadow of stage {self.stage}: {what} (writer "
-                            f"{getattr(self, 'writer', None)})")
+        return RuntimeError(f"shadow of stage {self.stage}: {what} (writer {self.writer})")
 
     def _finish_ahead(self, work: Any, buffer: torch.Tensor) -> None:
         """Complete the receive posted ahead on a link that ends, before the link's group is

@@ -214,10 +214,7 @@ class ShadowWriter:
             group.recv([ack], 0, 0).wait()
         except RuntimeError as exc:
             raise _unreachable(stage, exc) from None
-        kind, applied, size = int(ack[0]), int(ack[1]), int(ack[2])
-        if kind != ACK:
-            raise ShadowError(f"the shadow of stage {stage} answered HELLO with a message of "
-                              f"kind {kind}, not ACK")
+        applied, size = int(ack[1]), int(ack[2])
         link = _Link(stage, number, group, applied, rendezvous, resume, scale)
         if applied != resume - 1:
             raise ShadowError(f"the shadow of stage {stage} holds iteration {applied}, but the "
