@@ -716,7 +716,9 @@ def test_a_shadow_keeps_nothing_of_the_links_its_writers_ended(tmp_path, corpus,
     """Each writer change opens a link and ends it (END). The shadow posts the receive of the
     next gradient ahead on a link; it must complete it and drop the link when the link ends.
     It once kept that receive for as long as it ran, and with it a gradient's buffer and the
-    link's sockets: four descriptors here for each writer, ten writers here forty."""
+    link's sockets: four descriptors here for each writer, ten writers here forty. Nor does
+    the store keep a link's records once it is over (three keys a link were left: its record
+    and its gloo rendezvous's two addresses, thirty here)."""
     import os
     import threading
 
@@ -751,15 +753,18 @@ def test_a_shadow_keeps_nothing_of_the_links_its_writers_ended(tmp_path, corpus,
     def descriptors() -> int:
         return len(os.listdir("/proc/self/fd"))
 
+    store = connect()
     write(0)
     write(1)
-    before = descriptors()
+    before, keys_before = descriptors(), store.num_keys()
     for t in range(2, cfg.iterations):
         write(t)
     grew = descriptors() - before
     runner.join(timeout=60)
     assert not runner.is_alive() and shadow.applied == cfg.iterations - 1
     assert grew < cfg.iterations - 2, f"{grew} descriptors more after ten writers"
+    more = store.num_keys() - keys_before
+    assert more < cfg.iterations - 2, f"{more} keys more in the store after ten writers"
 
 
 def test_a_shadow_lagging_past_the_timeout_stops_its_writer_naming_it():

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from spotpipe import job
 from spotpipe.checkpoint import durable
-from spotpipe.protocol import channel_from_env
+from spotpipe.protocol import channel_from_env, keys
 from spotpipe.store.address import StoreAddress
 from spotpipe.store.mailbox import Outbox
 from spotpipe.store.sealed import SealedStore
@@ -177,6 +177,8 @@ class Shadow:
                 self.channel.event("shadow_link_lost", stage=self.stage, writer=info["node"],
                                    iteration=self.applied, reason=str(why)[:200])
                 continue
+            finally:
+                self._forget_link(self.links)
             if ended and self.submitted >= last:
                 break
         self.applier.close()
@@ -184,6 +186,16 @@ class Shadow:
                            max_lag=self.max_lag_seen, links=self.links,
                            cpu_s=round(time.process_time(), 3),  # what the shadow costs a host
                            receiver_nice=_nice())
+
+    def _forget_link(self, number: int) -> None:
+        """Delete the records of link `number`, which is over: its own, and its gloo
+        rendezvous's (each rank's address, under the group's prefix, where torch's gloo puts
+        them), so that the store keeps those of the live link only, however many writers
+        come (a writer renews its link after every long recovery, too)."""
+        group = keys.shadow_groups(self.namespace, self.stage, number)
+        for key in (link_key(self.namespace, self.stage, number), f"{group}/0/0",
+                    f"{group}/0/1"):
+            self.sealed.delete_key(key)
 
     # ------------------------------------------------------------------ one link
 
