@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -325,7 +326,7 @@ class _WriterDiesAfterAGradient:
     def __init__(self) -> None:
         from spotpipe.runtime.shadow_link import GRAD, HELLO, header
 
-        self.headers = [header(HELLO, 3), header(GRAD, 3)]
+        self.headers = [header(HELLO, 3), header(GRAD, 3, 4)]
         self.grads = 0
 
     def recv(self, tensors, rank, tag):
@@ -365,6 +366,138 @@ def test_a_gradient_received_just_before_the_writer_died_stays_pending():
         shadow._serve(_WriterDiesAfterAGradient())
     assert shadow.pending is not None and shadow.pending.iteration == 3
     assert torch.equal(shadow.pending.flat, torch.full((4,), 0.5))
+
+
+class _ScriptedWriter:
+    """A pair group whose writer says `script`, (header, gradient or None) pairs, and is then
+    gone; like gloo, a receive takes a shorter message (its tail stays as it was)."""
+
+    def __init__(self, script) -> None:
+        self.script, self.grads, self.said = list(script), [], []
+
+    def recv(self, tensors, rank, tag):
+        from spotpipe.runtime.shadow_link import GRAD_TAG
+
+        if tag == GRAD_TAG:
+            return SimpleNamespace(wait=lambda: self._fill(tensors[0]))
+        if not self.script:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+        head, grad = self.script.pop(0)
+        tensors[0].copy_(head)
+        if grad is not None:
+            self.grads.append(grad)
+        return SimpleNamespace(wait=lambda: None)
+
+    def _fill(self, buffer) -> None:
+        if not self.grads:  # (the receive posted ahead, on a link that is gone)
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:589] Read error: Connection reset")
+        grad = self.grads.pop(0)
+        buffer[: grad.numel()] = grad
+
+    def send(self, tensors, rank, tag):
+        self.said.append(tensors[0].clone())
+        return SimpleNamespace(wait=lambda: None)
+
+
+def _bare_shadow(events: list, submitted: list):
+    """A shadow of stage 1 with a 4-value gradient, clipping on, that holds iteration 2, its
+    writer node7; its applier records what it is given."""
+    from spotpipe.checkpoint.shadow import Shadow
+
+    shadow = Shadow.__new__(Shadow)
+    shadow.stage, shadow.grad_size, shadow.num_params, shadow.pending = 1, 4, 1, None
+    shadow.max_lag_seen, shadow.submitted, shadow.writer = 0, 2, "node7"
+    shadow.cfg = SimpleNamespace(precision="fp32", optimizer=SimpleNamespace(grad_clip=1.0))
+    shadow.channel = SimpleNamespace(event=lambda kind, **details: events.append(kind))
+    shadow.applier = SimpleNamespace(
+        applied=2, drain=lambda: None,
+        submit=lambda t, kind, flat, scale=None: submitted.append((t, kind, scale)))
+    return shadow
+
+
+def _message(kind, t=0, arg=0, scale=None, grad=None):
+    from spotpipe.runtime.shadow_link import header
+
+    return header(kind, t, arg, scale), grad
+
+
+@pytest.mark.parametrize("bad,refusal", [
+    ("short", r"gradient of iteration 3 has 3 values, the stage's has 4"),
+    ("inf", r"clipping scale inf, not in \[0, 1\]"),
+    ("negative", r"clipping scale -0.5, not in \[0, 1\]"),
+    ("kind", r"unknown message kind 9"), ("hello", r"a second HELLO on the link")])
+def test_a_shadow_refuses_a_message_that_breaks_the_protocol_naming_its_writer(bad, refusal):
+    """Gloo takes a shorter message into a receive: a gradient short of the stage's was
+    applied, its tail and presence flags whatever the buffer held. A clipping scale of inf
+    made every parameter non-finite in one step. A second HELLO posted the gradient's receive
+    again, the first left pending. Each is refused, naming the stage and the writer, before
+    anything is applied (the shadow stops; the job stops with its message)."""
+    from spotpipe.runtime.shadow_link import COMMIT, GRAD, HELLO
+
+    events, submitted = [], []
+    shadow = _bare_shadow(events, submitted)
+    whole = torch.full((4,), 0.5)
+    script = {
+        "short": [_message(GRAD, 3, 3, grad=whole[:3])],
+        "inf": [_message(GRAD, 3, 4, grad=whole), _message(COMMIT, 3, scale=float("inf")),
+                _message(GRAD, 4, 4, grad=whole)],
+        "negative": [_message(GRAD, 3, 4, grad=whole), _message(COMMIT, 3, scale=-0.5),
+                     _message(GRAD, 4, 4, grad=whole)],
+        "kind": [_message(9, 3)], "hello": [_message(HELLO, 3)]}[bad]
+    with pytest.raises(RuntimeError, match=rf"shadow of stage 1: .*{refusal} \(writer node7\)"):
+        shadow._serve(_ScriptedWriter([_message(HELLO, 3)] + script))
+    assert submitted == [] and shadow.submitted == 2
+
+
+def test_a_hello_resuming_where_no_writer_can_leaves_the_shadow_as_it_was():
+    """A shadow holds iteration 3's committed gradient when its writer is lost; a HELLO that
+    resumes far ahead (a writer out of step: it refuses the ACK) dropped that gradient, and
+    the survivors' writer, resuming at 4, then found the shadow at 2 and stopped the job. It
+    settles nothing now: the next writer's HELLO applies iteration 3 with its scale."""
+    from spotpipe.checkpoint.shadow import LinkBroken
+    from spotpipe.runtime.shadow_link import COMMIT, GRAD, HELLO
+
+    events, submitted = [], []
+    shadow = _bare_shadow(events, submitted)
+    lost = _ScriptedWriter([_message(HELLO, 3), _message(GRAD, 3, 4, grad=torch.ones(4)),
+                            _message(COMMIT, 3, scale=0.25)])
+    stray = _ScriptedWriter([_message(HELLO, 50)])
+    survivor = _ScriptedWriter([_message(HELLO, 4)])
+    for writer in (lost, stray, survivor):
+        with pytest.raises(LinkBroken):
+            shadow._serve(writer)
+    assert [int(ack[1]) for ack in stray.said] == [2]  # (the writer refuses: not 49)
+    assert "shadow_refused" in events
+    assert [(t, kind, float(scale)) for t, kind, scale in submitted] == [(3, "grad", 0.25)]
+
+
+def test_a_restore_refuses_a_state_not_of_the_stages_size(monkeypatch):
+    """A node restoring a stage receives the shadow's state into a buffer of its own stage's
+    size; gloo takes a shorter message into it, and the module was loaded with a tail the
+    shadow never sent. The ACK says the state's size now, and a mismatch loads nothing."""
+    from spotpipe.runtime import shadow_link
+    from spotpipe.runtime.shadow_link import ACK, ShadowError, ShadowWriter, header, state_size
+
+    module = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(module.parameters())
+    size = state_size(module, optimizer)
+    shadows = [header(ACK, 4, size - 2), torch.full((size - 2,), 7.0)]  # two values short
+
+    def recv(tensors, rank, tag):
+        sent = shadows.pop(0)
+        tensors[0][: sent.numel()] = sent
+        return SimpleNamespace(wait=lambda: None)
+
+    group = SimpleNamespace(recv=recv, send=lambda *a: SimpleNamespace(wait=lambda: None))
+    monkeypatch.setattr(shadow_link, "pair_group", lambda *args: group)
+    store = SimpleNamespace(add=lambda key, n: 1, set=lambda key, value: None,
+                            rendezvous=lambda timeout_s: None)
+    writer = ShadowWriter(store, "spotpipe", "node3", max_lag=1, timeout_s=1)
+    before = [p.clone() for p in module.parameters()]
+    with pytest.raises(ShadowError, match=rf"stage 2 holds a state of {size - 2} values, "
+                                          rf"node3's stage has {size}: nothing restored"):
+        writer.relink({2: (module, optimizer)}, 5, {2})
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
 
 
 def test_a_shadow_that_dies_ends_the_job_naming_it(tmp_path, corpus):
@@ -583,7 +716,9 @@ def test_a_shadow_keeps_nothing_of_the_links_its_writers_ended(tmp_path, corpus,
     """Each writer change opens a link and ends it (END). The shadow posts the receive of the
     next gradient ahead on a link; it must complete it and drop the link when the link ends.
     It once kept that receive for as long as it ran, and with it a gradient's buffer and the
-    link's sockets: four descriptors here for each writer, ten writers here forty."""
+    link's sockets: four descriptors here for each writer, ten writers here forty. Nor does
+    the store keep a link's records once it is over (three keys a link were left: its record
+    and its gloo rendezvous's two addresses, thirty here)."""
     import os
     import threading
 
@@ -618,15 +753,18 @@ def test_a_shadow_keeps_nothing_of_the_links_its_writers_ended(tmp_path, corpus,
     def descriptors() -> int:
         return len(os.listdir("/proc/self/fd"))
 
+    store = connect()
     write(0)
     write(1)
-    before = descriptors()
+    before, keys_before = descriptors(), store.num_keys()
     for t in range(2, cfg.iterations):
         write(t)
     grew = descriptors() - before
     runner.join(timeout=60)
     assert not runner.is_alive() and shadow.applied == cfg.iterations - 1
     assert grew < cfg.iterations - 2, f"{grew} descriptors more after ten writers"
+    more = store.num_keys() - keys_before
+    assert more < cfg.iterations - 2, f"{more} keys more in the store after ten writers"
 
 
 def test_a_shadow_lagging_past_the_timeout_stops_its_writer_naming_it():

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from spotpipe import job
 from spotpipe.checkpoint import durable
-from spotpipe.protocol import channel_from_env
+from spotpipe.protocol import channel_from_env, keys
 from spotpipe.store.address import StoreAddress
 from spotpipe.store.mailbox import Outbox
 from spotpipe.store.sealed import SealedStore
@@ -140,6 +140,7 @@ class Shadow:
         self.applier.start_at(self.submitted + 1)
         self.max_lag_seen = 0
         self.links = 0
+        self.writer: str | None = None  # the node on the current link (named in refusals)
         self.checkpoint_root = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
 
     @property
@@ -167,6 +168,7 @@ class Shadow:
             # (a record squatted ahead of the writer waits for the writer's, as long)
             rendezvous = self.sealed.rendezvous(timedelta(days=7).total_seconds())
             info = json.loads(rendezvous.get(key))
+            self.writer = info["node"]
             group = pair_group(rendezvous, self.namespace, self.stage, self.links, 0,
                                self.cfg.cluster.timeout_s)
             try:
@@ -175,6 +177,8 @@ class Shadow:
                 self.channel.event("shadow_link_lost", stage=self.stage, writer=info["node"],
                                    iteration=self.applied, reason=str(why)[:200])
                 continue
+            finally:
+                self._forget_link(self.links)
             if ended and self.submitted >= last:
                 break
         self.applier.close()
@@ -182,6 +186,16 @@ class Shadow:
                            max_lag=self.max_lag_seen, links=self.links,
                            cpu_s=round(time.process_time(), 3),  # what the shadow costs a host
                            receiver_nice=_nice())
+
+    def _forget_link(self, number: int) -> None:
+        """Delete the records of link `number`, which is over: its own, and its gloo
+        rendezvous's (each rank's address, under the group's prefix, where torch's gloo puts
+        them), so that the store keeps those of the live link only, however many writers
+        come (a writer renews its link after every long recovery, too)."""
+        group = keys.shadow_groups(self.namespace, self.stage, number)
+        for key in (link_key(self.namespace, self.stage, number), f"{group}/0/0",
+                    f"{group}/0/1"):
+            self.sealed.delete_key(key)
 
     # ------------------------------------------------------------------ one link
 
@@ -197,11 +211,16 @@ class Shadow:
                 kind, t, arg, bits = self._recv(group,
                                                 torch.empty(4, dtype=torch.int64)).tolist()
                 if kind == HELLO:
+                    # a second HELLO would post the gradient's receive again and leave the
+                    # first pending, on which the group's teardown can block
+                    if ahead is not None:
+                        raise self._refused("a second HELLO on the link")
                     self._settle(resume=t, scale=scale_from_bits(bits))
+                    applied = self.applied  # (drains the applier: the state sent is of `applied`)
+                    flat = flatten(self.module, self.optimizer) if arg else torch.empty(0)
                     _on_link(lambda: group.send(  # type: ignore[attr-defined]
-                        [header(ACK, self.applied)], 1, 0).wait())
+                        [header(ACK, applied, flat.numel())], 1, 0).wait())
                     if arg:
-                        flat = flatten(self.module, self.optimizer)
                         _on_link(lambda: group.send(  # type: ignore[attr-defined]
                             [flat], 1, 0).wait())
                         self.channel.event("shadow_restored", stage=self.stage,
@@ -210,10 +229,12 @@ class Shadow:
                     ahead = self._post_gradient(group)
                 elif kind == GRAD:
                     if ahead is None:
-                        raise RuntimeError(f"shadow of stage {self.stage}: a gradient before "
-                                           "HELLO")
+                        raise self._refused("a gradient before HELLO")
                     flat = self._wait(*ahead)
                     ahead = None
+                    if arg != self.grad_size:  # (gloo takes a shorter one without a word)
+                        raise self._refused(f"the gradient of iteration {t} has {arg} values, "
+                                            f"the stage's has {self.grad_size}")
                     # the writer reduced this gradient: every node committed the iteration
                     # before it (see `_Pending`)
                     self._confirm(t - 1)
@@ -225,20 +246,24 @@ class Shadow:
                     ahead = self._post_gradient(group)
                 elif kind == COMMIT:
                     if self.pending is None or self.pending.iteration != t:
-                        raise RuntimeError(f"shadow of stage {self.stage}: commit of iteration "
-                                           f"{t} without its gradient (holding "
-                                           f"{self.pending and self.pending.iteration})")
+                        raise self._refused(f"commit of iteration {t} without its gradient "
+                                            f"(holding {self.pending and self.pending.iteration})")
                     # arg 1: the step is skipped on every node (training.nonfinite: skip)
                     self.pending.commit = (scale_from_bits(bits), bool(arg))
                 elif kind == END:  # (with it, what completes the receive posted ahead)
                     self._settle(resume=t, scale=scale_from_bits(bits))
                     return True
                 else:
-                    raise RuntimeError(f"shadow of stage {self.stage}: unknown message kind "
-                                       f"{kind}")
+                    raise self._refused(f"unknown message kind {kind}")
         finally:
             if ahead is not None:
                 self._finish_ahead(*ahead)
+
+    def _refused(self, what: str) -> RuntimeError:
+        """A message that breaks the protocol, from a writer that holds the job's key (a bug,
+        not a loss): refused before it touches the state, and the shadow stops, named with
+        its writer, so the job stops with that message rather than train on a wrong shadow."""
+        return RuntimeError(f"shadow of stage {self.stage}: {what} (writer {self.writer})")
 
     def _finish_ahead(self, work: Any, buffer: torch.Tensor) -> None:
         """Complete the receive posted ahead on a link that ends, before the link's group is
@@ -266,8 +291,8 @@ class Shadow:
         held = self.pending
         if held is not None and held.commit is not None:
             if held.iteration != iteration:
-                raise RuntimeError(f"shadow of stage {self.stage}: gradient of iteration "
-                                   f"{iteration + 1} after the commit of {held.iteration}")
+                raise self._refused(f"gradient of iteration {iteration + 1} after the commit "
+                                    f"of {held.iteration}")
             self._submit(held.iteration, held.flat, *held.commit)
 
     def _settle(self, resume: int, scale: torch.Tensor | None) -> None:
@@ -277,6 +302,13 @@ class Shadow:
         lost); a later one was not, and will be sent again when the iteration is replayed,
         even if its writer, lost since, had committed it alone."""
         held = self.pending
+        if resume - 1 not in (self.submitted, self.submitted + 1):
+            # no writer the nodes agreed on resumes there (it gets ACK(applied) and refuses
+            # it): what the shadow holds waits for the next writer, untouched
+            self.channel.event("shadow_refused", stage=self.stage, writer=self.writer,
+                               reason=f"resume at iteration {resume}, the shadow holding "
+                                      f"{self.submitted}")
+            return
         if held is not None:
             if held.iteration == resume - 1 and self.submitted == held.iteration - 1:
                 if held.commit is not None:
@@ -290,9 +322,13 @@ class Shadow:
     def _submit(self, iteration: int, flat: torch.Tensor, scale: torch.Tensor | None,
                 skip: bool = False) -> None:
         if iteration != self.submitted + 1:
-            raise RuntimeError(f"shadow of stage {self.stage}: iteration {iteration} after "
-                               f"{self.submitted}")
+            raise self._refused(f"iteration {iteration} after {self.submitted}")
         nan = scale is not None and bool(torch.isnan(scale))
+        if scale is not None and not nan and not 0.0 <= float(scale) <= 1.0:
+            # a clipping scale is min(1, max_norm / norm): any other (inf) would corrupt the
+            # whole stage in one step
+            raise self._refused(f"iteration {iteration} committed with the clipping scale "
+                                f"{float(scale)}, not in [0, 1]")
         # a NaN scale, which a HELLO brings for a commit whose COMMIT was lost: a skipped step
         # (fp16's, which backs the loss scale off; else training.nonfinite's, no step at all)
         if skip or (nan and self.cfg.precision != "fp16"):
@@ -303,8 +339,8 @@ class Shadow:
                 mark_skipped(flat, self.num_params)
             elif self.cfg.optimizer.grad_clip > 0:
                 if scale is None:
-                    raise RuntimeError(f"shadow of stage {self.stage}: iteration {iteration} "
-                                       "committed without its clipping scale")
+                    raise self._refused(f"iteration {iteration} committed without its "
+                                        "clipping scale")
                 clip = scale  # applied on the applier's thread, at its priority
             self.applier.submit(iteration, "grad", flat, scale=clip)
         self.submitted = iteration

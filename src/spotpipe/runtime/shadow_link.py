@@ -14,9 +14,14 @@ a payload:
 - HELLO(resume, want_state), writer -> shadow: the writer starts writing at iteration
   `resume`. The shadow settles a gradient it holds unapplied (applies it if it is of
   `resume - 1`, which survivors committed, drops it otherwise, even one whose lost writer
-  committed it alone), answers ACK(applied), and if
-  `want_state` sends the stage's state (a restore onto a node that lost it).
-- GRAD(t) + the flat gradient (`replica.flatten_grads`): iteration t's final gradient. Sent
+  committed it alone), answers ACK(applied, size), and if
+  `want_state` sends the stage's state (a restore onto a node that lost it), `size` values,
+  which the writer checks against its stage's before it takes any (as for GRAD's size). A
+  `resume` that neither follows what the shadow applied nor the gradient it holds settles
+  nothing: the writer refuses the ACK, and the next writer finds the shadow as it was.
+- GRAD(t, size) + the flat gradient (`replica.flatten_grads`, `size` values): iteration t's
+  final gradient (gloo takes a shorter message into a receive, so the shadow checks `size`
+  against its stage's, and refuses a gradient that is not the stage's whole one). Sent
   when the gradient is reduced and confirmed before the iteration commits, as for replicas, so
   a committed iteration is always in the shadow's hands even if the writer dies next. The
   gradient travels under its own tag (GRAD_TAG), so that the shadow can post the receive of
@@ -29,6 +34,8 @@ a payload:
   writer's next message shows that every node committed t too (the next GRAD, or an END or
   HELLO resuming after t: `checkpoint.shadow._Pending` says why). A HELLO carries the scale
   of iteration `resume - 1`, for a gradient whose COMMIT its writer did not live to send.
+  A scale is NaN (a skipped step) or in [0, 1] (`grads.clip_scale`); the shadow refuses any
+  other before it touches its state.
 - END(resume, scale) + one value under GRAD_TAG: the writer hands the stage over (or the job
   is over), every node having agreed to resume at `resume`; the shadow settles what it holds
   as at a HELLO and waits for the next link. The value completes the shadow's receive of the
@@ -207,7 +214,7 @@ class ShadowWriter:
             group.recv([ack], 0, 0).wait()
         except RuntimeError as exc:
             raise _unreachable(stage, exc) from None
-        applied = int(ack[1])
+        applied, size = int(ack[1]), int(ack[2])
         link = _Link(stage, number, group, applied, rendezvous, resume, scale)
         if applied != resume - 1:
             raise ShadowError(f"the shadow of stage {stage} holds iteration {applied}, but the "
@@ -215,6 +222,9 @@ class ShadowWriter:
         if state is not None:
             module, optimizer = state
             flat = torch.empty(state_size(module, optimizer))
+            if size != flat.numel():  # (gloo would take a shorter state, its tail unwritten)
+                raise ShadowError(f"the shadow of stage {stage} holds a state of {size} values, "
+                                  f"{self.node}'s stage has {flat.numel()}: nothing restored")
             try:  # (whole or not at all: a cut link leaves the module unloaded, and fails)
                 group.recv([flat], 0, 0).wait()
             except RuntimeError as exc:
@@ -296,7 +306,7 @@ class ShadowWriter:
         # (after the wait, which leaves the link silent too)
         link = self._current(link)
         flat = flat.detach().to("cpu")
-        h = header(GRAD, iteration)
+        h = header(GRAD, iteration, flat.numel())
         link.sends.append((link.group.send([h], 0, 0), h))
         link.sends.append((link.group.send([flat], 0, GRAD_TAG), flat))
         link.used = time.monotonic()
