@@ -368,12 +368,16 @@ def test_a_full_queue_of_connections_means_no_link_and_a_listener_lost_later_a_f
             stranger.close()
             break
         strangers.append(stranger)
-    got = []
+    got, busy = [], []
     connecting = threading.Thread(target=lambda: got.append(
-        local_link.Sender.connect(KEY, _name(), CHANNEL, 2, 4)), daemon=True)
+        local_link.Sender.connect(KEY, _name(), CHANNEL, 2, 4, on_busy=lambda: busy.append(1))),
+        daemon=True)
     connecting.start()
     connecting.join(timeout=30)  # (a guard against a hang: no time needs to pass)
-    assert got == [None]
+    assert got == [None] and busy == [1]  # (said: the move to the group is not silent)
+    assert local_link.Sender.connect(KEY, _name(generation=9), CHANNEL, 2, 4,
+                                     on_busy=lambda: busy.append(2)) is None
+    assert busy == [1]  # nobody listening there: no one to say anything about
     for stranger in strangers:
         stranger.close()
     listener.close()
@@ -398,3 +402,18 @@ def test_a_message_that_does_not_fit_its_slot_is_refused_whole():
     assert receiver.recv(torch.empty(2), AbortSignal(), lambda _: None).tolist() == [4.0, 5.0]
     for end in (sender, receiver, listener):
         end.close()
+
+
+def test_a_channel_moved_to_the_group_by_a_busy_listener_is_said():
+    """The sender's side of a full queue (`Comm._busy`): a refusal the worker's events carry
+    (`record_refused`), naming the node and the channel, as the listener's own are."""
+    from types import SimpleNamespace
+
+    from spotpipe.runtime.comm import Comm
+
+    heard: list = []
+    Comm._busy(SimpleNamespace(_on_refused=heard.append), "node3", 7)
+    [refused] = heard
+    assert refused.writer == "a local process"
+    assert "node3's local link listener had its queue of connections full" in refused.reason
+    assert "(tag 7) goes through the process group" in refused.reason

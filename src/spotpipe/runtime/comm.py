@@ -197,6 +197,7 @@ class Comm:
         self._sealed: SealedStore | None = None
         # the listener exists before the groups form, so before any peer can send to it
         self._key, self._namespace, self._local_slots = key, namespace, local_slots
+        self._on_refused = on_refused
         self._listener = None
         self.local_off: str | None = None  # why this node has no local links, if it has none
         if local_slots > 0 and device.type == "cpu":
@@ -374,10 +375,21 @@ class Comm:
             return local_link.Sender.connect(
                 self._key, local_link.address(self._key, self._namespace, self.generation,
                                               node),
-                local_link.channel_name(self.me, node, tag_), slots, nbytes)
+                local_link.channel_name(self.me, node, tag_), slots, nbytes,
+                on_busy=lambda: self._busy(node, tag_))
         except PeerFailure as exc:  # the generation's, as any (`_local`)
             self.abort.trigger(str(exc))
             raise
+
+    def _busy(self, node: str, tag_: int) -> None:
+        """Say that `node`'s local listener had its queue of connections full (someone on the
+        host connects without ever saying hello), so that the channel's move to the process
+        group, slower but the same messages, is not silent."""
+        if self._on_refused is not None:
+            self._on_refused(Refused(
+                f"{node}'s local link listener had its queue of connections full (a process "
+                f"on this host that connects and says nothing?): the channel to it (tag "
+                f"{tag_}) goes through the process group", writer="a local process"))
 
     def recv(self, node: str, tag_: int) -> torch.Tensor:
         """The next tensor on this channel.

@@ -119,16 +119,22 @@ def _read(conn: socket.socket, peer: str) -> int:
     return len(data)
 
 
-def _connected(name: bytes) -> socket.socket | None:
+def _connected(name: bytes, on_busy: Callable[[], None] | None = None) -> socket.socket | None:
     """A connection to the listener `name`, or None if there is none from here. Not blocking:
     anyone on the host can fill a listener's queue of connections that nobody has taken yet
     (its name is listed in /proc/net/unix), and a blocking connect would then wait, beyond
-    any abort, for a receive that waits for this sender's header."""
+    any abort, for a receive that waits for this sender's header. A full queue (EAGAIN) is
+    told to `on_busy`: the listener is on this host, and somebody is keeping it busy."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.setblocking(False)
     try:
         conn.connect(name)
-    except OSError:  # not on this host (or network namespace), or the queue is full
+    except BlockingIOError:  # on this host, its queue full
+        conn.close()
+        if on_busy is not None:
+            on_busy()
+        return None
+    except OSError:  # not on this host (or network namespace)
         conn.close()
         return None
     conn.setblocking(True)
@@ -226,12 +232,13 @@ class Sender:
         self.sent = self.freed = 0
 
     @classmethod
-    def connect(cls, key: bytes, name: bytes, channel: bytes, slots: int,
-                nbytes: int) -> Sender | None:
+    def connect(cls, key: bytes, name: bytes, channel: bytes, slots: int, nbytes: int,
+                on_busy: Callable[[], None] | None = None) -> Sender | None:
         """A channel to the listener `name`, or None if none can be made from here (nobody
         listens there from this host, its queue of connections is full, no shared memory):
-        the process group carries it. PeerFailure if the listener fails once connected."""
-        conn = _connected(name)
+        the process group carries it. `on_busy` hears of a full queue, the one of these
+        that someone else makes. PeerFailure if the listener fails once connected."""
+        conn = _connected(name, on_busy)
         if conn is None:
             return None
         try:
