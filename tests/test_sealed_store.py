@@ -696,8 +696,9 @@ def test_a_sender_gives_up_once_its_receivers_coordinator_is_gone_not_while_it_i
     """The coordinating agent (its receive) dies mid-upload and says nothing: its lease lapses
     and the leader key goes, or names a successor. The sender gives up then, not at its
     timeout (600 s here), saying so, and leaves its stop in the list's place, where a
-    successor that read the announcement again would start; what the dead receiver did not
-    take is removed. A receiver that is merely slow (its office held throughout) is waited
+    successor that read the announcement again would start, and in the place of each piece
+    the dead receiver did not take (a successor's receive that lags meets it there). A
+    receiver that is merely slow (its office held throughout) is waited
     for however many of the sender's checks pass."""
     from spotpipe.checkpoint import transfer
 
@@ -736,9 +737,11 @@ def test_a_sender_gives_up_once_its_receivers_coordinator_is_gone_not_while_it_i
         assert "agent0" in str(error), error
         s = transfer.Stream.checkpoint(4, 1)
         assert SealedStore(connect(server), KEY).get(s.meta).startswith(transfer.STOP)
-        # the stops (4: the next piece; 0: where a successor's receive waits first)
-        assert _pieces_left(server, 4, 1) == ["meta", "0", "4"]
-        for key in (s.meta, s.piece(0), s.piece(4)):
+        # the stops (0-3: the pieces not taken, 0 also where a successor's receive waits
+        # first; 4: the next piece), and only stops
+        assert _pieces_left(server, 4, 1) == ["meta", "0", "1", "2", "3", "4"]
+        for key in (s.meta, *[s.piece(i) for i in range(5)]):
+            assert SealedStore(connect(server), KEY).get(key).startswith(transfer.STOP)
             server.delete_key(key)
         server.set("leader", "agent0")
 
@@ -777,14 +780,10 @@ def test_a_later_stage_of_a_node_waits_for_its_list_while_the_nodes_earlier_one_
     assert "meta did not arrive" in alone, alone
 
 
-def test_a_successors_receive_under_way_ends_when_the_sender_gives_up_on_the_office(
-        server, tmp_path, monkeypatch):
-    """The coordinating agent took two pieces of a stage and died; its successor read the
-    announcement again and started a receive, which read the file list (still there) and
-    waits for the first piece, taken by the dead receiver long ago. The sender then gives up
-    on the office change: its stop went in the list's place and the next piece's, so that
-    receive waited out its whole timeout (`cluster.timeout_s`) for a piece that will never
-    come. It ends at once, with the sender's reason."""
+def _two_pieces_taken(server, tmp_path, monkeypatch, receiver):
+    """A sender of stage 1 of checkpoint 7 (10 pieces, window 4) watching the office of
+    agent0, of which `receiver` took two pieces; returns once the sender waits for the third
+    piece's acknowledgement (its stream, its `_sending` and the checksums)."""
     from spotpipe.checkpoint import transfer
 
     monkeypatch.setattr(transfer, "CHUNK", 100)
@@ -795,10 +794,24 @@ def test_a_successors_receive_under_way_ends_when_the_sender_gives_up_on_the_off
         lambda: server.get("leader") if server.check(["leader"]) else None, every_s=0.05)
     sending = _sending(SealedStore(connect(server), KEY), 7, 1, tmp_path / "sent", checksums,
                        window=4, timeout_s=600, receiver=watch)
-    dead = SealedStore(connect(server), KEY)  # the first coordinator: two pieces, then gone
     for n in range(2):
-        transfer._take(dead, s, n, 4, timedelta(seconds=30), "", None)
+        transfer._take(receiver, s, n, 4, timedelta(seconds=30), "", None)
     landed(server, s.piece(5))  # (the sender went on to piece 5, and waits for ack 2)
+    return s, sending, checksums
+
+
+def test_a_successors_receive_under_way_ends_when_the_sender_gives_up_on_the_office(
+        server, tmp_path, monkeypatch):
+    """The coordinating agent took two pieces of a stage and died; its successor read the
+    announcement again and started a receive, which read the file list (still there) and
+    waits for the first piece, taken by the dead receiver long ago. The sender then gives up
+    on the office change: its stop went in the list's place and the next piece's, so that
+    receive waited out its whole timeout (`cluster.timeout_s`) for a piece that will never
+    come. It ends at once, with the sender's reason."""
+    from spotpipe.checkpoint import transfer
+
+    dead = SealedStore(connect(server), KEY)  # the first coordinator: two pieces, then gone
+    s, sending, checksums = _two_pieces_taken(server, tmp_path, monkeypatch, dead)
     at_first_piece = threading.Event()
     result: dict = {}
     successor = threading.Thread(target=lambda: result.update(problem=transfer.receive_stage(
@@ -811,6 +824,27 @@ def test_a_successors_receive_under_way_ends_when_the_sender_gives_up_on_the_off
     assert isinstance(sending.get("error"), transfer.ReceiverGone), sending
     successor.join(60)
     assert "lost its office" in result["problem"], result  # (not "... did not arrive")
+
+
+def test_a_lagging_receive_ends_at_its_next_piece_when_the_sender_gives_up_on_the_office(
+        server, tmp_path, monkeypatch):
+    """A receive (the successor's, reading the announcement again) took two pieces and lags;
+    the sender, four pieces ahead, gives up on the office change. It removed the pieces not
+    taken, so that receive waited its whole timeout for piece 2; each is now the stop, and
+    the receive ends there, with the sender's reason, and leaves no piece behind."""
+    from spotpipe.checkpoint import transfer
+
+    lagging = SealedStore(connect(server), KEY)
+    s, sending, _ = _two_pieces_taken(server, tmp_path, monkeypatch, lagging)
+    server.set("leader", "agent1")
+    sending["thread"].join(60)
+    assert isinstance(sending.get("error"), transfer.ReceiverGone), sending
+    with pytest.raises(transfer._Ended, match="lost its office"):  # (not a 3 s timeout)
+        transfer._take(lagging, s, 2, 4, timedelta(seconds=3), "", None)
+    # what stays (until the job's end) is stops, no more keys than the pieces were
+    assert _pieces_left(server, 7, 1) == ["meta", "0", "3", "4", "5", "6"]
+    assert all(lagging.get(key).startswith(transfer.STOP)
+               for key in (s.meta, *[s.piece(i) for i in (0, 3, 4, 5, 6)]))
 
 
 class _WithOffice:

@@ -277,9 +277,11 @@ def _give_up(store: Any, s: Stream, n: int, window: int, why: str, *, listed: bo
     `timeout_s`. The receiver removes the stop when it meets it (`receive`). A receiver that
     has ended (its verdict is there) takes nothing more: what it did not take is removed.
     When the receiver did not answer in time (`unheard`: it may never come, or its
-    coordinator lost the office), what it has not taken is removed and the stop goes in the
-    next piece's place, the list's, and the first piece's: a successor's receive that read
-    the list before the stop waits for piece 0, which the receiver before it took long ago.
+    coordinator lost the office), each piece it has not taken is replaced by the stop, and
+    the stop goes in the next piece's place, the list's, and the first piece's too: a
+    successor's receive that read the list before the stop waits for piece 0, which the
+    receiver before it took long ago, and one that lags waits for the first piece it has not
+    taken (removed, it waited `cluster.timeout_s` for it). No more keys than the pieces took.
     A stop the store does not take: everything is removed. Best effort: the store may be
     what failed."""
     stop = STOP + why.encode()
@@ -290,8 +292,9 @@ def _give_up(store: Any, s: Stream, n: int, window: int, why: str, *, listed: bo
         if not unheard:
             store.set(s.piece(n) if listed else s.meta, stop)
             return
+        untaken = [s.piece(i) for i in range(max(0, n - window), n) if store.check([s.piece(i)])]
         _take_back(store, s, n, window)
-        for key in dict.fromkeys([s.piece(n), s.meta, s.piece(0)]):
+        for key in dict.fromkeys([*untaken, s.piece(n), s.meta, s.piece(0)]):
             store.set(key, stop)
     except Exception:  # noqa: BLE001 - the error that stopped the upload is the one to report
         _take_back(store, s, n, window)
