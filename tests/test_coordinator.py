@@ -730,3 +730,31 @@ def test_a_node_that_exits_0_mid_job_after_a_recovery_began_is_lost_saying_so(co
             if e["kind"] == "node_lost"]
     assert lost == [("node1", 0, "it exited with code 0 before the job's end")]
     assert _plan(coord, g)["action"] == "failover"
+
+
+def test_a_generations_records_go_once_the_generation_after_it_ends(corpus):
+    """Generation g's boards and groups' rendezvous are deleted when the plan that ends g + 1
+    is published (every node still in the job reported in g + 1, so none reads g's records
+    any more), and not before; the generations after it keep theirs."""
+    coord, _ = _coordinator(corpus, 2, ["node0", "node1"])
+    store = coord.store
+
+    def left(g: int) -> list[str]:
+        names = [keys.board_slot(keys.decision_board(g), 1),
+                 keys.board_slot(keys.regroup_board(g), 1),
+                 keys.board_slot(keys.abort_board(g), 1),
+                 f"{keys.groups_prefix(keys.ROOT, g)}/world/0/0",
+                 f"{keys.groups_prefix(keys.ROOT, g)}/world/0/1"]
+        return [name for name in names if store.check([name])]
+
+    seen = []
+    for g in range(4):
+        assert coord.generation == g
+        for rank in range(2):  # (as gloo writes them: tests/test_store_collection.py)
+            store.set(f"{keys.groups_prefix(keys.ROOT, g)}/world/0/{rank}", "address")
+        for node in ("node0", "node1"):
+            _report(coord, node, boundary=True, formed=True, untouched=False,
+                    reason="a regroup", iteration=5 + g, committed_through=4 + g)
+        assert _plan(coord, g)["generation"] == g + 1
+        seen.append([len(left(k)) for k in range(g + 1)])
+    assert seen == [[5], [0, 5], [0, 0, 5], [0, 0, 0, 5]]

@@ -73,6 +73,11 @@ def test_store_operations_and_namespaces(etcd):
     [t.start() for t in ts]
     [t.join(timeout=30) for t in ts]
     assert torch.equal(out[0], torch.full((3,), 3.0)) and torch.equal(out[1], out[0])
+    # a generation's keys go by their prefix (`cluster.collect`), no one else's
+    for key in ("spotpipe/gen1/abort/1", "spotpipe/gen1/world/0/0", "spotpipe/gen10/abort/1"):
+        a.set(key, "x")
+    assert a.delete_under("spotpipe/gen1/") == 2
+    assert a.check(["spotpipe/gen10/abort/1", "g/0/0"]) and not a.check(["spotpipe/gen1/abort/1"])
     a.delete_prefix()
     assert a.num_keys() == 0 and b.check([]) and not b.check(["k"])
 
@@ -309,10 +314,13 @@ def test_a_guarded_client_writes_only_while_its_guard_holds(etcd):
     assert g.add("n", 2) == 2
     g.multi_set(["c", "d"], ["1", "2"])
     assert g.delete_key("d") and refused == []
+    g.set("gen1/x", "1")
+    assert g.delete_under("gen1/") == 1 and refused == []
     store.set(keys.LEADER, "2")  # a successor holds the office
     writes = [lambda: g.set("a", "stale"), lambda: g.compare_set("e", "", "stale"),
               lambda: g.compare_set("b", "y", "stale"), lambda: g.add("n", 1),
-              lambda: g.multi_set(["c", "f"], ["stale", "stale"]), lambda: g.delete_key("c")]
+              lambda: g.multi_set(["c", "f"], ["stale", "stale"]), lambda: g.delete_key("c"),
+              lambda: g.delete_under("c")]
     for write in writes:
         with pytest.raises(NotLeader):
             write()

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import os
 import threading
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from spotpipe.cluster.launcher import train
 from spotpipe.faults import Fault
+from spotpipe.protocol import keys
 from spotpipe.store.watchers import KEEP, OPENERS
 
 from conftest import tiny_config
@@ -71,10 +74,26 @@ def _counts(pid: int) -> tuple[int, int, int]:
     return threads, len(fds), sockets
 
 
+def _store_keys(run, store: dist.Store | None) -> tuple[dist.Store | None, int | None]:
+    """A client of the job's store (connected on first call), and how many keys it holds
+    other than the mailbox's slots (records, not a generation's: they grow with the records
+    posted, `store.mailbox`)."""
+    try:
+        if store is None:
+            host, port = events(run)[0]["store"].rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), is_master=False,
+                                  timeout=timedelta(seconds=10))
+        mail = int(store.get(keys.MAILBOX_COUNT)) if store.check([keys.MAILBOX_COUNT]) else 0
+        return store, store.num_keys() - mail
+    except (OSError, RuntimeError, KeyError, IndexError, ValueError):  # not up, or gone
+        return store, None
+
+
 def test_two_hundred_generations_leave_nothing_behind(tmp_path, corpus, monkeypatch):
     """Every iteration ends its generation (a regroup at each boundary), 200 times, with a
     crash and a joiner among them: a surviving worker's and the launcher's threads, open files
-    and sockets stay under a fixed bound, the same late in the run as early."""
+    and sockets, and the keys in the job's store, stay under a fixed bound, the same late in
+    the run as early."""
     monkeypatch.setenv("SPOTPIPE_TEST_REGROUP_EVERY_ITERATION", "1")
     # a regroup asked during an iteration ends its generation at the next boundary: two
     # iterations a generation, unless a generation's board watcher waits for its connection
@@ -89,6 +108,7 @@ def test_two_hundred_generations_leave_nothing_behind(tmp_path, corpus, monkeypa
         cfg, run, progress=False, faults=[Fault("fail", "node1", 10)], joins=[12])))
     job.start()
     samples: dict[str, list[tuple[int, tuple[int, int, int]]]] = {"worker": [], "launcher": []}
+    store, stored = None, []  # (generation, keys in the store)
 
     def generation() -> int:
         try:
@@ -106,6 +126,10 @@ def test_two_hundred_generations_leave_nothing_behind(tmp_path, corpus, monkeypa
         except OSError:
             pass
         samples["launcher"].append((g, _counts(os.getpid())))
+        if g >= 0:
+            store, count = _store_keys(run, store)
+            if count is not None:
+                stored.append((g, count))
         job.join(timeout=0.25)  # the sampling period; the loop ends when the job does
     assert result["code"] == 0
     assert generation() >= 200, generation()
@@ -124,6 +148,15 @@ def test_two_hundred_generations_leave_nothing_behind(tmp_path, corpus, monkeypa
             slack = 4 + (KEEP + OPENERS if who == "worker" and i else 0)
             assert high_late <= high_early + slack, (who, what, high_early, high_late)
             assert high_late < 200, (who, what, high_late)
+    # one generation's keys at most (P = 2, D = 1): its world group's two addresses, an
+    # abort board's two slots (a node's, the end's), one decision, a regroup board's three (a
+    # request, a preparation for the joiner, the end), and the two addresses of the groups
+    # formed ahead; those of the two newest generations stay (a late reader's), and a
+    # sample may fall between a generation's first write and the removal of an older one
+    one_generation = 2 + 2 + 1 + 3 + 2
+    early = max(c for g, c in stored if 20 <= g < 60)
+    late = max(c for g, c in stored if 160 <= g < 200)
+    assert late <= early + one_generation, (early, late)  # was 821 more after 140 generations
 
 
 def test_only_a_busy_node_can_be_hung_and_a_finishing_one_beats_on():

@@ -30,6 +30,7 @@ from spotpipe.plan.policy import Action
 from spotpipe.plan.recovery import (CARRIED_OUT, Decision, History, NodeReport, Outcome, Rules,
                                     recover, settle)
 from spotpipe.cluster import succession
+from spotpipe.cluster.collect import GenerationRecords, collect
 from spotpipe.protocol import (Abort, Channel, CoordinatorState, DecisionRecord, JoinAnswer,
                                JoinRequest, Notice, Prepare, Regroup, Report, Stalled, keys)
 from spotpipe.protocol.auth import REASON_CHARS, WRITER_CHARS
@@ -83,13 +84,15 @@ class Coordinator:
                  now: Callable[[], float], channel: Channel,
                  partition: Partition | None = None,
                  partition_for: Callable[[int], Partition] | None = None, min_stages: int = 1,
-                 start: int = 0, agreed: Callable[[Agreed], None] = lambda _: None) -> None:
+                 start: int = 0, agreed: Callable[[Agreed], None] = lambda _: None,
+                 namespace: str = keys.ROOT) -> None:
         """`partition` is the layer ranges per stage at launch; `partition_for(P)` computes
         them for another depth the way the launch did (None: the job never re-partitions),
         down to `min_stages`;
         `start` the iteration the job starts at (a resumed checkpoint's next); `agreed` hears
         each agreement (the job loop writes from its reports the metrics lines that a
-        failure kept the nodes from posting)."""
+        failure kept the nodes from posting); `namespace` the workers' (their groups' keys,
+        which it removes once their generation is over: `cluster.collect`)."""
         self.cfg = cfg
         self.channel = channel
         self._partitions: dict[int, tuple[tuple[int, int], ...]] = {}
@@ -129,6 +132,9 @@ class Coordinator:
         self._prepared_in: tuple[int, list[Layout]] = (-1, [])
         # the nodes whose notices came in a generation, with that generation
         self._noticed: tuple[int, frozenset[str]] = (-1, frozenset())
+        # what the generations not yet removed from the store wrote (`cluster.collect`)
+        self.namespace = namespace
+        self._records = {self.generation: GenerationRecords(self.generation, layout)}
 
     # ------------------------------------------------------------------ views
 
@@ -210,6 +216,15 @@ class Coordinator:
         prepared = state.prepared_ahead or {"generation": -1, "layouts": []}
         self._prepared_in = (int(prepared["generation"]),
                              [Layout.from_json(layout) for layout in prepared["layouts"]])
+        # what this generation and the one before it wrote, removed as the predecessor would
+        # have (`_collect_before`). The layout of the one before is not in the books: this
+        # one's names its groups (all of them where etcd deletes by prefix; on a TCPStore,
+        # those of a group that was larger stay), and the groups formed ahead for it are not
+        # known (they stay)
+        g = self.generation
+        ahead = self._prepared_in[1] if self._prepared_in[0] == g - 1 else []
+        self._records = {k: GenerationRecords(k, self.layout, tuple(ahead) if k == g else ())
+                         for k in (g - 1, g) if k >= 0}
         noticed = state.noticed or {"generation": -1, "nodes": []}
         self._noticed = (int(noticed["generation"]), frozenset(map(str, noticed["nodes"])))
 
@@ -261,6 +276,20 @@ class Coordinator:
             board.publish(self.store, self.channel, keys.decision_board(nxt),
                           DecisionRecord(nxt, stop.to_json()), nxt)
         self.collecting = None
+
+    def _collect_before(self, g: int, decision: Decision) -> None:
+        """Generation `g` is over and its Decision published: note what the generation it
+        starts will write, and remove from the store what the generations before `g` wrote
+        (`cluster.collect` says why no one reads them any more)."""
+        if not decision.stopped:
+            ahead = self._prepared_in[1] if self._prepared_in[0] == g else []
+            moved = tuple(map(tuple, decision.partition)) != tuple(
+                map(tuple, decision.previous_partition))
+            self._records[decision.generation] = GenerationRecords(
+                decision.generation, decision.layout, tuple(ahead),
+                self.layout if moved else None)
+        for old in sorted(k for k in self._records if k < g):
+            collect(self.store, self.namespace, self._records.pop(old))
 
     # ------------------------------------------------------------------ inputs
 
@@ -641,6 +670,7 @@ class Coordinator:
         self._abort("the generation ended")
         board.publish(self.store, self.channel, keys.regroup_board(g),
                       Regroup(g, "the generation ended", ended=True), g)
+        self._collect_before(g, decision)
         self.left |= outcome.leaving
         self.left_on_notice |= outcome.leaving
         if decision.stopped:

@@ -9,6 +9,9 @@ TCPStore). Keys that several jobs can share a store by (a benchmark's variants) 
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 ROOT = "spotpipe"
 
 # the numbered mailbox: every record from a worker, shadow or agent to the coordinator
@@ -88,6 +91,25 @@ def layers_prefix(namespace: str, generation: int) -> str:
 def groups_prefix(namespace: str, generation: int) -> str:
     """Where a generation's process groups rendezvous (torch's PrefixStore)."""
     return f"{namespace}/gen{generation}"
+
+
+def layout_digest(layout_json: dict) -> str:
+    """A short name for a layout (its JSON), the same on every node and the coordinator."""
+    text = json.dumps(layout_json, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def early_groups(namespace: str, layout_json: dict) -> str:
+    """The namespace of the groups formed ahead for a layout (`runtime.early_groups`): they
+    rendezvous under `groups_prefix(early_groups(..), generation)`."""
+    return f"{namespace}/early/{layout_digest(layout_json)}"
+
+
+def group_rendezvous(prefix: str, group: str, size: int) -> list[str]:
+    """The keys torch's gloo writes to form a group of `size` ranks under
+    `PrefixStore(f"{prefix}/{group}")` (each rank's address, under its one device's index;
+    read off a store after forming groups with torch 2.13: tests/test_store_collection.py)."""
+    return [f"{prefix}/{group}/0/{rank}" for rank in range(size)]
 
 
 def shadow_links(namespace: str, stage: int) -> str:

@@ -17,13 +17,12 @@ then (`EarlyGroups.take`), and the others wait for it there as they would in any
 
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from spotpipe.plan import Layout
+from spotpipe.protocol import keys
 from spotpipe.store.abort import AbortSignal, PeerFailure
 
 # Forms a generation's groups: (generation, layout, the abort that ends the formation) -> Comm
@@ -32,8 +31,7 @@ Form = Callable[[int, Layout, AbortSignal], Any]
 
 def layout_digest(layout: Layout) -> str:
     """A short name for a layout, the same on every node (the groups' store prefix)."""
-    text = json.dumps(layout.to_json(), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return keys.layout_digest(layout.to_json())
 
 
 class _Forming:

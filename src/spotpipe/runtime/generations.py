@@ -25,7 +25,7 @@ from typing import Any
 from spotpipe.plan import Layout
 from spotpipe.protocol import Channel, Prepare, Refused, Regroup, keys
 from spotpipe.runtime.comm import Comm
-from spotpipe.runtime.early_groups import EarlyGroups, layout_digest
+from spotpipe.runtime.early_groups import EarlyGroups
 from spotpipe.store.abort import AbortSignal
 from spotpipe.store.watchers import BoardWatcher, SpareConnections, watch_abort
 
@@ -62,7 +62,7 @@ class GenerationGroups:
         # under a store prefix of their own per layout: a preparation replaced by another for
         # the same generation leaves rendezvous records that the other must not read
         self.early = EarlyGroups(lambda g, layout, abort: form(
-            g, layout, abort, f"{namespace}/early/{layout_digest(layout)}"), self.abort_of)
+            g, layout, abort, keys.early_groups(namespace, layout.to_json())), self.abort_of)
         self.regroup = threading.Event()  # the layout changes at the next boundary
         self.comm: Comm | None = None
         self._lock = threading.Lock()

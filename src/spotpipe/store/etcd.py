@@ -430,6 +430,15 @@ class EtcdStore(dist.Store):
         self._retry("delete_prefix", lambda: self._client().delete(
             start, range_end=_increment_last_byte(start)))
 
+    def delete_under(self, prefix: str) -> int:
+        """Remove every key of this job that starts with `prefix` (a generation that is over:
+        `cluster.collect`), under the guard if there is one; how many went."""
+        start = self._key(prefix)
+        reply = self._put_guarded("delete_under", [{"request_delete_range": {
+            "key": _encode(start), "range_end": _encode(_increment_last_byte(start))}}])
+        deleted = reply.get("responses", [{}])[0].get("response_delete_range", {})
+        return int(deleted.get("deleted", 0))
+
     def reachable(self) -> None:
         """Raise EtcdStoreError unless etcd answers within the reconnect deadline; one that
         speaks TLS to a client that does not is said so (it only closes the connection)."""
