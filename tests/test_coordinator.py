@@ -758,3 +758,18 @@ def test_a_generations_records_go_once_the_generation_after_it_ends(corpus):
         assert _plan(coord, g)["generation"] == g + 1
         seen.append([len(left(k)) for k in range(g + 1)])
     assert seen == [[5], [0, 5], [0, 0, 5], [0, 0, 0, 5]]
+    # a successor (same store) restored from the books of generation 4: its plan that ends
+    # generation 4 deletes generation 3's records, as its predecessor's would have
+    from spotpipe.protocol import CoordinatorState
+
+    successor = Coordinator(cfg=coord.cfg, store=store, layout=Layout.build(2, 1, ["node0",
+                            "node1"]), kill=lambda node: None, emit=lambda e: None,
+                            now=lambda: 0.0, channel=Channel(KEY, "coordinator"),
+                            partition=[(0, 1), (1, 2)])
+    successor.restore(CoordinatorState(**coord.books(), cursor=0, journal=0, last_metrics=None,
+                                       exited={}, checkpoints={}, admission={}, time_s=0.0))
+    for node in ("node0", "node1"):
+        _report(successor, node, boundary=True, formed=True, untouched=False,
+                reason="a regroup", iteration=9, committed_through=8)
+    assert _plan(successor, 4)["generation"] == 5
+    assert left(3) == [] and len(left(4)) == 3  # (its groups' keys were not written here)
