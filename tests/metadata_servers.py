@@ -119,7 +119,10 @@ class MetadataServer:
         for k, v in (headers or {}).items():
             req.send_header(k, v)
         req.end_headers()
-        req.wfile.write(body)
+        try:
+            req.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the asker left: a watcher closed
+            pass  # while GCP's long poll held its request (`NoticeWatcher.close`)
 
     def _put(self, req) -> None:
         host, path, _ = self._split(req)
