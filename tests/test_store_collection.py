@@ -84,3 +84,34 @@ def test_collect_removes_one_generation_and_leaves_the_next():
     assert collect(store, "spotpipe", rec) == kept - 1
     assert store.num_keys() == kept
     assert store.check([keys.board_slot(keys.decision_board(4), 1), keys.heartbeat("node0")])
+
+
+def test_a_watch_closed_before_it_reads_stops_there_and_gives_its_connection_back():
+    """A generation's watcher that got its connection late (they open while the job trains,
+    and one can take seconds) found its generation's records deleted and waited on the first
+    slot for as long as the job ran, holding its thread and connection: the liveness test's
+    launcher counted 5 more open files after 200 generations in 2 of 18 runs."""
+    from spotpipe.store.watchers import BoardWatcher
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30),
+                           wait_for_workers=False)
+    channel = Channel(KEY, "coordinator")
+    board_key = keys.regroup_board(5)
+    board.publish(server, channel, board_key, Regroup(5, "a request"), 5)
+    board.publish(server, channel, board_key, Regroup(5, "the generation ended", ended=True), 5)
+    connecting, given_back, heard = threading.Event(), [], []
+
+    def late_connection() -> dist.Store:
+        assert connecting.wait(30)
+        return dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                             timeout=timedelta(seconds=30))
+
+    watcher = BoardWatcher(late_connection, Channel(KEY, "node0"), board_key, Regroup,
+                           lambda m: heard.append(m) or True, done=given_back.append)
+    watcher.close()  # its node began the next generation
+    collect(server, "spotpipe", GenerationRecords(5, P2D1))  # and that one ended
+    assert not server.check([keys.board_slot(board_key, 1)])
+    connecting.set()
+    watcher.join(timeout=10)
+    assert not watcher._thread.is_alive(), "the closed watch waits on a deleted slot"
+    assert heard == [] and len(given_back) == 1

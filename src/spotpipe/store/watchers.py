@@ -220,10 +220,14 @@ class BoardWatcher:
             records = board.read(connection, board_key, channel,
                                  on_refused=lambda why, _: on_refused and on_refused(why),
                                  **checks)
-            while True:
+            # a closed watch reads no further: its generation's records are deleted from the
+            # store once the generation after it ends (`cluster.collect`), and a wait on a
+            # slot deleted before it was read would hold this thread and its connection for
+            # as long as the job runs (a watch that got its connection seconds late, say)
+            while not self._closed.is_set():
                 try:
                     _, opened = next(records)
-                except Exception:  # closed (the generation ended) or the store gone (job over)
+                except Exception:  # the store gone (the job is over)
                     return
                 if self._closed.is_set() or not then(opened.message):
                     break
@@ -234,7 +238,9 @@ class BoardWatcher:
         self._thread.start()
 
     def close(self) -> None:
-        """Ignore what comes from now on (the thread ends with the generation's last record)."""
+        """Ignore what comes from now on: the thread ends before its next read, or with the
+        next record if it is waiting for one (the generation's last record comes before its
+        watchers are closed, and before its records are deleted)."""
         self._closed.set()
 
     def join(self, timeout: float) -> None:
