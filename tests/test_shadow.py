@@ -8,6 +8,7 @@ the run ends with the failure-free parameters.
 from __future__ import annotations
 
 import json
+import threading
 from collections import defaultdict
 from types import SimpleNamespace
 from pathlib import Path
@@ -447,6 +448,35 @@ def test_a_shadow_refuses_a_message_that_breaks_the_protocol_naming_its_writer(b
     with pytest.raises(RuntimeError, match=rf"shadow of stage 1: .*{refusal} \(writer node7\)"):
         shadow._serve(_ScriptedWriter([_message(HELLO, 3)] + script))
     assert submitted == [] and shadow.submitted == 2
+
+
+class _WriterThatSendsNoGradient(_ScriptedWriter):
+    """A live writer between gradients: the gradient's receive posted ahead completes only
+    when it sends one (here: never; a wait on it is recorded, and held for 5 s)."""
+
+    def __init__(self, script) -> None:
+        super().__init__(script)
+        self.waited_for_gradient = 0
+
+    def _fill(self, buffer) -> None:
+        self.waited_for_gradient += 1
+        threading.Event().wait(5)
+
+
+@pytest.mark.parametrize("bad", ["kind", "hello"])
+def test_a_refusal_does_not_wait_for_the_gradient_receive_posted_ahead(bad):
+    """A refusal with a gradient's receive posted ahead first waited for that receive, which
+    completes only when the writer sends its next gradient (up to cluster.timeout_s): the
+    shadow's stop, and the job's, waited as long. The shadow now stops at once (it leaves by
+    os._exit, so the pending receive's group is never destroyed)."""
+    from spotpipe.runtime.shadow_link import HELLO
+
+    shadow = _bare_shadow([], [])
+    writer = _WriterThatSendsNoGradient([_message(HELLO, 3),
+                                         _message(9 if bad == "kind" else HELLO, 3)])
+    with pytest.raises(RuntimeError, match=r"shadow of stage 1: .*\(writer node7\)"):
+        shadow._serve(writer)
+    assert writer.waited_for_gradient == 0
 
 
 def test_a_hello_resuming_where_no_writer_can_leaves_the_shadow_as_it_was():

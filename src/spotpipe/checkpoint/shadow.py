@@ -252,12 +252,21 @@ class Shadow:
                     self.pending.commit = (scale_from_bits(bits), bool(arg))
                 elif kind == END:  # (with it, what completes the receive posted ahead)
                     self._settle(resume=t, scale=scale_from_bits(bits))
+                    if ahead is not None:
+                        self._finish_ahead(*ahead)
                     return True
                 else:
                     raise self._refused(f"unknown message kind {kind}")
-        finally:
+        # Only a broken link has its receive posted ahead completed here (it fails at once).
+        # Any other error (a refusal) stops the shadow with that receive left pending: it
+        # completes only when the writer sends its next gradient, up to cluster.timeout_s
+        # later, and waiting for it held the refusal back, and the job's stop with it. No
+        # destructor of the group runs after that: `main` says why the shadow stopped and
+        # leaves by os._exit.
+        except LinkBroken:
             if ahead is not None:
                 self._finish_ahead(*ahead)
+            raise
 
     def _refused(self, what: str) -> RuntimeError:
         """A message that breaks the protocol, from a writer that holds the job's key (a bug,
