@@ -417,3 +417,27 @@ def test_a_channel_moved_to_the_group_by_a_busy_listener_is_said():
     assert refused.writer == "a local process"
     assert "node3's local link listener had its queue of connections full" in refused.reason
     assert "(tag 7) goes through the process group" in refused.reason
+
+
+def test_a_keyed_hello_with_a_descriptor_that_is_not_shared_memory_is_refused(tmp_path):
+    """A hello under the job's key that passes a file, not a memfd: checking its seals raised
+    OSError (EINVAL) out of the listener, which named nothing. It is refused, and the genuine
+    sender's channel is taken. (Only a holder of the job's key can send one: a bug, not an
+    attack.)"""
+    refused: list[str] = []
+    listener = local_link.Listener(KEY, _name(), refused.append)
+    wrong = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    wrong.connect(_name())
+    fd = os.open(tmp_path / "ring", os.O_RDWR | os.O_CREAT)
+    os.ftruncate(fd, 8)  # (as large as the hello says: only its seals are wrong)
+    socket.send_fds(wrong, [local_link._HELLO.pack(CHANNEL, 2, 4)
+                            + local_link._mac(KEY, CHANNEL, 2, 4)], [fd])
+    os.close(fd)
+    genuine = local_link.Sender.connect(KEY, _name(), CHANNEL, 2, 4)
+    genuine.send(torch.tensor([5.0]), AbortSignal(), lambda _: None)
+    receiver = listener.accept(CHANNEL, AbortSignal(), lambda _: None)
+    assert receiver.recv(torch.empty(1), AbortSignal(), lambda _: None).item() == 5.0
+    assert refused == ["a local connection sent a descriptor that is not sealed shared memory"]
+    for end in (genuine, receiver, listener):
+        end.close()
+    wrong.close()

@@ -214,8 +214,15 @@ class Listener:
             os.close(fds[0])
             self._refuse(conn, "a local connection's hello did not verify under the job's key")
             return
+        try:
+            seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
+        except OSError:  # (EINVAL: a file or pipe, which has no seals)
+            os.close(fds[0])
+            self._refuse(conn, "a local connection sent a descriptor that is not sealed shared "
+                               "memory")
+            return
         if channel in self._arrived or os.fstat(fds[0]).st_size < slots * nbytes \
-                or fcntl.fcntl(fds[0], fcntl.F_GET_SEALS) & _SEALS != _SEALS:
+                or seals & _SEALS != _SEALS:
             os.close(fds[0])  # (a channel connects once per generation)
             self._refuse(conn, "a local connection repeated a channel or sent memory that is "
                                "too small or could shrink")
