@@ -316,11 +316,14 @@ def test_a_guarded_client_writes_only_while_its_guard_holds(etcd):
     assert g.delete_key("d") and refused == []
     g.set("gen1/x", "1")
     assert g.delete_under("gen1/") == 1 and refused == []
+    g.multi_set(["mail/1", "mail/2", "mail/3"], [".", ".", "."])
+    g.delete_keys(["mail/1", "mail/2", "mail/9"])  # (the mailbox's old read slots)
+    assert [store.check([f"mail/{i}"]) for i in (1, 2, 3)] == [False, False, True]
     store.set(keys.LEADER, "2")  # a successor holds the office
     writes = [lambda: g.set("a", "stale"), lambda: g.compare_set("e", "", "stale"),
               lambda: g.compare_set("b", "y", "stale"), lambda: g.add("n", 1),
               lambda: g.multi_set(["c", "f"], ["stale", "stale"]), lambda: g.delete_key("c"),
-              lambda: g.delete_under("c")]
+              lambda: g.delete_under("c"), lambda: g.delete_keys(["c"])]
     for write in writes:
         with pytest.raises(NotLeader):
             write()

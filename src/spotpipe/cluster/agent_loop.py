@@ -77,6 +77,9 @@ class AgentJobLoop(JobLoop):
     def _tombstone_on_read(self) -> bool:
         return not self.rdzv.persistent
 
+    def _read_through(self) -> int:
+        return self._marked  # (a successor reads on from the books' cursor)
+
     def _persist(self, files: RunFiles) -> None:
         """Keep the books in the store at the end of a turn; and once this host's notice came
         and its nodes have left, hand the office on (`HandedOver`)."""

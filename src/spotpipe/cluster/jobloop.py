@@ -165,6 +165,11 @@ class JobLoop:
         """Taking over: the nodes run already; only their exits are to come through `inbox`."""
         raise NotImplementedError
 
+    def _read_through(self) -> int:
+        """The mailbox's slots up to this one are read for good: none is read again, by this
+        loop or a successor (`mailbox.ReadSlots` deletes them once far behind)."""
+        return self._received
+
     @property
     def _tombstone_on_read(self) -> bool:
         """Whether the mailbox reader marks a slot read as it reads it; a loop that keeps its
@@ -207,6 +212,7 @@ class JobLoop:
         self._received = 0
         if self.takeover is not None:
             self._restore(files, self.takeover)
+        self._read_slots = mailbox.ReadSlots(store, self._received)
         self._note_layout()
         self._watch_mailbox(address, inbox, start=self._received + 1)
         return self._loop(files, inbox, store, address)
@@ -271,6 +277,7 @@ class JobLoop:
                     status, message = ended
                     break
                 self._persist(files)
+                self._read_slots.turn(self._read_through())
         except KeyboardInterrupt as exc:
             (how, interrupted_code), interrupted = interruption(exc), True
             message = f"interrupted ({how})"

@@ -190,6 +190,12 @@ class EtcdStore(dist.Store):
             self._client().get_url("/kv/deleterange"), json={"key": _encode(k)}))
         return int(reply.get("deleted", 0)) > 0
 
+    def delete_keys(self, keys: list[str]) -> None:
+        """Delete `keys` in one transaction (under the guard if there is one): the mailbox's
+        old read slots, a few a turn (`mailbox.ReadSlots`)."""
+        self._put_guarded("delete_keys", [{"request_delete_range": {"key": _encode(self._key(k))}}
+                                          for k in keys])
+
     def num_keys(self) -> int:
         start = self.prefix.encode()
         reply = self._retry("num_keys", lambda: self._client().post(

@@ -128,3 +128,48 @@ def repair_count(store: dist.Store, awaited: int) -> int | None:
 
 def slot_written(store: dist.Store, index: int) -> bool:
     return store.check([keys.mailbox_slot(index)])
+
+
+# read slots kept behind the mailbox's count before they are deleted (`ReadSlots`)
+KEPT_READ = 16384
+
+
+class ReadSlots:
+    """Deletes the mailbox's read slots once they are `kept` slots behind its count, so that
+    the store holds at most that many of them however long the job runs (they were kept for
+    its whole life: about 5 a training iteration at P = 2 x D = 2).
+
+    Not as soon as they are read: a writer reads the count, then claims the first free slot
+    after it (`board.post`), and one held up between the two would fill a deleted slot the
+    reader has passed, its record lost unread. `kept` records behind, that takes a writer held
+    up while the job's other writers posted 16,384 records: minutes of training at the
+    fastest, and a worker whose training stalls that long is fenced as hung. A few slots a
+    turn (`batch`): the coordinator's turns are its recovery's latency."""
+
+    def __init__(self, store: dist.Store, read: int = 0, *, kept: int | None = None,
+                 batch: int = 8) -> None:
+        """`read`: the slots read when this reader starts (a successor's books): its
+        predecessor deleted those up to about `kept` (default `KEPT_READ`) before them."""
+        self.store, self.batch = store, batch
+        self.kept = KEPT_READ if kept is None else kept
+        self.deleted = max(0, read - self.kept - batch)  # every slot up to it is gone
+
+    def turn(self, read: int) -> int:
+        """Slots up to `read` are read (and in the books, for a loop that keeps some):
+        delete the next few that may go; how many."""
+        if read - self.kept <= self.deleted:
+            return 0  # (no round trip: the usual case)
+        # the count, not only `read`: it lags by a writer killed after its claim, and a slot
+        # is deleted only where every writer starts past it
+        upto = min(min(read, posted(self.store)) - self.kept, self.deleted + self.batch)
+        if upto <= self.deleted:
+            return 0
+        names = [keys.mailbox_slot(i) for i in range(self.deleted + 1, upto + 1)]
+        delete_many = getattr(self.store, "delete_keys", None)  # (etcd: one transaction)
+        if delete_many is not None:
+            delete_many(names)
+        else:
+            for name in names:
+                self.store.delete_key(name)
+        self.deleted = upto
+        return len(names)
