@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from spotpipe.protocol import Channel, Event, keys
-from spotpipe.store import board, mailbox
+from spotpipe.store import mailbox
 
 KEY = b"k" * 32
 
