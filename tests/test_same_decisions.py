@@ -63,16 +63,24 @@ class Run:
         self.cfg = cfg
 
     def decisions_after(self, event) -> list[tuple]:
+        """The decisions that `event` and the boundary rounds after it bring, each read as
+        it is published (as workers read them): a generation's records are deleted once the
+        generation after it ends (`cluster.collect`)."""
         coord = self.coord
-        start = coord.generation
-        event(coord)
+
+        def step(act) -> list[tuple]:
+            start = coord.generation
+            act(coord)
+            return [_shape(_decided(coord, g)) for g in range(start, coord.generation)]
+
+        decided = step(event)
         # the generation the coordinator asked to end at the next boundary, as workers do
         while not coord.stop_message and any(
                 e["kind"] == "regroup_requested" and e["generation"] == coord.generation
                 for e in self.emitted):
-            for node in sorted(coord.live):
-                _report(coord, node, boundary=True)
-        return [_shape(_decided(coord, g)) for g in range(start, coord.generation)]
+            decided += step(lambda coord: [_report(coord, node, boundary=True)
+                                           for node in sorted(coord.live)])
+        return decided
 
 
 def _sim_planner(shadows: bool):
