@@ -336,6 +336,36 @@ def test_a_guarded_client_writes_only_while_its_guard_holds(etcd):
     store.delete_prefix()
 
 
+def test_a_client_writing_while_the_jobs_record_stands_writes_nothing_once_it_is_gone(etcd):
+    """An agent's clients, and its workers', write only while the job's record stands
+    (`StoreAddress.writing_while`). A host cut off until the job ended and its keys were
+    deleted put three back once it reached etcd again (its worker's last heartbeat, its
+    agent's report of that worker's exit and the mailbox's count: tests/test_netns.py, a CI
+    run with tests two at a time); each kind of write is now refused whole, as a store gone."""
+    from spotpipe.protocol import keys
+    from spotpipe.store.address import StoreAddress
+    from spotpipe.store.etcd import JobGone
+
+    host, port = etcd.endpoint.split(":")
+    address = StoreAddress("etcd", host, int(port), "/while").writing_while(keys.JOB)
+    assert StoreAddress.from_env(address.env()) == address  # (as workers get it)
+    plain, store = _store(etcd, "/while"), address.connect(10)
+    plain.set(keys.JOB, "the job")
+    store.set("a", "1")
+    assert store.compare_set("b", "", "2") == b"2" and store.add("n", 1) == 1
+    store.multi_set(["c"], ["3"])
+    assert store.delete_key("c")
+    plain.delete_prefix()  # the job ended: its keys are deleted
+    writes = [lambda: store.set(keys.heartbeat("node0"), "beat"),
+              lambda: store.compare_set(keys.mailbox_slot(1), "", "exit"),
+              lambda: store.add(keys.MAILBOX_COUNT, 1), lambda: store.multi_set(["c"], ["3"]),
+              lambda: store.delete_keys(["a"])]
+    for write in writes:
+        with pytest.raises(JobGone, match="the job ended"):
+            write()
+    assert plain.num_keys() == 0
+
+
 def test_a_deposed_coordinators_plan_never_reaches_the_board(etcd, corpus):
     """A coordinator cut off past its lease, back before its keep-alive heard, publishes the
     plan its last report completed: through its guarded client the plan is refused and the

@@ -153,6 +153,10 @@ class Agent:
         if posted_over(store, self.token, opts.rdzv_id) is not None:
             self.say(f"job {opts.rdzv_id} is over already")
             return 1
+        # from here on, this host's clients (its workers', its reports of their exits) write
+        # only while the job's record stands: cut off until the job ended and its keys were
+        # deleted, they would put some back once they reach etcd again
+        self.address = self.address.writing_while(JOB)
         if self._abandoned(store):
             return 1
         answer = self._assignment(store, me)

@@ -8,6 +8,7 @@ coordinator) is opened from it, so nothing else in the code cares which store it
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
@@ -37,6 +38,9 @@ class StoreAddress:
     # etcd: the job's namespace (several jobs share one etcd); either store: a restart's round
     prefix: str = ""
     tls: EtcdTLS | None = None  # etcd over TLS (`store.tls`)
+    # etcd: a key without which its clients write nothing (`EtcdStore`'s `while_present`:
+    # the job's record, once an agent has read it)
+    while_present: str = ""
 
     def connect(self, timeout_s: float) -> dist.Store:
         """A client connection (the TCPStore's server is hosted by the launcher or agent)."""
@@ -44,7 +48,8 @@ class StoreAddress:
         if self.kind == "etcd":
             from spotpipe.store.etcd import EtcdStore
 
-            return EtcdStore(self.host, self.port, self.prefix, timeout=timeout, tls=self.tls)
+            return EtcdStore(self.host, self.port, self.prefix, timeout=timeout, tls=self.tls,
+                             while_present=self.while_present)
         store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
         return dist.PrefixStore(self.prefix, store) if self.prefix else store
 
@@ -81,9 +86,15 @@ class StoreAddress:
         return StoreAddress(self.kind, self.host, self.port,
                             f"{self.prefix}/{part}" if self.prefix else part, self.tls)
 
+    def writing_while(self, key: str) -> StoreAddress:
+        """The same store, whose clients write only while `key` exists (etcd; a TCPStore lives
+        in the process that ends the job, and goes with it)."""
+        return dataclasses.replace(self, while_present=key if self.kind == "etcd" else "")
+
     def env(self) -> dict[str, str]:
         return {"MASTER_ADDR": self.host, "MASTER_PORT": str(self.port),
                 "SPOTPIPE_STORE": self.kind, "SPOTPIPE_STORE_PREFIX": self.prefix,
+                "SPOTPIPE_STORE_WHILE": self.while_present,
                 **(self.tls.env() if self.tls else {})}
 
     @classmethod
@@ -93,7 +104,8 @@ class StoreAddress:
         if kind not in ("tcp", "etcd"):
             raise ValueError(f"SPOTPIPE_STORE: expected tcp or etcd, got {kind!r}")
         return cls(kind, env["MASTER_ADDR"], int(env["MASTER_PORT"]),  # type: ignore[arg-type]
-                   env.get("SPOTPIPE_STORE_PREFIX", ""), EtcdTLS.from_env(env))
+                   env.get("SPOTPIPE_STORE_PREFIX", ""), EtcdTLS.from_env(env),
+                   env.get("SPOTPIPE_STORE_WHILE", ""))
 
     def describe(self) -> str:
         """host:port, as the launch event records it (plus the namespace for etcd)."""

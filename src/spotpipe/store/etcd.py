@@ -57,9 +57,20 @@ class EtcdStoreError(dist.DistNetworkError):
     a wait's timeout), so that code that outlives a lost store catches one kind for both."""
 
 
+class JobGone(EtcdStoreError):
+    """A write refused because the key it was made under (`while_present`) is gone: the job
+    ended and its keys were deleted (a host cut off until then comes back to an empty
+    namespace). To its process, as good as a store that is gone."""
+
+
 class EtcdStore(dist.Store):
     def __init__(self, host: str, port: int, prefix: str, *, timeout: timedelta,
-                 reconnect_s: float | None = None, tls: EtcdTLS | None = None) -> None:
+                 reconnect_s: float | None = None, tls: EtcdTLS | None = None,
+                 while_present: str = "") -> None:
+        """`while_present`: a key (the job's record) without which this client writes nothing,
+        each write checking it in the same transaction (JobGone): a process of a job that
+        ended while it was cut off must not put the job's keys back once it reaches etcd
+        again (its last heartbeat, its agent's report of its exit)."""
         super().__init__()  # the pybind trampoline needs it
         self.host, self.port, self.tls = host, port, tls
         self.prefix = prefix.rstrip("/") + "/"
@@ -68,8 +79,10 @@ class EtcdStore(dist.Store):
         # a requests.Session per thread: sessions are not thread-safe, and gloo, heartbeat and
         # watcher threads may share one store object
         self._local = threading.local()
-        # (key, value) that every write of this client requires, and who hears a refusal
-        self._guard: tuple[bytes, bytes] | None = None
+        # (key, value) that every write of this client requires (value None: that the key
+        # exists), and who hears a refusal
+        self._guard: tuple[bytes, bytes | None] | None = (
+            (self._key(while_present), None) if while_present else None)
         self._on_refused: Callable[[], None] = lambda: None
 
     def guarded(self, key: str, holds: str | bytes,
@@ -89,6 +102,9 @@ class EtcdStore(dist.Store):
         if self._guard is None:
             return []
         key, holds = self._guard
+        if holds is None:
+            return [{"key": _encode(key), "target": "CREATE", "result": "GREATER",
+                     "create_revision": 0}]
         return [{"key": _encode(key), "target": "VALUE", "result": "EQUAL",
                  "value": _encode(holds)}]
 
@@ -97,14 +113,19 @@ class EtcdStore(dist.Store):
 
     def _refused_unless_guard_held(self, reply: dict[str, Any], at: int) -> None:
         """A failed transaction's reply, whose response `at` reads the guard's key: raise
-        NotLeader when the guard no longer holds (rather than the compare of the write)."""
+        NotLeader (JobGone for `while_present`) when the guard no longer holds (rather than
+        the compare of the write)."""
         if self._guard is None:
             return
+        key, holds = self._guard
         kvs = reply.get("responses", [])[at].get("response_range", {}).get("kvs", [])
-        if not kvs or _decode(kvs[0].get("value", "")) != self._guard[1]:
+        if holds is None and not kvs:
+            raise JobGone(f"{key.decode(errors='replace')} is gone from etcd (the job ended and "
+                          "its keys were deleted): the write was refused")
+        if holds is not None and (not kvs or _decode(kvs[0].get("value", "")) != holds):
             self._on_refused()
-            raise NotLeader(f"{self._guard[0].decode(errors='replace')} no longer holds "
-                            f"{self._guard[1].decode(errors='replace')!r}: the write was refused")
+            raise NotLeader(f"{key.decode(errors='replace')} no longer holds "
+                            f"{holds.decode(errors='replace')!r}: the write was refused")
 
     def _put_guarded(self, what: str, success: list[dict[str, Any]]) -> dict[str, Any]:
         """`success` in one transaction, under the guard if there is one."""
