@@ -237,18 +237,51 @@ def test_broken_pipelines_are_assembled_from_their_survivors(tmp_path, tmp_path_
                                                              corpus):
     """P = 3 x D = 2 with four spares waiting (4 micro-batches do not split over 3 pipelines):
     node0, node1 (pipeline 0's stages 0, 1) and node3, node5 (pipeline 1's stages 0, 2) lost
-    as iteration 7 starts (not node2: pipeline 0's last stage posts the metrics and may
-    start the iteration late). Neither pipeline can be repaired from memory, but node2 owns
-    stage 2 and holds stage 0's replica, node4 owns stage 1 (the job stopped here before).
-    Pipeline 0 is assembled of them, node2 promoting its replica; pipeline 1 is copied onto
-    spares from them (stage 0 from node2 once promoted, as is the replica of stage 0, which
-    no survivor owned); a rebalance then relieves node2. D stays 2 and nothing is reloaded:
-    the result is the failure-free run's, bit for bit."""
-    cfg = config(corpus, 3, 2, iterations=10)
-    nodes = [f"node{r}" for r in range(6)]
+    at once once iteration 6 is committed. Neither pipeline can be repaired from memory, but
+    node2 owns stage 2 and holds stage 0's replica, node4 owns stage 1 (the job stopped here
+    before). Pipeline 0 is assembled of them, node2 promoting its replica; pipeline 1 is
+    copied onto spares from them (stage 0 from node2 once promoted, as is the replica of
+    stage 0, which no survivor owned); a rebalance then relieves node2. D stays 2 and nothing
+    is reloaded: the result is the failure-free run's, bit for bit.
+
+    "At once" is the test's own doing: the four are stopped (SIGSTOP: none can report or
+    exit), then killed, so one agreement sees all four losses. Injected at the start of an
+    iteration instead, each node dies where it gets there, and a node that got there late
+    (a last stage, after its loss's all-reduce) was woken by the others' loss and reported
+    alive first, then died after the agreement: the job stopped (a loaded CI run)."""
+    import os
+    import signal
+    import threading
+
+    from procs import workers_of
+
+    cfg = config(corpus, 3, 2, iterations=24)
     run = tmp_path / "run"
-    faults = [Fault.parse("fail", f"node{r}@7", nodes) for r in (0, 1, 3, 5)]
-    assert train(cfg, run, progress=False, faults=faults, joins=[1, 1, 1, 1]) == 0
+    lost = [f"node{r}" for r in (0, 1, 3, 5)]
+    killed: list[int] = []
+    done = threading.Event()
+
+    def lose_at_once() -> None:
+        metrics = run / "metrics.jsonl"
+        while not done.is_set():
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            pids = workers_of(run)
+            if len(lines) >= 7 and all(node in pids for node in lost):
+                for sig in (signal.SIGSTOP, signal.SIGKILL):
+                    for node in lost:
+                        os.kill(pids[node], sig)
+                killed.extend(pids[node] for node in lost)
+                return
+            done.wait(0.002)
+
+    killer = threading.Thread(target=lose_at_once, daemon=True)
+    killer.start()
+    try:
+        assert train(cfg, run, progress=False, joins=[1, 1, 1, 1]) == 0
+    finally:
+        done.set()
+        killer.join(timeout=10)
+    assert len(killed) == 4
     plans = [e for e in events(run) if e["kind"] == "plan"]
     assert [(p["action"], len(p["standby"])) for p in plans] == [
         ("keep", 4), ("drop_pipeline", 1), ("rebalance", 0)], plans
@@ -260,7 +293,7 @@ def test_broken_pipelines_are_assembled_from_their_survivors(tmp_path, tmp_path_
     assert ["replica", 0, "node2", spares[2]] in plans[1]["transfers"]
     assert_samples_exactly_once(run, cfg)
     want = failure_free(tmp_path_factory, tiny_config(corpus, stages=3, pipelines=2,
-                                                      **{**FAST, "iterations": 10}))
+                                                      **{**FAST, "iterations": 24}))
     got = load_file(str(run / "final" / "model.safetensors"))
     for key in want:
         assert torch.equal(got[key], want[key]), f"{key} differs from the failure-free run"
