@@ -169,6 +169,16 @@ def test_lent_messages_go_back_in_ring_order_and_outlive_both_ends():
     kept.release()  # to a closed socket: nothing to tell, and no error
 
 
+def _genuine_taken(listener):
+    """The genuine sender's channel, after the refused ones: connected, a message through it
+    and received whole. Returns (sender, receiver)."""
+    genuine = local_link.Sender.connect(KEY, _name(), CHANNEL, 2, 4)
+    genuine.send(torch.tensor([5.0]), AbortSignal(), lambda _: None)
+    receiver = listener.accept(CHANNEL, AbortSignal(), lambda _: None)
+    assert receiver.recv(torch.empty(1), AbortSignal(), lambda _: None).item() == 5.0
+    return genuine, receiver
+
+
 def test_a_hello_not_under_the_jobs_key_is_refused_and_the_genuine_one_taken():
     refused: list[str] = []
     listener = local_link.Listener(KEY, _name(), refused.append)
@@ -190,10 +200,7 @@ def test_a_hello_not_under_the_jobs_key_is_refused_and_the_genuine_one_taken():
     socket.send_fds(unsealed, [local_link._HELLO.pack(CHANNEL, 2, 4)
                                + local_link._mac(KEY, CHANNEL, 2, 4)], [fd])
     os.close(fd)
-    genuine = local_link.Sender.connect(KEY, _name(), CHANNEL, 2, 4)
-    genuine.send(torch.tensor([5.0]), AbortSignal(), lambda _: None)
-    receiver = listener.accept(CHANNEL, AbortSignal(), lambda _: None)
-    assert receiver.recv(torch.empty(1), AbortSignal(), lambda _: None).item() == 5.0
+    genuine, receiver = _genuine_taken(listener)
     too_small = ("a local connection repeated a channel or sent memory that is too small or "
                  "could shrink")
     assert refused == ["a local connection's hello did not verify under the job's key",
@@ -433,10 +440,7 @@ def test_a_keyed_hello_with_a_descriptor_that_is_not_shared_memory_is_refused(tm
     socket.send_fds(wrong, [local_link._HELLO.pack(CHANNEL, 2, 4)
                             + local_link._mac(KEY, CHANNEL, 2, 4)], [fd])
     os.close(fd)
-    genuine = local_link.Sender.connect(KEY, _name(), CHANNEL, 2, 4)
-    genuine.send(torch.tensor([5.0]), AbortSignal(), lambda _: None)
-    receiver = listener.accept(CHANNEL, AbortSignal(), lambda _: None)
-    assert receiver.recv(torch.empty(1), AbortSignal(), lambda _: None).item() == 5.0
+    genuine, receiver = _genuine_taken(listener)
     assert refused == ["a local connection sent a descriptor that is not sealed shared memory"]
     for end in (genuine, receiver, listener):
         end.close()
