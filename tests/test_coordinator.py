@@ -485,6 +485,24 @@ def test_a_joining_nodes_placement_is_prepared_on_its_own_board_too(corpus):
     assert Layout.from_json(record.decision["layout"]) == Layout.from_json(first.layout)
 
 
+def test_a_joiner_with_a_notice_is_not_placed(corpus):
+    """node2 joins a job whose one survivor carries both stages, then has a notice: it leaves
+    its standby at once, so the boundary's plan does not place it (under load its exit came
+    after that plan, which placed it and failed to move a stage there); its exit, code 0,
+    then loses nothing and aborts nothing."""
+    coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
+    coord.node_exited("node1", -9)
+    _report(coord, "node0", formed=True, committed_through=5, flight=6)
+    cfg = coord.cfg
+    coord.join(JoinRequest("node2", 0.0, cfg.digest(), cfg.model_digest()), "node2")
+    coord.noticed(Notice("node2", 0, "SIGTERM", 1.0), "node2")
+    _at_boundary(coord, "", ["node0"])
+    assert "node2" not in Layout.from_json(_record(coord, 1).decision["layout"]).all_nodes
+    before = len(emitted)
+    coord.node_exited("node2", 0)
+    assert emitted[before:] == [] and coord.collecting is None
+
+
 def test_a_joiner_that_would_wait_on_standby_prepares_nothing(corpus):
     """One node joining a full P = 2 pipeline is one short of a second pipeline: the plan
     leaves it on standby, the groups would be today's nodes again, and a second joiner moments
@@ -729,6 +747,48 @@ def test_a_node_that_exits_0_mid_job_after_a_recovery_began_is_lost_saying_so(co
     lost = [(e["node"], e["returncode"], e.get("reason")) for e in emitted
             if e["kind"] == "node_lost"]
     assert lost == [("node1", 0, "it exited with code 0 before the job's end")]
+    assert _plan(coord, g)["action"] == "failover"
+
+
+def test_a_successor_loses_a_node_that_exited_0_before_the_hand_over(corpus):
+    """node1 exited with code 0 mid-job while no recovery was under way (a joiner leaving
+    standby on its notice just after a plan placed it): its exit is counted when its peers'
+    recovery begins. The coordinator then handed its office on. The successor, which no
+    exit of node1 will reach again (the predecessor took it in), loses node1 when node0
+    reports, as the predecessor would have: from books without it, the agreement waited for
+    node1's report to the end of the job (`test_agent`'s office hand-over, under load)."""
+    from spotpipe.protocol import CoordinatorState
+
+    predecessor, _ = _coordinator(corpus, 2, ["node0", "node1"])
+    predecessor.node_exited("node1", 0)
+    assert predecessor.collecting is None and "node1" in predecessor.live
+    successor, emitted = _coordinator(corpus, 2, ["node0", "node1"])
+    successor.store = successor.liveness.store = predecessor.store
+    successor.restore(CoordinatorState(
+        **predecessor.books(), cursor=0, journal=0, last_metrics=None, exited={"node1": 0},
+        checkpoints={}, admission={}, time_s=0.0))
+    g = successor.generation
+    _report(successor, "node0", reason="communication failed: Connection closed by peer")
+    lost = [(e["node"], e["returncode"], e.get("reason")) for e in emitted
+            if e["kind"] == "node_lost"]
+    assert lost == [("node1", 0, "it exited with code 0 before the job's end")]
+    assert _plan(successor, g)["action"] == "failover"
+
+
+def test_a_node_fenced_after_its_exit_0_was_taken_in_is_lost_at_once(corpus):
+    """A node whose exit (code 0, mid-job, no recovery under way) was taken in is then found
+    silent (its beats stopped with it) and fenced: no exit of it will come again, so the
+    fence loses it there and then and the recovery decides, rather than wait for an exit its
+    kill can no longer bring."""
+    coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
+    killed: list[str] = []
+    coord.kill = killed.append
+    g = coord.generation
+    coord.node_exited("node1", 0)
+    coord._fence("node1", "no heartbeat for 5.0 s")  # (what `tick` does once it is silent)
+    assert killed == []
+    assert [e["node"] for e in emitted if e["kind"] == "node_lost"] == ["node1"]
+    _report(coord, "node0", reason="communication failed: Connection closed by peer")
     assert _plan(coord, g)["action"] == "failover"
 
 

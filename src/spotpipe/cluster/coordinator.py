@@ -180,6 +180,7 @@ class Coordinator:
             "history": {**succession.history_to_json(self.history),
                         "partitions": succession.partitions_to_json(self._partitions)},
             "dead": tuple(sorted(self.dead)), "finished": tuple(sorted(self.finished)),
+            "exited_early": tuple(sorted(self.exited_early)),
             "fenced": tuple(sorted(self.fenced)), "left": tuple(sorted(self.left)),
             "left_on_notice": tuple(sorted(self.left_on_notice)),
             "joining": tuple(self.joining), "over": self.over,
@@ -200,6 +201,8 @@ class Coordinator:
         self.history = succession.history_from_json(state.history)
         self._partitions = succession.partitions_from_json(state.history.get("partitions", {}))
         self.dead, self.finished = set(state.dead), set(state.finished)
+        # (their exits were taken in here once: none will come to the successor again)
+        self.exited_early = set(state.exited_early)
         self.fenced, self.left = set(state.fenced), set(state.left)
         self.left_on_notice = set(state.left_on_notice)
         self.joining, self.over = list(state.joining), state.over
@@ -374,6 +377,14 @@ class Coordinator:
         makes. A node's notice said twice prepares once."""
         if writer != notice.node:
             self.refused(writer, f"a notice for {notice.node}")
+            return
+        if notice.node in self.joining:
+            # a joiner not placed yet leaves at once on its notice (`runtime.standby`): no
+            # plan may place it. Its exit (code 0) came too late for a plan made meanwhile,
+            # which placed it and then failed to move its stage there.
+            self.joining.remove(notice.node)
+            self.left.add(notice.node)
+            self.left_on_notice.add(notice.node)
             return
         g = self.generation
         if (notice.generation != g or self.collecting is not None or self.over
@@ -592,6 +603,14 @@ class Coordinator:
         self.emit({"time_s": self.now(), "kind": "node_fenced", "node": node, "reason": why,
                    "generation": self.generation})
         self.liveness.forget(node)
+        if node in self.exited_early:
+            # its process is gone, its exit taken in already: a kill would bring no other,
+            # and a recovery would wait for its report or its exit to the job's end
+            self.exited_early.discard(node)
+            self._lose(node, 0, EXITED_EARLY)
+            self._begin(f"{node} exited with code 0 before the job's end")
+            self._maybe_decide()
+            return
         self.kill(node)  # its exit then arrives through node_exited
 
     def _begin(self, reason: str, abort: bool = True) -> None:

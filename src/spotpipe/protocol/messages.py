@@ -473,6 +473,9 @@ class CoordinatorState(Message):
     # agreement's reports and not written yet (`spotpipe.cluster.recovered_metrics`)
     recovered_lines: tuple[dict[str, Any], ...] = ()
     first_iteration: int = 0  # the job's (a resumed checkpoint's next): its first line
+    # nodes that exited 0 mid-job with no recovery under way: lost when one begins (their
+    # exits were taken in, and will not come to a successor again)
+    exited_early: tuple[str, ...] = ()
     # the layouts whose groups the nodes were asked to form ahead, with the generation that
     # asked, and the nodes whose notices came in a generation (`Coordinator._prepared_in`,
     # `_noticed`): {"generation": g, "layouts": [...]} and {"generation": g, "nodes": [...]}

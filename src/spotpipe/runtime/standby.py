@@ -48,8 +48,8 @@ class Standby:
             if item is None:
                 if self.notices.is_set():
                     # nothing here to hand over: leave now, so that no plan places a node
-                    # about to go (the coordinator counts a waiting node's exit out without
-                    # a plan)
+                    # about to go (the coordinator takes a joiner off its list at its
+                    # notice, and counts a waiting node's exit out without a plan)
                     self.outbox.event("leaving_standby", source=self.notices.source)
                     return None
                 continue
