@@ -227,3 +227,57 @@ def test_the_pause_past_detection_is_split_into_its_parts(tmp_path):
     assert round(crash["pause_s"], 6) == 0.19 and round(crash["pause_iterations"], 6) == 4.75
     assert round(crash["slowdown"], 6) == 1.75  # 70 ms after, 40 ms before
     assert crash["iterations_lost"] == 1
+
+
+def _pause(detection_s: float, wait_by_design_s: float = 0.0) -> dict[str, float]:
+    return {"detection_s": detection_s, "wait_by_design_s": wait_by_design_s}
+
+
+def test_outliers_are_kept_for_reading():
+    """The runs kept whatever SPOTPIPE_BENCH_KEEP says: one not exact, or detected over a
+    second past its wait by design (a hang's 2 s timeout; a notice's boundary; nothing for a
+    crash). The one hang of 50 detected after 9.97 s was never seen again: its folder had
+    gone with the rest."""
+    from spotpipe.bench.chaos import worth_keeping
+
+    hang = ChaosCase("hang", 4, 2, "eager", "node6", 3, "start")
+    crash = ChaosCase("crash", 2, 1, "lazy", "node1", 3, "backward")
+    notice = ChaosCase("notice", 2, 1, "lazy", "node1", 3, "")
+    assert worth_keeping(CaseResult(hang, True, [], [_pause(9.97)]))
+    assert not worth_keeping(CaseResult(hang, True, [], [_pause(2.02)]))
+    assert not worth_keeping(CaseResult(crash, True, [], [_pause(0.015)]))
+    assert worth_keeping(CaseResult(crash, True, [], [_pause(1.2)]))
+    assert not worth_keeping(CaseResult(notice, True, [], [_pause(1.5, wait_by_design_s=1.4)]))
+    assert worth_keeping(CaseResult(notice, True, [], [_pause(2.5, wait_by_design_s=1.4)]))
+    assert worth_keeping(CaseResult(crash, True, ["parameters differ"], [_pause(0.015)]))
+
+
+def test_the_bench_removes_its_runs_but_the_outliers(tmp_path, monkeypatch):
+    """Without a folder given, every run's folder goes but an outlier's, which the summary
+    names (run by a stand-in for the jobs: the folders' fate is what is checked)."""
+    import tempfile
+
+    from spotpipe.bench import chaos
+
+    crash = ChaosCase("crash", 2, 1, "lazy", "node1", 3, "backward")
+    detections = [0.01, 1.9, 0.02]
+
+    def run_case(self, index, case):
+        self.run_folder(index).mkdir(parents=True)
+        timings = dict.fromkeys(("pause_s", "pause_iterations", "agreement_s", "regroup_s",
+                                 "replay_s", "slowdown"), 1.0)
+        return CaseResult(case, True, [], [{**_pause(detections[index]), **timings,
+                                            "store_stalls": index}])
+
+    monkeypatch.setattr(chaos.Chaos, "run_case", run_case)
+    monkeypatch.setattr(chaos, "summarize", lambda results: {})
+    monkeypatch.setattr(chaos, "regroup_by_workers", lambda results: {})
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("SPOTPIPE_BENCH_KEEP", raising=False)
+    out = run_cases([crash] * 3)
+    [root] = list(tmp_path.iterdir())
+    assert out["kept_runs"] == [str(root / "run001")] and out["runs_folder"] == str(root)
+    assert sorted(p.name for p in root.iterdir()) == ["run001"]
+    detections[1] = 0.03
+    out = run_cases([crash] * 3)
+    assert out["kept_runs"] == [] and sorted(tmp_path.iterdir()) == [root]

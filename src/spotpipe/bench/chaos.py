@@ -197,8 +197,31 @@ def incidents(run: Path, timeout_s: float = 0.0,
                     "regroup_s": regrouped - plan["time_s"],
                     "replay_s": done["time_s"] - regrouped,
                     "slowdown": after_s / iteration_s,
-                    "iteration_s": iteration_s, "action": plan["action"]})
+                    "iteration_s": iteration_s, "action": plan["action"],
+                    # the coordinator found its store slow to answer (over half the heartbeat
+                    # timeout) and judged the nodes afresh: a hang's verdict waits that long
+                    "store_stalls": sum(1 for e in events if e["kind"] == "store_stalled"
+                                        and t0 <= e["time_s"] <= done["time_s"])})
     return out
+
+
+# a detection this much later than the fault's wait by design is an outlier worth reading
+SLOW_DETECTION_S = 1.0
+
+
+def worth_keeping(result: CaseResult) -> bool:
+    """A run to keep for reading even when the bench removes its folder: not exact, or
+    detected over SLOW_DETECTION_S past the fault's wait (the one hang of 50 detected after
+    10 s instead of 2 was never seen again, and its events had gone with its folder)."""
+    return not result.exact or any(
+        p["detection_s"] - detection_wait_s(result.case, p) > SLOW_DETECTION_S
+        for p in result.pauses)
+
+
+def detection_wait_s(case: ChaosCase, pause: dict[str, float]) -> float:
+    """How long the fault's detection may take by design: a hang's timeout; a notice's
+    boundary (`incidents`); nothing for a crash."""
+    return pause["wait_by_design_s"] if case.kind == "notice" else detection_timeout_s(case)
 
 
 def _width_changed(run: Path) -> bool:
@@ -233,6 +256,9 @@ class Chaos:
             self._references[key] = load_file(str(out / "final" / "model.safetensors"))
         return self._references[key]
 
+    def run_folder(self, index: int) -> Path:
+        return self.root / f"run{index:03d}"
+
     def run_case(self, index: int, case: ChaosCase) -> CaseResult:
         from safetensors.torch import load_file
 
@@ -241,7 +267,7 @@ class Chaos:
 
         want = self.reference(case)
         cfg = case_config(case, iterations=self.iterations, model=self.model)
-        run = self.root / f"run{index:03d}"
+        run = self.run_folder(index)
         code = train(cfg, run, progress=False, faults=[case.fault()])
         if code != 0:
             return CaseResult(case, False, [f"the job failed (exit {code}; see {run})"], [])
@@ -258,6 +284,7 @@ def summarize(results: list[CaseResult]) -> dict[str, Any]:
     out: dict[str, Any] = {"runs": len(results), "exact_runs": sum(r.exact for r in results)}
     every = [p for r in results for p in r.pauses]
     out["pauses"] = len(every)
+    out["store_stalls"] = sum(p.get("store_stalls", 0) for p in every)
     if every:
         whole = distribution([p["pause_iterations"] for p in every], 2)
         out["pause_p50_iterations"], out["pause_p99_iterations"] = whole["p50"], whole["p99"]
@@ -326,9 +353,16 @@ def run_cases(cases: list[ChaosCase], root: Path | None = None,
     out = summarize(results)
     print(f"{model}: regroup median by workers (P x D): " + ", ".join(
         f"{w}: {v * 1e3:.0f} ms" for w, v in regroup_by_workers(results).items()), flush=True)
-    out["runs_folder"] = str(root) if keep else "(removed; SPOTPIPE_BENCH_KEEP=1 keeps them)"
+    kept = [chaos.run_folder(i) for i, r in enumerate(results) if worth_keeping(r)]
+    out["kept_runs"] = [str(run) for run in kept]  # (outliers: kept whatever `keep` says)
+    out["runs_folder"] = str(root) if keep or kept else \
+        "(removed; SPOTPIPE_BENCH_KEEP=1 keeps them)"
     if not keep:
-        shutil.rmtree(root, ignore_errors=True)
+        for run in root.iterdir():
+            if run not in kept:
+                shutil.rmtree(run, ignore_errors=True)
+        if not kept:
+            shutil.rmtree(root, ignore_errors=True)
     return out
 
 
@@ -338,6 +372,7 @@ def _run_and_print(chaos: Chaos, i: int, case: ChaosCase, n: int) -> CaseResult:
                       f"{p['detection_s'] * 1e3:.0f} ms, agreement "
                       f"{p['agreement_s'] * 1e3:.0f}, regroup {p['regroup_s'] * 1e3:.0f}, "
                       f"replay {p['replay_s'] * 1e3:.0f}; new layout x{p['slowdown']:.2f})"
+                      + (f", {p['store_stalls']} store stalls" if p.get("store_stalls") else "")
                       for p in result.pauses) or "no pause"
     print(f"{chaos.model:4s} {i + 1:3d}/{n} {case.label():36s} {pause}  "
           f"{'exact' if result.exact else 'NOT EXACT'}", flush=True)
