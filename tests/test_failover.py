@@ -194,7 +194,13 @@ def test_a_node_lost_after_the_last_commit_is_taken_over_and_the_job_completes(
     for key in want:
         assert torch.equal(got[key], want[key]), f"{key} differs from the failure-free run"
     plans = [e for e in events(run) if e["kind"] == "plan"]
-    assert [(p["action"], p["resume"]) for p in plans] == [("failover", ITERS)]
+    assert [p["action"] for p in plans] == ["failover"]
+    # the survivors completed the last commit (resume ITERS: nothing to train again), or,
+    # where the lost node's last bytes of the commit died with it (its sockets reset as it
+    # was killed: seen once in two-process CI runs), they never completed it, and the last
+    # iteration is trained again; the plan follows what the survivors reported either way
+    committed = max(e["committed_through"] for e in events(run) if e["kind"] == "report")
+    assert plans[0]["resume"] == committed + 1 in (ITERS - 1, ITERS)
     assert_samples_exactly_once(run, cfg)
     assert_every_iteration_logged(run, cfg)
     assert_nothing_left(run, store_port(run))
