@@ -281,3 +281,29 @@ def test_the_bench_removes_its_runs_but_the_outliers(tmp_path, monkeypatch):
     detections[1] = 0.03
     out = run_cases([crash] * 3)
     assert out["kept_runs"] == [] and sorted(tmp_path.iterdir()) == [root]
+
+
+def test_a_hangs_detection_is_split_at_its_verdict(tmp_path):
+    """A hang in a made-up run, worked by hand: the node fenced 2.0 s after the fault (the
+    verdict), the failure begun 0.05 s later (its kill, its end, its exit taken in): the
+    detection of 2.05 s is told apart, so a late verdict and a slow end look different."""
+    import json
+
+    from spotpipe.bench.chaos import incidents, summarize
+
+    def lines(name, records):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    lines("metrics.jsonl", [{"iter": i, "time_s": 10.0 + 0.04 * (i - 3), "iter_time_s": 0.04}
+                            for i in range(4)]
+          + [{"iter": 4, "time_s": 12.3, "iter_time_s": 0.2}])
+    lines("events.jsonl", [
+        {"kind": "fault_injected", "time_s": 10.01, "iteration": 4},
+        {"kind": "node_fenced", "time_s": 12.01, "node": "node1"},
+        {"kind": "failure_detected", "time_s": 12.06},
+        {"kind": "plan", "time_s": 12.08, "generation": 1, "resume": 4, "action": "failover"}])
+    (hang,) = incidents(tmp_path, 2.0)
+    assert round(hang["fenced_s"], 6) == 2.0 and round(hang["detection_s"], 6) == 2.05
+    case = ChaosCase("hang", 2, 1, "lazy", "node1", 4, "backward")
+    out = summarize([CaseResult(case, True, [], [hang])])
+    assert out["hang_fenced_s_max"] == 2.0 and "crash_fenced_s_max" not in out

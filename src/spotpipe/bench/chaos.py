@@ -164,6 +164,10 @@ def incidents(run: Path, timeout_s: float = 0.0,
             continue
         detected = next((e["time_s"] for e in events if e["kind"] == "failure_detected"
                          and e["time_s"] >= t0), plan["time_s"])
+        # a hang's verdict (the node fenced), before its kill, exit and the failure's start:
+        # tells a late verdict from a slow end of the fenced process
+        fenced = next((e["time_s"] for e in events if e["kind"] == "node_fenced"
+                       and t0 <= e["time_s"] <= plan["time_s"]), None)
         normal = [m["iter_time_s"] for m in metrics if m["time_s"] < t0][1:] or \
             [m["iter_time_s"] for m in metrics]
         in_flight = max([e["iteration"] for e in events if e["kind"] == "report"
@@ -198,6 +202,7 @@ def incidents(run: Path, timeout_s: float = 0.0,
                     "replay_s": done["time_s"] - regrouped,
                     "slowdown": after_s / iteration_s,
                     "iteration_s": iteration_s, "action": plan["action"],
+                    "fenced_s": None if fenced is None else fenced - t0,
                     # the coordinator found its store slow to answer (over half the heartbeat
                     # timeout) and judged the nodes afresh: a hang's verdict waits that long
                     "store_stalls": sum(1 for e in events if e["kind"] == "store_stalled"
@@ -320,6 +325,10 @@ def summarize(results: list[CaseResult]) -> dict[str, Any]:
                                   ("iterations_lost", "iterations_lost", 2)):
             for stat, value in distribution([p[key] for p in mine], digits).items():
                 out[f"{kind}_{name}_{stat}"] = value
+        fenced = [p["fenced_s"] for p in mine if p.get("fenced_s") is not None]
+        if fenced:  # (hangs: their verdicts; the rest of the detection is the kill's)
+            for stat, value in distribution(fenced, 4).items():
+                out[f"{kind}_fenced_s_{stat}"] = value
     out.update({f"regroup_s_p50_{workers}_workers": value
                 for workers, value in regroup_by_workers(results).items()})
     out["not_exact"] = [f"{r.case.label()}: {'; '.join(r.problems)}" for r in results
@@ -368,15 +377,23 @@ def run_cases(cases: list[ChaosCase], root: Path | None = None,
 
 def _run_and_print(chaos: Chaos, i: int, case: ChaosCase, n: int) -> CaseResult:
     result = chaos.run_case(i, case)
-    pause = ", ".join(f"{p['pause_s']:.3f} s = {p['pause_iterations']:.2f} it (detection "
-                      f"{p['detection_s'] * 1e3:.0f} ms, agreement "
-                      f"{p['agreement_s'] * 1e3:.0f}, regroup {p['regroup_s'] * 1e3:.0f}, "
-                      f"replay {p['replay_s'] * 1e3:.0f}; new layout x{p['slowdown']:.2f})"
-                      + (f", {p['store_stalls']} store stalls" if p.get("store_stalls") else "")
-                      for p in result.pauses) or "no pause"
+    pause = ", ".join(_pause_line(p) for p in result.pauses) or "no pause"
     print(f"{chaos.model:4s} {i + 1:3d}/{n} {case.label():36s} {pause}  "
           f"{'exact' if result.exact else 'NOT EXACT'}", flush=True)
     return result
+
+
+def _pause_line(p: dict[str, Any]) -> str:
+    """One pause and its parts, in milliseconds (`incidents`)."""
+    def ms(key: str) -> str:
+        return f"{p[key] * 1e3:.0f}"
+
+    fenced = "" if p.get("fenced_s") is None else f" (fenced at {ms('fenced_s')})"
+    stalls = f", {p['store_stalls']} store stalls" if p.get("store_stalls") else ""
+    return (f"{p['pause_s']:.3f} s = {p['pause_iterations']:.2f} it (detection "
+            f"{ms('detection_s')} ms{fenced}, agreement {ms('agreement_s')}, regroup "
+            f"{ms('regroup_s')}, replay {ms('replay_s')}; new layout x{p['slowdown']:.2f})"
+            f"{stalls}")
 
 
 def _describe(model: str) -> str:
