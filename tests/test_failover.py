@@ -194,13 +194,18 @@ def test_a_node_lost_after_the_last_commit_is_taken_over_and_the_job_completes(
     for key in want:
         assert torch.equal(got[key], want[key]), f"{key} differs from the failure-free run"
     plans = [e for e in events(run) if e["kind"] == "plan"]
-    assert [p["action"] for p in plans] == ["failover"]
+    assert plans[0]["action"] == "failover"
     # the survivors completed the last commit (resume ITERS: nothing to train again), or,
     # where the lost node's last bytes of the commit died with it (its sockets reset as it
-    # was killed: seen once in two-process CI runs), they never completed it, and the last
+    # was killed: seen in two-process CI runs), they never completed it, and the last
     # iteration is trained again; the plan follows what the survivors reported either way
-    committed = max(e["committed_through"] for e in events(run) if e["kind"] == "report")
+    committed = max(e["committed_through"] for e in events(run)
+                    if e["kind"] == "report" and e["generation"] == 0)
     assert plans[0]["resume"] == committed + 1 in (ITERS - 1, ITERS)
+    # trained again, the last iteration ends at a boundary where the layout can improve (P = 3
+    # on two nodes: a re-partition, with nothing left to train); nothing else follows
+    assert all(p["resume"] == ITERS for p in plans[1:])
+    assert len(plans) == 1 or plans[0]["resume"] == ITERS - 1
     assert_samples_exactly_once(run, cfg)
     assert_every_iteration_logged(run, cfg)
     assert_nothing_left(run, store_port(run))
