@@ -21,7 +21,8 @@ from conftest import tiny_config
 
 
 def _coordinator(corpus, stages: int, nodes: list[str]) -> tuple[Coordinator, list[dict]]:
-    cfg = tiny_config(corpus, stages=stages, pipelines=1, redundancy="lazy")
+    # (iterations past the reports' 5-6: the job has iterations left after their boundaries)
+    cfg = tiny_config(corpus, stages=stages, pipelines=1, redundancy="lazy", iterations=20)
     emitted: list[dict] = []
     coord = Coordinator(cfg=cfg, store=dist.HashStore(), layout=Layout.build(stages, 1, nodes),
                         kill=lambda node: None, emit=emitted.append, now=lambda: 0.0,
@@ -460,6 +461,22 @@ def test_the_plan_after_a_failover_is_prepared_before_its_regroup_is_asked(corpu
     record = _record(coord, 1)
     assert record.decision["action"] == "repartition" and record.prepared
     assert Layout.from_json(record.decision["layout"]) == Layout.from_json(first.layout)
+
+
+def test_a_failover_that_retrains_the_last_iteration_asks_for_no_improvement(corpus):
+    """The same failover with the last iteration in flight: nothing follows that iteration's
+    boundary, so a re-partition there would only stop the nodes and form groups for nothing.
+    No preparation and no regroup request; the job ends on the failover's layout."""
+    coord, emitted = _coordinator(corpus, 3, ["node0", "node1", "node2"])
+    last = coord.cfg.iterations - 1
+    coord.node_exited("node1", -9)
+    for node in ("node0", "node2"):
+        _report(coord, node, formed=True, committed_through=last - 1, flight=last)
+    decision = _record(coord, 0).decision
+    assert decision["action"] == "failover" and decision["resume"] == last
+    kinds = [e["kind"] for e in emitted]
+    assert "plan" in kinds
+    assert "groups_prepared" not in kinds and "regroup_requested" not in kinds
 
 
 def test_a_joining_nodes_placement_is_prepared_on_its_own_board_too(corpus):

@@ -202,10 +202,9 @@ def test_a_node_lost_after_the_last_commit_is_taken_over_and_the_job_completes(
     committed = max(e["committed_through"] for e in events(run)
                     if e["kind"] == "report" and e["generation"] == 0)
     assert plans[0]["resume"] == committed + 1 in (ITERS - 1, ITERS)
-    # trained again, the last iteration ends at a boundary where the layout can improve (P = 3
-    # on two nodes: a re-partition, with nothing left to train); nothing else follows
-    assert all(p["resume"] == ITERS for p in plans[1:])
-    assert len(plans) == 1 or plans[0]["resume"] == ITERS - 1
+    # nothing follows: trained again, the last iteration's boundary has nothing left to train
+    # after it, so the layout is not improved there (P = 3 on two nodes re-partitioned before)
+    assert len(plans) == 1, plans
     assert_samples_exactly_once(run, cfg)
     assert_every_iteration_logged(run, cfg)
     assert_nothing_left(run, store_port(run))

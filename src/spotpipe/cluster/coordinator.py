@@ -720,7 +720,9 @@ class Coordinator:
         self.joining = [n for n in self.joining if n not in decision.layout.all_nodes]
         self.joining += sorted(stranded)
         self.collecting = None
-        if outcome.improve:
+        if outcome.improve and decision.resume + 1 < self.cfg.iterations:
+            # (a plan resuming at the last iteration has nothing left to train after its next
+            # boundary: improving there would only stop the nodes and form groups for nothing)
             # the next plan is known now (nothing happened yet): its groups can form while the
             # job trains (prepared before the request, so that they start before the boundary)
             self._prepare_following("the layout can improve further")
