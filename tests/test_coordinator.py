@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from spotpipe.cluster.coordinator import Coordinator
 from spotpipe.plan import Layout
-from spotpipe.protocol import (Channel, DecisionRecord, JoinAnswer, JoinRequest, Notice, Prepare,
-                               Regroup, Report, job_key, keys)
+from spotpipe.protocol import (Channel, DecisionRecord, Heartbeat, JoinAnswer, JoinRequest,
+                               Notice, Prepare, Regroup, Report, job_key, keys)
 from spotpipe.store import board
 
 KEY = job_key(b"sesame", "test")
@@ -500,6 +500,47 @@ def test_a_joining_nodes_placement_is_prepared_on_its_own_board_too(corpus):
     record = _record(coord, 1)
     assert record.decision["action"] == "rebalance" and record.prepared
     assert Layout.from_json(record.decision["layout"]) == Layout.from_json(first.layout)
+
+
+class _SlowStore:
+    """The coordinator's store, answering its heartbeat check `stall_s` late on the test's
+    clock (an etcd under load); everything else as the store it wraps."""
+
+    def __init__(self, store: dist.Store, now: list[float], stall_s: float) -> None:
+        self._store, self._now, self._stall_s = store, now, stall_s
+
+    def check(self, keys_: list[str]) -> bool:
+        self._now[0] += self._stall_s
+        return self._store.check(keys_)
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+
+def test_a_slow_store_does_not_suspend_fencing_a_silent_node(corpus):
+    """Every tick's heartbeat check answers 3 s late (more than half the 5 s heartbeat
+    timeout), so every tick restarts the clocks; node0 and node1 beat on (their beats land,
+    late), node2's stop. node2 is fenced once the others' beats have arrived for more than
+    the timeout after its last: the first after it came at t = 6 s, so at the tick at t = 12 s.
+    Before, a store that stayed this slow never let the coordinator fence anyone."""
+    coord, emitted = _coordinator(corpus, 3, ["node0", "node1", "node2"])
+    now = [0.0]
+    coord.liveness.clock = lambda: now[0]
+    coord.store = _SlowStore(coord.store, now, stall_s=3.0)
+    killed: list[tuple[str, float]] = []
+    coord.kill = lambda node: killed.append((node, now[0]))
+    writers = {n: Channel(KEY, n) for n in ("node0", "node1", "node2")}
+    for tick in range(6):  # ticks at t = 3, 6, ..., 18 s (the check's stall is the clock)
+        for node in ("node0", "node1") if tick else ("node0", "node1", "node2"):
+            at = keys.heartbeat(node)
+            coord.liveness.store.set(at, writers[node].seal(Heartbeat(node, "busy", 0, tick, 0),
+                                                            at=at))
+        coord.tick()
+    assert killed == [("node2", 12.0)], emitted
+    fenced = [e for e in emitted if e["kind"] == "node_fenced"]
+    assert [e["node"] for e in fenced] == ["node2"]
+    assert fenced[0]["time_s"] == 0.0 and "while the store was slow" in fenced[0]["reason"]
+    assert sum(e["kind"] == "store_stalled" for e in emitted) == 6
 
 
 def test_a_joiner_with_a_notice_is_not_placed(corpus):

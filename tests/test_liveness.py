@@ -233,3 +233,68 @@ def test_beats_that_stop_after_a_wait_are_a_silence_not_a_hang():
     for state in ("waiting", "finishing"):
         t, why = first(state)
         assert 31.5 < t <= 31.6 and why.startswith("no heartbeat for 30."), (state, t, why)
+
+
+def _beating(names: tuple[str, ...]):
+    """A Liveness on the test's own clock, and a function that writes a beat for a node."""
+    from torch.distributed import HashStore
+
+    from spotpipe.cluster.liveness import Liveness
+    from spotpipe.protocol import Channel, Heartbeat, keys
+    from spotpipe.protocol.auth import job_key
+
+    key = job_key(b"token", "inst")
+    store, now = HashStore(), [0.0]
+    liveness = Liveness(store, Channel(key, "coordinator"), lambda w, r: None,
+                        clock=lambda: now[0])
+    writers = {n: Channel(key, n) for n in names}
+
+    def beat(node: str) -> None:
+        store.set(keys.heartbeat(node), writers[node].seal(Heartbeat(node, "busy", 1, 5, 32),
+                                                           at=keys.heartbeat(node)))
+    return liveness, now, beat
+
+
+def test_a_silent_node_is_fenced_while_the_store_stays_slow():
+    """A store slower than half the heartbeat timeout makes the coordinator restart every
+    clock (beats could not arrive on time), so age alone never fences while it stays slow. The
+    slow store still takes beats in: node `x`, silent from t = 1 s while `a` and `b` beat every
+    0.5 s, is outpaced once their beats have arrived for more than the timeout (3 s) after its
+    last one: the first after it arrived at 1.5 s, so from t = 5 s on, not before."""
+    liveness, now, beat = _beating(("a", "b", "x"))
+    judged: list[tuple[float, str | None]] = []
+    for step in range(20):
+        now[0] = step * 0.5
+        for node in ("a", "b") if now[0] > 1.0 else ("a", "b", "x"):
+            beat(node)
+            liveness.read(node)
+        liveness.read("x")
+        judged.append((now[0], liveness.outpaced("x", 3.0)))
+        assert liveness.outpaced("a", 3.0) is None and liveness.outpaced("b", 3.0) is None
+        liveness.restart_clocks()  # as the coordinator does at every tick of a slow store
+        assert liveness.verdict("x", 3.0, 30.0) is None  # (the age alone: restarted)
+    first = next(t for t, why in judged if why)
+    assert first == 5.0, judged
+    assert judged[-1][1].startswith("no heartbeat for 8.5 s while the store was slow"), judged
+
+
+def test_no_node_is_outpaced_without_evidence_or_within_the_timeout():
+    """Every node silent (the store away): nobody beats, so nobody is judged. After the outage
+    `a` and `b` are back at once and `x` 2.5 s later (the store client's reconnection backoff):
+    within the 3 s timeout of the first beat after the outage, so `x` is not fenced."""
+    liveness, now, beat = _beating(("a", "b", "x"))
+    for node in ("a", "b", "x"):
+        beat(node)
+        liveness.read(node)
+    for tenth in range(1, 100):  # 10 s of outage
+        now[0] = tenth / 10
+        for node in ("a", "b", "x"):
+            liveness.read(node)
+            assert liveness.outpaced(node, 3.0) is None
+    for step in range(20):  # back at t = 10 s, beats every 0.5 s; x from t = 12.5 s
+        now[0] = 10 + step * 0.5
+        for node in ("a", "b", "x") if now[0] >= 12.5 else ("a", "b"):
+            beat(node)
+        for node in ("a", "b", "x"):
+            liveness.read(node)
+            assert liveness.outpaced(node, 3.0) is None, (now[0], node)

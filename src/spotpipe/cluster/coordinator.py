@@ -15,7 +15,6 @@ dead, fenced, finished, waiting to join).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -551,9 +550,9 @@ class Coordinator:
         """Heartbeat check: fence nodes that stopped beating or stopped making progress, and
         survivors that do not report after a failure (a node that cannot report would leave
         the agreement waiting forever; fencing turns that into a decision)."""
-        before = time.monotonic()
+        before = self.liveness.clock()
         self.store.check([keys.HEARTBEATS])  # blocks while the store is away (etcd restarting)
-        now = time.monotonic()
+        now = self.liveness.clock()
         failover = self.cfg.failover
         if now - before > failover.heartbeat_timeout_s / 2:
             # the store was away: beats could not arrive meanwhile, which says nothing about
@@ -565,6 +564,12 @@ class Coordinator:
         if now < self._grace_until:
             for node in sorted(self.live - self.fenced):
                 self.liveness.read(node)  # take in new beats (and refuse stale ones)
+            # (a store that stays slow renews the grace at every tick: what fences a silent
+            # node then is other nodes' beats arriving all the while its own do not)
+            for node in sorted(self.live - self.fenced):
+                why = self.liveness.outpaced(node, failover.heartbeat_timeout_s)
+                if why:
+                    self._fence(node, why)
             self.liveness.restart_clocks()
             return
         rec = self.collecting

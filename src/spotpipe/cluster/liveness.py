@@ -9,13 +9,20 @@ beat written back (a replay), is refused and changes nothing.
 
 from __future__ import annotations
 
+import bisect
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from spotpipe.protocol import Channel, Heartbeat, Refused, keys
+
+
+# arrivals kept per node: enough for a heartbeat timeout's worth at the fastest beat the
+# config allows and a slow store's pace (fewer kept only makes `outpaced` slower to judge)
+ARRIVALS_KEPT = 64
 
 
 @dataclass
@@ -26,6 +33,9 @@ class _Seen:
     beat: Heartbeat
     progress: tuple[int, int, int, str] = (-1, -1, 0, "")
     since: float = 0.0  # when its progress last changed (or it last waited)
+    # when its recent beats arrived, on the same clock but never restarted: the evidence, while
+    # the store is slow, that the store took this node's beats in (`Liveness.outpaced`)
+    arrivals: deque[float] = field(default_factory=lambda: deque(maxlen=ARRIVALS_KEPT))
 
 
 @dataclass
@@ -65,6 +75,7 @@ class Liveness:
             # a first beat, or a new process under this node's name (a node that came back)
             self._seen[node] = seen = _Seen(sealed.incarnation, sealed.seq, now, beat,
                                             _progress(beat), now)
+            seen.arrivals.append(now)
             return seen
         if sealed.seq < seen.seq:
             self.refused(node, f"heartbeat: a replay (sequence number {sealed.seq} after "
@@ -73,6 +84,7 @@ class Liveness:
         if sealed.seq == seen.seq:
             return seen
         seen.seq, seen.at, seen.beat = sealed.seq, now, beat
+        seen.arrivals.append(now)
         progress = _progress(beat)
         if progress != seen.progress or beat.state != "busy":
             seen.progress, seen.since = progress, now
@@ -94,6 +106,38 @@ class Liveness:
             return hung(now - seen.since, seen.beat.iteration, seen.beat.position,
                         seen.beat.step)
         return None
+
+
+    def outpaced(self, node: str, heartbeat_timeout_s: float) -> str | None:
+        """Why `node` must be fenced while the store is too slow to judge beats by their age
+        (the coordinator restarts every clock then, `restart_clocks`), or None.
+
+        A slow store still takes beats in, only late. So a node is silent, not delayed, when
+        other nodes' beats kept arriving for longer than the heartbeat timeout after its own
+        newest one: the store demonstrably took writes all that while, and none of its. Before,
+        a store that stayed slower than half the heartbeat timeout suspended the fencing of
+        silent nodes for as long as it stayed slow. The window starts at the first beat that
+        arrived after the node's own, so a node held back by the store's reconnection backoff
+        after an outage gets the full timeout from the store's return. With no other node
+        beating there is no evidence, and nothing is judged."""
+        seen = self._seen.get(node)
+        if seen is None or not seen.arrivals:
+            return None
+        last = seen.arrivals[-1]
+        first_after: float | None = None
+        newest = last
+        for other, o in self._seen.items():
+            if other == node or not o.arrivals or o.arrivals[-1] <= last:
+                continue
+            # (a node's arrivals are in order; with older ones dropped, its first kept arrival
+            # after `last` comes no earlier than its true first one: the window only shrinks)
+            after = o.arrivals[bisect.bisect_right(o.arrivals, last)]
+            first_after = after if first_after is None else min(first_after, after)
+            newest = max(newest, o.arrivals[-1])
+        if first_after is None or newest - first_after <= heartbeat_timeout_s:
+            return None
+        return (f"no heartbeat for {self.clock() - last:.1f} s while the store was slow, "
+                f"though other nodes' beats arrived for {newest - first_after:.1f} s of it")
 
 
 def _progress(beat: Heartbeat) -> tuple[int, int, int, str]:
