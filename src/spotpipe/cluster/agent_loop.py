@@ -152,13 +152,21 @@ class AgentJobLoop(JobLoop):
         values: list[bytes] = []
         if metrics or lines:
             self._journal += 1
+            record = Journal(tuple(metrics), tuple(lines))
             names.append(keys.journal(self._journal))
-            values.append(self.channel.seal(Journal(tuple(metrics), tuple(lines)), g,
-                                            at=names[-1]))
+            values.append(self.channel.seal(record, g, at=names[-1]))
+            self._folder.add(self._journal, record)
+        segment = self._folder.due()
+        folded = (self._folder.segments, self._folder.folded)
+        if segment is not None:
+            folded = (folded[0] + 1, segment.last)
+            names.append(keys.journal_segment(folded[0]))
+            values.append(self.channel.seal(segment, g, at=names[-1]))
         names.append(keys.COORDINATOR_STATE)
         values.append(self.channel.seal(
             CoordinatorState(**books, journal=self._journal, time_s=self._now(),
-                             handed_over=handed_over), g, at=keys.COORDINATOR_STATE))
+                             handed_over=handed_over, journal_segments=folded[0],
+                             journal_folded=folded[1]), g, at=keys.COORDINATOR_STATE))
         # etcd bounds a transaction's operations (128 by default): the rest next turn
         marks, reads = mailbox.read_marks(self._marked + 1, min(cursor, self._marked + 100))
         # only while this agent still holds the office: a deposed coordinator that reaches
@@ -170,6 +178,11 @@ class AgentJobLoop(JobLoop):
                           "was elected while it was cut off); its successor coordinates")
         self._marked += len(marks)
         self._persisted = books
+        if segment is not None:
+            # (after the books that name the segment: a successor that read the books before
+            # finds the records still there; one that reads them after reads the segment)
+            covered = self._folder.written(segment)
+            self._store.delete_keys([keys.journal(i) for i in covered])  # type: ignore[attr-defined]
 
     def _resume_nodes(self, inbox: Inbox) -> None:
         """Taking over: the nodes run on under their agents. The predecessor's own nodes went

@@ -32,13 +32,14 @@ from spotpipe.checkpoint import durable
 from spotpipe.cluster.checkpoint_parts import CheckpointParts, durable_tier
 from spotpipe.cluster.checkpoint_intake import CheckpointIntake
 from spotpipe.cluster.coordinator import Coordinator
+from spotpipe.cluster.journal import JournalFolder, read_back
 from spotpipe.cluster.inbox import (HelperEvent, Inbox, Item, MailboxClosed, NodeExit,
                                     RefusedUpload, ShadowExit)
 from spotpipe.cluster.metrics_lines import MetricsLines
 from spotpipe.cluster.run_files import RunFiles, RunFilesError
 from spotpipe.protocol import (Channel, CheckpointSaved, Close, CoordinatorState, Event, Exit,
-                               FinalUpload, JoinRequest, Journal, Metrics, Notice, Opened,
-                               Refused, Report, StageUpload, Stalled, job_key, keys)
+                               FinalUpload, JoinRequest, Metrics, Notice, Opened, Refused, Report,
+                               StageUpload, Stalled, job_key)
 from spotpipe.store import mailbox
 from spotpipe.store.address import StoreAddress
 from spotpipe.cluster.supervisor import (SHADOW, STOP_GRACE_S, Supervisor, interruption,
@@ -103,6 +104,7 @@ class JobLoop:
         # a predecessor's books: this loop takes over a running job instead of starting one
         self.takeover: CoordinatorState | None = None
         self._journal = 0  # journal records written (or replayed) so far
+        self._folder = JournalFolder()  # which of them are folded into segments
         self.store_lost = False  # the store went away for good (etcd unreachable)
 
     # ------------------------------------------------------------------ where workers run
@@ -586,16 +588,8 @@ class JobLoop:
     def _restore(self, files: RunFiles, state: CoordinatorState) -> None:
         """Take over from a predecessor's books: its run-file lines first (the files continue
         here whole), then its coordinator's state and this loop's."""
-        for index in range(1, state.journal + 1):
-            try:
-                key = keys.journal(index)
-                opened = self.channel.open(self._store.get(key), at=key, expect=Journal,
-                                           writers={self.channel.writer})
-            except Refused as why:
-                self.coordinator.refused(why.writer, f"journal {index}: {why.reason}")
-                continue
-            assert isinstance(opened.message, Journal)
-            files.replay(opened.message)
+        self._folder = read_back(self._store, self.channel, state, files.replay,
+                                 self.coordinator.refused)
         self._journal = state.journal
         self.coordinator.restore(state)
         self.lines.restore(state)

@@ -160,6 +160,12 @@ def journal(index: int) -> str:
     return f"{ROOT}/coordinator/journal/{index}"
 
 
+def journal_segment(index: int) -> str:
+    """The `index`-th segment of the journal (from 1): records folded into one
+    (`JournalSegment`)."""
+    return f"{ROOT}/coordinator/journal_segment/{index}"
+
+
 def resume_offer(agent: int) -> str:
     """The coordinating agent's `ResumeOffer` to agent `agent` (whose host lacks --resume)."""
     return f"{RDZV}/resume/{agent}"

@@ -484,6 +484,10 @@ class CoordinatorState(Message):
     # what the lost nodes' launchers or agents said of why they died (`Exit.cause`), said
     # again in the stop's message should the agreement their loss began end the job
     causes: dict[str, str] = field(default_factory=dict)
+    # journal records 1..journal_folded are in segments 1..journal_segments (`JournalSegment`);
+    # the successor reads those, then the records after them
+    journal_segments: int = 0
+    journal_folded: int = 0
 
 
 @dataclass(frozen=True)
@@ -495,6 +499,19 @@ class Journal(Message):
     TYPE: ClassVar[str] = "journal"
     metrics: tuple[dict[str, Any], ...]
     events: tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class JournalSegment(Message):
+    """Journal records `first`..`last`, folded into one record as the run goes on
+    (`spotpipe.cluster.journal`): without it a successor read one store key per turn of the
+    whole run, and the store held every one of them. `packed` is their lines as zlib-compressed
+    JSON, in base64 (a metrics line compresses about tenfold)."""
+
+    TYPE: ClassVar[str] = "journal_segment"
+    first: int
+    last: int
+    packed: str
 
 
 # --------------------------------------------------------------------- the agents' rendezvous
@@ -603,8 +620,8 @@ class FinalUpload(Message):
 MESSAGES: dict[str, type[Message]] = {m.TYPE: m for m in (
     Report, JoinRequest, Metrics, Notice, Event, CheckpointSaved, StageUpload, Exit, Close,
     Heartbeat, Stalled, Abort, Regroup, Prepare, DecisionRecord, JoinAnswer, Kill, Mark,
-    CoordinatorState, Journal, AgentArrival, ArrivalsClosed, JobPosted, Assignment, JobOver,
-    FinalUpload, ResumeOffer)}
+    CoordinatorState, Journal, JournalSegment, AgentArrival, ArrivalsClosed, JobPosted,
+    Assignment, JobOver, FinalUpload, ResumeOffer)}
 
 
 def plain(message: Message) -> bytes:
