@@ -445,3 +445,58 @@ def test_a_keyed_hello_with_a_descriptor_that_is_not_shared_memory_is_refused(tm
     for end in (genuine, receiver, listener):
         end.close()
     wrong.close()
+
+
+def _flood(name: bytes, count: int, connected, done) -> None:
+    """Another user of the host (nobody) connects `count` times and says nothing."""
+    os.setgid(65534)
+    os.setuid(65534)
+    held = []
+    for _ in range(count):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(name)  # (blocks while the listener's queue is full: taken as it drains)
+        held.append(s)
+    connected.set()
+    done.wait(60)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user")
+def test_another_users_connections_are_refused_at_once_and_said_a_bounded_number_of_times():
+    """Another user floods the listener with 100 connections that say nothing (more than the
+    64 silent ones it keeps): each is refused as it is taken, by its credentials, so none
+    takes a place a genuine sender's connection needs, and the refusals (each an event through
+    the job's store) are said 8 times, then once that more follow. Before, the flood stayed
+    among the silent connections, pushing the oldest out, and every drop was said."""
+    refused: list[str] = []
+    listener = local_link.Listener(KEY, _name(), refused.append)
+    ctx = mp.get_context("fork")
+    connected, done = ctx.Event(), ctx.Event()
+    flooder = ctx.Process(target=_flood, args=(_name(), 100, connected, done), daemon=True)
+    abort, got = AbortSignal(), []
+
+    def receive() -> None:
+        receiver = listener.accept(CHANNEL, abort, lambda _: None)
+        got.append(receiver.recv(torch.empty(1), abort, lambda _: None).item())
+        receiver.close()
+
+    taker = threading.Thread(target=receive, daemon=True)
+    taker.start()
+    flooder.start()
+    assert connected.wait(60)
+    deadline = time.monotonic() + 60  # (all 100 taken: a condition, polled)
+    while listener._refusals < 100 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    genuine = local_link.Sender.connect(KEY, _name(), CHANNEL, 2, 4)
+    assert genuine is not None
+    genuine.send(torch.tensor([5.0]), AbortSignal(), lambda _: None)
+    taker.join(timeout=30)
+    abort.trigger("the test is over")
+    done.set()
+    flooder.join(timeout=30)
+    assert got == [5.0], got
+    assert listener._refusals == 100 and not listener._silent
+    assert refused[:8] == ["a local connection from another user's process (uid 65534)"] * 8
+    assert len(refused) == 9 and refused[8].startswith("more local connections refused ("), \
+        refused
+    for end in (genuine, listener):
+        end.close()

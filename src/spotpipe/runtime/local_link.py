@@ -31,7 +31,10 @@ without the key can compute cannot be squatted, and the receiver still checks ea
 connection's hello (an HMAC of the channel under the key), and that the memory is as large as
 the hello says and sealed against shrinking, before it maps anything. Anyone on the host can
 connect all the same (/proc/net/unix lists the names), so the listener waits for the hellos
-of all its connections at once: one that says nothing holds up none of the others.
+of all its connections at once: one that says nothing holds up none of the others. A
+connection from another user's process (its credentials, SO_PEERCRED) is refused at once,
+before it can take one of the listener's places for silent connections: only a process of the
+job's own user, which could read the workers' memory anyway, can crowd a genuine sender out.
 """
 
 from __future__ import annotations
@@ -55,6 +58,10 @@ _HELLO = struct.Struct("!32sII")  # channel name, slots, slot bytes
 _MAC = 32
 _MAX_READ = 4096  # notification bytes read at once (each one message)
 _MAX_SILENT = 64  # connections without a hello kept at once (the oldest goes beyond that)
+# refusals a listener says (each a `record_refused` event through the store); beyond that it
+# says once that it goes on refusing: a flood of connections must not flood the job's store
+_REFUSALS_SAID = 8
+_CREDS = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 # the ring's size is fixed for good before the receiver maps it: memory that its sender could
 # shrink under the mapping would kill the reader with SIGBUS instead of a PeerFailure
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -157,6 +164,7 @@ class Listener:
         self.sock.listen(64)
         self._arrived: dict[bytes, tuple[socket.socket, int, int, int]] = {}
         self._silent: list[socket.socket] = []  # connections whose hello has not come yet
+        self._refusals = 0
 
     def close(self) -> None:
         self.sock.close()
@@ -187,12 +195,23 @@ class Listener:
 
     def _refuse(self, conn: socket.socket, reason: str) -> None:
         conn.close()
-        self.on_refused(reason)
+        self._refusals += 1
+        if self._refusals <= _REFUSALS_SAID:
+            self.on_refused(reason)
+        elif self._refusals == _REFUSALS_SAID + 1:
+            self.on_refused(f"more local connections refused ({reason}); the rest of this "
+                            "generation's refusals are not said one by one")
 
     def _take_connection(self) -> None:
         """A new connection, kept until its hello comes; beyond `_MAX_SILENT` without one, the
-        oldest is dropped (a genuine sender's hello comes with its connection)."""
+        oldest is dropped (a genuine sender's hello comes with its connection). One from
+        another user's process is refused at once (see the module doc)."""
         conn, _ = self.sock.accept()
+        _, uid, _ = _CREDS.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                  _CREDS.size))
+        if uid != os.geteuid():
+            self._refuse(conn, f"a local connection from another user's process (uid {uid})")
+            return
         self._silent.append(conn)
         if len(self._silent) > _MAX_SILENT:
             self._refuse(self._silent.pop(0), "a local connection sent no hello")
