@@ -253,6 +253,45 @@ def test_a_refused_stage_leaves_nothing_in_the_store(server, tmp_path, monkeypat
     assert not list((tmp_path / "got").rglob("*.bin")) if (tmp_path / "got").exists() else True
 
 
+def test_a_verdict_written_after_the_senders_stop_is_taken_back_too(server, tmp_path,
+                                                                    monkeypatch):
+    """The receiver refuses with two writes, a stop where the sender waits (the
+    acknowledgement of the window's first piece) and then its verdict. A sender woken by the
+    stop took back what it had put before the verdict came, and the verdict stayed in the
+    store (a two-process CI run). Here the verdict goes only once the sender waits for it
+    (the test is told where the sender waits), so the order is the one that failed."""
+    import hashlib
+
+    from spotpipe.checkpoint import transfer
+
+    monkeypatch.setattr(transfer, "CHUNK", 64)
+    (tmp_path / "sent" / "stage2").mkdir(parents=True)
+    data = b"a" * (20 * 64)
+    (tmp_path / "sent" / "stage2" / "a.bin").write_bytes(data)
+    checksums = {"stage2/a.bin": hashlib.sha256(data).hexdigest()}
+    s = transfer.Stream.checkpoint(7, 2)
+    awaits_verdict = threading.Event()
+    refuse = transfer._refuse
+
+    def refuse_in_two_steps(store, stream, taken, window, why):
+        store.set(stream.ack(taken), transfer.STOP + why.encode())
+        assert awaits_verdict.wait(30), "the sender did not wait for the verdict"
+        refuse(store, stream, taken, window, why)
+
+    monkeypatch.setattr(transfer, "_refuse", refuse_in_two_steps)
+    sending = _sending(_WaitsSeen(SealedStore(connect(server), KEY), s.verdict,
+                                  awaits_verdict.set), 7, 2, tmp_path / "sent", checksums,
+                       window=4)
+    landed(server, "spotpipe/checkpoint/files/7/2/3")  # the window is full: the sender waits
+    forge(server, "spotpipe/checkpoint/files/7/2/meta", '{"files": []}')
+    problem = transfer.receive_stage(SealedStore(connect(server), KEY), 7, 2, checksums,
+                                     tmp_path / "got", timeout_s=30)
+    assert "no seal" in problem, problem
+    sending["thread"].join(30)
+    assert isinstance(sending.get("error"), transfer.UploadRefused), sending
+    assert _pieces_left(server, 7, 2) == []
+
+
 def test_the_store_holds_a_window_of_a_stage_not_the_stage(server, tmp_path, monkeypatch):
     """Piece n goes only once piece n - window has been taken: with nobody taking, the sender
     stops at the window; the receiver then takes all of it."""
