@@ -20,8 +20,9 @@ import torch.distributed as dist
 from spotpipe.protocol import Channel, Heartbeat, Refused, keys
 
 
-# arrivals kept per node: enough for a heartbeat timeout's worth at the fastest beat the
-# config allows and a slow store's pace (fewer kept only makes `outpaced` slower to judge)
+# arrivals kept per node, one per heartbeat check that found a new beat: while the store is
+# slow those checks are over half a heartbeat timeout apart, so this spans many timeouts (one
+# dropped only delays `outpaced`'s verdict, never hastens it)
 ARRIVALS_KEPT = 64
 
 
@@ -106,7 +107,6 @@ class Liveness:
             return hung(now - seen.since, seen.beat.iteration, seen.beat.position,
                         seen.beat.step)
         return None
-
 
     def outpaced(self, node: str, heartbeat_timeout_s: float) -> str | None:
         """Why `node` must be fenced while the store is too slow to judge beats by their age
