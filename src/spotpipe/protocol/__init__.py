@@ -10,14 +10,18 @@ from spotpipe.protocol.auth import (Refused, ReplayGuard, Sealed, Sealer, job_ke
                                     token_from_env, unseal)
 from spotpipe.protocol.channel import Channel, Opened, channel_from_env
 from spotpipe.protocol.messages import (Abort, AgentArrival, ArrivalsClosed, Assignment,
-                                        CheckpointSaved, FinalUpload, JobOver, JobPosted, Close, CoordinatorState,
-                                        DecisionRecord, Event, Exit, Journal, JournalSegment, Heartbeat, JoinAnswer, JoinRequest, Kill, Mark, Message,
-                                        MessageError, Metrics, Notice, Prepare, Regroup, Report, ResumeOffer, StageUpload, Stalled, from_plain, parse,
-                                        plain, vouch, vouched)
+                                        CheckpointSaved, Close, CoordinatorState, DecisionRecord,
+                                        Event, Exit, FinalUpload, from_plain, Heartbeat, JobOver,
+                                        JobPosted, JoinAnswer, JoinRequest, Journal, JournalSegment,
+                                        Kill, Mark, Message, MessageError, Metrics, Notice, parse,
+                                        plain, Prepare, Regroup, Report, ResumeOffer, StageUpload,
+                                        Stalled, vouch, vouched)
 
-__all__ = ["Abort", "AgentArrival", "ArrivalsClosed", "Assignment", "FinalUpload", "JobOver",
-           "JobPosted", "from_plain", "plain", "vouch", "vouched", "Channel", "channel_from_env", "CheckpointSaved", "Close", "CoordinatorState", "DecisionRecord", "Event", "Exit",
-           "Heartbeat", "JoinAnswer", "JoinRequest", "Journal", "JournalSegment", "Kill", "Mark", "Message", "MessageError",
-           "Metrics", "Notice", "Opened", "Prepare", "Refused", "Regroup", "Report", "ReplayGuard", "ResumeOffer", "Sealed",
-           "Sealer", "StageUpload", "Stalled", "job_key", "keys", "new_instance_id", "parse", "proof", "same_secret",
-           "token_bytes", "token_from_env", "unseal"]
+__all__ = ["Abort", "AgentArrival", "ArrivalsClosed", "Assignment", "Channel", "channel_from_env",
+           "CheckpointSaved", "Close", "CoordinatorState", "DecisionRecord", "Event", "Exit",
+           "FinalUpload", "from_plain", "Heartbeat", "job_key", "JobOver", "JobPosted",
+           "JoinAnswer", "JoinRequest", "Journal", "JournalSegment", "keys", "Kill", "Mark",
+           "Message", "MessageError", "Metrics", "new_instance_id", "Notice", "Opened", "parse",
+           "plain", "Prepare", "proof", "Refused", "Regroup", "ReplayGuard", "Report",
+           "ResumeOffer", "same_secret", "Sealed", "Sealer", "StageUpload", "Stalled",
+           "token_bytes", "token_from_env", "unseal", "vouch", "vouched"]
