@@ -298,3 +298,20 @@ def test_no_node_is_outpaced_without_evidence_or_within_the_timeout():
         for node in ("a", "b", "x"):
             liveness.read(node)
             assert liveness.outpaced(node, 3.0) is None, (now[0], node)
+
+
+def test_beats_before_the_store_began_to_answer_slowly_are_no_evidence():
+    """`since` (the coordinator's second late check in a row): the other nodes' beats before it
+    count for nothing, whatever the gap, so a node silent from t = 1 s is outpaced only once
+    their beats have arrived for more than the timeout (3 s) after t = 6 s (from the first
+    after it, at 6.5 s): at t = 10 s."""
+    liveness, now, beat = _beating(("a", "x"))
+    judged: list[tuple[float, str | None]] = []
+    for step in range(30):
+        now[0] = step * 0.5
+        for node in ("a",) if now[0] > 1.0 else ("a", "x"):
+            beat(node)
+            liveness.read(node)
+        judged.append((now[0], liveness.outpaced("x", 3.0, since=6.0)))
+    assert next(t for t, why in judged if why) == 10.0, judged
+    assert judged[-1][1].startswith("no heartbeat for 13.5 s while the store was slow"), judged

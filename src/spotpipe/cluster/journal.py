@@ -20,7 +20,7 @@ import base64
 import binascii
 import json
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -119,25 +119,24 @@ def read_back(store: dist.Store, channel: Channel, state: CoordinatorState,
     after them, each passed to `replay` in order; what is folded, for this coordinator to go
     on folding. A record or segment that does not open under the job's key, or does not
     unpack, is refused (`refused(writer, reason)`: an event) and its lines are lost, which the
-    event says; the rest are replayed."""
+    event says; the rest are replayed. Read `READ_BATCH` keys a request: a successor of a long
+    job reads thousands of segments before it can coordinate."""
     folder = JournalFolder(state.journal_segments, state.journal_folded)
-    for index in range(1, state.journal_segments + 1):
-        key = keys.journal_segment(index)
+    segments = [(i, keys.journal_segment(i)) for i in range(1, state.journal_segments + 1)]
+    for (index, key), blob in _batched(store, segments):
         try:
-            opened = channel.open(store.get(key), at=key, expect=JournalSegment,
-                                  writers={channel.writer})
+            opened = channel.open(blob, at=key, expect=JournalSegment, writers={channel.writer})
             assert isinstance(opened.message, JournalSegment)
             replay(unpack(opened.message))
         except Refused as why:
             refused(why.writer, f"journal segment {index}: {why.reason}")
         except JournalError as why:
             refused(channel.writer, str(why))
-    for index in range(state.journal_folded + 1, state.journal + 1):
+    records = [(i, keys.journal(i)) for i in range(state.journal_folded + 1, state.journal + 1)]
+    for (index, key), blob in _batched(store, records):
         record = Journal((), ())
-        key = keys.journal(index)
         try:
-            opened = channel.open(store.get(key), at=key, expect=Journal,
-                                  writers={channel.writer})
+            opened = channel.open(blob, at=key, expect=Journal, writers={channel.writer})
             assert isinstance(opened.message, Journal)
             record = opened.message
         except Refused as why:
@@ -145,3 +144,15 @@ def read_back(store: dist.Store, channel: Channel, state: CoordinatorState,
         replay(record)
         folder.add(index, record)
     return folder
+
+
+READ_BATCH = 100  # keys a request (etcd bounds a transaction's operations: 128 by default)
+
+
+def _batched(store: dist.Store, named: list[tuple[int, str]]
+             ) -> Iterator[tuple[tuple[int, str], bytes]]:
+    """Each (index, key) of `named` with its value, read `READ_BATCH` keys a request (one
+    etcd transaction each; one at a time cost a round trip per key)."""
+    for start in range(0, len(named), READ_BATCH):
+        batch = named[start:start + READ_BATCH]
+        yield from zip(batch, store.multi_get([key for _, key in batch]))

@@ -108,22 +108,24 @@ class Liveness:
                         seen.beat.step)
         return None
 
-    def outpaced(self, node: str, heartbeat_timeout_s: float) -> str | None:
+    def outpaced(self, node: str, heartbeat_timeout_s: float,
+                 since: float = 0.0) -> str | None:
         """Why `node` must be fenced while the store is too slow to judge beats by their age
-        (the coordinator restarts every clock then, `restart_clocks`), or None.
+        (the coordinator restarts every clock then, `restart_clocks`), or None. `since`: when
+        the store began to answer, slowly (the coordinator's second late check in a row).
 
         A slow store still takes beats in, only late. So a node is silent, not delayed, when
         other nodes' beats kept arriving for longer than the heartbeat timeout after its own
-        newest one: the store demonstrably took writes all that while, and none of its. Before,
-        a store that stayed slower than half the heartbeat timeout suspended the fencing of
-        silent nodes for as long as it stayed slow. The window starts at the first beat that
-        arrived after the node's own, so a node held back by the store's reconnection backoff
-        after an outage gets the full timeout from the store's return. With no other node
-        beating there is no evidence, and nothing is judged."""
+        newest one and after `since`: the store demonstrably took writes all that while, and
+        none of its. Before, a store that stayed slower than half the heartbeat timeout
+        suspended the fencing of silent nodes for as long as it stayed slow. The window starts
+        at the first beat that arrived after both, so neither an outage before `since` nor a
+        node's own backoff from it counts against the node. With no other node beating there
+        is no evidence, and nothing is judged."""
         seen = self._seen.get(node)
         if seen is None or not seen.arrivals:
             return None
-        last = seen.arrivals[-1]
+        last = max(seen.arrivals[-1], since)
         first_after: float | None = None
         newest = last
         for other, o in self._seen.items():
@@ -136,8 +138,9 @@ class Liveness:
             newest = max(newest, o.arrivals[-1])
         if first_after is None or newest - first_after <= heartbeat_timeout_s:
             return None
-        return (f"no heartbeat for {self.clock() - last:.1f} s while the store was slow, "
-                f"though other nodes' beats arrived for {newest - first_after:.1f} s of it")
+        return (f"no heartbeat for {self.clock() - seen.arrivals[-1]:.1f} s while the store "
+                f"was slow, though other nodes' beats arrived for {newest - first_after:.1f} s "
+                f"of it")
 
 
 def _progress(beat: Heartbeat) -> tuple[int, int, int, str]:
