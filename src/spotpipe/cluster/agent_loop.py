@@ -157,16 +157,15 @@ class AgentJobLoop(JobLoop):
             values.append(self.channel.seal(record, g, at=names[-1]))
             self._folder.add(self._journal, record)
         segment = self._folder.due()
-        folded = (self._folder.segments, self._folder.folded)
+        segments, folded = self._folder.named_with(segment)
         if segment is not None:
-            folded = (folded[0] + 1, segment.last)
-            names.append(keys.journal_segment(folded[0]))
+            names.append(keys.journal_segment(segments))
             values.append(self.channel.seal(segment, g, at=names[-1]))
         names.append(keys.COORDINATOR_STATE)
         values.append(self.channel.seal(
             CoordinatorState(**books, journal=self._journal, time_s=self._now(),
-                             handed_over=handed_over, journal_segments=folded[0],
-                             journal_folded=folded[1]), g, at=keys.COORDINATOR_STATE))
+                             handed_over=handed_over, journal_segments=segments,
+                             journal_folded=folded), g, at=keys.COORDINATOR_STATE))
         # etcd bounds a transaction's operations (128 by default): the rest next turn
         marks, reads = mailbox.read_marks(self._marked + 1, min(cursor, self._marked + 100))
         # only while this agent still holds the office: a deposed coordinator that reaches

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from spotpipe.cluster.liveness import Liveness, hung
+from spotpipe.cluster.liveness import Liveness, StoreWatch, hung
 from spotpipe.cluster.join_checks import join_problem
 from spotpipe.config import Config
 from spotpipe.plan import Layout
@@ -120,11 +120,7 @@ class Coordinator:
         self.stop_message: str | None = None
         self.causes: dict[str, str] = {}  # a lost node's cause, where its launcher knew it
         self.liveness = Liveness(store, channel, self.refused)
-        self._grace_until = 0.0  # no fencing before this time (the store was away)
-        # heartbeat checks in a row that the store answered late, and when the second of them
-        # began: from then on the store answers, slowly (`tick`)
-        self._slow_checks = 0
-        self._slow_since = 0.0
+        self._store_watch = StoreWatch(cfg.failover.heartbeat_timeout_s)
         self._refusals: set[tuple[str, str]] = set()
         self._regroup_asked = -1  # the generation whose regroup was asked for
         # the layouts of the next generation that nodes were asked to form groups for ahead
@@ -558,30 +554,20 @@ class Coordinator:
         self.store.check([keys.HEARTBEATS])  # blocks while the store is away (etcd restarting)
         now = self.liveness.clock()
         failover = self.cfg.failover
-        if now - before > failover.heartbeat_timeout_s / 2:
-            # the store was away: beats could not arrive meanwhile, which says nothing about
-            # the nodes; judge them afresh (a busy machine's slow answer is no such stall)
-            self._grace_until = now + failover.heartbeat_timeout_s
+        watch = self._store_watch
+        if watch.answered(before, now):
+            # beats could not arrive meanwhile, which says nothing about the nodes: judge them
+            # afresh (a busy machine's slow answer is no such stall)
             self.liveness.restart_clocks()
-            self._slow_checks += 1
-            if self._slow_checks == 2:
-                self._slow_since = before
             self.emit({"time_s": self.now(), "kind": "store_stalled", "node": "launcher",
                        "stalled_s": round(now - before, 3)})
-        else:
-            self._slow_checks = 0
-        if now < self._grace_until:
+        if watch.in_grace(now):
             for node in sorted(self.live - self.fenced):
                 self.liveness.read(node)  # take in new beats (and refuse stale ones)
-            if self._slow_checks >= 2:
-                # a store that stays slow renews the grace at every check: what fences a
-                # silent node then is other nodes' beats arriving all the while its own do
-                # not. Not after one late check alone: that is an outage (etcd restarting),
-                # after which each node's store client comes back on its own backoff, and no
-                # beats landed during it to tell anything
+            if watch.slow:  # (the grace renewed at every check: see `StoreWatch`)
                 for node in sorted(self.live - self.fenced):
                     why = self.liveness.outpaced(node, failover.heartbeat_timeout_s,
-                                                 since=self._slow_since)
+                                                 since=watch.slow_since)
                     if why:
                         self._fence(node, why)
             self.liveness.restart_clocks()

@@ -100,6 +100,12 @@ class JournalFolder:
             return pack(self.folded + 1, self.pending)
         return None
 
+    def named_with(self, segment: JournalSegment | None) -> tuple[int, int]:
+        """(segments, records folded) as the books name them with `segment` written too."""
+        if segment is None:
+            return self.segments, self.folded
+        return self.segments + 1, segment.last
+
     def written(self, segment: JournalSegment) -> list[int]:
         """`segment` is in the store with the books that name it: the records it folded, whose
         keys can go."""

@@ -143,6 +143,41 @@ class Liveness:
                 f"of it")
 
 
+@dataclass
+class StoreWatch:
+    """Whether the store answers the coordinator's heartbeat checks in time: what says when
+    beats may be judged by their age at all. A check answered more than half the heartbeat
+    timeout late means the store was away (etcd restarting) or is slow: beats could not
+    arrive meanwhile, so for one timeout after it none is judged by its age (the grace). From
+    the second late check in a row the store is answering, slowly (`slow_since`: when that
+    check began), and a silent node is judged by the other nodes' beats instead
+    (`Liveness.outpaced`); one late check alone is an outage, after which each node's store
+    client comes back on its own backoff, and no beats landed during it to tell anything."""
+
+    heartbeat_timeout_s: float
+    grace_until: float = 0.0
+    late_in_a_row: int = 0
+    slow_since: float = 0.0
+
+    def answered(self, before: float, now: float) -> bool:
+        """A check that began at `before` was answered at `now`: whether it came late."""
+        if now - before <= self.heartbeat_timeout_s / 2:
+            self.late_in_a_row = 0
+            return False
+        self.grace_until = now + self.heartbeat_timeout_s
+        self.late_in_a_row += 1
+        if self.late_in_a_row == 2:
+            self.slow_since = before
+        return True
+
+    def in_grace(self, now: float) -> bool:
+        return now < self.grace_until
+
+    @property
+    def slow(self) -> bool:
+        return self.late_in_a_row >= 2
+
+
 def _progress(beat: Heartbeat) -> tuple[int, int, int, str]:
     return (beat.generation, beat.iteration, beat.position, beat.step)
 
