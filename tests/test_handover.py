@@ -1,12 +1,13 @@
 """A notice starts a planned hand-over (plan.recovery.recover, pure): with a standby node
 waiting, the leaving node's stage goes straight to it and nobody carries two stages; without
-one, the takeover as after a crash.
+one, the takeover as after a crash. Adjacent nodes leaving together (a spot market takes
+machines in bulk) hand their stages over themselves: the replica of one went with the other.
 
 The state each node holds is followed here by hand (owned stages and the replica of the next
 stage, moved by the Decision's transfers), independently of the planner's own bookkeeping:
-every transfer's source must hold what it sends, the leaving node is never a source (it may
-vanish at any instant of the notice window), and afterwards every node holds exactly what the
-new layout says.
+every transfer's source must hold what it sends, a leaving node is a source only of what no
+node that stays holds (it may vanish at any instant of the notice window), and afterwards
+every node holds exactly what the new layout says.
 """
 
 from __future__ import annotations
@@ -46,9 +47,13 @@ def carry_out(decision, leaving: set[str]) -> dict[str, set[tuple[str, int]]]:
     before it, as runtime.migrate does)."""
     before = holdings(decision.previous_layout)
     after = {n: set(before.get(n, ())) for n in decision.layout.active_nodes}
+    staying = decision.previous_layout.active_nodes - leaving
     for t in decision.transfers:
-        assert t.src not in leaving, f"{t} reads from a node that is leaving"
         src = before[t.src]
+        if t.src in leaving:
+            held = [n for n in staying if ("stage", t.stage) in before[n]
+                    or ("replica", t.stage) in before[n]]
+            assert not held, f"{t} reads from a node that is leaving, though {held} hold it"
         assert ("stage", t.stage) in src or ("replica", t.stage) in src, \
             f"{t}: {t.src} holds no copy of stage {t.stage}"
         after[t.dst].add((t.kind, t.stage))
@@ -100,10 +105,80 @@ def test_a_crash_with_the_notice_is_a_takeover():
     assert out.decision.action == Action.FAILOVER
 
 
-def test_a_leaving_node_whose_replica_holder_leaves_too_is_a_takeover_or_stop():
-    h = history(3, 1, ("node3", "node4"))
+def test_adjacent_leaving_nodes_hand_over_to_standby_nodes_the_second_from_itself():
+    """node1 and node2 leave together: node2's replica went with node1, so node2 sends its
+    stage itself; node1's stage comes from the replica node0 holds, as alone."""
+    h = history(4, 1, ("node4", "node5"))
     out = recover(h, reports(h, {"node1", "node2"}), [], RULES)
-    assert out.decision.action != Action.HANDOVER
+    d = out.decision
+    assert d.action == Action.HANDOVER, d.reason
+    assert d.layout.owner(0, 1) == "node4" and d.layout.owner(0, 2) == "node5"
+    stages = sorted((t.stage, t.src, t.dst) for t in d.transfers if t.kind == "stage")
+    assert stages == [(1, "node0", "node4"), (2, "node2", "node5")]
+    assert d.departing == {"node2"}
+    assert d.handover_group() == sorted({"node2"} | {t.dst for t in d.handed_over})
+    got = carry_out(d, {"node1", "node2"})
+    assert got == holdings(d.layout)
+    assert d.layout.carriers() == {} and not out.improve
+
+
+def test_adjacent_leaving_nodes_without_standby_are_taken_over_and_copied():
+    """P = 4, node1 and node2 leave, nobody waits: node0 promotes its replica of stage 1,
+    and stage 2, whose replica holder leaves too, is copied from node2 to node3 (forward
+    first: it receives stage 2's activations). Before, this stopped the job as a crash of
+    adjacent stages does."""
+    h = history(4, 1)
+    outcomes = settle(h, RULES, leaving={"node1", "node2"}, committed=5)
+    d = outcomes[0].decision
+    assert d.action == Action.FAILOVER, d.reason
+    assert d.layout.carriers() == {"node0": [(0, 0), (0, 1)], "node3": [(0, 2), (0, 3)]}
+    assert [(t.kind, t.stage, t.src, t.dst) for t in d.transfers] == [
+        ("stage", 2, "node2", "node3")]
+    assert d.departing == {"node2"} and "copied from their owners leaving" in d.reason
+    # (a node carrying two stages holds no replica: nothing else moves)
+    assert carry_out(d, {"node1", "node2"}) == {
+        "node0": {("stage", 0), ("stage", 1)}, "node3": {("stage", 2), ("stage", 3)}}
+    assert [o.decision.action for o in outcomes[1:]] == [Action.REPARTITION]
+
+
+def test_a_crash_beside_a_leaving_node():
+    """A crash is no source: node2 crashed and its replica holder node1 leaves, so stage 2
+    is on no node that stays nor on one that leaves (the job stops, as for adjacent
+    crashes). The other way round node1's stage is node0's replica, and node2 sends its own.
+    """
+    h = history(4, 1)
+    lost_first = recover(h, reports(h, {"node1"}, dead={"node2"}), [], RULES, dead={"node2"})
+    assert lost_first.decision.stopped and "adjacent" in lost_first.decision.message
+    out = recover(h, reports(h, {"node2"}, dead={"node1"}), [], RULES, dead={"node1"})
+    d = out.decision
+    assert d.action == Action.FAILOVER and d.departing == {"node2"}
+    assert [(t.stage, t.src, t.dst) for t in d.transfers] == [(2, "node2", "node3")]
+
+
+@pytest.mark.parametrize("standby", [("node3",), ()], ids=["standby", "none-waiting"])
+def test_without_redundancy_a_notice_hands_the_stage_over_from_the_leaving_node(standby):
+    """Redundancy off: no replica anywhere, so a crash stops the job; a notice does not, the
+    leaving node sends its stage before it goes (to the standby node, or to its neighbour,
+    which carries it)."""
+    rules = Rules(replicas=False, shadows=False, repartition=True, replay_rest=True,
+                  microbatches=4, partition_for=RULES.partition_for)
+    h = history(3, 1, standby)
+    d = recover(h, reports(h, {"node1"}), [], rules).decision
+    assert d.action == (Action.HANDOVER if standby else Action.FAILOVER), d.reason
+    target = "node3" if standby else "node2"
+    assert [(t.kind, t.stage, t.src, t.dst) for t in d.transfers] == [
+        ("stage", 1, "node1", target)]
+    crashed = recover(h, reports(h, set(), dead={"node1"}), [], rules, dead={"node1"})
+    assert crashed.decision.stopped and "redundancy is off" in crashed.decision.message
+
+
+def test_a_decision_with_a_transfer_from_a_stranger_is_refused():
+    from spotpipe.plan.recovery import Decision
+    h = history(4, 1, ("node4", "node5"))
+    data = recover(h, reports(h, {"node1", "node2"}), [], RULES).decision.to_json()
+    data["transfers"][-1][2] = "node9"
+    with pytest.raises(ValueError, match="node9"):
+        Decision.from_json(data)
 
 
 def test_too_few_standby_nodes_is_a_takeover():

@@ -10,17 +10,22 @@ standby node the notice is a takeover: tests/test_failover.py, the cloud notice 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from spotpipe.cluster.launcher import train
+from spotpipe.faults import Fault
 
 from conftest import tiny_config
 from event_tail import when_event
 from metadata_servers import MetadataServer
+from procs import workers_of
 from test_failover import (FAST, assert_nothing_left, assert_samples_exactly_once, config,
                            events, failure_free, store_port)
 
@@ -64,10 +69,104 @@ def test_notice_hands_the_stage_to_the_standby_node(tmp_path, tmp_path_factory, 
     assert any(e["kind"] == "worker_left" and e["node"] == "node1" for e in evs)
     if service == "azure":
         assert meta.acks == [("node1", meta.events["node1"]["EventId"])]
-    want = failure_free(tmp_path_factory, tiny_config(corpus, stages=3, pipelines=1,
-                                                      **{**FAST, "iterations": ITERS}))
+    assert_ends_as_failure_free(run, cfg, failure_free(tmp_path_factory, tiny_config(
+        corpus, stages=3, pipelines=1, **{**FAST, "iterations": ITERS})))
+
+
+def assert_ends_as_failure_free(run, cfg, want: dict) -> None:
+    """Bit-identical to the failure-free run's final parameters `want`, every sample
+    consumed once, and nothing left running or bound."""
     got = load_file(str(run / "final" / "model.safetensors"))
     for k in want:
         assert torch.equal(got[k], want[k]), f"{k} differs from the failure-free run"
     assert_samples_exactly_once(run, cfg)
+    assert_nothing_left(run, store_port(run))
+
+
+def both_standby(event: dict) -> bool:
+    return event["kind"] == "plan" and {"node4", "node5"} <= set(event.get("standby", []))
+
+
+def test_adjacent_notices_hand_over_from_the_leaving_node(tmp_path, tmp_path_factory, corpus):
+    """P = 4 with two nodes waiting on standby; node1 and node2, adjacent, get their notices
+    together (SIGTERM, as a spot market takes machines in bulk). node2's replica went with
+    node1, so node2 sends stage 2 itself before it leaves (stage 1 comes from node0's
+    replica): one hand-over, nobody carries two stages, and the run ends bit-identical to
+    the failure-free one. Before, the job lost stage 2 and stopped."""
+    stop = threading.Event()
+    run = tmp_path / "run"
+    cfg = config(corpus, 4, 1, iterations=ITERS)
+
+    def preempt(_: dict) -> None:
+        pids = workers_of(run)
+        for node in ("node1", "node2"):  # (back to back: both notices at one boundary)
+            os.kill(pids[node], signal.SIGTERM)
+
+    tail = when_event(run, both_standby, preempt, stop)
+    try:
+        assert train(cfg, run, progress=False, joins=[2, 2]) == 0
+    finally:
+        stop.set()
+        tail.join(timeout=5)
+    evs = events(run)
+    plans = [e for e in evs if e["kind"] == "plan" and e["action"] != "keep"]
+    assert [p["action"] for p in plans] == ["handover"], plans
+    handed = [e for e in evs if e["kind"] == "handed_over"]
+    # (stage 2 to one joiner, its replica to the other, which took stage 1: in the order
+    # they asked to join)
+    assert [e["node"] for e in handed] == ["node2"], handed
+    sent = {what.rsplit(" to ", 1)[0]: what.rsplit(" to ", 1)[1] for what in handed[0]["sent"]}
+    assert set(sent) == {"stage 2", "replica 2"} and set(sent.values()) == {"node4", "node5"}
+    migrated = {e["node"]: e for e in evs if e["kind"] == "migrated"}
+    assert set(migrated) >= {"node4", "node5"}
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert all(m["carriers"] == 0 for m in metrics), "a node carried two stages"
+    assert metrics[-1]["live_nodes"] == 4
+    assert_ends_as_failure_free(run, cfg, failure_free(tmp_path_factory, tiny_config(
+        corpus, stages=4, pipelines=1, **{**FAST, "iterations": ITERS})))
+
+
+@pytest.mark.parametrize("stages,mode,leaving", [(4, "lazy", ["node1", "node2"]),
+                                                 (3, "none", ["node1"])],
+                         ids=["adjacent-lazy-P4", "no-redundancy-P3"])
+def test_a_leaving_node_with_no_replica_hands_its_stage_to_a_neighbour(
+        tmp_path, tmp_path_factory, corpus, stages, mode, leaving):
+    """No standby node. Adjacent notices (node2's replica holder leaves too), or a notice
+    without redundancy (no replica at all): the leaving node copies its stage to its
+    successor, which carries two until the job re-partitions. A crash there stops the job
+    (tests/test_failover.py); a notice leaves time to hand the stage over."""
+    cfg = config(corpus, stages, 1, mode)
+    nodes = [f"node{r}" for r in range(stages)]
+    faults = [Fault.parse("notice", f"{n}@3", nodes) for n in leaving]
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, faults=faults) == 0
+    evs = events(run)
+    plans = [e for e in evs if e["kind"] == "plan" and e["action"] != "keep"]
+    assert [p["action"] for p in plans] == ["failover", "repartition"], plans
+    assert plans[0]["resume"] == 4  # at the boundary: nothing trained again
+    handed = [e for e in evs if e["kind"] == "handed_over"]
+    last = leaving[-1]
+    after = f"node{int(last[4:]) + 1}"
+    assert [(e["node"], e["sent"]) for e in handed] == [
+        (last, [f"stage {int(last[4:])} to {after}"])], handed
+    assert_ends_as_failure_free(run, cfg, failure_free(tmp_path_factory, tiny_config(
+        corpus, stages=stages, **FAST)))
+
+
+def test_a_notice_cut_short_in_the_hand_over_stops_the_job_clearly(tmp_path, corpus):
+    """node1 and node2 leave together and node2 is gone before it sends stage 2 (its
+    notice window cut short): node3, which was to carry it, did not receive it, and stage 2
+    is on no node, so the job stops saying so, without waiting out the groups' timeout (120
+    s here) for the node that will never send."""
+    cfg = config(corpus, 4, 1, **{"cluster.timeout_s": 120.0})
+    nodes = [f"node{r}" for r in range(4)]
+    faults = [Fault.parse("notice", "node1@3", nodes), Fault.parse("notice", "node2@3", nodes),
+              Fault.parse("fail", "node2@3:handover", nodes)]
+    run = tmp_path / "run"
+    started = time.monotonic()
+    assert train(cfg, run, progress=False, faults=faults) != 0
+    assert time.monotonic() - started < 60
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed", summary
+    assert "node3 (pipeline 0, stage 3), which did not receive stage 2" in summary["message"]
     assert_nothing_left(run, store_port(run))

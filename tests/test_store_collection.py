@@ -18,17 +18,18 @@ from spotpipe.store import board
 KEY = b"k" * 32
 P2D2 = Layout.build(2, 2, ["node0", "node1", "node2", "node3"])
 P2D1 = Layout.build(2, 1, ["node0", "node2"])
+HANDOVER = Layout.build(3, 1, ["node1", "node4", "node5"])  # (its members: no stage groups)
 
 
-def form_groups(store: dist.Store, prefix: str, layout: Layout) -> None:
-    """Form `layout`'s groups under `prefix` as `runtime.comm` does (the world group of the
+def form_groups(store: dist.Store, prefix: str, layout: Layout, world: str = "world") -> None:
+    """Form `layout`'s groups under `prefix` as `runtime.comm` does (the `world` group of the
     active nodes in rank order, then each stage's data-parallel group), one thread a node."""
     nodes = sorted(layout.active_nodes)
     errors: list[BaseException] = []
 
     def node(me: str) -> None:
         try:
-            dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/world", store), nodes.index(me),
+            dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/{world}", store), nodes.index(me),
                                   len(nodes), timedelta(seconds=20))
             for stage in range(layout.num_stages):
                 members = [layout.owner(d, stage) for d in range(layout.num_pipelines)]
@@ -58,7 +59,8 @@ def test_the_named_rendezvous_keys_are_all_that_gloo_writes():
 
 def write_generation(store: dist.Store, g: int, layout: Layout, early: Layout) -> None:
     """What generation `g` leaves: its boards as the coordinator and a node post them, its
-    groups, the groups formed ahead for it, a re-partition's marks and layer metadata."""
+    groups, the groups formed ahead for it, a re-partition's marks and layer metadata, and
+    the group of nodes that hand their stages over on a notice (three here)."""
     coordinator, node = Channel(KEY, "coordinator"), Channel(KEY, "node0")
     board.publish(store, node, keys.abort_board(g), Abort(g, "node1 lost"), g)
     board.publish(store, coordinator, keys.decision_board(g), DecisionRecord(g, {}), g)
@@ -68,6 +70,7 @@ def write_generation(store: dist.Store, g: int, layout: Layout, early: Layout) -
     form_groups(store, keys.groups_prefix("spotpipe", g), layout)
     form_groups(store, keys.groups_prefix(keys.early_groups("spotpipe", early.to_json()), g),
                 early)
+    form_groups(store, keys.groups_prefix("spotpipe", g), HANDOVER, keys.HANDOVER_GROUP)
     for n in sorted(layout.active_nodes):  # (as runtime.reshape and runtime.migrate write)
         store.set(keys.exchanged("spotpipe", g, n), "exchanged")
     store.set(f"{keys.layers_prefix('spotpipe', g)}/node0/node2", "{}")
@@ -80,7 +83,7 @@ def test_collect_removes_one_generation_and_leaves_the_next():
     kept = store.num_keys()
     write_generation(store, 3, P2D1, P2D2)
     assert store.num_keys() > kept
-    rec = GenerationRecords(3, P2D1, early=(P2D2,), moved_from=P2D2)
+    rec = GenerationRecords(3, P2D1, early=(P2D2,), moved_from=P2D2, handover=3)
     assert collect(store, "spotpipe", rec) == kept - 1
     assert store.num_keys() == kept
     assert store.check([keys.board_slot(keys.decision_board(4), 1), keys.heartbeat("node0")])

@@ -24,6 +24,10 @@ def test_reshaping_events_are_told():
                     "dst": "node2"}]},
         {"kind": "resumed", "time_s": 1.6, "node": "node0", "generation": 3, "iteration": 5},
         {"kind": "join_too_late", "time_s": 2.0, "node": "node6"},
+        {"kind": "handed_over", "time_s": 2.1, "node": "node2", "generation": 4,
+         "sent": ["stage 2 to node5", "replica 2 to node4"]},
+        {"kind": "handover_failed", "time_s": 2.2, "node": "node3", "generation": 5,
+         "reason": "communication failed"},
     ]
     text = "\n".join(describe(events, {"status": "completed", "iterations": 9, "samples": 72,
                                        "wall_s": 2.5, "final_loss": 1.5}))
@@ -34,6 +38,8 @@ def test_reshaping_events_are_told():
     assert "node2 restores stage 1 of pipeline 0 from its CPU shadow" in text
     assert "training resumed at iteration 5 after a 0.60 s pause" in text
     assert "node6: arrived after the last iteration" in text
+    assert "node2: handed stage 2 to node5, replica 2 to node4 over as it left" in text
+    assert "node3: could not hand its stages over as it left (communication failed)" in text
 
 
 def test_a_worker_that_built_the_whole_model_is_told_once_per_reason():

@@ -11,15 +11,17 @@ import re
 from dataclasses import dataclass
 
 PHASES = ("start", "forward", "backward", "all-reduce", "optimizer", "checkpoint", "upload",
-          "regroup", "transfer")
+          "regroup", "transfer", "handover")
 # `upload`: right after a node announces a checkpoint stage it sends through the store (its host
 # does not see the committing host's folder), before the first piece goes
 # Phases of a recovery rather than of an iteration: they fire while the first generation that
 # resumes at or after the fault's iteration forms (`regroup`: before its process groups exist;
 # `transfer`: groups formed, before stage and replica states move, in the first such recovery
 # that moves state to or from the node). A spot node is as likely to go while the job reshapes
-# as at any other moment, and a main thread to stop there (`runtime.activity`).
-RECOVERY_PHASES = ("regroup", "transfer")
+# as at any other moment, and a main thread to stop there (`runtime.activity`). `handover`: a
+# node leaving on a notice whose plan takes stages from it, before it sends them (its notice
+# cut short).
+RECOVERY_PHASES = ("regroup", "transfer", "handover")
 KINDS = ("fail", "notice", "hang", "nan", "ioerror")
 # kinds that happen at one place of the iteration: the phase is theirs, not the user's
 FIXED_PHASE = {"nan": "all-reduce", "ioerror": "checkpoint"}

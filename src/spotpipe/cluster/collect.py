@@ -40,6 +40,7 @@ class GenerationRecords:
     early: tuple[Layout, ...] = ()  # layouts prepared ahead for it (a prefix each)
     # the layout before it, when the plan that began it re-partitioned (layers moved)
     moved_from: Layout | None = None
+    handover: int = 0  # the members of its departing nodes' group (`keys.HANDOVER_GROUP`)
 
 
 def boards(generation: int) -> list[str]:
@@ -72,6 +73,9 @@ def named_keys(namespace: str, rec: GenerationRecords) -> list[str]:
     delete by prefix)."""
     g = rec.generation
     names = group_keys(keys.groups_prefix(namespace, g), rec.layout)
+    if rec.handover:
+        names += keys.group_rendezvous(keys.groups_prefix(namespace, g), keys.HANDOVER_GROUP,
+                                       rec.handover)
     for layout in rec.early:
         names += group_keys(keys.groups_prefix(keys.early_groups(namespace, layout.to_json()),
                                                g), layout)

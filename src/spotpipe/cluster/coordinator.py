@@ -289,7 +289,7 @@ class Coordinator:
                 map(tuple, decision.previous_partition))
             self._records[decision.generation] = GenerationRecords(
                 decision.generation, decision.layout, tuple(ahead),
-                self.layout if moved else None)
+                self.layout if moved else None, len(decision.handover_group()))
         for old in sorted(k for k in self._records if k < g):
             collect(self.store, self.namespace, self._records.pop(old))
 

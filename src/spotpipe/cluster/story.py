@@ -49,6 +49,11 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
             lines.append(f"{at}  {node}: fenced, {ev['reason']}")
         elif kind == "notice":
             lines.append(f"{at}  {node}: preemption notice from {ev['source']}")
+        elif kind == "handed_over":
+            lines.append(f"{at}  {node}: handed {', '.join(ev['sent'])} over as it left")
+        elif kind == "handover_failed":
+            lines.append(f"{at}  {node}: could not hand its stages over as it left "
+                         f"({ev['reason']})")
         elif kind == "leaving_standby":
             lines.append(f"{at}  {node}: leaves on its notice while waiting to be placed; "
                          "training goes on as it was")

@@ -121,16 +121,19 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
     hit = lost & layout.active_nodes
     if not hit:
         return _grow(layout.with_standby(standby), min_stages, repartition, widths)
-    handover = _handover(layout, hit, frozenset(leaving), standby) if replicas else None
+    # (a node leaving on a notice is still there at the boundary: its stages are a source)
+    sources = _Sources(lost, frozenset(leaving) & hit, replicas)
+    handover = _handover(layout, hit, sources, standby)
     if handover is not None:
         return handover
     hit_pipes = sorted({d for d, _ in _lost_slots(layout, hit)})
-    broken = [d for d in hit_pipes if not (replicas and _repairable(layout, d, lost))]
+    broken = [d for d in hit_pipes
+              if _takeovers(layout, d, sources, d, dict(layout.mapping)) is None]
     if not broken:
-        return _failover(layout, lost, standby)
+        return _failover(layout, sources, standby)
     alive_pipes = [d for d in range(layout.num_pipelines) if d not in broken]
     if alive_pipes:
-        return _drop(layout, lost, standby, broken, alive_pipes, widths, replicas)
+        return _drop(layout, sources, standby, broken, alive_pipes, widths)
     # (a pipeline with no live node left is dropped: the others hold its state)
     kept = [d for d in broken if set(layout.grid[d]) - lost] if shadows else []
     # from memory when the survivors hold every stage, unless the shadows keep more pipelines
@@ -160,51 +163,101 @@ class _Widths:
 
 # -- losses -------------------------------------------------------------------------------
 
-def _repairable(layout: Layout, d: int, lost: frozenset[str]) -> bool:
-    """Every lost stage of pipeline d has a live replica holder with room to take it over."""
-    return all(layout.replica_holder(d, s) not in lost and layout.has_replica(d, s)
-               for d_, s in _lost_slots(layout, lost) if d_ == d)
+@dataclass(frozen=True)
+class _Sources:
+    """Where a lost stage's state can come from at the boundary: the replica its
+    predecessor holds, when that node survives (exact every iteration, and the only source
+    after a crash), else the stage's own owner, when it is `leaving` on a notice and still
+    there (it hands the stage over before it goes)."""
+
+    lost: frozenset[str]
+    leaving: frozenset[str]
+    replicas: bool  # redundancy is on: nodes hold their successor's replica
+
+    def replica(self, layout: Layout, d: int, s: int) -> str | None:
+        """The live node holding stage s's replica (room to take it over included)."""
+        holder = layout.replica_holder(d, s)
+        if self.replicas and holder not in self.lost and layout.has_replica(d, s):
+            return holder
+        return None
+
+    def leaving_owner(self, layout: Layout, d: int, s: int) -> str | None:
+        owner = layout.owner(d, s)
+        return owner if owner in self.leaving else None
+
+    def source(self, layout: Layout, d: int, s: int) -> str | None:
+        """Where a copy of stage s comes from: the replica first (the leaving node may vanish
+        at any instant of the transfer, the replica's holder stays), else the leaving owner."""
+        return self.replica(layout, d, s) or self.leaving_owner(layout, d, s)
 
 
 def _lost_slots(layout: Layout, lost: frozenset[str]) -> list[Slot]:
     return sorted(slot for node in lost for slot in layout.stages_of(node))
 
 
-def _takeovers(layout: Layout, d: int, lost: frozenset[str], new_d: int,
-               mapping: dict[Slot, str]) -> list[Move]:
-    moves = []
-    for d_, s in _lost_slots(layout, lost):
-        if d_ == d:
-            holder = layout.replica_holder(d, s)
+def _takeovers(layout: Layout, d: int, sources: _Sources, new_d: int,
+               mapping: dict[Slot, str]) -> list[Move] | None:
+    """Repair pipeline d (as `new_d`) in place, in `mapping`: each lost stage is promoted by
+    its live replica holder (nothing moves), else copied from its owner leaving on a notice
+    to the nearest node of the pipeline that runs one stage, looking forward first (it
+    receives the stage's activations); that node carries two, as a promoted holder does.
+    None when some lost stage has neither (a crash of adjacent stages, or redundancy off)."""
+    p = layout.num_stages
+    lost = sources.lost
+    slots = [s for d_, s in _lost_slots(layout, lost) if d_ == d]
+    load: dict[str, int] = {}
+    for s in range(p):
+        owner = layout.owner(d, s)
+        if owner not in lost:
+            load[owner] = load.get(owner, 0) + 1
+    moves: list[Move] = []
+    for s in slots:
+        holder = sources.replica(layout, d, s)
+        if holder is not None:
             mapping[(new_d, s)] = holder
+            load[holder] += 1
             moves.append(Move(MoveKind.PROMOTE, new_d, s, holder, holder))
+    for s in slots:
+        if (new_d, s) in mapping and mapping[(new_d, s)] not in lost:
+            continue
+        owner = sources.leaving_owner(layout, d, s)
+        near = [mapping[(new_d, (s + k) % p)] for j in range(1, p) for k in (j, -j)]
+        target = next((n for n in near if n not in lost and load.get(n, 0) < 2), None)
+        if owner is None or target is None:
+            return None
+        mapping[(new_d, s)] = target
+        load[target] += 1
+        moves.append(Move(MoveKind.COPY, new_d, s, owner, target))
     return moves
 
 
-def _failover(layout: Layout, lost: frozenset[str], standby: tuple[str, ...]) -> Decision:
+def _failover(layout: Layout, sources: _Sources, standby: tuple[str, ...]) -> Decision:
     mapping = layout.mapping
     moves: list[Move] = []
-    for d in sorted({d for d, _ in _lost_slots(layout, lost)}):
-        moves += _takeovers(layout, d, lost, d, mapping)
+    for d in sorted({d for d, _ in _lost_slots(layout, sources.lost)}):
+        moves += _takeovers(layout, d, sources, d, mapping) or []
     new = _replace(layout, mapping, standby)
-    return Decision(Action.FAILOVER, new, tuple(moves),
-                    f"{len(moves)} stage(s) taken over by their replica holders")
+    copied = sum(1 for m in moves if m.kind == MoveKind.COPY)
+    why = f"{len(moves) - copied} stage(s) taken over by their replica holders"
+    if copied:
+        why += f", {copied} copied from their owners leaving on a notice to a neighbour"
+    return Decision(Action.FAILOVER, new, tuple(moves), why)
 
 
-def _handover(layout: Layout, hit: frozenset[str], leaving: frozenset[str],
+def _handover(layout: Layout, hit: frozenset[str], sources: _Sources,
               standby: tuple[str, ...]) -> Decision | None:
     """A planned hand-over, when every node lost is one leaving on a notice and a standby node
     waits for each of its stages: the standby node gets the stage straight away (copied from
     the replica its predecessor holds, which is exact at the boundary, so the leaving node
-    may vanish at any instant of it) and the replica of the next stage from that stage's
+    may vanish at any instant of it; from the leaving node itself when its predecessor
+    leaves too, or without redundancy) and the replica of the next stage from that stage's
     owner. Nobody carries two stages at any point, which a takeover followed by a rebalance
-    would. None when that is not possible (a crash among the losses, too few standby nodes,
-    a leaving node whose replica holder leaves too): then the takeover as after a crash."""
-    if not hit <= leaving:
+    would. None when that is not possible (a crash among the losses, too few standby nodes):
+    then the takeover as after a crash."""
+    if not hit <= sources.leaving:
         return None
     slots = _lost_slots(layout, hit)
-    if len(slots) > len(standby) or any(layout.replica_holder(d, s) in hit
-                                        or not layout.has_replica(d, s) for d, s in slots):
+    if len(slots) > len(standby):
         return None
     mapping = layout.mapping
     spare = list(standby)
@@ -213,11 +266,17 @@ def _handover(layout: Layout, hit: frozenset[str], leaving: frozenset[str],
     for d, s in slots:
         fresh = spare.pop(0)
         mapping[(d, s)] = fresh
-        moves.append(Move(MoveKind.COPY, d, s, layout.replica_holder(d, s), fresh))
-        moves.append(Move(MoveKind.REPLICA, d, (s + 1) % p, layout.owner(d, (s + 1) % p), fresh))
+        moves.append(Move(MoveKind.COPY, d, s, sources.source(layout, d, s) or "", fresh))
+        if sources.replicas:
+            moves.append(Move(MoveKind.REPLICA, d, (s + 1) % p, layout.owner(d, (s + 1) % p),
+                              fresh))
     new = _replace(layout, mapping, tuple(spare))
+    handed = sum(1 for m in moves if m.kind == MoveKind.COPY and m.src in hit)
+    how = ("from their replicas" if not handed else "from the leaving nodes themselves"
+           if handed == len(slots) else f"{handed} from the leaving nodes themselves, the "
+           "others from their replicas")
     return Decision(Action.HANDOVER, new, tuple(moves), f"{len(slots)} stage(s) of nodes with a "
-                    "notice handed to standby nodes, from their replicas")
+                    f"notice handed to standby nodes, {how}")
 
 
 def _shadow_repair(layout: Layout, lost: frozenset[str], standby: tuple[str, ...],
@@ -269,10 +328,11 @@ def _broke(replicas: bool) -> str:
             else "lost a stage, with no replica of it (redundancy is off)")
 
 
-def _drop(layout: Layout, lost: frozenset[str], standby: tuple[str, ...], broken: list[int],
-          alive_pipes: list[int], widths: _Widths, replicas: bool) -> Decision:
+def _drop(layout: Layout, sources: _Sources, standby: tuple[str, ...], broken: list[int],
+          alive_pipes: list[int], widths: _Widths) -> Decision:
     """Drop the broken pipelines, and as many whole ones more as the batch's split needs:
     those with the most lost stages go first (each would need a takeover), then the last."""
+    lost, replicas = sources.lost, sources.replicas
     keep = widths.at_most(len(alive_pipes))
     hits = {d: sum(1 for d_, _ in _lost_slots(layout, lost) if d_ == d) for d in alive_pipes}
     kept = sorted(sorted(alive_pipes, key=lambda d: (hits[d], d))[:keep])
@@ -282,7 +342,7 @@ def _drop(layout: Layout, lost: frozenset[str], standby: tuple[str, ...], broken
     for new_d, d in enumerate(kept):
         for s in range(layout.num_stages):
             mapping[(new_d, s)] = layout.owner(d, s)
-        moves += _takeovers(layout, d, lost, new_d, mapping)
+        moves += _takeovers(layout, d, sources, new_d, mapping) or []
     # (in slot order, not name order: a decision that compares no names is one the simulator
     # can replay for other nodes in the same places, `sim.planmemo`)
     freed = [n for n in dict.fromkeys(layout.owner(d, s) for d in broken

@@ -39,13 +39,14 @@ from typing import Any, Iterable
 
 from spotpipe.plan.layout import Layout
 from spotpipe.plan.policy import Action, Decision as Choice, Move, MoveKind, decide, restart
-from spotpipe.plan.transfers import Transfer, transfers
+from spotpipe.plan.transfers import Transfer, departing, transfers
 
 Partition = tuple[tuple[int, int], ...]
 
 # actions a running job carries out in memory; anything else is a stop
-CARRIED_OUT = (Action.FAILOVER, Action.HANDOVER, Action.KEEP, Action.DROP_PIPELINE, Action.REBALANCE,
-               Action.ADD_PIPELINE, Action.RESTORE_FROM_SHADOW, Action.REPARTITION)
+CARRIED_OUT = (Action.FAILOVER, Action.HANDOVER, Action.KEEP, Action.DROP_PIPELINE,
+               Action.REBALANCE, Action.ADD_PIPELINE, Action.RESTORE_FROM_SHADOW,
+               Action.REPARTITION)
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,23 @@ class Decision:
         return ([f"{t.kind} {t.stage}" for t in self.transfers if t.dst == node]
                 + [f"stage {m.stage}" for m in self.restores(node)])
 
+    @property
+    def departing(self) -> frozenset[str]:
+        """Nodes leaving on a notice that send stages before they go (`plan.transfers`)."""
+        return frozenset(departing(self.transfers, self.layout))
+
+    @property
+    def handed_over(self) -> tuple[Transfer, ...]:
+        """The transfers the departing nodes send."""
+        gone = self.departing
+        return tuple(t for t in self.transfers if t.src in gone)
+
+    def handover_group(self) -> list[str]:
+        """The members, in rank order, of the group the departing nodes send over: they
+        and their receivers (empty when no node departs)."""
+        handed = self.handed_over
+        return sorted({t.src for t in handed} | {t.dst for t in handed})
+
     def released(self) -> frozenset[str]:
         """Nodes of the layout before that the new one neither runs nor keeps on standby."""
         return (self.previous_layout.active_nodes - self.layout.active_nodes
@@ -192,7 +210,15 @@ class Decision:
             clip_scale=(data["clip_scale"] if data["clip_scale"] in (None, "skip")
                         else float(data["clip_scale"])),
             rejoin=tuple(str(n) for n in data["rejoin"]), reason=str(data["reason"]),
-            message=str(data["message"]))
+            message=str(data["message"]))._checked()
+
+    def _checked(self) -> "Decision":
+        """A transfer's source outside the layout before would be a node that is not in the
+        job: no node waits for it (ValueError, as for any malformed decision)."""
+        strangers = sorted(self.departing - self.previous_layout.active_nodes)
+        if strangers:
+            raise ValueError(f"transfers from {strangers}, which the layout before does not run")
+        return self
 
 
 @dataclass(frozen=True)

@@ -41,12 +41,16 @@ def transfers(old: Layout, new: Layout, copies: Iterable[tuple[int, str, str]],
 
     `copies` are the decision's stage copies (stage, src, dst); `promoted` the nodes that
     turned their replica into an owned stage (their replica is gone); without `replicas`
-    (redundancy off) only stages move.
+    (redundancy off) only stages move. A copy's source outside the new layout is a node
+    leaving on a notice that hands its stage over (`departing`): it sends the stage's
+    replica too when no node that stays owned the stage.
     """
+    copies = list(copies)
     out = [Transfer(STAGE, s, src, dst) for s, src, dst in copies]
     if not replicas:
         return out
     alive = set(new.active_nodes)
+    handed = {s: src for s, src, _ in copies if src not in alive}
     for node in sorted(new.active_nodes):
         want = held_replica(new, node)
         if want is None:
@@ -56,6 +60,8 @@ def transfers(old: Layout, new: Layout, copies: Iterable[tuple[int, str, str]],
         if had == want:
             continue
         sources = sorted(n for (d, s), n in old.mapping.items() if s == want and n in alive)
+        if not sources and want in handed:  # (from the node that hands the stage over)
+            sources = [handed[want]]
         if not sources:
             # no owner of the stage survived: the change restores it from its shadow, and
             # its new owner in pipeline 0 sends the replica once it has (see `after_restores`)
@@ -63,6 +69,14 @@ def transfers(old: Layout, new: Layout, copies: Iterable[tuple[int, str, str]],
         src = node if node in sources else sources[0]
         out.append(Transfer(REPLICA, want, src, node))
     return out
+
+
+def departing(moves: Iterable[Transfer], new: Layout) -> list[str]:
+    """The nodes that leave the job once they have sent their part of `moves`: sources
+    outside the new layout (nodes leaving on a notice, handing their stages over). Their
+    transfers go over groups of their own (`runtime.reshape`), since they are in none of
+    the new generation's."""
+    return sorted({t.src for t in moves if t.src not in new.all_nodes})
 
 
 def after_restores(moves: Iterable[Transfer], old: Layout, restored: set[int]) -> list[Transfer]:

@@ -88,6 +88,11 @@ def layers_prefix(namespace: str, generation: int) -> str:
     return f"{namespace}/gen{generation}/layers"
 
 
+# the group, beside a generation's world group under its prefix, of the nodes that leave on a
+# notice and hand their stages over, and of their receivers (`runtime.reshape`)
+HANDOVER_GROUP = "handover"
+
+
 def groups_prefix(namespace: str, generation: int) -> str:
     """Where a generation's process groups rendezvous (torch's PrefixStore)."""
     return f"{namespace}/gen{generation}"

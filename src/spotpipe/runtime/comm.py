@@ -171,7 +171,7 @@ class Comm:
                  device: torch.device, timeout_s: float, abort: AbortSignal,
                  namespace: str = "spotpipe", local_slots: int = 0,
                  on_refused: Callable[[Refused], None] | None = None,
-                 activity: Activity | None = None) -> None:
+                 activity: Activity | None = None, group: str = "world") -> None:
         """`store`: the generation's own connection, or how to get one
         (`SpareConnections.take`), then got on the waiter's thread, where the generation's
         abort ends a wait for it as any other (a new connection can take seconds).
@@ -181,7 +181,9 @@ class Comm:
         `local_slots`: messages a local link buffers per channel (0: no local links); the
         most a schedule sends on one channel before its receiver takes them. `activity`: the
         worker's main thread between instructions, which this comm's waits mark
-        (`runtime.activity`)."""
+        (`runtime.activity`). `group`: the name of the group of all `nodes` under the
+        generation's prefix (another than "world" for a second group of one generation:
+        the nodes that hand their stages over on a notice, `runtime.reshape`)."""
         self.generation = generation
         self.nodes = list(nodes)
         self.me = me
@@ -210,14 +212,15 @@ class Comm:
                 self.local_off = f"cannot listen for local links: {exc}"
         self._links: dict[tuple[str, int, int], Any] = {}
         self._form_groups(store, f"{namespace}/gen{generation}", stage_members, backend,
-                          timeout_s, on_refused)
+                          timeout_s, on_refused, world_group=group)
         self._shapes: dict[tuple[str, int, int], tuple[torch.Size, torch.dtype]] = {}
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._early: dict[tuple[str, int, int], tuple[Any, torch.Tensor]] = {}
 
     def _form_groups(self, store: Connection, prefix: str,
                      stage_members: dict[int, list[str]], backend: str, timeout_s: float,
-                     on_refused: Callable[[Refused], None] | None) -> None:
+                     on_refused: Callable[[Refused], None] | None,
+                     world_group: str = "world") -> None:
         """The world group, then the data-parallel groups of this node's stages.
 
         Forming a gloo group blocks until every member has published its address and every
@@ -233,7 +236,7 @@ class Comm:
             self._store = connected(store)
             sealed = self._sealed = SealedStore(self._store, self._key,
                                                 wait_genuine_s=timeout_s, on_refused=on_refused)
-            self.world = _make_group(backend, dist.PrefixStore(f"{prefix}/world", sealed),
+            self.world = _make_group(backend, dist.PrefixStore(f"{prefix}/{world_group}", sealed),
                                      self.rank, len(self.nodes), timeout)
             # created in stage order on every member, so that two nodes sharing two groups
             # never wait for each other in opposite orders

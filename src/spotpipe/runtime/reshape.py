@@ -66,9 +66,12 @@ class Reshaper:
         self.refused = refused
         self.progress = Progress()
 
-    def carry_out(self, decision: Decision, open_comm: Callable[[], Comm]) -> tuple[Comm, Carried]:
+    def carry_out(self, decision: Decision, open_comm: Callable[[], Comm],
+                  open_handover: Callable[[Decision], Comm] | None = None
+                  ) -> tuple[Comm, Carried]:
         """Make this node's state what `decision` says, over the new generation's groups
-        (opened with `open_comm` once the layout and generation are the decision's)."""
+        (opened with `open_comm` once the layout and generation are the decision's), and
+        over the departing nodes' group (`open_handover`) for the stages they hand over."""
         st, me = self.state, self.state.node
         started = time.perf_counter()
         old = decision.previous_layout
@@ -93,7 +96,8 @@ class Reshaper:
         late = after_restores(decision.transfers, old, {m.stage for m in decision.moves
                                                         if m.kind == MoveKind.RESTORE
                                                         and m.pipeline == 0})
-        moves = [t for t in decision.transfers if t not in late]
+        handed = decision.handed_over
+        moves = [t for t in decision.transfers if t not in late and t not in handed]
         # shadows are fed by pipeline 0's owners: those restore from them; a lost stage of
         # another pipeline is the same state (data parallel), copied from pipeline 0's owner
         # once that one holds it
@@ -104,13 +108,15 @@ class Reshaper:
         to_come = [f"{t.kind} {t.stage}" for t in after if t.dst == me]
         self.activity.begin("re-partitioning" if repartition else "moving states",
                             decision.generation)
-        if repartition or progress.lacking or any(me in (t.src, t.dst) for t in moves + after):
+        if repartition or progress.lacking or any(me in (t.src, t.dst)
+                                                  for t in moves + after):
             # (only a plan that moves this node's state: a sender of copies made once a stage
             # is restored from its shadow included, though those go after the restore)
             self.inject("transfer", resume)
         held = self._held()
         received = (self._repartition(decision, comm) if repartition
-                    else self._migrate(moves, comm, resume))
+                    else self._migrate(moves, comm, resume, self._handed(decision,
+                                                                         open_handover)))
         progress.untouched = progress.untouched and held == self._held()
         # what this node lacks from now on is only what waits for a shadow restore: a failure
         # after its receives (waiting on its sends of those copies) must not count it out
@@ -165,8 +171,49 @@ class Reshaper:
                follow_parameters(holding.replica.optimizer))
         st.holding = None
 
-    def _migrate(self, moves: list[Transfer], comm: Comm, resume: int) -> list[str]:
-        """This node's part of the state moves; returns what it received."""
+    def hand_over(self, decision: Decision,
+                  open_handover: Callable[[Decision], Comm]) -> list[str]:
+        """This node leaves on a notice, and the plan takes some of its stages from it (no
+        node that stays holds them: its predecessor, which held a replica, leaves too, or
+        redundancy is off): send them over the departing nodes' group, then go. Their
+        receivers are in the new generation's groups, which a node leaving is in no more.
+        Returns what it sent."""
+        st, me = self.state, self.state.node
+        mine = [t for t in decision.handed_over if t.src == me]
+        self.activity.begin("handing over " + ", ".join(f"{t.kind} {t.stage} to {t.dst}"
+                                                        for t in mine), decision.generation)
+        self.inject("handover", decision.resume)
+        comm = open_handover(decision)
+        try:
+            have = {("stage", s): (x.module, x.optimizer) for s, x in st.stages.items()}
+            migrate.run(list(decision.handed_over), me, comm, have, st.build_stage)
+        finally:
+            comm.close()
+        return [f"{t.kind} {t.stage} to {t.dst}" for t in mine]
+
+    def _handed(self, decision: Decision, open_handover: Callable[[Decision], Comm] | None
+                ) -> Callable[[dict[tuple[str, int], Any]], dict[tuple[str, int], Any]]:
+        """How this node receives what departing nodes hand over to it (nothing if they
+        send it nothing)."""
+        handed, me = list(decision.handed_over), self.state.node
+
+        def receive(have: dict[tuple[str, int], Any]) -> dict[tuple[str, int], Any]:
+            if not any(t.dst == me for t in handed):
+                return {("bytes", -1): 0}
+            assert open_handover is not None, "a hand-over to receive and no group for it"
+            comm = open_handover(decision)
+            try:
+                return migrate.run(handed, me, comm, have, self.state.build_stage)
+            finally:
+                comm.close()
+        return receive
+
+    def _migrate(self, moves: list[Transfer], comm: Comm, resume: int,
+                 handed: Callable[[dict[tuple[str, int], Any]], dict[tuple[str, int], Any]]
+                 | None = None) -> list[str]:
+        """This node's part of the state moves (and of the departing nodes' hand-over,
+        `handed`, received first: nothing that stays waits on it); returns what it received.
+        """
         st, me = self.state, self.state.node
         self.progress.bytes_received = 0
         replicas = st.cfg.redundancy != "none"
@@ -175,7 +222,9 @@ class Reshaper:
             self.progress.untouched = False
             st.drop_replica()
         mine = set(nodelib.owned_stages(st.layout, me))
-        if not any(me in (t.src, t.dst) for t in moves):
+        got: dict[tuple[str, int], Any] = handed({}) if handed is not None else {}
+        bytes_received = got.pop(("bytes", -1), 0)
+        if not got and not any(me in (t.src, t.dst) for t in moves):
             for s in [s for s in st.stages if s not in mine]:  # kept by a plan that failed
                 del st.stages[s]
             return []
@@ -185,8 +234,8 @@ class Reshaper:
             st.holding.applier.drain()
             have[("replica", st.holding.replica.index)] = (st.holding.replica.module,
                                                            st.holding.replica.optimizer)
-        got = migrate.run(moves, me, comm, have, lambda stage: st.build_stage(stage))
-        self.progress.bytes_received = got.pop(("bytes", -1))
+        got.update(migrate.run(moves, me, comm, have, lambda stage: st.build_stage(stage)))
+        self.progress.bytes_received = bytes_received + got.pop(("bytes", -1))
         for s in [s for s in st.stages if s not in mine]:  # handed over to another node
             del st.stages[s]
         for (kind, s), (module, optimizer) in got.items():

@@ -522,9 +522,35 @@ class Worker:
             self.channel.event("standby", generation=decision.generation)
             return self._wait_unplaced(keep_state=True)
         if self.node not in decision.layout.active_nodes:
+            if self.node in decision.departing:
+                self._hand_over(decision)
             self._finish(left=True)
             return -1
         return self._apply(decision, prepared)
+
+    def _hand_over(self, decision: Decision) -> None:
+        """Send this node's stages to the nodes the plan gives them to, before it leaves on
+        its notice. A receiver lost meanwhile is the next plan's business, not this node's:
+        it goes either way."""
+        try:
+            with stacks.watchdog(self.cfg.failover.hang_timeout_s):
+                sent = self.reshaper.hand_over(decision, self._handover_comm)
+            self.channel.event("handed_over", generation=decision.generation, sent=sent)
+        except PeerFailure as why:
+            self.channel.event("handover_failed", generation=decision.generation,
+                               reason=str(why)[:300])
+
+    def _handover_comm(self, decision: Decision) -> Comm:
+        """The group of the nodes leaving on a notice that hand stages over, and of their
+        receivers, beside the generation's own (`Decision.handover_group`)."""
+        with self.activity.waiting():
+            return Comm(store=self.spares.take, key=self.protocol.key,
+                        on_refused=self._refused, generation=decision.generation,
+                        nodes=decision.handover_group(), me=self.node,
+                        namespace=self.namespace, stage_members={}, backend=self.backend,
+                        device=self.device, timeout_s=self.cfg.cluster.timeout_s,
+                        abort=self.groups.abort_of(decision.generation),
+                        activity=self.activity, group=keys.HANDOVER_GROUP)
 
     def _wait_unplaced(self, keep_state: bool) -> int:
         """Wait to be placed (without `keep_state`, having dropped every state); -1 when the
@@ -556,8 +582,8 @@ class Worker:
         started = time.perf_counter()
         resume = decision.resume
         with stacks.watchdog(self.cfg.failover.hang_timeout_s):  # (its stacks, if it is slow)
-            comm, carried = self.reshaper.carry_out(decision,
-                                                    lambda: self._open_comm(prepared))
+            comm, carried = self.reshaper.carry_out(
+                decision, lambda: self._open_comm(prepared), self._handover_comm)
         # kept only when `recover` took the Decision to continue it (a joiner has none)
         flight = self.executor.flight if self.executor is not None else None
         self.activity.begin("starting the generation", decision.generation)
