@@ -114,3 +114,52 @@ def test_a_takeover_after_a_checkpoint_in_the_same_iteration_counts_no_time_twic
     assert r.breakdown["useful"] == pytest.approx(20.0)
     assert r.breakdown["restarting"] == pytest.approx(4.0 + 60.0)
     assert sum(r.breakdown.values()) == pytest.approx(200.0)
+
+
+def test_notices_tell_each_removal_ahead_and_bill_it_to_the_end():
+    # a, b, c from 0; b taken at 1000 s, d granted at 1050 s and taken at 1060 s. With a
+    # 120 s notice b is lost to the job at 880 s and billed to 1000 s; d's notice comes at
+    # its grant (1050 s, not 940), before its boot completes, so it is never ready
+    trace = parse_event_csv("0,add,a\n0,add,b\n0,add,c\n1000000,remove,b\n"
+                            "1050000,add,d\n1060000,remove,d\n")
+    told = instants_of(trace, 100.0, 3600.0, notice_s=120.0)
+    plain = instants_of(trace, 100.0, 3600.0)
+    assert [(t, lost) for t, lost, _, _ in told.points if lost] == [(880.0, ("b",)),
+                                                                   (1050.0, ("d",))]
+    assert [(t, lost) for t, lost, _, _ in plain.points if lost] == [(1000.0, ("b",)),
+                                                                    (1060.0, ("d",))]
+    assert [r for _, _, r, _ in told.points if r] == [["a", "b", "c"]]
+    assert told.node_seconds == plain.node_seconds == pytest.approx(
+        3 * 1000 + 2 * 2600 + 10)
+    assert told.preemptions == plain.preemptions == 2
+    assert [held for t, _, _, held in told.points if t == 880.0] == [3]  # (still billed)
+
+
+def test_adjacent_removals_with_notice_hand_over_instead_of_restarting():
+    # P = 4, lazy, no re-partition: a, b, c, d run from 110 s at 10 s per iteration; b and
+    # c (stages 1, 2) are taken together at 1000 s. Killed, stage 2's replica went with b:
+    # a fatal failure. Told 120 s ahead (880 s, after 77 iterations, at a boundary): a
+    # promotes stage 1, c hands stage 2 to d, a 5 s pause, then 20 s per iteration with two
+    # carriers: 4 x (77 + (2000 - 885) / 20) samples by 2000 s, nothing rolled back
+    from spotpipe.plan import Layout
+
+    plain = Layout.build(4, 1, ["a", "b", "c", "d"]).shape_key()
+    carried = Layout.from_mapping(4, 1, {(0, 0): "a", (0, 1): "a", (0, 2): "d",
+                                         (0, 3): "d"}, ()).shape_key()
+    trace = parse_event_csv("0,add,a\n0,add,b\n0,add,c\n0,add,d\n1000000,remove,b\n"
+                            "1000000,remove,c\n")
+    cfg = replace(tiny_cfg(params=SimParams(boot_s=100.0, rendezvous_s=10.0,
+                                            notice_pause_s=5.0)),
+                  redundancy="lazy", num_stages=4, repartition=False,
+                  shape_times=((plain, 10.0), (carried, 20.0)))
+    killed = run(trace, "spotpipe", cfg, duration_s=2000.0)
+    assert killed.fatal_failures == 1
+    told = run(trace, "spotpipe", replace(cfg, notice_s=120.0), duration_s=2000.0)
+    assert told.fatal_failures == 0
+    assert told.samples == pytest.approx(4 * (77 + (2000 - 885) / 20))
+    assert told.breakdown["recovering"] == pytest.approx(5.0)
+    assert told.dollars == killed.dollars == pytest.approx((4 * 1000 + 2 * 1000) / 3600)
+    # the other policies do not use notices: the same figures with and without
+    for policy in ("bamboo", "checkpoint_restart"):
+        assert run(trace, policy, replace(cfg, notice_s=120.0), duration_s=2000.0) == run(
+            trace, policy, cfg, duration_s=2000.0), policy

@@ -194,6 +194,7 @@ def test_calibrate(tmp_path):
     ck.write_text(json.dumps({"shadow_recovery_s": 0.28, "recovery_s": 5.4}))
     params = calibrate([fo, rc, ck])
     assert params.pause_s == 0.1 and params.restart_pause_s == 7.2  # the later file wins
+    assert params.notice_pause_s == 0.08
     assert params.reconfig_pause_s == pytest.approx(0.05)
     assert params.shadow_restore_pause_s == 0.28
 
@@ -292,6 +293,7 @@ def test_cli_synthetic_and_table(tmp_path, capsys):
     (["--instance", "z9.huge"], "unknown instance"),
     (["--table", "--rates", "0.1,2"], "--rates"),
     (["--stages", "60"], "layers"),
+    (["--notice", "-30"], "--notice must be >= 0 seconds, got -30"),
 ])
 def test_cli_bad_input_exit_2(tmp_path, capsys, argv, words):
     plots = tmp_path / "never"

@@ -66,6 +66,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="spotpipe's redundancy (default lazy, what the runtime recommends: "
                         "replicas kept exact by gradient replication, no FRC); bamboo always "
                         "runs eager FRC as published")
+    p.add_argument("--notice", type=finite_number, default=0.0, metavar="S",
+                   help="seconds of notice before each preemption (AWS 120, GCP 30; default "
+                        "0: every preemption a kill); spotpipe reshapes at an iteration "
+                        "boundary inside it, the other policies do not use it")
     p.add_argument("--shadows", action="store_true", help="spotpipe keeps CPU shadows of "
                    "every stage (a fatal failure loses one iteration; their on-demand host "
                    "is billed); without, it rolls back to the last durable checkpoint")
@@ -206,6 +210,8 @@ def _prepare(args: argparse.Namespace) -> tuple[SimConfig, Any]:
         raise UsageError(f"--hours must be positive, got {args.hours}")
     if args.nodes < 0:
         raise UsageError(f"--nodes must be >= 0, got {args.nodes}")
+    if args.notice < 0:
+        raise UsageError(f"--notice must be >= 0 seconds, got {args.notice:g}")
     params = calibrate(args.calibrate) if args.calibrate else SimParams()
     if args.checkpoint_cost is not None:
         if not (args.checkpoint_cost >= 0 and args.checkpoint_cost < float("inf")):
@@ -216,7 +222,7 @@ def _prepare(args: argparse.Namespace) -> tuple[SimConfig, Any]:
     cfg = SimConfig(model_from_arg(args.model), price_of(args.instance, args.prices),
                     args.stages, args.pipelines, args.schedule, params,
                     redundancy=args.redundancy, shadows=args.shadows, shape_times=shapes,
-                    value_formula=args.value_formula)
+                    value_formula=args.value_formula, notice_s=args.notice)
     if args.plot:
         _check_dir(args.plot)
     if args.advise and args.table:

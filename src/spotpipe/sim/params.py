@@ -26,6 +26,9 @@ class SimParams:
     boot_s: float = 120.0  # a granted spot instance until its worker joins (AMI boot + start)
     rendezvous_s: float = 10.0  # first membership round of a job (or after a stop)
     pause_s: float = 5.0  # failover: detect the loss, re-form groups, promote the replica
+    # a preemption with notice (`SimConfig.notice_s`): the job reshapes at an iteration
+    # boundary, nothing to detect or replay (`spotpipe bench failover`'s `notice_pause_s`)
+    notice_pause_s: float = 5.0
     reconfig_pause_s: float = 30.0  # rebalance / add / drop pipeline / re-partition: P2P moves
     shadow_restore_pause_s: float = 60.0  # spotpipe fatal failure: reload from CPU shadows
     restart_pause_s: float = 300.0  # full restart: relaunch every process, load checkpoint
@@ -58,7 +61,7 @@ RECONFIG_KEYS = ("rebalance_pause_s", "add_pipeline_pause_s", "drop_pipeline_pau
                  "repartition_pause_s")
 RENAMED = {"shadow_recovery_s": "shadow_restore_pause_s"}
 # pause figures the benches print that calibrate nothing here (they describe other variants)
-IGNORED_PAUSES = ("notice_pause_s", "iteration_replay_pause_s", "eager_rest_replay_pause_s",
+IGNORED_PAUSES = ("iteration_replay_pause_s", "eager_rest_replay_pause_s",
                   "eager_iteration_replay_pause_s", "repartition_down_pause_s",
                   "repartition_up_pause_s")
 
@@ -185,6 +188,12 @@ class SimConfig:
     shadows: bool = False
     shadow_host: str = "r5.4xlarge"
     shadow_host_price: float = 1.008  # $/h on-demand, AWS us-east-1 r5.4xlarge (128 GiB)
+    # seconds of notice before each preemption (AWS gives 120, GCP 30; 0: every preemption
+    # is a kill). spotpipe learns of a removal this long before it and reshapes at the next
+    # iteration boundary: nothing in flight is lost, and a node leaving with no replica of
+    # its stage left (adjacent removals) hands the stage over itself. The other policies do
+    # not use notices (torchrun's default, Bamboo's simulator)
+    notice_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_stages < 1 or self.num_pipelines < 1:
@@ -206,6 +215,10 @@ class SimConfig:
         if self.value_formula not in ("samples_per_dollar", "bamboo"):
             raise ValueError(f"unknown value_formula {self.value_formula!r}; expected "
                              f"samples_per_dollar or bamboo")
+        if not (isinstance(self.notice_s, (int, float)) and math.isfinite(self.notice_s)
+                and self.notice_s >= 0):
+            raise ValueError(f"notice_s must be a finite number of seconds >= 0, got "
+                             f"{self.notice_s!r}")
         for shape, seconds in self.shape_times:
             if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
                 raise ValueError(f"shape_times: iteration time of {shape} must be a positive "

@@ -170,10 +170,11 @@ class Machine:
         return known
 
     def transition(self, situation: Situation, names: list[str], lost: frozenset[int],
-                   ready: list[str]) -> Transition:
-        """What `settle` does to this situation when the nodes numbered `lost` go and `ready`
-        join; from the table when it was met before under any names."""
-        known = situation.transitions.get((lost, len(ready)))
+                   ready: list[str], leaving: bool = False) -> Transition:
+        """What `settle` does to this situation when the nodes numbered `lost` go (on a
+        notice, still there at the boundary, when `leaving`) and `ready` join; from the
+        table when it was met before under any names."""
+        known = situation.transitions.get((lost, len(ready), leaving))
         if known is not None:
             return known
         before = situation.layout(names)
@@ -182,7 +183,7 @@ class Machine:
         position = {n: i for i, n in enumerate(outer)}
         steps = []
         after, sources = situation, tuple(range(situation.size))
-        decided = settle_steps(before, lost_names, ready, self.rules)
+        decided = settle_steps(before, lost_names, ready, self.rules, leaving)
         for prior, d in decided:
             after, after_names = self.situation(d.layout)
             sources = tuple(map(position.__getitem__, after_names))
@@ -192,7 +193,7 @@ class Machine:
                   and _nameless(decided))
         made = Transition(tuple(steps), after, sources, stored)
         if stored:
-            situation.transitions[(lost, len(ready))] = made
+            situation.transitions[(lost, len(ready), leaving)] = made
         return made
 
 
@@ -213,14 +214,17 @@ def _shared_machine(rules: Rules, memo: bool) -> Machine:
 
 
 def settle_steps(layout: Layout, lost: Collection[str], ready: list[str],
-                 rules: Rules) -> Steps:
+                 rules: Rules, leaving: bool = False) -> Steps:
     """(layout before, decision) for each decision `settle` makes at this instant: the
-    reference the machine's transitions are made from."""
+    reference the machine's transitions are made from. `leaving`: the nodes of the layout
+    that go had a notice and report at the boundary (those waiting on standby just go)."""
     history = History(layout, tuple((s, s + 1) for s in range(layout.num_stages)))
     steps: Steps = []
     current = layout
+    going = frozenset(lost) & layout.active_nodes if leaving else frozenset()
     # (the simulator moves no state: the transfers are never looked at)
-    for outcome in settle(history, rules, lost=lost, joiners=ready, with_transfers=False):
+    for outcome in settle(history, rules, lost=frozenset(lost) - going, leaving=going,
+                          joiners=ready, with_transfers=False):
         steps.append((current, outcome.decision))
         current = outcome.decision.layout
     return steps

@@ -13,6 +13,9 @@ same; they differ in how much of that time turns into kept samples.
   or, without redundancy, by any loss, and some stage's state on no survivor: else the
   survivors make up a pipeline) reloads from per-iteration CPU shadows (`shadows`, losing at
   most the in-flight iteration, their host billed) or else from the last durable checkpoint.
+  With notices (`SimConfig.notice_s`) a removal is told ahead and met at a boundary, as the
+  runtime meets one: nothing in flight lost, and leaving nodes hand over what no one else
+  holds.
 - bamboo: Bamboo as its simulator has it (P fixed, carriers until a rendezvous, its fatal
   rule, global and local rendezvous); see `spotpipe.sim.bamboo`.
 - checkpoint_restart (torchrun, Varuna): no redundancy; every preemption of a node in use
@@ -41,6 +44,7 @@ from spotpipe.sim.planmemo import (Machine, Situation, Step, Transition, machine
 _NOTHING: frozenset[int] = frozenset()
 # (module constants: an Enum member's lookup costs more than the comparison, per event)
 _STOP, _FAILOVER, _DROP = Action.STOP, Action.FAILOVER, Action.DROP_PIPELINE
+_HANDOVER = Action.HANDOVER
 
 
 class Policy:
@@ -138,7 +142,7 @@ class Planner:
 
     def __init__(self, memo: bool = True) -> None:
         self.memo = memo
-        self._instants: dict[int, tuple[Situation, list[str], Machine,
+        self._instants: dict[int, tuple[Situation, list[str], Machine, tuple[str, ...], bool,
                                         tuple[Transition, list[str]] | None]] = {}
         self._empty: list[str] = []  # the names of every run's empty start (shared)
 
@@ -151,21 +155,24 @@ class Planner:
         return machine.start(num_stages, num_pipelines), self._empty
 
     def plan(self, index: int, machine: Machine, situation: Situation, names: list[str],
-             lost: tuple[str, ...], ready: list[str]) -> tuple[Transition, list[str]] | None:
+             lost: tuple[str, ...], ready: list[str],
+             leaving: bool = False) -> tuple[Transition, list[str]] | None:
         """The transition for instant number `index` (nodes `lost`, those of them that stand
-        in the layout, and `ready`), and the names after it; None when no node of the
-        layout is lost and none joins."""
+        in the layout, on a notice when `leaving`, and `ready`), and the names after it;
+        None when no node of the layout is lost and none joins."""
         hit = self._instants.get(index)
-        if hit is not None and hit[0] is situation and hit[1] is names and hit[2] is machine:
-            return hit[3]
+        # (`lost` by identity: the instants of a trace told with notices are other tuples)
+        if hit is not None and hit[0] is situation and hit[1] is names and hit[2] is machine \
+                and hit[3] is lost and hit[4] == leaving:
+            return hit[5]
         # (a scan of a few dozen names costs less than keeping a dict of them)
         gone = frozenset([names.index(n) for n in lost if n in names]) if lost else _NOTHING
         out = None
         if gone or ready:
-            move = machine.transition(situation, names, gone, ready)
+            move = machine.transition(situation, names, gone, ready, leaving and bool(gone))
             out = move, move.names_after(names, ready)
         if index >= 0:
-            self._instants[index] = (situation, names, machine, out)
+            self._instants[index] = (situation, names, machine, lost, leaving, out)
         return out
 
 
@@ -199,18 +206,29 @@ class SpotpipePolicy(Policy):
 
     def on_events(self, t: float, lost: tuple[str, ...], ready: list[str],
                   index: int = -1) -> None:
+        notice = bool(lost) and self._noticed()
         planned = self.planner.plan(index, self.machine, self.situation, self.names, lost,
-                                    ready)
+                                    ready, notice)
         if planned is None:
             return
         move, self.names = planned
         for step in move.acts:
-            self._apply(step)
+            # (the event's own decision; those after it are the boundaries' improvements)
+            self._apply(step, notice and step is move.steps[0])
         self.situation = now = move.after
         if now.summary is not None:
             self.shapes.add(now.summary)
 
-    def _apply(self, step: Step) -> None:
+    def _noticed(self) -> bool:
+        """Whether a removal told `notice_s` ahead reaches the job as a notice: with an
+        iteration boundary inside the window, where the leaving nodes still report (else it
+        is a kill, a little early)."""
+        notice = self.cfg.notice_s
+        return notice > 0 and (not self.job.iter_s or notice >= self.job.iter_s)
+
+    def _apply(self, step: Step, notice: bool = False) -> None:
+        """`notice`: the step is a notice's, at an iteration boundary: nothing in flight is
+        lost, nothing to detect."""
         job, p = self.job, self.cfg.params
         action = step.action
         if action is _STOP:
@@ -228,11 +246,14 @@ class SpotpipePolicy(Policy):
                 job.pause(self._restore_pause(), self.restore_bucket)
             else:  # the job's first start
                 job.pause(p.rendezvous_s, "idle")
+        elif notice and action in (_FAILOVER, _HANDOVER):
+            job.pause(p.notice_pause_s, "recovering")
         elif action is _FAILOVER:
             job.lose_in_flight("recovering", self.takeover_redo)
             job.pause(p.pause_s, "recovering")
         elif action is _DROP:
-            job.lose_in_flight("recovering", 1.0)
+            if not notice:
+                job.lose_in_flight("recovering", 1.0)
             job.pause(p.reconfig_pause_s, "recovering")
         else:  # REBALANCE, ADD_PIPELINE, REPARTITION without loss: at an iteration boundary
             job.pause(p.reconfig_pause_s, "recovering")

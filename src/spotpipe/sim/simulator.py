@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 from spotpipe.sim import fit
 from spotpipe.sim.job import Job
 from spotpipe.sim.params import SimConfig
-from spotpipe.sim.policies import (Planner, checkpoint_interval, make_policy,
-                                   plain_iteration_time)
-from spotpipe.sim.traces import ADD, Trace
+from spotpipe.sim.policies import (Planner, SpotpipePolicy, checkpoint_interval,
+                                   make_policy, plain_iteration_time, policy_class)
+from spotpipe.sim.traces import ADD, Event, Trace
 
 HOUR = 3600.0
 
@@ -150,8 +150,10 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
     if iterations is not None:
         job.goal = float(iterations)
     pol = make_policy(policy, cfg, job, planner)
-    if instants is None or instants.end != end:
-        instants = instants_of(trace, cfg.params.boot_s, end)
+    # (only spotpipe uses notices: see SimConfig.notice_s)
+    notice = cfg.notice_s if issubclass(policy_class(policy), SpotpipePolicy) else 0.0
+    if instants is None or instants.end != end or instants.notice_s != notice:
+        instants = instants_of(trace, cfg.params.boot_s, end, notice)
     if trace.boot_order and hasattr(pol, "grants"):
         # (otherwise nodes become ready in the order granted, and Bamboo's rendezvous need
         # not sort them)
@@ -197,7 +199,7 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
     job.advance(end)  # (the goal may come after the trace's last instant)
     if job.done_at is not None:  # the goal was reached: the run ends there
         end = job.done_at
-        instants = instants_of(trace, cfg.params.boot_s, end)
+        instants = instants_of(trace, cfg.params.boot_s, end, notice)
     if resume is not None and resume.time_s < end:
         timeline.append(resume)
     held = instants.held_at_end
@@ -238,18 +240,25 @@ class Instants:
     # node -> the place of its latest grant among the trace's grants (Bamboo's rendezvous
     # lists nodes in the order they were granted)
     grants: dict[str, int] = field(default_factory=dict)
+    notice_s: float = 0.0  # removals are lost this long before they happen (billed to them)
 
 
-def instants_of(trace: Trace, boot_s: float, end: float) -> Instants:
+def instants_of(trace: Trace, boot_s: float, end: float, notice_s: float = 0.0) -> Instants:
     """The trace's instants up to `end`; events at `end` are applied, so the last state is
     exact. A sweep calls this once per trace, hence the hand-made merge of the trace with
-    its boot completions (both sorted by time)."""
+    its boot completions (both sorted by time).
+
+    With `notice_s`, each removal is told (`lost`) that long before it, or when its node was
+    granted if that came later: the job stops using the node there, and the cloud bills it
+    until the removal (`held`). A node told before its boot completes is never ready."""
     out: list[tuple[float, tuple[str, ...], list[str], int]] = []
     held: set[str] = set()
     # node -> when its boot completes: a node taken away and granted again under the same
     # name boots anew, and the first grant's completion must not make it ready early
     booting: dict[str, float] = {}
     events = trace.events
+    if notice_s > 0:
+        events = _with_notices(events, notice_s)
     boots = [(ev.time_s + boot_s, ev.node) for ev in events if ev.kind == ADD]
     grants = {node: i for i, (_, node) in enumerate(boots)}
     tied = {node: i for i, node in enumerate(trace.boot_order)}
@@ -273,10 +282,14 @@ def instants_of(trace: Trace, boot_s: float, end: float) -> Instants:
             if ev.kind == ADD:
                 held.add(ev.node)
                 booting[ev.node] = t + boot_s
+            elif ev.kind == NOTICE:  # the node is lost to the job, still billed
+                if ev.node in held:
+                    booting.pop(ev.node, None)
+                    removed.append(ev.node)
             elif ev.node in held:
                 held.discard(ev.node)
-                booting.pop(ev.node, None)
-                removed.append(ev.node)
+                if booting.pop(ev.node, None) is not None or not notice_s:
+                    removed.append(ev.node)
             i += 1
         lost = tuple(removed)
         preemptions += len(lost)
@@ -294,7 +307,27 @@ def instants_of(trace: Trace, boot_s: float, end: float) -> Instants:
         count = len(held)
         out.append((t, lost, ready, count))
     node_seconds += count * (end - last_t)
-    return Instants(end, out, preemptions, node_seconds, count, grants)
+    return Instants(end, out, preemptions, node_seconds, count, grants, notice_s)
+
+
+NOTICE = "notice"  # (an event kind of the simulator's own: a removal told ahead)
+
+
+def _with_notices(events: list[Event], notice_s: float) -> list[Event]:
+    """The trace's events with a notice `notice_s` before each removal (not before the
+    node's grant: a notice at the grant's instant follows it), in time order; a notice and
+    a trace event at the same instant keep the trace's order, the notice after."""
+    granted: dict[str, float] = {}
+    notices = []
+    for k, ev in enumerate(events):
+        if ev.kind == ADD:
+            granted[ev.node] = ev.time_s
+        elif ev.node in granted:
+            notices.append((max(ev.time_s - notice_s, granted.pop(ev.node)), 1, k,
+                            Event(0.0, NOTICE, ev.node)))
+    merged = [(ev.time_s, 0, k, ev) for k, ev in enumerate(events)] + notices
+    merged.sort(key=lambda item: item[:3])
+    return [ev._replace(time_s=t) if ev.kind == NOTICE else ev for t, _, _, ev in merged]
 
 
 def on_demand_closed_form(cfg: SimConfig, duration_s: float) -> dict[str, float]:
