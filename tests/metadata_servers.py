@@ -45,6 +45,7 @@ class MetadataServer:
         self.token_status = token_status
         self.token_lost_s = token_lost_s
         self.preempted: set[str] = set()
+        self.reclaimed_at: dict[str, str] = {}  # host -> AWS's `time` of its reclaim
         self.tokens: set[str] = set()
         self.calls: Counter = Counter()  # (host, what) -> count
         self.acks: list[tuple[str, str]] = []  # (host, EventId)
@@ -83,13 +84,18 @@ class MetadataServer:
                 "gcp": f"{b}/computeMetadata/v1/instance/preempted",
                 "azure": f"{b}/metadata/scheduledevents?api-version=2020-07-01"}
 
-    def preempt(self, host: str) -> None:
+    def preempt(self, host: str, in_s: float = -3600.0) -> None:
+        """`host` is reclaimed `in_s` from now (whole seconds in the answers, as the clouds
+        give them: AWS's `time`, Azure's `NotBefore`); by default an hour ago, so that the
+        notice is acted on at once."""
+        when = time.time() + in_s
         with self.changed:
             self.preempted.add(host)
+            self.reclaimed_at[host] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when))
             self.events[host] = {
                 "EventId": str(uuid.uuid4()).upper(), "EventStatus": "Scheduled",
                 "EventType": "Preempt", "ResourceType": "VirtualMachine",
-                "Resources": [self.vm_name(host)], "NotBefore": formatdate(usegmt=True),
+                "Resources": [self.vm_name(host)], "NotBefore": formatdate(when, usegmt=True),
                 "Description": "", "EventSource": "Platform", "DurationInSeconds": -1}
             self.changed.notify_all()
 
@@ -160,7 +166,7 @@ class MetadataServer:
         self.calls[(host, "aws")] += 1
         if host not in self.preempted:
             return self._reply(req, 404, NOT_FOUND_HTML, "text/html")
-        body = json.dumps({"action": "terminate", "time": "2026-12-01T09:00:00Z"}).encode()
+        body = json.dumps({"action": "terminate", "time": self.reclaimed_at[host]}).encode()
         self._reply(req, 200, body, "application/json")
 
     def _gcp(self, req, host: str, path: str, query: dict[str, list[str]]) -> None:

@@ -170,3 +170,37 @@ def test_a_notice_cut_short_in_the_hand_over_stops_the_job_clearly(tmp_path, cor
     assert summary["status"] == "failed", summary
     assert "node3 (pipeline 0, stage 3), which did not receive stage 2" in summary["message"]
     assert_nothing_left(run, store_port(run))
+
+
+def test_a_notice_with_time_to_spare_trains_on_until_its_lead(tmp_path, tmp_path_factory,
+                                                              corpus):
+    """AWS says node1 goes in 4 s (whole seconds: 3-4 s); with `failover.notice_lead_s: 1`
+    node1 trains on and leaves 1 s before then, not when the notice came: the job keeps its
+    two nodes for most of the window, then fails over at a boundary, bit-identical."""
+    meta = MetadataServer()
+    stop = threading.Event()
+    run = tmp_path / "run"
+    iters = 400  # (several seconds of a P = 2 job: it is still running when node1 leaves)
+    cfg = config(corpus, 2, 1, **{"failover.aws_notice_url": meta.urls()["aws"],
+                                  "failover.notice_poll_s": 0.1,
+                                  "failover.notice_lead_s": 1.0, "iterations": iters})
+    tail = when_event(run, lambda ev: ev["kind"] == "worker_ready" and ev["node"] == "node1",
+                      lambda ev: meta.preempt("node1", in_s=4.0), stop)
+    try:
+        assert train(cfg, run, progress=False) == 0
+    finally:
+        stop.set()
+        tail.join(timeout=5)
+        meta.close()
+    evs = events(run)
+    deferred = [e for e in evs if e["kind"] == "notice_deferred"]
+    assert [e["node"] for e in deferred] == ["node1"], deferred
+    # (2-3 s, less the time the worker took to read it)
+    assert 0.5 < deferred[0]["leaves_in_s"] <= 3.0
+    notice = next(e for e in evs if e["kind"] == "notice")
+    assert notice["time_s"] - deferred[0]["time_s"] >= deferred[0]["leaves_in_s"] - 0.05
+    plans = [e for e in evs if e["kind"] == "plan" and e["action"] != "keep"]
+    assert [p["action"] for p in plans] == ["failover"], plans
+    assert plans[0]["resume"] < iters  # it left while the job ran
+    assert_ends_as_failure_free(run, cfg, failure_free(tmp_path_factory, tiny_config(
+        corpus, stages=2, pipelines=1, **{**FAST, "iterations": iters})))

@@ -7,6 +7,7 @@ without an IMDSv2 token (401), GCP without `Metadata-Flavor: Google` (403), Azur
 
 from __future__ import annotations
 
+import calendar
 import json
 import threading
 import time
@@ -18,6 +19,7 @@ import pytest
 from spotpipe.notices import AwsImds, AzureScheduledEvents, GcpMetadata, NoticeWatcher
 
 from metadata_servers import BrokenServer, MetadataServer
+from procs import until
 
 
 @pytest.fixture
@@ -346,3 +348,49 @@ def test_close_ends_the_watch_without_a_notice(meta):
     watcher.acknowledge()
     assert not watcher.is_set() and heard == [] and meta.acks == []
     assert meta.calls[("h1", "azure")] == polls  # nobody asks any more
+
+
+@pytest.mark.parametrize("service", ["aws", "azure"])
+def test_a_notice_says_when_the_instance_goes(meta, service):
+    """AWS's instance-action `time` and Azure's `NotBefore` (whole seconds), read as epoch
+    seconds; a time that does not parse is none (the node then leaves at once)."""
+    meta.preempt("h1", in_s=100.0)
+    source = (AwsImds if service == "aws" else AzureScheduledEvents)(meta.urls("h1")[service])
+    notice = source.check()
+    assert notice is not None
+    assert time.time() + 98 < notice.deadline <= time.time() + 100
+    meta.reclaimed_at["h1"] = "soon"
+    meta.events["h1"]["NotBefore"] = "soon"
+    assert source.check().deadline is None
+
+
+def test_gcp_says_the_instance_goes_30_s_after_its_notice(meta):
+    meta.preempt("h1")
+    before = time.time()
+    notice = GcpMetadata(meta.urls("h1")["gcp"]).next_notice(threading.Event(), 0.05)
+    assert before + 30 <= notice.deadline <= time.time() + 30
+
+
+def test_a_notice_with_time_to_spare_is_set_its_lead_before_the_instance_goes(meta):
+    """AWS says the instance goes in 3 s; with a 1 s lead the watcher says so at once
+    (`on_deferred`) and sets its notice 1 s before the instance goes, not when it came. A
+    SIGTERM meanwhile (`set`) is acted on at once."""
+    deferred: list[tuple[str, float]] = []
+    meta.preempt("h1", in_s=3.0)
+    reclaimed = calendar.timegm(time.strptime(meta.reclaimed_at["h1"], "%Y-%m-%dT%H:%M:%SZ"))
+    watcher = NoticeWatcher(aws_url=meta.urls("h1")["aws"], poll_s=0.05, sigterm=False,
+                            lead_s=1.0, on_deferred=lambda s, w: deferred.append((s, w)))
+    try:
+        assert watcher.notice.wait(10)
+        assert time.time() >= reclaimed - 1.0
+        assert len(deferred) == 1 and "AWS" in deferred[0][0] and 1.0 < deferred[0][1] <= 2.0
+        meta.preempt("h2", in_s=60.0)
+        later = NoticeWatcher(aws_url=meta.urls("h2")["aws"], poll_s=0.05, sigterm=False,
+                              lead_s=1.0, on_deferred=lambda s, w: deferred.append((s, w)))
+        until(lambda: len(deferred) == 2, "the second notice's deferral", 10)
+        assert not later.is_set()
+        later.set("SIGTERM")
+        assert later.is_set() and later.source == "SIGTERM"
+        later.close()
+    finally:
+        watcher.close()

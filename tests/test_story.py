@@ -28,6 +28,8 @@ def test_reshaping_events_are_told():
          "sent": ["stage 2 to node5", "replica 2 to node4"]},
         {"kind": "handover_failed", "time_s": 2.2, "node": "node3", "generation": 5,
          "reason": "communication failed"},
+        {"kind": "notice_deferred", "time_s": 2.3, "node": "node1", "source": "AWS",
+         "leaves_in_s": 89.96},
     ]
     text = "\n".join(describe(events, {"status": "completed", "iterations": 9, "samples": 72,
                                        "wall_s": 2.5, "final_loss": 1.5}))
@@ -40,6 +42,7 @@ def test_reshaping_events_are_told():
     assert "node6: arrived after the last iteration" in text
     assert "node2: handed stage 2 to node5, replica 2 to node4 over as it left" in text
     assert "node3: could not hand its stages over as it left (communication failed)" in text
+    assert "node1: preemption notice from AWS; trains on for 90.0 s" in text
 
 
 def test_a_worker_that_built_the_whole_model_is_told_once_per_reason():

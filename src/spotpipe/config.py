@@ -141,6 +141,11 @@ class FailoverSection:
     gcp_notice_url: str = ""
     azure_notice_url: str = ""
     notice_poll_s: float = 5.0
+    # a cloud notice that says when the instance goes (AWS's `time`, Azure's `NotBefore`,
+    # GCP's 30 s) is acted on this long before then: the node trains on until then, and
+    # leaves at the next iteration boundary (its stages handed over). It must cover an
+    # iteration, the agreement and the hand-over of its stages. A SIGTERM acts at once.
+    notice_lead_s: float = 30.0
     # when too few nodes remain for depth P, re-partition the model onto fewer stages (false:
     # nodes carry two stages until new nodes arrive)
     repartition: bool = True
@@ -520,6 +525,9 @@ def _check(cfg: Config) -> None:
     for key in ("heartbeat_s", "heartbeat_timeout_s", "hang_timeout_s", "notice_poll_s"):
         if getattr(f, key) <= 0:
             raise ConfigError(f"failover.{key}: expected a positive number, got {getattr(f, key)}")
+    if not (math.isfinite(f.notice_lead_s) and f.notice_lead_s >= 0):
+        raise ConfigError(f"failover.notice_lead_s: expected a number of seconds >= 0, got "
+                          f"{f.notice_lead_s}")
     if f.replay not in REPLAY_MODES:
         raise ConfigError(f"failover.replay: expected one of {', '.join(REPLAY_MODES)}, got "
                           f"{f.replay!r}")

@@ -25,8 +25,11 @@ refuse anything else:
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import http.client
 import json
+import math
 import signal
 import sys
 import threading
@@ -50,12 +53,33 @@ UNANSWERED = (OSError, http.client.HTTPException, ValueError)
 MAX_REPLY_BYTES = 1 << 20
 
 
+# GCP stops a preempted instance 30 s after it says so (`preempted` turns TRUE then)
+GCP_NOTICE_S = 30.0
+
+
 @dataclass(frozen=True)
 class Notice:
-    """One cloud's notice: where it came from, and how to acknowledge it (Azure only)."""
+    """One cloud's notice: where it came from, how to acknowledge it (Azure only), and when
+    the instance goes (epoch seconds; None: unknown, as for a SIGTERM)."""
 
     source: str
     acknowledge: Callable[[], None] | None = None
+    deadline: float | None = None
+
+
+def _epoch(text: object, parse: Callable[[str], datetime.datetime]) -> float | None:
+    """A cloud's time stamp as epoch seconds; None when it is missing or does not parse (the
+    node then leaves at once, which is never wrong, only early)."""
+    if not isinstance(text, str):
+        return None
+    try:
+        when = parse(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    stamp = when.timestamp()
+    return stamp if math.isfinite(stamp) else None
 
 
 class Source(Protocol):
@@ -189,8 +213,10 @@ class AwsImds(_Polled):
         action = _json_object(body).get("action")
         if action not in AWS_ACTIONS:
             return None
-        return Notice(f"AWS spot instance-action {action} ({self.url}"
-                      f"{', IMDSv1' if not token else ''})")
+        when = _json_object(body).get("time")
+        return Notice(f"AWS spot instance-action {action} at {when} ({self.url}"
+                      f"{', IMDSv1' if not token else ''})",
+                      deadline=_epoch(when, datetime.datetime.fromisoformat))
 
 
 class GcpMetadata:
@@ -224,7 +250,8 @@ class GcpMetadata:
         while not stop.is_set():
             try:
                 if self._read():
-                    return Notice(f"GCP preempted ({self.url})")
+                    return Notice(f"GCP preempted ({self.url})",
+                                  deadline=time.time() + GCP_NOTICE_S)
                 if not self.etag:  # a server without ETags cannot be long-polled
                     stop.wait(poll_s)
             except UNANSWERED as exc:
@@ -280,7 +307,9 @@ class AzureScheduledEvents(_Polled):
                 event_id = str(event["EventId"])
                 return Notice(f"Azure Scheduled Events Preempt {event_id} for {name} "
                               f"(not before {event.get('NotBefore', '?')})",
-                              acknowledge=lambda: self.acknowledge(event_id))
+                              acknowledge=lambda: self.acknowledge(event_id),
+                              deadline=_epoch(event.get("NotBefore"),
+                                              email.utils.parsedate_to_datetime))
         return None
 
     def acknowledge(self, event_id: str) -> None:
@@ -300,11 +329,15 @@ class NoticeWatcher:
     def __init__(self, *, aws_url: str = "", gcp_url: str = "", azure_url: str = "",
                  poll_s: float = 5.0, on_notice: Callable[[str], None] | None = None,
                  sigterm: bool = True, watch_only: bool = False,
-                 acknowledges: bool = True) -> None:
+                 acknowledges: bool = True, lead_s: float = 0.0,
+                 on_deferred: Callable[[str, float], None] | None = None) -> None:
         """`sigterm`: a SIGTERM to this process is a notice too. `watch_only`: an Azure event
         already acknowledged ("Started") still counts, for a reader beside others (the node
         agent). `acknowledges`: whether `acknowledge` tells the cloud (see the module's
-        docstring: one reader per host does)."""
+        docstring: one reader per host does). `lead_s`: a cloud notice that says when the
+        instance goes is set that long before then, not when it comes: the node trains on
+        through most of an AWS notice's two minutes (`on_deferred(source, seconds)` says how
+        long it waits); a SIGTERM, or a notice whose time is unknown, is set at once."""
         self.notice = threading.Event()
         self.source = ""
         self.acknowledges = acknowledges
@@ -314,6 +347,7 @@ class NoticeWatcher:
         self._ack: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._on_notice = on_notice
+        self._lead_s, self._on_deferred = lead_s, on_deferred
         if sigterm:
             signal.signal(signal.SIGTERM, lambda signum, frame: self.set("SIGTERM"))
         sources: list[Source] = []
@@ -332,7 +366,8 @@ class NoticeWatcher:
     @classmethod
     def of_node(cls, failover: FailoverSection, node: str, on_notice: Callable[[str], None],
                 sigterm: bool = True, watch_only: bool = False,
-                for_host: bool = False, host_acknowledges: bool = False) -> NoticeWatcher:
+                for_host: bool = False, host_acknowledges: bool = False,
+                on_deferred: Callable[[str, float], None] | None = None) -> NoticeWatcher:
         """The notices `failover.*_notice_url` configure, read for `node`: "{node}" in a URL is
         the node's name (one metadata service per host in the cloud, where the URLs name
         no node; one loopback server for every node in the tests). `for_host`: this reader
@@ -344,12 +379,22 @@ class NoticeWatcher:
                    gcp_url=failover.gcp_notice_url.replace("{node}", node),
                    azure_url=failover.azure_notice_url.replace("{node}", node),
                    poll_s=failover.notice_poll_s, on_notice=on_notice, sigterm=sigterm,
-                   watch_only=watch_only, acknowledges=for_host or alone)
+                   watch_only=watch_only, acknowledges=for_host or alone,
+                   lead_s=failover.notice_lead_s, on_deferred=on_deferred)
 
     def _watch(self, source: Source, poll_s: float) -> None:
         notice = source.next_notice(self._done, poll_s)
-        if notice is not None and not self.closed:
-            self.set(notice.source, notice.acknowledge)
+        if notice is None or self.closed:
+            return
+        if notice.deadline is not None:
+            wait = notice.deadline - self._lead_s - time.time()
+            if wait > 0:
+                if self._on_deferred is not None:
+                    self._on_deferred(notice.source, wait)
+                # (`close`, or another notice set meanwhile, ends the wait)
+                if self._done.wait(wait) and not self.notice.is_set():
+                    return
+        self.set(notice.source, notice.acknowledge)
 
     def set(self, source: str, acknowledge: Callable[[], None] | None = None) -> None:
         with self._lock:

@@ -127,7 +127,9 @@ class Worker:
         self.notices = NoticeWatcher.of_node(
             cfg.failover, node, on_notice=lambda src: self.channel.post(Notice(
                 node, self.state.generation, src, self.channel.now())),
-            host_acknowledges=os.environ.get("SPOTPIPE_HOST_ACKNOWLEDGES") == "1")
+            host_acknowledges=os.environ.get("SPOTPIPE_HOST_ACKNOWLEDGES") == "1",
+            on_deferred=lambda src, wait_s: self.channel.event(
+                "notice_deferred", source=src, leaves_in_s=round(wait_s, 3)))
         timeout = cfg.cluster.timeout_s
         self.executor: Executor | None = None
         self.shadow = (ShadowWriter(self.sealed, namespace, node, max_lag=cfg.shadow.max_lag,
