@@ -32,6 +32,21 @@ from test_failover import (FAST, assert_nothing_left, assert_samples_exactly_onc
 ITERS = 40
 
 
+def train_meanwhile(run, cfg, match, then, meta: MetadataServer | None = None,
+                    **kw) -> None:
+    """Train to the end, calling `then(event)` once the run writes an event that
+    `match`es (the metadata server `meta` closed after)."""
+    stop = threading.Event()
+    tail = when_event(run, match, then, stop)
+    try:
+        assert train(cfg, run, progress=False, **kw) == 0
+    finally:
+        stop.set()
+        tail.join(timeout=5)
+        if meta is not None:
+            meta.close()
+
+
 def standby_placed(event: dict) -> bool:
     """The coordinator's plan that left the joiner node3 waiting on standby."""
     return event["kind"] == "plan" and "node3" in event.get("standby", [])
@@ -41,17 +56,11 @@ def standby_placed(event: dict) -> bool:
 def test_notice_hands_the_stage_to_the_standby_node(tmp_path, tmp_path_factory, corpus,
                                                     service):
     meta = MetadataServer()
-    stop = threading.Event()
     run = tmp_path / "run"
     cfg = config(corpus, 3, 1, **{f"failover.{service}_notice_url": meta.urls()[service],
                                   "failover.notice_poll_s": 0.1, "iterations": ITERS})
-    tail = when_event(run, standby_placed, lambda ev: meta.preempt("node1"), stop)
-    try:
-        assert train(cfg, run, progress=False, joins=[2]) == 0
-    finally:
-        stop.set()
-        tail.join(timeout=5)
-        meta.close()
+    train_meanwhile(run, cfg, standby_placed, lambda ev: meta.preempt("node1"), meta,
+                    joins=[2])
     evs = events(run)
     plans = [e for e in evs if e["kind"] == "plan"]
     assert [p["action"] for p in plans if p["action"] != "keep"] == ["handover"], plans
@@ -93,7 +102,6 @@ def test_adjacent_notices_hand_over_from_the_leaving_node(tmp_path, tmp_path_fac
     node1, so node2 sends stage 2 itself before it leaves (stage 1 comes from node0's
     replica): one hand-over, nobody carries two stages, and the run ends bit-identical to
     the failure-free one. Before, the job lost stage 2 and stopped."""
-    stop = threading.Event()
     run = tmp_path / "run"
     cfg = config(corpus, 4, 1, iterations=ITERS)
 
@@ -102,12 +110,7 @@ def test_adjacent_notices_hand_over_from_the_leaving_node(tmp_path, tmp_path_fac
         for node in ("node1", "node2"):  # (back to back: both notices at one boundary)
             os.kill(pids[node], signal.SIGTERM)
 
-    tail = when_event(run, both_standby, preempt, stop)
-    try:
-        assert train(cfg, run, progress=False, joins=[2, 2]) == 0
-    finally:
-        stop.set()
-        tail.join(timeout=5)
+    train_meanwhile(run, cfg, both_standby, preempt, joins=[2, 2])
     evs = events(run)
     plans = [e for e in evs if e["kind"] == "plan" and e["action"] != "keep"]
     assert [p["action"] for p in plans] == ["handover"], plans
@@ -178,20 +181,13 @@ def test_a_notice_with_time_to_spare_trains_on_until_its_lead(tmp_path, tmp_path
     node1 trains on and leaves 1 s before then, not when the notice came: the job keeps its
     two nodes for most of the window, then fails over at a boundary, bit-identical."""
     meta = MetadataServer()
-    stop = threading.Event()
     run = tmp_path / "run"
     iters = 400  # (several seconds of a P = 2 job: it is still running when node1 leaves)
     cfg = config(corpus, 2, 1, **{"failover.aws_notice_url": meta.urls()["aws"],
                                   "failover.notice_poll_s": 0.1,
                                   "failover.notice_lead_s": 1.0, "iterations": iters})
-    tail = when_event(run, lambda ev: ev["kind"] == "worker_ready" and ev["node"] == "node1",
-                      lambda ev: meta.preempt("node1", in_s=4.0), stop)
-    try:
-        assert train(cfg, run, progress=False) == 0
-    finally:
-        stop.set()
-        tail.join(timeout=5)
-        meta.close()
+    train_meanwhile(run, cfg, lambda ev: ev["kind"] == "worker_ready" and ev["node"] == "node1",
+                    lambda ev: meta.preempt("node1", in_s=4.0), meta)
     evs = events(run)
     deferred = [e for e in evs if e["kind"] == "notice_deferred"]
     assert [e["node"] for e in deferred] == ["node1"], deferred
