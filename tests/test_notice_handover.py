@@ -200,3 +200,22 @@ def test_a_notice_with_time_to_spare_trains_on_until_its_lead(tmp_path, tmp_path
     assert plans[0]["resume"] < iters  # it left while the job ran
     assert_ends_as_failure_free(run, cfg, failure_free(tmp_path_factory, tiny_config(
         corpus, stages=2, pipelines=1, **{**FAST, "iterations": iters})))
+
+
+def test_with_shadows_a_hand_over_cut_short_is_restored_from_them(tmp_path, tmp_path_factory,
+                                                                  corpus):
+    """As above, node2 gone before it sends stage 2, but the job keeps CPU shadows: the
+    stage node3 did not receive comes back from its shadow, and the run ends bit-identical
+    to the failure-free one."""
+    cfg = config(corpus, 4, 1, **{"shadow.enabled": True})
+    nodes = [f"node{r}" for r in range(4)]
+    faults = [Fault.parse("notice", "node1@3", nodes), Fault.parse("notice", "node2@3", nodes),
+              Fault.parse("fail", "node2@3:handover", nodes)]
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, faults=faults) == 0
+    evs = events(run)
+    plans = [e["action"] for e in evs if e["kind"] == "plan" and e["action"] != "keep"]
+    assert plans[0] == "failover" and "restore_from_shadow" in plans, plans
+    assert any(e["kind"] == "shadow_restored" for e in evs)
+    assert_ends_as_failure_free(run, cfg, failure_free(tmp_path_factory, tiny_config(
+        corpus, stages=4, **FAST)))
