@@ -379,3 +379,39 @@ def test_coordinating_host_lost(cluster_factory, corpus, tmp_path, tmp_path_fact
     print(f"coordinator takeover: host lost -> iteration {after['iter']} committed "
           f"{t0 + after['time_s'] - lost_at:.2f} s later (lease TTL "
           f"{cfg.failover.heartbeat_timeout_s:.0f} s)")
+
+
+def test_adjacent_notices_over_namespaced_hosts_hand_the_stage_over(
+        cluster_factory, corpus, tmp_path, tmp_path_factory):
+    """P = 4 on four hosts; the nodes of two adjacent stages (neither on the coordinating
+    host) get their GCP notices together. Whether the two reach one boundary or two, the
+    later stage's replica is gone with its neighbour, so that node sends the stage itself,
+    from its host to another over the hand-over group, before it leaves: the job trains on
+    bit-identical (it used to stop). (Two boundaries apart, which GCP's long polls make
+    rare, the first departure is a takeover and the job goes on as it then can.)"""
+    cluster = cluster_factory(4)
+    meta = cluster.metadata()
+    cfg = job(corpus, 4, 1, 120, **{"failover.gcp_notice_url": meta.urls()["gcp"],
+                                    "failover.notice_poll_s": 0.1})
+    config = _write_config(cfg, tmp_path / "job.yaml")
+    cluster.start_etcd()
+    outs = [tmp_path / f"host{i}" for i in range(4)]
+    procs = [cluster.agent(i, config, outs[i], token=TOKEN, nnodes="4") for i in range(4)]
+    wait_until(lambda: max(iteration(o) for o in outs) >= 5, procs, "training began")
+    c = coordinator_of(outs)
+    coordinating = next((outs[c] / "logs").glob("node*.log")).stem
+    stage = next(s for s in range(3) if coordinating not in (f"node{s}", f"node{s + 1}"))
+    leaving = [f"node{stage}", f"node{stage + 1}"]
+    run = outs[c]
+    assert iteration(run) < cfg.iterations - 40, "too late for a notice"
+    for node in leaving:
+        meta.preempt(node)
+    assert all(code == 0 for code in finish(procs))
+    evs = events(run)
+    assert sorted(e["node"] for e in evs if e["kind"] == "notice") == leaving
+    handed = [e for e in evs if e["kind"] == "handed_over"]
+    first = next(e for e in evs if e["kind"] == "agreement" and e.get("leaving"))
+    if sorted(first["leaving"]) == leaving:  # (the two notices met one boundary, as a rule)
+        assert [e["node"] for e in handed] == [leaving[1]], handed
+        assert [p for p in plans(run) if p != "keep"][0] == "failover"
+    check_result(tmp_path_factory, cfg, run, outs, reference=job(corpus, 4, 1, 120))
