@@ -21,11 +21,12 @@ def test_bench_failover_quick_json():
     for key in ("pause_s", "pause_iterations", "restart_pause_s", "restart_over_failover_ratio",
                 "torchrun_restart_pause_s", "torchrun_restart_over_failover_ratio",
                 "detection_s", "agreement_s", "takeover_s", "replay_s", "notice_pause_s",
-                "iteration_s"):
+                "adjacent_notices_pause_s", "iteration_s"):
         assert isinstance(figures[key], (int, float)) and math.isfinite(figures[key]), key
         assert figures[key] > 0, key
     assert figures["crash_failovers"] == 2 and figures["notice_failovers"] == 2
     assert figures["notice_replayed_iterations"] == 0
+    assert figures["adjacent_notices_replayed_iterations"] == 0
     parts = sum(figures[k] for k in ("detection_s", "agreement_s", "takeover_s", "replay_s"))
     assert parts == __import__("pytest").approx(figures["pause_s"], rel=0.05, abs=2e-3)
     assert figures["restart_lost_iterations"] >= 0

@@ -10,6 +10,8 @@ paths as real failures) and reads the pauses from their events:
   the lost stage's work is redone; the full run also measures `failover.replay: iteration`,
   where every node replays the whole iteration);
 - notice: SIGTERM; the node leaves at the next iteration boundary, nothing is replayed;
+- adjacent notices: two nodes of adjacent stages get theirs at the same iteration; the
+  later stage's replica leaves with the other, so its node hands the stage over itself;
 - cold restart baseline: the same crash without redundancy stops the job,
   every worker is started again and loads the newest torch.distributed.checkpoint checkpoint
   (written every k iterations), and the pause runs from the kill until the restarted job has
@@ -159,6 +161,8 @@ def run(quick: bool = False) -> dict[str, Any]:
            "--fail", f"node3@{notice_at}:forward")
     notice = tmp / "notice"
     _train(notice, *common, "--notice", f"node1@{crash_at}", "--notice", f"node3@{notice_at}")
+    adjacent = tmp / "adjacent-notices"
+    _train(adjacent, *common, "--notice", f"node1@{crash_at}", "--notice", f"node2@{crash_at}")
     crashes = failover_pauses(crash)
     variants: dict[str, float] = {}
     if not quick:
@@ -180,6 +184,9 @@ def run(quick: bool = False) -> dict[str, Any]:
                 variants[f"{name}_replay_s"] = round(
                     statistics.median(p["replay_s"] for p in got), 4)
     notices = failover_pauses(notice)
+    pair = failover_pauses(adjacent)[:1]  # (both notices ride one commit: one incident)
+    if not pair:
+        raise RuntimeError(f"{adjacent}: no recovery from the adjacent notices in its events")
     # the baseline: no redundancy, a checkpoint every k iterations, restart everything
     first, second = tmp / "restart-1", tmp / "restart-2"
     kill_at = crash_at + k // 2 + 1  # mid-interval: the expected loss of periodic checkpoints
@@ -221,6 +228,9 @@ def run(quick: bool = False) -> dict[str, Any]:
                                          2),
         "notice_signal_to_resume_s": round(statistics.median(p["pause_s"] for p in notices), 4),
         "notice_replayed_iterations": max(p["replayed_iterations"] for p in notices),
+        "adjacent_notices_pause_s": round(pair[0]["stall_s"], 4),
+        "adjacent_notices_pause_iterations": round(pair[0]["stall_s"] / it, 2),
+        "adjacent_notices_replayed_iterations": pair[0]["replayed_iterations"],
         "iteration_s": round(it, 4),
         "restart_pause_s": round(restart["restart_pause_s"], 3),
         "restart_first_iteration_s": round(restart["restart_first_iteration_s"], 3),
