@@ -115,8 +115,8 @@ class Reshaper:
             self.inject("transfer", resume)
         held = self._held()
         received = (self._repartition(decision, comm) if repartition
-                    else self._migrate(moves, comm, resume, self._handed(decision,
-                                                                         open_handover)))
+                    else self._migrate(moves, comm, resume,
+                                       self._receive_handed(decision, open_handover)))
         progress.untouched = progress.untouched and held == self._held()
         # what this node lacks from now on is only what waits for a shadow restore: a failure
         # after its receives (waiting on its sends of those copies) must not count it out
@@ -178,42 +178,40 @@ class Reshaper:
         redundancy is off): send them over the departing nodes' group, then go. Their
         receivers are in the new generation's groups, which a node leaving is in no more.
         Returns what it sent."""
-        st, me = self.state, self.state.node
-        mine = [t for t in decision.handed_over if t.src == me]
-        self.activity.begin("handing over " + ", ".join(f"{t.kind} {t.stage} to {t.dst}"
-                                                        for t in mine), decision.generation)
+        st = self.state
+        mine = [f"{t.kind} {t.stage} to {t.dst}" for t in decision.handed_over
+                if t.src == st.node]
+        self.activity.begin("handing over " + ", ".join(mine), decision.generation)
         self.inject("handover", decision.resume)
+        self._departing_transfers(decision, open_handover, {
+            ("stage", s): (x.module, x.optimizer) for s, x in st.stages.items()})
+        return mine
+
+    def _receive_handed(self, decision: Decision,
+                        open_handover: Callable[[Decision], Comm] | None
+                        ) -> dict[tuple[str, int], Any]:
+        """What departing nodes hand over to this node, received before the generation's own
+        moves (nothing that stays waits on it); empty if they send it nothing."""
+        if not any(t.dst == self.state.node for t in decision.handed_over):
+            return {}
+        assert open_handover is not None, "a hand-over to receive and no group for it"
+        return self._departing_transfers(decision, open_handover, {})
+
+    def _departing_transfers(self, decision: Decision,
+                             open_handover: Callable[[Decision], Comm],
+                             have: dict[tuple[str, int], Any]) -> dict[tuple[str, int], Any]:
+        """This node's part of the departing nodes' transfers, over their group."""
         comm = open_handover(decision)
         try:
-            have = {("stage", s): (x.module, x.optimizer) for s, x in st.stages.items()}
-            migrate.run(list(decision.handed_over), me, comm, have, st.build_stage)
+            return migrate.run(list(decision.handed_over), self.state.node, comm, have,
+                               self.state.build_stage)
         finally:
             comm.close()
-        return [f"{t.kind} {t.stage} to {t.dst}" for t in mine]
-
-    def _handed(self, decision: Decision, open_handover: Callable[[Decision], Comm] | None
-                ) -> Callable[[dict[tuple[str, int], Any]], dict[tuple[str, int], Any]]:
-        """How this node receives what departing nodes hand over to it (nothing if they
-        send it nothing)."""
-        handed, me = list(decision.handed_over), self.state.node
-
-        def receive(have: dict[tuple[str, int], Any]) -> dict[tuple[str, int], Any]:
-            if not any(t.dst == me for t in handed):
-                return {("bytes", -1): 0}
-            assert open_handover is not None, "a hand-over to receive and no group for it"
-            comm = open_handover(decision)
-            try:
-                return migrate.run(handed, me, comm, have, self.state.build_stage)
-            finally:
-                comm.close()
-        return receive
 
     def _migrate(self, moves: list[Transfer], comm: Comm, resume: int,
-                 handed: Callable[[dict[tuple[str, int], Any]], dict[tuple[str, int], Any]]
-                 | None = None) -> list[str]:
-        """This node's part of the state moves (and of the departing nodes' hand-over,
-        `handed`, received first: nothing that stays waits on it); returns what it received.
-        """
+                 handed: dict[tuple[str, int], Any] | None = None) -> list[str]:
+        """This node's part of the state moves, and what departing nodes `handed` it
+        (`_receive_handed`); returns what it received."""
         st, me = self.state, self.state.node
         self.progress.bytes_received = 0
         replicas = st.cfg.redundancy != "none"
@@ -222,7 +220,7 @@ class Reshaper:
             self.progress.untouched = False
             st.drop_replica()
         mine = set(nodelib.owned_stages(st.layout, me))
-        got: dict[tuple[str, int], Any] = handed({}) if handed is not None else {}
+        got = dict(handed or {})
         bytes_received = got.pop(("bytes", -1), 0)
         if not got and not any(me in (t.src, t.dst) for t in moves):
             for s in [s for s in st.stages if s not in mine]:  # kept by a plan that failed
