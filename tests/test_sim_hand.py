@@ -138,9 +138,11 @@ def test_notices_tell_each_removal_ahead_and_bill_it_to_the_end():
 def test_adjacent_removals_with_notice_hand_over_instead_of_restarting():
     # P = 4, lazy, no re-partition: a, b, c, d run from 110 s at 10 s per iteration; b and
     # c (stages 1, 2) are taken together at 1000 s. Killed, stage 2's replica went with b:
-    # a fatal failure. Told 120 s ahead (880 s, after 77 iterations, at a boundary): a
-    # promotes stage 1, c hands stage 2 to d, a 5 s pause, then 20 s per iteration with two
-    # carriers: 4 x (77 + (2000 - 885) / 20) samples by 2000 s, nothing rolled back
+    # a fatal failure. Told 120 s ahead and acted on 30 s before the end, as the runtime
+    # does (970 s, after 86 iterations, at a boundary): a promotes stage 1, c hands stage 2
+    # to d, a 5 s pause, then 20 s per iteration with two carriers: 4 x (86 + (2000 - 975)
+    # / 20) samples by 2000 s, nothing rolled back. Acted on at once (a lead of 120 s): 77
+    # iterations before it
     from spotpipe.plan import Layout
 
     plain = Layout.build(4, 1, ["a", "b", "c", "d"]).shape_key()
@@ -156,8 +158,11 @@ def test_adjacent_removals_with_notice_hand_over_instead_of_restarting():
     assert killed.fatal_failures == 1
     told = run(trace, "spotpipe", replace(cfg, notice_s=120.0), duration_s=2000.0)
     assert told.fatal_failures == 0
-    assert told.samples == pytest.approx(4 * (77 + (2000 - 885) / 20))
+    assert told.samples == pytest.approx(4 * (86 + (2000 - 975) / 20))
     assert told.breakdown["recovering"] == pytest.approx(5.0)
+    at_once = run(trace, "spotpipe", replace(cfg, notice_s=120.0, notice_lead_s=120.0),
+                  duration_s=2000.0)
+    assert at_once.samples == pytest.approx(4 * (77 + (2000 - 885) / 20))
     assert told.dollars == killed.dollars == pytest.approx((4 * 1000 + 2 * 1000) / 3600)
     # the other policies do not use notices: the same figures with and without
     for policy in ("bamboo", "checkpoint_restart"):

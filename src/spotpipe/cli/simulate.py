@@ -68,8 +68,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "runs eager FRC as published")
     p.add_argument("--notice", type=finite_number, default=0.0, metavar="S",
                    help="seconds of notice before each preemption (AWS 120, GCP 30; default "
-                        "0: every preemption a kill); spotpipe reshapes at an iteration "
-                        "boundary inside it, the other policies do not use it")
+                        "0: every preemption a kill); spotpipe acts on it --notice-lead "
+                        "before the end and reshapes at an iteration boundary, the other "
+                        "policies do not use it")
+    p.add_argument("--notice-lead", type=finite_number, default=30.0, metavar="S",
+                   help="how long before a notice's end spotpipe acts on it (the runtime's "
+                        "failover.notice_lead_s, default 30)")
     p.add_argument("--shadows", action="store_true", help="spotpipe keeps CPU shadows of "
                    "every stage (a fatal failure loses one iteration; their on-demand host "
                    "is billed); without, it rolls back to the last durable checkpoint")
@@ -210,8 +214,9 @@ def _prepare(args: argparse.Namespace) -> tuple[SimConfig, Any]:
         raise UsageError(f"--hours must be positive, got {args.hours}")
     if args.nodes < 0:
         raise UsageError(f"--nodes must be >= 0, got {args.nodes}")
-    if args.notice < 0:
-        raise UsageError(f"--notice must be >= 0 seconds, got {args.notice:g}")
+    for flag, value in (("--notice", args.notice), ("--notice-lead", args.notice_lead)):
+        if value < 0:
+            raise UsageError(f"{flag} must be >= 0 seconds, got {value:g}")
     params = calibrate(args.calibrate) if args.calibrate else SimParams()
     if args.checkpoint_cost is not None:
         if not (args.checkpoint_cost >= 0 and args.checkpoint_cost < float("inf")):
@@ -222,7 +227,8 @@ def _prepare(args: argparse.Namespace) -> tuple[SimConfig, Any]:
     cfg = SimConfig(model_from_arg(args.model), price_of(args.instance, args.prices),
                     args.stages, args.pipelines, args.schedule, params,
                     redundancy=args.redundancy, shadows=args.shadows, shape_times=shapes,
-                    value_formula=args.value_formula, notice_s=args.notice)
+                    value_formula=args.value_formula, notice_s=args.notice,
+                    notice_lead_s=args.notice_lead)
     if args.plot:
         _check_dir(args.plot)
     if args.advise and args.table:

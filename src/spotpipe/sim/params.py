@@ -189,11 +189,18 @@ class SimConfig:
     shadow_host: str = "r5.4xlarge"
     shadow_host_price: float = 1.008  # $/h on-demand, AWS us-east-1 r5.4xlarge (128 GiB)
     # seconds of notice before each preemption (AWS gives 120, GCP 30; 0: every preemption
-    # is a kill). spotpipe learns of a removal this long before it and reshapes at the next
-    # iteration boundary: nothing in flight is lost, and a node leaving with no replica of
-    # its stage left (adjacent removals) hands the stage over itself. The other policies do
-    # not use notices (torchrun's default, Bamboo's simulator)
+    # is a kill). spotpipe acts on it `notice_lead_s` before the removal (the runtime's
+    # `failover.notice_lead_s`), or at once when the notice is shorter, and reshapes at the
+    # next iteration boundary: nothing in flight is lost, and a node leaving with no replica
+    # of its stage left (adjacent removals) hands the stage over itself. The other policies
+    # do not use notices (torchrun's default, Bamboo's simulator)
     notice_s: float = 0.0
+    notice_lead_s: float = 30.0
+
+    @property
+    def acted_notice_s(self) -> float:
+        """How long before a removal spotpipe acts on its notice (0: no notice)."""
+        return min(self.notice_s, self.notice_lead_s)
 
     def __post_init__(self) -> None:
         if self.num_stages < 1 or self.num_pipelines < 1:
@@ -215,10 +222,11 @@ class SimConfig:
         if self.value_formula not in ("samples_per_dollar", "bamboo"):
             raise ValueError(f"unknown value_formula {self.value_formula!r}; expected "
                              f"samples_per_dollar or bamboo")
-        if not (isinstance(self.notice_s, (int, float)) and math.isfinite(self.notice_s)
-                and self.notice_s >= 0):
-            raise ValueError(f"notice_s must be a finite number of seconds >= 0, got "
-                             f"{self.notice_s!r}")
+        for name in ("notice_s", "notice_lead_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got "
+                                 f"{value!r}")
         for shape, seconds in self.shape_times:
             if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
                 raise ValueError(f"shape_times: iteration time of {shape} must be a positive "

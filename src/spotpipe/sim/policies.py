@@ -220,10 +220,10 @@ class SpotpipePolicy(Policy):
             self.shapes.add(now.summary)
 
     def _noticed(self) -> bool:
-        """Whether a removal told `notice_s` ahead reaches the job as a notice: with an
+        """Whether a removal told `acted_notice_s` ahead reaches the job as a notice: with an
         iteration boundary inside the window, where the leaving nodes still report (else it
         is a kill, a little early)."""
-        notice = self.cfg.notice_s
+        notice = self.cfg.acted_notice_s
         return notice > 0 and (not self.job.iter_s or notice >= self.job.iter_s)
 
     def _apply(self, step: Step, notice: bool = False) -> None:

@@ -151,7 +151,7 @@ def run(trace: Trace, policy: str, cfg: SimConfig, *, duration_s: float | None =
         job.goal = float(iterations)
     pol = make_policy(policy, cfg, job, planner)
     # (only spotpipe uses notices: see SimConfig.notice_s)
-    notice = cfg.notice_s if issubclass(policy_class(policy), SpotpipePolicy) else 0.0
+    notice = cfg.acted_notice_s if issubclass(policy_class(policy), SpotpipePolicy) else 0.0
     if instants is None or instants.end != end or instants.notice_s != notice:
         instants = instants_of(trace, cfg.params.boot_s, end, notice)
     if trace.boot_order and hasattr(pol, "grants"):
