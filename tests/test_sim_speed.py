@@ -123,8 +123,8 @@ class _Recording(Planner):
         super().__init__(memo=True)
         self.calls = calls
 
-    def plan(self, index, machine, situation, names, lost, ready):
-        got = super().plan(index, machine, situation, names, lost, ready)
+    def plan(self, index, machine, situation, names, lost, ready, leaving=False):
+        got = super().plan(index, machine, situation, names, lost, ready, leaving)
         if got is not None:
             self.calls.append((situation.layout(names), frozenset(lost) & set(names),
                                list(ready), machine.rules, got[0], list(names)))
