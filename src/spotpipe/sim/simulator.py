@@ -126,7 +126,8 @@ def run_policies(trace: Trace, policies: list[str], cfg: SimConfig, *,
     """Several policies on one trace, which is turned into instants once."""
     planner = Planner()
     end = trace.duration_s if duration_s is None else float(duration_s)
-    instants = instants_of(trace, cfg.params.boot_s, end)  # policy-independent: once
+    # policy-independent: once (spotpipe told of removals ahead makes its own, `run`)
+    instants = instants_of(trace, cfg.params.boot_s, end)
     return {name: run(trace, name, cfg, duration_s=duration_s, record=record, planner=planner,
                       instants=instants) for name in policies}
 
