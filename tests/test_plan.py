@@ -656,3 +656,15 @@ def test_without_redundancy_a_loss_in_the_only_pipeline_stops():
     assert out.decision.message.startswith(
         "lost n1 (pipeline 0, stage 1) in iteration 5 (the last committed iteration is 4); "
         "redundancy is off, so no other node holds stage 1")
+
+
+def test_a_shadow_repair_restores_onto_a_node_that_runs_one_stage():
+    """Stage 2 lost with no replica (redundancy off), shadows on: its nearest live node
+    forward, d, already carries stages 3 and 4; a third would not fit where a node's memory
+    holds its stage and one replica. b, one stage back, takes it instead."""
+    layout = Layout.from_mapping(5, 1, {(0, 0): "a", (0, 1): "b", (0, 2): "c", (0, 3): "d",
+                                        (0, 4): "d"}, ())
+    d = decide(layout, {"c"}, [], shadows=True, replicas=False)
+    assert d.action == Action.RESTORE_FROM_SHADOW, d.reason
+    assert [(m.kind, m.stage, m.dst) for m in d.moves] == [(MoveKind.RESTORE, 2, "b")]
+    assert d.layout.carriers() == {"b": [(0, 1), (0, 2)], "d": [(0, 3), (0, 4)]}

@@ -18,7 +18,9 @@ shadows moved, and once more when the analytic memory model counted the embeddin
 loss's backward working memory, so that GPT-2 XL's smallest depth with redundancy on V100s
 went from 4 to 5: only spotpipe's figures in the entries where it had re-partitioned to
 P = 4 moved, g4dn lazy, eager and p12x2_lazy, synthetic 0.25 seeds 1 and 3 and 0.5 seeds
-0-3, lazy), to the last bit; and
+0-3, lazy, and once more when a shadow repair put a restored stage on the nearest live node
+that runs one stage, not on a carrier of two: only spotpipe's g4dn figures with shadows
+moved, lazy and eager), to the last bit; and
 the planner's memo gives the same decisions as no memo.
 
 Rerecord only for a change meant to alter the simulator's figures, and say so in its commit.

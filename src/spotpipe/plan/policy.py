@@ -305,9 +305,13 @@ def _shadow_repair(layout: Layout, lost: frozenset[str], standby: tuple[str, ...
                 continue
             if spare:
                 target = spare.pop(0)
-            else:  # the nearest live owner, looking forward first (it receives s's activations)
+            else:  # the nearest live owner, looking forward first (it receives s's
+                # activations), one that runs a single stage where there is one: its
+                # replica's room holds a second, as after a takeover
                 near = [mapping[(new_d, (s + k) % p)] for j in range(1, p) for k in (j, -j)]
-                target = next(n for n in near if n not in lost)
+                live = [n for n in near if n not in lost]
+                runs = [mapping[(new_d, t)] for t in range(p)]
+                target = next((n for n in live if runs.count(n) < 2), live[0])
             mapping[(new_d, s)] = target
             moves.append(Move(MoveKind.RESTORE, new_d, s, SHADOW, target))
     dropped = [d for d in range(layout.num_pipelines) if d not in kept]
