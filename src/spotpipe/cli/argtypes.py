@@ -37,7 +37,7 @@ def add_fault_flags(group: argparse._ArgumentGroup) -> None:
              "backward, all-reduce, optimizer, checkpoint; upload: once NODE has announced a "
              "checkpoint stage it sends through the store; or regroup, transfer: while the "
              "first recovery resuming at ITER or later forms its groups or moves the node's "
-             "state)")
+             "state; handover: as NODE, leaving on a notice, is about to send its stages)")
     group.add_argument("--notice", action="append", default=[], metavar="NODE@ITER",
                        help="send NODE a preemption notice (SIGTERM) at iteration ITER")
     group.add_argument("--hang", action="append", default=[], metavar="NODE@ITER[:PHASE]",
