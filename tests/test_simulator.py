@@ -273,6 +273,26 @@ def test_cli_json_last_line_and_plot(tmp_path, capsys):
     assert (out / "run.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_cli_notices_are_said_and_change_only_spotpipe(capsys):
+    """The p3 trace with redundancy off: every preemption a kill, some fatal; told 120 s
+    ahead and acted on 30 s before (the runtime's lead), spotpipe has none, and the
+    policies that do not use notices keep their figures."""
+    base = ["--trace", "p3", "--redundancy", "none", "--json"]
+    assert cli_run(base) == 0
+    killed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert cli_run(base + ["--notice", "120"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "120 s notices, spotpipe acting 30 s ahead" in out[0]
+    told = json.loads(out[-1])
+    assert (told["notice_s"], told["notice_lead_s"]) == (120.0, 30.0)
+    before = {r["policy"]: r for r in killed["results"]}
+    after = {r["policy"]: r for r in told["results"]}
+    assert before["spotpipe"]["fatal_failures"] > 0 == after["spotpipe"]["fatal_failures"]
+    assert after["spotpipe"]["samples"] > before["spotpipe"]["samples"]
+    for policy in ("bamboo", "checkpoint_restart", "on_demand"):
+        assert after[policy] == before[policy], policy
+
+
 def test_cli_synthetic_and_table(tmp_path, capsys):
     assert cli_run(["--synthetic", "bamboo", "--rate", "0.1", "--hours", "2", "--seed", "0",
                     "--policy", "spotpipe", "--json"]) == 0

@@ -153,7 +153,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{trace!r}: peak {trace.peak_nodes} nodes, {trace.removals} removals{victims}; "
           f"model {cfg.model.name}, P={cfg.num_stages} x D={cfg.num_pipelines}, "
           f"{cfg.price.instance}, spotpipe redundancy {cfg.redundancy}"
-          f"{' with shadows' if cfg.shadows else ''}")
+          f"{' with shadows' if cfg.shadows else ''}"
+          + (f"; {cfg.notice_s:g} s notices, spotpipe acting {cfg.acted_notice_s:g} s ahead"
+             if cfg.notice_s else ""))
     print(report.run_table(results))
     if args.plot:
         from spotpipe.sim.plots import plot_run
@@ -162,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(report.to_json({"trace": trace.name, "duration_s": duration,
                               "victims": trace.victims, "redundancy": cfg.redundancy,
-                              "shadows": cfg.shadows,
+                              "shadows": cfg.shadows, "notice_s": cfg.notice_s,
+                              "notice_lead_s": cfg.notice_lead_s,
                               "results": [report.result_dict(r) for r in results]}))
     return 0
 
