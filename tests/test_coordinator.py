@@ -876,10 +876,13 @@ def test_a_node_fenced_after_its_exit_0_was_taken_in_is_lost_at_once(corpus):
     assert _plan(coord, g)["action"] == "failover"
 
 
-def test_a_generations_records_go_once_the_generation_after_it_ends(corpus):
-    """Generation g's boards and groups' rendezvous are deleted when the plan that ends g + 1
-    is published (every node still in the job reported in g + 1, so none reads g's records
-    any more), and not before; the generations after it keep theirs."""
+def test_a_generations_records_go_once_the_generations_after_it_end(corpus):
+    """Generation g's boards and groups' rendezvous are deleted when the plan that ends
+    g + 1 + KEPT_GENERATIONS is published (every node still in the job reported in g + 1,
+    and a node that g's plan let go, which reports in no later generation, may still read
+    g's Decision a few plans later), and not before; the generations after it keep theirs."""
+    from spotpipe.cluster.collect import KEPT_GENERATIONS as kept
+
     coord, _ = _coordinator(corpus, 2, ["node0", "node1"])
     store = coord.store
 
@@ -892,7 +895,8 @@ def test_a_generations_records_go_once_the_generation_after_it_ends(corpus):
         return [name for name in names if store.check([name])]
 
     seen = []
-    for g in range(4):
+    plans = kept + 4
+    for g in range(plans):
         assert coord.generation == g
         for rank in range(2):  # (as gloo writes them: tests/test_store_collection.py)
             store.set(f"{keys.groups_prefix(keys.ROOT, g)}/world/0/{rank}", "address")
@@ -901,9 +905,12 @@ def test_a_generations_records_go_once_the_generation_after_it_ends(corpus):
                     reason="a regroup", iteration=5 + g, committed_through=4 + g)
         assert _plan(coord, g)["generation"] == g + 1
         seen.append([len(left(k)) for k in range(g + 1)])
-    assert seen == [[5], [0, 5], [0, 0, 5], [0, 0, 0, 5]]
-    # a successor (same store) restored from the books of generation 4: its plan that ends
-    # generation 4 deletes generation 3's records, as its predecessor's would have
+    # after the plan that ends g: generations before g - kept gone, the others whole
+    assert seen[kept] == [5] * (kept + 1)
+    assert seen[kept + 1] == [0] + [5] * (kept + 1)
+    assert seen[-1] == [0] * 3 + [5] * (kept + 1)
+    # a successor (same store) restored from the books of the newest generation: its plan
+    # that ends it deletes the generation kept + 1 before, as its predecessor's would have
     from spotpipe.protocol import CoordinatorState
 
     successor = Coordinator(cfg=coord.cfg, store=store, layout=Layout.build(2, 1, ["node0",
@@ -914,6 +921,7 @@ def test_a_generations_records_go_once_the_generation_after_it_ends(corpus):
                                        exited={}, checkpoints={}, admission={}, time_s=0.0))
     for node in ("node0", "node1"):
         _report(successor, node, boundary=True, formed=True, untouched=False,
-                reason="a regroup", iteration=9, committed_through=8)
-    assert _plan(successor, 4)["generation"] == 5
-    assert left(3) == [] and len(left(4)) == 3  # (its groups' keys were not written here)
+                reason="a regroup", iteration=5 + plans, committed_through=4 + plans)
+    assert _plan(successor, plans)["generation"] == plans + 1
+    assert left(plans - kept - 1) == [] and len(left(plans - kept)) == 5
+    assert len(left(plans)) == 3  # (its groups' keys were not written here)

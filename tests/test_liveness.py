@@ -151,7 +151,7 @@ def test_two_hundred_generations_leave_nothing_behind(tmp_path, corpus, monkeypa
     # one generation's keys at most (P = 2, D = 1): its world group's two addresses, an
     # abort board's two slots (a node's, the end's), one decision, a regroup board's three (a
     # request, a preparation for the joiner, the end), and the two addresses of the groups
-    # formed ahead; those of the two newest generations stay (a late reader's), and a
+    # formed ahead; those of the ten newest generations stay (a late reader's), and a
     # sample may fall between a generation's first write and the removal of an older one;
     # and the mailbox's read slots, deleted a batch of 8 a turn past the 64 kept
     one_generation = 2 + 2 + 1 + 3 + 2

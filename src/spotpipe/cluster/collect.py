@@ -9,15 +9,20 @@ ran (11.8 keys and 3.7 KB a generation at P = 2 x D = 2: `tests/store_growth.py`
 etcd's quota, past which etcd refuses writes and the job dies.
 
 The coordinator knows when a generation is over. It removes generation g's records when it
-publishes the Decision that ends g + 1: every node that is still in the job reported in g + 1
-by then (the agreement waits for every live node, or for its fencing and exit), so each of
-them read g's Decision, took or gave up g's groups, and left g's boards (its watchers of
-them, closed as it began g + 1, read no further: `store.watchers.BoardWatcher`); a node fenced
-in g is killed, and any other reader of a removed key waits out its own timeout, in a
-generation that is over anyway. A store that deletes by prefix (etcd) has each prefix
-removed whole; torch's TCPStore has only `delete_key`, so its keys are named: the boards'
-slots are probed from 1 (a board's slots are filled in order), the groups' from the layouts
-that formed them.
+publishes the Decision that ends g + 1 + KEPT_GENERATIONS. Every node that is still in the
+job reported in g + 1 by then (the agreement waits for every live node, or for its fencing
+and exit), so each of them read g's Decision, took or gave up g's groups, and left g's boards
+(its watchers of them, closed as it began g + 1, read no further:
+`store.watchers.BoardWatcher`); a node fenced in g is killed. But a node that g's Decision
+let go (leaving on a notice, put on standby, counted out to join again) reports in no later
+generation, and may read that Decision after the next one is out: a plan that fails while it
+is carried out is followed by another within milliseconds (a two-process CI run had a leaving
+node wait 60 s for a Decision removed 18 ms after it was published, and fail the job). Those
+readers get KEPT_GENERATIONS more decisions' time; any other reader of a removed key waits
+out its own timeout, in a generation that is over anyway. A store that deletes by prefix
+(etcd) has each prefix removed whole; torch's TCPStore has only `delete_key`, so its keys
+are named: the boards' slots are probed from 1 (a board's slots are filled in order), the
+groups' from the layouts that formed them.
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ import torch.distributed as dist
 
 from spotpipe.plan import Layout
 from spotpipe.protocol import keys
+
+
+# generations whose records stay after the one they are removed at (see the module doc): at
+# most this many more generations' keys in the store, some 12 each at P = 2
+KEPT_GENERATIONS = 8
 
 
 @dataclass(frozen=True)

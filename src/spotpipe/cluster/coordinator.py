@@ -29,7 +29,7 @@ from spotpipe.plan.policy import Action
 from spotpipe.plan.recovery import (CARRIED_OUT, Decision, History, NodeReport, Outcome, Rules,
                                     recover, settle)
 from spotpipe.cluster import succession
-from spotpipe.cluster.collect import GenerationRecords, collect
+from spotpipe.cluster.collect import KEPT_GENERATIONS, GenerationRecords, collect
 from spotpipe.protocol import (Abort, Channel, CoordinatorState, DecisionRecord, JoinAnswer,
                                JoinRequest, Notice, Prepare, Regroup, Report, Stalled, keys)
 from spotpipe.protocol.auth import REASON_CHARS, WRITER_CHARS
@@ -218,15 +218,15 @@ class Coordinator:
         prepared = state.prepared_ahead or {"generation": -1, "layouts": []}
         self._prepared_in = (int(prepared["generation"]),
                              [Layout.from_json(layout) for layout in prepared["layouts"]])
-        # what this generation and the one before it wrote, removed as the predecessor would
-        # have (`_collect_before`). The layout of the one before is not in the books: this
-        # one's names its groups (all of them where etcd deletes by prefix; on a TCPStore,
-        # those of a group that was larger stay), and the groups formed ahead for it are not
-        # known (they stay)
+        # what this generation and the ones before it still kept wrote, removed as the
+        # predecessor would have (`_collect_before`). The layouts before are not in the
+        # books: this one's names their groups (all of them where etcd deletes by prefix;
+        # on a TCPStore, those of a group that was larger stay), and the groups formed
+        # ahead for it are not known (they stay)
         g = self.generation
         ahead = self._prepared_in[1] if self._prepared_in[0] == g - 1 else []
         self._records = {k: GenerationRecords(k, self.layout, tuple(ahead) if k == g else ())
-                         for k in (g - 1, g) if k >= 0}
+                         for k in range(max(0, g - KEPT_GENERATIONS - 1), g + 1)}
         noticed = state.noticed or {"generation": -1, "nodes": []}
         self._noticed = (int(noticed["generation"]), frozenset(map(str, noticed["nodes"])))
 
@@ -290,7 +290,7 @@ class Coordinator:
             self._records[decision.generation] = GenerationRecords(
                 decision.generation, decision.layout, tuple(ahead),
                 self.layout if moved else None, len(decision.handover_group()))
-        for old in sorted(k for k in self._records if k < g):
+        for old in sorted(k for k in self._records if k < g - KEPT_GENERATIONS):
             collect(self.store, self.namespace, self._records.pop(old))
 
     # ------------------------------------------------------------------ inputs
