@@ -21,9 +21,10 @@ P2D1 = Layout.build(2, 1, ["node0", "node2"])
 HANDOVER = Layout.build(3, 1, ["node1", "node4", "node5"])  # (its members)
 
 
-def form_groups(store: dist.Store, prefix: str, layout: Layout) -> None:
+def _form(store: dist.Store, prefix: str, layout: Layout) -> list[BaseException]:
     """Form `layout`'s groups under `prefix` as `runtime.comm` does (the world group of the
-    active nodes in rank order, then each stage's data-parallel group), one thread a node."""
+    active nodes in rank order, then each stage's data-parallel group), one thread a node;
+    the errors met."""
     nodes = sorted(layout.active_nodes)
     errors: list[BaseException] = []
 
@@ -37,7 +38,7 @@ def form_groups(store: dist.Store, prefix: str, layout: Layout) -> None:
                     dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/dp{stage}", store),
                                           members.index(me), len(members),
                                           timedelta(seconds=20))
-        except BaseException as exc:  # (said by the assertion below)
+        except BaseException as exc:  # (said by the caller)
             errors.append(exc)
 
     threads = [threading.Thread(target=node, args=(n,)) for n in nodes]
@@ -45,13 +46,37 @@ def form_groups(store: dist.Store, prefix: str, layout: Layout) -> None:
         t.start()
     for t in threads:
         t.join(timeout=30)
-    assert not errors, errors
+    return errors
+
+
+def formed(prefix: str, layout: Layout) -> dist.HashStore:
+    """A store holding what gloo wrote forming `layout`'s groups under `prefix`. A formation
+    that a closed connection broke (twice in two-process CI runs of this stop, "Connection
+    closed by peer" in gloo's connectFullMesh, while the other process ran other files'
+    tests) is done again in a fresh store, at most three times: what is tested here is which
+    keys gloo writes, not the loopback under load."""
+    errors: list[BaseException] = []
+    for _ in range(3):
+        store = dist.HashStore()
+        errors = _form(store, prefix, layout)
+        if not errors:
+            return store
+    raise AssertionError(errors)
+
+
+def form_groups(store: dist.Store, prefix: str, layout: Layout) -> None:
+    """What forming `layout`'s groups under `prefix` writes, put into `store`: the named keys,
+    after checking that gloo wrote exactly those (as the test below does once)."""
+    names = group_keys(prefix, layout)
+    scratch = formed(prefix, layout)
+    assert scratch.num_keys() == len(names) and all(scratch.check([n]) for n in names)
+    for name in names:
+        store.set(name, scratch.get(name))
 
 
 def test_the_named_rendezvous_keys_are_all_that_gloo_writes():
     """torch 2.13's gloo writes one key per rank and group: exactly the named ones."""
-    store = dist.HashStore()
-    form_groups(store, "spotpipe/gen3", P2D2)
+    store = formed("spotpipe/gen3", P2D2)
     names = group_keys("spotpipe/gen3", P2D2)
     assert store.num_keys() == len(names) == 8  # world of 4, two stage groups of 2
     assert all(store.check([name]) for name in names)
