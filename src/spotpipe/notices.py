@@ -210,10 +210,11 @@ class AwsImds(_Polled):
             return None
         if status != 200:  # 404: no interruption scheduled
             return None
-        action = _json_object(body).get("action")
+        doc = _json_object(body)
+        action = doc.get("action")
         if action not in AWS_ACTIONS:
             return None
-        when = _json_object(body).get("time")
+        when = doc.get("time")
         return Notice(f"AWS spot instance-action {action} at {when} ({self.url}"
                       f"{', IMDSv1' if not token else ''})",
                       deadline=_epoch(when, datetime.datetime.fromisoformat))

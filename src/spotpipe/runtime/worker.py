@@ -278,12 +278,18 @@ class Worker:
         """Form the groups of `layout` for `generation` (over a store connection of their
         own, got on the groups' waiter thread: see Comm._form_groups)."""
         nodes = sorted(layout.active_nodes, key=lambda n: int(n[4:]) if n[4:].isdigit() else n)
-        return Comm(store=self.spares.take, key=self.protocol.key,
-                    on_refused=self._refused, generation=generation, nodes=nodes,
-                    me=self.node, namespace=namespace,
-                    stage_members=nodelib.stage_members(layout), backend=self.backend,
+        return self._comm(generation, nodes, abort, namespace=namespace,
+                          stage_members=nodelib.stage_members(layout),
+                          local_slots=job.link_slots(self.cfg))
+
+    def _comm(self, generation: int, nodes: list[str], abort: AbortSignal,
+              **groups: Any) -> Comm:
+        """Groups of this node's among `nodes`, with the job's key, store connections,
+        backend and timeout (`groups`: which groups, under which names)."""
+        return Comm(store=self.spares.take, key=self.protocol.key, on_refused=self._refused,
+                    generation=generation, nodes=nodes, me=self.node, backend=self.backend,
                     device=self.device, timeout_s=self.cfg.cluster.timeout_s, abort=abort,
-                    local_slots=job.link_slots(self.cfg), activity=self.activity)
+                    activity=self.activity, **groups)
 
     def _form(self, comm: Comm | None = None) -> None:
         """Start a generation: groups among the live nodes, the wiring, the stream."""
@@ -546,13 +552,10 @@ class Worker:
         """The group of the nodes leaving on a notice that hand stages over, and of their
         receivers, beside the generation's own (`Decision.handover_group`)."""
         with self.activity.waiting():
-            return Comm(store=self.spares.take, key=self.protocol.key,
-                        on_refused=self._refused, generation=decision.generation,
-                        nodes=decision.handover_group(), me=self.node,
-                        namespace=self.namespace, stage_members={}, backend=self.backend,
-                        device=self.device, timeout_s=self.cfg.cluster.timeout_s,
-                        abort=self.groups.abort_of(decision.generation),
-                        activity=self.activity, group=keys.HANDOVER_GROUP)
+            return self._comm(decision.generation, decision.handover_group(),
+                              self.groups.abort_of(decision.generation),
+                              namespace=self.namespace, stage_members={},
+                              group=keys.HANDOVER_GROUP)
 
     def _wait_unplaced(self, keep_state: bool) -> int:
         """Wait to be placed (without `keep_state`, having dropped every state); -1 when the
