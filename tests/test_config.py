@@ -43,6 +43,8 @@ def test_defaults_and_overrides():
     ({"data": {"path": "x.txt"}}, ["cluster.device_memory_gb=-3"], "cluster.device_memory_gb: expected >= 0"),
     ({"data": {"path": "x.txt"}}, ["failover.notice_lead_s=-1"],
      "failover.notice_lead_s: expected a number of seconds >= 0, got -1.0"),
+    ({"data": {"path": "x.txt"}}, ["failover.notice_max_wait_s=-5"],
+     "failover.notice_max_wait_s: expected a number of seconds >= 0, got -5.0"),
     # numbers beyond what torch takes, and YAML values that are not configuration values
     ({}, ["seed=99999999999999999999999"],
      "seed: expected an integer in -2**63..2**63-1 (64 bits), got 99999999999999999999999"),

@@ -394,3 +394,22 @@ def test_a_notice_with_time_to_spare_is_set_its_lead_before_the_instance_goes(me
         later.close()
     finally:
         watcher.close()
+
+
+def test_a_notice_that_says_the_instance_goes_in_an_hour_waits_no_longer_than_the_cap(meta):
+    """A metadata service (or this host's clock) that puts the end an hour away would keep
+    the node training past its real end, turning the notice into a crash: the wait is capped
+    at `max_wait_s`, and the deferral says the capped wait."""
+    deferred: list[tuple[str, float]] = []
+    meta.preempt("h1", in_s=3600.0)
+    watcher = NoticeWatcher(aws_url=meta.urls("h1")["aws"], poll_s=0.05, sigterm=False,
+                            lead_s=1.0, max_wait_s=0.5,
+                            on_deferred=lambda s, w: deferred.append((s, w)))
+    try:
+        until(lambda: len(deferred) == 1, "the notice's deferral", 10)
+        told = time.monotonic()
+        assert deferred[0][1] == 0.5
+        assert watcher.notice.wait(10)
+        assert 0.45 <= time.monotonic() - told < 5.0
+    finally:
+        watcher.close()

@@ -146,6 +146,9 @@ class FailoverSection:
     # leaves at the next iteration boundary (its stages handed over). It must cover an
     # iteration, the agreement and the hand-over of its stages. A SIGTERM acts at once.
     notice_lead_s: float = 30.0
+    # ... but never waits longer than this for it: no cloud gives a spot instance more than
+    # AWS's two minutes, and a time further off is more likely a clock that is wrong
+    notice_max_wait_s: float = 120.0
     # when too few nodes remain for depth P, re-partition the model onto fewer stages (false:
     # nodes carry two stages until new nodes arrive)
     repartition: bool = True
@@ -525,9 +528,10 @@ def _check(cfg: Config) -> None:
     for key in ("heartbeat_s", "heartbeat_timeout_s", "hang_timeout_s", "notice_poll_s"):
         if getattr(f, key) <= 0:
             raise ConfigError(f"failover.{key}: expected a positive number, got {getattr(f, key)}")
-    if not (math.isfinite(f.notice_lead_s) and f.notice_lead_s >= 0):
-        raise ConfigError(f"failover.notice_lead_s: expected a number of seconds >= 0, got "
-                          f"{f.notice_lead_s}")
+    for name in ("notice_lead_s", "notice_max_wait_s"):
+        value = getattr(f, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"failover.{name}: expected a number of seconds >= 0, got {value}")
     if f.replay not in REPLAY_MODES:
         raise ConfigError(f"failover.replay: expected one of {', '.join(REPLAY_MODES)}, got "
                           f"{f.replay!r}")

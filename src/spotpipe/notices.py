@@ -330,7 +330,7 @@ class NoticeWatcher:
     def __init__(self, *, aws_url: str = "", gcp_url: str = "", azure_url: str = "",
                  poll_s: float = 5.0, on_notice: Callable[[str], None] | None = None,
                  sigterm: bool = True, watch_only: bool = False,
-                 acknowledges: bool = True, lead_s: float = 0.0,
+                 acknowledges: bool = True, lead_s: float = 0.0, max_wait_s: float = 120.0,
                  on_deferred: Callable[[str, float], None] | None = None) -> None:
         """`sigterm`: a SIGTERM to this process is a notice too. `watch_only`: an Azure event
         already acknowledged ("Started") still counts, for a reader beside others (the node
@@ -338,7 +338,11 @@ class NoticeWatcher:
         docstring: one reader per host does). `lead_s`: a cloud notice that says when the
         instance goes is set that long before then, not when it comes: the node trains on
         through most of an AWS notice's two minutes (`on_deferred(source, seconds)` says how
-        long it waits); a SIGTERM, or a notice whose time is unknown, is set at once."""
+        long it waits); a SIGTERM, or a notice whose time is unknown, is set at once.
+        `max_wait_s` caps that wait: no cloud gives a spot instance more than AWS's two
+        minutes, so a time further off is more likely this host's clock (or the service)
+        wrong than a promise, and training on past the real end would turn the notice into a
+        crash."""
         self.notice = threading.Event()
         self.source = ""
         self.acknowledges = acknowledges
@@ -348,7 +352,7 @@ class NoticeWatcher:
         self._ack: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._on_notice = on_notice
-        self._lead_s, self._on_deferred = lead_s, on_deferred
+        self._lead_s, self._max_wait_s, self._on_deferred = lead_s, max_wait_s, on_deferred
         if sigterm:
             signal.signal(signal.SIGTERM, lambda signum, frame: self.set("SIGTERM"))
         sources: list[Source] = []
@@ -381,14 +385,15 @@ class NoticeWatcher:
                    azure_url=failover.azure_notice_url.replace("{node}", node),
                    poll_s=failover.notice_poll_s, on_notice=on_notice, sigterm=sigterm,
                    watch_only=watch_only, acknowledges=for_host or alone,
-                   lead_s=failover.notice_lead_s, on_deferred=on_deferred)
+                   lead_s=failover.notice_lead_s, max_wait_s=failover.notice_max_wait_s,
+                   on_deferred=on_deferred)
 
     def _watch(self, source: Source, poll_s: float) -> None:
         notice = source.next_notice(self._done, poll_s)
         if notice is None or self.closed:
             return
         if notice.deadline is not None:
-            wait = notice.deadline - self._lead_s - time.time()
+            wait = min(notice.deadline - self._lead_s - time.time(), self._max_wait_s)
             if wait > 0:
                 if self._on_deferred is not None:
                     self._on_deferred(notice.source, wait)
