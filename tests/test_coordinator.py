@@ -925,3 +925,31 @@ def test_a_generations_records_go_once_the_generations_after_it_end(corpus):
     assert _plan(successor, plans)["generation"] == plans + 1
     assert left(plans - kept - 1) == [] and len(left(plans - kept)) == 5
     assert len(left(plans)) == 3  # (its groups' keys were not written here)
+
+
+def test_a_node_a_plan_let_go_is_a_loss_until_that_plan_committed_then_only_said(corpus):
+    """node1 of P = 3 leaves on a notice at the boundary of iteration 6. Until the plan's
+    first iteration is committed it may still be sending its stages, and its exit (killed
+    by the cloud) is a loss like any: the generation is aborted. Once committed, nothing
+    needs it: its exit, whatever the code, is said (`left_node_exited`) and aborts
+    nothing. Before, that exit started a recovery the job did not need."""
+    for commit_first in (False, True):
+        coord, emitted = _coordinator(corpus, 3, ["node0", "node1", "node2"])
+        coord.noticed(Notice("node1", 0, "SIGTERM", 1.0), "node1")
+        _at_boundary(coord, "node1", ["node0", "node1", "node2"])
+        assert _plan(coord, 0)["action"] == "failover" and coord.generation == 1
+        assert "node1" in coord.left and not coord.let_go("node1")
+        emitted.clear()
+        if commit_first:
+            coord.committed(6)
+            assert coord.let_go("node1")
+        coord.node_exited("node1", 1, "RuntimeError: boom (log: node1.log)")
+        kinds = [(e["kind"], e["node"]) for e in emitted]
+        aborted = coord.store.check([keys.board_slot(keys.abort_board(1), 1)])
+        if commit_first:
+            assert kinds == [("left_node_exited", "node1")], kinds
+            assert emitted[0]["returncode"] == 1 and "boom" in emitted[0]["reason"]
+            assert not aborted and coord.collecting is None
+        else:
+            assert kinds == [("node_lost", "node1"), ("failure_detected", "launcher")], kinds
+            assert aborted and coord.collecting is not None

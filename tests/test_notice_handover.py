@@ -219,3 +219,30 @@ def test_with_shadows_a_hand_over_cut_short_is_restored_from_them(tmp_path, tmp_
     assert any(e["kind"] == "shadow_restored" for e in evs)
     assert_ends_as_failure_free(run, cfg, failure_free(tmp_path_factory, tiny_config(
         corpus, stages=4, **FAST)))
+
+
+def test_an_error_in_a_node_after_it_left_does_not_fail_the_job(tmp_path, tmp_path_factory,
+                                                               corpus, monkeypatch):
+    """node1 of P = 3 leaves on a notice (node0 takes its stage from the replica), then its
+    process ends with an error (code 1: the test knob raises once it has left). A software
+    error in a node still in the job ends the job (failing over would repeat it); in a node
+    the plan let go it is said, with the node's log, and the job trains on to the failure-free
+    run's bits. Before, it failed the job."""
+    monkeypatch.setenv("SPOTPIPE_TEST_ERROR_AFTER_LEAVING", "node1=1")
+    cfg = config(corpus, 3, 1)
+    run = tmp_path / "run"
+    faults = [Fault.parse("notice", "node1@3", ["node0", "node1", "node2"])]
+    assert train(cfg, run, progress=False, faults=faults) == 0
+    evs = events(run)
+    assert not [e for e in evs if e["kind"] == "worker_failed"]
+    errors = [e for e in evs if e["kind"] == "worker_error" and e["node"] == "node1"]
+    assert errors and "an error after leaving" in errors[0]["message"]
+    # (said once the plan no longer needs it; a loss, replayed, if it came before that)
+    said = [e for e in evs if e["kind"] in ("left_node_exited", "node_lost")
+            and e["node"] == "node1"]
+    assert [e["returncode"] for e in said] == [1], said
+    assert "node1.log" in said[0]["reason"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed", summary
+    assert_ends_as_failure_free(run, cfg, failure_free(tmp_path_factory, tiny_config(
+        corpus, stages=3, **FAST)))

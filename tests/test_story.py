@@ -30,6 +30,8 @@ def test_reshaping_events_are_told():
          "reason": "communication failed"},
         {"kind": "notice_deferred", "time_s": 2.3, "node": "node1", "source": "AWS",
          "leaves_in_s": 89.96},
+        {"kind": "left_node_exited", "time_s": 2.4, "node": "node1", "returncode": 1,
+         "reason": "RuntimeError: boom (log: run/logs/node1.log)"},
     ]
     text = "\n".join(describe(events, {"status": "completed", "iterations": 9, "samples": 72,
                                        "wall_s": 2.5, "final_loss": 1.5}))
@@ -43,6 +45,8 @@ def test_reshaping_events_are_told():
     assert "node2: handed stage 2 to node5, replica 2 to node4 over as it left" in text
     assert "node3: could not hand its stages over as it left (communication failed)" in text
     assert "node1: preemption notice from AWS; trains on for 90.0 s" in text
+    assert ("node1: exited with code 1 after it left (RuntimeError: boom (log: "
+            "run/logs/node1.log)); training goes on as it was") in text
 
 
 def test_a_worker_that_built_the_whole_model_is_told_once_per_reason():

@@ -111,6 +111,10 @@ def main() -> int:
             upload_store=lambda: SealedStore(address.connect(cfg.cluster.timeout_s),
                                              channel.key)))
         worker.train(joining=os.environ.get("SPOTPIPE_JOIN") == "1")
+        # test knob: an error in a node after a plan let it go (what its teardown may raise)
+        if worker.left and per_node(os.environ.get("SPOTPIPE_TEST_ERROR_AFTER_LEAVING", ""),
+                                    node):
+            raise RuntimeError("an error after leaving (SPOTPIPE_TEST_ERROR_AFTER_LEAVING)")
     except JoinRefused as exc:
         print(f"spotpipe: {exc}", file=sys.stderr)
         return 2

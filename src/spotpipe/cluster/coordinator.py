@@ -299,6 +299,10 @@ class Coordinator:
         """`node`'s process ended with `code`; `why`: what its launcher knows of the cause
         (its fork server's end), said with the loss and the stop it leads to."""
         spare = self._spare(node)
+        if code != 0 and self.let_go(node):
+            self.emit({"time_s": self.now(), "kind": "left_node_exited", "node": node,
+                       "returncode": code, **({"reason": why} if why else {})})
+            return
         if code == 0 and (node in self.left or self.collecting is None) and not spare:
             if node in self.left or self._trained_to_the_end():
                 if node in self.layout.active_nodes:
@@ -346,11 +350,22 @@ class Coordinator:
         the end. A node the last plan put on standby may still be sending its layers, and
         takes its old place again if the plan fails before it commits: until the plan's first
         iteration is committed, its loss is a loss like any."""
+        return node not in self.left and self._outside_the_plan(node)
+
+    def let_go(self, node: str) -> bool:
+        """Let go by a plan (it left on a notice, or the layout released it) that no longer
+        needs it: the plan's first iteration is committed, or an earlier plan let it go. Its
+        exit, whatever the code, is said and changes nothing: until then it may still be
+        sending its stages (a hand-over), and its loss is a loss like any."""
+        return node in self.left and self._outside_the_plan(node)
+
+    def _outside_the_plan(self, node: str) -> bool:
+        """In neither the last plan's layout nor, until that plan's first iteration is
+        committed, the layout before it (which a plan rolled back gives back)."""
         settled = self.newest_committed >= self.history.resumed_at
         before = (self.history.before[0].active_nodes
                   if self.history.before and not settled else ())
-        return (node not in self.left and node not in self.layout.active_nodes
-                and node not in before)
+        return node not in self.layout.active_nodes and node not in before
 
     def report(self, report: Report, writer: str) -> None:
         if writer != report.node:

@@ -45,6 +45,10 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
         elif kind == "standby_lost":
             lines.append(f"{at}  {node}: lost while waiting to be placed (exit code "
                          f"{ev['returncode']}); training goes on as it was")
+        elif kind == "left_node_exited":
+            lines.append(f"{at}  {node}: exited with code {ev['returncode']} after it left"
+                         + (f" ({ev['reason']})" if ev.get("reason") else "")
+                         + "; training goes on as it was")
         elif kind == "node_fenced":
             lines.append(f"{at}  {node}: fenced, {ev['reason']}")
         elif kind == "notice":

@@ -259,6 +259,7 @@ class Worker:
         self.channel.event("record_refused", writer=why.writer, reason=why.reason[:300])
 
     _finishing = False
+    left = False  # a plan let this node go (a notice, or a layout without it)
     _said_local_off = False
     rest: list | None = None  # after a takeover: the rest of the in-flight iteration
 
@@ -630,7 +631,7 @@ class Worker:
         # the beats go on until the end, saying "finishing": a final save longer than the hang
         # timeout (a real model's) must not be fenced as a hang, nor one longer than the
         # heartbeat timeout as a death
-        self._finishing = True
+        self._finishing, self.left = True, left
         self.groups.close()
         self.checkpoints.close()
         if self.shadow is not None:
