@@ -575,6 +575,10 @@ def test_a_stage_no_survivor_holds_still_restarts_or_stops():
                   dead=lost)
     assert out.decision.stopped
     assert "no layout of the 2 surviving node(s) can hold the job's state" in out.decision.message
+    # (it says what stopped it, not what a restart would have restored: nothing was)
+    assert ("(no pipeline can be repaired from memory; shadow.enabled would restore the lost "
+            "stages from CPU shadows); stopping") in out.decision.message
+    assert "restored" not in out.decision.message
     # the lost replica holders matter: with b1 alive, stage 2 is on it, and the job goes on
     d = decide(_three_by_two(), {"a1", "a2", "b0", "b2"}, [])
     assert d.action == Action.DROP_PIPELINE

@@ -468,11 +468,16 @@ def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[st
         return ""
     if not goes_on:
         survivors = len(layout.active_nodes - lost) + len(layout.standby)
+        # a restart's own reason says what it would restore: nothing is, the job stops
+        why = choice.reason if not restart else (
+            "no pipeline can be repaired from memory" + (
+                ", and none keeps a live node to restore the rest onto from the shadows"
+                if rules.shadows else ""))
         return (f"lost {named()} {when}: "
                 + ("adjacent stages of one pipeline, so no replica of one of them survives; "
                    if _adjacent(layout, lost) else "")
                 + f"no layout of the {survivors} surviving node(s) can hold the job's state "
-                  f"({choice.reason}"
+                  f"({why}"
                 + ("" if rules.shadows else "; shadow.enabled would restore the lost stages "
                    "from CPU shadows") + "); stopping. Resume with --resume from the newest "
                   "durable checkpoint if checkpoint.every was set")
