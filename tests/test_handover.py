@@ -42,12 +42,14 @@ def holdings(layout: Layout) -> dict[str, set[tuple[str, int]]]:
     return out
 
 
-def carry_out(decision, leaving: set[str]) -> dict[str, set[tuple[str, int]]]:
+def carry_out(decision, leaving: set[str],
+              gone: set[str] = frozenset()) -> dict[str, set[tuple[str, int]]]:
     """The transfers applied to the holdings before the decision (all sends read the state
-    before it, as runtime.migrate does)."""
+    before it, as runtime.migrate does); `gone`: nodes crashed, which send nothing."""
     before = holdings(decision.previous_layout)
     after = {n: set(before.get(n, ())) for n in decision.layout.active_nodes}
-    staying = decision.previous_layout.active_nodes - leaving
+    staying = decision.previous_layout.active_nodes - leaving - gone
+    assert not {t.src for t in decision.transfers} & gone, "a transfer from a crashed node"
     for t in decision.transfers:
         src = before[t.src]
         if t.src in leaving:
@@ -134,25 +136,50 @@ def test_adjacent_leaving_nodes_without_standby_are_taken_over_and_copied():
     assert d.layout.carriers() == {"node0": [(0, 0), (0, 1)], "node3": [(0, 2), (0, 3)]}
     assert [(t.kind, t.stage, t.src, t.dst) for t in d.transfers] == [
         ("stage", 2, "node2", "node3")]
-    assert d.departing == {"node2"} and "copied from their owners leaving" in d.reason
+    assert d.departing == {"node2"} and "copied to a neighbour from nodes leaving" in d.reason
     # (a node carrying two stages holds no replica: nothing else moves)
     assert carry_out(d, {"node1", "node2"}) == {
         "node0": {("stage", 0), ("stage", 1)}, "node3": {("stage", 2), ("stage", 3)}}
     assert [o.decision.action for o in outcomes[1:]] == [Action.REPARTITION]
 
 
-def test_a_crash_beside_a_leaving_node():
-    """A crash is no source: node2 crashed and its replica holder node1 leaves, so stage 2
-    is on no node that stays nor on one that leaves (the job stops, as for adjacent
-    crashes). The other way round node1's stage is node0's replica, and node2 sends its own.
-    """
+def test_a_crash_beside_a_leaving_node_is_repaired_from_what_the_leaving_node_holds():
+    """node2 crashed and node1, which holds stage 2's replica, leaves on a notice: it is still
+    there at the boundary, so it copies that replica (exact at the boundary, as for a
+    promotion) to node3, forward first, before it goes, and node0 promotes its replica of
+    stage 1. Before, the job stopped here as for two adjacent crashes, which still stop it.
+    The other way round node1's stage is node0's replica, and node2 sends its own."""
     h = history(4, 1)
-    lost_first = recover(h, reports(h, {"node1"}, dead={"node2"}), [], RULES, dead={"node2"})
-    assert lost_first.decision.stopped and "adjacent" in lost_first.decision.message
+    out = recover(h, reports(h, {"node1"}, dead={"node2"}), [], RULES, dead={"node2"})
+    d = out.decision
+    assert d.action == Action.FAILOVER, d.message
+    assert d.layout.carriers() == {"node0": [(0, 0), (0, 1)], "node3": [(0, 2), (0, 3)]}
+    assert [(t.kind, t.stage, t.src, t.dst) for t in d.transfers] == [
+        ("stage", 2, "node1", "node3")]
+    assert d.departing == {"node1"} and d.handed_over == d.transfers
+    assert carry_out(d, {"node1"}, gone={"node2"}) == {
+        "node0": {("stage", 0), ("stage", 1)}, "node3": {("stage", 2), ("stage", 3)}}
     out = recover(h, reports(h, {"node2"}, dead={"node1"}), [], RULES, dead={"node1"})
     d = out.decision
     assert d.action == Action.FAILOVER and d.departing == {"node2"}
     assert [(t.stage, t.src, t.dst) for t in d.transfers] == [(2, "node2", "node3")]
+    crashed = recover(h, reports(h, set(), dead={"node1", "node2"}), [], RULES,
+                      dead={"node1", "node2"})
+    assert crashed.decision.stopped and "adjacent" in crashed.decision.message
+
+
+def test_a_crash_after_a_node_whose_notice_came_with_it():
+    """node1 crashed and node0 leaves on a notice in the same agreement (found by a chaos run
+    of two faults): node3 promotes its replica of stage 0, and node0 copies its replica of
+    stage 1 to node2 before it goes; the two carry two stages each."""
+    h = history(4, 1)
+    d = recover(h, reports(h, {"node0"}, dead={"node1"}), [], RULES, dead={"node1"}).decision
+    assert d.action == Action.FAILOVER, d.message
+    assert d.layout.carriers() == {"node3": [(0, 0), (0, 3)], "node2": [(0, 1), (0, 2)]}
+    assert [(t.kind, t.stage, t.src, t.dst) for t in d.transfers] == [
+        ("stage", 1, "node0", "node2")]
+    assert carry_out(d, {"node0"}, gone={"node1"}) == {
+        "node3": {("stage", 0), ("stage", 3)}, "node2": {("stage", 1), ("stage", 2)}}
 
 
 @pytest.mark.parametrize("standby", [("node3",), ()], ids=["standby", "none-waiting"])

@@ -156,6 +156,29 @@ def test_a_leaving_node_with_no_replica_hands_its_stage_to_a_neighbour(
         corpus, stages=stages, **FAST)))
 
 
+def test_a_crash_beside_a_leaving_node_is_repaired_from_the_replica_it_holds(
+        tmp_path, tmp_path_factory, corpus):
+    """P = 4: node0 gets a notice at iteration 3 and node1 crashes in that iteration, before
+    its boundary (found by a chaos run of two faults). node0 holds stage 1's replica and is
+    still there: it copies it to node2 before it goes, node3 promotes its replica of stage
+    0, and the run ends bit-identical to the failure-free one. Before, the job stopped as
+    for two adjacent crashes."""
+    cfg = config(corpus, 4, 1)
+    nodes = [f"node{r}" for r in range(4)]
+    faults = [Fault.parse("notice", "node0@3", nodes), Fault.parse("fail", "node1@3:forward",
+                                                                    nodes)]
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, faults=faults) == 0
+    evs = events(run)
+    plans = [e for e in evs if e["kind"] == "plan" and e["action"] != "keep"]
+    assert plans[0]["action"] == "failover", plans
+    assert plans[0]["resume"] == 3  # (iteration 3, in flight at the crash, trained again)
+    handed = [(e["node"], e["sent"]) for e in evs if e["kind"] == "handed_over"]
+    assert handed == [("node0", ["stage 1 to node2"])], handed
+    assert_ends_as_failure_free(run, cfg, failure_free(tmp_path_factory, tiny_config(
+        corpus, stages=4, **FAST)))
+
+
 def test_a_notice_cut_short_in_the_hand_over_stops_the_job_clearly(tmp_path, corpus):
     """node1 and node2 leave together and node2 is gone before it sends stage 2 (its
     notice window cut short): node3, which was to carry it, did not receive it, and stage 2

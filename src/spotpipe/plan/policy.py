@@ -167,8 +167,8 @@ class _Widths:
 class _Sources:
     """Where a lost stage's state can come from at the boundary: the replica its
     predecessor holds, when that node survives (exact every iteration, and the only source
-    after a crash), else the stage's own owner, when it is `leaving` on a notice and still
-    there (it hands the stage over before it goes)."""
+    after a crash), else a node `leaving` on a notice and still there that holds the stage
+    or its replica (it hands it over before it goes)."""
 
     lost: frozenset[str]
     leaving: frozenset[str]
@@ -185,6 +185,15 @@ class _Sources:
         owner = layout.owner(d, s)
         return owner if owner in self.leaving else None
 
+    def departing_source(self, layout: Layout, d: int, s: int) -> str | None:
+        """A node leaving on a notice that can hand stage s over before it goes: its owner,
+        else the holder of its replica (exact at the boundary, as for a promotion): a crash
+        beside a notice, the replica's holder the one told to go."""
+        holder = layout.replica_holder(d, s)
+        return self.leaving_owner(layout, d, s) or (
+            holder if self.replicas and holder in self.leaving and layout.has_replica(d, s)
+            else None)
+
     def source(self, layout: Layout, d: int, s: int) -> str | None:
         """Where a copy of stage s comes from: the replica first (the leaving node may vanish
         at any instant of the transfer, the replica's holder stays), else the leaving owner."""
@@ -198,10 +207,11 @@ def _lost_slots(layout: Layout, lost: frozenset[str]) -> list[Slot]:
 def _takeovers(layout: Layout, d: int, sources: _Sources, new_d: int,
                mapping: dict[Slot, str]) -> list[Move] | None:
     """Repair pipeline d (as `new_d`) in place, in `mapping`: each lost stage is promoted by
-    its live replica holder (nothing moves), else copied from its owner leaving on a notice
-    to the nearest node of the pipeline that runs one stage, looking forward first (it
-    receives the stage's activations); that node carries two, as a promoted holder does.
-    None when some lost stage has neither (a crash of adjacent stages, or redundancy off)."""
+    its live replica holder (nothing moves), else copied from a node leaving on a notice
+    that holds it (`_Sources.departing_source`) to the nearest node of the pipeline that
+    runs one stage, looking forward first (it receives the stage's activations); that node
+    carries two, as a promoted holder does. None when some lost stage has neither (a crash
+    of adjacent stages, or redundancy off)."""
     p = layout.num_stages
     lost = sources.lost
     slots = [s for d_, s in _lost_slots(layout, lost) if d_ == d]
@@ -220,14 +230,14 @@ def _takeovers(layout: Layout, d: int, sources: _Sources, new_d: int,
     for s in slots:
         if (new_d, s) in mapping and mapping[(new_d, s)] not in lost:
             continue
-        owner = sources.leaving_owner(layout, d, s)
+        src = sources.departing_source(layout, d, s)
         near = [mapping[(new_d, (s + k) % p)] for j in range(1, p) for k in (j, -j)]
         target = next((n for n in near if n not in lost and load.get(n, 0) < 2), None)
-        if owner is None or target is None:
+        if src is None or target is None:
             return None
         mapping[(new_d, s)] = target
         load[target] += 1
-        moves.append(Move(MoveKind.COPY, new_d, s, owner, target))
+        moves.append(Move(MoveKind.COPY, new_d, s, src, target))
     return moves
 
 
@@ -240,7 +250,7 @@ def _failover(layout: Layout, sources: _Sources, standby: tuple[str, ...]) -> De
     copied = sum(1 for m in moves if m.kind == MoveKind.COPY)
     why = f"{len(moves) - copied} stage(s) taken over by their replica holders"
     if copied:
-        why += f", {copied} copied from their owners leaving on a notice to a neighbour"
+        why += f", {copied} copied to a neighbour from nodes leaving on a notice"
     return Decision(Action.FAILOVER, new, tuple(moves), why)
 
 

@@ -154,6 +154,19 @@ class Reshaper:
         st = self.state
         return {s: id(x) for s, x in st.stages.items()}, id(st.holding)
 
+    def _states(self) -> dict[tuple[str, int], Any]:
+        """What this node can send, as `migrate.run` takes it: its stages, and its replica,
+        brought up to the last committed iteration (a stage copied from its replica, by a
+        node that stays or by one leaving on a notice, is exact as a promoted one is)."""
+        st = self.state
+        have: dict[tuple[str, int], Any] = {("stage", s): (x.module, x.optimizer)
+                                             for s, x in st.stages.items()}
+        if st.holding is not None:
+            st.holding.applier.drain()
+            have[("replica", st.holding.replica.index)] = (st.holding.replica.module,
+                                                           st.holding.replica.optimizer)
+        return have
+
     def _promote(self, stage: int, resume: int) -> None:
         """The replica becomes an owned stage: it is already exact, nothing is transferred."""
         st = self.state
@@ -173,9 +186,10 @@ class Reshaper:
 
     def hand_over(self, decision: Decision,
                   open_handover: Callable[[Decision], Comm]) -> list[str]:
-        """This node leaves on a notice, and the plan takes some of its stages from it (no
-        node that stays holds them: its predecessor, which held a replica, leaves too, or
-        redundancy is off): send them over the departing nodes' group, then go. Their
+        """This node leaves on a notice, and the plan takes some of its stages or its replica
+        from it (no node that stays holds them: its predecessor, which held a replica, leaves
+        too, or redundancy is off; or the replica's stage crashed): send them over the
+        departing nodes' group, then go. Their
         receivers are in the new generation's groups, which a node leaving is in no more.
         Returns what it sent."""
         st = self.state
@@ -183,8 +197,7 @@ class Reshaper:
                 if t.src == st.node]
         self.activity.begin("handing over " + ", ".join(mine), decision.generation)
         self.inject("handover", decision.resume)
-        self._departing_transfers(decision, open_handover, {
-            ("stage", s): (x.module, x.optimizer) for s, x in st.stages.items()})
+        self._departing_transfers(decision, open_handover, self._states())
         return mine
 
     def _receive_handed(self, decision: Decision,
@@ -226,13 +239,8 @@ class Reshaper:
             for s in [s for s in st.stages if s not in mine]:  # kept by a plan that failed
                 del st.stages[s]
             return []
-        have: dict[tuple[str, int], Any] = {("stage", s): (x.module, x.optimizer)
-                                             for s, x in st.stages.items()}
-        if st.holding is not None:
-            st.holding.applier.drain()
-            have[("replica", st.holding.replica.index)] = (st.holding.replica.module,
-                                                           st.holding.replica.optimizer)
-        got.update(migrate.run(moves, me, comm, have, lambda stage: st.build_stage(stage)))
+        got.update(migrate.run(moves, me, comm, self._states(),
+                               lambda stage: st.build_stage(stage)))
         self.progress.bytes_received = bytes_received + got.pop(("bytes", -1))
         for s in [s for s in st.stages if s not in mine]:  # handed over to another node
             del st.stages[s]
