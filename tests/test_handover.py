@@ -182,6 +182,31 @@ def test_a_crash_after_a_node_whose_notice_came_with_it():
         "node3": {("stage", 0), ("stage", 3)}, "node2": {("stage", 1), ("stage", 2)}}
 
 
+def test_a_node_carries_more_than_two_stages_where_the_model_fits_in_fewer_nodes():
+    """P = 3, node1 and node2 leave together and nobody waits: node0 promotes its replica of
+    stage 1 and has room for stage 2 too, which node2 hands it, where the model fits on one
+    node's memory (`min_stages` 1; or 2, where a node holds a stage and a replica of half
+    the model), and runs all three as a re-partition to one stage would (there is no replica
+    ring below two), until nodes join. Where it needs three nodes, no node may carry three
+    stages, and the job stops, saying so. Before, it stopped in all three."""
+    h = history(3, 1)
+    outcomes = settle(h, RULES, leaving={"node1", "node2"}, committed=5)
+    d = outcomes[0].decision
+    assert d.action == Action.FAILOVER, d.message
+    assert d.layout.carriers() == {"node0": [(0, 0), (0, 1), (0, 2)]}
+    assert [(t.kind, t.stage, t.src, t.dst) for t in d.transfers] == [
+        ("stage", 2, "node2", "node0")]
+    assert carry_out(d, {"node1", "node2"}) == {"node0": {("stage", 0), ("stage", 1),
+                                                           ("stage", 2)}}
+    assert [o.decision.action for o in outcomes[1:]] == []
+    two = Rules(**{**RULES.__dict__, "min_stages": 2})
+    assert recover(h, reports(h, {"node1", "node2"}), [], two).decision.action == \
+        Action.FAILOVER
+    three = Rules(**{**RULES.__dict__, "min_stages": 3})
+    stopped = recover(h, reports(h, {"node1", "node2"}), [], three).decision
+    assert stopped.stopped and "no layout of the 1 surviving node(s)" in stopped.message
+
+
 @pytest.mark.parametrize("standby", [("node3",), ()], ids=["standby", "none-waiting"])
 def test_without_redundancy_a_notice_hands_the_stage_over_from_the_leaving_node(standby):
     """Redundancy off: no replica anywhere, so a crash stops the job; a notice does not, the

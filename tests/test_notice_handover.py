@@ -156,6 +156,28 @@ def test_a_leaving_node_with_no_replica_hands_its_stage_to_a_neighbour(
         corpus, stages=stages, **FAST)))
 
 
+def test_two_of_three_nodes_leaving_together_leave_the_model_on_the_third(
+        tmp_path, tmp_path_factory, corpus):
+    """P = 3: node1 and node2 get their notices in one iteration (a chaos run of two faults
+    found it stopping the job): the tiny model fits on one node, so node0 promotes its
+    replica of stage 1 and takes stage 2 from node2 as it leaves, and runs all three stages
+    to the end, bit-identical to the failure-free run."""
+    cfg = config(corpus, 3, 1)
+    nodes = [f"node{r}" for r in range(3)]
+    faults = [Fault.parse("notice", f"{n}@3", nodes) for n in ("node1", "node2")]
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, faults=faults) == 0
+    evs = events(run)
+    plans = [e for e in evs if e["kind"] == "plan" and e["action"] != "keep"]
+    assert [p["action"] for p in plans] == ["failover"], plans
+    handed = [(e["node"], e["sent"]) for e in evs if e["kind"] == "handed_over"]
+    assert handed == [("node2", ["stage 2 to node0"])], handed
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert metrics[-1]["live_nodes"] == 1
+    assert_ends_as_failure_free(run, cfg, failure_free(tmp_path_factory, tiny_config(
+        corpus, stages=3, **FAST)))
+
+
 def test_a_crash_beside_a_leaving_node_is_repaired_from_the_replica_it_holds(
         tmp_path, tmp_path_factory, corpus):
     """P = 4: node0 gets a notice at iteration 3 and node1 crashes in that iteration, before

@@ -672,3 +672,18 @@ def test_a_shadow_repair_restores_onto_a_node_that_runs_one_stage():
     assert d.action == Action.RESTORE_FROM_SHADOW, d.reason
     assert [(m.kind, m.stage, m.dst) for m in d.moves] == [(MoveKind.RESTORE, 2, "b")]
     assert d.layout.carriers() == {"b": [(0, 1), (0, 2)], "d": [(0, 3), (0, 4)]}
+
+
+def test_a_shadow_repair_puts_no_more_stages_on_a_node_than_its_memory_holds():
+    """P = 4 without redundancy, a carrying stages 0 and 1, b stages 2 and 3; b lost. Its
+    two stages come back from the shadows onto a only where the model fits on one node
+    (`min_stages` 1: a may run all four). Where it needs two nodes (`min_stages` 2), a has
+    room for no third stage: nothing is restored onto it, and the job stops, saying the model
+    needs two nodes (before, a took all four whatever its memory)."""
+    layout = Layout.from_mapping(4, 1, {(0, 0): "a", (0, 1): "a", (0, 2): "b", (0, 3): "b"},
+                                 ())
+    d = decide(layout, {"b"}, [], shadows=True, replicas=False)
+    assert d.action == Action.RESTORE_FROM_SHADOW, d.reason
+    assert d.layout.carriers() == {"a": [(0, 0), (0, 1), (0, 2), (0, 3)]}
+    d = decide(layout, {"b"}, [], shadows=True, replicas=False, min_stages=2)
+    assert d.action == Action.STOP and "the model needs at least 2" in d.reason, d

@@ -149,15 +149,17 @@ def test_a_replica_of_a_restored_stage_comes_from_its_restorer_after_the_restore
     """Found by the walk above: three of five stages lost at once (0, 3, 4), shadows on. No
     survivor owned stage 0, so the replica of stage 0 (held by stage 4's new owner) comes from
     the node that restores stage 0 from its shadow, once it has (`after_restores`); it used to
-    be an IndexError in `plan.transfers`, which would have crashed the coordinator."""
+    be an IndexError in `plan.transfers`, which would have crashed the coordinator. (The walk
+    had stage 3's owner leave on a notice: it now hands stage 4's replica over, and the job
+    fails over; here it crashes, as it must for stage 4 to need its shadow.)"""
     from spotpipe.plan.transfers import REPLICA, after_restores
 
     nodes = [f"j{i}" for i in range(51, 58)]
     layout = Layout.build(5, 1, nodes)
     rules = Rules(replicas=True, shadows=True, repartition=False, replay_rest=True,
                   microbatches=8, partition_for=_uniform, min_stages=3, restarts=True)
-    outcomes = settle(History(layout, _uniform(5)), rules, lost={"j55"},
-                      leaving={"j51", "j54"}, joiners=["j58"])
+    outcomes = settle(History(layout, _uniform(5)), rules, lost={"j54", "j55"},
+                      leaving={"j51"}, joiners=["j58"])
     decision = outcomes[0].decision
     assert decision.action == Action.RESTORE_FROM_SHADOW
     new = decision.layout

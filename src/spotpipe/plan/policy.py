@@ -122,7 +122,10 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
     if not hit:
         return _grow(layout.with_standby(standby), min_stages, repartition, widths)
     # (a node leaving on a notice is still there at the boundary: its stages are a source)
-    sources = _Sources(lost, frozenset(leaving) & hit, replicas)
+    # (a node's memory holds its stage and a replica: two stages; more where the model fits
+    # at a shallower depth, whose stage and replica a node's memory holds as well)
+    sources = _Sources(lost, frozenset(leaving) & hit, replicas, carry=max(
+        2, (2 if replicas else 1) * layout.num_stages // max(1, min_stages)))
     handover = _handover(layout, hit, sources, standby)
     if handover is not None:
         return handover
@@ -141,8 +144,10 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
                           widths.at_most(len(kept)))
     if assembled is not None:
         return assembled
-    if kept:
-        return _shadow_repair(layout, lost, standby, replicas, kept, widths)
+    repaired = (_shadow_repair(layout, lost, standby, replicas, kept, widths, sources.carry)
+                if kept else None)
+    if repaired is not None:
+        return repaired
     survivors = sorted(layout.active_nodes - lost) + list(standby)
     return restart(layout, survivors, min_stages, broken, microbatches)
 
@@ -173,6 +178,7 @@ class _Sources:
     lost: frozenset[str]
     leaving: frozenset[str]
     replicas: bool  # redundancy is on: nodes hold their successor's replica
+    carry: int = 2  # the most stages a node may run (copies go only to nodes with room)
 
     def replica(self, layout: Layout, d: int, s: int) -> str | None:
         """The live node holding stage s's replica (room to take it over included)."""
@@ -210,8 +216,9 @@ def _takeovers(layout: Layout, d: int, sources: _Sources, new_d: int,
     its live replica holder (nothing moves), else copied from a node leaving on a notice
     that holds it (`_Sources.departing_source`) to the nearest node of the pipeline that
     runs one stage, looking forward first (it receives the stage's activations); that node
-    carries two, as a promoted holder does. None when some lost stage has neither (a crash
-    of adjacent stages, or redundancy off)."""
+    carries two, as a promoted holder does (or to one that runs more, where the model fits
+    in `_Sources.carry` stages a node). None when some lost stage has neither (a crash of
+    adjacent stages, or redundancy off) or no node has room for it."""
     p = layout.num_stages
     lost = sources.lost
     slots = [s for d_, s in _lost_slots(layout, lost) if d_ == d]
@@ -232,7 +239,8 @@ def _takeovers(layout: Layout, d: int, sources: _Sources, new_d: int,
             continue
         src = sources.departing_source(layout, d, s)
         near = [mapping[(new_d, (s + k) % p)] for j in range(1, p) for k in (j, -j)]
-        target = next((n for n in near if n not in lost and load.get(n, 0) < 2), None)
+        target = next((n for n in near if n not in lost and load.get(n, 0) < sources.carry),
+                      None)
         if src is None or target is None:
             return None
         mapping[(new_d, s)] = target
@@ -290,12 +298,15 @@ def _handover(layout: Layout, hit: frozenset[str], sources: _Sources,
 
 
 def _shadow_repair(layout: Layout, lost: frozenset[str], standby: tuple[str, ...],
-                   replicas: bool, kept: list[int], widths: _Widths) -> Decision:
+                   replicas: bool, kept: list[int], widths: _Widths,
+                   carry: int = 2) -> Decision | None:
     """Repair the broken pipelines `kept` (each keeps a live node): promote what has a
     replica, restore the rest from the shadows onto a standby node or the nearest live node of
-    the same pipeline. The other pipelines (wholly lost, or more than the batch splits over)
-    are dropped, as in `_drop`: every pipeline holds the same state, so one wholly lost does
-    not send the job back to its checkpoint while another can be repaired."""
+    the same pipeline with room (`carry`: the most stages a node may run). The other
+    pipelines (wholly lost, or more than the batch splits over) are dropped, as in `_drop`:
+    every pipeline holds the same state, so one wholly lost does not send the job back to
+    its checkpoint while another can be repaired. None when some stage has no node with
+    room: restoring it anyway could put more stages on a node than its memory holds."""
     hits = {d: sum(1 for d_, _ in _lost_slots(layout, lost) if d_ == d) for d in kept}
     kept = sorted(sorted(kept, key=lambda d: (hits[d], d))[:widths.at_most(len(kept))])
     mapping: dict[Slot, str] = {}
@@ -317,11 +328,14 @@ def _shadow_repair(layout: Layout, lost: frozenset[str], standby: tuple[str, ...
                 target = spare.pop(0)
             else:  # the nearest live owner, looking forward first (it receives s's
                 # activations), one that runs a single stage where there is one: its
-                # replica's room holds a second, as after a takeover
+                # replica's room holds a second, as after a takeover; else one with room
                 near = [mapping[(new_d, (s + k) % p)] for j in range(1, p) for k in (j, -j)]
                 live = [n for n in near if n not in lost]
                 runs = [mapping[(new_d, t)] for t in range(p)]
-                target = next((n for n in live if runs.count(n) < 2), live[0])
+                target = next((n for n in live if runs.count(n) < 2),
+                              next((n for n in live if runs.count(n) < carry), None))
+                if target is None:
+                    return None
             mapping[(new_d, s)] = target
             moves.append(Move(MoveKind.RESTORE, new_d, s, SHADOW, target))
     dropped = [d for d in range(layout.num_pipelines) if d not in kept]

@@ -471,7 +471,8 @@ def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[st
         # a restart's own reason says what it would restore: nothing is, the job stops
         why = choice.reason if not restart else (
             "no pipeline can be repaired from memory" + (
-                ", and none keeps a live node to restore the rest onto from the shadows"
+                ", nor from the shadows onto the nodes left (no broken pipeline keeps a live "
+                "node, or none has room for another stage)"
                 if rules.shadows else ""))
         return (f"lost {named()} {when}: "
                 + ("adjacent stages of one pipeline, so no replica of one of them survives; "
