@@ -40,7 +40,7 @@ always divides, so no loss stops a job over the batch's split alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Iterable
 
@@ -122,21 +122,14 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
     if not hit:
         return _grow(layout.with_standby(standby), min_stages, repartition, widths)
     # (a node leaving on a notice is still there at the boundary: its stages are a source)
-    # (a node's memory holds its stage and a replica: two stages; more where the model fits
-    # at a shallower depth, whose stage and replica a node's memory holds as well)
-    sources = _Sources(lost, frozenset(leaving) & hit, replicas, carry=max(
-        2, (2 if replicas else 1) * layout.num_stages // max(1, min_stages)))
+    sources = _Sources(lost, frozenset(leaving) & hit, replicas)
     handover = _handover(layout, hit, sources, standby)
     if handover is not None:
         return handover
-    hit_pipes = sorted({d for d, _ in _lost_slots(layout, hit)})
-    broken = [d for d in hit_pipes
-              if _takeovers(layout, d, sources, d, dict(layout.mapping)) is None]
-    if not broken:
-        return _failover(layout, sources, standby)
-    alive_pipes = [d for d in range(layout.num_pipelines) if d not in broken]
-    if alive_pipes:
-        return _drop(layout, sources, standby, broken, alive_pipes, widths)
+    broken = _broken(layout, sources)
+    in_place = _in_place(layout, sources, standby, widths, broken)
+    if in_place is not None:
+        return in_place
     # (a pipeline with no live node left is dropped: the others hold its state)
     kept = [d for d in broken if set(layout.grid[d]) - lost] if shadows else []
     # from memory when the survivors hold every stage, unless the shadows keep more pipelines
@@ -144,12 +137,41 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
                           widths.at_most(len(kept)))
     if assembled is not None:
         return assembled
-    repaired = (_shadow_repair(layout, lost, standby, replicas, kept, widths, sources.carry)
+    # A node may run more than two stages where the model fits on fewer nodes: at that depth
+    # its memory holds a stage and, with redundancy, a replica. Slower than a drop or a
+    # re-assembly until the next boundary re-plans (a pipeline waits for its busiest node),
+    # so only here, where the job would otherwise restore or stop.
+    roomy = replace(sources, carry=max(
+        2, (2 if replicas else 1) * layout.num_stages // max(1, min_stages)))
+    if roomy.carry > sources.carry:
+        in_place = _in_place(layout, roomy, standby, widths, _broken(layout, roomy))
+        if in_place is not None:
+            return in_place
+    repaired = (_shadow_repair(layout, lost, standby, replicas, kept, widths, roomy.carry)
                 if kept else None)
     if repaired is not None:
         return repaired
     survivors = sorted(layout.active_nodes - lost) + list(standby)
     return restart(layout, survivors, min_stages, broken, microbatches)
+
+
+def _broken(layout: Layout, sources: _Sources) -> list[int]:
+    """The pipelines hit by the losses that cannot be repaired in place (`_takeovers`)."""
+    hit_pipes = sorted({d for d, _ in _lost_slots(layout, sources.lost)})
+    return [d for d in hit_pipes
+            if _takeovers(layout, d, sources, d, dict(layout.mapping)) is None]
+
+
+def _in_place(layout: Layout, sources: _Sources, standby: tuple[str, ...], widths: _Widths,
+              broken: list[int]) -> Decision | None:
+    """Every pipeline hit repaired in place, else the broken ones dropped while another
+    survives; None when none does."""
+    if not broken:
+        return _failover(layout, sources, standby)
+    alive_pipes = [d for d in range(layout.num_pipelines) if d not in broken]
+    if alive_pipes:
+        return _drop(layout, sources, standby, broken, alive_pipes, widths)
+    return None
 
 
 @dataclass(frozen=True)
