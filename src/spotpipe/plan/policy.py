@@ -261,8 +261,10 @@ def _takeovers(layout: Layout, d: int, sources: _Sources, new_d: int,
             continue
         src = sources.departing_source(layout, d, s)
         near = [mapping[(new_d, (s + k) % p)] for j in range(1, p) for k in (j, -j)]
-        target = next((n for n in near if n not in lost and load.get(n, 0) < sources.carry),
-                      None)
+        live = [n for n in near if n not in lost]
+        # (one that runs a single stage where there is one, as in `_shadow_repair`)
+        target = next((n for n in live if load.get(n, 0) < 2),
+                      next((n for n in live if load.get(n, 0) < sources.carry), None))
         if src is None or target is None:
             return None
         mapping[(new_d, s)] = target
