@@ -189,9 +189,8 @@ class Reshaper:
         """This node leaves on a notice, and the plan takes some of its stages or its replica
         from it (no node that stays holds them: its predecessor, which held a replica, leaves
         too, or redundancy is off; or the replica's stage crashed): send them over the
-        departing nodes' group, then go. Their
-        receivers are in the new generation's groups, which a node leaving is in no more.
-        Returns what it sent."""
+        departing nodes' group, then go. Their receivers are in the new generation's groups,
+        which a node leaving is in no more. Returns what it sent."""
         st = self.state
         mine = [f"{t.kind} {t.stage} to {t.dst}" for t in decision.handed_over
                 if t.src == st.node]
