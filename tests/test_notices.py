@@ -413,3 +413,20 @@ def test_a_notice_that_says_the_instance_goes_in_an_hour_waits_no_longer_than_th
         assert 0.45 <= time.monotonic() - told < 5.0
     finally:
         watcher.close()
+
+
+def test_a_job_of_long_iterations_leaves_as_early_as_it_needs(meta):
+    """AWS says the instance goes in 60 s; the lead is 1 s, but the node says it needs 50
+    (two of its iterations: the one in flight runs to its boundary, the hand-over takes about
+    as long): it is told to leave about 10 s from now, not 59."""
+    deferred: list[tuple[str, float]] = []
+    meta.preempt("h1", in_s=60.0)
+    watcher = NoticeWatcher(aws_url=meta.urls("h1")["aws"], poll_s=0.05, sigterm=False,
+                            lead_s=1.0, needs_s=lambda: 50.0,
+                            on_deferred=lambda s, w: deferred.append((s, w)))
+    try:
+        until(lambda: len(deferred) == 1, "the notice's deferral", 10)
+        assert 8.0 < deferred[0][1] <= 10.0, deferred
+        assert not watcher.is_set()
+    finally:
+        watcher.close()

@@ -144,7 +144,8 @@ class FailoverSection:
     # a cloud notice that says when the instance goes (AWS's `time`, Azure's `NotBefore`,
     # GCP's 30 s) is acted on this long before then: the node trains on until then, and
     # leaves at the next iteration boundary (its stages handed over). It must cover an
-    # iteration, the agreement and the hand-over of its stages. A SIGTERM acts at once.
+    # iteration, the agreement and the hand-over of its stages: a worker takes two of its
+    # own iterations, as measured, where that is longer. A SIGTERM acts at once.
     notice_lead_s: float = 30.0
     # ... but never waits longer than this for it: no cloud gives a spot instance more than
     # AWS's two minutes, and a time further off is more likely a clock that is wrong

@@ -331,7 +331,8 @@ class NoticeWatcher:
                  poll_s: float = 5.0, on_notice: Callable[[str], None] | None = None,
                  sigterm: bool = True, watch_only: bool = False,
                  acknowledges: bool = True, lead_s: float = 0.0, max_wait_s: float = 120.0,
-                 on_deferred: Callable[[str, float], None] | None = None) -> None:
+                 on_deferred: Callable[[str, float], None] | None = None,
+                 needs_s: Callable[[], float] | None = None) -> None:
         """`sigterm`: a SIGTERM to this process is a notice too. `watch_only`: an Azure event
         already acknowledged ("Started") still counts, for a reader beside others (the node
         agent). `acknowledges`: whether `acknowledge` tells the cloud (see the module's
@@ -342,7 +343,8 @@ class NoticeWatcher:
         `max_wait_s` caps that wait: no cloud gives a spot instance more than AWS's two
         minutes, so a time further off is more likely this host's clock (or the service)
         wrong than a promise, and training on past the real end would turn the notice into a
-        crash."""
+        crash. `needs_s()`: how long the node itself needs to leave cleanly, measured (a job
+        of minute-long iterations needs more than a fixed lead): the lead is the longer."""
         self.notice = threading.Event()
         self.source = ""
         self.acknowledges = acknowledges
@@ -353,6 +355,7 @@ class NoticeWatcher:
         self._lock = threading.Lock()
         self._on_notice = on_notice
         self._lead_s, self._max_wait_s, self._on_deferred = lead_s, max_wait_s, on_deferred
+        self._needs_s = needs_s
         if sigterm:
             signal.signal(signal.SIGTERM, lambda signum, frame: self.set("SIGTERM"))
         sources: list[Source] = []
@@ -372,7 +375,8 @@ class NoticeWatcher:
     def of_node(cls, failover: FailoverSection, node: str, on_notice: Callable[[str], None],
                 sigterm: bool = True, watch_only: bool = False,
                 for_host: bool = False, host_acknowledges: bool = False,
-                on_deferred: Callable[[str, float], None] | None = None) -> NoticeWatcher:
+                on_deferred: Callable[[str, float], None] | None = None,
+                needs_s: Callable[[], float] | None = None) -> NoticeWatcher:
         """The notices `failover.*_notice_url` configure, read for `node`: "{node}" in a URL is
         the node's name (one metadata service per host in the cloud, where the URLs name
         no node; one loopback server for every node in the tests). `for_host`: this reader
@@ -386,14 +390,15 @@ class NoticeWatcher:
                    poll_s=failover.notice_poll_s, on_notice=on_notice, sigterm=sigterm,
                    watch_only=watch_only, acknowledges=for_host or alone,
                    lead_s=failover.notice_lead_s, max_wait_s=failover.notice_max_wait_s,
-                   on_deferred=on_deferred)
+                   on_deferred=on_deferred, needs_s=needs_s)
 
     def _watch(self, source: Source, poll_s: float) -> None:
         notice = source.next_notice(self._done, poll_s)
         if notice is None or self.closed:
             return
         if notice.deadline is not None:
-            wait = min(notice.deadline - self._lead_s - time.time(), self._max_wait_s)
+            lead = max(self._lead_s, self._needs_s() if self._needs_s is not None else 0.0)
+            wait = min(notice.deadline - lead - time.time(), self._max_wait_s)
             if wait > 0:
                 if self._on_deferred is not None:
                     self._on_deferred(notice.source, wait)

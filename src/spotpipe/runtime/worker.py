@@ -129,7 +129,10 @@ class Worker:
                 node, self.state.generation, src, self.channel.now())),
             host_acknowledges=os.environ.get("SPOTPIPE_HOST_ACKNOWLEDGES") == "1",
             on_deferred=lambda src, wait_s: self.channel.event(
-                "notice_deferred", source=src, leaves_in_s=round(wait_s, 3)))
+                "notice_deferred", source=src, leaves_in_s=round(wait_s, 3)),
+            # (the iteration in flight runs to its boundary before the node leaves, and its
+            # hand-over takes about as long again)
+            needs_s=lambda: 2 * self.iteration_s)
         timeout = cfg.cluster.timeout_s
         self.executor: Executor | None = None
         self.shadow = (ShadowWriter(self.sealed, namespace, node, max_lag=cfg.shadow.max_lag,
@@ -260,6 +263,7 @@ class Worker:
 
     _finishing = False
     left = False  # a plan let this node go (a notice, or a layout without it)
+    iteration_s = 0.0  # the last iteration's time
     _said_local_off = False
     rest: list | None = None  # after a takeover: the rest of the in-flight iteration
 
@@ -425,7 +429,8 @@ class Worker:
                 result = ex.run(stream, self.batches(t), t,
                                 leaving=lambda: (self.notices.is_set()
                                                  or self.groups.regroup.is_set()))
-                self.metrics.post(t, result, lr, time.perf_counter() - t_start, ex.comm,
+                self.iteration_s = time.perf_counter() - t_start
+                self.metrics.post(t, result, lr, self.iteration_s, ex.comm,
                                   self.holding.applier.lag if self.holding else None)
                 self._checkpoint(t)
                 self.spares.refill()  # (after the iteration: off a regroup's critical path)
