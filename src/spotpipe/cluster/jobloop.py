@@ -375,12 +375,12 @@ class JobLoop:
         this host's own supervisor, which this process asks itself: `_exit_cause`)."""
         exited = self._exited
         exited[node] = code
-        if code == 1 and node not in self.coordinator.left:
-            # a software error: failing over would repeat it elsewhere. A node a plan let go
-            # runs none of the job any more: its error is said, and until the plan no longer
-            # needs it (its hand-over) it is a loss like any
-            return "failed", self._failed(node, code, "worker_failed")
-        if code == 1:  # (its `worker_error` event, if already in, says the error itself)
+        if code == 1:  # a software error: failing over would repeat it elsewhere
+            if node not in self.coordinator.left:
+                return "failed", self._failed(node, code, "worker_failed")
+            # a node a plan let go runs none of the job any more: its error is said, and
+            # until the plan no longer needs it (its hand-over) it is a loss like any (its
+            # `worker_error` event, if already in, says the error itself)
             cause = cause or (f"{self._errors.get(node) or 'a software error'} "
                               f"(log: {self._log_of(node)})")
         if code != 3:  # 3: stopped by the plan, already accounted for

@@ -244,33 +244,34 @@ def _takeovers(layout: Layout, d: int, sources: _Sources, new_d: int,
     p = layout.num_stages
     lost = sources.lost
     slots = [s for d_, s in _lost_slots(layout, lost) if d_ == d]
-    load: dict[str, int] = {}
-    for s in range(p):
-        owner = layout.owner(d, s)
-        if owner not in lost:
-            load[owner] = load.get(owner, 0) + 1
     moves: list[Move] = []
     for s in slots:
         holder = sources.replica(layout, d, s)
         if holder is not None:
             mapping[(new_d, s)] = holder
-            load[holder] += 1
             moves.append(Move(MoveKind.PROMOTE, new_d, s, holder, holder))
     for s in slots:
         if (new_d, s) in mapping and mapping[(new_d, s)] not in lost:
             continue
         src = sources.departing_source(layout, d, s)
-        near = [mapping[(new_d, (s + k) % p)] for j in range(1, p) for k in (j, -j)]
-        live = [n for n in near if n not in lost]
-        # (one that runs a single stage where there is one, as in `_shadow_repair`)
-        target = next((n for n in live if load.get(n, 0) < 2),
-                      next((n for n in live if load.get(n, 0) < sources.carry), None))
+        target = _nearest_with_room(mapping, new_d, s, p, lost, sources.carry)
         if src is None or target is None:
             return None
         mapping[(new_d, s)] = target
-        load[target] += 1
         moves.append(Move(MoveKind.COPY, new_d, s, src, target))
     return moves
+
+
+def _nearest_with_room(mapping: dict[Slot, str], d: int, s: int, p: int,
+                       lost: frozenset[str], carry: int) -> str | None:
+    """The live node of pipeline d nearest to stage s, looking forward first (it receives
+    s's activations), that runs a single stage, where there is one (its replica's room holds
+    a second, as after a takeover); else the nearest with room for another (`carry`)."""
+    runs = [mapping[(d, t)] for t in range(p)]
+    live = [n for n in (runs[(s + k) % p] for j in range(1, p) for k in (j, -j))
+            if n not in lost]
+    return next((n for n in live if runs.count(n) < 2),
+                next((n for n in live if runs.count(n) < carry), None))
 
 
 def _failover(layout: Layout, sources: _Sources, standby: tuple[str, ...]) -> Decision:
@@ -350,14 +351,8 @@ def _shadow_repair(layout: Layout, lost: frozenset[str], standby: tuple[str, ...
                 continue
             if spare:
                 target = spare.pop(0)
-            else:  # the nearest live owner, looking forward first (it receives s's
-                # activations), one that runs a single stage where there is one: its
-                # replica's room holds a second, as after a takeover; else one with room
-                near = [mapping[(new_d, (s + k) % p)] for j in range(1, p) for k in (j, -j)]
-                live = [n for n in near if n not in lost]
-                runs = [mapping[(new_d, t)] for t in range(p)]
-                target = next((n for n in live if runs.count(n) < 2),
-                              next((n for n in live if runs.count(n) < carry), None))
+            else:
+                target = _nearest_with_room(mapping, new_d, s, p, lost, carry)
                 if target is None:
                     return None
             mapping[(new_d, s)] = target
