@@ -207,6 +207,52 @@ def test_a_node_carries_more_than_two_stages_where_the_model_fits_in_fewer_nodes
     assert stopped.stopped and "no layout of the 1 surviving node(s)" in stopped.message
 
 
+def test_a_node_s_memory_decides_how_many_stages_it_carries_where_it_was_measured():
+    """The same two nodes leaving as above, with the memory each node has (`Rules.room`,
+    which the launch's per-layer estimates answer in a run): where node0 holds three
+    stages the job goes on on it, whatever `min_stages` says (the count it implied was a
+    stand-in for this), and where it holds two, the job stops."""
+    h = history(3, 1)
+    seen = []
+
+    def three(depth: int, stages: tuple[int, ...]) -> bool:
+        seen.append((depth, stages))
+        return True
+
+    roomy = Rules(**{**RULES.__dict__, "min_stages": 3, "room": three})
+    d = recover(h, reports(h, {"node1", "node2"}), [], roomy).decision
+    assert d.action == Action.FAILOVER, d.message
+    assert d.layout.carriers() == {"node0": [(0, 0), (0, 1), (0, 2)]}
+    assert (3, (0, 1, 2)) in seen  # asked of the stages node0 would run, at this depth
+    two = Rules(**{**RULES.__dict__, "room": lambda depth, stages: len(stages) <= 2})
+    stopped = recover(h, reports(h, {"node1", "node2"}), [], two).decision
+    assert stopped.stopped, stopped
+
+
+def test_a_stage_is_copied_to_the_nearest_node_whose_memory_holds_it():
+    """P = 4: node0 crashes and node1 leaves in one iteration. node3 promotes its replica of
+    stage 0; stage 1 (its replica went with node0) is handed over by node1 to the nearest
+    node that runs one stage, node2, unless node2's memory cannot hold stages 1 and 2
+    together: then to node3, whose memory holds stages 0, 1 and 3 (before, node2 took it
+    whatever its memory held)."""
+    h = history(4, 1)
+    rep = reports(h, {"node1"}, dead={"node0"})
+    d = recover(h, rep, [], RULES, dead={"node0"}).decision
+    assert d.action == Action.FAILOVER, d.message
+    assert d.layout.carriers() == {"node3": [(0, 0), (0, 3)], "node2": [(0, 1), (0, 2)]}
+    apart = Rules(**{**RULES.__dict__, "room": lambda depth, stages: not {1, 2} <= set(stages)})
+    d = recover(h, rep, [], apart, dead={"node0"}).decision
+    assert d.action == Action.FAILOVER, d.message
+    assert d.layout.carriers() == {"node3": [(0, 0), (0, 1), (0, 3)]}
+    assert [(t.kind, t.stage, t.src, t.dst) for t in d.transfers] == [
+        ("stage", 1, "node1", "node3")]
+    assert carry_out(d, {"node1"}, gone={"node0"}) == {
+        "node3": {("stage", 0), ("stage", 1), ("stage", 3)},
+        "node2": {("stage", 2), ("replica", 3)}}
+    tight = Rules(**{**RULES.__dict__, "room": lambda depth, stages: len(stages) < 2})
+    assert recover(h, rep, [], tight, dead={"node0"}).decision.stopped
+
+
 def test_a_pipeline_is_dropped_rather_than_left_on_one_node_while_another_runs_whole():
     """P = 3 x D = 2: node1 and node2 of pipeline 0 leave together. node0 could run all
     three of its stages (the model fits on one node), but that pipeline would run at a third

@@ -209,3 +209,36 @@ def test_a_depth_that_leaves_a_stage_without_parameters_is_refused(corpus):
                               rules)
     assert choice.action == Action.KEEP and choice.layout.num_stages == 5
     assert refused is not None and "layers 5-6" in refused
+
+
+def test_a_node_holds_the_stages_whose_estimates_its_memory_holds(corpus):
+    """The planner copies or restores a stage onto a node only where its memory holds it
+    beside the node's own (`job.stages_fit`, the coordinator's `Rules.room`), where it used
+    a count of stages. Reference by hand: layers with parameters only, fp32 AdamW (weights,
+    gradients and two moments: 16 bytes a parameter), and a memory of 16 x 600 bytes."""
+    from spotpipe.cluster.coordinator import Coordinator
+    from spotpipe.plan import Layout
+    from spotpipe.plan.memory import LayerMemory
+    from spotpipe.plan.profile import LayerProfile
+    from spotpipe.protocol import Channel, job_key
+
+    params = (100, 200, 300, 400)
+    profile = LayerProfile(names=(), params=params,
+                           memory=tuple(LayerMemory(p, 0.0, 0.0) for p in params))
+    cfg = tiny_config(corpus, stages=4, redundancy="lazy",
+                      **{"cluster.device_memory_gb": 16 * 600 / 2**30})
+    assert (cfg.precision, cfg.optimizer.name) == ("fp32", "adamw")
+    fit = job.stages_fit(cfg, profile)
+    four = [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert fit(four, (0, 1, 2)) and fit(four, (0, 3)) and fit(four, (2,))
+    assert not fit(four, (1, 2, 3)) and not fit(four, (2, 3))
+    two = [(0, 2), (2, 4)]
+    assert fit(two, (0,)) and not fit(two, (1,)) and not fit(two, (0, 1))
+    coord = Coordinator(cfg=cfg, store=torch.distributed.HashStore(),
+                        layout=Layout.build(4, 1, [f"node{i}" for i in range(4)]),
+                        kill=lambda node: None, emit=lambda e: None, now=lambda: 0.0,
+                        channel=Channel(job_key(b"sesame", "test"), "coordinator"),
+                        partition=four, partition_for=lambda depth: two, stages_fit=fit)
+    room = coord.rules.room
+    assert room(4, (0, 1, 2)) and not room(4, (1, 2, 3))  # the partition the job runs
+    assert room(2, (0,)) and not room(2, (1,))  # a depth it would re-partition to

@@ -98,3 +98,28 @@ def test_a_stage_restored_onto_a_live_node_must_fit_beside_its_own():
         run(trace, "spotpipe", cfg, record=False)
     check_all_policies(bamboo_trace(0.5, 3, 24, 1), replace(cfg, num_stages=8,
                                                             num_pipelines=3))
+
+
+def test_a_node_is_given_more_stages_only_where_its_memory_holds_them_all():
+    """The planner's room in the simulator (`sim.fit.node_room`, `plan.policy.Room`): GPT-2
+    XL at P = 8 on a 16 GiB V100 fits on 5 nodes with redundancy, and the count that stood in
+    for memory let any node carry 2 x 8 // 5 = 3 stages. Stages 0-2 need 6.74 + 5.74 + 5.11
+    = 17.6 GiB together (the embedding's and the first stages' kept micro-batches), so a node
+    given them would run out of memory; stages 3-5 need 14.8 GiB and fit. Reference: each
+    stage's estimate from `plan.memory` directly, without a replica, every micro-batch on
+    one pipeline."""
+    from spotpipe.sim import fit
+
+    cfg = SimConfig(gpt2_1_5b(), price_of("p3.2xlarge"), 8, 3, redundancy="lazy")
+    assert fit.min_stages(cfg, "lazy") == 5
+    layers, node = cfg.model.layer_memory, instance("p3.2xlarge")
+    parts = uniform_partition(len(layers), 8)
+    rules = replace(cfg.memory, schedule=cfg.schedule, num_stages=8, redundancy="none",
+                    microbatches=cfg.model.global_microbatches)
+    need = [estimate_stage(s, stage_facts(layers, parts, s, False), rules).device_bytes
+            for s in range(8)]
+    room = fit.node_room(cfg)
+    for first in range(6):
+        three = (first, first + 1, first + 2)
+        assert room(8, three) == (sum(need[s] for s in three) <= node.device_bytes), three
+    assert not room(8, (0, 1, 2)) and room(8, (3, 4, 5)) and room(8, (0, 7))

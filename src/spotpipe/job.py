@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -330,6 +330,29 @@ def min_stages(cfg: Config, profile: LayerProfile) -> int:
         if memory_report(cfg, profile.memory, ranges)[1] is None:
             return depth
     return cfg.stages
+
+
+def stages_fit(cfg: Config, profile: LayerProfile
+               ) -> Callable[[Sequence[tuple[int, int]], tuple[int, ...]], bool] | None:
+    """Whether one node's memory holds these stages of a partition (layer ranges), as the
+    launch estimates a stage (`memory_report`): the planner copies or restores a stage onto
+    a node only where it fits beside the node's own (`plan.policy.Room`). A node that runs
+    several stages holds no replica, so each is estimated without one, and with every
+    micro-batch of the iteration on its pipeline (a job that dropped pipelines runs them
+    all, as `sim.fit` checks at D = 1). None where the layers' memory was not measured."""
+    layers = profile.memory
+    if not layers:
+        return None
+    mem = device_memory(cfg)
+    rules = dataclasses.replace(memory_rules(cfg, cfg.stages), redundancy="none",
+                                microbatches=cfg.num_microbatches * cfg.pipelines)
+
+    def fit(ranges: Sequence[tuple[int, int]], stages: tuple[int, ...]) -> bool:
+        at = dataclasses.replace(rules, num_stages=len(ranges))
+        need = sum(_needed(estimate_stage(s, range_facts(layers, *ranges[s]), at), mem)
+                   for s in stages)
+        return need <= mem.bytes
+    return fit
 
 
 def misplaced_tie(tied: tuple[tuple[str, str], ...] | list[tuple[str, str]],

@@ -25,7 +25,7 @@ from spotpipe.cluster.liveness import Liveness, StoreWatch, hung
 from spotpipe.cluster.join_checks import join_problem
 from spotpipe.config import Config
 from spotpipe.plan import Layout
-from spotpipe.plan.policy import Action
+from spotpipe.plan.policy import Action, Room
 from spotpipe.plan.recovery import (CARRIED_OUT, Decision, History, NodeReport, Outcome, Rules,
                                     recover, settle)
 from spotpipe.cluster import succession
@@ -40,9 +40,10 @@ EXITED_EARLY = "it exited with code 0 before the job's end"
 
 
 def rules_for(cfg: Config, partition_for: Callable[[int], Any] | None,
-              min_stages: int = 1) -> Rules:
+              min_stages: int = 1, room: Room | None = None) -> Rules:
     """The job's configuration as recovery rules (the simulator builds the same from its
-    own options); `min_stages`: the smallest depth whose stages fit (`job.min_stages`)."""
+    own options); `min_stages`: the smallest depth whose stages fit (`job.min_stages`);
+    `room`: whether a node's memory holds a set of stages (`plan.policy.Room`)."""
     blocked = None
     if cfg.shadow.enabled or cfg.checkpoint.scheme == "gemini":
         blocked = ("the " + ("CPU shadows" if cfg.shadow.enabled else "gemini peer copies")
@@ -50,7 +51,7 @@ def rules_for(cfg: Config, partition_for: Callable[[int], Any] | None,
     return Rules(replicas=cfg.redundancy != "none", shadows=cfg.shadow.enabled,
                  repartition=cfg.failover.repartition, replay_rest=cfg.failover.replay == "rest",
                  microbatches=cfg.num_microbatches * cfg.pipelines, repartition_blocked=blocked,
-                 partition_for=partition_for, min_stages=min_stages)
+                 partition_for=partition_for, min_stages=min_stages, room=room)
 
 
 @dataclass
@@ -83,11 +84,13 @@ class Coordinator:
                  now: Callable[[], float], channel: Channel,
                  partition: Partition | None = None,
                  partition_for: Callable[[int], Partition] | None = None, min_stages: int = 1,
+                 stages_fit: Callable[[Partition, tuple[int, ...]], bool] | None = None,
                  start: int = 0, agreed: Callable[[Agreed], None] = lambda _: None,
                  namespace: str = keys.ROOT) -> None:
         """`partition` is the layer ranges per stage at launch; `partition_for(P)` computes
         them for another depth the way the launch did (None: the job never re-partitions),
-        down to `min_stages`;
+        down to `min_stages`; `stages_fit(partition, stages)` whether one node's memory holds
+        those stages of a partition (`job.stages_fit`; None: the planner's count rule);
         `start` the iteration the job starts at (a resumed checkpoint's next); `agreed` hears
         each agreement (the job loop writes from its reports the metrics lines that a
         failure kept the nodes from posting); `namespace` the workers' (their groups' keys,
@@ -96,8 +99,9 @@ class Coordinator:
         self.channel = channel
         self._partitions: dict[int, tuple[tuple[int, int], ...]] = {}
         self._partition_for = partition_for
+        self._stages_fit = stages_fit
         self.rules = rules_for(cfg, self._partition_at if partition_for else None,
-                               min_stages)
+                               min_stages, self._room if stages_fit else None)
         self.history = History(layout, tuple(tuple(r) for r in partition or []),
                                resumed_at=start)
         self.joining: list[str] = []  # accepted, not yet placed
@@ -615,6 +619,20 @@ class Coordinator:
             except Exception as exc:  # the partitioner's own error: a reason, not a crash
                 raise ValueError(str(exc)) from exc
         return self._partitions[depth]
+
+    def _room(self, depth: int, stages: tuple[int, ...]) -> bool:
+        """`plan.policy.Room` on the job's partition at that depth (the one it runs, else
+        the one a re-partition would cut); no room where there is no such partition."""
+        assert self._stages_fit is not None
+        ranges = self.history.partition
+        if len(ranges) != depth:
+            if self._partition_for is None:
+                return False
+            try:
+                ranges = self._partition_at(depth)
+            except ValueError:
+                return False
+        return self._stages_fit(ranges, stages)
 
     def _fence(self, node: str, why: str) -> None:
         if node in self.fenced:

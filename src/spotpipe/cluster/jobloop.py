@@ -205,6 +205,7 @@ class JobLoop:
             kill=self._kill, emit=files.event, now=self._now, channel=self.channel,
             partition=self.spec.partition, partition_for=self._partition_for,
             min_stages=job.min_stages(self.cfg, self.spec.profile),
+            stages_fit=job.stages_fit(self.cfg, self.spec.profile),
             start=self.resume.next_iteration if self.resume else 0, agreed=self.lines.agreed)
         inbox: Inbox = queue.Queue()
         self._inbox, self._address, self._store = inbox, address, store

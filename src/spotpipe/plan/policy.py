@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Iterable
+from typing import Callable, Iterable
 
 from spotpipe.plan.layout import Layout, Slot, splits_evenly
 
@@ -71,6 +71,12 @@ class MoveKind(str, Enum):
 SHADOW = "shadow"  # src of RESTORE moves
 PEERS = "peers"  # src of LAYERS moves: which peer sends which layer is `plan.layers`' business
 
+# Whether a node's memory holds these stages (sorted indices) of a `depth`-stage partition,
+# with no replica beside them (a node running more than one stage holds none). The runtime
+# answers from the memory the launch estimates per layer (`job.node_room`), the simulator
+# from its instances' (`sim.fit.node_room`); without one, a count rule stands in for it.
+Room = Callable[[int, tuple[int, ...]], bool]
+
 
 @dataclass(frozen=True)
 class Move:
@@ -98,7 +104,7 @@ class Decision:
 def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str], *,
            min_stages: int = 1, shadows: bool = False, replicas: bool = True,
            repartition: bool = True, leaving: Iterable[str] = (),
-           microbatches: int | None = None) -> Decision:
+           microbatches: int | None = None, room: Room | None = None) -> Decision:
     """Decide the next layout given nodes `lost` and nodes `joined` since `layout`.
 
     `min_stages` is the smallest depth at which the model still fits in the nodes' memory;
@@ -107,7 +113,10 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
     job may shrink its depth when too few nodes remain (else carriers carry on). `leaving`:
     the nodes of `lost` that had a preemption notice and are still there at the boundary.
     `microbatches`: of one iteration over every pipeline; only a number of pipelines that
-    divides it is planned (None: any).
+    divides it is planned (None: any). `room`: whether a node's memory holds a set of stages
+    (`Room`); a stage is copied or restored only onto a node it says holds it with the
+    stages the node runs (None: any node running one stage, or where the model fits on
+    fewer nodes, as many as `min_stages` implies).
     """
     widths = _Widths(microbatches)
     lost = frozenset(lost)
@@ -122,7 +131,7 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
     if not hit:
         return _grow(layout.with_standby(standby), min_stages, repartition, widths)
     # (a node leaving on a notice is still there at the boundary: its stages are a source)
-    sources = _Sources(lost, frozenset(leaving) & hit, replicas)
+    sources = _Sources(lost, frozenset(leaving) & hit, replicas, room=room)
     handover = _handover(layout, hit, sources, standby)
     if handover is not None:
         return handover
@@ -134,21 +143,22 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
     kept = [d for d in broken if set(layout.grid[d]) - lost] if shadows else []
     # from memory when the survivors hold every stage, unless the shadows keep more pipelines
     assembled = _assemble(layout, lost, standby, replicas, widths,
-                          widths.at_most(len(kept)))
+                          widths.at_most(len(kept)), sources.takes(layout.num_stages))
     if assembled is not None:
         return assembled
-    # A node may run more than two stages where the model fits on fewer nodes: at that depth
-    # its memory holds a stage and, with redundancy, a replica. Slower than a drop or a
-    # re-assembly until the next boundary re-plans (a pipeline waits for its busiest node),
-    # so only here, where the job would otherwise restore or stop.
-    roomy = replace(sources, carry=max(
+    # A node may run more than two stages where its memory holds them (`room`; without it,
+    # where the model fits on fewer nodes: at that depth a node's memory holds a stage and,
+    # with redundancy, a replica). Slower than a drop or a re-assembly until the next
+    # boundary re-plans (a pipeline waits for its busiest node), so only here, where the job
+    # would otherwise restore or stop.
+    roomy = replace(sources, carry=layout.num_stages if room is not None else max(
         2, (2 if replicas else 1) * layout.num_stages // max(1, min_stages)))
     if roomy.carry > sources.carry:
         in_place = _in_place(layout, roomy, standby, widths, _broken(layout, roomy))
         if in_place is not None:
             return in_place
-    repaired = (_shadow_repair(layout, lost, standby, replicas, kept, widths, roomy.carry)
-                if kept else None)
+    repaired = (_shadow_repair(layout, lost, standby, replicas, kept, widths,
+                               roomy.takes(layout.num_stages)) if kept else None)
     if repaired is not None:
         return repaired
     survivors = sorted(layout.active_nodes - lost) + list(standby)
@@ -201,6 +211,14 @@ class _Sources:
     leaving: frozenset[str]
     replicas: bool  # redundancy is on: nodes hold their successor's replica
     carry: int = 2  # the most stages a node may run (copies go only to nodes with room)
+    room: Room | None = None  # and whether its memory holds them (`Room`)
+
+    def takes(self, depth: int) -> _Takes:
+        """Whether a node may run a set of stages of this `depth` (a copy's or a restore's
+        target, with the stages it runs)."""
+        def takes(stages: tuple[int, ...]) -> bool:
+            return len(stages) <= self.carry and (self.room is None or self.room(depth, stages))
+        return takes
 
     def replica(self, layout: Layout, d: int, s: int) -> str | None:
         """The live node holding stage s's replica (room to take it over included)."""
@@ -228,6 +246,9 @@ class _Sources:
         return self.replica(layout, d, s) or self.leaving_owner(layout, d, s)
 
 
+_Takes = Callable[[tuple[int, ...]], bool]  # whether a node may run these stages
+
+
 def _lost_slots(layout: Layout, lost: frozenset[str]) -> list[Slot]:
     return sorted(slot for node in lost for slot in layout.stages_of(node))
 
@@ -238,8 +259,8 @@ def _takeovers(layout: Layout, d: int, sources: _Sources, new_d: int,
     its live replica holder (nothing moves), else copied from a node leaving on a notice
     that holds it (`_Sources.departing_source`) to the nearest node of the pipeline that
     runs one stage, looking forward first (it receives the stage's activations); that node
-    carries two, as a promoted holder does (or to one that runs more, where the model fits
-    in `_Sources.carry` stages a node). None when some lost stage has neither (a crash of
+    carries two, as a promoted holder does (or to one that runs more, where its memory
+    holds them: `_Sources.takes`). None when some lost stage has neither (a crash of
     adjacent stages, or redundancy off) or no node has room for it."""
     p = layout.num_stages
     lost = sources.lost
@@ -254,7 +275,7 @@ def _takeovers(layout: Layout, d: int, sources: _Sources, new_d: int,
         if (new_d, s) in mapping and mapping[(new_d, s)] not in lost:
             continue
         src = sources.departing_source(layout, d, s)
-        target = _nearest_with_room(mapping, new_d, s, p, lost, sources.carry)
+        target = _nearest_with_room(mapping, new_d, s, p, lost, sources.takes(p))
         if src is None or target is None:
             return None
         mapping[(new_d, s)] = target
@@ -263,15 +284,22 @@ def _takeovers(layout: Layout, d: int, sources: _Sources, new_d: int,
 
 
 def _nearest_with_room(mapping: dict[Slot, str], d: int, s: int, p: int,
-                       lost: frozenset[str], carry: int) -> str | None:
+                       lost: frozenset[str], takes: _Takes) -> str | None:
     """The live node of pipeline d nearest to stage s, looking forward first (it receives
     s's activations), that runs a single stage, where there is one (its replica's room holds
-    a second, as after a takeover); else the nearest with room for another (`carry`)."""
+    a second, as after a takeover); else the nearest with room for another. Either only
+    where it `takes` the stages it would run."""
     runs = [mapping[(d, t)] for t in range(p)]
     live = [n for n in (runs[(s + k) % p] for j in range(1, p) for k in (j, -j))
             if n not in lost]
-    return next((n for n in live if runs.count(n) < 2),
-                next((n for n in live if runs.count(n) < carry), None))
+    roomy = [n for n in live if takes(_stages_with(mapping, d, p, n, s))]
+    return next((n for n in roomy if runs.count(n) < 2), next(iter(roomy), None))
+
+
+def _stages_with(mapping: dict[Slot, str], d: int, p: int, node: str,
+                 s: int) -> tuple[int, ...]:
+    """The stages `node` runs in pipeline d of `mapping`, with stage s added."""
+    return tuple(sorted([t for t in range(p) if mapping.get((d, t)) == node] + [s]))
 
 
 def _failover(layout: Layout, sources: _Sources, standby: tuple[str, ...]) -> Decision:
@@ -324,10 +352,10 @@ def _handover(layout: Layout, hit: frozenset[str], sources: _Sources,
 
 def _shadow_repair(layout: Layout, lost: frozenset[str], standby: tuple[str, ...],
                    replicas: bool, kept: list[int], widths: _Widths,
-                   carry: int = 2) -> Decision | None:
+                   takes: _Takes) -> Decision | None:
     """Repair the broken pipelines `kept` (each keeps a live node): promote what has a
     replica, restore the rest from the shadows onto a standby node or the nearest live node of
-    the same pipeline with room (`carry`: the most stages a node may run). The other
+    the same pipeline with room (`takes`: whether a node may run a set of stages). The other
     pipelines (wholly lost, or more than the batch splits over) are dropped, as in `_drop`:
     every pipeline holds the same state, so one wholly lost does not send the job back to
     its checkpoint while another can be repaired. None when some stage has no node with
@@ -352,7 +380,7 @@ def _shadow_repair(layout: Layout, lost: frozenset[str], standby: tuple[str, ...
             if spare:
                 target = spare.pop(0)
             else:
-                target = _nearest_with_room(mapping, new_d, s, p, lost, carry)
+                target = _nearest_with_room(mapping, new_d, s, p, lost, takes)
                 if target is None:
                     return None
             mapping[(new_d, s)] = target
@@ -405,7 +433,7 @@ def _drop(layout: Layout, sources: _Sources, standby: tuple[str, ...], broken: l
 
 
 def _assemble(layout: Layout, lost: frozenset[str], standby: tuple[str, ...], replicas: bool,
-              widths: _Widths, at_least: int) -> Decision | None:
+              widths: _Widths, at_least: int, takes: _Takes) -> Decision | None:
     """Every pipeline is broken, yet each stage's state lives on some survivor (data-parallel
     owners of a stage hold identical state, and a replica is exact every iteration): build
     whole pipelines of the survivors of all of them, as many as they make up and the batch
@@ -426,7 +454,7 @@ def _assemble(layout: Layout, lost: frozenset[str], standby: tuple[str, ...], re
     for width in range(widths.at_most(most), max(1, at_least) - 1, -1):
         if widths.fits(width):
             built = _assembled(layout, width, owners, holders, list(standby) + live,
-                               _broke(replicas))
+                               _broke(replicas), takes)
             if built is not None:
                 return built
     return None
@@ -434,14 +462,15 @@ def _assemble(layout: Layout, lost: frozenset[str], standby: tuple[str, ...], re
 
 def _assembled(layout: Layout, width: int, owners: dict[int, list[str]],
                holders: dict[int, list[str]], nodes: list[str],
-               broke: str) -> Decision | None:
+               broke: str, takes: _Takes) -> Decision | None:
     """`width` pipelines from the live `owners` and replica `holders` of each stage and the
     `nodes` (standby, then survivors): each slot takes a live owner of its stage first (nothing
     moves), else a live replica, promoted (nothing moves either), else a copy from pipeline
     0's owner, which has every stage by then (a live owner or a replica is there for each, and
     pipeline 0 chooses first), onto a spare node or the nearest node of the pipeline that runs
     one stage. None when a slot finds no node. A node given a stage it did not own runs at
-    most two (a carrier, as after a failover: its replica's room holds the second)."""
+    most two (a carrier, as after a failover: its replica's room holds the second), and only
+    where it `takes` them."""
     p = layout.num_stages
     mapping: dict[Slot, str] = {}
     pipe: dict[str, int] = {}  # node -> its new pipeline
@@ -473,7 +502,8 @@ def _assembled(layout: Layout, width: int, owners: dict[int, list[str]],
                 continue
             near = [mapping.get((j, (s + k) % p)) for i in range(1, p) for k in (i, -i)]
             target = spare.pop(0) if spare else next(
-                (n for n in near if n is not None and load[n] < 2), None)
+                (n for n in near if n is not None and load[n] < 2
+                 and takes(_stages_with(mapping, j, p, n, s))), None)
             if target is None:
                 return None
             place(j, s, target)

@@ -38,7 +38,7 @@ from functools import lru_cache
 from typing import Any, Iterable
 
 from spotpipe.plan.layout import Layout
-from spotpipe.plan.policy import Action, Decision as Choice, Move, MoveKind, decide, restart
+from spotpipe.plan.policy import Action, Decision as Choice, Move, MoveKind, Room, decide, restart
 from spotpipe.plan.transfers import Transfer, departing, transfers
 
 Partition = tuple[tuple[int, int], ...]
@@ -65,6 +65,8 @@ class Rules:
     partition_for: Callable[[int], Partition] | None = None
     max_futile: int = 3  # plans failing in a row with no node lost, before the job stops
     min_stages: int = 1  # the smallest depth at which a stage fits in memory
+    # whether a node's memory holds a set of stages (`plan.policy.Room`; None: a count rule)
+    room: Room | None = None
     # the job is restarted from its newest checkpoint when no layout of the survivors holds
     # its state (a supervisor does it, as the simulator models it); the runtime stops
     # instead and says so (restarting it is the user's `--resume`)
@@ -372,7 +374,7 @@ def _choose(history: History, hit: frozenset[str], joiners: list[str],
     layout = history.layout
     choice = decide(layout, hit, joiners, shadows=rules.shadows, replicas=rules.replicas,
                     repartition=rules.repartition, min_stages=rules.min_stages,
-                    leaving=leaving, microbatches=rules.microbatches)
+                    leaving=leaving, microbatches=rules.microbatches, room=rules.room)
     if choice.action != Action.REPARTITION or choice.needs_restore:
         return choice, None
     depth = choice.layout.num_stages

@@ -13,10 +13,12 @@ fits at D = 1 fits at every D.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from spotpipe.plan.layout import uniform_partition
-from spotpipe.plan.memory import estimate_stage, instance, merge_facts, refusal, stage_facts
+from spotpipe.plan.memory import (LayerMemory, MemoryRules, estimate_stage, instance,
+                                  merge_facts, refusal, stage_facts)
 from spotpipe.sim.itertime import microbatches_per_pipeline
 from spotpipe.sim.memo import PerObject
 from spotpipe.sim.params import SimConfig
@@ -70,6 +72,44 @@ def _refusal(cfg: SimConfig, p: int, d: int, redundancy: str, replica_on_host: b
                 return (f"{where}: a node carrying stages {s} and {(s + 1) % p} after "
                         f"{after} " + why.split(": it ", 1)[1])
     return None
+
+
+@dataclass(frozen=True)
+class NodeRoom:
+    """`plan.policy.Room` on the instances' memory: whether one node holds these stages of
+    the uniform partition at a depth, each without a replica (a node running several holds
+    none) and with every micro-batch on its pipeline (D = 1, as `layout_refusal` checks).
+    A value, not a closure, so that equal configs make equal (shared) rules."""
+
+    layers: tuple[LayerMemory, ...]
+    rules: MemoryRules
+    device_bytes: float
+    host_bytes: float
+
+    def __call__(self, depth: int, stages: tuple[int, ...]) -> bool:
+        return _holds(self, depth, stages)
+
+
+@lru_cache(maxsize=4096)
+def _holds(room: NodeRoom, depth: int, stages: tuple[int, ...]) -> bool:
+    parts = uniform_partition(len(room.layers), depth)
+    rules = replace(room.rules, num_stages=depth)
+    estimates = [estimate_stage(s, stage_facts(room.layers, parts, s, False), rules)
+                 for s in stages]
+    return (sum(e.device_bytes for e in estimates) <= room.device_bytes
+            and sum(e.host_bytes for e in estimates) <= room.host_bytes)
+
+
+def node_room(cfg: SimConfig) -> NodeRoom | None:
+    """The room the planner gives a node in this simulated job; None without a memory model
+    (the planner's count rule stands in, as in a run whose memory was not measured)."""
+    layers = cfg.model.layer_memory
+    if cfg.memory is None or not layers:
+        return None
+    node = instance(cfg.price.instance)
+    rules = replace(cfg.memory, schedule=cfg.schedule, redundancy="none", shadows=False,
+                    microbatches=microbatches_per_pipeline(cfg.model, 1))
+    return NodeRoom(tuple(layers), rules, node.device_bytes, node.host_bytes_per_gpu)
 
 
 def min_stages(cfg: SimConfig, redundancy: str, replica_on_host: bool | None = None) -> int:

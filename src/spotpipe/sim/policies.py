@@ -108,7 +108,7 @@ def recovery_rules(cfg: SimConfig, redundancy: str) -> Rules:
                                       "partition; the job keeps its carriers"
                                       if cfg.shadows else None),
                  partition_for=_uniform, min_stages=fit.min_stages(cfg, redundancy),
-                 restarts=True)
+                 room=fit.node_room(cfg), restarts=True)
 
 
 _RULES_OF: PerObject[Rules] = PerObject()
