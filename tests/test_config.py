@@ -45,6 +45,10 @@ def test_defaults_and_overrides():
      "failover.notice_lead_s: expected a number of seconds >= 0, got -1.0"),
     ({"data": {"path": "x.txt"}}, ["failover.notice_max_wait_s=-5"],
      "failover.notice_max_wait_s: expected a number of seconds >= 0, got -5.0"),
+    ({"data": {"path": "x.txt"}}, ["failover.handover_gbps=0"],
+     "failover.handover_gbps: expected a positive number of gigabits per second, got 0.0"),
+    ({"data": {"path": "x.txt"}}, ["failover.handover_gbps=nan"],
+     "failover.handover_gbps: expected a finite number, got nan"),
     # numbers beyond what torch takes, and YAML values that are not configuration values
     ({}, ["seed=99999999999999999999999"],
      "seed: expected an integer in -2**63..2**63-1 (64 bits), got 99999999999999999999999"),

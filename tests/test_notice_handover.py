@@ -247,6 +247,28 @@ def test_a_notice_with_time_to_spare_trains_on_until_its_lead(tmp_path, tmp_path
         corpus, stages=2, pipelines=1, **{**FAST, "iterations": iters})))
 
 
+def test_a_node_whose_state_takes_longer_to_send_than_the_notice_gives_leaves_at_once(
+        tmp_path, corpus):
+    """As above (AWS: node1 goes in 4 s, a lead of 1 s), but node1's state, its stage and
+    the replica it holds, would take longer to send than the notice gives it at the network's
+    `failover.handover_gbps` (here a trickle: 1e-6 Gb/s, a kilobit a second): it acts on
+    the notice at once instead of training on (no `notice_deferred`). Before, the lead
+    counted only its iterations, and a large stage met the instance's end mid-transfer."""
+    meta = MetadataServer()
+    run = tmp_path / "run"
+    cfg = config(corpus, 2, 1, **{"failover.aws_notice_url": meta.urls()["aws"],
+                                  "failover.notice_poll_s": 0.1,
+                                  "failover.notice_lead_s": 1.0,
+                                  "failover.handover_gbps": 1e-6, "iterations": 400})
+    train_meanwhile(run, cfg, lambda ev: ev["kind"] == "worker_ready" and ev["node"] == "node1",
+                    lambda ev: meta.preempt("node1", in_s=4.0), meta)
+    evs = events(run)
+    assert not [e for e in evs if e["kind"] == "notice_deferred"], evs
+    plans = [e for e in evs if e["kind"] == "plan" and e["action"] != "keep"]
+    assert [p["action"] for p in plans] == ["failover"], plans
+    assert plans[0]["resume"] < 400
+
+
 def test_with_shadows_a_hand_over_cut_short_is_restored_from_them(tmp_path, tmp_path_factory,
                                                                   corpus):
     """As above, node2 gone before it sends stage 2, but the job keeps CPU shadows: the

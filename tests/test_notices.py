@@ -430,3 +430,13 @@ def test_a_job_of_long_iterations_leaves_as_early_as_it_needs(meta):
         assert not watcher.is_set()
     finally:
         watcher.close()
+
+
+def test_a_node_needs_two_iterations_and_its_state_s_time_on_the_network():
+    """By hand: 1.5 s iterations and 20 GB of weights and optimizer state at 10 Gb/s (160
+    Gbit: 16 s) need 2 x 1.5 + 16 = 19 s; the worker gives its watcher this (`needs_s`),
+    and the lead is the longer of it and `failover.notice_lead_s`."""
+    from spotpipe.notices import leaving_needs_s
+
+    assert leaving_needs_s(1.5, 20e9, 10.0) == pytest.approx(19.0)
+    assert leaving_needs_s(0.0, 0, 10.0) == 0.0

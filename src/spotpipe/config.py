@@ -145,8 +145,12 @@ class FailoverSection:
     # GCP's 30 s) is acted on this long before then: the node trains on until then, and
     # leaves at the next iteration boundary (its stages handed over). It must cover an
     # iteration, the agreement and the hand-over of its stages: a worker takes two of its
-    # own iterations, as measured, where that is longer. A SIGTERM acts at once.
+    # own iterations, as measured, and the time its state takes at `handover_gbps`, where
+    # that is longer. A SIGTERM acts at once.
     notice_lead_s: float = 30.0
+    # the network a leaving node sends its stages over, in gigabits per second, for the
+    # lead above (a cloud GPU instance has 10-25; p3.2xlarge up to 10)
+    handover_gbps: float = 10.0
     # ... but never waits longer than this for it: no cloud gives a spot instance more than
     # AWS's two minutes, and a time further off is more likely a clock that is wrong
     notice_max_wait_s: float = 120.0
@@ -533,6 +537,9 @@ def _check(cfg: Config) -> None:
         value = getattr(f, name)
         if not (math.isfinite(value) and value >= 0):
             raise ConfigError(f"failover.{name}: expected a number of seconds >= 0, got {value}")
+    if not (math.isfinite(f.handover_gbps) and f.handover_gbps > 0):
+        raise ConfigError(f"failover.handover_gbps: expected a positive number of gigabits "
+                          f"per second, got {f.handover_gbps}")
     if f.replay not in REPLAY_MODES:
         raise ConfigError(f"failover.replay: expected one of {', '.join(REPLAY_MODES)}, got "
                           f"{f.replay!r}")

@@ -57,6 +57,14 @@ MAX_REPLY_BYTES = 1 << 20
 GCP_NOTICE_S = 30.0
 
 
+def leaving_needs_s(iteration_s: float, state_bytes: float, gbps: float) -> float:
+    """How long a node needs between acting on a notice and its instance's end: the
+    iteration in flight runs to its boundary, the agreement and the re-planning take about
+    as long again (two of its iterations), and its state goes to whoever takes it over at
+    `gbps` (a stage of tens of GB at 10 Gb/s takes longer than most iterations)."""
+    return 2 * iteration_s + state_bytes * 8 / (gbps * 1e9)
+
+
 @dataclass(frozen=True)
 class Notice:
     """One cloud's notice: where it came from, how to acknowledge it (Azure only), and when

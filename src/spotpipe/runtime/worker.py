@@ -26,8 +26,9 @@ from spotpipe import job
 from spotpipe.config import Config
 from spotpipe.data import collate
 from spotpipe.faults import Fault
-from spotpipe.notices import NoticeWatcher
+from spotpipe.notices import NoticeWatcher, leaving_needs_s
 from spotpipe.plan import Layout
+from spotpipe.plan.memory import state_bytes_per_param
 from spotpipe.plan.recovery import Decision
 from spotpipe.protocol import (Channel, JoinAnswer, JoinRequest, Notice, Prepare, Refused,
                                Stalled, keys)
@@ -130,9 +131,8 @@ class Worker:
             host_acknowledges=os.environ.get("SPOTPIPE_HOST_ACKNOWLEDGES") == "1",
             on_deferred=lambda src, wait_s: self.channel.event(
                 "notice_deferred", source=src, leaves_in_s=round(wait_s, 3)),
-            # (the iteration in flight runs to its boundary before the node leaves, and its
-            # hand-over takes about as long again)
-            needs_s=lambda: 2 * self.iteration_s)
+            needs_s=lambda: leaving_needs_s(self.iteration_s, self.held_bytes,
+                                            cfg.failover.handover_gbps))
         timeout = cfg.cluster.timeout_s
         self.executor: Executor | None = None
         self.shadow = (ShadowWriter(self.sealed, namespace, node, max_lag=cfg.shadow.max_lag,
@@ -183,6 +183,16 @@ class Worker:
             return
         module, optimizer = st.build_stage(index, st.replica_device)
         st.hold(index, module, optimizer, 0, self.digests)
+
+    def _held_bytes(self) -> int:
+        """What this node would send on a notice: the weights and optimizer state of its
+        stages and of the replica it holds, at the memory model's bytes a parameter (the
+        optimizer makes its state at the first step, after the generation starts)."""
+        per = state_bytes_per_param(self.cfg.precision, self.cfg.optimizer.name)
+        params = sum(p.numel() for x in self.stages.values() for p in x.params)
+        if self.holding is not None:
+            params += sum(p.numel() for p in self.holding.replica.module.parameters())
+        return params * (per["weights"] + per["optimizer"])
 
     def _restore(self, path: Path, restore: Restore) -> None:
         """Load owned stages and the held replica from a durable checkpoint (any P x D)."""
@@ -264,6 +274,7 @@ class Worker:
     _finishing = False
     left = False  # a plan let this node go (a notice, or a layout without it)
     iteration_s = 0.0  # the last iteration's time
+    held_bytes = 0  # what a hand-over of this node's state sends (`_held_bytes`)
     _said_local_off = False
     rest: list | None = None  # after a takeover: the rest of the in-flight iteration
 
@@ -313,6 +324,7 @@ class Worker:
             loss_scale_div=nodelib.microbatches(self.cfg, self.layout) * self.layout.num_pipelines,
             holding=self.holding, digests=self.digests, sample_log=self.sample_log,
             hook=self.inject, shadow=self.shadow)
+        self.held_bytes = self._held_bytes()
         start = st.start_iteration - 1
         if previous is not None:  # (a node back from standby starts where the plan resumes)
             self.executor.committed_through = max(previous.committed_through, start)
