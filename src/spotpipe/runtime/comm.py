@@ -23,7 +23,6 @@ CPU workers of one host, through shared memory (runtime/local_link.py, which say
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 import time
@@ -157,32 +156,7 @@ def _make_group(backend: str, store: dist.Store, rank: int, size: int,
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    options._devices = _gloo_devices()
-    group = dist.ProcessGroupGloo(store, rank, size, options)
-    # every member there before any goes on, as the full mesh's formation made sure: a
-    # generation starts when its groups have formed on every node (a loss at the job's
-    # start stops it), and an all-gather connects only the ring's pairs
-    out = [torch.zeros(1) for _ in range(size)]
-    group.allgather([out], [torch.zeros(1)]).wait()
-    return group
-
-
-def _gloo_devices() -> list[Any]:
-    """gloo's devices as torch makes them (on `GLOO_SOCKET_IFNAME`'s interfaces, else the
-    host's), connecting each pair of a group at its first message. Forming a group connects
-    every pair otherwise, a full mesh (28 connections among 8 nodes, each a store lookup),
-    though a generation uses few: its neighbours' activations (over local links on one
-    host), its pipelines' reductions and the commit's all-gather, which goes round a ring.
-    Measured on this 2-core VM, forming a group and its first all-gather: 8 processes 85-92
-    ms with the full mesh, 24-50 ms lazily; 4 processes 41 ms, 22-32 ms. A regroup after a
-    failure forms new groups, so this is on recovery's path."""
-    interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
-    if interfaces:
-        return [dist.ProcessGroupGloo.create_device(interface=i, lazy_init=True)
-                for i in interfaces]
-    return [dist.ProcessGroupGloo.create_default_device(lazy_init=True)]
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
 class Comm:
