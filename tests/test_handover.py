@@ -227,6 +227,13 @@ def test_a_node_s_memory_decides_how_many_stages_it_carries_where_it_was_measure
     two = Rules(**{**RULES.__dict__, "room": lambda depth, stages: len(stages) <= 2})
     stopped = recover(h, reports(h, {"node1", "node2"}), [], two).decision
     assert stopped.stopped, stopped
+    # what stopped it: room, not a copy lost (as when the two crash)
+    assert "could hand their stages over, but no node left has room" in stopped.message
+    assert "no replica of one of them survives" not in stopped.message
+    crashed = recover(h, reports(h, set(), dead={"node1", "node2"}), [], RULES,
+                      dead={"node1", "node2"}).decision
+    assert crashed.stopped and "no replica of one of them survives" in crashed.message
+    assert "has room" not in crashed.message
 
 
 def test_a_stage_is_copied_to_the_nearest_node_whose_memory_holds_it():

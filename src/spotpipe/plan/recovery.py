@@ -300,7 +300,8 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     def named() -> str:
         return _named(layout, hit, lacking)
 
-    message = _stop_reason(choice, rules, layout, hit, lost, reports, futile, named, when)
+    message = _stop_reason(choice, rules, layout, hit, lost, reports, futile, named, when,
+                           leaving)
     if message and rules.restarts and futile < rules.max_futile:
         # restarted from the newest checkpoint on the survivors (see Rules.restarts)
         survivors = sorted(layout.active_nodes - lost) + [n for n in layout.standby
@@ -431,10 +432,11 @@ def _named(layout: Layout, hit: frozenset[str], lacking: Mapping[str, tuple[str,
     return ", ".join(where.get(n, n) for n in sorted(hit))
 
 
-def _adjacent(layout: Layout, lost: frozenset[str]) -> bool:
-    """Whether some lost stage's replica holder (its predecessor) is lost too."""
-    return any(layout.replica_holder(d, s) in lost
-               for (d, s), n in layout.mapping.items() if n in lost)
+def _adjacent(layout: Layout, lost: frozenset[str], leaving: frozenset[str]) -> bool:
+    """Whether some lost stage's replica holder (its predecessor) is lost too, and neither
+    is a node leaving on a notice (which hands over what it holds before it goes)."""
+    return any(layout.replica_holder(d, s) in lost and not {n, layout.replica_holder(d, s)}
+               & leaving for (d, s), n in layout.mapping.items() if n in lost)
 
 
 def _unheld(layout: Layout, lost: frozenset[str]) -> str:
@@ -449,7 +451,8 @@ def _unheld(layout: Layout, lost: frozenset[str]) -> str:
 
 def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[str],
                  lost: frozenset[str], reports: Mapping[str, NodeReport], futile: int,
-                 named: Callable[[], str], when: str) -> str:
+                 named: Callable[[], str], when: str,
+                 leaving: frozenset[str] = frozenset()) -> str:
     """Why the job stops, in one sentence, or "" when it goes on."""
     if futile >= rules.max_futile:
         reasons = "; ".join(sorted({r.reason for r in reports.values()}))
@@ -476,9 +479,14 @@ def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[st
                 ", nor from the shadows onto the nodes left (no broken pipeline keeps a live "
                 "node, or none has room for another stage)"
                 if rules.shadows else ""))
+        adjacent = _adjacent(layout, lost, leaving)
         return (f"lost {named()} {when}: "
                 + ("adjacent stages of one pipeline, so no replica of one of them survives; "
-                   if _adjacent(layout, lost) else "")
+                   if adjacent else "")
+                # (every lost stage had a copy: what was missing is a node to take it)
+                + ("the nodes leaving could hand their stages over, but no node left has room "
+                   "for them beside its own (the memory the launch measured); "
+                   if rules.replicas and not adjacent and hit & leaving else "")
                 + f"no layout of the {survivors} surviving node(s) can hold the job's state "
                   f"({why}"
                 + ("" if rules.shadows else "; shadow.enabled would restore the lost stages "
