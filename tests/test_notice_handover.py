@@ -238,6 +238,7 @@ def test_a_notice_with_time_to_spare_trains_on_until_its_lead(tmp_path, tmp_path
     assert [e["node"] for e in deferred] == ["node1"], deferred
     # (2-3 s, less the time the worker took to read it)
     assert 0.5 < deferred[0]["leaves_in_s"] <= 3.0
+    assert deferred[0]["lead_s"] >= 1.0  # (the configured lead, or what the node needs)
     notice = next(e for e in evs if e["kind"] == "notice")
     assert notice["time_s"] - deferred[0]["time_s"] >= deferred[0]["leaves_in_s"] - 0.05
     plans = [e for e in evs if e["kind"] == "plan" and e["action"] != "keep"]

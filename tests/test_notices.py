@@ -379,14 +379,16 @@ def test_a_notice_with_time_to_spare_is_set_its_lead_before_the_instance_goes(me
     meta.preempt("h1", in_s=3.0)
     reclaimed = calendar.timegm(time.strptime(meta.reclaimed_at["h1"], "%Y-%m-%dT%H:%M:%SZ"))
     watcher = NoticeWatcher(aws_url=meta.urls("h1")["aws"], poll_s=0.05, sigterm=False,
-                            lead_s=1.0, on_deferred=lambda s, w: deferred.append((s, w)))
+                            lead_s=1.0,
+                            on_deferred=lambda s, w, lead: deferred.append((s, w)))
     try:
         assert watcher.notice.wait(10)
         assert time.time() >= reclaimed - 1.0
         assert len(deferred) == 1 and "AWS" in deferred[0][0] and 1.0 < deferred[0][1] <= 2.0
         meta.preempt("h2", in_s=60.0)
         later = NoticeWatcher(aws_url=meta.urls("h2")["aws"], poll_s=0.05, sigterm=False,
-                              lead_s=1.0, on_deferred=lambda s, w: deferred.append((s, w)))
+                              lead_s=1.0,
+                            on_deferred=lambda s, w, lead: deferred.append((s, w)))
         until(lambda: len(deferred) == 2, "the second notice's deferral", 10)
         assert not later.is_set()
         later.set("SIGTERM")
@@ -404,7 +406,7 @@ def test_a_notice_that_says_the_instance_goes_in_an_hour_waits_no_longer_than_th
     meta.preempt("h1", in_s=3600.0)
     watcher = NoticeWatcher(aws_url=meta.urls("h1")["aws"], poll_s=0.05, sigterm=False,
                             lead_s=1.0, max_wait_s=0.5,
-                            on_deferred=lambda s, w: deferred.append((s, w)))
+                            on_deferred=lambda s, w, lead: deferred.append((s, w)))
     try:
         until(lambda: len(deferred) == 1, "the notice's deferral", 10)
         told = time.monotonic()
@@ -419,14 +421,15 @@ def test_a_job_of_long_iterations_leaves_as_early_as_it_needs(meta):
     """AWS says the instance goes in 60 s; the lead is 1 s, but the node says it needs 50
     (two of its iterations: the one in flight runs to its boundary, the hand-over takes about
     as long): it is told to leave about 10 s from now, not 59."""
-    deferred: list[tuple[str, float]] = []
+    deferred: list[tuple[str, float, float]] = []
     meta.preempt("h1", in_s=60.0)
     watcher = NoticeWatcher(aws_url=meta.urls("h1")["aws"], poll_s=0.05, sigterm=False,
                             lead_s=1.0, needs_s=lambda: 50.0,
-                            on_deferred=lambda s, w: deferred.append((s, w)))
+                            on_deferred=lambda s, w, lead: deferred.append((s, w, lead)))
     try:
         until(lambda: len(deferred) == 1, "the notice's deferral", 10)
         assert 8.0 < deferred[0][1] <= 10.0, deferred
+        assert deferred[0][2] == 50.0  # (the lead it leaves, as the event says it)
         assert not watcher.is_set()
     finally:
         watcher.close()

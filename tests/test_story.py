@@ -29,7 +29,7 @@ def test_reshaping_events_are_told():
         {"kind": "handover_failed", "time_s": 2.2, "node": "node3", "generation": 5,
          "reason": "communication failed"},
         {"kind": "notice_deferred", "time_s": 2.3, "node": "node1", "source": "AWS",
-         "leaves_in_s": 89.96},
+         "leaves_in_s": 89.96, "lead_s": 30.0},
         {"kind": "left_node_exited", "time_s": 2.4, "node": "node1", "returncode": 1,
          "reason": "RuntimeError: boom (log: run/logs/node1.log)"},
     ]
@@ -44,7 +44,8 @@ def test_reshaping_events_are_told():
     assert "node6: arrived after the last iteration" in text
     assert "node2: handed stage 2 to node5, replica 2 to node4 over as it left" in text
     assert "node3: could not hand its stages over as it left (communication failed)" in text
-    assert "node1: preemption notice from AWS; trains on for 90.0 s" in text
+    assert ("node1: preemption notice from AWS; trains on for 90.0 s, leaving 30.0 s before "
+            "the end") in text
     assert ("node1: exited with code 1 after it left (RuntimeError: boom (log: "
             "run/logs/node1.log)); training goes on as it was") in text
 

@@ -339,15 +339,16 @@ class NoticeWatcher:
                  poll_s: float = 5.0, on_notice: Callable[[str], None] | None = None,
                  sigterm: bool = True, watch_only: bool = False,
                  acknowledges: bool = True, lead_s: float = 0.0, max_wait_s: float = 120.0,
-                 on_deferred: Callable[[str, float], None] | None = None,
+                 on_deferred: Callable[[str, float, float], None] | None = None,
                  needs_s: Callable[[], float] | None = None) -> None:
         """`sigterm`: a SIGTERM to this process is a notice too. `watch_only`: an Azure event
         already acknowledged ("Started") still counts, for a reader beside others (the node
         agent). `acknowledges`: whether `acknowledge` tells the cloud (see the module's
         docstring: one reader per host does). `lead_s`: a cloud notice that says when the
         instance goes is set that long before then, not when it comes: the node trains on
-        through most of an AWS notice's two minutes (`on_deferred(source, seconds)` says how
-        long it waits); a SIGTERM, or a notice whose time is unknown, is set at once.
+        through most of an AWS notice's two minutes (`on_deferred(source, seconds, lead)`
+        says how long it waits, and the lead it leaves before the end); a SIGTERM, or a
+        notice whose time is unknown, is set at once.
         `max_wait_s` caps that wait: no cloud gives a spot instance more than AWS's two
         minutes, so a time further off is more likely this host's clock (or the service)
         wrong than a promise, and training on past the real end would turn the notice into a
@@ -383,7 +384,7 @@ class NoticeWatcher:
     def of_node(cls, failover: FailoverSection, node: str, on_notice: Callable[[str], None],
                 sigterm: bool = True, watch_only: bool = False,
                 for_host: bool = False, host_acknowledges: bool = False,
-                on_deferred: Callable[[str, float], None] | None = None,
+                on_deferred: Callable[[str, float, float], None] | None = None,
                 needs_s: Callable[[], float] | None = None) -> NoticeWatcher:
         """The notices `failover.*_notice_url` configure, read for `node`: "{node}" in a URL is
         the node's name (one metadata service per host in the cloud, where the URLs name
@@ -409,7 +410,7 @@ class NoticeWatcher:
             wait = min(notice.deadline - lead - time.time(), self._max_wait_s)
             if wait > 0:
                 if self._on_deferred is not None:
-                    self._on_deferred(notice.source, wait)
+                    self._on_deferred(notice.source, wait, lead)
                 # (`close`, or another notice set meanwhile, ends the wait)
                 if self._done.wait(wait) and not self.notice.is_set():
                     return

@@ -55,7 +55,9 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
             lines.append(f"{at}  {node}: preemption notice from {ev['source']}")
         elif kind == "notice_deferred":
             lines.append(f"{at}  {node}: preemption notice from {ev['source']}; trains on "
-                         f"for {ev['leaves_in_s']:.1f} s")
+                         f"for {ev['leaves_in_s']:.1f} s"
+                         + (f", leaving {ev['lead_s']:.1f} s before the end"
+                            if "lead_s" in ev else ""))
         elif kind == "handed_over":
             lines.append(f"{at}  {node}: handed {', '.join(ev['sent'])} over as it left")
         elif kind == "handover_failed":

@@ -129,8 +129,9 @@ class Worker:
             cfg.failover, node, on_notice=lambda src: self.channel.post(Notice(
                 node, self.state.generation, src, self.channel.now())),
             host_acknowledges=os.environ.get("SPOTPIPE_HOST_ACKNOWLEDGES") == "1",
-            on_deferred=lambda src, wait_s: self.channel.event(
-                "notice_deferred", source=src, leaves_in_s=round(wait_s, 3)),
+            on_deferred=lambda src, wait_s, lead_s: self.channel.event(
+                "notice_deferred", source=src, leaves_in_s=round(wait_s, 3),
+                lead_s=round(lead_s, 3)),
             needs_s=lambda: leaving_needs_s(self.iteration_s, self.held_bytes,
                                             cfg.failover.handover_gbps))
         timeout = cfg.cluster.timeout_s
