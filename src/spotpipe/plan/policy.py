@@ -73,8 +73,9 @@ PEERS = "peers"  # src of LAYERS moves: which peer sends which layer is `plan.la
 
 # Whether a node's memory holds these stages (sorted indices) of a `depth`-stage partition,
 # with no replica beside them (a node running more than one stage holds none). The runtime
-# answers from the memory the launch estimates per layer (`job.node_room`), the simulator
-# from its instances' (`sim.fit.node_room`); without one, a count rule stands in for it.
+# answers from the memory the launch estimates per layer (`job.stages_fit`, on the
+# coordinator's partition at that depth), the simulator from its instances'
+# (`sim.fit.node_room`); without one, a count rule stands in for it.
 Room = Callable[[int, tuple[int, ...]], bool]
 
 
@@ -292,8 +293,8 @@ def _nearest_with_room(mapping: dict[Slot, str], d: int, s: int, p: int,
     runs = [mapping[(d, t)] for t in range(p)]
     live = [n for n in (runs[(s + k) % p] for j in range(1, p) for k in (j, -j))
             if n not in lost]
-    roomy = [n for n in live if takes(_stages_with(mapping, d, p, n, s))]
-    return next((n for n in roomy if runs.count(n) < 2), next(iter(roomy), None))
+    fits = [n for n in live if takes(_stages_with(mapping, d, p, n, s))]
+    return next((n for n in fits if runs.count(n) < 2), next(iter(fits), None))
 
 
 def _stages_with(mapping: dict[Slot, str], d: int, p: int, node: str,
