@@ -29,7 +29,7 @@ from spotpipe.model.partition import (balanced_partition, bounded_partition, cut
                                       explicit_partition, parameter_counts, profile_layer_times)
 from spotpipe.model.precision import Precision
 from spotpipe.plan.memory import (GIB, LayerMemory, MemoryEstimate, MemoryRules,
-                                  block_backward_bytes, embedding_backward_bytes,
+                                  block_backward_bytes, carried, embedding_backward_bytes,
                                   estimate_stage, range_facts, stage_facts)
 from spotpipe.plan.layers import node_layers
 from spotpipe.plan.layout import Layout
@@ -349,9 +349,7 @@ def stages_fit(cfg: Config, profile: LayerProfile
 
     def fit(ranges: Sequence[tuple[int, int]], stages: tuple[int, ...]) -> bool:
         at = dataclasses.replace(rules, num_stages=len(ranges))
-        need = sum(_needed(estimate_stage(s, range_facts(layers, *ranges[s]), at), mem)
-                   for s in stages)
-        return need <= mem.bytes
+        return sum(_needed(e, mem) for e in carried(layers, ranges, stages, at)) <= mem.bytes
     return fit
 
 

@@ -545,6 +545,14 @@ def stage_facts(layers: Sequence[LayerMemory], stages: Sequence[tuple[int, int]]
         replica_boundary_bytes=replica[-1].output_bytes if replica else 0.0)
 
 
+def carried(layers: Sequence[LayerMemory], stages: Sequence[tuple[int, int]],
+            carry: Sequence[int], rules: MemoryRules) -> list[MemoryEstimate]:
+    """The estimates of the stages `carry` of the partition `stages` on one node that runs
+    them all: each without a replica (a node running several holds none), under `rules`
+    (whose `num_stages` is the partition's depth). Their sum is what the node needs."""
+    return [estimate_stage(s, range_facts(layers, *stages[s]), rules) for s in carry]
+
+
 def merge_facts(first: StageFacts, second: StageFacts) -> StageFacts:
     """A node that carries two adjacent stages (after a takeover): both stages' state and
     activations, the second's output sent on, no replica (the runtime holds none then)."""

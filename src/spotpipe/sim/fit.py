@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from spotpipe.plan.layout import uniform_partition
-from spotpipe.plan.memory import (LayerMemory, MemoryRules, estimate_stage, instance,
+from spotpipe.plan.memory import (LayerMemory, MemoryRules, carried, estimate_stage, instance,
                                   merge_facts, refusal, stage_facts)
 from spotpipe.sim.itertime import microbatches_per_pipeline
 from spotpipe.sim.memo import PerObject
@@ -92,10 +92,8 @@ class NodeRoom:
 
 @lru_cache(maxsize=4096)
 def _holds(room: NodeRoom, depth: int, stages: tuple[int, ...]) -> bool:
-    parts = uniform_partition(len(room.layers), depth)
-    rules = replace(room.rules, num_stages=depth)
-    estimates = [estimate_stage(s, stage_facts(room.layers, parts, s, False), rules)
-                 for s in stages]
+    estimates = carried(room.layers, uniform_partition(len(room.layers), depth), stages,
+                        replace(room.rules, num_stages=depth))
     return (sum(e.device_bytes for e in estimates) <= room.device_bytes
             and sum(e.host_bytes for e in estimates) <= room.host_bytes)
 
