@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from spotpipe.cluster.coordinator import Coordinator
-from spotpipe.plan import Layout
+from spotpipe.plan import Layout, held_replica
 from spotpipe.protocol import (Channel, DecisionRecord, Heartbeat, JoinAnswer, JoinRequest,
                                Notice, Prepare, Regroup, Report, job_key, keys)
 from spotpipe.store import board
@@ -50,7 +50,18 @@ def _make(coord: Coordinator, node: str, **extra) -> Report:
                   time_s=0.0)
     fields.update(extra)
     fields["lacking"] = tuple(fields["lacking"])
+    fields.setdefault("replica", _held(coord, node, fields["untouched"], fields["lacking"]))
     return Report(**fields)
+
+
+def _held(coord: Coordinator, node: str, untouched: bool, lacking: tuple[str, ...]) -> int | None:
+    """The replica a node holds, as its report says: the one the layout before the last plan
+    gave it when that plan changed nothing of its state, else the last plan's, unless it
+    reports lacking it."""
+    before = coord.history.before
+    layout = before[0] if untouched and before is not None else coord.history.layout
+    replica = held_replica(layout, node)
+    return None if f"replica {replica}" in lacking else replica
 
 
 def _report(coord: Coordinator, node: str, **extra) -> None:

@@ -391,7 +391,8 @@ def test_a_deposed_coordinators_plan_never_reaches_the_board(etcd, corpus):
             channel=Channel(job_key(b"sesame", "t"), "coordinator"), partition=[(0, 1), (1, 2)])
         report = dict(generation=0, boundary=True, iteration=5, position=0, instruction="",
                       committed_through=5, stepped_through=5, done=(), clip_scale=None,
-                      flight=-1, formed=True, lacking=(), untouched=True, leaving=False,
+                      flight=-1, formed=True, lacking=(), untouched=True, replica=None,
+                      leaving=False,
                       reason="the layout changes at this iteration boundary", time_s=0.0)
         coord.report(Report(node="node0", **report), "node0")
         with pytest.raises(NotLeader):

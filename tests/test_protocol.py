@@ -30,7 +30,8 @@ def test_messages_round_trip_and_refuse_what_does_not_match():
     report = Report(node="node1", generation=2, boundary=False, iteration=5, position=3,
                     instruction="F1.2", committed_through=4, stepped_through=4,
                     done=(("forward", 1, 0),), clip_scale=None, flight=5, formed=True,
-                    lacking=(), untouched=True, leaving=False, reason="peer lost", time_s=1.5)
+                    lacking=(), untouched=True, replica=None, leaving=False, reason="peer lost",
+                    time_s=1.5)
     body = json.loads(json.dumps(report.to_json()))
     assert parse("report", 1, body) == report
     with pytest.raises(MessageError, match="missing field 'iteration'"):
@@ -181,7 +182,7 @@ def test_forged_records_are_refused_and_the_job_is_undisturbed(tmp_path, tmp_pat
     board.post(store, keys.MAILBOX, lambda at: forger.seal(Report(
         node="node0", generation=0, boundary=False, iteration=0, position=0, instruction="",
         committed_through=-1, stepped_through=-1, done=(), clip_scale=None, flight=-1,
-        formed=True, lacking=(), untouched=True, leaving=True, reason="forged",
+        formed=True, lacking=(), untouched=True, replica=None, leaving=True, reason="forged",
         time_s=0.0), at=at), count_key=keys.MAILBOX_COUNT)
     board.post(store, keys.decision_board(0),
                lambda at: forger.seal(DecisionRecord(0, {"action": "stop"}), at=at))

@@ -425,3 +425,38 @@ def test_sender_of_a_copy_made_from_a_restored_stage_lost_in_its_transfer_phase(
                                                       **{**FAST, "iterations": 10}))
     got = load_file(str(run / "final" / "model.safetensors"))
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_receiver_that_missed_only_its_replica_keeps_its_stage(tmp_path, corpus):
+    """P = 3, D = 1 with shadows: node1 crashes and node0 carries stages 0 and 1; node3 joins,
+    and the rebalance gives it stage 1 (from node0) and the replica of stage 2 (from node2).
+    node2's main thread stops before it sends the replica, and it is fenced at the hang
+    timeout: node3 holds its stage and lacks only the replica. It keeps its place (counted
+    out before, it joined again and stage 1 went back to node0 for a later rebalance to move
+    once more); nothing is taken over from the replica it never had: stage 2 is restored
+    from its shadow, and its restorer sends node3 the replica. With one pipeline, the result
+    is bit-identical to the failure-free run."""
+    from test_equivalence import reference
+
+    cfg, run = _train(tmp_path, corpus, 3, 1, [("fail", "node1@3:backward"),
+                                               ("hang", "node2@5:transfer")], [5],
+                      [f"node{r}" for r in range(3)],
+                      **{"iterations": 14, "shadow.enabled": True})
+    ev = events(run)
+    plans = [e for e in ev if e["kind"] == "plan"]
+    assert [p["action"] for p in plans[:3]] == ["failover", "rebalance", "restore_from_shadow"]
+    assert ["replica", 2, "node2", "node3"] in plans[1]["transfers"]
+    agreed = next(e for e in ev if e["kind"] == "agreement" and e["generation"] == 2)
+    assert agreed["unreplicated"] == ["node3"] and "lacking" not in agreed, agreed
+    assert plans[2]["transfers"] == [["replica", 2, "node0", "node3"]]
+    assert not [e for e in ev if e["kind"] in ("rejoining", "worker_error")]
+    report = next(e for e in ev if e["kind"] == "report" and e["node"] == "node3")
+    assert (report["generation"], report["lacking"], report["replica"]) == (2, ["replica 2"],
+                                                                            None), report
+    node3 = [e for e in ev if e["node"] == "node3" and e["kind"] in ("migrated", "worker_done")]
+    assert [(e["kind"], e.get("received"), e["stages"]) for e in node3] == [
+        ("migrated", ["replica 2"], [1]), ("worker_done", None, [1])], node3
+    want, _ = reference(cfg)
+    got = load_file(str(run / "final" / "model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert_samples_exactly_once(run, cfg)

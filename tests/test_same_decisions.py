@@ -29,7 +29,8 @@ def _report(coord: Coordinator, node: str, *, boundary: bool, leaving: bool = Fa
     coord.report(Report(node=node, generation=coord.generation, boundary=boundary,
                         iteration=7, position=0, instruction="", committed_through=6,
                         stepped_through=6, done=(), clip_scale=None, flight=-1, formed=True,
-                        lacking=(), untouched=True, leaving=leaving, reason="test",
+                        lacking=(), untouched=True, replica=None, leaving=leaving,
+                        reason="test",
                         time_s=0.0), node)
 
 

@@ -702,6 +702,8 @@ class Coordinator:
                    "reports": len(rec.reports),
                    **({"lacking": {n: list(w) for n, w in outcome.lacking.items()}}
                       if outcome.lacking else {}),
+                   **({"unreplicated": sorted(outcome.unreplicated)}
+                      if outcome.unreplicated else {}),
                    **({"rolled_back": True} if outcome.rolled_back else {}),
                    "agreement_s": round(agreed - rec.started_s, 6),
                    "action": decision.action.value})
@@ -781,7 +783,8 @@ def _newest_committed(state: CoordinatorState) -> int:
 def _node_report(r: Report) -> NodeReport:
     return NodeReport(r.node, iteration=r.iteration, committed_through=r.committed_through,
                       boundary=r.boundary, leaving=r.leaving, formed=r.formed,
-                      lacking=tuple(r.lacking), untouched=r.untouched, flight=r.flight,
+                      lacking=tuple(r.lacking), untouched=r.untouched, replica=r.replica,
+                      flight=r.flight,
                       done=tuple(r.done), clip_scale=r.clip_scale, reason=r.reason)
 
 

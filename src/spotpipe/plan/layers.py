@@ -15,7 +15,7 @@ nodes (`runtime.migrate.run`) take the same order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,13 +53,16 @@ def node_layers(layout: Layout, partition: list[tuple[int, int]], node: str,
 
 
 def layer_plan(old: Layout, new: Layout, old_partition: list[tuple[int, int]],
-               new_partition: list[tuple[int, int]], redundancy: bool) -> list[LayerMove]:
+               new_partition: list[tuple[int, int]], redundancy: bool,
+               unreplicated: Collection[str] = ()) -> list[LayerMove]:
     """Every layer transfer the change needs, in a deterministic order.
 
     A node keeps what it already holds. Any holder is a valid source, since all data-parallel
     owners of a stage and its (exact) replica hold identical state; only nodes of the new
     layout can send (the others leave). Among the holders the least loaded is taken, then one
-    that already sends to the same node (fewer messages), then the first by name.
+    that already sends to the same node (fewer messages), then the first by name. Nodes in
+    `unreplicated` lack the replica `old` gives them (a plan failed before it arrived): its
+    layers are not theirs to send or keep.
     """
     if old.num_pipelines != new.num_pipelines:
         raise ValueError(f"a re-partition keeps the number of pipelines, got "
@@ -69,8 +72,8 @@ def layer_plan(old: Layout, new: Layout, old_partition: list[tuple[int, int]],
             raise ValueError(f"{name} partition has {len(part)} stages, its layout "
                              f"{lay.num_stages}")
     nodes = sorted(new.active_nodes)
-    have = {n: node_layers(old, old_partition, n, redundancy) if n in old.active_nodes
-            else set() for n in nodes}
+    have = {n: node_layers(old, old_partition, n, redundancy and n not in unreplicated)
+            if n in old.active_nodes else set() for n in nodes}
     load = {n: 0 for n in nodes}
     pairs: set[tuple[str, str]] = set()
     moves: list[LayerMove] = []

@@ -105,7 +105,8 @@ class Decision:
 def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str], *,
            min_stages: int = 1, shadows: bool = False, replicas: bool = True,
            repartition: bool = True, leaving: Iterable[str] = (),
-           microbatches: int | None = None, room: Room | None = None) -> Decision:
+           microbatches: int | None = None, room: Room | None = None,
+           unreplicated: Iterable[str] = ()) -> Decision:
     """Decide the next layout given nodes `lost` and nodes `joined` since `layout`.
 
     `min_stages` is the smallest depth at which the model still fits in the nodes' memory;
@@ -117,7 +118,9 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
     divides it is planned (None: any). `room`: whether a node's memory holds a set of stages
     (`Room`); a stage is copied or restored only onto a node it says holds it with the
     stages the node runs (None: any node running one stage, or where the model fits on
-    fewer nodes, as many as `min_stages` implies).
+    fewer nodes, as many as `min_stages` implies). `unreplicated`: nodes of `layout` that do
+    not hold the replica it gives them (a plan failed before they received it): nothing is
+    taken over or copied from those replicas.
     """
     widths = _Widths(microbatches)
     lost = frozenset(lost)
@@ -132,7 +135,8 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
     if not hit:
         return _grow(layout.with_standby(standby), min_stages, repartition, widths)
     # (a node leaving on a notice is still there at the boundary: its stages are a source)
-    sources = _Sources(lost, frozenset(leaving) & hit, replicas, room=room)
+    sources = _Sources(lost, frozenset(leaving) & hit, replicas, room=room,
+                       unreplicated=frozenset(unreplicated))
     handover = _handover(layout, hit, sources, standby)
     if handover is not None:
         return handover
@@ -143,7 +147,7 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
     # (a pipeline with no live node left is dropped: the others hold its state)
     kept = [d for d in broken if set(layout.grid[d]) - lost] if shadows else []
     # from memory when the survivors hold every stage, unless the shadows keep more pipelines
-    assembled = _assemble(layout, lost, standby, replicas, widths,
+    assembled = _assemble(layout, sources, standby, widths,
                           widths.at_most(len(kept)), sources.takes(layout.num_stages))
     if assembled is not None:
         return assembled
@@ -158,7 +162,7 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
         in_place = _in_place(layout, roomy, standby, widths, _broken(layout, roomy))
         if in_place is not None:
             return in_place
-    repaired = (_shadow_repair(layout, lost, standby, replicas, kept, widths,
+    repaired = (_shadow_repair(layout, sources, standby, kept, widths,
                                roomy.takes(layout.num_stages)) if kept else None)
     if repaired is not None:
         return repaired
@@ -213,6 +217,8 @@ class _Sources:
     replicas: bool  # redundancy is on: nodes hold their successor's replica
     carry: int = 2  # the most stages a node may run (copies go only to nodes with room)
     room: Room | None = None  # and whether its memory holds them (`Room`)
+    # nodes that lack the replica the layout gives them (a plan failed before it arrived)
+    unreplicated: frozenset[str] = frozenset()
 
     def takes(self, depth: int) -> _Takes:
         """Whether a node may run a set of stages of this `depth` (a copy's or a restore's
@@ -221,12 +227,19 @@ class _Sources:
             return len(stages) <= self.carry and (self.room is None or self.room(depth, stages))
         return takes
 
-    def replica(self, layout: Layout, d: int, s: int) -> str | None:
-        """The live node holding stage s's replica (room to take it over included)."""
+    def held(self, layout: Layout, d: int, s: int) -> str | None:
+        """The node holding stage s's replica, lost or not (None where the layout gives it
+        none, or its holder never received it)."""
         holder = layout.replica_holder(d, s)
-        if self.replicas and holder not in self.lost and layout.has_replica(d, s):
+        if (self.replicas and layout.has_replica(d, s)
+                and holder not in self.unreplicated):
             return holder
         return None
+
+    def replica(self, layout: Layout, d: int, s: int) -> str | None:
+        """The live node holding stage s's replica (room to take it over included)."""
+        holder = self.held(layout, d, s)
+        return holder if holder not in self.lost else None
 
     def leaving_owner(self, layout: Layout, d: int, s: int) -> str | None:
         owner = layout.owner(d, s)
@@ -236,10 +249,8 @@ class _Sources:
         """A node leaving on a notice that can hand stage s over before it goes: its owner,
         else the holder of its replica (exact at the boundary, as for a promotion): a crash
         beside a notice, the replica's holder the one told to go."""
-        holder = layout.replica_holder(d, s)
-        return self.leaving_owner(layout, d, s) or (
-            holder if self.replicas and holder in self.leaving and layout.has_replica(d, s)
-            else None)
+        holder = self.held(layout, d, s)
+        return self.leaving_owner(layout, d, s) or (holder if holder in self.leaving else None)
 
     def source(self, layout: Layout, d: int, s: int) -> str | None:
         """Where a copy of stage s comes from: the replica first (the leaving node may vanish
@@ -351,9 +362,8 @@ def _handover(layout: Layout, hit: frozenset[str], sources: _Sources,
                     f"notice handed to standby nodes, {how}")
 
 
-def _shadow_repair(layout: Layout, lost: frozenset[str], standby: tuple[str, ...],
-                   replicas: bool, kept: list[int], widths: _Widths,
-                   takes: _Takes) -> Decision | None:
+def _shadow_repair(layout: Layout, sources: _Sources, standby: tuple[str, ...],
+                   kept: list[int], widths: _Widths, takes: _Takes) -> Decision | None:
     """Repair the broken pipelines `kept` (each keeps a live node): promote what has a
     replica, restore the rest from the shadows onto a standby node or the nearest live node of
     the same pipeline with room (`takes`: whether a node may run a set of stages). The other
@@ -361,6 +371,7 @@ def _shadow_repair(layout: Layout, lost: frozenset[str], standby: tuple[str, ...
     every pipeline holds the same state, so one wholly lost does not send the job back to
     its checkpoint while another can be repaired. None when some stage has no node with
     room: restoring it anyway could put more stages on a node than its memory holds."""
+    lost = sources.lost
     hits = {d: sum(1 for d_, _ in _lost_slots(layout, lost) if d_ == d) for d in kept}
     kept = sorted(sorted(kept, key=lambda d: (hits[d], d))[:widths.at_most(len(kept))])
     mapping: dict[Slot, str] = {}
@@ -373,8 +384,8 @@ def _shadow_repair(layout: Layout, lost: frozenset[str], standby: tuple[str, ...
         for d_, s in _lost_slots(layout, lost):
             if d_ != d:
                 continue
-            holder = layout.replica_holder(d, s)
-            if replicas and holder not in lost and layout.has_replica(d, s):
+            holder = sources.replica(layout, d, s)
+            if holder is not None:
                 mapping[(new_d, s)] = holder
                 moves.append(Move(MoveKind.PROMOTE, new_d, s, holder, holder))
                 continue
@@ -433,19 +444,18 @@ def _drop(layout: Layout, sources: _Sources, standby: tuple[str, ...], broken: l
                     f"kept{why}", tuple(broken))
 
 
-def _assemble(layout: Layout, lost: frozenset[str], standby: tuple[str, ...], replicas: bool,
-              widths: _Widths, at_least: int, takes: _Takes) -> Decision | None:
+def _assemble(layout: Layout, sources: _Sources, standby: tuple[str, ...], widths: _Widths,
+              at_least: int, takes: _Takes) -> Decision | None:
     """Every pipeline is broken, yet each stage's state lives on some survivor (data-parallel
     owners of a stage hold identical state, and a replica is exact every iteration): build
     whole pipelines of the survivors of all of them, as many as they make up and the batch
     splits over (at least `at_least`, what a shadow repair would keep, else None). None too
     when some stage's state is on no survivor."""
-    p = layout.num_stages
+    p, lost = layout.num_stages, sources.lost
     owners = {s: [layout.owner(d, s) for d in range(layout.num_pipelines)
                   if layout.owner(d, s) not in lost] for s in range(p)}
-    holders = {s: [layout.replica_holder(d, s) for d in range(layout.num_pipelines)
-                   if replicas and layout.has_replica(d, s)
-                   and layout.replica_holder(d, s) not in lost] for s in range(p)}
+    holders = {s: [h for d in range(layout.num_pipelines)
+                   if (h := sources.replica(layout, d, s)) is not None] for s in range(p)}
     if not all(owners[s] or holders[s] for s in range(p)):
         return None
     # (in slot order, as `_drop` frees them: no decision here compares names)
@@ -455,7 +465,7 @@ def _assemble(layout: Layout, lost: frozenset[str], standby: tuple[str, ...], re
     for width in range(widths.at_most(most), max(1, at_least) - 1, -1):
         if widths.fits(width):
             built = _assembled(layout, width, owners, holders, list(standby) + live,
-                               _broke(replicas), takes)
+                               _broke(sources.replicas), takes)
             if built is not None:
                 return built
     return None

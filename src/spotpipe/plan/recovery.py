@@ -13,9 +13,11 @@ this module owns the rules a running job adds:
 - the resume iteration: one past the newest iteration any survivor committed (never below
   what the last plan resumed at);
 - a plan that failed while carried out (a peer lost while groups formed or states moved):
-  nodes that did not receive their new state are counted out (they join again as new nodes),
-  and if no survivor's state changed yet, the plan is rolled back and the job decides again
-  from the layout before it;
+  nodes that did not receive a stage it gave them are counted out (they join again as new
+  nodes); a node that missed only its replica keeps its place and its stages, and the next
+  plan sends the replica again (meanwhile nothing is taken over from it); if no survivor's
+  state changed yet, the plan is rolled back and the job decides again from the layout before
+  it;
 - plans failing again and again with no node lost in between (a partitioned network) stop
   the job instead of looping;
 - without redundancy or shadows, a loss is a stop only when some stage's state is on no
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Iterable
 
+from spotpipe.plan.layers import held_replica
 from spotpipe.plan.layout import Layout
 from spotpipe.plan.policy import Action, Decision as Choice, Move, MoveKind, Room, decide, restart
 from spotpipe.plan.transfers import Transfer, departing, transfers
@@ -89,6 +92,9 @@ class NodeReport:
     done: tuple[Any, ...] = ()
     clip_scale: float | str | None = None  # "skip": the committed step was skipped
     reason: str = ""
+    # the stage whose replica it holds (None: none); read only where its last plan failed
+    # (`formed` False): a node whose generation formed holds the one its layout gives it
+    replica: int | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +134,9 @@ class Decision:
     # the committed iteration's, for a new shadow writer ("skip": its step was skipped)
     clip_scale: float | str | None = None
     rejoin: tuple[str, ...] = ()  # counted out for state they did not receive: join again
+    # nodes of `previous_layout` that lack the replica it gives them (a plan failed before it
+    # arrived): a re-partition takes none of its layers from them (`plan.layer_plan`)
+    unreplicated: tuple[str, ...] = ()
     reason: str = ""
     message: str = ""  # a stop's one-sentence reason
 
@@ -191,6 +200,7 @@ class Decision:
                 n: [list(e) if isinstance(e, (list, tuple)) else e for e in done]
                 for n, done in self.salvage.items()},
             "clip_scale": self.clip_scale, "rejoin": list(self.rejoin),
+            "unreplicated": list(self.unreplicated),
             "reason": self.reason, "message": self.message}
 
     @classmethod
@@ -211,7 +221,8 @@ class Decision:
                 for n, done in data["salvage"].items()},
             clip_scale=(data["clip_scale"] if data["clip_scale"] in (None, "skip")
                         else float(data["clip_scale"])),
-            rejoin=tuple(str(n) for n in data["rejoin"]), reason=str(data["reason"]),
+            rejoin=tuple(str(n) for n in data["rejoin"]),
+            unreplicated=tuple(str(n) for n in data["unreplicated"]), reason=str(data["reason"]),
             message=str(data["message"]))._checked()
 
     def _checked(self) -> "Decision":
@@ -235,6 +246,7 @@ class Outcome:
     rolled_back: bool = False
     refused: str | None = None  # a re-partition refused now (said once)
     improve: bool = False  # the new layout can improve further at the next boundary
+    unreplicated: frozenset[str] = frozenset()  # kept their places, lacking their replicas
 
 
 def _partition(data: Iterable[Iterable[int]]) -> Partition:
@@ -255,11 +267,13 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     joiners = list(joiners)
     layout, partition = history.layout, history.partition
     leaving = frozenset(n for n, r in reports.items() if r.leaving)
-    # a node that could not receive what the last plan gave it (a peer was lost while the
-    # plan was carried out) does not hold its place: counted out, it joins again
-    lacking = {n: r.lacking for n, r in reports.items() if r.lacking}
+    # a node that could not receive a stage the last plan gave it (a peer was lost while the
+    # plan was carried out) does not hold its place: counted out, it joins again. One that
+    # missed only its replica runs its stages as placed (`_unreplicated`)
+    missed = {n: r.lacking for n, r in reports.items() if r.lacking}
+    lacking = {n: w for n, w in missed.items() if _lacks_a_stage(w)}
     rolled_back = False
-    if lacking and history.before is not None and _untouched(
+    if missed and history.before is not None and _untouched(
             history.before[0], reports, frozenset(dead), frozenset(layout.standby)):
         placed = layout.active_nodes - history.before[0].all_nodes
         layout, partition = history.before
@@ -275,6 +289,7 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     lost = frozenset(dead) | leaving | frozenset(lacking)
     if set(layout.standby) & lost:  # a standby node lost (or counted out) is no spare
         layout = layout.with_standby(tuple(n for n in layout.standby if n not in lost))
+    unreplicated = (_unreplicated(layout, reports, lost) if rules.replicas else frozenset())
     # plans that fail while carried out or in their first iteration, again and again with no
     # node lost in between (groups that cannot form or exchange: a partitioned network),
     # would loop forever: stop instead
@@ -291,17 +306,17 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     state = replace(history, layout=layout, partition=partition)
     cached = history.next_choice
     if (cached is not None and cached[0] is layout and not hit and not joiners
-            and not leaving):
+            and not leaving and not unreplicated):
         choice, refused = cached[1], cached[2]
     else:
-        choice, refused = _choose(state, hit, joiners, rules, leaving)
+        choice, refused = _choose(state, hit, joiners, rules, leaving, unreplicated)
     if refused:
         state = replace(state, repartition_refused=refused)
     def named() -> str:
         return _named(layout, hit, lacking)
 
     message = _stop_reason(choice, rules, layout, hit, lost, reports, futile, named, when,
-                           leaving)
+                           leaving, unreplicated)
     if message and rules.restarts and futile < rules.max_futile:
         # restarted from the newest checkpoint on the survivors (see Rules.restarts)
         survivors = sorted(layout.active_nodes - lost) + [n for n in layout.standby
@@ -312,14 +327,15 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
             f"lost {named()} {when}: {choice.reason}")
     base = dict(generation=history.generation + 1, resume=resume, previous_layout=layout,
                 previous_partition=partition, rejoin=tuple(sorted(
-                    n for n in lacking if n not in choice.layout.active_nodes)))
+                    n for n in lacking if n not in choice.layout.active_nodes)),
+                unreplicated=tuple(sorted(unreplicated)))
     if message:
         # (the layout a stop leaves: decide's own, or the survivors waiting for a restart)
         left = choice.layout if choice.action == Action.STOP else layout.with_standby(())
         decision = Decision(Action.STOP, layout=left, partition=partition, message=message,
                             reason=choice.reason, **base)  # type: ignore[arg-type]
         return Outcome(decision, replace(state, futile=futile, lost_before=lost), lost,
-                       leaving, lacking, rolled_back, refused)
+                       leaving, lacking, rolled_back, refused, unreplicated=unreplicated)
     new_partition = (_partition_at(rules, partition, choice.layout.num_stages)
                      if choice.action == Action.REPARTITION else partition)
     promoted = {m.dst for m in choice.moves if m.kind == MoveKind.PROMOTE}
@@ -328,7 +344,8 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     # checkpoint: neither has stage transfers)
     moved = (() if not with_transfers
              or choice.action in (Action.REPARTITION, Action.RESTORE_FROM_CHECKPOINT) else
-             tuple(transfers(layout, choice.layout, copies, promoted, rules.replicas)))
+             tuple(transfers(layout, choice.layout, copies, promoted, rules.replicas,
+                             unreplicated)))
     continues = (_continues_in_flight(choice, layout, rules)
                  and all(r.formed for r in reports.values()))
     decision = Decision(
@@ -349,7 +366,24 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     after = replace(after, next_choice=(after.layout, upcoming, upcoming_refused))
     # (pipelines the spares can form are an improvement too: after a drop, with nodes waiting)
     improve = upcoming.action is not Action.KEEP
-    return Outcome(decision, after, lost, leaving, lacking, rolled_back, refused, improve)
+    return Outcome(decision, after, lost, leaving, lacking, rolled_back, refused, improve,
+                   unreplicated)
+
+
+def _lacks_a_stage(lacking: Iterable[str]) -> bool:
+    """Whether what a node reports it lacks (`runtime.reshape`: "stage 1", "replica 2")
+    includes a stage."""
+    return any(not what.startswith("replica ") for what in lacking)
+
+
+def _unreplicated(layout: Layout, reports: Mapping[str, NodeReport],
+                  lost: frozenset[str]) -> frozenset[str]:
+    """The live nodes of `layout` that do not hold the replica it gives them: a plan failed
+    before it reached them (the layout a plan was carried out in, or the one before it,
+    rolled back to: each node says which replica it holds, so both are read the same way)."""
+    return frozenset(n for n, r in reports.items()
+                     if not r.formed and n in layout.active_nodes and n not in lost
+                     and (want := held_replica(layout, n)) is not None and r.replica != want)
 
 
 def _untouched(before: Layout, reports: Mapping[str, NodeReport], dead: frozenset[str],
@@ -369,13 +403,15 @@ def _untouched(before: Layout, reports: Mapping[str, NodeReport], dead: frozense
 
 
 def _choose(history: History, hit: frozenset[str], joiners: list[str],
-            rules: Rules, leaving: frozenset[str] = frozenset()) -> tuple[Choice, str | None]:
+            rules: Rules, leaving: frozenset[str] = frozenset(),
+            unreplicated: frozenset[str] = frozenset()) -> tuple[Choice, str | None]:
     """`plan.decide`, less the re-partitions this job cannot make: those become KEEP, and the
     job runs on in the layout it has. Returns the reason when it is new."""
     layout = history.layout
     choice = decide(layout, hit, joiners, shadows=rules.shadows, replicas=rules.replicas,
                     repartition=rules.repartition, min_stages=rules.min_stages,
-                    leaving=leaving, microbatches=rules.microbatches, room=rules.room)
+                    leaving=leaving, microbatches=rules.microbatches, room=rules.room,
+                    unreplicated=unreplicated)
     if choice.action != Action.REPARTITION or choice.needs_restore:
         return choice, None
     depth = choice.layout.num_stages
@@ -439,6 +475,15 @@ def _adjacent(layout: Layout, lost: frozenset[str], leaving: frozenset[str]) -> 
                & leaving for (d, s), n in layout.mapping.items() if n in lost)
 
 
+def _missing_replicas(layout: Layout, lost: frozenset[str],
+                      unreplicated: frozenset[str]) -> str:
+    """The lost stages whose replica holder had not received it, in words ("" for none)."""
+    missing = [f"{layout.replica_holder(d, s)} had not received the replica of stage {s}"
+               for (d, s), n in sorted(layout.mapping.items())
+               if n in lost and layout.replica_holder(d, s) in unreplicated]
+    return ", ".join(missing)
+
+
 def _unheld(layout: Layout, lost: frozenset[str]) -> str:
     """The stages whose every data-parallel owner is lost, in words ("their stages" when none
     is: the job stops for another reason)."""
@@ -452,7 +497,8 @@ def _unheld(layout: Layout, lost: frozenset[str]) -> str:
 def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[str],
                  lost: frozenset[str], reports: Mapping[str, NodeReport], futile: int,
                  named: Callable[[], str], when: str,
-                 leaving: frozenset[str] = frozenset()) -> str:
+                 leaving: frozenset[str] = frozenset(),
+                 unreplicated: frozenset[str] = frozenset()) -> str:
     """Why the job stops, in one sentence, or "" when it goes on."""
     if futile >= rules.max_futile:
         reasons = "; ".join(sorted({r.reason for r in reports.values()}))
@@ -480,9 +526,12 @@ def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[st
                 "node, or none has room for another stage)"
                 if rules.shadows else ""))
         adjacent = _adjacent(layout, lost, leaving)
+        missing = _missing_replicas(layout, lost, unreplicated)
         return (f"lost {named()} {when}: "
                 + ("adjacent stages of one pipeline, so no replica of one of them survives; "
                    if adjacent else "")
+                + (f"{missing} when a peer was lost while the job reshaped; " if missing
+                   else "")
                 # (every lost stage had a copy: what was missing is a node to take it)
                 + ("the nodes leaving could hand their stages over, but no node left has room "
                    "for them beside its own (the memory the launch measured); "

@@ -36,14 +36,16 @@ class Transfer:
 
 
 def transfers(old: Layout, new: Layout, copies: Iterable[tuple[int, str, str]],
-              promoted: set[str], replicas: bool) -> list[Transfer]:
+              promoted: set[str], replicas: bool,
+              unreplicated: Iterable[str] = ()) -> list[Transfer]:
     """Every state transfer the change needs, in a deterministic order.
 
     `copies` are the decision's stage copies (stage, src, dst); `promoted` the nodes that
     turned their replica into an owned stage (their replica is gone); without `replicas`
     (redundancy off) only stages move. A copy's source outside the new layout is a node
     leaving on a notice that hands its stage over (`departing`): it sends the stage's
-    replica too when no node that stays owned the stage.
+    replica too when no node that stays owned the stage. `unreplicated`: nodes of `old` that
+    lack the replica it gave them (a plan failed before it arrived): sent again.
     """
     copies = list(copies)
     out = [Transfer(STAGE, s, src, dst) for s, src, dst in copies]
@@ -51,11 +53,12 @@ def transfers(old: Layout, new: Layout, copies: Iterable[tuple[int, str, str]],
         return out
     alive = set(new.active_nodes)
     handed = {s: src for s, src, _ in copies if src not in alive}
+    lacking = set(promoted) | set(unreplicated)
     for node in sorted(new.active_nodes):
         want = held_replica(new, node)
         if want is None:
             continue
-        had = (held_replica(old, node) if node in old.active_nodes and node not in promoted
+        had = (held_replica(old, node) if node in old.active_nodes and node not in lacking
                else None)
         if had == want:
             continue

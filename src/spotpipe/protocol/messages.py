@@ -165,6 +165,7 @@ class Report(Message):
     formed: bool  # False: the last plan failed before this node's generation formed
     lacking: tuple[str, ...]  # what the plan being carried out was to give it, and did not
     untouched: bool  # nothing of that plan changed this node's state yet
+    replica: int | None  # the stage whose replica it holds (None: none)
     leaving: bool  # a preemption notice: it leaves
     reason: str
     time_s: float

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,13 +33,16 @@ STAGE, REPLICA_COPY = 4, 5  # message kinds (see comm.tag)
 
 
 def run(plan: list[Transfer], me: str, comm: Comm, have: dict[tuple[str, int], Any],
-        build: Any) -> dict[tuple[str, int], Any]:
+        build: Any, arrived: Callable[[str, int, Any], None] | None = None
+        ) -> dict[tuple[str, int], Any]:
     """Carry out this node's part of `plan`.
 
     `have[(kind, stage)]` gives (module, optimizer) for what this node holds now ("stage" for
     owned stages, "replica" for its replica); `build(stage)` makes an empty module and
     optimizer of a stage. Returns what this node received, by (kind, stage), and under
-    ("bytes", -1) how many bytes came over the network.
+    ("bytes", -1) how many bytes came over the network. `arrived(kind, stage, (module,
+    optimizer))` hears of each as it lands: a peer lost before the last leaves the node with
+    what came before it (`runtime.reshape` keeps the stages).
 
     A stage travels as the raw bytes of its tensors (`stage_tensors`), so each keeps its
     dtype bit for bit, behind a header with their size and layout that the receiver checks
@@ -70,6 +74,8 @@ def run(plan: list[Transfer], me: str, comm: Comm, have: dict[tuple[str, int], A
                                          stage_tensors(*source(t.stage))):
                     target.copy_(value)
             received[(t.kind, t.stage)] = (module, optimizer)
+            if arrived is not None:
+                arrived(t.kind, t.stage, (module, optimizer))
     # peer by peer in `plan.exchange_order`: the lower rank of a pair sends first, so that no
     # two nodes that send each other a stage wait on each other's receive (NCCL's sends of
     # one stream block until taken; gloo's never do)
@@ -87,6 +93,8 @@ def run(plan: list[Transfer], me: str, comm: Comm, have: dict[tuple[str, int], A
                 bytes_moved += _receive_stage(comm, t, tag(kind_of(t), t.stage),
                                               stage_tensors(module, optimizer))
                 received[(t.kind, t.stage)] = (module, optimizer)
+                if arrived is not None:
+                    arrived(t.kind, t.stage, (module, optimizer))
     for work in sends:
         comm.wait(work)
     received[("bytes", -1)] = bytes_moved

@@ -59,17 +59,21 @@ def standing(ex: Executor | None, metrics: MetricsPost) -> dict[str, Any]:
 
 def report_failure(store: dist.Store, protocol: Channel, outbox: Outbox, node: str,
                    generation: int, why: Exception, *, boundary: bool, leaving: bool,
-                   formed: bool, progress: Progress, where: dict[str, Any]) -> None:
+                   formed: bool, progress: Progress, replica: int | None,
+                   where: dict[str, Any]) -> None:
     """Wake the generation's other nodes (unless all saw the same boundary: no one sleeps on
     a peer then) and tell the coordinator where this node stands. After a plan this node
     could not carry out (`formed` False), the report says what it misses: the coordinator
-    counts it out of the layout, it joins again, and nothing it has in flight is kept."""
+    counts it out of the layout, it joins again, and nothing it has in flight is kept; one
+    that misses only its replica (`replica`: the stage whose replica it holds) keeps its
+    place."""
     if not boundary:
         board.publish(store, protocol, keys.abort_board(generation),
                       Abort(generation, f"{node}: {why}"[:300]), generation)
     outbox.post(Report(
         node=node, generation=generation, boundary=boundary, **where, formed=formed,
-        lacking=tuple(progress.lacking), untouched=progress.untouched, leaving=leaving,
+        lacking=tuple(progress.lacking), untouched=progress.untouched, replica=replica,
+        leaving=leaving,
         reason=str(why)[:300], time_s=outbox.now()))
 
 

@@ -238,13 +238,26 @@ class Reshaper:
             for s in [s for s in st.stages if s not in mine]:  # kept by a plan that failed
                 del st.stages[s]
             return []
+        landed: set[int] = set()
+
+        def arrived(kind: str, stage: int, state: Any) -> None:
+            # a stage is this node's as it lands: should a peer be lost before the rest
+            # arrives, the node reports lacking only the rest, and one that lacks only its
+            # replica keeps its place (`plan.recovery`); the replica is held once all is in
+            if kind == "stage":
+                self.progress.untouched = False
+                st.own(stage, *state)
+                landed.add(stage)
+                if f"stage {stage}" in self.progress.lacking:
+                    self.progress.lacking.remove(f"stage {stage}")
+
         got.update(migrate.run(moves, me, comm, self._states(),
-                               lambda stage: st.build_stage(stage)))
+                               lambda stage: st.build_stage(stage), arrived))
         self.progress.bytes_received = bytes_received + got.pop(("bytes", -1))
         for s in [s for s in st.stages if s not in mine]:  # handed over to another node
             del st.stages[s]
         for (kind, s), (module, optimizer) in got.items():
-            if kind == "stage":
+            if kind == "stage" and s not in landed:  # (handed over by a departing node)
                 st.own(s, module, optimizer)
         want = held_replica(st.layout, me) if replicas else None
         if ("replica", want) in got:
@@ -264,8 +277,11 @@ class Reshaper:
         new_partition = [tuple(r) for r in decision.partition]
         old_partition = [tuple(r) for r in decision.previous_partition]
         redundancy = st.cfg.redundancy != "none"
-        expected = held_replica(old, me) if redundancy else None
-        actual = st.holding.replica.index if st.holding is not None else None
+        if me in decision.unreplicated:  # a plan failed before its replica arrived: a replica
+            st.drop_replica()  # it still holds is the one of the layout before that plan
+        expected = (held_replica(old, me) if redundancy and me not in decision.unreplicated
+                    else None)
+        actual = st.held_replica_index()
         if me in old.active_nodes and expected != actual:
             raise RuntimeError(f"{me} holds the replica of stage {actual}, the layout says "
                                f"{expected}: cannot re-partition from it")
@@ -281,7 +297,8 @@ class Reshaper:
             replica = st.build_stage(want, st.replica_device) if want is not None else None
         finally:
             st.partition = current
-        moves = layer_plan(old, st.layout, old_partition, new_partition, redundancy)
+        moves = layer_plan(old, st.layout, old_partition, new_partition, redundancy,
+                           decision.unreplicated)
         self.progress.bytes_received = migrate.exchange_layers(
             moves, me, comm, self.sealed.rendezvous(st.cfg.cluster.timeout_s),
             keys.layers_prefix(self.namespace, st.generation),

@@ -187,6 +187,10 @@ class NodeState:
         applier.start_at(resume)
         self.holding = Holding(replica, applier, self.layout.owner(self.pipeline, index))
 
+    def held_replica_index(self) -> int | None:
+        """The stage whose replica this node holds (None: none), as its report says it."""
+        return self.holding.replica.index if self.holding is not None else None
+
     def drop_replica(self) -> None:
         if self.holding is not None:
             self.holding.applier.close()

@@ -519,7 +519,8 @@ class Worker:
         with act.waiting():  # the store's, then the coordinator's (for every survivor's report)
             report_failure(self.store, self.protocol, self.channel, self.node, g, why,
                            boundary=boundary, leaving=leaving, formed=self.formed,
-                           progress=progress, where=standing(ex, self.metrics))
+                           progress=progress, replica=self.state.held_replica_index(),
+                           where=standing(ex, self.metrics))
             self.formed = True
             decision, prepared = self._decision(g)
         if decision.stopped:
