@@ -220,6 +220,32 @@ def test_a_notice_cut_short_in_the_hand_over_stops_the_job_clearly(tmp_path, cor
     assert_nothing_left(run, store_port(run))
 
 
+def test_a_leaving_node_hung_in_its_hand_over_is_fenced_at_the_hang_timeout(
+        tmp_path, tmp_path_factory, corpus):
+    """As above, but node2's main thread stops in its hand-over instead of dying (its
+    heartbeat goes on): it reports its stall at the hang timeout (2 s) and is fenced though
+    the plan let it go, and with shadows the stage comes back from its shadow; the run ends
+    bit-identical. Before, no check watched a node the plan had let go: node3 waited for the
+    stage until `cluster.timeout_s` (120 s here), and the job's end for node2's exit for
+    ever."""
+    cfg = config(corpus, 4, 1, **{"shadow.enabled": True, "cluster.timeout_s": 120.0})
+    nodes = [f"node{r}" for r in range(4)]
+    faults = [Fault.parse("notice", "node1@3", nodes), Fault.parse("notice", "node2@3", nodes),
+              Fault.parse("hang", "node2@3:handover", nodes)]
+    run = tmp_path / "run"
+    started = time.monotonic()
+    assert train(cfg, run, progress=False, faults=faults) == 0
+    assert time.monotonic() - started < 60
+    evs = events(run)
+    fenced = [e for e in evs if e["kind"] == "node_fenced"]
+    assert [e["node"] for e in fenced] == ["node2"], fenced
+    assert "handing over stage 2" in fenced[0]["reason"], fenced
+    plans = [e["action"] for e in evs if e["kind"] == "plan" and e["action"] != "keep"]
+    assert plans[0] == "failover" and "restore_from_shadow" in plans, plans
+    assert_ends_as_failure_free(run, cfg, failure_free(tmp_path_factory, tiny_config(
+        corpus, stages=4, **FAST)))
+
+
 def test_a_notice_with_time_to_spare_trains_on_until_its_lead(tmp_path, tmp_path_factory,
                                                               corpus):
     """AWS says node1 goes in 4 s (whole seconds: 3-4 s); with `failover.notice_lead_s: 1`

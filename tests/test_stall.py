@@ -3,6 +3,8 @@ coordinator's handling of its report (an in-memory store, no processes)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch.distributed as dist
 
@@ -128,6 +130,26 @@ def test_a_stall_report_fences_only_its_writer_and_only_in_its_generation(corpus
     assert "generation" in refusals[1]["reason"]
     coord.stalled(_stall(coord, "node3"), "node3")  # not in the job: nothing to fence
     assert killed == [] and not coord.fenced
+
+
+def test_a_node_let_go_by_a_plan_is_fenced_on_its_stall_whatever_its_generation(corpus):
+    """node1 leaves on a notice: the plan lets it go, and it hands its stage over outside
+    the new generation's layout (no heartbeat check watches it). Stuck there, it reports its
+    stall: it is fenced as a live node is (before, it was not, and its receivers waited out
+    `cluster.timeout_s`, the job's end its exit for ever), even from a generation the job
+    has left behind; a node that merely finished is not."""
+    coord, emitted, killed = _coordinator(corpus)
+    coord.left.add("node1")
+    # (its stall comes from the plan's generation or an older one)
+    coord.history = dataclasses.replace(coord.history, generation=coord.generation + 1)
+    coord.stalled(_stall(coord, "node1", generation=coord.generation - 1,
+                         step="handing over stage 1 to node0"), "node1")
+    assert killed == ["node1"] and "node1" in coord.fenced
+    fenced = [e for e in emitted if e["kind"] == "node_fenced"]
+    assert "handing over stage 1 to node0" in fenced[0]["reason"], fenced
+    coord.finished.add("node0")
+    coord.stalled(_stall(coord, "node0"), "node0")
+    assert killed == ["node1"]
 
 
 # -- between instructions: the steps of carrying out a Decision (`runtime.activity`) ---------

@@ -468,7 +468,13 @@ class Coordinator:
     def stalled(self, stall: Stalled, writer: str) -> None:
         """A node says its main thread has computed at one instruction for the hang timeout
         (`spotpipe.runtime.stall`): fence it now, as the heartbeat check would a beat or two
-        later. Only the node itself may say so; a stall of an earlier generation is over."""
+        later. Only the node itself may say so; a stall of an earlier generation is over.
+
+        A node a plan let go (leaving on a notice) is fenced too, whatever its generation:
+        until that plan's first iteration commits its receivers wait for its hand-over, and
+        its loss is a loss like any (`let_go`); after, only the job's end waits for its exit.
+        No heartbeat check watches it, and unfenced, a hand-over stuck in it held its
+        receivers for `cluster.timeout_s` and the job's end for ever."""
         if writer != stall.node:
             self.refused(writer, f"a stall report for {stall.node}")
             return
@@ -476,8 +482,10 @@ class Coordinator:
             self.refused(writer, f"a stall report of generation {stall.generation}; the job is "
                                  f"in generation {self.generation}")
             return
-        if stall.generation < self.generation or stall.node not in self.live \
-                or stall.node in self.fenced:
+        if stall.node in self.fenced or stall.node in self.dead:
+            return
+        if stall.node not in self.left and (stall.generation < self.generation
+                                            or stall.node not in self.live):
             return
         self._fence(stall.node, hung(stall.still_s, stall.iteration, stall.position, stall.step)
                     + " (its own report)")
