@@ -651,7 +651,7 @@ def test_without_redundancy_a_stage_lost_in_every_pipeline_stops_naming_it():
 
 def test_without_redundancy_a_loss_in_the_only_pipeline_stops():
     """D = 1: stage 1's one owner lost, nothing else holds it."""
-    from spotpipe.plan.recovery import History, recover
+    from spotpipe.plan.recovery import History, NodeReport, recover
 
     lay = Layout.build(2, 1, ["n0", "n1"])
     out = recover(History(lay, ((0, 1), (1, 2))), _reports_in_flight(["n0"]), [],
@@ -660,6 +660,13 @@ def test_without_redundancy_a_loss_in_the_only_pipeline_stops():
     assert out.decision.message.startswith(
         "lost n1 (pipeline 0, stage 1) in iteration 5 (the last committed iteration is 4); "
         "redundancy is off, so no other node holds stage 1")
+    # a survivor at a boundary reports the iteration it committed last: the loss is in the
+    # next one (it said "in iteration 5 (the last committed iteration is 5)")
+    at_boundary = {"n0": NodeReport("n0", iteration=5, committed_through=5, boundary=True)}
+    out = recover(History(lay, ((0, 1), (1, 2))), at_boundary, [], _plain_rules(),
+                  dead={"n1"})
+    assert "lost n1 (pipeline 0, stage 1) in iteration 6 (the last committed iteration " \
+           "is 5); " in out.decision.message, out.decision.message
 
 
 def test_a_shadow_repair_restores_onto_a_node_that_runs_one_stage():

@@ -445,8 +445,10 @@ def _when(in_flight: int | None, committed: int) -> str:
     if committed < 0:
         return ("before any iteration was committed" if in_flight is None
                 else f"in iteration {in_flight}, before any iteration was committed")
-    return (f"in iteration {committed + 1 if in_flight is None else in_flight} "
-            f"(the last committed iteration is {committed})")
+    # (a node at a boundary reports the iteration it just committed: the loss is in the next;
+    # the job said "in iteration 5 (the last committed iteration is 5)")
+    hit = committed + 1 if in_flight is None or in_flight <= committed else in_flight
+    return f"in iteration {hit} (the last committed iteration is {committed})"
 
 
 def _continues_in_flight(choice: Choice, layout: Layout, rules: Rules) -> bool:
