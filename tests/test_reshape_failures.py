@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from spotpipe.cluster.launcher import train
+from spotpipe.cluster.story import describe
 from spotpipe.faults import Fault, FaultSpecError
 
 from conftest import assert_close_where_width_changed, tiny_config
@@ -449,6 +450,9 @@ def test_a_receiver_that_missed_only_its_replica_keeps_its_stage(tmp_path, corpu
     agreed = next(e for e in ev if e["kind"] == "agreement" and e["generation"] == 2)
     assert agreed["unreplicated"] == ["node3"] and "lacking" not in agreed, agreed
     assert plans[2]["transfers"] == [["replica", 2, "node0", "node3"]]
+    told = describe(ev, json.loads((run / "summary.json").read_text()))
+    assert any("node3: did not receive its replica when a peer was lost; it keeps its "
+               "stages" in line for line in told), told
     assert not [e for e in ev if e["kind"] in ("rejoining", "worker_error")]
     report = next(e for e in ev if e["kind"] == "report" and e["node"] == "node3")
     assert (report["generation"], report["lacking"], report["replica"]) == (2, ["replica 2"],

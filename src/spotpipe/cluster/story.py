@@ -88,9 +88,13 @@ def describe(events: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]
                          "was lost; it joins again")
         elif kind == "join_too_late":
             lines.append(f"{at}  {node}: arrived after the last iteration; not placed")
-        elif kind == "agreement" and ev.get("rolled_back"):
-            lines.append(f"{at}  the plan in progress is rolled back: no survivor's state had "
-                         "changed yet")
+        elif kind == "agreement" and (ev.get("rolled_back") or ev.get("unreplicated")):
+            if ev.get("rolled_back"):
+                lines.append(f"{at}  the plan in progress is rolled back: no survivor's state "
+                             "had changed yet")
+            for n in ev.get("unreplicated", []):
+                lines.append(f"{at}  {n}: did not receive its replica when a peer was lost; it "
+                             "keeps its stages, and the next plan sends the replica again")
         elif kind == "plan":
             if ev["action"] == "stop":
                 lines.append(f"{at}  plan: stop. {ev['message']}")
