@@ -216,7 +216,7 @@ def test_a_notice_cut_short_in_the_hand_over_stops_the_job_clearly(tmp_path, cor
     assert time.monotonic() - started < 60
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "failed", summary
-    assert "node3 (pipeline 0, stage 3), which did not receive stage 2" in summary["message"]
+    assert "node3 (pipeline 0, stages 2, 3), which did not receive stage 2" in summary["message"]
     assert_nothing_left(run, store_port(run))
 
 

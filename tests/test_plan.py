@@ -667,6 +667,12 @@ def test_without_redundancy_a_loss_in_the_only_pipeline_stops():
                   dead={"n1"})
     assert "lost n1 (pipeline 0, stage 1) in iteration 6 (the last committed iteration " \
            "is 5); " in out.decision.message, out.decision.message
+    # a carrier lost is named with both its stages (it said "stage 2" of one running 1 and 2)
+    carrier = Layout.from_mapping(3, 1, {(0, 0): "n0", (0, 1): "n1", (0, 2): "n1"})
+    out = recover(History(carrier, ((0, 1), (1, 2), (2, 3))), at_boundary, [],
+                  _plain_rules(), dead={"n1"})
+    assert out.decision.message.startswith("lost n1 (pipeline 0, stages 1, 2) in iteration 6"), \
+        out.decision.message
 
 
 def test_a_shadow_repair_restores_onto_a_node_that_runs_one_stage():

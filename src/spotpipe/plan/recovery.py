@@ -463,7 +463,12 @@ def _continues_in_flight(choice: Choice, layout: Layout, rules: Rules) -> bool:
 
 
 def _named(layout: Layout, hit: frozenset[str], lacking: Mapping[str, tuple[str, ...]]) -> str:
-    where = {n: f"{n} (pipeline {d}, stage {s})" for (d, s), n in layout.mapping.items()}
+    where = {}
+    for n in layout.active_nodes:
+        slots = layout.stages_of(n)  # (a carrier's are named together: "stages 1, 2")
+        stages = ", ".join(str(s) for _, s in slots)
+        where[n] = (f"{n} (pipeline {slots[0][0]}, stage{'s' if len(slots) > 1 else ''} "
+                    f"{stages})")
     for n, what in lacking.items():
         where[n] = (f"{where.get(n, n)}, which did not receive {', '.join(what)} when a peer "
                     "was lost while the job reshaped")
