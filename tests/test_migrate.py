@@ -229,9 +229,11 @@ class _Blocking:
     NCCL's point-to-point operations on one stream do for large messages (gloo's sends
     never wait): a cycle of sends that wait on each other's receives hangs here too."""
 
-    def __init__(self, nodes: list[str], me: str, mailboxes: dict) -> None:
+    def __init__(self, nodes: list[str], me: str, mailboxes: dict,
+                 timeout_s: float = 10.0) -> None:
         self.nodes, self.me, self.device = nodes, me, torch.device("cpu")
         self._boxes = mailboxes  # (src, dst, tag) -> a queue of (tensor, taken event)
+        self._timeout_s = timeout_s
 
     def _box(self, src: str, dst: str, tag_: int):
         import queue
@@ -241,12 +243,12 @@ class _Blocking:
     def post_send(self, tensor, node, tag_):
         taken = threading.Event()
         self._box(self.me, node, tag_).put((tensor, taken))
-        if not taken.wait(10):
+        if not taken.wait(self._timeout_s):
             raise TimeoutError(f"{self.me}: its send to {node} was never taken")
         return None
 
     def post_recv(self, tensor, node, tag_):
-        sent, taken = self._box(node, self.me, tag_).get(timeout=10)
+        sent, taken = self._box(node, self.me, tag_).get(timeout=self._timeout_s)
         tensor.copy_(sent)
         taken.set()
         return None
@@ -283,3 +285,34 @@ def test_two_nodes_that_send_each_other_a_stage_do_not_wait_on_each_other():
     for copy in (got_b, got_a):
         assert all(torch.equal(p, q) for p, q in zip(copy[0].parameters(),
                                                      source[0].parameters()))
+
+
+def test_a_receiver_holds_its_stage_before_it_waits_on_a_replicas_sender():
+    """r is to receive the replica of stage 1 from x (the lower rank, so the first pair) and
+    stage 0 from y; x never sends (hung, or lost). r receives stage 0 first all the same,
+    then gives up on x: a failure there costs it the replica, not the stage it runs
+    (`runtime.reshape` keeps what arrived; before, r waited on x first and lacked both)."""
+    source = _stage([torch.float32], trained=True)
+    plan = [Transfer("replica", 1, "x", "r"), Transfer("stage", 0, "y", "r")]
+    boxes: dict = {}
+    out: dict[str, object] = {}
+    arrived: list[tuple[str, int]] = []
+
+    def node(me: str) -> None:
+        comm = _Blocking(["x", "y", "r"], me, boxes, timeout_s=1.0)
+        have = {("stage", 0): source} if me == "y" else {}
+        try:
+            out[me] = migrate.run(plan, me, comm, have,
+                                  lambda stage: _stage([torch.float32], trained=False),
+                                  lambda kind, stage, _: arrived.append((kind, stage)))
+        except Exception as exc:  # (the test looks at it)
+            out[me] = exc
+
+    threads = [threading.Thread(target=node, args=(n,), daemon=True) for n in ("y", "r")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not isinstance(out["y"], Exception), out["y"]
+    assert isinstance(out["r"], Exception), out["r"]  # (x never sent the replica)
+    assert arrived == [("stage", 0)]

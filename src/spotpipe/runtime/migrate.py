@@ -78,16 +78,21 @@ def run(plan: list[Transfer], me: str, comm: Comm, have: dict[tuple[str, int], A
                 arrived(t.kind, t.stage, (module, optimizer))
     # peer by peer in `plan.exchange_order`: the lower rank of a pair sends first, so that no
     # two nodes that send each other a stage wait on each other's receive (NCCL's sends of
-    # one stream block until taken; gloo's never do)
+    # one stream block until taken; gloo's never do). Stages go in a round before replicas:
+    # a receiver then holds its stages before it waits on a replica's sender, and a sender
+    # lost there costs it the replica, not its place (`plan.recovery`). Still no cycle of
+    # waits: a node in the second round has done every message of the first.
     sends, bytes_moved = [], 0
     ranks = {n: i for i, n in enumerate(comm.nodes)}
-    for op, peer in exchange_order(plan, me, ranks):
+    rounds = [[t for t in plan if t.kind == "stage"], [t for t in plan if t.kind != "stage"]]
+    for op, peer, moves in [(op, peer, moves) for moves in rounds
+                            for op, peer in exchange_order(moves, me, ranks)]:
         if op == "send":
-            for t in plan:
+            for t in moves:
                 if t.src == me and t.dst == peer:
                     sends += send(t)
             continue
-        for t in plan:
+        for t in moves:
             if t.src == peer and t.dst == me:
                 module, optimizer = build(t.stage)
                 bytes_moved += _receive_stage(comm, t, tag(kind_of(t), t.stage),
