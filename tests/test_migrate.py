@@ -257,29 +257,37 @@ class _Blocking:
         pass
 
 
+def _on_blocking(nodes: list[str], running: list[str], plan: list[Transfer], have,
+                 arrived=None, timeout_s: float = 10.0) -> dict[str, object]:
+    """`migrate.run(plan)` on a thread per node of `running` (the others never take part),
+    over `_Blocking`; what each returned or raised, by node. `have(me)`: its states."""
+    boxes: dict = {}
+    out: dict[str, object] = {}
+
+    def node(me: str) -> None:
+        comm = _Blocking(nodes, me, boxes, timeout_s=timeout_s)
+        try:
+            out[me] = migrate.run(plan, me, comm, have(me),
+                                  lambda stage: _stage([torch.float32], trained=False), arrived)
+        except Exception as exc:  # (the test looks at it)
+            out[me] = exc
+
+    threads = [threading.Thread(target=node, args=(n,), daemon=True) for n in running]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
 def test_two_nodes_that_send_each_other_a_stage_do_not_wait_on_each_other():
     """a sends b a stage while b sends a a replica (crossing moves of one plan): every send
     posted before any receive hung both on a transport whose sends wait to be taken (NCCL);
     the pairs now go in one order, the lower rank of each sending first."""
     source = _stage([torch.float32], trained=True)
     plan = [Transfer("stage", 0, "a", "b"), Transfer("replica", 1, "b", "a")]
-    boxes: dict = {}
-    out: dict[str, object] = {}
-
-    def node(me: str) -> None:
-        comm = _Blocking(["a", "b"], me, boxes)
-        have = {("stage", 0): source} if me == "a" else {("stage", 1): source}
-        try:
-            out[me] = migrate.run(plan, me, comm, have,
-                                  lambda stage: _stage([torch.float32], trained=False))
-        except Exception as exc:  # (the test looks at it)
-            out[me] = exc
-
-    threads = [threading.Thread(target=node, args=(n,), daemon=True) for n in ("a", "b")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    out = _on_blocking(["a", "b"], ["a", "b"], plan, lambda me: {
+        ("stage", 0 if me == "a" else 1): source})
     assert not any(isinstance(v, Exception) for v in out.values()), out
     got_b, got_a = out["b"][("stage", 0)], out["a"][("replica", 1)]
     for copy in (got_b, got_a):
@@ -294,25 +302,11 @@ def test_a_receiver_holds_its_stage_before_it_waits_on_a_replicas_sender():
     (`runtime.reshape` keeps what arrived; before, r waited on x first and lacked both)."""
     source = _stage([torch.float32], trained=True)
     plan = [Transfer("replica", 1, "x", "r"), Transfer("stage", 0, "y", "r")]
-    boxes: dict = {}
-    out: dict[str, object] = {}
     arrived: list[tuple[str, int]] = []
-
-    def node(me: str) -> None:
-        comm = _Blocking(["x", "y", "r"], me, boxes, timeout_s=1.0)
-        have = {("stage", 0): source} if me == "y" else {}
-        try:
-            out[me] = migrate.run(plan, me, comm, have,
-                                  lambda stage: _stage([torch.float32], trained=False),
-                                  lambda kind, stage, _: arrived.append((kind, stage)))
-        except Exception as exc:  # (the test looks at it)
-            out[me] = exc
-
-    threads = [threading.Thread(target=node, args=(n,), daemon=True) for n in ("y", "r")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    out = _on_blocking(["x", "y", "r"], ["y", "r"], plan,
+                       lambda me: {("stage", 0): source} if me == "y" else {},
+                       arrived=lambda kind, stage, _: arrived.append((kind, stage)),
+                       timeout_s=1.0)
     assert not isinstance(out["y"], Exception), out["y"]
     assert isinstance(out["r"], Exception), out["r"]  # (x never sent the replica)
     assert arrived == [("stage", 0)]
