@@ -238,7 +238,6 @@ class Reshaper:
             for s in [s for s in st.stages if s not in mine]:  # kept by a plan that failed
                 del st.stages[s]
             return []
-        landed: set[int] = set()
 
         def arrived(kind: str, stage: int, state: Any) -> None:
             # a stage is this node's as it lands: should a peer be lost before the rest
@@ -247,18 +246,16 @@ class Reshaper:
             if kind == "stage":
                 self.progress.untouched = False
                 st.own(stage, *state)
-                landed.add(stage)
                 if f"stage {stage}" in self.progress.lacking:
                     self.progress.lacking.remove(f"stage {stage}")
 
+        for (kind, s), state in got.items():  # handed over by a departing node: here already
+            arrived(kind, s, state)
         got.update(migrate.run(moves, me, comm, self._states(),
                                lambda stage: st.build_stage(stage), arrived))
         self.progress.bytes_received = bytes_received + got.pop(("bytes", -1))
         for s in [s for s in st.stages if s not in mine]:  # handed over to another node
             del st.stages[s]
-        for (kind, s), (module, optimizer) in got.items():
-            if kind == "stage" and s not in landed:  # (handed over by a departing node)
-                st.own(s, module, optimizer)
         want = held_replica(st.layout, me) if replicas else None
         if ("replica", want) in got:
             module, optimizer = got[("replica", want)]
