@@ -675,6 +675,23 @@ def test_without_redundancy_a_loss_in_the_only_pipeline_stops():
         out.decision.message
 
 
+
+def test_a_stop_says_a_carrier_holds_no_replica():
+    """P = 4 after an earlier loss: n3 runs stages 3 and 0, and a node running two stages
+    holds no replica, so n1's stage 1 has none when n1 is lost. The stop says so (it said
+    only that no layout could hold the job's state)."""
+    from spotpipe.plan.recovery import History, NodeReport, recover
+
+    lay = Layout.from_mapping(4, 1, {(0, 0): "n3", (0, 1): "n1", (0, 2): "n2", (0, 3): "n3"})
+    reports = {n: NodeReport(n, iteration=6, committed_through=5) for n in ("n2", "n3")}
+    out = recover(History(lay, ((0, 1), (1, 2), (2, 3), (3, 4))), reports, [],
+                  _plain_rules(replicas=True), dead={"n1"})
+    assert out.decision.stopped
+    assert ("lost n1 (pipeline 0, stage 1) in iteration 6 (the last committed iteration is 5): "
+            "n3 runs stages 0, 3 and so holds no replica of stage 1 (since an earlier loss); "
+            "no layout") in out.decision.message, out.decision.message
+
+
 def test_a_shadow_repair_restores_onto_a_node_that_runs_one_stage():
     """Stage 2 lost with no replica (redundancy off), shadows on: its nearest live node
     forward, d, already carries stages 3 and 4; a third would not fit where a node's memory

@@ -491,6 +491,19 @@ def _missing_replicas(layout: Layout, lost: frozenset[str],
     return ", ".join(missing)
 
 
+def _held_by_carriers(layout: Layout, lost: frozenset[str], leaving: frozenset[str]) -> str:
+    """The lost stages whose predecessor survives but runs two stages (since an earlier loss)
+    and so holds no replica, in words ("" for none)."""
+    said = []
+    for (d, s), n in sorted(layout.mapping.items()):
+        holder = layout.replica_holder(d, s)
+        if (n in lost and n not in leaving and holder not in lost and holder != n
+                and layout.num_stages > 1 and not layout.has_replica(d, s)):
+            runs = ", ".join(str(t) for _, t in layout.stages_of(holder))
+            said.append(f"{holder} runs stages {runs} and so holds no replica of stage {s}")
+    return ", ".join(said)
+
+
 def _unheld(layout: Layout, lost: frozenset[str]) -> str:
     """The stages whose every data-parallel owner is lost, in words ("their stages" when none
     is: the job stops for another reason)."""
@@ -534,11 +547,13 @@ def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[st
                 if rules.shadows else ""))
         adjacent = _adjacent(layout, lost, leaving)
         missing = _missing_replicas(layout, lost, unreplicated)
+        carried = _held_by_carriers(layout, lost, leaving) if rules.replicas else ""
         return (f"lost {named()} {when}: "
                 + ("adjacent stages of one pipeline, so no replica of one of them survives; "
                    if adjacent else "")
                 + (f"{missing} when a peer was lost while the job reshaped; " if missing
                    else "")
+                + (f"{carried} (since an earlier loss); " if carried else "")
                 # (every lost stage had a copy: what was missing is a node to take it)
                 + ("the nodes leaving could hand their stages over, but no node left has room "
                    "for them beside its own (the memory the launch measured); "
