@@ -234,6 +234,12 @@ def test_a_node_s_memory_decides_how_many_stages_it_carries_where_it_was_measure
                       dead={"node1", "node2"}).decision
     assert crashed.stopped and "no replica of one of them survives" in crashed.message
     assert "has room" not in crashed.message
+    # the last node leaving too: no node is left at all (it said none "has room")
+    alone = Layout.from_mapping(3, 1, {(0, 0): "node0", (0, 1): "node0", (0, 2): "node0"})
+    last = History(alone, h.partition, resumed_at=h.resumed_at)
+    gone = recover(last, reports(last, {"node0"}), [], roomy).decision
+    assert gone.stopped and "every node is leaving, so none is left to take them" in \
+        gone.message, gone.message
 
 
 def test_a_stage_is_copied_to_the_nearest_node_whose_memory_holds_it():

@@ -27,11 +27,12 @@ BENCHES = {
     "reconfigure": "spotpipe.bench.reconfigure",
     "redundancy": "spotpipe.bench.redundancy",
     "simulator": "spotpipe.bench.simulator",
+    "soak": "spotpipe.bench.soak",
 }
 
 
 # benchmarks that take a number of faults (--faults N)
-TAKES_FAULTS = ("chaos",)
+TAKES_FAULTS = ("chaos", "soak")
 
 
 class BenchInputError(ValueError):

@@ -138,7 +138,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("name", help="benchmark name (pipeline, simulator, ...)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON line")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (for smoke tests)")
-    p.add_argument("--faults", type=int, metavar="N", help="bench chaos: how many faults")
+    p.add_argument("--faults", type=int, metavar="N",
+                   help="bench chaos: how many faults (one a run); bench soak: how many runs "
+                        "(three faults each)")
     p.add_argument("--repeat", type=int, metavar="N", default=1,
                    help="run the bench N times; each figure is the median over the runs")
     p.set_defaults(func=_bench)

@@ -555,8 +555,10 @@ def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[st
                    else "")
                 + (f"{carried} (since an earlier loss); " if carried else "")
                 # (every lost stage had a copy: what was missing is a node to take it)
-                + ("the nodes leaving could hand their stages over, but no node left has room "
-                   "for them beside its own (the memory the launch measured); "
+                + ("the nodes leaving could hand their stages over, but "
+                   + ("every node is leaving, so none is left to take them; " if not survivors
+                      else "no node left has room for them beside its own (the memory the "
+                      "launch measured); ")
                    if rules.replicas and not adjacent and hit & leaving else "")
                 + f"no layout of the {survivors} surviving node(s) can hold the job's state "
                   f"({why}"
