@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import ssl
@@ -13,9 +14,31 @@ from pathlib import Path
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now for a server a test starts later (etcd, a c10d store), below the
+    kernel's ephemeral range: a port the kernel handed out (bind to 0) goes back to that
+    range when closed, and another test's process may take it meanwhile for a listener of
+    its own (gloo's pairs listen on ephemeral ports), which a c10d agent then met as
+    "something accepts connections there but does not answer as a store" (a CI run)."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # taken: draw again
+                continue
+            return port
+    raise RuntimeError(f"no free port found in 10000-{low}")
+
+
+def _ephemeral_low() -> int:
+    """The low end of the kernel's ephemeral port range (32768 where it cannot be read)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+    return low if low > 11000 else 32768
 
 
 @dataclass(frozen=True)

@@ -317,10 +317,16 @@ def test_adjacent_losses_stop_clearly(tmp_path, corpus, capsys):
     run = tmp_path / "run"
     assert train(cfg, run, progress=False, faults=faults) == 1
     message = capsys.readouterr().err
-    assert "node1 (pipeline 0, stage 1)" in message and "node2 (pipeline 0, stage 2)" in message
-    assert "in iteration 2" in message and "adjacent" in message, message[-1500:]
+    # (the two kills land in one agreement, or the second after the first's takeover: then
+    # the survivor of the first runs two stages, and the message says why none is left)
+    said = [("node1 (pipeline 0, stage 1)", "node2 (pipeline 0, stage 2)", "adjacent"),
+            ("node1 (pipeline 0, stages 1, 2)", "adjacent"),
+            ("node2 (pipeline 0, stage 2)",
+             "node0 runs stages 0, 1 and so holds no replica of stage 2")]
+    assert any(all(part in message for part in parts) for parts in said), message[-1500:]
+    assert "in iteration 2" in message, message[-1500:]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "failed" and "adjacent" in summary["message"]
+    assert summary["status"] == "failed" and summary["message"] in message
     assert_nothing_left(run, store_port(run))
 
 
