@@ -229,7 +229,9 @@ def detection_wait_s(case: ChaosCase, pause: dict[str, float]) -> float:
     return pause["wait_by_design_s"] if case.kind == "notice" else detection_timeout_s(case)
 
 
-def _width_changed(run: Path) -> bool:
+def width_changed(run: Path) -> bool:
+    """Whether the run changed its data-parallel width D (its parameters then match the
+    failure-free run's to float tolerance, not bit for bit: other summation orders)."""
     from spotpipe.runfiles import read_jsonl
 
     return any(e["kind"] == "plan" and e["action"] in ("drop_pipeline", "add_pipeline")
@@ -247,14 +249,19 @@ class Chaos:
         self._references: dict[tuple[int, int], dict[str, Any]] = {}
 
     def reference(self, case: ChaosCase) -> dict[str, Any]:
+        return self.reference_at(case.stages, case.pipelines)
+
+    def reference_at(self, stages: int, pipelines: int) -> dict[str, Any]:
+        """The final parameters of the failure-free P x D run (run once, then kept)."""
         from safetensors.torch import load_file
 
         from spotpipe.cluster.launcher import train
 
-        key = (case.stages, case.pipelines)
+        key = (stages, pipelines)
         if key not in self._references:
-            out = self.root / f"reference-P{case.stages}-D{case.pipelines}"
-            cfg = case_config(case, failure_free=True, iterations=self.iterations,
+            out = self.root / f"reference-P{stages}-D{pipelines}"
+            cfg = case_config(ChaosCase("crash", stages, pipelines, "lazy", "node0", 1),
+                              failure_free=True, iterations=self.iterations,
                               model=self.model)
             if train(cfg, out, progress=False) != 0:
                 raise RuntimeError(f"bench chaos: the failure-free run {out} failed")
@@ -277,7 +284,7 @@ class Chaos:
         if code != 0:
             return CaseResult(case, False, [f"the job failed (exit {code}; see {run})"], [])
         got = load_file(str(run / "final" / "model.safetensors"))
-        problems = parameter_problems(got, want, exact=not _width_changed(run))
+        problems = parameter_problems(got, want, exact=not width_changed(run))
         problems += sample_problems(run, cfg) + metrics_problems(run, cfg)
         return CaseResult(case, True, problems,
                           incidents(run, detection_timeout_s(case),

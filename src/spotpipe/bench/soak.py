@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from spotpipe.bench import BenchInputError
-from spotpipe.bench.chaos import LIVENESS, MODELS, REPO_EXAMPLE, Chaos, ChaosCase, _width_changed
+from spotpipe.bench.chaos import LIVENESS, MODELS, REPO_EXAMPLE, Chaos, width_changed
+from spotpipe.runfiles import read_jsonl
 
 SEED = 505
 ITERATIONS = 10
@@ -161,9 +162,9 @@ def run_case(chaos: Chaos, case: SoakCase, run: Path, iterations: int = ITERATIO
                               [:300], took)
         return SoakResult(case, "stopped", str(stop.get("message", ""))[:300], took)
     cfg = load_config(REPO_EXAMPLE, [f"{k}={v}" for k, v in sets.items()])
-    want = chaos.reference(ChaosCase("crash", case.stages, case.pipelines, "lazy", "node0", 1))
+    want = chaos.reference_at(case.stages, case.pipelines)
     got = load_file(str(run / "final" / "model.safetensors"))
-    problems = parameter_problems(got, want, exact=not _width_changed(run))
+    problems = parameter_problems(got, want, exact=not width_changed(run))
     problems += sample_problems(run, cfg) + metrics_problems(run, cfg)
     if problems:
         return SoakResult(case, "inexact", "; ".join(problems)[:300], took)
@@ -171,16 +172,9 @@ def run_case(chaos: Chaos, case: SoakCase, run: Path, iterations: int = ITERATIO
 
 
 def _events(run: Path) -> list[dict[str, Any]]:
+    """The run's events, none where it wrote none (a launcher killed as it started)."""
     path = run / "events.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # (a line cut short by a kill)
-            continue
-    return out
+    return read_jsonl(path, partial_tail=True) if path.exists() else []
 
 
 def summarize(results: list[SoakResult]) -> dict[str, Any]:

@@ -246,7 +246,11 @@ class Outcome:
     rolled_back: bool = False
     refused: str | None = None  # a re-partition refused now (said once)
     improve: bool = False  # the new layout can improve further at the next boundary
-    unreplicated: frozenset[str] = frozenset()  # kept their places, lacking their replicas
+
+    @property
+    def unreplicated(self) -> frozenset[str]:
+        """The nodes that kept their places lacking their replicas (the Decision says it)."""
+        return frozenset(self.decision.unreplicated)
 
 
 def _partition(data: Iterable[Iterable[int]]) -> Partition:
@@ -335,7 +339,7 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
         decision = Decision(Action.STOP, layout=left, partition=partition, message=message,
                             reason=choice.reason, **base)  # type: ignore[arg-type]
         return Outcome(decision, replace(state, futile=futile, lost_before=lost), lost,
-                       leaving, lacking, rolled_back, refused, unreplicated=unreplicated)
+                       leaving, lacking, rolled_back, refused)
     new_partition = (_partition_at(rules, partition, choice.layout.num_stages)
                      if choice.action == Action.REPARTITION else partition)
     promoted = {m.dst for m in choice.moves if m.kind == MoveKind.PROMOTE}
@@ -366,8 +370,7 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     after = replace(after, next_choice=(after.layout, upcoming, upcoming_refused))
     # (pipelines the spares can form are an improvement too: after a drop, with nodes waiting)
     improve = upcoming.action is not Action.KEEP
-    return Outcome(decision, after, lost, leaving, lacking, rolled_back, refused, improve,
-                   unreplicated)
+    return Outcome(decision, after, lost, leaving, lacking, rolled_back, refused, improve)
 
 
 def _lacks_a_stage(lacking: Iterable[str]) -> bool:
