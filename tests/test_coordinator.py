@@ -420,8 +420,8 @@ def _at_boundary(coord: Coordinator, leaving: str, nodes: list[str]) -> None:
 
 def test_a_notice_has_the_next_layouts_groups_formed_ahead_and_the_plan_takes_them(corpus):
     """node1 of P = 3 has a notice: before the boundary, the coordinator posts the layout the
-    planner gives its departure (node0 carries stage 1 from its replica); the boundary's
-    Decision has that layout and says the nodes take the groups formed for it."""
+    planner gives its departure (with no standby node, P = 2 on node0 and node2); the
+    boundary's Decision has that layout and says the nodes take the groups formed for it."""
     coord, emitted = _coordinator(corpus, 3, ["node0", "node1", "node2"])
     coord.noticed(Notice("node1", 0, "SIGTERM", 1.0), "node1")
     coord.noticed(Notice("node1", 0, "SIGTERM", 1.1), "node1")  # said twice: prepared once
@@ -431,9 +431,9 @@ def test_a_notice_has_the_next_layouts_groups_formed_ahead_and_the_plan_takes_th
     record = _record(coord, 0)
     prepared = _regroup_board(coord, 0, 1)[0]
     assert isinstance(prepared, Prepare) and prepared.generation == 0
-    assert record.decision["action"] == "failover" and record.prepared
+    assert record.decision["action"] == "repartition" and record.prepared
     assert Layout.from_json(record.decision["layout"]) == Layout.from_json(prepared.layout)
-    assert Layout.from_json(prepared.layout).owner(0, 1) == "node0"
+    assert Layout.from_json(prepared.layout).grid == (("node0", "node2"),)
 
 
 def test_groups_formed_ahead_are_not_taken_when_the_layout_changed_meanwhile(corpus):
@@ -826,7 +826,7 @@ def test_a_successor_takes_the_groups_its_predecessor_prepared(corpus, again):
     assert successor.leaving_now() == {"node1"}
     _at_boundary(successor, "node1", nodes)
     record = _record(successor, 0)
-    assert record.decision["action"] == "failover" and record.prepared
+    assert record.decision["action"] == "repartition" and record.prepared
 
 
 def test_a_node_that_exits_0_mid_job_after_a_recovery_began_is_lost_saying_so(corpus):
@@ -948,7 +948,7 @@ def test_a_node_a_plan_let_go_is_a_loss_until_that_plan_committed_then_only_said
         coord, emitted = _coordinator(corpus, 3, ["node0", "node1", "node2"])
         coord.noticed(Notice("node1", 0, "SIGTERM", 1.0), "node1")
         _at_boundary(coord, "node1", ["node0", "node1", "node2"])
-        assert _plan(coord, 0)["action"] == "failover" and coord.generation == 1
+        assert _plan(coord, 0)["action"] == "repartition" and coord.generation == 1
         assert "node1" in coord.left and not coord.let_go("node1")
         emitted.clear()
         if commit_first:

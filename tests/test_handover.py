@@ -12,9 +12,12 @@ every node holds exactly what the new layout says.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from spotpipe.plan import Action, Layout, held_replica
+from spotpipe.plan import Action, Layout, held_replica, layer_plan
+from spotpipe.plan.layout import uniform_partition
 from spotpipe.plan.recovery import History, NodeReport, Rules, recover, settle
 
 RULES = Rules(replicas=True, shadows=False, repartition=True, replay_rest=True, microbatches=4,
@@ -92,12 +95,81 @@ def test_a_notice_with_a_standby_node_hands_the_stage_over(stages, pipelines, le
     assert not out.improve
 
 
-def test_without_a_standby_node_the_notice_is_a_takeover():
+LAYERS = 6  # the model of the re-partition tests: 6 layers, split evenly at any depth
+SPLIT = Rules(replicas=True, shadows=False, repartition=True, replay_rest=True, microbatches=4,
+              partition_for=lambda depth: tuple(uniform_partition(LAYERS, depth)))
+
+
+def split_history(stages: int, pipelines: int) -> History:
+    layout = Layout.build(stages, pipelines, [f"node{i}" for i in range(stages * pipelines)])
+    return History(layout, tuple(uniform_partition(LAYERS, stages)), generation=1,
+                   resumed_at=3)
+
+
+def layers_held(layout: Layout, partition, node: str) -> set[int]:
+    """A node's layers, by hand: its stages' and its successor's (the replica ring)."""
+    p = layout.num_stages
+    stages = {s for (_, s), n in layout.mapping.items() if n == node}
+    if len(stages) == 1:
+        stages.add((next(iter(stages)) + 1) % p)
+    return {layer for s in stages for layer in range(*partition[s])}
+
+
+@pytest.mark.parametrize("stages,pipelines,leaver", [(3, 1, "node1"), (3, 1, "node2"),
+                                                       (4, 1, "node0"), (3, 2, "node4")])
+def test_without_a_standby_node_the_notice_is_a_re_partition_at_once(stages, pipelines,
+                                                                      leaver):
+    """No node carries two stages at any point, nothing more is planned at the next
+    boundary, and no layer comes from the leaving node: its stage's come from the replica
+    its predecessor holds (the layers each node holds are followed by hand)."""
+    h = split_history(stages, pipelines)
+    outcomes = settle(h, SPLIT, leaving={leaver}, committed=5)
+    assert [o.decision.action for o in outcomes] == [Action.REPARTITION]
+    d = outcomes[0].decision
+    assert d.layout.num_stages == stages - 1 and d.layout.num_pipelines == pipelines
+    assert d.layout.carriers() == {} and leaver not in d.layout.all_nodes
+    assert "on a notice" in d.reason and d.resume == 6
+    moves = layer_plan(d.previous_layout, d.layout, list(d.previous_partition),
+                       list(d.partition), True)
+    assert moves and leaver not in {m.src for m in moves}
+    for m in moves:
+        assert m.layer in layers_held(d.previous_layout, d.previous_partition, m.src), m
+    for node in d.layout.active_nodes:  # afterwards each holds what the new layout says
+        got = layers_held(d.previous_layout, d.previous_partition, node) | {
+            m.layer for m in moves if m.dst == node}
+        assert layers_held(d.layout, d.partition, node) <= got, node
+
+
+def test_without_a_standby_node_and_no_re_partition_the_notice_is_a_takeover():
     h = history(3, 1)
-    outcomes = settle(h, RULES, leaving={"node1"}, committed=5)
+    outcomes = settle(h, replace(RULES, repartition=False), leaving={"node1"}, committed=5)
+    assert [o.decision.action for o in outcomes] == [Action.FAILOVER]
+    assert outcomes[0].decision.layout.carriers() == {"node0": [(0, 0), (0, 1)]}
+
+
+def test_a_notice_whose_re_partition_cannot_be_made_is_a_takeover():
+    """The partitioner refuses the depth (a layer too large for it, say): the job takes the
+    stage over rather than run on without it, and says why it keeps a carrier."""
+    def refuse(depth: int):
+        raise ValueError("no split of this model at that depth")
+
+    h = history(3, 1)
+    outcomes = settle(h, replace(RULES, partition_for=refuse), leaving={"node1"}, committed=5)
+    first = outcomes[0]
+    assert first.decision.action == Action.FAILOVER
+    assert first.decision.layout.carriers() == {"node0": [(0, 0), (0, 1)]}
+    assert "no split of this model" in (first.refused or "")
+
+
+def test_adjacent_leaving_nodes_without_standby_are_taken_over_then_re_partitioned():
+    """node1 and node2 leave together with no standby: stage 2's replica went with node1, so
+    node2 sends it itself, which a layer exchange cannot take from a leaving node: the
+    takeover (with that copy) first, the re-partition at the next boundary."""
+    h = split_history(4, 1)
+    outcomes = settle(h, SPLIT, leaving={"node1", "node2"}, committed=5)
     first = outcomes[0].decision
     assert first.action == Action.FAILOVER
-    assert first.layout.carriers() == {"node0": [(0, 0), (0, 1)]}
+    assert any(m.kind.value == "copy" and m.src == "node2" for m in first.moves)
     assert [o.decision.action for o in outcomes[1:]] == [Action.REPARTITION]
 
 

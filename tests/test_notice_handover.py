@@ -4,7 +4,9 @@ P = 3, D = 1 and one joiner, which waits on standby; once it does, node1's metad
 (AWS, GCP or Azure, served as the clouds serve them) announces its preemption. The job hands
 node1's stage to the standby node at the next boundary, from the replica node0 holds, and the
 run ends bit-identical to the failure-free one with every sample consumed once. (Without a
-standby node the notice is a takeover: tests/test_failover.py, the cloud notice test.)
+standby node the job re-partitions onto the nodes that stay at once, the leaving stage's
+layers from its replica: tests/test_failover.py and the last test here; at P = 2 there is no
+smaller depth, and the notice is a takeover: tests/test_failover.py, the cloud notice test.)
 """
 
 from __future__ import annotations
@@ -154,6 +156,30 @@ def test_a_leaving_node_with_no_replica_hands_its_stage_to_a_neighbour(
         (last, [f"stage {int(last[4:])} to {after}"])], handed
     assert_ends_as_failure_free(run, cfg, failure_free(tmp_path_factory, tiny_config(
         corpus, stages=stages, **FAST)))
+
+
+def test_a_crash_right_after_a_notice_without_standby_is_taken_over(
+        tmp_path, tmp_path_factory, corpus):
+    """P = 3, no standby node: node2 leaves on a notice at iteration 5, and node0 crashes in
+    the next iteration. The notice re-partitions the job onto node0 and node1 at once (P = 2,
+    the ring whole again), so node1 holds stage 0's replica and takes it over. Before, node1
+    took node2's stage over and carried two stages until the next boundary, holding no
+    replica: node0's crash in that iteration stopped the job."""
+    cfg = config(corpus, 3, 1, **{"iterations": 10})
+    nodes = [f"node{r}" for r in range(3)]
+    faults = [Fault.parse("notice", "node2@5", nodes),
+              Fault.parse("fail", "node0@6:forward", nodes)]
+    run = tmp_path / "run"
+    assert train(cfg, run, progress=False, faults=faults) == 0
+    evs = events(run)
+    plans = [e for e in evs if e["kind"] == "plan" and e["action"] != "keep"]
+    assert [(p["action"], p["stages"]) for p in plans] == [("repartition", 2),
+                                                           ("failover", 2)], plans
+    assert plans[0]["resume"] == 6 and "on a notice" in plans[0]["reason"]
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [m["carriers"] for m in metrics if m["iter"] < 6] == [0] * 6
+    assert_ends_as_failure_free(run, cfg, failure_free(tmp_path_factory, tiny_config(
+        corpus, stages=3, **{**FAST, "iterations": 10})))
 
 
 def test_two_of_three_nodes_leaving_together_leave_the_model_on_the_third(

@@ -692,6 +692,20 @@ def test_a_stop_says_a_carrier_holds_no_replica():
             "no layout") in out.decision.message, out.decision.message
 
 
+def test_a_stop_when_the_last_node_is_lost_says_none_is_left():
+    """The last node, running every stage since earlier losses, is lost: the stop says no
+    node is left (it said "adjacent stages of one pipeline", true but beside the point)."""
+    from spotpipe.plan.recovery import History, recover
+
+    lay = Layout.from_mapping(2, 1, {(0, 0): "n1", (0, 1): "n1"})
+    out = recover(History(lay, ((0, 1), (1, 2))), {}, [], _plain_rules(replicas=True),
+                  dead={"n1"})
+    message = out.decision.message
+    assert out.decision.stopped and "adjacent" not in message, message
+    assert message.startswith("lost n1 (pipeline 0, stages 0, 1) ") and (
+        "no node of the job is left, so no copy of its state survives in memory; ") in message
+
+
 def test_a_shadow_repair_restores_onto_a_node_that_runs_one_stage():
     """Stage 2 lost with no replica (redundancy off), shadows on: its nearest live node
     forward, d, already carries stages 3 and 4; a third would not fit where a node's memory

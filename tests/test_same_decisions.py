@@ -94,11 +94,14 @@ def _sim_planner(shadows: bool):
     return Planner(), recovery_rules(sim, "lazy")
 
 
-def _planned(planner: Planner, layout: Layout, rules, lost=(), ready=()) -> tuple[list, Layout]:
-    """The simulator's transition for this event (from its numbered situation), as layouts."""
+def _planned(planner: Planner, layout: Layout, rules, lost=(), ready=(),
+             leaving: bool = False) -> tuple[list, Layout]:
+    """The simulator's transition for this event (from its numbered situation), as layouts;
+    `leaving`: the nodes `lost` go on a notice."""
     machine = planner.machine(rules)
     situation, names = machine.situation(layout)
-    move, after = planner.plan(-1, machine, situation, names, tuple(lost), list(ready))
+    move, after = planner.plan(-1, machine, situation, names, tuple(lost), list(ready),
+                               leaving)
     outer = names + list(ready)
     shapes = [_shape({"action": step.action.value,
                       "layout": step.after.layout([outer[i] for i in step.sources]).to_json()})
@@ -133,7 +136,7 @@ def test_coordinator_and_simulator_decide_alike(corpus, shadows):
         for node in sorted(coord.live):
             _report(coord, node, boundary=True, leaving=node == "node4")
     got = run.decisions_after(notice)
-    want, layout = _planned(planner, layout, rules, lost={"node4"})
+    want, layout = _planned(planner, layout, rules, lost={"node4"}, leaving=True)
     assert got == want and got, (got, want)
     actions = [e["action"] for e in run.emitted if e["kind"] == "plan"]
     # with shadows the job never re-partitions (the shadows hold the launch partition)

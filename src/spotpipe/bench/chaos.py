@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from spotpipe.bench import BenchInputError
+from spotpipe.bench.failover import REGROUP_EVENTS
 from spotpipe.bench.pipeline import MICROBATCHES as PIPELINE_MICROBATCHES
 from spotpipe.bench.pipeline import MODEL as PIPELINE_GPT
 from spotpipe.bench.stats import distribution, percentile
@@ -68,8 +69,6 @@ MODELS = {
     "tiny": {"model.gpt.n_layer": 2, "model.gpt.n_embd": 32, "model.gpt.n_head": 2,
              "model.gpt.block_size": 16, "micro_batch_size": 2, "num_microbatches": 4},
 }
-# what a node reports once it runs in the Decision's generation
-REGROUP_EVENTS = ("takeover", "migrated", "regrouped", "repartitioned")
 TARGET_PAST_TIMEOUT = 2.0  # iterations past the detection timeout, for the p99 pause
 LIVENESS = {"failover.heartbeat_s": 0.2, "failover.heartbeat_timeout_s": 2.0,
             "failover.hang_timeout_s": 2.0}

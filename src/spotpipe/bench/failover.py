@@ -9,7 +9,10 @@ paths as real failures) and reads the pauses from their events:
   (-> the in-flight iteration completed: by default survivors keep their share of it and only
   the lost stage's work is redone; the full run also measures `failover.replay: iteration`,
   where every node replays the whole iteration);
-- notice: SIGTERM; the node leaves at the next iteration boundary, nothing is replayed;
+- notice: SIGTERM; the node leaves at the next iteration boundary, nothing is replayed, and
+  with no standby node the job re-partitions onto the others at once (P = 4 -> 3 -> 2), so
+  the pause holds the layer exchange (before, a takeover whose re-partition came at the next
+  boundary, its pause not counted);
 - adjacent notices: two nodes of adjacent stages get theirs at the same iteration; the
   later stage's replica leaves with the other, so its node hands the stage over itself;
 - cold restart baseline: the same crash without redundancy stops the job,
@@ -45,6 +48,9 @@ from typing import Any
 from spotpipe.bench.stats import ratio_of_medians
 from spotpipe.runfiles import read_jsonl
 
+# what a node reports once it runs in the Decision's generation
+REGROUP_EVENTS = ("takeover", "migrated", "regrouped", "repartitioned")
+
 REPO_EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "gpt_tiny.yaml"
 BASE = ["--set", "model.gpt.n_layer=4", "--set", "model.gpt.n_embd=64",
         "--set", "micro_batch_size=4", "--set", "num_microbatches=4",
@@ -78,7 +84,8 @@ def failover_pauses(run: Path) -> list[dict[str, float]]:
         detect = min((e["time_s"] for e in after if e["kind"] in ("report", "failure_detected")),
                      default=None)
         plan = next((e for e in after if e["kind"] == "plan"), None)
-        takeover = next((e for e in after if e["kind"] in ("takeover", "regrouped")), None)
+        # (the node's regroup done: a notice with no standby node re-partitions at once)
+        takeover = next((e for e in after if e["kind"] in REGROUP_EVENTS), None)
         if detect is None or plan is None or takeover is None:
             continue
         resume = plan.get("resume")

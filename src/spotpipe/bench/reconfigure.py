@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spotpipe.bench.failover import (FRESH, _jsonl, _train, restart_pause,
+from spotpipe.bench.failover import (FRESH, REGROUP_EVENTS, _jsonl, _train, restart_pause,
                                      torchrun_restart_pause)
 from spotpipe.bench.stats import ratio_of_medians
 
@@ -69,7 +69,7 @@ def _stall(run: Path, action: str, nth: int = 0) -> dict[str, float]:
                                [m["iter_time_s"] for m in metrics[3:]
                                 if m["time_s"] <= plan["time_s"]])
     moved = sum(e.get("bytes_received", 0) for e in events
-                if e["kind"] in ("migrated", "takeover", "regrouped", "repartitioned")
+                if e["kind"] in REGROUP_EVENTS
                 and e.get("generation") == plan["generation"])
     return {"pause_s": max(0.0, after["time_s"] - before["time_s"] - normal),
             "bytes": moved, "iteration_s": normal}

@@ -802,7 +802,7 @@ def _plan_event(now: float, generation: int, d: Decision) -> dict[str, Any]:
         return {"time_s": now, "kind": "plan", "node": "launcher", "generation": generation,
                 "action": "stop", "message": d.message}
     return {"time_s": now, "kind": "plan", "node": "launcher", "generation": d.generation,
-            "action": d.action.value, "resume": d.resume,
+            "action": d.action.value, "resume": d.resume, "reason": d.reason,
             "moves": [{"kind": m.kind.value, "pipeline": m.pipeline, "stage": m.stage,
                        "src": m.src, "dst": m.dst} for m in d.moves],
             "transfers": [t.to_json() for t in d.transfers],

@@ -130,8 +130,9 @@ def _moves(plan: dict[str, Any]) -> list[str]:
     """The plan's moves in words (a re-partition as its change of depth)."""
     if plan["action"] == "repartition":
         before = len(plan.get("previous_partition", [])) or "?"
+        why = plan.get("reason", "").removesuffix("; layers move peer to peer")
         return [f"P {before} -> {plan['stages']}: every node builds its new stages from the "
-                "layers it holds and its peers'"]
+                "layers it holds and its peers'" + (f" ({why})" if why else "")]
     words = []
     for m in plan.get("moves", []):
         where = f"stage {m['stage']} of pipeline {m['pipeline']}"

@@ -141,6 +141,10 @@ def decide(layout: Layout, lost: set[str] | frozenset[str], joined: Iterable[str
     if handover is not None:
         return handover
     broken = _broken(layout, sources)
+    if repartition and not broken:
+        leave = _leave_by_repartition(layout, hit, sources, standby, min_stages, widths)
+        if leave is not None:
+            return leave
     in_place = _in_place(layout, sources, standby, widths, broken)
     if in_place is not None:
         return in_place
@@ -360,6 +364,36 @@ def _handover(layout: Layout, hit: frozenset[str], sources: _Sources,
            "others from their replicas")
     return Decision(Action.HANDOVER, new, tuple(moves), f"{len(slots)} stage(s) of nodes with a "
                     f"notice handed to standby nodes, {how}")
+
+
+def _leave_by_repartition(layout: Layout, hit: frozenset[str], sources: _Sources,
+                          standby: tuple[str, ...], min_stages: int,
+                          widths: _Widths) -> Decision | None:
+    """Nodes leaving on a notice, with no standby node to hand their stages to: re-partition
+    onto the nodes that stay at once, each leaving stage's layers taken from the replica its
+    predecessor holds (exact at the boundary, so the leaving nodes may vanish at any instant).
+
+    The alternative, the predecessors taking the stages over and the re-partition following
+    at the next boundary (`_grow`), ends in the same layout with two pauses instead of one,
+    and in the iteration between them a carrier holds no replica: a second loss beside it
+    stopped the job. None unless that is exactly where the takeover would lead: every lost
+    node leaving, every lost stage promoted (none copied from a leaving node, which
+    `plan.layers` cannot take layers from) and a re-partition down next."""
+    if standby or not hit <= sources.leaving:
+        return None
+    failover = _failover(layout, sources, standby)
+    if any(m.kind != MoveKind.PROMOTE for m in failover.moves):
+        return None
+    after = _grow(failover.layout, min_stages, True, widths)
+    if (after.action != Action.REPARTITION
+            or after.layout.num_stages >= layout.num_stages):
+        return None
+    names = ", ".join(sorted(hit))
+    return replace(after, reason=(
+        f"{names} leave{'s' if len(hit) == 1 else ''} on a notice and no standby node can "
+        f"take {'its stage' if len(hit) == 1 else 'their stages'}: P={layout.num_stages} -> "
+        f"{after.layout.num_stages} at once, one stage per node, the leaving stages' layers "
+        "from the replicas their predecessors hold; layers move peer to peer"))
 
 
 def _shadow_repair(layout: Layout, sources: _Sources, standby: tuple[str, ...],

@@ -409,12 +409,17 @@ def _choose(history: History, hit: frozenset[str], joiners: list[str],
             rules: Rules, leaving: frozenset[str] = frozenset(),
             unreplicated: frozenset[str] = frozenset()) -> tuple[Choice, str | None]:
     """`plan.decide`, less the re-partitions this job cannot make: those become KEEP, and the
-    job runs on in the layout it has. Returns the reason when it is new."""
+    job runs on in the layout it has (where nodes leave on a notice, `hit`, the takeover the
+    re-partition stood in for). Returns the reason when it is new."""
     layout = history.layout
-    choice = decide(layout, hit, joiners, shadows=rules.shadows, replicas=rules.replicas,
-                    repartition=rules.repartition, min_stages=rules.min_stages,
-                    leaving=leaving, microbatches=rules.microbatches, room=rules.room,
-                    unreplicated=unreplicated)
+
+    def decided(repartition: bool) -> Choice:
+        return decide(layout, hit, joiners, shadows=rules.shadows, replicas=rules.replicas,
+                      repartition=repartition, min_stages=rules.min_stages, leaving=leaving,
+                      microbatches=rules.microbatches, room=rules.room,
+                      unreplicated=unreplicated)
+
+    choice = decided(rules.repartition)
     if choice.action != Action.REPARTITION or choice.needs_restore:
         return choice, None
     depth = choice.layout.num_stages
@@ -429,6 +434,8 @@ def _choose(history: History, hit: frozenset[str], joiners: list[str],
             problem = new = f"cannot re-partition to P={depth}: {exc}".splitlines()[0][:300]
     if problem is None:
         return choice, None
+    if hit:
+        return decided(False), new
     waiting = [n for n in choice.layout.all_nodes if n not in layout.active_nodes]
     return Choice(Action.KEEP, layout.with_standby(tuple(sorted(waiting))), (), problem), new
 
@@ -548,10 +555,14 @@ def _stop_reason(choice: Choice, rules: Rules, layout: Layout, hit: frozenset[st
                 ", nor from the shadows onto the nodes left (no broken pipeline keeps a live "
                 "node, or none has room for another stage)"
                 if rules.shadows else ""))
-        adjacent = _adjacent(layout, lost, leaving)
+        # (the last nodes lost at once: whether their stages were adjacent is beside the point)
+        every = not survivors and not hit & leaving
+        adjacent = not every and _adjacent(layout, lost, leaving)
         missing = _missing_replicas(layout, lost, unreplicated)
         carried = _held_by_carriers(layout, lost, leaving) if rules.replicas else ""
         return (f"lost {named()} {when}: "
+                + ("no node of the job is left, so no copy of its state survives in memory; "
+                   if every else "")
                 + ("adjacent stages of one pipeline, so no replica of one of them survives; "
                    if adjacent else "")
                 + (f"{missing} when a peer was lost while the job reshaped; " if missing
