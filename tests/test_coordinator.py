@@ -181,6 +181,28 @@ def test_failed_plan_rolled_back_only_when_no_survivor_changed(corpus):
         assert plan["action"] == ("keep" if untouched else "failover"), plan["action"]
 
 
+def test_a_plan_whose_only_receiver_died_is_rolled_back(corpus):
+    """The same rebalance, but node2, the only node it sends anything to, is killed while it
+    is carried out: no survivor lacks anything, yet the layout it planned was never made
+    (node0 still runs both stages). Rolled back, the job keeps going; before, it took the
+    failed plan's layout, where the dead node2 owned stage 1 and nothing else held it, and
+    stopped (found by a hunt of three faults a run: a joiner crashing in its placement)."""
+    coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
+    _with_standby(coord, ("node2",))
+    coord.node_exited("node1", -9)
+    _report(coord, "node0", formed=True)
+    assert _plan(coord, 0)["action"] == "failover"
+    coord.report(_boundary(coord, "node0"), "node0")
+    assert _plan(coord, 1)["action"] == "rebalance"
+    coord.node_exited("node2", -9)
+    _report(coord, "node0", formed=False, untouched=True, committed_through=6)
+    agreement = [e for e in emitted if e["kind"] == "agreement"][-1]
+    assert agreement.get("rolled_back") and "node2" in agreement["lost"], agreement
+    plan = _plan(coord, 2)
+    assert plan["action"] == "keep" and not coord.stop_message, plan
+    assert Layout.from_json(plan["layout"]).stages_of("node0") == [(0, 0), (0, 1)]
+
+
 def test_a_joiner_on_standby_in_a_plan_rolled_back_still_waits_and_hears_the_end(corpus):
     """node2 and node3 join a job whose node0 carries both stages; the rebalance places node2
     and keeps node3 on standby, and fails (node2 did not receive its stage). Its rollback

@@ -161,17 +161,38 @@ def test_a_notice_whose_re_partition_cannot_be_made_is_a_takeover():
     assert "no split of this model" in (first.refused or "")
 
 
-def test_adjacent_leaving_nodes_without_standby_are_taken_over_then_re_partitioned():
-    """node1 and node2 leave together with no standby: stage 2's replica went with node1, so
-    node2 sends it itself, which a layer exchange cannot take from a leaving node: the
-    takeover (with that copy) first, the re-partition at the next boundary."""
+@pytest.mark.parametrize("redundancy", [True, False], ids=["adjacent", "no-redundancy"])
+def test_a_leaving_stage_without_a_replica_is_handed_over_whole_in_the_re_partition(
+        redundancy):
+    """P = 4, no standby. node1 and node2 leave together (stage 2's replica went with node1),
+    or node2 leaves without redundancy: node2 hands stage 2 whole to node3 (the node a
+    takeover would copy it to) before the layers move, and the layer plan takes stage 2's
+    layers from node3. One re-partition, no carrier, no layer from a leaving node."""
+    rules = replace(SPLIT, replicas=redundancy)
+    leaving = {"node1", "node2"} if redundancy else {"node2"}
     h = split_history(4, 1)
-    outcomes = settle(h, SPLIT, leaving={"node1", "node2"}, committed=5)
-    first = outcomes[0].decision
-    assert first.action == Action.FAILOVER
-    assert any(m.kind.value == "copy" and m.src == "node2" for m in first.moves)
-    assert [o.decision.action for o in outcomes[1:]] == [Action.REPARTITION]
-
+    outcomes = settle(h, rules, leaving=leaving, committed=5)
+    assert [o.decision.action for o in outcomes] == [Action.REPARTITION]
+    d = outcomes[0].decision
+    assert d.layout.carriers() == {} and not leaving & d.layout.all_nodes
+    assert [tuple(t.to_json()) for t in d.transfers] == [("stage", 2, "node2", "node3")]
+    assert d.departing == {"node2"} and d.handover_group() == ["node2", "node3"]
+    assert "handed over whole" in d.reason
+    moves = layer_plan(d.previous_layout, d.layout, list(d.previous_partition),
+                       list(d.partition), redundancy, handed=d.transfers)
+    assert not leaving & {m.src for m in moves}
+    held = {n: layers_held(d.previous_layout, d.previous_partition, n) if redundancy else
+            {layer for (_, s), o in d.previous_layout.mapping.items() if o == n
+             for layer in range(*d.previous_partition[s])} for n in d.layout.active_nodes}
+    held["node3"] |= set(range(*d.previous_partition[2]))  # handed over whole
+    for m in moves:
+        assert m.layer in held[m.src], m
+    for node in d.layout.active_nodes:
+        got = held[node] | {m.layer for m in moves if m.dst == node}
+        want = (layers_held(d.layout, d.partition, node) if redundancy else
+                {layer for (_, s), o in d.layout.mapping.items() if o == node
+                 for layer in range(*d.partition[s])})
+        assert want <= got, node
 
 def test_a_crash_with_the_notice_is_a_takeover():
     h = history(4, 1, ("node4", "node5"))
@@ -197,12 +218,14 @@ def test_adjacent_leaving_nodes_hand_over_to_standby_nodes_the_second_from_itsel
 
 
 def test_adjacent_leaving_nodes_without_standby_are_taken_over_and_copied():
-    """P = 4, node1 and node2 leave, nobody waits: node0 promotes its replica of stage 1,
-    and stage 2, whose replica holder leaves too, is copied from node2 to node3 (forward
-    first: it receives stage 2's activations). Before, this stopped the job as a crash of
-    adjacent stages does."""
+    """P = 4, node1 and node2 leave, nobody waits, and the job may not re-partition: node0
+    promotes its replica of stage 1, and stage 2, whose replica holder leaves too, is copied
+    from node2 to node3 (forward first: it receives stage 2's activations). Before, this
+    stopped the job as a crash of adjacent stages does. (With re-partitions: one, at once,
+    `test_a_leaving_stage_without_a_replica_is_handed_over_whole_in_the_re_partition`.)"""
     h = history(4, 1)
-    outcomes = settle(h, RULES, leaving={"node1", "node2"}, committed=5)
+    outcomes = settle(h, replace(RULES, repartition=False), leaving={"node1", "node2"},
+                      committed=5)
     d = outcomes[0].decision
     assert d.action == Action.FAILOVER, d.reason
     assert d.layout.carriers() == {"node0": [(0, 0), (0, 1)], "node3": [(0, 2), (0, 3)]}
@@ -212,7 +235,7 @@ def test_adjacent_leaving_nodes_without_standby_are_taken_over_and_copied():
     # (a node carrying two stages holds no replica: nothing else moves)
     assert carry_out(d, {"node1", "node2"}) == {
         "node0": {("stage", 0), ("stage", 1)}, "node3": {("stage", 2), ("stage", 3)}}
-    assert [o.decision.action for o in outcomes[1:]] == [Action.REPARTITION]
+    assert len(outcomes) == 1
 
 
 def test_a_crash_beside_a_leaving_node_is_repaired_from_what_the_leaving_node_holds():
@@ -355,12 +378,12 @@ def test_a_pipeline_is_dropped_rather_than_left_on_one_node_while_another_runs_w
 def test_without_redundancy_a_notice_hands_the_stage_over_from_the_leaving_node(standby):
     """Redundancy off: no replica anywhere, so a crash stops the job; a notice does not, the
     leaving node sends its stage before it goes (to the standby node, or to its neighbour,
-    which carries it)."""
+    whose layers the re-partition of the same plan go on from)."""
     rules = Rules(replicas=False, shadows=False, repartition=True, replay_rest=True,
                   microbatches=4, partition_for=RULES.partition_for)
     h = history(3, 1, standby)
     d = recover(h, reports(h, {"node1"}), [], rules).decision
-    assert d.action == (Action.HANDOVER if standby else Action.FAILOVER), d.reason
+    assert d.action == (Action.HANDOVER if standby else Action.REPARTITION), d.reason
     target = "node3" if standby else "node2"
     assert [(t.kind, t.stage, t.src, t.dst) for t in d.transfers] == [
         ("stage", 1, "node1", target)]
@@ -395,3 +418,45 @@ def test_handover_round_trips_through_json():
     h = history(3, 1, ("node3",))
     d = recover(h, reports(h, {"node1"}), [], RULES).decision
     assert Decision.from_json(d.to_json()) == d
+
+
+def test_a_notice_s_re_partition_cut_short_is_rolled_back_without_the_leaving_node():
+    """P = 4, node1 leaves with no standby: the job re-partitions onto node0, node2 and node3
+    at once. node3 crashes in the layer exchange; the others report they lack their new
+    stages, their states untouched. node1 was let go and reports no more: it does not keep
+    the plan from being rolled back (it did before, and the survivors were counted out as
+    lacking their stages), and it is lost in the layout rolled back to. There node0 and
+    node2 take stages 1 and 3 over from their replicas."""
+    h = split_history(4, 1)
+    [first] = settle(h, SPLIT, leaving={"node1"}, committed=5)
+    d = first.decision
+    assert d.action == Action.REPARTITION and "node1" not in d.layout.all_nodes
+    failed = {n: NodeReport(n, iteration=6, committed_through=5, formed=False,
+                            lacking=tuple(d.receives(n)), untouched=True,
+                            replica=held_replica(h.layout, n))
+              for n in ("node0", "node2")}
+    out = recover(first.history, failed, [], SPLIT, dead={"node3"})
+    assert out.rolled_back and out.lost == {"node1", "node3"}, out
+    again = out.decision
+    assert again.action == Action.FAILOVER and again.previous_layout == h.layout
+    assert sorted((m.stage, m.dst) for m in again.moves) == [(1, "node0"), (3, "node2")]
+
+
+def test_a_leaving_node_gone_before_its_hand_over_leaves_a_re_partition_rolled_back():
+    """node1 and node2 leave together (P = 4, no standby): node2 is to hand stage 2 whole to
+    node3 for the re-partition, and is gone first. The re-partition is rolled back; with
+    node1 gone too, nothing holds stage 2 and the job stops naming both."""
+    h = split_history(4, 1)
+    [first] = settle(h, SPLIT, leaving={"node1", "node2"}, committed=5)
+    d = first.decision
+    assert d.departing == {"node2"}
+    failed = {n: NodeReport(n, iteration=6, committed_through=5, formed=False,
+                            lacking=tuple(d.receives(n)), untouched=True,
+                            replica=held_replica(h.layout, n))
+              for n in ("node0", "node3")}
+    out = recover(first.history, failed, [], SPLIT, dead={"node2"})
+    assert out.rolled_back and out.decision.stopped
+    assert out.decision.message.startswith(
+        "lost node1 (pipeline 0, stage 1), node2 (pipeline 0, stage 2) in iteration 6"), \
+        out.decision.message
+    assert "adjacent stages of one pipeline" in out.decision.message

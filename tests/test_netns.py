@@ -257,8 +257,9 @@ def test_cloud_notice_over_namespaced_hosts(cluster_factory, corpus, tmp_path, t
 
     cluster = cluster_factory(4 if standby else 3)
     meta = cluster.metadata()
-    # with a standby, the job trains on while the fourth agent joins and is placed
-    iterations = 400 if standby else 120
+    # with a standby, the job trains on while the fourth agent joins and is placed (400
+    # iterations were not always enough under a full suite's load: placed at 386)
+    iterations = 800 if standby else 120
     cfg = job(corpus, 3, 1, iterations, **{f"failover.{service}_notice_url":
                                            meta.urls()[service], "failover.notice_poll_s": 0.1})
     config = _write_config(cfg, tmp_path / "job.yaml")
@@ -384,9 +385,10 @@ def test_adjacent_notices_over_namespaced_hosts_hand_the_stage_over(
     """P = 4 on four hosts; the nodes of two adjacent stages (neither on the coordinating
     host) get their GCP notices together. Whether the two reach one boundary or two, the
     later stage's replica is gone with its neighbour, so that node sends the stage itself,
-    from its host to another over the hand-over group, before it leaves: the job trains on
-    bit-identical (it used to stop). (Two boundaries apart, which GCP's long polls make
-    rare, the first departure is a takeover and the job goes on as it then can.)"""
+    from its host to another over the hand-over group, before it leaves, and the job
+    re-partitions onto the two hosts that stay in the same plan: it trains on bit-identical
+    (it used to stop). (Two boundaries apart, which GCP's long polls make rare, the first
+    departure is a re-partition too, and the job goes on as it then can.)"""
     cluster = cluster_factory(4)
     meta = cluster.metadata()
     cfg = job(corpus, 4, 1, 120, **{"failover.gcp_notice_url": meta.urls()["gcp"],
@@ -411,5 +413,5 @@ def test_adjacent_notices_over_namespaced_hosts_hand_the_stage_over(
     first = next(e for e in evs if e["kind"] == "agreement" and e.get("leaving"))
     if sorted(first["leaving"]) == leaving:  # (the two notices met one boundary, as a rule)
         assert [e["node"] for e in handed] == [leaving[1]], handed
-        assert [p for p in plans(run) if p != "keep"][0] == "failover"
+        assert [p for p in plans(run) if p != "keep"] == ["repartition"]
     check_result(tmp_path_factory, cfg, run, outs, reference=job(corpus, 4, 1, 120))

@@ -137,9 +137,11 @@ def test_adjacent_notices_hand_over_from_the_leaving_node(tmp_path, tmp_path_fac
 def test_a_leaving_node_with_no_replica_hands_its_stage_to_a_neighbour(
         tmp_path, tmp_path_factory, corpus, stages, mode, leaving):
     """No standby node. Adjacent notices (node2's replica holder leaves too), or a notice
-    without redundancy (no replica at all): the leaving node copies its stage to its
-    successor, which carries two until the job re-partitions. A crash there stops the job
-    (tests/test_failover.py); a notice leaves time to hand the stage over."""
+    without redundancy (no replica at all): the leaving node hands its stage whole to its
+    successor, and the job re-partitions onto the nodes that stay in the same plan, that
+    stage's layers going on from there (before, the successor carried two stages until a
+    re-partition at the next boundary). A crash there stops the job (tests/test_failover.py);
+    a notice leaves time to hand the stage over."""
     cfg = config(corpus, stages, 1, mode)
     nodes = [f"node{r}" for r in range(stages)]
     faults = [Fault.parse("notice", f"{n}@3", nodes) for n in leaving]
@@ -147,8 +149,13 @@ def test_a_leaving_node_with_no_replica_hands_its_stage_to_a_neighbour(
     assert train(cfg, run, progress=False, faults=faults) == 0
     evs = events(run)
     plans = [e for e in evs if e["kind"] == "plan" and e["action"] != "keep"]
-    assert [p["action"] for p in plans] == ["failover", "repartition"], plans
+    assert [(p["action"], p["stages"]) for p in plans] == [("repartition", stages - len(
+        leaving))], plans
     assert plans[0]["resume"] == 4  # at the boundary: nothing trained again
+    assert plans[0]["transfers"] == [["stage", int(leaving[-1][4:]), leaving[-1],
+                                      f"node{int(leaving[-1][4:]) + 1}"]], plans[0]
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert all(m["carriers"] == 0 for m in metrics), "a node carried two stages"
     handed = [e for e in evs if e["kind"] == "handed_over"]
     last = leaving[-1]
     after = f"node{int(last[4:]) + 1}"
@@ -229,9 +236,10 @@ def test_a_crash_beside_a_leaving_node_is_repaired_from_the_replica_it_holds(
 
 def test_a_notice_cut_short_in_the_hand_over_stops_the_job_clearly(tmp_path, corpus):
     """node1 and node2 leave together and node2 is gone before it sends stage 2 (its
-    notice window cut short): node3, which was to carry it, did not receive it, and stage 2
-    is on no node, so the job stops saying so, without waiting out the groups' timeout (120
-    s here) for the node that will never send."""
+    notice window cut short): node3, which was to receive it for the re-partition, did not,
+    so the re-partition is rolled back (no survivor's state had changed), and with node1 gone
+    too stage 2 is on no node: the job stops saying so, without waiting out the groups'
+    timeout (120 s here) for the node that will never send."""
     cfg = config(corpus, 4, 1, **{"cluster.timeout_s": 120.0})
     nodes = [f"node{r}" for r in range(4)]
     faults = [Fault.parse("notice", "node1@3", nodes), Fault.parse("notice", "node2@3", nodes),
@@ -242,7 +250,12 @@ def test_a_notice_cut_short_in_the_hand_over_stops_the_job_clearly(tmp_path, cor
     assert time.monotonic() - started < 60
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "failed", summary
-    assert "node3 (pipeline 0, stages 2, 3), which did not receive stage 2" in summary["message"]
+    assert summary["message"].startswith(
+        "lost node1 (pipeline 0, stage 1), node2 (pipeline 0, stage 2) in iteration 4 (the "
+        "last committed iteration is 3): adjacent stages of one pipeline, so no replica of one "
+        "of them survives"), summary["message"]
+    assert [e.get("rolled_back") for e in events(run) if e["kind"] == "agreement"] == [
+        None, True]
     assert_nothing_left(run, store_port(run))
 
 

@@ -29,6 +29,16 @@ class LayerMove:
     dst: str
 
 
+class HandedStage(Protocol):
+    """A whole stage sent to a node (a `plan.transfers.Transfer`)."""
+
+    @property
+    def stage(self) -> int: ...
+
+    @property
+    def dst(self) -> str: ...
+
+
 def held_replica(layout: Layout, node: str) -> int | None:
     """The stage whose replica `node` holds in this layout (None when it carries two, is not
     running a stage, or the pipeline has one stage)."""
@@ -54,7 +64,8 @@ def node_layers(layout: Layout, partition: list[tuple[int, int]], node: str,
 
 def layer_plan(old: Layout, new: Layout, old_partition: list[tuple[int, int]],
                new_partition: list[tuple[int, int]], redundancy: bool,
-               unreplicated: Collection[str] = ()) -> list[LayerMove]:
+               unreplicated: Collection[str] = (),
+               handed: Collection[HandedStage] = ()) -> list[LayerMove]:
     """Every layer transfer the change needs, in a deterministic order.
 
     A node keeps what it already holds. Any holder is a valid source, since all data-parallel
@@ -62,7 +73,9 @@ def layer_plan(old: Layout, new: Layout, old_partition: list[tuple[int, int]],
     layout can send (the others leave). Among the holders the least loaded is taken, then one
     that already sends to the same node (fewer messages), then the first by name. Nodes in
     `unreplicated` lack the replica `old` gives them (a plan failed before it arrived): its
-    layers are not theirs to send or keep.
+    layers are not theirs to send or keep. `handed`: stages of `old_partition` that nodes
+    leaving on a notice hand whole to a node of `new` before the layers move (their
+    `.stage` and `.dst`): that node holds their layers too.
     """
     if old.num_pipelines != new.num_pipelines:
         raise ValueError(f"a re-partition keeps the number of pipelines, got "
@@ -74,6 +87,8 @@ def layer_plan(old: Layout, new: Layout, old_partition: list[tuple[int, int]],
     nodes = sorted(new.active_nodes)
     have = {n: node_layers(old, old_partition, n, redundancy and n not in unreplicated)
             if n in old.active_nodes else set() for n in nodes}
+    for h in handed:
+        have[h.dst] |= set(range(*old_partition[h.stage]))
     load = {n: 0 for n in nodes}
     pairs: set[tuple[str, str]] = set()
     moves: list[LayerMove] = []

@@ -62,7 +62,9 @@ class Action(str, Enum):
 
 class MoveKind(str, Enum):
     PROMOTE = "promote"  # the replica in dst's memory becomes an owned stage: no transfer
-    COPY = "copy"  # stage state (weights + optimizer) sent peer to peer from src to dst
+    # stage state (weights + optimizer) sent peer to peer from src to dst; in a REPARTITION,
+    # a stage of the old partition a node leaving on a notice hands to one that stays
+    COPY = "copy"
     REPLICA = "replica"  # a replica for dst to hold, sent from the stage's owner src
     RESTORE = "restore"  # state loaded from the shadows / durable checkpoint (src "shadow")
     LAYERS = "layers"  # a re-partitioned stage, assembled layer by layer from peers (src "peers")
@@ -370,30 +372,39 @@ def _leave_by_repartition(layout: Layout, hit: frozenset[str], sources: _Sources
                           standby: tuple[str, ...], min_stages: int,
                           widths: _Widths) -> Decision | None:
     """Nodes leaving on a notice, with no standby node to hand their stages to: re-partition
-    onto the nodes that stay at once, each leaving stage's layers taken from the replica its
-    predecessor holds (exact at the boundary, so the leaving nodes may vanish at any instant).
+    onto the nodes that stay at once. Each leaving stage's layers come from the replica its
+    predecessor holds (exact at the boundary, so the leaving nodes may vanish at any
+    instant), else (adjacent nodes leaving together, or redundancy off) the leaving node
+    hands the stage whole to the node a takeover would copy it to, and its layers go on
+    from there (`plan.layers`' `handed`): the Decision's COPY moves, stages of the old
+    partition, sent before the layers move.
 
-    The alternative, the predecessors taking the stages over and the re-partition following
-    at the next boundary (`_grow`), ends in the same layout with two pauses instead of one,
-    and in the iteration between them a carrier holds no replica: a second loss beside it
-    stopped the job. None unless that is exactly where the takeover would lead: every lost
-    node leaving, every lost stage promoted (none copied from a leaving node, which
-    `plan.layers` cannot take layers from) and a re-partition down next."""
+    The alternative, a takeover and the re-partition following at the next boundary
+    (`_grow`), ends in the same layout with two pauses instead of one, and in the iteration
+    between them a carrier holds no replica: a second loss beside it stopped the job. None
+    unless that is exactly where the takeover would lead: every lost node leaving, each lost
+    stage promoted or copied from a leaving node, and a re-partition down next."""
     if standby or not hit <= sources.leaving:
         return None
     failover = _failover(layout, sources, standby)
-    if any(m.kind != MoveKind.PROMOTE for m in failover.moves):
+    handed = tuple(m for m in failover.moves if m.kind == MoveKind.COPY)
+    if any(m.src not in hit for m in handed):
         return None
     after = _grow(failover.layout, min_stages, True, widths)
     if (after.action != Action.REPARTITION
             or after.layout.num_stages >= layout.num_stages):
         return None
     names = ", ".join(sorted(hit))
-    return replace(after, reason=(
+    whence = ("the leaving stages' layers from the replicas their predecessors hold"
+              if not handed else f"{len(handed)} stage(s) handed over whole by the nodes "
+              "leaving, the others' layers from the replicas their predecessors hold"
+              if len(handed) < len(failover.moves) else
+              "the leaving stages handed over whole by the nodes leaving")
+    return replace(after, moves=after.moves + handed, reason=(
         f"{names} leave{'s' if len(hit) == 1 else ''} on a notice and no standby node can "
         f"take {'its stage' if len(hit) == 1 else 'their stages'}: P={layout.num_stages} -> "
-        f"{after.layout.num_stages} at once, one stage per node, the leaving stages' layers "
-        "from the replicas their predecessors hold; layers move peer to peer"))
+        f"{after.layout.num_stages} at once, one stage per node, {whence}; layers move peer "
+        "to peer"))
 
 
 def _shadow_repair(layout: Layout, sources: _Sources, standby: tuple[str, ...],

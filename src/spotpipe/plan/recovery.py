@@ -42,7 +42,7 @@ from typing import Any, Iterable
 from spotpipe.plan.layers import held_replica
 from spotpipe.plan.layout import Layout
 from spotpipe.plan.policy import Action, Decision as Choice, Move, MoveKind, Room, decide, restart
-from spotpipe.plan.transfers import Transfer, departing, transfers
+from spotpipe.plan.transfers import STAGE, Transfer, departing, transfers
 
 Partition = tuple[tuple[int, int], ...]
 
@@ -277,11 +277,19 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     missed = {n: r.lacking for n, r in reports.items() if r.lacking}
     lacking = {n: w for n, w in missed.items() if _lacks_a_stage(w)}
     rolled_back = False
-    if missed and history.before is not None and _untouched(
-            history.before[0], reports, frozenset(dead), frozenset(layout.standby)):
+    # nodes the failed plan let go (leaving on a notice) that no longer report: gone from the
+    # job, as the dead are, whichever layout it goes on from
+    let_go = frozenset(history.before[0].active_nodes - layout.all_nodes - reports.keys()
+                       if history.before is not None else ())
+    # (a plan whose only receivers died leaves no node lacking anything, yet its layout was
+    # never made: the stages it moved are still where they were)
+    cut_short = bool(missed) or any(not r.formed for r in reports.values())
+    if cut_short and history.before is not None and _untouched(
+            history.before[0], reports, frozenset(dead) | let_go, frozenset(layout.standby)):
         placed = layout.active_nodes - history.before[0].all_nodes
         layout, partition = history.before
         rolled_back = True
+        dead = frozenset(dead) | let_go
         # the nodes of the layout before hold their places; joiners do not
         lacking = {n: w for n, w in lacking.items() if n not in layout.active_nodes}
         # a joiner the plan placed that received all it was sent is in no place of the layout
@@ -344,12 +352,17 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
                      if choice.action == Action.REPARTITION else partition)
     promoted = {m.dst for m in choice.moves if m.kind == MoveKind.PROMOTE}
     copies = [(m.stage, m.src, m.dst) for m in choice.moves if m.kind == MoveKind.COPY]
-    # (a re-partition moves layers, not states; a restart loads every state from the
-    # checkpoint: neither has stage transfers)
-    moved = (() if not with_transfers
-             or choice.action in (Action.REPARTITION, Action.RESTORE_FROM_CHECKPOINT) else
-             tuple(transfers(layout, choice.layout, copies, promoted, rules.replicas,
-                             unreplicated)))
+    # (a re-partition moves layers, not states, but for the stages nodes leaving on a notice
+    # hand over whole before the layers move (`policy._leave_by_repartition`); a restart
+    # loads every state from the checkpoint)
+    moved: tuple[Transfer, ...] = ()
+    if not with_transfers or choice.action == Action.RESTORE_FROM_CHECKPOINT:
+        pass
+    elif choice.action == Action.REPARTITION:
+        moved = tuple(Transfer(STAGE, s, src, dst) for s, src, dst in copies)
+    else:
+        moved = tuple(transfers(layout, choice.layout, copies, promoted, rules.replicas,
+                                unreplicated))
     continues = (_continues_in_flight(choice, layout, rules)
                  and all(r.formed for r in reports.values()))
     decision = Decision(

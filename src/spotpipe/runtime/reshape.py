@@ -114,9 +114,9 @@ class Reshaper:
             # is restored from its shadow included, though those go after the restore)
             self.inject("transfer", resume)
         held = self._held()
-        received = (self._repartition(decision, comm) if repartition
-                    else self._migrate(moves, comm, resume,
-                                       self._receive_handed(decision, open_handover)))
+        handed = self._receive_handed(decision, open_handover)
+        received = (self._repartition(decision, comm, handed) if repartition
+                    else self._migrate(moves, comm, resume, handed))
         progress.untouched = progress.untouched and held == self._held()
         # what this node lacks from now on is only what waits for a shadow restore: a failure
         # after its receives (waiting on its sends of those copies) must not count it out
@@ -264,11 +264,12 @@ class Reshaper:
             st.drop_replica()
         return [f"{kind} {s}" for kind, s in sorted(got)]
 
-    def _repartition(self, decision: Decision, comm: Comm) -> list[str]:
+    def _repartition(self, decision: Decision, comm: Comm,
+                     handed: dict[tuple[str, int], Any]) -> list[str]:
         """Change the depth in place: build this node's new stage(s) and replica from layers,
         each layer's parameters and optimizer state taken from this node's memory when it holds
-        them and from a peer that does otherwise (`plan.layer_plan`); returns what it received.
-        """
+        them (the stages of the old partition a leaving node `handed` it included) and from a
+        peer that does otherwise (`plan.layer_plan`); returns what it received."""
         st, me = self.state, self.state.node
         old = decision.previous_layout
         new_partition = [tuple(r) for r in decision.partition]
@@ -282,7 +283,9 @@ class Reshaper:
         if me in old.active_nodes and expected != actual:
             raise RuntimeError(f"{me} holds the replica of stage {actual}, the layout says "
                                f"{expected}: cannot re-partition from it")
-        held = [(x.module, x.optimizer) for x in st.stages.values()]
+        handed = dict(handed)
+        handed_bytes = handed.pop(("bytes", -1), 0)
+        held = [(x.module, x.optimizer) for x in st.stages.values()] + list(handed.values())
         if st.holding is not None:
             st.holding.applier.drain()  # the replica is exact through resume - 1
             held.append((st.holding.replica.module, st.holding.replica.optimizer))
@@ -295,8 +298,8 @@ class Reshaper:
         finally:
             st.partition = current
         moves = layer_plan(old, st.layout, old_partition, new_partition, redundancy,
-                           decision.unreplicated)
-        self.progress.bytes_received = migrate.exchange_layers(
+                           decision.unreplicated, decision.handed_over)
+        self.progress.bytes_received = handed_bytes + migrate.exchange_layers(
             moves, me, comm, self.sealed.rendezvous(st.cfg.cluster.timeout_s),
             keys.layers_prefix(self.namespace, st.generation),
             st.model, have=migrate.state_index(held),
@@ -310,7 +313,9 @@ class Reshaper:
             st.own(s, module, opt)
         if replica is not None and want is not None:
             st.hold(want, replica[0], replica[1], decision.resume, self.digests)
-        return sorted({f"layer {m.layer} from {m.src}" for m in moves if m.dst == me})
+        return ([f"{kind} {s} from {t.src}" for (kind, s) in sorted(handed)
+                 for t in decision.handed_over if t.stage == s and t.dst == me]
+                + sorted({f"layer {m.layer} from {m.src}" for m in moves if m.dst == me}))
 
     def _commit_exchange(self, comm: Comm) -> None:
         """Switch to the new partition only once every node of it holds its new layers.
