@@ -156,19 +156,25 @@ def test_a_node_lost_between_failed_plans_is_progress(corpus):
     assert plan["action"] == "keep" and "node2" not in plan["layout"].get("standby", [])
 
 
+def _rebalancing(corpus) -> tuple[Coordinator, list]:
+    """P = 2 with node2 on standby: node1 crashes, node0 takes its stage over, and at the
+    next boundary the plan is a rebalance that hands stage 1 to node2, being carried out."""
+    coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
+    _with_standby(coord, ("node2",))
+    coord.node_exited("node1", -9)
+    _report(coord, "node0", formed=True)
+    assert _plan(coord, 0)["action"] == "failover"
+    coord.report(_boundary(coord, "node0"), "node0")
+    assert _plan(coord, 1)["action"] == "rebalance"
+    return coord, emitted
+
+
 def test_failed_plan_rolled_back_only_when_no_survivor_changed(corpus):
     """A rebalance places the standby node2 and fails: rolled back when every node of the
     layout before reports its state untouched, not when one changed. node2, which did not
     receive its stage, is counted out either way (it joins again)."""
     for untouched in (True, False):
-        coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
-        _with_standby(coord, ("node2",))
-        coord.node_exited("node1", -9)
-        _report(coord, "node0", formed=True)
-        assert _plan(coord, 0)["action"] == "failover"
-        # node0 carries both stages; at the next boundary the standby node takes one back
-        coord.report(_boundary(coord, "node0"), "node0")
-        assert _plan(coord, 1)["action"] == "rebalance"
+        coord, emitted = _rebalancing(corpus)
         _report(coord, "node0", untouched=untouched, committed_through=6)
         _report(coord, "node2", lacking=["stage 1", "replica 0"], committed_through=-1)
         agreement = [e for e in emitted if e["kind"] == "agreement"][-1]
@@ -187,13 +193,7 @@ def test_a_plan_whose_only_receiver_died_is_rolled_back(corpus):
     (node0 still runs both stages). Rolled back, the job keeps going; before, it took the
     failed plan's layout, where the dead node2 owned stage 1 and nothing else held it, and
     stopped (found by a hunt of three faults a run: a joiner crashing in its placement)."""
-    coord, emitted = _coordinator(corpus, 2, ["node0", "node1"])
-    _with_standby(coord, ("node2",))
-    coord.node_exited("node1", -9)
-    _report(coord, "node0", formed=True)
-    assert _plan(coord, 0)["action"] == "failover"
-    coord.report(_boundary(coord, "node0"), "node0")
-    assert _plan(coord, 1)["action"] == "rebalance"
+    coord, emitted = _rebalancing(corpus)
     coord.node_exited("node2", -9)
     _report(coord, "node0", formed=False, untouched=True, committed_through=6)
     agreement = [e for e in emitted if e["kind"] == "agreement"][-1]
