@@ -460,3 +460,30 @@ def test_a_leaving_node_gone_before_its_hand_over_leaves_a_re_partition_rolled_b
         "lost node1 (pipeline 0, stage 1), node2 (pipeline 0, stage 2) in iteration 6"), \
         out.decision.message
     assert "adjacent stages of one pipeline" in out.decision.message
+
+
+def test_a_notice_s_re_partition_never_hands_a_stage_to_a_node_it_puts_on_standby():
+    """P = 4 x D = 2, redundancy off: node1 and node2 leave pipeline 0, node6 pipeline 1.
+    node6's stage would go whole to node7, and the re-partition onto five nodes (P = 2) puts
+    node7 on standby: the takeover first (every stage copied from its leaving owner), the
+    re-partition at the next boundary. With only node6 leaving, node7 stays in the layout,
+    and the re-partition is made at once."""
+    h = split_history(4, 2)
+    rules = replace(SPLIT, replicas=False)
+    outcomes = settle(h, rules, leaving={"node1", "node2", "node6"}, committed=5)
+    assert [o.decision.action for o in outcomes] == [Action.FAILOVER, Action.REPARTITION]
+    assert outcomes[1].decision.layout.standby == ("node7",)
+    [once] = settle(h, rules, leaving={"node6"}, committed=5)
+    assert once.decision.action == Action.REPARTITION
+    assert [tuple(t.to_json()) for t in once.decision.transfers] == [
+        ("stage", 2, "node6", "node7")]
+    assert "node7" in once.decision.layout.active_nodes
+
+
+def test_a_layer_plan_refuses_a_stage_handed_to_no_node_of_the_new_layout():
+    from spotpipe.plan.transfers import Transfer
+
+    old, new = Layout.build(3, 1, ["a", "b", "c"]), Layout.build(2, 1, ["a", "b"])
+    with pytest.raises(ValueError, match="handed to c"):
+        layer_plan(old, new, uniform_partition(6, 3), uniform_partition(6, 2), True,
+                   handed=[Transfer("stage", 2, "x", "c")])

@@ -88,6 +88,9 @@ def layer_plan(old: Layout, new: Layout, old_partition: list[tuple[int, int]],
     have = {n: node_layers(old, old_partition, n, redundancy and n not in unreplicated)
             if n in old.active_nodes else set() for n in nodes}
     for h in handed:
+        if h.dst not in have or not 0 <= h.stage < len(old_partition):
+            raise ValueError(f"stage {h.stage} is handed to {h.dst}, which is no node of the "
+                             "new layout, or no stage of the old partition")
         have[h.dst] |= set(range(*old_partition[h.stage]))
     load = {n: 0 for n in nodes}
     pairs: set[tuple[str, str]] = set()

@@ -392,7 +392,9 @@ def _leave_by_repartition(layout: Layout, hit: frozenset[str], sources: _Sources
         return None
     after = _grow(failover.layout, min_stages, True, widths)
     if (after.action != Action.REPARTITION
-            or after.layout.num_stages >= layout.num_stages):
+            or after.layout.num_stages >= layout.num_stages
+            # (a receiver the re-partition puts on standby would hold layers no one takes)
+            or any(m.dst not in after.layout.active_nodes for m in handed)):
         return None
     names = ", ".join(sorted(hit))
     whence = ("the leaving stages' layers from the replicas their predecessors hold"

@@ -356,11 +356,9 @@ def recover(history: History, reports: Mapping[str, NodeReport], joiners: Iterab
     # hand over whole before the layers move (`policy._leave_by_repartition`); a restart
     # loads every state from the checkpoint)
     moved: tuple[Transfer, ...] = ()
-    if not with_transfers or choice.action == Action.RESTORE_FROM_CHECKPOINT:
-        pass
-    elif choice.action == Action.REPARTITION:
+    if with_transfers and choice.action == Action.REPARTITION:
         moved = tuple(Transfer(STAGE, s, src, dst) for s, src, dst in copies)
-    else:
+    elif with_transfers and choice.action != Action.RESTORE_FROM_CHECKPOINT:
         moved = tuple(transfers(layout, choice.layout, copies, promoted, rules.replicas,
                                 unreplicated))
     continues = (_continues_in_flight(choice, layout, rules)
