@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from spotpipe.bench.chaos import (DEPTHS, KINDS, MODES, WIDTHS, CaseResult, ChaosCase, draw_cases,
                                   run_cases, summarize)
 
@@ -47,8 +49,6 @@ def test_the_headline_model_is_the_benches_gpt_and_the_tiny_one_stays_beside_it(
     """The pause's target is in iterations: the full bench runs the GPT that `bench pipeline`
     and `bench redundancy` run (their figures and this one's describe one model), and the tiny
     model beside it; an unknown model name is refused before any run."""
-    import pytest
-
     from spotpipe.bench import chaos
     from spotpipe.bench.pipeline import MODEL, _spec
 
@@ -64,10 +64,11 @@ def test_the_headline_model_is_the_benches_gpt_and_the_tiny_one_stays_beside_it(
         chaos.Chaos(Path("/nonexistent"), model="huge")
 
 
-def test_faults_flag_is_only_for_chaos():
-    proc = subprocess.run([sys.executable, "-m", "spotpipe", "bench", "pipeline", "--faults",
-                           "3"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--faults is for chaos" in proc.stderr
+@pytest.mark.parametrize("flag", ["--faults", "--seed"])
+def test_faults_and_seed_flags_are_only_for_chaos_and_soak(flag):
+    proc = subprocess.run([sys.executable, "-m", "spotpipe", "bench", "pipeline", flag, "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"{flag} is for chaos, soak" in proc.stderr
 
 
 def test_parameters_compare_bit_for_bit_or_by_norm_where_the_width_changed():

@@ -81,3 +81,22 @@ def test_a_run_past_its_limit_is_killed_whole_and_counted_stuck(chaos, tmp_path)
                       limit_s=1.0)
     assert result.outcome == "stuck" and result.bug, result
     until(lambda: not workers_of(run), "the stuck run's workers to be gone", 10.0)
+
+
+def test_another_seed_draws_other_faults_and_the_figures_say_which(monkeypatch):
+    """`--seed N` reaches the draws and the JSON names it (the runs themselves stubbed)."""
+    from spotpipe.bench import run_bench, soak
+
+    seen = []
+
+    def judged(chaos, case, run, **kw):
+        seen.append(case)
+        return SoakResult(case, "exact", "", 0.0)
+
+    monkeypatch.setattr(soak, "run_case", judged)
+    out = soak.run(faults=3, seed=9)
+    assert out["seed"] == 9 and seen == draw_cases(3, seed=9) != draw_cases(3)
+    given = {}
+    monkeypatch.setattr(soak, "run", lambda quick, **kw: given.update(kw) or {})
+    assert run_bench("soak", seed=11, faults=2) == 0 and given == {"seed": 11, "faults": 2}
+    assert run_bench("pipeline", seed=11) == 2

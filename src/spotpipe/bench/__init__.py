@@ -31,7 +31,7 @@ BENCHES = {
 }
 
 
-# benchmarks that take a number of faults (--faults N)
+# benchmarks that take a number of faults (--faults N) and the seed they are drawn from
 TAKES_FAULTS = ("chaos", "soak")
 
 
@@ -41,15 +41,16 @@ class BenchInputError(ValueError):
 
 
 def run_bench(name: str, *, as_json: bool = False, quick: bool = False,
-              faults: int | None = None, repeat: int = 1) -> int:
+              faults: int | None = None, repeat: int = 1, seed: int | None = None) -> int:
     if name not in BENCHES:
         print(f"spotpipe: error: unknown benchmark {name!r}; choose one of "
               f"{', '.join(sorted(BENCHES))}", file=sys.stderr)
         return 2
-    if faults is not None and name not in TAKES_FAULTS:
-        print(f"spotpipe: error: --faults is for {', '.join(TAKES_FAULTS)}, not {name!r}",
-              file=sys.stderr)
-        return 2
+    for flag, value in (("--faults", faults), ("--seed", seed)):
+        if value is not None and name not in TAKES_FAULTS:
+            print(f"spotpipe: error: {flag} is for {', '.join(TAKES_FAULTS)}, not {name!r}",
+                  file=sys.stderr)
+            return 2
     if faults is not None and faults < 1:
         print(f"spotpipe: error: --faults {faults}: expected at least 1", file=sys.stderr)
         return 2
@@ -63,8 +64,8 @@ def run_bench(name: str, *, as_json: bool = False, quick: bool = False,
         return 2
     load_before = os.getloadavg()[0]
     try:
-        runs = [module.run(quick=quick, **({"faults": faults} if faults is not None else {}))
-                for _ in range(repeat)]
+        given = {k: v for k, v in (("faults", faults), ("seed", seed)) if v is not None}
+        runs = [module.run(quick=quick, **given) for _ in range(repeat)]
     except BenchInputError as exc:
         print(f"spotpipe: error: bench {name}: {exc}", file=sys.stderr)
         return 2

@@ -409,21 +409,22 @@ def _describe(model: str) -> str:
             f"M={m['num_microbatches']}")
 
 
-def run(quick: bool = False, faults: int | None = None) -> dict[str, Any]:
+def run(quick: bool = False, faults: int | None = None, seed: int = SEED) -> dict[str, Any]:
     """The same seeded faults on each model of MODELS ("gpt" first: its figures are the
-    headline; "tiny"'s are under the key "tiny"). `quick` runs the tiny model only."""
+    headline; "tiny"'s are under the key "tiny"). `quick` runs the tiny model only. `seed`:
+    another draw of faults (the default's runs compare from stop to stop)."""
     n = faults if faults is not None else (3 if quick else 50)
     if n < 1:
         raise BenchInputError(f"--faults {n}: expected at least one fault")
     started = time.time()
-    cases = draw_cases(n)
+    cases = draw_cases(n, seed)
     models = ["tiny"] if quick else ["gpt", "tiny"]
     summaries = {model: run_cases(cases, model=model) for model in models}
     out = summaries[models[0]]  # (`spotpipe bench` adds the load average)
     if len(models) > 1:
         out["tiny"] = summaries["tiny"]
     out.update({
-        "faults": n, "seed": SEED, "model": models[0],
+        "faults": n, "seed": seed, "model": models[0],
         "config": "examples/gpt_tiny.yaml with "
                   + "; ".join(f"{m}: {_describe(m)}" for m in models) + "; "
                   f"{ITERATIONS} iterations; heartbeat 0.2 s, heartbeat and hang timeouts 2 s; "

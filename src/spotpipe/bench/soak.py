@@ -196,8 +196,9 @@ def summarize(results: list[SoakResult]) -> dict[str, Any]:
     return out
 
 
-def run(quick: bool = False, faults: int | None = None) -> dict[str, Any]:
-    """`faults` runs (default 40; `quick`: 3) of FAULTS_PER_RUN faults each."""
+def run(quick: bool = False, faults: int | None = None, seed: int = SEED) -> dict[str, Any]:
+    """`faults` runs (default 40; `quick`: 3) of FAULTS_PER_RUN faults each, drawn from
+    `seed` (the default's runs compare from stop to stop; another finds other bursts)."""
     n = faults if faults is not None else (3 if quick else 40)
     if n < 1:
         raise BenchInputError(f"--faults {n}: expected at least one run")
@@ -206,7 +207,7 @@ def run(quick: bool = False, faults: int | None = None) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="spotpipe-bench-soak-"))
     chaos = Chaos(root, ITERATIONS, "tiny")
     results = []
-    for i, case in enumerate(draw_cases(n)):
+    for i, case in enumerate(draw_cases(n, seed)):
         result = run_case(chaos, case, root / f"run{i:03d}")
         results.append(result)
         print(f"soak {i + 1:3d}/{n} {case.label():90s} {result.outcome:8s} "
@@ -218,7 +219,7 @@ def run(quick: bool = False, faults: int | None = None) -> dict[str, Any]:
     out["runs_folder"] = str(root) if bugs or keep else "(removed; SPOTPIPE_BENCH_KEEP=1 keeps them)"
     if not bugs and not keep:
         shutil.rmtree(root, ignore_errors=True)
-    out.update({"faults_per_run": FAULTS_PER_RUN, "seed": SEED, "iterations": ITERATIONS,
+    out.update({"faults_per_run": FAULTS_PER_RUN, "seed": seed, "iterations": ITERATIONS,
                 "config": "examples/gpt_tiny.yaml with bench chaos's tiny model; heartbeat 0.2 "
                           "s, heartbeat and hang timeouts 2 s, cluster.timeout_s 30",
                 "wall_s": round(time.time() - started, 1)})

@@ -141,6 +141,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--faults", type=int, metavar="N",
                    help="bench chaos: how many faults (one a run); bench soak: how many runs "
                         "(three faults each)")
+    p.add_argument("--seed", type=int, metavar="N",
+                   help="bench chaos, soak: the seed their faults are drawn from (default: the "
+                        "bench's own, so that runs compare)")
     p.add_argument("--repeat", type=int, metavar="N", default=1,
                    help="run the bench N times; each figure is the median over the runs")
     p.set_defaults(func=_bench)
@@ -150,7 +153,7 @@ def _bench(args: argparse.Namespace) -> int:
     from spotpipe.bench import run_bench
 
     return run_bench(args.name, as_json=args.json, quick=args.quick, faults=args.faults,
-                     repeat=args.repeat)
+                     repeat=args.repeat, seed=args.seed)
 
 
 def _optional(sub: argparse._SubParsersAction, module: str) -> None:
