@@ -313,8 +313,8 @@ class Reshaper:
             st.own(s, module, opt)
         if replica is not None and want is not None:
             st.hold(want, replica[0], replica[1], decision.resume, self.digests)
-        return ([f"{kind} {s} from {t.src}" for (kind, s) in sorted(handed)
-                 for t in decision.handed_over if t.stage == s and t.dst == me]
+        # (`_receive_handed` returned every stage handed to this node, or raised)
+        return ([f"stage {t.stage} from {t.src}" for t in decision.handed_over if t.dst == me]
                 + sorted({f"layer {m.layer} from {m.src}" for m in moves if m.dst == me}))
 
     def _commit_exchange(self, comm: Comm) -> None:
