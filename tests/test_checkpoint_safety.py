@@ -643,3 +643,32 @@ def test_the_folders_a_host_loads_at_the_start(corpus):
     assert durable.folders_holding(written, {2, 3, 4}) == {"stage0", "stage1"}
     assert durable.folders_holding(written, {2}) == {"stage0"}
     assert durable.folders_holding(written, {5}) == {"stage1"}
+
+
+def test_the_user_key_file_appears_whole_to_a_job_started_beside_the_first(tmp_path,
+                                                                           monkeypatch):
+    """Two local jobs make the per-user key at once: the second one starts while the first
+    is writing it (here, from inside the first's draw of the secret). Each reads a whole key,
+    the same one, and no stray file is left beside it. Before, the first created the file
+    empty and then wrote it, and the second read it empty: "expected a secret of at least
+    16 bytes" (seen in the test suite, whose workers share one key file)."""
+    import secrets
+
+    from spotpipe.checkpoint import origin
+
+    path = tmp_path / "cfg" / "checkpoint.key"
+    monkeypatch.setenv("SPOTPIPE_KEY_FILE", str(path))
+    monkeypatch.delenv("SPOTPIPE_JOIN_TOKEN", raising=False)
+    draw, second = secrets.token_hex, []
+
+    def drawn_while_another_job_starts(n: int) -> str:
+        if n == 32 and not second:
+            second.append(None)
+            second[0] = origin.resolve_key()
+        return draw(n)
+
+    monkeypatch.setattr(secrets, "token_hex", drawn_while_another_job_starts)
+    first = origin.resolve_key()
+    assert len(first) == 64 and first == second[0] == path.read_bytes().strip()
+    assert sorted(p.name for p in path.parent.iterdir()) == ["checkpoint.key"]
+    assert (path.stat().st_mode & 0o777) == 0o600

@@ -54,14 +54,30 @@ def resolve_key(key_path: str = "", token: str | None = None) -> bytes:
         return hmac.new(token.encode(), _DERIVE, hashlib.sha256).digest()
     path = user_key_file()
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # another job made it first
-            return _read_key(path, "key file")
+        _make_key_file(path)
+    return _read_key(path, "key file")
+
+
+def _make_key_file(path: Path) -> None:
+    """Write a new secret to `path` so that it appears whole or not at all: written to a
+    file of this process's own, then linked into place, the first job's link winning. (It
+    was created empty and then written: a job started beside the first read it in between
+    and stopped, "expected a secret of at least 16 bytes"; seen in the test suite, whose
+    workers share one key file.)"""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mine = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(mine, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32) + "\n")
-    return _read_key(path, "key file")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(mine, path)
+        except FileExistsError:  # another job made it first: its key is the key
+            pass
+    finally:
+        mine.unlink(missing_ok=True)
 
 
 def _digest(manifest: dict[str, Any], key: bytes) -> bytes:
